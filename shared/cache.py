@@ -1,0 +1,549 @@
+"""The hidden-state cache: one Zarr v3 store, the contract between extract and train.
+
+Layout (every array flat and token-major, chunked along tokens, compressed with byte
+shuffle + zstd and checksummed with crc32c on every chunk)::
+
+    CACHE/                      root attributes: ``dflash_cache`` (see ``CacheSpec``)
+      shards/00000/             one group per shard, written by exactly one process
+        input_ids      [T]          int32
+        loss_mask      [T]          bool   (assistant tokens)
+        hidden         [T, L, D]    uint16 (bf16 bits; logical dtype in the attributes)
+        topk_ids       [T, k]       int32
+        topk_logprobs  [T, k]       float32
+        offsets        [N + 1]      int64  (sample i is tokens offsets[i]:offsets[i+1])
+        source_index   [N]          int64  (row of sample i in the source dataset)
+        batches        [NB + 1]     int64  (sample offsets of the planned batches)
+
+A shard is planned before anything is computed: its samples, their order, lengths and
+batches are fixed when the shard is created, so every array has its final shape from
+the start and ``offsets``/``source_index`` are written once. The writer then appends
+whole batches in plan order. A commit writes every buffered token (the last, partial
+chunk included) and only then records, in the shard's attributes, how many batches,
+samples and tokens are committed. Readers never look past the commit record, so a
+crash (``kill -9`` included) leaves a shard that is valid up to its last commit, and a
+rerun resumes at the next batch, with the same batch composition, giving a cache
+identical to an unbroken run's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+from dataclasses import dataclass, field
+from typing import Any, Iterable
+
+import numpy as np
+import torch
+import zarr
+import zarr.codecs as zc
+
+FORMAT_NAME = "dflash-cache"
+FORMAT_VERSION = 1
+ATTRS_KEY = "dflash_cache"
+LAYER_CONVENTION = (
+    "layer id i = output of decoder layer i (0-based) = HF output_hidden_states[i + 1]; "
+    "hidden_states[0] is the embedding output"
+)
+TOKEN_FIELDS = ("input_ids", "loss_mask", "hidden", "topk_ids", "topk_logprobs")
+SAMPLE_META_CHUNK = 1 << 16
+
+
+class CacheError(Exception):
+    """A cache that cannot be opened, written or trusted."""
+
+
+class CacheMismatch(CacheError):
+    """The cache differs from what the caller needs; ``differences`` names each one."""
+
+    def __init__(self, what: str, differences: list[str]):
+        self.differences = differences
+        super().__init__(f"{what}:\n  - " + "\n  - ".join(differences))
+
+
+@dataclass
+class CacheSpec:
+    """What a cache holds; stored whole in the root attributes under ``dflash_cache``."""
+
+    layer_ids: list[int]
+    """Target layers stored, in ``hidden[:, j]`` order (see ``LAYER_CONVENTION``)."""
+    hidden_size: int
+    """D, the target's hidden size."""
+    topk: int
+    """k, how many target log-probs are stored per position."""
+    vocab_size: int
+    """The target's vocabulary (rows of its LM head)."""
+    num_target_layers: int
+    """L, decoder layers of the target."""
+    max_length: int
+    """Samples longer than this were handled by ``truncation``."""
+    truncation: str
+    """Policy for over-long samples: ``right`` keeps the first max_length tokens."""
+    chunk_tokens: int = 256
+    """Tokens per chunk of every token-major array."""
+    compression_level: int = 1
+    """zstd level inside blosc (blosc clevel c means zstd level 2c-1, so we store c)."""
+    fingerprint: dict[str, Any] = field(default_factory=dict)
+    """target, tokenizer, dataset and extraction settings; a resume must match exactly."""
+    info: dict[str, Any] = field(default_factory=dict)
+    """Free-form run information (package version, full config); not compared."""
+    hidden_dtype: str = "bfloat16"
+    """Logical dtype of ``hidden``; stored as its raw 16-bit pattern."""
+    stored_dtypes: dict[str, str] = field(
+        default_factory=lambda: {
+            "input_ids": "int32",
+            "loss_mask": "bool",
+            "hidden": "uint16",
+            "topk_ids": "int32",
+            "topk_logprobs": "float32",
+        }
+    )
+    """Physical dtypes of the token arrays."""
+    layer_convention: str = LAYER_CONVENTION
+    format: str = FORMAT_NAME
+    format_version: int = FORMAT_VERSION
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "CacheSpec":
+        if d.get("format") != FORMAT_NAME:
+            raise CacheError(f"not a {FORMAT_NAME} store (format={d.get('format')!r})")
+        if d.get("format_version") != FORMAT_VERSION:
+            raise CacheError(
+                f"cache format version {d.get('format_version')} is not supported "
+                f"(this code reads version {FORMAT_VERSION})"
+            )
+        names = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in d.items() if k in names})
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layer_ids)
+
+
+def diff_dicts(ours: Any, theirs: Any, prefix: str = "") -> list[str]:
+    """Every leaf where two JSON-like values differ, as 'path: a != b' lines."""
+    if isinstance(ours, dict) and isinstance(theirs, dict):
+        out = []
+        for key in sorted(set(ours) | set(theirs), key=str):
+            path = f"{prefix}.{key}" if prefix else str(key)
+            if key not in ours:
+                out.append(f"{path}: missing in cache, run has {theirs[key]!r}")
+            elif key not in theirs:
+                out.append(f"{path}: cache has {ours[key]!r}, missing in run")
+            else:
+                out.extend(diff_dicts(ours[key], theirs[key], path))
+        return out
+    if _jsonable(ours) != _jsonable(theirs):
+        return [f"{prefix}: cache has {ours!r}, run has {theirs!r}"]
+    return []
+
+
+def _jsonable(x: Any) -> Any:
+    return json.loads(json.dumps(x, sort_keys=True, default=str))
+
+
+# ----------------------------------------------------------------------------- codecs
+
+
+def _compressors(typesize: int, level: int) -> list:
+    """Byte shuffle + zstd inside blosc, then a crc32c checksum of the encoded chunk."""
+    blosc_level = max(1, (level + 1) // 2)  # blosc clevel c -> zstd level 2c - 1
+    return [
+        zc.BloscCodec(cname="zstd", clevel=blosc_level, shuffle="shuffle", typesize=typesize, blocksize=0),
+        zc.Crc32cCodec(),
+    ]
+
+
+def _token_array_shapes(spec: CacheSpec, tokens: int) -> dict[str, tuple[tuple[int, ...], str]]:
+    k, L, D = spec.topk, spec.num_layers, spec.hidden_size
+    return {
+        "input_ids": ((tokens,), "int32"),
+        "loss_mask": ((tokens,), "bool"),
+        "hidden": ((tokens, L, D), "uint16"),
+        "topk_ids": ((tokens, k), "int32"),
+        "topk_logprobs": ((tokens, k), "float32"),
+    }
+
+
+# ----------------------------------------------------------------------------- root
+
+
+def open_root(path: str, mode: str = "r", storage_options: dict | None = None) -> zarr.Group:
+    try:
+        return zarr.open_group(store=path, mode=mode, zarr_format=3, storage_options=storage_options)
+    except FileNotFoundError as e:
+        raise CacheError(f"{path}: no cache there ({e})") from e
+    except Exception as e:  # zarr raises several kinds for a missing or foreign store
+        raise CacheError(f"{path}: cannot open as a Zarr v3 cache: {e}") from e
+
+
+def create_or_open_cache(path: str, spec: CacheSpec, storage_options: dict | None = None) -> zarr.Group:
+    """Create the cache root, or reopen one with the same fingerprint and layout.
+
+    A store holding a cache made with another target, tokenizer, dataset or
+    extraction setting is refused with every difference named, never overwritten.
+    """
+    root = zarr.open_group(store=path, mode="a", zarr_format=3, storage_options=storage_options)
+    existing = root.attrs.get(ATTRS_KEY)
+    if existing is None:
+        if len(list(root.keys())) > 0:
+            raise CacheError(f"{path}: holds Zarr data that is not a dflash cache; refusing to write there")
+        root.attrs[ATTRS_KEY] = spec.to_dict()
+        root.require_group("shards")
+        return root
+    old = CacheSpec.from_dict(existing)
+    compared = ("layer_ids", "hidden_size", "topk", "vocab_size", "num_target_layers", "max_length",
+                "truncation", "chunk_tokens", "compression_level", "hidden_dtype", "fingerprint")
+    diffs = []
+    for name in compared:
+        diffs += diff_dicts({name: getattr(old, name)}, {name: getattr(spec, name)})
+    if diffs:
+        raise CacheMismatch(f"{path} holds a cache with another fingerprint; use another --out or delete it", diffs)
+    return root
+
+
+def shard_name(shard_id: int) -> str:
+    return f"shards/{shard_id:05d}"
+
+
+# ----------------------------------------------------------------------------- writer
+
+
+@dataclass
+class ShardPlan:
+    """The samples of one shard, in write order, fixed before any forward pass."""
+
+    source_index: np.ndarray
+    """(N,) int64: row of each sample in the source dataset."""
+    lengths: np.ndarray
+    """(N,) int64: tokens of each sample (after truncation)."""
+    batches: np.ndarray
+    """(NB + 1,) int64: sample offsets where each planned batch starts; last = N."""
+    skipped: dict[str, int] = field(default_factory=dict)
+    """Rows of this shard's slice that were not planned, counted by reason."""
+
+    def __post_init__(self):
+        self.source_index = np.asarray(self.source_index, dtype=np.int64)
+        self.lengths = np.asarray(self.lengths, dtype=np.int64)
+        self.batches = np.asarray(self.batches, dtype=np.int64)
+        n = len(self.source_index)
+        if len(self.lengths) != n:
+            raise ValueError("plan: lengths and source_index differ in length")
+        b = self.batches
+        if len(b) < 1 or b[0] != 0 or b[-1] != n or np.any(np.diff(b) <= 0):
+            raise ValueError("plan: batches must be increasing sample offsets from 0 to N")
+        if n and self.lengths.min() <= 0:
+            raise ValueError("plan: every sample needs at least one token")
+
+    @property
+    def offsets(self) -> np.ndarray:
+        return np.concatenate([[0], np.cumsum(self.lengths)]).astype(np.int64)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.lengths.sum())
+
+    def digest(self) -> str:
+        h = hashlib.sha256()
+        for a in (self.source_index, self.lengths, self.batches):
+            h.update(np.ascontiguousarray(a).tobytes())
+        h.update(json.dumps(self.skipped, sort_keys=True).encode())
+        return h.hexdigest()
+
+
+class ShardWriter:
+    """Writes one shard; the only process that ever touches it.
+
+    ``write_batch`` takes whole planned batches in order; full chunks go to the store
+    at once, the partial tail waits in memory until the next ``commit``.
+    """
+
+    def __init__(self, root: zarr.Group, shard_id: int, plan: ShardPlan, spec: CacheSpec):
+        self.spec = spec
+        self.plan = plan
+        self.shard_id = shard_id
+        self._offsets = plan.offsets
+        name = shard_name(shard_id)
+        C = spec.chunk_tokens
+        if name in root:
+            self.group = root[name]
+            attrs = self.group.attrs.asdict()
+            if attrs.get("plan_digest") != plan.digest():
+                raise CacheError(
+                    f"shard {shard_id:05d} was planned differently (other rows, order or batches); "
+                    "the data, tokenizer or worker count changed since it was written"
+                )
+            commit = attrs["commit"]
+        else:
+            self.group = root.create_group(name)
+            T = max(plan.num_tokens, 1)
+            for fname, (shape, dtype) in _token_array_shapes(spec, plan.num_tokens).items():
+                typesize = np.dtype(dtype).itemsize
+                self.group.create_array(
+                    fname, shape=shape, chunks=(min(C, T),) + shape[1:], dtype=dtype, fill_value=0,
+                    compressors=_compressors(typesize, spec.compression_level),
+                )
+            for fname, values in (("offsets", self._offsets), ("source_index", plan.source_index),
+                                  ("batches", plan.batches)):
+                arr = self.group.create_array(
+                    fname, shape=values.shape, chunks=(min(SAMPLE_META_CHUNK, max(len(values), 1)),),
+                    dtype="int64", fill_value=0, compressors=_compressors(8, spec.compression_level),
+                )
+                if len(values):
+                    arr[:] = values
+            commit = {"batches": 0, "samples": 0, "tokens": 0}
+            self.group.attrs.update({
+                "plan_digest": plan.digest(),
+                "planned": {"samples": len(plan.source_index), "tokens": plan.num_tokens,
+                            "batches": len(plan.batches) - 1},
+                "skipped": dict(plan.skipped),
+                "commit": commit,
+                "complete": False,
+            })
+        self.arrays = {f: self.group[f] for f in TOKEN_FIELDS}
+        self.committed = dict(commit)
+        self.next_batch = commit["batches"]
+        self._tail: dict[str, list[np.ndarray]] = {f: [] for f in TOKEN_FIELDS}
+        done = commit["tokens"]
+        self._tail_start = (done // C) * C
+        if self._tail_start < done:
+            # resume inside a chunk: re-read its committed head so the chunk is rewritten whole
+            for f in TOKEN_FIELDS:
+                self._tail[f].append(np.asarray(self.arrays[f][self._tail_start:done]))
+        self._tail_tokens = done - self._tail_start
+
+    @property
+    def complete(self) -> bool:
+        return self.next_batch >= len(self.plan.batches) - 1
+
+    def batch_samples(self, batch: int) -> tuple[int, int]:
+        return int(self.plan.batches[batch]), int(self.plan.batches[batch + 1])
+
+    def write_batch(self, batch: int, **fields: np.ndarray) -> None:
+        """Append planned batch ``batch`` (token-major arrays of all its samples, concatenated)."""
+        if batch != self.next_batch:
+            raise CacheError(f"shard {self.shard_id:05d}: batch {batch} written out of order (expected {self.next_batch})")
+        s0, s1 = self.batch_samples(batch)
+        ntok = int(self._offsets[s1] - self._offsets[s0])
+        expected = _token_array_shapes(self.spec, ntok)
+        if set(fields) != set(TOKEN_FIELDS):
+            raise CacheError(f"write_batch needs exactly {TOKEN_FIELDS}, got {sorted(fields)}")
+        for f, a in fields.items():
+            shape, dtype = expected[f]
+            if tuple(a.shape) != shape:
+                raise CacheError(f"shard {self.shard_id:05d} batch {batch}: {f} has shape {tuple(a.shape)}, plan says {shape}")
+            self._tail[f].append(np.ascontiguousarray(a, dtype=dtype))
+        self._tail_tokens += ntok
+        self.next_batch += 1
+        self._flush(final=False)
+
+    def _flush(self, final: bool) -> None:
+        """Write whole chunks (and, when ``final``, the partial last one) from the buffer.
+
+        The buffer always starts on a chunk boundary; after a final flush it keeps the
+        partial chunk it wrote, so the next flush rewrites that chunk whole.
+        """
+        C = self.spec.chunk_tokens
+        end = self._tail_start + self._tail_tokens
+        cut = end if final else self._tail_start + (self._tail_tokens // C) * C
+        if cut <= self._tail_start:
+            return
+        keep_from = (cut // C) * C
+        for f in TOKEN_FIELDS:
+            parts = self._tail[f]
+            data = np.concatenate(parts) if len(parts) > 1 else parts[0]
+            self.arrays[f][self._tail_start:cut] = data[: cut - self._tail_start]
+            rest = data[keep_from - self._tail_start:]
+            self._tail[f] = [rest.copy()] if len(rest) else []
+        self._tail_start, self._tail_tokens = keep_from, end - keep_from
+
+    def commit(self) -> dict[str, int]:
+        """Make every batch written so far durable, then record it. Returns the record."""
+        self._flush(final=True)
+        s = int(self.plan.batches[self.next_batch])
+        record = {"batches": self.next_batch, "samples": s, "tokens": int(self._offsets[s])}
+        if record != self.committed:
+            self.group.attrs.update({"commit": record, "complete": self.complete})
+            self.committed = record
+        return record
+
+    def finish(self) -> None:
+        if not self.complete:
+            raise CacheError(f"shard {self.shard_id:05d}: finish() before its last batch")
+        self.commit()
+        self.group.attrs["complete"] = True
+
+
+# ----------------------------------------------------------------------------- reader
+
+
+def bf16_from_bits(bits: np.ndarray) -> torch.Tensor:
+    return torch.from_numpy(np.ascontiguousarray(bits).view(np.int16)).view(torch.bfloat16)
+
+
+def bf16_to_bits(x: torch.Tensor) -> np.ndarray:
+    return x.contiguous().view(torch.int16).cpu().numpy().view(np.uint16)
+
+
+@dataclass
+class ShardInfo:
+    shard_id: int
+    planned_samples: int
+    planned_tokens: int
+    samples: int
+    tokens: int
+    complete: bool
+    skipped: dict[str, int]
+
+    @property
+    def state(self) -> str:
+        if self.complete:
+            return "complete"
+        return "empty" if self.samples == 0 else "partial"
+
+
+class CacheReader:
+    """Random access by global sample index over the committed samples of every shard.
+
+    Picklable: a DataLoader worker process reopens the store lazily after fork.
+    """
+
+    def __init__(self, path: str, storage_options: dict | None = None):
+        self.path = path
+        self.storage_options = storage_options
+        self._root = None
+        root = self.root
+        attrs = root.attrs.get(ATTRS_KEY)
+        if attrs is None:
+            raise CacheError(f"{path}: a Zarr store but not a dflash cache (no '{ATTRS_KEY}' attribute)")
+        self.spec = CacheSpec.from_dict(attrs)
+        self.shards: list[ShardInfo] = []
+        offsets, sources = [], []
+        if "shards" in root:
+            for name in sorted(root["shards"].group_keys()):
+                g = root["shards"][name]
+                a = g.attrs.asdict()
+                c = a["commit"]
+                info = ShardInfo(int(name), a["planned"]["samples"], a["planned"]["tokens"],
+                                 c["samples"], c["tokens"], bool(a.get("complete")), a.get("skipped", {}))
+                self.shards.append(info)
+                off = np.asarray(g["offsets"][: c["samples"] + 1]) if c["samples"] else np.zeros(1, np.int64)
+                if off[-1] != c["tokens"]:
+                    raise CacheError(f"{path}: shard {name}: offsets disagree with its commit record")
+                offsets.append(off)
+                sources.append(np.asarray(g["source_index"][: c["samples"]]) if c["samples"] else np.zeros(0, np.int64))
+        self._offsets = offsets
+        self._sources = sources
+        counts = np.array([s.samples for s in self.shards], dtype=np.int64)
+        self._starts = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
+
+    # -- plumbing
+    @property
+    def root(self) -> zarr.Group:
+        if self._root is None:
+            self._root = open_root(self.path, "r", self.storage_options)
+        return self._root
+
+    def __getstate__(self):
+        state = self.__dict__.copy()
+        state["_root"] = None
+        return state
+
+    # -- sizes
+    def __len__(self) -> int:
+        return int(self._starts[-1])
+
+    @property
+    def num_tokens(self) -> int:
+        return int(sum(s.tokens for s in self.shards))
+
+    @property
+    def complete(self) -> bool:
+        return bool(self.shards) and all(s.complete for s in self.shards)
+
+    def locate(self, index: int) -> tuple[int, int]:
+        """Global sample index -> (position in self.shards, local sample index)."""
+        if not 0 <= index < len(self):
+            raise IndexError(f"sample {index} out of range: the cache holds {len(self)} committed samples")
+        pos = int(np.searchsorted(self._starts, index, side="right") - 1)
+        return pos, index - int(self._starts[pos])
+
+    def lengths(self) -> np.ndarray:
+        return np.concatenate([np.diff(o) for o in self._offsets]) if self._offsets else np.zeros(0, np.int64)
+
+    def source_indices(self) -> np.ndarray:
+        return np.concatenate(self._sources) if self._sources else np.zeros(0, np.int64)
+
+    def token_range(self, index: int) -> tuple[int, int, int]:
+        pos, j = self.locate(index)
+        off = self._offsets[pos]
+        return pos, int(off[j]), int(off[j + 1])
+
+    # -- data
+    def read_raw(self, index: int, fields: Iterable[str] = TOKEN_FIELDS) -> dict[str, np.ndarray]:
+        """Stored (numpy) arrays of one sample; a corrupted chunk raises CacheError naming it."""
+        pos, t0, t1 = self.token_range(index)
+        shard = self.shards[pos]
+        g = self.root["shards"][f"{shard.shard_id:05d}"]
+        out = {}
+        for f in fields:
+            try:
+                out[f] = np.asarray(g[f][t0:t1])
+            except Exception as e:
+                raise CacheError(
+                    f"{self.path}: shard {shard.shard_id:05d} sample {index} (tokens {t0}:{t1}) "
+                    f"array {f}: cannot read: {type(e).__name__}: {e}"
+                ) from e
+        return out
+
+    def __getitem__(self, index: int) -> dict[str, Any]:
+        raw = self.read_raw(index)
+        pos, j = self.locate(index)
+        return {
+            "input_ids": torch.from_numpy(raw["input_ids"].astype(np.int64)),
+            "loss_mask": torch.from_numpy(raw["loss_mask"].astype(bool)),
+            "hidden": bf16_from_bits(raw["hidden"]),  # (T, L, D) bfloat16
+            "topk_ids": torch.from_numpy(raw["topk_ids"].astype(np.int64)),
+            "topk_logprobs": torch.from_numpy(raw["topk_logprobs"]),
+            "source_index": int(self._sources[pos][j]),
+        }
+
+    # -- contract with training
+    def check_compatible(
+        self,
+        *,
+        layer_ids: list[int] | None = None,
+        hidden_size: int | None = None,
+        vocab_size: int | None = None,
+        tokenizer_hash: str | None = None,
+        num_target_layers: int | None = None,
+    ) -> None:
+        """Raise CacheMismatch naming every way this cache cannot serve the request."""
+        s = self.spec
+        problems = []
+        if layer_ids is not None:
+            missing = [i for i in layer_ids if i not in s.layer_ids]
+            if missing:
+                problems.append(f"layers {missing} are not stored (cache has layer ids {s.layer_ids})")
+        if hidden_size is not None and hidden_size != s.hidden_size:
+            problems.append(f"hidden size: cache has {s.hidden_size}, need {hidden_size}")
+        if vocab_size is not None and vocab_size != s.vocab_size:
+            problems.append(f"vocabulary size: cache has {s.vocab_size}, need {vocab_size}")
+        if num_target_layers is not None and num_target_layers != s.num_target_layers:
+            problems.append(f"target layer count: cache has {s.num_target_layers}, need {num_target_layers}")
+        if tokenizer_hash is not None:
+            have = s.fingerprint.get("tokenizer", {}).get("hash")
+            if have != tokenizer_hash:
+                problems.append(f"tokenizer: cache was made with tokenizer hash {have}, need {tokenizer_hash}")
+        if len(self) == 0:
+            problems.append("the cache holds no committed samples")
+        if problems:
+            raise CacheMismatch(f"cache {self.path} is incompatible", problems)
+
+    def layer_slots(self, layer_ids: list[int]) -> list[int]:
+        """Positions in ``hidden[:, j]`` of the requested layer ids."""
+        self.check_compatible(layer_ids=layer_ids)
+        return [self.spec.layer_ids.index(i) for i in layer_ids]

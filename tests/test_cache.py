@@ -1,0 +1,160 @@
+"""The cache format: round trip, commit protocol, resume, corruption, compatibility."""
+
+import numpy as np
+import pytest
+import torch
+
+from dflash.shared import cache as C
+
+
+def make_spec(**kw):
+    base = dict(layer_ids=[0, 2], hidden_size=8, topk=3, vocab_size=50, num_target_layers=4,
+                max_length=64, truncation="right", chunk_tokens=16,
+                fingerprint={"target": {"name": "toy"}, "dataset": {"rows": 10}})
+    base.update(kw)
+    return C.CacheSpec(**base)
+
+
+def make_plan(lengths, batch_size=2, source=None):
+    n = len(lengths)
+    source = np.arange(n) * 3 if source is None else source
+    batches = list(range(0, n, batch_size)) + [n]
+    return C.ShardPlan(source_index=source, lengths=np.array(lengths), batches=np.array(batches),
+                       skipped={"too_short": 1})
+
+
+def batch_data(spec, plan, b, seed=0):
+    """Deterministic synthetic arrays for planned batch b."""
+    s0, s1 = int(plan.batches[b]), int(plan.batches[b + 1])
+    n = int(plan.lengths[s0:s1].sum())
+    g = np.random.default_rng(seed * 1000 + b)
+    hidden = torch.randn(n, spec.num_layers, spec.hidden_size, generator=torch.Generator().manual_seed(b)).bfloat16()
+    return dict(
+        input_ids=g.integers(0, spec.vocab_size, n).astype(np.int32),
+        loss_mask=g.random(n) < 0.5,
+        hidden=C.bf16_to_bits(hidden),
+        topk_ids=g.integers(0, spec.vocab_size, (n, spec.topk)).astype(np.int32),
+        topk_logprobs=-g.random((n, spec.topk)).astype(np.float32),
+    )
+
+
+def write_all(path, spec, plan, commit_every=1, stop_after=None):
+    root = C.create_or_open_cache(str(path), spec)
+    w = C.ShardWriter(root, 0, plan, spec)
+    nb = len(plan.batches) - 1
+    for b in range(w.next_batch, nb):
+        if stop_after is not None and b >= stop_after:
+            return w
+        w.write_batch(b, **batch_data(spec, plan, b))
+        if (b + 1) % commit_every == 0:
+            w.commit()
+    w.finish()
+    return w
+
+
+LENGTHS = [5, 17, 3, 40, 16, 16, 1, 9, 33, 2, 7]
+
+
+def test_round_trip(tmp_path):
+    spec, plan = make_spec(), make_plan(LENGTHS)
+    write_all(tmp_path / "c.zarr", spec, plan)
+    r = C.CacheReader(str(tmp_path / "c.zarr"))
+    assert len(r) == len(LENGTHS) and r.complete and r.num_tokens == sum(LENGTHS)
+    assert r.lengths().tolist() == LENGTHS
+    assert r.source_indices().tolist() == plan.source_index.tolist()
+    # reassemble expected token-major arrays from the generator, sample by sample
+    expected = {f: np.concatenate([batch_data(spec, plan, b)[f] for b in range(len(plan.batches) - 1)])
+                for f in C.TOKEN_FIELDS}
+    off = plan.offsets
+    for i in range(len(LENGTHS)):
+        s = r[i]
+        t0, t1 = off[i], off[i + 1]
+        assert torch.equal(s["input_ids"], torch.from_numpy(expected["input_ids"][t0:t1]).long())
+        assert torch.equal(s["loss_mask"], torch.from_numpy(expected["loss_mask"][t0:t1]))
+        assert s["hidden"].dtype == torch.bfloat16 and s["hidden"].shape == (t1 - t0, 2, 8)
+        assert torch.equal(s["hidden"], C.bf16_from_bits(expected["hidden"][t0:t1]))
+        assert torch.equal(s["topk_logprobs"], torch.from_numpy(expected["topk_logprobs"][t0:t1]))
+        assert s["source_index"] == plan.source_index[i]
+
+
+def test_reader_sees_only_committed(tmp_path):
+    spec, plan = make_spec(), make_plan(LENGTHS)
+    path = str(tmp_path / "c.zarr")
+    root = C.create_or_open_cache(path, spec)
+    w = C.ShardWriter(root, 0, plan, spec)
+    w.write_batch(0, **batch_data(spec, plan, 0))
+    w.commit()
+    w.write_batch(1, **batch_data(spec, plan, 1))  # written (maybe whole chunks) but not committed
+    r = C.CacheReader(path)
+    assert len(r) == 2 and r.shards[0].state == "partial"
+    with pytest.raises(IndexError):
+        r[2]
+
+
+@pytest.mark.parametrize("stop_after,commit_every", [(1, 1), (3, 1), (4, 3), (5, 2)])
+def test_resume_identical_to_unbroken(tmp_path, stop_after, commit_every):
+    spec, plan = make_spec(), make_plan(LENGTHS)
+    write_all(tmp_path / "a.zarr", spec, plan)
+    write_all(tmp_path / "b.zarr", spec, plan, commit_every=commit_every, stop_after=stop_after)
+    w = write_all(tmp_path / "b.zarr", spec, plan)  # the rerun resumes
+    assert w.complete
+    a, b = C.open_root(str(tmp_path / "a.zarr")), C.open_root(str(tmp_path / "b.zarr"))
+    for f in C.TOKEN_FIELDS + ("offsets", "source_index", "batches"):
+        x, y = np.asarray(a["shards/00000"][f][:]), np.asarray(b["shards/00000"][f][:])
+        assert x.dtype == y.dtype and np.array_equal(x, y), f
+    assert a["shards/00000"].attrs.asdict() == b["shards/00000"].attrs.asdict()
+
+
+def test_other_fingerprint_refused(tmp_path):
+    path = str(tmp_path / "c.zarr")
+    C.create_or_open_cache(path, make_spec())
+    C.create_or_open_cache(path, make_spec())  # same: reopens
+    other = make_spec(topk=4, fingerprint={"target": {"name": "other"}, "dataset": {"rows": 10}})
+    with pytest.raises(C.CacheMismatch) as e:
+        C.create_or_open_cache(path, other)
+    msg = str(e.value)
+    assert "topk" in msg and "fingerprint.target.name" in msg and "'other'" in msg
+
+
+def test_changed_plan_refused(tmp_path):
+    spec = make_spec()
+    write_all(tmp_path / "c.zarr", spec, make_plan(LENGTHS), stop_after=2)
+    with pytest.raises(C.CacheError, match="planned differently"):
+        write_all(tmp_path / "c.zarr", spec, make_plan(LENGTHS[:-1]))
+
+
+def test_corrupted_chunk_refused(tmp_path):
+    spec, plan = make_spec(), make_plan(LENGTHS)
+    path = tmp_path / "c.zarr"
+    write_all(path, spec, plan)
+    chunk = path / "shards" / "00000" / "hidden" / "c" / "1" / "0" / "0"
+    raw = bytearray(chunk.read_bytes())
+    raw[len(raw) // 2] ^= 0xFF
+    chunk.write_bytes(bytes(raw))
+    r = C.CacheReader(str(path))
+    # chunk 1 holds tokens 16..31: sample 1 (tokens 5..22) touches it, sample 0 does not
+    r[0]
+    with pytest.raises(C.CacheError, match="shard 00000 sample 1"):
+        r[1]
+
+
+def test_check_compatible_names_every_mismatch(tmp_path):
+    spec, plan = make_spec(fingerprint={"tokenizer": {"hash": "abc"}}), make_plan(LENGTHS)
+    write_all(tmp_path / "c.zarr", spec, plan)
+    r = C.CacheReader(str(tmp_path / "c.zarr"))
+    r.check_compatible(layer_ids=[2], hidden_size=8, vocab_size=50, tokenizer_hash="abc")
+    with pytest.raises(C.CacheMismatch) as e:
+        r.check_compatible(layer_ids=[0, 1, 3], hidden_size=16, vocab_size=51, tokenizer_hash="xyz")
+    msg = str(e.value)
+    for part in ("[1, 3]", "hidden size", "vocabulary", "tokenizer"):
+        assert part in msg
+    assert r.layer_slots([2, 0]) == [1, 0]
+
+
+def test_reader_pickles(tmp_path):
+    import pickle
+    spec, plan = make_spec(), make_plan(LENGTHS)
+    write_all(tmp_path / "c.zarr", spec, plan)
+    r = C.CacheReader(str(tmp_path / "c.zarr"))
+    r2 = pickle.loads(pickle.dumps(r))
+    assert torch.equal(r[3]["hidden"], r2[3]["hidden"])
