@@ -1,0 +1,86 @@
+"""Fingerprints of the target and tokenizer: what a cache was made from.
+
+Extraction records them in the cache; training recomputes them from the target it is
+given and refuses a cache that does not match. Hashing full weights would cost minutes
+on an 8B model, so the weight fingerprint covers each safetensors file's header (every
+tensor's name, dtype, shape and byte range), its size, and its first and last MiB.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import struct
+from pathlib import Path
+from typing import Any
+
+_VOLATILE_CONFIG_KEYS = {"_name_or_path", "transformers_version", "_commit_hash", "name_or_path"}
+_EDGE = 1 << 20
+
+
+def _sha(data: bytes | str) -> str:
+    return hashlib.sha256(data.encode() if isinstance(data, str) else data).hexdigest()
+
+
+def config_hash(config_dict: dict[str, Any]) -> str:
+    clean = {k: v for k, v in config_dict.items() if k not in _VOLATILE_CONFIG_KEYS}
+    return _sha(json.dumps(clean, sort_keys=True, default=str))
+
+
+def _safetensors_file_digest(path: Path) -> str:
+    h = hashlib.sha256()
+    size = path.stat().st_size
+    h.update(str(size).encode())
+    with path.open("rb") as f:
+        (header_len,) = struct.unpack("<Q", f.read(8))
+        h.update(f.read(header_len))
+        f.seek(8 + header_len)
+        h.update(f.read(_EDGE))
+        f.seek(max(8 + header_len, size - _EDGE))
+        h.update(f.read(_EDGE))
+    return h.hexdigest()
+
+
+def weights_hash(model_dir: str | os.PathLike) -> str | None:
+    """Digest of the safetensors files of a local checkpoint; None where there are none."""
+    files = sorted(Path(model_dir).glob("*.safetensors"))
+    if not files:
+        return None
+    h = hashlib.sha256()
+    for f in files:
+        h.update(f.name.encode())
+        h.update(_safetensors_file_digest(f).encode())
+    return h.hexdigest()
+
+
+def target_fingerprint(name_or_path: str, config_dict: dict[str, Any], dtype: str,
+                       revision: str | None = None, local_dir: str | None = None) -> dict[str, Any]:
+    """Name, revision, config hash, weights hash and compute dtype of a target."""
+    local_dir = local_dir or (name_or_path if os.path.isdir(name_or_path) else None)
+    return {
+        "name_or_path": str(name_or_path),
+        "revision": revision or config_dict.get("_commit_hash"),
+        "config_hash": config_hash(config_dict),
+        "weights_hash": weights_hash(local_dir) if local_dir else None,
+        "dtype": dtype,
+    }
+
+
+def tokenizer_fingerprint(tokenizer) -> dict[str, Any]:
+    """Hash of the tokenizer's vocabulary and rules, and of its chat template, apart."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None:
+        body = backend.to_str()
+    else:  # slow tokenizers: the vocabulary is what defines them
+        body = json.dumps(sorted(tokenizer.get_vocab().items()))
+    special = json.dumps({k: str(v) for k, v in sorted(tokenizer.special_tokens_map.items())}, sort_keys=True)
+    template = tokenizer.chat_template if isinstance(getattr(tokenizer, "chat_template", None), str) else \
+        json.dumps(getattr(tokenizer, "chat_template", None), sort_keys=True, default=str)
+    return {
+        "hash": _sha(body + special),
+        "chat_template_hash": _sha(template or ""),
+        "vocab_size": len(tokenizer),
+        "eos_token_id": tokenizer.eos_token_id,
+        "pad_token_id": tokenizer.pad_token_id,
+    }
