@@ -1,0 +1,193 @@
+"""DFlash attention mask and backends, checked against a plain-loop reference."""
+
+import os
+import threading
+
+import pytest
+import torch
+
+from dflash.train import attention
+
+
+def reference_mask(anchors, block_valid, ctx_len, context_len, block_size):
+    """The DESIGN §2 rule written out with python loops, independent of mask_mod."""
+    bsz, n_blocks = anchors.shape
+    q_len = n_blocks * block_size
+    out = torch.zeros(bsz, 1, q_len, context_len + q_len, dtype=torch.bool)
+    for b in range(bsz):
+        for blk in range(n_blocks):
+            if not bool(block_valid[b, blk]):
+                continue
+            for slot in range(block_size):
+                q = blk * block_size + slot
+                for j in range(context_len):
+                    if j < int(anchors[b, blk]) and j < int(ctx_len[b]):
+                        out[b, 0, q, j] = True
+                for other in range(block_size):
+                    out[b, 0, q, context_len + blk * block_size + other] = True
+    return out
+
+
+def random_case(gen, bsz=3, n_blocks=5, context_len=40, block_size=4):
+    anchors = torch.zeros(bsz, n_blocks, dtype=torch.long)
+    block_valid = torch.zeros(bsz, n_blocks, dtype=torch.bool)
+    ctx_len = torch.zeros(bsz, dtype=torch.long)
+    for b in range(bsz):
+        length = int(torch.randint(block_size + 2, context_len + 1, (1,), generator=gen))
+        ctx_len[b] = length
+        n_real = int(torch.randint(1, n_blocks + 1, (1,), generator=gen))
+        # Sorted, distinct anchors; a dense range forces some closer than block_size.
+        pool = torch.randperm(min(length, 12), generator=gen)[:n_real]
+        anchors[b, :n_real] = pool.sort().values
+        block_valid[b, :n_real] = True
+    return anchors, block_valid, ctx_len, context_len, block_size
+
+
+def test_reference_case_has_close_anchors_and_padding():
+    gen = torch.Generator().manual_seed(0)
+    anchors, valid, ctx_len, S, B = random_case(gen)
+    gaps = [
+        int(anchors[b, i + 1] - anchors[b, i])
+        for b in range(anchors.shape[0])
+        for i in range(anchors.shape[1] - 1)
+        if valid[b, i + 1]
+    ]
+    assert any(g < B for g in gaps), "the case must include anchors closer than B"
+    assert (~valid).any() and (ctx_len < S).any()
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_dense_mask_matches_loop_reference(seed):
+    gen = torch.Generator().manual_seed(seed)
+    case = random_case(gen)
+    got = attention.dense_mask(*case)
+    want = reference_mask(*case)
+    assert got.shape == want.shape
+    assert torch.equal(got, want)
+
+
+def test_mask_mod_pointwise_matches_reference():
+    gen = torch.Generator().manual_seed(7)
+    case = random_case(gen, bsz=2, n_blocks=3, context_len=10, block_size=3)
+    mod = attention.make_mask_mod(*case)
+    want = reference_mask(*case)
+    for b in range(2):
+        for q in range(want.shape[2]):
+            for kv in range(want.shape[3]):
+                got = mod(torch.tensor(b), torch.tensor(0), torch.tensor(q), torch.tensor(kv))
+                assert bool(got) == bool(want[b, 0, q, kv]), (b, q, kv)
+
+
+def test_close_anchors_do_not_leak_between_blocks():
+    # Anchors 3 and 4 with B=4: their positions overlap, their blocks must not see each other.
+    anchors = torch.tensor([[3, 4]])
+    valid = torch.tensor([[True, True]])
+    mask = attention.dense_mask(anchors, valid, torch.tensor([10]), 10, 4)[0, 0]
+    assert not mask[0:4, 10 + 4 : 10 + 8].any()
+    assert not mask[4:8, 10 + 0 : 10 + 4].any()
+    assert mask[0:4, 10:14].all() and mask[4:8, 14:18].all()
+    assert mask[0, :3].all() and not mask[0, 3:10].any()  # strict: context < anchor
+    assert mask[4, :4].all() and not mask[4, 4:10].any()
+
+
+def _random_qkv(gen, mask, heads=4, kv_heads=2, head_dim=8):
+    bsz, _, q_len, kv_len = mask.shape
+    q = torch.randn(bsz, heads, q_len, head_dim, generator=gen)
+    k = torch.randn(bsz, kv_heads, kv_len, head_dim, generator=gen)
+    v = torch.randn(bsz, kv_heads, kv_len, head_dim, generator=gen)
+    return q, k, v
+
+
+def _explicit_attention(q, k, v, mask, scale):
+    """float64 softmax attention written out, zero for rows that see nothing."""
+    rep = q.shape[1] // k.shape[1]
+    k = k.double().repeat_interleave(rep, 1)
+    v = v.double().repeat_interleave(rep, 1)
+    scores = (q.double() @ k.transpose(-1, -2)) * scale
+    scores = scores.masked_fill(~mask, float("-inf"))
+    probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)
+    return probs @ v
+
+
+def test_dense_attend_matches_explicit_and_zeroes_masked_rows():
+    gen = torch.Generator().manual_seed(1)
+    case = random_case(gen)
+    mask = attention.dense_mask(*case)
+    q, k, v = _random_qkv(gen, mask)
+    q.requires_grad_(True)
+    out = attention.attend(q, k, v, mask, scale=0.3)
+    want = _explicit_attention(q, k, v, mask, 0.3)
+    torch.testing.assert_close(out.double(), want, atol=1e-5, rtol=1e-5)
+    dead = ~mask.any(-1)  # (Bsz, 1, Q)
+    assert dead.any()
+    dead_rows = dead.expand(-1, q.shape[1], -1)
+    assert (out[dead_rows] == 0).all()
+    out.sum().backward()
+    assert torch.isfinite(q.grad).all()
+    assert (q.grad[dead_rows] == 0).all()
+
+
+@pytest.fixture
+def eager_flex():
+    attention.allow_uncompiled_flex(True)
+    yield
+    attention.allow_uncompiled_flex(False)
+
+
+def test_flex_forward_matches_dense_on_cpu(eager_flex):
+    gen = torch.Generator().manual_seed(2)
+    case = random_case(gen)
+    dense = attention.build_mask("dense", *case)
+    try:
+        block_mask = attention.build_mask("flex", *case)
+    except (NotImplementedError, RuntimeError) as err:  # pragma: no cover
+        pytest.skip(f"flex_attention unavailable on CPU: {err}")
+    q, k, v = _random_qkv(gen, dense)
+    out_flex = attention.attend(q, k, v, block_mask, scale=0.25)
+    out_dense = attention.attend(q, k, v, dense, scale=0.25)
+    torch.testing.assert_close(out_flex, out_dense, atol=1e-5, rtol=1e-5)
+    dead_rows = (~dense.any(-1)).expand(-1, q.shape[1], -1)
+    assert dead_rows.any() and (out_flex[dead_rows] == 0).all()
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not os.environ.get("DFLASH_SLOW_TESTS"), reason="compiles flex on CPU (3-25 s); set DFLASH_SLOW_TESTS=1")
+def test_compiled_flex_forward_matches_dense_on_cpu():
+    gen = torch.Generator().manual_seed(3)
+    case = random_case(gen)
+    dense = attention.build_mask("dense", *case)
+    block_mask = attention.build_mask("flex", *case)
+    q, k, v = _random_qkv(gen, dense)
+    out_flex = attention.attend(q, k, v, block_mask, scale=0.25)
+    out_dense = attention.attend(q, k, v, dense, scale=0.25)
+    torch.testing.assert_close(out_flex, out_dense, atol=1e-5, rtol=1e-5)
+
+
+def test_compiled_paths_refuse_other_threads():
+    errors = []
+
+    def worker():
+        for entry in (attention.compiled_create_block_mask, attention.compiled_flex_attention):
+            try:
+                entry()
+            except RuntimeError as err:
+                errors.append(str(err))
+
+    thread = threading.Thread(target=worker)
+    thread.start()
+    thread.join()
+    assert len(errors) == 2 and all("main thread" in e for e in errors)
+
+
+def test_uncompiled_flex_on_cuda_is_refused(monkeypatch):
+    monkeypatch.setenv("TORCHDYNAMO_DISABLE", "1")
+    with pytest.raises(RuntimeError, match="uncompiled"):
+        attention._refuse_silent_eager_on_cuda(torch.device("cuda"), "test")
+    attention._refuse_silent_eager_on_cuda(torch.device("cpu"), "test")  # CPU: allowed
+
+
+def test_bad_inputs_raise():
+    with pytest.raises(ValueError):
+        attention.build_mask("sparse", torch.zeros(1, 1, dtype=torch.long), torch.ones(1, 1, dtype=torch.bool), torch.ones(1, dtype=torch.long), 4, 2)
+    with pytest.raises(TypeError):
+        attention.attend(torch.zeros(1, 1, 2, 4), torch.zeros(1, 1, 2, 4), torch.zeros(1, 1, 2, 4), torch.ones(1, 1, 2, 2), 1.0)

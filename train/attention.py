@@ -1,0 +1,249 @@
+"""DFlash training attention: one mask function, two backends.
+
+Layout for one sequence (DESIGN §2, "Training attention"):
+
+    queries  = N blocks x B slots            (q index -> block q // B)
+    keys     = [context (S positions) | blocks (N * B)]
+
+A query of block b sees context key j iff ``j < anchor[b]`` and ``j < ctx_len``, and
+sees every key of its OWN block (bidirectional inside the block). A padded block sees
+nothing. The rule is keyed on block identity, never on positions: blocks whose anchors
+are closer than B overlap in position space but must not see each other.
+
+Backends:
+
+* ``"flex"``: a ``BlockMask`` from a compiled ``create_block_mask`` and a compiled
+  ``flex_attention`` (the training path on CUDA). On CPU the BlockMask is built eagerly
+  (see ``build_mask``); compiled flex forward works there, its backward does not.
+* ``"dense"``: a boolean ``(Bsz, 1, Q, S + Q)`` tensor evaluated from the SAME mask_mod,
+  fed to ``F.scaled_dot_product_attention`` (the CPU path: flex has no CPU backward).
+
+Both compiled callables are created lazily, at one place, so importing this module
+compiles nothing, and they may only be entered from the main thread (torch.compile is
+not thread-safe, DESIGN §5).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import warnings
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
+
+MaskMod = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+_compiled_flex_attention = None
+_compiled_create_block_mask = None
+_allow_uncompiled_flex = False
+
+
+# ---------------------------------------------------------------------------- switches
+
+
+def allow_uncompiled_flex(allowed: bool = True) -> None:
+    """Let ``attend``/``build_mask`` run flex eagerly instead of compiled.
+
+    Eager flex materialises the full score matrix (28.5 GB where compiled needs 0.4 GB,
+    DESIGN §4), so it is only for tests and debugging, and only when asked for.
+    """
+    global _allow_uncompiled_flex
+    _allow_uncompiled_flex = bool(allowed)
+
+
+def uncompiled_flex_allowed() -> bool:
+    """Whether ``allow_uncompiled_flex(True)`` is in force."""
+    return _allow_uncompiled_flex
+
+
+def _check_main_thread(what: str) -> None:
+    if threading.current_thread() is not threading.main_thread():
+        raise RuntimeError(
+            f"{what} runs compiled code and may only be called from the main thread "
+            f"(called from {threading.current_thread().name!r}); torch.compile is not "
+            "thread-safe (DESIGN §5)."
+        )
+
+
+def _compile_disabled() -> bool:
+    """True when torch.compile would silently run eagerly (dynamo disabled)."""
+    if os.environ.get("TORCHDYNAMO_DISABLE", "") not in ("", "0"):
+        return True
+    try:
+        import torch._dynamo.config as dynamo_config
+
+        return bool(getattr(dynamo_config, "disable", False))
+    except Exception:  # pragma: no cover - dynamo missing entirely
+        return True
+
+
+def _refuse_silent_eager_on_cuda(device: torch.device, what: str) -> None:
+    if device.type == "cuda" and _compile_disabled() and not _allow_uncompiled_flex:
+        raise RuntimeError(
+            f"{what}: torch.compile is disabled, so flex would run uncompiled on CUDA and "
+            "materialise the full score matrix. Enable compile, use the dense backend, "
+            "or call dflash.train.attention.allow_uncompiled_flex(True) if you mean it."
+        )
+
+
+def compiled_flex_attention():
+    """The process-wide compiled ``flex_attention`` (created on first use)."""
+    global _compiled_flex_attention
+    _check_main_thread("compiled flex_attention")
+    if _compiled_flex_attention is None:
+        _compiled_flex_attention = torch.compile(flex_attention)
+    return _compiled_flex_attention
+
+
+def compiled_create_block_mask():
+    """The process-wide compiled ``create_block_mask`` (eager builds the dense grid)."""
+    global _compiled_create_block_mask
+    _check_main_thread("compiled create_block_mask")
+    if _compiled_create_block_mask is None:
+        _compiled_create_block_mask = torch.compile(create_block_mask)
+    return _compiled_create_block_mask
+
+
+# ---------------------------------------------------------------------------- masks
+
+
+def make_mask_mod(
+    anchors: torch.Tensor,
+    block_valid: torch.Tensor,
+    ctx_len: torch.Tensor,
+    context_len: int,
+    block_size: int,
+) -> MaskMod:
+    """The DFlash mask as a flex ``mask_mod(b, h, q_idx, kv_idx) -> bool``.
+
+    anchors (Bsz, N) long, block_valid (Bsz, N) bool, ctx_len (Bsz,) long: the number of
+    real (unpadded) context positions; context_len S is the padded context length.
+    """
+    if anchors.dim() != 2 or block_valid.shape != anchors.shape:
+        raise ValueError(
+            f"anchors and block_valid must both be (Bsz, N); got {tuple(anchors.shape)} "
+            f"and {tuple(block_valid.shape)}"
+        )
+    if ctx_len.shape != anchors.shape[:1]:
+        raise ValueError(f"ctx_len must be (Bsz,)={tuple(anchors.shape[:1])}, got {tuple(ctx_len.shape)}")
+    S = int(context_len)
+    B = int(block_size)
+    block_valid = block_valid.to(torch.bool)
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        block = q_idx // B
+        is_ctx = kv_idx < S
+        sees_ctx = is_ctx & (kv_idx < anchors[b, block]) & (kv_idx < ctx_len[b])
+        # kv - S is negative for context keys; ~is_ctx keeps them out of the block test.
+        sees_own_block = (~is_ctx) & ((kv_idx - S) // B == block)
+        return block_valid[b, block] & (sees_ctx | sees_own_block)
+
+    return mask_mod
+
+
+def dense_mask(
+    anchors: torch.Tensor,
+    block_valid: torch.Tensor,
+    ctx_len: torch.Tensor,
+    context_len: int,
+    block_size: int,
+) -> torch.Tensor:
+    """The boolean (Bsz, 1, Q, S + Q) mask, evaluated from ``make_mask_mod`` itself.
+
+    Broadcasting index grids through the same mask_mod keeps the dense and flex paths
+    from drifting apart: there is only one definition of who sees whom.
+    """
+    mask_mod = make_mask_mod(anchors, block_valid, ctx_len, context_len, block_size)
+    bsz, n_blocks = anchors.shape
+    q_len = n_blocks * block_size
+    kv_len = context_len + q_len
+    device = anchors.device
+    b = torch.arange(bsz, device=device).view(bsz, 1, 1, 1)
+    h = torch.zeros(1, 1, 1, 1, dtype=torch.long, device=device)
+    q_idx = torch.arange(q_len, device=device).view(1, 1, q_len, 1)
+    kv_idx = torch.arange(kv_len, device=device).view(1, 1, 1, kv_len)
+    mask = mask_mod(b, h, q_idx, kv_idx)
+    return mask.expand(bsz, 1, q_len, kv_len)
+
+
+def build_mask(
+    kind: str,
+    anchors: torch.Tensor,
+    block_valid: torch.Tensor,
+    ctx_len: torch.Tensor,
+    context_len: int,
+    block_size: int,
+) -> BlockMask | torch.Tensor:
+    """Build the mask for backend ``kind``: "flex" -> BlockMask, "dense" -> bool tensor."""
+    if kind == "dense":
+        return dense_mask(anchors, block_valid, ctx_len, context_len, block_size)
+    if kind != "flex":
+        raise ValueError(f"unknown attention backend {kind!r}; expected 'flex' or 'dense'")
+    mask_mod = make_mask_mod(anchors, block_valid, ctx_len, context_len, block_size)
+    bsz, n_blocks = anchors.shape
+    q_len = n_blocks * block_size
+    kv_len = context_len + q_len
+    device = anchors.device
+    if _allow_uncompiled_flex or device.type == "cpu":
+        # CPU: inductor's C++ codegen fails on mask_mods that index captured tensors
+        # (torch 2.13: "operands to ?: have different types VecMask<int>/<float>"), and
+        # the eager grid is small there; CPU is the test path, not the training path.
+        builder = create_block_mask
+    else:
+        _refuse_silent_eager_on_cuda(device, "build_mask('flex')")
+        builder = compiled_create_block_mask()
+    return builder(mask_mod, bsz, None, q_len, kv_len, device=device)
+
+
+# ---------------------------------------------------------------------------- attend
+
+
+def attend(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: BlockMask | torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Attention with q (Bsz, H, Q, hd), k/v (Bsz, Hkv, KV, hd) -> (Bsz, H, Q, hd).
+
+    GQA is handled here (H must be a multiple of Hkv). Query rows that see no key
+    (padded blocks) return exactly zero on both backends.
+    """
+    n_heads, n_kv_heads = q.shape[1], k.shape[1]
+    if n_heads % n_kv_heads != 0:
+        raise ValueError(f"{n_heads} query heads is not a multiple of {n_kv_heads} kv heads")
+    if isinstance(mask, BlockMask):
+        return _attend_flex(q, k, v, mask, scale, enable_gqa=n_heads != n_kv_heads)
+    if isinstance(mask, torch.Tensor) and mask.dtype == torch.bool:
+        return _attend_dense(q, k, v, mask, scale)
+    raise TypeError(f"mask must be a flex BlockMask or a bool tensor, got {type(mask).__name__}")
+
+
+def _attend_flex(q, k, v, block_mask, scale, enable_gqa):
+    if _allow_uncompiled_flex:
+        with warnings.catch_warnings():
+            # The "called without torch.compile()" warning is the point of the switch.
+            warnings.simplefilter("ignore", UserWarning)
+            return flex_attention(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=enable_gqa)
+    _refuse_silent_eager_on_cuda(q.device, "attend(flex)")
+    fn = compiled_flex_attention()
+    # flex already returns 0 for rows with no visible key (its normaliser is guarded).
+    return fn(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=enable_gqa)
+
+
+def _attend_dense(q, k, v, mask, scale):
+    n_rep = q.shape[1] // k.shape[1]
+    if n_rep > 1:
+        # Explicit repeat: SDPA's enable_gqa rules out the memory-efficient CUDA kernel.
+        k = k.repeat_interleave(n_rep, dim=1)
+        v = v.repeat_interleave(n_rep, dim=1)
+    # Rows that see nothing would softmax over all -inf (NaN on some backends); let them
+    # see everything, then zero their output, which also zeroes their gradient.
+    row_sees_any = mask.any(dim=-1, keepdim=True)  # (Bsz, 1, Q, 1)
+    safe_mask = mask | ~row_sees_any
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=safe_mask, scale=scale)
+    return out * row_sees_any.to(out.dtype)
