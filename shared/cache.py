@@ -148,11 +148,20 @@ def _jsonable(x: Any) -> Any:
 # ----------------------------------------------------------------------------- codecs
 
 
+BLOSC_BLOCKSIZE = 1 << 19
+
+
 def _compressors(typesize: int, level: int) -> list:
-    """Byte shuffle + zstd inside blosc, then a crc32c checksum of the encoded chunk."""
+    """Byte shuffle + zstd inside blosc, then a crc32c checksum of the encoded chunk.
+
+    The blosc block size is set explicitly: its automatic choice (small blocks) lets
+    zstd see the shuffled high and low bytes mixed and costs a fifth of the ratio on
+    bf16 hidden states (1.29 against 1.46; bench/codecs.py).
+    """
     blosc_level = max(1, (level + 1) // 2)  # blosc clevel c -> zstd level 2c - 1
     return [
-        zc.BloscCodec(cname="zstd", clevel=blosc_level, shuffle="shuffle", typesize=typesize, blocksize=0),
+        zc.BloscCodec(cname="zstd", clevel=blosc_level, shuffle="shuffle", typesize=typesize,
+                      blocksize=BLOSC_BLOCKSIZE),
         zc.Crc32cCodec(),
     ]
 
