@@ -1,0 +1,445 @@
+"""The DFlash drafter (DESIGN §2): a small Qwen3-style decoder whose keys and values
+are fed, in every layer, with fused target hidden states ("KV injection").
+
+The module holds no embedding and no LM head: both are the target's, frozen, loaded
+separately by ``load_target_head`` and never saved with the drafter. Submodule names
+are chosen so that ``state_dict()`` keys are exactly the export names.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from dataclasses import asdict, dataclass, fields
+from typing import Any
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from . import attention
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class DrafterConfig:
+    """Shapes and DFlash settings of one drafter."""
+
+    hidden_size: int  # model width D, equal to the target's
+    intermediate_size: int  # SwiGLU inner width, equal to the target's
+    num_attention_heads: int  # query heads per layer
+    num_key_value_heads: int  # key/value heads per layer (GQA)
+    head_dim: int  # width of one attention head
+    vocab_size: int  # the target's (padded) vocabulary size
+    target_layer_ids: list[int]  # target layers fused as context; id i = output of decoder layer i = HF hidden_states[i + 1]
+    num_target_layers: int  # number of decoder layers of the target
+    mask_token_id: int  # embedding row used for the B - 1 masked block slots
+    num_hidden_layers: int = 5  # drafter decoder layers
+    block_size: int = 16  # tokens per draft block: anchor + (B - 1) masks
+    rms_norm_eps: float = 1e-6  # RMSNorm epsilon
+    rope_theta: float = 1_000_000.0  # RoPE base
+    max_position_embeddings: int = 40960  # longest position the drafter is meant for
+    attention_bias: bool = False  # bias on q/k/v/o projections (Qwen3: False)
+    initializer_range: float = 0.02  # std of the normal init of linear weights
+
+    def __post_init__(self) -> None:
+        self.target_layer_ids = [int(i) for i in self.target_layer_ids]
+        self.validate()
+
+    def validate(self) -> None:
+        """Raise ValueError on inconsistent settings."""
+        if self.num_attention_heads % self.num_key_value_heads != 0:
+            raise ValueError(
+                f"num_attention_heads={self.num_attention_heads} is not a multiple of "
+                f"num_key_value_heads={self.num_key_value_heads}"
+            )
+        if self.head_dim % 2 != 0:
+            raise ValueError(f"head_dim={self.head_dim} must be even for RoPE")
+        if not 0 <= self.mask_token_id < self.vocab_size:
+            raise ValueError(
+                f"mask_token_id={self.mask_token_id} is outside the target vocabulary "
+                f"[0, {self.vocab_size})"
+            )
+        if not self.target_layer_ids:
+            raise ValueError("target_layer_ids is empty; the drafter needs context layers")
+        if len(set(self.target_layer_ids)) != len(self.target_layer_ids):
+            raise ValueError(f"target_layer_ids has duplicates: {self.target_layer_ids}")
+        bad = [i for i in self.target_layer_ids if not 0 <= i < self.num_target_layers]
+        if bad:
+            raise ValueError(
+                f"target_layer_ids {bad} are outside [0, {self.num_target_layers}) for a "
+                f"target with {self.num_target_layers} layers (id i = output of decoder layer i)"
+            )
+        if self.block_size < 2:
+            raise ValueError(f"block_size={self.block_size} must be at least 2")
+        if self.num_hidden_layers < 1:
+            raise ValueError(f"num_hidden_layers={self.num_hidden_layers} must be at least 1")
+
+    @property
+    def num_context_layers(self) -> int:
+        """How many target layers are concatenated into the context features."""
+        return len(self.target_layer_ids)
+
+    @classmethod
+    def from_target_config(
+        cls,
+        hf_config: Any,
+        target_layer_ids: list[int],
+        mask_token_id: int,
+        block_size: int = 16,
+        num_hidden_layers: int = 5,
+    ) -> "DrafterConfig":
+        """Size a drafter after a HF Qwen3-like target config (object or plain dict)."""
+        if not isinstance(hf_config, dict):
+            if hasattr(hf_config, "get_text_config"):
+                hf_config = hf_config.get_text_config()
+            hf_config = hf_config.to_dict()
+        elif isinstance(hf_config.get("text_config"), dict):
+            hf_config = hf_config["text_config"]
+        try:
+            hidden = int(hf_config["hidden_size"])
+            heads = int(hf_config["num_attention_heads"])
+            n_layers = int(hf_config["num_hidden_layers"])
+            vocab = int(hf_config["vocab_size"])
+            intermediate = int(hf_config["intermediate_size"])
+        except KeyError as err:
+            raise ValueError(f"target config lacks {err.args[0]!r}") from err
+        head_dim = hf_config.get("head_dim") or hidden // heads
+        return cls(
+            hidden_size=hidden,
+            intermediate_size=intermediate,
+            num_attention_heads=heads,
+            num_key_value_heads=int(hf_config.get("num_key_value_heads") or heads),
+            head_dim=int(head_dim),
+            vocab_size=vocab,
+            target_layer_ids=list(target_layer_ids),
+            num_target_layers=n_layers,
+            mask_token_id=int(mask_token_id),
+            num_hidden_layers=int(num_hidden_layers),
+            block_size=int(block_size),
+            rms_norm_eps=float(hf_config.get("rms_norm_eps", 1e-6)),
+            rope_theta=_rope_theta(hf_config),
+            max_position_embeddings=int(hf_config.get("max_position_embeddings", 40960)),
+            attention_bias=bool(hf_config.get("attention_bias", False)),
+            initializer_range=float(hf_config.get("initializer_range", 0.02)),
+        )
+
+    def to_dict(self) -> dict:
+        """Plain JSON-able dict of all fields."""
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "DrafterConfig":
+        """Inverse of ``to_dict``; unknown keys are an error (catches typos)."""
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ValueError(f"unknown DrafterConfig fields: {unknown}")
+        return cls(**data)
+
+
+def _rope_theta(hf_config: dict) -> float:
+    """RoPE base from either the transformers 4 (rope_theta) or 5 (rope_parameters) layout."""
+    params = hf_config.get("rope_parameters") or hf_config.get("rope_scaling") or {}
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type not in ("default", None):
+        logger.warning(
+            "target uses rope_type=%r; the drafter implements plain RoPE only", rope_type
+        )
+    theta = hf_config.get("rope_theta", params.get("rope_theta"))
+    return float(theta if theta is not None else 10000.0)
+
+
+# ---------------------------------------------------------------------------- layers
+
+
+class RMSNorm(nn.Module):
+    """Qwen3 RMSNorm: normalise in float32, scale in the input dtype."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(dtype)
+
+
+def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin of shape (Bsz, T, head_dim) in float32 for integer positions (Bsz, T).
+
+    Computed on the fly rather than from a buffer: a buffer would be cast by
+    ``model.to(bfloat16)`` and lose precision at large positions.
+    """
+    exponent = torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float32) / head_dim
+    inv_freq = 1.0 / (theta**exponent)  # (head_dim / 2,)
+    freqs = positions.to(torch.float32)[..., None] * inv_freq  # (Bsz, T, head_dim / 2)
+    emb = torch.cat([freqs, freqs], dim=-1)
+    return emb.cos(), emb.sin()
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x (Bsz, H, T, hd); cos/sin (Bsz, T, hd)."""
+    cos = cos[:, None].to(x.dtype)
+    sin = sin[:, None].to(x.dtype)
+    return x * cos + rotate_half(x) * sin
+
+
+class DFlashAttention(nn.Module):
+    """Block queries attend to [context ; block] keys; context enters only via k/v_proj."""
+
+    def __init__(self, config: DrafterConfig):
+        super().__init__()
+        self.config = config
+        D, hd = config.hidden_size, config.head_dim
+        self.n_heads = config.num_attention_heads
+        self.n_kv_heads = config.num_key_value_heads
+        self.head_dim = hd
+        bias = config.attention_bias
+        self.q_proj = nn.Linear(D, self.n_heads * hd, bias=bias)
+        self.k_proj = nn.Linear(D, self.n_kv_heads * hd, bias=bias)
+        self.v_proj = nn.Linear(D, self.n_kv_heads * hd, bias=bias)
+        self.o_proj = nn.Linear(self.n_heads * hd, D, bias=bias)
+        self.q_norm = RMSNorm(hd, config.rms_norm_eps)
+        self.k_norm = RMSNorm(hd, config.rms_norm_eps)
+
+    def forward(self, x, ctx, block_rope, kv_rope, attn_mask):
+        bsz, q_len, _ = x.shape
+        kv_in = torch.cat([ctx, x], dim=1)  # (Bsz, S + Q, D)
+        kv_len = kv_in.shape[1]
+        q = self.q_norm(self.q_proj(x).view(bsz, q_len, self.n_heads, self.head_dim)).transpose(1, 2)
+        k = self.k_norm(self.k_proj(kv_in).view(bsz, kv_len, self.n_kv_heads, self.head_dim)).transpose(1, 2)
+        v = self.v_proj(kv_in).view(bsz, kv_len, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        q = apply_rope(q, *block_rope)  # (Bsz, H, Q, hd)
+        k = apply_rope(k, *kv_rope)  # (Bsz, Hkv, S + Q, hd)
+        out = attention.attend(q, k, v, attn_mask, self.head_dim**-0.5)  # (Bsz, H, Q, hd)
+        return self.o_proj(out.transpose(1, 2).reshape(bsz, q_len, self.n_heads * self.head_dim))
+
+
+class SwiGLU(nn.Module):
+    def __init__(self, config: DrafterConfig):
+        super().__init__()
+        D, F_ = config.hidden_size, config.intermediate_size
+        self.gate_proj = nn.Linear(D, F_, bias=False)
+        self.up_proj = nn.Linear(D, F_, bias=False)
+        self.down_proj = nn.Linear(F_, D, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DFlashDecoderLayer(nn.Module):
+    def __init__(self, config: DrafterConfig):
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = DFlashAttention(config)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = SwiGLU(config)
+
+    def forward(self, x, ctx, block_rope, kv_rope, attn_mask):
+        # ctx is already normed by the drafter's hidden_norm; only the block stream
+        # goes through input_layernorm (as in the public DFlash implementation).
+        x = x + self.self_attn(self.input_layernorm(x), ctx, block_rope, kv_rope, attn_mask)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DFlashDrafter(nn.Module):
+    """DFlash drafter: fused target context + block embeddings -> block hidden states."""
+
+    def __init__(self, config: DrafterConfig):
+        super().__init__()
+        self.config = config
+        D = config.hidden_size
+        self.fc = nn.Linear(config.num_context_layers * D, D, bias=False)
+        self.hidden_norm = RMSNorm(D, config.rms_norm_eps)
+        self.layers = nn.ModuleList(DFlashDecoderLayer(config) for _ in range(config.num_hidden_layers))
+        self.norm = RMSNorm(D, config.rms_norm_eps)
+        self.reset_parameters()
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """Normal(0, initializer_range) linear weights, zero biases, unit norms."""
+        for module in self.modules():
+            if isinstance(module, nn.Linear):
+                module.weight.normal_(0.0, self.config.initializer_range)
+                if module.bias is not None:
+                    module.bias.zero_()
+            elif isinstance(module, RMSNorm):
+                module.weight.fill_(1.0)
+
+    def forward(
+        self,
+        context_hidden: torch.Tensor,
+        context_positions: torch.Tensor,
+        block_embeds: torch.Tensor,
+        block_positions: torch.Tensor,
+        attn_mask,
+    ) -> torch.Tensor:
+        """Hidden states of the block tokens after the final norm, (Bsz, Q, D).
+
+        context_hidden: (Bsz, S, n * D) cached target layers concatenated on the last
+            dim, or (Bsz, S, n, D).
+        context_positions: (Bsz, S) or (S,) integer positions of the context.
+        block_embeds: (Bsz, Q, D) target embeddings of [anchor, MASK x (B-1)] per block.
+        block_positions: (Bsz, Q) or (Q,) integer positions, anchor + slot.
+        attn_mask: from ``attention.build_mask`` (BlockMask or bool (Bsz, 1, Q, S + Q)).
+        """
+        if context_hidden.dim() == 4:
+            context_hidden = context_hidden.flatten(2)  # (Bsz, S, n * D)
+        bsz, ctx_len, feat = context_hidden.shape
+        if feat != self.fc.in_features:
+            raise ValueError(
+                f"context_hidden has {feat} features; expected {self.config.num_context_layers}"
+                f" layers x {self.config.hidden_size} = {self.fc.in_features}"
+            )
+        if block_embeds.dim() != 3 or block_embeds.shape[0] != bsz:
+            raise ValueError(f"block_embeds must be (Bsz={bsz}, Q, D), got {tuple(block_embeds.shape)}")
+        q_len = block_embeds.shape[1]
+        context_positions = _batched_positions(context_positions, bsz, ctx_len, "context_positions")
+        block_positions = _batched_positions(block_positions, bsz, q_len, "block_positions")
+
+        weight_dtype = self.fc.weight.dtype
+        if not _autocast_on(context_hidden.device):
+            context_hidden = context_hidden.to(weight_dtype)
+            block_embeds = block_embeds.to(weight_dtype)
+
+        ctx = self.hidden_norm(self.fc(context_hidden))  # (Bsz, S, D)
+        hd, theta = self.config.head_dim, self.config.rope_theta
+        block_rope = rope_cos_sin(block_positions, hd, theta)
+        kv_rope = rope_cos_sin(torch.cat([context_positions, block_positions], dim=1), hd, theta)
+        x = block_embeds
+        for layer in self.layers:
+            x = layer(x, ctx, block_rope, kv_rope, attn_mask)
+        return self.norm(x)
+
+
+def _batched_positions(pos: torch.Tensor, bsz: int, length: int, name: str) -> torch.Tensor:
+    if pos.dim() == 1:
+        pos = pos.unsqueeze(0).expand(bsz, -1)
+    if tuple(pos.shape) != (bsz, length):
+        raise ValueError(f"{name} must be ({bsz}, {length}) or ({length},), got {tuple(pos.shape)}")
+    if pos.is_floating_point():
+        raise ValueError(f"{name} must hold integer positions, got {pos.dtype}")
+    return pos
+
+
+def _autocast_on(device: torch.device) -> bool:
+    try:
+        return torch.is_autocast_enabled(device.type)
+    except TypeError:  # pragma: no cover - older signature without device_type
+        return torch.is_autocast_enabled()
+
+
+# ---------------------------------------------------------------------------- target head
+
+
+class TargetHead(nn.Module):
+    """The target's frozen input embedding and LM head, and nothing else.
+
+    Held as non-persistent buffers: no optimizer sees them and no checkpoint of the
+    drafter picks them up.
+    """
+
+    def __init__(self, embed_weight: torch.Tensor, lm_head_weight: torch.Tensor | None = None):
+        super().__init__()
+        self.register_buffer("embed_weight", embed_weight.detach(), persistent=False)
+        self.tied = lm_head_weight is None
+        if not self.tied:
+            self.register_buffer("lm_head_weight", lm_head_weight.detach(), persistent=False)
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """LM head weight (V, D); the embedding itself when tied."""
+        return self.embed_weight if self.tied else self.lm_head_weight
+
+    @property
+    def vocab_size(self) -> int:
+        return self.embed_weight.shape[0]
+
+    @property
+    def hidden_size(self) -> int:
+        return self.embed_weight.shape[1]
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(ids, self.embed_weight)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return F.linear(hidden.to(self.weight.dtype), self.weight)
+
+
+_EMBED_NAMES = ("model.embed_tokens.weight", "embed_tokens.weight", "model.language_model.embed_tokens.weight")
+_LM_HEAD_NAMES = ("lm_head.weight", "model.lm_head.weight")
+
+
+def _find_name(names, preferred, suffix):
+    for name in preferred:
+        if name in names:
+            return name
+    matches = sorted(n for n in names if n.endswith(suffix))
+    return matches[0] if matches else None
+
+
+def load_target_head(
+    target_path: str | os.PathLike,
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype | None = None,
+) -> TargetHead:
+    """Load only the target's embedding and LM head from its safetensors checkpoint.
+
+    Opens only the shard(s) holding those tensors (via model.safetensors.index.json when
+    present). Tied embeddings (``tie_word_embeddings`` or no lm_head tensor) reuse the
+    embedding. The full target is never built.
+    """
+    from safetensors import safe_open
+
+    target_path = os.fspath(target_path)
+    config_file = os.path.join(target_path, "config.json")
+    config = {}
+    if os.path.exists(config_file):
+        with open(config_file) as f:
+            config = json.load(f)
+    text_config = config.get("text_config") if isinstance(config.get("text_config"), dict) else {}
+    tied = bool(config.get("tie_word_embeddings", text_config.get("tie_word_embeddings", False)))
+
+    index_file = os.path.join(target_path, "model.safetensors.index.json")
+    if os.path.exists(index_file):
+        with open(index_file) as f:
+            name_to_file = json.load(f)["weight_map"]
+    else:
+        files = sorted(p for p in os.listdir(target_path) if p.endswith(".safetensors"))
+        if not files:
+            raise FileNotFoundError(f"no *.safetensors files in {target_path}")
+        name_to_file = {}
+        for fname in files:
+            with safe_open(os.path.join(target_path, fname), framework="pt") as handle:
+                name_to_file.update({k: fname for k in handle.keys()})
+
+    embed_name = _find_name(name_to_file, _EMBED_NAMES, "embed_tokens.weight")
+    if embed_name is None:
+        raise KeyError(f"no input embedding (embed_tokens.weight) found in {target_path}")
+    head_name = None if tied else _find_name(name_to_file, _LM_HEAD_NAMES, "lm_head.weight")
+    if head_name is None and not tied:
+        logger.warning("%s: no lm_head tensor and tie_word_embeddings is false; using the embedding", target_path)
+
+    def load(name):
+        with safe_open(os.path.join(target_path, name_to_file[name]), framework="pt", device="cpu") as handle:
+            tensor = handle.get_tensor(name)
+        if dtype is not None:
+            tensor = tensor.to(dtype)
+        return tensor.to(device)
+
+    embed = load(embed_name)
+    head = load(head_name) if head_name is not None else None
+    if head is not None and head.shape != embed.shape:
+        raise ValueError(f"lm_head {tuple(head.shape)} and embedding {tuple(embed.shape)} shapes differ")
+    return TargetHead(embed, head).requires_grad_(False)
