@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import random
 import sysconfig
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -104,7 +104,9 @@ def build_tokenizer(
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    bpe.train_from_iterator(_read_lines(files), trainer=trainer)
+    # Whole files, not lines, so merges across newlines ("\n\n", "\n    ") are learned.
+    texts = [p.read_text(encoding="utf-8", errors="replace") for p in files]
+    bpe.train_from_iterator(texts, trainer=trainer)
 
     tokenizer = PreTrainedTokenizerFast(
         tokenizer_object=bpe,
@@ -118,12 +120,6 @@ def build_tokenizer(
     out_dir.mkdir(parents=True, exist_ok=True)
     tokenizer.save_pretrained(out_dir)
     return tokenizer
-
-
-def _read_lines(files: Sequence[Path]) -> Iterator[str]:
-    for path in files:
-        with open(path, encoding="utf-8", errors="replace") as handle:
-            yield from handle
 
 
 def build_qwen3(
