@@ -1,0 +1,131 @@
+"""Settings of one extraction run (stage one): what to read, what to keep, how to run."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+TRUNCATION_POLICIES = ("right", "skip", "error")
+BAD_ROW_POLICIES = ("error", "skip")
+DTYPES = ("bfloat16", "float16", "float32")
+DEFAULT_GPUS = (0, 1, 2, 3, 4)
+
+
+@dataclass
+class ExtractConfig:
+    """Everything ``dflash-extract`` needs; the CLI fills it, ``runner.run`` consumes it.
+
+    Fields under "what is extracted" go into the cache fingerprint (a resume must match
+    them); the rest only change how fast or where the same bytes are produced.
+    """
+
+    # -- inputs and output
+    data: str
+    """Chat dataset: a .jsonl/.json/.parquet file, a folder, or a `datasets` name (see extract/data.py)."""
+    model: str
+    """Target HF causal LM: a local folder or a hub name already in the local cache."""
+    out: str
+    """Cache root: a local path or any URL zarr/fsspec can write."""
+    tokenizer: str | None = None
+    """Tokenizer folder or name; default: the model's."""
+    split: str | None = None
+    """Dataset split for `datasets` sources; default: the only or the 'train' split."""
+    revision: str | None = None
+    """Model revision for hub names (recorded in the fingerprint)."""
+
+    # -- what is extracted (fingerprinted)
+    layers: list[int] | None = None
+    """Target layer ids to store (id i = HF hidden_states[i + 1]); default: `default_layer_ids`."""
+    topk: int = 64
+    """Target log-probs stored per position (top-k of log_softmax over the vocabulary)."""
+    max_length: int = 3072
+    """Longest sample in tokens; longer ones are handled by `truncation`."""
+    truncation: str = "right"
+    """Over-long samples: 'right' keeps the first max_length tokens, 'skip' drops them, 'error' stops."""
+    min_length: int = 2
+    """Shortest sample kept, in tokens: one anchor plus one token to predict is one usable block."""
+    on_bad_row: str = "error"
+    """Malformed rows: 'error' stops naming file and row, 'skip' drops them and counts the reason."""
+    dtype: str = "bfloat16"
+    """Compute dtype of the target; hidden states are always stored as bf16 bits."""
+    chunk_tokens: int = 256
+    """Tokens per Zarr chunk of every token-major array."""
+    compression_level: int = 1
+    """zstd level of the stored chunks."""
+
+    # -- how it runs (not fingerprinted, except the shard count that follows from it)
+    device: str = "cuda"
+    """'cuda' (one worker per entry of `gpus`) or 'cpu' (`workers` processes)."""
+    gpus: list[int] = field(default_factory=lambda: list(DEFAULT_GPUS))
+    """CUDA device indices on this node, one worker each."""
+    workers: int = 1
+    """CPU worker processes (only with device='cpu')."""
+    batch_tokens: int = 16384
+    """Token budget of one forward batch, counting padding (batch size x longest sample)."""
+    lm_head_chunk: int = 1024
+    """Tokens per LM-head chunk: bounds the fp32 logits buffer to chunk x vocab."""
+    attn_implementation: str | None = "sdpa"
+    """Attention kernel passed to from_pretrained ('sdpa', 'eager', 'flash_attention_2', None = HF default)."""
+    commit_seconds: float = 30.0
+    """Seconds between commits of a shard (a crash loses at most this much work); 0 = every batch."""
+    queue_depth: int = 2
+    """Batches in flight between the forward loop and the writer thread (bounds host memory)."""
+    cpu_threads: int | None = None
+    """torch threads per CPU worker; default: the machine's cores divided by the workers."""
+    summary_json: str | None = None
+    """Also write the closing summary as JSON to this path."""
+    progress: bool = True
+    """Show the progress bar (stderr)."""
+    wait_for_root_s: float = 600.0
+    """Multi-node: how long non-zero ranks wait for rank 0 to create the cache root."""
+    batch_delay_s: float = 0.0
+    """Sleep after each batch (tests only: makes a run slow enough to interrupt midway)."""
+
+    def validate(self) -> None:
+        """Raise ValueError naming the first setting that cannot work."""
+        if self.truncation not in TRUNCATION_POLICIES:
+            raise ValueError(f"truncation must be one of {TRUNCATION_POLICIES}, got {self.truncation!r}")
+        if self.on_bad_row not in BAD_ROW_POLICIES:
+            raise ValueError(f"on_bad_row must be one of {BAD_ROW_POLICIES}, got {self.on_bad_row!r}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if self.device not in ("cuda", "cpu"):
+            raise ValueError(f"device must be 'cuda' or 'cpu', got {self.device!r}")
+        if self.device == "cuda" and not self.gpus:
+            raise ValueError("--gpus is empty")
+        if self.device == "cuda" and len(set(self.gpus)) != len(self.gpus):
+            raise ValueError(f"--gpus lists a device twice: {self.gpus}")
+        if self.device == "cpu" and self.workers < 1:
+            raise ValueError("--workers must be at least 1")
+        for name in ("topk", "max_length", "min_length", "batch_tokens", "lm_head_chunk", "chunk_tokens",
+                     "queue_depth"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if self.min_length > self.max_length:
+            raise ValueError(f"min_length {self.min_length} exceeds max_length {self.max_length}")
+        if self.layers is not None and len(set(self.layers)) != len(self.layers):
+            raise ValueError(f"--layers lists a layer twice: {self.layers}")
+
+    @property
+    def local_workers(self) -> int:
+        return len(self.gpus) if self.device == "cuda" else self.workers
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def default_layer_ids(num_layers: int, count: int = 5) -> list[int]:
+    """`count` layer ids spread evenly from 1 to L-3 (36 layers -> [1, 9, 17, 25, 33]).
+
+    Where 1..L-3 holds fewer than `count` layers (tiny targets) the range widens to
+    0..L-1, and duplicates are dropped: 4 layers -> [0, 1, 2, 3], 6 -> [0, 1, 2, 4, 5].
+    """
+    if num_layers < 1 or count < 1:
+        raise ValueError("need at least one target layer and one layer to store")
+    lo, hi = 1, num_layers - 3
+    if hi - lo + 1 < count:
+        lo, hi = 0, num_layers - 1
+    if count == 1:
+        return [hi]
+    return sorted({round(lo + j * (hi - lo) / (count - 1)) for j in range(count)})

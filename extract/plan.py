@@ -1,0 +1,129 @@
+"""Plan one shard: tokenise its slice of the dataset and fix its samples and batches.
+
+Everything here is deterministic in (dataset, tokenizer, settings, shard count), which is
+what lets a rerun rebuild the same plan and resume a shard where its commit record says
+(ShardWriter checks the plan's digest).
+
+* Slice: shard ``s`` of ``S`` owns the contiguous rows ``[s * N // S, (s + 1) * N // S)``.
+* Rows that cannot be used are counted per reason in ``ShardPlan.skipped`` (with
+  ``on_bad_row="skip"``; otherwise the first one stops the run naming file and row).
+  Policy skips are always counted: ``too_long`` (truncation="skip"), ``no_loss_tokens``
+  (right truncation cut every assistant token), ``too_short`` (fewer than
+  ``min_length`` tokens: a DFlash block needs an anchor and at least one token after it,
+  so the default is 2).
+* Order and batches: samples sorted by length, longest first (an out-of-memory batch
+  shows up in the first minute, not after hours), ties by source row; then cut greedily
+  into batches whose padded size, batch size x longest sample, stays within
+  ``batch_tokens``. A sample longer than the budget gets a batch of its own.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import numpy as np
+
+from dflash.shared.cache import ShardPlan
+
+from .chat import render
+from .config import ExtractConfig
+from .data import SkipCounter, SkippedSample, guard, normalize_row
+
+
+@dataclass
+class PlannedShard:
+    """A shard's plan plus the tokens it will feed the target, in plan order."""
+
+    plan: ShardPlan
+    input_ids: np.ndarray
+    """(T,) int32: every planned sample's ids, concatenated in plan order."""
+    loss_mask: np.ndarray
+    """(T,) bool: the matching assistant mask."""
+    skips: SkipCounter
+    """Why rows of the slice were not planned (also in ``plan.skipped``)."""
+
+    @property
+    def assistant_tokens(self) -> int:
+        return int(self.loss_mask.sum())
+
+    def batch_tokens(self, batch: int) -> tuple[int, int]:
+        """Token range [t0, t1) of planned batch ``batch``."""
+        off = self.plan.offsets
+        return int(off[self.plan.batches[batch]]), int(off[self.plan.batches[batch + 1]])
+
+
+def shard_rows(num_rows: int, num_shards: int, shard_id: int) -> tuple[int, int]:
+    """The contiguous row range [start, stop) that shard ``shard_id`` owns."""
+    return shard_id * num_rows // num_shards, (shard_id + 1) * num_rows // num_shards
+
+
+def length_bucketed_batches(lengths: np.ndarray, source_index: np.ndarray, batch_tokens: int
+                            ) -> tuple[np.ndarray, np.ndarray]:
+    """(order, batches): the write order of the samples and the sample offsets of each batch.
+
+    Longest first, ties by source row; a batch grows while (size + 1) x its longest
+    sample fits in ``batch_tokens`` (padded tokens). Pure function of its inputs.
+    """
+    lengths = np.asarray(lengths, dtype=np.int64)
+    order = np.lexsort((np.asarray(source_index, dtype=np.int64), -lengths))
+    batches = [0]
+    longest = 0
+    for pos, sample in enumerate(order):
+        size = pos - batches[-1]
+        if size and (size + 1) * longest > batch_tokens:
+            batches.append(pos)
+            size = 0
+        if size == 0:
+            longest = int(lengths[sample])  # sorted descending: the first is the longest
+    if len(order):
+        batches.append(len(order))
+    return order, np.asarray(batches, dtype=np.int64)
+
+
+def plan_shard(rows, row_offset: int, source: str, tokenizer, cfg: ExtractConfig,
+               render_kwargs: dict[str, Any] | None = None,
+               on_row: Callable[[int], None] | None = None) -> PlannedShard:
+    """Tokenise ``rows`` (the shard's slice, global row numbers from ``row_offset``) and plan it.
+
+    Raises DataError on the first bad row unless ``cfg.on_bad_row == "skip"``.
+    ``on_row(done)`` is called every 256 rows for progress.
+    """
+    skips = SkipCounter()
+    kept_rows: list[int] = []
+    ids: list[np.ndarray] = []
+    masks: list[np.ndarray] = []
+    render_kwargs = dict(render_kwargs or {})
+
+    def one(row: dict, index: int):
+        conv = normalize_row(row, index, source)
+        sample = render(tokenizer, conv, max_length=cfg.max_length, truncation=cfg.truncation, **render_kwargs)
+        if len(sample.input_ids) < cfg.min_length:
+            raise SkippedSample("too_short", source, index,
+                                f"{len(sample.input_ids)} tokens < min_length {cfg.min_length}")
+        return sample
+
+    done = 0
+    for done, row in enumerate(rows, start=1):
+        index = row_offset + done - 1
+        sample = guard(cfg.on_bad_row, skips, one, row, index)
+        if sample is not None:
+            kept_rows.append(index)
+            ids.append(sample.input_ids)
+            masks.append(sample.loss_mask)
+        if on_row is not None and done % 256 == 0:
+            on_row(done)
+    if on_row is not None:
+        on_row(done)
+
+    source_index = np.asarray(kept_rows, dtype=np.int64)
+    lengths = np.asarray([len(x) for x in ids], dtype=np.int64)
+    order, batches = length_bucketed_batches(lengths, source_index, cfg.batch_tokens)
+    plan = ShardPlan(source_index=source_index[order], lengths=lengths[order], batches=batches,
+                     skipped=skips.to_dict())
+    if len(order):
+        input_ids = np.concatenate([ids[i] for i in order]).astype(np.int32, copy=False)
+        loss_mask = np.concatenate([masks[i] for i in order]).astype(bool, copy=False)
+    else:
+        input_ids, loss_mask = np.zeros(0, np.int32), np.zeros(0, bool)
+    return PlannedShard(plan=plan, input_ids=input_ids, loss_mask=loss_mask, skips=skips)

@@ -1,0 +1,383 @@
+"""The parent of an extraction run: fingerprint, create the cache root, spawn one worker
+per device, show one progress bar over all of them, and sum up what is on disk.
+
+Across nodes (``torchrun --nproc-per-node 1 --nnodes N dflash-extract ...``) each node
+runs this once; node ``r`` owns global shards ``r * W + 0 .. r * W + W - 1`` for its W
+local workers. Rank 0 creates the cache root; the others wait until it exists (polling
+the store, which works for any URL zarr can open) and then check its fingerprint.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing as mp
+import os
+import queue
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import zarr
+
+from dflash.shared.cache import (
+    ATTRS_KEY, TOKEN_FIELDS, CacheError, CacheSpec, create_or_open_cache, open_root, shard_name,
+)
+from dflash.shared.fingerprint import target_fingerprint, tokenizer_fingerprint
+
+from .chat import end_of_turn_id, has_generation_tags
+from .config import ExtractConfig, default_layer_ids
+from .data import DataError, dataset_fingerprint, load_source
+from .worker import WorkerTask, worker_main
+
+log = logging.getLogger(__name__)
+
+# what ExtractConfig fields describe the bytes of the cache (the rest is how it was run)
+FINGERPRINTED = ("topk", "max_length", "truncation", "min_length", "on_bad_row", "batch_tokens",
+                 "chunk_tokens", "compression_level")
+NOT_RECORDED = ("out", "summary_json", "progress", "batch_delay_s")
+
+
+class ExtractFailed(Exception):
+    """A run that cannot go on; the message is for the user (no traceback needed)."""
+
+
+@dataclass
+class NodeLayout:
+    rank: int
+    """This node's index (torchrun RANK with one process per node; 0 outside torchrun)."""
+    nodes: int
+    """Number of nodes (torchrun WORLD_SIZE; 1 outside torchrun)."""
+
+
+def node_layout() -> NodeLayout:
+    """Read the torchrun environment only where it is set."""
+    if "WORLD_SIZE" not in os.environ:
+        return NodeLayout(0, 1)
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    if local_world != 1:
+        raise ExtractFailed(
+            f"LOCAL_WORLD_SIZE={local_world}: run one dflash-extract per node (torchrun --nproc-per-node 1); "
+            "it spawns one worker per GPU itself")
+    return NodeLayout(int(os.environ.get("RANK", "0")), int(os.environ["WORLD_SIZE"]))
+
+
+def package_version() -> str:
+    try:
+        from importlib.metadata import version
+
+        return version("dflash-pipeline")
+    except Exception:  # noqa: BLE001 - not installed as a distribution
+        return "unknown"
+
+
+def build_spec(cfg: ExtractConfig, tokenizer, model_config, ds, num_shards: int) -> CacheSpec:
+    """The root CacheSpec of this run: shapes, fingerprint (compared on reopen) and info."""
+    num_layers = model_config.num_hidden_layers
+    layers = list(cfg.layers) if cfg.layers is not None else default_layer_ids(num_layers)
+    bad = [i for i in layers if not 0 <= i < num_layers]
+    if bad:
+        raise ExtractFailed(f"--layers {bad} out of range: the target has {num_layers} layers (ids 0..{num_layers - 1})")
+    if cfg.topk > model_config.vocab_size:
+        raise ExtractFailed(f"--topk {cfg.topk} exceeds the vocabulary size {model_config.vocab_size}")
+    try:
+        eot = end_of_turn_id(tokenizer)
+    except ValueError:
+        eot = None
+    extraction = {f: getattr(cfg, f) for f in FINGERPRINTED}
+    extraction.update({
+        "layers": layers,
+        "layer_convention": "hidden_states[i + 1]",
+        "num_shards": num_shards,
+        "shard_rows": "contiguous",
+        "chat_template": {
+            "mask_method": "generation_tags" if has_generation_tags(tokenizer) else "prefix_diff",
+            "end_of_turn_id": eot,
+            "template_kwargs": {},
+        },
+    })
+    info_cfg = {k: v for k, v in cfg.to_dict().items() if k not in NOT_RECORDED}
+    dataset = dataset_fingerprint(ds, cfg.data, cfg.split or "train")
+    # `datasets`' own fingerprint depends on its cache layout, not on the content: record it, don't compare it
+    datasets_fp = dataset.pop("datasets_fingerprint", None)
+    return CacheSpec(
+        layer_ids=layers,
+        hidden_size=model_config.hidden_size,
+        topk=cfg.topk,
+        vocab_size=model_config.vocab_size,
+        num_target_layers=num_layers,
+        max_length=cfg.max_length,
+        truncation=cfg.truncation,
+        chunk_tokens=cfg.chunk_tokens,
+        compression_level=cfg.compression_level,
+        fingerprint={
+            "target": target_fingerprint(cfg.model, model_config.to_dict(), cfg.dtype, revision=cfg.revision),
+            "tokenizer": tokenizer_fingerprint(tokenizer),
+            "dataset": dataset,
+            "extraction": extraction,
+        },
+        info={"package_version": package_version(), "config": info_cfg, "datasets_fingerprint": datasets_fp},
+    )
+
+
+def prepare_root(cfg: ExtractConfig, spec: CacheSpec, layout: NodeLayout) -> zarr.Group:
+    """Rank 0 creates (or reopens and checks) the root; other ranks wait for it, then check."""
+    if layout.rank != 0:
+        deadline = time.monotonic() + cfg.wait_for_root_s
+        while True:
+            try:
+                root = zarr.open_group(store=cfg.out, mode="r", zarr_format=3)
+                if root.attrs.get(ATTRS_KEY) is not None and "shards" in root:
+                    break
+            except Exception:  # noqa: BLE001 - not there yet
+                pass
+            if time.monotonic() > deadline:
+                raise ExtractFailed(f"rank {layout.rank}: {cfg.out} was not created by rank 0 within "
+                                    f"{cfg.wait_for_root_s:.0f} s (did rank 0 fail?)")
+            time.sleep(1.0)
+    try:
+        return create_or_open_cache(cfg.out, spec)
+    except CacheError as e:
+        raise ExtractFailed(str(e)) from e
+
+
+def shard_states(root: zarr.Group, shard_ids: list[int]) -> dict[int, dict[str, Any] | None]:
+    out = {}
+    for s in shard_ids:
+        name = shard_name(s)
+        out[s] = root[name].attrs.asdict() if name in root else None
+    return out
+
+
+# ----------------------------------------------------------------------------- summary
+
+
+def summarize(out: str, shard_ids: list[int], spec: CacheSpec) -> dict[str, Any]:
+    """What the store holds for these shards: counts, skips, bytes, compression."""
+    root = open_root(out, "r")
+    samples = tokens = assistant = planned = 0
+    stored = {f: 0 for f in TOKEN_FIELDS}
+    stored_meta = 0
+    skipped: dict[str, int] = {}
+    complete = True
+    for s in shard_ids:
+        name = shard_name(s)
+        if name not in root:
+            complete = False
+            continue
+        g = root[name]
+        a = g.attrs.asdict()
+        c = a["commit"]
+        samples, tokens, planned = samples + c["samples"], tokens + c["tokens"], planned + a["planned"]["samples"]
+        complete = complete and bool(a.get("complete"))
+        for reason, n in a.get("skipped", {}).items():
+            skipped[reason] = skipped.get(reason, 0) + n
+        for t0 in range(0, c["tokens"], 1 << 24):
+            assistant += int(np.count_nonzero(g["loss_mask"][t0:min(c["tokens"], t0 + (1 << 24))]))
+        for f in TOKEN_FIELDS:
+            stored[f] += g[f].nbytes_stored()
+        for f in ("offsets", "source_index", "batches"):
+            stored_meta += g[f].nbytes_stored()
+    k = spec.topk
+    hidden_raw = tokens * spec.num_layers * spec.hidden_size * 2
+    other_raw = tokens * (4 + 1 + 4 * k + 4 * k)
+    total_stored = sum(stored.values()) + stored_meta
+    return {
+        "out": out,
+        "shards": shard_ids,
+        "complete": complete,
+        "samples": samples,
+        "planned_samples": planned,
+        "skipped": dict(sorted(skipped.items())),
+        "tokens": tokens,
+        "assistant_tokens": assistant,
+        "bytes_stored": total_stored,
+        "hidden_bytes_raw_bf16": hidden_raw,
+        "hidden_bytes_stored": stored["hidden"],
+        "hidden_compression": hidden_raw / stored["hidden"] if stored["hidden"] else None,
+        "other_bytes_raw": other_raw,
+        "other_bytes_stored": total_stored - stored["hidden"],
+        "compression": (hidden_raw + other_raw) / total_stored if total_stored and tokens else None,
+        "bytes_per_token": total_stored / tokens if tokens else None,
+    }
+
+
+def format_summary(s: dict[str, Any]) -> str:
+    def size(n):
+        for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+            if abs(n) < 1024 or unit == "TiB":
+                return f"{n:.1f} {unit}" if unit != "B" else f"{n} B"
+            n /= 1024
+
+    skipped = ", ".join(f"{k}={v}" for k, v in s["skipped"].items()) or "none"
+    lines = [
+        f"cache {s['out']}: shards {s['shards'][0]:05d}..{s['shards'][-1]:05d} "
+        f"{'complete' if s['complete'] else 'INCOMPLETE (rerun the same command to resume)'}",
+        f"  samples written  {s['samples']:,} of {s['planned_samples']:,} planned "
+        f"({s.get('samples_this_run', 0):,} this run)",
+        f"  skipped rows     {sum(s['skipped'].values()):,} ({skipped})",
+        f"  tokens           {s['tokens']:,} ({s['assistant_tokens']:,} assistant)",
+        f"  on disk          {size(s['bytes_stored'])}"
+        + (f" ({s['bytes_per_token']:,.0f} B/token)" if s["bytes_per_token"] else ""),
+    ]
+    if s["hidden_compression"]:
+        lines.append(f"  compression      hidden states {s['hidden_compression']:.2f}x vs raw bf16 "
+                     f"({size(s['hidden_bytes_raw_bf16'])} -> {size(s['hidden_bytes_stored'])}); all arrays "
+                     f"{s['compression']:.2f}x ({size(s['hidden_bytes_raw_bf16'] + s['other_bytes_raw'])} raw)")
+    if "wall_s" in s:
+        rate = f", {s['tokens_per_s']:,.0f} tokens/s" if s.get("tokens_per_s") else ""
+        lines.append(f"  wall time        {s['wall_s']:.1f} s{rate}")
+    return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------- run
+
+
+def run(cfg: ExtractConfig) -> dict[str, Any]:
+    """Extract (or resume) this node's shards; returns the summary. Raises ExtractFailed."""
+    t_start = time.monotonic()
+    try:
+        cfg.validate()
+    except ValueError as e:
+        raise ExtractFailed(str(e)) from e
+    layout = node_layout()
+    local = cfg.local_workers
+    num_shards = layout.nodes * local
+    shard_ids = [layout.rank * local + j for j in range(local)]
+
+    from transformers import AutoConfig, AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(cfg.tokenizer or cfg.model, revision=cfg.revision)
+        model_config = AutoConfig.from_pretrained(cfg.model, revision=cfg.revision)
+    except (OSError, ValueError) as e:
+        raise ExtractFailed(f"cannot load the target or tokenizer {cfg.tokenizer or cfg.model!r}: {e}") from e
+    try:
+        ds = load_source(cfg.data, cfg.split or "train")
+    except DataError as e:
+        raise ExtractFailed(str(e)) from e
+    spec = build_spec(cfg, tokenizer, model_config, ds, num_shards)
+    root = prepare_root(cfg, spec, layout)
+
+    states = shard_states(root, shard_ids)
+    if all(st is not None and st.get("complete") for st in states.values()):
+        summary = summarize(cfg.out, shard_ids, spec)
+        summary.update(noop=True, samples_this_run=0, wall_s=time.monotonic() - t_start, tokens_per_s=None)
+        log.info("%s: shards %s already complete; nothing to do", cfg.out, shard_ids)
+        return summary
+
+    if cfg.device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise ExtractFailed("--device cuda but no CUDA device is visible (use --device cpu --workers N)")
+        missing = [g for g in cfg.gpus if g >= torch.cuda.device_count()]
+        if missing:
+            raise ExtractFailed(f"--gpus {missing}: only {torch.cuda.device_count()} CUDA devices are visible")
+        devices = [f"cuda:{g}" for g in cfg.gpus]
+    else:
+        devices = ["cpu"] * local
+    threads = cfg.cpu_threads or max(1, (os.cpu_count() or 1) // local)
+    tasks = [WorkerTask(cfg=cfg, spec=spec.to_dict(), shard_id=s, num_shards=num_shards, device=d,
+                        cpu_threads=threads if cfg.device == "cpu" else None)
+             for s, d in zip(shard_ids, devices)]
+    counts = _run_workers(tasks, cfg)
+
+    summary = summarize(cfg.out, shard_ids, spec)
+    wall = time.monotonic() - t_start
+    summary.update(noop=False, samples_this_run=counts["samples"], wall_s=wall,
+                   tokens_per_s=counts["tokens"] / counts["forward_s"] if counts["forward_s"] > 0 else None)
+    if counts["errors"]:
+        summary["errors"] = counts["errors"]
+        raise ExtractFailed("\n".join(counts["errors"]) + "\n\n" + format_summary(summary))
+    if counts["interrupted"]:
+        raise ExtractFailed("interrupted; every shard committed what it had. Rerun the same command to resume.\n\n"
+                            + format_summary(summary))
+    return summary
+
+
+def _run_workers(tasks: list[WorkerTask], cfg: ExtractConfig) -> dict[str, Any]:
+    """Spawn the workers, feed the progress bar, collect how each one ended."""
+    from tqdm import tqdm
+
+    ctx = mp.get_context("spawn")
+    messages = ctx.Queue()
+    stop = ctx.Event()
+    procs = {t.shard_id: ctx.Process(target=worker_main, args=(t, messages, stop), name=f"dflash-extract-{t.shard_id:05d}")
+             for t in tasks}
+    for p in procs.values():
+        p.start()
+    ended: dict[int, str] = {}
+    errors: list[str] = []
+    planned: dict[int, dict] = {}
+    samples = tokens = 0
+    t_first = t_last = None
+    interrupted = False
+    bar = tqdm(total=0, unit="sample", dynamic_ncols=True, disable=not cfg.progress, desc="planning")
+
+    def handle(kind: str, shard: int, f: dict) -> None:
+        nonlocal samples, tokens, t_first, t_last
+        if kind == "planned":
+            planned[shard] = f
+            bar.total += f["samples"]
+            bar.update(f["done_samples"])
+            if len(planned) == len(tasks):
+                bar.set_description("extract")
+            else:
+                bar.set_description(f"planning {len(planned)}/{len(tasks)}")
+        elif kind == "started":  # model loaded: the forward loop begins
+            if t_first is None:
+                t_first = time.monotonic()
+        elif kind == "progress":
+            t_last = time.monotonic()
+            samples += f["samples"]
+            tokens += f["tokens"]
+            bar.update(f["samples"])
+            elapsed = t_last - (t_first or t_last)
+            if elapsed > 0:
+                bar.set_postfix_str(f"{tokens / elapsed:,.0f} tok/s", refresh=False)
+        elif kind in ("done", "stopped"):
+            ended[shard] = kind
+        elif kind == "error":
+            ended[shard] = "error"
+            if f["message"] not in errors:
+                errors.append(f["message"])
+            stop.set()
+
+    try:
+        while True:
+            try:
+                handle(*messages.get(timeout=0.5))
+                continue
+            except queue.Empty:
+                pass
+            except KeyboardInterrupt:
+                raise
+            if all(not p.is_alive() for p in procs.values()):
+                break
+    except KeyboardInterrupt:
+        interrupted = True
+        stop.set()
+        bar.write("interrupted: workers commit what they have and stop (Ctrl-C again to kill them)")
+        try:
+            for p in procs.values():
+                p.join()
+        except KeyboardInterrupt:
+            for p in procs.values():
+                p.kill()
+    # late messages of processes that already exited
+    while True:
+        try:
+            handle(*messages.get(timeout=0.2))
+        except queue.Empty:
+            break
+    for p in procs.values():
+        p.join()
+    bar.close()
+    for shard, p in procs.items():
+        if shard not in ended:
+            errors.append(f"shard {shard:05d}: worker died with exit code {p.exitcode} (killed? out of host memory?); "
+                          "its last commit is intact: rerun the same command to resume")
+    forward_s = (t_last - t_first) if t_first is not None and t_last is not None else 0.0
+    return {"samples": samples, "tokens": tokens, "forward_s": forward_s, "errors": errors,
+            "interrupted": interrupted and not errors}

@@ -1,0 +1,141 @@
+"""The target model in stage one: load it, run a padded batch, keep what the cache stores.
+
+Per real (non-pad) token of a batch this yields the hidden states of the chosen layers
+and the top-k of the target's next-token log-probs. Two memory rules shape the code:
+
+* Hidden states are taken with forward hooks on the chosen decoder layers and gathered
+  down to the real tokens inside the hook, so only (tokens, layers, D) is ever kept,
+  never every layer's padded (B, T, D) output as ``output_hidden_states=True`` would.
+* The LM head runs in chunks of real tokens, each chunk's logits go through an fp32
+  log_softmax and ``topk``; a full (B, T, vocab) fp32 logits tensor never exists.
+
+Layer id ``i`` is the output of decoder layer ``i``, i.e. HF ``hidden_states[i + 1]``.
+HF's last entry ``hidden_states[L]`` is taken AFTER the final norm, so id ``L - 1`` is
+read from the backbone's (normed) output rather than from the hook, which keeps the
+convention exact for every id.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+@dataclass
+class TargetOutput:
+    """What one batch yields, real tokens only, token-major in batch order."""
+
+    hidden: torch.Tensor
+    """(N, len(layer_ids), D) in the model's dtype."""
+    topk_logprobs: torch.Tensor
+    """(N, k) float32, descending."""
+    topk_ids: torch.Tensor
+    """(N, k) int32."""
+
+
+def load_target(name_or_path: str, *, dtype: str = "bfloat16", device: str | torch.device = "cpu",
+                attn_implementation: str | None = "sdpa", revision: str | None = None):
+    """from_pretrained in `dtype` onto `device`, eval mode, no grad anywhere."""
+    from transformers import AutoModelForCausalLM
+
+    kwargs = {"dtype": DTYPES[dtype], "revision": revision}
+    if attn_implementation:
+        kwargs["attn_implementation"] = attn_implementation
+    model = AutoModelForCausalLM.from_pretrained(name_or_path, **kwargs)
+    model.to(device).eval()
+    model.requires_grad_(False)
+    return model
+
+
+def decoder_parts(model):
+    """(backbone, decoder layers, LM head) of a HF causal LM with the usual layout."""
+    backbone = getattr(model, "model", None)
+    layers = getattr(backbone, "layers", None)
+    head = model.get_output_embeddings()
+    if backbone is None or layers is None or head is None:
+        raise ValueError(f"{type(model).__name__}: expected .model.layers and an LM head (a decoder-only HF model)")
+    return backbone, layers, head
+
+
+class TargetRunner:
+    """Runs padded batches through the target; see the module docstring for the rules."""
+
+    def __init__(self, model, layer_ids: list[int], topk: int, lm_head_chunk: int = 1024):
+        self.model = model
+        self.backbone, self.layers, self.lm_head = decoder_parts(model)
+        self.num_layers = len(self.layers)
+        bad = [i for i in layer_ids if not 0 <= i < self.num_layers]
+        if bad:
+            raise ValueError(f"layer ids {bad} out of range: the target has {self.num_layers} layers (ids 0..{self.num_layers - 1})")
+        vocab = self.lm_head.weight.shape[0]
+        if not 1 <= topk <= vocab:
+            raise ValueError(f"topk {topk} must be between 1 and the vocabulary size {vocab}")
+        self.layer_ids = list(layer_ids)
+        self.topk = topk
+        self.lm_head_chunk = lm_head_chunk
+        self.hidden_size = model.config.hidden_size
+        self.device = next(model.parameters()).device
+        self.dtype = next(model.parameters()).dtype
+        self._gather_index: torch.Tensor | None = None
+        self._out: torch.Tensor | None = None
+        self._hooks = [self.layers[i].register_forward_hook(self._hook(slot))
+                       for slot, i in enumerate(self.layer_ids) if i != self.num_layers - 1]
+
+    def close(self) -> None:
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+
+    def _hook(self, slot: int):
+        def grab(module, args, output):
+            if self._out is None:  # a forward not started by us
+                return
+            h = output[0] if isinstance(output, tuple) else output  # (B, T, D)
+            self._out[:, slot] = h.reshape(-1, h.shape[-1]).index_select(0, self._gather_index)
+        return grab
+
+    @staticmethod
+    def pad_batch(samples: list[torch.Tensor], pad_id: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Right-pad 1-D id tensors: (input_ids (B, T), attention_mask (B, T), gather index (N,)).
+
+        The gather index lists the flat (b * T + t) positions of the real tokens in
+        batch order, which is exactly the token-major order the cache stores.
+        """
+        lengths = [len(s) for s in samples]
+        T = max(lengths)
+        ids = torch.full((len(samples), T), pad_id, dtype=torch.long)
+        mask = torch.zeros((len(samples), T), dtype=torch.long)
+        for b, s in enumerate(samples):
+            ids[b, : len(s)] = s
+            mask[b, : len(s)] = 1
+        index = torch.cat([torch.arange(n, dtype=torch.long) + b * T for b, n in enumerate(lengths)])
+        return ids, mask, index
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, gather_index: torch.Tensor) -> TargetOutput:
+        """One right-padded batch (tensors may still be on the host) -> real-token outputs."""
+        non_blocking = self.device.type == "cuda"
+        input_ids = input_ids.to(self.device, non_blocking=non_blocking)
+        attention_mask = attention_mask.to(self.device, non_blocking=non_blocking)
+        self._gather_index = gather_index.to(self.device, non_blocking=non_blocking)
+        n = gather_index.shape[0]
+        self._out = torch.empty((n, len(self.layer_ids), self.hidden_size), dtype=self.dtype, device=self.device)
+        try:
+            last = self.backbone(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
+            last = last.reshape(-1, last.shape[-1]).index_select(0, self._gather_index)  # (N, D), after the final norm
+            if self.num_layers - 1 in self.layer_ids:
+                self._out[:, self.layer_ids.index(self.num_layers - 1)] = last
+            hidden = self._out
+        finally:
+            self._out, self._gather_index = None, None
+        values = torch.empty((n, self.topk), dtype=torch.float32, device=self.device)
+        ids = torch.empty((n, self.topk), dtype=torch.int32, device=self.device)
+        for t0 in range(0, n, self.lm_head_chunk):
+            t1 = min(n, t0 + self.lm_head_chunk)
+            logprobs = torch.log_softmax(self.lm_head(last[t0:t1]).float(), dim=-1)  # (chunk, vocab) fp32
+            v, i = torch.topk(logprobs, self.topk, dim=-1)
+            values[t0:t1], ids[t0:t1] = v, i
+        return TargetOutput(hidden=hidden, topk_logprobs=values, topk_ids=ids)

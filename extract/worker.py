@@ -1,0 +1,293 @@
+"""One extraction worker: one process, one device, one shard.
+
+plan (tokenise the slice) -> ShardWriter (resume point) -> forward loop on the main
+thread -> writer thread. The forward loop copies each batch's outputs device->host
+into freshly allocated pinned buffers (PyTorch's caching host allocator recycles them)
+with ``non_blocking`` and records a CUDA event; the writer thread waits on that event,
+hands the arrays to ``ShardWriter.write_batch`` (where zarr compresses, outside the GIL)
+and commits every ``commit_seconds``. The queue between the two is bounded, so host
+memory stays at ``queue_depth`` + 2 batches whatever the speed of the disk.
+
+Errors are classified for the parent: ``data`` (a bad row: message names file and row),
+``cache`` (a cache that cannot be resumed), ``io`` (the store failed while writing:
+nothing past the last good commit is recorded, a rerun resumes), ``bug`` (anything
+else, with its traceback). A worker never prints tracebacks for the first three.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import signal
+import sys
+import threading
+import time
+import traceback
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from dflash.shared.cache import CacheError, CacheSpec, ShardWriter, bf16_to_bits, open_root
+
+from .config import ExtractConfig
+from .data import DataError, load_source
+from .plan import PlannedShard, plan_shard, shard_rows
+from .target import TargetRunner, load_target
+
+
+@dataclass
+class WorkerTask:
+    """Everything a spawned worker needs (picklable)."""
+
+    cfg: ExtractConfig
+    spec: dict[str, Any]
+    shard_id: int
+    num_shards: int
+    device: str
+    """'cpu' or 'cuda:N'."""
+    render_kwargs: dict[str, Any] = field(default_factory=dict)
+    cpu_threads: int | None = None
+
+
+class WriterFailed(Exception):
+    """The writer thread hit an error; ``cause`` is the original exception."""
+
+    def __init__(self, cause: BaseException, committed: dict[str, int]):
+        self.cause, self.committed = cause, committed
+        super().__init__(f"{type(cause).__name__}: {cause}")
+
+
+class Stopped(Exception):
+    """The parent asked every worker to stop (another worker failed, or Ctrl-C)."""
+
+
+# ----------------------------------------------------------------------------- writer thread
+
+
+class WriterThread:
+    """Owns the ShardWriter from the first batch on: write_batch, periodic commit, finish."""
+
+    def __init__(self, writer: ShardWriter, planned: PlannedShard, *, depth: int, commit_seconds: float,
+                 report: callable):
+        self.writer, self.planned = writer, planned
+        self.commit_seconds = commit_seconds
+        self.report = report
+        self.queue: queue.Queue = queue.Queue(maxsize=depth)
+        self.error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name=f"shard-{writer.shard_id:05d}-writer", daemon=True)
+        self._thread.start()
+
+    def submit(self, item) -> None:
+        """Queue one batch (or None = finish); blocks while the queue is full; raises if the thread failed."""
+        while True:
+            self.check()
+            try:
+                self.queue.put(item, timeout=0.2)
+                return
+            except queue.Full:
+                continue
+
+    def check(self) -> None:
+        if self.error is not None:
+            raise WriterFailed(self.error, self.writer.committed)
+
+    def close(self, finish: bool) -> None:
+        """Drain the queue, then finish the shard (or only commit what is written)."""
+        self.submit(("end", finish))
+        self._thread.join()
+        self.check()
+
+    def _run(self) -> None:
+        last_commit = time.monotonic()
+        try:
+            while True:
+                item = self.queue.get()
+                if item[0] == "end":
+                    if item[1] and self.writer.complete:
+                        self.writer.finish()
+                    else:
+                        self.writer.commit()
+                    self.report("commit", **self.writer.committed)
+                    return
+                _, batch, event, host = item
+                if event is not None:
+                    event.synchronize()  # the device->host copies of this batch have landed
+                t0, t1 = self.planned.batch_tokens(batch)
+                s0, s1 = self.writer.batch_samples(batch)
+                self.writer.write_batch(
+                    batch,
+                    input_ids=self.planned.input_ids[t0:t1],
+                    loss_mask=self.planned.loss_mask[t0:t1],
+                    hidden=bf16_to_bits(host["hidden"]),
+                    topk_ids=host["topk_ids"].numpy(),
+                    topk_logprobs=host["topk_logprobs"].numpy(),
+                )
+                del host, item
+                self.report("progress", samples=s1 - s0, tokens=t1 - t0,
+                            assistant=int(self.planned.loss_mask[t0:t1].sum()))
+                if time.monotonic() - last_commit >= self.commit_seconds:
+                    self.writer.commit()
+                    self.report("commit", **self.writer.committed)
+                    last_commit = time.monotonic()
+        except BaseException as e:  # noqa: BLE001 - handed to the main thread; nothing more is committed
+            self.error = e
+
+
+# ----------------------------------------------------------------------------- the worker
+
+
+def _to_host(out, device: torch.device) -> tuple[dict[str, torch.Tensor], Any]:
+    """Device->host copies of one batch's outputs (pinned + non_blocking + event on CUDA)."""
+    tensors = {
+        "hidden": out.hidden.to(torch.bfloat16),  # (N, L, D): rounded on the device, half the traffic
+        "topk_ids": out.topk_ids,
+        "topk_logprobs": out.topk_logprobs,
+    }
+    if device.type != "cuda":
+        return tensors, None
+    host = {}
+    for name, t in tensors.items():
+        host[name] = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+        host[name].copy_(t, non_blocking=True)
+    event = torch.cuda.Event()
+    event.record()
+    return host, event
+
+
+def run_shard(task: WorkerTask, report, stop: threading.Event | Any | None = None) -> dict[str, Any]:
+    """Plan, resume and extract one shard; returns its final commit record.
+
+    ``report(kind, **fields)`` receives progress messages; ``stop`` (an Event) asks
+    for a clean early stop: whatever is written gets committed, then ``Stopped``.
+    """
+    cfg = task.cfg
+    if task.cpu_threads:
+        torch.set_num_threads(task.cpu_threads)
+    device = torch.device(task.device)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(cfg.tokenizer or cfg.model, revision=cfg.revision)
+    ds = load_source(cfg.data, cfg.split or "train")
+    start, stop_row = shard_rows(len(ds), task.num_shards, task.shard_id)
+    rows = ds.select(range(start, stop_row)) if hasattr(ds, "select") else ds[start:stop_row]
+    report("planning", rows=stop_row - start, done=0)
+    planned = plan_shard(rows, start, cfg.data, tokenizer, cfg, task.render_kwargs,
+                         on_row=lambda done: report("planning", rows=stop_row - start, done=done))
+
+    spec = CacheSpec.from_dict(task.spec)
+    root = open_root(cfg.out, "r+")
+    writer = ShardWriter(root, task.shard_id, planned.plan, spec)
+    plan = planned.plan
+    num_batches = len(plan.batches) - 1
+    report("planned", samples=len(plan.source_index), tokens=plan.num_tokens,
+           assistant=planned.assistant_tokens, skipped=dict(plan.skipped), **{
+               f"done_{k}": v for k, v in writer.committed.items()},
+           done_assistant=int(planned.loss_mask[: writer.committed["tokens"]].sum()))
+    if writer.complete:
+        if not writer.group.attrs.get("complete"):
+            writer.finish()
+        return writer.committed
+
+    model = load_target(cfg.model, dtype=cfg.dtype, device=device, attn_implementation=cfg.attn_implementation,
+                        revision=cfg.revision)
+    runner = TargetRunner(model, spec.layer_ids, spec.topk, cfg.lm_head_chunk)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    offsets = plan.offsets
+    report("started")
+
+    thread = WriterThread(writer, planned, depth=cfg.queue_depth, commit_seconds=cfg.commit_seconds, report=report)
+    stopped = False
+    try:
+        for batch in range(writer.next_batch, num_batches):
+            if stop is not None and stop.is_set():
+                stopped = True
+                break
+            s0, s1 = writer.batch_samples(batch)
+            samples = [torch.from_numpy(planned.input_ids[offsets[s]:offsets[s + 1]]).long() for s in range(s0, s1)]
+            ids, mask, index = TargetRunner.pad_batch(samples, pad_id)
+            if device.type == "cuda":
+                ids, mask, index = ids.pin_memory(), mask.pin_memory(), index.pin_memory()
+            out = runner.forward(ids, mask, index)
+            host, event = _to_host(out, device)
+            del out
+            thread.submit(("batch", batch, event, host))
+            if cfg.batch_delay_s:
+                time.sleep(cfg.batch_delay_s)
+    except WriterFailed:
+        raise
+    except BaseException:
+        # the forward loop failed (e.g. out of memory): commit what the writer already has
+        try:
+            thread.close(finish=False)
+        except WriterFailed:
+            pass
+        raise
+    thread.close(finish=not stopped)
+    runner.close()
+    if stopped:
+        raise Stopped()
+    return writer.committed
+
+
+def describe_error(e: BaseException, task: WorkerTask) -> tuple[str, str]:
+    """(kind, message) for the parent; see the module docstring for the kinds."""
+    shard = f"shard {task.shard_id:05d}"
+    if isinstance(e, DataError):
+        hint = "" if task.cfg.on_bad_row == "skip" else " (--on-bad-row skip counts and skips such rows)"
+        if e.reason == "too_long" and task.cfg.truncation == "error":
+            hint = " (--truncation right|skip handles long samples)"
+        return "data", f"{e}{hint}"
+    if isinstance(e, WriterFailed):
+        c = e.committed
+        cause = e.cause
+        what = "I/O error" if isinstance(cause, OSError) else "error"
+        return "io", (f"{shard}: {what} while writing {task.cfg.out}: {type(cause).__name__}: {cause}. "
+                      f"Committed and intact: {c['batches']} batches, {c['samples']} samples, {c['tokens']} tokens. "
+                      "Fix the cause (disk space, permissions) and rerun the same command to resume.")
+    if isinstance(e, CacheError):
+        return "cache", f"{shard}: {e}"
+    if isinstance(e, torch.OutOfMemoryError):
+        return "oom", (f"{shard}: out of memory on {task.device}: {e}. Lower --batch-tokens (batches are "
+                       "planned at shard creation: a started shard keeps its plan, so use a new --out).")
+    return "bug", f"{shard}: unexpected {type(e).__name__}: {e}\n{traceback.format_exc()}"
+
+
+def worker_main(task: WorkerTask, messages, stop) -> None:
+    """Entry point of a spawned worker process: run the shard, report how it ended."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent handles Ctrl-C and sets `stop`
+    try:
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
+        hf_logging.set_verbosity_error()
+    except Exception:  # noqa: BLE001 - cosmetics only
+        pass
+
+    def report(kind: str, **fields):
+        messages.put((kind, task.shard_id, fields))
+
+    code = 0
+    try:
+        record = run_shard(task, report, stop)
+        report("done", **record)
+    except Stopped:
+        report("stopped")
+    except BaseException as e:  # noqa: BLE001 - classified and reported
+        kind, message = describe_error(e, task)
+        report("error", kind=kind, message=message)
+        code = 1
+    # Everything is committed (or deliberately not); skip the seconds of interpreter
+    # teardown (torch, datasets), but only after the messages reached the parent.
+    messages.close()
+    messages.join_thread()
+    from multiprocessing import util as mp_util
+
+    mp_util._exit_function()  # what a normal exit of a multiprocessing child runs first
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
