@@ -1,0 +1,176 @@
+"""Export a drafter in the folder format SGLang and vLLM read (DESIGN §2), and load it back.
+
+    out_dir/config.json        architectures ["DFlashDraftModel"], model_type "qwen3",
+                               block_size, num_target_layers, dflash_config, Qwen3 fields
+    out_dir/model.safetensors  unprefixed names (fc.weight, layers.0.self_attn.q_proj.weight,
+                               ...), no embedding, no lm_head
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from .model import DFlashDrafter, DrafterConfig
+
+ARCHITECTURE = "DFlashDraftModel"
+CONFIG_NAME = "config.json"
+WEIGHTS_NAME = "model.safetensors"
+LAYER_ID_CONVENTION = "id i = output of target decoder layer i = HF hidden_states[i + 1]"
+
+_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+_NAME_DTYPES = {v: k for k, v in _DTYPE_NAMES.items()}
+
+
+def export_config_dict(config: DrafterConfig, dtype: torch.dtype) -> dict:
+    """The config.json content for ``config`` with weights stored in ``dtype``."""
+    dtype_name = _DTYPE_NAMES[dtype]
+    return {
+        "architectures": [ARCHITECTURE],
+        "model_type": "qwen3",
+        "block_size": config.block_size,
+        "num_target_layers": config.num_target_layers,
+        "dflash_config": {
+            "mask_token_id": config.mask_token_id,
+            "target_layer_ids": list(config.target_layer_ids),
+            "target_layer_id_convention": LAYER_ID_CONVENTION,
+        },
+        "hidden_size": config.hidden_size,
+        "intermediate_size": config.intermediate_size,
+        "num_hidden_layers": config.num_hidden_layers,
+        "num_attention_heads": config.num_attention_heads,
+        "num_key_value_heads": config.num_key_value_heads,
+        "head_dim": config.head_dim,
+        "rms_norm_eps": config.rms_norm_eps,
+        "rope_theta": config.rope_theta,
+        "rope_parameters": {"rope_type": "default", "rope_theta": config.rope_theta},
+        "max_position_embeddings": config.max_position_embeddings,
+        "vocab_size": config.vocab_size,
+        "hidden_act": "silu",
+        "attention_bias": config.attention_bias,
+        "attention_dropout": 0.0,
+        "initializer_range": config.initializer_range,
+        "tie_word_embeddings": False,
+        "torch_dtype": dtype_name,
+        "dtype": dtype_name,
+    }
+
+
+def config_from_export_dict(data: dict) -> DrafterConfig:
+    """DrafterConfig from an exported config.json, with clear errors on missing fields."""
+    if ARCHITECTURE not in (data.get("architectures") or []):
+        raise ValueError(f"config.json architectures={data.get('architectures')!r}; expected [{ARCHITECTURE!r}]")
+    dflash = data.get("dflash_config")
+    if not isinstance(dflash, dict):
+        raise ValueError("config.json lacks the dflash_config section")
+    try:
+        theta = data.get("rope_theta", (data.get("rope_parameters") or {}).get("rope_theta"))
+        return DrafterConfig(
+            hidden_size=int(data["hidden_size"]),
+            intermediate_size=int(data["intermediate_size"]),
+            num_attention_heads=int(data["num_attention_heads"]),
+            num_key_value_heads=int(data["num_key_value_heads"]),
+            head_dim=int(data["head_dim"]),
+            vocab_size=int(data["vocab_size"]),
+            target_layer_ids=list(dflash["target_layer_ids"]),
+            num_target_layers=int(data["num_target_layers"]),
+            mask_token_id=int(dflash["mask_token_id"]),
+            num_hidden_layers=int(data["num_hidden_layers"]),
+            block_size=int(data["block_size"]),
+            rms_norm_eps=float(data["rms_norm_eps"]),
+            rope_theta=float(theta),
+            max_position_embeddings=int(data["max_position_embeddings"]),
+            attention_bias=bool(data.get("attention_bias", False)),
+            initializer_range=float(data.get("initializer_range", 0.02)),
+        )
+    except KeyError as err:
+        raise ValueError(f"config.json lacks {err.args[0]!r}") from err
+    except TypeError as err:  # rope_theta None and friends
+        raise ValueError(f"config.json has an invalid field: {err}") from err
+
+
+def _unwrap(module: torch.nn.Module) -> torch.nn.Module:
+    """The plain drafter under torch.compile (_orig_mod) or DDP/FSDP-style (.module) wrappers."""
+    while True:
+        if hasattr(module, "_orig_mod"):
+            module = module._orig_mod
+        elif hasattr(module, "module") and isinstance(module.module, torch.nn.Module):
+            module = module.module
+        else:
+            return module
+
+
+def export_drafter(
+    drafter: DFlashDrafter,
+    config: DrafterConfig,
+    out_dir: str | os.PathLike,
+    dtype: torch.dtype | None = None,
+) -> Path:
+    """Write config.json + model.safetensors to ``out_dir``; ``dtype`` casts the weights
+    (default: the drafter's own dtype). Returns the folder."""
+    drafter = _unwrap(drafter)
+    state = drafter.state_dict()
+    expected_shapes = _expected_shapes(config)
+    _check_names_and_shapes(state, expected_shapes, "drafter state_dict")
+    if dtype is None:
+        dtype = next(iter(state.values())).dtype
+    if dtype not in _DTYPE_NAMES:
+        raise ValueError(f"unsupported export dtype {dtype}; use one of {list(_DTYPE_NAMES)}")
+    tensors = {name: t.detach().to("cpu", dtype).contiguous() for name, t in state.items()}
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(out / WEIGHTS_NAME), metadata={"format": "pt"})
+    with open(out / CONFIG_NAME, "w") as f:
+        json.dump(export_config_dict(config, dtype), f, indent=2)
+        f.write("\n")
+    return out
+
+
+def load_exported(
+    path: str | os.PathLike,
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype | None = None,
+) -> tuple[DFlashDrafter, DrafterConfig]:
+    """Load an exported folder, checking every tensor name and shape against the config."""
+    path = Path(path)
+    with open(path / CONFIG_NAME) as f:
+        data = json.load(f)
+    config = config_from_export_dict(data)
+    tensors = load_file(str(path / WEIGHTS_NAME))
+    _check_names_and_shapes(tensors, _expected_shapes(config), str(path / WEIGHTS_NAME))
+    if dtype is None:
+        dtype = _NAME_DTYPES.get(data.get("dtype") or data.get("torch_dtype"), next(iter(tensors.values())).dtype)
+    with torch.device("meta"):
+        drafter = DFlashDrafter(config)
+    drafter = drafter.to_empty(device=device).to(dtype)
+    drafter.load_state_dict({k: v.to(dtype) for k, v in tensors.items()}, strict=True)
+    return drafter, config
+
+
+def _expected_shapes(config: DrafterConfig) -> dict[str, tuple[int, ...]]:
+    with torch.device("meta"):
+        reference = DFlashDrafter(config)
+    return {name: tuple(t.shape) for name, t in reference.state_dict().items()}
+
+
+def _check_names_and_shapes(tensors: dict, expected: dict, where: str) -> None:
+    missing = sorted(set(expected) - set(tensors))
+    unexpected = sorted(set(tensors) - set(expected))
+    wrong = sorted(
+        f"{n}: {tuple(tensors[n].shape)} != {expected[n]}"
+        for n in set(expected) & set(tensors)
+        if tuple(tensors[n].shape) != expected[n]
+    )
+    problems = []
+    if missing:
+        problems.append(f"missing {missing}")
+    if unexpected:
+        problems.append(f"unexpected {unexpected}")
+    if wrong:
+        problems.append(f"wrong shapes {wrong}")
+    if problems:
+        raise ValueError(f"{where} does not match the DFlash export format: " + "; ".join(problems))
