@@ -1,0 +1,171 @@
+"""Extraction throughput against the forward pass alone, same batches, same run.
+
+Builds a Qwen3-8B-shaped target with random weights (bf16), saves it with
+save_pretrained, writes `--samples` text rows that tokenise to at least
+`--length` tokens (truncated to exactly that), then on one GPU:
+
+1. forward-only: the planned batches through the backbone alone (no capture), then
+   through ``TargetRunner`` (hooks + top-k), synchronised, nothing copied or written;
+2. extraction: ``run_shard`` (the real worker: D2H into pinned buffers, writer thread,
+   zarr compression and writes, commits), timed from the first batch to the last commit.
+
+Reports tokens/s of each, the ratio, bytes on disk per token against raw bf16 of the
+hidden states, and the CPU cores the extraction process kept busy.
+
+    python bench/extract_bench.py --samples 256 --length 2048 --work /tmp/xb
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import shutil
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+
+def cpu_seconds() -> float:
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
+
+
+def build(work: Path, args) -> tuple[Path, Path]:
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    from dflash.shared.toy import build_tokenizer
+
+    model_dir, data = work / "target", work / "rows.jsonl"
+    if not (model_dir / "config.json").exists():
+        tok = build_tokenizer(work / "tok", vocab_size=512)
+        cfg = Qwen3Config(hidden_size=args.hidden, intermediate_size=args.intermediate,
+                          num_hidden_layers=args.layers, num_attention_heads=32, num_key_value_heads=8,
+                          head_dim=128, vocab_size=151936, max_position_embeddings=40960,
+                          tie_word_embeddings=False)
+        torch.manual_seed(0)
+        with torch.device(args.device):
+            model = Qwen3ForCausalLM(cfg).to(torch.bfloat16)
+        t = time.perf_counter()
+        model.save_pretrained(model_dir)
+        tok.save_pretrained(model_dir)
+        print(f"saved target in {time.perf_counter() - t:.1f}s", flush=True)
+        del model
+        if args.device == "cuda":
+            torch.cuda.empty_cache()
+    rng = np.random.default_rng(0)
+    words = [w for w in Path(np.__file__).read_text().split() if w.isalpha()] or ["alpha", "beta"]
+    with data.open("w") as f:
+        for i in range(args.samples):
+            text = " ".join(rng.choice(words, size=args.length * 2))
+            f.write(json.dumps({"text": text}) + "\n")
+    return model_dir, data
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--samples", type=int, default=256)
+    p.add_argument("--length", type=int, default=2048)
+    p.add_argument("--layers", type=int, default=36)
+    p.add_argument("--hidden", type=int, default=4096)
+    p.add_argument("--intermediate", type=int, default=12288)
+    p.add_argument("--batch-tokens", type=int, default=8192)
+    p.add_argument("--work", default="/tmp/xbench")
+    p.add_argument("--device", default="cuda", help="cuda, or cpu for a dry run of the script")
+    args = p.parse_args()
+    work = Path(args.work)
+    work.mkdir(parents=True, exist_ok=True)
+    model_dir, data = build(work, args)
+
+    from transformers import AutoTokenizer
+
+    from dflash.extract.config import ExtractConfig
+    from dflash.extract.data import load_source
+    from dflash.extract.plan import plan_shard
+    from dflash.extract.runner import build_spec, node_layout, prepare_root
+    from dflash.extract.target import TargetRunner, load_target
+    from dflash.extract.worker import WorkerTask, run_shard
+
+    out = work / "cache.zarr"
+    shutil.rmtree(out, ignore_errors=True)
+    cuda = args.device == "cuda"
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    cfg = ExtractConfig(data=str(data), model=str(model_dir), out=str(out), max_length=args.length,
+                        batch_tokens=args.batch_tokens, device=args.device, gpus=[0], progress=False,
+                        dtype="bfloat16" if cuda else "float32")
+    cfg.validate()
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    ds = load_source(str(data), "train")
+    planned = plan_shard(ds, 0, str(data), tok, cfg)
+    plan = planned.plan
+    n_tok = plan.num_tokens
+    print(f"{len(plan.source_index)} samples, {n_tok} tokens, {len(plan.batches) - 1} batches", flush=True)
+
+    # ---- 1. forward only, same batches
+    model = load_target(str(model_dir), dtype=cfg.dtype, device=args.device)
+    from transformers import AutoConfig
+    spec = build_spec(cfg, tok, AutoConfig.from_pretrained(model_dir), ds, 1)
+    runner = TargetRunner(model, spec.layer_ids, spec.topk, cfg.lm_head_chunk)
+    off = plan.offsets
+    batches = []
+    for b in range(len(plan.batches) - 1):
+        s0, s1 = int(plan.batches[b]), int(plan.batches[b + 1])
+        samples = [torch.from_numpy(planned.input_ids[off[s]:off[s + 1]]).long() for s in range(s0, s1)]
+        batches.append(TargetRunner.pad_batch(samples, tok.pad_token_id or 0))
+
+    def timed(fn, reps=1):
+        fn(batches[0])  # warm-up
+        sync()
+        t = time.perf_counter()
+        for _ in range(reps):
+            for bt in batches:
+                fn(bt)
+        sync()
+        return (time.perf_counter() - t) / reps
+
+    with torch.inference_mode():
+        backbone = runner.backbone
+        t_backbone = timed(lambda bt: backbone(input_ids=bt[0].to(args.device), attention_mask=bt[1].to(args.device), use_cache=False))
+        t_runner = timed(lambda bt: runner.forward(*bt))
+    runner.close()
+    del model, runner, backbone
+    if cuda:
+        torch.cuda.empty_cache()
+
+    # ---- 2. the real worker
+    root_spec = spec
+    prepare_root(cfg, root_spec, node_layout())
+    events = {}
+
+    def report(kind, **f):
+        if kind == "started":
+            events["start"] = time.perf_counter()
+            events["cpu0"] = cpu_seconds()
+
+    task = WorkerTask(cfg=cfg, spec=root_spec.to_dict(), shard_id=0, num_shards=1, device="cuda:0" if cuda else "cpu")
+    run_shard(task, report)
+    t_extract = time.perf_counter() - events["start"]
+    cores = (cpu_seconds() - events["cpu0"]) / t_extract
+
+    stored = sum(f.stat().st_size for f in out.rglob("*") if f.is_file())
+    hidden_raw = n_tok * len(spec.layer_ids) * spec.hidden_size * 2
+    hidden_stored = sum(f.stat().st_size for f in (out / "shards" / "00000" / "hidden").rglob("*") if f.is_file())
+    result = {
+        "samples": len(plan.source_index), "tokens": n_tok, "batch_tokens": args.batch_tokens,
+        "backbone_only_tok_s": round(n_tok / t_backbone), "forward_capture_topk_tok_s": round(n_tok / t_runner),
+        "extract_tok_s": round(n_tok / t_extract),
+        "extract_vs_forward_capture_topk": round(t_runner / t_extract, 3),
+        "extract_vs_backbone_only": round(t_backbone / t_extract, 3),
+        "cpu_cores_busy": round(cores, 2),
+        "bytes_per_token_total": round(stored / n_tok), "raw_bf16_hidden_bytes_per_token": round(hidden_raw / n_tok),
+        "total_vs_raw_bf16_hidden": round(stored / hidden_raw, 4), "hidden_ratio": round(hidden_raw / hidden_stored, 4),
+        "torch": torch.__version__, "gpu": torch.cuda.get_device_name() if cuda else "cpu",
+    }
+    print(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()

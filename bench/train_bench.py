@@ -1,0 +1,117 @@
+"""Drafter training step at Qwen3-8B dimensions: compiled flex against dense SDPA.
+
+Synthetic batches of the shape the loader delivers (one sequence of `--ctx` context
+tokens, `--anchors` blocks of B=16, 5 target layers of D=4096), the real step code
+(train/step.py: block mask, frozen target embedding and LM head, chunked CE), fp32
+master weights + bf16 autocast, fused AdamW. Per attention backend and context length:
+median step time, block tokens/s, MFU (train/metrics.step_flops over 790 TFLOP/s, the
+measured H200 bf16 matmul peak; DESIGN §4), peak memory, and the compile count after
+warm-up with recompiles made errors.
+
+    python bench/train_bench.py --ctx 3072 --attention flex,dense
+    python bench/train_bench.py --ctx 2048,4096,8192,16384 --attention flex
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+
+from dflash.train import attention, compile as dcompile
+from dflash.train.metrics import step_flops
+from dflash.train.model import DFlashDrafter, DrafterConfig, TargetHead
+from dflash.train.step import StepSpec, forward_loss, work_counts
+
+
+def make_batch(S: int, n_anchors: int, width: int, vocab: int, device, seed: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    anchors = torch.randperm(S - 1, generator=g)[:n_anchors].sort().values + 1
+    batch = {
+        "input_ids": torch.randint(0, vocab, (1, S), generator=g),
+        "loss_mask": torch.ones(1, S, dtype=torch.bool),
+        "context_hidden": torch.randn(1, S, width, generator=g).bfloat16(),
+        "target_top1": torch.randint(0, vocab, (1, S), generator=g),
+        "seq_len": torch.tensor([S]),
+        "anchors": anchors[None],
+        "block_valid": torch.ones(1, n_anchors, dtype=torch.bool),
+    }
+    return {k: v.to(device) for k, v in batch.items()}
+
+
+def run(kind: str, S: int, args, cfg: DrafterConfig, head: TargetHead) -> dict:
+    device = torch.device("cuda")
+    torch.manual_seed(0)
+    model = DFlashDrafter(cfg).to(device)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+    choice = dcompile.CompileChoice(kind, True, "inductor", False)
+    cmodel = dcompile.compile_model(model, choice, graphs_needed=2)
+    spec = StepSpec(attention=kind, block_size=cfg.block_size, mask_token_id=cfg.mask_token_id, gamma=None,
+                    ce_chunk_size=4096, autocast_dtype=torch.bfloat16)
+    batches = [make_batch(S, args.anchors, cfg.num_context_layers * cfg.hidden_size, cfg.vocab_size, device, i)
+               for i in range(4)]
+
+    def step(batch):
+        out = forward_loss(cmodel, head, batch, spec)
+        out.loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    before = dcompile.compile_count()
+    step(batches[0])  # warm-up: a real training step
+    warm_graphs = dcompile.compile_count() - before
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    times = []
+    with dcompile.frozen():
+        for i in range(args.steps):
+            torch.cuda.synchronize()
+            t = time.perf_counter()
+            step(batches[i % len(batches)])
+            torch.cuda.synchronize()
+            times.append(time.perf_counter() - t)
+    recompiles = dcompile.compile_count() - before - warm_graphs
+    ctx, block, pairs = work_counts(batches[0], cfg.block_size).tolist()
+    flops = step_flops(cfg, cfg.vocab_size, int(ctx), int(block), int(pairs))
+    med = statistics.median(times)
+    res = {"attention": kind, "ctx": S, "anchors": args.anchors, "median_step_ms": round(med * 1e3, 1),
+           "block_tok_s": round(block / med), "mfu_vs_790": round(flops / med / 790e12, 3),
+           "peak_mem_gb": round(torch.cuda.max_memory_allocated() / 1e9, 2),
+           "graphs_at_warmup": warm_graphs, "recompiles_after": recompiles}
+    del cmodel, model, opt, batches
+    torch._dynamo.reset()
+    torch.cuda.empty_cache()
+    return res
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--ctx", default="3072")
+    p.add_argument("--attention", default="flex,dense")
+    p.add_argument("--anchors", type=int, default=512)
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--layers", type=int, default=5)
+    args = p.parse_args()
+    cfg = DrafterConfig(hidden_size=4096, intermediate_size=12288, num_hidden_layers=args.layers,
+                        num_attention_heads=32, num_key_value_heads=8, head_dim=128, rms_norm_eps=1e-6,
+                        rope_theta=1e6, max_position_embeddings=40960, vocab_size=151936, block_size=16,
+                        target_layer_ids=[1, 9, 17, 25, 33], num_target_layers=36, mask_token_id=151669)
+    g = torch.Generator().manual_seed(1)
+    head = TargetHead((torch.randn(cfg.vocab_size, 4096, generator=g) * 0.02).bfloat16().cuda(),
+                      (torch.randn(cfg.vocab_size, 4096, generator=g) * 0.02).bfloat16().cuda())
+    for S in [int(x) for x in args.ctx.split(",")]:
+        for kind in args.attention.split(","):
+            try:
+                print(json.dumps(run(kind, S, args, cfg, head)), flush=True)
+            except torch.OutOfMemoryError as e:
+                print(json.dumps({"attention": kind, "ctx": S, "error": f"OOM: {str(e)[:120]}"}), flush=True)
+                torch._dynamo.reset()
+                torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()
