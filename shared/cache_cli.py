@@ -1,0 +1,244 @@
+"""``dflash-cache``: inspect a hidden-state cache (info, show, verify, stats).
+
+Every command prints a compact human report, or with ``--json`` one JSON document
+(the dict from ``dflash.shared.inspect``). Exit codes: 0 fine, 1 ``verify`` found
+problems, 2 the cache cannot be opened or the request makes no sense for it.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from typing import Any
+
+import click
+
+from dflash.shared import inspect as I
+from dflash.shared.cache import CacheError
+
+EXIT_PROBLEMS = 1
+EXIT_ERROR = 2
+
+
+class CacheCliError(click.ClickException):
+    exit_code = EXIT_ERROR
+
+
+def _run(fn, *args, **kwargs) -> dict[str, Any]:
+    try:
+        return fn(*args, **kwargs)
+    except (CacheError, IndexError) as e:
+        raise CacheCliError(str(e)) from e
+
+
+def _emit_json(doc: dict[str, Any]) -> None:
+    click.echo(json.dumps(doc, indent=2, default=str, allow_nan=True))
+
+
+def _n(x: int | None) -> str:
+    return "?" if x is None else f"{x:,}"
+
+
+def _bytes(x: int | None) -> str:
+    if x is None:
+        return "unknown"
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(x) < 1024 or unit == "TiB":
+            return f"{x:.0f} {unit}" if unit == "B" else f"{x:.2f} {unit}"
+        x /= 1024
+
+
+def _short(h: str | None, n: int = 12) -> str:
+    if not h:
+        return "-"
+    h = str(h)
+    return h.split(":", 1)[1][:n] if ":" in h else h[:n]
+
+
+def _pct(x: float | None) -> str:
+    return "-" if x is None else f"{100 * x:.1f}%"
+
+
+def _json_option(f):
+    return click.option("--json", "as_json", is_flag=True, help="Print one JSON document instead of the report.")(f)
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+def main():
+    """Inspect a dflash hidden-state cache (a Zarr v3 store)."""
+
+
+# ----------------------------------------------------------------------------- info
+
+
+@main.command()
+@click.argument("cache")
+@_json_option
+def info(cache: str, as_json: bool):
+    """Fingerprint, layout, shard states, counts and size on disk."""
+    d = _run(I.cache_info, cache)
+    if as_json:
+        return _emit_json(d)
+    fp = d["fingerprint"]
+    t, tok, ds = fp["target"], fp["tokenizer"], fp["dataset"]
+    lines = [
+        f"cache      {d['path']}  ({d['format']} v{d['format_version']}, "
+        f"{'complete' if d['complete'] else 'INCOMPLETE'})",
+        f"target     {t['name_or_path']}  rev {t['revision'] or '-'}  dtype {t['dtype'] or '-'}  "
+        f"config {_short(t['config_hash'])}  weights {_short(t['weights_hash'])}",
+        f"tokenizer  {_short(tok['hash'])}  template {_short(tok['chat_template_hash'])}",
+        f"dataset    {ds['name'] or '-'}  split {ds['split'] or '-'}  rows {_n(ds['rows'])}  hash {_short(ds['hash'])}",
+        f"layers     {d['layer_ids']} of {d['num_target_layers']}  ({d['layer_convention']})",
+        f"hidden     D={d['hidden_size']} {d['hidden_dtype']}  top-k {d['topk']}  vocab {_n(d['vocab_size'])}  "
+        f"max length {d['max_length']} (truncation {d['truncation']})  chunk {d['chunk_tokens']} tokens",
+        "",
+        f"{'shard':>5}  {'state':<8}  {'samples':>17}  {'tokens':>23}  {'assistant':>11}  {'disk':>11}  skipped",
+    ]
+    for s in d["shards"]:
+        skipped = ", ".join(f"{k}={v}" for k, v in s["skipped"].items() if v) or "-"
+        lines.append(
+            f"{s['shard_id']:05d}  {s['state']:<8}  {_n(s['samples']) + '/' + _n(s['planned_samples']):>17}  "
+            f"{_n(s['tokens']) + '/' + _n(s['planned_tokens']):>23}  {_n(s['assistant_tokens']):>11}  "
+            f"{_bytes(s['bytes_on_disk']):>11}  {skipped}")
+    ratio = d["compression_ratio"]
+    fmt_ratio = lambda r: "-" if r is None else f"{r:.2f}x"  # noqa: E731
+    skipped = ", ".join(f"{k}={v}" for k, v in d["skipped"].items() if v) or "none"
+    lines += [
+        "",
+        f"total      {_n(d['samples'])}/{_n(d['planned_samples'])} samples, {_n(d['tokens'])}/"
+        f"{_n(d['planned_tokens'])} tokens, {_n(d['assistant_tokens'])} assistant tokens "
+        f"({_pct(d['assistant_fraction'])}); skipped rows: {skipped}",
+        f"disk       {_bytes(d['bytes_on_disk'])}; vs raw bf16: hidden {fmt_ratio(ratio['hidden'])}, "
+        f"all arrays {fmt_ratio(ratio['total'])}  (raw {_bytes(d['raw_bytes']['total'])})",
+    ]
+    click.echo("\n".join(lines))
+
+
+# ----------------------------------------------------------------------------- show
+
+
+def _tok_text(text: str | None, tid: int) -> str:
+    return f"#{tid}" if text is None else repr(text)
+
+
+@main.command()
+@click.argument("cache")
+@click.argument("index", type=int)
+@click.option("--tokenizer", "tokenizer_path", default=None,
+              help="Tokenizer folder to decode with (default: the target path recorded in the cache).")
+@click.option("--tokens", "num_tokens", default=32, show_default=True, type=int,
+              help="Rows of the per-token prediction table (-1: all).")
+@click.option("--top", default=3, show_default=True, type=int, help="Target predictions shown per token.")
+@click.option("--color/--no-color", default=None, help="ANSI colour for assistant spans (default: when a tty).")
+@_json_option
+def show(cache: str, index: int, tokenizer_path: str | None, num_tokens: int, top: int,
+         color: bool | None, as_json: bool):
+    """One sample: text with assistant spans marked, target top-k, hidden-state norms."""
+    d = _run(I.show_sample, cache, index, tokenizer_path=tokenizer_path,
+             num_tokens=None if num_tokens < 0 else num_tokens, top=top)
+    if as_json:
+        return _emit_json(d)
+    color = sys.stdout.isatty() if color is None else color
+    tk = d["tokenizer"]
+    head = (f"sample {d['index']}  (shard {d['shard_id']:05d} sample {d['local_index']}, source row "
+            f"{d['source_index']})  length {d['length']}  assistant tokens {d['assistant_tokens']}")
+    if tk["loaded"]:
+        note = "" if tk["hash_matches_cache"] in (None, True) else "  WARNING: its hash differs from the cache's"
+        tok_line = f"tokenizer {tk['path']}{note}"
+    else:
+        tok_line = f"no tokenizer ({tk['error']}); showing token ids"
+    legend = "assistant tokens in green" if color else "assistant tokens inside [[ ]]"
+    parts = []
+    for seg in d["segments"]:
+        text = seg["text"] if seg["text"] is not None else " ".join(map(str, seg["ids"])) + " "
+        if seg["assistant"]:
+            parts.append(click.style(text, fg="green", bold=True) if color else f"[[{text}]]")
+        else:
+            parts.append(text)
+    out = [head, tok_line, f"--- text ({legend})", "".join(parts), "---"]
+    if d["tokens"]:
+        out.append(f"target predictions for the next token, first {d['tokens_shown']} of {d['length']} "
+                   f"positions (A = assistant, * = top-1 is the next token)")
+        out.append(f"{'pos':>5} A  {'token':<18} {'next':<18} top-{top}")
+        for t in d["tokens"]:
+            nxt = "-" if t["next_id"] is None else _tok_text(t["next_text"], t["next_id"])
+            preds = "  ".join(f"{_tok_text(p.get('text'), p['id'])} {p['prob']:.3f}" for p in t["top"])
+            out.append(f"{t['pos']:>5} {'A' if t['assistant'] else ' '}{'*' if t['top1_is_next'] else ' '}"
+                       f"{_tok_text(t['text'], t['id'])[:18]:<18} {nxt[:18]:<18} {preds}")
+    out.append("hidden-state L2 norm per token: " + "  ".join(
+        f"layer {n['layer_id']}: mean {n['mean']:.3g} max {n['max']:.3g}" for n in d["layer_norms"] if n["mean"] is not None))
+    click.echo("\n".join(out))
+
+
+# ----------------------------------------------------------------------------- verify
+
+
+@main.command()
+@click.argument("cache")
+@click.option("--max-problems", default=100, show_default=True, help="Problems listed (all are counted).")
+@click.option("--workers", default=4, show_default=True, help="Threads reading and checking chunks.")
+@click.option("--progress/--no-progress", default=True, help="Progress bar on stderr.")
+@_json_option
+def verify(cache: str, max_problems: int, workers: int, progress: bool, as_json: bool):
+    """Read every committed chunk and check checksums, values and structure. Exit 1 on any problem."""
+    d = _run(I.verify_cache, cache, max_problems=max_problems, progress=progress, workers=workers)
+    if as_json:
+        _emit_json(d)
+    else:
+        lines = []
+        for s in d["shards"]:
+            lines.append(f"shard {s['shard_id']:05d}  {s['state']:<8}  committed {_n(s['samples'])}/"
+                         f"{_n(s['planned_samples'])} samples, {_n(s['tokens'])}/{_n(s['planned_tokens'])} tokens")
+        lines.append(f"read {_n(d['chunks_read'])} chunks: {_n(d['samples'])} samples, {_n(d['tokens'])} tokens")
+        if d["ok"]:
+            lines.append("OK: no problems found")
+        else:
+            lines.append(f"{d['num_problems']} problem(s):")
+            lines += [f"  [{p['check']}] {p['message']}" for p in d["problems"]]
+            if d["problems_left_out"]:
+                lines.append(f"  ... and {d['problems_left_out']} more (raise --max-problems)")
+        click.echo("\n".join(lines))
+    sys.exit(0 if d["ok"] else EXIT_PROBLEMS)
+
+
+# ----------------------------------------------------------------------------- stats
+
+
+@main.command()
+@click.argument("cache")
+@click.option("--max-samples", default=256, show_default=True, help="Samples drawn for activation/top-k statistics.")
+@click.option("--seed", default=0, show_default=True, help="Seed of that draw.")
+@click.option("--threshold", default=100.0, show_default=True, help="Report the fraction of |x| above this.")
+@_json_option
+def stats(cache: str, max_samples: int, seed: int, threshold: float, as_json: bool):
+    """Length histogram, assistant fraction, per-layer activation and top-k statistics."""
+    d = _run(I.cache_stats, cache, max_samples=max_samples, seed=seed, threshold=threshold)
+    if as_json:
+        return _emit_json(d)
+    ln = d["lengths"]
+    out = [f"{_n(d['samples'])} samples, {_n(d['tokens'])} tokens, assistant {_pct(d['assistant_fraction'])}"]
+    if ln["histogram"]:
+        out.append(f"length: min {ln['min']}  mean {ln['mean']:.1f}  p50 {ln['percentiles']['50']:.0f}  "
+                   f"p90 {ln['percentiles']['90']:.0f}  p99 {ln['percentiles']['99']:.0f}  max {ln['max']}  "
+                   f"(at max length: {ln['at_max_length']})")
+        peak = max(b["count"] for b in ln["histogram"])
+        for b in ln["histogram"]:
+            bar = "#" * (round(40 * b["count"] / peak) if b["count"] else 0)
+            out.append(f"  {b['lo']:>6}-{b['hi'] - 1:<6} {b['count']:>9,}  {bar}")
+    smp = d["sampled"]
+    drawn = "all samples" if smp["indices_all"] else f"seed {smp['seed']}"
+    out.append(f"activations over {_n(smp['samples'])} samples ({_n(smp['tokens'])} tokens, {drawn}):")
+    out.append(f"  {'layer':>5} {'mean':>10} {'std':>10} {'rms':>10} {'abs max':>10} {'|x|>' + format(threshold, 'g'):>10}")
+    for lay in d["activations"]["layers"]:
+        out.append(f"  {lay['layer_id']:>5} {lay['mean']:>10.4g} {lay['std']:>10.4g} {lay['rms']:>10.4g} "
+                   f"{lay['abs_max']:>10.4g} {_pct(lay['frac_above_threshold']):>10}")
+    tk = d["topk"]
+    fmt = lambda x: "-" if x is None else f"{x:.3f}"  # noqa: E731
+    out.append(f"top-{tk['k']}: mean top-1 prob {fmt(tk['mean_top1_prob'])}, mass in top-k {fmt(tk['mean_topk_mass'])}, "
+               f"entropy >= {fmt(tk['mean_entropy_lower_bound'])} nats; top-1 = next token "
+               f"{_pct(tk['top1_is_next_token'])} (assistant {_pct(tk['top1_is_next_token_assistant'])})")
+    click.echo("\n".join(out))
+
+
+if __name__ == "__main__":
+    main()
