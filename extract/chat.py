@@ -7,14 +7,14 @@ template itself writes inside an assistant turn after its header (e.g. Qwen3's e
 `<think>\\n\\n</think>\\n\\n`) counts as assistant, since the target emits it too.
 
 Two ways to find those tokens, giving the same mask for the same template:
-  * "generation_tags": templates with `{% generation %}` blocks; HF's
-    `return_assistant_tokens_mask` marks the tokens overlapping each block.
+  * "generation_tags": templates with `{% generation %}` blocks; HF's Jinja renderer
+    gives each block's char span, and every token overlapping a span is marked.
   * "prefix_diff": templates without tags (Qwen3's real one). For assistant message i,
     render messages[:i] with add_generation_prompt=True; that string must be a prefix
     of the full rendering (checked, else DataError "mask_fallback_failed"). The turn
     starts at the end of that prefix and ends at the first end-of-turn token after it.
-    Characters map to tokens with HF's rule (a token overlapping the span counts), so
-    a BPE merge across the header/content boundary does not break the row.
+    Characters map to tokens by the same overlap rule, so a BPE merge across the
+    header/content boundary does not break the row and both methods agree on it.
 In both, each span is then cut after its first end-of-turn token, or extended by one
 token when the token right after it is end-of-turn, so where a template puts
 `{% endgeneration %}` relative to <|im_end|> does not change the mask.
@@ -159,22 +159,50 @@ def _flat_ids(ids) -> list[int]:
 
 
 def _mask_from_generation_tags(tokenizer, conv: Conversation, kwargs: dict) -> tuple[list[int], list[int]]:
-    out = _apply_template(
-        tokenizer,
-        conv,
-        conv.messages,
-        "the conversation",
-        tokenize=True,
-        return_dict=True,
-        return_assistant_tokens_mask=True,
-        add_generation_prompt=False,
-        **kwargs,
-    )
-    ids = _flat_ids(out["input_ids"])
-    mask = _flat_ids(out["assistant_masks"])
-    if len(mask) != len(ids):
-        raise AssertionError(f"assistant mask length {len(mask)} != {len(ids)} tokens")
-    return ids, mask
+    """Char spans of the `{% generation %}` blocks from HF's own Jinja renderer, mapped
+    to tokens here. Not `apply_chat_template(return_assistant_tokens_mask=True)`: its
+    char-to-token mapping changed between 5.17 (char_to_token on the span ends, which
+    drops or over-extends spans at some boundaries) and 5.24 (overlap), so the mask
+    would depend on the installed version."""
+    from transformers.utils.chat_template_utils import render_jinja_template
+
+    try:
+        rendered, spans = render_jinja_template(
+            conversations=[conv.messages],
+            chat_template=tokenizer.get_chat_template(),
+            return_assistant_tokens_mask=True,
+            add_generation_prompt=False,
+            **{**tokenizer.special_tokens_map, **kwargs},
+        )
+    except Exception as exc:  # noqa: BLE001 - jinja errors, raise_exception(), ...
+        raise DataError(
+            "template_rejected", conv.source, conv.row_index, f"chat template rejected the conversation: {type(exc).__name__}: {exc}"
+        ) from exc
+    ids, offsets = _tokenize_with_offsets(tokenizer, rendered[0])
+    return ids, _overlap_mask(offsets, spans[0])
+
+
+def _tokenize_with_offsets(tokenizer, text: str) -> tuple[list[int], list[tuple[int, int]]]:
+    enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    offsets = enc["offset_mapping"]
+    if hasattr(offsets, "tolist"):
+        offsets = offsets.tolist()
+    return _flat_ids(enc["input_ids"]), [(int(a), int(b)) for a, b in offsets]
+
+
+def _overlap_mask(offsets: list[tuple[int, int]], spans) -> list[int]:
+    """1 for every token overlapping a char span [start, end) (spans and tokens sorted)."""
+    mask = [0] * len(offsets)
+    span_idx = 0
+    spans = [(int(a), int(b)) for a, b in spans if b > a]
+    for t, (tok_start, tok_end) in enumerate(offsets):
+        while span_idx < len(spans) and tok_start >= spans[span_idx][1]:
+            span_idx += 1
+        if span_idx == len(spans):
+            break
+        if tok_end > spans[span_idx][0]:
+            mask[t] = 1
+    return mask
 
 
 def _mask_from_prefix_diff(tokenizer, conv: Conversation, eot: int, kwargs: dict) -> tuple[list[int], list[int]]:
@@ -184,9 +212,8 @@ def _mask_from_prefix_diff(tokenizer, conv: Conversation, eot: int, kwargs: dict
         return DataError("mask_fallback_failed", conv.source, conv.row_index, problem)
 
     full = _render_text(tokenizer, conv, messages, "the conversation", kwargs, add_generation_prompt=False)
-    enc = tokenizer(full, add_special_tokens=False, return_offsets_mapping=True)
-    ids = _flat_ids(enc["input_ids"])
-    token_ends = [end for _start, end in enc["offset_mapping"]]
+    ids, offsets = _tokenize_with_offsets(tokenizer, full)
+    token_ends = [end for _start, end in offsets]
     mask = [0] * len(ids)
 
     for i, message in enumerate(messages):

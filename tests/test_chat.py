@@ -74,6 +74,16 @@ def test_both_methods_match_reference(tiny_tokenizer, tiny_tokenizer_notags, cha
             np.testing.assert_array_equal(mask, ref_mask)
 
 
+def test_tags_method_matches_hf_mask_on_plain_chats(tiny_tokenizer, chats_sample_path):
+    """Cross-check against HF's own return_assistant_tokens_mask where boundaries are clean
+    (HF's char-to-token mapping differs between versions on edge cases, so not there)."""
+    for conv in sample_conversations(chats_sample_path):
+        out = tiny_tokenizer.apply_chat_template(conv.messages, return_dict=True, return_assistant_tokens_mask=True)
+        ids, mask = render(tiny_tokenizer, conv, max_length=4096)
+        assert ids.tolist() == list(out["input_ids"])
+        assert mask.astype(int).tolist() == list(out["assistant_masks"])
+
+
 def test_masked_tokens_decode_to_assistant_contents(tiny_tokenizer, tiny_tokenizer_notags):
     conv = HANDMADE[1]
     expected = "".join(m["content"] + IM_END for m in conv.messages if m["role"] == "assistant")
