@@ -191,3 +191,22 @@ def test_bad_inputs_raise():
         attention.build_mask("sparse", torch.zeros(1, 1, dtype=torch.long), torch.ones(1, 1, dtype=torch.bool), torch.ones(1, dtype=torch.long), 4, 2)
     with pytest.raises(TypeError):
         attention.attend(torch.zeros(1, 1, 2, 4), torch.zeros(1, 1, 2, 4), torch.zeros(1, 1, 2, 4), torch.ones(1, 1, 2, 2), 1.0)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_compiled_flex_forward_backward_matches_dense_on_cuda():
+    gen = torch.Generator().manual_seed(5)
+    anchors, valid, ctx_len, S, B = (t.cuda() if torch.is_tensor(t) else t for t in random_case(gen, context_len=64))
+    block_mask = attention.build_mask("flex", anchors, valid, ctx_len, S, B)
+    dense = attention.build_mask("dense", anchors, valid, ctx_len, S, B)
+    q, k, v = (t.cuda().requires_grad_(True) for t in _random_qkv(gen, dense.cpu(), head_dim=16))
+    grads = []
+    for mask in (block_mask, dense):
+        out = attention.attend(q, k, v, mask, scale=0.25)
+        out.square().sum().backward()
+        grads.append((out.detach(), *(t.grad.clone() for t in (q, k, v))))
+        for t in (q, k, v):
+            t.grad = None
+    for a, b in zip(*grads):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
