@@ -1,0 +1,128 @@
+"""Stage two end to end on the CPU: learning, data parallel equivalence, exact resume,
+CLI export, cache refusal."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+
+import train_helpers as H
+from dflash.shared.cache import CacheMismatch
+from dflash.train import checkpoint
+from dflash.train.loop import default_target_layer_ids, train
+
+
+@pytest.fixture(scope="module")
+def pattern_cache(tmp_path_factory, tiny_target_dir, tiny_tokenizer):
+    path = tmp_path_factory.mktemp("pattern") / "cache.zarr"
+    return H.write_pattern_cache(path, tiny_target_dir, tiny_tokenizer, samples_per_shard=10)
+
+
+def read_metrics(run_dir, kind="train"):
+    rows = [json.loads(l) for l in open(run_dir / "metrics.jsonl")]
+    return [r for r in rows if r["kind"] == kind]
+
+
+def test_default_layer_ids():
+    assert default_target_layer_ids(36) == [1, 9, 17, 25, 33]
+    assert default_target_layer_ids(28) == [1, 7, 13, 19, 25]
+
+
+def test_loss_falls_and_acceptance_rises(pattern_cache, tiny_target_dir, tmp_path):
+    cfg = H.tiny_config(pattern_cache, tiny_target_dir, tmp_path / "run", max_steps=60, log_every=5,
+                        eval_every=5, save_every=1000)
+    summary = train(cfg)
+    train_rows, evals = read_metrics(tmp_path / "run"), read_metrics(tmp_path / "run", "eval")
+    assert summary["step"] == 60 and len(evals) == 12
+    assert train_rows[-1]["loss"] < train_rows[0]["loss"] - 0.5
+    assert evals[-1]["loss"] < evals[0]["loss"]
+    assert evals[0]["tau"] < 3.0 < evals[-1]["tau"] <= cfg.drafter.block_size
+    assert train_rows[-1]["acc"] > 0.9
+    # the last step is also evaluated and saved
+    assert checkpoint.resolve(tmp_path / "run").name == "step_000060"
+    for key in ("tok_s", "mfu", "peak_mem_gb", "lr", "grad_norm", "acc_per_pos"):
+        assert key in train_rows[-1]
+
+
+def test_two_processes_match_one(pattern_cache, tiny_target_dir, tmp_path):
+    one = H.tiny_config(pattern_cache, tiny_target_dir, tmp_path / "one", max_steps=3, batch_size=4,
+                        micro_batch_size=2, eval_samples=4)
+    train(one)  # 1 rank x 2 accumulation steps
+    two = H.tiny_config(pattern_cache, tiny_target_dir, tmp_path / "two", max_steps=3, batch_size=4,
+                        micro_batch_size=2, eval_samples=4)
+    H.run_distributed(two, world=2)  # 2 ranks x 1 step each
+    a = checkpoint.load_weights(checkpoint.resolve(tmp_path / "one"))
+    b = checkpoint.load_weights(checkpoint.resolve(tmp_path / "two"))
+    assert a.keys() == b.keys()
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], rtol=1e-5, atol=1e-6, msg=k)
+    la = [r["loss"] for r in read_metrics(tmp_path / "one")]
+    lb = [r["loss"] for r in read_metrics(tmp_path / "two")]
+    assert la == pytest.approx(lb, rel=1e-5)
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_resume_is_bitwise(pattern_cache, tiny_target_dir, tmp_path, workers):
+    kw = dict(max_steps=8, save_every=3, log_every=1, eval_every=4, num_workers=workers, epochs=1)
+    train(H.tiny_config(pattern_cache, tiny_target_dir, tmp_path / "full", **kw))
+    train(H.tiny_config(pattern_cache, tiny_target_dir, tmp_path / "cut", stop_after=4, **kw))
+    # "killed" after step 4: drop the checkpoint-less tail, keep step 3
+    assert checkpoint.resolve(tmp_path / "cut").name == "step_000003"
+    rows = [l for l in open(tmp_path / "cut" / "metrics.jsonl") if json.loads(l)["step"] <= 3]
+    (tmp_path / "cut" / "metrics.jsonl").write_text("".join(rows))
+    summary = train(H.tiny_config(pattern_cache, tiny_target_dir, tmp_path / "cut", **kw))
+    assert summary["step"] == 8
+    full = [(r["step"], r["loss"], r["acc_per_pos"]) for r in read_metrics(tmp_path / "full")]
+    cut = [(r["step"], r["loss"], r["acc_per_pos"]) for r in read_metrics(tmp_path / "cut")]
+    assert [s for s, *_ in cut] == list(range(1, 9))
+    assert cut == full  # bitwise: same floats
+    assert read_metrics(tmp_path / "cut", "eval")[-1] == read_metrics(tmp_path / "full", "eval")[-1]
+    a = checkpoint.load_weights(checkpoint.resolve(tmp_path / "full"))
+    b = checkpoint.load_weights(checkpoint.resolve(tmp_path / "cut"))
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_cli_run_and_export(pattern_cache, tiny_target_dir, tmp_path):
+    from dflash.train.cli import main
+    from dflash.train.export import load_exported
+    from dflash.train.model import DFlashDrafter, DrafterConfig
+
+    run = tmp_path / "run"
+    main(["--preset", "tiny", "--cache", str(pattern_cache), "--target", str(tiny_target_dir), "--out", str(run),
+          "--max-steps", "2", "--target-layer-ids", "0,2", "--mask-token-id", "3", "--max-anchors", "4"])
+    cfg = json.loads((run / "config.json").read_text())
+    assert cfg["data"]["max_anchors"] == 4 and cfg["drafter"]["target_layer_ids"] == [0, 2]
+    main(["export", str(run), "--out", str(tmp_path / "export"), "--dtype", "float32"])
+    loaded, lcfg = load_exported(tmp_path / "export")
+    state = checkpoint.read_state(checkpoint.resolve(run))
+    ref = DFlashDrafter(DrafterConfig.from_dict(state["drafter_config"]))
+    ref.load_state_dict(checkpoint.load_weights(checkpoint.resolve(run)))
+    assert lcfg.target_layer_ids == [0, 2] and lcfg.mask_token_id == 3
+    from dflash.train import attention
+
+    g = torch.Generator().manual_seed(0)
+    S, N, B = 12, 2, lcfg.block_size
+    anchors, valid = torch.tensor([[3, 7]]), torch.tensor([[True, True]])
+    mask = attention.build_mask("dense", anchors, valid, torch.tensor([S]), S, B)
+    args = (torch.randn(1, S, 2 * lcfg.hidden_size, generator=g), torch.arange(S)[None],
+            torch.randn(1, N * B, lcfg.hidden_size, generator=g), (anchors[:, :, None] + torch.arange(B)).view(1, -1),
+            mask)
+    with torch.no_grad():
+        assert torch.equal(loaded(*args), ref(*args))
+
+
+def test_incompatible_cache_refused_naming_each_mismatch(tiny_target_dir, tiny_tokenizer, tmp_path):
+    bad = H.write_pattern_cache(tmp_path / "bad.zarr", tiny_target_dir, tiny_tokenizer, n_samples=6,
+                                layer_ids=[0, 1], hidden_size=32, vocab_size=999, tokenizer_hash="deadbeef",
+                                num_target_layers=6)
+    cfg = H.tiny_config(bad, tiny_target_dir, tmp_path / "run", max_steps=1)
+    with pytest.raises(CacheMismatch) as info:
+        train(cfg)
+    text = str(info.value)
+    for needle in ("layers [2] are not stored", "hidden size", "vocabulary size", "tokenizer", "target layer count"):
+        assert needle in text, needle
+    assert len(info.value.differences) == 5
+    assert not (tmp_path / "run" / "checkpoints").exists()

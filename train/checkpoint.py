@@ -1,0 +1,199 @@
+"""Checkpoints: one folder per step, enough to continue exactly where the run stopped.
+
+    RUN/checkpoints/step_000123/
+      model.safetensors   weights of the uncompiled drafter (export names, fp32 master)
+      optimizer.pt        optimizer state
+      scheduler.pt        LR scheduler state
+      rng_rank{r}.pt      python / numpy / torch / cuda RNG states of rank r
+      state.json          step, data position, run config, drafter config (written last)
+
+A folder is written as ``step_X.partial`` and renamed when complete, so a kill during a
+save leaves the previous checkpoint as the latest. Everything loads with
+``weights_only=True``: no pickled code ever runs on resume.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import random
+import re
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from safetensors.torch import load_file, save_file
+
+log = logging.getLogger(__name__)
+
+_STEP_DIR = re.compile(r"^step_(\d+)$")
+
+
+def checkpoint_root(run_dir: str | os.PathLike) -> Path:
+    return Path(run_dir) / "checkpoints"
+
+
+def step_dir(run_dir: str | os.PathLike, step: int) -> Path:
+    return checkpoint_root(run_dir) / f"step_{step:06d}"
+
+
+def list_checkpoints(run_dir: str | os.PathLike) -> list[Path]:
+    """Complete checkpoint folders of a run, oldest first."""
+    root = checkpoint_root(run_dir)
+    if not root.is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in root.iterdir()
+             if (m := _STEP_DIR.match(p.name)) and (p / "state.json").is_file()]
+    return [p for _, p in sorted(found)]
+
+
+def resolve(run_dir: str | os.PathLike, which: str | None = "latest") -> Path | None:
+    """``latest`` -> newest complete checkpoint of the run (or None); a path -> that folder."""
+    if which is None:
+        return None
+    if which == "latest":
+        found = list_checkpoints(run_dir)
+        return found[-1] if found else None
+    path = Path(which)
+    if not path.is_absolute() and not path.exists():
+        path = checkpoint_root(run_dir) / which
+    if not (path / "state.json").is_file():
+        raise FileNotFoundError(f"{path} is not a complete checkpoint (no state.json)")
+    return path
+
+
+# ---------------------------------------------------------------------------- state
+
+
+def _is_fsdp(model: torch.nn.Module) -> bool:
+    return any(type(m).__name__.startswith("FSDP") for m in model.modules())
+
+
+def model_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Full, unsharded CPU state dict of the (uncompiled, unwrapped) drafter; collective under FSDP."""
+    if _is_fsdp(model):
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    return {k: v.detach().cpu() for k, v in model.state_dict().items()}
+
+
+def optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    if _is_fsdp(model):
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+        return get_optimizer_state_dict(model, optimizer,
+                                        options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    return optimizer.state_dict()
+
+
+def rng_state() -> dict[str, Any]:
+    """RNG states as tensors and plain Python values only (loadable with weights_only)."""
+    kind, keys, pos, has_gauss, gauss = np.random.get_state()
+    state = {
+        "python": random.getstate(),
+        "numpy": {"kind": kind, "keys": torch.from_numpy(keys.astype(np.int64)), "pos": int(pos),
+                  "has_gauss": int(has_gauss), "gauss": float(gauss)},
+        "torch": torch.get_rng_state(),
+    }
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    n = state["numpy"]
+    np.random.set_state((n["kind"], n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"], n["gauss"]))
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def _rank_world() -> tuple[int, int]:
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def _barrier() -> None:
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+
+
+# ---------------------------------------------------------------------------- save / load
+
+
+def save(run_dir: str | os.PathLike, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+         scheduler, info: dict[str, Any], keep: int = 0) -> Path:
+    """Write checkpoint ``step`` (every rank calls this; rank 0 writes the shared files)."""
+    rank, world = _rank_world()
+    final = step_dir(run_dir, step)
+    partial = final.with_name(final.name + ".partial")
+    weights = model_state(model)  # collective under FSDP: every rank takes part
+    optim = optimizer_state(model, optimizer)
+    if rank == 0:
+        if partial.exists():
+            shutil.rmtree(partial)
+        partial.mkdir(parents=True)
+    _barrier()
+    torch.save(rng_state(), partial / f"rng_rank{rank}.pt")
+    if rank == 0:
+        save_file({k: v.contiguous() for k, v in weights.items()}, str(partial / "model.safetensors"))
+        torch.save(optim, partial / "optimizer.pt")
+        torch.save(scheduler.state_dict(), partial / "scheduler.pt")
+    _barrier()
+    if rank == 0:
+        state = {"step": step, "world_size": world, "saved_at": time.time(), **info}
+        (partial / "state.json").write_text(json.dumps(state, indent=2, sort_keys=True, default=str))
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(partial, final)
+        if keep > 0:
+            for old in list_checkpoints(run_dir)[:-keep]:
+                shutil.rmtree(old, ignore_errors=True)
+        log.info("saved checkpoint %s", final)
+    _barrier()
+    return final
+
+
+def read_state(path: str | os.PathLike) -> dict[str, Any]:
+    return json.loads((Path(path) / "state.json").read_text())
+
+
+def load_weights(path: str | os.PathLike) -> dict[str, torch.Tensor]:
+    return load_file(str(Path(path) / "model.safetensors"))
+
+
+def load(path: str | os.PathLike, model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler
+         ) -> dict[str, Any]:
+    """Restore weights, optimizer, scheduler and this rank's RNG; return state.json."""
+    path = Path(path)
+    rank, world = _rank_world()
+    state = read_state(path)
+    weights = load_weights(path)
+    optim = torch.load(path / "optimizer.pt", map_location="cpu", weights_only=True)
+    if _is_fsdp(model):
+        from torch.distributed.checkpoint.state_dict import (StateDictOptions, set_model_state_dict,
+                                                             set_optimizer_state_dict)
+
+        opts = StateDictOptions(full_state_dict=True)
+        set_model_state_dict(model, weights, options=opts)
+        set_optimizer_state_dict(model, optimizer, optim, options=opts)
+    else:
+        model.load_state_dict(weights, strict=True)
+        optimizer.load_state_dict(optim)
+    scheduler.load_state_dict(torch.load(path / "scheduler.pt", map_location="cpu", weights_only=True))
+    rng_file = path / f"rng_rank{rank}.pt"
+    if state.get("world_size") == world and rng_file.exists():
+        set_rng_state(torch.load(rng_file, map_location="cpu", weights_only=True))
+    else:
+        log.warning("resuming on %d ranks from a %s-rank checkpoint: RNG states not restored",
+                    world, state.get("world_size"))
+    return state

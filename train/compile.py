@@ -1,0 +1,143 @@
+"""The one compile path of training (DESIGN §5, STYLE 3).
+
+Rules it enforces:
+
+* compile, and run compiled code, on the main thread only (torch.compile is not
+  thread-safe);
+* shapes are fixed by the data (context buckets, a fixed number of blocks), so after a
+  warm-up that runs one REAL training step per shape (grad on, same dtypes, shapes and
+  ``requires_grad``) and one eval forward per shape, nothing may compile again:
+  ``torch.compiler.set_stance("fail_on_recompile")`` turns any recompile into an error
+  that names the guard that failed, instead of a silent fall-back to eager (= dense);
+* on CUDA the uncompiled flex path (which materialises the full score matrix) is
+  refused unless ``--attention flex-eager`` asks for it by name; on the CPU flex has no
+  backward, so training there uses the dense SDPA backend of the same mask function.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Callable, Iterable
+
+import torch
+
+from . import attention
+from .config import RuntimeConfig
+
+log = logging.getLogger(__name__)
+
+
+def require_main_thread(what: str) -> None:
+    """Raise unless called from the main thread of the process."""
+    if threading.current_thread() is not threading.main_thread():
+        raise RuntimeError(
+            f"{what} must run on the main thread (called from {threading.current_thread().name!r}): "
+            "torch.compile is not thread-safe (DESIGN §5)"
+        )
+
+
+@dataclass
+class CompileChoice:
+    """What the runtime config resolves to on this device."""
+
+    attention: str
+    """'flex' (BlockMask + flex_attention) or 'dense' (bool mask + SDPA)."""
+    compile_model: bool
+    """Whether the drafter module goes through torch.compile."""
+    backend: str
+    """torch.compile backend."""
+    eager_flex: bool
+    """flex_attention runs uncompiled (only when asked for by name)."""
+
+
+def resolve(runtime: RuntimeConfig, device: torch.device) -> CompileChoice:
+    """Turn ``attention`` / ``compile`` settings into a checked choice for ``device``."""
+    cuda = device.type == "cuda"
+    requested = runtime.attention
+    kind = ("flex" if cuda else "dense") if requested == "auto" else requested
+    eager_flex = kind == "flex-eager"
+    if eager_flex:
+        kind = "flex"
+        log.warning("attention flex-eager: flex_attention runs UNCOMPILED and materialises the full score "
+                    "matrix (DESIGN §4: 97.8 ms and 28.5 GB where compiled flex takes 2.6 ms and 0.4 GB)")
+    if kind == "flex" and not cuda and not eager_flex:
+        raise ValueError("attention 'flex' cannot train on the CPU (flex_attention has no CPU backward); "
+                         "use --attention dense (the same mask function through SDPA)")
+    compile_model = {"auto": cuda, "on": True, "off": False}[runtime.compile]
+    if kind == "flex" and cuda and not eager_flex and attention._compile_disabled():
+        raise RuntimeError("torch.compile is disabled (TORCHDYNAMO_DISABLE?), so flex_attention would run "
+                           "uncompiled on CUDA; enable compile, use --attention dense, or ask for "
+                           "--attention flex-eager by name")
+    attention.allow_uncompiled_flex(eager_flex)
+    return CompileChoice(kind, compile_model, runtime.compile_backend, eager_flex)
+
+
+def compile_count() -> int:
+    """Graphs dynamo has compiled in this process so far (torch._dynamo counters)."""
+    from torch._dynamo.utils import counters
+
+    return int(counters["stats"]["unique_graphs"])
+
+
+def _raise_recompile_limit(graphs_needed: int) -> None:
+    """Let one function hold a graph per (bucket, grad mode) without hitting the limit,
+    whose silent fall-back to eager would otherwise be the dense path."""
+    import torch._dynamo.config as dynamo_config
+
+    for name in ("recompile_limit", "cache_size_limit"):
+        if hasattr(dynamo_config, name):
+            setattr(dynamo_config, name, max(getattr(dynamo_config, name), graphs_needed))
+            return
+
+
+def compile_model(model: torch.nn.Module, choice: CompileChoice, graphs_needed: int) -> torch.nn.Module:
+    """``torch.compile`` the drafter (static shapes) when the choice says so; else return it."""
+    require_main_thread("compile_model")
+    if not choice.compile_model:
+        return model
+    _raise_recompile_limit(graphs_needed)
+    return torch.compile(model, backend=choice.backend, dynamic=False)
+
+
+def stance_supported() -> bool:
+    return hasattr(torch.compiler, "set_stance")
+
+
+def freeze() -> None:
+    """From now on any (re)compile raises, naming the guard that failed."""
+    require_main_thread("compile.freeze")
+    if stance_supported():
+        torch.compiler.set_stance("fail_on_recompile")
+    else:  # pragma: no cover - torch < 2.6
+        log.warning("torch %s has no set_stance; recompiles cannot be made errors", torch.__version__)
+
+
+def thaw() -> None:
+    """Back to the default stance (end of a run, tests)."""
+    if stance_supported():
+        torch.compiler.set_stance("default")
+
+
+@contextmanager
+def frozen():
+    """``freeze()`` for the duration of a block."""
+    freeze()
+    try:
+        yield
+    finally:
+        thaw()
+
+
+def warm_up(steps: Iterable[Callable[[], None]]) -> int:
+    """Run each warm-up step (one per shape and grad mode) on the main thread, then
+    freeze. Returns the number of graphs the warm-up compiled."""
+    require_main_thread("compile.warm_up")
+    before = compile_count()
+    for step in steps:
+        step()
+    compiled = compile_count() - before
+    freeze()
+    return compiled

@@ -1,0 +1,225 @@
+"""Cache samples -> fixed-shape batches, in a deterministic, resumable order.
+
+Shapes are what keep torch.compile to one graph per bucket (DESIGN §5): the context of
+a batch is padded to one of a few ``context_buckets`` and every sequence carries exactly
+``max_anchors`` blocks, the unused ones marked ``block_valid = False``.
+
+Everything random is keyed, never stateful, so worker processes, restarts and world
+sizes cannot change it:
+
+* anchors of sample ``i`` in epoch ``e`` come from a generator seeded with (seed, e, i);
+* the sample order of epoch ``e`` is a permutation seeded with (seed, e);
+* the data position is just the global optimizer step: step ``s`` reads the ``s``-th
+  global batch of that order, split the same way on every rank.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+from dflash.shared.cache import CacheReader
+
+EVAL_EPOCH = 2**31 - 1
+"""Epoch key of the held-out samples' anchors: fixed, so every eval sees the same blocks."""
+_ORDER_SALT = 0x5EED
+
+
+def draw_anchors(loss_mask: torch.Tensor, max_anchors: int, seed: int, epoch: int, index: int
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Up to ``max_anchors`` sorted anchor positions, padded: (anchors (N,), valid (N,)).
+
+    Candidates are assistant tokens (loss_mask) at 1 <= a <= T-2: the anchor needs at
+    least one context position before it and one label after it.
+    """
+    T = loss_mask.shape[0]
+    cand = torch.nonzero(loss_mask[1:T - 1], as_tuple=False).flatten() + 1 if T >= 3 else torch.zeros(0, dtype=torch.long)
+    rng = np.random.default_rng([seed, epoch, index])
+    if len(cand) > max_anchors:
+        pick = np.sort(rng.choice(len(cand), size=max_anchors, replace=False))
+        cand = cand[torch.from_numpy(pick)]
+    anchors = torch.zeros(max_anchors, dtype=torch.long)
+    valid = torch.zeros(max_anchors, dtype=torch.bool)
+    anchors[: len(cand)] = cand
+    valid[: len(cand)] = True
+    return anchors, valid
+
+
+class AnchorDataset(Dataset):
+    """Item ``(epoch, index)`` -> one unpadded training sequence with its anchor blocks.
+
+    Returns ``input_ids`` (T,) long, ``loss_mask`` (T,) bool, ``context_hidden``
+    (T, n*D) bf16 (the chosen layers concatenated in ``layer_ids`` order),
+    ``target_top1`` (T,) long (the target's greedy next token at each position, i.e.
+    its prediction of token t+1), ``anchors`` (N,) and ``block_valid`` (N,).
+    """
+
+    def __init__(self, reader: CacheReader, layer_ids: list[int], max_length: int, max_anchors: int, seed: int):
+        self.reader = reader
+        self.slots = reader.layer_slots(layer_ids)
+        self.max_length = max_length
+        self.max_anchors = max_anchors
+        self.seed = seed
+
+    def __len__(self) -> int:
+        return len(self.reader)
+
+    def __getitem__(self, key: tuple[int, int]) -> dict[str, torch.Tensor]:
+        epoch, index = key
+        s = self.reader[int(index)]
+        T = min(len(s["input_ids"]), self.max_length)
+        hidden = s["hidden"][:T, self.slots]  # (T, n, D)
+        loss_mask = s["loss_mask"][:T]
+        anchors, valid = draw_anchors(loss_mask, self.max_anchors, self.seed, int(epoch), int(index))
+        return {
+            "input_ids": s["input_ids"][:T],
+            "loss_mask": loss_mask,
+            "context_hidden": hidden.reshape(T, -1),
+            "target_top1": s["topk_ids"][:T, 0],
+            "anchors": anchors,
+            "block_valid": valid,
+        }
+
+
+def bucket_for(length: int, buckets: list[int]) -> int:
+    for b in buckets:
+        if length <= b:
+            return b
+    raise ValueError(f"length {length} exceeds the largest context bucket {buckets[-1]}")
+
+
+class Collate:
+    """Stack samples, right-padding the context to the smallest bucket that fits them all.
+
+    Batch: ``input_ids`` (Bsz, S), ``loss_mask`` (Bsz, S), ``context_hidden`` (Bsz, S, n*D),
+    ``target_top1`` (Bsz, S), ``seq_len`` (Bsz,), ``anchors`` / ``block_valid`` (Bsz, N).
+    Padding is zero with ``loss_mask`` False, so padded positions are never labels.
+    """
+
+    def __init__(self, buckets: list[int], force_length: int | None = None):
+        self.buckets = list(buckets)
+        self.force_length = force_length
+
+    def __call__(self, samples: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+        lengths = [len(s["input_ids"]) for s in samples]
+        S = self.force_length or bucket_for(max(lengths), self.buckets)
+        n = len(samples)
+        width = samples[0]["context_hidden"].shape[-1]
+        out = {
+            "input_ids": torch.zeros(n, S, dtype=torch.long),
+            "loss_mask": torch.zeros(n, S, dtype=torch.bool),
+            "context_hidden": torch.zeros(n, S, width, dtype=samples[0]["context_hidden"].dtype),
+            "target_top1": torch.zeros(n, S, dtype=torch.long),
+            "seq_len": torch.tensor(lengths, dtype=torch.long),
+            "anchors": torch.stack([s["anchors"] for s in samples]),
+            "block_valid": torch.stack([s["block_valid"] for s in samples]),
+        }
+        for i, (s, T) in enumerate(zip(samples, lengths)):
+            for name in ("input_ids", "loss_mask", "context_hidden", "target_top1"):
+                out[name][i, :T] = s[name]
+        return out
+
+
+def truncate_sample(sample: dict[str, torch.Tensor], length: int) -> dict[str, torch.Tensor]:
+    """The first ``length`` tokens of a sample; blocks whose anchor no longer fits are invalidated.
+
+    Used by the compile warm-up to give every bucket a real sample of that shape.
+    """
+    out = {k: (v[:length] if k in ("input_ids", "loss_mask", "context_hidden", "target_top1") else v)
+           for k, v in sample.items()}
+    fits = sample["anchors"] <= length - 2
+    out["block_valid"] = sample["block_valid"] & fits
+    out["anchors"] = torch.where(fits, sample["anchors"], torch.zeros_like(sample["anchors"]))
+    return out
+
+
+@dataclass
+class Split:
+    """Which cache samples train and which are held out (the last ``eval_samples``)."""
+
+    train: np.ndarray
+    held_out: np.ndarray
+
+    @classmethod
+    def of(cls, num_samples: int, eval_samples: int) -> "Split":
+        n_eval = min(eval_samples, max(num_samples - 1, 0))
+        idx = np.arange(num_samples, dtype=np.int64)
+        return cls(train=idx[: num_samples - n_eval], held_out=idx[num_samples - n_eval:])
+
+
+class GlobalBatchSampler:
+    """This rank's micro-batches of ``(epoch, index)`` keys, from global step ``start_step``.
+
+    Step ``s`` takes global batch ``s % steps_per_epoch`` of epoch ``s // steps_per_epoch``'s
+    order (the tail that does not fill a batch is dropped); its ``world * accum``
+    micro-batches are dealt out as micro-batch ``m * world + rank`` to accumulation step
+    ``m`` of ``rank``. Resuming is starting at another step: nothing else is stateful.
+    """
+
+    def __init__(self, train: np.ndarray, global_batch: int, micro_batch: int, rank: int, world: int,
+                 seed: int, total_steps: int, start_step: int = 0):
+        if global_batch % (micro_batch * world):
+            raise ValueError(f"batch_size {global_batch} is not a multiple of micro_batch_size {micro_batch} "
+                             f"x world size {world}")
+        if len(train) < global_batch:
+            raise ValueError(f"{len(train)} training samples cannot fill one global batch of {global_batch}")
+        self.train = np.asarray(train)
+        self.global_batch, self.micro, self.rank, self.world = global_batch, micro_batch, rank, world
+        self.accum = global_batch // (micro_batch * world)
+        self.seed, self.total_steps, self.start_step = seed, total_steps, start_step
+        self._order_epoch, self._order = -1, None
+
+    @property
+    def steps_per_epoch(self) -> int:
+        return len(self.train) // self.global_batch
+
+    def order(self, epoch: int) -> np.ndarray:
+        if epoch != self._order_epoch:
+            rng = np.random.default_rng([self.seed, epoch, _ORDER_SALT])
+            self._order, self._order_epoch = self.train[rng.permutation(len(self.train))], epoch
+        return self._order
+
+    def step_batches(self, step: int) -> list[list[tuple[int, int]]]:
+        """The ``accum`` micro-batches this rank reads at global step ``step``."""
+        epoch, k = divmod(step, self.steps_per_epoch)
+        batch = self.order(epoch)[k * self.global_batch:(k + 1) * self.global_batch]
+        out = []
+        for m in range(self.accum):
+            j = (m * self.world + self.rank) * self.micro
+            out.append([(epoch, int(i)) for i in batch[j:j + self.micro]])
+        return out
+
+    def __iter__(self):
+        for step in range(self.start_step, self.total_steps):
+            yield from self.step_batches(step)
+
+    def __len__(self) -> int:
+        return max(self.total_steps - self.start_step, 0) * self.accum
+
+
+def total_steps(num_train: int, global_batch: int, epochs: float, max_steps: int | None) -> int:
+    """Optimizer steps of the run: ``max_steps`` if given, else ceil(epochs x steps per epoch)."""
+    if max_steps is not None:
+        return int(max_steps)
+    return max(1, math.ceil(epochs * (num_train // global_batch)))
+
+
+def held_out_batches(held_out: np.ndarray, micro_batch: int, rank: int, world: int) -> list[list[tuple[int, int]]]:
+    """This rank's full held-out micro-batches (fixed anchors), dealt round-robin."""
+    full = len(held_out) // micro_batch
+    batches = [[(EVAL_EPOCH, int(i)) for i in held_out[b * micro_batch:(b + 1) * micro_batch]] for b in range(full)]
+    return batches[rank::world]
+
+
+def make_loader(dataset: AnchorDataset, batches, buckets: list[int], num_workers: int, prefetch_factor: int,
+                pin_memory: bool) -> DataLoader:
+    """A DataLoader over explicit micro-batches; workers are processes, never threads."""
+    kwargs = {}
+    if num_workers > 0:
+        kwargs = dict(prefetch_factor=prefetch_factor, persistent_workers=False)
+    return DataLoader(dataset, batch_sampler=batches, collate_fn=Collate(buckets), num_workers=num_workers,
+                      pin_memory=pin_memory, **kwargs)

@@ -1,0 +1,380 @@
+"""The training loop: one plain function, ``train(cfg)``, with an explicit step block.
+
+Setup order matters and is the same on every rank: refuse an incompatible cache before
+anything else, build the drafter from the target's config, load only the target's
+embedding and LM head, wrap (FSDP2 / compile / DDP), restore a checkpoint if there is
+one, warm up every compiled shape with a real step, then freeze compilation.
+
+Loss normalisation is global: every micro-batch's weighted CE is divided by the weight
+sum of the whole global batch (all ranks, all accumulation steps; known before any
+forward because weights depend on data only). So one process, several processes and
+any accumulation split compute the same update.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import time
+from contextlib import nullcontext
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from dflash.shared.cache import CacheReader
+
+from . import checkpoint, compile as compile_path, metrics
+from .config import OptimConfig, TrainConfig
+from .data import (AnchorDataset, Collate, GlobalBatchSampler, Split, held_out_batches, make_loader,
+                   total_steps, truncate_sample)
+from .model import DFlashDrafter, DrafterConfig, load_target_head
+from .step import StepSpec, evaluate_batch, forward_loss, labels_and_weights, to_device, work_counts
+
+log = logging.getLogger("dflash.train")
+
+
+# ---------------------------------------------------------------------------- distributed
+
+
+@dataclass
+class DistInfo:
+    rank: int
+    world: int
+    local_rank: int
+    device: torch.device
+    started_group: bool
+    """True when this call created the process group (and so should destroy it)."""
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def init_distributed(device: str = "auto") -> DistInfo:
+    """Read the torchrun environment; without it, this is one process and nothing happens.
+
+    With WORLD_SIZE set, joins the process group (nccl on CUDA, gloo on CPU) and picks
+    cuda:LOCAL_RANK.
+    """
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    use_cuda = torch.cuda.is_available() if device == "auto" else device.startswith("cuda")
+    dev = torch.device("cuda", local_rank) if use_cuda else torch.device("cpu")
+    if use_cuda:
+        torch.cuda.set_device(dev)
+    started = False
+    if world > 1 and not dist.is_initialized():
+        dist.init_process_group("nccl" if use_cuda else "gloo", rank=rank, world_size=world)
+        started = True
+    return DistInfo(rank, world, local_rank, dev, started)
+
+
+def _all_reduce(t: torch.Tensor, world: int) -> torch.Tensor:
+    if world > 1:
+        dist.all_reduce(t)
+    return t
+
+
+# ---------------------------------------------------------------------------- setup helpers
+
+
+def default_target_layer_ids(num_target_layers: int, count: int = 5) -> list[int]:
+    """``count`` ids spread evenly from 1 to L-3 (36 layers -> [1, 9, 17, 25, 33])."""
+    last = max(num_target_layers - 3, 1)
+    return sorted({round(1 + i * (last - 1) / max(count - 1, 1)) for i in range(count)})
+
+
+def resolve_mask_token(requested: int | None, tokenizer, vocab_size: int) -> int:
+    """An existing, unused embedding row: as given, else <|MASK|>, else the first padded row."""
+    if requested is not None:
+        if not 0 <= requested < vocab_size:
+            raise ValueError(f"mask_token_id {requested} is outside the target vocabulary [0, {vocab_size})")
+        return int(requested)
+    if tokenizer is not None:
+        vocab = tokenizer.get_vocab()
+        if "<|MASK|>" in vocab:
+            return int(vocab["<|MASK|>"])
+        if len(tokenizer) < vocab_size:  # Qwen3: 151669 = first row past the tokenizer
+            return len(tokenizer)
+    raise ValueError("no unused embedding row for the MASK token: the tokenizer fills the vocabulary and has "
+                     "no <|MASK|>; pass --mask-token-id")
+
+
+def load_target_meta(target: str):
+    """(HF config, tokenizer or None) of the target; no weights are read here."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    config = AutoConfig.from_pretrained(target)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(target)
+    except Exception as e:  # a weights-only folder: the tokenizer check is skipped, loudly
+        log.warning("no tokenizer loadable from %s (%s): the cache's tokenizer cannot be checked", target, e)
+        tokenizer = None
+    return config, tokenizer
+
+
+def check_cache(reader: CacheReader, hf_config, tokenizer, layer_ids: list[int]) -> None:
+    """Refuse (CacheMismatch, every difference named) a cache that cannot train this drafter."""
+    from dflash.shared.fingerprint import tokenizer_fingerprint
+
+    text = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
+    reader.check_compatible(
+        layer_ids=layer_ids, hidden_size=text.hidden_size, vocab_size=text.vocab_size,
+        tokenizer_hash=tokenizer_fingerprint(tokenizer)["hash"] if tokenizer is not None else None,
+        num_target_layers=text.num_hidden_layers,
+    )
+
+
+def build_drafter_config(cfg: TrainConfig, hf_config, tokenizer) -> DrafterConfig:
+    text = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
+    spec = cfg.drafter
+    layer_ids = spec.target_layer_ids or default_target_layer_ids(text.num_hidden_layers)
+    mask_id = resolve_mask_token(spec.mask_token_id, tokenizer, text.vocab_size)
+    return DrafterConfig.from_target_config(hf_config, layer_ids, mask_id, spec.block_size, spec.num_draft_layers)
+
+
+def make_optimizer(params, ocfg: OptimConfig, total: int, fused: bool):
+    """AdamW + linear warm-up + cosine to ``min_lr_ratio``."""
+    optimizer = torch.optim.AdamW(params, lr=ocfg.lr, betas=(ocfg.beta1, ocfg.beta2),
+                                  weight_decay=ocfg.weight_decay, **({"fused": True} if fused else {}))
+    warmup = int(round(ocfg.warmup_ratio * total))
+
+    def lr_at(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        progress = min((step - warmup) / max(total - warmup, 1), 1.0)
+        return ocfg.min_lr_ratio + (1 - ocfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+    return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lr_at)
+
+
+def wrap_parallel(drafter: torch.nn.Module, cfg: TrainConfig, dist_info: DistInfo, choice, graphs_needed: int):
+    """(model for training steps, model for eval forwards). Model code stays single-device."""
+    if cfg.runtime.parallel == "fsdp" and dist_info.world > 1:
+        from torch.distributed.fsdp import fully_shard  # torch >= 2.6
+
+        for layer in drafter.layers:
+            fully_shard(layer)
+        fully_shard(drafter)
+        model = compile_path.compile_model(drafter, choice, graphs_needed)
+        return model, model
+    model = compile_path.compile_model(drafter, choice, graphs_needed)
+    if dist_info.world > 1:
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        ids = [dist_info.device.index] if dist_info.device.type == "cuda" else None
+        return DDP(model, device_ids=ids), model
+    return model, model
+
+
+def _grad_sync(model, enabled: bool):
+    """DDP ``no_sync`` / FSDP2 ``set_requires_gradient_sync`` for accumulation micro-steps."""
+    if enabled:
+        return nullcontext()
+    if hasattr(model, "no_sync"):
+        return model.no_sync()
+    if hasattr(model, "set_requires_gradient_sync"):
+        model.set_requires_gradient_sync(False)
+
+        class _Restore:
+            def __enter__(self):
+                return None
+
+            def __exit__(self, *exc):
+                model.set_requires_gradient_sync(True)
+
+        return _Restore()
+    return nullcontext()
+
+
+# ---------------------------------------------------------------------------- the loop
+
+
+def train(cfg: TrainConfig) -> dict[str, Any]:
+    """Train (or resume) one run; returns a summary. Every rank calls this."""
+    cfg.validate()
+    rt, dcfg_data, ocfg = cfg.runtime, cfg.data, cfg.optim
+    dist_info = init_distributed(rt.device)
+    device, rank, world = dist_info.device, dist_info.rank, dist_info.world
+    out = Path(cfg.out)
+    if dist_info.is_main:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "config.json").write_text(cfg.to_json())
+    sink = metrics.MetricsSink(out, dist_info.is_main, rt.tensorboard)
+    try:
+        # -- the cache must match the target before anything else happens
+        reader = CacheReader(cfg.cache)
+        hf_config, tokenizer = load_target_meta(cfg.target)
+        dcfg = build_drafter_config(cfg, hf_config, tokenizer)
+        check_cache(reader, hf_config, tokenizer, dcfg.target_layer_ids)
+
+        cuda = device.type == "cuda"
+        autocast_dtype = torch.bfloat16 if {"auto": cuda, "bf16": True, "on": True, "off": False}[rt.autocast] \
+            else None
+        choice = compile_path.resolve(rt, device)
+        spec = StepSpec(choice.attention, dcfg.block_size, dcfg.mask_token_id, cfg.drafter.gamma,
+                        rt.ce_chunk_size, autocast_dtype)
+
+        # -- data: deterministic order, position = global step
+        split = Split.of(len(reader), dcfg_data.eval_samples)
+        G, micro = dcfg_data.batch_size, dcfg_data.micro_batch_size
+        steps = total_steps(len(split.train), G, ocfg.epochs, ocfg.max_steps)
+        dataset = AnchorDataset(reader, dcfg.target_layer_ids, cfg.max_length, dcfg_data.max_anchors, rt.seed)
+
+        # -- model, target head (frozen, never saved), optimizer
+        torch.manual_seed(rt.seed)
+        drafter = DFlashDrafter(dcfg).to(device)  # fp32 master weights
+        head = load_target_head(cfg.target, device, torch.bfloat16 if autocast_dtype is not None else torch.float32)
+        graphs_needed = 2 * len(dcfg_data.context_buckets) + 2
+        model, eval_model = wrap_parallel(drafter, cfg, dist_info, choice, graphs_needed)
+        optimizer, scheduler = make_optimizer(drafter.parameters(), ocfg, steps, fused=cuda)
+
+        start_step = 0
+        resume_from = checkpoint.resolve(out, rt.resume)
+        if resume_from is not None:
+            state = checkpoint.load(resume_from, drafter, optimizer, scheduler)
+            start_step = int(state["step"])
+            if dist_info.is_main:
+                log.info("resumed from %s at step %d", resume_from, start_step)
+
+        sampler = GlobalBatchSampler(split.train, G, micro, rank, world, rt.seed, steps, start_step)
+        accum = sampler.accum
+        loader = make_loader(dataset, sampler, dcfg_data.context_buckets,
+                             dcfg_data.num_workers, dcfg_data.prefetch_factor, pin_memory=cuda)
+        eval_keys = held_out_batches(split.held_out, micro, rank, world)
+        eval_collate = Collate(dcfg_data.context_buckets)
+
+        # -- compile: one real step per shape, then any recompile is an error
+        compiled_graphs = 0
+        if choice.compile_model or (choice.attention == "flex" and not choice.eager_flex):
+            keys = sampler.step_batches(0)[0]
+            samples = [dataset[k] for k in keys]
+
+            def warm(length: int):
+                def run():
+                    fitted = [truncate_sample(x, length) for x in samples]
+                    batch = to_device(Collate(dcfg_data.context_buckets, force_length=length)(fitted), device)
+                    forward_loss(model, head, batch, spec).loss.backward()
+                    optimizer.zero_grad(set_to_none=True)
+                    evaluate_batch(eval_model, head, batch, spec)
+                return run
+
+            compiled_graphs = compile_path.warm_up(warm(b) for b in dcfg_data.context_buckets)
+            if dist_info.is_main:
+                log.info("warm-up compiled %d graphs over %d context buckets; recompiles are now errors",
+                         compiled_graphs, len(dcfg_data.context_buckets))
+
+        def evaluate(step: int) -> dict[str, Any]:
+            B = dcfg.block_size
+            sums = torch.zeros(4, dtype=torch.float64, device=device)  # loss*w, w, tau, blocks
+            hits = torch.zeros(B, dtype=torch.float64, device=device)
+            count = torch.zeros(B, dtype=torch.float64, device=device)
+            for keys in eval_keys:
+                batch = to_device(eval_collate([dataset[k] for k in keys]), device)
+                loss_sum, so, pred = evaluate_batch(eval_model, head, batch, spec)
+                tau, blocks = metrics.acceptance(pred, batch["target_top1"], batch["anchors"],
+                                                 batch["block_valid"], batch["seq_len"])
+                sums += torch.stack([loss_sum.double(), so.weights.sum().double(), tau, blocks])
+                sup = (so.weights > 0).reshape(-1, B)
+                hits += (so.correct.reshape(-1, B) & sup).sum(0).double()
+                count += sup.sum(0).double()
+            _all_reduce(sums, world), _all_reduce(hits, world), _all_reduce(count, world)
+            s = sums.tolist()
+            return {"kind": "eval", "step": step, "loss": s[0] / max(s[1], 1e-12), "tau": s[2] / max(s[3], 1),
+                    "blocks": int(s[3]), "acc_per_pos": (hits / count.clamp(min=1)).tolist()}
+
+        # -- the loop
+        from tqdm import tqdm
+
+        bar = tqdm(total=steps, initial=start_step, disable=not (rt.progress and dist_info.is_main),
+                   desc="train", dynamic_ncols=True)
+        B = dcfg.block_size
+        window_loss = torch.zeros((), dtype=torch.float64, device=device)
+        window_hits = torch.zeros(B, dtype=torch.float64, device=device)
+        window_count = torch.zeros(B, dtype=torch.float64, device=device)
+        window_work = torch.zeros(3, dtype=torch.float64, device=device)
+        window_steps, window_start = 0, time.perf_counter()
+        params = [p for p in drafter.parameters() if p.requires_grad]
+        history: list[dict[str, Any]] = []
+        last_eval: dict[str, Any] | None = None
+        data_iter = iter(loader)
+        step = start_step
+        for step in range(start_step, steps):
+            micro_batches = [to_device(next(data_iter), device) for _ in range(accum)]
+            labels_weights = [labels_and_weights(b, spec) for b in micro_batches]
+            denominator = _all_reduce(torch.stack([w.sum() for _, w in labels_weights]).sum(), world)
+            for m, (batch, lw) in enumerate(zip(micro_batches, labels_weights)):
+                with _grad_sync(model, enabled=m == accum - 1):
+                    step_out = forward_loss(model, head, batch, spec, denominator, lw)
+                    # DDP / FSDP average gradients over ranks; the loss is already a global mean.
+                    (step_out.loss * world).backward()
+                window_loss += step_out.loss.detach().double()
+                sup = (step_out.weights > 0).reshape(-1, B)
+                window_hits += (step_out.correct.reshape(-1, B) & sup).sum(0).double()
+                window_count += sup.sum(0).double()
+                window_work += work_counts(batch, B)
+            grad_norm = torch.nn.utils.clip_grad_norm_(params, ocfg.grad_clip) if ocfg.grad_clip > 0 else None
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad(set_to_none=True)
+            window_steps += 1
+            done = step + 1
+            last = done == steps
+            bar.update(1)
+
+            if done % rt.log_every == 0 or last:
+                for t in (window_loss, window_hits, window_count, window_work):
+                    _all_reduce(t, world)
+                if cuda:
+                    torch.cuda.synchronize(device)
+                elapsed = time.perf_counter() - window_start
+                ctx_tok, block_tok, pairs = window_work.tolist()
+                flops = metrics.step_flops(dcfg, head.vocab_size, ctx_tok, block_tok, pairs)
+                record = {
+                    "kind": "train", "step": done, "epoch": step / sampler.steps_per_epoch,
+                    "loss": window_loss.item() / window_steps,
+                    "acc_per_pos": (window_hits / window_count.clamp(min=1)).tolist(),
+                    "acc": (window_hits.sum() / window_count.sum().clamp(min=1)).item(),
+                    "lr": scheduler.get_last_lr()[0],
+                    "grad_norm": grad_norm.item() if grad_norm is not None else None,
+                    "tok_s": block_tok / elapsed, "step_s": elapsed / window_steps,
+                    "mfu": flops / elapsed / world / (rt.peak_tflops * 1e12),
+                    "peak_mem_gb": metrics.peak_memory_gb(device),
+                    "compiles": compile_path.compile_count(),
+                }
+                history.append(record)
+                sink.write(record)
+                bar.set_postfix(loss=f"{record['loss']:.3f}", acc=f"{record['acc']:.3f}")
+                for t in (window_loss, window_hits, window_count, window_work):
+                    t.zero_()
+                window_steps, window_start = 0, time.perf_counter()
+
+            if eval_keys and (done % rt.eval_every == 0 or last):
+                last_eval = evaluate(done)
+                history.append(last_eval)
+                sink.write(last_eval)
+                window_start = time.perf_counter()
+
+            if done % rt.save_every == 0 or last:
+                info = {"data_position": {"global_step": done, "epoch": done // sampler.steps_per_epoch,
+                                          "step_in_epoch": done % sampler.steps_per_epoch},
+                        "total_steps": steps, "config": cfg.to_dict(), "drafter_config": dcfg.to_dict()}
+                checkpoint.save(out, done, drafter, optimizer, scheduler, info, rt.keep_checkpoints)
+                window_start = time.perf_counter()
+
+            if rt.stop_after is not None and done >= rt.stop_after and not last:
+                break
+        bar.close()
+        return {"run_dir": str(out), "step": step + 1 if steps > start_step else start_step,
+                "total_steps": steps, "history": history, "eval": last_eval,
+                "warmup_compiled_graphs": compiled_graphs, "compiles": compile_path.compile_count()}
+    finally:
+        compile_path.thaw()
+        sink.close()
+        if dist_info.started_group:
+            dist.destroy_process_group()

@@ -1,0 +1,128 @@
+"""What a log step reports, and where it goes.
+
+* ``acceptance``: offline acceptance length tau of each draft block against the target's
+  greedy tokens stored in the cache. Slot k of a block anchored at a predicts the token
+  at a + k; the target's greedy choice for that position is ``topk_ids[a + k - 1, 0]``
+  (the cache stores, at position t, the target's distribution over token t + 1). A block
+  accepts the leading slots k = 1..B-1 whose drafter argmax equals it, stopping at the
+  first miss or the end of the sequence; tau = accepted + 1 (the target's own bonus
+  token). This scores the drafter on the cached (ground-truth) prefix, so it matches
+  real decoding where the data is the target's own greedy output (DESIGN §2, Data).
+* ``step_flops``: matmul FLOPs of one drafter forward + backward on the real (unpadded)
+  work of a batch, attention included; MFU divides their rate by ``peak_tflops``.
+* ``MetricsSink``: rank 0 only; one log line, one JSONL record, TensorBoard if present.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import resource
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+log = logging.getLogger("dflash.train")
+
+
+def acceptance(pred: torch.Tensor, target_top1: torch.Tensor, anchors: torch.Tensor, block_valid: torch.Tensor,
+               seq_len: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(sum of tau over valid blocks, number of valid blocks), as 0-d tensors.
+
+    pred (Bsz, N, B) drafter argmax per slot; target_top1 (Bsz, S); anchors, block_valid
+    (Bsz, N); seq_len (Bsz,).
+    """
+    bsz, n_blocks, B = pred.shape
+    k = torch.arange(1, B, device=pred.device)
+    pos = anchors[:, :, None] + k  # (Bsz, N, B-1): predicted positions
+    inside = pos < seq_len[:, None, None]
+    src = (pos - 1).clamp(max=target_top1.shape[1] - 1).flatten(1)  # (Bsz, N*(B-1))
+    want = torch.gather(target_top1, 1, src).view(bsz, n_blocks, B - 1)
+    hit = (pred[:, :, 1:] == want) & inside
+    accepted = hit.long().cumprod(dim=-1).sum(dim=-1)  # (Bsz, N): leading run of hits
+    tau = (accepted + 1) * block_valid
+    return tau.sum().double(), block_valid.sum().double()
+
+
+def step_flops(dcfg, vocab_size: int, context_tokens: int, block_tokens: int, attn_pairs: int) -> float:
+    """FLOPs of one forward + backward of the drafter on a batch.
+
+    context_tokens: real context positions (sum of seq_len); block_tokens: slots of valid
+    blocks; attn_pairs: (query, key) pairs a valid query may see (its anchor's context
+    plus its own block). Trainable matmuls cost 3x their forward (fwd, grad input, grad
+    weight); the frozen LM head 2x (fwd, grad input). Masked-out work is not counted.
+    """
+    D, I, hd = dcfg.hidden_size, dcfg.intermediate_size, dcfg.head_dim
+    H, Hkv = dcfg.num_attention_heads, dcfg.num_key_value_heads
+    kv_rows = context_tokens + block_tokens
+    per_layer = (2 * block_tokens * D * H * hd * 2  # q_proj, o_proj
+                 + 2 * kv_rows * D * Hkv * hd * 2  # k_proj, v_proj over [ctx; block]
+                 + 2 * block_tokens * D * I * 3  # SwiGLU
+                 + 2 * attn_pairs * H * hd * 2)  # QK^T and PV
+    fc = 2 * context_tokens * dcfg.num_context_layers * D * D
+    trainable = dcfg.num_hidden_layers * per_layer + fc
+    lm_head = 2 * block_tokens * D * vocab_size
+    return 3.0 * trainable + 2.0 * lm_head
+
+
+def peak_memory_gb(device: torch.device) -> float:
+    """Peak allocated device memory (CUDA) or peak resident set size (CPU), in GB."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 1e9
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return rss / (1e9 if sys.platform == "darwin" else 1e6)
+
+
+class MetricsSink:
+    """Rank-0 sink for log records: logging line, ``metrics.jsonl``, TensorBoard if importable."""
+
+    def __init__(self, run_dir: str | Path, enabled: bool, tensorboard: bool):
+        self.enabled = enabled
+        self.jsonl = None
+        self.tb = None
+        if not enabled:
+            return
+        run_dir = Path(run_dir)
+        run_dir.mkdir(parents=True, exist_ok=True)
+        self.jsonl = open(run_dir / "metrics.jsonl", "a", buffering=1)
+        if tensorboard:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+
+                self.tb = SummaryWriter(str(run_dir / "tb"))
+            except Exception:  # tensorboard not installed: JSONL is the record
+                self.tb = None
+
+    def write(self, record: dict[str, Any]) -> None:
+        if not self.enabled:
+            return
+        self.jsonl.write(json.dumps(record, sort_keys=True) + "\n")
+        if self.tb is not None:
+            step = record["step"]
+            for key, value in record.items():
+                if isinstance(value, (int, float)) and key != "step":
+                    self.tb.add_scalar(f"{record.get('kind', 'train')}/{key}", value, step)
+                elif isinstance(value, list):
+                    for i, v in enumerate(value):
+                        self.tb.add_scalar(f"{record.get('kind', 'train')}/{key}/{i}", v, step)
+        log.info(format_line(record))
+
+    def close(self) -> None:
+        if self.jsonl is not None:
+            self.jsonl.close()
+        if self.tb is not None:
+            self.tb.close()
+
+
+def format_line(record: dict[str, Any]) -> str:
+    kind = record.get("kind", "train")
+    parts = [f"{kind} step {record['step']}"]
+    for key in ("loss", "acc", "tau", "lr", "grad_norm", "tok_s", "mfu", "peak_mem_gb"):
+        if key in record and record[key] is not None:
+            v = record[key]
+            parts.append(f"{key} {v:.4g}" if isinstance(v, float) else f"{key} {v}")
+    if "acc_per_pos" in record:
+        parts.append("acc@k " + " ".join(f"{a:.2f}" for a in record["acc_per_pos"][1:]))
+    return " | ".join(parts)

@@ -1,0 +1,126 @@
+"""One DFlash training (or eval) forward on a batch from ``data.Collate``.
+
+For each sequence: N blocks of B slots. Block n's input is ``[anchor token, MASK x (B-1)]``
+embedded with the target's frozen embedding, slot k at position ``anchor + k``; the
+context is the fused target hidden states at positions ``0..S-1``. The block mask comes
+from ``attention.build_mask`` (keyed on block identity) and is passed into the drafter.
+Slot k is scored against the token at ``anchor + k`` (no shift) through the frozen LM
+head with the chunked, weighted cross-entropy of ``loss.py``.
+"""
+
+from __future__ import annotations
+
+from contextlib import nullcontext
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from . import attention
+from .loss import block_labels, chunked_weighted_ce
+from .model import TargetHead
+
+
+@dataclass
+class StepSpec:
+    """What one step needs to know besides the batch."""
+
+    attention: str
+    """'flex' or 'dense' (see compile.resolve)."""
+    block_size: int
+    """B."""
+    mask_token_id: int
+    """Embedding row of the B-1 masked slots."""
+    gamma: float | None
+    """Loss weight decay (None = paper default for B)."""
+    ce_chunk_size: int
+    """Rows per LM-head chunk."""
+    autocast_dtype: torch.dtype | None
+    """bf16 on CUDA; None = no autocast."""
+
+
+@dataclass
+class StepOutput:
+    loss: torch.Tensor
+    """0-d: sum(w * CE) / denominator (the global weight sum when one is given)."""
+    weights: torch.Tensor
+    """(Bsz, N, B) float32 label weights."""
+    correct: torch.Tensor
+    """(Bsz, N, B) bool: drafter argmax == label."""
+
+
+def to_device(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
+    non_blocking = device.type == "cuda"
+    return {k: v.to(device, non_blocking=non_blocking) for k, v in batch.items()}
+
+
+def labels_and_weights(batch: dict[str, torch.Tensor], spec: StepSpec) -> tuple[torch.Tensor, torch.Tensor]:
+    """(Bsz, N, B) labels and weights; data only, so the global weight sum is known before any forward."""
+    return block_labels(batch["input_ids"], batch["loss_mask"], batch["seq_len"], batch["anchors"],
+                        batch["block_valid"], spec.block_size, spec.gamma)
+
+
+def block_inputs(head: TargetHead, batch: dict[str, torch.Tensor], spec: StepSpec
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Embeddings (Bsz, N*B, D) of [anchor, MASK x (B-1)] per block and their positions (Bsz, N*B)."""
+    anchors = batch["anchors"]  # (Bsz, N)
+    bsz, n_blocks = anchors.shape
+    B = spec.block_size
+    ids = torch.full((bsz, n_blocks, B), spec.mask_token_id, dtype=torch.long, device=anchors.device)
+    ids[:, :, 0] = torch.gather(batch["input_ids"], 1, anchors)
+    positions = anchors[:, :, None] + torch.arange(B, device=anchors.device)  # (Bsz, N, B)
+    return head.embed(ids.view(bsz, n_blocks * B)), positions.view(bsz, n_blocks * B)
+
+
+def drafter_hidden(model, head: TargetHead, batch: dict[str, torch.Tensor], spec: StepSpec) -> torch.Tensor:
+    """Drafter output for every block slot, (Bsz, N*B, D)."""
+    S = batch["context_hidden"].shape[1]
+    mask = attention.build_mask(spec.attention, batch["anchors"], batch["block_valid"], batch["seq_len"], S,
+                                spec.block_size)
+    embeds, positions = block_inputs(head, batch, spec)
+    ctx_pos = torch.arange(S, device=positions.device).expand(positions.shape[0], S)
+    autocast = (torch.autocast(positions.device.type, dtype=spec.autocast_dtype)
+                if spec.autocast_dtype is not None else nullcontext())
+    with autocast:
+        return model(batch["context_hidden"], ctx_pos, embeds, positions, mask)
+
+
+def forward_loss(model, head: TargetHead, batch: dict[str, torch.Tensor], spec: StepSpec,
+                 denominator: torch.Tensor | None = None, labels_weights=None) -> StepOutput:
+    """Forward + loss of one micro-batch (call ``.backward()`` on ``out.loss``)."""
+    labels, weights = labels_weights if labels_weights is not None else labels_and_weights(batch, spec)
+    hidden = drafter_hidden(model, head, batch, spec)
+    D = hidden.shape[-1]
+    loss, correct = chunked_weighted_ce(hidden.reshape(-1, D), head.weight, labels.reshape(-1),
+                                        weights.reshape(-1), spec.ce_chunk_size, denominator)
+    return StepOutput(loss, weights, correct.view_as(weights))
+
+
+def argmax_tokens(head: TargetHead, hidden: torch.Tensor, chunk_size: int) -> torch.Tensor:
+    """Greedy token of each row of hidden (M, D) through the LM head, chunked: (M,) long."""
+    out = torch.empty(hidden.shape[0], dtype=torch.long, device=hidden.device)
+    for start in range(0, hidden.shape[0], chunk_size):
+        stop = start + chunk_size
+        out[start:stop] = F.linear(hidden[start:stop].to(head.weight.dtype), head.weight).argmax(-1)
+    return out
+
+
+@torch.no_grad()
+def evaluate_batch(model, head: TargetHead, batch: dict[str, torch.Tensor], spec: StepSpec
+                   ) -> tuple[torch.Tensor, StepOutput, torch.Tensor]:
+    """One no-grad forward: (sum(w * CE), StepOutput with the local mean loss, argmax (Bsz, N, B))."""
+    labels, weights = labels_and_weights(batch, spec)
+    hidden = drafter_hidden(model, head, batch, spec)
+    flat = hidden.reshape(-1, hidden.shape[-1])
+    loss, correct = chunked_weighted_ce(flat, head.weight, labels.reshape(-1), weights.reshape(-1),
+                                        spec.ce_chunk_size)
+    pred = argmax_tokens(head, flat, spec.ce_chunk_size).view_as(labels)
+    return loss * weights.sum(), StepOutput(loss, weights, correct.view_as(weights)), pred
+
+
+def work_counts(batch: dict[str, torch.Tensor], block_size: int) -> torch.Tensor:
+    """(context tokens, valid block tokens, visible attention pairs) of a batch, as a (3,) tensor."""
+    valid = batch["block_valid"]
+    seen_ctx = torch.minimum(batch["anchors"], batch["seq_len"][:, None])
+    pairs = ((seen_ctx + block_size) * valid).sum() * block_size
+    return torch.stack([batch["seq_len"].sum(), valid.sum() * block_size, pairs]).double()
