@@ -26,6 +26,7 @@ from dflash.shared.cache import (
 
 META_FIELDS = ("offsets", "source_index", "batches")
 BF16_EXP_MASK = 0x7F80  # exponent bits of a bfloat16; all ones = Inf or NaN
+MAX_LISTED_SAMPLES = 1000  # per problem, in the JSON; the count is always complete
 LOGPROB_TOL = 1e-5  # fp32 log_softmax rounding: "> 0" and "not descending" allow this much
 
 
@@ -281,17 +282,19 @@ class _Problems:
         if len(self.items) >= self.cap:
             return
         local = sorted({int(s) for s in samples}) if samples is not None else None
+        num_samples = None if local is None else len(local)
+        local = None if local is None else local[:MAX_LISTED_SAMPLES]
         glob = None
         if local is not None and global_start is not None:
             glob = [global_start + s if s < committed_samples else None for s in local]
         where = f"shard {shard:05d}" if shard is not None else "cache"
         if local:
-            shown = ", ".join(map(str, local[:5])) + (f", ... ({len(local)} samples)" if len(local) > 5 else "")
+            shown = ", ".join(map(str, local[:5])) + (f", ... ({num_samples} samples)" if num_samples > 5 else "")
             gshown = ", ".join("-" if g is None else str(g) for g in (glob or [])[:5])
             where += f" sample {shown} (global {gshown})"
         if array:
             where += f" {array}"
-        self.items.append({"shard": shard, "array": array, "check": check, "samples": local,
+        self.items.append({"shard": shard, "array": array, "check": check, "samples": local, "num_samples": num_samples,
                            "global_samples": glob, "tokens": list(tokens) if tokens else None,
                            "message": f"{where}: {message}"})
 
@@ -312,7 +315,7 @@ def _bounded_map(fn: Callable, items: list, workers: int) -> Iterator:
 
 
 def _check_token_chunk(arr: zarr.Array, name: str, c: int, committed: int, spec: CacheSpec):
-    """Read chunk c whole, check its committed part; returns (error, [(check, bad tokens, detail)])."""
+    """Read chunk c whole, check its committed part; returns (error, [(check, bad tokens, facts)])."""
     C = _chunk_tokens(arr)
     t0 = c * C
     try:
@@ -326,24 +329,23 @@ def _check_token_chunk(arr: zarr.Array, name: str, c: int, committed: int, spec:
             per_layer = bad.any(axis=2)  # (n, L)
             layers = [spec.layer_ids[j] for j in np.flatnonzero(per_layer.any(axis=0))]
             found.append(("nan_inf", t0 + np.flatnonzero(per_layer.any(axis=1)),
-                          f"NaN/Inf values ({int(bad.sum())}) in layers {layers}"))
+                          {"values": int(bad.sum()), "layers": set(layers)}))
     elif name == "topk_logprobs":
         rows = ~np.isfinite(data).all(axis=1)
         if rows.any():
-            found.append(("nan_inf", t0 + np.flatnonzero(rows), "NaN/Inf log-probs"))
+            found.append(("nan_inf", t0 + np.flatnonzero(rows), {"values": int((~np.isfinite(data)).sum())}))
         with np.errstate(invalid="ignore"):
             rows = (data > LOGPROB_TOL).any(axis=1)
             if rows.any():
-                found.append(("positive", t0 + np.flatnonzero(rows), f"log-probs > 0 (max {float(np.nanmax(data)):.4g})"))
+                found.append(("positive", t0 + np.flatnonzero(rows), {"max": float(np.nanmax(data))}))
             rows = (np.diff(data, axis=1) > LOGPROB_TOL).any(axis=1)
             if rows.any():
-                found.append(("not_descending", t0 + np.flatnonzero(rows), "top-k log-probs not descending"))
+                found.append(("not_descending", t0 + np.flatnonzero(rows), {}))
     elif name in ("input_ids", "topk_ids"):
         bad = (data < 0) | (data >= spec.vocab_size)
         rows = bad.reshape(len(data), -1).any(axis=1)
         if rows.any():
-            found.append(("out_of_vocab", t0 + np.flatnonzero(rows),
-                          f"ids outside [0, {spec.vocab_size}): {np.unique(data[bad])[:5].tolist()}"))
+            found.append(("out_of_vocab", t0 + np.flatnonzero(rows), {"ids": set(np.unique(data[bad])[:5].tolist())}))
     return None, found
 
 
@@ -491,6 +493,8 @@ def verify_cache(path: str, *, max_problems: int = 100, progress: bool = True, w
                              samples=[local[i]], global_start=gs, committed_samples=ns)
 
     # pass 3: every committed chunk of every token array
+    value_findings: dict[tuple[int, str, str], dict[str, Any]] = {}
+
     def job(j):
         s, f, c, committed = j
         return j, _check_token_chunk(s["arrays"][f], f, c, committed, spec)
@@ -509,10 +513,29 @@ def verify_cache(path: str, *, max_problems: int = 100, progress: bool = True, w
             samples = None if m is None else range(int(samples_of(t0)), int(samples_of(t1 - 1)) + 1)
             problems.add(s["shard_id"], f, "undecodable", f"chunk {c} (tokens {t0}:{t1}) cannot be decoded: {error}",
                          samples=samples, tokens=(t0, t1), **kw)
-        for check, toks, detail in found:
-            problems.add(s["shard_id"], f, check, f"{detail} at {len(toks)} token(s), first token {int(toks[0])}",
-                         samples=samples_of(toks), tokens=(int(toks[0]), int(toks[-1]) + 1), **kw)
+        for check, toks, facts in found:  # merged per (shard, array, check) across chunks
+            a = value_findings.setdefault((s["shard_id"], f, check), {
+                "shard": s, "tokens": 0, "first": int(toks[0]), "last": 0, "samples": set(), "values": 0,
+                "layers": set(), "ids": set(), "max": -np.inf})
+            a["tokens"] += len(toks)
+            a["last"] = int(toks[-1]) + 1
+            a["samples"].update([] if m is None else samples_of(toks).tolist())
+            a["values"] += facts.get("values", 0)
+            a["layers"] |= facts.get("layers", set())
+            a["ids"] |= facts.get("ids", set())
+            a["max"] = max(a["max"], facts.get("max", -np.inf))
     bar.close()
+    for (sid, f, check), a in value_findings.items():
+        what = {
+            ("hidden", "nan_inf"): f"{a['values']} NaN/Inf values (layers {sorted(a['layers'])})",
+            ("topk_logprobs", "nan_inf"): f"{a['values']} NaN/Inf log-probs",
+            ("topk_logprobs", "positive"): f"log-probs > 0 (max {a['max']:.4g})",
+            ("topk_logprobs", "not_descending"): "top-k log-probs not descending",
+        }.get((f, check), f"ids outside [0, {spec.vocab_size}), e.g. {sorted(a['ids'])[:5]}")
+        s = a["shard"]
+        problems.add(sid, f, check, f"{what} at {a['tokens']} token(s), first token {a['first']}",
+                     samples=a["samples"] if s["mapping"] is not None else None, tokens=(a["first"], a["last"]),
+                     global_start=s["global_start"], committed_samples=s["commit"]["samples"])
 
     summary = [{"shard_id": s["shard_id"], "state": ("complete" if s["attrs"].get("complete") else
                                                      "empty" if s["commit"]["samples"] == 0 else "partial"),

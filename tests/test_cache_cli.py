@@ -223,11 +223,22 @@ def test_verify_nan_inf_and_bad_logprobs_written_through_zarr(cache):
 
 def test_verify_problem_cap(cache):
     path, exp = cache
-    root = zarr.open_group(str(path), mode="r+")
-    h = root["shards/00000/hidden"]
-    h[:] = np.full(h.shape, 0x7F80, dtype=np.uint16)  # every token of every sample is +Inf
+    for chunk in range(5):  # five bad chunks: each reported, reading goes on past each
+        f = path / "shards" / "00000" / "hidden" / "c" / str(chunk) / "0" / "0"
+        raw = bytearray(f.read_bytes())
+        raw[-7] ^= 0x55
+        f.write_bytes(bytes(raw))
+    h = zarr.open_group(str(path), mode="r+")["shards/00001/hidden"]
+    h[:] = np.full(h.shape, 0x7F80, dtype=np.uint16)  # every token of shard 1 is +Inf: one merged problem
     d = run_json("verify", path, "--max-problems", "3", code=1)
-    assert len(d["problems"]) == 3 and d["num_problems"] > 3 and d["problems_left_out"] == d["num_problems"] - 3
+    assert d["num_problems"] == 6 and len(d["problems"]) == 3 and d["problems_left_out"] == 3
+    d = run_json("verify", path, code=1)
+    assert [p["tokens"][0] for p in d["problems"] if p["check"] == "undecodable"] == [0, 16, 32, 48, 64]
+    inf = next(p for p in d["problems"] if p["check"] == "nan_inf")
+    committed = len(exp["shards"][1]["fields"]["input_ids"])
+    assert inf["shard"] == 1 and inf["samples"] == list(range(exp["shards"][1]["n"]))
+    assert f"{committed * len(LAYER_IDS) * D} NaN/Inf values" in inf["message"]
+    assert f"at {committed} token(s)" in inf["message"]
 
 
 def test_verify_corrupt_offsets_and_duplicate_sources(cache):
