@@ -36,6 +36,8 @@ def _int_list(ctx, param, value):
 @click.option("--min-length", default=2, type=click.IntRange(1), help="Shorter samples are skipped (counted).")
 @click.option("--on-bad-row", type=click.Choice(BAD_ROW_POLICIES), default="error",
               help="Malformed rows: stop naming file and row, or skip and count them.")
+@click.option("--chunk-tokens", default=256, type=click.IntRange(1), help="Tokens per Zarr chunk.")
+@click.option("--compression-level", default=1, type=click.IntRange(1, 19), help="zstd level of the chunks.")
 @click.option("--dtype", type=click.Choice(DTYPES), default="bfloat16", help="Compute dtype of the target.")
 @click.option("--device", type=click.Choice(["cuda", "cpu"]), default="cuda", help="Run on GPUs or CPU processes.")
 @click.option("--gpus", callback=_int_list, default="0,1,2,3,4", help="CUDA devices of this node, one worker each.")

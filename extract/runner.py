@@ -289,7 +289,10 @@ def run(cfg: ExtractConfig) -> dict[str, Any]:
                    tokens_per_s=counts["tokens"] / counts["forward_s"] if counts["forward_s"] > 0 else None)
     if counts["errors"]:
         summary["errors"] = counts["errors"]
-        raise ExtractFailed("\n".join(counts["errors"]) + "\n\n" + format_summary(summary))
+        message = "\n".join(counts["errors"])
+        if counts["categories"] - {"data", "cache"}:  # work was lost or stopped midway: show what is safe
+            message += "\n\n" + format_summary(summary)
+        raise ExtractFailed(message)
     if counts["interrupted"]:
         raise ExtractFailed("interrupted; every shard committed what it had. Rerun the same command to resume.\n\n"
                             + format_summary(summary))
@@ -309,6 +312,7 @@ def _run_workers(tasks: list[WorkerTask], cfg: ExtractConfig) -> dict[str, Any]:
         p.start()
     ended: dict[int, str] = {}
     errors: list[str] = []
+    categories: set[str] = set()
     planned: dict[int, dict] = {}
     samples = tokens = 0
     t_first = t_last = None
@@ -340,6 +344,7 @@ def _run_workers(tasks: list[WorkerTask], cfg: ExtractConfig) -> dict[str, Any]:
             ended[shard] = kind
         elif kind == "error":
             ended[shard] = "error"
+            categories.add(f["category"])
             if f["message"] not in errors:
                 errors.append(f["message"])
             stop.set()
@@ -376,8 +381,9 @@ def _run_workers(tasks: list[WorkerTask], cfg: ExtractConfig) -> dict[str, Any]:
     bar.close()
     for shard, p in procs.items():
         if shard not in ended:
+            categories.add("died")
             errors.append(f"shard {shard:05d}: worker died with exit code {p.exitcode} (killed? out of host memory?); "
                           "its last commit is intact: rerun the same command to resume")
     forward_s = (t_last - t_first) if t_first is not None and t_last is not None else 0.0
-    return {"samples": samples, "tokens": tokens, "forward_s": forward_s, "errors": errors,
+    return {"samples": samples, "tokens": tokens, "forward_s": forward_s, "errors": errors, "categories": categories,
             "interrupted": interrupted and not errors}

@@ -279,7 +279,7 @@ def worker_main(task: WorkerTask, messages, stop) -> None:
         report("stopped")
     except BaseException as e:  # noqa: BLE001 - classified and reported
         kind, message = describe_error(e, task)
-        report("error", kind=kind, message=message)
+        report("error", category=kind, message=message)
         code = 1
     # Everything is committed (or deliberately not); skip the seconds of interpreter
     # teardown (torch, datasets), but only after the messages reached the parent.

@@ -1,0 +1,307 @@
+"""Stage one end to end on the CPU: tiny Qwen3 (save_pretrained -> from_pretrained), two
+spawned workers, checked against the HF model's own outputs."""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import numpy as np
+import pytest
+import torch
+import zarr
+
+from dflash.extract import runner as R
+from dflash.extract import worker as W
+from dflash.extract.chat import render
+from dflash.extract.config import ExtractConfig, default_layer_ids
+from dflash.extract.data import normalize_row
+from dflash.extract.plan import length_bucketed_batches, shard_rows
+from dflash.extract.target import TargetRunner, load_target
+from dflash.shared import cache as C
+
+LAYERS = [0, 2, 3]  # 3 = L - 1: HF takes that one after the final norm
+TOPK = 16
+MAX_LENGTH = 96
+# the CLI flags every end-to-end run here shares (the kill test reruns exactly these)
+COMMON = ["--device", "cpu", "--dtype", "float32", "--workers", "2", "--cpu-threads", "1", "--layers", ",".join(map(str, LAYERS)),
+          "--topk", str(TOPK), "--max-length", str(MAX_LENGTH), "--batch-tokens", "400",
+          "--commit-seconds", "0", "--chunk-tokens", "64", "--no-progress"]
+BAD_ROWS = {  # row index -> (row, reason it is skipped)
+    3: ({"messages": [{"role": "robot", "content": "beep"}, {"role": "assistant", "content": "hi"}]}, "unknown_role"),
+    11: ({"messages": [{"role": "user", "content": ""}, {"role": "assistant", "content": "x"}]}, "empty_content"),
+    20: ({"prompt": "no chat here"}, "missing_columns"),
+    33: ({"text": "a"}, "too_short"),
+}
+
+
+def cli(*args, check=True, **kw):
+    proc = subprocess.run([sys.executable, "-m", "dflash.extract.cli", *map(str, args)],
+                          capture_output=True, text=True, **kw)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"dflash-extract failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
+    return proc
+
+
+@pytest.fixture(scope="module")
+def dataset(tmp_path_factory, chats_sample_path):
+    """The 40 sample chats with four bad rows spliced in (44 rows)."""
+    rows = [json.loads(line) for line in chats_sample_path.read_text().splitlines()]
+    for index in sorted(BAD_ROWS):
+        rows.insert(index, BAD_ROWS[index][0])
+    path = tmp_path_factory.mktemp("data") / "chats.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path, rows
+
+
+@pytest.fixture(scope="module")
+def extracted(tmp_path_factory, dataset, tiny_target_dir):
+    """One unbroken two-worker run with --on-bad-row skip; (cache path, summary JSON)."""
+    out = tmp_path_factory.mktemp("cache") / "c.zarr"
+    summary = out.parent / "summary.json"
+    t0 = time.monotonic()
+    proc = cli("--data", dataset[0], "--model", tiny_target_dir, "--out", out, "--on-bad-row", "skip",
+               "--summary-json", summary, *COMMON)
+    print(f"two-worker CLI run: {time.monotonic() - t0:.1f} s\n{proc.stdout}")
+    return out, json.loads(summary.read_text()), proc
+
+
+def shard_arrays(path, shard):
+    g = C.open_root(str(path))[C.shard_name(shard)]
+    return {f: np.asarray(g[f][:]) for f in C.TOKEN_FIELDS + ("offsets", "source_index", "batches")}, g.attrs.asdict()
+
+
+# ----------------------------------------------------------------------------- units
+
+
+def test_default_layer_ids():
+    assert default_layer_ids(36) == [1, 9, 17, 25, 33]
+    assert default_layer_ids(28) == [1, 7, 13, 19, 25]
+    assert default_layer_ids(4) == [0, 1, 2, 3]
+    assert default_layer_ids(1) == [0]
+    for n in range(1, 80):
+        ids = default_layer_ids(n)
+        assert ids == sorted(set(ids)) and 0 <= ids[0] and ids[-1] < n and len(ids) <= 5
+
+
+def test_bucketed_batches_respect_budget_and_are_deterministic():
+    rng = np.random.default_rng(0)
+    lengths = rng.integers(1, 300, 500)
+    source = np.arange(500) * 2
+    order, batches = length_bucketed_batches(lengths, source, 1024)
+    assert sorted(order.tolist()) == list(range(500))
+    ordered = lengths[order]
+    assert np.all(np.diff(ordered) <= 0)  # longest first
+    for b0, b1 in zip(batches[:-1], batches[1:]):
+        assert (b1 - b0) * ordered[b0:b1].max() <= 1024 or b1 - b0 == 1
+    order2, batches2 = length_bucketed_batches(lengths, source, 1024)
+    assert np.array_equal(order, order2) and np.array_equal(batches, batches2)
+    assert [shard_rows(10, 3, s) for s in range(3)] == [(0, 3), (3, 6), (6, 10)]
+
+
+def test_batched_equals_unbatched_and_hf(tiny_target_dir):
+    """fp32 on CPU: padded batch == one sample at a time == HF output_hidden_states / logits."""
+    model = load_target(str(tiny_target_dir), dtype="float32")
+    runner = TargetRunner(model, LAYERS, TOPK, lm_head_chunk=7)
+    g = torch.Generator().manual_seed(0)
+    samples = [torch.randint(0, model.config.vocab_size, (n,), generator=g) for n in (23, 5, 17, 1, 40)]
+    batched = runner.forward(*TargetRunner.pad_batch(samples, pad_id=0))
+    off = 0
+    for s in samples:
+        single = runner.forward(*TargetRunner.pad_batch([s]))
+        n = len(s)
+        torch.testing.assert_close(batched.hidden[off:off + n], single.hidden, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(batched.topk_logprobs[off:off + n], single.topk_logprobs, rtol=1e-5, atol=1e-5)
+        with torch.no_grad():
+            ref = model(s[None], output_hidden_states=True)
+        for slot, layer in enumerate(LAYERS):
+            torch.testing.assert_close(single.hidden[:, slot], ref.hidden_states[layer + 1][0], rtol=1e-5, atol=1e-5)
+        ref_lp = torch.log_softmax(ref.logits[0].float(), -1)
+        values, ids = torch.topk(ref_lp, TOPK, -1)
+        torch.testing.assert_close(single.topk_logprobs, values, rtol=1e-5, atol=1e-5)
+        assert torch.equal(single.topk_ids.long(), ids)
+        off += n
+    runner.close()
+
+
+# ----------------------------------------------------------------------------- end to end
+
+
+def test_cache_matches_hf_reference(extracted, dataset, tiny_target_dir):
+    out, summary, _ = extracted
+    path, rows = dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_target_dir)
+    model = AutoModelForCausalLM.from_pretrained(tiny_target_dir, dtype=torch.float32).eval()
+    reader = C.CacheReader(str(out))
+    assert reader.complete and reader.spec.layer_ids == LAYERS and reader.spec.topk == TOPK
+    assert len(reader) == len(rows) - len(BAD_ROWS)
+    truncated = 0
+    for i in range(len(reader)):
+        s = reader[i]
+        row = s["source_index"]
+        ids, mask = render(tokenizer, normalize_row(rows[row], row, str(path)), max_length=MAX_LENGTH,
+                           truncation="right")
+        truncated += len(ids) == MAX_LENGTH
+        assert torch.equal(s["input_ids"], torch.from_numpy(ids).long())
+        assert torch.equal(s["loss_mask"], torch.from_numpy(mask))
+        with torch.no_grad():
+            ref = model(s["input_ids"][None], output_hidden_states=True)
+        for slot, layer in enumerate(LAYERS):  # cached bf16 vs the HF fp32 reference rounded to bf16
+            torch.testing.assert_close(s["hidden"][:, slot].float(), ref.hidden_states[layer + 1][0].bfloat16().float(),
+                                       rtol=2 ** -7, atol=1e-5)
+        ref_lp = torch.log_softmax(ref.logits[0].float(), -1)
+        values, _ = torch.topk(ref_lp, TOPK, -1)
+        torch.testing.assert_close(s["topk_logprobs"], values, rtol=1e-5, atol=1e-5)
+        # ids: the reference's log-prob at every stored id is the stored log-prob (robust to exact ties)
+        torch.testing.assert_close(ref_lp.gather(1, s["topk_ids"]), s["topk_logprobs"], rtol=1e-5, atol=1e-5)
+    assert truncated > 0  # the settings exercised right truncation
+    assert summary["tokens"] == reader.num_tokens and summary["complete"]
+
+
+def test_two_workers_write_every_row_once(extracted, dataset):
+    out, summary, proc = extracted
+    _, rows = dataset
+    reader = C.CacheReader(str(out))
+    assert [s.shard_id for s in reader.shards] == [0, 1]
+    sources = reader.source_indices().tolist()
+    assert len(sources) == len(set(sources))
+    assert sorted(sources) == [r for r in range(len(rows)) if r not in BAD_ROWS]
+    for shard in reader.shards:  # each shard holds exactly its contiguous slice
+        lo, hi = shard_rows(len(rows), 2, shard.shard_id)
+        _, attrs = shard_arrays(out, shard.shard_id)
+        mine = shard_arrays(out, shard.shard_id)[0]["source_index"]
+        assert mine.min() >= lo and mine.max() < hi
+        assert sum(attrs["skipped"].values()) == sum(lo <= r < hi for r in BAD_ROWS)
+    expected = {}
+    for _, reason in BAD_ROWS.values():
+        expected[reason] = expected.get(reason, 0) + 1
+    assert summary["skipped"] == expected
+    assert "skipped rows     4" in proc.stdout and "unknown_role=1" in proc.stdout
+    assert summary["assistant_tokens"] == sum(int(reader[i]["loss_mask"].sum()) for i in range(len(reader)))
+    assert summary["hidden_compression"] > 1.0 and summary["bytes_stored"] > 0
+    root = zarr.open_group(str(out), mode="r")
+    fp = root.attrs[C.ATTRS_KEY]["fingerprint"]
+    assert set(fp) == {"target", "tokenizer", "dataset", "extraction"}
+    assert fp["extraction"]["num_shards"] == 2 and fp["extraction"]["layers"] == LAYERS
+    assert fp["target"]["weights_hash"] and fp["dataset"]["content_hash"].startswith("sha256:")
+
+
+def test_complete_rerun_is_noop(extracted, dataset, tiny_target_dir):
+    out, _, _ = extracted
+    before = {s: shard_arrays(out, s)[1] for s in (0, 1)}
+    proc = cli("--data", dataset[0], "--model", tiny_target_dir, "--out", out, "--on-bad-row", "skip", *COMMON)
+    assert "already complete, nothing to do" in proc.stdout
+    assert {s: shard_arrays(out, s)[1] for s in (0, 1)} == before
+
+
+def test_other_fingerprint_refused(extracted, dataset, tiny_target_dir):
+    out, _, _ = extracted
+    args = [a if a != str(TOPK) else "8" for a in COMMON]
+    proc = cli("--data", dataset[0], "--model", tiny_target_dir, "--out", out, "--on-bad-row", "skip", *args,
+               check=False)
+    assert proc.returncode == 1
+    assert "another fingerprint" in proc.stderr and "topk: cache has 16, run has 8" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_bad_row_error_names_file_and_row(tmp_path, dataset, tiny_target_dir):
+    path, _ = dataset
+    proc = cli("--data", path, "--model", tiny_target_dir, "--out", tmp_path / "c.zarr", *COMMON, check=False)
+    assert proc.returncode == 1
+    assert f"{path} row 3: unknown role 'robot'" in proc.stderr  # shard 0's first bad row
+    assert "--on-bad-row skip" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_kill9_then_resume_is_bitwise_identical(tmp_path, extracted, dataset, tiny_target_dir):
+    reference, _, _ = extracted
+    out = tmp_path / "killed.zarr"
+    args = [sys.executable, "-m", "dflash.extract.cli", "--data", str(dataset[0]), "--model", str(tiny_target_dir),
+            "--out", str(out), "--on-bad-row", "skip", *COMMON]
+    proc = subprocess.Popen(args + ["--batch-delay-s", "0.25"], start_new_session=True,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 60
+    try:
+        while time.monotonic() < deadline:
+            try:
+                commits = [zarr.open_group(str(out), mode="r")[C.shard_name(s)].attrs["commit"]["batches"]
+                           for s in (0, 1)]
+                if max(commits) >= 1:
+                    break
+            except Exception:  # noqa: BLE001 - not created yet
+                pass
+            time.sleep(0.05)
+        else:
+            raise AssertionError("no commit became visible within 60 s")
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    states = [C.open_root(str(out))[C.shard_name(s)].attrs.asdict() for s in (0, 1)]
+    assert not all(a["complete"] for a in states), "the run finished before the kill: nothing was tested"
+    rerun = subprocess.run(args, capture_output=True, text=True)
+    assert rerun.returncode == 0, rerun.stderr[-3000:]
+    assert "complete" in rerun.stdout
+    for s in (0, 1):
+        a, a_attrs = shard_arrays(reference, s)
+        b, b_attrs = shard_arrays(out, s)
+        for f in a:
+            assert a[f].dtype == b[f].dtype and np.array_equal(a[f], b[f]), (s, f)
+        assert a_attrs == b_attrs
+    assert zarr.open_group(str(reference), mode="r").attrs.asdict() == zarr.open_group(str(out), mode="r").attrs.asdict()
+
+
+def test_io_error_stops_cleanly_then_resumes(tmp_path, extracted, dataset, tiny_target_dir, monkeypatch):
+    """A store that fails mid-run (disk full) stops the shard with a resume message; nothing
+    past the last good commit is recorded; the resumed shard equals the unbroken one."""
+    reference, _, _ = extracted
+    from transformers import AutoConfig, AutoTokenizer
+
+    from dflash.extract.data import load_source
+
+    out = tmp_path / "c.zarr"
+    cfg = ExtractConfig(data=str(dataset[0]), model=str(tiny_target_dir), out=str(out), device="cpu", workers=2,
+                        layers=LAYERS, topk=TOPK, max_length=MAX_LENGTH, batch_tokens=400, commit_seconds=0,
+                        chunk_tokens=64, on_bad_row="skip", cpu_threads=1, progress=False, dtype="float32")
+    spec = R.build_spec(cfg, AutoTokenizer.from_pretrained(cfg.model), AutoConfig.from_pretrained(cfg.model),
+                        load_source(cfg.data), num_shards=2)
+    R.prepare_root(cfg, spec, R.NodeLayout(0, 1))
+    task = W.WorkerTask(cfg=cfg, spec=spec.to_dict(), shard_id=0, num_shards=2, device="cpu", cpu_threads=1)
+
+    commits = []
+    real_commit = C.ShardWriter.commit
+
+    def commit_then_fill_disk(self):
+        record = real_commit(self)
+        commits.append(record)
+        if len(commits) == 2:  # from now on every store write fails, as on a full disk
+            async def full(*a, **k):
+                raise OSError(errno.ENOSPC, "No space left on device")
+            monkeypatch.setattr(zarr.storage.LocalStore, "set", full)
+        return record
+
+    monkeypatch.setattr(C.ShardWriter, "commit", commit_then_fill_disk)
+    threads = torch.get_num_threads()
+    try:
+        with pytest.raises(W.WriterFailed) as err:
+            W.run_shard(task, lambda *a, **k: None, threading.Event())
+        kind, message = W.describe_error(err.value, task)
+        monkeypatch.undo()
+        assert kind == "io" and "No space left on device" in message and "rerun the same command to resume" in message
+        attrs = C.open_root(str(out))[C.shard_name(0)].attrs.asdict()
+        assert attrs["commit"] == commits[1] and not attrs["complete"]  # nothing beyond the last good batch
+        assert C.CacheReader(str(out)).shards[0].samples == commits[1]["samples"]
+        W.run_shard(task, lambda *a, **k: None, threading.Event())  # the rerun resumes
+    finally:
+        torch.set_num_threads(threads)
+    a, a_attrs = shard_arrays(reference, 0)
+    b, b_attrs = shard_arrays(out, 0)
+    for f in a:
+        assert np.array_equal(a[f], b[f]), f
+    assert a_attrs == b_attrs
