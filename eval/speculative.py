@@ -1,0 +1,416 @@
+"""Online evaluation: real DFlash speculative decoding against the target's own greedy
+decoding, one prompt at a time (batch size 1).
+
+Speculative loop (temperature 0):
+
+    prefill(prompt)              -> KV cache for 0..P-1, chosen layers' hidden states
+                                    for 0..P-1, first token t0 = target argmax
+    repeat, with the last accepted token at position p (not yet in the KV cache):
+      drafter block  = [last, MASK x (B-1)] at positions p..p+B-1, context = target
+                       hidden states of positions < p (fused by the drafter's fc)
+      proposals      = drafter argmax of slots 1..B-1 (slot k guesses position p+k)
+      verify         = ONE target forward of [last, proposals] on the KV cache;
+                       logits row i is the target's greedy token for position p+i+1
+      accept         = the longest prefix of proposals equal to those greedy tokens
+                       (a of them) plus the target's bonus token: tau = a + 1
+      bookkeeping    = crop the KV cache to p + a + 1 entries (last + accepted drafts),
+                       append those positions' hidden states to the drafter context;
+                       the bonus token becomes the next block's anchor
+    until max_new_tokens or an eos token.
+
+Every emitted token is a target argmax computed on exactly the accepted prefix, so the
+output must equal plain greedy decoding token for token; ``evaluate`` checks that and
+raises ``LosslessError`` otherwise. The check is exact only up to floating point: a
+B-token verify forward and a 1-token decode forward need not round identically, so on
+near-ties (bf16 especially) the error reports the greedy top-2 logit margin at the
+divergence to tell a numerical tie from a bookkeeping bug.
+
+``evaluate(target, drafter, prompts, ...) -> dict`` is the whole API a test needs; the
+drafter is a ``DFlashDrafter`` or anything with the ``Proposer`` interface.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import logging
+import math
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+
+from dflash.train import attention
+from dflash.train.model import DFlashDrafter, DrafterConfig
+
+log = logging.getLogger(__name__)
+
+
+class LosslessError(RuntimeError):
+    """Speculative output differs from plain greedy output at temperature 0."""
+
+
+# ---------------------------------------------------------------------------- drafter side
+
+
+class Proposer(Protocol):
+    """What the speculative loop asks of a drafter."""
+
+    block_size: int  # B: anchor + B - 1 proposals per block
+    target_layer_ids: list[int]  # target layers whose hidden states form the context
+
+    def propose(self, context: torch.Tensor, tokens: Sequence[int], position: int) -> torch.Tensor:
+        """(B - 1,) long proposals for positions position+1 .. position+B-1.
+
+        context: (1, position, n * D) target hidden states of positions < position;
+        tokens: every token so far (prompt + generated), tokens[-1] sits at ``position``.
+        """
+
+
+class DFlashProposer:
+    """A DFlashDrafter plus the target's own (frozen) embedding and LM head."""
+
+    def __init__(self, drafter: DFlashDrafter, target, config: DrafterConfig | None = None):
+        self.drafter = drafter.eval()
+        self.config = config or drafter.config
+        self.block_size = self.config.block_size
+        self.target_layer_ids = list(self.config.target_layer_ids)
+        self.embed = target.get_input_embeddings()
+        self.lm_head = target.get_output_embeddings()
+        check_compatible(self.config, target)
+
+    @torch.inference_mode()
+    def propose(self, context: torch.Tensor, tokens: Sequence[int], position: int) -> torch.Tensor:
+        B, device = self.block_size, context.device
+        ctx_len = context.shape[1]
+        block_ids = torch.full((1, B), self.config.mask_token_id, dtype=torch.long, device=device)
+        block_ids[0, 0] = tokens[-1]
+        block_positions = torch.arange(position, position + B, device=device).unsqueeze(0)  # (1, B)
+        context_positions = torch.arange(ctx_len, device=device).unsqueeze(0)  # (1, S)
+        mask = attention.build_mask(
+            "dense",
+            anchors=torch.tensor([[position]], device=device),
+            block_valid=torch.ones(1, 1, dtype=torch.bool, device=device),
+            ctx_len=torch.tensor([ctx_len], device=device),
+            context_len=ctx_len,
+            block_size=B,
+        )
+        hidden = self.drafter(context, context_positions, self.embed(block_ids), block_positions, mask)  # (1, B, D)
+        logits = self.lm_head(hidden[:, 1:].to(self.lm_head.weight.dtype))  # (1, B-1, V)
+        return logits[0].argmax(dim=-1)
+
+
+def check_compatible(config: DrafterConfig, target) -> None:
+    """Refuse a drafter built for another target (width, vocabulary, depth)."""
+    tcfg = target.config.get_text_config() if hasattr(target.config, "get_text_config") else target.config
+    vocab = target.get_input_embeddings().weight.shape[0]
+    problems = []
+    if config.hidden_size != tcfg.hidden_size:
+        problems.append(f"hidden_size {config.hidden_size} != target {tcfg.hidden_size}")
+    if config.vocab_size != vocab:
+        problems.append(f"vocab_size {config.vocab_size} != target embedding rows {vocab}")
+    if config.num_target_layers != tcfg.num_hidden_layers:
+        problems.append(f"num_target_layers {config.num_target_layers} != target {tcfg.num_hidden_layers}")
+    if problems:
+        raise ValueError("drafter does not fit this target: " + "; ".join(problems))
+
+
+def load_drafter(path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype | None = None
+                 ) -> tuple[DFlashDrafter, DrafterConfig]:
+    """Load a drafter from an export folder, a checkpoint folder, or a run folder (latest checkpoint)."""
+    from dflash.train import checkpoint
+    from dflash.train.export import CONFIG_NAME, load_exported
+
+    path = Path(path)
+    if (path / CONFIG_NAME).is_file():
+        drafter, config = load_exported(path, device=device, dtype=dtype)
+        return drafter.eval(), config
+    ckpt = path if (path / "state.json").is_file() and (path / "model.safetensors").is_file() \
+        else checkpoint.resolve(path, "latest")
+    if ckpt is None:
+        raise FileNotFoundError(f"{path}: neither an export folder (config.json) nor a run with checkpoints")
+    state = checkpoint.read_state(ckpt)
+    if "drafter_config" not in state:
+        raise ValueError(f"{ckpt}/state.json has no drafter_config")
+    config = DrafterConfig.from_dict(state["drafter_config"])
+    drafter = DFlashDrafter(config)
+    drafter.load_state_dict(checkpoint.load_weights(ckpt), strict=True)
+    drafter = drafter.to(device=device, dtype=dtype) if dtype is not None else drafter.to(device)
+    log.info("drafter from checkpoint %s (step %s)", ckpt, state.get("step"))
+    return drafter.eval(), config
+
+
+# ---------------------------------------------------------------------------- KV cache
+
+
+def cache_length(cache) -> int:
+    """Number of cached positions (DynamicCache, or a legacy tuple of (k, v) per layer)."""
+    if hasattr(cache, "get_seq_length"):
+        return int(cache.get_seq_length())
+    return int(cache[0][0].shape[-2])
+
+
+def crop_cache(cache, keep: int):
+    """Cut the KV cache down to its first ``keep`` positions and return it.
+
+    ``DynamicCache.crop`` changed meaning across transformers versions: up to early 5.x
+    ``crop(max_length)`` keeps max_length tokens (a negative value removes that many);
+    in 5.2x ``crop(tokens_to_remove)`` accepts only negative values. ``crop(-n)`` with
+    n > 0 means "remove n" in both, and ``crop(0)`` would wipe the old one, so it is
+    never called with 0. The result is checked; on any surprise the layers are sliced
+    by hand (``layers[i].keys`` in 5.x, ``key_cache`` lists before).
+    """
+    current = cache_length(cache)
+    if keep > current:
+        raise ValueError(f"cannot crop a {current}-position cache to {keep}")
+    if keep == current:
+        return cache
+    if isinstance(cache, tuple):  # legacy format: rebuild
+        return tuple((k[..., :keep, :], v[..., :keep, :]) for k, v in cache)
+    try:
+        cache.crop(-(current - keep))
+    except (ValueError, RuntimeError, TypeError, AttributeError) as err:
+        log.debug("DynamicCache.crop(-%d) failed (%s); slicing by hand", current - keep, err)
+    if cache_length(cache) != keep:
+        _slice_cache(cache, keep)
+    if cache_length(cache) != keep:
+        raise RuntimeError(f"could not crop the KV cache to {keep} (have {cache_length(cache)})")
+    return cache
+
+
+def _slice_cache(cache, keep: int) -> None:
+    if hasattr(cache, "layers"):
+        for layer in cache.layers:
+            if getattr(layer, "keys", None) is not None and layer.keys.numel():
+                layer.keys = layer.keys[..., :keep, :]
+                layer.values = layer.values[..., :keep, :]
+    elif hasattr(cache, "key_cache"):
+        for i in range(len(cache.key_cache)):
+            cache.key_cache[i] = cache.key_cache[i][..., :keep, :]
+            cache.value_cache[i] = cache.value_cache[i][..., :keep, :]
+        if hasattr(cache, "_seen_tokens"):
+            cache._seen_tokens = keep
+
+
+# ---------------------------------------------------------------------------- decoding
+
+
+@dataclass
+class Generation:
+    """One prompt's decode: the new tokens and what producing them cost."""
+
+    tokens: list[int]  # generated tokens (eos included when it was hit)
+    target_forwards: int  # target forward passes, prefill included
+    seconds: float  # wall clock, prefill included
+    block_taus: list[int] = field(default_factory=list)  # speculative: accepted tokens per block (incl. bonus)
+    margins: list[float] = field(default_factory=list)  # greedy: top-1 minus top-2 logit per token
+
+
+@functools.lru_cache(maxsize=None)
+def _cache_argument(model_class: type) -> str:
+    return "cache" if "cache" in inspect.signature(model_class.forward).parameters else "past_key_values"
+
+
+def _forward(target, input_ids: torch.Tensor, cache=None, **kwargs):
+    """One target forward with the KV cache -> (output, cache).
+
+    transformers renamed ``past_key_values`` to ``cache`` (argument and output field)
+    around 5.2x; 5.17 knows only the old name. Pick whichever this model accepts.
+    """
+    name = _cache_argument(type(target))
+    if cache is not None:
+        kwargs[name] = cache
+    out = target(input_ids=input_ids, use_cache=True, **kwargs)
+    new_cache = getattr(out, name, None)
+    if new_cache is None:
+        new_cache = getattr(out, "past_key_values", None) if name == "cache" else getattr(out, "cache", None)
+    if new_cache is None:
+        raise RuntimeError(f"{type(target).__name__} returned no KV cache")
+    return out, new_cache
+
+
+def _device_of(model) -> torch.device:
+    return next(model.parameters()).device
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _is_stop(token: int, n_new: int, max_new_tokens: int, eos: frozenset[int]) -> bool:
+    return token in eos or n_new >= max_new_tokens
+
+
+@torch.inference_mode()
+def greedy_generate(target, prompt_ids: Sequence[int], max_new_tokens: int,
+                    eos_token_ids: Iterable[int] = ()) -> Generation:
+    """Plain greedy decoding with the KV cache, one token per target forward."""
+    if max_new_tokens < 1:
+        raise ValueError("max_new_tokens must be >= 1")
+    device, eos = _device_of(target), frozenset(int(t) for t in eos_token_ids)
+    _sync(device)
+    start = time.perf_counter()
+    out, cache = _forward(target, torch.tensor([list(prompt_ids)], device=device), logits_to_keep=1)
+    tokens, margins, forwards = [], [], 1
+    while True:
+        top2 = out.logits[0, -1].float().topk(2)
+        token = int(top2.indices[0])
+        tokens.append(token)
+        margins.append(float(top2.values[0] - top2.values[1]))
+        if _is_stop(token, len(tokens), max_new_tokens, eos):
+            break
+        out, cache = _forward(target, torch.tensor([[token]], device=device), cache, logits_to_keep=1)
+        forwards += 1
+    _sync(device)
+    return Generation(tokens, forwards, time.perf_counter() - start, margins=margins)
+
+
+def _layer_states(hidden_states, layer_ids: Sequence[int], stop: int | None = None) -> torch.Tensor:
+    """(1, T, n * D): HF hidden_states[i + 1] of every chosen layer id i, concatenated."""
+    return torch.cat([hidden_states[i + 1][:, :stop] for i in layer_ids], dim=-1)
+
+
+@torch.inference_mode()
+def speculative_generate(target, proposer: Proposer, prompt_ids: Sequence[int], max_new_tokens: int,
+                         eos_token_ids: Iterable[int] = ()) -> Generation:
+    """DFlash speculative decoding at temperature 0 (see the module docstring)."""
+    if max_new_tokens < 1:
+        raise ValueError("max_new_tokens must be >= 1")
+    device, eos = _device_of(target), frozenset(int(t) for t in eos_token_ids)
+    prompt = [int(t) for t in prompt_ids]
+    n_prompt, B, layer_ids = len(prompt), proposer.block_size, list(proposer.target_layer_ids)
+    _sync(device)
+    start = time.perf_counter()
+
+    out, cache = _forward(target, torch.tensor([prompt], device=device), output_hidden_states=True,
+                          logits_to_keep=1)
+    forwards = 1
+    prefill_states = _layer_states(out.hidden_states, layer_ids)  # (1, P, n * D)
+    # Drafter context of positions < p, filled as positions are verified.
+    context = prefill_states.new_empty((1, n_prompt + max_new_tokens + B, prefill_states.shape[-1]))
+    context[:, :n_prompt] = prefill_states
+    tokens = [int(out.logits[0, -1].argmax())]
+    taus: list[int] = []
+    done = _is_stop(tokens[0], 1, max_new_tokens, eos)
+    while not done:
+        p = n_prompt + len(tokens) - 1  # position of the last accepted token, not yet in the cache
+        if cache_length(cache) != p:
+            raise RuntimeError(f"KV cache holds {cache_length(cache)} positions, expected {p}")
+        drafts = proposer.propose(context[:, :p], prompt + tokens, p).to(device=device, dtype=torch.long)
+        if drafts.shape != (B - 1,):
+            raise ValueError(f"proposer returned shape {tuple(drafts.shape)}, expected ({B - 1},)")
+        block = torch.cat([torch.tensor([tokens[-1]], device=device), drafts]).unsqueeze(0)  # (1, B)
+        out, cache = _forward(target, block, cache, output_hidden_states=True)
+        forwards += 1
+        greedy = out.logits[0].argmax(dim=-1)  # (B,): target's token for positions p+1 .. p+B
+        accepted = int((drafts == greedy[:-1]).long().cumprod(dim=0).sum())
+        taus.append(accepted + 1)
+        context[:, p:p + accepted + 1] = _layer_states(out.hidden_states, layer_ids, accepted + 1)
+        cache = crop_cache(cache, p + accepted + 1)
+        for token in drafts[:accepted].tolist() + [int(greedy[accepted])]:
+            tokens.append(token)
+            if _is_stop(token, len(tokens), max_new_tokens, eos):
+                done = True
+                break
+    _sync(device)
+    return Generation(tokens, forwards, time.perf_counter() - start, block_taus=taus)
+
+
+# ---------------------------------------------------------------------------- evaluation
+
+
+def check_lossless(spec: Sequence[int], greedy: Sequence[int], margins: Sequence[float] = (),
+                   where: str = "prompt") -> None:
+    """Raise LosslessError unless the two token lists are identical."""
+    if list(spec) == list(greedy):
+        return
+    first = next((i for i, (a, b) in enumerate(zip(spec, greedy)) if a != b), min(len(spec), len(greedy)))
+    margin = f"; greedy top-2 logit margin there {margins[first]:.3g}" if first < len(margins) else ""
+    raise LosslessError(
+        f"{where}: speculative output differs from greedy at new token {first} "
+        f"(speculative {list(spec[first:first + 5])}..., greedy {list(greedy[first:first + 5])}...; "
+        f"lengths {len(spec)} vs {len(greedy)}{margin}). A margin near 0 is a numerical tie between a "
+        "B-token verify and a 1-token decode (try float32); a clear margin means a decoding bug."
+    )
+
+
+def _histogram(taus: Iterable[int], block_size: int) -> list[int]:
+    counts = [0] * block_size  # counts[k - 1]: blocks that accepted k tokens
+    for tau in taus:
+        counts[tau - 1] += 1
+    return counts
+
+
+def _summary(new_tokens: int, taus: list[int], spec_fw: int, greedy_fw: int, spec_s: float, greedy_s: float,
+             block_size: int) -> dict[str, Any]:
+    return {
+        "new_tokens": new_tokens,
+        "blocks": len(taus),
+        "tau": sum(taus) / len(taus) if taus else math.nan,
+        "tau_histogram": _histogram(taus, block_size),
+        "target_forwards": spec_fw,
+        "greedy_target_forwards": greedy_fw,
+        "tokens_per_target_forward": new_tokens / spec_fw,
+        "spec_seconds": spec_s,
+        "greedy_seconds": greedy_s,
+        "spec_tokens_per_s": new_tokens / spec_s if spec_s > 0 else math.nan,
+        "greedy_tokens_per_s": new_tokens / greedy_s if greedy_s > 0 else math.nan,
+        "speedup": greedy_s / spec_s if spec_s > 0 else math.nan,
+    }
+
+
+def evaluate(target, drafter: DFlashDrafter | Proposer, prompts: Sequence[Sequence[int]], *,
+             max_new_tokens: int = 128, eos_token_ids: Iterable[int] = (), check: bool = True,
+             warmup: bool = True, progress: bool = False) -> dict[str, Any]:
+    """Speculative vs greedy decoding of every prompt (lists of token ids).
+
+    Returns {"overall": {...}, "per_prompt": [{...}], "settings": {...}} where each
+    summary holds tau (mean tokens accepted per drafter block, bonus included),
+    tau_histogram (blocks accepting 1..B tokens), tokens_per_target_forward (prefill
+    counted; greedy is 1.0 by construction), both wall-clock times and the speedup
+    (greedy time / speculative time). tau counts what verification accepted, so the
+    final block may count tokens cut by max_new_tokens or eos. With ``check`` a
+    mismatch raises LosslessError at the first prompt that shows it.
+    """
+    proposer = DFlashProposer(drafter, target) if isinstance(drafter, DFlashDrafter) else drafter
+    eos = sorted({int(t) for t in eos_token_ids})
+    B = proposer.block_size
+    if warmup and prompts:  # first calls pay for allocator growth, kernels, lazy init
+        greedy_generate(target, prompts[0], min(4, max_new_tokens), eos)
+        speculative_generate(target, proposer, prompts[0], min(2 * B, max_new_tokens), eos)
+
+    from tqdm.auto import tqdm
+
+    per_prompt, all_taus = [], []
+    totals = dict(new=0, spec_fw=0, greedy_fw=0, spec_s=0.0, greedy_s=0.0)
+    for index, prompt in enumerate(tqdm(prompts, desc="dflash-eval", unit="prompt", disable=not progress)):
+        greedy = greedy_generate(target, prompt, max_new_tokens, eos)
+        spec = speculative_generate(target, proposer, prompt, max_new_tokens, eos)
+        lossless = spec.tokens == greedy.tokens
+        if check:
+            check_lossless(spec.tokens, greedy.tokens, greedy.margins, where=f"prompt {index}")
+        n_new = len(spec.tokens)
+        row = {"index": index, "prompt_tokens": len(prompt), "lossless": lossless,
+               **_summary(n_new, spec.block_taus, spec.target_forwards, greedy.target_forwards,
+                          spec.seconds, greedy.seconds, B),
+               "tokens": spec.tokens}
+        per_prompt.append(row)
+        all_taus += spec.block_taus
+        totals["new"] += n_new
+        totals["spec_fw"] += spec.target_forwards
+        totals["greedy_fw"] += greedy.target_forwards
+        totals["spec_s"] += spec.seconds
+        totals["greedy_s"] += greedy.seconds
+    overall = {"prompts": len(per_prompt), "lossless": all(r["lossless"] for r in per_prompt)}
+    if per_prompt:
+        overall.update(_summary(totals["new"], all_taus, totals["spec_fw"], totals["greedy_fw"],
+                                totals["spec_s"], totals["greedy_s"], B))
+    device = _device_of(target)
+    settings = {"block_size": B, "max_new_tokens": max_new_tokens, "eos_token_ids": eos,
+                "target_layer_ids": list(proposer.target_layer_ids), "device": str(device),
+                "dtype": str(next(target.parameters()).dtype).removeprefix("torch.")}
+    return {"overall": overall, "per_prompt": per_prompt, "settings": settings}

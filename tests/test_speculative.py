@@ -1,0 +1,229 @@
+"""Online speculative decoding (dflash.eval.speculative): lossless against plain greedy,
+KV-crop / accept bookkeeping with perfect proposals, loud failure on a mismatch, and the
+export / checkpoint loading paths. Tiny random target from shared/toy.py, CPU only."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dflash.eval import speculative as spec
+from dflash.train.model import DFlashDrafter, DrafterConfig
+
+MAX_NEW = 24
+BLOCK = 4
+LAYERS = [0, 2]  # of the 4-layer toy target; id i = HF hidden_states[i + 1]
+
+
+@pytest.fixture(scope="module")
+def target(tiny_target_dir):
+    from transformers import AutoModelForCausalLM
+
+    torch.set_num_threads(1)  # tiny matmuls: threads only add contention on shared CI cores
+    return AutoModelForCausalLM.from_pretrained(tiny_target_dir, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_target_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tiny_target_dir)
+
+
+@pytest.fixture(scope="module")
+def drafter_config(target, tokenizer):
+    return DrafterConfig.from_target_config(
+        target.config, LAYERS, tokenizer.convert_tokens_to_ids("<|MASK|>"), block_size=BLOCK, num_hidden_layers=2
+    )
+
+
+@pytest.fixture(scope="module")
+def drafter(drafter_config):
+    torch.manual_seed(0)
+    return DFlashDrafter(drafter_config).eval()
+
+
+@pytest.fixture(scope="module")
+def prompts(tokenizer):
+    texts = ["What is 17 + 25?", "Reverse the word 'maple'.", "Sort these numbers: [4, 9, 1]."]
+    chats = [tokenizer.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True,
+                                           tokenize=False) for t in texts]
+    return [tokenizer(c, add_special_tokens=False)["input_ids"] for c in chats]
+
+
+class PerfectProposer:
+    """Proposes the target's own greedy continuation: every block must be fully accepted."""
+
+    def __init__(self, prompt, continuation, block_size):
+        self.sequence = list(prompt) + list(continuation)
+        self.block_size = block_size
+        self.target_layer_ids = LAYERS
+
+    def propose(self, context, tokens, position):
+        assert context.shape[1] == position == len(tokens) - 1
+        assert self.sequence[: len(tokens)] == list(tokens), "loop handed over tokens that are not greedy"
+        want = self.sequence[position + 1: position + self.block_size]
+        return torch.tensor(want, dtype=torch.long)
+
+
+def test_speculative_equals_greedy_untrained_drafter(target, drafter, prompts):
+    result = spec.evaluate(target, drafter, prompts, max_new_tokens=MAX_NEW, warmup=False)
+    overall = result["overall"]
+    assert overall["lossless"] and overall["prompts"] == len(prompts)
+    assert overall["new_tokens"] == len(prompts) * MAX_NEW  # the toy target never says eos this early
+    for row in result["per_prompt"]:
+        greedy = spec.greedy_generate(target, prompts[row["index"]], MAX_NEW)
+        assert row["tokens"] == greedy.tokens
+        assert sum(row["tau_histogram"]) == row["blocks"]
+        assert row["target_forwards"] == 1 + row["blocks"]
+    assert 1.0 <= overall["tau"] < 1.5  # random init: (almost) everything rejected
+    assert overall["tau_histogram"][0] >= 0.5 * overall["blocks"]
+    assert overall["greedy_target_forwards"] == overall["new_tokens"]
+    assert overall["speedup"] > 0 and result["settings"]["block_size"] == BLOCK
+
+
+def test_perfect_proposals_accept_whole_blocks(target, prompts):
+    """Full acceptance exercises the paths rejection never reaches: cropping nothing,
+    appending B context positions at once, emitting B tokens per forward."""
+    for prompt in prompts:
+        reference = spec.greedy_generate(target, prompt, MAX_NEW + BLOCK).tokens
+        proposer = PerfectProposer(prompt, reference, BLOCK)
+        out = spec.speculative_generate(target, proposer, prompt, MAX_NEW)
+        assert out.tokens == reference[:MAX_NEW]
+        assert all(tau == BLOCK for tau in out.block_taus)
+        # 1 token from prefill, then B per verify forward
+        assert out.target_forwards == 1 + -(-(MAX_NEW - 1) // BLOCK)
+
+
+def test_partial_acceptance(target, prompts):
+    """A proposer right for the first k slots only: tau == k + 1 every block, output still greedy."""
+    prompt = prompts[0]
+    reference = spec.greedy_generate(target, prompt, MAX_NEW + BLOCK).tokens
+
+    class HalfRight(PerfectProposer):
+        def propose(self, context, tokens, position):
+            drafts = super().propose(context, tokens, position)
+            drafts[1:] = (drafts[1:] + 1) % target.config.vocab_size  # slot 1 right, slots 2.. wrong
+            return drafts
+
+    out = spec.speculative_generate(target, HalfRight(prompt, reference, BLOCK), prompt, MAX_NEW)
+    assert out.tokens == reference[:MAX_NEW]
+    assert set(out.block_taus) == {2}
+
+
+def test_eos_stops_both_decoders(target, prompts):
+    prompt = prompts[1]
+    reference = spec.greedy_generate(target, prompt, MAX_NEW).tokens
+    eos = reference[5]  # pretend the 6th greedy token is an end-of-sequence token
+    stop = reference.index(eos) + 1
+    greedy = spec.greedy_generate(target, prompt, MAX_NEW, [eos])
+    fast = spec.speculative_generate(target, PerfectProposer(prompt, reference + [0] * BLOCK, BLOCK), prompt,
+                                     MAX_NEW, [eos])
+    assert greedy.tokens == fast.tokens == reference[:stop]
+
+
+def _value_tensors(cache):
+    if hasattr(cache, "layers"):
+        return [layer.values for layer in cache.layers]
+    return list(cache.value_cache)
+
+
+def test_broken_kv_crop_is_caught_by_position_check(target, drafter, prompts, monkeypatch):
+    """Injected bug: rejected drafts stay in the KV cache. The loop notices at once."""
+    monkeypatch.setattr(spec, "crop_cache", lambda cache, keep: cache)
+    with pytest.raises(RuntimeError, match="KV cache holds"):
+        spec.speculative_generate(target, spec.DFlashProposer(drafter, target), prompts[0], MAX_NEW)
+
+
+def test_corrupted_kv_cache_raises_lossless_error(target, drafter, prompts, monkeypatch):
+    """Injected bug of the right length but wrong content (the crop keeps stale values
+    for the newest position): only the token-for-token check can see it."""
+    real_crop = spec.crop_cache
+
+    def bad_crop(cache, keep):
+        cache = real_crop(cache, keep)
+        for values in _value_tensors(cache):
+            values[..., -1, :] = 0.0
+        return cache
+
+    monkeypatch.setattr(spec, "crop_cache", bad_crop)
+    with pytest.raises(spec.LosslessError, match="differs from greedy"):
+        spec.evaluate(target, drafter, prompts, max_new_tokens=MAX_NEW, warmup=False)
+
+
+def test_mismatch_raises_lossless_error(target, drafter, prompts, monkeypatch):
+    real = spec.speculative_generate
+
+    def off_by_one(*args, **kwargs):
+        out = real(*args, **kwargs)
+        out.tokens[7] = (out.tokens[7] + 1) % target.config.vocab_size
+        return out
+
+    monkeypatch.setattr(spec, "speculative_generate", off_by_one)
+    with pytest.raises(spec.LosslessError, match="new token 7"):
+        spec.evaluate(target, drafter, prompts[:1], max_new_tokens=MAX_NEW, warmup=False)
+    result = spec.evaluate(target, drafter, prompts[:1], max_new_tokens=MAX_NEW, warmup=False, check=False)
+    assert result["overall"]["lossless"] is False
+
+
+def test_crop_cache_keeps_prefix(target, prompts):
+    from dflash.eval.speculative import _forward, cache_length, crop_cache
+
+    ids = torch.tensor([prompts[0]])
+    with torch.inference_mode():
+        _, cache = _forward(target, ids)
+        n = ids.shape[1]
+        keys_before = [layer.keys.clone() for layer in cache.layers] if hasattr(cache, "layers") else None
+        cache = crop_cache(cache, n - 3)
+        assert cache_length(cache) == n - 3
+        if keys_before is not None:
+            for layer, before in zip(cache.layers, keys_before):
+                assert torch.equal(layer.keys, before[..., : n - 3, :])
+        cache = crop_cache(cache, n - 3)  # no-op
+        assert cache_length(cache) == n - 3
+        with pytest.raises(ValueError):
+            crop_cache(cache, n)
+
+
+def test_exported_drafter_gives_same_outputs(target, drafter, drafter_config, prompts, tmp_path):
+    from dflash.train.export import export_drafter
+
+    export_drafter(drafter, drafter_config, tmp_path / "export", dtype=torch.float32)
+    loaded, config = spec.load_drafter(tmp_path / "export")
+    assert config == drafter_config
+    a = spec.evaluate(target, drafter, prompts[:2], max_new_tokens=MAX_NEW, warmup=False)
+    b = spec.evaluate(target, loaded, prompts[:2], max_new_tokens=MAX_NEW, warmup=False)
+    for ra, rb in zip(a["per_prompt"], b["per_prompt"]):
+        assert ra["tokens"] == rb["tokens"] and ra["tau_histogram"] == rb["tau_histogram"]
+    # and the proposals themselves, not just the (target-determined) output
+    ctx = torch.randn(1, 5, len(LAYERS) * drafter_config.hidden_size)
+    pa = spec.DFlashProposer(drafter, target).propose(ctx, [1, 2, 3, 4, 5, 6], 5)
+    pb = spec.DFlashProposer(loaded, target).propose(ctx, [1, 2, 3, 4, 5, 6], 5)
+    assert torch.equal(pa, pb)
+
+
+def test_drafter_from_run_folder_latest_checkpoint(target, drafter, drafter_config, tmp_path):
+    from safetensors.torch import save_file
+
+    import json
+
+    for step, scale in [(10, 0.5), (20, 1.0)]:
+        folder = tmp_path / "run" / "checkpoints" / f"step_{step:06d}"
+        folder.mkdir(parents=True)
+        save_file({k: (v * scale).contiguous() for k, v in drafter.state_dict().items()},
+                  str(folder / "model.safetensors"))
+        (folder / "state.json").write_text(json.dumps({"step": step, "drafter_config": drafter_config.to_dict()}))
+    loaded, config = spec.load_drafter(tmp_path / "run")
+    assert config == drafter_config
+    for name, tensor in drafter.state_dict().items():
+        assert torch.equal(loaded.state_dict()[name], tensor), name  # step 20 (scale 1), not step 10
+
+
+def test_incompatible_drafter_is_refused(target, tokenizer):
+    from transformers import Qwen3Config
+
+    other = Qwen3Config(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+                        num_attention_heads=2, num_key_value_heads=1, head_dim=16)
+    cfg = DrafterConfig.from_target_config(other, LAYERS, 3, block_size=BLOCK, num_hidden_layers=1)
+    with pytest.raises(ValueError, match="hidden_size"):
+        spec.DFlashProposer(DFlashDrafter(cfg), target)
