@@ -17,3 +17,8 @@ help:  ## list the targets
 extract:  ## build (or resume) the hidden-state cache: DATA= MODEL= OUT= [GPUS=0,1,2,3,4] [EXTRA_ARGS=...]
 	@test -n "$(DATA)" -a -n "$(MODEL)" -a -n "$(OUT)" || { echo "usage: make extract DATA=... MODEL=... OUT=... [GPUS=0,1,2,3,4] [EXTRA_ARGS=...]" >&2; exit 2; }
 	$(PYTHON) -m dflash.extract.cli --data "$(DATA)" --model "$(MODEL)" --out "$(OUT)" --gpus "$(GPUS)" $(EXTRA_ARGS)
+
+# ---- the CPU demo: data, target, cache, drafter, speculative eval ----------------
+.PHONY: demo
+demo:  ## run the whole CPU demo into OUT (default demo_out); reruns reuse every built step
+	$(PYTHON) -m dflash.eval.demo --out "$(or $(OUT),demo_out)" $(EXTRA_ARGS)
