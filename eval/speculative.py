@@ -323,19 +323,27 @@ def speculative_generate(target, proposer: Proposer, prompt_ids: Sequence[int], 
 # ---------------------------------------------------------------------------- evaluation
 
 
-def check_lossless(spec: Sequence[int], greedy: Sequence[int], margins: Sequence[float] = (),
-                   where: str = "prompt") -> None:
-    """Raise LosslessError unless the two token lists are identical."""
+def mismatch_message(spec: Sequence[int], greedy: Sequence[int], margins: Sequence[float] = (),
+                     where: str = "prompt") -> str | None:
+    """None when the two token lists are identical, else what differs and where."""
     if list(spec) == list(greedy):
-        return
+        return None
     first = next((i for i, (a, b) in enumerate(zip(spec, greedy)) if a != b), min(len(spec), len(greedy)))
     margin = f"; greedy top-2 logit margin there {margins[first]:.3g}" if first < len(margins) else ""
-    raise LosslessError(
+    return (
         f"{where}: speculative output differs from greedy at new token {first} "
         f"(speculative {list(spec[first:first + 5])}..., greedy {list(greedy[first:first + 5])}...; "
         f"lengths {len(spec)} vs {len(greedy)}{margin}). A margin near 0 is a numerical tie between a "
         "B-token verify and a 1-token decode (try float32); a clear margin means a decoding bug."
     )
+
+
+def check_lossless(spec: Sequence[int], greedy: Sequence[int], margins: Sequence[float] = (),
+                   where: str = "prompt") -> None:
+    """Raise LosslessError unless the two token lists are identical."""
+    message = mismatch_message(spec, greedy, margins, where)
+    if message is not None:
+        raise LosslessError(message)
 
 
 def _histogram(taus: Iterable[int], block_size: int) -> list[int]:
@@ -374,7 +382,8 @@ def evaluate(target, drafter: DFlashDrafter | Proposer, prompts: Sequence[Sequen
     counted; greedy is 1.0 by construction), both wall-clock times and the speedup
     (greedy time / speculative time). tau counts what verification accepted, so the
     final block may count tokens cut by max_new_tokens or eos. With ``check`` a
-    mismatch raises LosslessError at the first prompt that shows it.
+    mismatch raises LosslessError at the first prompt that shows it; without, each row
+    records it ("lossless", "mismatch") and the caller decides.
     """
     proposer = DFlashProposer(drafter, target) if isinstance(drafter, DFlashDrafter) else drafter
     eos = sorted({int(t) for t in eos_token_ids})
@@ -390,11 +399,11 @@ def evaluate(target, drafter: DFlashDrafter | Proposer, prompts: Sequence[Sequen
     for index, prompt in enumerate(tqdm(prompts, desc="dflash-eval", unit="prompt", disable=not progress)):
         greedy = greedy_generate(target, prompt, max_new_tokens, eos)
         spec = speculative_generate(target, proposer, prompt, max_new_tokens, eos)
-        lossless = spec.tokens == greedy.tokens
-        if check:
-            check_lossless(spec.tokens, greedy.tokens, greedy.margins, where=f"prompt {index}")
+        mismatch = mismatch_message(spec.tokens, greedy.tokens, greedy.margins, where=f"prompt {index}")
+        if check and mismatch is not None:
+            raise LosslessError(mismatch)
         n_new = len(spec.tokens)
-        row = {"index": index, "prompt_tokens": len(prompt), "lossless": lossless,
+        row = {"index": index, "prompt_tokens": len(prompt), "lossless": mismatch is None, "mismatch": mismatch,
                **_summary(n_new, spec.block_taus, spec.target_forwards, greedy.target_forwards,
                           spec.seconds, greedy.seconds, B),
                "tokens": spec.tokens}

@@ -227,3 +227,63 @@ def test_incompatible_drafter_is_refused(target, tokenizer):
     cfg = DrafterConfig.from_target_config(other, LAYERS, 3, block_size=BLOCK, num_hidden_layers=1)
     with pytest.raises(ValueError, match="hidden_size"):
         spec.DFlashProposer(DFlashDrafter(cfg), target)
+
+
+# ---------------------------------------------------------------------------- CLI
+
+
+def test_load_prompts_cuts_at_last_user_turn(tokenizer, tmp_path):
+    import json
+
+    from dflash.eval.cli import load_prompts
+
+    rows = [
+        {"messages": [{"role": "user", "content": "a?"}, {"role": "assistant", "content": "b."},
+                      {"role": "user", "content": "c?"}, {"role": "assistant", "content": "d."}]},
+        {"messages": [{"role": "user", "content": "only a question"}]},
+        {"prompt": "a bare prompt"},
+        {"text": "plain text prefix"},
+    ]
+    path = tmp_path / "p.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    got = load_prompts(str(path), tokenizer)
+    render = lambda msgs: tokenizer(tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False),
+                                    add_special_tokens=False)["input_ids"]
+    assert got[0] == render(rows[0]["messages"][:3])
+    assert got[1] == render(rows[1]["messages"])
+    assert got[2] == render([{"role": "user", "content": "a bare prompt"}])
+    assert got[3] == tokenizer("plain text prefix")["input_ids"]
+    assert len(load_prompts(str(path), tokenizer, limit=2)) == 2
+
+
+def test_cli_end_to_end_and_exit_status(tiny_target_dir, drafter, drafter_config, chats_sample_path, tmp_path,
+                                        monkeypatch):
+    import json
+
+    from click.testing import CliRunner
+
+    from dflash.eval.cli import cli
+    from dflash.train.export import export_drafter
+
+    export_drafter(drafter, drafter_config, tmp_path / "export")
+    args = ["--target", str(tiny_target_dir), "--drafter", str(tmp_path / "export"), "--prompts",
+            str(chats_sample_path), "--limit", "2", "--max-new-tokens", "8", "--no-warmup",
+            "--json", str(tmp_path / "report.json")]
+    ok = CliRunner().invoke(cli, args)
+    assert ok.exit_code == 0, ok.output
+    assert "overall: 2 prompts" in ok.output and "tau histogram" in ok.output
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert report["overall"]["lossless"] and report["overall"]["prompts"] == 2
+
+    real = spec.speculative_generate
+
+    def corrupt(*a, **k):
+        out = real(*a, **k)
+        out.tokens[-1] += 1
+        return out
+
+    monkeypatch.setattr(spec, "speculative_generate", corrupt)
+    bad = CliRunner().invoke(cli, args)
+    assert bad.exit_code == 1
+    assert "LOSSLESS CHECK FAILED" in bad.output
+    assert json.loads((tmp_path / "report.json").read_text())["overall"]["lossless"] is False

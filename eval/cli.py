@@ -1,0 +1,200 @@
+"""``dflash-eval``: online speculative decoding of a drafter against its target.
+
+    dflash-eval --target MODEL --drafter RUN_OR_EXPORT --prompts DATA \\
+        [--max-new-tokens 128] [--limit N] [--device cpu|cuda] [--json out.json]
+
+Prompts come from any source ``extract`` reads (``load_source`` + ``normalize_row``):
+a chat is cut after its LAST user turn and rendered with the generation prompt (what
+the target would be asked); a plain ``text`` row is used as a raw prefix; a row with
+only a ``prompt`` or ``question`` string column becomes one user turn (GSM8K,
+HumanEval style). The exit status is 1 when any speculative output differs from
+greedy (the run still finishes and writes --json, so the report shows every prompt).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import sys
+from pathlib import Path
+from typing import Any
+
+import click
+
+log = logging.getLogger("dflash.eval")
+
+PROMPT_COLUMNS = ("prompt", "question")
+
+
+# ---------------------------------------------------------------------------- prompts
+
+
+def row_to_messages_or_text(row: dict[str, Any], index: int, source: str) -> tuple[list[dict] | None, str | None]:
+    """(messages up to and including the last user turn, None) or (None, text)."""
+    from dflash.extract.data import DataError, normalize_row
+
+    if all(row.get(c) is None for c in ("messages", "conversations", "text")):
+        for column in PROMPT_COLUMNS:
+            if isinstance(row.get(column), str) and row[column].strip():
+                return [{"role": "user", "content": row[column]}], None
+    try:
+        conv = normalize_row(row, index, source)
+    except DataError as err:
+        if err.reason != "no_assistant_turn":
+            raise
+        # A prompt set has no answers by nature; normalise it as if it had one.
+        patched = dict(row)
+        if row.get("messages") is not None:
+            patched["messages"] = list(row["messages"]) + [{"role": "assistant", "content": "."}]
+        else:
+            patched["conversations"] = list(row["conversations"]) + [{"from": "gpt", "value": "."}]
+        conv = normalize_row(patched, index, source)
+    if conv.kind == "text":
+        return None, conv.text
+    users = [i for i, m in enumerate(conv.messages) if m["role"] == "user"]
+    if not users:
+        raise DataError("no_user_turn", source, index, "no user message to prompt with")
+    return conv.messages[: users[-1] + 1], None
+
+
+def load_prompts(spec: str, tokenizer, *, split: str = "train", limit: int | None = None,
+                 template_kwargs: dict | None = None, on_bad_row: str = "skip") -> list[list[int]]:
+    """Token ids of up to ``limit`` prompts from dataset ``spec`` (see the module docstring)."""
+    from dflash.extract.data import SkipCounter, guard, load_source
+
+    ds = load_source(spec, split)
+    skips = SkipCounter()
+    prompts: list[list[int]] = []
+    for index, row in enumerate(ds):
+        if limit is not None and len(prompts) >= limit:
+            break
+        parsed = guard(on_bad_row, skips, row_to_messages_or_text, row, index, spec)
+        if parsed is None:
+            continue
+        messages, text = parsed
+        if text is None:
+            text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False,
+                                                 **(template_kwargs or {}))
+            ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        else:
+            ids = tokenizer(text)["input_ids"]
+        prompts.append([int(t) for t in ids])
+    if skips.total:
+        log.warning("prompts: %s", skips.summary())
+    return prompts
+
+
+def stop_token_ids(model, tokenizer) -> list[int]:
+    """The generation config's eos ids, the tokenizer's eos and the end-of-turn token."""
+    from dflash.extract.chat import end_of_turn_id
+
+    ids: set[int] = set()
+    eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    if eos is not None:
+        ids.update([eos] if isinstance(eos, int) else eos)
+    if tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    try:
+        ids.add(end_of_turn_id(tokenizer))
+    except ValueError:
+        pass
+    return sorted(int(i) for i in ids)
+
+
+# ---------------------------------------------------------------------------- report
+
+
+def _fmt(value, spec: str = ".2f") -> str:
+    if isinstance(value, float) and math.isnan(value):
+        return "-"
+    return format(value, spec)
+
+
+def format_report(result: dict[str, Any]) -> str:
+    """The per-prompt table, the overall line and the tau histogram."""
+    head = f"{'#':>4} {'prompt':>6} {'new':>5} {'blocks':>6} {'tau':>6} {'tok/fwd':>7} " \
+           f"{'greedy s':>8} {'spec s':>8} {'speedup':>7}  ok"
+    lines = [head, "-" * len(head)]
+    for r in result["per_prompt"]:
+        lines.append(
+            f"{r['index']:>4} {r['prompt_tokens']:>6} {r['new_tokens']:>5} {r['blocks']:>6} {_fmt(r['tau']):>6} "
+            f"{_fmt(r['tokens_per_target_forward']):>7} {_fmt(r['greedy_seconds']):>8} "
+            f"{_fmt(r['spec_seconds']):>8} {_fmt(r['speedup']):>6}x  {'yes' if r['lossless'] else 'NO'}"
+        )
+    o = result["overall"]
+    if o.get("prompts"):
+        lines += [
+            "-" * len(head),
+            f"overall: {o['prompts']} prompts, {o['new_tokens']} tokens, tau {_fmt(o['tau'])} over "
+            f"{o['blocks']} blocks, {_fmt(o['tokens_per_target_forward'])} tokens per target forward, "
+            f"greedy {_fmt(o['greedy_seconds'])} s vs speculative {_fmt(o['spec_seconds'])} s "
+            f"= {_fmt(o['speedup'])}x, lossless: {'yes' if o['lossless'] else 'NO'}",
+            "tau histogram (accepted tokens per block): "
+            + " ".join(f"{k}:{n}" for k, n in enumerate(o["tau_histogram"], start=1)),
+        ]
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------- command
+
+
+@click.command(context_settings={"help_option_names": ["-h", "--help"]})
+@click.option("--target", required=True, help="Target model: HF folder or hub name (from_pretrained).")
+@click.option("--drafter", required=True, type=click.Path(exists=True, file_okay=False),
+              help="Export folder (config.json) or training run / checkpoint folder (latest checkpoint).")
+@click.option("--prompts", "prompts_spec", required=True, help="Prompt dataset: anything extract's load_source reads.")
+@click.option("--split", default="train", show_default=True, help="Dataset split.")
+@click.option("--max-new-tokens", default=128, show_default=True, type=click.IntRange(min=1))
+@click.option("--limit", default=None, type=click.IntRange(min=1), help="Use the first N prompts.")
+@click.option("--device", default="cpu", show_default=True, help="cpu, cuda or cuda:N.")
+@click.option("--dtype", type=click.Choice(["auto", "float32", "bfloat16", "float16"]), default="auto",
+              show_default=True, help="Target and drafter dtype; auto = float32 on cpu, bfloat16 on cuda.")
+@click.option("--template-kwargs", default=None, help='JSON for the chat template, e.g. \'{"enable_thinking": false}\'.')
+@click.option("--no-check", is_flag=True, help="Do not fail when speculative output differs from greedy.")
+@click.option("--no-warmup", is_flag=True, help="Skip the untimed warm-up decode.")
+@click.option("--json", "json_out", default=None, type=click.Path(dir_okay=False), help="Write the full report here.")
+def cli(target, drafter, prompts_spec, split, max_new_tokens, limit, device, dtype, template_kwargs, no_check,
+        no_warmup, json_out):
+    """Speculative decoding with a DFlash drafter vs plain greedy decoding of the target."""
+    import torch
+    from transformers import AutoTokenizer
+
+    from dflash.extract.target import load_target
+
+    from .speculative import evaluate, load_drafter
+
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    if dtype == "auto":
+        dtype = "bfloat16" if device.startswith("cuda") else "float32"
+    tokenizer = AutoTokenizer.from_pretrained(target)
+    model = load_target(target, dtype=dtype, device=device)
+    draft_model, config = load_drafter(drafter, device=device, dtype=getattr(torch, dtype))
+    kwargs = json.loads(template_kwargs) if template_kwargs else None
+    prompts = load_prompts(prompts_spec, tokenizer, split=split, limit=limit, template_kwargs=kwargs)
+    if not prompts:
+        raise click.ClickException(f"no usable prompts in {prompts_spec}")
+    click.echo(f"{len(prompts)} prompts, block size {config.block_size}, layers {config.target_layer_ids}, "
+               f"{device} {dtype}", err=True)
+    result = evaluate(model, draft_model, prompts, max_new_tokens=max_new_tokens,
+                      eos_token_ids=stop_token_ids(model, tokenizer), check=False, warmup=not no_warmup,
+                      progress=True)
+    result["settings"].update({"target": target, "drafter": str(drafter), "prompts": prompts_spec, "split": split})
+    click.echo(format_report(result))
+    if json_out:
+        Path(json_out).parent.mkdir(parents=True, exist_ok=True)
+        Path(json_out).write_text(json.dumps(result, indent=2) + "\n")
+        click.echo(f"report -> {json_out}", err=True)
+    failed = [r["mismatch"] for r in result["per_prompt"] if not r["lossless"]]
+    if failed and not no_check:
+        for message in failed:
+            click.echo(f"LOSSLESS CHECK FAILED: {message}", err=True)
+        sys.exit(1)
+
+
+def main(argv: list[str] | None = None) -> None:
+    cli.main(args=argv, prog_name="dflash-eval", standalone_mode=True)
+
+
+if __name__ == "__main__":
+    main()
