@@ -33,21 +33,23 @@ import click
 class DemoSettings:
     """Sizes of every step; `full()` is `make demo`, `small()` the test suite's."""
 
-    n_train: int = 2000  # training chats (target, cache)
-    n_heldout: int = 48  # held-out chats: online evaluation prompts
+    n_train: int = 800  # training chats (target, cache)
+    n_heldout: int = 32  # held-out chats: online evaluation prompts
     seed: int = 0
-    target: dict[str, Any] = field(default_factory=dict)  # DemoTargetConfig overrides
+    target: dict[str, Any] = field(default_factory=lambda: dict(  # DemoTargetConfig overrides
+        num_hidden_layers=4, hidden_size=96, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=24, steps=200, batch_size=16, lr=3e-3, warmup_steps=10, log_every=25))
     extract_workers: int = 2
     batch_tokens: int = 4096
     max_length: int = 256
     # drafter training (overrides of the `tiny` preset)
     train: dict[str, Any] = field(default_factory=lambda: dict(
-        block_size=8, num_draft_layers=2, context_buckets=[128, 256], max_anchors=16, batch_size=16,
-        micro_batch_size=16, eval_samples=64, max_steps=400, lr=3e-3, warmup_ratio=0.05,
-        log_every=10, eval_every=40, save_every=400, keep_checkpoints=1, attention="dense", compile="off",
+        block_size=8, num_draft_layers=2, context_buckets=[128, 256], max_anchors=16, batch_size=8,
+        micro_batch_size=8, eval_samples=64, max_steps=300, lr=3e-3, warmup_ratio=0.05,
+        log_every=10, eval_every=30, save_every=300, keep_checkpoints=1, attention="dense", compile="off",
         autocast="off"))
     max_new_tokens: int = 64
-    eval_prompts: int = 48
+    eval_prompts: int = 32
 
     @classmethod
     def full(cls) -> "DemoSettings":
@@ -56,14 +58,14 @@ class DemoSettings:
     @classmethod
     def small(cls) -> "DemoSettings":
         return cls(
-            n_train=48, n_heldout=6, extract_workers=1, batch_tokens=2048,
+            n_train=32, n_heldout=4, extract_workers=1, batch_tokens=2048,
             target=dict(num_hidden_layers=2, hidden_size=32, intermediate_size=64, num_attention_heads=2,
-                        num_key_value_heads=1, head_dim=16, steps=25, batch_size=8, lr=1e-2, warmup_steps=3,
-                        log_every=5),
+                        num_key_value_heads=1, head_dim=16, steps=8, batch_size=8, lr=1e-2, warmup_steps=2,
+                        log_every=4),
             train=dict(block_size=4, num_draft_layers=1, context_buckets=[128, 256], max_anchors=8, batch_size=8,
-                       micro_batch_size=8, eval_samples=8, max_steps=20, lr=3e-3, log_every=5, eval_every=10,
-                       save_every=20, keep_checkpoints=1, attention="dense", compile="off", autocast="off"),
-            max_new_tokens=24, eval_prompts=4)
+                       micro_batch_size=8, eval_samples=8, max_steps=8, lr=3e-3, log_every=2, eval_every=4,
+                       save_every=8, keep_checkpoints=1, attention="dense", compile="off", autocast="off"),
+            max_new_tokens=16, eval_prompts=3)
 
 
 # --------------------------------------------------------------------------- step markers
