@@ -22,3 +22,13 @@ extract:  ## build (or resume) the hidden-state cache: DATA= MODEL= OUT= [GPUS=0
 .PHONY: demo
 demo:  ## run the whole CPU demo into OUT (default demo_out); reruns reuse every built step
 	$(PYTHON) -m dflash.eval.demo --out "$(or $(OUT),demo_out)" $(EXTRA_ARGS)
+
+# ---- data: regenerate assistant turns with the target itself ---------------------
+TEMPERATURE ?= 0
+MAX_NEW_TOKENS ?= 1024
+DEVICE ?= cuda
+
+.PHONY: regenerate
+regenerate:  ## replace every assistant turn of DATA with MODEL's own answers (resumable): DATA= MODEL= OUT= [TEMPERATURE=0] [MAX_NEW_TOKENS=1024] [DEVICE=cuda] [EXTRA_ARGS=...]
+	@test -n "$(DATA)" -a -n "$(MODEL)" -a -n "$(OUT)" || { echo "usage: make regenerate DATA=... MODEL=... OUT=... [TEMPERATURE=0] [MAX_NEW_TOKENS=1024] [DEVICE=cuda] [EXTRA_ARGS=...]" >&2; exit 2; }
+	$(PYTHON) -m dflash.extract.regenerate --data "$(DATA)" --model "$(MODEL)" --out "$(OUT)" --temperature "$(TEMPERATURE)" --max-new-tokens "$(MAX_NEW_TOKENS)" --device "$(DEVICE)" $(EXTRA_ARGS)

@@ -1,0 +1,451 @@
+"""Regenerate a chat dataset's assistant turns with the target itself (DESIGN §2, Data:
+the drafter learns the target's own distribution, so its answers should be the target's).
+
+    python -m dflash.extract.regenerate --data chats.jsonl --model Qwen/Qwen3-8B --out regen/ \\
+        [--temperature 0] [--top-p 1] [--seed 0] [--max-new-tokens 1024] [--batch-size 16]
+
+Every assistant turn is replaced, turn by turn: turn k is generated from the
+conversation with turns < k ALREADY regenerated, so later turns condition on the
+target's own earlier answers. System, user and tool messages are kept. Generation is
+batched with left padding; it stops at the end-of-turn / eos tokens or after
+--max-new-tokens (such a turn is "truncated": kept and counted, or dropped with
+--drop-truncated). A conversation is cut before a turn whose prompt exceeds
+--max-prompt-tokens or whose answer comes out empty; with no assistant turn left it is
+skipped (counted). Plain text rows have no turn to regenerate and are skipped (counted).
+
+Output folder (resumable: rerunning the same command skips finished parts):
+
+    OUT/run.json                    settings + fingerprints, written first, checked on resume
+    OUT/parts/part-00000.jsonl      rows of source rows [0, part_size), regenerated
+    OUT/parts/part-00000.done.json  the part's counts; its presence marks the part done
+    OUT/state.json, dataset_info.json, data-*.arrow
+                                    all parts, in source order, via save_to_disk: the
+                                    dataset ``load_source(OUT)`` (and so ``make extract
+                                    DATA=OUT``) reads; rows are {"messages", "source_row",
+                                    "truncated_turns"}
+    OUT/regenerate.json             how it was made: target / tokenizer / source
+                                    fingerprints, generation settings, counts (last)
+
+Each part reseeds the RNG from (seed, part index), so an interrupted and resumed run
+gives the same rows as an uninterrupted one. The model's own generation_config
+sampling defaults (Qwen3 ships temperature 0.6, top_k 20) are overridden: only the
+settings given here apply.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import logging
+import math
+import os
+import shutil
+import tempfile
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import click
+
+from .data import Conversation, DataError, SkipCounter, dataset_fingerprint, guard, load_source, normalize_row
+
+log = logging.getLogger(__name__)
+
+FORMAT_VERSION = 1
+RUN_FILE = "run.json"
+METADATA_FILE = "regenerate.json"
+PARTS_DIR = "parts"
+
+
+@dataclass
+class GenerationSettings:
+    """How the target answers; everything that changes the generated text."""
+
+    temperature: float = 0.0  # 0 = greedy; > 0 = sampling at this temperature
+    top_p: float = 1.0  # nucleus sampling mass (sampling only)
+    seed: int = 0  # base seed; part i samples from seed (seed, i)
+    max_new_tokens: int = 1024  # per assistant turn
+    max_prompt_tokens: int | None = None  # cut the conversation before a longer prompt
+    drop_truncated: bool = False  # cut the conversation at a turn that hit max_new_tokens
+    template_kwargs: dict = field(default_factory=dict)  # chat template extras, e.g. enable_thinking
+    dtype: str = "bfloat16"  # target compute dtype
+
+    def validate(self) -> None:
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.max_new_tokens < 1:
+            raise ValueError("max_new_tokens must be >= 1")
+
+
+@dataclass
+class RegenConfig:
+    """One regeneration job."""
+
+    data: str  # source dataset spec (anything load_source reads)
+    model: str  # target: HF folder or hub name
+    out: str  # output folder
+    split: str = "train"  # source split
+    generation: GenerationSettings = field(default_factory=GenerationSettings)
+    batch_size: int = 16  # prompts per generate() call
+    part_size: int = 256  # source rows per output part (the resume unit)
+    limit: int | None = None  # use the first N source rows
+    device: str = "cpu"  # cpu, cuda, cuda:N
+    on_bad_row: str = "skip"  # source rows that do not normalise: "skip" (counted) or "error"
+    progress: bool = True  # tqdm bar over source rows
+
+
+# ---------------------------------------------------------------------------- generation
+
+
+def stop_token_ids(model, tokenizer) -> list[int]:
+    """End-of-turn token, the tokenizer's eos and the generation config's eos ids."""
+    from .chat import end_of_turn_id
+
+    ids: set[int] = set()
+    eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    if eos is not None:
+        ids.update([eos] if isinstance(eos, int) else eos)
+    if tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    try:
+        ids.add(end_of_turn_id(tokenizer))
+    except ValueError:
+        pass
+    return sorted(int(i) for i in ids)
+
+
+def generation_kwargs(settings: GenerationSettings, stop_ids: list[int], pad_id: int) -> dict[str, Any]:
+    """generate() arguments that leave nothing to the model's generation_config."""
+    kwargs: dict[str, Any] = dict(max_new_tokens=settings.max_new_tokens, eos_token_id=stop_ids, pad_token_id=pad_id,
+                                  num_beams=1, repetition_penalty=1.0, no_repeat_ngram_size=0)
+    if settings.temperature > 0:
+        kwargs.update(do_sample=True, temperature=settings.temperature, top_p=settings.top_p, top_k=0, min_p=0.0,
+                      typical_p=1.0)
+    else:
+        kwargs.update(do_sample=False)
+    return kwargs
+
+
+def generate_batch(model, tokenizer, prompts: list[str], gen_kwargs: dict, stop_ids: list[int]
+                   ) -> list[tuple[list[int], bool]]:
+    """Left-padded batched generation: per prompt (tokens before the stop token, truncated?)."""
+    import torch
+
+    # Padded by hand: setting tokenizer.padding_side would change the tokenizer (and its fingerprint).
+    encoded = [tokenizer(p, add_special_tokens=False)["input_ids"] for p in prompts]
+    width = max(len(ids) for ids in encoded)
+    input_ids = torch.full((len(encoded), width), gen_kwargs["pad_token_id"], dtype=torch.long)
+    attention_mask = torch.zeros((len(encoded), width), dtype=torch.long)
+    for row, ids in enumerate(encoded):  # left padding: every prompt ends at the last column
+        input_ids[row, width - len(ids):] = torch.tensor(ids, dtype=torch.long)
+        attention_mask[row, width - len(ids):] = 1
+    device = next(model.parameters()).device
+    with torch.inference_mode():
+        out = model.generate(input_ids=input_ids.to(device), attention_mask=attention_mask.to(device), **gen_kwargs)
+    new = out[:, width:].tolist()
+    stops = set(stop_ids)
+    results = []
+    for tokens in new:
+        cut = next((i for i, t in enumerate(tokens) if t in stops), None)
+        results.append((tokens, True) if cut is None else (tokens[:cut], False))
+    return results
+
+
+def _render_prompt(tokenizer, conv: Conversation, messages: list[dict], template_kwargs: dict) -> str:
+    try:
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, **template_kwargs)
+    except Exception as exc:  # noqa: BLE001 - jinja errors, raise_exception()
+        raise DataError("template_rejected", conv.source, conv.row_index,
+                        f"chat template rejected the prompt: {type(exc).__name__}: {exc}") from exc
+    return text[0] if isinstance(text, list) else text
+
+
+@dataclass
+class _Chat:
+    conv: Conversation
+    messages: list[dict]
+    next_turn: int | None  # index of the next assistant message to regenerate
+    truncated_turns: int = 0
+    regenerated: int = 0
+    dropped: str | None = None  # skip reason, when the whole row is dropped
+
+    def advance(self, after: int) -> None:
+        self.next_turn = next((i for i in range(after + 1, len(self.messages))
+                               if self.messages[i]["role"] == "assistant"), None)
+
+    def cut(self, turn: int, reason: str, counts: SkipCounter) -> None:
+        """Keep messages before ``turn``; drop the row if no assistant turn survives."""
+        self.messages = self.messages[:turn]
+        self.next_turn = None
+        if not any(m["role"] == "assistant" for m in self.messages):
+            self.dropped = reason
+        else:
+            counts.counts[f"cut_{reason}"] += 1
+
+
+def regenerate_conversations(model, tokenizer, convs: list[Conversation], settings: GenerationSettings,
+                             batch_size: int, skips: SkipCounter) -> tuple[list[dict], dict[str, int]]:
+    """Regenerate every assistant turn of ``convs``, round by round (turn k of every chat
+    in one round, batched), so each turn conditions on the regenerated earlier ones."""
+    stop_ids = stop_token_ids(model, tokenizer)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else stop_ids[0]
+    gen_kwargs = generation_kwargs(settings, stop_ids, pad_id)
+    chats = [_Chat(c, [dict(m) for m in c.messages], None) for c in convs]
+    for chat in chats:
+        chat.advance(-1)
+    totals = {"turns_regenerated": 0, "truncated_turns": 0, "generated_tokens": 0}
+    while True:
+        pending: list[tuple[_Chat, int, str, int]] = []
+        for chat in chats:
+            if chat.next_turn is None or chat.dropped:
+                continue
+            turn = chat.next_turn
+            try:
+                text = _render_prompt(tokenizer, chat.conv, chat.messages[:turn], settings.template_kwargs)
+            except DataError as err:
+                skips.record(err)
+                chat.dropped, chat.next_turn = err.reason, None
+                continue
+            n_tokens = len(tokenizer(text, add_special_tokens=False)["input_ids"])
+            if settings.max_prompt_tokens is not None and n_tokens > settings.max_prompt_tokens:
+                chat.cut(turn, "prompt_too_long", skips)
+                continue
+            pending.append((chat, turn, text, n_tokens))
+        if not pending:
+            break
+        pending.sort(key=lambda item: -item[3])  # similar lengths share a batch: less padding
+        for start in range(0, len(pending), batch_size):
+            batch = pending[start:start + batch_size]
+            outputs = generate_batch(model, tokenizer, [text for _, _, text, _ in batch], gen_kwargs, stop_ids)
+            for (chat, turn, _, _), (tokens, truncated) in zip(batch, outputs):
+                content = tokenizer.decode(tokens, skip_special_tokens=False)
+                if not content.strip():
+                    chat.cut(turn, "empty_generation", skips)
+                    continue
+                if truncated and settings.drop_truncated:
+                    chat.cut(turn, "truncated", skips)
+                    continue
+                chat.messages[turn] = {"role": "assistant", "content": content}
+                chat.truncated_turns += int(truncated)
+                chat.regenerated += 1
+                totals["turns_regenerated"] += 1
+                totals["truncated_turns"] += int(truncated)
+                totals["generated_tokens"] += len(tokens)
+                chat.advance(turn)
+    rows = []
+    for chat in chats:
+        if chat.dropped:
+            if chat.dropped != "template_rejected":  # already recorded with its message
+                skips.record(DataError(chat.dropped, chat.conv.source, chat.conv.row_index,
+                                       f"no assistant turn left ({chat.dropped})"))
+            continue
+        rows.append({"messages": chat.messages, "source_row": chat.conv.row_index,
+                     "truncated_turns": chat.truncated_turns})
+    return rows, totals
+
+
+# ---------------------------------------------------------------------------- parts and resume
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def part_paths(out: Path, index: int) -> tuple[Path, Path]:
+    base = out / PARTS_DIR / f"part-{index:05d}"
+    return base.with_suffix(".jsonl"), base.with_suffix(".done.json")
+
+
+def _run_record(cfg: RegenConfig, source_fp: dict, target_fp: dict, tokenizer_fp: dict, num_rows: int) -> dict:
+    """Everything that decides the output rows; a resume must match it exactly."""
+    return {
+        "format": FORMAT_VERSION,
+        "source": {k: source_fp.get(k) for k in ("source", "split", "revision", "num_rows", "hash_method",
+                                                 "content_hash")},
+        "target": {k: target_fp.get(k) for k in ("name_or_path", "revision", "config_hash", "weights_hash", "dtype")},
+        "tokenizer": tokenizer_fp,
+        "generation": asdict(cfg.generation),
+        "part_size": cfg.part_size,
+        "num_rows": num_rows,
+        "on_bad_row": cfg.on_bad_row,
+    }
+
+
+def _check_resume(out: Path, record: dict) -> None:
+    path = out / RUN_FILE
+    if not path.exists():
+        _write_atomic(path, json.dumps(record, indent=2, sort_keys=True) + "\n")
+        return
+    previous = json.loads(path.read_text())
+    if previous != json.loads(json.dumps(record, sort_keys=True)):
+        diff = sorted(k for k in set(previous) | set(record) if previous.get(k) != json.loads(json.dumps(record)).get(k))
+        raise click.ClickException(
+            f"{out} was started with different settings or inputs (differs in: {', '.join(diff)}); "
+            "use another --out or --overwrite"
+        )
+
+
+def regenerate(cfg: RegenConfig, *, model=None, tokenizer=None, overwrite: bool = False,
+               max_parts: int | None = None) -> dict[str, Any] | None:
+    """Run (or resume) the job; returns the metadata once every part is done.
+
+    ``model``/``tokenizer`` may be passed in already loaded (tests, notebooks).
+    ``max_parts`` stops after that many newly written parts (time-boxed jobs), and then
+    returns None because the dataset is not complete yet.
+    """
+    import torch
+    from transformers import AutoTokenizer
+
+    from dflash.shared.fingerprint import target_fingerprint, tokenizer_fingerprint
+
+    cfg.generation.validate()
+    if cfg.part_size < 1 or cfg.batch_size < 1:
+        raise ValueError("part_size and batch_size must be >= 1")
+    out = Path(cfg.out)
+    if overwrite and out.exists():
+        shutil.rmtree(out)
+    (out / PARTS_DIR).mkdir(parents=True, exist_ok=True)
+
+    ds = load_source(cfg.data, cfg.split)
+    num_rows = len(ds) if cfg.limit is None else min(len(ds), cfg.limit)
+    if tokenizer is None:
+        tokenizer = AutoTokenizer.from_pretrained(cfg.model)
+    if model is None:
+        from .target import load_target
+
+        model = load_target(cfg.model, dtype=cfg.generation.dtype, device=cfg.device)
+    model_dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
+    target_fp = target_fingerprint(cfg.model, model.config.to_dict(), model_dtype)
+    source_fp = dataset_fingerprint(ds, cfg.data, cfg.split)
+    record = _run_record(cfg, source_fp, target_fp, tokenizer_fingerprint(tokenizer), num_rows)
+    _check_resume(out, record)
+
+    from tqdm.auto import tqdm
+
+    num_parts = math.ceil(num_rows / cfg.part_size)
+    written = 0
+    bar = tqdm(total=num_rows, desc="regenerate", unit="row", disable=not cfg.progress)
+    for part in range(num_parts):
+        start, stop = part * cfg.part_size, min(num_rows, (part + 1) * cfg.part_size)
+        data_path, done_path = part_paths(out, part)
+        if done_path.exists():
+            bar.update(stop - start)
+            continue
+        if max_parts is not None and written >= max_parts:
+            bar.close()
+            return None
+        skips = SkipCounter()
+        convs = []
+        for index in range(start, stop):
+            conv = guard(cfg.on_bad_row, skips, normalize_row, ds[index], index, cfg.data)
+            if conv is None:
+                continue
+            if conv.kind != "chat":
+                skips.record(DataError("text_row", cfg.data, index, "plain text row: no assistant turn to regenerate"))
+                continue
+            convs.append(conv)
+        torch.manual_seed(cfg.generation.seed * 1_000_003 + part)
+        rows, totals = regenerate_conversations(model, tokenizer, convs, cfg.generation, cfg.batch_size, skips)
+        _write_atomic(data_path, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
+        stats = {"part": part, "rows_in": stop - start, "rows_out": len(rows), **totals, "skipped": skips.to_dict()}
+        _write_atomic(done_path, json.dumps(stats, indent=2, sort_keys=True) + "\n")
+        written += 1
+        bar.update(stop - start)
+    bar.close()
+    return finalize(out, num_parts, record, target_fp, source_fp)
+
+
+def finalize(out: Path, num_parts: int, record: dict, target_fp: dict, source_fp: dict) -> dict[str, Any]:
+    """Gather every part into one saved dataset under ``out`` and write the metadata."""
+    import datasets
+    import torch
+    import transformers
+
+    stats = [json.loads(part_paths(out, p)[1].read_text()) for p in range(num_parts)]
+    files = [str(part_paths(out, p)[0]) for p, s in enumerate(stats) if s["rows_out"] > 0]
+    if not files:
+        raise click.ClickException("regeneration produced no rows (see the skip counts in the part records)")
+    for old in out.glob("data-*.arrow"):
+        old.unlink()
+    scratch = Path(tempfile.mkdtemp(prefix=".finalize-", dir=out))
+    try:
+        ds = datasets.load_dataset("json", data_files=files, split="train", cache_dir=str(scratch))
+        ds.save_to_disk(str(out))
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    skipped: dict[str, int] = {}
+    for s in stats:
+        for reason, n in s["skipped"].items():
+            skipped[reason] = skipped.get(reason, 0) + n
+    counts = {key: sum(s[key] for s in stats)
+              for key in ("rows_in", "rows_out", "turns_regenerated", "truncated_turns", "generated_tokens")}
+    metadata = {
+        **record,
+        "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "source_fingerprint": source_fp,
+        "target_fingerprint": target_fp,
+        "counts": {**counts, "skipped": dict(sorted(skipped.items()))},
+        "parts": num_parts,
+        "versions": {"torch": torch.__version__, "transformers": transformers.__version__,
+                     "datasets": datasets.__version__},
+        "read_with": "dflash.extract.data.load_source(OUT)",
+    }
+    _write_atomic(out / METADATA_FILE, json.dumps(metadata, indent=2, sort_keys=True) + "\n")
+    log.info("regenerated %d rows (%d turns, %d truncated) -> %s", counts["rows_out"], counts["turns_regenerated"],
+             counts["truncated_turns"], out)
+    return metadata
+
+
+# ---------------------------------------------------------------------------- CLI
+
+
+@click.command(context_settings={"help_option_names": ["-h", "--help"]})
+@click.option("--data", required=True, help="Source chat dataset (anything extract reads).")
+@click.option("--model", required=True, help="Target model: HF folder or hub name.")
+@click.option("--out", required=True, type=click.Path(file_okay=False), help="Output folder (resumable).")
+@click.option("--split", default="train", show_default=True)
+@click.option("--temperature", default=0.0, show_default=True, type=float, help="0 = greedy.")
+@click.option("--top-p", default=1.0, show_default=True, type=float, help="Nucleus mass when sampling.")
+@click.option("--seed", default=0, show_default=True, type=int)
+@click.option("--max-new-tokens", default=1024, show_default=True, type=click.IntRange(min=1), help="Per turn.")
+@click.option("--max-prompt-tokens", default=None, type=click.IntRange(min=1),
+              help="Cut a conversation before a turn whose prompt is longer.")
+@click.option("--drop-truncated", is_flag=True, help="Cut a conversation at a turn that hit --max-new-tokens.")
+@click.option("--batch-size", default=16, show_default=True, type=click.IntRange(min=1))
+@click.option("--part-size", default=256, show_default=True, type=click.IntRange(min=1),
+              help="Source rows per output part (the resume unit).")
+@click.option("--limit", default=None, type=click.IntRange(min=1), help="Use the first N source rows.")
+@click.option("--device", default="cpu", show_default=True)
+@click.option("--dtype", type=click.Choice(["bfloat16", "float16", "float32"]), default="bfloat16", show_default=True)
+@click.option("--template-kwargs", default=None, help='JSON for the chat template, e.g. \'{"enable_thinking": false}\'.')
+@click.option("--on-bad-row", type=click.Choice(["skip", "error"]), default="skip", show_default=True)
+@click.option("--overwrite", is_flag=True, help="Delete OUT first instead of resuming.")
+def cli(data, model, out, split, temperature, top_p, seed, max_new_tokens, max_prompt_tokens, drop_truncated,
+        batch_size, part_size, limit, device, dtype, template_kwargs, on_bad_row, overwrite):
+    """Replace every assistant turn of DATA with MODEL's own answers; write a dataset to OUT."""
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    settings = GenerationSettings(temperature=temperature, top_p=top_p, seed=seed, max_new_tokens=max_new_tokens,
+                                  max_prompt_tokens=max_prompt_tokens, drop_truncated=drop_truncated,
+                                  template_kwargs=json.loads(template_kwargs) if template_kwargs else {},
+                                  dtype=dtype)
+    cfg = RegenConfig(data=data, model=model, out=out, split=split, generation=settings, batch_size=batch_size,
+                      part_size=part_size, limit=limit, device=device, on_bad_row=on_bad_row)
+    try:
+        metadata = regenerate(cfg, overwrite=overwrite)
+    except (DataError, ValueError) as err:
+        raise click.ClickException(str(err)) from err
+    c = metadata["counts"]
+    click.echo(f"{c['rows_out']}/{c['rows_in']} rows, {c['turns_regenerated']} turns regenerated "
+               f"({c['truncated_turns']} truncated), skipped {c['skipped'] or 'none'} -> {out}")
+
+
+def main(argv: list[str] | None = None) -> None:
+    cli.main(args=argv, prog_name="python -m dflash.extract.regenerate", standalone_mode=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,183 @@
+"""Regeneration (dflash.extract.regenerate): regenerated turns equal the target's own
+greedy answers (reference: unbatched model.generate, turn by turn), resume after an
+interruption gives the same dataset, metadata is recorded, extract reads the result."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from dflash.extract import regenerate as regen
+
+MAX_NEW = 6
+LIMIT = 6
+
+
+@pytest.fixture(scope="module")
+def target(tiny_target_dir):
+    from transformers import AutoModelForCausalLM
+
+    torch.set_num_threads(1)
+    return AutoModelForCausalLM.from_pretrained(tiny_target_dir, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_target_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tiny_target_dir)
+
+
+def _config(data, model_dir, out, **generation):
+    settings = regen.GenerationSettings(max_new_tokens=MAX_NEW, dtype="float32", **generation)
+    return regen.RegenConfig(data=str(data), model=str(model_dir), out=str(out), generation=settings,
+                             batch_size=3, part_size=2, limit=LIMIT, progress=False)
+
+
+def _rows(out):
+    import datasets
+
+    return datasets.load_from_disk(str(out)).to_list()
+
+
+@pytest.fixture(scope="module")
+def greedy_run(tmp_path_factory, target, tokenizer, tiny_target_dir, chats_sample_path):
+    out = tmp_path_factory.mktemp("regen") / "greedy"
+    meta = regen.regenerate(_config(chats_sample_path, tiny_target_dir, out), model=target, tokenizer=tokenizer)
+    return out, meta
+
+
+def _reference(target, tokenizer, messages):
+    """Turn by turn with plain, unbatched model.generate (no code shared with regenerate)."""
+    stops = [tokenizer.convert_tokens_to_ids("<|im_end|>"), tokenizer.eos_token_id]
+    history = []
+    for message in messages:
+        if message["role"] != "assistant":
+            history.append(message)
+            continue
+        prompt = tokenizer.apply_chat_template(history, add_generation_prompt=True, tokenize=False)
+        ids = tokenizer(prompt, add_special_tokens=False, return_tensors="pt")["input_ids"]
+        with torch.inference_mode():
+            out = target.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=MAX_NEW,
+                                  do_sample=False, eos_token_id=stops, pad_token_id=tokenizer.pad_token_id)
+        new = out[0, ids.shape[1]:].tolist()
+        new = new[: next((i for i, t in enumerate(new) if t in stops), len(new))]
+        history.append({"role": "assistant", "content": tokenizer.decode(new)})
+    return history
+
+
+def test_regenerated_turns_are_the_targets_greedy_answers(greedy_run, target, tokenizer, chats_sample_path):
+    out, meta = greedy_run
+    source = [json.loads(line) for line in chats_sample_path.read_text().splitlines()][:LIMIT]
+    rows = _rows(out)
+    assert [r["source_row"] for r in rows] == list(range(LIMIT))
+    multi_turn = 0
+    for row in rows:
+        original = source[row["source_row"]]["messages"]
+        assert [m["role"] for m in row["messages"]] == [m["role"] for m in original]
+        assert row["messages"] == _reference(target, tokenizer, original)
+        for new, old in zip(row["messages"], original):  # only assistant turns change
+            if old["role"] != "assistant":
+                assert new == old
+        multi_turn += sum(m["role"] == "assistant" for m in original) > 1
+    assert multi_turn > 0, "the sample should include a multi-turn chat (turn k conditions on regenerated turns)"
+
+
+def test_metadata_records_how_it_was_made(greedy_run, tiny_target_dir, chats_sample_path):
+    from dflash.shared.fingerprint import weights_hash
+
+    out, meta = greedy_run
+    on_disk = json.loads((out / regen.METADATA_FILE).read_text())
+    assert on_disk == json.loads(json.dumps(meta))
+    assert meta["target_fingerprint"]["weights_hash"] == weights_hash(tiny_target_dir)
+    assert meta["source_fingerprint"]["content_hash"].startswith("sha256:")
+    assert meta["generation"]["temperature"] == 0.0 and meta["generation"]["max_new_tokens"] == MAX_NEW
+    assert meta["counts"]["rows_in"] == LIMIT and meta["counts"]["rows_out"] == LIMIT
+    rows = _rows(out)
+    assert meta["counts"]["turns_regenerated"] == sum(
+        sum(m["role"] == "assistant" for m in r["messages"]) for r in rows)
+    assert meta["counts"]["truncated_turns"] == sum(r["truncated_turns"] for r in rows)
+    assert meta["parts"] == 3 and "tokenizer" in meta
+
+
+def test_extract_reads_the_result_and_masks_the_regenerated_turns(greedy_run, tokenizer):
+    from dflash.extract.chat import render
+    from dflash.extract.data import load_source, normalize_row
+
+    out, _ = greedy_run
+    ds = load_source(str(out))
+    assert len(ds) == LIMIT
+    conv = normalize_row(ds[0], 0, str(out))
+    ids, mask = render(tokenizer, conv, max_length=4096)
+    masked_text = tokenizer.decode(ids[mask])
+    for message in conv.messages:
+        if message["role"] == "assistant":
+            assert message["content"] in masked_text
+
+
+def test_interrupted_run_resumes_to_the_same_dataset(tmp_path, target, tokenizer, tiny_target_dir,
+                                                     chats_sample_path, monkeypatch):
+    """Sampling (seeded per part), so a resume that redid or reordered work would show."""
+    sampled = dict(temperature=1.0, top_p=0.9, seed=3)
+    straight = tmp_path / "straight"
+    regen.regenerate(_config(chats_sample_path, tiny_target_dir, straight, **sampled), model=target,
+                     tokenizer=tokenizer)
+
+    resumed = tmp_path / "resumed"
+    cfg = _config(chats_sample_path, tiny_target_dir, resumed, **sampled)
+    assert regen.regenerate(cfg, model=target, tokenizer=tokenizer, max_parts=1) is None
+    assert sorted(p.name for p in (resumed / regen.PARTS_DIR).glob("*.done.json")) == ["part-00000.done.json"]
+    assert not (resumed / regen.METADATA_FILE).exists()
+
+    real, calls = regen.generate_batch, []
+
+    def dies_in_part_two(*args, **kwargs):  # part 1's first batch succeeds, its second crashes
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt("simulated kill")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(regen, "generate_batch", dies_in_part_two)
+    with pytest.raises(KeyboardInterrupt):
+        regen.regenerate(cfg, model=target, tokenizer=tokenizer)
+    monkeypatch.setattr(regen, "generate_batch", real)
+    meta = regen.regenerate(cfg, model=target, tokenizer=tokenizer)
+    assert meta is not None and meta["counts"]["rows_out"] == LIMIT
+    assert _rows(resumed) == _rows(straight)
+    # and sampling really differed from greedy somewhere, so the seed mattered
+    greedy = tmp_path / "greedy"
+    regen.regenerate(_config(chats_sample_path, tiny_target_dir, greedy), model=target, tokenizer=tokenizer)
+    assert _rows(greedy) != _rows(straight)
+
+
+def test_resume_with_other_settings_is_refused(greedy_run, target, tokenizer, tiny_target_dir, chats_sample_path):
+    import click
+
+    out, _ = greedy_run
+    with pytest.raises(click.ClickException, match="generation"):
+        regen.regenerate(_config(chats_sample_path, tiny_target_dir, out, temperature=0.7), model=target,
+                         tokenizer=tokenizer)
+
+
+def test_generation_kwargs_override_model_defaults():
+    greedy = regen.generation_kwargs(regen.GenerationSettings(), [1, 2], 0)
+    assert greedy["do_sample"] is False and "temperature" not in greedy
+    sampled = regen.generation_kwargs(regen.GenerationSettings(temperature=0.8, top_p=0.9), [1], 0)
+    assert sampled["do_sample"] and sampled["temperature"] == 0.8 and sampled["top_p"] == 0.9
+    assert sampled["top_k"] == 0  # Qwen3's generation_config top_k=20 must not leak in
+
+
+def test_cli_runs(tmp_path, tiny_target_dir, chats_sample_path):
+    from click.testing import CliRunner
+
+    out = tmp_path / "cli"
+    args = ["--data", str(chats_sample_path), "--model", str(tiny_target_dir), "--out", str(out), "--limit", "2",
+            "--max-new-tokens", "3", "--dtype", "float32", "--part-size", "1"]
+    result = CliRunner().invoke(regen.cli, args)
+    assert result.exit_code == 0, result.output
+    assert "2/2 rows" in result.output
+    again = CliRunner().invoke(regen.cli, args)  # everything done: just re-finalises
+    assert again.exit_code == 0, again.output
+    assert len(_rows(out)) == 2
