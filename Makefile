@@ -32,3 +32,19 @@ DEVICE ?= cuda
 regenerate:  ## replace every assistant turn of DATA with MODEL's own answers (resumable): DATA= MODEL= OUT= [TEMPERATURE=0] [MAX_NEW_TOKENS=1024] [DEVICE=cuda] [EXTRA_ARGS=...]
 	@test -n "$(DATA)" -a -n "$(MODEL)" -a -n "$(OUT)" || { echo "usage: make regenerate DATA=... MODEL=... OUT=... [TEMPERATURE=0] [MAX_NEW_TOKENS=1024] [DEVICE=cuda] [EXTRA_ARGS=...]" >&2; exit 2; }
 	$(PYTHON) -m dflash.extract.regenerate --data "$(DATA)" --model "$(MODEL)" --out "$(OUT)" --temperature "$(TEMPERATURE)" --max-new-tokens "$(MAX_NEW_TOKENS)" --device "$(DEVICE)" $(EXTRA_ARGS)
+
+# ---- stage two: train -------------------------------------------------------------
+CACHE ?=
+TARGET ?=
+TRAIN_GPUS ?= 5,6,7
+PRESET ?= dflash
+TRAIN_ARGS ?=
+NPROC = $(words $(subst $(comma), ,$(if $(filter command line,$(origin GPUS)),$(GPUS),$(TRAIN_GPUS))))
+comma := ,
+
+.PHONY: train
+train:  ## train a drafter from a cache: CACHE= TARGET= OUT= [GPUS=5,6,7] [PRESET=dflash] [TRAIN_ARGS=...]
+	@test -n "$(CACHE)" -a -n "$(TARGET)" -a -n "$(OUT)" || { echo "usage: make train CACHE=... TARGET=... OUT=... [GPUS=5,6,7] [PRESET=dflash|tiny] [TRAIN_ARGS='--lr 6e-4 ...']" >&2; exit 2; }
+	CUDA_VISIBLE_DEVICES=$(if $(filter command line,$(origin GPUS)),$(GPUS),$(TRAIN_GPUS)) \
+	$(PYTHON) -m torch.distributed.run --standalone --nproc-per-node $(NPROC) -m dflash.train.cli run \
+		--preset "$(PRESET)" --cache "$(CACHE)" --target "$(TARGET)" --out "$(OUT)" $(TRAIN_ARGS)

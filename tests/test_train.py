@@ -15,6 +15,15 @@ from dflash.train import checkpoint
 from dflash.train.loop import default_target_layer_ids, train
 
 
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Tiny matmuls: intra-op threads only contend (10x slower on a loaded 2-core box)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="module")
 def pattern_cache(tmp_path_factory, tiny_target_dir, tiny_tokenizer):
     path = tmp_path_factory.mktemp("pattern") / "cache.zarr"
@@ -56,9 +65,16 @@ def test_two_processes_match_one(pattern_cache, tiny_target_dir, tmp_path):
     H.run_distributed(two, world=2)  # 2 ranks x 1 step each
     a = checkpoint.load_weights(checkpoint.resolve(tmp_path / "one"))
     b = checkpoint.load_weights(checkpoint.resolve(tmp_path / "two"))
+    assert checkpoint.read_state(checkpoint.resolve(tmp_path / "two"))["world_size"] == 2
     assert a.keys() == b.keys()
     for k in a:
         torch.testing.assert_close(a[k], b[k], rtol=1e-5, atol=1e-6, msg=k)
+    # and the run really moved the weights away from the seeded init
+    from dflash.train.model import DFlashDrafter, DrafterConfig
+
+    torch.manual_seed(0)
+    init = DFlashDrafter(DrafterConfig.from_dict(checkpoint.read_state(checkpoint.resolve(tmp_path / "one"))["drafter_config"]))
+    assert not torch.allclose(init.state_dict()["fc.weight"], a["fc.weight"])
     la = [r["loss"] for r in read_metrics(tmp_path / "one")]
     lb = [r["loss"] for r in read_metrics(tmp_path / "two")]
     assert la == pytest.approx(lb, rel=1e-5)

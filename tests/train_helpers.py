@@ -94,4 +94,5 @@ def run_distributed(cfg, world: int) -> None:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    mp.spawn(_ddp_worker, args=(world, port, cfg.to_dict()), nprocs=world, join=True)
+    # fork: the children inherit the imported modules (spawn would re-import torch and transformers)
+    mp.start_processes(_ddp_worker, args=(world, port, cfg.to_dict()), nprocs=world, join=True, start_method="fork")

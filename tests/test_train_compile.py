@@ -1,0 +1,106 @@
+"""The one compile path: warm-up then fail_on_recompile, main-thread only, flex refusals."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+import train_helpers as H
+from dflash.train import attention, compile as C
+from dflash.train.config import RuntimeConfig
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+@pytest.fixture(autouse=True)
+def default_stance():
+    yield
+    C.thaw()
+    attention.allow_uncompiled_flex(False)
+
+
+def test_recompile_after_warm_up_is_an_error_naming_the_guard():
+    def f(x):
+        return (x * 2).sin().sum()
+
+    fn = torch.compile(f, backend="eager", dynamic=False)
+    x = torch.randn(8, requires_grad=True)
+    before = C.compile_count()
+    compiled = C.warm_up([lambda: fn(x).backward()])
+    assert compiled == 1 and C.compile_count() == before + 1
+    fn(torch.randn(8, requires_grad=True)).backward()  # same shape: no compile
+    assert C.compile_count() == before + 1
+    with pytest.raises(RuntimeError, match="(?s)recompile.*size mismatch"):
+        fn(torch.randn(9, requires_grad=True))
+    C.thaw()
+    fn(torch.randn(9))  # allowed again once thawed
+
+
+def test_compile_refuses_other_threads():
+    errors = []
+
+    def worker():
+        for call in (C.freeze, lambda: C.warm_up([]),
+                     lambda: C.compile_model(torch.nn.Linear(2, 2), C.resolve(RuntimeConfig(compile="on"),
+                                                                             torch.device("cpu")), 4)):
+            try:
+                call()
+            except RuntimeError as e:
+                errors.append(str(e))
+
+    t = threading.Thread(target=worker, name="not-main")
+    t.start()
+    t.join()
+    assert len(errors) == 3 and all("main thread" in e for e in errors)
+
+
+def test_resolve_on_cpu():
+    cpu = torch.device("cpu")
+    choice = C.resolve(RuntimeConfig(), cpu)
+    assert (choice.attention, choice.compile_model) == ("dense", False)
+    with pytest.raises(ValueError, match="no CPU backward"):
+        C.resolve(RuntimeConfig(attention="flex"), cpu)
+    eager = C.resolve(RuntimeConfig(attention="flex-eager"), cpu)
+    assert eager.attention == "flex" and eager.eager_flex and attention.uncompiled_flex_allowed()
+
+
+def test_uncompiled_flex_refused_on_cuda_unless_named(monkeypatch):
+    gpu = torch.device("cuda", 0)  # resolve() only inspects the device; no CUDA needed
+    auto = C.resolve(RuntimeConfig(), gpu)
+    assert (auto.attention, auto.compile_model, auto.eager_flex) == ("flex", True, False)
+    monkeypatch.setenv("TORCHDYNAMO_DISABLE", "1")
+    for requested in ("flex", "auto"):
+        with pytest.raises(RuntimeError, match="flex-eager"):
+            C.resolve(RuntimeConfig(attention=requested), gpu)
+    assert C.resolve(RuntimeConfig(attention="flex-eager"), gpu).eager_flex
+
+
+def test_training_with_compiled_drafter_never_recompiles(tiny_target_dir, tiny_tokenizer, tmp_path):
+    """Two buckets, train + eval graphs warmed up; then 6 steps and 2 evals under fail_on_recompile."""
+    torch.set_num_threads(1)
+    cache = H.write_pattern_cache(tmp_path / "c.zarr", tiny_target_dir, tiny_tokenizer, n_samples=14,
+                                  min_len=10, max_len=60)
+    from dflash.train.loop import train
+
+    cfg = H.tiny_config(cache, tiny_target_dir, tmp_path / "run", max_steps=6, compile="on",
+                        compile_backend="eager", eval_every=3, log_every=3)
+    summary = train(cfg)
+    assert summary["warmup_compiled_graphs"] >= 4  # (2 buckets) x (grad, no grad)
+    counts = {r["compiles"] for r in summary["history"] if r["kind"] == "train"}
+    assert counts == {summary["compiles"]}  # nothing compiled after the warm-up
+
+
+@cuda
+def test_cuda_tiny_run_with_compiled_flex(tiny_target_dir, tiny_tokenizer, tmp_path):
+    cache = H.write_pattern_cache(tmp_path / "c.zarr", tiny_target_dir, tiny_tokenizer, n_samples=14)
+    from dflash.train.loop import train
+
+    cfg = H.tiny_config(cache, tiny_target_dir, tmp_path / "run", max_steps=30, device="auto",
+                        attention="auto", compile="auto", autocast="auto", eval_every=30, log_every=10)
+    summary = train(cfg)
+    rows = [r for r in summary["history"] if r["kind"] == "train"]
+    assert rows[-1]["loss"] < rows[0]["loss"]
+    assert summary["eval"]["tau"] > 1.0
+    assert {r["compiles"] for r in rows} == {summary["compiles"]}
