@@ -287,3 +287,31 @@ def test_cli_end_to_end_and_exit_status(tiny_target_dir, drafter, drafter_config
     assert bad.exit_code == 1
     assert "LOSSLESS CHECK FAILED" in bad.output
     assert json.loads((tmp_path / "report.json").read_text())["overall"]["lossless"] is False
+
+
+class Recording:
+    """Wraps a proposer and keeps (context, tokens before the anchor) of every block."""
+
+    def __init__(self, inner):
+        self.inner, self.seen = inner, []
+        self.block_size, self.target_layer_ids = inner.block_size, inner.target_layer_ids
+
+    def propose(self, context, tokens, position):
+        self.seen.append((context.clone(), list(tokens[:position])))
+        return self.inner.propose(context, tokens, position)
+
+
+def test_drafter_context_is_the_targets_hidden_states(target, drafter, prompts):
+    """Every block's context == HF hidden_states[i + 1] of a fresh full forward over all
+    positions < p: checks the layer-id convention and the append-after-verify bookkeeping,
+    with rejections (random drafter) and with whole blocks accepted (perfect proposer)."""
+    reference = spec.greedy_generate(target, prompts[2], MAX_NEW + BLOCK).tokens
+    for inner in (spec.DFlashProposer(drafter, target), PerfectProposer(prompts[2], reference, BLOCK)):
+        proposer = Recording(inner)
+        spec.speculative_generate(target, proposer, prompts[2], MAX_NEW)
+        assert len(proposer.seen) > 1
+        for context, prefix in proposer.seen[-3:]:
+            with torch.inference_mode():
+                states = target(input_ids=torch.tensor([prefix]), output_hidden_states=True).hidden_states
+            want = torch.cat([states[i + 1] for i in LAYERS], dim=-1)
+            torch.testing.assert_close(context, want, rtol=1e-4, atol=1e-5)
