@@ -142,3 +142,19 @@ def test_incompatible_cache_refused_naming_each_mismatch(tiny_target_dir, tiny_t
         assert needle in text, needle
     assert len(info.value.differences) == 5
     assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+def test_fsdp2_matches_ddp_and_resumes(pattern_cache, tiny_target_dir, tmp_path):
+    kw = dict(max_steps=4, save_every=2, log_every=1, eval_every=2)
+    H.run_distributed(H.tiny_config(pattern_cache, tiny_target_dir, tmp_path / "ddp", **kw), world=2)
+    H.run_distributed(H.tiny_config(pattern_cache, tiny_target_dir, tmp_path / "fsdp", parallel="fsdp",
+                                    stop_after=2, **kw), world=2)
+    H.run_distributed(H.tiny_config(pattern_cache, tiny_target_dir, tmp_path / "fsdp", parallel="fsdp", **kw),
+                      world=2)
+    a = checkpoint.load_weights(checkpoint.resolve(tmp_path / "ddp"))
+    b = checkpoint.load_weights(checkpoint.resolve(tmp_path / "fsdp"))
+    assert checkpoint.resolve(tmp_path / "fsdp").name == "step_000004"
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], rtol=1e-5, atol=1e-6, msg=k)
+    assert [r["loss"] for r in read_metrics(tmp_path / "fsdp")] == pytest.approx(
+        [r["loss"] for r in read_metrics(tmp_path / "ddp")], rel=1e-5)

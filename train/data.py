@@ -209,8 +209,9 @@ def total_steps(num_train: int, global_batch: int, epochs: float, max_steps: int
 
 
 def held_out_batches(held_out: np.ndarray, micro_batch: int, rank: int, world: int) -> list[list[tuple[int, int]]]:
-    """This rank's full held-out micro-batches (fixed anchors), dealt round-robin."""
-    full = len(held_out) // micro_batch
+    """This rank's full held-out micro-batches (fixed anchors), dealt round-robin; every rank
+    gets the same count (FSDP forwards are collectives)."""
+    full = (len(held_out) // micro_batch) // world * world
     batches = [[(EVAL_EPOCH, int(i)) for i in held_out[b * micro_batch:(b + 1) * micro_batch]] for b in range(full)]
     return batches[rank::world]
 
