@@ -160,9 +160,15 @@ def step_extract(out: Path, s: DemoSettings, train_jsonl: Path, target: Path, ec
     summary = run(cfg)
     seconds = time.perf_counter() - t0
     size = _du(cache)
-    what = "complete already" if summary.get("noop") else f"extracted in {seconds:.1f} s"
+    if summary.get("noop"):
+        what = "complete already"
+        seconds = (_read(cache) or {}).get("extract_seconds", seconds)
+    else:
+        what = f"extracted in {seconds:.1f} s"
+        _write(cache, settings, extract_seconds=seconds)
     echo(f"[3/6] cache: {cache} {what}, {size / 2**20:.1f} MiB on disk")
-    return {"path": str(cache), "bytes_on_disk": size, "seconds": seconds, "noop": bool(summary.get("noop"))}
+    return {"path": str(cache), "bytes_on_disk": size, "extract_seconds": seconds, "noop": bool(summary.get("noop")),
+            "samples": summary.get("samples"), "tokens": summary.get("tokens")}
 
 
 def step_train(out: Path, s: DemoSettings, cache: Path, target: Path, echo) -> dict:
@@ -310,7 +316,9 @@ def run_demo(out: str | Path, settings: DemoSettings | None = None, echo=click.e
     }
     (out / "summary.json").write_text(json.dumps(summary, indent=2, default=str) + "\n")
     echo("[6/6] summary")
-    echo(f"      cache on disk            {cache['bytes_on_disk'] / 2**20:.2f} MiB")
+    echo(f"      cache on disk            {cache['bytes_on_disk'] / 2**20:.2f} MiB "
+         f"({cache['samples']} samples, {cache['tokens']} tokens, extracted in {cache['extract_seconds']:.1f} s)")
+    echo(f"      target training time     {target_record.get('train_seconds', float('nan')):.1f} s")
     echo(f"      drafter training time    {trained['seconds']:.1f} s ({trained['steps']} steps)")
     echo(f"      acceptance offline       {offline:.3f}  (training's final held-out estimate)"
          if offline is not None else "      acceptance offline       n/a")
