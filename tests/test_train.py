@@ -56,19 +56,24 @@ def test_loss_falls_and_acceptance_rises(pattern_cache, tiny_target_dir, tmp_pat
         assert key in train_rows[-1]
 
 
-def test_two_processes_match_one(pattern_cache, tiny_target_dir, tmp_path):
+@pytest.mark.parametrize("world,micro", [(2, 2), (3, 1)])
+def test_several_processes_match_one(pattern_cache, tiny_target_dir, tmp_path, world, micro):
+    """(2, 2): 1 rank x 2 accumulation steps vs 2 ranks x 1; (3, 1): a batch of 4 over 3
+    ranks, topped up with 2 empty slots, vs 1 rank x 4 accumulation steps."""
     one = H.tiny_config(pattern_cache, tiny_target_dir, tmp_path / "one", max_steps=3, batch_size=4,
-                        micro_batch_size=2, eval_samples=4)
-    train(one)  # 1 rank x 2 accumulation steps
+                        micro_batch_size=micro, eval_samples=4)
+    train(one)
     two = H.tiny_config(pattern_cache, tiny_target_dir, tmp_path / "two", max_steps=3, batch_size=4,
-                        micro_batch_size=2, eval_samples=4)
-    H.run_distributed(two, world=2)  # 2 ranks x 1 step each
+                        micro_batch_size=micro, eval_samples=4)
+    H.run_distributed(two, world=world)
     a = checkpoint.load_weights(checkpoint.resolve(tmp_path / "one"))
     b = checkpoint.load_weights(checkpoint.resolve(tmp_path / "two"))
-    assert checkpoint.read_state(checkpoint.resolve(tmp_path / "two"))["world_size"] == 2
+    assert checkpoint.read_state(checkpoint.resolve(tmp_path / "two"))["world_size"] == world
     assert a.keys() == b.keys()
+    # Reduction order differs across ranks; Adam's g / sqrt(v) turns float-rounding noise on
+    # near-zero gradients into up to ~lr / 500 of weight (max seen 7e-6 at lr 3e-3).
     for k in a:
-        torch.testing.assert_close(a[k], b[k], rtol=1e-5, atol=1e-6, msg=k)
+        torch.testing.assert_close(a[k], b[k], rtol=1e-4, atol=2e-5, msg=k)
     # and the run really moved the weights away from the seeded init
     from dflash.train.model import DFlashDrafter, DrafterConfig
 

@@ -49,6 +49,18 @@ def test_sampler_deals_each_global_batch_once():
     assert resumed == list(ranks[1])[4 * 2:]
 
 
+def test_uneven_world_is_topped_up_with_empty_slots(reader):
+    train = np.arange(30)
+    ranks = [GlobalBatchSampler(train, 16, 1, r, 3, seed=0, total_steps=2) for r in range(3)]
+    assert ranks[0].accum == 6
+    keys = [k for r in ranks for mb in r.step_batches(1) for k in mb]
+    real = [i for _, i in keys if i >= 0]
+    assert len(keys) == 18 and len(real) == 16 and len(set(real)) == 16
+    ds = AnchorDataset(reader, [0, 2], max_length=64, max_anchors=8, seed=0)
+    empty = Collate([32, 64])([ds[(0, -1)], ds[(0, 0)]])
+    assert not empty["block_valid"][0].any() and empty["seq_len"][0] == 1
+
+
 def test_collate_pads_to_a_bucket(reader):
     ds = AnchorDataset(reader, [0, 2], max_length=64, max_anchors=8, seed=0)
     samples = [ds[(0, i)] for i in range(3)]

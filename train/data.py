@@ -70,6 +70,8 @@ class AnchorDataset(Dataset):
 
     def __getitem__(self, key: tuple[int, int]) -> dict[str, torch.Tensor]:
         epoch, index = key
+        if index < 0:
+            return self.empty_sample()
         s = self.reader[int(index)]
         T = min(len(s["input_ids"]), self.max_length)
         hidden = s["hidden"][:T, self.slots]  # (T, n, D)
@@ -82,6 +84,20 @@ class AnchorDataset(Dataset):
             "target_top1": s["topk_ids"][:T, 0],
             "anchors": anchors,
             "block_valid": valid,
+        }
+
+
+    def empty_sample(self) -> dict[str, torch.Tensor]:
+        """A one-token sample with no valid block: fills a global batch that does not split
+        evenly over ranks; it weighs nothing, so the update is that of the real samples."""
+        width = len(self.slots) * self.reader.spec.hidden_size
+        return {
+            "input_ids": torch.zeros(1, dtype=torch.long),
+            "loss_mask": torch.zeros(1, dtype=torch.bool),
+            "context_hidden": torch.zeros(1, width, dtype=torch.bfloat16),
+            "target_top1": torch.zeros(1, dtype=torch.long),
+            "anchors": torch.zeros(self.max_anchors, dtype=torch.long),
+            "block_valid": torch.zeros(self.max_anchors, dtype=torch.bool),
         }
 
 
@@ -157,19 +173,18 @@ class GlobalBatchSampler:
     Step ``s`` takes global batch ``s % steps_per_epoch`` of epoch ``s // steps_per_epoch``'s
     order (the tail that does not fill a batch is dropped); its ``world * accum``
     micro-batches are dealt out as micro-batch ``m * world + rank`` to accumulation step
-    ``m`` of ``rank``. Resuming is starting at another step: nothing else is stateful.
+    ``m`` of ``rank``. A batch that does not split evenly (16 over 3 GPUs) is topped up
+    with empty, weightless slots (index -1). Resuming is starting at another step:
+    nothing else is stateful.
     """
 
     def __init__(self, train: np.ndarray, global_batch: int, micro_batch: int, rank: int, world: int,
                  seed: int, total_steps: int, start_step: int = 0):
-        if global_batch % (micro_batch * world):
-            raise ValueError(f"batch_size {global_batch} is not a multiple of micro_batch_size {micro_batch} "
-                             f"x world size {world}")
         if len(train) < global_batch:
             raise ValueError(f"{len(train)} training samples cannot fill one global batch of {global_batch}")
         self.train = np.asarray(train)
         self.global_batch, self.micro, self.rank, self.world = global_batch, micro_batch, rank, world
-        self.accum = global_batch // (micro_batch * world)
+        self.accum = -(-global_batch // (micro_batch * world))  # ceil
         self.seed, self.total_steps, self.start_step = seed, total_steps, start_step
         self._order_epoch, self._order = -1, None
 
@@ -187,6 +202,8 @@ class GlobalBatchSampler:
         """The ``accum`` micro-batches this rank reads at global step ``step``."""
         epoch, k = divmod(step, self.steps_per_epoch)
         batch = self.order(epoch)[k * self.global_batch:(k + 1) * self.global_batch]
+        slots = self.accum * self.world * self.micro
+        batch = np.concatenate([batch, np.full(slots - len(batch), -1, dtype=batch.dtype)])
         out = []
         for m in range(self.accum):
             j = (m * self.world + self.rank) * self.micro

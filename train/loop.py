@@ -110,6 +110,11 @@ def load_target_meta(target: str):
     from transformers import AutoConfig, AutoTokenizer
 
     config = AutoConfig.from_pretrained(target)
+    files = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")
+    if os.path.isdir(target) and not any(os.path.exists(os.path.join(target, f)) for f in files):
+        # transformers 5 builds an empty tokenizer from such a folder; its hash would mean nothing
+        log.warning("%s holds no tokenizer: the cache's tokenizer cannot be checked", target)
+        return config, None
     try:
         tokenizer = AutoTokenizer.from_pretrained(target)
     except Exception as e:  # a weights-only folder: the tokenizer check is skipped, loudly
