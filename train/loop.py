@@ -143,6 +143,20 @@ def build_drafter_config(cfg: TrainConfig, hf_config, tokenizer) -> DrafterConfi
     return DrafterConfig.from_target_config(hf_config, layer_ids, mask_id, spec.block_size, spec.num_draft_layers)
 
 
+_RESUME_NEUTRAL = {"resume", "stop_after", "log_every", "eval_every", "save_every", "keep_checkpoints", "progress",
+                   "tensorboard", "num_workers", "prefetch_factor", "peak_tflops", "out", "cache"}
+
+
+def config_changes(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
+    """Settings that change the training trajectory and differ between two config dicts."""
+    from dflash.shared.cache import diff_dicts
+
+    def strip(d):
+        return {k: (strip(v) if isinstance(v, dict) else v) for k, v in d.items() if k not in _RESUME_NEUTRAL}
+
+    return diff_dicts(strip(saved), strip(current))
+
+
 def make_optimizer(params, ocfg: OptimConfig, total: int, fused: bool):
     """AdamW + linear warm-up + cosine to ``min_lr_ratio``."""
     optimizer = torch.optim.AdamW(params, lr=ocfg.lr, betas=(ocfg.beta1, ocfg.beta2),
@@ -207,16 +221,17 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     dist_info = init_distributed(rt.device)
     device, rank, world = dist_info.device, dist_info.rank, dist_info.world
     out = Path(cfg.out)
-    if dist_info.is_main:
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "config.json").write_text(cfg.to_json())
-    sink = metrics.MetricsSink(out, dist_info.is_main, rt.tensorboard)
+    sink = None
     try:
         # -- the cache must match the target before anything else happens
         reader = CacheReader(cfg.cache)
         hf_config, tokenizer = load_target_meta(cfg.target)
         dcfg = build_drafter_config(cfg, hf_config, tokenizer)
         check_cache(reader, hf_config, tokenizer, dcfg.target_layer_ids)
+        if dist_info.is_main:
+            out.mkdir(parents=True, exist_ok=True)
+            (out / "config.json").write_text(cfg.to_json())
+        sink = metrics.MetricsSink(out, dist_info.is_main, rt.tensorboard)
 
         cuda = device.type == "cuda"
         autocast_dtype = torch.bfloat16 if {"auto": cuda, "bf16": True, "on": True, "off": False}[rt.autocast] \
@@ -246,6 +261,10 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
             start_step = int(state["step"])
             if dist_info.is_main:
                 log.info("resumed from %s at step %d", resume_from, start_step)
+                changed = config_changes(state.get("config", {}), cfg.to_dict())
+                if changed:
+                    log.warning("resuming with settings that differ from the checkpoint's; the run will not "
+                                "be the one it would have been:\n  - %s", "\n  - ".join(changed))
 
         sampler = GlobalBatchSampler(split.train, G, micro, rank, world, rt.seed, steps, start_step)
         accum = sampler.accum
@@ -380,6 +399,7 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
                 "warmup_compiled_graphs": compiled_graphs, "compiles": compile_path.compile_count()}
     finally:
         compile_path.thaw()
-        sink.close()
+        if sink is not None:
+            sink.close()
         if dist_info.started_group:
             dist.destroy_process_group()
