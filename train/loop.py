@@ -343,6 +343,7 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
                 window_count += sup.sum(0).double()
                 window_work += work_counts(batch, B)
             grad_norm = torch.nn.utils.clip_grad_norm_(params, ocfg.grad_clip) if ocfg.grad_clip > 0 else None
+            lr_used = optimizer.param_groups[0]["lr"]
             optimizer.step()
             scheduler.step()
             optimizer.zero_grad(set_to_none=True)
@@ -364,7 +365,7 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
                     "loss": window_loss.item() / window_steps,
                     "acc_per_pos": (window_hits / window_count.clamp(min=1)).tolist(),
                     "acc": (window_hits.sum() / window_count.sum().clamp(min=1)).item(),
-                    "lr": scheduler.get_last_lr()[0],
+                    "lr": float(lr_used),
                     "grad_norm": grad_norm.item() if grad_norm is not None else None,
                     "tok_s": block_tok / elapsed, "step_s": elapsed / window_steps,
                     "mfu": flops / elapsed / world / (rt.peak_tflops * 1e12),
