@@ -45,8 +45,8 @@ class DemoSettings:
     # drafter training (overrides of the `tiny` preset)
     train: dict[str, Any] = field(default_factory=lambda: dict(
         block_size=8, num_draft_layers=2, context_buckets=[128, 256], max_anchors=16, batch_size=8,
-        micro_batch_size=8, eval_samples=64, max_steps=300, lr=3e-3, warmup_ratio=0.05,
-        log_every=10, eval_every=30, save_every=300, keep_checkpoints=1, attention="dense", compile="off",
+        micro_batch_size=8, eval_samples=64, max_steps=600, lr=3e-3, warmup_ratio=0.05,
+        log_every=10, eval_every=60, save_every=600, keep_checkpoints=1, attention="dense", compile="off",
         autocast="off"))
     max_new_tokens: int = 64
     eval_prompts: int = 32
