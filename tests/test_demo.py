@@ -7,6 +7,8 @@ from __future__ import annotations
 import json
 import time
 
+import os
+
 import pytest
 
 from dflash.eval import demo
@@ -61,6 +63,8 @@ def test_small_demo_rerun_reuses(small_demo):
 
 
 @pytest.mark.slow
+@pytest.mark.skipif(not os.environ.get("DFLASH_SLOW_TESTS"),
+                    reason="the full demo (5-8 min on 2 cores); set DFLASH_SLOW_TESTS=1")
 def test_demo_acceptance_online_matches_offline(tmp_path):
     """The demo's real settings: online tau > 1 and within 10% of the offline estimate."""
     summary = demo.run_demo(tmp_path / "demo", demo.DemoSettings.full(), echo=print)
