@@ -5,9 +5,8 @@ of the training run's offline estimate."""
 from __future__ import annotations
 
 import json
-import time
-
 import os
+import time
 
 import pytest
 
