@@ -94,5 +94,9 @@ def run_distributed(cfg, world: int) -> None:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    # fork: the children inherit the imported modules (spawn would re-import torch and transformers)
-    mp.start_processes(_ddp_worker, args=(world, port, cfg.to_dict()), nprocs=world, join=True, start_method="fork")
+    # fork lets the children inherit the imported modules (spawn re-imports torch and
+    # transformers: ~10 s each), but after a backward on a machine with CUDA devices the
+    # autograd engine's threads make fork unsafe (torch refuses it): spawn there.
+    method = "spawn" if torch.cuda.is_available() else "fork"
+    mp.start_processes(_ddp_worker, args=(world, port, cfg.to_dict()), nprocs=world, join=True,
+                       start_method=method)
