@@ -60,6 +60,11 @@ def uncompiled_flex_allowed() -> bool:
 
 
 def _check_main_thread(what: str) -> None:
+    if torch.compiler.is_compiling():
+        # Inside a compiled drafter: the eager caller already passed this check when it
+        # built the block mask, and dynamo cannot trace ``threading`` (a graph break at
+        # every attention call, found on the H200).
+        return
     if threading.current_thread() is not threading.main_thread():
         raise RuntimeError(
             f"{what} runs compiled code and may only be called from the main thread "
