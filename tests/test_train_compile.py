@@ -56,6 +56,25 @@ def test_compile_refuses_other_threads():
     assert len(errors) == 3 and all("main thread" in e for e in errors)
 
 
+def test_compiled_model_refuses_calls_from_other_threads():
+    choice = C.resolve(RuntimeConfig(compile="on", compile_backend="eager"), torch.device("cpu"))
+    model = C.compile_model(torch.nn.Linear(2, 2), choice, 4)
+    x = torch.randn(3, 2)
+    assert model(x).shape == (3, 2)  # the main thread may call it
+    errors = []
+
+    def worker():
+        try:
+            model(x)
+        except RuntimeError as e:
+            errors.append(str(e))
+
+    t = threading.Thread(target=worker, name="not-main")
+    t.start()
+    t.join()
+    assert len(errors) == 1 and "compiled drafter" in errors[0] and "main thread" in errors[0]
+
+
 def test_resolve_on_cpu():
     cpu = torch.device("cpu")
     choice = C.resolve(RuntimeConfig(), cpu)

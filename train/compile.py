@@ -99,7 +99,15 @@ def compile_model(model: torch.nn.Module, choice: CompileChoice, graphs_needed: 
     if not choice.compile_model:
         return model
     _raise_recompile_limit(graphs_needed)
-    return torch.compile(model, backend=choice.backend, dynamic=False)
+    compiled = torch.compile(model, backend=choice.backend, dynamic=False)
+    # The compiled module's own hooks run eagerly, before dynamo's frame: every call of the
+    # compiled drafter from another thread raises here instead of tracing concurrently.
+    compiled.register_forward_pre_hook(_main_thread_only)
+    return compiled
+
+
+def _main_thread_only(module, args) -> None:
+    require_main_thread("the compiled drafter")
 
 
 def stance_supported() -> bool:
