@@ -1,13 +1,26 @@
 #!/usr/bin/env bash
-# One device call: install the carried wheels, then the benchmarks behind BENCHMARKS.md.
+# The GPU benchmarks behind BENCHMARKS.md, in two device calls of under 10 minutes:
+#   bash bench/gpu_session.sh 1   # extraction; drafter step flex vs dense at 8B dims; 8B training loop + loader
+#   bash bench/gpu_session.sh 2   # memory vs context; 300 variable-length steps, compiles, guards; CUDA tests
+# (carry .whl: ../shared/tools/gpu-wheels.sh .whl zarr==3.1.6 numcodecs==0.16.6 crc32c ...)
 # Logs go to $OUT (the device tool brings them back).
 set -u
+phase=${1:-1}
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1
 python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . >/dev/null 2>&1 || export PYTHONPATH=/tmp/site:$PWD/_nsroot
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-nproc > "$OUT/machine.txt"; nvidia-smi --query-gpu=name,memory.total --format=csv >> "$OUT/machine.txt"
-timeout 180 python3 bench/extract_bench.py --samples 160 --length 2048 --batch-tokens 8192 2>&1 | grep -vi warn | tee "$OUT/extract_bench.log"
-timeout 170 python3 bench/train_bench.py --ctx 3072 --attention flex,dense --steps 8 2>&1 | grep -vi warn | tee "$OUT/train_bench.log"
-timeout 120 python3 bench/train_loop.py --out /tmp/tl --steps 40 --samples 32 2>&1 | grep -vi warn | tail -60 > "$OUT/train_loop.log"
-timeout 110 python3 bench/train_bench.py --ctx 2048,8192,16384 --attention flex --steps 3 2>&1 | grep -vi warn | tee -a "$OUT/train_bench.log"
+{ nproc; nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
+  python3 -c "import torch, transformers, zarr, numcodecs; print(torch.__version__, transformers.__version__, zarr.__version__, numcodecs.__version__)"; } > "$OUT/machine.txt" 2>&1
+quiet() { grep -vi "warn" | grep -v "^INFO:torch"; }
+if [ "$phase" = 1 ]; then
+  timeout 200 python3 bench/extract_bench.py --samples 160 --length 2048 --batch-tokens 8192 2>&1 | quiet | tee "$OUT/extract_bench.log"
+  timeout 190 python3 bench/train_bench.py --ctx 3072 --attention flex,dense --steps 8 2>&1 | quiet | tee "$OUT/train_bench.log"
+  timeout 160 python3 bench/train_loop.py --out /tmp/tl --steps 30 --samples 40 --loader-workers 1,2,4,8 2>&1 | quiet | tail -40 | tee "$OUT/train_loop_8b.log"
+else
+  timeout 210 python3 bench/train_bench.py --ctx 2048,4096,8192,16384 --attention flex --steps 3 2>&1 | quiet | tee "$OUT/train_bench_memory.log"
+  timeout 200 python3 bench/train_loop.py --out /tmp/tlv --hidden 1024 --intermediate 3072 --heads 8 --kv-heads 4 \
+      --vocab 32000 --min-ctx 200 --ctx 3072 --buckets 1024,2048,3072 --anchors 256 --steps 300 --samples 256 \
+      --guards 2>&1 | quiet | tail -40 | tee "$OUT/train_loop_varlen.log"
+  timeout 150 python3 -m pytest -q -x tests/test_train_compile.py tests/test_attention.py tests/test_train.py 2>&1 | tail -15 | tee "$OUT/pytest_cuda.log"
+fi

@@ -1,10 +1,19 @@
-"""End-to-end training-loop throughput at target-sized dims, on random data.
+"""End-to-end training loop on random data: throughput, compiles, loader, guards.
 
 Builds a fake target folder (a Qwen3 config + only the embedding and LM head tensors,
-all that training reads) and a random cache, then runs ``dflash.train.loop.train`` and
-prints the per-step time, block tokens/s, MFU and peak memory of its log lines.
+all that training reads) and a random cache (fixed length ``--ctx``, or lengths drawn
+from ``[--min-ctx, --ctx]``), then runs ``dflash.train.loop.train`` and prints the
+per-step time, block tokens/s, MFU, peak memory and compile count of its log lines.
+
+``--loader-workers 1,2,4`` then times the training DataLoader alone (same dataset,
+sampler and collate, pinned memory) and states its rate against what the measured
+training step consumed, with the CPU cores it kept busy. ``--guards`` exercises, on
+CUDA, the main-thread guard of the compiled drafter and of compiled flex, and the
+refusal of uncompiled flex when dynamo is disabled.
 
     python bench/train_loop.py --out /tmp/bench --hidden 4096 --ctx 3072 --anchors 512
+    python bench/train_loop.py --hidden 1024 --intermediate 3072 --heads 8 --kv-heads 4 --vocab 32000 \
+        --min-ctx 200 --ctx 3072 --buckets 1024,2048,3072 --steps 300 --samples 256 --guards
 """
 
 from __future__ import annotations
@@ -12,7 +21,11 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
+import resource
 import shutil
+import statistics
+import threading
 import time
 from pathlib import Path
 
@@ -33,22 +46,114 @@ def fake_target(path: Path, hidden: int, layers: int, vocab: int, intermediate: 
               str(path / "model.safetensors"))
 
 
-def fake_cache(path: Path, layer_ids, hidden: int, layers: int, vocab: int, n: int, length: int):
+def fake_cache(path: Path, layer_ids, hidden: int, layers: int, vocab: int, n: int, length: int, min_length: int):
     from dflash.shared import cache as C
 
     spec = C.CacheSpec(layer_ids=list(layer_ids), hidden_size=hidden, topk=1, vocab_size=vocab,
                        num_target_layers=layers, max_length=length, truncation="right", chunk_tokens=1024,
                        fingerprint={"tokenizer": {"hash": None}})
     root = C.create_or_open_cache(str(path), spec)
-    plan = C.ShardPlan(source_index=np.arange(n), lengths=np.full(n, length), batches=np.arange(n + 1))
-    w = C.ShardWriter(root, 0, plan, spec)
     rng = np.random.default_rng(0)
+    lengths = rng.integers(min_length, length + 1, n) if min_length < length else np.full(n, length)
+    plan = C.ShardPlan(source_index=np.arange(n), lengths=lengths, batches=np.arange(n + 1))
+    w = C.ShardWriter(root, 0, plan, spec)
     h = C.bf16_to_bits(torch.randn(length, len(layer_ids), hidden).bfloat16())
-    for b in range(n):
-        ids = rng.integers(0, vocab, length).astype(np.int32)
-        w.write_batch(b, input_ids=ids, loss_mask=np.arange(length) > 16, hidden=h,
-                      topk_ids=ids[:, None], topk_logprobs=np.zeros((length, 1), np.float32))
+    for b, T in enumerate(lengths.tolist()):
+        ids = rng.integers(0, vocab, T).astype(np.int32)
+        w.write_batch(b, input_ids=ids, loss_mask=np.arange(T) > 16, hidden=h[:T],
+                      topk_ids=ids[:, None], topk_logprobs=np.zeros((T, 1), np.float32))
     w.finish()
+    return lengths
+
+
+def cpu_seconds(who) -> float:
+    r = resource.getrusage(who)
+    return r.ru_utime + r.ru_stime
+
+
+def loader_rate(cfg, workers: int, n_batches: int) -> dict:
+    """Micro-batches/s of the training DataLoader alone, and the CPU cores it kept busy."""
+    from dflash.shared.cache import CacheReader
+    from dflash.train.data import AnchorDataset, GlobalBatchSampler, Split, make_loader
+
+    reader = CacheReader(cfg.cache)
+    d = cfg.data
+    split = Split.of(len(reader), d.eval_samples)
+    dataset = AnchorDataset(reader, [1, 9, 17, 25, 33], cfg.max_length, d.max_anchors, cfg.runtime.seed)
+    sampler = GlobalBatchSampler(split.train, d.batch_size, d.micro_batch_size, 0, 1, cfg.runtime.seed,
+                                 n_batches + 4)
+    loader = make_loader(dataset, sampler, d.context_buckets, workers, d.prefetch_factor,
+                         pin_memory=torch.cuda.is_available())
+    it = iter(loader)
+    for _ in range(2):  # workers up, first batches in flight
+        next(it)
+    c0 = cpu_seconds(resource.RUSAGE_SELF) + cpu_seconds(resource.RUSAGE_CHILDREN)
+    t = time.perf_counter()
+    for _ in range(n_batches):
+        next(it)
+    dt = time.perf_counter() - t
+    del it, loader  # workers exit; their CPU time lands in RUSAGE_CHILDREN
+    time.sleep(1.0)
+    c1 = cpu_seconds(resource.RUSAGE_SELF) + cpu_seconds(resource.RUSAGE_CHILDREN)
+    return {"workers": workers, "micro_batches_s": round(n_batches / dt, 2),
+            "cpu_cores_busy_upper_bound": round((c1 - c0) / dt, 2)}
+
+
+def guards(hidden: int, vocab: int) -> dict:
+    """The main-thread guard and the uncompiled-flex refusal, exercised on CUDA."""
+    from dflash.train import attention, compile as dcompile
+    from dflash.train.config import RuntimeConfig
+    from dflash.train.model import DFlashDrafter, DrafterConfig
+
+    dev = torch.device("cuda")
+    result = {}
+    cfg = DrafterConfig(hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=1,
+                        num_attention_heads=8, num_key_value_heads=4, head_dim=hidden // 8, rms_norm_eps=1e-6,
+                        rope_theta=1e6, max_position_embeddings=8192, vocab_size=vocab, block_size=16,
+                        target_layer_ids=[1, 9, 17, 25, 33], num_target_layers=36, mask_token_id=vocab - 1)
+    choice = dcompile.resolve(RuntimeConfig(), dev)
+    model = dcompile.compile_model(DFlashDrafter(cfg).to(dev), choice, 4)
+    anchors = torch.tensor([[5, 9, 40]], device=dev)
+    valid = torch.ones_like(anchors, dtype=torch.bool)
+    ctx_len = torch.tensor([64], device=dev)
+    q = torch.randn(1, 8, 48, 64, device=dev, dtype=torch.bfloat16)
+    kv = torch.randn(1, 8, 64 + 48, 64, device=dev, dtype=torch.bfloat16)
+    mask = attention.build_mask("flex", anchors, valid, ctx_len, 64, 16)
+    attention.attend(q, kv, kv, mask, 0.125)  # main thread: fine
+
+    def from_thread(name, fn):
+        err = []
+
+        def run():
+            try:
+                fn()
+                err.append("NOT REFUSED")
+            except Exception as e:  # noqa: BLE001 - reported, whatever it is
+                msg = str(e).split("\n")[0][:160]
+                err.append(("refused: " if "main thread" in msg else f"NOT REFUSED ({type(e).__name__}): ") + msg)
+
+        t = threading.Thread(target=run, name="not-main")
+        t.start()
+        t.join()
+        result[name] = err[0]
+
+    from_thread("thread_compiled_drafter", lambda: model())  # the hook fires before forward
+    from_thread("thread_build_mask_flex", lambda: attention.build_mask("flex", anchors, valid, ctx_len, 64, 16))
+    from_thread("thread_attend_flex", lambda: attention.attend(q, kv, kv, mask, 0.125))
+    os.environ["TORCHDYNAMO_DISABLE"] = "1"
+    try:
+        for name, fn in (("dynamo_off_resolve_auto", lambda: dcompile.resolve(RuntimeConfig(), dev)),
+                         ("dynamo_off_attend_flex", lambda: attention.attend(q, kv, kv, mask, 0.125))):
+            try:
+                fn()
+                result[name] = "NOT REFUSED"
+            except RuntimeError as e:
+                result[name] = "refused: " + str(e).split("\n")[0][:160]
+        result["dynamo_off_flex_eager_by_name"] = dcompile.resolve(RuntimeConfig(attention="flex-eager"), dev).eager_flex
+    finally:
+        del os.environ["TORCHDYNAMO_DISABLE"]
+        attention.allow_uncompiled_flex(False)
+    return result
 
 
 def main():
@@ -60,6 +165,10 @@ def main():
     p.add_argument("--kv-heads", type=int, default=8)
     p.add_argument("--vocab", type=int, default=151936)
     p.add_argument("--ctx", type=int, default=3072)
+    p.add_argument("--min-ctx", type=int, default=None, help="variable lengths in [min-ctx, ctx]")
+    p.add_argument("--buckets", default=None, help="context buckets (default: ctx)")
+    p.add_argument("--loader-workers", default="", help="e.g. 1,2,4: time the DataLoader alone")
+    p.add_argument("--guards", action="store_true", help="exercise the thread guard and the dense refusal")
     p.add_argument("--anchors", type=int, default=512)
     p.add_argument("--samples", type=int, default=8)
     p.add_argument("--steps", type=int, default=20)
@@ -71,24 +180,47 @@ def main():
     layer_ids = [1, 9, 17, 25, 33]
     t0 = time.time()
     fake_target(out / "target", args.hidden, 36, args.vocab, args.intermediate, args.heads, args.kv_heads)
-    fake_cache(out / "cache.zarr", layer_ids, args.hidden, 36, args.vocab, args.samples + 1, args.ctx)
-    print(f"setup {time.time() - t0:.1f}s", flush=True)
+    lengths = fake_cache(out / "cache.zarr", layer_ids, args.hidden, 36, args.vocab, args.samples + 1, args.ctx,
+                         args.min_ctx or args.ctx)
+    buckets = [int(b) for b in args.buckets.split(",")] if args.buckets else [args.ctx]
+    print(f"setup {time.time() - t0:.1f}s; lengths {int(lengths.min())}..{int(lengths.max())}, buckets {buckets}",
+          flush=True)
 
     from dflash.train.config import dflash_recipe
     from dflash.train.loop import train
 
     cfg = dflash_recipe().override(
         cache=str(out / "cache.zarr"), target=str(out / "target"), out=str(out / "run"),
-        context_buckets=[args.ctx], max_anchors=args.anchors, batch_size=1, micro_batch_size=1,
+        context_buckets=buckets, max_anchors=args.anchors, batch_size=1, micro_batch_size=1,
         eval_samples=1, max_steps=args.steps, log_every=5, eval_every=10**9, save_every=10**9,
         mask_token_id=args.vocab - 1, attention=args.attention, progress=False, tensorboard=False,
         num_workers=2, resume=None)
     cfg.runtime.save_every = args.steps  # the last step saves anyway
+    t = time.time()
     summary = train(cfg)
-    for r in summary["history"]:
-        if r["kind"] == "train":
-            print(json.dumps({k: r[k] for k in ("step", "loss", "step_s", "tok_s", "mfu", "peak_mem_gb", "compiles")}))
-    print("warm-up graphs", summary["warmup_compiled_graphs"])
+    wall = time.time() - t
+    rows = [r for r in summary["history"] if r["kind"] == "train"]
+    for r in rows:
+        print(json.dumps({k: r[k] for k in ("step", "loss", "step_s", "tok_s", "mfu", "peak_mem_gb", "compiles")}))
+    steady = rows[1:] or rows
+    step_s = statistics.median(r["step_s"] for r in steady)
+    print(json.dumps({"steps": summary["step"], "wall_s": round(wall, 1),
+                      "warmup_compiled_graphs": summary["warmup_compiled_graphs"],
+                      "compile_count_per_log_row": sorted({r["compiles"] for r in rows}),
+                      "compiles_at_end": summary["compiles"],
+                      "recompiles_after_warmup": summary["compiles"] - rows[0]["compiles"],
+                      "median_step_s": round(step_s, 4), "median_mfu": round(statistics.median(r["mfu"] for r in steady), 3),
+                      "median_block_tok_s": round(statistics.median(r["tok_s"] for r in steady)),
+                      "peak_mem_gb": max(r["peak_mem_gb"] or 0 for r in rows),
+                      "eval_tau": (summary["eval"] or {}).get("tau")}), flush=True)
+    if args.loader_workers:
+        need = 1.0 / step_s  # micro-batches the step consumed per second (batch = micro = 1)
+        for w in (int(x) for x in args.loader_workers.split(",")):
+            r = loader_rate(cfg, w, n_batches=min(args.samples, 48))
+            r["vs_training_step"] = round(r["micro_batches_s"] / need, 2)
+            print(json.dumps({"loader": r}), flush=True)
+    if args.guards and torch.cuda.is_available():
+        print(json.dumps({"guards": guards(args.hidden, args.vocab)}, indent=1), flush=True)
 
 
 if __name__ == "__main__":
