@@ -144,6 +144,8 @@ def main():
         if kind == "started":
             events["start"] = time.perf_counter()
             events["cpu0"] = cpu_seconds()
+        elif kind == "timing":
+            events["timing"] = f
 
     task = WorkerTask(cfg=cfg, spec=root_spec.to_dict(), shard_id=0, num_shards=1, device="cuda:0" if cuda else "cpu")
     run_shard(task, report)
@@ -162,6 +164,7 @@ def main():
         "cpu_cores_busy": round(cores, 2),
         "bytes_per_token_total": round(stored / n_tok), "raw_bf16_hidden_bytes_per_token": round(hidden_raw / n_tok),
         "total_vs_raw_bf16_hidden": round(stored / hidden_raw, 4), "hidden_ratio": round(hidden_raw / hidden_stored, 4),
+        "worker_seconds": events.get("timing"),
         "torch": torch.__version__, "gpu": torch.cuda.get_device_name() if cuda else "cpu",
     }
     print(json.dumps(result, indent=1))

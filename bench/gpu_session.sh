@@ -17,6 +17,14 @@ if [ "$phase" = 1 ]; then
   timeout 200 python3 bench/extract_bench.py --samples 160 --length 2048 --batch-tokens 8192 2>&1 | quiet | tee "$OUT/extract_bench.log"
   timeout 190 python3 bench/train_bench.py --ctx 3072 --attention flex,dense --steps 8 2>&1 | quiet | tee "$OUT/train_bench.log"
   timeout 160 python3 bench/train_loop.py --out /tmp/tl --steps 30 --samples 40 --loader-workers 1,2,4,8 2>&1 | quiet | tail -40 | tee "$OUT/train_loop_8b.log"
+elif [ "$phase" = diag ]; then
+  timeout 100 python3 bench/writer_bench.py --batches 12 2>&1 | quiet | tee "$OUT/writer_bench.log"
+  TORCH_LOGS=graph_breaks,recompiles timeout 200 python3 bench/train_bench.py --ctx 3072 --attention flex --steps 4 \
+      --stack-every 45 > "$OUT/train_bench_diag.log" 2>&1; tail -c 20000 "$OUT/train_bench_diag.log" | grep -v "^$" | tail -60
+  timeout 170 python3 bench/train_loop.py --out /tmp/tlv --hidden 1024 --intermediate 3072 --heads 8 --kv-heads 4 \
+      --vocab 32000 --min-ctx 200 --ctx 3072 --buckets 1024,2048,3072 --anchors 256 --steps 300 --samples 256 \
+      --guards 2>&1 | quiet | tail -40 | tee "$OUT/train_loop_varlen.log"
+  timeout 80 python3 -m pytest -q -x tests/test_train_compile.py tests/test_attention.py 2>&1 | tail -15 | tee "$OUT/pytest_cuda.log"
 else
   timeout 210 python3 bench/train_bench.py --ctx 2048,4096,8192,16384 --attention flex --steps 3 2>&1 | quiet | tee "$OUT/train_bench_memory.log"
   timeout 200 python3 bench/train_loop.py --out /tmp/tlv --hidden 1024 --intermediate 3072 --heads 8 --kv-heads 4 \

@@ -15,8 +15,10 @@ warm-up with recompiles made errors.
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import json
 import statistics
+import sys
 import time
 
 import torch
@@ -62,9 +64,12 @@ def run(kind: str, S: int, args, cfg: DrafterConfig, head: TargetHead) -> dict:
         opt.zero_grad(set_to_none=True)
 
     before = dcompile.compile_count()
+    t_warm = time.perf_counter()
     step(batches[0])  # warm-up: a real training step
     warm_graphs = dcompile.compile_count() - before
     torch.cuda.synchronize()
+    t_warm = time.perf_counter() - t_warm
+    print(f"  {kind} ctx {S}: warm-up step (compile) {t_warm:.1f}s, {warm_graphs} graphs", file=sys.stderr, flush=True)
     torch.cuda.reset_peak_memory_stats()
     times = []
     with dcompile.frozen():
@@ -81,7 +86,7 @@ def run(kind: str, S: int, args, cfg: DrafterConfig, head: TargetHead) -> dict:
     res = {"attention": kind, "ctx": S, "anchors": args.anchors, "median_step_ms": round(med * 1e3, 1),
            "block_tok_s": round(block / med), "mfu_vs_790": round(flops / med / 790e12, 3),
            "peak_mem_gb": round(torch.cuda.max_memory_allocated() / 1e9, 2),
-           "graphs_at_warmup": warm_graphs, "recompiles_after": recompiles}
+           "graphs_at_warmup": warm_graphs, "recompiles_after": recompiles, "warmup_s": round(t_warm, 1)}
     del cmodel, model, opt, batches
     torch._dynamo.reset()
     torch.cuda.empty_cache()
@@ -95,7 +100,10 @@ def main():
     p.add_argument("--anchors", type=int, default=512)
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--layers", type=int, default=5)
+    p.add_argument("--stack-every", type=float, default=0, help="dump every thread's stack every N s (hangs)")
     args = p.parse_args()
+    if args.stack_every:
+        faulthandler.dump_traceback_later(args.stack_every, repeat=True)
     cfg = DrafterConfig(hidden_size=4096, intermediate_size=12288, num_hidden_layers=args.layers,
                         num_attention_heads=32, num_key_value_heads=8, head_dim=128, rms_norm_eps=1e-6,
                         rope_theta=1e6, max_position_embeddings=40960, vocab_size=151936, block_size=16,

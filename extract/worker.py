@@ -76,15 +76,20 @@ class WriterThread:
         self.report = report
         self.queue: queue.Queue = queue.Queue(maxsize=depth)
         self.error: BaseException | None = None
+        self.seconds = {"writer_busy": 0.0, "writer_idle": 0.0, "submit_blocked": 0.0}
+        """Where the time goes: the writer writing, the writer waiting for a batch, the forward
+        loop waiting for room in the queue (writer-bound when large)."""
         self._thread = threading.Thread(target=self._run, name=f"shard-{writer.shard_id:05d}-writer", daemon=True)
         self._thread.start()
 
     def submit(self, item) -> None:
         """Queue one batch (or None = finish); blocks while the queue is full; raises if the thread failed."""
+        t = time.perf_counter()
         while True:
             self.check()
             try:
                 self.queue.put(item, timeout=0.2)
+                self.seconds["submit_blocked"] += time.perf_counter() - t
                 return
             except queue.Full:
                 continue
@@ -103,7 +108,10 @@ class WriterThread:
         last_commit = time.monotonic()
         try:
             while True:
+                t = time.perf_counter()
                 item = self.queue.get()
+                t_got = time.perf_counter()
+                self.seconds["writer_idle"] += t_got - t
                 if item[0] == "end":
                     if item[1] and self.writer.complete:
                         self.writer.finish()
@@ -131,6 +139,7 @@ class WriterThread:
                     self.writer.commit()
                     self.report("commit", **self.writer.committed)
                     last_commit = time.monotonic()
+                self.seconds["writer_busy"] += time.perf_counter() - t_got
         except BaseException as e:  # noqa: BLE001 - handed to the main thread; nothing more is committed
             self.error = e
 
@@ -229,6 +238,7 @@ def run_shard(task: WorkerTask, report, stop: threading.Event | Any | None = Non
         raise
     thread.close(finish=not stopped)
     runner.close()
+    report("timing", **{k: round(v, 3) for k, v in thread.seconds.items()})
     if stopped:
         raise Stopped()
     return writer.committed

@@ -1,0 +1,96 @@
+"""The shard writer alone (no GPU): how fast the cache takes Qwen3-8B-shaped batches.
+
+Feeds ``ShardWriter.write_batch`` the batches stage one produces (8192 tokens x 5 layers
+x 4096 bf16 Gaussian hidden states, top-64) and reports tokens/s, hidden MB/s and CPU
+cores busy, under zarr/numcodecs settings, and with a thread that keeps the GIL busy
+the way the forward loop of an HF model does.
+
+    python bench/writer_bench.py --batches 12
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import shutil
+import threading
+import time
+
+import numpy as np
+import torch
+
+
+def cpu() -> float:
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
+
+
+def run(name: str, args, settings: dict, blosc_threads: int, gil_busy: bool) -> dict:
+    import numcodecs.blosc
+    import zarr
+
+    from dflash.shared import cache as C
+
+    L, D, T, nb = 5, 4096, args.tokens, args.batches
+    spec = C.CacheSpec(layer_ids=[1, 9, 17, 25, 33], hidden_size=D, topk=64, vocab_size=151936,
+                       num_target_layers=36, max_length=T, truncation="right", chunk_tokens=256,
+                       fingerprint={"tokenizer": {"hash": None}})
+    path = f"{args.work}/{name}.zarr"
+    shutil.rmtree(path, ignore_errors=True)
+    g = torch.Generator().manual_seed(0)
+    h = C.bf16_to_bits(torch.randn(T, L, D, generator=g).bfloat16())
+    ids = np.random.default_rng(0).integers(0, 151936, T).astype(np.int32)
+    tk = np.random.default_rng(1).integers(0, 151936, (T, 64)).astype(np.int32)
+    lp = np.random.default_rng(2).standard_normal((T, 64)).astype(np.float32)
+    stop = threading.Event()
+
+    def busy():  # pure-Python work holding the GIL between short releases
+        x = 0
+        while not stop.is_set():
+            for i in range(1000):
+                x += i
+
+    with zarr.config.set(settings):
+        numcodecs.blosc.use_threads = blosc_threads > 0
+        if blosc_threads:
+            numcodecs.blosc.set_nthreads(blosc_threads)
+        root = C.create_or_open_cache(path, spec)
+        plan = C.ShardPlan(source_index=np.arange(nb), lengths=np.full(nb, T), batches=np.arange(nb + 1))
+        w = C.ShardWriter(root, 0, plan, spec)
+        bg = threading.Thread(target=busy, daemon=True)
+        if gil_busy:
+            bg.start()
+        c0, t0 = cpu(), time.perf_counter()
+        for b in range(nb):
+            w.write_batch(b, input_ids=ids, loss_mask=np.ones(T, bool), hidden=h, topk_ids=tk, topk_logprobs=lp)
+        w.finish()
+        dt, c1 = time.perf_counter() - t0, cpu()
+        stop.set()
+        numcodecs.blosc.use_threads = False
+    if gil_busy:
+        bg.join()
+    busy_cores = 1.0 if gil_busy else 0.0
+    return {"variant": name, "tok_s": round(nb * T / dt), "hidden_MB_s": round(nb * T * L * D * 2 / dt / 1e6),
+            "cpu_cores_busy": round((c1 - c0) / dt - busy_cores, 2)}
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--batches", type=int, default=12)
+    p.add_argument("--tokens", type=int, default=8192)
+    p.add_argument("--work", default="/tmp/writer_bench")
+    args = p.parse_args()
+    variants = [
+        ("default", {}, 0, False),
+        ("default+gil_busy", {}, 0, True),
+        ("concurrency32+write_empty", {"async.concurrency": 32, "array.write_empty_chunks": True}, 0, False),
+        ("blosc_threads8", {}, 8, False),
+        ("blosc_threads8+gil_busy", {}, 8, True),
+    ]
+    for name, settings, bt, gb in variants:
+        print(json.dumps(run(name, args, settings, bt, gb)), flush=True)
+
+
+if __name__ == "__main__":
+    main()
