@@ -138,7 +138,6 @@ def guards(hidden: int, vocab: int) -> dict:
         result[name] = err[0]
 
     from_thread("thread_compiled_drafter", lambda: model())  # the hook fires before forward
-    from_thread("thread_build_mask_flex", lambda: attention.build_mask("flex", anchors, valid, ctx_len, 64, 16))
     from_thread("thread_attend_flex", lambda: attention.attend(q, kv, kv, mask, 0.125))
     os.environ["TORCHDYNAMO_DISABLE"] = "1"
     try:

@@ -12,14 +12,15 @@ are closer than B overlap in position space but must not see each other.
 
 Backends:
 
-* ``"flex"``: a ``BlockMask`` from a compiled ``create_block_mask`` and a compiled
-  ``flex_attention`` (the training path on CUDA). On CPU the BlockMask is built eagerly
-  (see ``build_mask``); compiled flex forward works there, its backward does not.
+* ``"flex"``: a ``BlockMask`` whose tiles come from the mask's intervals with plain tensor
+  ops (``dflash_block_mask``; no ``create_block_mask``, nothing compiled) and a compiled
+  ``flex_attention`` (the training path on CUDA). On CPU compiled flex forward works,
+  its backward does not.
 * ``"dense"``: a boolean ``(Bsz, 1, Q, S + Q)`` tensor evaluated from the SAME mask_mod,
   fed to ``F.scaled_dot_product_attention`` (the CPU path: flex has no CPU backward).
 
-Both compiled callables are created lazily, at one place, so importing this module
-compiles nothing, and they may only be entered from the main thread (torch.compile is
+The compiled flex_attention is created lazily, at one place, so importing this module
+compiles nothing, and it may only be entered from the main thread (torch.compile is
 not thread-safe, DESIGN §5).
 """
 
@@ -32,12 +33,14 @@ from typing import Callable
 
 import torch
 import torch.nn.functional as F
-from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
+from torch.nn.attention.flex_attention import BlockMask, flex_attention
+
+FLEX_TILE = 128
+"""flex_attention's default tile (BLOCK_SIZE) for queries and keys."""
 
 MaskMod = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 _compiled_flex_attention = None
-_compiled_create_block_mask = None
 _allow_uncompiled_flex = False
 
 
@@ -101,15 +104,6 @@ def compiled_flex_attention():
     if _compiled_flex_attention is None:
         _compiled_flex_attention = torch.compile(flex_attention)
     return _compiled_flex_attention
-
-
-def compiled_create_block_mask():
-    """The process-wide compiled ``create_block_mask`` (eager builds the dense grid)."""
-    global _compiled_create_block_mask
-    _check_main_thread("compiled create_block_mask")
-    if _compiled_create_block_mask is None:
-        _compiled_create_block_mask = torch.compile(create_block_mask)
-    return _compiled_create_block_mask
 
 
 # ---------------------------------------------------------------------------- masks
@@ -187,20 +181,74 @@ def build_mask(
         return dense_mask(anchors, block_valid, ctx_len, context_len, block_size)
     if kind != "flex":
         raise ValueError(f"unknown attention backend {kind!r}; expected 'flex' or 'dense'")
-    mask_mod = make_mask_mod(anchors, block_valid, ctx_len, context_len, block_size)
+    return dflash_block_mask(anchors, block_valid, ctx_len, context_len, block_size)
+
+
+def tile_maps(anchors: torch.Tensor, block_valid: torch.Tensor, ctx_len: torch.Tensor, context_len: int,
+              block_size: int, tile: int = FLEX_TILE) -> tuple[torch.Tensor, torch.Tensor]:
+    """Which (query tile, key tile) pairs hold any visible pair, and which hold only visible
+    pairs: two (Bsz, n_q_tiles, n_kv_tiles) bool maps, computed from the mask's intervals.
+
+    Query row q (block n = q // B) sees the context interval [0, c) with c = min(anchor_n,
+    ctx_len) and its own block's keys [S + nB, S + nB + B), both empty for a padded block.
+    A key tile [k0, k1) then holds a visible key of row q iff one interval meets it, and
+    is fully visible iff one interval covers it. A tile that crosses the end of the keys or
+    of the queries is never called full, so flex evaluates mask_mod there (always exact).
+    """
     bsz, n_blocks = anchors.shape
-    q_len = n_blocks * block_size
-    kv_len = context_len + q_len
+    B, S = int(block_size), int(context_len)
+    q_len = n_blocks * B
+    kv_len = S + q_len
     device = anchors.device
-    if _allow_uncompiled_flex or device.type == "cpu":
-        # CPU: inductor's C++ codegen fails on mask_mods that index captured tensors
-        # (torch 2.13: "operands to ?: have different types VecMask<int>/<float>"), and
-        # the eager grid is small there; CPU is the test path, not the training path.
-        builder = create_block_mask
-    else:
-        _refuse_silent_eager_on_cuda(device, "build_mask('flex')")
-        builder = compiled_create_block_mask()
-    return builder(mask_mod, bsz, None, q_len, kv_len, device=device)
+    valid = block_valid.to(torch.bool)
+    ctx_end = torch.where(valid, torch.minimum(anchors, ctx_len[:, None]).clamp(0, S), 0)  # (Bsz, N)
+    blk_start = S + torch.arange(n_blocks, device=device) * B  # (N,)
+    blk_start = torch.where(valid, blk_start, kv_len)  # padded blocks see nothing
+    blk_end = torch.where(valid, blk_start + B, kv_len)
+    # per query row (Bsz, Q, 1), per key tile (1, 1, K)
+    c = ctx_end.repeat_interleave(B, dim=1)[..., None]
+    s0 = blk_start.repeat_interleave(B, dim=1)[..., None]
+    s1 = blk_end.repeat_interleave(B, dim=1)[..., None]
+    n_kv = -(-kv_len // tile)
+    k0 = (torch.arange(n_kv, device=device) * tile).view(1, 1, n_kv)
+    k1 = torch.clamp(k0 + tile, max=kv_len)
+    any_row = (c > k0) | ((s0 < k1) & (s1 > k0))
+    full_row = ((c >= k1) | ((s0 <= k0) & (s1 >= k1))) & (k1 - k0 == tile)
+    n_q = -(-q_len // tile)
+    pad = n_q * tile - q_len
+    if pad:
+        any_row = torch.cat([any_row, any_row.new_zeros(bsz, pad, n_kv)], dim=1)
+        full_row = torch.cat([full_row, full_row.new_zeros(bsz, pad, n_kv)], dim=1)
+    any_tile = any_row.view(bsz, n_q, tile, n_kv).any(dim=2)
+    full_tile = full_row.view(bsz, n_q, tile, n_kv).all(dim=2)
+    return any_tile, full_tile
+
+
+def _kv_blocks(tiles: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(Bsz, Qt, Kt) bool -> flex's (Bsz, 1, Qt) counts and (Bsz, 1, Qt, Kt) indices (listed first)."""
+    counts = tiles.sum(-1, dtype=torch.int32)
+    order = torch.argsort((~tiles).to(torch.int8), dim=-1, stable=True).to(torch.int32)
+    return counts[:, None], order[:, None]
+
+
+def dflash_block_mask(anchors: torch.Tensor, block_valid: torch.Tensor, ctx_len: torch.Tensor,
+                      context_len: int, block_size: int) -> BlockMask:
+    """The flex ``BlockMask`` of the DFlash mask, built from ``tile_maps`` with plain tensor
+    ops: no ``create_block_mask``, so nothing compiles and no dense (Q, KV) grid exists.
+
+    ``create_block_mask`` evaluates mask_mod on every (q, kv) pair to find the same tiles;
+    compiled, it took over three minutes of Triton compilation on the H200 at Qwen3-8B
+    training shapes, and eagerly it materialises the grid. Partial tiles still apply
+    ``mask_mod`` inside flex, so the attention is exact whatever the tiling says.
+    """
+    q_len = anchors.shape[1] * int(block_size)
+    kv_len = int(context_len) + q_len
+    any_tile, full_tile = tile_maps(anchors, block_valid, ctx_len, context_len, block_size)
+    partial_n, partial_idx = _kv_blocks(any_tile & ~full_tile)
+    full_n, full_idx = _kv_blocks(full_tile)
+    mask_mod = make_mask_mod(anchors, block_valid, ctx_len, context_len, block_size)
+    return BlockMask.from_kv_blocks(partial_n, partial_idx, full_n, full_idx, BLOCK_SIZE=FLEX_TILE,
+                                    mask_mod=mask_mod, seq_lengths=(q_len, kv_len))
 
 
 # ---------------------------------------------------------------------------- attend
