@@ -86,6 +86,39 @@ def test_worker_processes_give_the_same_batches(reader):
     assert held_out_batches(split.held_out, 2, 0, 1) == [[(2**31 - 1, 10), (2**31 - 1, 11)]]
 
 
+def test_held_out_split_by_source_row_not_cache_order():
+    # cache order: two shards, each longest first, so the last samples are short ones
+    source = np.array([3, 0, 4, 1, 2, 8, 6, 9, 5, 7])
+    split = Split.of(len(source), 3, source)
+    assert source[split.held_out].tolist() == [7, 8, 9]  # the dataset's last rows, ascending
+    assert sorted(split.train.tolist() + split.held_out.tolist()) == list(range(10))
+    assert split.train.tolist() == [i for i in range(10) if source[i] < 7]  # train keeps cache order
+    # the same rows whatever the shard layout (worker count) put them in
+    other = np.array([9, 8, 7, 6, 5, 4, 3, 2, 1, 0])
+    assert sorted(other[Split.of(10, 3, other).held_out].tolist()) == [7, 8, 9]
+    assert Split.of(10, 3).held_out.tolist() == [7, 8, 9]  # without sources: the cache's last samples
+    with pytest.raises(ValueError):
+        Split.of(10, 3, source[:5])
+
+
+def test_acceptance_stops_at_the_end_of_the_turn():
+    # positions 0..9; the assistant turn is 3..6 (6: its end-of-turn token), 7.. the next user turn
+    seq = torch.arange(100, 110)[None]
+    top1 = torch.cat([seq[:, 1:], torch.tensor([[0]])], 1)
+    mask = torch.zeros(1, 10, dtype=torch.bool)
+    mask[0, 3:7] = True
+    perfect = lambda a: torch.tensor([[[0, 101 + a, 102 + a, 103 + a]]])  # slot k = token a + k
+    T = torch.tensor([10])
+    one = lambda a, m: metrics.acceptance(perfect(a), top1, torch.tensor([[a]]), torch.tensor([[True]]), T, m)
+    assert [one(a, mask)[0].item() for a in (3, 4, 5)] == [3, 2, 1]  # at most the tokens left in the turn
+    assert one(6, mask)[1].item() == 0  # anchor on the end-of-turn token: no block
+    assert [one(a, None)[0].item() for a in (3, 4, 5, 6)] == [4, 4, 4, 4]  # no mask: runs on past the turn
+    # a full block inside the turn keeps its bonus token
+    long = torch.zeros(1, 10, dtype=torch.bool)
+    long[0, 1:9] = True
+    assert one(2, long)[0].item() == 4
+
+
 def test_block_inputs_anchor_then_masks():
     class Head:
         def embed(self, ids):

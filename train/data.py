@@ -155,16 +155,33 @@ def truncate_sample(sample: dict[str, torch.Tensor], length: int) -> dict[str, t
 
 @dataclass
 class Split:
-    """Which cache samples train and which are held out (the last ``eval_samples``)."""
+    """Which cache samples train and which are held out: those of the dataset's last
+    ``eval_samples`` usable rows (by source row, ascending)."""
 
     train: np.ndarray
     held_out: np.ndarray
 
     @classmethod
-    def of(cls, num_samples: int, eval_samples: int) -> "Split":
+    def of(cls, num_samples: int, eval_samples: int, source_index: np.ndarray | None = None) -> "Split":
+        """``source_index`` (num_samples,): each sample's row in the source dataset.
+
+        The cache stores each shard's samples longest first (extract/plan.py), so its
+        last samples are the shortest ones of the last shard: a biased held-out set (on
+        the demo cache 29 tokens long against 70 on average) that also changes with the
+        number of extraction workers. Selecting by source row gives the same held-out
+        rows for any worker count. Without ``source_index``, the last samples of the cache.
+        """
         n_eval = min(eval_samples, max(num_samples - 1, 0))
         idx = np.arange(num_samples, dtype=np.int64)
-        return cls(train=idx[: num_samples - n_eval], held_out=idx[num_samples - n_eval:])
+        if source_index is None:
+            return cls(train=idx[: num_samples - n_eval], held_out=idx[num_samples - n_eval:])
+        source_index = np.asarray(source_index, dtype=np.int64)
+        if source_index.shape != (num_samples,):
+            raise ValueError(f"source_index has shape {source_index.shape}, expected ({num_samples},)")
+        by_row = idx[np.argsort(source_index, kind="stable")]
+        held = np.zeros(num_samples, dtype=bool)
+        held[by_row[num_samples - n_eval:]] = True
+        return cls(train=idx[~held], held_out=by_row[num_samples - n_eval:])
 
 
 class GlobalBatchSampler:

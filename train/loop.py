@@ -241,7 +241,7 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
                         rt.ce_chunk_size, autocast_dtype)
 
         # -- data: deterministic order, position = global step
-        split = Split.of(len(reader), dcfg_data.eval_samples)
+        split = Split.of(len(reader), dcfg_data.eval_samples, reader.source_indices())
         G, micro = dcfg_data.batch_size, dcfg_data.micro_batch_size
         steps = total_steps(len(split.train), G, ocfg.epochs, ocfg.max_steps)
         dataset = AnchorDataset(reader, dcfg.target_layer_ids, cfg.max_length, dcfg_data.max_anchors, rt.seed)
@@ -302,7 +302,7 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
                 batch = to_device(eval_collate([dataset[k] for k in keys]), device)
                 loss_sum, so, pred = evaluate_batch(eval_model, head, batch, spec)
                 tau, blocks = metrics.acceptance(pred, batch["target_top1"], batch["anchors"],
-                                                 batch["block_valid"], batch["seq_len"])
+                                                 batch["block_valid"], batch["seq_len"], batch["loss_mask"])
                 sums += torch.stack([loss_sum.double(), so.weights.sum().double(), tau, blocks])
                 sup = (so.weights > 0).reshape(-1, B)
                 hits += (so.correct.reshape(-1, B) & sup).sum(0).double()

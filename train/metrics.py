@@ -5,9 +5,17 @@
   at a + k; the target's greedy choice for that position is ``topk_ids[a + k - 1, 0]``
   (the cache stores, at position t, the target's distribution over token t + 1). A block
   accepts the leading slots k = 1..B-1 whose drafter argmax equals it, stopping at the
-  first miss or the end of the sequence; tau = accepted + 1 (the target's own bonus
-  token). This scores the drafter on the cached (ground-truth) prefix, so it matches
-  real decoding where the data is the target's own greedy output (DESIGN §2, Data).
+  first miss; tau = accepted + 1 (the target's own bonus token). With the loss mask
+  (what training passes) a block also stops where its assistant turn ends, as online
+  decoding stops at the end-of-turn token: only slots inside the anchor's turn count,
+  tau is capped at the tokens left in the turn (no bonus after the end-of-turn token),
+  and an anchor on the turn's last token, where decoding never starts a block, is not
+  counted. This is what ``dflash.eval.speculative`` reports per block (tokens emitted by
+  one verify), scored on the cached prefix: it matches real decoding where the data is
+  the target's own greedy output (DESIGN §2, Data: regenerated responses). One
+  difference stays: online blocks start where the previous block ended, offline anchors
+  are drawn uniformly over assistant tokens; the two means agree when acceptance does
+  not depend on where a block starts (``dflash.eval.offline`` measures the gap).
 * ``step_flops``: matmul FLOPs of one drafter forward + backward on the real (unpadded)
   work of a batch, attention included; MFU divides their rate by ``peak_tflops``.
 * ``MetricsSink``: rank 0 only; one log line, one JSONL record, TensorBoard if present.
@@ -28,22 +36,43 @@ log = logging.getLogger("dflash.train")
 
 
 def acceptance(pred: torch.Tensor, target_top1: torch.Tensor, anchors: torch.Tensor, block_valid: torch.Tensor,
-               seq_len: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(sum of tau over valid blocks, number of valid blocks), as 0-d tensors.
+               seq_len: torch.Tensor, loss_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(sum of tau over counted blocks, number of counted blocks), as 0-d tensors.
 
     pred (Bsz, N, B) drafter argmax per slot; target_top1 (Bsz, S); anchors, block_valid
-    (Bsz, N); seq_len (Bsz,).
+    (Bsz, N); seq_len (Bsz,); loss_mask (Bsz, S) assistant tokens, or None: then a block
+    runs to the end of the sequence and every valid block counts (no turn boundaries).
     """
+    tau, counted = block_taus(pred, target_top1, anchors, block_valid, seq_len, loss_mask)
+    return tau.sum().double(), counted.sum().double()
+
+
+def block_taus(pred: torch.Tensor, target_top1: torch.Tensor, anchors: torch.Tensor, block_valid: torch.Tensor,
+               seq_len: torch.Tensor, loss_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per block: (tau (Bsz, N) long, 0 where not counted; counted (Bsz, N) bool). See ``acceptance``."""
     bsz, n_blocks, B = pred.shape
+    S = target_top1.shape[1]
     k = torch.arange(1, B, device=pred.device)
     pos = anchors[:, :, None] + k  # (Bsz, N, B-1): predicted positions
     inside = pos < seq_len[:, None, None]
-    src = (pos - 1).clamp(max=target_top1.shape[1] - 1).flatten(1)  # (Bsz, N*(B-1))
+    src = (pos - 1).clamp(max=S - 1).flatten(1)  # (Bsz, N*(B-1))
     want = torch.gather(target_top1, 1, src).view(bsz, n_blocks, B - 1)
+    counted = block_valid.bool()
+    if loss_mask is not None:
+        # Positions a+1 .. a+B still inside the anchor's turn (a leading run): slot k
+        # counts only there, and the block emits at most `left` tokens (a+B: the bonus).
+        reach = anchors[:, :, None] + torch.arange(1, B + 1, device=pred.device)  # (Bsz, N, B)
+        in_turn = torch.gather(loss_mask.bool(), 1, reach.clamp(max=S - 1).flatten(1)).view(bsz, n_blocks, B)
+        in_turn = (in_turn & (reach < seq_len[:, None, None])).long().cumprod(dim=-1)
+        left = in_turn.sum(dim=-1)  # (Bsz, N): tokens of the turn after the anchor, at most B
+        inside = inside & in_turn[:, :, :-1].bool()
+        counted = counted & (left > 0)
     hit = (pred[:, :, 1:] == want) & inside
     accepted = hit.long().cumprod(dim=-1).sum(dim=-1)  # (Bsz, N): leading run of hits
-    tau = (accepted + 1) * block_valid
-    return tau.sum().double(), block_valid.sum().double()
+    tau = accepted + 1
+    if loss_mask is not None:
+        tau = torch.minimum(tau, left)
+    return tau * counted, counted
 
 
 def step_flops(dcfg, vocab_size: int, context_tokens: int, block_tokens: int, attn_pairs: int) -> float:
