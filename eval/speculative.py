@@ -12,7 +12,9 @@ Speculative loop (temperature 0):
       verify         = ONE target forward of [last, proposals] on the KV cache;
                        logits row i is the target's greedy token for position p+i+1
       accept         = the longest prefix of proposals equal to those greedy tokens
-                       (a of them) plus the target's bonus token: tau = a + 1
+                       (a of them) plus the target's bonus token: tau = a + 1 tokens
+                       emitted, fewer when an eos token or max_new_tokens comes first
+                       (tokens verified past the stop are not output, so not counted)
       bookkeeping    = crop the KV cache to p + a + 1 entries (last + accepted drafts),
                        append those positions' hidden states to the drafter context;
                        the bonus token becomes the next block's anchor
@@ -205,7 +207,7 @@ class Generation:
     tokens: list[int]  # generated tokens (eos included when it was hit)
     target_forwards: int  # target forward passes, prefill included
     seconds: float  # wall clock, prefill included
-    block_taus: list[int] = field(default_factory=list)  # speculative: accepted tokens per block (incl. bonus)
+    block_taus: list[int] = field(default_factory=list)  # speculative: tokens each verify emitted (incl. bonus)
     margins: list[float] = field(default_factory=list)  # greedy: top-1 minus top-2 logit per token
 
 
@@ -308,14 +310,16 @@ def speculative_generate(target, proposer: Proposer, prompt_ids: Sequence[int], 
         forwards += 1
         greedy = out.logits[0].argmax(dim=-1)  # (B,): target's token for positions p+1 .. p+B
         accepted = int((drafts == greedy[:-1]).long().cumprod(dim=0).sum())
-        taus.append(accepted + 1)
         context[:, p:p + accepted + 1] = _layer_states(out.hidden_states, layer_ids, accepted + 1)
         cache = crop_cache(cache, p + accepted + 1)
+        emitted = 0
         for token in drafts[:accepted].tolist() + [int(greedy[accepted])]:
             tokens.append(token)
+            emitted += 1
             if _is_stop(token, len(tokens), max_new_tokens, eos):
                 done = True
                 break
+        taus.append(emitted)
     _sync(device)
     return Generation(tokens, forwards, time.perf_counter() - start, block_taus=taus)
 
@@ -380,8 +384,11 @@ def evaluate(target, drafter: DFlashDrafter | Proposer, prompts: Sequence[Sequen
     summary holds tau (mean tokens accepted per drafter block, bonus included),
     tau_histogram (blocks accepting 1..B tokens), tokens_per_target_forward (prefill
     counted; greedy is 1.0 by construction), both wall-clock times and the speedup
-    (greedy time / speculative time). tau counts what verification accepted, so the
-    final block may count tokens cut by max_new_tokens or eos. With ``check`` a
+    (greedy time / speculative time). tau counts the tokens each block emitted, so
+    new_tokens == 1 + sum(block taus) (the first token comes from the prefill), and a
+    block cut by eos or max_new_tokens counts only what it output. This is the quantity
+    training's offline estimate (``dflash.train.metrics.acceptance``) scores per block on
+    cached sequences; ``dflash.eval.offline`` explains what still differs. With ``check`` a
     mismatch raises LosslessError at the first prompt that shows it; without, each row
     records it ("lossless", "mismatch") and the caller decides.
     """
