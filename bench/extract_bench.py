@@ -75,6 +75,7 @@ def main():
     p.add_argument("--batch-tokens", type=int, default=8192)
     p.add_argument("--work", default="/tmp/xbench")
     p.add_argument("--device", default="cuda", help="cuda, or cpu for a dry run of the script")
+    p.add_argument("--variants", type=int, default=2, help="worker settings to run (1: ours only)")
     args = p.parse_args()
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
@@ -135,39 +136,45 @@ def main():
     if cuda:
         torch.cuda.empty_cache()
 
-    # ---- 2. the real worker
-    root_spec = spec
-    prepare_root(cfg, root_spec, node_layout())
-    events = {}
+    # ---- 2. the real worker: our settings, then Python's and zarr's defaults, same batches
+    import dataclasses
 
-    def report(kind, **f):
-        if kind == "started":
-            events["start"] = time.perf_counter()
-            events["cpu0"] = cpu_seconds()
-        elif kind == "timing":
-            events["timing"] = f
-
-    task = WorkerTask(cfg=cfg, spec=root_spec.to_dict(), shard_id=0, num_shards=1, device="cuda:0" if cuda else "cpu")
-    run_shard(task, report)
-    t_extract = time.perf_counter() - events["start"]
-    cores = (cpu_seconds() - events["cpu0"]) / t_extract
-
-    stored = sum(f.stat().st_size for f in out.rglob("*") if f.is_file())
     hidden_raw = n_tok * len(spec.layer_ids) * spec.hidden_size * 2
-    hidden_stored = sum(f.stat().st_size for f in (out / "shards" / "00000" / "hidden").rglob("*") if f.is_file())
-    result = {
-        "samples": len(plan.source_index), "tokens": n_tok, "batch_tokens": args.batch_tokens,
-        "backbone_only_tok_s": round(n_tok / t_backbone), "forward_capture_topk_tok_s": round(n_tok / t_runner),
-        "extract_tok_s": round(n_tok / t_extract),
-        "extract_vs_forward_capture_topk": round(t_runner / t_extract, 3),
-        "extract_vs_backbone_only": round(t_backbone / t_extract, 3),
-        "cpu_cores_busy": round(cores, 2),
-        "bytes_per_token_total": round(stored / n_tok), "raw_bf16_hidden_bytes_per_token": round(hidden_raw / n_tok),
-        "total_vs_raw_bf16_hidden": round(stored / hidden_raw, 4), "hidden_ratio": round(hidden_raw / hidden_stored, 4),
-        "worker_seconds": events.get("timing"),
-        "torch": torch.__version__, "gpu": torch.cuda.get_device_name() if cuda else "cpu",
-    }
-    print(json.dumps(result, indent=1))
+    variants = [("tuned", {}), ("gil_switch_5ms_zarr_concurrency_10", {"gil_switch_ms": 5.0, "write_concurrency": 10})]
+    for name, overrides in variants[: args.variants]:
+        shutil.rmtree(out, ignore_errors=True)
+        vcfg = dataclasses.replace(cfg, **overrides)
+        prepare_root(vcfg, spec, node_layout())
+        events = {}
+
+        def report(kind, **f):
+            if kind == "started":
+                events["start"] = time.perf_counter()
+                events["cpu0"] = cpu_seconds()
+            elif kind == "timing":
+                events["timing"] = f
+
+        task = WorkerTask(cfg=vcfg, spec=spec.to_dict(), shard_id=0, num_shards=1, device="cuda:0" if cuda else "cpu")
+        run_shard(task, report)
+        t_extract = time.perf_counter() - events["start"]
+        cores = (cpu_seconds() - events["cpu0"]) / t_extract
+        stored = sum(f.stat().st_size for f in out.rglob("*") if f.is_file())
+        hidden_stored = sum(f.stat().st_size for f in (out / "shards" / "00000" / "hidden").rglob("*") if f.is_file())
+        result = {
+            "worker_settings": name, "gil_switch_ms": vcfg.gil_switch_ms, "write_concurrency": vcfg.write_concurrency,
+            "samples": len(plan.source_index), "tokens": n_tok, "batch_tokens": args.batch_tokens,
+            "backbone_only_tok_s": round(n_tok / t_backbone), "forward_capture_topk_tok_s": round(n_tok / t_runner),
+            "extract_tok_s": round(n_tok / t_extract),
+            "extract_vs_forward_capture_topk": round(t_runner / t_extract, 3),
+            "extract_vs_backbone_only": round(t_backbone / t_extract, 3),
+            "cpu_cores_busy": round(cores, 2),
+            "bytes_per_token_total": round(stored / n_tok), "raw_bf16_hidden_bytes_per_token": round(hidden_raw / n_tok),
+            "total_vs_raw_bf16_hidden": round(stored / hidden_raw, 4),
+            "hidden_ratio": round(hidden_raw / hidden_stored, 4),
+            "worker_seconds": events.get("timing"),
+            "torch": torch.__version__, "gpu": torch.cuda.get_device_name() if cuda else "cpu",
+        }
+        print(json.dumps(result), flush=True)
 
 
 if __name__ == "__main__":

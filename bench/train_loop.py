@@ -168,6 +168,8 @@ def main():
     p.add_argument("--buckets", default=None, help="context buckets (default: ctx)")
     p.add_argument("--loader-workers", default="", help="e.g. 1,2,4: time the DataLoader alone")
     p.add_argument("--guards", action="store_true", help="exercise the thread guard and the dense refusal")
+    p.add_argument("--loader-only", type=float, default=None, metavar="STEP_S",
+                   help="skip training; compare the loader with this measured step time (s)")
     p.add_argument("--anchors", type=int, default=512)
     p.add_argument("--samples", type=int, default=8)
     p.add_argument("--steps", type=int, default=20)
@@ -195,6 +197,12 @@ def main():
         mask_token_id=args.vocab - 1, attention=args.attention, progress=False, tensorboard=False,
         num_workers=2, resume=None)
     cfg.runtime.save_every = args.steps  # the last step saves anyway
+    if args.loader_only:
+        for w in (int(x) for x in args.loader_workers.split(",")):
+            r = loader_rate(cfg, w, n_batches=min(args.samples - 2, 48))
+            r["vs_training_step"] = round(r["micro_batches_s"] * args.loader_only, 2)
+            print(json.dumps({"loader": r, "step_s": args.loader_only}), flush=True)
+        return
     t = time.time()
     summary = train(cfg)
     wall = time.time() - t

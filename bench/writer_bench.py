@@ -14,6 +14,7 @@ import argparse
 import json
 import resource
 import shutil
+import sys
 import threading
 import time
 
@@ -26,7 +27,7 @@ def cpu() -> float:
     return r.ru_utime + r.ru_stime
 
 
-def run(name: str, args, settings: dict, blosc_threads: int, gil_busy: bool) -> dict:
+def run(name: str, args, settings: dict, blosc_threads: int, gil_busy: bool, switch_ms: float = 5.0) -> dict:
     import numcodecs.blosc
     import zarr
 
@@ -58,6 +59,7 @@ def run(name: str, args, settings: dict, blosc_threads: int, gil_busy: bool) -> 
         root = C.create_or_open_cache(path, spec)
         plan = C.ShardPlan(source_index=np.arange(nb), lengths=np.full(nb, T), batches=np.arange(nb + 1))
         w = C.ShardWriter(root, 0, plan, spec)
+        sys.setswitchinterval(switch_ms / 1000)
         bg = threading.Thread(target=busy, daemon=True)
         if gil_busy:
             bg.start()
@@ -68,6 +70,7 @@ def run(name: str, args, settings: dict, blosc_threads: int, gil_busy: bool) -> 
         dt, c1 = time.perf_counter() - t0, cpu()
         stop.set()
         numcodecs.blosc.use_threads = False
+        sys.setswitchinterval(0.005)
     if gil_busy:
         bg.join()
     busy_cores = 1.0 if gil_busy else 0.0
@@ -86,10 +89,12 @@ def main():
         ("default+gil_busy", {}, 0, True),
         ("concurrency32+write_empty", {"async.concurrency": 32, "array.write_empty_chunks": True}, 0, False),
         ("blosc_threads8", {}, 8, False),
-        ("blosc_threads8+gil_busy", {}, 8, True),
+        ("default+gil_busy+switch_0.5ms", {}, 0, True, 0.5),
+        ("concurrency32+write_empty+gil_busy+switch_0.5ms",
+         {"async.concurrency": 32, "array.write_empty_chunks": True}, 0, True, 0.5),
     ]
-    for name, settings, bt, gb in variants:
-        print(json.dumps(run(name, args, settings, bt, gb)), flush=True)
+    for name, settings, bt, gb, *sw in variants:
+        print(json.dumps(run(name, args, settings, bt, gb, *sw)), flush=True)
 
 
 if __name__ == "__main__":

@@ -71,6 +71,12 @@ class ExtractConfig:
     """Seconds between commits of a shard (a crash loses at most this much work); 0 = every batch."""
     queue_depth: int = 2
     """Batches in flight between the forward loop and the writer thread (bounds host memory)."""
+    write_concurrency: int = 32
+    """Chunks zarr encodes and writes at once per shard (its ``async.concurrency``; zarr's default is 10)."""
+    gil_switch_ms: float = 0.5
+    """The worker's GIL switch interval (Python's default is 5 ms). The forward loop keeps the
+    GIL busy; at 5 ms the writer thread waits that long at every hand-off and the cache is
+    written at a sixth of its speed (bench/writer_bench.py)."""
     cpu_threads: int | None = None
     """torch threads per CPU worker; default: the machine's cores divided by the workers."""
     summary_json: str | None = None
@@ -99,9 +105,11 @@ class ExtractConfig:
         if self.device == "cpu" and self.workers < 1:
             raise ValueError("--workers must be at least 1")
         for name in ("topk", "max_length", "min_length", "batch_tokens", "lm_head_chunk", "chunk_tokens",
-                     "queue_depth"):
+                     "queue_depth", "write_concurrency"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if self.gil_switch_ms <= 0:
+            raise ValueError(f"gil_switch_ms must be positive, got {self.gil_switch_ms}")
         if self.min_length > self.max_length:
             raise ValueError(f"min_length {self.min_length} exceeds max_length {self.max_length}")
         if self.layers is not None and len(set(self.layers)) != len(self.layers):

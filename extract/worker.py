@@ -28,6 +28,7 @@ from typing import Any
 
 import numpy as np
 import torch
+import zarr
 
 from dflash.shared.cache import CacheError, CacheSpec, ShardWriter, bf16_to_bits, open_root
 
@@ -174,6 +175,10 @@ def run_shard(task: WorkerTask, report, stop: threading.Event | Any | None = Non
     cfg = task.cfg
     if task.cpu_threads:
         torch.set_num_threads(task.cpu_threads)
+    # The writer thread shares the GIL with the forward loop: hand it over often, and let
+    # zarr keep more chunks in flight (whole chunks, so skip its all-fill-value scan too).
+    sys.setswitchinterval(cfg.gil_switch_ms / 1000.0)
+    zarr.config.set({"async.concurrency": cfg.write_concurrency, "array.write_empty_chunks": True})
     device = torch.device(task.device)
     if device.type == "cuda":
         torch.cuda.set_device(device)
