@@ -127,3 +127,16 @@ def test_uniform_anchors_estimate_the_online_mean(target, prompts):
     assert three_se / online_mean < 0.10  # the setup is sharp enough to test the 10% claim
     assert abs(offline_mean - online_mean) < three_se, (offline_mean, online_mean, three_se)
     assert 1.5 < online_mean < BLOCK  # the proposer is neither always right nor always wrong
+
+
+def test_replay_walk_follows_decoding():
+    from dflash.eval.offline import turn_spans, walk
+
+    mask = [0, 0, 1, 1, 1, 1, 1, 1, 0, 0, 1, 1, 1, 0]  # turns [2, 8) and [10, 13)
+    assert turn_spans(mask) == [(2, 8), (10, 13)]
+    taus = {2: 2, 3: 9, 4: 3, 5: 9, 6: 9, 7: 1, 10: 1, 11: 1}  # emitted tokens per anchor
+    # turn 1: first token from the prefill, blocks at 2 (2 tokens), 4 (3 tokens): 5 drafted;
+    # turn 2: blocks at 10, 11: 2 drafted. Anchors 3, 5, 6, 7 are never visited.
+    assert walk(taus, turn_spans(mask)) == (7, 4)
+    # max_new_tokens 4: 3 drafted per turn at most, the block at 4 cut to 1 token
+    assert walk(taus, turn_spans(mask), max_new_tokens=4) == (3 + 2, 2 + 2)
