@@ -75,6 +75,38 @@ def test_compiled_model_refuses_calls_from_other_threads():
     assert len(errors) == 1 and "compiled drafter" in errors[0] and "main thread" in errors[0]
 
 
+def test_compiled_drafter_with_flex_does_not_recompile_after_warm_up(monkeypatch):
+    """The flex path inside a compiled drafter must not depend on process state that the
+    first call changes (it once guarded on the lazily created compiled flex_attention)."""
+    monkeypatch.setattr(attention, "_compiled_flex_attention", None)
+    from dflash.train.model import DFlashDrafter, DrafterConfig
+
+    cfg = DrafterConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                        num_key_value_heads=2, head_dim=8, rms_norm_eps=1e-6, rope_theta=1e4,
+                        max_position_embeddings=512, vocab_size=64, block_size=4, target_layer_ids=[0, 1],
+                        num_target_layers=3, mask_token_id=63)
+    model = DFlashDrafter(cfg).requires_grad_(False)  # flex has no CPU backward
+    choice = C.resolve(RuntimeConfig(compile="on", compile_backend="eager"), torch.device("cpu"))
+    cmodel = C.compile_model(model, choice, 4)
+    S, anchors = 24, torch.tensor([[2, 3, 9]])
+    valid, ctx_len = torch.ones_like(anchors, dtype=torch.bool), torch.tensor([20])
+    positions = (anchors[:, :, None] + torch.arange(4)).view(1, -1)
+
+    def call(seed):
+        g = torch.Generator().manual_seed(seed)
+        mask = attention.build_mask("flex", anchors, valid, ctx_len, S, 4)
+        return cmodel(torch.randn(1, S, 64, generator=g), torch.arange(S), torch.randn(1, 12, 32, generator=g),
+                      positions, mask)
+
+    C.warm_up([lambda: call(0)])
+    out = call(1)  # a recompile raises here
+    dense = attention.build_mask("dense", anchors, valid, ctx_len, S, 4)
+    g = torch.Generator().manual_seed(1)
+    ref = model(torch.randn(1, S, 64, generator=g), torch.arange(S), torch.randn(1, 12, 32, generator=g), positions,
+                dense)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+
+
 def test_resolve_on_cpu():
     cpu = torch.device("cpu")
     choice = C.resolve(RuntimeConfig(), cpu)

@@ -277,6 +277,11 @@ def attend(
 
 
 def _attend_flex(q, k, v, block_mask, scale, enable_gqa):
+    if torch.compiler.is_compiling():
+        # Inside the compiled drafter dynamo lowers flex_attention into the drafter's own
+        # graph. Reaching for the lazily created global instead made dynamo guard on it
+        # being None, so the first step after warm-up recompiled (found on the H200).
+        return flex_attention(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=enable_gqa)
     if _allow_uncompiled_flex:
         with warnings.catch_warnings():
             # The "called without torch.compile()" warning is the point of the switch.
