@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# The GPU benchmarks behind BENCHMARKS.md, in two device calls of under 10 minutes:
-#   bash bench/gpu_session.sh 1   # extraction; drafter step flex vs dense at 8B dims; 8B training loop + loader
-#   bash bench/gpu_session.sh 2   # memory vs context; 300 variable-length steps, compiles, guards; CUDA tests
+# The GPU benchmarks behind BENCHMARKS.md, one device call (under 10 minutes) per phase:
+#   bash bench/gpu_session.sh 3     # drafter step flex vs dense at 8B dims; peak memory at 2k..16k
+#   bash bench/gpu_session.sh 4     # 300 variable-length steps (compiles, guards); extraction; loader (STEP_S=...)
+#   bash bench/gpu_session.sh 1|2|diag   # this session's earlier calls (see BENCHMARKS.md)
 # (carry .whl: ../shared/tools/gpu-wheels.sh .whl zarr==3.1.6 numcodecs==0.16.6 crc32c ...)
 # Logs go to $OUT (the device tool brings them back).
 set -u
@@ -17,20 +18,19 @@ if [ "$phase" = 1 ]; then
   timeout 200 python3 bench/extract_bench.py --samples 160 --length 2048 --batch-tokens 8192 2>&1 | quiet | tee "$OUT/extract_bench.log"
   timeout 190 python3 bench/train_bench.py --ctx 3072 --attention flex,dense --steps 8 2>&1 | quiet | tee "$OUT/train_bench.log"
   timeout 160 python3 bench/train_loop.py --out /tmp/tl --steps 30 --samples 40 --loader-workers 1,2,4,8 2>&1 | quiet | tail -40 | tee "$OUT/train_loop_8b.log"
-elif [ "$phase" = 3 ]; then   # everything that matters, in order of value, within one call
-  timeout 200 python3 bench/train_bench.py --ctx 3072 --attention flex --steps 6 --stack-every 90 \
+elif [ "$phase" = 3 ]; then   # the drafter step: flex vs dense at 8B dims, then memory against context
+  timeout 200 python3 bench/train_bench.py --ctx 3072 --attention flex,dense --steps 6 --stack-every 90 \
       > "$OUT/train_bench.log" 2>&1; grep -v "^  File\|^Thread\|^$" "$OUT/train_bench.log" | quiet | tail -30
-  timeout 130 python3 bench/extract_bench.py --samples 160 --length 2048 --batch-tokens 8192 --variants 1 2>&1 \
-      | quiet | grep -v "it/s\]" | tee "$OUT/extract_bench.log"
-  timeout 100 python3 bench/train_bench.py --ctx 3072 --attention dense --steps 4 2>&1 | quiet | tee -a "$OUT/train_bench.log"
-  timeout 100 python3 bench/train_loop.py --out /tmp/tlv --hidden 1024 --intermediate 3072 --heads 8 --kv-heads 4 \
+  timeout 300 python3 bench/train_bench.py --ctx 2048,4096,8192,16384 --attention flex --steps 2 2>&1 | quiet \
+      | tee "$OUT/train_bench_memory.log"
+elif [ "$phase" = 4 ]; then   # 300 variable-length steps through the loop, guards; extraction and loader
+  timeout 280 python3 bench/train_loop.py --out /tmp/tlv --hidden 1024 --intermediate 3072 --heads 8 --kv-heads 4 \
       --vocab 32000 --min-ctx 200 --ctx 3072 --buckets 1024,2048,3072 --anchors 256 --steps 300 --samples 256 \
       --guards 2>&1 | quiet | tail -40 | tee "$OUT/train_loop_varlen.log"
-  step_s=$(python3 -c "import json,sys; r=[json.loads(l) for l in open('$OUT/train_bench.log') if l.startswith('{\"attention\": \"flex\"')]; print(r[0]['median_step_ms']/1e3 if r and 'median_step_ms' in r[0] else 0.3)")
-  timeout 60 python3 bench/train_loop.py --out /tmp/tl --samples 20 --loader-workers 1,2,4,8 --loader-only "$step_s" \
+  timeout 130 python3 bench/extract_bench.py --samples 160 --length 2048 --batch-tokens 8192 --variants 1 2>&1 \
+      | quiet | grep -v "it/s\]" | tee "$OUT/extract_bench.log"
+  timeout 60 python3 bench/train_loop.py --out /tmp/tl --samples 20 --loader-workers 1,2,4,8 --loader-only "${STEP_S:-0.23}" \
       2>&1 | quiet | grep loader | tee "$OUT/loader.log"
-  timeout 100 python3 bench/train_bench.py --ctx 2048,4096,8192,16384 --attention flex --steps 2 2>&1 | quiet \
-      | grep "^{" | tee "$OUT/train_bench_memory.log"
 elif [ "$phase" = diag ]; then
   timeout 100 python3 bench/writer_bench.py --batches 12 2>&1 | quiet | tee "$OUT/writer_bench.log"
   TORCH_LOGS=graph_breaks,recompiles timeout 200 python3 bench/train_bench.py --ctx 3072 --attention flex --steps 4 \
