@@ -278,7 +278,6 @@ def step_eval(out: Path, s: DemoSettings, regen: Path, cache: Path, target: Path
     from dflash.eval.offline import replay_export, turn_spans
     from dflash.eval.speculative import evaluate, load_drafter
     from dflash.shared import toy
-
     from dflash.shared.cache import CacheReader
 
     path = out / "eval.json"
@@ -346,15 +345,16 @@ def plot_curves(records: list[dict], png: Path, online: float | None = None, rep
     ax_loss.plot([r["step"] for r in evals], [r["loss"] for r in evals], "o-", label="held-out loss")
     ax_loss.set_xlabel("step"), ax_loss.set_ylabel("weighted CE"), ax_loss.set_yscale("log"), ax_loss.legend()
     ax_tau.plot([r["step"] for r in evals], [r["tau"] for r in evals], "o-", color="C2",
-                label="held-out acceptance length (offline)")
+                label="held-out acceptance length (offline, uniform anchors)")
     ax_tau.plot([r["step"] for r in train], [1 + r["acc"] for r in train], color="C3", alpha=0.5,
                 label="1 + train top-1 accuracy")
     last = evals[-1]["step"] if evals else 0
     if replay is not None:
-        ax_tau.plot([last], [replay], "s", color="C4", label="offline replay of decoding (final drafter)")
+        ax_tau.plot([last], [replay], "s", color="C4", markersize=14, markerfacecolor="none", markeredgewidth=2,
+                    label="offline replay of decoding (final drafter)")
     if online is not None:
-        ax_tau.plot([last], [online], "*", color="k", markersize=12, label="online speculative decoding")
-    ax_tau.set_xlabel("step"), ax_tau.set_ylabel("tokens"), ax_tau.legend()
+        ax_tau.plot([last], [online], "*", color="k", markersize=9, label="online speculative decoding")
+    ax_tau.set_xlabel("step"), ax_tau.set_ylabel("tokens"), ax_tau.legend(loc="upper left", fontsize="small")
     fig.suptitle("DFlash drafter training (demo)")
     fig.tight_layout()
     fig.savefig(png, dpi=100)

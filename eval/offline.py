@@ -9,7 +9,7 @@ the previous one ended, i.e. right after a rejected (or the bonus) token. Where
 acceptance depends on the position, the two means differ: uniform anchors weight every
 position equally, decoding spends more blocks where blocks are short. On the demo
 (regenerated chats, every online output equal to its cached turn) training's held-out
-estimate was 2.49 and online 2.01 on the same chats; this replay gave 2.01.
+estimate was 2.49 and online 2.01 on the same chats; this replay gave 2.00.
 
 The replay scores a block at EVERY assistant position of a sample with training's own
 step and metric code (one teacher-forced drafter forward over the cached context, the

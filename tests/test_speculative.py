@@ -91,7 +91,8 @@ def test_perfect_proposals_accept_whole_blocks(target, prompts):
         out = spec.speculative_generate(target, proposer, prompt, MAX_NEW)
         assert out.tokens == reference[:MAX_NEW]
         # every block emits B tokens, the last one what max_new_tokens leaves it
-        assert out.block_taus == [BLOCK] * ((MAX_NEW - 1) // BLOCK) + [(MAX_NEW - 1) % BLOCK] * ((MAX_NEW - 1) % BLOCK > 0)
+        full, rest = divmod(MAX_NEW - 1, BLOCK)
+        assert out.block_taus == [BLOCK] * full + [rest] * (rest > 0)
         # 1 token from prefill, then B per verify forward
         assert out.target_forwards == 1 + -(-(MAX_NEW - 1) // BLOCK)
 
