@@ -98,8 +98,16 @@ def build_spec(cfg: ExtractConfig, tokenizer, model_config, ds, num_shards: int)
     })
     info_cfg = {k: v for k, v in cfg.to_dict().items() if k not in NOT_RECORDED}
     dataset = dataset_fingerprint(ds, cfg.data, cfg.split or "train")
-    # `datasets`' own fingerprint depends on its cache layout, not on the content: record it, don't compare it
-    datasets_fp = dataset.pop("datasets_fingerprint", None)
+    target = target_fingerprint(cfg.model, model_config.to_dict(), cfg.dtype, revision=cfg.revision)
+    # Recorded, not compared: `datasets`' own fingerprint (it depends on its cache layout, not
+    # on the content) and, where the content is hashed, where the files lie: the same data or
+    # checkpoint moved, copied or named by another relative path is the same cache.
+    located = {"datasets_fingerprint": dataset.pop("datasets_fingerprint", None)}
+    if dataset.get("hash_method") == "files-sha256":
+        located["dataset_source"] = dataset.pop("source")
+        located["dataset_resolved_path"] = dataset.pop("resolved_path", None)
+    if target.get("weights_hash"):
+        located["target_path"] = target.pop("name_or_path")
     return CacheSpec(
         layer_ids=layers,
         hidden_size=model_config.hidden_size,
@@ -111,12 +119,12 @@ def build_spec(cfg: ExtractConfig, tokenizer, model_config, ds, num_shards: int)
         chunk_tokens=cfg.chunk_tokens,
         compression_level=cfg.compression_level,
         fingerprint={
-            "target": target_fingerprint(cfg.model, model_config.to_dict(), cfg.dtype, revision=cfg.revision),
+            "target": target,
             "tokenizer": tokenizer_fingerprint(tokenizer),
             "dataset": dataset,
             "extraction": extraction,
         },
-        info={"package_version": package_version(), "config": info_cfg, "datasets_fingerprint": datasets_fp},
+        info={"package_version": package_version(), "config": info_cfg, **located},
     )
 
 

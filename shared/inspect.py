@@ -136,18 +136,20 @@ def cache_info(path: str, storage_options: dict | None = None) -> dict[str, Any]
             skipped[reason] = skipped.get(reason, 0) + int(n)
     fp = spec.fingerprint
     target, tok, data = fp.get("target", {}), fp.get("tokenizer", {}), fp.get("dataset", {})
+    located = spec.info or {}  # where local data and checkpoints lay (recorded, not compared)
     return {
         "path": path,
         "format": spec.format, "format_version": spec.format_version,
         "fingerprint": {
             "target": {
-                "name_or_path": target.get("name_or_path", target.get("name")),
+                "name_or_path": target.get("name_or_path", target.get("name")) or located.get("target_path"),
                 "revision": target.get("revision"), "dtype": target.get("dtype"),
                 "config_hash": target.get("config_hash"), "weights_hash": target.get("weights_hash"),
             },
             "tokenizer": {"hash": tok.get("hash"), "chat_template_hash": tok.get("chat_template_hash")},
             "dataset": {
-                "name": data.get("name", data.get("source")), "split": data.get("split"),
+                "name": data.get("name", data.get("source")) or located.get("dataset_source"),
+                "split": data.get("split"),
                 "rows": data.get("rows", data.get("num_rows")),
                 "hash": data.get("hash", data.get("content_hash")),
             },
@@ -213,7 +215,8 @@ def show_sample(path: str, index: int, *, tokenizer_path: str | None = None, num
     raw = reader.read_raw(index)
     fp = reader.spec.fingerprint
     candidates = [tokenizer_path] if tokenizer_path else [
-        fp.get("tokenizer", {}).get("name_or_path"), fp.get("target", {}).get("name_or_path")]
+        fp.get("tokenizer", {}).get("name_or_path"), fp.get("target", {}).get("name_or_path"),
+        (reader.spec.info or {}).get("target_path")]
     tokenizer, tok_path, tok_error = _load_tokenizer(candidates)
     hash_matches = None
     if tokenizer is not None and fp.get("tokenizer", {}).get("hash"):

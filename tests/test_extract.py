@@ -212,6 +212,27 @@ def test_other_fingerprint_refused(extracted, dataset, tiny_target_dir):
     assert "Traceback" not in proc.stderr
 
 
+def test_moved_data_and_target_are_the_same_cache(extracted, dataset, tiny_target_dir, tmp_path):
+    """Local data and checkpoints are known by their content: a copy elsewhere reopens the
+    cache (the rerun finds it complete); the copy with one row changed is refused, named."""
+    import shutil
+
+    out, _, _ = extracted
+    data = tmp_path / "elsewhere" / "chats.jsonl"
+    data.parent.mkdir()
+    shutil.copy(dataset[0], data)
+    target = shutil.copytree(tiny_target_dir, tmp_path / "target-copy")
+    proc = cli("--data", data, "--model", target, "--out", out, "--on-bad-row", "skip", *COMMON)
+    assert "already complete, nothing to do" in proc.stdout
+    info = C.CacheReader(str(out)).spec.info
+    assert info["dataset_source"] == str(dataset[0]) and info["target_path"] == str(tiny_target_dir)
+    lines = data.read_text().splitlines()
+    lines[0] = lines[0].replace('"content": "', '"content": "changed ', 1)
+    data.write_text("\n".join(lines) + "\n")
+    proc = cli("--data", data, "--model", target, "--out", out, "--on-bad-row", "skip", *COMMON, check=False)
+    assert proc.returncode == 1 and "dataset.content_hash" in proc.stderr
+
+
 def test_bad_row_error_names_file_and_row(tmp_path, dataset, tiny_target_dir):
     path, _ = dataset
     proc = cli("--data", path, "--model", tiny_target_dir, "--out", tmp_path / "c.zarr", *COMMON, check=False)
