@@ -23,7 +23,7 @@ import time
 
 import torch
 
-from dflash.train import attention, compile as dcompile
+from dflash.train import compile as dcompile
 from dflash.train.metrics import step_flops
 from dflash.train.model import DFlashDrafter, DrafterConfig, TargetHead
 from dflash.train.step import StepSpec, forward_loss, work_counts

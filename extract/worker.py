@@ -26,7 +26,6 @@ import traceback
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
 import torch
 import zarr
 

@@ -1,8 +1,9 @@
 """``dflash-cache``: inspect a hidden-state cache (info, show, verify, stats).
 
-Every command prints a compact human report, or with ``--json`` one JSON document
-(the dict from ``dflash.shared.inspect``). Exit codes: 0 fine, 1 ``verify`` found
-problems, 2 the cache cannot be opened or the request makes no sense for it.
+Every command prints a compact human report, or with ``--json`` one JSON document (the
+dicts from ``dflash.shared.inspect`` and ``dflash.shared.verify``). Exit codes: 0 fine,
+1 ``verify`` found problems, 2 the cache cannot be opened or the request makes no sense
+for it.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from typing import Any
 import click
 
 from dflash.shared import inspect as I
+from dflash.shared import verify as V
 from dflash.shared.cache import CacheError
 
 EXIT_PROBLEMS = 1
@@ -181,7 +183,7 @@ def show(cache: str, index: int, tokenizer_path: str | None, num_tokens: int, to
 @_json_option
 def verify(cache: str, max_problems: int, workers: int, progress: bool, as_json: bool):
     """Read every committed chunk and check checksums, values and structure. Exit 1 on any problem."""
-    d = _run(I.verify_cache, cache, max_problems=max_problems, progress=progress, workers=workers)
+    d = _run(V.verify_cache, cache, max_problems=max_problems, progress=progress, workers=workers)
     if as_json:
         _emit_json(d)
     else:

@@ -4,7 +4,6 @@ CLI export, cache refusal."""
 from __future__ import annotations
 
 import json
-import shutil
 
 import pytest
 import torch
