@@ -354,6 +354,8 @@ def plot_curves(records: list[dict], png: Path, online: float | None = None, rep
                     label="offline replay of decoding (final drafter)")
     if online is not None:
         ax_tau.plot([last], [online], "*", color="k", markersize=9, label="online speculative decoding")
+    low, high = ax_tau.get_ylim()
+    ax_tau.set_ylim(low, high + 0.45 * (high - low))  # room for the legend above the curves
     ax_tau.set_xlabel("step"), ax_tau.set_ylabel("tokens"), ax_tau.legend(loc="upper left", fontsize="small")
     fig.suptitle("DFlash drafter training (demo)")
     fig.tight_layout()
