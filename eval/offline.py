@@ -33,35 +33,6 @@ from dflash.train.data import AnchorDataset, Collate, EVAL_EPOCH
 from dflash.train.step import StepSpec, evaluate_batch
 
 
-def turn_spans(loss_mask) -> list[tuple[int, int]]:
-    """[start, stop) of every run of assistant tokens (one per turn, end-of-turn token included)."""
-    spans, start = [], None
-    for t, m in enumerate(list(map(bool, loss_mask)) + [False]):
-        if m and start is None:
-            start = t
-        elif not m and start is not None:
-            spans.append((start, t))
-            start = None
-    return spans
-
-
-def walk(taus: dict[int, int], spans: list[tuple[int, int]], max_new_tokens: int | None = None) -> tuple[int, int]:
-    """(drafted tokens, blocks) of decoding each turn [s, e) from its first token.
-
-    ``taus[a]``: tokens a block anchored at ``a`` emits. The turn's first token comes from
-    the prefill, so e - s - 1 tokens are drafted, or max_new_tokens - 1 when decoding
-    stops there first (the last block then counts only what fits, as online)."""
-    tokens = blocks = 0
-    for s, e in spans:
-        budget = e - s - 1 if max_new_tokens is None else min(e - s - 1, max_new_tokens - 1)
-        done = 0
-        while done < budget:
-            done += min(taus[s + done], budget - done)
-            blocks += 1
-        tokens += budget
-    return tokens, blocks
-
-
 @torch.no_grad()
 def replay(reader, samples: list[int], drafter, head, *, mask_token_id: int, max_length: int,
            max_new_tokens: int | None = None, device: str | torch.device = "cpu", ce_chunk_size: int = 4096
@@ -91,7 +62,7 @@ def replay(reader, samples: list[int], drafter, head, *, mask_token_id: int, max
                                           batch["seq_len"], batch["loss_mask"])
         anchors = batch["anchors"][0][counted[0]].tolist()
         by_anchor = dict(zip(anchors, tau[0][counted[0]].tolist()))
-        t, b = walk(by_anchor, turn_spans(item["loss_mask"].tolist()), max_new_tokens)
+        t, b = metrics.walk(by_anchor, metrics.turn_spans(item["loss_mask"].tolist()), max_new_tokens)
         tokens, blocks = tokens + t, blocks + b
         uniform_sum, uniform_n = uniform_sum + sum(by_anchor.values()), uniform_n + len(by_anchor)
     return {"tau": tokens / blocks if blocks else float("nan"), "blocks": blocks, "tokens": tokens,

@@ -127,11 +127,12 @@ def load_drafter(path: str | Path, device: str | torch.device = "cpu", dtype: to
     from dflash.train.export import CONFIG_NAME, load_exported
 
     path = Path(path)
-    if (path / CONFIG_NAME).is_file():
-        drafter, config = load_exported(path, device=device, dtype=dtype)
-        return drafter.eval(), config
+    # a run folder holds a config.json too (the training config): look for checkpoints first
     ckpt = path if (path / "state.json").is_file() and (path / "model.safetensors").is_file() \
         else checkpoint.resolve(path, "latest")
+    if ckpt is None and (path / CONFIG_NAME).is_file():
+        drafter, config = load_exported(path, device=device, dtype=dtype)
+        return drafter.eval(), config
     if ckpt is None:
         raise FileNotFoundError(f"{path}: neither an export folder (config.json) nor a run with checkpoints")
     state = checkpoint.read_state(ckpt)

@@ -43,7 +43,7 @@ class DataConfig:
     micro_batch_size: int = 1
     """Sequences per forward pass on one rank; accumulation = batch / (micro * world)."""
     eval_samples: int = 64
-    """Held-out samples (the last ones of the cache) for eval loss and acceptance."""
+    """Held-out samples (the dataset's last rows) for eval loss and acceptance (the decoding replay)."""
     num_workers: int = 2
     """DataLoader worker processes per rank (0 = load in the main process)."""
     prefetch_factor: int = 4

@@ -87,6 +87,23 @@ class AnchorDataset(Dataset):
         }
 
 
+    def every_anchor(self, index: int) -> list[dict[str, torch.Tensor]]:
+        """Sample ``index`` as items of ``max_anchors`` blocks that together hold a block at
+        EVERY candidate anchor (the decoding replay of the held-out evaluation); same
+        shapes as ``self[key]``, so the compiled eval graph serves them."""
+        sample = self[(EVAL_EPOCH, index)]
+        T = len(sample["loss_mask"])
+        cand = torch.nonzero(sample["loss_mask"][1:T - 1], as_tuple=False).flatten() + 1 if T >= 3 \
+            else torch.zeros(0, dtype=torch.long)
+        items = []
+        for start in range(0, len(cand), self.max_anchors):
+            part = cand[start:start + self.max_anchors]
+            anchors = torch.zeros(self.max_anchors, dtype=torch.long)
+            valid = torch.zeros(self.max_anchors, dtype=torch.bool)
+            anchors[: len(part)], valid[: len(part)] = part, True
+            items.append({**sample, "anchors": anchors, "block_valid": valid})
+        return items
+
     def empty_sample(self) -> dict[str, torch.Tensor]:
         """A one-token sample with no valid block: fills a global batch that does not split
         evenly over ranks; it weighs nothing, so the update is that of the real samples."""

@@ -75,6 +75,37 @@ def block_taus(pred: torch.Tensor, target_top1: torch.Tensor, anchors: torch.Ten
     return tau * counted, counted
 
 
+def turn_spans(loss_mask) -> list[tuple[int, int]]:
+    """[start, stop) of every run of assistant tokens (one per turn, end-of-turn token included)."""
+    spans, start = [], None
+    for t, m in enumerate(list(map(bool, loss_mask)) + [False]):
+        if m and start is None:
+            start = t
+        elif not m and start is not None:
+            spans.append((start, t))
+            start = None
+    return spans
+
+
+def walk(taus: dict[int, int], spans: list[tuple[int, int]], max_new_tokens: int | None = None) -> tuple[int, int]:
+    """(drafted tokens, blocks) of decoding each turn [s, e) from its first token.
+
+    ``taus[a]``: tokens a block anchored at ``a`` emits (``block_taus``). Decoding starts
+    its first block at the turn's first token and every later one where the previous
+    block ended, so this visits the anchors decoding visits. The turn's first token comes
+    from the prefill, so e - s - 1 tokens are drafted, or max_new_tokens - 1 when decoding
+    stops there first (the last block then counts only what fits, as online)."""
+    tokens = blocks = 0
+    for s, e in spans:
+        budget = e - s - 1 if max_new_tokens is None else min(e - s - 1, max_new_tokens - 1)
+        done = 0
+        while done < budget:
+            done += min(taus[s + done], budget - done)
+            blocks += 1
+        tokens += budget
+    return tokens, blocks
+
+
 def step_flops(dcfg, vocab_size: int, context_tokens: int, block_tokens: int, attn_pairs: int) -> float:
     """FLOPs of one forward + backward of the drafter on a batch.
 
