@@ -2,14 +2,15 @@
 online decoding (``dflash.eval.speculative``) will measure, from the cache and the
 drafter alone (no target forward).
 
-Why training's estimate is not enough. Training scores blocks at anchors drawn
-uniformly from the assistant tokens (``dflash.train.metrics.acceptance``). Online
-decoding starts its first block at a turn's first token and every later block where
-the previous one ended, i.e. right after a rejected (or the bonus) token. Where
-acceptance depends on the position, the two means differ: uniform anchors weight every
-position equally, decoding spends more blocks where blocks are short. On the demo
-(regenerated chats, every online output equal to its cached turn) training's held-out
-estimate was 2.49 and online 2.01 on the same chats; this replay gave 2.00.
+Why not the mean over random anchors. Online decoding starts its first block at a
+turn's first token and every later block where the previous one ended, i.e. right after
+a rejected (or the bonus) token. Where acceptance depends on the position, a mean over
+uniformly drawn anchors differs: it weights every position equally, decoding spends
+more blocks where blocks are short. On the demo (regenerated chats, every online output
+equal to its cached turn) the uniform mean was 2.49 and online 2.01 on the same chats;
+this replay gave 2.00. Training's held-out evaluation (``dflash.train.loop``) runs the
+same walk through its compiled eval step; this module does it for any export or run,
+on any cache samples, with one dense forward per sample.
 
 The replay scores a block at EVERY assistant position of a sample with training's own
 step and metric code (one teacher-forced drafter forward over the cached context, the
