@@ -75,6 +75,7 @@ def main():
     p.add_argument("--work", default="/tmp/xbench")
     p.add_argument("--device", default="cuda", help="cuda, or cpu for a dry run of the script")
     p.add_argument("--variants", type=int, default=2, help="worker settings to run (1: ours only)")
+    p.add_argument("--cache-dir", default=None, help="where the cache goes (default --work); /dev/shm takes the disk out")
     args = p.parse_args()
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
@@ -89,7 +90,7 @@ def main():
     from dflash.extract.target import TargetRunner, load_target
     from dflash.extract.worker import WorkerTask, run_shard
 
-    out = work / "cache.zarr"
+    out = Path(args.cache_dir or work) / "cache.zarr"
     shutil.rmtree(out, ignore_errors=True)
     cuda = args.device == "cuda"
     sync = torch.cuda.synchronize if cuda else (lambda: None)
@@ -160,7 +161,7 @@ def main():
         stored = sum(f.stat().st_size for f in out.rglob("*") if f.is_file())
         hidden_stored = sum(f.stat().st_size for f in (out / "shards" / "00000" / "hidden").rglob("*") if f.is_file())
         result = {
-            "worker_settings": name, "gil_switch_ms": vcfg.gil_switch_ms, "write_concurrency": vcfg.write_concurrency,
+            "worker_settings": name, "cache_dir": str(out.parent), "gil_switch_ms": vcfg.gil_switch_ms, "write_concurrency": vcfg.write_concurrency,
             "samples": len(plan.source_index), "tokens": n_tok, "batch_tokens": args.batch_tokens,
             "backbone_only_tok_s": round(n_tok / t_backbone), "forward_capture_topk_tok_s": round(n_tok / t_runner),
             "extract_tok_s": round(n_tok / t_extract),

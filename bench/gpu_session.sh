@@ -29,6 +29,12 @@ elif [ "$phase" = 4 ]; then   # 300 variable-length steps through the loop, guar
       --guards 2>&1 | quiet | tail -40 | tee "$OUT/train_loop_varlen.log"
   timeout 130 python3 bench/extract_bench.py --samples 160 --length 2048 --batch-tokens 8192 --variants 1 2>&1 \
       | quiet | grep -v "it/s\]" | tee "$OUT/extract_bench.log"
+  # is the writer disk-bound? the disk's own write rate, then the worker and the writer alone with the cache in RAM
+  timeout 40 dd if=/dev/zero of=/tmp/ddtest bs=8M count=512 oflag=direct 2>&1 | tail -1 | tee "$OUT/disk.log"; rm -f /tmp/ddtest
+  timeout 100 python3 bench/extract_bench.py --samples 160 --length 2048 --batch-tokens 8192 --variants 1 \
+      --cache-dir /dev/shm/xb 2>&1 | quiet | grep "^{" | tee -a "$OUT/extract_bench.log"; rm -rf /dev/shm/xb
+  timeout 60 python3 bench/writer_bench.py --batches 12 --work /dev/shm/wb 2>&1 | quiet | tee "$OUT/writer_bench_shm.log"
+  rm -rf /dev/shm/wb
   timeout 60 python3 bench/train_loop.py --out /tmp/tl --samples 20 --loader-workers 1,2,4,8 --loader-only "${STEP_S:-0.23}" \
       2>&1 | quiet | grep loader | tee "$OUT/loader.log"
 elif [ "$phase" = diag ]; then
