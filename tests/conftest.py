@@ -67,6 +67,17 @@ def tiny_target_dir(tmp_path_factory, tiny_tokenizer) -> Path:
     return toy.build_qwen3(tmp_path_factory.mktemp("tiny_target"), tiny_tokenizer)
 
 
+@pytest.fixture(scope="module")
+def target(tiny_target_dir):
+    """The tiny target loaded through `from_pretrained` (fp32, eval mode); torch set to one
+    thread, as tiny matmuls only add contention on shared CI cores."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    torch.set_num_threads(1)
+    return AutoModelForCausalLM.from_pretrained(tiny_target_dir, dtype=torch.float32).eval()
+
+
 # --- sample datasets ---------------------------------------------------------------
 
 

@@ -33,14 +33,6 @@ WRONG = 0.3  # chance that a proposal slot is corrupted
 
 
 @pytest.fixture(scope="module")
-def target(tiny_target_dir):
-    from transformers import AutoModelForCausalLM
-
-    torch.set_num_threads(1)
-    return AutoModelForCausalLM.from_pretrained(tiny_target_dir, dtype=torch.float32).eval()
-
-
-@pytest.fixture(scope="module")
 def prompts(tiny_target_dir):
     from transformers import AutoTokenizer
 

@@ -16,14 +16,6 @@ LIMIT = 6
 
 
 @pytest.fixture(scope="module")
-def target(tiny_target_dir):
-    from transformers import AutoModelForCausalLM
-
-    torch.set_num_threads(1)
-    return AutoModelForCausalLM.from_pretrained(tiny_target_dir, dtype=torch.float32).eval()
-
-
-@pytest.fixture(scope="module")
 def tokenizer(tiny_target_dir):
     from transformers import AutoTokenizer
 

@@ -16,14 +16,6 @@ LAYERS = [0, 2]  # of the 4-layer toy target; id i = HF hidden_states[i + 1]
 
 
 @pytest.fixture(scope="module")
-def target(tiny_target_dir):
-    from transformers import AutoModelForCausalLM
-
-    torch.set_num_threads(1)  # tiny matmuls: threads only add contention on shared CI cores
-    return AutoModelForCausalLM.from_pretrained(tiny_target_dir, dtype=torch.float32).eval()
-
-
-@pytest.fixture(scope="module")
 def tokenizer(tiny_target_dir):
     from transformers import AutoTokenizer
 
