@@ -85,23 +85,6 @@ def load_prompts(spec: str, tokenizer, *, split: str = "train", limit: int | Non
     return prompts
 
 
-def stop_token_ids(model, tokenizer) -> list[int]:
-    """The generation config's eos ids, the tokenizer's eos and the end-of-turn token."""
-    from dflash.extract.chat import end_of_turn_id
-
-    ids: set[int] = set()
-    eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
-    if eos is not None:
-        ids.update([eos] if isinstance(eos, int) else eos)
-    if tokenizer.eos_token_id is not None:
-        ids.add(tokenizer.eos_token_id)
-    try:
-        ids.add(end_of_turn_id(tokenizer))
-    except ValueError:
-        pass
-    return sorted(int(i) for i in ids)
-
-
 # ---------------------------------------------------------------------------- report
 
 
@@ -160,6 +143,7 @@ def cli(target, drafter, prompts_spec, split, max_new_tokens, limit, device, dty
     import torch
     from transformers import AutoTokenizer
 
+    from dflash.extract.chat import stop_token_ids
     from dflash.extract.target import load_target
 
     from .speculative import evaluate, load_drafter

@@ -72,6 +72,22 @@ def end_of_turn_id(tokenizer, end_of_turn: str | None = None) -> int:
     raise ValueError(f"end-of-turn token not in the vocabulary (tried {candidates})")
 
 
+def stop_token_ids(model, tokenizer) -> list[int]:
+    """Where generation stops: the generation config's eos ids, the tokenizer's eos and
+    the end-of-turn token."""
+    ids: set[int] = set()
+    eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    if eos is not None:
+        ids.update([eos] if isinstance(eos, int) else eos)
+    if tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    try:
+        ids.add(end_of_turn_id(tokenizer))
+    except ValueError:
+        pass
+    return sorted(int(i) for i in ids)
+
+
 def render(
     tokenizer,
     conv: Conversation,

@@ -47,6 +47,7 @@ from typing import Any
 
 import click
 
+from .chat import stop_token_ids
 from .data import Conversation, DataError, SkipCounter, dataset_fingerprint, guard, load_source, normalize_row
 
 log = logging.getLogger(__name__)
@@ -97,23 +98,6 @@ class RegenConfig:
 
 
 # ---------------------------------------------------------------------------- generation
-
-
-def stop_token_ids(model, tokenizer) -> list[int]:
-    """End-of-turn token, the tokenizer's eos and the generation config's eos ids."""
-    from .chat import end_of_turn_id
-
-    ids: set[int] = set()
-    eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
-    if eos is not None:
-        ids.update([eos] if isinstance(eos, int) else eos)
-    if tokenizer.eos_token_id is not None:
-        ids.add(tokenizer.eos_token_id)
-    try:
-        ids.add(end_of_turn_id(tokenizer))
-    except ValueError:
-        pass
-    return sorted(int(i) for i in ids)
 
 
 def generation_kwargs(settings: GenerationSettings, stop_ids: list[int], pad_id: int) -> dict[str, Any]:
