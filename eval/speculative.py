@@ -388,8 +388,8 @@ def evaluate(target, drafter: DFlashDrafter | Proposer, prompts: Sequence[Sequen
     (greedy time / speculative time). tau counts the tokens each block emitted, so
     new_tokens == 1 + sum(block taus) (the first token comes from the prefill), and a
     block cut by eos or max_new_tokens counts only what it output. This is the quantity
-    training's offline estimate (``dflash.train.metrics.acceptance``) scores per block on
-    cached sequences; ``dflash.eval.offline`` explains what still differs. With ``check`` a
+    training scores per block on cached sequences (``dflash.train.metrics.block_taus``)
+    and walks as decoding walks (``metrics.walk``, training's held-out ``tau``). With ``check`` a
     mismatch raises LosslessError at the first prompt that shows it; without, each row
     records it ("lossless", "mismatch") and the caller decides.
     """

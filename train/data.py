@@ -29,15 +29,22 @@ EVAL_EPOCH = 2**31 - 1
 _ORDER_SALT = 0x5EED
 
 
+def candidate_anchors(loss_mask: torch.Tensor) -> torch.Tensor:
+    """Positions a block may start at: assistant tokens at 1 <= a <= T-2 (the anchor needs
+    at least one context position before it and one label after it), ascending."""
+    T = loss_mask.shape[0]
+    if T < 3:
+        return torch.zeros(0, dtype=torch.long)
+    return torch.nonzero(loss_mask[1:T - 1], as_tuple=False).flatten() + 1
+
+
 def draw_anchors(loss_mask: torch.Tensor, max_anchors: int, seed: int, epoch: int, index: int
                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """Up to ``max_anchors`` sorted anchor positions, padded: (anchors (N,), valid (N,)).
 
-    Candidates are assistant tokens (loss_mask) at 1 <= a <= T-2: the anchor needs at
-    least one context position before it and one label after it.
+    Candidates: ``candidate_anchors``.
     """
-    T = loss_mask.shape[0]
-    cand = torch.nonzero(loss_mask[1:T - 1], as_tuple=False).flatten() + 1 if T >= 3 else torch.zeros(0, dtype=torch.long)
+    cand = candidate_anchors(loss_mask)
     rng = np.random.default_rng([seed, epoch, index])
     if len(cand) > max_anchors:
         pick = np.sort(rng.choice(len(cand), size=max_anchors, replace=False))
@@ -92,9 +99,7 @@ class AnchorDataset(Dataset):
         EVERY candidate anchor (the decoding replay of the held-out evaluation); same
         shapes as ``self[key]``, so the compiled eval graph serves them."""
         sample = self[(EVAL_EPOCH, index)]
-        T = len(sample["loss_mask"])
-        cand = torch.nonzero(sample["loss_mask"][1:T - 1], as_tuple=False).flatten() + 1 if T >= 3 \
-            else torch.zeros(0, dtype=torch.long)
+        cand = candidate_anchors(sample["loss_mask"])
         items = []
         for start in range(0, len(cand), self.max_anchors):
             part = cand[start:start + self.max_anchors]

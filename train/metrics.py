@@ -12,10 +12,10 @@
   and an anchor on the turn's last token, where decoding never starts a block, is not
   counted. This is what ``dflash.eval.speculative`` reports per block (tokens emitted by
   one verify), scored on the cached prefix: it matches real decoding where the data is
-  the target's own greedy output (DESIGN §2, Data: regenerated responses). One
-  difference stays: online blocks start where the previous block ended, offline anchors
-  are drawn uniformly over assistant tokens; the two means agree when acceptance does
-  not depend on where a block starts (``dflash.eval.offline`` measures the gap).
+  the target's own greedy output (DESIGN §2, Data: regenerated responses). Over
+  uniformly drawn anchors its mean is training's ``tau_uniform``; online blocks start
+  where the previous block ended, so the estimate of online acceptance is ``walk`` over
+  the taus of every anchor (``tau``, train/loop.py; ``dflash.eval.offline``).
 * ``step_flops``: matmul FLOPs of one drafter forward + backward on the real (unpadded)
   work of a batch, attention included; MFU divides their rate by ``peak_tflops``.
 * ``MetricsSink``: rank 0 only; one log line, one JSONL record, TensorBoard if present.
