@@ -12,7 +12,9 @@ export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1
 python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . >/dev/null 2>&1 || export PYTHONPATH=/tmp/site:$PWD/_nsroot
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 { nproc; nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
-  python3 -c "import torch, transformers, zarr, numcodecs; print(torch.__version__, transformers.__version__, zarr.__version__, numcodecs.__version__)"; } > "$OUT/machine.txt" 2>&1
+  python3 -c "import torch, transformers, zarr, numcodecs; print(torch.__version__, transformers.__version__, zarr.__version__, numcodecs.__version__)"
+  python3 bench/matmul_peak.py; } > "$OUT/machine.txt" 2>&1
+cat "$OUT/machine.txt"
 quiet() { grep -vi "warn" | grep -v "^INFO:torch"; }
 if [ "$phase" = 1 ]; then
   timeout 200 python3 bench/extract_bench.py --samples 160 --length 2048 --batch-tokens 8192 2>&1 | quiet | tee "$OUT/extract_bench.log"
