@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
 # The GPU benchmarks behind BENCHMARKS.md, one device call (under 10 minutes) per phase:
+#   bash bench/gpu_session.sh x     # extraction: disk vs writer CPU vs one event loop; flex vs dense step
 #   bash bench/gpu_session.sh 3     # drafter step flex vs dense at 8B dims; peak memory at 2k..16k
 #   bash bench/gpu_session.sh 4     # 300 variable-length steps (compiles, guards); extraction; loader (STEP_S=...)
 #   bash bench/gpu_session.sh 1|2|diag   # this session's earlier calls (see BENCHMARKS.md)
@@ -20,6 +21,18 @@ if [ "$phase" = 1 ]; then
   timeout 200 python3 bench/extract_bench.py --samples 160 --length 2048 --batch-tokens 8192 2>&1 | quiet | tee "$OUT/extract_bench.log"
   timeout 190 python3 bench/train_bench.py --ctx 3072 --attention flex,dense --steps 8 2>&1 | quiet | tee "$OUT/train_bench.log"
   timeout 160 python3 bench/train_loop.py --out /tmp/tl --steps 30 --samples 40 --loader-workers 1,2,4,8 2>&1 | quiet | tail -40 | tee "$OUT/train_loop_8b.log"
+elif [ "$phase" = x ]; then   # where extraction's writer limit lies (disk, CPU, one event loop), then flex vs dense
+  timeout 30 dd if=/dev/zero of=/tmp/ddtest bs=8M count=512 oflag=direct 2>&1 | tail -1 | tee "$OUT/disk.log"; rm -f /tmp/ddtest
+  df -h /tmp /dev/shm | tee -a "$OUT/disk.log"
+  for dir in /tmp/wb /dev/shm/wb; do echo "== writer_bench in $dir"
+    timeout 60 python3 bench/writer_bench.py --batches 12 --work $dir --procs 1,2,4 --only-procs 2>&1 | quiet; rm -rf $dir
+  done | tee "$OUT/writer_bench.log"
+  timeout 150 python3 bench/extract_bench.py --samples 160 --length 2048 --batch-tokens 8192 --variants 1 2>&1 \
+      | quiet | grep -v "it/s\]" | tee "$OUT/extract_bench.log"
+  timeout 80 python3 bench/extract_bench.py --samples 160 --length 2048 --batch-tokens 8192 --variants 1 \
+      --cache-dir /dev/shm/xb 2>&1 | quiet | grep "^{" | tee -a "$OUT/extract_bench.log"; rm -rf /dev/shm/xb
+  timeout 200 python3 bench/train_bench.py --ctx 3072 --attention flex,dense --steps 6 --stack-every 90 \
+      > "$OUT/train_bench.log" 2>&1; grep -v "^  File\|^Thread\|^$" "$OUT/train_bench.log" | quiet | tail -30
 elif [ "$phase" = 3 ]; then   # the drafter step: flex vs dense at 8B dims, then memory against context
   timeout 200 python3 bench/train_bench.py --ctx 3072 --attention flex,dense --steps 6 --stack-every 90 \
       > "$OUT/train_bench.log" 2>&1; grep -v "^  File\|^Thread\|^$" "$OUT/train_bench.log" | quiet | tail -30

@@ -27,7 +27,8 @@ def cpu() -> float:
     return r.ru_utime + r.ru_stime
 
 
-def run(name: str, args, settings: dict, blosc_threads: int, gil_busy: bool, switch_ms: float = 5.0) -> dict:
+def run(name: str, args, settings: dict, blosc_threads: int, gil_busy: bool, switch_ms: float = 5.0,
+        barrier=None) -> dict:
     import numcodecs.blosc
     import zarr
 
@@ -63,7 +64,9 @@ def run(name: str, args, settings: dict, blosc_threads: int, gil_busy: bool, swi
         bg = threading.Thread(target=busy, daemon=True)
         if gil_busy:
             bg.start()
-        c0, t0 = cpu(), time.perf_counter()
+        if barrier is not None:
+            barrier.wait()
+        c0, t0, wall0 = cpu(), time.perf_counter(), time.time()
         for b in range(nb):
             w.write_batch(b, input_ids=ids, loss_mask=np.ones(T, bool), hidden=h, topk_ids=tk, topk_logprobs=lp)
         w.finish()
@@ -75,7 +78,30 @@ def run(name: str, args, settings: dict, blosc_threads: int, gil_busy: bool, swi
         bg.join()
     busy_cores = 1.0 if gil_busy else 0.0
     return {"variant": name, "tok_s": round(nb * T / dt), "hidden_MB_s": round(nb * T * L * D * 2 / dt / 1e6),
-            "cpu_cores_busy": round((c1 - c0) / dt - busy_cores, 2)}
+            "cpu_cores_busy": round((c1 - c0) / dt - busy_cores, 2), "wall": (wall0, wall0 + dt)}
+
+
+def _proc(i: int, args, settings: dict, out, barrier) -> None:
+    out.put(run(f"proc{i}", args, settings, 0, False, 0.5, barrier))
+
+
+def parallel(n: int, args, settings: dict) -> dict:
+    """``n`` processes, each one writer on its own shard: does the rate scale past one event loop?"""
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    out, barrier = ctx.Queue(), ctx.Barrier(n)
+    procs = [ctx.Process(target=_proc, args=(i, args, settings, out, barrier)) for i in range(n)]
+    for p in procs:
+        p.start()
+    rows = [out.get() for _ in procs]
+    for p in procs:
+        p.join()
+    dt = max(r["wall"][1] for r in rows) - min(r["wall"][0] for r in rows)  # all start at the barrier
+    return {"variant": f"{n} processes x concurrency32+write_empty",
+            "hidden_MB_s_sum": sum(r["hidden_MB_s"] for r in rows),
+            "hidden_MB_s_wall": round(n * args.batches * args.tokens * 5 * 4096 * 2 / dt / 1e6),
+            "cpu_cores_busy_sum": round(sum(r["cpu_cores_busy"] for r in rows), 2)}
 
 
 def main():
@@ -83,7 +109,14 @@ def main():
     p.add_argument("--batches", type=int, default=12)
     p.add_argument("--tokens", type=int, default=8192)
     p.add_argument("--work", default="/tmp/writer_bench")
+    p.add_argument("--procs", default="", help="e.g. 2,4: also run that many writer processes at once")
+    p.add_argument("--only-procs", action="store_true", help="skip the single-process variants")
     args = p.parse_args()
+    tuned = {"async.concurrency": 32, "array.write_empty_chunks": True}
+    for n in [int(x) for x in args.procs.split(",") if x]:
+        print(json.dumps(parallel(n, args, tuned)), flush=True)
+    if args.only_procs:
+        return
     variants = [
         ("default", {}, 0, False),
         ("default+gil_busy", {}, 0, True),
@@ -94,7 +127,9 @@ def main():
          {"async.concurrency": 32, "array.write_empty_chunks": True}, 0, True, 0.5),
     ]
     for name, settings, bt, gb, *sw in variants:
-        print(json.dumps(run(name, args, settings, bt, gb, *sw)), flush=True)
+        row = run(name, args, settings, bt, gb, *sw)
+        del row["wall"]
+        print(json.dumps(row), flush=True)
 
 
 if __name__ == "__main__":
