@@ -74,6 +74,24 @@ def test_collate_pads_to_a_bucket(reader):
     assert short["input_ids"].shape == (16,) and (short["anchors"][short["block_valid"]] <= 14).all()
 
 
+@pytest.mark.parametrize("layers", [[0, 2], H.LAYER_IDS])
+def test_context_is_the_chosen_layers_then_zeros(reader, monkeypatch, layers):
+    # the big buffer is allocated uninitialised: make "uninitialised" NaN so every unwritten element shows
+    import dflash.train.data as D
+
+    monkeypatch.setattr(D, "_batch_buffer", lambda shape, dtype: torch.full(shape, float("nan"), dtype=dtype))
+    ds = AnchorDataset(reader, layers, max_length=64, max_anchors=8, seed=0)
+    idx = [0, 3, 7]
+    batch = Collate([32, 64])([ds[(0, i)] for i in idx])
+    slots = reader.layer_slots(layers)
+    for row, i in enumerate(idx):
+        h = reader[i]["hidden"]  # (T, L, D)
+        T = h.shape[0]
+        want = torch.stack([h[:, s] for s in slots], dim=1).reshape(T, -1)
+        assert torch.equal(batch["context_hidden"][row, :T], want)
+        assert (batch["context_hidden"][row, T:] == 0).all()
+
+
 def test_worker_processes_give_the_same_batches(reader):
     ds = AnchorDataset(reader, [0, 2], max_length=64, max_anchors=8, seed=0)
     split = Split.of(len(reader), 2)

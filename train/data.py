@@ -68,6 +68,8 @@ class AnchorDataset(Dataset):
     def __init__(self, reader: CacheReader, layer_ids: list[int], max_length: int, max_anchors: int, seed: int):
         self.reader = reader
         self.slots = reader.layer_slots(layer_ids)
+        self._all_slots = self.slots == list(range(reader.spec.num_layers))
+        """The chosen layers are every stored layer, in order: the context is a view, not a copy."""
         self.max_length = max_length
         self.max_anchors = max_anchors
         self.seed = seed
@@ -81,7 +83,9 @@ class AnchorDataset(Dataset):
             return self.empty_sample()
         s = self.reader[int(index)]
         T = min(len(s["input_ids"]), self.max_length)
-        hidden = s["hidden"][:T, self.slots]  # (T, n, D)
+        hidden = s["hidden"][:T]
+        if not self._all_slots:
+            hidden = hidden.index_select(1, torch.tensor(self.slots))  # (T, n, D)
         loss_mask = s["loss_mask"][:T]
         anchors, valid = draw_anchors(loss_mask, self.max_anchors, self.seed, int(epoch), int(index))
         return {
@@ -130,6 +134,16 @@ def bucket_for(length: int, buckets: list[int]) -> int:
     raise ValueError(f"length {length} exceeds the largest context bucket {buckets[-1]}")
 
 
+def _batch_buffer(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """An uninitialised tensor; inside a DataLoader worker, in shared memory already, so
+    handing the batch to the main process moves no bytes (what ``default_collate`` does)."""
+    if torch.utils.data.get_worker_info() is None:
+        return torch.empty(shape, dtype=dtype)
+    numel = math.prod(shape)
+    storage = torch.UntypedStorage._new_shared(numel * dtype.itemsize)
+    return torch.empty(0, dtype=dtype).set_(storage, 0, shape)
+
+
 class Collate:
     """Stack samples, right-padding the context to the smallest bucket that fits them all.
 
@@ -150,7 +164,8 @@ class Collate:
         out = {
             "input_ids": torch.zeros(n, S, dtype=torch.long),
             "loss_mask": torch.zeros(n, S, dtype=torch.bool),
-            "context_hidden": torch.zeros(n, S, width, dtype=samples[0]["context_hidden"].dtype),
+            # the one big tensor: written once (each row's tokens, then its zero tail), never zero-filled first
+            "context_hidden": _batch_buffer((n, S, width), samples[0]["context_hidden"].dtype),
             "target_top1": torch.zeros(n, S, dtype=torch.long),
             "seq_len": torch.tensor(lengths, dtype=torch.long),
             "anchors": torch.stack([s["anchors"] for s in samples]),
@@ -159,6 +174,7 @@ class Collate:
         for i, (s, T) in enumerate(zip(samples, lengths)):
             for name in ("input_ids", "loss_mask", "context_hidden", "target_top1"):
                 out[name][i, :T] = s[name]
+            out["context_hidden"][i, T:] = 0
         return out
 
 
