@@ -75,6 +75,7 @@ def main():
     p.add_argument("--work", default="/tmp/xbench")
     p.add_argument("--device", default="cuda", help="cuda, or cpu for a dry run of the script")
     p.add_argument("--variants", type=int, default=2, help="worker settings to run (1: ours only)")
+    p.add_argument("--workers-per-gpu", default="", help="e.g. 2: also run dflash-extract's runner with that many workers on the GPU")
     p.add_argument("--cache-dir", default=None, help="where the cache goes (default --work); /dev/shm takes the disk out")
     args = p.parse_args()
     work = Path(args.work)
@@ -175,6 +176,24 @@ def main():
             "torch": torch.__version__, "gpu": torch.cuda.get_device_name() if cuda else "cpu",
         }
         print(json.dumps(result), flush=True)
+
+    # ---- 3. the whole runner (spawned workers, one progress stream) with several workers on the GPU
+    from dflash.extract.runner import run
+
+    for wpg in (int(x) for x in args.workers_per_gpu.split(",") if x):
+        shutil.rmtree(out, ignore_errors=True)
+        rcfg = dataclasses.replace(cfg, workers_per_gpu=wpg, device=args.device, workers=wpg)
+        s = run(rcfg)
+        timing = s["worker_seconds"]
+        loop = max(t["loop_s"] for t in timing.values())
+        # the runner's rate runs from the first worker's first batch to the last batch written
+        print(json.dumps({
+            "runner_workers_per_gpu": wpg, "shards": len(timing), "extract_tok_s": round(s["tokens_per_s"]),
+            "extract_vs_forward_capture_topk": round(s["tokens_per_s"] * t_runner / n_tok, 3),
+            "forward_capture_topk_tok_s": round(n_tok / t_runner),
+            "cpu_cores_busy": round(sum(t["cpu_s"] for t in timing.values()) / loop, 2),
+            "total_vs_raw_bf16_hidden": round(s["bytes_stored"] / hidden_raw, 4),
+            "worker_seconds": timing}), flush=True)
 
 
 if __name__ == "__main__":

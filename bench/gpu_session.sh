@@ -2,6 +2,7 @@
 # The GPU benchmarks behind BENCHMARKS.md, one device call (under 10 minutes) per phase:
 #   bash bench/gpu_session.sh x     # extraction: disk vs writer CPU vs one event loop; flex vs dense step
 #   bash bench/gpu_session.sh y     # loader vs the flex step; memory 2k..16k; 300 variable-length steps, guards
+#   bash bench/gpu_session.sh z     # extraction with 1/2/3 workers per GPU; the loader against the flex step
 #   bash bench/gpu_session.sh 3     # drafter step flex vs dense at 8B dims; peak memory at 2k..16k
 #   bash bench/gpu_session.sh 4     # 300 variable-length steps (compiles, guards); extraction; loader (STEP_S=...)
 #   bash bench/gpu_session.sh 1|2|diag   # this session's earlier calls (see BENCHMARKS.md)
@@ -42,6 +43,11 @@ elif [ "$phase" = y ]; then   # loader vs the flex step; peak memory 2k..16k; 30
   timeout 290 python3 bench/train_loop.py --out /tmp/tlv --hidden 1024 --intermediate 3072 --heads 8 --kv-heads 4 \
       --vocab 32000 --min-ctx 200 --ctx 3072 --buckets 1024,2048,3072 --anchors 256 --steps 300 --samples 256 \
       --guards 2>&1 | quiet | tee "$OUT/train_loop_varlen.log" | tail -40
+elif [ "$phase" = z ]; then   # extraction with 1/2/3 workers on the GPU; the loader after its copy fixes
+  timeout 330 python3 bench/extract_bench.py --samples 160 --length 2048 --batch-tokens 8192 --variants 1 \
+      --workers-per-gpu 2,3 2>&1 | quiet | grep -v "it/s\]" | tee "$OUT/extract_bench.log"
+  timeout 60 python3 bench/train_loop.py --out /tmp/tl --samples 20 --loader-workers 1,2,4,8 --loader-only "${STEP_S:-0.1617}" \
+      2>&1 | quiet | grep loader | tee "$OUT/loader.log"
 elif [ "$phase" = 3 ]; then   # the drafter step: flex vs dense at 8B dims, then memory against context
   timeout 200 python3 bench/train_bench.py --ctx 3072 --attention flex,dense --steps 6 --stack-every 90 \
       > "$OUT/train_bench.log" 2>&1; grep -v "^  File\|^Thread\|^$" "$OUT/train_bench.log" | quiet | tail -30

@@ -50,7 +50,7 @@ def fake_cache(path: Path, layer_ids, hidden: int, layers: int, vocab: int, n: i
     from dflash.shared import cache as C
 
     spec = C.CacheSpec(layer_ids=list(layer_ids), hidden_size=hidden, topk=1, vocab_size=vocab,
-                       num_target_layers=layers, max_length=length, truncation="right", chunk_tokens=1024,
+                       num_target_layers=layers, max_length=length, truncation="right", chunk_tokens=256,
                        fingerprint={"tokenizer": {"hash": None}})
     root = C.create_or_open_cache(str(path), spec)
     rng = np.random.default_rng(0)

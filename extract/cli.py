@@ -40,7 +40,9 @@ def _int_list(ctx, param, value):
 @click.option("--compression-level", default=1, type=click.IntRange(1, 19), help="zstd level of the chunks.")
 @click.option("--dtype", type=click.Choice(DTYPES), default="bfloat16", help="Compute dtype of the target.")
 @click.option("--device", type=click.Choice(["cuda", "cpu"]), default="cuda", help="Run on GPUs or CPU processes.")
-@click.option("--gpus", callback=_int_list, default="0,1,2,3,4", help="CUDA devices of this node, one worker each.")
+@click.option("--gpus", callback=_int_list, default="0,1,2,3,4", help="CUDA devices of this node.")
+@click.option("--workers-per-gpu", default=1, type=click.IntRange(1),
+              help="Worker processes per GPU, each with its own model copy, shard and writer.")
 @click.option("--workers", default=1, type=click.IntRange(1), help="CPU worker processes (with --device cpu).")
 @click.option("--batch-tokens", default=16384, type=click.IntRange(1), help="Padded tokens per forward batch.")
 @click.option("--lm-head-chunk", default=1024, type=click.IntRange(1), help="Tokens per LM-head chunk.")

@@ -56,9 +56,13 @@ class ExtractConfig:
 
     # -- how it runs (not fingerprinted, except the shard count that follows from it)
     device: str = "cuda"
-    """'cuda' (one worker per entry of `gpus`) or 'cpu' (`workers` processes)."""
+    """'cuda' (`workers_per_gpu` workers per entry of `gpus`) or 'cpu' (`workers` processes)."""
     gpus: list[int] = field(default_factory=lambda: list(DEFAULT_GPUS))
-    """CUDA device indices on this node, one worker each."""
+    """CUDA device indices on this node."""
+    workers_per_gpu: int = 1
+    """Worker processes (each its own model copy, shard and writer) per GPU. One writer
+    encodes ~0.8-1 GB/s of hidden states, less than an H200 produces for an 8B target;
+    two processes share the GPU and double the writers (bench/extract_bench.py)."""
     workers: int = 1
     """CPU worker processes (only with device='cpu')."""
     batch_tokens: int = 16384
@@ -102,6 +106,8 @@ class ExtractConfig:
             raise ValueError("--gpus is empty")
         if self.device == "cuda" and len(set(self.gpus)) != len(self.gpus):
             raise ValueError(f"--gpus lists a device twice: {self.gpus}")
+        if self.workers_per_gpu < 1:
+            raise ValueError(f"workers_per_gpu must be at least 1, got {self.workers_per_gpu}")
         if self.device == "cpu" and self.workers < 1:
             raise ValueError("--workers must be at least 1")
         for name in ("topk", "max_length", "min_length", "batch_tokens", "lm_head_chunk", "chunk_tokens",
@@ -117,7 +123,14 @@ class ExtractConfig:
 
     @property
     def local_workers(self) -> int:
-        return len(self.gpus) if self.device == "cuda" else self.workers
+        return len(self.gpus) * self.workers_per_gpu if self.device == "cuda" else self.workers
+
+    @property
+    def worker_devices(self) -> list[str]:
+        """The device of each local worker, in shard order (a GPU's workers side by side)."""
+        if self.device != "cuda":
+            return ["cpu"] * self.workers
+        return [f"cuda:{g}" for g in self.gpus for _ in range(self.workers_per_gpu)]
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -282,9 +282,7 @@ def run(cfg: ExtractConfig) -> dict[str, Any]:
         missing = [g for g in cfg.gpus if g >= torch.cuda.device_count()]
         if missing:
             raise ExtractFailed(f"--gpus {missing}: only {torch.cuda.device_count()} CUDA devices are visible")
-        devices = [f"cuda:{g}" for g in cfg.gpus]
-    else:
-        devices = ["cpu"] * local
+    devices = cfg.worker_devices
     threads = cfg.cpu_threads or max(1, (os.cpu_count() or 1) // local)
     tasks = [WorkerTask(cfg=cfg, spec=spec.to_dict(), shard_id=s, num_shards=num_shards, device=d,
                         cpu_threads=threads if cfg.device == "cpu" else None)
@@ -294,7 +292,8 @@ def run(cfg: ExtractConfig) -> dict[str, Any]:
     summary = summarize(cfg.out, shard_ids, spec)
     wall = time.monotonic() - t_start
     summary.update(noop=False, samples_this_run=counts["samples"], wall_s=wall,
-                   tokens_per_s=counts["tokens"] / counts["forward_s"] if counts["forward_s"] > 0 else None)
+                   tokens_per_s=counts["tokens"] / counts["forward_s"] if counts["forward_s"] > 0 else None,
+                   worker_seconds={f"{s:05d}": t for s, t in sorted(counts["timing"].items())})
     if counts["errors"]:
         summary["errors"] = counts["errors"]
         message = "\n".join(counts["errors"])
@@ -322,6 +321,7 @@ def _run_workers(tasks: list[WorkerTask], cfg: ExtractConfig) -> dict[str, Any]:
     errors: list[str] = []
     categories: set[str] = set()
     planned: dict[int, dict] = {}
+    timing: dict[int, dict] = {}
     samples = tokens = 0
     t_first = t_last = None
     interrupted = False
@@ -348,6 +348,8 @@ def _run_workers(tasks: list[WorkerTask], cfg: ExtractConfig) -> dict[str, Any]:
             elapsed = t_last - (t_first or t_last)
             if elapsed > 0:
                 bar.set_postfix_str(f"{tokens / elapsed:,.0f} tok/s", refresh=False)
+        elif kind == "timing":  # the forward loop's wall and CPU seconds, the writer's busy/idle split
+            timing[shard] = f
         elif kind in ("done", "stopped"):
             ended[shard] = kind
         elif kind == "error":
@@ -394,4 +396,4 @@ def _run_workers(tasks: list[WorkerTask], cfg: ExtractConfig) -> dict[str, Any]:
                           "its last commit is intact: rerun the same command to resume")
     forward_s = (t_last - t_first) if t_first is not None and t_last is not None else 0.0
     return {"samples": samples, "tokens": tokens, "forward_s": forward_s, "errors": errors, "categories": categories,
-            "interrupted": interrupted and not errors}
+            "interrupted": interrupted and not errors, "timing": timing}

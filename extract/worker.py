@@ -212,6 +212,7 @@ def run_shard(task: WorkerTask, report, stop: threading.Event | Any | None = Non
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     offsets = plan.offsets
     report("started")
+    t_loop, cpu_loop = time.perf_counter(), time.process_time()
 
     thread = WriterThread(writer, planned, depth=cfg.queue_depth, commit_seconds=cfg.commit_seconds, report=report)
     stopped = False
@@ -242,7 +243,8 @@ def run_shard(task: WorkerTask, report, stop: threading.Event | Any | None = Non
         raise
     thread.close(finish=not stopped)
     runner.close()
-    report("timing", **{k: round(v, 3) for k, v in thread.seconds.items()})
+    report("timing", loop_s=round(time.perf_counter() - t_loop, 3), cpu_s=round(time.process_time() - cpu_loop, 3),
+           **{k: round(v, 3) for k, v in thread.seconds.items()})
     if stopped:
         raise Stopped()
     return writer.committed

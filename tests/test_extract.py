@@ -326,3 +326,12 @@ def test_io_error_stops_cleanly_then_resumes(tmp_path, extracted, dataset, tiny_
     for f in a:
         assert np.array_equal(a[f], b[f]), f
     assert a_attrs == b_attrs
+
+
+def test_workers_per_gpu_lay_out_devices_and_shards():
+    cfg = ExtractConfig(data="d", model="m", out="o", gpus=[3, 5], workers_per_gpu=2)
+    cfg.validate()
+    assert cfg.local_workers == 4 and cfg.worker_devices == ["cuda:3", "cuda:3", "cuda:5", "cuda:5"]
+    assert ExtractConfig(data="d", model="m", out="o", device="cpu", workers=3).worker_devices == ["cpu"] * 3
+    with pytest.raises(ValueError, match="workers_per_gpu"):
+        ExtractConfig(data="d", model="m", out="o", workers_per_gpu=0).validate()
