@@ -75,6 +75,7 @@ def main():
     p.add_argument("--work", default="/tmp/xbench")
     p.add_argument("--device", default="cuda", help="cuda, or cpu for a dry run of the script")
     p.add_argument("--variants", type=int, default=2, help="worker settings to run (1: ours only)")
+    p.add_argument("--repeat", type=int, default=1, help="runs of each worker variant (the machine is shared: medians)")
     p.add_argument("--workers-per-gpu", default="", help="e.g. 2: also run dflash-extract's runner with that many workers on the GPU")
     p.add_argument("--cache-dir", default=None, help="where the cache goes (default --work); /dev/shm takes the disk out")
     args = p.parse_args()
@@ -142,7 +143,7 @@ def main():
 
     hidden_raw = n_tok * len(spec.layer_ids) * spec.hidden_size * 2
     variants = [("tuned", {}), ("gil_switch_5ms_zarr_concurrency_10", {"gil_switch_ms": 5.0, "write_concurrency": 10})]
-    for name, overrides in variants[: args.variants]:
+    for name, overrides in [v for v in variants[: args.variants] for _ in range(args.repeat)]:
         shutil.rmtree(out, ignore_errors=True)
         vcfg = dataclasses.replace(cfg, **overrides)
         prepare_root(vcfg, spec, node_layout())

@@ -3,7 +3,8 @@
 plan (tokenise the slice) -> ShardWriter (resume point) -> forward loop on the main
 thread -> writer thread. The forward loop copies each batch's outputs device->host
 into freshly allocated pinned buffers (PyTorch's caching host allocator recycles them)
-with ``non_blocking`` and records a CUDA event; the writer thread waits on that event,
+with ``non_blocking`` on a side stream (so the copy overlaps the next forward) and
+records a CUDA event; the writer thread waits on that event,
 hands the arrays to ``ShardWriter.write_batch`` (where zarr compresses, outside the GIL)
 and commits every ``commit_seconds``. The queue between the two is bounded, so host
 memory stays at ``queue_depth`` + 2 batches whatever the speed of the disk.
@@ -147,8 +148,10 @@ class WriterThread:
 # ----------------------------------------------------------------------------- the worker
 
 
-def _to_host(out, device: torch.device) -> tuple[dict[str, torch.Tensor], Any]:
-    """Device->host copies of one batch's outputs (pinned + non_blocking + event on CUDA)."""
+def _to_host(out, device: torch.device, copy_stream=None) -> tuple[dict[str, torch.Tensor], Any]:
+    """Device->host copies of one batch's outputs: on CUDA into pinned buffers, non_blocking,
+    on ``copy_stream`` so that the next batch's forward runs while they land; the returned
+    event marks their end."""
     tensors = {
         "hidden": out.hidden.to(torch.bfloat16),  # (N, L, D): rounded on the device, half the traffic
         "topk_ids": out.topk_ids,
@@ -156,12 +159,15 @@ def _to_host(out, device: torch.device) -> tuple[dict[str, torch.Tensor], Any]:
     }
     if device.type != "cuda":
         return tensors, None
+    copy_stream.wait_stream(torch.cuda.current_stream(device))  # the outputs are computed
     host = {}
-    for name, t in tensors.items():
-        host[name] = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-        host[name].copy_(t, non_blocking=True)
+    with torch.cuda.stream(copy_stream):
+        for name, t in tensors.items():
+            host[name] = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+            host[name].copy_(t, non_blocking=True)
+            t.record_stream(copy_stream)  # the compute stream reuses t's memory only after the copy
     event = torch.cuda.Event()
-    event.record()
+    event.record(copy_stream)
     return host, event
 
 
@@ -215,6 +221,7 @@ def run_shard(task: WorkerTask, report, stop: threading.Event | Any | None = Non
     t_loop, cpu_loop = time.perf_counter(), time.process_time()
 
     thread = WriterThread(writer, planned, depth=cfg.queue_depth, commit_seconds=cfg.commit_seconds, report=report)
+    copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
     stopped = False
     try:
         for batch in range(writer.next_batch, num_batches):
@@ -227,7 +234,7 @@ def run_shard(task: WorkerTask, report, stop: threading.Event | Any | None = Non
             if device.type == "cuda":
                 ids, mask, index = ids.pin_memory(), mask.pin_memory(), index.pin_memory()
             out = runner.forward(ids, mask, index)
-            host, event = _to_host(out, device)
+            host, event = _to_host(out, device, copy_stream)
             del out
             thread.submit(("batch", batch, event, host))
             if cfg.batch_delay_s:

@@ -335,3 +335,39 @@ def test_workers_per_gpu_lay_out_devices_and_shards():
     assert ExtractConfig(data="d", model="m", out="o", device="cpu", workers=3).worker_devices == ["cpu"] * 3
     with pytest.raises(ValueError, match="workers_per_gpu"):
         ExtractConfig(data="d", model="m", out="o", workers_per_gpu=0).validate()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_worker_matches_hf_on_the_gpu(tmp_path, dataset, tiny_target_dir):
+    """The CUDA path (pinned buffers, side-stream copies, events) stores what HF computes on the GPU."""
+    import sys
+
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    from dflash.extract.data import load_source
+
+    out = tmp_path / "c.zarr"
+    cfg = ExtractConfig(data=str(dataset[0]), model=str(tiny_target_dir), out=str(out), device="cuda", gpus=[0],
+                        layers=LAYERS, topk=TOPK, max_length=MAX_LENGTH, batch_tokens=400, commit_seconds=0,
+                        chunk_tokens=64, on_bad_row="skip", progress=False, dtype="float32", queue_depth=1)
+    spec = R.build_spec(cfg, AutoTokenizer.from_pretrained(cfg.model), AutoConfig.from_pretrained(cfg.model),
+                        load_source(cfg.data), num_shards=1)
+    R.prepare_root(cfg, spec, R.NodeLayout(0, 1))
+    switch = sys.getswitchinterval()
+    try:
+        W.run_shard(W.WorkerTask(cfg=cfg, spec=spec.to_dict(), shard_id=0, num_shards=1, device="cuda:0"),
+                    lambda *a, **k: None, threading.Event())
+    finally:
+        sys.setswitchinterval(switch)
+    model = AutoModelForCausalLM.from_pretrained(tiny_target_dir, dtype=torch.float32).cuda().eval()
+    reader = C.CacheReader(str(out))
+    assert reader.complete and len(reader) == len(dataset[1]) - len(BAD_ROWS)
+    for i in range(len(reader)):
+        s = reader[i]
+        with torch.no_grad():
+            ref = model(s["input_ids"][None].cuda(), output_hidden_states=True)
+        for slot, layer in enumerate(LAYERS):
+            torch.testing.assert_close(s["hidden"][:, slot].float(),
+                                       ref.hidden_states[layer + 1][0].bfloat16().float().cpu(), rtol=2 ** -7, atol=1e-4)
+        values = torch.topk(torch.log_softmax(ref.logits[0].float(), -1), TOPK, -1).values.cpu()
+        torch.testing.assert_close(s["topk_logprobs"], values, rtol=1e-4, atol=1e-4)
