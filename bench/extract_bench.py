@@ -29,8 +29,9 @@ import torch
 
 
 def cpu_seconds() -> float:
-    r = resource.getrusage(resource.RUSAGE_SELF)
-    return r.ru_utime + r.ru_stime
+    """This process and its joined children (the worker's writer processes)."""
+    return sum(r.ru_utime + r.ru_stime for r in (resource.getrusage(resource.RUSAGE_SELF),
+                                                 resource.getrusage(resource.RUSAGE_CHILDREN)))
 
 
 def build(work: Path, args) -> tuple[Path, Path]:
@@ -75,6 +76,7 @@ def main():
     p.add_argument("--work", default="/tmp/xbench")
     p.add_argument("--device", default="cuda", help="cuda, or cpu for a dry run of the script")
     p.add_argument("--variants", type=int, default=2, help="worker settings to run (1: ours only)")
+    p.add_argument("--writer-processes", default="", help="e.g. 0,2,3: run the worker with each (instead of --variants)")
     p.add_argument("--repeat", type=int, default=1, help="runs of each worker variant (the machine is shared: medians)")
     p.add_argument("--workers-per-gpu", default="", help="e.g. 2: also run dflash-extract's runner with that many workers on the GPU")
     p.add_argument("--cache-dir", default=None, help="where the cache goes (default --work); /dev/shm takes the disk out")
@@ -142,8 +144,12 @@ def main():
     import dataclasses
 
     hidden_raw = n_tok * len(spec.layer_ids) * spec.hidden_size * 2
-    variants = [("tuned", {}), ("gil_switch_5ms_zarr_concurrency_10", {"gil_switch_ms": 5.0, "write_concurrency": 10})]
-    for name, overrides in [v for v in variants[: args.variants] for _ in range(args.repeat)]:
+    variants = [("tuned", {}), ("gil_switch_5ms_zarr_concurrency_10",
+                                {"gil_switch_ms": 5.0, "write_concurrency": 10, "writer_processes": 0})]
+    variants = variants[: args.variants]
+    if args.writer_processes:
+        variants = [(f"writer_processes_{n}", {"writer_processes": n}) for n in map(int, args.writer_processes.split(","))]
+    for name, overrides in [v for v in variants for _ in range(args.repeat)]:
         shutil.rmtree(out, ignore_errors=True)
         vcfg = dataclasses.replace(cfg, **overrides)
         prepare_root(vcfg, spec, node_layout())
@@ -164,6 +170,7 @@ def main():
         hidden_stored = sum(f.stat().st_size for f in (out / "shards" / "00000" / "hidden").rglob("*") if f.is_file())
         result = {
             "worker_settings": name, "cache_dir": str(out.parent), "gil_switch_ms": vcfg.gil_switch_ms, "write_concurrency": vcfg.write_concurrency,
+            "writer_processes": vcfg.hidden_writer_processes,
             "samples": len(plan.source_index), "tokens": n_tok, "batch_tokens": args.batch_tokens,
             "backbone_only_tok_s": round(n_tok / t_backbone), "forward_capture_topk_tok_s": round(n_tok / t_runner),
             "extract_tok_s": round(n_tok / t_extract),

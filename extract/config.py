@@ -75,6 +75,11 @@ class ExtractConfig:
     """Seconds between commits of a shard (a crash loses at most this much work); 0 = every batch."""
     queue_depth: int = 2
     """Batches in flight between the forward loop and the writer thread (bounds host memory)."""
+    writer_processes: int | None = None
+    """Child processes per worker that compress and write the hidden states (each in its own
+    interpreter, off the forward loop's GIL); 0: the writer thread writes them itself.
+    Default: 3 on CUDA (one thread's zarr encodes ~0.9 GB/s, less than an H200 produces for
+    an 8B target; BENCHMARKS.md), 0 on the CPU."""
     write_concurrency: int = 32
     """Chunks zarr encodes and writes at once per shard (its ``async.concurrency``; zarr's default is 10)."""
     gil_switch_ms: float = 0.5
@@ -114,12 +119,21 @@ class ExtractConfig:
                      "queue_depth", "write_concurrency"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if self.writer_processes is not None and self.writer_processes < 0:
+            raise ValueError(f"writer_processes must be 0 or more, got {self.writer_processes}")
         if self.gil_switch_ms <= 0:
             raise ValueError(f"gil_switch_ms must be positive, got {self.gil_switch_ms}")
         if self.min_length > self.max_length:
             raise ValueError(f"min_length {self.min_length} exceeds max_length {self.max_length}")
         if self.layers is not None and len(set(self.layers)) != len(self.layers):
             raise ValueError(f"--layers lists a layer twice: {self.layers}")
+
+    @property
+    def hidden_writer_processes(self) -> int:
+        """``writer_processes`` with its default resolved for the device."""
+        if self.writer_processes is not None:
+            return self.writer_processes
+        return 3 if self.device == "cuda" else 0
 
     @property
     def local_workers(self) -> int:

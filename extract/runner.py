@@ -13,6 +13,7 @@ import logging
 import multiprocessing as mp
 import os
 import queue
+import sys
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -350,6 +351,8 @@ def _run_workers(tasks: list[WorkerTask], cfg: ExtractConfig) -> dict[str, Any]:
                 bar.set_postfix_str(f"{tokens / elapsed:,.0f} tok/s", refresh=False)
         elif kind == "timing":  # the forward loop's wall and CPU seconds, the writer's busy/idle split
             timing[shard] = f
+        elif kind == "warning":
+            bar.write(f"dflash-extract: warning: {f['message']}", file=sys.stderr)
         elif kind in ("done", "stopped"):
             ended[shard] = kind
         elif kind == "error":

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import os
 import queue
+import resource
 import signal
 import sys
 import threading
@@ -27,11 +28,13 @@ import traceback
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 import zarr
 
-from dflash.shared.cache import CacheError, CacheSpec, ShardWriter, bf16_to_bits, open_root
+from dflash.shared.cache import CacheError, CacheSpec, ShardWriter, bf16_to_bits, open_root, shard_name
 
+from .chunk_pool import BLOCKS, ChunkPool, shm_free_bytes
 from .config import ExtractConfig
 from .data import DataError, load_source
 from .plan import PlannedShard, plan_shard, shard_rows
@@ -183,7 +186,7 @@ def run_shard(task: WorkerTask, report, stop: threading.Event | Any | None = Non
     # The writer thread shares the GIL with the forward loop: hand it over often, and let
     # zarr keep more chunks in flight (whole chunks, so skip its all-fill-value scan too).
     sys.setswitchinterval(cfg.gil_switch_ms / 1000.0)
-    zarr.config.set({"async.concurrency": cfg.write_concurrency, "array.write_empty_chunks": True})
+    zarr.config.set(_zarr_settings(cfg))
     device = torch.device(task.device)
     if device.type == "cuda":
         torch.cuda.set_device(device)
@@ -202,7 +205,6 @@ def run_shard(task: WorkerTask, report, stop: threading.Event | Any | None = Non
     root = open_root(cfg.out, "r+")
     writer = ShardWriter(root, task.shard_id, planned.plan, spec)
     plan = planned.plan
-    num_batches = len(plan.batches) - 1
     report("planned", samples=len(plan.source_index), tokens=plan.num_tokens,
            assistant=planned.assistant_tokens, skipped=dict(plan.skipped), **{
                f"done_{k}": v for k, v in writer.committed.items()},
@@ -212,10 +214,67 @@ def run_shard(task: WorkerTask, report, stop: threading.Event | Any | None = Non
             writer.finish()
         return writer.committed
 
+    children_cpu = _children_cpu_seconds()
+    pool = _hidden_pool(cfg, spec, writer, report)
+    timing: dict[str, float] = {}
+    try:
+        return _extract(cfg, planned, writer, device, pad_id=tokenizer.pad_token_id, report=report, stop=stop,
+                        timing=timing)
+    finally:
+        if pool is not None:
+            pool.close()  # joins the writer processes, so their CPU time is counted below
+        if timing:
+            timing["cpu_s"] = round(timing["cpu_s"] + _children_cpu_seconds() - children_cpu, 3)
+            report("timing", **timing)
+
+
+def _children_cpu_seconds() -> float:
+    """CPU seconds of this process's finished (joined) child processes."""
+    r = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return r.ru_utime + r.ru_stime
+
+
+def _hidden_pool(cfg: ExtractConfig, spec: CacheSpec, writer: ShardWriter, report) -> ChunkPool | None:
+    """The writer processes for the shard's hidden states (``cfg.writer_processes``), hooked
+    into ``writer`` as its sink for ``hidden``; None where the writer thread writes them."""
+    processes = cfg.hidden_writer_processes
+    if processes == 0:
+        return None
+    plan = writer.plan
+    batch_tokens = np.diff(plan.offsets[plan.batches]) if len(plan.batches) > 1 else np.zeros(1, np.int64)
+    # a flush holds at most the partial chunk left by the previous one plus one batch
+    max_rows = int(batch_tokens.max()) + spec.chunk_tokens
+    row_shape = (len(spec.layer_ids), spec.hidden_size)
+    need = BLOCKS * max_rows * int(np.prod(row_shape)) * 2
+    free = shm_free_bytes()
+    if free is not None and free < 2 * need:
+        report("warning", message=(f"shard {writer.shard_id:05d}: /dev/shm has {free / 2**20:.0f} MiB free, the "
+                                   f"writer processes need {need / 2**20:.0f} MiB: the writer thread writes the "
+                                   "hidden states itself (slower; enlarge /dev/shm or lower --batch-tokens)"))
+        return None
+    pool = ChunkPool(cfg.out, f"{shard_name(writer.shard_id)}/hidden", processes=processes,
+                     chunk=spec.chunk_tokens, max_rows=max_rows, row_shape=row_shape, dtype="uint16",
+                     settings=_zarr_settings(cfg))
+    writer.sinks["hidden"] = pool
+    return pool
+
+
+def _zarr_settings(cfg: ExtractConfig) -> dict[str, Any]:
+    """zarr settings of every process that writes the cache: many chunks in flight, and no
+    all-fill-value scan (only whole chunks are written)."""
+    return {"async.concurrency": cfg.write_concurrency, "array.write_empty_chunks": True}
+
+
+def _extract(cfg: ExtractConfig, planned: PlannedShard, writer: ShardWriter, device: torch.device, *,
+             pad_id: int | None, report, stop, timing: dict[str, float]) -> dict[str, Any]:
+    """The forward loop on this (main) thread, the writer thread behind it; returns the final
+    commit and fills ``timing`` (wall and CPU seconds of the loop, the writer's busy/idle split)."""
+    plan = planned.plan
+    num_batches = len(plan.batches) - 1
     model = load_target(cfg.model, dtype=cfg.dtype, device=device, attn_implementation=cfg.attn_implementation,
                         revision=cfg.revision)
-    runner = TargetRunner(model, spec.layer_ids, spec.topk, cfg.lm_head_chunk)
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    runner = TargetRunner(model, writer.spec.layer_ids, writer.spec.topk, cfg.lm_head_chunk)
+    pad_id = pad_id if pad_id is not None else 0
     offsets = plan.offsets
     report("started")
     t_loop, cpu_loop = time.perf_counter(), time.process_time()
@@ -250,8 +309,8 @@ def run_shard(task: WorkerTask, report, stop: threading.Event | Any | None = Non
         raise
     thread.close(finish=not stopped)
     runner.close()
-    report("timing", loop_s=round(time.perf_counter() - t_loop, 3), cpu_s=round(time.process_time() - cpu_loop, 3),
-           **{k: round(v, 3) for k, v in thread.seconds.items()})
+    timing.update(loop_s=round(time.perf_counter() - t_loop, 3), cpu_s=round(time.process_time() - cpu_loop, 3),
+                  **{k: round(v, 3) for k, v in thread.seconds.items()})
     if stopped:
         raise Stopped()
     return writer.committed

@@ -31,7 +31,7 @@ import dataclasses
 import hashlib
 import json
 from dataclasses import dataclass, field
-from typing import Any, Iterable
+from typing import Any, Iterable, Protocol
 
 import numpy as np
 import torch
@@ -263,14 +263,33 @@ class ShardPlan:
         return h.hexdigest()
 
 
+class ChunkSink(Protocol):
+    """Writes rows of one of a shard's arrays somewhere else (e.g. other processes).
+
+    ``write`` may return before the rows are stored; ``wait`` returns once everything
+    handed over so far is stored, or raises what failed. ``ShardWriter`` calls ``wait``
+    before every commit record, so no commit ever covers rows still in flight.
+    """
+
+    def write(self, start: int, stop: int, parts: list[np.ndarray]) -> None:
+        """Rows [start, stop): the first ``stop - start`` rows of ``parts`` concatenated."""
+
+    def wait(self) -> None: ...
+
+
 class ShardWriter:
     """Writes one shard; the only process that ever touches it.
 
     ``write_batch`` takes whole planned batches in order; full chunks go to the store
-    at once, the partial tail waits in memory until the next ``commit``.
+    at once, the partial tail waits in memory until the next ``commit``. Arrays named in
+    ``sinks`` are written through their sink instead (same rows, same chunks).
     """
 
-    def __init__(self, root: zarr.Group, shard_id: int, plan: ShardPlan, spec: CacheSpec):
+    def __init__(self, root: zarr.Group, shard_id: int, plan: ShardPlan, spec: CacheSpec,
+                 sinks: dict[str, ChunkSink] | None = None):
+        self.sinks = dict(sinks or {})
+        if set(self.sinks) - set(TOKEN_FIELDS):
+            raise ValueError(f"sinks for unknown arrays: {sorted(set(self.sinks) - set(TOKEN_FIELDS))}")
         self.spec = spec
         self.plan = plan
         self.shard_id = shard_id
@@ -363,15 +382,22 @@ class ShardWriter:
         keep_from = (cut // C) * C
         for f in TOKEN_FIELDS:
             parts = self._tail[f]
-            data = np.concatenate(parts) if len(parts) > 1 else parts[0]
-            self.arrays[f][self._tail_start:cut] = data[: cut - self._tail_start]
-            rest = data[keep_from - self._tail_start:]
-            self._tail[f] = [rest.copy()] if len(rest) else []
+            if f in self.sinks:
+                # the sink copies what it needs before returning; no concatenated copy here
+                self.sinks[f].write(self._tail_start, cut, parts)
+                rest = _last_rows(parts, end - keep_from)
+            else:
+                data = np.concatenate(parts) if len(parts) > 1 else parts[0]
+                self.arrays[f][self._tail_start:cut] = data[: cut - self._tail_start]
+                rest = data[keep_from - self._tail_start:].copy()
+            self._tail[f] = [rest] if len(rest) else []
         self._tail_start, self._tail_tokens = keep_from, end - keep_from
 
     def commit(self) -> dict[str, int]:
         """Make every batch written so far durable, then record it. Returns the record."""
         self._flush(final=True)
+        for sink in self.sinks.values():
+            sink.wait()  # every row handed to a sink is stored before the record says so
         s = int(self.plan.batches[self.next_batch])
         record = {"batches": self.next_batch, "samples": s, "tokens": int(self._offsets[s])}
         if record != self.committed:
@@ -384,6 +410,20 @@ class ShardWriter:
             raise CacheError(f"shard {self.shard_id:05d}: finish() before its last batch")
         self.commit()
         self.group.attrs["complete"] = True
+
+
+def _last_rows(parts: list[np.ndarray], n: int) -> np.ndarray:
+    """A copy of the last ``n`` rows of ``parts`` concatenated (n is under one chunk)."""
+    tail, need = [], n
+    for p in reversed(parts):
+        if need == 0:
+            break
+        take = min(need, len(p))
+        tail.append(p[len(p) - take:])
+        need -= take
+    if not tail:
+        return parts[0][:0].copy()
+    return np.concatenate(tail[::-1]) if len(tail) > 1 else tail[0].copy()
 
 
 # ----------------------------------------------------------------------------- reader
