@@ -78,8 +78,8 @@ class ExtractConfig:
     writer_processes: int | None = None
     """Child processes per worker that compress and write the hidden states (each in its own
     interpreter, off the forward loop's GIL); 0: the writer thread writes them itself.
-    Default: 3 on CUDA (one thread's zarr encodes ~0.9 GB/s, less than an H200 produces for
-    an 8B target; BENCHMARKS.md), 0 on the CPU."""
+    Default: 2 on CUDA (one thread's zarr encodes ~0.9 GB/s, less than an H200 produces for
+    an 8B target; 2 measured best of 0/2/3/4 there, BENCHMARKS.md), 0 on the CPU."""
     write_concurrency: int = 32
     """Chunks zarr encodes and writes at once per shard (its ``async.concurrency``; zarr's default is 10)."""
     gil_switch_ms: float = 0.5
@@ -133,7 +133,7 @@ class ExtractConfig:
         """``writer_processes`` with its default resolved for the device."""
         if self.writer_processes is not None:
             return self.writer_processes
-        return 3 if self.device == "cuda" else 0
+        return 2 if self.device == "cuda" else 0
 
     @property
     def local_workers(self) -> int:
