@@ -54,7 +54,11 @@ def split_chunks(start: int, stop: int, chunk: int, parts: int) -> list[tuple[in
 def _serve(conn, store: str, key: str, names: list[str], row_shape: tuple[int, ...], dtype: str,
            settings: dict[str, Any]) -> None:
     """Child: write the ranges it is sent, answer each with ('ok',) or ('error', ...)."""
+    import signal
+
     import zarr
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole process group; the parent stops us
 
     zarr.config.set(settings)
     arr = zarr.open_group(store, mode="r+")[key]

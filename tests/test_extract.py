@@ -334,6 +334,41 @@ def test_io_error_stops_cleanly_then_resumes(tmp_path, extracted, dataset, tiny_
     assert a_attrs == b_attrs
 
 
+def test_writer_processes_fall_back_to_the_thread_without_shared_memory(tmp_path, extracted, dataset, tiny_target_dir,
+                                                                        monkeypatch):
+    """Too little /dev/shm for the writer processes: a warning the user sees, the writer
+    thread writes the hidden states, and the shard is the same."""
+    reference, _, _ = extracted
+    from transformers import AutoConfig, AutoTokenizer
+
+    from dflash.extract.data import load_source
+
+    out = tmp_path / "c.zarr"
+    cfg = ExtractConfig(data=str(dataset[0]), model=str(tiny_target_dir), out=str(out), device="cpu", workers=2,
+                        layers=LAYERS, topk=TOPK, max_length=MAX_LENGTH, batch_tokens=400, commit_seconds=0,
+                        chunk_tokens=64, on_bad_row="skip", cpu_threads=1, progress=False, dtype="float32",
+                        writer_processes=2)
+    spec = R.build_spec(cfg, AutoTokenizer.from_pretrained(cfg.model), AutoConfig.from_pretrained(cfg.model),
+                        load_source(cfg.data), num_shards=2)
+    R.prepare_root(cfg, spec, R.NodeLayout(0, 1))
+    task = W.WorkerTask(cfg=cfg, spec=spec.to_dict(), shard_id=1, num_shards=2, device="cpu", cpu_threads=1)
+    monkeypatch.setattr(W, "shm_free_bytes", lambda: 0)  # a full /dev/shm
+    monkeypatch.setattr(W, "ChunkPool", None)  # a pool would fail loudly here
+    messages = []
+    threads = torch.get_num_threads()
+    try:
+        W.run_shard(task, lambda kind, **f: messages.append((kind, f)), threading.Event())
+    finally:
+        torch.set_num_threads(threads)
+    warned = [f["message"] for kind, f in messages if kind == "warning"]
+    assert len(warned) == 1 and "/dev/shm has 0 MiB free" in warned[0] and "writer thread" in warned[0]
+    a, a_attrs = shard_arrays(reference, 1)
+    b, b_attrs = shard_arrays(out, 1)
+    for f in a:
+        assert np.array_equal(a[f], b[f]), f
+    assert a_attrs == b_attrs
+
+
 def test_workers_per_gpu_lay_out_devices_and_shards():
     cfg = ExtractConfig(data="d", model="m", out="o", gpus=[3, 5], workers_per_gpu=2)
     cfg.validate()
