@@ -1,13 +1,13 @@
-"""Writer processes for a shard's hidden states: whole chunks, encoded in parallel, off the GIL.
+"""Writer processes for a shard's arrays: whole chunks, encoded in parallel, off the GIL.
 
 One zarr event loop encodes and writes about 0.8-1 GB/s of hidden states and keeps ~5
 cores of the forward loop's process busy; an H200 running an 8B target produces more
 than that, and the writer thread's share of the GIL slows the forward loop itself
-(BENCHMARKS.md). ``ChunkPool`` hands the hidden rows of each flush to ``processes``
-child processes through two shared-memory blocks: the shard's writer thread copies the
-rows into a free block (numpy copies release the GIL), splits them at chunk boundaries
-into one contiguous range per process, and each process writes its range with zarr
-(compression, checksums, files) in its own interpreter.
+(BENCHMARKS.md). ``ChunkPool`` hands the rows of each flush to ``processes`` child
+processes through shared memory (two blocks per array): the shard's writer thread copies
+the rows into a free block (numpy copies release the GIL), splits them at chunk
+boundaries into one contiguous range per process, and each process writes its range with
+zarr (compression, checksums, files) in its own interpreter.
 
 Ranges of one flush are disjoint whole chunks. A flush that ends inside a chunk (the
 final flush of a commit) is followed by a ``wait`` before the next write rewrites that
@@ -51,7 +51,7 @@ def split_chunks(start: int, stop: int, chunk: int, parts: int) -> list[tuple[in
     return [(a, min(b, stop)) for a, b in zip(bounds[:-1], bounds[1:]) if a < b]
 
 
-def _serve(conn, store: str, key: str, names: list[str], row_shape: tuple[int, ...], dtype: str,
+def _serve(conn, store: str, group: str, layouts: dict[str, tuple[list[str], tuple[int, ...], str]],
            settings: dict[str, Any]) -> None:
     """Child: write the ranges it is sent, answer each with ('ok',) or ('error', ...)."""
     import signal
@@ -59,11 +59,10 @@ def _serve(conn, store: str, key: str, names: list[str], row_shape: tuple[int, .
     import zarr
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole process group; the parent stops us
-
     zarr.config.set(settings)
-    arr = zarr.open_group(store, mode="r+")[key]
-    blocks = [shared_memory.SharedMemory(name=n) for n in names]
-    row = int(np.prod(row_shape)) * np.dtype(dtype).itemsize
+    g = zarr.open_group(store, mode="r+")[group]
+    arrays = {name: g[name] for name in layouts}
+    blocks = {name: [shared_memory.SharedMemory(name=n) for n in names] for name, (names, _, _) in layouts.items()}
     try:
         while True:
             try:
@@ -72,39 +71,60 @@ def _serve(conn, store: str, key: str, names: list[str], row_shape: tuple[int, .
                 return
             if msg is None:
                 return
-            block, offset, start, stop = msg
+            name, block, offset, start, stop = msg
+            _, row_shape, dtype = layouts[name]
             try:
-                view = np.ndarray((stop - start,) + tuple(row_shape), dtype=dtype, buffer=blocks[block].buf,
-                                  offset=offset * row)
-                arr[start:stop] = view
+                view = np.ndarray((stop - start,) + tuple(row_shape), dtype=dtype, buffer=blocks[name][block].buf,
+                                  offset=offset * int(np.prod(row_shape)) * np.dtype(dtype).itemsize)
+                arrays[name][start:stop] = view
                 del view
                 conn.send(("ok",))
             except BaseException as e:  # noqa: BLE001 - handed to the parent, which stops the shard
                 conn.send(("error", type(e).__name__, str(e), getattr(e, "errno", None), isinstance(e, OSError)))
     finally:
-        for b in blocks:
-            b.close()
+        for bs in blocks.values():
+            for b in bs:
+                b.close()
+
+
+class _Array:
+    """One array's shared-memory blocks and the ranges in flight from each."""
+
+    def __init__(self, max_rows: int, row_shape: tuple[int, ...], dtype: np.dtype):
+        self.row_shape, self.dtype = tuple(row_shape), np.dtype(dtype)
+        nbytes = max(1, max_rows * int(np.prod(row_shape)) * self.dtype.itemsize)
+        self.blocks: list[shared_memory.SharedMemory] = []
+        for _ in range(BLOCKS):
+            self.blocks.append(shared_memory.SharedMemory(create=True, size=nbytes))
+        self.pending: list[list[int]] = [[] for _ in range(BLOCKS)]
+        """Per block: the processes (indices) still writing a range of it."""
+        self.next = 0
+
+    def free(self) -> None:
+        for blk in self.blocks:
+            blk.close()
+            blk.unlink()
+        self.blocks = []
 
 
 class ChunkPool:
-    """``processes`` children writing rows of one array (``key`` in the group at ``store``)."""
+    """``processes`` children writing rows of the arrays ``arrays`` (name -> (row shape,
+    dtype)) of the zarr group ``group`` in the store at ``store``."""
 
-    def __init__(self, store: str, key: str, *, processes: int, chunk: int, max_rows: int,
-                 row_shape: tuple[int, ...], dtype: str, settings: dict[str, Any]):
-        self.chunk, self.row_shape, self.dtype = chunk, tuple(row_shape), np.dtype(dtype)
-        self.max_rows = max_rows
-        nbytes = max(1, max_rows * int(np.prod(row_shape)) * self.dtype.itemsize)
-        self.blocks = [shared_memory.SharedMemory(create=True, size=nbytes) for _ in range(BLOCKS)]
-        self.pending: list[list[Any]] = [[] for _ in range(BLOCKS)]
-        self._next = 0
-        ctx = mp.get_context("spawn")
+    def __init__(self, store: str, group: str, arrays: dict[str, tuple[tuple[int, ...], Any]], *, processes: int,
+                 chunk: int, max_rows: int, settings: dict[str, Any]):
+        self.chunk, self.max_rows = chunk, max_rows
+        self.arrays: dict[str, _Array] = {}
         self.conns, self.procs = [], []
         try:
+            for name, (row_shape, dtype) in arrays.items():
+                self.arrays[name] = _Array(max_rows, row_shape, dtype)
+            layouts = {name: ([b.name for b in a.blocks], a.row_shape, a.dtype.str) for name, a in self.arrays.items()}
+            ctx = mp.get_context("spawn")
             for i in range(processes):
                 ours, theirs = ctx.Pipe()
-                p = ctx.Process(target=_serve, name=f"{key.replace('/', '-')}-writer{i}", daemon=True,
-                                args=(theirs, store, key, [b.name for b in self.blocks], self.row_shape,
-                                      self.dtype.str, settings))
+                p = ctx.Process(target=_serve, name=f"{group.replace('/', '-')}-writer{i}", daemon=True,
+                                args=(theirs, store, group, layouts, settings))
                 p.start()
                 theirs.close()
                 self.conns.append(ours)
@@ -113,18 +133,21 @@ class ChunkPool:
             self.close()
             raise
 
-    def write(self, start: int, stop: int, parts: list[np.ndarray]) -> None:
-        """Rows [start, stop) of the array: the first stop - start rows of ``parts`` concatenated.
+    def sink(self, name: str) -> "ArraySink":
+        """What ``ShardWriter`` takes as the sink of array ``name``."""
+        return ArraySink(self, name)
 
-        Returns once the rows are copied into shared memory and handed to the children.
-        """
+    def write(self, name: str, start: int, stop: int, parts: list[np.ndarray]) -> None:
+        """Rows [start, stop) of array ``name``: the first stop - start rows of ``parts``
+        concatenated. Returns once the rows are copied into shared memory and handed over."""
         n = stop - start
         if n > self.max_rows:
             raise ValueError(f"a flush of {n} rows exceeds the pool's {self.max_rows}")
-        b = self._next
-        self._next = (b + 1) % BLOCKS
-        self._wait(b)
-        view = np.ndarray((n,) + self.row_shape, dtype=self.dtype, buffer=self.blocks[b].buf)
+        a = self.arrays[name]
+        b = a.next
+        a.next = (b + 1) % BLOCKS
+        self._wait(a, b)
+        view = np.ndarray((n,) + a.row_shape, dtype=a.dtype, buffer=a.blocks[b].buf)
         at = 0
         for p in parts:
             take = min(len(p), n - at)
@@ -133,23 +156,25 @@ class ChunkPool:
             if at == n:
                 break
         del view
-        for conn, proc, (a, z) in zip(self.conns, self.procs, split_chunks(start, stop, self.chunk, len(self.conns))):
+        for i, (lo, hi) in enumerate(split_chunks(start, stop, self.chunk, len(self.conns))):
             try:
-                conn.send((b, a - start, a, z))
+                self.conns[i].send((name, b, lo - start, lo, hi))
             except (BrokenPipeError, ConnectionResetError):
+                proc = self.procs[i]
                 proc.join(timeout=5)
                 raise ChunkWriteError(f"writer process {proc.name} died (exit code {proc.exitcode})") from None
-            self.pending[b].append(conn)
+            a.pending[b].append(i)
 
     def wait(self) -> None:
         """Block until every range handed out so far is written; raise the first failure."""
-        for b in range(BLOCKS):
-            self._wait(b)
+        for a in self.arrays.values():
+            for b in range(BLOCKS):
+                self._wait(a, b)
 
-    def _wait(self, b: int) -> None:
+    def _wait(self, a: _Array, b: int) -> None:
         error = None
-        for conn in self.pending[b]:
-            proc = self.procs[self.conns.index(conn)]
+        for i in a.pending[b]:
+            conn, proc = self.conns[i], self.procs[i]
             while not conn.poll(0.5):
                 if not proc.is_alive():
                     raise ChunkWriteError(f"writer process {proc.name} died (exit code {proc.exitcode})")
@@ -157,7 +182,7 @@ class ChunkPool:
             if reply[0] == "error" and error is None:
                 _, name, message, errno, is_os = reply
                 error = OSError(errno, f"{name}: {message}") if is_os else ChunkWriteError(f"{name}: {message}")
-        self.pending[b] = []
+        a.pending[b] = []
         if error is not None:
             raise error
 
@@ -176,7 +201,19 @@ class ChunkPool:
         for conn in self.conns:
             conn.close()
         self.conns, self.procs = [], []
-        for blk in self.blocks:
-            blk.close()
-            blk.unlink()
-        self.blocks = []
+        for a in self.arrays.values():
+            a.free()
+        self.arrays = {}
+
+
+class ArraySink:
+    """One array of a ``ChunkPool`` as a ``shared.cache.ChunkSink``."""
+
+    def __init__(self, pool: ChunkPool, name: str):
+        self.pool, self.name = pool, name
+
+    def write(self, start: int, stop: int, parts: list[np.ndarray]) -> None:
+        self.pool.write(self.name, start, stop, parts)
+
+    def wait(self) -> None:
+        self.pool.wait()

@@ -76,8 +76,8 @@ class ExtractConfig:
     queue_depth: int = 2
     """Batches in flight between the forward loop and the writer thread (bounds host memory)."""
     writer_processes: int | None = None
-    """Child processes per worker that compress and write the hidden states (each in its own
-    interpreter, off the forward loop's GIL); 0: the writer thread writes them itself.
+    """Child processes per worker that compress and write the shard's token arrays (each in its
+    own interpreter, off the forward loop's GIL); 0: the writer thread writes them itself.
     Default: 2 on CUDA (one thread's zarr encodes ~0.9 GB/s, less than an H200 produces for
     an 8B target; 2 measured best of 0/2/3/4 there, BENCHMARKS.md), 0 on the CPU."""
     write_concurrency: int = 32
@@ -129,7 +129,7 @@ class ExtractConfig:
             raise ValueError(f"--layers lists a layer twice: {self.layers}")
 
     @property
-    def hidden_writer_processes(self) -> int:
+    def resolved_writer_processes(self) -> int:
         """``writer_processes`` with its default resolved for the device."""
         if self.writer_processes is not None:
             return self.writer_processes

@@ -5,9 +5,13 @@ thread -> writer thread. The forward loop copies each batch's outputs device->ho
 into freshly allocated pinned buffers (PyTorch's caching host allocator recycles them)
 with ``non_blocking`` on a side stream (so the copy overlaps the next forward) and
 records a CUDA event; the writer thread waits on that event,
-hands the arrays to ``ShardWriter.write_batch`` (where zarr compresses, outside the GIL)
-and commits every ``commit_seconds``. The queue between the two is bounded, so host
-memory stays at ``queue_depth`` + 2 batches whatever the speed of the disk.
+hands the arrays to ``ShardWriter.write_batch`` and commits every ``commit_seconds``.
+With writer processes (``writer_processes``, the CUDA default) ShardWriter copies each
+flush into shared memory and child processes compress and write it (extract/chunk_pool.py),
+so that no zarr work competes with the forward loop for this process's GIL; a commit
+waits for them. The queue between the loop and the thread is bounded, so host memory
+stays at ``queue_depth`` + 2 batches (plus two flushes in shared memory) whatever the
+speed of the disk.
 
 Errors are classified for the parent: ``data`` (a bad row: message names file and row),
 ``cache`` (a cache that cannot be resumed), ``io`` (the store failed while writing:
@@ -215,7 +219,7 @@ def run_shard(task: WorkerTask, report, stop: threading.Event | Any | None = Non
         return writer.committed
 
     children_cpu = _children_cpu_seconds()
-    pool = _hidden_pool(cfg, spec, writer, report)
+    pool = _writer_pool(cfg, spec, writer, report)
     timing: dict[str, float] = {}
     try:
         return _extract(cfg, planned, writer, device, pad_id=tokenizer.pad_token_id, report=report, stop=stop,
@@ -234,28 +238,28 @@ def _children_cpu_seconds() -> float:
     return r.ru_utime + r.ru_stime
 
 
-def _hidden_pool(cfg: ExtractConfig, spec: CacheSpec, writer: ShardWriter, report) -> ChunkPool | None:
-    """The writer processes for the shard's hidden states (``cfg.writer_processes``), hooked
-    into ``writer`` as its sink for ``hidden``; None where the writer thread writes them."""
-    processes = cfg.hidden_writer_processes
+def _writer_pool(cfg: ExtractConfig, spec: CacheSpec, writer: ShardWriter, report) -> ChunkPool | None:
+    """The writer processes of the shard (``cfg.writer_processes``), hooked into ``writer`` as
+    the sink of every token array, so that no zarr work is left in the forward loop's process;
+    None where the writer thread writes them itself."""
+    processes = cfg.resolved_writer_processes
     if processes == 0:
         return None
     plan = writer.plan
     batch_tokens = np.diff(plan.offsets[plan.batches]) if len(plan.batches) > 1 else np.zeros(1, np.int64)
     # a flush holds at most the partial chunk left by the previous one plus one batch
     max_rows = int(batch_tokens.max()) + spec.chunk_tokens
-    row_shape = (len(spec.layer_ids), spec.hidden_size)
-    need = BLOCKS * max_rows * int(np.prod(row_shape)) * 2
+    arrays = {f: (a.shape[1:], a.dtype) for f, a in writer.arrays.items()}
+    need = BLOCKS * max_rows * sum(int(np.prod(shape)) * np.dtype(dt).itemsize for shape, dt in arrays.values())
     free = shm_free_bytes()
     if free is not None and free < 2 * need:
         report("warning", message=(f"shard {writer.shard_id:05d}: /dev/shm has {free / 2**20:.0f} MiB free, the "
                                    f"writer processes need {need / 2**20:.0f} MiB: the writer thread writes the "
-                                   "hidden states itself (slower; enlarge /dev/shm or lower --batch-tokens)"))
+                                   "cache itself (slower; enlarge /dev/shm or lower --batch-tokens)"))
         return None
-    pool = ChunkPool(cfg.out, f"{shard_name(writer.shard_id)}/hidden", processes=processes,
-                     chunk=spec.chunk_tokens, max_rows=max_rows, row_shape=row_shape, dtype="uint16",
-                     settings=_zarr_settings(cfg))
-    writer.sinks["hidden"] = pool
+    pool = ChunkPool(cfg.out, shard_name(writer.shard_id), arrays, processes=processes, chunk=spec.chunk_tokens,
+                     max_rows=max_rows, settings=_zarr_settings(cfg))
+    writer.attach_sinks({f: pool.sink(f) for f in arrays})
     return pool
 
 

@@ -281,15 +281,12 @@ class ShardWriter:
     """Writes one shard; the only process that ever touches it.
 
     ``write_batch`` takes whole planned batches in order; full chunks go to the store
-    at once, the partial tail waits in memory until the next ``commit``. Arrays named in
-    ``sinks`` are written through their sink instead (same rows, same chunks).
+    at once, the partial tail waits in memory until the next ``commit``. Arrays given a
+    sink (``attach_sinks``) are written through it instead (same rows, same chunks).
     """
 
-    def __init__(self, root: zarr.Group, shard_id: int, plan: ShardPlan, spec: CacheSpec,
-                 sinks: dict[str, ChunkSink] | None = None):
-        self.sinks = dict(sinks or {})
-        if set(self.sinks) - set(TOKEN_FIELDS):
-            raise ValueError(f"sinks for unknown arrays: {sorted(set(self.sinks) - set(TOKEN_FIELDS))}")
+    def __init__(self, root: zarr.Group, shard_id: int, plan: ShardPlan, spec: CacheSpec):
+        self.sinks: dict[str, ChunkSink] = {}
         self.spec = spec
         self.plan = plan
         self.shard_id = shard_id
@@ -342,6 +339,14 @@ class ShardWriter:
             for f in TOKEN_FIELDS:
                 self._tail[f].append(np.asarray(self.arrays[f][self._tail_start:done]))
         self._tail_tokens = done - self._tail_start
+
+    def attach_sinks(self, sinks: dict[str, ChunkSink]) -> None:
+        """From now on write these arrays through their sinks (before the first write_batch:
+        the sinks need the arrays this constructor creates)."""
+        unknown = set(sinks) - set(TOKEN_FIELDS)
+        if unknown:
+            raise ValueError(f"sinks for unknown arrays: {sorted(unknown)}")
+        self.sinks.update(sinks)
 
     @property
     def complete(self) -> bool:

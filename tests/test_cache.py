@@ -41,7 +41,9 @@ def batch_data(spec, plan, b, seed=0):
 def write_all(path, spec, plan, commit_every=1, stop_after=None, sinks=None):
     """Write (or resume) shard 0 of ``plan``; ``sinks(root)`` may give ShardWriter its sinks."""
     root = C.create_or_open_cache(str(path), spec)
-    w = C.ShardWriter(root, 0, plan, spec, sinks=sinks(root) if sinks else None)
+    w = C.ShardWriter(root, 0, plan, spec)
+    if sinks:
+        w.attach_sinks(sinks(root))
     nb = len(plan.batches) - 1
     for b in range(w.next_batch, nb):
         if stop_after is not None and b >= stop_after:

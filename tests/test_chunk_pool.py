@@ -23,16 +23,17 @@ def test_split_chunks_cuts_whole_chunks_and_covers_the_range():
         assert all(a % chunk == 0 for a, _ in ranges)  # every range starts on a chunk boundary
 
 
-def pool_for(path, spec, plan, processes=2):
+def pool_for(path, spec, plan, processes=2, fields=C.TOKEN_FIELDS):
+    """``sinks`` for ``write_all``: a new pool writing ``fields`` at each call (kept in ``pools``)."""
     max_rows = int(np.diff(plan.offsets[plan.batches]).max()) + spec.chunk_tokens
     pools = []
 
     def sinks(root):
-        pool = ChunkPool(str(path), f"{C.shard_name(0)}/hidden", processes=processes, chunk=spec.chunk_tokens,
-                         max_rows=max_rows, row_shape=(spec.num_layers, spec.hidden_size), dtype="uint16",
-                         settings=SETTINGS)
+        arrays = {f: (a.shape[1:], a.dtype) for f, a in root[C.shard_name(0)].arrays() if f in fields}
+        pool = ChunkPool(str(path), C.shard_name(0), arrays, processes=processes, chunk=spec.chunk_tokens,
+                         max_rows=max_rows, settings=SETTINGS)
         pools.append(pool)
-        return {"hidden": pool}
+        return {f: pool.sink(f) for f in fields}
 
     return sinks, pools
 
@@ -42,12 +43,13 @@ def shard(path):
     return {f: np.asarray(g[f][:]) for f in C.TOKEN_FIELDS + ("offsets",)}, g.attrs.asdict()
 
 
-@pytest.mark.parametrize("stop_after,commit_every", [(None, 1), (3, 1), (5, 2)])
-def test_writer_processes_write_what_the_thread_writes(tmp_path, stop_after, commit_every):
+@pytest.mark.parametrize("stop_after,commit_every,fields", [(None, 1, C.TOKEN_FIELDS), (3, 1, C.TOKEN_FIELDS),
+                                                             (5, 2, C.TOKEN_FIELDS), (3, 1, ("hidden",))])
+def test_writer_processes_write_what_the_thread_writes(tmp_path, stop_after, commit_every, fields):
     spec, plan = make_spec(), make_plan(LENGTHS)  # samples cross chunks of 16 everywhere
     write_all(tmp_path / "thread.zarr", spec, plan)
     path = tmp_path / "procs.zarr"
-    sinks, pools = pool_for(path, spec, plan)
+    sinks, pools = pool_for(path, spec, plan, fields=fields)
     try:
         if stop_after is not None:  # stop after a commit that ends inside a chunk, then resume
             write_all(path, spec, plan, commit_every=commit_every, stop_after=stop_after, sinks=sinks)
@@ -100,14 +102,15 @@ def test_a_failed_write_and_a_dead_writer_process_reach_the_caller(tmp_path):
     path = tmp_path / "c.zarr"
     root = C.create_or_open_cache(str(path), spec)
     C.ShardWriter(root, 0, plan, spec)  # creates the arrays
-    sinks, pools = pool_for(path, spec, plan, processes=1)
-    pool = sinks(root)["hidden"]
+    sinks, pools = pool_for(path, spec, plan, processes=1, fields=("hidden",))
+    sinks(root)
+    pool = pools[0]
     try:
         rows = batch_data(spec, plan, 0)["hidden"]
         chunks = path / "shards" / "00000" / "hidden" / "c"
         assert not chunks.exists()
         chunks.write_text("")  # a file where the chunk folder goes: every chunk write fails
-        pool.write(0, len(rows), [rows])
+        pool.write("hidden", 0, len(rows), [rows])
         with pytest.raises(OSError) as err:  # handed over as an OSError: the shard stops as on a full disk
             pool.wait()
         assert not isinstance(err.value, ChunkWriteError) and "NotADirectoryError" in str(err.value)
@@ -115,7 +118,7 @@ def test_a_failed_write_and_a_dead_writer_process_reach_the_caller(tmp_path):
         pool.procs[0].kill()
         pool.procs[0].join()
         with pytest.raises(ChunkWriteError, match="died"):  # at the hand-over or at the wait
-            pool.write(0, len(rows), [rows])
+            pool.write("hidden", 0, len(rows), [rows])
             pool.wait()
     finally:
         pool.close()
