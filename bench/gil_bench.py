@@ -77,28 +77,18 @@ def run(mode: str, args) -> dict:
                              max_rows=T + C_tok, settings=SETTINGS)
             writer.attach_sinks({f: pool.sink(f) for f in names})
             time.sleep(2.0)  # let the children import zarr before the clock starts
-    lag = []
-    if mode in ("numpy_copy", "torch_copy"):  # no writer: the thread only copies hidden batches
-        dst = np.empty_like(data["hidden"])
+    lag = [0.0]
+    dst = np.empty_like(data["hidden"])
 
-        def copies():
-            t_end = time.perf_counter() + args.batches * args.interval_s
-            while time.perf_counter() < t_end:
-                if mode == "numpy_copy":
-                    dst[:] = data["hidden"]
-                else:
-                    torch.from_numpy(dst).copy_(torch.from_numpy(data["hidden"]))
-                time.sleep(0.002)
-            lag.append(0.0)
-            stop.set()
-
-        cpu0 = cpu_seconds()
-        thread = threading.Thread(target=copies)
-        thread.start()
-        ops, seconds = op_loop(stop)
-        thread.join()
-        return {"mode": mode, "ops_per_s": round(ops / seconds), "seconds": round(seconds, 2),
-                "writer_behind_s_max": 0.0, "cpu_cores_busy": round((cpu_seconds() - cpu0) / seconds, 2)}
+    def copies():  # no writer: the thread only copies hidden batches
+        t_end = time.perf_counter() + args.batches * args.interval_s
+        while time.perf_counter() < t_end:
+            if mode == "numpy_copy":
+                dst[:] = data["hidden"]
+            else:
+                torch.from_numpy(dst).copy_(torch.from_numpy(data["hidden"]))
+            time.sleep(0.002)
+        stop.set()
 
     def write():
         t0 = time.perf_counter()
@@ -115,7 +105,7 @@ def run(mode: str, args) -> dict:
         stop.set()
 
     cpu0 = cpu_seconds()
-    thread = threading.Thread(target=write)
+    thread = threading.Thread(target=copies if mode.endswith("_copy") else write)
     thread.start()
     ops, seconds = op_loop(stop)
     thread.join()
