@@ -18,6 +18,7 @@ not finished. Children exit when the pool closes or their parent dies (their pip
 
 from __future__ import annotations
 
+import hashlib
 import multiprocessing as mp
 import os
 from multiprocessing import shared_memory
@@ -87,15 +88,36 @@ def _serve(conn, store: str, group: str, layouts: dict[str, tuple[list[str], tup
                 b.close()
 
 
+def segment_prefix(store: str, group: str) -> str:
+    """Names of the pool's shared-memory segments for one shard of one cache: fixed, so that
+    a rerun removes what a killed run left in /dev/shm (``kill -9`` skips every cleanup)."""
+    where = store if "://" in store else os.path.abspath(store)
+    return "dflash_" + hashlib.sha1(f"{where}|{group}".encode()).hexdigest()[:12]
+
+
+def _create_segment(name: str, size: int) -> shared_memory.SharedMemory:
+    try:
+        return shared_memory.SharedMemory(name=name, create=True, size=size)
+    except FileExistsError:  # left by a run that was killed: this shard has one writer, so it is ours
+        stale = shared_memory.SharedMemory(name=name)
+        stale.close()
+        stale.unlink()
+        return shared_memory.SharedMemory(name=name, create=True, size=size)
+
+
 class _Array:
     """One array's shared-memory blocks and the ranges in flight from each."""
 
-    def __init__(self, max_rows: int, row_shape: tuple[int, ...], dtype: np.dtype):
+    def __init__(self, prefix: str, max_rows: int, row_shape: tuple[int, ...], dtype: np.dtype):
         self.row_shape, self.dtype = tuple(row_shape), np.dtype(dtype)
         nbytes = max(1, max_rows * int(np.prod(row_shape)) * self.dtype.itemsize)
         self.blocks: list[shared_memory.SharedMemory] = []
-        for _ in range(BLOCKS):
-            self.blocks.append(shared_memory.SharedMemory(create=True, size=nbytes))
+        try:
+            for b in range(BLOCKS):
+                self.blocks.append(_create_segment(f"{prefix}_{b}", nbytes))
+        except BaseException:
+            self.free()
+            raise
         self.pending: list[list[int]] = [[] for _ in range(BLOCKS)]
         """Per block: the processes (indices) still writing a range of it."""
         self.next = 0
@@ -117,8 +139,9 @@ class ChunkPool:
         self.arrays: dict[str, _Array] = {}
         self.conns, self.procs = [], []
         try:
+            prefix = segment_prefix(store, group)
             for name, (row_shape, dtype) in arrays.items():
-                self.arrays[name] = _Array(max_rows, row_shape, dtype)
+                self.arrays[name] = _Array(f"{prefix}_{name}", max_rows, row_shape, dtype)
             layouts = {name: ([b.name for b in a.blocks], a.row_shape, a.dtype.str) for name, a in self.arrays.items()}
             ctx = mp.get_context("spawn")
             for i in range(processes):

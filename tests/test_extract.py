@@ -4,6 +4,7 @@ spawned workers, checked against the HF model's own outputs."""
 from __future__ import annotations
 
 import errno
+import glob
 import json
 import os
 import signal
@@ -19,6 +20,7 @@ import zarr
 
 from dflash.extract import runner as R
 from dflash.extract import worker as W
+from dflash.extract.chunk_pool import segment_prefix
 from dflash.extract.chat import render
 from dflash.extract.config import ExtractConfig, default_layer_ids
 from dflash.extract.data import normalize_row
@@ -269,9 +271,13 @@ def test_kill9_then_resume_is_bitwise_identical(tmp_path, extracted, dataset, ti
         proc.wait()
     states = [C.open_root(str(out))[C.shard_name(s)].attrs.asdict() for s in (0, 1)]
     assert not all(a["complete"] for a in states), "the run finished before the kill: nothing was tested"
+    segments = sorted(f"/dev/shm/{segment_prefix(str(out), C.shard_name(s))}" for s in (0, 1))
+    left = [p for p in glob.glob("/dev/shm/dflash_*") if any(p.startswith(x) for x in segments)]
+    assert bool(left) == (writer_processes > 0)  # kill -9 skips every cleanup
     rerun = subprocess.run(args, capture_output=True, text=True)
     assert rerun.returncode == 0, rerun.stderr[-3000:]
     assert "complete" in rerun.stdout
+    assert not [p for p in glob.glob("/dev/shm/dflash_*") if any(p.startswith(x) for x in segments)]  # the rerun removed them
     for s in (0, 1):
         a, a_attrs = shard_arrays(reference, s)
         b, b_attrs = shard_arrays(out, s)
