@@ -375,6 +375,49 @@ def test_writer_processes_fall_back_to_the_thread_without_shared_memory(tmp_path
     assert a_attrs == b_attrs
 
 
+def test_writer_process_io_error_stops_cleanly_then_resumes(tmp_path, extracted, dataset, tiny_target_dir):
+    """A chunk the writer processes cannot store (an I/O error in a child): the shard stops
+    with the resume message, its commit record covers only chunks stored before, and the
+    rerun gives the unbroken shard."""
+    reference, _, _ = extracted
+    from transformers import AutoConfig, AutoTokenizer
+
+    from dflash.extract.data import load_source
+
+    out = tmp_path / "c.zarr"
+    cfg = ExtractConfig(data=str(dataset[0]), model=str(tiny_target_dir), out=str(out), device="cpu", workers=2,
+                        layers=LAYERS, topk=TOPK, max_length=MAX_LENGTH, batch_tokens=400, commit_seconds=0,
+                        chunk_tokens=64, on_bad_row="skip", cpu_threads=1, progress=False, dtype="float32",
+                        writer_processes=2)
+    spec = R.build_spec(cfg, AutoTokenizer.from_pretrained(cfg.model), AutoConfig.from_pretrained(cfg.model),
+                        load_source(cfg.data), num_shards=2)
+    R.prepare_root(cfg, spec, R.NodeLayout(0, 1))
+    task = W.WorkerTask(cfg=cfg, spec=spec.to_dict(), shard_id=0, num_shards=2, device="cpu", cpu_threads=1)
+    bad_chunk = 5  # tokens 320..383: inside the first batch of 400 tokens or at the next
+    blocker = out / "shards" / "00000" / "hidden" / "c" / str(bad_chunk)
+    threads = torch.get_num_threads()
+    try:
+        def report(kind, **f):  # the shard's arrays exist once it is planned: block the chunk then
+            if kind == "planned":
+                blocker.parent.mkdir(parents=True, exist_ok=True)
+                blocker.write_text("")  # a file where the chunk's folder goes
+        with pytest.raises(W.WriterFailed) as err:
+            W.run_shard(task, report, threading.Event())
+        kind, message = W.describe_error(err.value, task)
+        assert kind == "io" and "NotADirectoryError" in message and "rerun the same command to resume" in message
+        attrs = C.open_root(str(out))[C.shard_name(0)].attrs.asdict()
+        assert attrs["commit"]["tokens"] <= bad_chunk * 64 and not attrs["complete"]
+        blocker.unlink()
+        W.run_shard(task, lambda *a, **k: None, threading.Event())  # the rerun resumes
+    finally:
+        torch.set_num_threads(threads)
+    a, a_attrs = shard_arrays(reference, 0)
+    b, b_attrs = shard_arrays(out, 0)
+    for f in a:
+        assert np.array_equal(a[f], b[f]), f
+    assert a_attrs == b_attrs
+
+
 def test_workers_per_gpu_lay_out_devices_and_shards():
     cfg = ExtractConfig(data="d", model="m", out="o", gpus=[3, 5], workers_per_gpu=2)
     cfg.validate()
