@@ -418,6 +418,33 @@ def test_writer_process_io_error_stops_cleanly_then_resumes(tmp_path, extracted,
     assert a_attrs == b_attrs
 
 
+def test_two_nodes_on_an_fsspec_url_equal_one_node(tmp_path, extracted, dataset, tiny_target_dir):
+    """Two nodes as torchrun starts them (one dflash-extract each, RANK/WORLD_SIZE set, one
+    worker each), writing through fsspec to a file:// URL, writer processes included:
+    the shards equal the one-node two-worker run's."""
+    reference, _, _ = extracted
+    out = tmp_path / "c.zarr"
+    common = list(COMMON) + ["--writer-processes", "2"]
+    common[common.index("--workers") + 1] = "1"  # one worker per node: two shards in all, as in the reference
+    env = {**os.environ, "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "1", "FSSPEC_FILE_AUTO_MKDIR": "1"}
+    nodes = [subprocess.Popen([sys.executable, "-m", "dflash.extract.cli", "--data", str(dataset[0]),
+                               "--model", str(tiny_target_dir), "--out", f"file://{out}", "--on-bad-row", "skip",
+                               *common], env={**env, "RANK": str(rank)}, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True)
+             for rank in (0, 1)]
+    for rank, p in enumerate(nodes):
+        stdout, stderr = p.communicate(timeout=240)
+        assert p.returncode == 0, f"node {rank}:\n{stderr[-3000:]}"
+    for s in (0, 1):
+        a, a_attrs = shard_arrays(reference, s)
+        b, b_attrs = shard_arrays(out, s)
+        for f in a:
+            assert a[f].dtype == b[f].dtype and np.array_equal(a[f], b[f]), (s, f)
+        assert a_attrs == b_attrs
+    fingerprints = [zarr.open_group(str(p), mode="r").attrs[C.ATTRS_KEY]["fingerprint"] for p in (reference, out)]
+    assert fingerprints[0] == fingerprints[1]
+
+
 def test_workers_per_gpu_lay_out_devices_and_shards():
     cfg = ExtractConfig(data="d", model="m", out="o", gpus=[3, 5], workers_per_gpu=2)
     cfg.validate()
