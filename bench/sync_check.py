@@ -6,10 +6,12 @@ the Python frames of every synchronising call: each one is a point where the for
 stops queueing work until the GPU has caught up.
 
     python bench/sync_check.py
+    python bench/sync_check.py --device cpu     # a dry run of the script (the CPU never syncs)
 """
 
 from __future__ import annotations
 
+import argparse
 import traceback
 import warnings
 
@@ -21,18 +23,23 @@ from dflash.extract.worker import _to_host
 
 
 def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--device", default="cuda")
+    device = torch.device(p.parse_args().device)
+    cuda = device.type == "cuda"
     cfg = Qwen3Config(vocab_size=1024, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
                       num_attention_heads=4, num_key_value_heads=2, head_dim=64, attn_implementation="sdpa")
-    model = Qwen3ForCausalLM(cfg).to("cuda", torch.bfloat16).eval()
+    model = Qwen3ForCausalLM(cfg).to(device, torch.bfloat16).eval()
     runner = TargetRunner(model, [0, 2, 3], topk=8, lm_head_chunk=256)
-    stream = torch.cuda.Stream()
+    stream = torch.cuda.Stream() if cuda else None
     g = torch.Generator().manual_seed(0)
     cases = {"padded": [torch.randint(0, 1024, (n,), generator=g) for n in (300, 200, 120)],
              "unpadded": [torch.randint(0, 1024, (256,), generator=g) for _ in range(3)]}
     for name, samples in cases.items():
-        ids, mask, index = (t.pin_memory() for t in TargetRunner.pad_batch(samples))
+        ids, mask, index = (t.pin_memory() if cuda else t for t in TargetRunner.pad_batch(samples))
         runner.forward(ids, mask, index)  # warm-up outside the check
-        torch.cuda.synchronize()
+        if cuda:
+            torch.cuda.synchronize()
         seen = []
 
         def record(message, category, filename, lineno, *a, **k):
@@ -41,12 +48,14 @@ def main() -> None:
         with warnings.catch_warnings():  # restores showwarning on exit
             warnings.simplefilter("always")
             warnings.showwarning = record
-            torch.cuda.set_sync_debug_mode("warn")
+            if cuda:
+                torch.cuda.set_sync_debug_mode("warn")
             try:
                 out = runner.forward(ids, mask, index)
-                _to_host(out, torch.device("cuda"), stream)
+                _to_host(out, device, stream)
             finally:
-                torch.cuda.set_sync_debug_mode(0)
+                if cuda:
+                    torch.cuda.set_sync_debug_mode(0)
         print(f"== {name}: {len(seen)} synchronising call(s)")
         for message, stack in seen:
             print("  " + message.splitlines()[0][:160])
