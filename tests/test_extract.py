@@ -79,6 +79,32 @@ def shard_arrays(path, shard):
     return {f: np.asarray(g[f][:]) for f in C.TOKEN_FIELDS + ("offsets", "source_index", "batches")}, g.attrs.asdict()
 
 
+def shard_task(out, dataset, tiny_target_dir, shard, **overrides):
+    """A prepared cache at ``out`` (the two-shard layout of ``extracted``) and the task of one
+    of its shards, for runs of ``W.run_shard`` in this process."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    from dflash.extract.data import load_source
+
+    cfg = ExtractConfig(data=str(dataset[0]), model=str(tiny_target_dir), out=str(out), device="cpu", workers=2,
+                        layers=LAYERS, topk=TOPK, max_length=MAX_LENGTH, batch_tokens=400, commit_seconds=0,
+                        chunk_tokens=64, on_bad_row="skip", cpu_threads=1, progress=False, dtype="float32",
+                        **overrides)
+    spec = R.build_spec(cfg, AutoTokenizer.from_pretrained(cfg.model), AutoConfig.from_pretrained(cfg.model),
+                        load_source(cfg.data), num_shards=2)
+    R.prepare_root(cfg, spec, R.NodeLayout(0, 1))
+    return W.WorkerTask(cfg=cfg, spec=spec.to_dict(), shard_id=shard, num_shards=2, device="cpu", cpu_threads=1)
+
+
+def assert_same_shard(reference, out, shard):
+    """Every array and attribute of the shard equal, bitwise."""
+    a, a_attrs = shard_arrays(reference, shard)
+    b, b_attrs = shard_arrays(out, shard)
+    for f in a:
+        assert a[f].dtype == b[f].dtype and np.array_equal(a[f], b[f]), (shard, f)
+    assert a_attrs == b_attrs
+
+
 # ----------------------------------------------------------------------------- units
 
 
@@ -279,11 +305,7 @@ def test_kill9_then_resume_is_bitwise_identical(tmp_path, extracted, dataset, ti
     assert "complete" in rerun.stdout
     assert not [p for p in glob.glob("/dev/shm/dflash_*") if any(p.startswith(x) for x in segments)]  # the rerun removed them
     for s in (0, 1):
-        a, a_attrs = shard_arrays(reference, s)
-        b, b_attrs = shard_arrays(out, s)
-        for f in a:
-            assert a[f].dtype == b[f].dtype and np.array_equal(a[f], b[f]), (s, f)
-        assert a_attrs == b_attrs
+        assert_same_shard(reference, out, s)
     roots = [zarr.open_group(str(path), mode="r").attrs.asdict() for path in (reference, out)]
     for attrs in roots:  # recorded, not compared: how the run was told to write (not what it wrote)
         attrs[C.ATTRS_KEY]["info"]["config"].pop("writer_processes")
@@ -294,18 +316,8 @@ def test_io_error_stops_cleanly_then_resumes(tmp_path, extracted, dataset, tiny_
     """A store that fails mid-run (disk full) stops the shard with a resume message; nothing
     past the last good commit is recorded; the resumed shard equals the unbroken one."""
     reference, _, _ = extracted
-    from transformers import AutoConfig, AutoTokenizer
-
-    from dflash.extract.data import load_source
-
     out = tmp_path / "c.zarr"
-    cfg = ExtractConfig(data=str(dataset[0]), model=str(tiny_target_dir), out=str(out), device="cpu", workers=2,
-                        layers=LAYERS, topk=TOPK, max_length=MAX_LENGTH, batch_tokens=400, commit_seconds=0,
-                        chunk_tokens=64, on_bad_row="skip", cpu_threads=1, progress=False, dtype="float32")
-    spec = R.build_spec(cfg, AutoTokenizer.from_pretrained(cfg.model), AutoConfig.from_pretrained(cfg.model),
-                        load_source(cfg.data), num_shards=2)
-    R.prepare_root(cfg, spec, R.NodeLayout(0, 1))
-    task = W.WorkerTask(cfg=cfg, spec=spec.to_dict(), shard_id=0, num_shards=2, device="cpu", cpu_threads=1)
+    task = shard_task(out, dataset, tiny_target_dir, 0)
 
     commits = []
     real_commit = C.ShardWriter.commit
@@ -333,11 +345,7 @@ def test_io_error_stops_cleanly_then_resumes(tmp_path, extracted, dataset, tiny_
         W.run_shard(task, lambda *a, **k: None, threading.Event())  # the rerun resumes
     finally:
         torch.set_num_threads(threads)
-    a, a_attrs = shard_arrays(reference, 0)
-    b, b_attrs = shard_arrays(out, 0)
-    for f in a:
-        assert np.array_equal(a[f], b[f]), f
-    assert a_attrs == b_attrs
+    assert_same_shard(reference, out, 0)
 
 
 def test_writer_processes_fall_back_to_the_thread_without_shared_memory(tmp_path, extracted, dataset, tiny_target_dir,
@@ -345,19 +353,8 @@ def test_writer_processes_fall_back_to_the_thread_without_shared_memory(tmp_path
     """Too little /dev/shm for the writer processes: a warning the user sees, the writer
     thread writes the hidden states, and the shard is the same."""
     reference, _, _ = extracted
-    from transformers import AutoConfig, AutoTokenizer
-
-    from dflash.extract.data import load_source
-
     out = tmp_path / "c.zarr"
-    cfg = ExtractConfig(data=str(dataset[0]), model=str(tiny_target_dir), out=str(out), device="cpu", workers=2,
-                        layers=LAYERS, topk=TOPK, max_length=MAX_LENGTH, batch_tokens=400, commit_seconds=0,
-                        chunk_tokens=64, on_bad_row="skip", cpu_threads=1, progress=False, dtype="float32",
-                        writer_processes=2)
-    spec = R.build_spec(cfg, AutoTokenizer.from_pretrained(cfg.model), AutoConfig.from_pretrained(cfg.model),
-                        load_source(cfg.data), num_shards=2)
-    R.prepare_root(cfg, spec, R.NodeLayout(0, 1))
-    task = W.WorkerTask(cfg=cfg, spec=spec.to_dict(), shard_id=1, num_shards=2, device="cpu", cpu_threads=1)
+    task = shard_task(out, dataset, tiny_target_dir, 1, writer_processes=2)
     monkeypatch.setattr(W, "shm_free_bytes", lambda: 0)  # a full /dev/shm
     monkeypatch.setattr(W, "ChunkPool", None)  # a pool would fail loudly here
     messages = []
@@ -368,11 +365,7 @@ def test_writer_processes_fall_back_to_the_thread_without_shared_memory(tmp_path
         torch.set_num_threads(threads)
     warned = [f["message"] for kind, f in messages if kind == "warning"]
     assert len(warned) == 1 and "/dev/shm has 0 MiB free" in warned[0] and "writer thread" in warned[0]
-    a, a_attrs = shard_arrays(reference, 1)
-    b, b_attrs = shard_arrays(out, 1)
-    for f in a:
-        assert np.array_equal(a[f], b[f]), f
-    assert a_attrs == b_attrs
+    assert_same_shard(reference, out, 1)
 
 
 def test_writer_process_io_error_stops_cleanly_then_resumes(tmp_path, extracted, dataset, tiny_target_dir):
@@ -380,19 +373,8 @@ def test_writer_process_io_error_stops_cleanly_then_resumes(tmp_path, extracted,
     with the resume message, its commit record covers only chunks stored before, and the
     rerun gives the unbroken shard."""
     reference, _, _ = extracted
-    from transformers import AutoConfig, AutoTokenizer
-
-    from dflash.extract.data import load_source
-
     out = tmp_path / "c.zarr"
-    cfg = ExtractConfig(data=str(dataset[0]), model=str(tiny_target_dir), out=str(out), device="cpu", workers=2,
-                        layers=LAYERS, topk=TOPK, max_length=MAX_LENGTH, batch_tokens=400, commit_seconds=0,
-                        chunk_tokens=64, on_bad_row="skip", cpu_threads=1, progress=False, dtype="float32",
-                        writer_processes=2)
-    spec = R.build_spec(cfg, AutoTokenizer.from_pretrained(cfg.model), AutoConfig.from_pretrained(cfg.model),
-                        load_source(cfg.data), num_shards=2)
-    R.prepare_root(cfg, spec, R.NodeLayout(0, 1))
-    task = W.WorkerTask(cfg=cfg, spec=spec.to_dict(), shard_id=0, num_shards=2, device="cpu", cpu_threads=1)
+    task = shard_task(out, dataset, tiny_target_dir, 0, writer_processes=2)
     bad_chunk = 5  # tokens 320..383: inside the first batch of 400 tokens or at the next
     blocker = out / "shards" / "00000" / "hidden" / "c" / str(bad_chunk)
     threads = torch.get_num_threads()
@@ -411,11 +393,7 @@ def test_writer_process_io_error_stops_cleanly_then_resumes(tmp_path, extracted,
         W.run_shard(task, lambda *a, **k: None, threading.Event())  # the rerun resumes
     finally:
         torch.set_num_threads(threads)
-    a, a_attrs = shard_arrays(reference, 0)
-    b, b_attrs = shard_arrays(out, 0)
-    for f in a:
-        assert np.array_equal(a[f], b[f]), f
-    assert a_attrs == b_attrs
+    assert_same_shard(reference, out, 0)
 
 
 def test_two_nodes_on_an_fsspec_url_equal_one_node(tmp_path, extracted, dataset, tiny_target_dir):
@@ -436,11 +414,7 @@ def test_two_nodes_on_an_fsspec_url_equal_one_node(tmp_path, extracted, dataset,
         stdout, stderr = p.communicate(timeout=240)
         assert p.returncode == 0, f"node {rank}:\n{stderr[-3000:]}"
     for s in (0, 1):
-        a, a_attrs = shard_arrays(reference, s)
-        b, b_attrs = shard_arrays(out, s)
-        for f in a:
-            assert a[f].dtype == b[f].dtype and np.array_equal(a[f], b[f]), (s, f)
-        assert a_attrs == b_attrs
+        assert_same_shard(reference, out, s)
     fingerprints = [zarr.open_group(str(p), mode="r").attrs[C.ATTRS_KEY]["fingerprint"] for p in (reference, out)]
     assert fingerprints[0] == fingerprints[1]
 
