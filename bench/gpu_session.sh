@@ -5,6 +5,7 @@
 #   bash bench/gpu_session.sh z     # extraction with 1/2/3 workers per GPU; the loader against the flex step
 #   bash bench/gpu_session.sh s     # extraction with the side-stream copy, 3 runs + 2 workers per GPU; CUDA worker test
 #   bash bench/gpu_session.sh w     # next: every array to the writer processes (0/2/3, twice); host-GPU syncs of a batch
+#   bash bench/gpu_session.sh m     # then: the prepared 4D mask against HF's own, equal and varied lengths
 #   bash bench/gpu_session.sh 3     # drafter step flex vs dense at 8B dims; peak memory at 2k..16k
 #   bash bench/gpu_session.sh 4     # 300 variable-length steps (compiles, guards); extraction; loader (STEP_S=...)
 #   bash bench/gpu_session.sh 1|2|diag   # this session's earlier calls (see BENCHMARKS.md)
@@ -59,6 +60,11 @@ elif [ "$phase" = w ]; then   # writer processes for every array; where a batch 
   timeout 90 python3 -m pytest -q -x tests/test_extract.py -k cuda 2>&1 | tail -3 | tee "$OUT/pytest_cuda.log"
   timeout 330 python3 bench/extract_bench.py --samples 160 --length 2048 --batch-tokens 8192 \
       --writer-processes 0,2,3,0,2,3 2>&1 | quiet | grep "^{" | tee "$OUT/extract_bench.log"
+elif [ "$phase" = m ]; then   # the prepared attention mask (no per-batch sync in HF's mask code?), fixed and varied lengths
+  timeout 260 python3 bench/extract_bench.py --samples 160 --length 2048 --batch-tokens 8192 \
+      --writer-processes 2 --prepared-mask --repeat 2 2>&1 | quiet | grep "^{" | tee "$OUT/extract_mask.log"
+  timeout 260 python3 bench/extract_bench.py --samples 200 --length 2048 --min-length 256 --batch-tokens 8192 \
+      --writer-processes 2 --prepared-mask --repeat 2 2>&1 | quiet | grep "^{" | tee "$OUT/extract_mask_varied.log"
 elif [ "$phase" = 3 ]; then   # the drafter step: flex vs dense at 8B dims, then memory against context
   timeout 200 python3 bench/train_bench.py --ctx 3072 --attention flex,dense --steps 6 --stack-every 90 \
       > "$OUT/train_bench.log" 2>&1; grep -v "^  File\|^Thread\|^$" "$OUT/train_bench.log" | quiet | tail -30
