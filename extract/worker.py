@@ -6,8 +6,9 @@ into freshly allocated pinned buffers (PyTorch's caching host allocator recycles
 with ``non_blocking`` on a side stream (so the copy overlaps the next forward) and
 records a CUDA event; the writer thread waits on that event,
 hands the arrays to ``ShardWriter.write_batch`` and commits every ``commit_seconds``.
-With writer processes (``writer_processes``, the CUDA default) ShardWriter copies each
-flush into shared memory and child processes compress and write it (extract/chunk_pool.py),
+With writer processes (``writer_processes``, the CUDA default) ShardWriter hands each
+flush to a pool that copies it into shared memory, where child processes compress and
+write it (extract/chunk_pool.py),
 so that no zarr work competes with the forward loop for this process's GIL; a commit
 waits for them. The queue between the loop and the thread is bounded, so host memory
 stays at ``queue_depth`` + 2 batches (plus two flushes in shared memory) whatever the
@@ -246,9 +247,9 @@ def _writer_pool(cfg: ExtractConfig, spec: CacheSpec, writer: ShardWriter, repor
     if processes == 0:
         return None
     plan = writer.plan
-    batch_tokens = np.diff(plan.offsets[plan.batches]) if len(plan.batches) > 1 else np.zeros(1, np.int64)
-    # a flush holds at most the partial chunk left by the previous one plus one batch
-    max_rows = int(batch_tokens.max()) + spec.chunk_tokens
+    # a flush holds at most the partial chunk left by the previous one plus one batch (a shard
+    # with no batches is complete and never gets here)
+    max_rows = int(np.diff(plan.offsets[plan.batches]).max()) + spec.chunk_tokens
     arrays = {f: (a.shape[1:], a.dtype) for f, a in writer.arrays.items()}
     need = BLOCKS * max_rows * sum(int(np.prod(shape)) * np.dtype(dt).itemsize for shape, dt in arrays.values())
     free = shm_free_bytes()
