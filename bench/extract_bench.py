@@ -196,6 +196,9 @@ def main():
             "total_vs_raw_bf16_hidden": round(stored / hidden_raw, 4),
             "hidden_ratio": round(hidden_raw / hidden_stored, 4),
             "worker_seconds": events.get("timing"),
+            # the GPU's share of the loop, and its time inside the batches against the bare forward's
+            "gpu_busy_vs_loop": round(events["timing"]["gpu_busy"] / events["timing"]["loop_s"], 3) if cuda else None,
+            "gpu_busy_vs_forward_capture_topk": round(events["timing"]["gpu_busy"] / t_runner, 3) if cuda else None,
             "torch": torch.__version__, "gpu": torch.cuda.get_device_name() if cuda else "cpu",
         }
         print(json.dumps(result), flush=True)

@@ -88,6 +88,10 @@ class WriterThread:
         self.seconds = {"writer_busy": 0.0, "writer_idle": 0.0, "submit_blocked": 0.0}
         """Where the time goes: the writer writing, the writer waiting for a batch, the forward
         loop waiting for room in the queue (writer-bound when large)."""
+        self.gpu = {"gpu_busy": 0.0, "gpu_gap": 0.0}
+        """On CUDA, from timing events around each batch's forward: the GPU's time inside the
+        batches, and its idle time between consecutive batches (waiting for the host)."""
+        self._last_end = None
         self._thread = threading.Thread(target=self._run, name=f"shard-{writer.shard_id:05d}-writer", daemon=True)
         self._thread.start()
 
@@ -113,6 +117,12 @@ class WriterThread:
         self._thread.join()
         self.check()
 
+    def _clock(self, start, end) -> None:
+        self.gpu["gpu_busy"] += start.elapsed_time(end) / 1000
+        if self._last_end is not None:
+            self.gpu["gpu_gap"] += self._last_end.elapsed_time(start) / 1000
+        self._last_end = end
+
     def _run(self) -> None:
         last_commit = time.monotonic()
         try:
@@ -128,9 +138,11 @@ class WriterThread:
                         self.writer.commit()
                     self.report("commit", **self.writer.committed)
                     return
-                _, batch, event, host = item
+                _, batch, event, host, marks = item
                 if event is not None:
                     event.synchronize()  # the device->host copies of this batch have landed
+                if marks is not None:  # recorded before those copies: complete too
+                    self._clock(*marks)
                 t0, t1 = self.planned.batch_tokens(batch)
                 s0, s1 = self.writer.batch_samples(batch)
                 self.writer.write_batch(
@@ -154,6 +166,13 @@ class WriterThread:
 
 
 # ----------------------------------------------------------------------------- the worker
+
+
+def _mark():
+    """A timing event on the current CUDA stream (where the forward runs)."""
+    event = torch.cuda.Event(enable_timing=True)
+    event.record()
+    return event
 
 
 def _to_host(out, device: torch.device, copy_stream=None) -> tuple[dict[str, torch.Tensor], Any]:
@@ -273,7 +292,9 @@ def _zarr_settings(cfg: ExtractConfig) -> dict[str, Any]:
 def _extract(cfg: ExtractConfig, planned: PlannedShard, writer: ShardWriter, device: torch.device, *,
              pad_id: int | None, report, stop, timing: dict[str, float]) -> dict[str, Any]:
     """The forward loop on this (main) thread, the writer thread behind it; returns the final
-    commit and fills ``timing`` (wall and CPU seconds of the loop, the writer's busy/idle split)."""
+    commit and fills ``timing``: wall and CPU seconds of the loop, the seconds from its last
+    batch to the final commit (``drain_s``), the writer's busy/idle split and, on CUDA, the
+    GPU's seconds inside and between batches (``gpu_busy``, ``gpu_gap``)."""
     plan = planned.plan
     num_batches = len(plan.batches) - 1
     model = load_target(cfg.model, dtype=cfg.dtype, device=device, attn_implementation=cfg.attn_implementation,
@@ -298,10 +319,13 @@ def _extract(cfg: ExtractConfig, planned: PlannedShard, writer: ShardWriter, dev
             ids, mask, index = TargetRunner.pad_batch(samples, pad_id)
             if device.type == "cuda":
                 ids, mask, index = ids.pin_memory(), mask.pin_memory(), index.pin_memory()
+            marks = _mark() if copy_stream is not None else None
             out = runner.forward(ids, mask, index)
+            if marks is not None:
+                marks = (marks, _mark())
             host, event = _to_host(out, device, copy_stream)
             del out
-            thread.submit(("batch", batch, event, host))
+            thread.submit(("batch", batch, event, host, marks))
             if cfg.batch_delay_s:
                 time.sleep(cfg.batch_delay_s)
     except WriterFailed:
@@ -313,10 +337,14 @@ def _extract(cfg: ExtractConfig, planned: PlannedShard, writer: ShardWriter, dev
         except WriterFailed:
             pass
         raise
+    t_drain = time.perf_counter()
     thread.close(finish=not stopped)
     runner.close()
-    timing.update(loop_s=round(time.perf_counter() - t_loop, 3), cpu_s=round(time.process_time() - cpu_loop, 3),
-                  **{k: round(v, 3) for k, v in thread.seconds.items()})
+    t_end = time.perf_counter()
+    timing.update(loop_s=round(t_end - t_loop, 3), cpu_s=round(time.process_time() - cpu_loop, 3),
+                  drain_s=round(t_end - t_drain, 3), **{k: round(v, 3) for k, v in thread.seconds.items()})
+    if copy_stream is not None:
+        timing.update({k: round(v, 3) for k, v in thread.gpu.items()})
     if stopped:
         raise Stopped()
     return writer.committed

@@ -490,11 +490,15 @@ def test_cuda_worker_matches_hf_on_the_gpu(tmp_path, dataset, tiny_target_dir):
                         load_source(cfg.data), num_shards=1)
     R.prepare_root(cfg, spec, R.NodeLayout(0, 1))
     switch = sys.getswitchinterval()
+    timing = {}
     try:
         W.run_shard(W.WorkerTask(cfg=cfg, spec=spec.to_dict(), shard_id=0, num_shards=1, device="cuda:0"),
-                    lambda *a, **k: None, threading.Event())
+                    lambda kind, **f: timing.update(f) if kind == "timing" else None, threading.Event())
     finally:
         sys.setswitchinterval(switch)
+    # the GPU's seconds inside and between batches fit in the loop's wall time
+    assert timing["gpu_busy"] > 0 and timing["gpu_gap"] >= 0
+    assert timing["gpu_busy"] + timing["gpu_gap"] <= timing["loop_s"]
     model = AutoModelForCausalLM.from_pretrained(tiny_target_dir, dtype=torch.float32).cuda().eval()
     reader = C.CacheReader(str(out))
     assert reader.complete and len(reader) == len(dataset[1]) - len(BAD_ROWS)
