@@ -5,7 +5,8 @@ save_pretrained, writes `--samples` text rows that tokenise to at least
 `--length` tokens (truncated to exactly that), then on one GPU:
 
 1. forward-only: the planned batches through the backbone alone (no capture), then
-   through ``TargetRunner`` (hooks + top-k), synchronised, nothing copied or written;
+   through ``TargetRunner`` (hooks + top-k), then HF's causal-LM forward (every logit),
+   synchronised, nothing copied or written;
 2. extraction: ``run_shard`` (the real worker: D2H into pinned buffers, writer thread,
    zarr compression and writes, commits), timed from the first batch to the last commit.
 
@@ -140,6 +141,9 @@ def main():
         backbone = runner.backbone
         t_backbone = timed(lambda bt: backbone(input_ids=bt[0].to(args.device), attention_mask=bt[1].to(args.device), use_cache=False))
         t_runner = timed(lambda bt: runner.forward(*bt))
+        # HF's own causal-LM forward: every position's logits over the vocabulary (the hooks stay idle)
+        t_hf = timed(lambda bt: model(input_ids=bt[0].to(args.device), attention_mask=bt[1].to(args.device),
+                                      use_cache=False).logits)
         if args.prepared_mask:
             runner.prepared_mask = True
             t_runner_prepared = timed(lambda bt: runner.forward(*bt))
@@ -164,7 +168,7 @@ def main():
         variants = [(f"writer_processes_{n}", {"writer_processes": n}) for n in map(int, args.writer_processes.split(","))]
     if args.prepared_mask:
         variants += [(f"{name}_prepared_mask", {**o, "prepared_attention_mask": True}) for name, o in variants]
-    for name, overrides in [v for v in variants for _ in range(args.repeat)]:
+    for name, overrides in [v for _ in range(args.repeat) for v in variants]:  # interleaved: drift hits all alike
         shutil.rmtree(out, ignore_errors=True)
         vcfg = dataclasses.replace(cfg, **overrides)
         prepare_root(vcfg, spec, node_layout())
@@ -191,6 +195,7 @@ def main():
             "extract_tok_s": round(n_tok / t_extract),
             "extract_vs_forward_capture_topk": round(t_runner / t_extract, 3),
             "extract_vs_backbone_only": round(t_backbone / t_extract, 3),
+            "hf_causal_lm_forward_tok_s": round(n_tok / t_hf), "extract_vs_hf_causal_lm_forward": round(t_hf / t_extract, 3),
             "cpu_cores_busy": round(cores, 2),
             "bytes_per_token_total": round(stored / n_tok), "raw_bf16_hidden_bytes_per_token": round(hidden_raw / n_tok),
             "total_vs_raw_bf16_hidden": round(stored / hidden_raw, 4),

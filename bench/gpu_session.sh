@@ -4,8 +4,9 @@
 #   bash bench/gpu_session.sh y     # loader vs the flex step; memory 2k..16k; 300 variable-length steps, guards
 #   bash bench/gpu_session.sh z     # extraction with 1/2/3 workers per GPU; the loader against the flex step
 #   bash bench/gpu_session.sh s     # extraction with the side-stream copy, 3 runs + 2 workers per GPU; CUDA worker test
-#   bash bench/gpu_session.sh w     # next: every array to the writer processes (0/2/3, twice); host-GPU syncs of a batch
-#   bash bench/gpu_session.sh m     # then: the prepared 4D mask against HF's own, equal and varied lengths
+#   bash bench/gpu_session.sh w     # every array to the writer processes (0/2/3, twice); host-GPU syncs of a batch
+#   bash bench/gpu_session.sh m     # the prepared 4D mask against HF's own (x3 interleaved, HF's full forward as a
+#                                   # third reference), then varied lengths (x2)
 #   bash bench/gpu_session.sh 3     # drafter step flex vs dense at 8B dims; peak memory at 2k..16k
 #   bash bench/gpu_session.sh 4     # 300 variable-length steps (compiles, guards); extraction; loader (STEP_S=...)
 #   bash bench/gpu_session.sh 1|2|diag   # this session's earlier calls (see BENCHMARKS.md)
@@ -61,9 +62,9 @@ elif [ "$phase" = w ]; then   # writer processes for every array; where a batch 
   timeout 330 python3 bench/extract_bench.py --samples 160 --length 2048 --batch-tokens 8192 \
       --writer-processes 0,2,3,0,2,3 2>&1 | quiet | grep "^{" | tee "$OUT/extract_bench.log"
 elif [ "$phase" = m ]; then   # the prepared attention mask (no per-batch sync in HF's mask code?), fixed and varied lengths
-  timeout 260 python3 bench/extract_bench.py --samples 160 --length 2048 --batch-tokens 8192 \
-      --writer-processes 2 --prepared-mask --repeat 2 2>&1 | quiet | grep "^{" | tee "$OUT/extract_mask.log"
-  timeout 260 python3 bench/extract_bench.py --samples 200 --length 2048 --min-length 256 --batch-tokens 8192 \
+  timeout 320 python3 bench/extract_bench.py --samples 160 --length 2048 --batch-tokens 8192 \
+      --writer-processes 2 --prepared-mask --repeat 3 2>&1 | quiet | grep "^{" | tee "$OUT/extract_mask.log"
+  timeout 240 python3 bench/extract_bench.py --samples 200 --length 2048 --min-length 256 --batch-tokens 8192 \
       --writer-processes 2 --prepared-mask --repeat 2 2>&1 | quiet | grep "^{" | tee "$OUT/extract_mask_varied.log"
 elif [ "$phase" = 3 ]; then   # the drafter step: flex vs dense at 8B dims, then memory against context
   timeout 200 python3 bench/train_bench.py --ctx 3072 --attention flex,dense --steps 6 --stack-every 90 \
