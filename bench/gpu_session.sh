@@ -7,6 +7,7 @@
 #   bash bench/gpu_session.sh w     # every array to the writer processes (0/2/3, twice); host-GPU syncs of a batch
 #   bash bench/gpu_session.sh m     # the prepared 4D mask against HF's own (x3 interleaved, HF's full forward as a
 #                                   # third reference), then varied lengths (x2)
+#   bash bench/gpu_session.sh h     # the LM head's top-k ways (bench/topk_head.py); extraction x4 with the new one
 #   bash bench/gpu_session.sh 3     # drafter step flex vs dense at 8B dims; peak memory at 2k..16k
 #   bash bench/gpu_session.sh 4     # 300 variable-length steps (compiles, guards); extraction; loader (STEP_S=...)
 #   bash bench/gpu_session.sh 1|2|diag   # this session's earlier calls (see BENCHMARKS.md)
@@ -66,6 +67,11 @@ elif [ "$phase" = m ]; then   # the prepared attention mask (no per-batch sync i
       --writer-processes 2 --prepared-mask --repeat 3 2>&1 | quiet | grep "^{" | tee "$OUT/extract_mask.log"
   timeout 240 python3 bench/extract_bench.py --samples 200 --length 2048 --min-length 256 --batch-tokens 8192 \
       --writer-processes 2 --prepared-mask --repeat 2 2>&1 | quiet | grep "^{" | tee "$OUT/extract_mask_varied.log"
+elif [ "$phase" = h ]; then   # the LM head's top-k: bf16 logits ranked, fp32 log-probs gathered; extraction with it
+  timeout 60 python3 bench/topk_head.py 2>&1 | quiet | tee "$OUT/topk_head.log"
+  timeout 90 python3 -m pytest -q -x tests/test_extract.py -k cuda 2>&1 | tail -3 | tee "$OUT/pytest_cuda.log"
+  timeout 330 python3 bench/extract_bench.py --samples 160 --length 2048 --batch-tokens 8192 \
+      --writer-processes 2 --repeat 4 2>&1 | quiet | grep "^{" | tee "$OUT/extract_bench.log"
 elif [ "$phase" = 3 ]; then   # the drafter step: flex vs dense at 8B dims, then memory against context
   timeout 200 python3 bench/train_bench.py --ctx 3072 --attention flex,dense --steps 6 --stack-every 90 \
       > "$OUT/train_bench.log" 2>&1; grep -v "^  File\|^Thread\|^$" "$OUT/train_bench.log" | quiet | tail -30

@@ -6,8 +6,9 @@ and the top-k of the target's next-token log-probs. Two memory rules shape the c
 * Hidden states are taken with forward hooks on the chosen decoder layers and gathered
   down to the real tokens inside the hook, so only (tokens, layers, D) is ever kept,
   never every layer's padded (B, T, D) output as ``output_hidden_states=True`` would.
-* The LM head runs in chunks of real tokens, each chunk's logits go through an fp32
-  log_softmax and ``topk``; a full (B, T, vocab) fp32 logits tensor never exists.
+* The LM head runs in chunks of real tokens: ``topk`` ranks each chunk's logits in the
+  model's dtype, and an fp32 log_softmax gives the log-probs at those ids; a full
+  (B, T, vocab) logits tensor never exists.
 
 With ``prepared_mask`` the causal + padding mask is built here and handed to HF as a 4D
 mask (SDPA, full-attention targets only): an experiment against HF's per-batch GPU syncs,
@@ -145,9 +146,12 @@ class TargetRunner:
         ids = torch.empty((n, self.topk), dtype=torch.int32, device=self.device)
         for t0 in range(0, n, self.lm_head_chunk):
             t1 = min(n, t0 + self.lm_head_chunk)
-            logprobs = torch.log_softmax(self.lm_head(last[t0:t1]).float(), dim=-1)  # (chunk, vocab) fp32
-            v, i = torch.topk(logprobs, self.topk, dim=-1)
-            values[t0:t1], ids[t0:t1] = v, i
+            logits = self.lm_head(last[t0:t1])  # (chunk, vocab) in the model's dtype
+            # log_softmax is monotone: the top-k of the logits are those of the log-probs, and
+            # ranking the narrower bf16 logits reads half the bytes of the fp32 log-probs
+            i = torch.topk(logits, self.topk, dim=-1).indices
+            values[t0:t1] = torch.log_softmax(logits.float(), dim=-1).gather(1, i)
+            ids[t0:t1] = i
         return TargetOutput(hidden=hidden, topk_logprobs=values, topk_ids=ids)
 
 
