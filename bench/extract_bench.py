@@ -73,8 +73,6 @@ def main():
     p.add_argument("--samples", type=int, default=256)
     p.add_argument("--length", type=int, default=2048)
     p.add_argument("--min-length", type=int, default=None, help="samples of varied lengths (padded batches), about min..length tokens")
-    p.add_argument("--prepared-mask", action="store_true",
-                   help="also time the forward and run each worker variant with ExtractConfig.prepared_attention_mask")
     p.add_argument("--layers", type=int, default=36)
     p.add_argument("--hidden", type=int, default=4096)
     p.add_argument("--intermediate", type=int, default=12288)
@@ -144,14 +142,6 @@ def main():
         # HF's own causal-LM forward: every position's logits over the vocabulary (the hooks stay idle)
         t_hf = timed(lambda bt: model(input_ids=bt[0].to(args.device), attention_mask=bt[1].to(args.device),
                                       use_cache=False).logits)
-        if args.prepared_mask:
-            runner.prepared_mask = True
-            t_runner_prepared = timed(lambda bt: runner.forward(*bt))
-            runner.prepared_mask = False
-            print(json.dumps({"forward_capture_topk_tok_s": round(n_tok / t_runner),
-                              "same_with_prepared_mask_tok_s": round(n_tok / t_runner_prepared),
-                              "padded_batches": sum(int(bt[1].min()) == 0 for bt in batches),
-                              "batches": len(batches)}), flush=True)
     runner.close()
     del model, runner, backbone
     if cuda:
@@ -166,8 +156,6 @@ def main():
     variants = variants[: args.variants]
     if args.writer_processes:
         variants = [(f"writer_processes_{n}", {"writer_processes": n}) for n in map(int, args.writer_processes.split(","))]
-    if args.prepared_mask:
-        variants += [(f"{name}_prepared_mask", {**o, "prepared_attention_mask": True}) for name, o in variants]
     for name, overrides in [v for _ in range(args.repeat) for v in variants]:  # interleaved: drift hits all alike
         shutil.rmtree(out, ignore_errors=True)
         vcfg = dataclasses.replace(cfg, **overrides)
@@ -189,7 +177,7 @@ def main():
         hidden_stored = sum(f.stat().st_size for f in (out / "shards" / "00000" / "hidden").rglob("*") if f.is_file())
         result = {
             "worker_settings": name, "cache_dir": str(out.parent), "gil_switch_ms": vcfg.gil_switch_ms, "write_concurrency": vcfg.write_concurrency,
-            "writer_processes": vcfg.resolved_writer_processes, "prepared_attention_mask": vcfg.prepared_attention_mask,
+            "writer_processes": vcfg.resolved_writer_processes,
             "samples": len(plan.source_index), "tokens": n_tok, "batch_tokens": args.batch_tokens,
             "backbone_only_tok_s": round(n_tok / t_backbone), "forward_capture_topk_tok_s": round(n_tok / t_runner),
             "extract_tok_s": round(n_tok / t_extract),

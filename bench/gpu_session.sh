@@ -5,8 +5,6 @@
 #   bash bench/gpu_session.sh z     # extraction with 1/2/3 workers per GPU; the loader against the flex step
 #   bash bench/gpu_session.sh s     # extraction with the side-stream copy, 3 runs + 2 workers per GPU; CUDA worker test
 #   bash bench/gpu_session.sh w     # every array to the writer processes (0/2/3, twice); host-GPU syncs of a batch
-#   bash bench/gpu_session.sh m     # the prepared 4D mask against HF's own (x3 interleaved, HF's full forward as a
-#                                   # third reference), then varied lengths (x2)
 #   bash bench/gpu_session.sh h     # the LM head's top-k ways (bench/topk_head.py); extraction x4 with the new one
 #   bash bench/gpu_session.sh 3     # drafter step flex vs dense at 8B dims; peak memory at 2k..16k
 #   bash bench/gpu_session.sh 4     # 300 variable-length steps (compiles, guards); extraction; loader (STEP_S=...)
@@ -62,11 +60,6 @@ elif [ "$phase" = w ]; then   # writer processes for every array; where a batch 
   timeout 90 python3 -m pytest -q -x tests/test_extract.py -k cuda 2>&1 | tail -3 | tee "$OUT/pytest_cuda.log"
   timeout 330 python3 bench/extract_bench.py --samples 160 --length 2048 --batch-tokens 8192 \
       --writer-processes 0,2,3,0,2,3 2>&1 | quiet | grep "^{" | tee "$OUT/extract_bench.log"
-elif [ "$phase" = m ]; then   # the prepared attention mask (no per-batch sync in HF's mask code?), fixed and varied lengths
-  timeout 320 python3 bench/extract_bench.py --samples 160 --length 2048 --batch-tokens 8192 \
-      --writer-processes 2 --prepared-mask --repeat 3 2>&1 | quiet | grep "^{" | tee "$OUT/extract_mask.log"
-  timeout 240 python3 bench/extract_bench.py --samples 200 --length 2048 --min-length 256 --batch-tokens 8192 \
-      --writer-processes 2 --prepared-mask --repeat 2 2>&1 | quiet | grep "^{" | tee "$OUT/extract_mask_varied.log"
 elif [ "$phase" = h ]; then   # the LM head's top-k: bf16 logits ranked, fp32 log-probs gathered; extraction with it
   timeout 60 python3 bench/topk_head.py 2>&1 | quiet | tee "$OUT/topk_head.log"
   timeout 90 python3 -m pytest -q -x tests/test_extract.py -k cuda 2>&1 | tail -3 | tee "$OUT/pytest_cuda.log"

@@ -80,10 +80,6 @@ class ExtractConfig:
     own interpreter, off the forward loop's GIL); 0: the writer thread writes them itself.
     Default: 2 on CUDA (one thread's zarr encodes ~0.9 GB/s, less than an H200 produces for
     an 8B target; 2 measured best of 0/2/3/4 there, BENCHMARKS.md), 0 on the CPU."""
-    prepared_attention_mask: bool = False
-    """Experimental (no CLI flag yet): hand the target a prepared 4D causal + padding mask
-    (SDPA, full-attention targets), which skips HF's per-batch checks of the mask that wait
-    for the GPU. Off until measured on a GPU (bench/extract_bench.py --prepared-mask)."""
     write_concurrency: int = 32
     """Chunks zarr encodes and writes at once per shard (its ``async.concurrency``; zarr's default is 10)."""
     gil_switch_ms: float = 0.5

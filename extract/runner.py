@@ -29,7 +29,6 @@ from dflash.shared.fingerprint import target_fingerprint, tokenizer_fingerprint
 from .chat import end_of_turn_id, has_generation_tags
 from .config import ExtractConfig, default_layer_ids
 from .data import DataError, dataset_fingerprint, load_source
-from .target import check_prepared_mask
 from .worker import WorkerTask, worker_main
 
 log = logging.getLogger(__name__)
@@ -262,11 +261,6 @@ def run(cfg: ExtractConfig) -> dict[str, Any]:
         model_config = AutoConfig.from_pretrained(cfg.model, revision=cfg.revision)
     except (OSError, ValueError) as e:
         raise ExtractFailed(f"cannot load the target or tokenizer {cfg.tokenizer or cfg.model!r}: {e}") from e
-    if cfg.prepared_attention_mask:
-        try:
-            check_prepared_mask(model_config, cfg.attn_implementation)
-        except ValueError as e:
-            raise ExtractFailed(f"{cfg.model}: {e}") from e
     try:
         ds = load_source(cfg.data, cfg.split or "train")
     except DataError as e:

@@ -10,10 +10,6 @@ and the top-k of the target's next-token log-probs. Two memory rules shape the c
   model's dtype, and an fp32 log_softmax gives the log-probs at those ids; a full
   (B, T, vocab) logits tensor never exists.
 
-With ``prepared_mask`` the causal + padding mask is built here and handed to HF as a 4D
-mask (SDPA, full-attention targets only): an experiment against HF's per-batch GPU syncs,
-not yet measured on a GPU (BENCHMARKS.md), so off by default.
-
 Layer id ``i`` is the output of decoder layer ``i``, i.e. HF ``hidden_states[i + 1]``.
 HF's last entry ``hidden_states[L]`` is taken AFTER the final norm, so id ``L - 1`` is
 read from the backbone's (normed) output rather than from the hook, which keeps the
@@ -68,12 +64,8 @@ def decoder_parts(model):
 class TargetRunner:
     """Runs padded batches through the target; see the module docstring for the rules."""
 
-    def __init__(self, model, layer_ids: list[int], topk: int, lm_head_chunk: int = 1024,
-                 prepared_mask: bool = False):
+    def __init__(self, model, layer_ids: list[int], topk: int, lm_head_chunk: int = 1024):
         self.model = model
-        self.prepared_mask = prepared_mask
-        if prepared_mask:
-            check_prepared_mask(model.config, getattr(model.config, "_attn_implementation", None))
         self.backbone, self.layers, self.lm_head = decoder_parts(model)
         self.num_layers = len(self.layers)
         bad = [i for i in layer_ids if not 0 <= i < self.num_layers]
@@ -132,8 +124,6 @@ class TargetRunner:
         self._gather_index = gather_index.to(self.device, non_blocking=non_blocking)
         n = gather_index.shape[0]
         self._out = torch.empty((n, len(self.layer_ids), self.hidden_size), dtype=self.dtype, device=self.device)
-        if self.prepared_mask:
-            attention_mask = causal_padding_mask(attention_mask)
         try:
             last = self.backbone(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
             last = last.reshape(-1, last.shape[-1]).index_select(0, self._gather_index)  # (N, D), after the final norm
@@ -153,24 +143,3 @@ class TargetRunner:
             values[t0:t1] = torch.log_softmax(logits.float(), dim=-1).gather(1, i)
             ids[t0:t1] = i
         return TargetOutput(hidden=hidden, topk_logprobs=values, topk_ids=ids)
-
-
-def causal_padding_mask(attention_mask: torch.Tensor) -> torch.Tensor:
-    """(B, T) 0/1 key padding -> (B, 1, T, T) bool, True where query t may attend to key s:
-    s <= t and s is a real token; the mask HF's SDPA path builds itself for a padded batch.
-    Handing it over prepared skips HF's checks of the mask's contents, each of which waits
-    for the GPU (``padding_mask.all()``; the packed-sequence check when there is no mask)."""
-    T = attention_mask.shape[1]
-    causal = torch.ones(T, T, dtype=torch.bool, device=attention_mask.device).tril()
-    return causal[None, None] & attention_mask.bool()[:, None, None, :]
-
-
-def check_prepared_mask(config, impl: str | None) -> None:
-    """A prepared full causal mask is right only for SDPA (``impl``) and full attention in
-    every layer of the target (``config``); raises ValueError naming what is not."""
-    if impl != "sdpa":
-        raise ValueError(f"a prepared attention mask needs attn_implementation 'sdpa', the target uses {impl!r}")
-    layer_types = set(getattr(config, "layer_types", None) or ["full_attention"])
-    if layer_types != {"full_attention"} or getattr(config, "use_sliding_window", False):
-        raise ValueError(f"a prepared attention mask would drop the target's {sorted(layer_types)} attention "
-                         "windows; only targets with full attention in every layer can use it")

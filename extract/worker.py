@@ -299,8 +299,7 @@ def _extract(cfg: ExtractConfig, planned: PlannedShard, writer: ShardWriter, dev
     num_batches = len(plan.batches) - 1
     model = load_target(cfg.model, dtype=cfg.dtype, device=device, attn_implementation=cfg.attn_implementation,
                         revision=cfg.revision)
-    runner = TargetRunner(model, writer.spec.layer_ids, writer.spec.topk, cfg.lm_head_chunk,
-                          prepared_mask=cfg.prepared_attention_mask)
+    runner = TargetRunner(model, writer.spec.layer_ids, writer.spec.topk, cfg.lm_head_chunk)
     pad_id = pad_id if pad_id is not None else 0
     offsets = plan.offsets
     report("started")

@@ -133,12 +133,10 @@ def test_bucketed_batches_respect_budget_and_are_deterministic():
     assert [shard_rows(10, 3, s) for s in range(3)] == [(0, 3), (3, 6), (6, 10)]
 
 
-@pytest.mark.parametrize("prepared_mask", [False, True])
-def test_batched_equals_unbatched_and_hf(tiny_target_dir, prepared_mask):
-    """fp32 on CPU: padded batch == one sample at a time == HF output_hidden_states / logits,
-    with HF's own mask and with the prepared 4D one."""
+def test_batched_equals_unbatched_and_hf(tiny_target_dir):
+    """fp32 on CPU: padded batch == one sample at a time == HF output_hidden_states / logits."""
     model = load_target(str(tiny_target_dir), dtype="float32")
-    runner = TargetRunner(model, LAYERS, TOPK, lm_head_chunk=7, prepared_mask=prepared_mask)
+    runner = TargetRunner(model, LAYERS, TOPK, lm_head_chunk=7)
     g = torch.Generator().manual_seed(0)
     samples = [torch.randint(0, model.config.vocab_size, (n,), generator=g) for n in (23, 5, 17, 1, 40)]
     batched = runner.forward(*TargetRunner.pad_batch(samples, pad_id=0))
@@ -158,49 +156,6 @@ def test_batched_equals_unbatched_and_hf(tiny_target_dir, prepared_mask):
         assert torch.equal(single.topk_ids.long(), ids)
         off += n
     runner.close()
-
-
-def test_prepared_mask_is_causal_padding_and_refuses_windows(tiny_target_dir, monkeypatch):
-    from transformers import AutoConfig
-
-    from dflash.extract.target import causal_padding_mask
-
-    pad = torch.tensor([[1, 1, 1, 1, 1], [1, 1, 1, 0, 0], [1, 0, 0, 0, 0]])
-    mine = causal_padding_mask(pad)
-    assert mine.shape == (3, 1, 5, 5) and mine.dtype == torch.bool
-    for b in range(3):  # a dense loop: query t sees key s iff s <= t and s is a real token
-        for t in range(5):
-            for s in range(5):
-                assert bool(mine[b, 0, t, s]) == (s <= t and bool(pad[b, s])), (b, t, s)
-    # the prepared mask is what the attention uses: one that lets every token see the future changes the states
-    model = load_target(str(tiny_target_dir), dtype="float32")
-    batch = TargetRunner.pad_batch([torch.arange(3, 20), torch.arange(5, 12)])
-    runner = TargetRunner(model, LAYERS, TOPK, prepared_mask=True)
-    causal = runner.forward(*batch)
-    import dflash.extract.target as T
-
-    monkeypatch.setattr(T, "causal_padding_mask",
-                        lambda m: torch.ones(m.shape[0], 1, m.shape[1], m.shape[1], dtype=torch.bool))
-    leaky = runner.forward(*batch)
-    monkeypatch.undo()
-    runner.close()
-    assert not torch.allclose(causal.hidden, leaky.hidden)
-    config = AutoConfig.from_pretrained(tiny_target_dir)
-    model = load_target(str(tiny_target_dir), dtype="float32", attn_implementation="eager")
-    with pytest.raises(ValueError, match="sdpa"):
-        TargetRunner(model, LAYERS, TOPK, prepared_mask=True)
-    model = load_target(str(tiny_target_dir), dtype="float32")
-    model.config.layer_types = ["sliding_attention"] + list(config.layer_types[1:])
-    with pytest.raises(ValueError, match="sliding_attention"):
-        TargetRunner(model, LAYERS, TOPK, prepared_mask=True)
-
-
-def test_prepared_mask_on_an_eager_target_is_refused_before_any_work(tmp_path, dataset, tiny_target_dir):
-    cfg = ExtractConfig(data=str(dataset[0]), model=str(tiny_target_dir), out=str(tmp_path / "c.zarr"), device="cpu",
-                        attn_implementation="eager", prepared_attention_mask=True, progress=False)
-    with pytest.raises(R.ExtractFailed, match="needs attn_implementation 'sdpa'"):
-        R.run(cfg)
-    assert not (tmp_path / "c.zarr").exists()
 
 
 # ----------------------------------------------------------------------------- end to end
