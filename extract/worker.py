@@ -4,7 +4,9 @@ plan (tokenise the slice) -> ShardWriter (resume point) -> forward loop on the m
 thread -> writer thread. The forward loop copies each batch's outputs device->host
 into freshly allocated pinned buffers (PyTorch's caching host allocator recycles them)
 with ``non_blocking`` on a side stream (so the copy overlaps the next forward) and
-records a CUDA event; the writer thread waits on that event,
+records a CUDA event; the writer thread waits on that event (blocking events: a waiting
+thread sleeps, where CUDA would spin a core, and the loop sleeps until the previous
+batch is done before it starts the next, since HF's mask code would wait for it anyway),
 hands the arrays to ``ShardWriter.write_batch`` and commits every ``commit_seconds``.
 With writer processes (``writer_processes``, the CUDA default) ShardWriter hands each
 flush to a pool that copies it into shared memory, where child processes compress and
@@ -169,8 +171,9 @@ class WriterThread:
 
 
 def _mark():
-    """A timing event on the current CUDA stream (where the forward runs)."""
-    event = torch.cuda.Event(enable_timing=True)
+    """A timing event on the current CUDA stream (where the forward runs); blocking, so that a
+    thread waiting for it sleeps instead of spinning a core (CUDA's default for one context)."""
+    event = torch.cuda.Event(enable_timing=True, blocking=True)
     event.record()
     return event
 
@@ -193,7 +196,7 @@ def _to_host(out, device: torch.device, copy_stream=None) -> tuple[dict[str, tor
             host[name] = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
             host[name].copy_(t, non_blocking=True)
             t.record_stream(copy_stream)  # the compute stream reuses t's memory only after the copy
-    event = torch.cuda.Event()
+    event = torch.cuda.Event(blocking=True)  # the writer thread sleeps on it, not spins
     event.record(copy_stream)
     return host, event
 
@@ -307,6 +310,7 @@ def _extract(cfg: ExtractConfig, planned: PlannedShard, writer: ShardWriter, dev
 
     thread = WriterThread(writer, planned, depth=cfg.queue_depth, commit_seconds=cfg.commit_seconds, report=report)
     copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+    marks = None  # (start, end) timing events of the previous batch's forward, on CUDA
     stopped = False
     try:
         for batch in range(writer.next_batch, num_batches):
@@ -318,6 +322,11 @@ def _extract(cfg: ExtractConfig, planned: PlannedShard, writer: ShardWriter, dev
             ids, mask, index = TargetRunner.pad_batch(samples, pad_id)
             if device.type == "cuda":
                 ids, mask, index = ids.pin_memory(), mask.pin_memory(), index.pin_memory()
+            if marks is not None:
+                # Sleep until the GPU has finished the previous batch: HF's mask code waits for
+                # it inside the forward anyway (a host-GPU sync per batch, bench/sync_check.py),
+                # and there CUDA spins a core for the whole wait.
+                marks[1].synchronize()
             marks = _mark() if copy_stream is not None else None
             out = runner.forward(ids, mask, index)
             if marks is not None:
