@@ -54,7 +54,8 @@ class ExtractConfig:
     compression_level: int = 1
     """zstd level of the stored chunks."""
 
-    # -- how it runs (not fingerprinted, except the shard count that follows from it)
+    # -- how it runs (not fingerprinted, except batch_tokens, lm_head_chunk and attn_implementation,
+    #    which change padding or roundings, and the shard count that follows from the workers)
     device: str = "cuda"
     """'cuda' (`workers_per_gpu` workers per entry of `gpus`) or 'cpu' (`workers` processes)."""
     gpus: list[int] = field(default_factory=lambda: list(DEFAULT_GPUS))

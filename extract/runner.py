@@ -33,9 +33,11 @@ from .worker import WorkerTask, worker_main
 
 log = logging.getLogger(__name__)
 
-# what ExtractConfig fields describe the bytes of the cache (the rest is how it was run)
+# what ExtractConfig fields describe the bytes of the cache (the rest is how it was run);
+# the attention kernel and the LM head's chunking change the bf16 roundings, so a resume
+# with others would mix two roundings in one cache
 FINGERPRINTED = ("topk", "max_length", "truncation", "min_length", "on_bad_row", "batch_tokens",
-                 "chunk_tokens", "compression_level")
+                 "chunk_tokens", "compression_level", "attn_implementation", "lm_head_chunk")
 NOT_RECORDED = ("out", "summary_json", "progress", "batch_delay_s")
 
 

@@ -238,6 +238,11 @@ def test_other_fingerprint_refused(extracted, dataset, tiny_target_dir):
     assert proc.returncode == 1
     assert "another fingerprint" in proc.stderr and "topk: cache has 16, run has 8" in proc.stderr
     assert "Traceback" not in proc.stderr
+    # another attention kernel rounds differently: a resume with it is refused too
+    proc = cli("--data", dataset[0], "--model", tiny_target_dir, "--out", out, "--on-bad-row", "skip", *COMMON,
+               "--attn-implementation", "eager", check=False)
+    assert proc.returncode == 1
+    assert "attn_implementation: cache has 'sdpa', run has 'eager'" in proc.stderr
 
 
 def test_moved_data_and_target_are_the_same_cache(extracted, dataset, tiny_target_dir, tmp_path):
