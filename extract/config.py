@@ -61,9 +61,9 @@ class ExtractConfig:
     gpus: list[int] = field(default_factory=lambda: list(DEFAULT_GPUS))
     """CUDA device indices on this node."""
     workers_per_gpu: int = 1
-    """Worker processes (each its own model copy, shard and writer) per GPU. One writer
-    encodes ~0.8-1 GB/s of hidden states, less than an H200 produces for an 8B target;
-    two processes share the GPU and double the writers (bench/extract_bench.py)."""
+    """Worker processes (each its own model copy, shard and writer) per GPU. Before the writer
+    processes, two workers per GPU were the way to double the writers (0.80 against 0.79 for
+    one, each paying model loading); with them one worker per GPU is enough (BENCHMARKS.md)."""
     workers: int = 1
     """CPU worker processes (only with device='cpu')."""
     batch_tokens: int = 16384
