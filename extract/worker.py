@@ -327,10 +327,9 @@ def _extract(cfg: ExtractConfig, planned: PlannedShard, writer: ShardWriter, dev
                 # it inside the forward anyway (a host-GPU sync per batch, bench/sync_check.py),
                 # and there CUDA spins a core for the whole wait.
                 marks[1].synchronize()
-            marks = _mark() if copy_stream is not None else None
+            start = _mark() if copy_stream is not None else None
             out = runner.forward(ids, mask, index)
-            if marks is not None:
-                marks = (marks, _mark())
+            marks = (start, _mark()) if start is not None else None
             host, event = _to_host(out, device, copy_stream)
             del out
             thread.submit(("batch", batch, event, host, marks))
