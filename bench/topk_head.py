@@ -6,7 +6,9 @@ batch of 8192 token states, in chunks of 1024 tokens as ``TargetRunner`` runs it
 * ``logits``: the matmul alone (what HF's forward does; the floor);
 * ``fp32_log_softmax_topk``: fp32 log_softmax over the vocabulary, then ``topk`` of it;
 * ``topk_logits_gather``: ``topk`` of the bf16 logits, fp32 log_softmax gathered at those
-  ids (``extract/target.py`` since this bench).
+  ids (``extract/target.py`` since this bench);
+* with ``--compiled``, ``topk_logits_compiled_lse``: ``topk`` of the bf16 logits minus a
+  log-sum-exp from one compiled reduction (a candidate: no fp32 copy of the logits).
 
 Prints the median milliseconds per batch of each, and how far the two top-k ways agree
 (same ids in the same order, same values).
@@ -32,6 +34,8 @@ def main() -> None:
     p.add_argument("--topk", type=int, default=64)
     p.add_argument("--reps", type=int, default=10)
     p.add_argument("--device", default="cuda")
+    p.add_argument("--compiled", action="store_true",
+                   help="also: top-k of the logits, log-sum-exp in one compiled reduction (a candidate, not used yet)")
     args = p.parse_args()
     dev = torch.device(args.device)
     g = torch.Generator(dev).manual_seed(0)
@@ -55,8 +59,19 @@ def main() -> None:
     def per_batch(fn):
         return [fn(h[t:t + chunk]) for t in range(0, args.tokens, chunk)]
 
+    @torch.compile(dynamic=False)
+    def lse(z):  # one fused reduction over the bf16 logits: no fp32 copy of them is written
+        return torch.logsumexp(z.float(), dim=-1)
+
+    def topk_logits_compiled_lse(x):
+        z = logits(x)
+        v, i = torch.topk(z, k, dim=-1)
+        return v.float() - lse(z)[:, None], i
+
     variants = {"logits": logits, "fp32_log_softmax_topk": fp32_log_softmax_topk,
                 "topk_logits_gather": topk_logits_gather}
+    if args.compiled:
+        variants["topk_logits_compiled_lse"] = topk_logits_compiled_lse
     times: dict[str, list[float]] = {name: [] for name in variants}
     with torch.inference_mode():
         for fn in variants.values():
@@ -78,6 +93,13 @@ def main() -> None:
                     times[name].append((time.perf_counter() - t) * 1000)
         before = per_batch(fp32_log_softmax_topk)
         now = per_batch(topk_logits_gather)
+        if args.compiled:
+            c = per_batch(topk_logits_compiled_lse)
+            vc, ic = (torch.cat(x) for x in zip(*c))
+            v0 = torch.cat([v for v, _ in before])
+            compiled_check = {"compiled_rows_same_ids_same_order": round((torch.cat([i for _, i in before]) == ic)
+                                                                          .all(-1).float().mean().item(), 4),
+                              "compiled_max_abs_value_diff": float((v0 - vc).abs().max())}
     v0, i0 = (torch.cat(x) for x in zip(*before))
     v1, i1 = (torch.cat(x) for x in zip(*now))
     same_set = (i0.sort(-1).values == i1.sort(-1).values).all(-1).float().mean().item()
@@ -91,6 +113,8 @@ def main() -> None:
         rows_same_id_set=round(same_set, 4),
         max_abs_value_diff=float((v0 - v1).abs().max()),
         device=torch.cuda.get_device_name() if dev.type == "cuda" else "cpu")
+    if args.compiled:
+        result.update(compiled_check, head_beyond_logits_compiled=round(result["topk_logits_compiled_lse"] - floor, 2))
     print(json.dumps(result), flush=True)
 
 
