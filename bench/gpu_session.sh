@@ -73,6 +73,7 @@ elif [ "$phase" = b ]; then   # blocking CUDA events: no thread spins while it w
       --writer-processes 2,3 --repeat 2 2>&1 | quiet | grep "^{" | tee "$OUT/extract_bench.log"
 elif [ "$phase" = n ]; then   # next: is 0.9 robust across fresh hosts (run this on 2-3 calls); a compiled log-sum-exp
   timeout 120 python3 bench/topk_head.py --compiled 2>&1 | quiet | grep "^{" | tee "$OUT/topk_head.log"
+  timeout 90 python3 -m pytest -q -x tests/test_extract.py -k cuda 2>&1 | tail -3 | tee "$OUT/pytest_cuda.log"
   timeout 300 python3 bench/extract_bench.py --samples 160 --length 2048 --batch-tokens 8192 \
       --writer-processes 2 --repeat 3 2>&1 | quiet | grep "^{" | tee "$OUT/extract_bench.log"
 elif [ "$phase" = 3 ]; then   # the drafter step: flex vs dense at 8B dims, then memory against context
