@@ -172,6 +172,9 @@ def main():
         task = WorkerTask(cfg=vcfg, spec=spec.to_dict(), shard_id=0, num_shards=1, device="cuda:0" if cuda else "cpu")
         run_shard(task, report)
         t_extract = time.perf_counter() - events["start"]
+        timing = events["timing"]
+        # steady state: the loop up to its last batch (a long run's share); the rest is paid once per shard
+        t_steady = timing["loop_s"] - timing["drain_s"]
         cores = (cpu_seconds() - events["cpu0"]) / t_extract
         stored = sum(f.stat().st_size for f in out.rglob("*") if f.is_file())
         hidden_stored = sum(f.stat().st_size for f in (out / "shards" / "00000" / "hidden").rglob("*") if f.is_file())
@@ -182,16 +185,18 @@ def main():
             "backbone_only_tok_s": round(n_tok / t_backbone), "forward_capture_topk_tok_s": round(n_tok / t_runner),
             "extract_tok_s": round(n_tok / t_extract),
             "extract_vs_forward_capture_topk": round(t_runner / t_extract, 3),
+            "steady_vs_forward_capture_topk": round(t_runner / t_steady, 3),
+            "once_per_shard_s": {"drain": timing["drain_s"], "after_loop": round(t_extract - timing["loop_s"], 3)},
             "extract_vs_backbone_only": round(t_backbone / t_extract, 3),
             "hf_causal_lm_forward_tok_s": round(n_tok / t_hf), "extract_vs_hf_causal_lm_forward": round(t_hf / t_extract, 3),
             "cpu_cores_busy": round(cores, 2),
             "bytes_per_token_total": round(stored / n_tok), "raw_bf16_hidden_bytes_per_token": round(hidden_raw / n_tok),
             "total_vs_raw_bf16_hidden": round(stored / hidden_raw, 4),
             "hidden_ratio": round(hidden_raw / hidden_stored, 4),
-            "worker_seconds": events.get("timing"),
+            "worker_seconds": timing,
             # the GPU's share of the loop, and its time inside the batches against the bare forward's
-            "gpu_busy_vs_loop": round(events["timing"]["gpu_busy"] / events["timing"]["loop_s"], 3) if cuda else None,
-            "gpu_busy_vs_forward_capture_topk": round(events["timing"]["gpu_busy"] / t_runner, 3) if cuda else None,
+            "gpu_busy_vs_loop": round(timing["gpu_busy"] / timing["loop_s"], 3) if cuda else None,
+            "gpu_busy_vs_forward_capture_topk": round(timing["gpu_busy"] / t_runner, 3) if cuda else None,
             "torch": torch.__version__, "gpu": torch.cuda.get_device_name() if cuda else "cpu",
         }
         print(json.dumps(result), flush=True)

@@ -56,8 +56,10 @@ def test_writer_processes_write_what_the_thread_writes(tmp_path, stop_after, com
             pools[-1].close()
         write_all(path, spec, plan, commit_every=commit_every, sinks=sinks)
     finally:
+        procs = [proc for p in pools for proc in p.procs]
         for p in pools:
             p.close()
+    assert [proc.exitcode for proc in procs] == [0] * len(procs)  # stopped when asked, not killed
     a, a_attrs = shard(tmp_path / "thread.zarr")
     b, b_attrs = shard(path)
     for f in a:
