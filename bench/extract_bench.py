@@ -95,7 +95,7 @@ def main():
     from dflash.extract.data import load_source
     from dflash.extract.plan import plan_shard
     from dflash.extract.runner import build_spec, node_layout, prepare_root
-    from dflash.extract.target import TargetRunner, load_target
+    from dflash.extract.target import TargetRunner, head_backend, load_target
     from dflash.extract.worker import WorkerTask, run_shard
 
     out = Path(args.cache_dir or work) / "cache.zarr"
@@ -117,7 +117,9 @@ def main():
     model = load_target(str(model_dir), dtype=cfg.dtype, device=args.device)
     from transformers import AutoConfig
     spec = build_spec(cfg, tok, AutoConfig.from_pretrained(model_dir), ds, 1)
-    runner = TargetRunner(model, spec.layer_ids, spec.topk, cfg.lm_head_chunk)
+    t = time.perf_counter()
+    runner = TargetRunner(model, spec.layer_ids, spec.topk, cfg.lm_head_chunk, head_backend(args.device))
+    t_head_compile = time.perf_counter() - t
     off = plan.offsets
     batches = []
     for b in range(len(plan.batches) - 1):
@@ -173,8 +175,10 @@ def main():
         run_shard(task, report)
         t_extract = time.perf_counter() - events["start"]
         timing = events["timing"]
-        # steady state: the loop up to its last batch (a long run's share); the rest is paid once per shard
-        t_steady = timing["loop_s"] - timing["drain_s"]
+        # steady state, what a long run approaches: on CUDA the GPU's span from the first batch's
+        # start to the last one's end, elsewhere the loop up to its last batch; the rest of the
+        # wall time (the last batch's writes, the writer processes' exit) is paid once per shard
+        t_steady = timing["gpu_busy"] + timing["gpu_gap"] if cuda else timing["loop_s"] - timing["drain_s"]
         cores = (cpu_seconds() - events["cpu0"]) / t_extract
         stored = sum(f.stat().st_size for f in out.rglob("*") if f.is_file())
         hidden_stored = sum(f.stat().st_size for f in (out / "shards" / "00000" / "hidden").rglob("*") if f.is_file())
@@ -189,7 +193,8 @@ def main():
             "once_per_shard_s": {"drain": timing["drain_s"], "after_loop": round(t_extract - timing["loop_s"], 3)},
             "extract_vs_backbone_only": round(t_backbone / t_extract, 3),
             "hf_causal_lm_forward_tok_s": round(n_tok / t_hf), "extract_vs_hf_causal_lm_forward": round(t_hf / t_extract, 3),
-            "cpu_cores_busy": round(cores, 2),
+            "cpu_cores_busy": round(cores, 2), "head_backend": head_backend(args.device),
+            "head_compile_s": round(t_head_compile, 2),
             "bytes_per_token_total": round(stored / n_tok), "raw_bf16_hidden_bytes_per_token": round(hidden_raw / n_tok),
             "total_vs_raw_bf16_hidden": round(stored / hidden_raw, 4),
             "hidden_ratio": round(hidden_raw / hidden_stored, 4),

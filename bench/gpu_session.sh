@@ -7,7 +7,8 @@
 #   bash bench/gpu_session.sh w     # every array to the writer processes (0/2/3, twice); host-GPU syncs of a batch
 #   bash bench/gpu_session.sh h     # the LM head's top-k ways (bench/topk_head.py); extraction x4 with the new one
 #   bash bench/gpu_session.sh b     # blocking CUDA events (no spinning waits); extraction with 2 and 3 writer processes x2
-#   bash bench/gpu_session.sh n     # next: extraction x3 on a fresh host (repeat over calls); topk_head --compiled
+#   bash bench/gpu_session.sh n     # extraction x3 on a fresh host (repeat over calls); topk_head --compiled
+#   bash bench/gpu_session.sh c     # the compiled log-sum-exp in the worker; extraction over 400 samples x2
 #   bash bench/gpu_session.sh 3     # drafter step flex vs dense at 8B dims; peak memory at 2k..16k
 #   bash bench/gpu_session.sh 4     # 300 variable-length steps (compiles, guards); extraction; loader (STEP_S=...)
 #   bash bench/gpu_session.sh 1|2|diag   # this session's earlier calls (see BENCHMARKS.md)
@@ -76,6 +77,11 @@ elif [ "$phase" = n ]; then   # next: is 0.9 robust across fresh hosts (run this
   timeout 90 python3 -m pytest -q -x tests/test_extract.py -k cuda 2>&1 | tail -3 | tee "$OUT/pytest_cuda.log"
   timeout 300 python3 bench/extract_bench.py --samples 160 --length 2048 --batch-tokens 8192 \
       --writer-processes 2 --repeat 3 2>&1 | quiet | grep "^{" | tee "$OUT/extract_bench.log"
+elif [ "$phase" = c ]; then   # the compiled log-sum-exp in the worker; extraction on a longer run (fixed costs amortised)
+  timeout 120 python3 -m pytest -q -x tests/test_extract.py -k "cuda or compiled_head" 2>&1 | tail -3 | tee "$OUT/pytest_cuda.log"
+  timeout 90 python3 bench/topk_head.py --compiled 2>&1 | quiet | grep "^{" | tee "$OUT/topk_head.log"
+  timeout 330 python3 bench/extract_bench.py --samples 400 --length 2048 --batch-tokens 8192 \
+      --writer-processes 2 --repeat 2 2>&1 | quiet | grep "^{" | tee "$OUT/extract_bench.log"
 elif [ "$phase" = 3 ]; then   # the drafter step: flex vs dense at 8B dims, then memory against context
   timeout 200 python3 bench/train_bench.py --ctx 3072 --attention flex,dense --steps 6 --stack-every 90 \
       > "$OUT/train_bench.log" 2>&1; grep -v "^  File\|^Thread\|^$" "$OUT/train_bench.log" | quiet | tail -30

@@ -6,9 +6,10 @@ batch of 8192 token states, in chunks of 1024 tokens as ``TargetRunner`` runs it
 * ``logits``: the matmul alone (what HF's forward does; the floor);
 * ``fp32_log_softmax_topk``: fp32 log_softmax over the vocabulary, then ``topk`` of it;
 * ``topk_logits_gather``: ``topk`` of the bf16 logits, fp32 log_softmax gathered at those
-  ids (``extract/target.py`` since this bench);
+  ids (``extract/target.py`` from f604133 on);
 * with ``--compiled``, ``topk_logits_compiled_lse``: ``topk`` of the bf16 logits minus a
-  log-sum-exp from one compiled reduction (a candidate: no fp32 copy of the logits).
+  log-sum-exp from one compiled reduction, no fp32 copy of the logits (``extract/target.py``
+  on CUDA now: ``TargetRunner`` with ``head_backend='inductor'``, its row count dynamic).
 
 Prints the median milliseconds per batch of each, and how far the two top-k ways agree
 (same ids in the same order, same values).
@@ -35,7 +36,7 @@ def main() -> None:
     p.add_argument("--reps", type=int, default=10)
     p.add_argument("--device", default="cuda")
     p.add_argument("--compiled", action="store_true",
-                   help="also: top-k of the logits, log-sum-exp in one compiled reduction (a candidate, not used yet)")
+                   help="also: top-k of the logits, log-sum-exp in one compiled reduction (TargetRunner's way on CUDA)")
     args = p.parse_args()
     dev = torch.device(args.device)
     g = torch.Generator(dev).manual_seed(0)
@@ -59,9 +60,14 @@ def main() -> None:
     def per_batch(fn):
         return [fn(h[t:t + chunk]) for t in range(0, args.tokens, chunk)]
 
-    @torch.compile(dynamic=False)
-    def lse(z):  # one fused reduction over the bf16 logits: no fp32 copy of them is written
-        return torch.logsumexp(z.float(), dim=-1)
+    from dflash.extract.target import logsumexp_fp32
+
+    lse = torch.compile(logsumexp_fp32, backend="inductor")  # compiled as TargetRunner does
+    if args.compiled:
+        z = torch.zeros((chunk, args.vocab), dtype=dtype, device=dev)
+        torch._dynamo.mark_dynamic(z, 0)
+        with torch.inference_mode():
+            lse(z)
 
     def topk_logits_compiled_lse(x):
         z = logits(x)

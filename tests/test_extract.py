@@ -158,6 +158,28 @@ def test_batched_equals_unbatched_and_hf(tiny_target_dir):
     runner.close()
 
 
+def test_compiled_head_compiles_once_and_matches_eager(tiny_target_dir):
+    """The head's log-sum-exp compiled with a dynamic row count: one graph at construction for
+    every chunk size but 1 (dynamo specialises it: one more), the same top-k as eager."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    model = load_target(str(tiny_target_dir), dtype="float32")
+    eager = TargetRunner(model, LAYERS, TOPK, lm_head_chunk=7)
+    graphs = int(counters["stats"]["unique_graphs"])
+    compiled = TargetRunner(model, LAYERS, TOPK, lm_head_chunk=7, head_backend="eager")
+    assert int(counters["stats"]["unique_graphs"]) == graphs + 1
+    g = torch.Generator().manual_seed(1)
+    for lengths in [(23, 5, 17), (12,), (20,), (9,), (40, 33, 2), (8,)]:  # last chunks of 3, 5, 6, 2, 5, then 1 row
+        samples = [torch.randint(0, model.config.vocab_size, (n,), generator=g) for n in lengths]
+        a, b = (r.forward(*TargetRunner.pad_batch(samples)) for r in (eager, compiled))
+        assert torch.equal(a.topk_ids, b.topk_ids)
+        torch.testing.assert_close(a.topk_logprobs, b.topk_logprobs, rtol=0, atol=1e-6)
+    assert int(counters["stats"]["unique_graphs"]) == graphs + 2
+    eager.close()
+    compiled.close()
+
+
 # ----------------------------------------------------------------------------- end to end
 
 
