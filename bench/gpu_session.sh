@@ -16,6 +16,7 @@
 # Logs go to $OUT (the device tool brings them back).
 set -u
 phase=${1:-1}
+case "$phase" in x|y|z|s|w|h|b|n|c|3|4|1|2|diag) ;; *) echo "unknown phase '$phase' (see the list at the top)" >&2; exit 2;; esac
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1
 python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . >/dev/null 2>&1 || export PYTHONPATH=/tmp/site:$PWD/_nsroot
@@ -109,7 +110,7 @@ elif [ "$phase" = diag ]; then
       --vocab 32000 --min-ctx 200 --ctx 3072 --buckets 1024,2048,3072 --anchors 256 --steps 300 --samples 256 \
       --guards 2>&1 | quiet | tail -40 | tee "$OUT/train_loop_varlen.log"
   timeout 80 python3 -m pytest -q -x tests/test_train_compile.py tests/test_attention.py 2>&1 | tail -15 | tee "$OUT/pytest_cuda.log"
-else
+elif [ "$phase" = 2 ]; then
   timeout 210 python3 bench/train_bench.py --ctx 2048,4096,8192,16384 --attention flex --steps 3 2>&1 | quiet | tee "$OUT/train_bench_memory.log"
   timeout 200 python3 bench/train_loop.py --out /tmp/tlv --hidden 1024 --intermediate 3072 --heads 8 --kv-heads 4 \
       --vocab 32000 --min-ctx 200 --ctx 3072 --buckets 1024,2048,3072 --anchors 256 --steps 300 --samples 256 \
