@@ -238,7 +238,31 @@ def format_summary(s: dict[str, Any]) -> str:
     if "wall_s" in s:
         rate = f", {s['tokens_per_s']:,.0f} tokens/s" if s.get("tokens_per_s") else ""
         lines.append(f"  wall time        {s['wall_s']:.1f} s{rate}")
+    lines += _time_lines(list((s.get("worker_seconds") or {}).values()))
     return "\n".join(lines)
+
+
+WRITER_BOUND = 0.1
+"""Share of the forward loops' time spent waiting for the writers above which the summary
+says the run was writer-bound (for loops of 10 s or more: shorter ones are mostly start-up)."""
+
+
+def _time_lines(timing: list[dict[str, float]]) -> list[str]:
+    """Where the workers' time went: the forward loops waiting for the writers (and, on CUDA,
+    the GPUs' busy share), with a hint when the writers were the limit."""
+    loop = sum(t["loop_s"] for t in timing)
+    if loop <= 0:
+        return []
+    blocked = sum(t.get("submit_blocked", 0.0) for t in timing)
+    line = f"  forward loops    {loop:.1f} s, {blocked / loop:.0%} of it waiting for the writers"
+    if all("gpu_busy" in t for t in timing):
+        line += f"; GPU busy {sum(t['gpu_busy'] for t in timing) / loop:.0%}"
+    lines = [line]
+    if blocked > WRITER_BOUND * loop and loop >= 10:
+        cores = sum(t["cpu_s"] for t in timing) / loop
+        lines.append(f"  writer-bound: compression and writes could not keep up on {cores:.1f} CPU cores per "
+                     "worker; give each worker more free cores (on CUDA, where cores are free, more --writer-processes)")
+    return lines
 
 
 # ----------------------------------------------------------------------------- run

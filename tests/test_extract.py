@@ -244,6 +244,22 @@ def test_two_workers_write_every_row_once(extracted, dataset):
     assert fp["target"]["weights_hash"] and fp["dataset"]["content_hash"].startswith("sha256:")
 
 
+def test_summary_says_where_the_loops_time_went(extracted):
+    _, summary, proc = extracted
+    timing = summary["worker_seconds"].values()
+    share = sum(t["submit_blocked"] for t in timing) / sum(t["loop_s"] for t in timing)
+    assert "of it waiting for the writers" in proc.stdout and f"{share:.0%} of it waiting" in proc.stdout
+    worker = {"loop_s": 10.0, "cpu_s": 70.0, "drain_s": 0.3, "writer_busy": 9.9, "writer_idle": 0.1,
+              "submit_blocked": 2.0, "gpu_busy": 8.0, "gpu_gap": 0.5}
+    text = R.format_summary({**summary, "worker_seconds": {"00000": worker, "00001": {**worker, "submit_blocked": 0.4}}})
+    assert "forward loops    20.0 s, 12% of it waiting for the writers; GPU busy 80%" in text
+    assert "writer-bound" in text and "7.0 CPU cores per worker" in text
+    text = R.format_summary({**summary, "worker_seconds": {"00000": {**worker, "submit_blocked": 0.9}}})
+    assert "9% of it waiting" in text and "writer-bound" not in text
+    short = {**worker, "loop_s": 5.0, "submit_blocked": 2.0}  # start-up dominates: no verdict
+    text = R.format_summary({**summary, "worker_seconds": {"00000": short}})
+    assert "40% of it waiting" in text and "writer-bound" not in text
+
 def test_complete_rerun_is_noop(extracted, dataset, tiny_target_dir):
     out, _, _ = extracted
     before = {s: shard_arrays(out, s)[1] for s in (0, 1)}
