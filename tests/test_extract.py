@@ -260,6 +260,7 @@ def test_summary_says_where_the_loops_time_went(extracted):
     text = R.format_summary({**summary, "worker_seconds": {"00000": short}})
     assert "40% of it waiting" in text and "writer-bound" not in text
 
+
 def test_complete_rerun_is_noop(extracted, dataset, tiny_target_dir):
     out, _, _ = extracted
     before = {s: shard_arrays(out, s)[1] for s in (0, 1)}
