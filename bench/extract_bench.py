@@ -95,7 +95,7 @@ def main():
     from dflash.extract.data import load_source
     from dflash.extract.plan import plan_shard
     from dflash.extract.runner import build_spec, node_layout, prepare_root
-    from dflash.extract.target import TargetRunner, head_backend, load_target
+    from dflash.extract.target import TargetRunner, head_backend_for, load_target
     from dflash.extract.worker import WorkerTask, run_shard
 
     out = Path(args.cache_dir or work) / "cache.zarr"
@@ -118,7 +118,7 @@ def main():
     from transformers import AutoConfig
     spec = build_spec(cfg, tok, AutoConfig.from_pretrained(model_dir), ds, 1)
     t = time.perf_counter()
-    runner = TargetRunner(model, spec.layer_ids, spec.topk, cfg.lm_head_chunk, head_backend(args.device))
+    runner = TargetRunner(model, spec.layer_ids, spec.topk, cfg.lm_head_chunk, head_backend_for(args.device))
     t_head_compile = time.perf_counter() - t
     off = plan.offsets
     batches = []
@@ -193,7 +193,7 @@ def main():
             "once_per_shard_s": {"drain": timing["drain_s"], "after_loop": round(t_extract - timing["loop_s"], 3)},
             "extract_vs_backbone_only": round(t_backbone / t_extract, 3),
             "hf_causal_lm_forward_tok_s": round(n_tok / t_hf), "extract_vs_hf_causal_lm_forward": round(t_hf / t_extract, 3),
-            "cpu_cores_busy": round(cores, 2), "head_backend": head_backend(args.device),
+            "cpu_cores_busy": round(cores, 2), "head_backend": head_backend_for(args.device),
             "head_compile_s": round(t_head_compile, 2),
             "bytes_per_token_total": round(stored / n_tok), "raw_bf16_hidden_bytes_per_token": round(hidden_raw / n_tok),
             "total_vs_raw_bf16_hidden": round(stored / hidden_raw, 4),

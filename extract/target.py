@@ -69,7 +69,7 @@ def logsumexp_fp32(logits: torch.Tensor) -> torch.Tensor:
     return torch.logsumexp(logits.float(), dim=-1)
 
 
-def head_backend(device: torch.device | str) -> str | None:
+def head_backend_for(device: torch.device | str) -> str | None:
     """How the head's log-sum-exp runs on ``device``: compiled by inductor on CUDA, eager elsewhere
     (there the fp32 copy costs less than a compile at every worker start)."""
     return "inductor" if torch.device(device).type == "cuda" else None

@@ -45,7 +45,7 @@ from .chunk_pool import BLOCKS, ChunkPool, shm_free_bytes
 from .config import ExtractConfig
 from .data import DataError, load_source
 from .plan import PlannedShard, plan_shard, shard_rows
-from .target import TargetRunner, head_backend, load_target
+from .target import TargetRunner, head_backend_for, load_target
 
 
 @dataclass
@@ -302,7 +302,7 @@ def _extract(cfg: ExtractConfig, planned: PlannedShard, writer: ShardWriter, dev
     num_batches = len(plan.batches) - 1
     model = load_target(cfg.model, dtype=cfg.dtype, device=device, attn_implementation=cfg.attn_implementation,
                         revision=cfg.revision)
-    runner = TargetRunner(model, writer.spec.layer_ids, writer.spec.topk, cfg.lm_head_chunk, head_backend(device))
+    runner = TargetRunner(model, writer.spec.layer_ids, writer.spec.topk, cfg.lm_head_chunk, head_backend_for(device))
     pad_id = pad_id if pad_id is not None else 0
     offsets = plan.offsets
     report("started")
