@@ -199,6 +199,9 @@ def main():
             "total_vs_raw_bf16_hidden": round(stored / hidden_raw, 4),
             "hidden_ratio": round(hidden_raw / hidden_stored, 4),
             "worker_seconds": timing,
+            # the writer processes' share of the loop spent writing ranges (1.0: they were the limit)
+            "writers_busy_share": round(timing.get("writers_busy", 0) / max(1, vcfg.resolved_writer_processes)
+                                        / timing["loop_s"], 3),
             # the GPU's share of the loop, and its time inside the batches against the bare forward's
             "gpu_busy_vs_loop": round(timing["gpu_busy"] / timing["loop_s"], 3) if cuda else None,
             "gpu_busy_vs_forward_capture_topk": round(timing["gpu_busy"] / t_runner, 3) if cuda else None,

@@ -9,6 +9,7 @@
 #   bash bench/gpu_session.sh b     # blocking CUDA events (no spinning waits); extraction with 2 and 3 writer processes x2
 #   bash bench/gpu_session.sh n     # extraction x3 on a fresh host (repeat over calls); topk_head --compiled
 #   bash bench/gpu_session.sh c     # the compiled log-sum-exp in the worker; extraction over 400 samples x2
+#   bash bench/gpu_session.sh d     # where the writer's time goes (pool copy/wait, processes busy, CPU per thread); 2 vs 3 processes
 #   bash bench/gpu_session.sh 3     # drafter step flex vs dense at 8B dims; peak memory at 2k..16k
 #   bash bench/gpu_session.sh 4     # 300 variable-length steps (compiles, guards); extraction; loader (STEP_S=...)
 #   bash bench/gpu_session.sh 1|2|diag   # this session's earlier calls (see BENCHMARKS.md)
@@ -16,7 +17,7 @@
 # Logs go to $OUT (the device tool brings them back).
 set -u
 phase=${1:-1}
-case "$phase" in x|y|z|s|w|h|b|n|c|3|4|1|2|diag) ;; *) echo "unknown phase '$phase' (see the list at the top)" >&2; exit 2;; esac
+case "$phase" in x|y|z|s|w|h|b|n|c|d|3|4|1|2|diag) ;; *) echo "unknown phase '$phase' (see the list at the top)" >&2; exit 2;; esac
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1
 python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . >/dev/null 2>&1 || export PYTHONPATH=/tmp/site:$PWD/_nsroot
@@ -73,6 +74,11 @@ elif [ "$phase" = b ]; then   # blocking CUDA events: no thread spins while it w
   timeout 90 python3 -m pytest -q -x tests/test_extract.py -k cuda 2>&1 | tail -3 | tee "$OUT/pytest_cuda.log"
   timeout 300 python3 bench/extract_bench.py --samples 160 --length 2048 --batch-tokens 8192 \
       --writer-processes 2,3 --repeat 2 2>&1 | quiet | grep "^{" | tee "$OUT/extract_bench.log"
+elif [ "$phase" = d ]; then   # where the writer's time goes, 400 samples, 2 and 3 writer processes twice each
+  timeout 90 python3 -m pytest -q -x tests/test_extract.py -k "cuda or compiled_head" 2>&1 | tail -3 | tee "$OUT/pytest_cuda.log"
+  timeout 420 python3 bench/extract_bench.py --samples 400 --length 2048 --batch-tokens 8192 \
+      --writer-processes 2,3 --repeat 2 2>&1 | quiet | grep "^{" | tee "$OUT/extract_bench.log"
+  nproc; cat /proc/loadavg; free -g | head -2
 elif [ "$phase" = n ]; then   # next: is 0.9 robust across fresh hosts (run this on 2-3 calls); a compiled log-sum-exp
   timeout 120 python3 bench/topk_head.py --compiled 2>&1 | quiet | grep "^{" | tee "$OUT/topk_head.log"
   timeout 90 python3 -m pytest -q -x tests/test_extract.py -k cuda 2>&1 | tail -3 | tee "$OUT/pytest_cuda.log"

@@ -21,6 +21,7 @@ from __future__ import annotations
 import hashlib
 import multiprocessing as mp
 import os
+import time
 from multiprocessing import shared_memory
 from typing import Any
 
@@ -54,7 +55,7 @@ def split_chunks(start: int, stop: int, chunk: int, parts: int) -> list[tuple[in
 
 def _serve(conn, store: str, group: str, layouts: dict[str, tuple[list[str], tuple[int, ...], str]],
            settings: dict[str, Any]) -> None:
-    """Child: write the ranges it is sent, answer each with ('ok',) or ('error', ...)."""
+    """Child: write the ranges it is sent, answer each with ('ok', seconds it took) or ('error', ...)."""
     import signal
 
     import zarr
@@ -74,12 +75,13 @@ def _serve(conn, store: str, group: str, layouts: dict[str, tuple[list[str], tup
                 break
             name, block, offset, start, stop = msg
             _, row_shape, dtype = layouts[name]
+            t = time.perf_counter()
             try:
                 view = np.ndarray((stop - start,) + tuple(row_shape), dtype=dtype, buffer=blocks[name][block].buf,
                                   offset=offset * int(np.prod(row_shape)) * np.dtype(dtype).itemsize)
                 arrays[name][start:stop] = view
                 del view
-                conn.send(("ok",))
+                conn.send(("ok", time.perf_counter() - t))
             except BaseException as e:  # noqa: BLE001 - handed to the parent, which stops the shard
                 conn.send(("error", type(e).__name__, str(e), getattr(e, "errno", None), isinstance(e, OSError)))
     finally:
@@ -140,6 +142,10 @@ class ChunkPool:
     def __init__(self, store: str, group: str, arrays: dict[str, tuple[tuple[int, ...], Any]], *, processes: int,
                  chunk: int, max_rows: int, settings: dict[str, Any]):
         self.chunk, self.max_rows = chunk, max_rows
+        self.seconds = {"pool_copy": 0.0, "pool_wait": 0.0, "writers_busy": 0.0}
+        """The shard's writer thread copying rows into shared memory, and waiting for a block
+        (or, at a commit, for every block) to be written; the processes' seconds writing ranges
+        (summed over processes: divide by ``processes`` for their busy share)."""
         self.arrays: dict[str, _Array] = {}
         self.conns, self.procs = [], []
         try:
@@ -174,6 +180,7 @@ class ChunkPool:
         b = a.next
         a.next = (b + 1) % BLOCKS
         self._wait(a, b)
+        t = time.perf_counter()
         view = np.ndarray((n,) + a.row_shape, dtype=a.dtype, buffer=a.blocks[b].buf)
         at = 0
         for p in parts:
@@ -183,6 +190,7 @@ class ChunkPool:
             if at == n:
                 break
         del view
+        self.seconds["pool_copy"] += time.perf_counter() - t
         for i, (lo, hi) in enumerate(split_chunks(start, stop, self.chunk, len(self.conns))):
             try:
                 self.conns[i].send((name, b, lo - start, lo, hi))
@@ -200,16 +208,20 @@ class ChunkPool:
 
     def _wait(self, a: _Array, b: int) -> None:
         error = None
+        t = time.perf_counter()
         for i in a.pending[b]:
             conn, proc = self.conns[i], self.procs[i]
             while not conn.poll(0.5):
                 if not proc.is_alive():
                     raise ChunkWriteError(f"writer process {proc.name} died (exit code {proc.exitcode})")
             reply = conn.recv()
-            if reply[0] == "error" and error is None:
+            if reply[0] == "ok":
+                self.seconds["writers_busy"] += reply[1]
+            elif error is None:
                 _, name, message, errno, is_os = reply
                 error = OSError(errno, f"{name}: {message}") if is_os else ChunkWriteError(f"{name}: {message}")
         a.pending[b] = []
+        self.seconds["pool_wait"] += time.perf_counter() - t
         if error is not None:
             raise error
 

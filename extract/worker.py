@@ -251,8 +251,45 @@ def run_shard(task: WorkerTask, report, stop: threading.Event | Any | None = Non
         if pool is not None:
             pool.close()  # joins the writer processes, so their CPU time is counted below
         if timing:
-            timing["cpu_s"] = round(timing["cpu_s"] + _children_cpu_seconds() - children_cpu, 3)
+            writers_cpu = _children_cpu_seconds() - children_cpu
+            timing["cpu_writers_s"] = round(writers_cpu, 3)
+            timing["cpu_s"] = round(timing["cpu_s"] + writers_cpu, 3)
+            if pool is not None:
+                timing.update({k: round(v, 3) for k, v in pool.seconds.items()})
             report("timing", **timing)
+
+
+def _thread_cpu() -> dict[int, tuple[str, float]]:
+    """CPU seconds of each live thread of this process (tid -> (name, seconds)); empty where
+    /proc is missing (not Linux). Where the forward loop's process spends its cores."""
+    tick = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+    python_names = {t.native_id: t.name for t in threading.enumerate()}
+    threads = {}
+    try:
+        tids = os.listdir("/proc/self/task")
+    except OSError:
+        return threads
+    for tid in tids:
+        try:
+            with open(f"/proc/self/task/{tid}/stat") as f:
+                stat = f.read()
+        except OSError:  # the thread ended meanwhile
+            continue
+        # Python's own name for its threads; the kernel's (e.g. "python", "pt_autograd") for the others
+        name = python_names.get(int(tid)) or stat[stat.index("(") + 1:stat.rindex(")")]
+        fields = stat[stat.rindex(")") + 2:].split()
+        threads[int(tid)] = (name, (int(fields[11]) + int(fields[12])) / tick)  # utime, stime
+    return threads
+
+
+def _thread_cpu_by_name(before: dict[int, tuple[str, float]], after: dict[int, tuple[str, float]]) -> dict[str, float]:
+    """CPU seconds between two ``_thread_cpu`` snapshots, summed by thread name (digits dropped,
+    so a pool's threads count as one), largest first, threads under 0.05 s left out."""
+    by_name: dict[str, float] = {}
+    for tid, (name, cpu) in after.items():
+        key = name.rstrip("0123456789_-") or name
+        by_name[key] = by_name.get(key, 0.0) + cpu - before.get(tid, (name, 0.0))[1]
+    return {k: round(v, 2) for k, v in sorted(by_name.items(), key=lambda kv: -kv[1]) if v >= 0.05}
 
 
 def _children_cpu_seconds() -> float:
@@ -306,7 +343,7 @@ def _extract(cfg: ExtractConfig, planned: PlannedShard, writer: ShardWriter, dev
     pad_id = pad_id if pad_id is not None else 0
     offsets = plan.offsets
     report("started")
-    t_loop, cpu_loop = time.perf_counter(), time.process_time()
+    t_loop, cpu_loop, threads_cpu = time.perf_counter(), time.process_time(), _thread_cpu()
 
     thread = WriterThread(writer, planned, depth=cfg.queue_depth, commit_seconds=cfg.commit_seconds, report=report)
     copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
@@ -348,8 +385,10 @@ def _extract(cfg: ExtractConfig, planned: PlannedShard, writer: ShardWriter, dev
     thread.close(finish=not stopped)
     runner.close()
     t_end = time.perf_counter()
-    timing.update(loop_s=round(t_end - t_loop, 3), cpu_s=round(time.process_time() - cpu_loop, 3),
-                  drain_s=round(t_end - t_drain, 3), **{k: round(v, 3) for k, v in thread.seconds.items()})
+    cpu_main = time.process_time() - cpu_loop
+    timing.update(loop_s=round(t_end - t_loop, 3), cpu_s=round(cpu_main, 3), cpu_main_s=round(cpu_main, 3),
+                  drain_s=round(t_end - t_drain, 3), **{k: round(v, 3) for k, v in thread.seconds.items()},
+                  cpu_threads_s=_thread_cpu_by_name(threads_cpu, _thread_cpu()))
     if copy_stream is not None:
         timing.update({k: round(v, 3) for k, v in thread.gpu.items()})
     if stopped:

@@ -60,6 +60,7 @@ def test_writer_processes_write_what_the_thread_writes(tmp_path, stop_after, com
         for p in pools:
             p.close()
     assert [proc.exitcode for proc in procs] == [0] * len(procs)  # stopped when asked, not killed
+    assert all(p.seconds["writers_busy"] > 0 and p.seconds["pool_copy"] > 0 for p in pools)
     a, a_attrs = shard(tmp_path / "thread.zarr")
     b, b_attrs = shard(path)
     for f in a:

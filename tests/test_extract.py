@@ -434,10 +434,42 @@ def test_writer_process_io_error_stops_cleanly_then_resumes(tmp_path, extracted,
         attrs = C.open_root(str(out))[C.shard_name(0)].attrs.asdict()
         assert attrs["commit"]["tokens"] <= bad_chunk * 64 and not attrs["complete"]
         blocker.unlink()
-        W.run_shard(task, lambda *a, **k: None, threading.Event())  # the rerun resumes
+        timings = []
+        W.run_shard(task, lambda kind, **f: timings.append(f) if kind == "timing" else None,
+                    threading.Event())  # the rerun resumes
     finally:
         torch.set_num_threads(threads)
     assert_same_shard(reference, out, 0)
+    # where the rerun's time went: the writer processes' CPU counted apart, their busy seconds
+    [t] = timings
+    assert t["cpu_writers_s"] > 0 and t["cpu_s"] == pytest.approx(t["cpu_main_s"] + t["cpu_writers_s"], abs=2e-3)
+    assert t["writers_busy"] > 0 and t["pool_copy"] > 0 and t["pool_wait"] >= 0
+    assert t["cpu_threads_s"].get("MainThread", 0) > 0
+
+
+def test_thread_cpu_is_counted_per_thread_name():
+    """The per-thread CPU of the worker's process: a thread that burns ~0.3 s of CPU shows
+    under its name (against the kernel's own per-thread clock, independent of ours)."""
+    before = W._thread_cpu()
+    spent, burnt, read = {}, threading.Event(), threading.Event()
+
+    def burn():
+        t0 = time.thread_time()
+        while time.thread_time() - t0 < 0.3:
+            sum(range(1000))
+        spent["s"] = time.thread_time() - t0
+        burnt.set()
+        read.wait()  # alive until its CPU is read
+
+    t = threading.Thread(target=burn, name="burner")
+    t.start()
+    burnt.wait()
+    after = W._thread_cpu()
+    read.set()
+    t.join()
+    by_name = W._thread_cpu_by_name(before, after)
+    assert by_name["burner"] == pytest.approx(spent["s"], abs=0.05)
+    assert list(by_name)[0] == "burner"  # largest first: the main thread only waited
 
 
 def test_two_nodes_on_an_fsspec_url_equal_one_node(tmp_path, extracted, dataset, tiny_target_dir):
