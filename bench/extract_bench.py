@@ -81,6 +81,8 @@ def main():
     p.add_argument("--device", default="cuda", help="cuda, or cpu for a dry run of the script")
     p.add_argument("--variants", type=int, default=2, help="worker settings to run (1: ours only)")
     p.add_argument("--writer-processes", default="", help="e.g. 0,2,3: run the worker with each (instead of --variants)")
+    p.add_argument("--settings", default="", help='JSON list of ExtractConfig overrides to run, e.g. '
+                   '\'[{"writer_processes": 2}, {"writer_processes": 3, "write_concurrency": 4}]\'')
     p.add_argument("--repeat", type=int, default=1, help="runs of each worker variant (the machine is shared: medians)")
     p.add_argument("--workers-per-gpu", default="", help="e.g. 2: also run dflash-extract's runner with that many workers on the GPU")
     p.add_argument("--cache-dir", default=None, help="where the cache goes (default --work); /dev/shm takes the disk out")
@@ -158,6 +160,8 @@ def main():
     variants = variants[: args.variants]
     if args.writer_processes:
         variants = [(f"writer_processes_{n}", {"writer_processes": n}) for n in map(int, args.writer_processes.split(","))]
+    if args.settings:
+        variants = [(",".join(f"{k}={v}" for k, v in o.items()), o) for o in json.loads(args.settings)]
     for name, overrides in [v for _ in range(args.repeat) for v in variants]:  # interleaved: drift hits all alike
         shutil.rmtree(out, ignore_errors=True)
         vcfg = dataclasses.replace(cfg, **overrides)
@@ -184,6 +188,7 @@ def main():
         hidden_stored = sum(f.stat().st_size for f in (out / "shards" / "00000" / "hidden").rglob("*") if f.is_file())
         result = {
             "worker_settings": name, "cache_dir": str(out.parent), "gil_switch_ms": vcfg.gil_switch_ms, "write_concurrency": vcfg.write_concurrency,
+            "writer_heap_buffers": vcfg.writer_heap_buffers,
             "writer_processes": vcfg.resolved_writer_processes,
             "samples": len(plan.source_index), "tokens": n_tok, "batch_tokens": args.batch_tokens,
             "backbone_only_tok_s": round(n_tok / t_backbone), "forward_capture_topk_tok_s": round(n_tok / t_runner),

@@ -10,6 +10,7 @@
 #   bash bench/gpu_session.sh n     # extraction x3 on a fresh host (repeat over calls); topk_head --compiled
 #   bash bench/gpu_session.sh c     # the compiled log-sum-exp in the worker; extraction over 400 samples x2
 #   bash bench/gpu_session.sh d     # where the writer's time goes (pool copy/wait, processes busy, CPU per thread); 2 vs 3 processes
+#   bash bench/gpu_session.sh p     # the writer processes alone (no GPU): processes x zarr concurrency x heap buffers, disk and /dev/shm
 #   bash bench/gpu_session.sh 3     # drafter step flex vs dense at 8B dims; peak memory at 2k..16k
 #   bash bench/gpu_session.sh 4     # 300 variable-length steps (compiles, guards); extraction; loader (STEP_S=...)
 #   bash bench/gpu_session.sh 1|2|diag   # this session's earlier calls (see BENCHMARKS.md)
@@ -17,7 +18,7 @@
 # Logs go to $OUT (the device tool brings them back).
 set -u
 phase=${1:-1}
-case "$phase" in x|y|z|s|w|h|b|n|c|d|3|4|1|2|diag) ;; *) echo "unknown phase '$phase' (see the list at the top)" >&2; exit 2;; esac
+case "$phase" in x|y|z|s|w|h|b|n|c|d|p|3|4|1|2|diag) ;; *) echo "unknown phase '$phase' (see the list at the top)" >&2; exit 2;; esac
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1
 python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . >/dev/null 2>&1 || export PYTHONPATH=/tmp/site:$PWD/_nsroot
@@ -79,6 +80,12 @@ elif [ "$phase" = d ]; then   # where the writer's time goes, 400 samples, 2 and
   timeout 420 python3 bench/extract_bench.py --samples 400 --length 2048 --batch-tokens 8192 \
       --writer-processes 2,3 --repeat 2 2>&1 | quiet | grep "^{" | tee "$OUT/extract_bench.log"
   nproc; cat /proc/loadavg; free -g | head -2
+elif [ "$phase" = p ]; then   # the writer processes alone: where their CPU goes (user, system, page faults)
+  for dir in /tmp/wb /dev/shm/wb; do
+    timeout 200 python3 bench/writer_bench.py --batches 13 --work $dir \
+        --pool 2:32:0,2:32:1,2:8:1,2:4:1,3:4:1,4:4:1,3:8:1,2:32:0 2>&1 | grep "^{"; rm -rf $dir
+  done | tee "$OUT/writer_pool.log"
+  nproc; cat /proc/loadavg; uname -r; ldd --version | head -1
 elif [ "$phase" = n ]; then   # next: is 0.9 robust across fresh hosts (run this on 2-3 calls); a compiled log-sum-exp
   timeout 120 python3 bench/topk_head.py --compiled 2>&1 | quiet | grep "^{" | tee "$OUT/topk_head.log"
   timeout 90 python3 -m pytest -q -x tests/test_extract.py -k cuda 2>&1 | tail -3 | tee "$OUT/pytest_cuda.log"

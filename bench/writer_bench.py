@@ -104,6 +104,69 @@ def parallel(n: int, args, settings: dict) -> dict:
             "cpu_cores_busy_sum": round(sum(r["cpu_cores_busy"] for r in rows), 2)}
 
 
+def proc_cpu(procs) -> tuple[float, float, int]:
+    """User and system CPU seconds and minor page faults of live processes, from /proc (Linux)."""
+    import os
+
+    tick, user, system, faults = os.sysconf("SC_CLK_TCK"), 0.0, 0.0, 0
+    for p in procs:
+        with open(f"/proc/{p.pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        user, system, faults = user + int(fields[11]) / tick, system + int(fields[12]) / tick, faults + int(fields[7])
+    return user, system, faults
+
+
+def pooled(args, processes: int, concurrency: int, heap_buffers: bool) -> dict:
+    """The worker's own path: ShardWriter hands each flush to a ChunkPool of ``processes``
+    writer processes (shared memory), as ``run_shard`` does on CUDA. Reports the rate, the
+    processes' user and system CPU, and the pool's copy/wait/busy seconds."""
+    import zarr
+
+    from dflash.extract.chunk_pool import ChunkPool
+    from dflash.shared import cache as C
+
+    L, D, T, nb = 5, 4096, args.tokens, args.batches
+    spec = C.CacheSpec(layer_ids=[1, 9, 17, 25, 33], hidden_size=D, topk=64, vocab_size=151936,
+                       num_target_layers=36, max_length=T, truncation="right", chunk_tokens=256,
+                       fingerprint={"tokenizer": {"hash": None}})
+    path = f"{args.work}/pool.zarr"
+    shutil.rmtree(path, ignore_errors=True)
+    g = torch.Generator().manual_seed(0)
+    h = C.bf16_to_bits(torch.randn(T, L, D, generator=g).bfloat16())
+    ids = np.random.default_rng(0).integers(0, 151936, T).astype(np.int32)
+    tk = np.random.default_rng(1).integers(0, 151936, (T, 64)).astype(np.int32)
+    lp = np.random.default_rng(2).standard_normal((T, 64)).astype(np.float32)
+    settings = {"async.concurrency": concurrency, "array.write_empty_chunks": True}
+    zarr.config.set(settings)
+    root = C.create_or_open_cache(path, spec)
+    plan = C.ShardPlan(source_index=np.arange(nb), lengths=np.full(nb, T), batches=np.arange(nb + 1))
+    w = C.ShardWriter(root, 0, plan, spec)
+    arrays = {f: (a.shape[1:], a.dtype) for f, a in w.arrays.items()}
+    pool = ChunkPool(path, C.shard_name(0), arrays, processes=processes, chunk=spec.chunk_tokens,
+                     max_rows=T + spec.chunk_tokens, settings=settings, heap_buffers=heap_buffers)
+    w.attach_sinks({f: pool.sink(f) for f in arrays})
+    w.write_batch(0, input_ids=ids, loss_mask=np.ones(T, bool), hidden=h, topk_ids=tk, topk_logprobs=lp)
+    pool.wait()  # the processes are up (their start-up is not what this measures)
+    r1 = proc_cpu(pool.procs)
+    t0 = time.perf_counter()
+    for b in range(1, nb):
+        w.write_batch(b, input_ids=ids, loss_mask=np.ones(T, bool), hidden=h, topk_ids=tk, topk_logprobs=lp)
+    w.finish()
+    dt = time.perf_counter() - t0
+    r2 = proc_cpu(pool.procs)
+    seconds = dict(pool.seconds)
+    pool.close()
+    user, system = r2[0] - r1[0], r2[1] - r1[1]
+    return {"variant": f"pool processes={processes} concurrency={concurrency} heap_buffers={heap_buffers}",
+            "batches": nb - 1, "s_per_batch": round(dt / (nb - 1), 4),
+            "hidden_MB_s": round((nb - 1) * T * L * D * 2 / dt / 1e6),
+            "writers_user_s_per_batch": round(user / (nb - 1), 3),
+            "writers_sys_s_per_batch": round(system / (nb - 1), 3),
+            "writers_cores_busy": round((user + system) / dt, 2),
+            "writers_page_faults_per_batch": round((r2[2] - r1[2]) / (nb - 1)), "work": args.work,
+            **{k: round(v, 3) for k, v in seconds.items()}}
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--batches", type=int, default=12)
@@ -111,7 +174,14 @@ def main():
     p.add_argument("--work", default="/tmp/writer_bench")
     p.add_argument("--procs", default="", help="e.g. 2,4: also run that many writer processes at once")
     p.add_argument("--only-procs", action="store_true", help="skip the single-process variants")
+    p.add_argument("--pool", default="", help="e.g. 2:32:1,2:4:0 (processes:concurrency:heap_buffers): only the "
+                   "worker's writer-process path, one run of each")
     args = p.parse_args()
+    if args.pool:
+        for v in args.pool.split(","):
+            n, c, hb = (int(x) for x in v.split(":"))
+            print(json.dumps(pooled(args, n, c, bool(hb))), flush=True)
+        return
     tuned = {"async.concurrency": 32, "array.write_empty_chunks": True}
     for n in [int(x) for x in args.procs.split(",") if x]:
         print(json.dumps(parallel(n, args, tuned)), flush=True)

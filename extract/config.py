@@ -83,6 +83,9 @@ class ExtractConfig:
     an 8B target; 2 measured best of 0/2/3/4 there, and again of 2/3, BENCHMARKS.md), 0 on the CPU."""
     write_concurrency: int = 32
     """Chunks zarr encodes and writes at once per shard (its ``async.concurrency``; zarr's default is 10)."""
+    writer_heap_buffers: bool = True
+    """Writer processes keep freed chunk buffers on glibc's heap for reuse instead of mapping
+    fresh pages for every chunk (extract/chunk_pool.py)."""
     gil_switch_ms: float = 0.5
     """The worker's GIL switch interval (Python's default is 5 ms). The forward loop keeps the
     GIL busy; at 5 ms the writer thread waits that long at every hand-off and the cache is

@@ -251,8 +251,9 @@ def run_shard(task: WorkerTask, report, stop: threading.Event | Any | None = Non
         if pool is not None:
             pool.close()  # joins the writer processes, so their CPU time is counted below
         if timing:
-            writers_cpu = _children_cpu_seconds() - children_cpu
-            timing["cpu_writers_s"] = round(writers_cpu, 3)
+            user, system = (b - a for a, b in zip(children_cpu, _children_cpu_seconds()))
+            writers_cpu = user + system
+            timing["cpu_writers_s"], timing["cpu_writers_sys_s"] = round(writers_cpu, 3), round(system, 3)
             timing["cpu_s"] = round(timing["cpu_s"] + writers_cpu, 3)
             if pool is not None:
                 timing.update({k: round(v, 3) for k, v in pool.seconds.items()})
@@ -292,10 +293,10 @@ def _thread_cpu_by_name(before: dict[int, tuple[str, float]], after: dict[int, t
     return {k: round(v, 2) for k, v in sorted(by_name.items(), key=lambda kv: -kv[1]) if v >= 0.05}
 
 
-def _children_cpu_seconds() -> float:
-    """CPU seconds of this process's finished (joined) child processes."""
+def _children_cpu_seconds() -> tuple[float, float]:
+    """User and system CPU seconds of this process's finished (joined) child processes."""
     r = resource.getrusage(resource.RUSAGE_CHILDREN)
-    return r.ru_utime + r.ru_stime
+    return r.ru_utime, r.ru_stime
 
 
 def _writer_pool(cfg: ExtractConfig, spec: CacheSpec, writer: ShardWriter, report) -> ChunkPool | None:
@@ -318,7 +319,7 @@ def _writer_pool(cfg: ExtractConfig, spec: CacheSpec, writer: ShardWriter, repor
                                    "cache itself (slower; enlarge /dev/shm or lower --batch-tokens)"))
         return None
     pool = ChunkPool(cfg.out, shard_name(writer.shard_id), arrays, processes=processes, chunk=spec.chunk_tokens,
-                     max_rows=max_rows, settings=_zarr_settings(cfg))
+                     max_rows=max_rows, settings=_zarr_settings(cfg), heap_buffers=cfg.writer_heap_buffers)
     writer.attach_sinks({f: pool.sink(f) for f in arrays})
     return pool
 
@@ -382,13 +383,14 @@ def _extract(cfg: ExtractConfig, planned: PlannedShard, writer: ShardWriter, dev
             pass
         raise
     t_drain = time.perf_counter()
+    threads_after = _thread_cpu()  # while the writer thread is alive
     thread.close(finish=not stopped)
     runner.close()
     t_end = time.perf_counter()
     cpu_main = time.process_time() - cpu_loop
     timing.update(loop_s=round(t_end - t_loop, 3), cpu_s=round(cpu_main, 3), cpu_main_s=round(cpu_main, 3),
                   drain_s=round(t_end - t_drain, 3), **{k: round(v, 3) for k, v in thread.seconds.items()},
-                  cpu_threads_s=_thread_cpu_by_name(threads_cpu, _thread_cpu()))
+                  cpu_threads_s=_thread_cpu_by_name(threads_cpu, threads_after))
     if copy_stream is not None:
         timing.update({k: round(v, 3) for k, v in thread.gpu.items()})
     if stopped:

@@ -444,7 +444,7 @@ def test_writer_process_io_error_stops_cleanly_then_resumes(tmp_path, extracted,
     [t] = timings
     assert t["cpu_writers_s"] > 0 and t["cpu_s"] == pytest.approx(t["cpu_main_s"] + t["cpu_writers_s"], abs=2e-3)
     assert t["writers_busy"] > 0 and t["pool_copy"] > 0 and t["pool_wait"] >= 0
-    assert t["cpu_threads_s"].get("MainThread", 0) > 0
+    assert all(v >= 0.05 for v in t["cpu_threads_s"].values())  # per thread name (tested on its own below)
 
 
 def test_thread_cpu_is_counted_per_thread_name():
