@@ -80,7 +80,8 @@ class ExtractConfig:
     """Child processes per worker that compress and write the shard's token arrays (each in its
     own interpreter, off the forward loop's GIL); 0: the writer thread writes them itself.
     Default: 2 on CUDA (one thread's zarr encodes ~0.9 GB/s, less than an H200 produces for
-    an 8B target; 2 measured best of 0/2/3/4 there, and again of 2/3, BENCHMARKS.md), 0 on the CPU."""
+    an 8B target; 2 measured best of 0/2/3/4 there, and 2/3/4 within the run-to-run spread
+    since, BENCHMARKS.md), 0 on the CPU."""
     write_concurrency: int = 32
     """Chunks zarr encodes and writes at once per shard (its ``async.concurrency``; zarr's default is 10)."""
     writer_heap_buffers: bool = True
