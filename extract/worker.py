@@ -230,7 +230,7 @@ def run_shard(task: WorkerTask, report, stop: threading.Event | Any | None = Non
 
     spec = CacheSpec.from_dict(task.spec)
     root = open_root(cfg.out, "r+")
-    writer = ShardWriter(root, task.shard_id, planned.plan, spec)
+    writer = ShardWriter(root, task.shard_id, planned.plan, spec, compute=compute_environment(device))
     plan = planned.plan
     report("planned", samples=len(plan.source_index), tokens=plan.num_tokens,
            assistant=planned.assistant_tokens, skipped=dict(plan.skipped), **{
@@ -291,6 +291,21 @@ def _thread_cpu_by_name(before: dict[int, tuple[str, float]], after: dict[int, t
         key = name.rstrip("0123456789_-") or name
         by_name[key] = by_name.get(key, 0.0) + cpu - before.get(tid, (name, 0.0))[1]
     return {k: round(v, 2) for k, v in sorted(by_name.items(), key=lambda kv: -kv[1]) if v >= 0.05}
+
+
+def compute_environment(device: torch.device) -> dict[str, Any]:
+    """What decides the last bits of a shard's values beyond the fingerprint: the device model
+    (kernels, reduction orders; on the CPU the SIMD level torch dispatches to and its thread
+    count), the head's backend, the library versions. Recorded per shard; a shard with
+    committed samples refuses to resume under another (``ShardWriter``)."""
+    import transformers
+
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+    else:
+        name = f"cpu {torch.backends.cpu.get_cpu_capability()} x{torch.get_num_threads()} threads"
+    return {"device": name, "head": head_backend_for(device) or "eager", "torch": torch.__version__,
+            "transformers": transformers.__version__}
 
 
 def _children_cpu_seconds() -> tuple[float, float]:

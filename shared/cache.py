@@ -283,9 +283,15 @@ class ShardWriter:
     ``write_batch`` takes whole planned batches in order; full chunks go to the store
     at once, the partial tail waits in memory until the next ``commit``. Arrays given a
     sink (``attach_sinks``) are written through it instead (same rows, same chunks).
+
+    ``compute`` describes what computes the shard's values (device, kernels, library
+    versions: ``extract.worker.compute_environment``); it is recorded when the shard is
+    created, and a shard with committed samples refuses to resume under another one, since
+    the resumed part would round differently from the part before it.
     """
 
-    def __init__(self, root: zarr.Group, shard_id: int, plan: ShardPlan, spec: CacheSpec):
+    def __init__(self, root: zarr.Group, shard_id: int, plan: ShardPlan, spec: CacheSpec,
+                 compute: dict[str, Any] | None = None):
         self.sinks: dict[str, ChunkSink] = {}
         self.spec = spec
         self.plan = plan
@@ -302,6 +308,13 @@ class ShardWriter:
                     "the data, tokenizer or worker count changed since it was written"
                 )
             commit = attrs["commit"]
+            recorded = attrs.get("compute")
+            finished = commit["batches"] >= len(plan.batches) - 1  # nothing left to compute
+            if compute is not None and recorded != compute and not finished:
+                if commit["tokens"] and recorded is not None:
+                    raise CacheError(_compute_mismatch(shard_id, name, recorded, compute, commit))
+                if not commit["tokens"]:  # nothing computed yet: the shard is this run's
+                    self.group.attrs["compute"] = compute
         else:
             self.group = root.create_group(name)
             T = max(plan.num_tokens, 1)
@@ -327,6 +340,7 @@ class ShardWriter:
                 "skipped": dict(plan.skipped),
                 "commit": commit,
                 "complete": False,
+                "compute": compute,
             })
         self.arrays = {f: self.group[f] for f in TOKEN_FIELDS}
         self.committed = dict(commit)
@@ -415,6 +429,15 @@ class ShardWriter:
             raise CacheError(f"shard {self.shard_id:05d}: finish() before its last batch")
         self.commit()
         self.group.attrs["complete"] = True
+
+
+def _compute_mismatch(shard_id: int, name: str, recorded: dict, compute: dict, commit: dict) -> str:
+    keys = sorted(set(recorded) | set(compute))
+    diff = "; ".join(f"{k}: {recorded.get(k)!r} then, {compute.get(k)!r} now" for k in keys
+                     if recorded.get(k) != compute.get(k))
+    return (f"shard {shard_id:05d} has {commit['samples']} samples computed elsewhere ({diff}); resuming it here "
+            "would mix two numerics in one shard. Rerun it where it was started, or delete the folder "
+            f"{name} of the cache and rerun to redo that shard from the start")
 
 
 def _last_rows(parts: list[np.ndarray], n: int) -> np.ndarray:

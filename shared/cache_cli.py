@@ -73,6 +73,22 @@ def main():
 # ----------------------------------------------------------------------------- info
 
 
+def _compute_lines(shards: list[dict]) -> list[str]:
+    """One line per distinct compute environment the shards were extracted under."""
+    groups: dict[str, list[int]] = {}
+    for s in shards:
+        c = s.get("compute")
+        key = "unknown" if not c else ", ".join(f"{k} {v}" for k, v in sorted(c.items()))
+        groups.setdefault(key, []).append(s["shard_id"])
+    if not groups:
+        return []
+    lines = [""]
+    for key, ids in groups.items():
+        which = "all shards" if len(groups) == 1 else "shards " + ", ".join(f"{i:05d}" for i in ids)
+        lines.append(f"computed   {key}  ({which})")
+    return lines
+
+
 @main.command()
 @click.argument("cache")
 @_json_option
@@ -102,6 +118,7 @@ def info(cache: str, as_json: bool):
             f"{s['shard_id']:05d}  {s['state']:<8}  {_n(s['samples']) + '/' + _n(s['planned_samples']):>17}  "
             f"{_n(s['tokens']) + '/' + _n(s['planned_tokens']):>23}  {_n(s['assistant_tokens']):>11}  "
             f"{_bytes(s['bytes_on_disk']):>11}  {skipped}")
+    lines += _compute_lines(d["shards"])
     ratio = d["compression_ratio"]
     fmt_ratio = lambda r: "-" if r is None else f"{r:.2f}x"  # noqa: E731
     skipped = ", ".join(f"{k}={v}" for k, v in d["skipped"].items() if v) or "none"

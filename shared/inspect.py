@@ -105,6 +105,7 @@ def cache_info(path: str, storage_options: dict | None = None) -> dict[str, Any]
             "tokens": s.tokens, "planned_tokens": s.planned_tokens,
             "batches": attrs["commit"]["batches"], "planned_batches": attrs["planned"]["batches"],
             "assistant_tokens": assistant, "skipped": dict(s.skipped), "bytes_on_disk": None,
+            "compute": attrs.get("compute"),
         }
         if listing is not None:
             entry["bytes_on_disk"] = sum(v for kk, v in listing.items() if kk.startswith(key + "/"))

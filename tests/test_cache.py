@@ -119,6 +119,38 @@ def test_other_fingerprint_refused(tmp_path):
     assert "topk" in msg and "fingerprint.target.name" in msg and "'other'" in msg
 
 
+def test_resume_under_another_compute_refused(tmp_path):
+    """A shard with committed samples resumes only where it was computed (device, head,
+    versions): the message names each difference and how to redo the shard. A shard with
+    nothing committed takes the new record; a finished one is never refused."""
+    spec, plan = make_spec(), make_plan(LENGTHS)
+    path = tmp_path / "c.zarr"
+    here = {"device": "NVIDIA H200", "head": "inductor", "torch": "2.11.0"}
+    elsewhere = {**here, "device": "cpu AVX2 x4 threads", "head": "eager"}
+    root = C.create_or_open_cache(str(path), spec)
+    C.ShardWriter(root, 0, plan, spec, compute=elsewhere)  # created, nothing committed
+    w = C.ShardWriter(root, 0, plan, spec, compute=here)  # so this run takes it over
+    assert root["shards/00000"].attrs["compute"] == here
+    w.write_batch(0, **batch_data(spec, plan, 0))
+    w.commit()
+    assert C.ShardWriter(root, 0, plan, spec, compute=dict(here)).next_batch == 1  # same: resumes
+    with pytest.raises(C.CacheError) as e:
+        C.ShardWriter(root, 0, plan, spec, compute=elsewhere)
+    msg = str(e.value)
+    assert "shard 00000 has 2 samples computed elsewhere" in msg
+    assert "device: 'NVIDIA H200' then, 'cpu AVX2 x4 threads' now" in msg and "head: 'inductor' then, 'eager' now" in msg
+    assert "torch" not in msg and "delete the folder shards/00000" in msg
+    assert C.open_root(str(path))["shards/00000"].attrs["compute"] == here  # the refusal changed nothing
+    import shutil
+
+    shutil.rmtree(path / "shards" / "00000")  # what the message says: the shard starts over
+    assert C.ShardWriter(C.open_root(str(path), "r+"), 0, plan, spec, compute=elsewhere).next_batch == 0
+    done = tmp_path / "done.zarr"
+    write_all(done, spec, plan)  # finished (no compute recorded by write_all)
+    C.open_root(str(done), "r+")["shards/00000"].attrs["compute"] = here
+    assert C.ShardWriter(C.open_root(str(done), "r+"), 0, plan, spec, compute=elsewhere).complete
+
+
 def test_changed_plan_refused(tmp_path):
     spec = make_spec()
     write_all(tmp_path / "c.zarr", spec, make_plan(LENGTHS), stop_after=2)

@@ -72,7 +72,7 @@ def build_cache(path: Path, tok, tok_dir: Path) -> dict:
     for sid, (source, batches, commit_batches, skipped) in enumerate(layout):
         samples = [_sample(tok, rng) for _ in source]
         plan = C.ShardPlan(source, np.array([len(s[0]) for s in samples]), np.array(batches), skipped)
-        w = C.ShardWriter(root, sid, plan, spec)
+        w = C.ShardWriter(root, sid, plan, spec, compute={"device": f"gpu-{sid % 2}", "torch": "2.x"})
         per_sample = [_token_fields(ids, mask, vocab, rng, gen) for ids, mask, _ in samples]
         for b in range(len(batches) - 1):
             part = per_sample[batches[b]:batches[b + 1]]
@@ -151,6 +151,10 @@ def test_info_counts_match_numpy(cache):
     text = run("info", path).output
     for part in ("partial", "complete", "rev123", "c0ffeec0ffee", "[0, 2, 3]", "output_hidden_states", "too_long=2"):
         assert part in text
+    # where each shard was computed, as its writer recorded it
+    assert [s["compute"]["device"] for s in d["shards"]] == ["gpu-0", "gpu-1"]
+    assert "computed   device gpu-0, torch 2.x  (shards 00000)" in text
+    assert "computed   device gpu-1, torch 2.x  (shards 00001)" in text
 
 
 def test_not_a_cache_exits_2(tmp_path):

@@ -3,6 +3,7 @@ spawned workers, checked against the HF model's own outputs."""
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import glob
 import json
@@ -445,6 +446,40 @@ def test_writer_process_io_error_stops_cleanly_then_resumes(tmp_path, extracted,
     assert t["cpu_writers_s"] > 0 and t["cpu_s"] == pytest.approx(t["cpu_main_s"] + t["cpu_writers_s"], abs=2e-3)
     assert t["writers_busy"] > 0 and t["pool_copy"] > 0 and t["pool_wait"] >= 0
     assert all(v >= 0.05 for v in t["cpu_threads_s"].values())  # per thread name (tested on its own below)
+
+
+def test_a_shard_resumes_only_where_it_was_computed(tmp_path, extracted, dataset, tiny_target_dir):
+    """The worker records what computed the shard; stopped after its first commit, the shard
+    refuses to resume under another compute environment (here another CPU thread count,
+    which changes CPU kernels' reduction order), naming the difference, and resumes under
+    the same one to the unbroken shard."""
+    reference, _, _ = extracted
+    out = tmp_path / "c.zarr"
+    task = shard_task(out, dataset, tiny_target_dir, 0, batch_delay_s=0.3)  # slow enough to stop midway
+    stop = threading.Event()
+
+    def report(kind, **f):
+        if kind == "commit" and f["tokens"]:
+            stop.set()
+
+    threads = torch.get_num_threads()
+    try:
+        with pytest.raises(W.Stopped):
+            W.run_shard(task, report, stop)
+        attrs = C.open_root(str(out))[C.shard_name(0)].attrs.asdict()
+        assert 0 < attrs["commit"]["samples"] < attrs["planned"]["samples"]
+        torch.set_num_threads(1)
+        assert attrs["compute"] == W.compute_environment(torch.device("cpu"))
+        assert attrs["compute"]["device"].endswith("x1 threads") and attrs["compute"]["torch"] == torch.__version__
+        other = dataclasses.replace(task, cpu_threads=2)
+        with pytest.raises(C.CacheError) as err:
+            W.run_shard(other, lambda *a, **k: None, threading.Event())
+        kind, message = W.describe_error(err.value, other)
+        assert kind == "cache" and "x1 threads' then" in message and "x2 threads' now" in message
+        W.run_shard(task, lambda *a, **k: None, threading.Event())  # where it was started: resumes
+    finally:
+        torch.set_num_threads(threads)
+    assert_same_shard(reference, out, 0)
 
 
 def test_thread_cpu_is_counted_per_thread_name():
