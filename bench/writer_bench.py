@@ -27,14 +27,12 @@ def cpu() -> float:
     return r.ru_utime + r.ru_stime
 
 
-def run(name: str, args, settings: dict, blosc_threads: int, gil_busy: bool, switch_ms: float = 5.0,
-        barrier=None) -> dict:
-    import numcodecs.blosc
-    import zarr
-
+def setup(args, name: str):
+    """The cache spec of an 8B target's batches, a fresh store path, and one batch's arrays:
+    hidden states (Gaussian bf16 bits, 5 layers x 4096), ids, top-64 ids and log-probs."""
     from dflash.shared import cache as C
 
-    L, D, T, nb = 5, 4096, args.tokens, args.batches
+    L, D, T = 5, 4096, args.tokens
     spec = C.CacheSpec(layer_ids=[1, 9, 17, 25, 33], hidden_size=D, topk=64, vocab_size=151936,
                        num_target_layers=36, max_length=T, truncation="right", chunk_tokens=256,
                        fingerprint={"tokenizer": {"hash": None}})
@@ -45,6 +43,18 @@ def run(name: str, args, settings: dict, blosc_threads: int, gil_busy: bool, swi
     ids = np.random.default_rng(0).integers(0, 151936, T).astype(np.int32)
     tk = np.random.default_rng(1).integers(0, 151936, (T, 64)).astype(np.int32)
     lp = np.random.default_rng(2).standard_normal((T, 64)).astype(np.float32)
+    return spec, path, (h, ids, tk, lp)
+
+
+def run(name: str, args, settings: dict, blosc_threads: int, gil_busy: bool, switch_ms: float = 5.0,
+        barrier=None) -> dict:
+    import numcodecs.blosc
+    import zarr
+
+    from dflash.shared import cache as C
+
+    L, D, T, nb = 5, 4096, args.tokens, args.batches
+    spec, path, (h, ids, tk, lp) = setup(args, name)
     stop = threading.Event()
 
     def busy():  # pure-Python work holding the GIL between short releases
@@ -126,16 +136,7 @@ def pooled(args, processes: int, concurrency: int, heap_buffers: bool) -> dict:
     from dflash.shared import cache as C
 
     L, D, T, nb = 5, 4096, args.tokens, args.batches
-    spec = C.CacheSpec(layer_ids=[1, 9, 17, 25, 33], hidden_size=D, topk=64, vocab_size=151936,
-                       num_target_layers=36, max_length=T, truncation="right", chunk_tokens=256,
-                       fingerprint={"tokenizer": {"hash": None}})
-    path = f"{args.work}/pool.zarr"
-    shutil.rmtree(path, ignore_errors=True)
-    g = torch.Generator().manual_seed(0)
-    h = C.bf16_to_bits(torch.randn(T, L, D, generator=g).bfloat16())
-    ids = np.random.default_rng(0).integers(0, 151936, T).astype(np.int32)
-    tk = np.random.default_rng(1).integers(0, 151936, (T, 64)).astype(np.int32)
-    lp = np.random.default_rng(2).standard_normal((T, 64)).astype(np.float32)
+    spec, path, (h, ids, tk, lp) = setup(args, "pool")
     settings = {"async.concurrency": concurrency, "array.write_empty_chunks": True}
     zarr.config.set(settings)
     root = C.create_or_open_cache(path, spec)
