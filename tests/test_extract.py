@@ -322,6 +322,7 @@ def test_kill9_then_resume_is_bitwise_identical(tmp_path, extracted, dataset, ti
     out = tmp_path / "killed.zarr"
     args = [sys.executable, "-m", "dflash.extract.cli", "--data", str(dataset[0]), "--model", str(tiny_target_dir),
             "--out", str(out), "--on-bad-row", "skip", *COMMON, "--writer-processes", str(writer_processes)]
+    semaphores = set(glob.glob("/dev/shm/sem.mp-*"))
     proc = subprocess.Popen(args + ["--batch-delay-s", "0.25"], start_new_session=True,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 60
@@ -340,6 +341,10 @@ def test_kill9_then_resume_is_bitwise_identical(tmp_path, extracted, dataset, ti
     finally:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
+        # multiprocessing's semaphores of the killed group: its resource tracker, which would
+        # have removed them, died with it
+        for path in set(glob.glob("/dev/shm/sem.mp-*")) - semaphores:
+            os.unlink(path)
     states = [C.open_root(str(out))[C.shard_name(s)].attrs.asdict() for s in (0, 1)]
     assert not all(a["complete"] for a in states), "the run finished before the kill: nothing was tested"
     segments = sorted(f"/dev/shm/{segment_prefix(str(out), C.shard_name(s))}" for s in (0, 1))
