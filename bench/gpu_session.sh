@@ -12,6 +12,7 @@
 #   bash bench/gpu_session.sh d     # where the writer's time goes (pool copy/wait, processes busy, CPU per thread); 2 vs 3 processes
 #   bash bench/gpu_session.sh p     # the writer processes alone (no GPU): processes x zarr concurrency x heap buffers, disk and /dev/shm
 #   bash bench/gpu_session.sh e     # extraction, 400 samples x2: writer processes 2 (old: no heap buffers) / 2 / 3 / 4 x concurrency 4
+#   bash bench/gpu_session.sh k     # no GPU work: one writer process's CPU per chunk, blosc alone against a zarr write
 #   bash bench/gpu_session.sh 3     # drafter step flex vs dense at 8B dims; peak memory at 2k..16k
 #   bash bench/gpu_session.sh 4     # 300 variable-length steps (compiles, guards); extraction; loader (STEP_S=...)
 #   bash bench/gpu_session.sh 1|2|diag   # this session's earlier calls (see BENCHMARKS.md)
@@ -19,7 +20,7 @@
 # Logs go to $OUT (the device tool brings them back).
 set -u
 phase=${1:-1}
-case "$phase" in x|y|z|s|w|h|b|n|c|d|p|e|3|4|1|2|diag) ;; *) echo "unknown phase '$phase' (see the list at the top)" >&2; exit 2;; esac
+case "$phase" in x|y|z|s|w|h|b|n|c|d|p|e|k|3|4|1|2|diag) ;; *) echo "unknown phase '$phase' (see the list at the top)" >&2; exit 2;; esac
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1
 python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . >/dev/null 2>&1 || export PYTHONPATH=/tmp/site:$PWD/_nsroot
@@ -92,6 +93,12 @@ elif [ "$phase" = e ]; then   # extraction with the writer processes' heap buffe
       '[{"writer_processes": 2, "writer_heap_buffers": false}, {"writer_processes": 2}, {"writer_processes": 3},
         {"writer_processes": 4, "write_concurrency": 4}]' 2>&1 | quiet | grep "^{" | tee "$OUT/extract_bench.log"
   nproc; cat /proc/loadavg
+elif [ "$phase" = k ]; then   # one writer process's CPU per chunk: blosc alone, crc32c, a copy, a zarr write
+  for i in 1 2 3; do
+    timeout 60 python3 bench/chunk_cpu.py --chunks 32 --work /tmp/cc 2>&1 | grep "^{"
+    timeout 60 python3 bench/chunk_cpu.py --chunks 32 --work /tmp/cc --heap-buffers 2>&1 | grep "^{"
+  done | tee "$OUT/chunk_cpu.log"
+  grep -m1 "model name" /proc/cpuinfo
 elif [ "$phase" = n ]; then   # next: is 0.9 robust across fresh hosts (run this on 2-3 calls); a compiled log-sum-exp
   timeout 120 python3 bench/topk_head.py --compiled 2>&1 | quiet | grep "^{" | tee "$OUT/topk_head.log"
   timeout 90 python3 -m pytest -q -x tests/test_extract.py -k cuda 2>&1 | tail -3 | tee "$OUT/pytest_cuda.log"
