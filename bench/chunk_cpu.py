@@ -4,7 +4,8 @@ Encodes 8B-shaped chunks (256 tokens x 5 layers x 4096, Gaussian bf16 bits) one 
 in this process and reports CPU milliseconds per chunk of each step of the cache's codec
 pipeline on its own (blosc's byte shuffle + zstd 1 in 512 KiB blocks, crc32c), against a
 whole zarr write of the same chunks (``array[a:b] = x``: zarr's pipeline, checksum, file),
-sequential and with zarr's concurrency as the worker sets it.
+sequential and with zarr's concurrency as the worker sets it, and against the writer
+processes' own chunk writes (``DirectChunks``: checked to be the bytes of zarr's files).
 
     python bench/chunk_cpu.py --chunks 32 --work /tmp/chunk_cpu
 """
@@ -68,6 +69,35 @@ def main():
                                compressors=C._compressors(2, 1))
             out[f"zarr_conc{conc}_ms"], out[f"zarr_conc{conc}_MB_s"], _ = per_chunk(lambda: a.__setitem__(slice(None), bits))
         shutil.rmtree(path, ignore_errors=True)
+    # The writer processes' own chunk writes (extract/chunk_pool.py DirectChunks), one thread:
+    # checked against zarr's files and read back through zarr.
+    from dflash.extract.chunk_pool import DirectChunks
+
+    path = f"{args.work}/direct.zarr"
+    shutil.rmtree(path, ignore_errors=True)
+    g = zarr.open_group(path, mode="w")
+    a = g.create_array("h", shape=bits.shape, chunks=(C_TOK, L, D), dtype="uint16", fill_value=0,
+                       compressors=C._compressors(2, 1))
+    writer = DirectChunks.of(a, threads=1)
+
+    def direct():
+        for i, c in enumerate(chunks):
+            writer.write(i * C_TOK, c)
+
+    out["direct_ms"], out["direct_MB_s"], _ = per_chunk(direct)
+    ref = f"{args.work}/ref.zarr"
+    shutil.rmtree(ref, ignore_errors=True)
+    with zarr.config.set({"array.write_empty_chunks": True}):
+        r = zarr.open_group(ref, mode="w").create_array("h", shape=bits.shape, chunks=(C_TOK, L, D), dtype="uint16",
+                                                       fill_value=0, compressors=C._compressors(2, 1))
+        r[:] = bits
+    same_files = all(open(f"{path}/h/c/{i}/0/0", "rb").read() == open(f"{ref}/h/c/{i}/0/0", "rb").read()
+                     for i in range(args.chunks))
+    out["direct_files_equal_zarrs"] = same_files
+    out["direct_reads_back"] = bool(np.array_equal(zarr.open_group(path, mode="r")["h"][:], bits))
+    writer.close()
+    shutil.rmtree(path, ignore_errors=True)
+    shutil.rmtree(ref, ignore_errors=True)
     print(json.dumps(out), flush=True)
 
 

@@ -188,7 +188,7 @@ def main():
         hidden_stored = sum(f.stat().st_size for f in (out / "shards" / "00000" / "hidden").rglob("*") if f.is_file())
         result = {
             "worker_settings": name, "cache_dir": str(out.parent), "gil_switch_ms": vcfg.gil_switch_ms, "write_concurrency": vcfg.write_concurrency,
-            "writer_heap_buffers": vcfg.writer_heap_buffers,
+            "writer_heap_buffers": vcfg.writer_heap_buffers, "writer_direct_chunks": vcfg.writer_direct_chunks,
             "writer_processes": vcfg.resolved_writer_processes,
             "samples": len(plan.source_index), "tokens": n_tok, "batch_tokens": args.batch_tokens,
             "backbone_only_tok_s": round(n_tok / t_backbone), "forward_capture_topk_tok_s": round(n_tok / t_runner),

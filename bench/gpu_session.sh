@@ -13,6 +13,7 @@
 #   bash bench/gpu_session.sh p     # the writer processes alone (no GPU): processes x zarr concurrency x heap buffers, disk and /dev/shm
 #   bash bench/gpu_session.sh e     # extraction, 400 samples x2: writer processes 2 (old: no heap buffers) / 2 / 3 / 4 x concurrency 4
 #   bash bench/gpu_session.sh k     # no GPU work: one writer process's CPU per chunk, blosc alone against a zarr write
+#   bash bench/gpu_session.sh f     # next: the writer processes' own chunk writes on/off, alone (writer_bench) and in extraction x2
 #   bash bench/gpu_session.sh 3     # drafter step flex vs dense at 8B dims; peak memory at 2k..16k
 #   bash bench/gpu_session.sh 4     # 300 variable-length steps (compiles, guards); extraction; loader (STEP_S=...)
 #   bash bench/gpu_session.sh 1|2|diag   # this session's earlier calls (see BENCHMARKS.md)
@@ -20,7 +21,7 @@
 # Logs go to $OUT (the device tool brings them back).
 set -u
 phase=${1:-1}
-case "$phase" in x|y|z|s|w|h|b|n|c|d|p|e|k|3|4|1|2|diag) ;; *) echo "unknown phase '$phase' (see the list at the top)" >&2; exit 2;; esac
+case "$phase" in x|y|z|s|w|h|b|n|c|d|p|e|k|f|3|4|1|2|diag) ;; *) echo "unknown phase '$phase' (see the list at the top)" >&2; exit 2;; esac
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1
 python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . >/dev/null 2>&1 || export PYTHONPATH=/tmp/site:$PWD/_nsroot
@@ -85,7 +86,7 @@ elif [ "$phase" = d ]; then   # where the writer's time goes, 400 samples, 2 and
 elif [ "$phase" = p ]; then   # the writer processes alone: where their CPU goes (user, system, page faults)
   for dir in /tmp/wb /dev/shm/wb; do
     timeout 200 python3 bench/writer_bench.py --batches 13 --work $dir \
-        --pool 2:32:0,2:32:1,2:8:1,2:4:1,3:4:1,4:4:1,3:8:1,2:32:0 2>&1 | grep "^{"; rm -rf $dir
+        --pool 2:32:0:0,2:32:1:0,2:8:1:0,2:4:1:0,3:4:1:0,4:4:1:0,3:8:1:0,2:32:0:0 2>&1 | grep "^{"; rm -rf $dir
   done | tee "$OUT/writer_pool.log"
   nproc; cat /proc/loadavg; uname -r; ldd --version | head -1
 elif [ "$phase" = e ]; then   # extraction with the writer processes' heap buffers: 2 (without, as before) / 2 / 3 / 4 x conc 4
@@ -99,6 +100,13 @@ elif [ "$phase" = k ]; then   # one writer process's CPU per chunk: blosc alone,
     timeout 60 python3 bench/chunk_cpu.py --chunks 32 --work /tmp/cc --heap-buffers 2>&1 | grep "^{"
   done | tee "$OUT/chunk_cpu.log"
   grep -m1 "model name" /proc/cpuinfo
+elif [ "$phase" = f ]; then   # DirectChunks: the writer processes store whole chunks themselves (same bytes as zarr)
+  timeout 90 python3 -m pytest -q -x tests/test_extract.py -k "cuda or compiled_head" 2>&1 | tail -3 | tee "$OUT/pytest_cuda.log"
+  timeout 90 python3 bench/writer_bench.py --batches 13 --work /tmp/wb --pool 2:32:1:0,2:32:1:1,2:32:1:0,2:32:1:1 2>&1 \
+      | grep "^{" | tee "$OUT/writer_pool.log"; rm -rf /tmp/wb
+  timeout 400 python3 bench/extract_bench.py --samples 400 --length 2048 --batch-tokens 8192 --repeat 2 --settings \
+      '[{"writer_processes": 2, "writer_direct_chunks": false}, {"writer_processes": 2}]' 2>&1 | quiet | grep "^{" \
+      | tee "$OUT/extract_bench.log"
 elif [ "$phase" = n ]; then   # next: is 0.9 robust across fresh hosts (run this on 2-3 calls); a compiled log-sum-exp
   timeout 120 python3 bench/topk_head.py --compiled 2>&1 | quiet | grep "^{" | tee "$OUT/topk_head.log"
   timeout 90 python3 -m pytest -q -x tests/test_extract.py -k cuda 2>&1 | tail -3 | tee "$OUT/pytest_cuda.log"

@@ -126,7 +126,7 @@ def proc_cpu(procs) -> tuple[float, float, int]:
     return user, system, faults
 
 
-def pooled(args, processes: int, concurrency: int, heap_buffers: bool) -> dict:
+def pooled(args, processes: int, concurrency: int, heap_buffers: bool, direct_chunks: bool = True) -> dict:
     """The worker's own path: ShardWriter hands each flush to a ChunkPool of ``processes``
     writer processes (shared memory), as ``run_shard`` does on CUDA. Reports the rate, the
     processes' user and system CPU, and the pool's copy/wait/busy seconds."""
@@ -144,7 +144,8 @@ def pooled(args, processes: int, concurrency: int, heap_buffers: bool) -> dict:
     w = C.ShardWriter(root, 0, plan, spec)
     arrays = {f: (a.shape[1:], a.dtype) for f, a in w.arrays.items()}
     pool = ChunkPool(path, C.shard_name(0), arrays, processes=processes, chunk=spec.chunk_tokens,
-                     max_rows=T + spec.chunk_tokens, settings=settings, heap_buffers=heap_buffers)
+                     max_rows=T + spec.chunk_tokens, settings=settings, heap_buffers=heap_buffers,
+                     direct_chunks=direct_chunks)
     w.attach_sinks({f: pool.sink(f) for f in arrays})
     w.write_batch(0, input_ids=ids, loss_mask=np.ones(T, bool), hidden=h, topk_ids=tk, topk_logprobs=lp)
     pool.wait()  # the processes are up (their start-up is not what this measures)
@@ -158,7 +159,8 @@ def pooled(args, processes: int, concurrency: int, heap_buffers: bool) -> dict:
     seconds = dict(pool.seconds)
     pool.close()
     user, system = r2[0] - r1[0], r2[1] - r1[1]
-    return {"variant": f"pool processes={processes} concurrency={concurrency} heap_buffers={heap_buffers}",
+    return {"variant": f"pool processes={processes} concurrency={concurrency} heap_buffers={heap_buffers} "
+                       f"direct_chunks={direct_chunks}",
             "batches": nb - 1, "s_per_batch": round(dt / (nb - 1), 4),
             "hidden_MB_s": round((nb - 1) * T * L * D * 2 / dt / 1e6),
             "writers_user_s_per_batch": round(user / (nb - 1), 3),
@@ -175,13 +177,13 @@ def main():
     p.add_argument("--work", default="/tmp/writer_bench")
     p.add_argument("--procs", default="", help="e.g. 2,4: also run that many writer processes at once")
     p.add_argument("--only-procs", action="store_true", help="skip the single-process variants")
-    p.add_argument("--pool", default="", help="e.g. 2:32:1,2:4:0 (processes:concurrency:heap_buffers): only the "
-                   "worker's writer-process path, one run of each")
+    p.add_argument("--pool", default="", help="e.g. 2:32:1:1,2:4:0:0 (processes:concurrency:heap_buffers[:direct_"
+                   "chunks, default 1]): only the worker's writer-process path, one run of each")
     args = p.parse_args()
     if args.pool:
         for v in args.pool.split(","):
-            n, c, hb = (int(x) for x in v.split(":"))
-            print(json.dumps(pooled(args, n, c, bool(hb))), flush=True)
+            n, c, hb, *dc = (int(x) for x in v.split(":"))
+            print(json.dumps(pooled(args, n, c, bool(hb), bool(dc[0]) if dc else True)), flush=True)
         return
     tuned = {"async.concurrency": 32, "array.write_empty_chunks": True}
     for n in [int(x) for x in args.procs.split(",") if x]:

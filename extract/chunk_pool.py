@@ -6,8 +6,10 @@ than that, and the writer thread's share of the GIL slows the forward loop itsel
 (BENCHMARKS.md). ``ChunkPool`` hands the rows of each flush to ``processes`` child
 processes through shared memory (two blocks per array): the shard's writer thread copies
 the rows into a free block (numpy copies release the GIL), splits them at chunk
-boundaries into one contiguous range per process, and each process writes its range with
-zarr (compression, checksums, files) in its own interpreter.
+boundaries into one contiguous range per process, and each process writes its range in its
+own interpreter: its full chunks encoded and stored by ``DirectChunks`` (the bytes zarr
+would write, at about half zarr's CPU), anything else (a chunk a commit leaves partial, the
+array's last chunk, a store that is not a local folder) with zarr.
 
 Ranges of one flush are disjoint whole chunks. A flush that ends inside a chunk (the
 final flush of a commit) is followed by a ``wait`` before the next write rewrites that
@@ -22,6 +24,7 @@ import hashlib
 import multiprocessing as mp
 import os
 import time
+import uuid
 from multiprocessing import shared_memory
 from typing import Any
 
@@ -76,8 +79,78 @@ def _keep_buffers_on_the_heap() -> None:
     mallopt(M_TRIM_THRESHOLD, 1 << 30)
 
 
+class DirectChunks:
+    """Whole chunks of one zarr array encoded and stored here, as zarr itself would store them.
+
+    zarr's write path doubles a writer process's CPU per chunk of hidden states on top of the
+    compression (copies into fresh buffers, its async machinery; bench/chunk_cpu.py). For the
+    cache's own layout (a local store; little-endian bytes, blosc, crc32c) this encodes each
+    full chunk with the very blosc codec object zarr built for the array, appends the crc32c
+    as zarr's codec does, and writes the file at the key zarr reads: the same bytes (tested
+    against zarr's files). Chunks in parallel on ``threads`` threads (blosc and file writes
+    release the GIL). ``of`` returns None where the layout is any other: zarr writes those.
+    """
+
+    def __init__(self, array, folder: str, blosc, threads: int):
+        self.array, self.folder, self.blosc = array, folder, blosc
+        self.chunk = array.chunks[0]
+        from concurrent.futures import ThreadPoolExecutor
+
+        self.pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="chunk")
+
+    @classmethod
+    def of(cls, array, threads: int) -> "DirectChunks | None":
+        import sys
+
+        from zarr.codecs import BloscCodec, BytesCodec, Crc32cCodec
+        from zarr.storage import LocalStore
+
+        codecs = tuple(getattr(array.metadata, "codecs", ()))
+        if not isinstance(array.store, LocalStore) or sys.byteorder != "little" or len(codecs) != 3:
+            return None
+        serializer, compressor, checksum = codecs
+        endian = getattr(getattr(serializer, "endian", None), "value", None)
+        if not (isinstance(serializer, BytesCodec) and endian in (None, "little") and isinstance(compressor, BloscCodec)
+                and isinstance(checksum, Crc32cCodec) and tuple(array.chunks[1:]) == tuple(array.shape[1:])):
+            return None  # chunked along rows only: chunk i is rows [i * C, (i + 1) * C)
+        blosc = getattr(codecs[1], "_blosc_codec", None)  # the codec object zarr encodes with
+        if blosc is None:
+            return None
+        return cls(array, os.path.join(str(array.store.root), array.path), blosc, threads)
+
+    def write(self, start: int, rows: np.ndarray) -> int:
+        """Store the full chunks of ``rows`` (which start at row ``start``, a chunk boundary);
+        returns how many rows that was (the rest, under one chunk, is zarr's)."""
+        n = (len(rows) // self.chunk) * self.chunk
+        first = start // self.chunk
+        for _ in self.pool.map(lambda i: self._store(first + i, rows[i * self.chunk:(i + 1) * self.chunk]),
+                               range(n // self.chunk)):
+            pass  # raises the first chunk's error, if any
+        return n
+
+    def _store(self, index: int, chunk: np.ndarray) -> None:
+        import google_crc32c
+
+        frame = self.blosc.encode(np.ascontiguousarray(chunk).view(np.uint8).reshape(-1))  # the bytes zarr hands it
+        path = os.path.join(self.folder, *self.array.metadata.encode_chunk_key((index,) + (0,) * (chunk.ndim - 1)).split("/"))
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        tmp = f"{path}.{uuid.uuid4().hex}.partial"  # a reader never sees half a chunk, as with zarr's own writes
+        try:
+            with open(tmp, "wb") as f:
+                f.write(frame)
+                f.write(np.array([google_crc32c.value(frame)], dtype="<u4").tobytes())
+            os.replace(tmp, path)
+        except BaseException:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+            raise
+
+    def close(self) -> None:
+        self.pool.shutdown()
+
+
 def _serve(conn, store: str, group: str, layouts: dict[str, tuple[list[str], tuple[int, ...], str]],
-           settings: dict[str, Any], heap_buffers: bool = True) -> None:
+           settings: dict[str, Any], heap_buffers: bool = True, direct_chunks: bool = True) -> None:
     """Child: write the ranges it is sent, answer each with ('ok', seconds it took) or ('error', ...)."""
     import signal
 
@@ -89,6 +162,8 @@ def _serve(conn, store: str, group: str, layouts: dict[str, tuple[list[str], tup
     zarr.config.set(settings)
     g = zarr.open_group(store, mode="r+")[group]
     arrays = {name: g[name] for name in layouts}
+    threads = min(settings.get("async.concurrency", 10), os.cpu_count() or 1)
+    direct = {name: DirectChunks.of(a, threads) if direct_chunks else None for name, a in arrays.items()}
     blocks = {name: [shared_memory.SharedMemory(name=n) for n in names] for name, (names, _, _) in layouts.items()}
     try:
         while True:
@@ -104,12 +179,17 @@ def _serve(conn, store: str, group: str, layouts: dict[str, tuple[list[str], tup
             try:
                 view = np.ndarray((stop - start,) + tuple(row_shape), dtype=dtype, buffer=blocks[name][block].buf,
                                   offset=offset * int(np.prod(row_shape)) * np.dtype(dtype).itemsize)
-                arrays[name][start:stop] = view
+                done = direct[name].write(start, view) if direct[name] is not None else 0
+                if done < stop - start:
+                    arrays[name][start + done:stop] = view[done:]
                 del view
                 conn.send(("ok", time.perf_counter() - t))
             except BaseException as e:  # noqa: BLE001 - handed to the parent, which stops the shard
                 conn.send(("error", type(e).__name__, str(e), getattr(e, "errno", None), isinstance(e, OSError)))
     finally:
+        for d in direct.values():
+            if d is not None:
+                d.close()
         for bs in blocks.values():
             for b in bs:
                 b.close()
@@ -165,7 +245,8 @@ class ChunkPool:
     dtype)) of the zarr group ``group`` in the store at ``store``."""
 
     def __init__(self, store: str, group: str, arrays: dict[str, tuple[tuple[int, ...], Any]], *, processes: int,
-                 chunk: int, max_rows: int, settings: dict[str, Any], heap_buffers: bool = True):
+                 chunk: int, max_rows: int, settings: dict[str, Any], heap_buffers: bool = True,
+                 direct_chunks: bool = True):
         self.chunk, self.max_rows = chunk, max_rows
         self.seconds = {"pool_copy": 0.0, "pool_wait": 0.0, "writers_busy": 0.0}
         """The shard's writer thread copying rows into shared memory, and waiting for a block
@@ -182,7 +263,7 @@ class ChunkPool:
             for i in range(processes):
                 ours, theirs = ctx.Pipe()
                 p = ctx.Process(target=_serve, name=f"{group.replace('/', '-')}-writer{i}", daemon=True,
-                                args=(theirs, store, group, layouts, settings, heap_buffers))
+                                args=(theirs, store, group, layouts, settings, heap_buffers, direct_chunks))
                 p.start()
                 theirs.close()
                 self.conns.append(ours)

@@ -334,7 +334,8 @@ def _writer_pool(cfg: ExtractConfig, spec: CacheSpec, writer: ShardWriter, repor
                                    "cache itself (slower; enlarge /dev/shm or lower --batch-tokens)"))
         return None
     pool = ChunkPool(cfg.out, shard_name(writer.shard_id), arrays, processes=processes, chunk=spec.chunk_tokens,
-                     max_rows=max_rows, settings=_zarr_settings(cfg), heap_buffers=cfg.writer_heap_buffers)
+                     max_rows=max_rows, settings=_zarr_settings(cfg), heap_buffers=cfg.writer_heap_buffers,
+                     direct_chunks=cfg.writer_direct_chunks)
     writer.attach_sinks({f: pool.sink(f) for f in arrays})
     return pool
 

@@ -23,7 +23,7 @@ def test_split_chunks_cuts_whole_chunks_and_covers_the_range():
         assert all(a % chunk == 0 for a, _ in ranges)  # every range starts on a chunk boundary
 
 
-def pool_for(path, spec, plan, processes=2, fields=C.TOKEN_FIELDS):
+def pool_for(path, spec, plan, processes=2, fields=C.TOKEN_FIELDS, direct_chunks=True):
     """``sinks`` for ``write_all``: a new pool writing ``fields`` at each call (kept in ``pools``)."""
     max_rows = int(np.diff(plan.offsets[plan.batches]).max()) + spec.chunk_tokens
     pools = []
@@ -31,7 +31,7 @@ def pool_for(path, spec, plan, processes=2, fields=C.TOKEN_FIELDS):
     def sinks(root):
         arrays = {f: (a.shape[1:], a.dtype) for f, a in root[C.shard_name(0)].arrays() if f in fields}
         pool = ChunkPool(str(path), C.shard_name(0), arrays, processes=processes, chunk=spec.chunk_tokens,
-                         max_rows=max_rows, settings=SETTINGS)
+                         max_rows=max_rows, settings=SETTINGS, direct_chunks=direct_chunks)
         pools.append(pool)
         return {f: pool.sink(f) for f in fields}
 
@@ -43,13 +43,21 @@ def shard(path):
     return {f: np.asarray(g[f][:]) for f in C.TOKEN_FIELDS + ("offsets",)}, g.attrs.asdict()
 
 
-@pytest.mark.parametrize("stop_after,commit_every,fields", [(None, 1, C.TOKEN_FIELDS), (3, 1, C.TOKEN_FIELDS),
-                                                             (5, 2, C.TOKEN_FIELDS), (3, 1, ("hidden",))])
-def test_writer_processes_write_what_the_thread_writes(tmp_path, stop_after, commit_every, fields):
+def chunk_files(path, field):
+    folder = path / "shards" / "00000" / field
+    return {p.relative_to(folder).as_posix(): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+@pytest.mark.parametrize("stop_after,commit_every,fields,direct", [
+    (None, 1, C.TOKEN_FIELDS, True), (3, 1, C.TOKEN_FIELDS, True), (5, 2, C.TOKEN_FIELDS, True),
+    (3, 1, ("hidden",), True), (3, 1, C.TOKEN_FIELDS, False)])
+def test_writer_processes_write_what_the_thread_writes(tmp_path, stop_after, commit_every, fields, direct):
+    """Every array the same as the thread's (which zarr writes), and with the processes' own
+    chunk writes (``direct``) every chunk file the same bytes as zarr's, no file more or less."""
     spec, plan = make_spec(), make_plan(LENGTHS)  # samples cross chunks of 16 everywhere
     write_all(tmp_path / "thread.zarr", spec, plan)
     path = tmp_path / "procs.zarr"
-    sinks, pools = pool_for(path, spec, plan, fields=fields)
+    sinks, pools = pool_for(path, spec, plan, fields=fields, direct_chunks=direct)
     try:
         if stop_after is not None:  # stop after a commit that ends inside a chunk, then resume
             write_all(path, spec, plan, commit_every=commit_every, stop_after=stop_after, sinks=sinks)
@@ -68,6 +76,10 @@ def test_writer_processes_write_what_the_thread_writes(tmp_path, stop_after, com
     assert a_attrs == b_attrs
     r = C.CacheReader(str(path))
     assert r.complete and len(r) == len(LENGTHS)
+    for f in C.TOKEN_FIELDS:
+        zarrs, ours = chunk_files(tmp_path / "thread.zarr", f), chunk_files(path, f)
+        assert sorted(zarrs) == sorted(ours), f
+        assert all(zarrs[k] == ours[k] for k in zarrs), f
 
 
 def test_commit_waits_for_the_sink_before_recording(tmp_path):
