@@ -82,6 +82,36 @@ def test_writer_processes_write_what_the_thread_writes(tmp_path, stop_after, com
         assert all(zarrs[k] == ours[k] for k in zarrs), f
 
 
+def test_direct_chunks_only_for_the_caches_own_layout(tmp_path):
+    """The writer processes store chunks themselves only where they can write zarr's exact
+    bytes: a local folder, little-endian bytes + blosc + crc32c, chunked along rows. Any
+    other array gets None (zarr writes it)."""
+    import zarr
+    import zarr.codecs as zc
+
+    from dflash.extract.chunk_pool import DirectChunks
+
+    spec = make_spec()
+    root = C.create_or_open_cache(str(tmp_path / "c.zarr"), spec)
+    C.ShardWriter(root, 0, make_plan(LENGTHS), spec)
+    for f in C.TOKEN_FIELDS:
+        d = DirectChunks.of(root[C.shard_name(0)][f], threads=1)
+        assert d is not None, f
+        d.close()
+    g = zarr.open_group(str(tmp_path / "other.zarr"), mode="w")
+    others = {
+        "zstd alone": g.create_array("a", shape=(64, 4), chunks=(16, 4), dtype="uint16", compressors=[zc.ZstdCodec()]),
+        "no checksum": g.create_array("b", shape=(64, 4), chunks=(16, 4), dtype="uint16",
+                                      compressors=[zc.BloscCodec(cname="zstd", clevel=1, shuffle="shuffle")]),
+        "chunked across columns": g.create_array("c", shape=(64, 4), chunks=(16, 2), dtype="uint16",
+                                                 compressors=C._compressors(2, 1)),
+        "in memory": zarr.open_group(zarr.storage.MemoryStore(), mode="w").create_array(
+            "d", shape=(64, 4), chunks=(16, 4), dtype="uint16", compressors=C._compressors(2, 1)),
+    }
+    for what, array in others.items():
+        assert DirectChunks.of(array, threads=1) is None, what
+
+
 def test_commit_waits_for_the_sink_before_recording(tmp_path):
     """A sink that stores nothing until ``wait``: the commit record must follow the wait."""
     spec, plan = make_spec(), make_plan(LENGTHS)
