@@ -22,6 +22,7 @@ convention exact for every id.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -167,3 +168,18 @@ class TargetRunner:
             values[t0:t1] = v.float() - self._logsumexp(logits)[:, None]
             ids[t0:t1] = i
         return TargetOutput(hidden=hidden, topk_logprobs=values, topk_ids=ids)
+
+
+def compute_environment(device: torch.device) -> dict[str, Any]:
+    """What decides the last bits of a shard's values beyond the fingerprint: the device model
+    (kernels, reduction orders; on the CPU the SIMD level torch dispatches to and its thread
+    count), the head's backend, the library versions. Recorded per shard; a shard with
+    committed samples refuses to resume under another (``ShardWriter``)."""
+    import transformers
+
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+    else:
+        name = f"cpu {torch.backends.cpu.get_cpu_capability()} x{torch.get_num_threads()} threads"
+    return {"device": name, "head": head_backend_for(device) or "eager", "torch": torch.__version__,
+            "transformers": transformers.__version__}

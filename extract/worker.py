@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import os
 import queue
-import resource
 import signal
 import sys
 import threading
@@ -43,9 +42,10 @@ from dflash.shared.cache import CacheError, CacheSpec, ShardWriter, bf16_to_bits
 
 from .chunk_pool import BLOCKS, ChunkPool, shm_free_bytes
 from .config import ExtractConfig
+from .cpu_time import children_cpu_seconds, thread_cpu, thread_cpu_by_name
 from .data import DataError, load_source
 from .plan import PlannedShard, plan_shard, shard_rows
-from .target import TargetRunner, head_backend_for, load_target
+from .target import TargetRunner, compute_environment, head_backend_for, load_target
 
 
 @dataclass
@@ -241,7 +241,7 @@ def run_shard(task: WorkerTask, report, stop: threading.Event | Any | None = Non
             writer.finish()
         return writer.committed
 
-    children_cpu = _children_cpu_seconds()
+    children_cpu = children_cpu_seconds()
     pool = _writer_pool(cfg, spec, writer, report)
     timing: dict[str, float] = {}
     try:
@@ -251,67 +251,13 @@ def run_shard(task: WorkerTask, report, stop: threading.Event | Any | None = Non
         if pool is not None:
             pool.close()  # joins the writer processes, so their CPU time is counted below
         if timing:
-            user, system = (b - a for a, b in zip(children_cpu, _children_cpu_seconds()))
+            user, system = (b - a for a, b in zip(children_cpu, children_cpu_seconds()))
             writers_cpu = user + system
             timing["cpu_writers_s"], timing["cpu_writers_sys_s"] = round(writers_cpu, 3), round(system, 3)
             timing["cpu_s"] = round(timing["cpu_s"] + writers_cpu, 3)
             if pool is not None:
                 timing.update({k: round(v, 3) for k, v in pool.seconds.items()})
             report("timing", **timing)
-
-
-def _thread_cpu() -> dict[int, tuple[str, float]]:
-    """CPU seconds of each live thread of this process (tid -> (name, seconds)); empty where
-    /proc is missing (not Linux). Where the forward loop's process spends its cores."""
-    tick = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
-    python_names = {t.native_id: t.name for t in threading.enumerate()}
-    threads = {}
-    try:
-        tids = os.listdir("/proc/self/task")
-    except OSError:
-        return threads
-    for tid in tids:
-        try:
-            with open(f"/proc/self/task/{tid}/stat") as f:
-                stat = f.read()
-        except OSError:  # the thread ended meanwhile
-            continue
-        # Python's own name for its threads; the kernel's (e.g. "python", "pt_autograd") for the others
-        name = python_names.get(int(tid)) or stat[stat.index("(") + 1:stat.rindex(")")]
-        fields = stat[stat.rindex(")") + 2:].split()
-        threads[int(tid)] = (name, (int(fields[11]) + int(fields[12])) / tick)  # utime, stime
-    return threads
-
-
-def _thread_cpu_by_name(before: dict[int, tuple[str, float]], after: dict[int, tuple[str, float]]) -> dict[str, float]:
-    """CPU seconds between two ``_thread_cpu`` snapshots, summed by thread name (digits dropped,
-    so a pool's threads count as one), largest first, threads under 0.05 s left out."""
-    by_name: dict[str, float] = {}
-    for tid, (name, cpu) in after.items():
-        key = name.rstrip("0123456789_-") or name
-        by_name[key] = by_name.get(key, 0.0) + cpu - before.get(tid, (name, 0.0))[1]
-    return {k: round(v, 2) for k, v in sorted(by_name.items(), key=lambda kv: -kv[1]) if v >= 0.05}
-
-
-def compute_environment(device: torch.device) -> dict[str, Any]:
-    """What decides the last bits of a shard's values beyond the fingerprint: the device model
-    (kernels, reduction orders; on the CPU the SIMD level torch dispatches to and its thread
-    count), the head's backend, the library versions. Recorded per shard; a shard with
-    committed samples refuses to resume under another (``ShardWriter``)."""
-    import transformers
-
-    if device.type == "cuda":
-        name = torch.cuda.get_device_name(device)
-    else:
-        name = f"cpu {torch.backends.cpu.get_cpu_capability()} x{torch.get_num_threads()} threads"
-    return {"device": name, "head": head_backend_for(device) or "eager", "torch": torch.__version__,
-            "transformers": transformers.__version__}
-
-
-def _children_cpu_seconds() -> tuple[float, float]:
-    """User and system CPU seconds of this process's finished (joined) child processes."""
-    r = resource.getrusage(resource.RUSAGE_CHILDREN)
-    return r.ru_utime, r.ru_stime
 
 
 def _writer_pool(cfg: ExtractConfig, spec: CacheSpec, writer: ShardWriter, report) -> ChunkPool | None:
@@ -360,7 +306,7 @@ def _extract(cfg: ExtractConfig, planned: PlannedShard, writer: ShardWriter, dev
     pad_id = pad_id if pad_id is not None else 0
     offsets = plan.offsets
     report("started")
-    t_loop, cpu_loop, threads_cpu = time.perf_counter(), time.process_time(), _thread_cpu()
+    t_loop, cpu_loop, threads_cpu = time.perf_counter(), time.process_time(), thread_cpu()
 
     thread = WriterThread(writer, planned, depth=cfg.queue_depth, commit_seconds=cfg.commit_seconds, report=report)
     copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
@@ -399,14 +345,14 @@ def _extract(cfg: ExtractConfig, planned: PlannedShard, writer: ShardWriter, dev
             pass
         raise
     t_drain = time.perf_counter()
-    threads_after = _thread_cpu()  # while the writer thread is alive
+    threads_after = thread_cpu()  # while the writer thread is alive
     thread.close(finish=not stopped)
     runner.close()
     t_end = time.perf_counter()
     cpu_main = time.process_time() - cpu_loop
     timing.update(loop_s=round(t_end - t_loop, 3), cpu_s=round(cpu_main, 3), cpu_main_s=round(cpu_main, 3),
                   drain_s=round(t_end - t_drain, 3), **{k: round(v, 3) for k, v in thread.seconds.items()},
-                  cpu_threads_s=_thread_cpu_by_name(threads_cpu, threads_after))
+                  cpu_threads_s=thread_cpu_by_name(threads_cpu, threads_after))
     if copy_stream is not None:
         timing.update({k: round(v, 3) for k, v in thread.gpu.items()})
     if stopped:

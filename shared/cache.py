@@ -285,7 +285,7 @@ class ShardWriter:
     sink (``attach_sinks``) are written through it instead (same rows, same chunks).
 
     ``compute`` describes what computes the shard's values (device, kernels, library
-    versions: ``extract.worker.compute_environment``); it is recorded when the shard is
+    versions: ``extract.target.compute_environment``); it is recorded when the shard is
     created, and a shard with committed samples refuses to resume under another one, since
     the resumed part would round differently from the part before it.
     """

@@ -19,6 +19,7 @@ import pytest
 import torch
 import zarr
 
+from dflash.extract import cpu_time
 from dflash.extract import runner as R
 from dflash.extract import worker as W
 from dflash.extract.chunk_pool import segment_prefix
@@ -26,7 +27,7 @@ from dflash.extract.chat import render
 from dflash.extract.config import ExtractConfig, default_layer_ids
 from dflash.extract.data import normalize_row
 from dflash.extract.plan import length_bucketed_batches, shard_rows
-from dflash.extract.target import TargetRunner, load_target
+from dflash.extract.target import TargetRunner, compute_environment, load_target
 from dflash.shared import cache as C
 
 LAYERS = [0, 2, 3]  # 3 = L - 1: HF takes that one after the final norm
@@ -474,7 +475,7 @@ def test_a_shard_resumes_only_where_it_was_computed(tmp_path, extracted, dataset
         attrs = C.open_root(str(out))[C.shard_name(0)].attrs.asdict()
         assert 0 < attrs["commit"]["samples"] < attrs["planned"]["samples"]
         torch.set_num_threads(1)
-        assert attrs["compute"] == W.compute_environment(torch.device("cpu"))
+        assert attrs["compute"] == compute_environment(torch.device("cpu"))
         assert attrs["compute"]["device"].endswith("x1 threads") and attrs["compute"]["torch"] == torch.__version__
         other = dataclasses.replace(task, cpu_threads=2)
         with pytest.raises(C.CacheError) as err:
@@ -490,7 +491,7 @@ def test_a_shard_resumes_only_where_it_was_computed(tmp_path, extracted, dataset
 def test_thread_cpu_is_counted_per_thread_name():
     """The per-thread CPU of the worker's process: a thread that burns ~0.3 s of CPU shows
     under its name (against the kernel's own per-thread clock, independent of ours)."""
-    before = W._thread_cpu()
+    before = cpu_time.thread_cpu()
     spent, burnt, read = {}, threading.Event(), threading.Event()
 
     def burn():
@@ -504,10 +505,10 @@ def test_thread_cpu_is_counted_per_thread_name():
     t = threading.Thread(target=burn, name="burner")
     t.start()
     burnt.wait()
-    after = W._thread_cpu()
+    after = cpu_time.thread_cpu()
     read.set()
     t.join()
-    by_name = W._thread_cpu_by_name(before, after)
+    by_name = cpu_time.thread_cpu_by_name(before, after)
     assert by_name["burner"] == pytest.approx(spent["s"], abs=0.05)
     assert list(by_name)[0] == "burner"  # largest first: the main thread only waited
 

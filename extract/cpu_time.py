@@ -1,0 +1,50 @@
+"""Where a worker's CPU goes: per thread of its own process, and its joined child processes.
+
+The closing timing of a shard (``extract/worker.py``) reports them, so that a benchmark or a
+slow run shows which thread or process took the cores.
+"""
+
+from __future__ import annotations
+
+import os
+import resource
+import threading
+
+
+def thread_cpu() -> dict[int, tuple[str, float]]:
+    """CPU seconds of each live thread of this process (tid -> (name, seconds)); empty where
+    /proc is missing (not Linux). Where the forward loop's process spends its cores."""
+    tick = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+    python_names = {t.native_id: t.name for t in threading.enumerate()}
+    threads = {}
+    try:
+        tids = os.listdir("/proc/self/task")
+    except OSError:
+        return threads
+    for tid in tids:
+        try:
+            with open(f"/proc/self/task/{tid}/stat") as f:
+                stat = f.read()
+        except OSError:  # the thread ended meanwhile
+            continue
+        # Python's own name for its threads; the kernel's (e.g. "python", "pt_autograd") for the others
+        name = python_names.get(int(tid)) or stat[stat.index("(") + 1:stat.rindex(")")]
+        fields = stat[stat.rindex(")") + 2:].split()
+        threads[int(tid)] = (name, (int(fields[11]) + int(fields[12])) / tick)  # utime, stime
+    return threads
+
+
+def thread_cpu_by_name(before: dict[int, tuple[str, float]], after: dict[int, tuple[str, float]]) -> dict[str, float]:
+    """CPU seconds between two ``thread_cpu`` snapshots, summed by thread name (digits dropped,
+    so a pool's threads count as one), largest first, threads under 0.05 s left out."""
+    by_name: dict[str, float] = {}
+    for tid, (name, cpu) in after.items():
+        key = name.rstrip("0123456789_-") or name
+        by_name[key] = by_name.get(key, 0.0) + cpu - before.get(tid, (name, 0.0))[1]
+    return {k: round(v, 2) for k, v in sorted(by_name.items(), key=lambda kv: -kv[1]) if v >= 0.05}
+
+
+def children_cpu_seconds() -> tuple[float, float]:
+    """User and system CPU seconds of this process's finished (joined) child processes."""
+    r = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return r.ru_utime, r.ru_stime
