@@ -21,10 +21,6 @@ import numpy as np
 import torch
 
 
-def cpu() -> float:
-    return time.process_time()
-
-
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--chunks", type=int, default=32)
@@ -51,10 +47,10 @@ def main():
     out = {"chunks": args.chunks, "chunk_MB": round(chunks[0].nbytes / 1e6, 2), "heap_buffers": args.heap_buffers}
 
     def per_chunk(fn):
-        c0 = cpu()
+        c0 = time.process_time()
         t0 = time.perf_counter()
         r = fn()
-        return round((cpu() - c0) * 1e3 / args.chunks, 2), round(mb / (time.perf_counter() - t0)), r
+        return round((time.process_time() - c0) * 1e3 / args.chunks, 2), round(mb / (time.perf_counter() - t0)), r
 
     out["blosc_ms"], out["blosc_MB_s"], encoded = per_chunk(lambda: [blosc.encode(c) for c in chunks])
     out["ratio"] = round(bits.nbytes / sum(len(e) for e in encoded), 4)

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import resource
 import shutil
 import time
 from pathlib import Path
@@ -28,11 +27,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-
-def cpu_seconds() -> float:
-    """This process and its joined children (the worker's writer processes)."""
-    return sum(r.ru_utime + r.ru_stime for r in (resource.getrusage(resource.RUSAGE_SELF),
-                                                 resource.getrusage(resource.RUSAGE_CHILDREN)))
+from dflash.extract.cpu_time import process_cpu_seconds
 
 
 def build(work: Path, args) -> tuple[Path, Path]:
@@ -171,7 +166,7 @@ def main():
         def report(kind, **f):
             if kind == "started":
                 events["start"] = time.perf_counter()
-                events["cpu0"] = cpu_seconds()
+                events["cpu0"] = process_cpu_seconds()
             elif kind == "timing":
                 events["timing"] = f
 
@@ -183,7 +178,7 @@ def main():
         # start to the last one's end, elsewhere the loop up to its last batch; the rest of the
         # wall time (the last batch's writes, the writer processes' exit) is paid once per shard
         t_steady = timing["gpu_busy"] + timing["gpu_gap"] if cuda else timing["loop_s"] - timing["drain_s"]
-        cores = (cpu_seconds() - events["cpu0"]) / t_extract
+        cores = (process_cpu_seconds() - events["cpu0"]) / t_extract
         stored = sum(f.stat().st_size for f in out.rglob("*") if f.is_file())
         hidden_stored = sum(f.stat().st_size for f in (out / "shards" / "00000" / "hidden").rglob("*") if f.is_file())
         result = {

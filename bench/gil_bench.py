@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import resource
 import shutil
 import statistics
 import sys
@@ -29,10 +28,7 @@ import time
 import numpy as np
 import torch
 
-
-def cpu_seconds() -> float:
-    return sum(r.ru_utime + r.ru_stime for r in (resource.getrusage(resource.RUSAGE_SELF),
-                                                 resource.getrusage(resource.RUSAGE_CHILDREN)))
+from dflash.extract.cpu_time import process_cpu_seconds
 
 
 def op_loop(stop: threading.Event) -> tuple[int, float]:
@@ -104,7 +100,7 @@ def run(mode: str, args) -> dict:
             writer.finish()
         stop.set()
 
-    cpu0 = cpu_seconds()
+    cpu0 = process_cpu_seconds()
     thread = threading.Thread(target=copies if mode.endswith("_copy") else write)
     thread.start()
     ops, seconds = op_loop(stop)
@@ -112,7 +108,7 @@ def run(mode: str, args) -> dict:
     if pool is not None:
         pool.close()
     return {"mode": mode, "ops_per_s": round(ops / seconds), "seconds": round(seconds, 2),
-            "writer_behind_s_max": round(max(lag), 3), "cpu_cores_busy": round((cpu_seconds() - cpu0) / seconds, 2)}
+            "writer_behind_s_max": round(max(lag), 3), "cpu_cores_busy": round((process_cpu_seconds() - cpu0) / seconds, 2)}
 
 
 SETTINGS = {"async.concurrency": 32, "array.write_empty_chunks": True}

@@ -48,3 +48,9 @@ def children_cpu_seconds() -> tuple[float, float]:
     """User and system CPU seconds of this process's finished (joined) child processes."""
     r = resource.getrusage(resource.RUSAGE_CHILDREN)
     return r.ru_utime, r.ru_stime
+
+
+def process_cpu_seconds() -> float:
+    """CPU seconds of this process and of its finished (joined) child processes."""
+    return sum(r.ru_utime + r.ru_stime for r in (resource.getrusage(resource.RUSAGE_SELF),
+                                                 resource.getrusage(resource.RUSAGE_CHILDREN)))
