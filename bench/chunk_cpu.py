@@ -74,7 +74,10 @@ def main():
     g = zarr.open_group(path, mode="w")
     a = g.create_array("h", shape=bits.shape, chunks=(C_TOK, L, D), dtype="uint16", fill_value=0,
                        compressors=C._compressors(2, 1))
-    writer = DirectChunks.of(a, threads=1)
+    from concurrent.futures import ThreadPoolExecutor
+
+    one_thread = ThreadPoolExecutor(1)
+    writer = DirectChunks.of(a, one_thread)
 
     def direct():
         for i, c in enumerate(chunks):
@@ -91,7 +94,7 @@ def main():
                      for i in range(args.chunks))
     out["direct_files_equal_zarrs"] = same_files
     out["direct_reads_back"] = bool(np.array_equal(zarr.open_group(path, mode="r")["h"][:], bits))
-    writer.close()
+    one_thread.shutdown()
     shutil.rmtree(path, ignore_errors=True)
     shutil.rmtree(ref, ignore_errors=True)
     print(json.dumps(out), flush=True)

@@ -82,24 +82,22 @@ def _keep_buffers_on_the_heap() -> None:
 class DirectChunks:
     """Whole chunks of one zarr array encoded and stored here, as zarr itself would store them.
 
-    zarr's write path doubles a writer process's CPU per chunk of hidden states on top of the
-    compression (copies into fresh buffers, its async machinery; bench/chunk_cpu.py). For the
-    cache's own layout (a local store; little-endian bytes, blosc, crc32c) this encodes each
-    full chunk with the very blosc codec object zarr built for the array, appends the crc32c
-    as zarr's codec does, and writes the file at the key zarr reads: the same bytes (tested
-    against zarr's files). Chunks in parallel on ``threads`` threads (blosc and file writes
-    release the GIL). ``of`` returns None where the layout is any other: zarr writes those.
+    zarr's write path adds 65-140 % to the compression's CPU per chunk of hidden states on
+    the development machine (copies into fresh buffers, its async machinery;
+    bench/chunk_cpu.py). For the cache's own layout (a local store; little-endian bytes,
+    blosc, crc32c) this encodes each full chunk with the very blosc codec object zarr built
+    for the array, appends the crc32c as zarr's codec does, and writes the file at the key
+    zarr reads: the same bytes (tested against zarr's files). Chunks in parallel on the
+    threads of ``pool`` (blosc and file writes release the GIL). ``of`` returns None where
+    the layout is any other: zarr writes those.
     """
 
-    def __init__(self, array, folder: str, blosc, threads: int):
-        self.array, self.folder, self.blosc = array, folder, blosc
+    def __init__(self, array, folder: str, blosc, pool):
+        self.array, self.folder, self.blosc, self.pool = array, folder, blosc, pool
         self.chunk = array.chunks[0]
-        from concurrent.futures import ThreadPoolExecutor
-
-        self.pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="chunk")
 
     @classmethod
-    def of(cls, array, threads: int) -> "DirectChunks | None":
+    def of(cls, array, pool) -> "DirectChunks | None":
         import sys
 
         from zarr.codecs import BloscCodec, BytesCodec, Crc32cCodec
@@ -113,10 +111,10 @@ class DirectChunks:
         if not (isinstance(serializer, BytesCodec) and endian in (None, "little") and isinstance(compressor, BloscCodec)
                 and isinstance(checksum, Crc32cCodec) and tuple(array.chunks[1:]) == tuple(array.shape[1:])):
             return None  # chunked along rows only: chunk i is rows [i * C, (i + 1) * C)
-        blosc = getattr(codecs[1], "_blosc_codec", None)  # the codec object zarr encodes with
+        blosc = getattr(compressor, "_blosc_codec", None)  # the codec object zarr encodes with
         if blosc is None:
             return None
-        return cls(array, os.path.join(str(array.store.root), array.path), blosc, threads)
+        return cls(array, os.path.join(str(array.store.root), array.path), blosc, pool)
 
     def write(self, start: int, rows: np.ndarray) -> int:
         """Store the full chunks of ``rows`` (which start at row ``start``, a chunk boundary);
@@ -145,9 +143,6 @@ class DirectChunks:
                 os.unlink(tmp)
             raise
 
-    def close(self) -> None:
-        self.pool.shutdown()
-
 
 def _serve(conn, store: str, group: str, layouts: dict[str, tuple[list[str], tuple[int, ...], str]],
            settings: dict[str, Any], heap_buffers: bool = True, direct_chunks: bool = True) -> None:
@@ -162,7 +157,10 @@ def _serve(conn, store: str, group: str, layouts: dict[str, tuple[list[str], tup
     zarr.config.set(settings)
     g = zarr.open_group(store, mode="r+")[group]
     arrays = {name: g[name] for name in layouts}
-    threads = min(settings.get("async.concurrency", 10), os.cpu_count() or 1)
+    from concurrent.futures import ThreadPoolExecutor
+
+    threads = ThreadPoolExecutor(max_workers=min(settings.get("async.concurrency", 10), os.cpu_count() or 1),
+                                 thread_name_prefix="chunk")
     direct = {name: DirectChunks.of(a, threads) if direct_chunks else None for name, a in arrays.items()}
     blocks = {name: [shared_memory.SharedMemory(name=n) for n in names] for name, (names, _, _) in layouts.items()}
     try:
@@ -187,9 +185,7 @@ def _serve(conn, store: str, group: str, layouts: dict[str, tuple[list[str], tup
             except BaseException as e:  # noqa: BLE001 - handed to the parent, which stops the shard
                 conn.send(("error", type(e).__name__, str(e), getattr(e, "errno", None), isinstance(e, OSError)))
     finally:
-        for d in direct.values():
-            if d is not None:
-                d.close()
+        threads.shutdown()
         for bs in blocks.values():
             for b in bs:
                 b.close()

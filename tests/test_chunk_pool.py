@@ -89,15 +89,16 @@ def test_direct_chunks_only_for_the_caches_own_layout(tmp_path):
     import zarr
     import zarr.codecs as zc
 
+    from concurrent.futures import ThreadPoolExecutor
+
     from dflash.extract.chunk_pool import DirectChunks
 
     spec = make_spec()
     root = C.create_or_open_cache(str(tmp_path / "c.zarr"), spec)
     C.ShardWriter(root, 0, make_plan(LENGTHS), spec)
+    pool = ThreadPoolExecutor(1)
     for f in C.TOKEN_FIELDS:
-        d = DirectChunks.of(root[C.shard_name(0)][f], threads=1)
-        assert d is not None, f
-        d.close()
+        assert DirectChunks.of(root[C.shard_name(0)][f], pool) is not None, f
     g = zarr.open_group(str(tmp_path / "other.zarr"), mode="w")
     others = {
         "zstd alone": g.create_array("a", shape=(64, 4), chunks=(16, 4), dtype="uint16", compressors=[zc.ZstdCodec()]),
@@ -109,7 +110,8 @@ def test_direct_chunks_only_for_the_caches_own_layout(tmp_path):
             "d", shape=(64, 4), chunks=(16, 4), dtype="uint16", compressors=C._compressors(2, 1)),
     }
     for what, array in others.items():
-        assert DirectChunks.of(array, threads=1) is None, what
+        assert DirectChunks.of(array, pool) is None, what
+    pool.shutdown()
 
 
 def test_commit_waits_for_the_sink_before_recording(tmp_path):
