@@ -116,14 +116,10 @@ def parallel(n: int, args, settings: dict) -> dict:
 
 def proc_cpu(procs) -> tuple[float, float, int]:
     """User and system CPU seconds and minor page faults of live processes, from /proc (Linux)."""
-    import os
+    from dflash.extract.cpu_time import read_stat
 
-    tick, user, system, faults = os.sysconf("SC_CLK_TCK"), 0.0, 0.0, 0
-    for p in procs:
-        with open(f"/proc/{p.pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-        user, system, faults = user + int(fields[11]) / tick, system + int(fields[12]) / tick, faults + int(fields[7])
-    return user, system, faults
+    stats = [read_stat(f"/proc/{p.pid}/stat")[1:] for p in procs]
+    return sum(s[0] for s in stats), sum(s[1] for s in stats), sum(s[2] for s in stats)
 
 
 def pooled(args, processes: int, concurrency: int, heap_buffers: bool, direct_chunks: bool = True) -> dict:

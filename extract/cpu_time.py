@@ -11,10 +11,19 @@ import resource
 import threading
 
 
+def read_stat(path: str) -> tuple[str, float, float, int]:
+    """(kernel name, user seconds, system seconds, minor page faults) from a /proc ``stat``
+    file of a process or thread (``/proc/<pid>/stat``, ``/proc/self/task/<tid>/stat``)."""
+    with open(path) as f:
+        stat = f.read()
+    fields = stat[stat.rindex(")") + 2:].split()  # after the name, which may hold spaces
+    tick = os.sysconf("SC_CLK_TCK")
+    return stat[stat.index("(") + 1:stat.rindex(")")], int(fields[11]) / tick, int(fields[12]) / tick, int(fields[7])
+
+
 def thread_cpu() -> dict[int, tuple[str, float]]:
     """CPU seconds of each live thread of this process (tid -> (name, seconds)); empty where
     /proc is missing (not Linux). Where the forward loop's process spends its cores."""
-    tick = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
     python_names = {t.native_id: t.name for t in threading.enumerate()}
     threads = {}
     try:
@@ -23,14 +32,11 @@ def thread_cpu() -> dict[int, tuple[str, float]]:
         return threads
     for tid in tids:
         try:
-            with open(f"/proc/self/task/{tid}/stat") as f:
-                stat = f.read()
+            kernel_name, user, system, _ = read_stat(f"/proc/self/task/{tid}/stat")
         except OSError:  # the thread ended meanwhile
             continue
         # Python's own name for its threads; the kernel's (e.g. "python", "pt_autograd") for the others
-        name = python_names.get(int(tid)) or stat[stat.index("(") + 1:stat.rindex(")")]
-        fields = stat[stat.rindex(")") + 2:].split()
-        threads[int(tid)] = (name, (int(fields[11]) + int(fields[12])) / tick)  # utime, stime
+        threads[int(tid)] = (python_names.get(int(tid)) or kernel_name, user + system)
     return threads
 
 
