@@ -56,47 +56,41 @@ def main():
     out["ratio"] = round(bits.nbytes / sum(len(e) for e in encoded), 4)
     out["crc32c_ms"], _, _ = per_chunk(lambda: [google_crc32c.value(e) for e in encoded])
     out["copy_ms"], _, _ = per_chunk(lambda: [np.array(c) for c in chunks])
-    for conc in (int(x) for x in args.concurrency.split(",")):
-        path = f"{args.work}/c{conc}.zarr"
-        shutil.rmtree(path, ignore_errors=True)
-        with zarr.config.set({"async.concurrency": conc, "array.write_empty_chunks": True}):
-            g = zarr.open_group(path, mode="w")
-            a = g.create_array("h", shape=bits.shape, chunks=(C_TOK, L, D), dtype="uint16", fill_value=0,
-                               compressors=C._compressors(2, 1))
-            out[f"zarr_conc{conc}_ms"], out[f"zarr_conc{conc}_MB_s"], _ = per_chunk(lambda: a.__setitem__(slice(None), bits))
-        shutil.rmtree(path, ignore_errors=True)
-    # The writer processes' own chunk writes (extract/chunk_pool.py DirectChunks), one thread:
-    # checked against zarr's files and read back through zarr.
-    from dflash.extract.chunk_pool import DirectChunks
 
-    path = f"{args.work}/direct.zarr"
-    shutil.rmtree(path, ignore_errors=True)
-    g = zarr.open_group(path, mode="w")
-    a = g.create_array("h", shape=bits.shape, chunks=(C_TOK, L, D), dtype="uint16", fill_value=0,
-                       compressors=C._compressors(2, 1))
+    def hidden_array(path: str):
+        """A fresh array of the cache's hidden-state layout and codecs at ``path``."""
+        shutil.rmtree(path, ignore_errors=True)
+        return zarr.open_group(path, mode="w").create_array("h", shape=bits.shape, chunks=(C_TOK, L, D), dtype="uint16",
+                                                            fill_value=0, compressors=C._compressors(2, 1))
+
+    written = []
+    for conc in (int(x) for x in args.concurrency.split(",")):
+        with zarr.config.set({"async.concurrency": conc, "array.write_empty_chunks": True}):
+            a = hidden_array(f"{args.work}/c{conc}.zarr")
+            out[f"zarr_conc{conc}_ms"], out[f"zarr_conc{conc}_MB_s"], _ = per_chunk(lambda: a.__setitem__(slice(None), bits))
+        written.append(f"{args.work}/c{conc}.zarr")
+    # The writer processes' own chunk writes (extract/chunk_pool.py DirectChunks), one thread:
+    # checked against the files zarr just wrote and read back through zarr.
     from concurrent.futures import ThreadPoolExecutor
 
+    from dflash.extract.chunk_pool import DirectChunks
+
+    path, ref = f"{args.work}/direct.zarr", written[0]
     one_thread = ThreadPoolExecutor(1)
-    writer = DirectChunks.of(a, one_thread)
+    writer = DirectChunks.of(hidden_array(path), one_thread)
 
     def direct():
         for i, c in enumerate(chunks):
             writer.write(i * C_TOK, c)
 
     out["direct_ms"], out["direct_MB_s"], _ = per_chunk(direct)
-    ref = f"{args.work}/ref.zarr"
-    shutil.rmtree(ref, ignore_errors=True)
-    with zarr.config.set({"array.write_empty_chunks": True}):
-        r = zarr.open_group(ref, mode="w").create_array("h", shape=bits.shape, chunks=(C_TOK, L, D), dtype="uint16",
-                                                       fill_value=0, compressors=C._compressors(2, 1))
-        r[:] = bits
     same_files = all(open(f"{path}/h/c/{i}/0/0", "rb").read() == open(f"{ref}/h/c/{i}/0/0", "rb").read()
                      for i in range(args.chunks))
     out["direct_files_equal_zarrs"] = same_files
     out["direct_reads_back"] = bool(np.array_equal(zarr.open_group(path, mode="r")["h"][:], bits))
     one_thread.shutdown()
-    shutil.rmtree(path, ignore_errors=True)
-    shutil.rmtree(ref, ignore_errors=True)
+    for p in written + [path]:
+        shutil.rmtree(p, ignore_errors=True)
     print(json.dumps(out), flush=True)
 
 
