@@ -15,31 +15,55 @@ def _write_jsonl(path, rows):
 
 # --- normalize_row ------------------------------------------------------------------
 
+TEMPLATE_KEYS = {"role", "content", "reasoning_content", "tool_calls", "tool_call_id", "name"}
 
-def test_messages_row():
-    row = {
-        "messages": [
-            {"role": "system", "content": "S"},
-            {"role": "user", "content": "U", "name": "bob"},
-            {"role": "assistant", "content": "A", "reasoning_content": None},
-            {"role": "tool", "content": "T"},
-            {"role": "assistant", "content": "B"},
-        ],
-        "id": 7,
-    }
-    conv = D.normalize_row(row, 3, SRC)
-    assert conv == Conversation(
-        "chat",
-        messages=[
-            {"role": "system", "content": "S"},
-            {"role": "user", "content": "U"},
-            {"role": "assistant", "content": "A"},
-            {"role": "tool", "content": "T"},
-            {"role": "assistant", "content": "B"},
-        ],
-        source=SRC,
-        row_index=3,
-    )
+
+def _as_template_sees(messages):
+    """Reference: each message as given, keys no template reads removed, JSON-string
+    tool-call arguments decoded (what the contract promises, computed independently)."""
+    out = []
+    for m in json.loads(json.dumps(messages)):
+        m = {k: v for k, v in m.items() if k in TEMPLATE_KEYS}
+        for call in m.get("tool_calls") or []:
+            fn = call.get("function", call)
+            if isinstance(fn.get("arguments"), str):
+                fn["arguments"] = json.loads(fn["arguments"])
+        out.append(m)
+    return out
+
+
+TOOL_ROW = {
+    "id": "r1",
+    "tools": [{"type": "function", "function": {"name": "weather", "description": "Weather now",
+                                                "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}],
+    "messages": [
+        {"role": "system", "content": "S", "weight": 1},
+        {"role": "user", "content": "Weather in Paris and Köln? 🌦", "name": "bob"},
+        {"role": "assistant", "content": "", "reasoning_content": "Two cities.",
+         "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "weather", "arguments": {"city": "Paris"}}},
+                        {"id": "c2", "type": "function", "function": {"name": "weather", "arguments": '{"city": "Köln"}'}}]},
+        {"role": "tool", "content": "18C", "tool_call_id": "c1", "name": "weather"},
+        {"role": "tool", "content": [{"type": "text", "text": "12C"}], "tool_call_id": "c2"},
+        {"role": "assistant", "content": None, "tool_calls": [{"name": "weather", "arguments": '{"city": "Lyon"}'}]},
+        {"role": "tool", "content": "20C"},
+        {"role": "assistant", "content": "Paris 18C, Köln 12C, Lyon 20C.", "reasoning_content": None, "refusal": None},
+    ],
+}
+
+
+def test_messages_keep_what_the_template_reads():
+    conv = D.normalize_row(TOOL_ROW, 3, SRC)
+    assert (conv.kind, conv.source, conv.row_index) == ("chat", SRC, 3)
+    assert conv.messages == _as_template_sees(TOOL_ROW["messages"])
+    assert conv.tools == TOOL_ROW["tools"]
+    # the row itself is left as it was (rows are shared between readers)
+    assert TOOL_ROW["messages"][2]["tool_calls"][1]["function"]["arguments"] == '{"city": "Köln"}'
+
+
+def test_tools_as_a_json_string():
+    row = dict(TOOL_ROW, tools=json.dumps(TOOL_ROW["tools"]))
+    assert D.normalize_row(row, 0, SRC).tools == TOOL_ROW["tools"]
+    assert D.normalize_row(dict(TOOL_ROW, tools=None), 0, SRC).tools is None
 
 
 def test_sharegpt_row_maps_roles():
@@ -47,7 +71,7 @@ def test_sharegpt_row_maps_roles():
         "conversations": [
             {"from": "system", "value": "S"},
             {"from": "human", "value": "U"},
-            {"from": "gpt", "value": "A"},
+            {"from": "gpt", "value": "A", "reasoning_content": "R"},
             {"from": "Human", "value": "U2"},
             {"from": "chatgpt", "value": "A2"},
             {"from": "observation", "value": "T"},
@@ -57,12 +81,37 @@ def test_sharegpt_row_maps_roles():
     assert conv.kind == "chat"
     assert [m["role"] for m in conv.messages] == ["system", "user", "assistant", "user", "assistant", "tool"]
     assert [m["content"] for m in conv.messages] == ["S", "U", "A", "U2", "A2", "T"]
+    assert conv.messages[2]["reasoning_content"] == "R"
 
 
-def test_sharegpt_top_level_system():
-    row = {"system": "Be brief.", "conversations": [{"from": "human", "value": "U"}, {"from": "gpt", "value": "A"}]}
-    conv = D.normalize_row(row, 0, SRC)
-    assert conv.messages[0] == {"role": "system", "content": "Be brief."}
+@pytest.mark.parametrize("column", ["messages", "conversations"])
+def test_both_columns_take_both_message_shapes(column):
+    role_content = [{"role": "user", "content": "U"}, {"role": "assistant", "content": "A"}]
+    from_value = [{"from": "human", "value": "U"}, {"from": "gpt", "value": "A"}]
+    for messages in (role_content, from_value):
+        assert D.normalize_row({column: messages}, 0, SRC).messages == role_content
+
+
+@pytest.mark.parametrize("column,user,assistant", [("messages", {"role": "user", "content": "U"}, {"role": "assistant", "content": "A"}),
+                                                   ("conversations", {"from": "human", "value": "U"}, {"from": "gpt", "value": "A"})])
+def test_top_level_system(column, user, assistant):
+    conv = D.normalize_row({"system": "Be brief.", column: [user, assistant]}, 0, SRC)
+    assert conv.messages[0] == {"role": "system", "content": "Be brief."} and len(conv.messages) == 3
+    assert len(D.normalize_row({"system": "", column: [user, assistant]}, 0, SRC).messages) == 2
+
+
+def test_top_level_system_equal_to_the_first_system_message_is_not_repeated():
+    messages = [{"role": "system", "content": "S"}, {"role": "user", "content": "U"}, {"role": "assistant", "content": "A"}]
+    assert D.normalize_row({"system": "S", "messages": messages}, 0, SRC).messages == messages
+
+
+def test_empty_messages_are_valid():
+    """A template renders empty turns; refusing them would drop chats it can render."""
+    row = {"messages": [{"role": "system", "content": ""}, {"role": "user", "content": ""},
+                        {"role": "assistant", "content": ""}, {"role": "user", "content": "  "},
+                        {"role": "assistant", "tool_calls": [{"type": "function", "function": {"name": "f", "arguments": {}}}]},
+                        {"role": "assistant", "reasoning_content": "thinking only"}]}
+    assert D.normalize_row(row, 0, SRC).messages == _as_template_sees(row["messages"])
 
 
 def test_text_row():
@@ -75,21 +124,38 @@ def test_messages_take_precedence_over_text():
     assert D.normalize_row(row, 0, SRC).kind == "chat"
 
 
+U, A = {"role": "user", "content": "U"}, {"role": "assistant", "content": "A"}
+
+
+def _call(arguments):
+    return {"role": "assistant", "content": None, "tool_calls": [{"type": "function", "function": {"name": "f", "arguments": arguments}}]}
+
+
 BAD_ROWS = [
     ({"prompt": "p", "response": "r"}, "missing_columns", "no 'messages', 'conversations' or 'text' column"),
     ({"messages": None, "text": None}, "missing_columns", "no 'messages'"),
-    ({"messages": [{"role": "user", "content": "U"}, {"role": "robot", "content": "R"}]}, "unknown_role", "unknown role 'robot' in message 1"),
+    ("just a string", "malformed_row", "a row must be a JSON object, got str"),
+    ({"messages": [U, {"role": "robot", "content": "R"}]}, "unknown_role", "unknown role 'robot' in message 1"),
     ({"conversations": [{"from": "alien", "value": "x"}]}, "unknown_role", "unknown role 'alien' in message 0"),
-    ({"messages": [{"role": "user", "content": "U"}, {"role": "assistant", "content": "  \n"}]}, "empty_content", "message 1 (assistant) has empty content"),
     ({"text": ""}, "empty_content", "'text' is empty"),
-    ({"messages": [{"role": "user", "content": [{"type": "text", "text": "U"}]}, {"role": "assistant", "content": "A"}]}, "non_string_content", "message 0 (user) content is list"),
-    ({"messages": [{"role": "user", "content": "U"}, {"role": "assistant", "content": 42}]}, "non_string_content", "message 1 (assistant) content is int"),
+    ({"messages": [{"role": "user", "content": [{"type": "image", "url": "x"}]}, A]}, "non_string_content", "message 0 (user) content part 0 is 'image'"),
+    ({"messages": [U, {"role": "assistant", "content": 42}]}, "non_string_content", "message 1 (assistant) content is int"),
     ({"text": 3.5}, "non_string_content", "'text' is float"),
-    ({"messages": [{"role": "system", "content": "S"}, {"role": "user", "content": "U"}]}, "no_assistant_turn", "no assistant message"),
+    ({"messages": [{"role": "system", "content": "S"}, U]}, "no_assistant_turn", "no assistant message"),
     ({"messages": []}, "malformed_message", "must be a non-empty list"),
     ({"messages": "hi"}, "malformed_message", "must be a non-empty list"),
-    ({"messages": [{"role": "user"}]}, "malformed_message", "message 0 needs 'role' and 'content'"),
-    ({"conversations": [{"role": "user", "content": "U"}]}, "malformed_message", "message 0 needs 'from' and 'value'"),
+    ({"messages": [{"role": "user"}, A]}, "malformed_message", "message 0 (user) has no 'content'"),
+    ({"messages": [U, {"role": "assistant", "content": None}]}, "malformed_message", "message 1 (assistant) has no 'content', 'tool_calls' or 'reasoning_content'"),
+    ({"conversations": [{"from": "human", "value": "U"}, {"role": "assistant", "content": "A"}]}, "malformed_message", "message 1 needs 'from' (this list uses from/value"),
+    ({"messages": [U, _call('{"city": "Par')]}, "malformed_message", "message 1 (assistant) tool call 0 arguments are not valid JSON"),
+    ({"messages": [U, _call("[1, 2]")]}, "malformed_message", "message 1 (assistant) tool call 0 arguments are list, not a JSON object"),
+    ({"messages": [U, {"role": "assistant", "tool_calls": [{"function": {"arguments": {}}}]}]}, "malformed_message", "message 1 (assistant) tool call 0 needs a 'name'"),
+    ({"messages": [U, {"role": "assistant", "content": "A", "tool_calls": "f()"}]}, "malformed_message", "'tool_calls' is str, not a list"),
+    ({"messages": [U, {"role": "assistant", "content": "A", "reasoning_content": 1}]}, "malformed_message", "message 1 (assistant) 'reasoning_content' is int"),
+    ({"messages": [U, A], "tools": "[{"}, "malformed_tools", "'tools' is a string but not valid JSON"),
+    ({"messages": [U, A], "tools": {"name": "f"}}, "malformed_tools", "'tools' must be a list of tool schemas"),
+    ({"messages": [U, A], "system": 3}, "malformed_row", "'system' is int"),
+    ({"messages": [{"role": "system", "content": "S1"}, U, A], "system": "S2"}, "malformed_row", "both a top-level 'system' and a different first system message"),
 ]
 
 
@@ -209,6 +275,93 @@ def test_load_folder_of_files(tmp_path, cache_dir):
     assert sorted(r["messages"][0]["content"] for r in ds) == [f"q{i}" for i in range(5)]
 
 
+# Rows whose messages, tool-call arguments and tool schemas have different keys, one
+# explicit null: Arrow would give them one schema and fill each row's missing keys with null.
+UNEVEN_ROWS = [
+    {"messages": [{"role": "user", "content": "U"},
+                  {"role": "assistant", "content": "", "tool_calls": [{"type": "function", "function": {"name": "w", "arguments": {"city": "Paris"}}}]}],
+     "tools": [{"type": "function", "function": {"name": "w", "description": "weather", "parameters": {"type": "object", "required": ["city"]}}}]},
+    {"messages": [{"role": "user", "content": "U", "name": "bob"},
+                  {"role": "assistant", "content": "A", "reasoning_content": "R",
+                   "tool_calls": [{"type": "function", "function": {"name": "s", "arguments": {"query": "x", "n": 3}}}]}],
+     "tools": [{"type": "function", "function": {"name": "s", "parameters": {"type": "object"}}}]},
+    {"conversations": [{"from": "human", "value": "U"}, {"from": "gpt", "value": "A"}], "system": "S"},
+    {"messages": [{"role": "user", "content": "U"}, {"role": "assistant", "content": "A", "reasoning_content": None}]},
+]
+
+
+@pytest.mark.parametrize("layout", ["jsonl", "json"])
+def test_local_json_rows_are_exactly_the_file(tmp_path, layout):
+    path = tmp_path / f"uneven.{layout}"
+    if layout == "jsonl":
+        path.write_text("\n".join(json.dumps(r, ensure_ascii=False) for r in UNEVEN_ROWS) + "\n\n")  # a blank line at the end
+        reference = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    else:
+        path.write_text(json.dumps(UNEVEN_ROWS, indent=2))
+        reference = json.loads(path.read_text())
+    ds = D.load_source(str(path))
+    assert len(ds) == len(reference) and list(ds) == reference
+    assert [ds[i] for i in range(len(ds))] == reference
+    assert list(ds.select(range(1, 3))) == reference[1:3] == list(ds[1:3])
+    for i, row in enumerate(ds):
+        conv = D.normalize_row(row, i, str(path))
+        column = "messages" if "messages" in reference[i] else None
+        if column:
+            assert conv.messages == _as_template_sees(reference[i][column])
+        assert conv.tools == reference[i].get("tools")
+
+
+def test_arrow_sources_drop_the_nulls_arrow_added(tmp_path, cache_dir):
+    import datasets
+
+    rows = UNEVEN_ROWS[:2]
+    datasets.Dataset.from_list(rows).to_parquet(str(tmp_path / "uneven.parquet"))
+    plain = datasets.load_dataset("parquet", data_files=str(tmp_path / "uneven.parquet"), split="train", cache_dir=cache_dir)
+    assert list(plain) != rows  # Arrow filled missing keys with null: the case this guards against
+    ds = D.load_source(str(tmp_path / "uneven.parquet"), cache_dir=cache_dir)
+    for i, row in enumerate(rows):
+        got, want = D.normalize_row(ds[i], i, "p"), D.normalize_row(row, i, "p")
+        assert (got.messages, got.tools) == (want.messages, want.tools)
+    assert [D.normalize_row(r, 0, "p").messages for r in ds.select([1])] == [D.normalize_row(rows[1], 0, "p").messages]
+
+
+def test_broken_json_names_file_line_and_position(tmp_path):
+    text = json.dumps(ROWS, indent=1)
+    cut = text[: text.index('"a3"') + 2]  # cut inside a string of the fourth record
+    path = tmp_path / "cut.json"
+    path.write_text(cut)
+    with pytest.raises(json.JSONDecodeError) as ref:
+        json.loads(cut)
+    with pytest.raises(DataError) as info:
+        D.load_source(str(path))
+    assert info.value.reason == "unreadable" and info.value.source == str(path)
+    assert (f"line {ref.value.lineno} column {ref.value.colno} (char {ref.value.pos} of {len(cut)})"
+            in info.value.problem)
+    assert "truncated" in info.value.problem
+
+    lines = [json.dumps(r) for r in ROWS]
+    lines[2] = lines[2].replace('"q2"', '"q2" oops')
+    jsonl = tmp_path / "bad.jsonl"
+    jsonl.write_text("\n".join(lines) + "\n")
+    with pytest.raises(json.JSONDecodeError) as ref:
+        json.loads(lines[2])
+    with pytest.raises(DataError) as info:
+        D.load_source(str(jsonl))
+    char = len(lines[0]) + len(lines[1]) + 2 + ref.value.pos
+    assert f"at line 3 column {ref.value.colno} (char {char} of " in str(info.value)
+    assert "one JSON object per line" in str(info.value)
+
+    pretty = tmp_path / "one_object.json"
+    pretty.write_text(json.dumps(ROWS[0], indent=2))
+    with pytest.raises(DataError, match=r"one_object\.json: not valid JSON at line 1 .*JSON array of rows or one JSON object per line"):
+        D.load_source(str(pretty))
+
+    latin = tmp_path / "latin.jsonl"
+    latin.write_bytes(json.dumps(ROWS[0]).encode()[:-3] + b"\xe9\"}]}")
+    with pytest.raises(DataError, match=r"latin\.jsonl: not UTF-8 at byte"):
+        D.load_source(str(latin))
+
+
 def test_load_sample_datasets(chats_sample_path, chats_sharegpt_sample_path, cache_dir):
     for path, n in [(chats_sample_path, 40), (chats_sharegpt_sample_path, 10)]:
         ds = D.load_source(str(path), cache_dir=cache_dir)
@@ -226,10 +379,8 @@ def test_unreadable_sources_name_the_file(tmp_path, cache_dir):
     folder.mkdir()
     _write_jsonl(folder / "a.jsonl", ROWS)
     (folder / "b.jsonl").write_text('{"messages": [}\n')
-    with pytest.raises(DataError, match=r"shards/b\.jsonl: cannot read: .*JSON"):
+    with pytest.raises(DataError, match=r"shards/b\.jsonl: not valid JSON at line 1 column 15 \(char 14 of 16\)"):
         D.load_source(str(folder), cache_dir=cache_dir)
-    with pytest.raises(DataError, match=r"b\.jsonl: cannot read"):
-        D.load_source(str(folder / "b.jsonl"), cache_dir=cache_dir)
 
     (tmp_path / "bad.parquet").write_bytes(b"not a parquet file")
     with pytest.raises(DataError, match=r"bad\.parquet: cannot read"):

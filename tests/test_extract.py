@@ -39,7 +39,7 @@ COMMON = ["--device", "cpu", "--dtype", "float32", "--workers", "2", "--cpu-thre
           "--commit-seconds", "0", "--chunk-tokens", "64", "--no-progress"]
 BAD_ROWS = {  # row index -> (row, reason it is skipped)
     3: ({"messages": [{"role": "robot", "content": "beep"}, {"role": "assistant", "content": "hi"}]}, "unknown_role"),
-    11: ({"messages": [{"role": "user", "content": ""}, {"role": "assistant", "content": "x"}]}, "empty_content"),
+    11: ({"messages": [{"role": "user", "content": "U"}, {"role": "assistant", "content": 42}]}, "non_string_content"),
     20: ({"prompt": "no chat here"}, "missing_columns"),
     33: ({"text": "a"}, "too_short"),
 }
