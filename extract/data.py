@@ -264,8 +264,10 @@ def normalize_row(row: Any, row_index: int, source: str) -> Conversation:
 
 def _chat_messages(raw: Any, column: str, fail: Callable[[str, str], DataError]) -> list[dict[str, Any]]:
     """The messages of one chat; role/content or ShareGPT from/value, decided by the first message."""
-    if not isinstance(raw, (list, tuple)) or not raw:
-        raise fail("malformed_message", f"'{column}' must be a non-empty list, got {type(raw).__name__}")
+    if not isinstance(raw, (list, tuple)):
+        raise fail("malformed_message", f"'{column}' must be a list of messages, got {type(raw).__name__}")
+    if not raw:
+        raise fail("no_assistant_turn", f"'{column}' is empty, so nothing to learn from")
     first = raw[0] if isinstance(raw[0], dict) else {}
     role_key, content_key, role_map = ("from", "value", SHAREGPT_ROLES) if "role" not in first and "from" in first \
         else ("role", "content", None)

@@ -11,6 +11,7 @@ from the file. These files are therefore parsed with Python's `json` module inst
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -92,3 +93,29 @@ def _invalid(path: Path, exc: json.JSONDecodeError, text: str) -> DataError:
     problem = f"not valid JSON at line {exc.lineno} column {exc.colno} (char {exc.pos} of {len(text)}): {exc.msg}"
     problem += "; the file ends inside a record (truncated?)" if truncated else f"; {LAYOUT_HINT}"
     return DataError("unreadable", str(path), None, problem)
+
+
+def leading_records(path: str | Path, count: int) -> list[Any]:
+    """The first `count` complete records of a JSON-array file (fewer if it has fewer).
+
+    For sampling a large file, or the whole records of one cut off mid-record, without
+    parsing all of it; a broken record before the `count`-th raises DataError as above.
+    """
+    text = Path(path).read_bytes().decode("utf-8-sig")
+    decoder = json.JSONDecoder()
+    separator = re.compile(r"[\s,]*")
+    pos = separator.match(text, 0).end()
+    if text[pos : pos + 1] != "[":
+        raise DataError("unreadable", str(path), None, f"not a JSON array; {LAYOUT_HINT}")
+    records: list[Any] = []
+    pos += 1
+    while len(records) < count:
+        pos = separator.match(text, pos).end()
+        if text[pos : pos + 1] in ("]", ""):
+            break
+        try:
+            record, pos = decoder.raw_decode(text, pos)
+        except json.JSONDecodeError as exc:
+            raise _invalid(Path(path), exc, text) from exc
+        records.append(record)
+    return records
