@@ -85,6 +85,7 @@ class Conversation:
     text: str | None = None
     source: str = ""
     row_index: int = -1
+    tools: list[dict[str, Any]] | None = None  # passed to the chat template as tools=
 
 
 # ---------------------------------------------------------------------------------
