@@ -1,23 +1,30 @@
 """Render a Conversation to token ids plus the assistant loss mask.
 
-What the mask covers: every token of every assistant turn's rendered content, plus the
-end-of-turn token that closes the turn (the drafter must learn to stop). Role headers,
-system/user/tool turns, and the separator after end-of-turn are 0. Anything the
-template itself writes inside an assistant turn after its header (e.g. Qwen3's empty
-`<think>\\n\\n</think>\\n\\n`) counts as assistant, since the target emits it too.
+The ids are exactly the tokenizer's `apply_chat_template(messages, tools=tools,
+**template_kwargs)` of the conversation (no generation prompt); the mask never changes
+them. The mask is exactly the tokens of each assistant turn as the template renders
+it in the full conversation: from the end of its role header through its end-of-turn
+token (the drafter must learn to stop). Whatever the template writes inside a turn
+(an empty or full think block, tool-call markup, tool calls in place of the content)
+is assistant; what it removes from earlier turns is simply absent. Role headers,
+system/user/tool turns and the separator after end-of-turn are 0.
 
 Two ways to find those tokens, giving the same mask for the same template:
   * "generation_tags": templates with `{% generation %}` blocks; HF's Jinja renderer
-    gives each block's char span, and every token overlapping a span is marked.
-  * "prefix_diff": templates without tags (Qwen3's real one). For assistant message i,
-    render messages[:i] with add_generation_prompt=True; that string must be a prefix
-    of the full rendering (checked, else DataError "mask_fallback_failed"). The turn
-    starts at the end of that prefix and ends at the first end-of-turn token after it.
-    Characters map to tokens by the same overlap rule, so a BPE merge across the
-    header/content boundary does not break the row and both methods agree on it.
-In both, each span is then cut after its first end-of-turn token, or extended by one
-token when the token right after it is end-of-turn, so where a template puts
-`{% endgeneration %}` relative to <|im_end|> does not change the mask.
+    gives each block's char span.
+  * "template_probe": templates without tags (Qwen3's real one). The template's turn
+    header and end-of-turn token are learned from its own renderings of probe chats,
+    and each turn is found inside the full rendering (extract/turns.py); where a turn
+    or a message around it is not where expected, DataError "mask_not_located".
+Char spans map to tokens by overlap, so a BPE merge across the header/content boundary
+does not break the row and both methods agree on it. Each span is then cut after its
+first end-of-turn token, or extended by one token when the token right after it is
+end-of-turn, so where a template puts `{% endgeneration %}` relative to the end of
+turn does not change the mask.
+
+The end-of-turn token is the first special token the template writes after an
+assistant message (Qwen `<|im_end|>`, Llama-3 `<|eot_id|>`, Gemma `<end_of_turn>`),
+not the eos token; an explicit `end_of_turn` token string overrides it.
 
 Plain text rows are tokenized as is (with the tokenizer's own special tokens, e.g.
 BOS) and trained on in full: the mask is all ones.
@@ -25,18 +32,23 @@ BOS) and trained on in full: the mask is all ones.
 
 from __future__ import annotations
 
+import json
 import re
+import weakref
 from dataclasses import dataclass
 from typing import Any, Literal
 
 import numpy as np
 
 from .data import Conversation, DataError, SkippedSample
+from .turns import TemplateProbeFailed, TurnMarkers, TurnNotFound, locate_turns, probe_markers
 
 Truncation = Literal["right", "error", "skip"]
-MaskMethod = Literal["auto", "generation_tags", "prefix_diff"]
+MaskMethod = Literal["auto", "generation_tags", "template_probe"]
 
 _GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")
+# tokenizer -> {(template, template kwargs, end_of_turn override): TurnMarkers or the probe's failure}
+_MARKERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 @dataclass(frozen=True)
@@ -55,26 +67,54 @@ class RenderedSample:
         return self.num_tokens > len(self.input_ids)
 
 
-def has_generation_tags(tokenizer) -> bool:
-    return bool(_GENERATION_TAG.search(tokenizer.get_chat_template()))
+def has_generation_tags(tokenizer, tools: list[dict[str, Any]] | None = None) -> bool:
+    return bool(_GENERATION_TAG.search(tokenizer.get_chat_template(tools=tools)))
 
 
-def end_of_turn_id(tokenizer, end_of_turn: str | None = None) -> int:
-    """Token id that ends an assistant turn: `end_of_turn` if given, else <|im_end|>
-    when the vocab has it (ChatML, Qwen), else the tokenizer's eos token."""
-    candidates = [end_of_turn] if end_of_turn else ["<|im_end|>", tokenizer.eos_token]
-    for token in candidates:
-        if token is None:
-            continue
-        token_id = tokenizer.convert_tokens_to_ids(token)  # not get_vocab(): that copies 150k entries
-        if token_id is not None and (token_id != tokenizer.unk_token_id or token == tokenizer.unk_token):
-            return token_id
-    raise ValueError(f"end-of-turn token not in the vocabulary (tried {candidates})")
+def mask_method(tokenizer, tools: list[dict[str, Any]] | None = None) -> str:
+    """The mask method "auto" picks for this tokenizer's template."""
+    return "generation_tags" if has_generation_tags(tokenizer, tools) else "template_probe"
 
 
-def stop_token_ids(model, tokenizer) -> list[int]:
+def turn_markers(tokenizer, end_of_turn: str | None = None, template_kwargs: dict[str, Any] | None = None,
+                 tools: list[dict[str, Any]] | None = None) -> TurnMarkers:
+    """The template's assistant header and end-of-turn token, learned from its own
+    renderings once per tokenizer, template, template arguments and override.
+    Raises TemplateProbeFailed (a ValueError) naming what the template did instead."""
+    kwargs = dict(template_kwargs or {})
+    template = tokenizer.get_chat_template(tools=tools)
+    key = (template, json.dumps(kwargs, sort_keys=True, default=str), end_of_turn)
+    cached = _MARKERS.setdefault(tokenizer, {})
+    if key not in cached:
+        if end_of_turn is not None:
+            _token_id(tokenizer, end_of_turn)  # must be one token of the vocabulary
+
+        def render_text(messages, add_generation_prompt):
+            return _as_text(tokenizer.apply_chat_template(
+                messages, tokenize=False, add_generation_prompt=add_generation_prompt, **kwargs))
+
+        try:
+            cached[key] = probe_markers(render_text, lambda text: _special_tokens_in(tokenizer, text), end_of_turn)
+        except TemplateProbeFailed as exc:
+            cached[key] = exc
+    if isinstance(cached[key], TemplateProbeFailed):
+        raise cached[key]
+    return cached[key]
+
+
+def end_of_turn_id(tokenizer, end_of_turn: str | None = None, template_kwargs: dict[str, Any] | None = None) -> int:
+    """Token id that ends an assistant turn: `end_of_turn` if given, else the first
+    special token the chat template writes after an assistant message. ValueError when
+    neither gives a token of the vocabulary."""
+    if end_of_turn is not None:
+        return _token_id(tokenizer, end_of_turn)
+    return _token_id(tokenizer, turn_markers(tokenizer, template_kwargs=template_kwargs).end_of_turn)
+
+
+def stop_token_ids(model, tokenizer, end_of_turn: str | None = None,
+                   template_kwargs: dict[str, Any] | None = None) -> list[int]:
     """Where generation stops: the generation config's eos ids, the tokenizer's eos and
-    the end-of-turn token."""
+    the template's end-of-turn token."""
     ids: set[int] = set()
     eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
     if eos is not None:
@@ -82,7 +122,7 @@ def stop_token_ids(model, tokenizer) -> list[int]:
     if tokenizer.eos_token_id is not None:
         ids.add(tokenizer.eos_token_id)
     try:
-        ids.add(end_of_turn_id(tokenizer))
+        ids.add(end_of_turn_id(tokenizer, end_of_turn, template_kwargs))
     except ValueError:
         pass
     return sorted(int(i) for i in ids)
@@ -104,7 +144,8 @@ def render(
     DataError("too_long"); "skip" raises SkippedSample("too_long"), which the bad-row
     policy always counts. A sample left with no loss token after right truncation is a
     SkippedSample("no_loss_tokens"). `template_kwargs` go to the chat template (e.g.
-    enable_thinking=False). A template that raises gives DataError("template_rejected").
+    enable_thinking=False). A template that raises gives DataError("template_rejected");
+    turns that cannot be found give DataError("mask_not_located").
     """
     if max_length < 1:
         raise ValueError(f"max_length must be >= 1, got {max_length}")
@@ -115,17 +156,27 @@ def render(
         ids = _flat_ids(tokenizer(conv.text)["input_ids"])
         mask = [1] * len(ids)
     else:
+        tools = getattr(conv, "tools", None)
         if method == "auto":
-            method = "generation_tags" if has_generation_tags(tokenizer) else "prefix_diff"
-        eot = end_of_turn_id(tokenizer, end_of_turn)
-        kwargs = dict(template_kwargs or {})
-        if method == "generation_tags":
-            ids, mask = _mask_from_generation_tags(tokenizer, conv, kwargs)
-        elif method == "prefix_diff":
-            ids, mask = _mask_from_prefix_diff(tokenizer, conv, eot, kwargs)
-        else:
+            method = mask_method(tokenizer, tools)
+        if method not in ("generation_tags", "template_probe"):
             raise ValueError(f"unknown mask method {method!r}")
-        mask = _close_spans_at_end_of_turn(ids, mask, eot)
+        kwargs = dict(template_kwargs or {})
+        try:
+            markers = turn_markers(tokenizer, end_of_turn, kwargs, tools)
+        except TemplateProbeFailed as exc:
+            raise DataError("mask_not_located", conv.source, conv.row_index,
+                            f"cannot learn the chat template's assistant turns: {exc}") from exc
+        if method == "generation_tags":
+            text, spans = _spans_from_generation_tags(tokenizer, conv, kwargs)
+        else:
+            text = _render_text(tokenizer, conv, kwargs)
+            try:
+                spans = locate_turns(text, conv.messages, markers)
+            except TurnNotFound as exc:
+                raise DataError("mask_not_located", conv.source, conv.row_index, str(exc)) from exc
+        ids, offsets = _tokenize_with_offsets(tokenizer, text)
+        mask = _close_spans_at_end_of_turn(ids, _overlap_mask(offsets, spans), _token_id(tokenizer, markers.end_of_turn))
 
     input_ids = np.asarray(ids, dtype=np.int32)
     loss_mask = np.asarray(mask, dtype=bool)
@@ -149,20 +200,35 @@ def render(
 # ---------------------------------------------------------------------------------
 
 
-def _apply_template(tokenizer, conv: Conversation, messages, what: str, **kwargs):
+def _token_id(tokenizer, token: str) -> int:
+    token_id = tokenizer.convert_tokens_to_ids(token)  # not get_vocab(): that copies 150k entries
+    if token_id is None or (token_id == tokenizer.unk_token_id and token != tokenizer.unk_token):
+        raise ValueError(f"end-of-turn token {token!r} is not in the vocabulary")
+    return int(token_id)
+
+
+def _special_tokens_in(tokenizer, text: str) -> list[str]:
+    """The added (special) tokens the tokenizer finds in `text`, in order."""
+    added = set(tokenizer.all_special_ids) | set(getattr(tokenizer, "added_tokens_decoder", {}))
+    ids = _flat_ids(tokenizer(text, add_special_tokens=False)["input_ids"])
+    return tokenizer.convert_ids_to_tokens([i for i in ids if i in added])
+
+
+def _as_text(rendered) -> str:
+    if isinstance(rendered, list):  # some versions wrap single renderings
+        (rendered,) = rendered
+    return rendered
+
+
+def _render_text(tokenizer, conv: Conversation, kwargs: dict) -> str:
     try:
-        return tokenizer.apply_chat_template(messages, **kwargs)
+        rendered = tokenizer.apply_chat_template(
+            conv.messages, tools=getattr(conv, "tools", None), tokenize=False, add_generation_prompt=False, **kwargs)
     except Exception as exc:  # noqa: BLE001 - jinja errors, raise_exception(), ...
         raise DataError(
-            "template_rejected", conv.source, conv.row_index, f"chat template rejected {what}: {type(exc).__name__}: {exc}"
-        ) from exc
-
-
-def _render_text(tokenizer, conv: Conversation, messages, what: str, kwargs: dict, **extra) -> str:
-    text = _apply_template(tokenizer, conv, messages, what, tokenize=False, **extra, **kwargs)
-    if isinstance(text, list):  # some versions wrap single renderings
-        (text,) = text
-    return text
+            "template_rejected", conv.source, conv.row_index,
+            f"chat template rejected the conversation: {type(exc).__name__}: {exc}") from exc
+    return _as_text(rendered)
 
 
 def _flat_ids(ids) -> list[int]:
@@ -174,18 +240,18 @@ def _flat_ids(ids) -> list[int]:
     return [int(i) for i in ids]
 
 
-def _mask_from_generation_tags(tokenizer, conv: Conversation, kwargs: dict) -> tuple[list[int], list[int]]:
-    """Char spans of the `{% generation %}` blocks from HF's own Jinja renderer, mapped
-    to tokens here. Not `apply_chat_template(return_assistant_tokens_mask=True)`: its
-    char-to-token mapping changed between 5.17 (char_to_token on the span ends, which
-    drops or over-extends spans at some boundaries) and 5.24 (overlap), so the mask
-    would depend on the installed version."""
+def _spans_from_generation_tags(tokenizer, conv: Conversation, kwargs: dict) -> tuple[str, list]:
+    """Rendered text and char spans of the `{% generation %}` blocks from HF's own Jinja
+    renderer (mapped to tokens here, not by `return_assistant_tokens_mask`, whose
+    char-to-token mapping changed between transformers versions)."""
     from transformers.utils.chat_template_utils import render_jinja_template
 
+    tools = getattr(conv, "tools", None)
     try:
         rendered, spans = render_jinja_template(
             conversations=[conv.messages],
-            chat_template=tokenizer.get_chat_template(),
+            tools=tools,
+            chat_template=tokenizer.get_chat_template(tools=tools),
             return_assistant_tokens_mask=True,
             add_generation_prompt=False,
             **{**tokenizer.special_tokens_map, **kwargs},
@@ -194,8 +260,7 @@ def _mask_from_generation_tags(tokenizer, conv: Conversation, kwargs: dict) -> t
         raise DataError(
             "template_rejected", conv.source, conv.row_index, f"chat template rejected the conversation: {type(exc).__name__}: {exc}"
         ) from exc
-    ids, offsets = _tokenize_with_offsets(tokenizer, rendered[0])
-    return ids, _overlap_mask(offsets, spans[0])
+    return rendered[0], spans[0]
 
 
 def _tokenize_with_offsets(tokenizer, text: str) -> tuple[list[int], list[tuple[int, int]]]:
@@ -219,47 +284,6 @@ def _overlap_mask(offsets: list[tuple[int, int]], spans) -> list[int]:
         if tok_end > spans[span_idx][0]:
             mask[t] = 1
     return mask
-
-
-def _mask_from_prefix_diff(tokenizer, conv: Conversation, eot: int, kwargs: dict) -> tuple[list[int], list[int]]:
-    messages = conv.messages
-
-    def fail(problem: str) -> DataError:
-        return DataError("mask_fallback_failed", conv.source, conv.row_index, problem)
-
-    full = _render_text(tokenizer, conv, messages, "the conversation", kwargs, add_generation_prompt=False)
-    ids, offsets = _tokenize_with_offsets(tokenizer, full)
-    token_ends = [end for _start, end in offsets]
-    mask = [0] * len(ids)
-
-    for i, message in enumerate(messages):
-        if message["role"] != "assistant":
-            continue
-        if i == 0:
-            raise fail("message 0 is an assistant turn: a template without generation tags cannot locate it")
-        prompt = _render_text(
-            tokenizer, conv, messages[:i], f"messages[:{i}]", kwargs, add_generation_prompt=True
-        )
-        if not full.startswith(prompt):
-            common = _common_prefix_length(prompt, full)
-            raise fail(
-                f"the rendering of messages[:{i}] + generation prompt is not a prefix of the full rendering "
-                f"(differs at char {common}: {prompt[common:common + 30]!r} vs {full[common:common + 30]!r}); "
-                "the template renders this turn differently as history than as a prompt; "
-                "use a template with generation tags"
-            )
-        start = next((t for t, end in enumerate(token_ends) if end > len(prompt)), len(ids))
-        stop = next((t for t in range(start, len(ids)) if ids[t] == eot), None)
-        if stop is None:
-            token = tokenizer.convert_ids_to_tokens(eot)
-            raise fail(f"no end-of-turn token {token!r} after assistant message {i}; pass end_of_turn=")
-        mask[start : stop + 1] = [1] * (stop + 1 - start)
-    return ids, mask
-
-
-def _common_prefix_length(a: str, b: str) -> int:
-    n = min(len(a), len(b))
-    return next((k for k in range(n) if a[k] != b[k]), n)
 
 
 def _close_spans_at_end_of_turn(ids: list[int], mask: list[int], eot: int) -> list[int]:

@@ -65,8 +65,8 @@ def test_both_methods_match_reference(tiny_tokenizer, tiny_tokenizer_notags, cha
         assert tiny_tokenizer(full, add_special_tokens=False)["input_ids"] == ref_ids.tolist()
         results = [
             render(tiny_tokenizer, conv, max_length=4096),  # auto -> generation tags
-            render(tiny_tokenizer_notags, conv, max_length=4096),  # auto -> prefix diff
-            render(tiny_tokenizer, conv, max_length=4096, method="prefix_diff"),
+            render(tiny_tokenizer_notags, conv, max_length=4096),  # auto -> template probe
+            render(tiny_tokenizer, conv, max_length=4096, method="template_probe"),
         ]
         for ids, mask in results:
             assert ids.dtype == np.int32 and mask.dtype == bool
@@ -146,23 +146,24 @@ def test_qwen3_like_template_without_tags(tiny_tokenizer):
     assert untagged.decode(b.input_ids[b.loss_mask].tolist()) == f"Hello.{IM_END}<think>\n\n</think>\n\nBye!{IM_END}"
 
 
-def test_prefix_diff_refuses_templates_that_rewrite_history(tiny_tokenizer):
-    untagged = qwen3_like(tiny_tokenizer, False)
-    with pytest.raises(DataError, match=r"data/x\.jsonl row 0: the rendering of messages\[:2\].*not a prefix") as info:
-        render(untagged, HANDMADE[1], max_length=512, template_kwargs={"enable_thinking": False})
-    assert info.value.reason == "mask_fallback_failed"
-    # the tags method has no such limitation
-    tagged = qwen3_like(tiny_tokenizer, True)
-    render(tagged, HANDMADE[1], max_length=512, template_kwargs={"enable_thinking": False})
+def test_template_whose_prompt_differs_from_its_history(tiny_tokenizer):
+    """With enable_thinking=False the generation prompt carries an empty think block that
+    history turns lack: re-rendering a prefix as a prompt would not match, the walk does."""
+    untagged, tagged = qwen3_like(tiny_tokenizer, False), qwen3_like(tiny_tokenizer, True)
+    kwargs = {"enable_thinking": False}
+    prompt = untagged.apply_chat_template(HANDMADE[1].messages[:2], tokenize=False, add_generation_prompt=True, **kwargs)
+    assert not untagged.apply_chat_template(HANDMADE[1].messages, tokenize=False).startswith(prompt)
+    a = render(tagged, HANDMADE[1], max_length=512, template_kwargs=kwargs)
+    b = render(untagged, HANDMADE[1], max_length=512, template_kwargs=kwargs)
+    np.testing.assert_array_equal(a.input_ids, b.input_ids)
+    np.testing.assert_array_equal(a.loss_mask, b.loss_mask)
 
 
-def test_prefix_diff_needs_a_turn_before_the_first_assistant(tiny_tokenizer, tiny_tokenizer_notags):
+def test_chat_opening_with_an_assistant_turn(tiny_tokenizer, tiny_tokenizer_notags):
     conv = chat(("assistant", "Hi, how can I help?"), ("user", "x"), ("assistant", "y"))
-    ids, mask = render(tiny_tokenizer, conv, max_length=512)
-    assert tiny_tokenizer.decode(ids[mask].tolist()) == f"Hi, how can I help?{IM_END}y{IM_END}"
-    with pytest.raises(DataError, match="message 0 is an assistant turn") as info:
-        render(tiny_tokenizer_notags, conv, max_length=512)
-    assert info.value.reason == "mask_fallback_failed"
+    for tok in (tiny_tokenizer, tiny_tokenizer_notags):
+        ids, mask = render(tok, conv, max_length=512)
+        assert tok.decode(ids[mask].tolist()) == f"Hi, how can I help?{IM_END}y{IM_END}"
 
 
 @pytest.mark.parametrize(
@@ -276,14 +277,15 @@ def test_apply_chat_template_return_types(tiny_tokenizer, container):
 
     tok.apply_chat_template = wrapped
     expected = render(tiny_tokenizer, HANDMADE[1], max_length=512)
-    for method in ("generation_tags", "prefix_diff"):
+    for method in ("generation_tags", "template_probe"):
         got = render(tok, HANDMADE[1], max_length=512, method=method)
         np.testing.assert_array_equal(got.input_ids, expected.input_ids)
         np.testing.assert_array_equal(got.loss_mask, expected.loss_mask)
 
 
-def test_custom_end_of_turn_token(tiny_tokenizer):
-    """A template whose turns end with <|endoftext|> instead of <|im_end|>."""
+def test_end_of_turn_from_the_template(tiny_tokenizer):
+    """A template whose turns end with <|endoftext|>: learned from its rendering, with
+    <|im_end|> still in the vocabulary; an explicit end_of_turn overrides it."""
     from dflash.extract.chat import end_of_turn_id
 
     template = (
@@ -292,10 +294,12 @@ def test_custom_end_of_turn_token(tiny_tokenizer):
     )
     tok = with_template(tiny_tokenizer, template)
     conv = HANDMADE[1]
-    with pytest.raises(DataError, match=r"no end-of-turn token '<\|im_end\|>' after assistant message 2") as info:
-        render(tok, conv, max_length=512)
-    assert info.value.reason == "mask_fallback_failed"
-    ids, mask = render(tok, conv, max_length=512, end_of_turn="<|endoftext|>")
+    assert end_of_turn_id(tok) == tok.convert_tokens_to_ids("<|endoftext|>")
+    ids, mask = render(tok, conv, max_length=512)
     assert tok.decode(ids[mask].tolist()) == "Hello.<|endoftext|>Bye!<|endoftext|>"
+    # overriding with a token the template never writes leaves no end of turn to find
+    with pytest.raises(DataError, match=r"no end-of-turn '<\|im_end\|>' after assistant message 2") as info:
+        render(tok, conv, max_length=512, end_of_turn="<|im_end|>")
+    assert info.value.reason == "mask_not_located"
     with pytest.raises(ValueError, match="not in the vocabulary"):
         end_of_turn_id(tok, "<|nope|>")

@@ -1,0 +1,181 @@
+"""Where each assistant turn sits in a chat template's full rendering, for templates
+without `{% generation %}` tags.
+
+Re-rendering a prefix of the chat with a generation prompt and diffing is wrong for
+every template that renders history differently from a prompt (thinking templates
+open the prompt with `<think>\\n`, Mistral moves the system prompt into the last user
+turn, Qwen3 drops earlier think blocks), so the turns are found inside the one full
+rendering instead:
+
+  * `probe_markers` learns, once per template and template arguments, what opens an
+    assistant turn and what ends it, from renderings of probe chats whose contents are
+    unique sentinel strings: the turn header is the text the template writes both in
+    its generation prompt and between a user message and the assistant content that
+    follows it; the end-of-turn token is the first special token it writes after an
+    assistant message's content.
+  * `locate_turns` walks the full rendering message by message: each user and tool
+    message's text is found in order (verbatim, trimmed or JSON-escaped), each assistant
+    turn runs from the end of the next header to the end of the next end-of-turn token.
+    Whatever the template writes in between (a think block, tool-call markup, tool calls
+    in place of the content) is the turn; a message it cannot place raises TurnNotFound,
+    never a guess.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+# Plain lowercase ASCII words: templates trim, strip and split contents, never these.
+_PROBE_USER = ("qzxprobeuserone", "qzxprobeusertwo")
+_PROBE_ASSISTANT = ("qzxprobereplyone", "qzxprobereplytwo")
+
+
+class TemplateProbeFailed(ValueError):
+    """The template's turn markers cannot be learned from its own renderings."""
+
+
+class TurnNotFound(ValueError):
+    """An assistant turn (or a message around it) is not where the walk expects it."""
+
+
+@dataclass(frozen=True)
+class TurnMarkers:
+    """What a chat template writes around assistant turns."""
+
+    header: str  # text that opens every assistant turn; "" where the reply follows the user turn directly (Mistral)
+    user_close: str  # text the template writes right after a user message's content
+    end_of_turn: str  # the token string that closes an assistant turn
+
+
+RenderText = Callable[[list[dict[str, Any]], bool], str]  # (messages, add_generation_prompt) -> text
+
+
+def probe_markers(render_text: RenderText, special_tokens_in: Callable[[str], list[str]],
+                  end_of_turn: str | None = None) -> TurnMarkers:
+    """Learn the turn markers from probe renderings (`render_text` raising counts as a
+    failed probe). `special_tokens_in(text)` lists the special tokens the tokenizer finds
+    in a text, in order; `end_of_turn` overrides the learned end-of-turn token."""
+    (u1, u2), (a1, a2) = _PROBE_USER, _PROBE_ASSISTANT
+    chat = [{"role": "user", "content": u1}, {"role": "assistant", "content": a1},
+            {"role": "user", "content": u2}, {"role": "assistant", "content": a2}]
+    try:
+        full = render_text(chat, False)
+        prompt = render_text(chat[:1], False)
+        prompt_with_generation = render_text(chat[:1], True)
+    except Exception as exc:  # noqa: BLE001 - jinja errors, raise_exception(), ...
+        raise TemplateProbeFailed(f"the template rejected a plain user/assistant probe chat: {type(exc).__name__}: {exc}") from exc
+
+    if not prompt_with_generation.startswith(prompt):
+        raise TemplateProbeFailed("the template's generation prompt does not extend the rendered prompt")
+    generation_prompt = prompt_with_generation[len(prompt):]
+    if u1 not in prompt:
+        raise TemplateProbeFailed("the template does not render a user message's content verbatim")
+    user_close = prompt[prompt.index(u1) + len(u1):]
+
+    positions = _ordered_positions(full, [u1, a1, u2, a2])
+    if positions is None:
+        raise TemplateProbeFailed("the template does not render user and assistant contents verbatim and in order")
+    (_, u1_end), (a1_start, a1_end), (_, u2_end), (a2_start, a2_end) = positions
+    openings = [full[u1_end:a1_start], full[u2_end:a2_start]]
+    if not all(opening.startswith(user_close) for opening in openings):
+        raise TemplateProbeFailed(
+            f"the template writes {user_close!r} after a final user message but not before the assistant reply")
+    header = _common_prefix([generation_prompt] + [opening[len(user_close):] for opening in openings])
+
+    if end_of_turn is None:
+        after_reply = full[a1_end:full.index(u2, a1_end)]
+        found = special_tokens_in(after_reply)
+        if not found:
+            raise TemplateProbeFailed(
+                f"the template writes no special token after an assistant message ({after_reply!r}); pass end_of_turn")
+        end_of_turn = found[0]
+        if end_of_turn not in full[a2_end:]:
+            raise TemplateProbeFailed(f"the template does not close its last assistant turn with {end_of_turn!r}")
+    return TurnMarkers(header=header, user_close=user_close, end_of_turn=end_of_turn)
+
+
+def locate_turns(rendered: str, messages: list[dict[str, Any]], markers: TurnMarkers) -> list[tuple[int, int]]:
+    """Char spans [start, end) of the assistant turns in `rendered`, one per assistant
+    message, each from the end of its header through its end-of-turn token."""
+    spans: list[tuple[int, int]] = []
+    cursor = 0
+    previous_role = None
+    for index, message in enumerate(messages):
+        role = message.get("role")
+        if role == "assistant":
+            start = _turn_start(rendered, cursor, previous_role, markers, index)
+            eot_at = rendered.find(markers.end_of_turn, start)
+            if eot_at < 0:
+                raise TurnNotFound(f"no end-of-turn {markers.end_of_turn!r} after assistant message {index}")
+            cursor = eot_at + len(markers.end_of_turn)
+            spans.append((start, cursor))
+        elif role in ("user", "tool"):
+            for text in _texts(message.get("content")):
+                found = _find_rendered(rendered, text, cursor)
+                if found is None:
+                    raise TurnNotFound(
+                        f"{role} message {index}'s content ({text[:40]!r}) is not rendered after char {cursor} "
+                        "(the template changes it, or an earlier turn was not closed where expected)")
+                cursor = found
+        # system messages are not checked: templates move them (Mistral) or drop them
+        previous_role = role
+    return spans
+
+
+def _turn_start(rendered: str, cursor: int, previous_role: str | None, markers: TurnMarkers, index: int) -> int:
+    if markers.header:
+        at = rendered.find(markers.header, cursor)
+        if at < 0:
+            raise TurnNotFound(f"no assistant header {markers.header!r} for assistant message {index}")
+        return at + len(markers.header)
+    # no header: the reply follows the previous turn's closing text directly
+    if previous_role == "user" and markers.user_close:
+        at = rendered.find(markers.user_close, cursor)
+        if at < 0:
+            raise TurnNotFound(f"no {markers.user_close!r} closing the user turn before assistant message {index}")
+        return at + len(markers.user_close)
+    if previous_role == "assistant":
+        return cursor
+    raise TurnNotFound(
+        f"the template writes no assistant header, so assistant message {index} can only be found after a user "
+        f"or assistant message, not after {previous_role or 'the start of the chat'}")
+
+
+def _texts(content: Any) -> list[str]:
+    """The text a user or tool message contributes, trimmed (templates often trim)."""
+    if isinstance(content, str):
+        parts = [content]
+    elif isinstance(content, list):
+        parts = [p.get("text") for p in content if isinstance(p, dict) and isinstance(p.get("text"), str)]
+    else:
+        parts = []
+    return [p.strip() for p in parts if p.strip()]
+
+
+def _find_rendered(rendered: str, text: str, cursor: int) -> int | None:
+    """End of `text` in `rendered` after `cursor`, as written or JSON-escaped (`tojson`)."""
+    for form in (text, json.dumps(text, ensure_ascii=False)[1:-1], json.dumps(text)[1:-1]):
+        at = rendered.find(form, cursor)
+        if at >= 0:
+            return at + len(form)
+    return None
+
+
+def _ordered_positions(text: str, needles: list[str]) -> list[tuple[int, int]] | None:
+    out, cursor = [], 0
+    for needle in needles:
+        at = text.find(needle, cursor)
+        if at < 0:
+            return None
+        cursor = at + len(needle)
+        out.append((at, cursor))
+    return out
+
+
+def _common_prefix(texts: list[str]) -> str:
+    first = min(texts, key=len)
+    n = next((k for k in range(len(first)) if any(t[k] != first[k] for t in texts)), len(first))
+    return first[:n]
