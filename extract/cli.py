@@ -20,6 +20,18 @@ def _int_list(ctx, param, value):
         raise click.BadParameter(f"expected comma-separated integers, got {value!r}") from None
 
 
+def _json_object(ctx, param, value):
+    if value is None:
+        return {}
+    try:
+        parsed = json.loads(value)
+    except json.JSONDecodeError as e:
+        raise click.BadParameter(f"not valid JSON ({e}): {value!r}") from None
+    if not isinstance(parsed, dict):
+        raise click.BadParameter(f"expected a JSON object such as '{{\"enable_thinking\": false}}', got {value!r}")
+    return parsed
+
+
 @click.command(context_settings={"help_option_names": ["-h", "--help"], "show_default": True})
 @click.option("--data", required=True, help="Chat dataset: .jsonl/.json/.parquet file, folder, or datasets name.")
 @click.option("--model", required=True, help="Target HF causal LM (local folder or cached hub name).")
@@ -27,6 +39,12 @@ def _int_list(ctx, param, value):
 @click.option("--tokenizer", default=None, help="Tokenizer, if not the model's.")
 @click.option("--split", default=None, help="Dataset split (default: train).")
 @click.option("--revision", default=None, help="Model revision.")
+@click.option("--chat-template", default=None, type=click.Path(exists=True, dir_okay=False, readable=True),
+              help="Jinja file that replaces the tokenizer's chat template (fingerprinted).")
+@click.option("--template-kwargs", callback=_json_object, default=None,
+              help='JSON object of variables for the chat template, e.g. \'{"enable_thinking": false}\' (fingerprinted).')
+@click.option("--end-of-turn", default=None,
+              help="Token that ends an assistant turn, e.g. '<end_of_turn>' (default: found from the template).")
 @click.option("--layers", callback=_int_list, default=None,
               help="Layer ids to store, e.g. 1,9,17 (id i = HF hidden_states[i+1]); default: 5 spread over 1..L-3.")
 @click.option("--topk", default=64, type=click.IntRange(1), help="Top-k target log-probs per position.")

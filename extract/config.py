@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -10,6 +11,12 @@ TRUNCATION_POLICIES = ("right", "skip", "error")
 BAD_ROW_POLICIES = ("error", "skip")
 DTYPES = ("bfloat16", "float16", "float32")
 DEFAULT_GPUS = (0, 1, 2, 3, 4)
+RESERVED_TEMPLATE_KWARGS = frozenset({
+    "conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
+    "continue_final_message", "tokenize", "padding", "truncation", "max_length", "return_tensors",
+    "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs",
+})
+"""Arguments of ``apply_chat_template`` itself, which --template-kwargs cannot set."""
 
 
 @dataclass
@@ -33,6 +40,8 @@ class ExtractConfig:
     """Dataset split for `datasets` sources; default: the only or the 'train' split."""
     revision: str | None = None
     """Model revision for hub names (recorded in the fingerprint)."""
+    chat_template: str | None = None
+    """Jinja file that replaces the tokenizer's chat template (its text is fingerprinted, its path recorded)."""
 
     # -- what is extracted (fingerprinted)
     layers: list[int] | None = None
@@ -45,6 +54,10 @@ class ExtractConfig:
     """Over-long samples: 'right' keeps the first max_length tokens, 'skip' drops them, 'error' stops."""
     min_length: int = 2
     """Shortest sample kept, in tokens: one anchor plus one token to predict is one usable block."""
+    template_kwargs: dict[str, Any] = field(default_factory=dict)
+    """Variables passed to the chat template with every row, e.g. {"enable_thinking": False}."""
+    end_of_turn: str | None = None
+    """Token that ends an assistant turn (one vocabulary entry); default: found from the template."""
     on_bad_row: str = "error"
     """Malformed rows: 'error' stops naming file and row, 'skip' drops them and counts the reason."""
     dtype: str = "bfloat16"
@@ -136,6 +149,26 @@ class ExtractConfig:
             raise ValueError(f"min_length {self.min_length} exceeds max_length {self.max_length}")
         if self.layers is not None and len(set(self.layers)) != len(self.layers):
             raise ValueError(f"--layers lists a layer twice: {self.layers}")
+        self._validate_template_kwargs()
+        if self.end_of_turn is not None and not self.end_of_turn:
+            raise ValueError("--end-of-turn is empty")
+
+    def _validate_template_kwargs(self) -> None:
+        if not isinstance(self.template_kwargs, dict):
+            raise ValueError(f"--template-kwargs must be a JSON object, got {type(self.template_kwargs).__name__}")
+        reserved = sorted(RESERVED_TEMPLATE_KWARGS & set(self.template_kwargs))
+        if reserved:
+            raise ValueError(f"--template-kwargs cannot set {reserved}: stage one sets those arguments of "
+                             "apply_chat_template itself")
+        try:
+            json.dumps(self.template_kwargs, allow_nan=False)
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"--template-kwargs must hold JSON values only (they are fingerprinted): {e}") from None
+
+    @property
+    def render_kwargs(self) -> dict[str, Any]:
+        """The keyword arguments of ``extract.chat.render`` that come from these settings."""
+        return {"end_of_turn": self.end_of_turn, "template_kwargs": dict(self.template_kwargs)}
 
     @property
     def resolved_writer_processes(self) -> int:

@@ -20,7 +20,7 @@ what lets a rerun rebuild the same plan and resume a shard where its commit reco
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Callable
 
 import numpy as np
 
@@ -82,9 +82,9 @@ def length_bucketed_batches(lengths: np.ndarray, source_index: np.ndarray, batch
 
 
 def plan_shard(rows, row_offset: int, source: str, tokenizer, cfg: ExtractConfig,
-               render_kwargs: dict[str, Any] | None = None,
                on_row: Callable[[int], None] | None = None) -> PlannedShard:
-    """Tokenise ``rows`` (the shard's slice, global row numbers from ``row_offset``) and plan it.
+    """Tokenise ``rows`` (the shard's slice, global row numbers from ``row_offset``) and plan it,
+    rendered with ``cfg``'s end-of-turn token and template arguments.
 
     Raises DataError on the first bad row unless ``cfg.on_bad_row == "skip"``.
     ``on_row(done)`` is called every 256 rows for progress.
@@ -93,7 +93,7 @@ def plan_shard(rows, row_offset: int, source: str, tokenizer, cfg: ExtractConfig
     kept_rows: list[int] = []
     ids: list[np.ndarray] = []
     masks: list[np.ndarray] = []
-    render_kwargs = dict(render_kwargs or {})
+    render_kwargs = cfg.render_kwargs
 
     def one(row: dict, index: int):
         conv = normalize_row(row, index, source)

@@ -5,6 +5,11 @@ Across nodes (``torchrun --nproc-per-node 1 --nnodes N dflash-extract ...``) eac
 runs this once; node ``r`` owns global shards ``r * W + 0 .. r * W + W - 1`` for its W
 local workers. Rank 0 creates the cache root; the others wait until it exists (polling
 the store, which works for any URL zarr can open) and then check its fingerprint.
+
+A root that differs from this run's fingerprint is refused, naming each difference, unless
+none of its shards committed a sample: then rank 0 replaces it (a run that failed before its
+first commit must not block the corrected rerun at the same ``--out``), and the other ranks
+wait for the replacement.
 """
 
 from __future__ import annotations
@@ -22,13 +27,15 @@ import numpy as np
 import zarr
 
 from dflash.shared.cache import (
-    ATTRS_KEY, TOKEN_FIELDS, CacheError, CacheSpec, create_or_open_cache, open_root, shard_name,
+    ATTRS_KEY, TOKEN_FIELDS, CacheError, CacheMismatch, CacheSpec, committed_samples, create_or_open_cache, open_root,
+    shard_name,
 )
 from dflash.shared.fingerprint import target_fingerprint, tokenizer_fingerprint
 
 from .chat import end_of_turn_id, has_generation_tags
 from .config import ExtractConfig, default_layer_ids
 from .data import DataError, dataset_fingerprint, load_source
+from .tokenizer import load_tokenizer
 from .worker import WorkerTask, worker_main
 
 log = logging.getLogger(__name__)
@@ -84,7 +91,7 @@ def build_spec(cfg: ExtractConfig, tokenizer, model_config, ds, num_shards: int)
     if cfg.topk > model_config.vocab_size:
         raise ExtractFailed(f"--topk {cfg.topk} exceeds the vocabulary size {model_config.vocab_size}")
     try:
-        eot = end_of_turn_id(tokenizer)
+        eot = end_of_turn_id(tokenizer, cfg.end_of_turn)
     except ValueError:
         eot = None
     extraction = {f: getattr(cfg, f) for f in FINGERPRINTED}
@@ -95,8 +102,9 @@ def build_spec(cfg: ExtractConfig, tokenizer, model_config, ds, num_shards: int)
         "shard_rows": "contiguous",
         "chat_template": {
             "mask_method": "generation_tags" if has_generation_tags(tokenizer) else "prefix_diff",
+            "end_of_turn": cfg.end_of_turn,
             "end_of_turn_id": eot,
-            "template_kwargs": {},
+            "template_kwargs": dict(cfg.template_kwargs),
         },
     })
     info_cfg = {k: v for k, v in cfg.to_dict().items() if k not in NOT_RECORDED}
@@ -132,24 +140,53 @@ def build_spec(cfg: ExtractConfig, tokenizer, model_config, ds, num_shards: int)
 
 
 def prepare_root(cfg: ExtractConfig, spec: CacheSpec, layout: NodeLayout) -> zarr.Group:
-    """Rank 0 creates (or reopens and checks) the root; other ranks wait for it, then check."""
-    if layout.rank != 0:
-        deadline = time.monotonic() + cfg.wait_for_root_s
-        while True:
+    """Rank 0 creates, reopens (and checks) or replaces the root; other ranks wait for it, then check."""
+    if layout.rank == 0:
+        try:
+            return create_or_open_cache(cfg.out, spec, replace_uncommitted=True)
+        except CacheError as e:
+            raise ExtractFailed(_with_flag_hints(str(e))) from e
+    deadline = time.monotonic() + cfg.wait_for_root_s
+    mismatch = None
+    while True:
+        try:
+            root = zarr.open_group(store=cfg.out, mode="r", zarr_format=3)
+            ready = root.attrs.get(ATTRS_KEY) is not None and "shards" in root
+        except Exception:  # noqa: BLE001 - not there yet
+            ready = False
+        if ready:
             try:
-                root = zarr.open_group(store=cfg.out, mode="r", zarr_format=3)
-                if root.attrs.get(ATTRS_KEY) is not None and "shards" in root:
-                    break
-            except Exception:  # noqa: BLE001 - not there yet
-                pass
-            if time.monotonic() > deadline:
-                raise ExtractFailed(f"rank {layout.rank}: {cfg.out} was not created by rank 0 within "
-                                    f"{cfg.wait_for_root_s:.0f} s (did rank 0 fail?)")
-            time.sleep(1.0)
-    try:
-        return create_or_open_cache(cfg.out, spec)
-    except CacheError as e:
-        raise ExtractFailed(str(e)) from e
+                return create_or_open_cache(cfg.out, spec)
+            except CacheMismatch as e:
+                if committed_samples(root) > 0:
+                    raise ExtractFailed(_with_flag_hints(str(e))) from e
+                mismatch = e  # an uncommitted root of an earlier run: rank 0 replaces it
+            except CacheError as e:
+                raise ExtractFailed(str(e)) from e
+        if time.monotonic() > deadline:
+            what = (f"still holds a root with another fingerprint:\n{mismatch}" if mismatch is not None
+                    else "was not created")
+            raise ExtractFailed(f"rank {layout.rank}: {cfg.out} {what}\nafter {cfg.wait_for_root_s:.0f} s of waiting "
+                                "for rank 0 (did rank 0 fail, or run with other settings?)")
+        time.sleep(1.0)
+
+
+FLAG_HINTS = {
+    "fingerprint.tokenizer.chat_template_hash": "the chat template (--chat-template, or the tokenizer's own)",
+    "fingerprint.extraction.chat_template.template_kwargs": "--template-kwargs",
+    "fingerprint.extraction.chat_template.end_of_turn": "--end-of-turn",
+}
+"""Fingerprint entries whose name alone does not say which flag sets them."""
+
+
+def _with_flag_hints(message: str) -> str:
+    """``message`` with each difference line that a flag explains followed by that flag."""
+    lines = []
+    for line in message.split("\n"):
+        key = line.strip().removeprefix("- ").split(":", 1)[0]
+        hint = next((h for k, h in FLAG_HINTS.items() if key == k or key.startswith(k + ".")), None)
+        lines.append(f"{line}  [{hint}]" if hint else line)
+    return "\n".join(lines)
 
 
 def shard_states(root: zarr.Group, shard_ids: list[int]) -> dict[int, dict[str, Any] | None]:
@@ -280,13 +317,16 @@ def run(cfg: ExtractConfig) -> dict[str, Any]:
     num_shards = layout.nodes * local
     shard_ids = [layout.rank * local + j for j in range(local)]
 
-    from transformers import AutoConfig, AutoTokenizer
+    from transformers import AutoConfig
 
     try:
-        tokenizer = AutoTokenizer.from_pretrained(cfg.tokenizer or cfg.model, revision=cfg.revision)
+        tokenizer = load_tokenizer(cfg)
+    except ValueError as e:
+        raise ExtractFailed(str(e)) from e
+    try:
         model_config = AutoConfig.from_pretrained(cfg.model, revision=cfg.revision)
     except (OSError, ValueError) as e:
-        raise ExtractFailed(f"cannot load the target or tokenizer {cfg.tokenizer or cfg.model!r}: {e}") from e
+        raise ExtractFailed(f"cannot load the target {cfg.model!r}: {e}") from e
     try:
         ds = load_source(cfg.data, cfg.split or "train")
     except DataError as e:

@@ -31,7 +31,7 @@ import sys
 import threading
 import time
 import traceback
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -46,6 +46,7 @@ from .cpu_time import children_cpu_seconds, thread_cpu, thread_cpu_by_name
 from .data import DataError, load_source
 from .plan import PlannedShard, plan_shard, shard_rows
 from .target import TargetRunner, compute_environment, head_backend_for, load_target
+from .tokenizer import load_tokenizer
 
 
 @dataclass
@@ -58,7 +59,6 @@ class WorkerTask:
     num_shards: int
     device: str
     """'cpu' or 'cuda:N'."""
-    render_kwargs: dict[str, Any] = field(default_factory=dict)
     cpu_threads: int | None = None
 
 
@@ -218,15 +218,15 @@ def run_shard(task: WorkerTask, report, stop: threading.Event | Any | None = Non
     if device.type == "cuda":
         torch.cuda.set_device(device)
 
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(cfg.tokenizer or cfg.model, revision=cfg.revision)
+    tokenizer = load_tokenizer(cfg)
     ds = load_source(cfg.data, cfg.split or "train")
     start, stop_row = shard_rows(len(ds), task.num_shards, task.shard_id)
     rows = ds.select(range(start, stop_row)) if hasattr(ds, "select") else ds[start:stop_row]
     report("planning", rows=stop_row - start, done=0)
-    planned = plan_shard(rows, start, cfg.data, tokenizer, cfg, task.render_kwargs,
+    planned = plan_shard(rows, start, cfg.data, tokenizer, cfg,
                          on_row=lambda done: report("planning", rows=stop_row - start, done=done))
+    if stop is not None and stop.is_set():  # another worker failed while this one planned: leave no shard
+        raise Stopped()
 
     spec = CacheSpec.from_dict(task.spec)
     root = open_root(cfg.out, "r+")

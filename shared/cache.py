@@ -30,6 +30,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import logging
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Protocol
 
@@ -47,6 +48,8 @@ LAYER_CONVENTION = (
 )
 TOKEN_FIELDS = ("input_ids", "loss_mask", "hidden", "topk_ids", "topk_logprobs")
 SAMPLE_META_CHUNK = 1 << 16
+
+log = logging.getLogger(__name__)
 
 
 class CacheError(Exception):
@@ -189,11 +192,16 @@ def open_root(path: str, mode: str = "r", storage_options: dict | None = None) -
         raise CacheError(f"{path}: cannot open as a Zarr v3 cache: {e}") from e
 
 
-def create_or_open_cache(path: str, spec: CacheSpec, storage_options: dict | None = None) -> zarr.Group:
+def create_or_open_cache(path: str, spec: CacheSpec, storage_options: dict | None = None, *,
+                         replace_uncommitted: bool = False) -> zarr.Group:
     """Create the cache root, or reopen one with the same fingerprint and layout.
 
-    A store holding a cache made with another target, tokenizer, dataset or
-    extraction setting is refused with every difference named, never overwritten.
+    A store holding a cache made with another target, tokenizer, dataset or extraction
+    setting is refused with every difference named, never overwritten, unless
+    ``replace_uncommitted`` is set and none of its shards committed a sample: such a root
+    is what a run that failed before its first commit leaves (a bad row, a wrong flag), and
+    it would otherwise block the corrected rerun at the same path. Its shards are deleted
+    and the root takes the new spec (logged as a warning with the differences).
     """
     root = zarr.open_group(store=path, mode="a", zarr_format=3, storage_options=storage_options)
     existing = root.attrs.get(ATTRS_KEY)
@@ -203,15 +211,36 @@ def create_or_open_cache(path: str, spec: CacheSpec, storage_options: dict | Non
         root.attrs[ATTRS_KEY] = spec.to_dict()
         root.require_group("shards")
         return root
-    old = CacheSpec.from_dict(existing)
+    diffs = spec_differences(CacheSpec.from_dict(existing), spec)
+    if not diffs:
+        return root
+    if not replace_uncommitted or committed_samples(root) > 0:
+        raise CacheMismatch(f"{path} holds a cache with another fingerprint; use another --out or delete it", diffs)
+    log.warning("%s: replacing a cache root made with another fingerprint, in which no shard committed a sample "
+                "(left by a run that failed before its first commit); differences:\n  - %s", path, "\n  - ".join(diffs))
+    for name in list(root.keys()):  # the shards first: a crash in between leaves a root that is still uncommitted
+        del root[name]
+    root.attrs[ATTRS_KEY] = spec.to_dict()
+    root.require_group("shards")
+    return root
+
+
+def spec_differences(old: CacheSpec, new: CacheSpec) -> list[str]:
+    """Every difference between two specs that makes one cache's bytes differ from the other's."""
     compared = ("layer_ids", "hidden_size", "topk", "vocab_size", "num_target_layers", "max_length",
                 "truncation", "chunk_tokens", "compression_level", "hidden_dtype", "fingerprint")
     diffs = []
     for name in compared:
-        diffs += diff_dicts({name: getattr(old, name)}, {name: getattr(spec, name)})
-    if diffs:
-        raise CacheMismatch(f"{path} holds a cache with another fingerprint; use another --out or delete it", diffs)
-    return root
+        diffs += diff_dicts({name: getattr(old, name)}, {name: getattr(new, name)})
+    return diffs
+
+
+def committed_samples(root: zarr.Group) -> int:
+    """Samples committed by all shards of a cache root (0 where it has none yet)."""
+    if "shards" not in root:
+        return 0
+    shards = root["shards"]
+    return sum(int(shards[name].attrs.get("commit", {}).get("samples", 0)) for name in shards.group_keys())
 
 
 def shard_name(shard_id: int) -> str:

@@ -89,6 +89,15 @@ def _compute_lines(shards: list[dict]) -> list[str]:
     return lines
 
 
+def _template_line(t: dict) -> str:
+    """The chat template and its settings: where it came from, its arguments, the end of turn."""
+    source = f"from {t['file']}" if t["file"] else "the tokenizer's"
+    eot_id = "-" if t["end_of_turn_id"] is None else t["end_of_turn_id"]
+    eot = f"{t['end_of_turn']!r} (id {eot_id}, --end-of-turn)" if t["end_of_turn"] else f"id {eot_id} (from the template)"
+    return (f"chat       template {_short(t['hash'])} {source}  kwargs {json.dumps(t['template_kwargs'], sort_keys=True)}  "
+            f"end of turn {eot}  mask {t['mask_method'] or '-'}")
+
+
 @main.command()
 @click.argument("cache")
 @_json_option
@@ -105,6 +114,7 @@ def info(cache: str, as_json: bool):
         f"target     {t['name_or_path']}  rev {t['revision'] or '-'}  dtype {t['dtype'] or '-'}  "
         f"config {_short(t['config_hash'])}  weights {_short(t['weights_hash'])}",
         f"tokenizer  {_short(tok['hash'])}  template {_short(tok['chat_template_hash'])}",
+        _template_line(fp["chat_template"]),
         f"dataset    {ds['name'] or '-'}  split {ds['split'] or '-'}  rows {_n(ds['rows'])}  hash {_short(ds['hash'])}",
         f"layers     {d['layer_ids']} of {d['num_target_layers']}  ({d['layer_convention']})",
         f"hidden     D={d['hidden_size']} {d['hidden_dtype']}  top-k {d['topk']}  vocab {_n(d['vocab_size'])}  "

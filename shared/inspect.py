@@ -138,6 +138,7 @@ def cache_info(path: str, storage_options: dict | None = None) -> dict[str, Any]
                 "config_hash": target.get("config_hash"), "weights_hash": target.get("weights_hash"),
             },
             "tokenizer": {"hash": tok.get("hash"), "chat_template_hash": tok.get("chat_template_hash")},
+            "chat_template": _chat_template_info(fp, located),
             "dataset": {
                 "name": data.get("name", data.get("source")) or located.get("dataset_source"),
                 "split": data.get("split"),
@@ -166,6 +167,20 @@ def cache_info(path: str, storage_options: dict | None = None) -> dict[str, Any]
             "hidden": raw_hidden / disk_hidden if listing is not None and disk_hidden else None,
             "total": raw_total / disk_total_committed if listing is not None and disk_total_committed else None,
         },
+    }
+
+
+def _chat_template_info(fp: dict[str, Any], info: dict[str, Any]) -> dict[str, Any]:
+    """How the chats were rendered: the template (its hash, and the file that replaced the
+    tokenizer's own, if one did), the template arguments, the end-of-turn token, the mask method."""
+    rendering = fp.get("extraction", {}).get("chat_template", {})
+    return {
+        "hash": fp.get("tokenizer", {}).get("chat_template_hash"),
+        "file": (info.get("config") or {}).get("chat_template"),
+        "template_kwargs": rendering.get("template_kwargs", {}),
+        "end_of_turn": rendering.get("end_of_turn"),
+        "end_of_turn_id": rendering.get("end_of_turn_id"),
+        "mask_method": rendering.get("mask_method"),
     }
 
 

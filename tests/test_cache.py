@@ -119,6 +119,55 @@ def test_other_fingerprint_refused(tmp_path):
     assert "topk" in msg and "fingerprint.target.name" in msg and "'other'" in msg
 
 
+def file_bytes(path) -> dict[str, bytes]:
+    """Every file under ``path`` by relative name: a byte-exact picture of a store."""
+    return {str(f.relative_to(path)): f.read_bytes() for f in sorted(path.rglob("*")) if f.is_file()}
+
+
+def test_uncommitted_root_with_another_fingerprint_is_replaced(tmp_path, caplog):
+    """What a run that failed before its first commit leaves (a shard planned, nothing
+    committed) gives way to the corrected run, which says so; only when asked to."""
+    path = tmp_path / "c.zarr"
+    spec, plan = make_spec(), make_plan(LENGTHS)
+    root = C.create_or_open_cache(str(path), spec)
+    C.ShardWriter(root, 0, plan, spec).write_batch(0, **batch_data(spec, plan, 0))  # written, never committed
+    other = make_spec(topk=4)
+    with pytest.raises(C.CacheMismatch, match="topk: cache has 3, run has 4"):
+        C.create_or_open_cache(str(path), other)  # not asked to replace: refused as before
+    with caplog.at_level("WARNING", logger="dflash.shared.cache"):
+        root = C.create_or_open_cache(str(path), other, replace_uncommitted=True)
+    assert "replacing a cache root made with another fingerprint" in caplog.text and "topk: cache has 3" in caplog.text
+    assert C.CacheSpec.from_dict(root.attrs[C.ATTRS_KEY]) == other
+    assert list(C.open_root(str(path))["shards"].group_keys()) == []  # the old plan cannot block the new one
+    write_all(path, other, plan)  # the corrected run writes its shard from the start
+    assert len(C.CacheReader(str(path))) == len(LENGTHS)
+
+
+def test_committed_root_with_another_fingerprint_is_left_byte_identical(tmp_path):
+    """One committed sample in any shard: refused even when replacing is allowed, every file untouched."""
+    path = tmp_path / "c.zarr"
+    spec, plan = make_spec(), make_plan(LENGTHS)
+    write_all(path, spec, plan, stop_after=1)  # shard 0: batch 0 committed
+    root = C.open_root(str(path), "r+")
+    C.ShardWriter(root, 1, plan, spec)  # shard 1: planned, nothing committed
+    assert C.committed_samples(root) == 2
+    before = file_bytes(path)
+    with pytest.raises(C.CacheMismatch, match="topk: cache has 3, run has 4"):
+        C.create_or_open_cache(str(path), make_spec(topk=4), replace_uncommitted=True)
+    assert file_bytes(path) == before
+
+
+def test_foreign_zarr_data_is_never_replaced(tmp_path):
+    import zarr
+
+    path = tmp_path / "c.zarr"
+    zarr.open_group(str(path), mode="w").create_array("x", shape=(4,), dtype="int32")
+    before = file_bytes(path)
+    with pytest.raises(C.CacheError, match="not a dflash cache"):
+        C.create_or_open_cache(str(path), make_spec(), replace_uncommitted=True)
+    assert file_bytes(path) == before
+
+
 def test_resume_under_another_compute_refused(tmp_path):
     """A shard with committed samples resumes only where it was computed (device, head,
     versions): the message names each difference and how to redo the shard. A shard with

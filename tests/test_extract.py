@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import errno
 import glob
+import hashlib
 import json
 import os
 import signal
@@ -28,6 +29,7 @@ from dflash.extract.config import ExtractConfig, default_layer_ids
 from dflash.extract.data import normalize_row
 from dflash.extract.plan import length_bucketed_batches, shard_rows
 from dflash.extract.target import TargetRunner, compute_environment, load_target
+from dflash.extract.tokenizer import load_tokenizer
 from dflash.shared import cache as C
 
 LAYERS = [0, 2, 3]  # 3 = L - 1: HF takes that one after the final norm
@@ -84,18 +86,28 @@ def shard_arrays(path, shard):
 def shard_task(out, dataset, tiny_target_dir, shard, **overrides):
     """A prepared cache at ``out`` (the two-shard layout of ``extracted``) and the task of one
     of its shards, for runs of ``W.run_shard`` in this process."""
-    from transformers import AutoConfig, AutoTokenizer
-
-    from dflash.extract.data import load_source
-
     cfg = ExtractConfig(data=str(dataset[0]), model=str(tiny_target_dir), out=str(out), device="cpu", workers=2,
                         layers=LAYERS, topk=TOPK, max_length=MAX_LENGTH, batch_tokens=400, commit_seconds=0,
                         chunk_tokens=64, on_bad_row="skip", cpu_threads=1, progress=False, dtype="float32",
                         **overrides)
-    spec = R.build_spec(cfg, AutoTokenizer.from_pretrained(cfg.model), AutoConfig.from_pretrained(cfg.model),
-                        load_source(cfg.data), num_shards=2)
+    spec = run_spec(cfg)
     R.prepare_root(cfg, spec, R.NodeLayout(0, 1))
     return W.WorkerTask(cfg=cfg, spec=spec.to_dict(), shard_id=shard, num_shards=2, device="cpu", cpu_threads=1)
+
+
+def run_spec(cfg, num_shards=2):
+    """The CacheSpec a run of ``cfg`` would write, built as the runner builds it."""
+    from transformers import AutoConfig
+
+    from dflash.extract.data import load_source
+
+    return R.build_spec(cfg, load_tokenizer(cfg), AutoConfig.from_pretrained(cfg.model), load_source(cfg.data),
+                        num_shards=num_shards)
+
+
+def file_bytes(path) -> dict[str, bytes]:
+    """Every file under ``path`` by relative name: a byte-exact picture of a store."""
+    return {str(f.relative_to(path)): f.read_bytes() for f in sorted(path.rglob("*")) if f.is_file()}
 
 
 def assert_same_shard(reference, out, shard):
@@ -583,3 +595,179 @@ def test_cuda_worker_matches_hf_on_the_gpu(tmp_path, dataset, tiny_target_dir):
                                        ref.hidden_states[layer + 1][0].bfloat16().float().cpu(), rtol=2 ** -7, atol=1e-4)
         values = torch.topk(torch.log_softmax(ref.logits[0].float(), -1), TOPK, -1).values.cpu()
         torch.testing.assert_close(s["topk_logprobs"], values, rtol=1e-4, atol=1e-4)
+
+
+# ----------------------------------------------------------------------------- chat-template flags
+
+
+FLAGGED_TEMPLATE = (  # the toy template's turns, an empty think block on request, assistant turns ended by <|endoftext|>
+    "{%- for message in messages %}"
+    "{%- if message['role'] == 'assistant' %}"
+    "{{- '<|im_start|>assistant\\n' }}"
+    "{% generation %}"
+    "{%- if enable_thinking is defined and not enable_thinking %}{{- '<think>\\n\\n</think>\\n\\n' }}{%- endif %}"
+    "{{- message['content'] }}"
+    "{% endgeneration %}"
+    "{{- '<|endoftext|>\\n' }}"
+    "{%- else %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{%- endif %}"
+    "{%- endfor %}"
+)
+FLAGGED_KWARGS = {"enable_thinking": False}
+FLAGGED_EOT = "<|endoftext|>"
+
+
+@pytest.fixture(scope="module")
+def template_file(tmp_path_factory):
+    path = tmp_path_factory.mktemp("template") / "chat.jinja"
+    path.write_text(FLAGGED_TEMPLATE)
+    return path
+
+
+@pytest.fixture(scope="module")
+def flagged(tmp_path_factory, chats_sample_path, tiny_target_dir, template_file):
+    """A two-worker CLI run over the 40 sample chats with all three template flags; the cache path."""
+    out = tmp_path_factory.mktemp("flagged") / "c.zarr"
+    cli("--data", chats_sample_path, "--model", tiny_target_dir, "--out", out, "--chat-template", template_file,
+        "--template-kwargs", json.dumps(FLAGGED_KWARGS), "--end-of-turn", FLAGGED_EOT, *COMMON)
+    return out
+
+
+def flagged_config(chats_sample_path, tiny_target_dir, template_file, out, **changes):
+    """The ExtractConfig of the ``flagged`` run (its CLI flags as fields), with ``changes``."""
+    cfg = ExtractConfig(data=str(chats_sample_path), model=str(tiny_target_dir), out=str(out), device="cpu",
+                        workers=2, layers=LAYERS, topk=TOPK, max_length=MAX_LENGTH, batch_tokens=400,
+                        commit_seconds=0, chunk_tokens=64, cpu_threads=1, progress=False, dtype="float32",
+                        chat_template=str(template_file), template_kwargs=dict(FLAGGED_KWARGS),
+                        end_of_turn=FLAGGED_EOT)
+    return dataclasses.replace(cfg, **changes)
+
+
+def hf_rendering(tokenizer, messages, template, end_of_turn, **template_kwargs):
+    """(ids, mask) from HF alone: apply_chat_template with this template and these arguments, and
+    its own assistant mask from the generation tags, each span closed by the end-of-turn token
+    that follows it."""
+    enc = tokenizer.apply_chat_template(messages, chat_template=template, tokenize=True, return_dict=True,
+                                        return_assistant_tokens_mask=True, **template_kwargs)
+    ids, mask = np.asarray(enc["input_ids"]), np.asarray(enc["assistant_masks"], dtype=bool)
+    closes = np.flatnonzero(mask[:-1] & ~mask[1:] & (ids[1:] == tokenizer.convert_tokens_to_ids(end_of_turn))) + 1
+    mask[closes] = True
+    return ids, mask
+
+
+def test_template_flags_reach_every_stored_sample(flagged, chats_sample_path, tiny_target_dir):
+    """--chat-template, --template-kwargs and --end-of-turn through the CLI and both workers: every
+    sample is what HF renders with that template and those arguments, its mask HF's assistant mask
+    closed by that end-of-turn token (not the tokenizer's own template, which renders otherwise);
+    the fingerprint records the template actually used and both settings."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_target_dir)
+    rows = [json.loads(line) for line in chats_sample_path.read_text().splitlines()]
+    reader = C.CacheReader(str(flagged))
+    assert reader.complete and len(reader) == len(rows)
+    eot_id = tokenizer.convert_tokens_to_ids(FLAGGED_EOT)
+    for i in range(len(reader)):
+        s = reader[i]
+        messages = rows[s["source_index"]]["messages"]
+        ids, mask = hf_rendering(tokenizer, messages, FLAGGED_TEMPLATE, FLAGGED_EOT, **FLAGGED_KWARGS)
+        n = len(s["input_ids"])
+        assert n == min(len(ids), MAX_LENGTH)
+        assert s["input_ids"].tolist() == ids[:n].tolist() and s["loss_mask"].tolist() == mask[:n].tolist()
+        own = tokenizer.apply_chat_template(messages, tokenize=True)
+        assert list(own[:n]) != s["input_ids"].tolist()
+    assert reader[0]["loss_mask"][reader[0]["input_ids"] == eot_id].all()  # the end of turn is learnt
+    fp = reader.spec.fingerprint
+    assert fp["tokenizer"]["chat_template_hash"] == hashlib.sha256(FLAGGED_TEMPLATE.encode()).hexdigest()
+    rendering = fp["extraction"]["chat_template"]
+    assert rendering["template_kwargs"] == FLAGGED_KWARGS and rendering["end_of_turn"] == FLAGGED_EOT
+    assert rendering["end_of_turn_id"] == eot_id
+
+
+def test_info_shows_the_template_flags(flagged, extracted, template_file, tiny_target_dir):
+    from click.testing import CliRunner
+    from transformers import AutoTokenizer
+
+    from dflash.shared.cache_cli import main as cache_main
+
+    eot_id = AutoTokenizer.from_pretrained(tiny_target_dir).convert_tokens_to_ids(FLAGGED_EOT)
+    template_hash = hashlib.sha256(FLAGGED_TEMPLATE.encode()).hexdigest()
+    result = CliRunner().invoke(cache_main, ["info", str(flagged), "--json"])
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.output)["fingerprint"]["chat_template"] == {
+        "hash": template_hash, "file": str(template_file), "template_kwargs": FLAGGED_KWARGS,
+        "end_of_turn": FLAGGED_EOT, "end_of_turn_id": eot_id, "mask_method": "generation_tags"}
+    text = CliRunner().invoke(cache_main, ["info", str(flagged)]).output
+    line = next(x for x in text.splitlines() if x.startswith("chat "))
+    assert f"template {template_hash[:12]} from {template_file}" in line
+    assert 'kwargs {"enable_thinking": false}' in line and f"'{FLAGGED_EOT}' (id {eot_id}, --end-of-turn)" in line
+    default = CliRunner().invoke(cache_main, ["info", str(extracted[0])]).output
+    line = next(x for x in default.splitlines() if x.startswith("chat "))
+    assert "the tokenizer's" in line and "kwargs {}" in line and "(from the template)" in line
+
+
+@pytest.mark.parametrize("change, named", [
+    ("chat_template", "fingerprint.tokenizer.chat_template_hash: cache has '{old}', run has '{new}'  "
+                      "[the chat template (--chat-template, or the tokenizer's own)]"),
+    ("template_kwargs", "fingerprint.extraction.chat_template.template_kwargs.enable_thinking: cache has False, "
+                        "run has True  [--template-kwargs]"),
+    ("end_of_turn", "fingerprint.extraction.chat_template.end_of_turn: cache has '<|endoftext|>', "
+                    "run has '<|im_end|>'  [--end-of-turn]"),
+])
+def test_resume_with_another_template_flag_is_refused(flagged, chats_sample_path, tiny_target_dir, template_file,
+                                                      tmp_path, change, named):
+    """A resume with one template flag changed is refused, naming that flag's entry and nothing
+    else but what it implies; the cache is left byte-identical."""
+    from dflash.shared import toy
+
+    other_template = tmp_path / "toy.jinja"
+    other_template.write_text(toy.chat_template(generation_tags=True))
+    value = {"chat_template": str(other_template), "template_kwargs": {"enable_thinking": True},
+             "end_of_turn": "<|im_end|>"}[change]
+    same = flagged_config(chats_sample_path, tiny_target_dir, template_file, flagged)
+    R.prepare_root(same, run_spec(same), R.NodeLayout(0, 1))  # unchanged flags: reopens
+    before = file_bytes(flagged)
+    cfg = dataclasses.replace(same, **{change: value})
+    with pytest.raises(R.ExtractFailed) as err:
+        R.prepare_root(cfg, run_spec(cfg), R.NodeLayout(0, 1))
+    message = str(err.value)
+    old, new = (hashlib.sha256(t.encode()).hexdigest() for t in (FLAGGED_TEMPLATE, other_template.read_text()))
+    assert "another fingerprint" in message and named.format(old=old, new=new) in message
+    differences = [line for line in message.splitlines() if line.startswith("  - ")]
+    assert len(differences) == (2 if change == "end_of_turn" else 1)  # another token: another id too
+    assert file_bytes(flagged) == before
+
+
+def test_resume_without_a_template_flag_is_refused_by_the_cli(flagged, chats_sample_path, tiny_target_dir,
+                                                              template_file):
+    proc = cli("--data", chats_sample_path, "--model", tiny_target_dir, "--out", flagged, "--chat-template",
+               template_file, "--end-of-turn", FLAGGED_EOT, *COMMON, check=False)
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr
+    assert ("template_kwargs.enable_thinking: cache has False, missing in run  [--template-kwargs]"
+            in proc.stderr), proc.stderr
+
+
+def test_template_flags_are_checked_before_any_work(tmp_path, chats_sample_path, tiny_target_dir):
+    """Each bad value stops the CLI with a message naming the flag and the problem, and writes nothing."""
+    from click.testing import CliRunner
+
+    from dflash.extract.cli import main as extract_main
+
+    out = tmp_path / "c.zarr"
+    broken = tmp_path / "broken.jinja"
+    broken.write_text("{% for message in messages %}{{ message['content'] }}")
+    base = ["--data", str(chats_sample_path), "--model", str(tiny_target_dir), "--out", str(out), "--device", "cpu",
+            "--no-progress"]
+    cases = [
+        (["--template-kwargs", '{"enable_thinking": fal'], 2, "not valid JSON"),
+        (["--template-kwargs", "[1, 2]"], 2, "expected a JSON object"),
+        (["--template-kwargs", '{"add_generation_prompt": true}'], 1, "cannot set ['add_generation_prompt']"),
+        (["--chat-template", str(tmp_path / "missing.jinja")], 2, "does not exist"),
+        (["--chat-template", str(broken)], 1, f"--chat-template {broken}: not a valid Jinja template"),
+        (["--end-of-turn", "<|nope|>"], 1, "--end-of-turn '<|nope|>' is not a token of the vocabulary"),
+    ]
+    for flags, code, message in cases:
+        result = CliRunner().invoke(extract_main, base + flags)
+        assert result.exit_code == code and message in result.output, (flags, result.output)
+        assert not out.exists()
