@@ -1,12 +1,22 @@
-"""Regenerate a chat dataset's assistant turns with the target itself (DESIGN §2, Data:
-the drafter learns the target's own distribution, so its answers should be the target's).
+"""Regenerate a chat dataset's assistant turns with the target itself: the drafter
+learns the target's own distribution, so the answers it trains on should be the target's.
 
     python -m dflash.extract.regenerate --data chats.jsonl --model Qwen/Qwen3-8B --out regen/ \\
         [--temperature 0] [--top-p 1] [--seed 0] [--max-new-tokens 1024] [--batch-size 16]
+    python -m dflash.extract.regenerate --data chats.jsonl --endpoint http://HOST:8000/v1 --out regen/ \\
+        [--model NAME] [--concurrency 32] [--max-new-tokens 1024] [--template-kwargs JSON]
+
+Two engines give the answers: the target loaded in this process (`--model` alone; the
+CPU demo uses it) or an OpenAI-compatible server (`--endpoint`; vLLM, SGLang,
+`transformers serve`), see `regenerate_endpoint`. Both write the same output.
 
 Every assistant turn is replaced, turn by turn: turn k is generated from the
 conversation with turns < k ALREADY regenerated, so later turns condition on the
-target's own earlier answers. System, user and tool messages are kept. Generation is
+target's own earlier answers. System, user and tool messages are kept. A regenerated
+assistant message keeps the source message's other fields (its `tool_calls` included, so
+the tool replies that follow still answer them); its `content` is the new answer and
+the source's `reasoning_content` is replaced by the new one (or dropped: in process the
+answer's text holds any reasoning inline). In process, generation is
 batched with left padding; it stops at the end-of-turn / eos tokens or after
 --max-new-tokens (such a turn is "truncated": kept and counted, or dropped with
 --drop-truncated). A conversation is cut before a turn whose prompt exceeds
@@ -22,7 +32,8 @@ Output folder (resumable: rerunning the same command skips finished parts):
                                     all parts, in source order, via save_to_disk: the
                                     dataset ``load_source(OUT)`` (and so ``make extract
                                     DATA=OUT``) reads; rows are {"messages", "source_row",
-                                    "truncated_turns"}
+                                    "truncated_turns"}; tool-call arguments are stored as
+                                    JSON strings (Arrow cannot hold free-form objects)
     OUT/regenerate.json             how it was made: target / tokenizer / source
                                     fingerprints, generation settings, counts (last)
 
@@ -153,6 +164,7 @@ class _Chat:
     next_turn: int | None  # index of the next assistant message to regenerate
     truncated_turns: int = 0
     regenerated: int = 0
+    generated_tokens: int = 0
     dropped: str | None = None  # skip reason, when the whole row is dropped
 
     def advance(self, after: int) -> None:
@@ -168,6 +180,72 @@ class _Chat:
         else:
             counts.counts[f"cut_{reason}"] += 1
 
+    def answer(self, turn: int, message: dict, truncated: bool, tokens: int) -> None:
+        """Put the regenerated ``message`` in place of turn ``turn`` and move on."""
+        self.messages[turn] = message
+        self.truncated_turns += int(truncated)
+        self.regenerated += 1
+        self.generated_tokens += tokens
+        self.advance(turn)
+
+
+def regenerated_message(source: dict, content: str, reasoning: str | None = None,
+                        tool_calls: list | None = None) -> dict:
+    """The source assistant message with a new answer: other fields (its tool calls) kept,
+    the source's reasoning replaced by ``reasoning`` or dropped, ``tool_calls`` set only
+    where the source has none."""
+    message = {k: v for k, v in source.items() if k != "reasoning_content" and v is not None}
+    message["content"] = content
+    if reasoning:
+        message["reasoning_content"] = reasoning
+    if tool_calls and not message.get("tool_calls"):
+        message["tool_calls"] = tool_calls
+    return message
+
+
+def collect_rows(chats: list[_Chat], skips: SkipCounter) -> tuple[list[dict], dict[str, int]]:
+    """Output rows of finished chats (dropped ones counted) and their totals."""
+    rows = []
+    for chat in chats:
+        if chat.dropped:
+            if chat.dropped not in ("template_rejected", "server_rejected"):  # already recorded with its message
+                skips.record(DataError(chat.dropped, chat.conv.source, chat.conv.row_index,
+                                       f"no assistant turn left ({chat.dropped})"))
+            continue
+        row = {"messages": chat.messages, "source_row": chat.conv.row_index, "truncated_turns": chat.truncated_turns}
+        if getattr(chat.conv, "tools", None):
+            row["tools"] = chat.conv.tools
+        rows.append(row)
+    kept = [c for c in chats if not c.dropped]
+    totals = {"turns_regenerated": sum(c.regenerated for c in kept),
+              "truncated_turns": sum(c.truncated_turns for c in kept),
+              "generated_tokens": sum(c.generated_tokens for c in kept)}
+    return rows, totals
+
+
+def _storable(row: dict) -> dict:
+    """``row`` with every tool call's arguments as a JSON string (see the module doc)."""
+    messages = []
+    for message in row["messages"]:
+        if message.get("tool_calls"):
+            calls = []
+            for call in message["tool_calls"]:
+                call = dict(call)
+                function = call.get("function")
+                if isinstance(function, dict) and isinstance(function.get("arguments"), (dict, list)):
+                    call["function"] = {**function, "arguments": json.dumps(function["arguments"], ensure_ascii=False)}
+                calls.append(call)
+            message = {**message, "tool_calls": calls}
+        messages.append(message)
+    return {**row, "messages": messages}
+
+
+def write_part(out: Path, part: int, rows: list[dict], stats: dict) -> None:
+    """Write a finished part's rows, then its done record (which marks it finished)."""
+    data_path, done_path = part_paths(out, part)
+    _write_atomic(data_path, "".join(json.dumps(_storable(r), ensure_ascii=False) + "\n" for r in rows))
+    _write_atomic(done_path, json.dumps(stats, indent=2, sort_keys=True) + "\n")
+
 
 def regenerate_conversations(model, tokenizer, convs: list[Conversation], settings: GenerationSettings,
                              batch_size: int, skips: SkipCounter) -> tuple[list[dict], dict[str, int]]:
@@ -179,7 +257,6 @@ def regenerate_conversations(model, tokenizer, convs: list[Conversation], settin
     chats = [_Chat(c, [dict(m) for m in c.messages], None) for c in convs]
     for chat in chats:
         chat.advance(-1)
-    totals = {"turns_regenerated": 0, "truncated_turns": 0, "generated_tokens": 0}
     while True:
         pending: list[tuple[_Chat, int, str, int]] = []
         for chat in chats:
@@ -211,23 +288,8 @@ def regenerate_conversations(model, tokenizer, convs: list[Conversation], settin
                 if truncated and settings.drop_truncated:
                     chat.cut(turn, "truncated", skips)
                     continue
-                chat.messages[turn] = {"role": "assistant", "content": content}
-                chat.truncated_turns += int(truncated)
-                chat.regenerated += 1
-                totals["turns_regenerated"] += 1
-                totals["truncated_turns"] += int(truncated)
-                totals["generated_tokens"] += len(tokens)
-                chat.advance(turn)
-    rows = []
-    for chat in chats:
-        if chat.dropped:
-            if chat.dropped != "template_rejected":  # already recorded with its message
-                skips.record(DataError(chat.dropped, chat.conv.source, chat.conv.row_index,
-                                       f"no assistant turn left ({chat.dropped})"))
-            continue
-        rows.append({"messages": chat.messages, "source_row": chat.conv.row_index,
-                     "truncated_turns": chat.truncated_turns})
-    return rows, totals
+                chat.answer(turn, regenerated_message(chat.messages[turn], content), truncated, len(tokens))
+    return collect_rows(chats, skips)
 
 
 # ---------------------------------------------------------------------------- parts and resume
@@ -315,7 +377,7 @@ def regenerate(cfg: RegenConfig, *, model=None, tokenizer=None, overwrite: bool 
     bar = tqdm(total=num_rows, desc="regenerate", unit="row", disable=not cfg.progress)
     for part in range(num_parts):
         start, stop = part * cfg.part_size, min(num_rows, (part + 1) * cfg.part_size)
-        data_path, done_path = part_paths(out, part)
+        _, done_path = part_paths(out, part)
         if done_path.exists():
             bar.update(stop - start)
             continue
@@ -334,9 +396,8 @@ def regenerate(cfg: RegenConfig, *, model=None, tokenizer=None, overwrite: bool 
             convs.append(conv)
         torch.manual_seed(cfg.generation.seed * 1_000_003 + part)
         rows, totals = regenerate_conversations(model, tokenizer, convs, cfg.generation, cfg.batch_size, skips)
-        _write_atomic(data_path, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
-        stats = {"part": part, "rows_in": stop - start, "rows_out": len(rows), **totals, "skipped": skips.to_dict()}
-        _write_atomic(done_path, json.dumps(stats, indent=2, sort_keys=True) + "\n")
+        write_part(out, part, rows, {"part": part, "rows_in": stop - start, "rows_out": len(rows), **totals,
+                                     "skipped": skips.to_dict()})
         written += 1
         bar.update(stop - start)
     bar.close()
