@@ -208,7 +208,7 @@ def collect_rows(chats: list[_Chat], skips: SkipCounter) -> tuple[list[dict], di
     rows = []
     for chat in chats:
         if chat.dropped:
-            if chat.dropped not in ("template_rejected", "server_rejected"):  # already recorded with its message
+            if chat.dropped != "template_rejected":  # already recorded with its message
                 skips.record(DataError(chat.dropped, chat.conv.source, chat.conv.row_index,
                                        f"no assistant turn left ({chat.dropped})"))
             continue
@@ -404,8 +404,10 @@ def regenerate(cfg: RegenConfig, *, model=None, tokenizer=None, overwrite: bool 
     return finalize(out, num_parts, record, target_fp, source_fp)
 
 
-def finalize(out: Path, num_parts: int, record: dict, target_fp: dict, source_fp: dict) -> dict[str, Any]:
-    """Gather every part into one saved dataset under ``out`` and write the metadata."""
+def finalize(out: Path, num_parts: int, record: dict, target_fp: dict, source_fp: dict,
+             extra: dict | None = None) -> dict[str, Any]:
+    """Gather every part into one saved dataset under ``out`` and write the metadata
+    (``extra``: more keys for it)."""
     import datasets
     import torch
     import transformers
@@ -438,6 +440,7 @@ def finalize(out: Path, num_parts: int, record: dict, target_fp: dict, source_fp
         "versions": {"torch": torch.__version__, "transformers": transformers.__version__,
                      "datasets": datasets.__version__},
         "read_with": "dflash.extract.data.load_source(OUT)",
+        **(extra or {}),
     }
     _write_atomic(out / METADATA_FILE, json.dumps(metadata, indent=2, sort_keys=True) + "\n")
     log.info("regenerated %d rows (%d turns, %d truncated) -> %s", counts["rows_out"], counts["turns_regenerated"],
@@ -450,42 +453,84 @@ def finalize(out: Path, num_parts: int, record: dict, target_fp: dict, source_fp
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
 @click.option("--data", required=True, help="Source chat dataset (anything extract reads).")
-@click.option("--model", required=True, help="Target model: HF folder or hub name.")
+@click.option("--model", default=None,
+              help="Target model: HF folder or hub name (in process); with --endpoint, the served model's name "
+                   "(default: the one the server lists).")
+@click.option("--endpoint", default=None,
+              help="OpenAI-compatible server base URL, e.g. http://HOST:8000/v1 (vLLM, SGLang, transformers serve).")
 @click.option("--out", required=True, type=click.Path(file_okay=False), help="Output folder (resumable).")
 @click.option("--split", default="train", show_default=True)
 @click.option("--temperature", default=0.0, show_default=True, type=float, help="0 = greedy.")
 @click.option("--top-p", default=1.0, show_default=True, type=float, help="Nucleus mass when sampling.")
 @click.option("--seed", default=0, show_default=True, type=int)
-@click.option("--max-new-tokens", default=1024, show_default=True, type=click.IntRange(min=1), help="Per turn.")
+@click.option("--max-new-tokens", default=1024, show_default=True, type=click.IntRange(min=1),
+              help="Per turn (max_tokens of each request with --endpoint).")
 @click.option("--max-prompt-tokens", default=None, type=click.IntRange(min=1),
               help="Cut a conversation before a turn whose prompt is longer.")
 @click.option("--drop-truncated", is_flag=True, help="Cut a conversation at a turn that hit --max-new-tokens.")
-@click.option("--batch-size", default=16, show_default=True, type=click.IntRange(min=1))
+@click.option("--batch-size", default=16, show_default=True, type=click.IntRange(min=1), help="In process only.")
+@click.option("--concurrency", default=32, show_default=True, type=click.IntRange(min=1),
+              help="--endpoint: conversations in flight at once.")
+@click.option("--request-timeout", default=600.0, show_default=True, type=click.FloatRange(min=0, min_open=True),
+              help="--endpoint: seconds for one request.")
+@click.option("--retries", default=6, show_default=True, type=click.IntRange(min=0),
+              help="--endpoint: retries of a failed request (connection error, timeout, 429, 5xx), backoff 1 s doubling.")
+@click.option("--extra-body", default=None, help="--endpoint: JSON merged into every request, e.g. '{\"top_k\": -1}'.")
+@click.option("--api-key", default=None, envvar="OPENAI_API_KEY", help="--endpoint: bearer token (or $OPENAI_API_KEY).")
 @click.option("--part-size", default=256, show_default=True, type=click.IntRange(min=1),
-              help="Source rows per output part (the resume unit).")
+              help="Source rows per output part.")
 @click.option("--limit", default=None, type=click.IntRange(min=1), help="Use the first N source rows.")
-@click.option("--device", default="cpu", show_default=True)
-@click.option("--dtype", type=click.Choice(["bfloat16", "float16", "float32"]), default="bfloat16", show_default=True)
-@click.option("--template-kwargs", default=None, help='JSON for the chat template, e.g. \'{"enable_thinking": false}\'.')
+@click.option("--device", default="cpu", show_default=True, help="In process only.")
+@click.option("--dtype", type=click.Choice(["bfloat16", "float16", "float32"]), default="bfloat16", show_default=True,
+              help="In process only.")
+@click.option("--template-kwargs", default=None,
+              help='JSON for the chat template, e.g. \'{"enable_thinking": false}\' (chat_template_kwargs with --endpoint).')
 @click.option("--on-bad-row", type=click.Choice(["skip", "error"]), default="skip", show_default=True)
 @click.option("--overwrite", is_flag=True, help="Delete OUT first instead of resuming.")
-def cli(data, model, out, split, temperature, top_p, seed, max_new_tokens, max_prompt_tokens, drop_truncated,
-        batch_size, part_size, limit, device, dtype, template_kwargs, on_bad_row, overwrite):
-    """Replace every assistant turn of DATA with MODEL's own answers; write a dataset to OUT."""
+def cli(data, model, endpoint, out, split, temperature, top_p, seed, max_new_tokens, max_prompt_tokens,
+        drop_truncated, batch_size, concurrency, request_timeout, retries, extra_body, api_key, part_size, limit,
+        device, dtype, template_kwargs, on_bad_row, overwrite):
+    """Replace every assistant turn of DATA with the target's own answers (MODEL in process, or the server at
+    ENDPOINT); write a dataset to OUT."""
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    if endpoint is None and model is None:
+        raise click.UsageError("give --model (in process) or --endpoint (a server)")
     settings = GenerationSettings(temperature=temperature, top_p=top_p, seed=seed, max_new_tokens=max_new_tokens,
                                   max_prompt_tokens=max_prompt_tokens, drop_truncated=drop_truncated,
-                                  template_kwargs=json.loads(template_kwargs) if template_kwargs else {},
-                                  dtype=dtype)
-    cfg = RegenConfig(data=data, model=model, out=out, split=split, generation=settings, batch_size=batch_size,
-                      part_size=part_size, limit=limit, device=device, on_bad_row=on_bad_row)
+                                  template_kwargs=_json_object(template_kwargs, "--template-kwargs"), dtype=dtype)
     try:
-        metadata = regenerate(cfg, overwrite=overwrite)
+        if endpoint is not None:
+            from .endpoint import EndpointConfig
+            from .regenerate_endpoint import EndpointJob, regenerate_via_endpoint
+
+            job = EndpointJob(data=data, out=out, model=model, split=split, generation=settings,
+                              endpoint=EndpointConfig(url=endpoint, api_key=api_key, request_timeout=request_timeout,
+                                                      retries=retries),
+                              extra_body=_json_object(extra_body, "--extra-body"), concurrency=concurrency,
+                              part_size=part_size, limit=limit, on_bad_row=on_bad_row)
+            metadata = regenerate_via_endpoint(job, overwrite=overwrite)
+        else:
+            cfg = RegenConfig(data=data, model=model, out=out, split=split, generation=settings,
+                              batch_size=batch_size, part_size=part_size, limit=limit, device=device,
+                              on_bad_row=on_bad_row)
+            metadata = regenerate(cfg, overwrite=overwrite)
     except (DataError, ValueError) as err:
         raise click.ClickException(str(err)) from err
     c = metadata["counts"]
     click.echo(f"{c['rows_out']}/{c['rows_in']} rows, {c['turns_regenerated']} turns regenerated "
                f"({c['truncated_turns']} truncated), skipped {c['skipped'] or 'none'} -> {out}")
+
+
+def _json_object(text: str | None, flag: str) -> dict:
+    if not text:
+        return {}
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as err:
+        raise click.BadParameter(f"not JSON: {err}", param_hint=flag) from err
+    if not isinstance(value, dict):
+        raise click.BadParameter("must be a JSON object", param_hint=flag)
+    return value
 
 
 def main(argv: list[str] | None = None) -> None:
