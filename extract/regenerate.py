@@ -1,12 +1,22 @@
-"""Regenerate a chat dataset's assistant turns with the target itself (DESIGN §2, Data:
-the drafter learns the target's own distribution, so its answers should be the target's).
+"""Regenerate a chat dataset's assistant turns with the target itself: the drafter
+learns the target's own distribution, so the answers it trains on should be the target's.
 
     python -m dflash.extract.regenerate --data chats.jsonl --model Qwen/Qwen3-8B --out regen/ \\
         [--temperature 0] [--top-p 1] [--seed 0] [--max-new-tokens 1024] [--batch-size 16]
+    python -m dflash.extract.regenerate --data chats.jsonl --endpoint http://HOST:8000/v1 --out regen/ \\
+        [--model NAME] [--concurrency 32] [--max-new-tokens 1024] [--template-kwargs JSON]
+
+Two engines give the answers: the target loaded in this process (`--model` alone; the
+CPU demo uses it) or an OpenAI-compatible server (`--endpoint`; vLLM, SGLang,
+`transformers serve`), see `regenerate_endpoint`. Both write the same output.
 
 Every assistant turn is replaced, turn by turn: turn k is generated from the
 conversation with turns < k ALREADY regenerated, so later turns condition on the
-target's own earlier answers. System, user and tool messages are kept. Generation is
+target's own earlier answers. System, user and tool messages are kept. A regenerated
+assistant message keeps the source message's other fields (its `tool_calls` included, so
+the tool replies that follow still answer them); its `content` is the new answer and
+the source's `reasoning_content` is replaced by the new one (or dropped: in process the
+answer's text holds any reasoning inline). In process, generation is
 batched with left padding; it stops at the end-of-turn / eos tokens or after
 --max-new-tokens (such a turn is "truncated": kept and counted, or dropped with
 --drop-truncated). A conversation is cut before a turn whose prompt exceeds
@@ -22,7 +32,8 @@ Output folder (resumable: rerunning the same command skips finished parts):
                                     all parts, in source order, via save_to_disk: the
                                     dataset ``load_source(OUT)`` (and so ``make extract
                                     DATA=OUT``) reads; rows are {"messages", "source_row",
-                                    "truncated_turns"}
+                                    "truncated_turns"}; tool-call arguments are stored as
+                                    JSON strings (Arrow cannot hold free-form objects)
     OUT/regenerate.json             how it was made: target / tokenizer / source
                                     fingerprints, generation settings, counts (last)
 
@@ -153,6 +164,7 @@ class _Chat:
     next_turn: int | None  # index of the next assistant message to regenerate
     truncated_turns: int = 0
     regenerated: int = 0
+    generated_tokens: int = 0
     dropped: str | None = None  # skip reason, when the whole row is dropped
 
     def advance(self, after: int) -> None:
@@ -168,6 +180,72 @@ class _Chat:
         else:
             counts.counts[f"cut_{reason}"] += 1
 
+    def answer(self, turn: int, message: dict, truncated: bool, tokens: int) -> None:
+        """Put the regenerated ``message`` in place of turn ``turn`` and move on."""
+        self.messages[turn] = message
+        self.truncated_turns += int(truncated)
+        self.regenerated += 1
+        self.generated_tokens += tokens
+        self.advance(turn)
+
+
+def regenerated_message(source: dict, content: str, reasoning: str | None = None,
+                        tool_calls: list | None = None) -> dict:
+    """The source assistant message with a new answer: other fields (its tool calls) kept,
+    the source's reasoning replaced by ``reasoning`` or dropped, ``tool_calls`` set only
+    where the source has none."""
+    message = {k: v for k, v in source.items() if k != "reasoning_content" and v is not None}
+    message["content"] = content
+    if reasoning:
+        message["reasoning_content"] = reasoning
+    if tool_calls and not message.get("tool_calls"):
+        message["tool_calls"] = tool_calls
+    return message
+
+
+def collect_rows(chats: list[_Chat], skips: SkipCounter) -> tuple[list[dict], dict[str, int]]:
+    """Output rows of finished chats (dropped ones counted) and their totals."""
+    rows = []
+    for chat in chats:
+        if chat.dropped:
+            if chat.dropped != "template_rejected":  # already recorded with its message
+                skips.record(DataError(chat.dropped, chat.conv.source, chat.conv.row_index,
+                                       f"no assistant turn left ({chat.dropped})"))
+            continue
+        row = {"messages": chat.messages, "source_row": chat.conv.row_index, "truncated_turns": chat.truncated_turns}
+        if getattr(chat.conv, "tools", None):
+            row["tools"] = chat.conv.tools
+        rows.append(row)
+    kept = [c for c in chats if not c.dropped]
+    totals = {"turns_regenerated": sum(c.regenerated for c in kept),
+              "truncated_turns": sum(c.truncated_turns for c in kept),
+              "generated_tokens": sum(c.generated_tokens for c in kept)}
+    return rows, totals
+
+
+def _storable(row: dict) -> dict:
+    """``row`` with every tool call's arguments as a JSON string (see the module doc)."""
+    messages = []
+    for message in row["messages"]:
+        if message.get("tool_calls"):
+            calls = []
+            for call in message["tool_calls"]:
+                call = dict(call)
+                function = call.get("function")
+                if isinstance(function, dict) and isinstance(function.get("arguments"), (dict, list)):
+                    call["function"] = {**function, "arguments": json.dumps(function["arguments"], ensure_ascii=False)}
+                calls.append(call)
+            message = {**message, "tool_calls": calls}
+        messages.append(message)
+    return {**row, "messages": messages}
+
+
+def write_part(out: Path, part: int, rows: list[dict], stats: dict) -> None:
+    """Write a finished part's rows, then its done record (which marks it finished)."""
+    data_path, done_path = part_paths(out, part)
+    _write_atomic(data_path, "".join(json.dumps(_storable(r), ensure_ascii=False) + "\n" for r in rows))
+    _write_atomic(done_path, json.dumps(stats, indent=2, sort_keys=True) + "\n")
+
 
 def regenerate_conversations(model, tokenizer, convs: list[Conversation], settings: GenerationSettings,
                              batch_size: int, skips: SkipCounter) -> tuple[list[dict], dict[str, int]]:
@@ -179,7 +257,6 @@ def regenerate_conversations(model, tokenizer, convs: list[Conversation], settin
     chats = [_Chat(c, [dict(m) for m in c.messages], None) for c in convs]
     for chat in chats:
         chat.advance(-1)
-    totals = {"turns_regenerated": 0, "truncated_turns": 0, "generated_tokens": 0}
     while True:
         pending: list[tuple[_Chat, int, str, int]] = []
         for chat in chats:
@@ -211,23 +288,8 @@ def regenerate_conversations(model, tokenizer, convs: list[Conversation], settin
                 if truncated and settings.drop_truncated:
                     chat.cut(turn, "truncated", skips)
                     continue
-                chat.messages[turn] = {"role": "assistant", "content": content}
-                chat.truncated_turns += int(truncated)
-                chat.regenerated += 1
-                totals["turns_regenerated"] += 1
-                totals["truncated_turns"] += int(truncated)
-                totals["generated_tokens"] += len(tokens)
-                chat.advance(turn)
-    rows = []
-    for chat in chats:
-        if chat.dropped:
-            if chat.dropped != "template_rejected":  # already recorded with its message
-                skips.record(DataError(chat.dropped, chat.conv.source, chat.conv.row_index,
-                                       f"no assistant turn left ({chat.dropped})"))
-            continue
-        rows.append({"messages": chat.messages, "source_row": chat.conv.row_index,
-                     "truncated_turns": chat.truncated_turns})
-    return rows, totals
+                chat.answer(turn, regenerated_message(chat.messages[turn], content), truncated, len(tokens))
+    return collect_rows(chats, skips)
 
 
 # ---------------------------------------------------------------------------- parts and resume
@@ -315,7 +377,7 @@ def regenerate(cfg: RegenConfig, *, model=None, tokenizer=None, overwrite: bool 
     bar = tqdm(total=num_rows, desc="regenerate", unit="row", disable=not cfg.progress)
     for part in range(num_parts):
         start, stop = part * cfg.part_size, min(num_rows, (part + 1) * cfg.part_size)
-        data_path, done_path = part_paths(out, part)
+        _, done_path = part_paths(out, part)
         if done_path.exists():
             bar.update(stop - start)
             continue
@@ -334,17 +396,18 @@ def regenerate(cfg: RegenConfig, *, model=None, tokenizer=None, overwrite: bool 
             convs.append(conv)
         torch.manual_seed(cfg.generation.seed * 1_000_003 + part)
         rows, totals = regenerate_conversations(model, tokenizer, convs, cfg.generation, cfg.batch_size, skips)
-        _write_atomic(data_path, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
-        stats = {"part": part, "rows_in": stop - start, "rows_out": len(rows), **totals, "skipped": skips.to_dict()}
-        _write_atomic(done_path, json.dumps(stats, indent=2, sort_keys=True) + "\n")
+        write_part(out, part, rows, {"part": part, "rows_in": stop - start, "rows_out": len(rows), **totals,
+                                     "skipped": skips.to_dict()})
         written += 1
         bar.update(stop - start)
     bar.close()
     return finalize(out, num_parts, record, target_fp, source_fp)
 
 
-def finalize(out: Path, num_parts: int, record: dict, target_fp: dict, source_fp: dict) -> dict[str, Any]:
-    """Gather every part into one saved dataset under ``out`` and write the metadata."""
+def finalize(out: Path, num_parts: int, record: dict, target_fp: dict, source_fp: dict,
+             extra: dict | None = None) -> dict[str, Any]:
+    """Gather every part into one saved dataset under ``out`` and write the metadata
+    (``extra``: more keys for it)."""
     import datasets
     import torch
     import transformers
@@ -377,6 +440,7 @@ def finalize(out: Path, num_parts: int, record: dict, target_fp: dict, source_fp
         "versions": {"torch": torch.__version__, "transformers": transformers.__version__,
                      "datasets": datasets.__version__},
         "read_with": "dflash.extract.data.load_source(OUT)",
+        **(extra or {}),
     }
     _write_atomic(out / METADATA_FILE, json.dumps(metadata, indent=2, sort_keys=True) + "\n")
     log.info("regenerated %d rows (%d turns, %d truncated) -> %s", counts["rows_out"], counts["turns_regenerated"],
@@ -389,42 +453,84 @@ def finalize(out: Path, num_parts: int, record: dict, target_fp: dict, source_fp
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
 @click.option("--data", required=True, help="Source chat dataset (anything extract reads).")
-@click.option("--model", required=True, help="Target model: HF folder or hub name.")
+@click.option("--model", default=None,
+              help="Target model: HF folder or hub name (in process); with --endpoint, the served model's name "
+                   "(default: the one the server lists).")
+@click.option("--endpoint", default=None,
+              help="OpenAI-compatible server base URL, e.g. http://HOST:8000/v1 (vLLM, SGLang, transformers serve).")
 @click.option("--out", required=True, type=click.Path(file_okay=False), help="Output folder (resumable).")
 @click.option("--split", default="train", show_default=True)
 @click.option("--temperature", default=0.0, show_default=True, type=float, help="0 = greedy.")
 @click.option("--top-p", default=1.0, show_default=True, type=float, help="Nucleus mass when sampling.")
 @click.option("--seed", default=0, show_default=True, type=int)
-@click.option("--max-new-tokens", default=1024, show_default=True, type=click.IntRange(min=1), help="Per turn.")
+@click.option("--max-new-tokens", default=1024, show_default=True, type=click.IntRange(min=1),
+              help="Per turn (max_tokens of each request with --endpoint).")
 @click.option("--max-prompt-tokens", default=None, type=click.IntRange(min=1),
               help="Cut a conversation before a turn whose prompt is longer.")
 @click.option("--drop-truncated", is_flag=True, help="Cut a conversation at a turn that hit --max-new-tokens.")
-@click.option("--batch-size", default=16, show_default=True, type=click.IntRange(min=1))
+@click.option("--batch-size", default=16, show_default=True, type=click.IntRange(min=1), help="In process only.")
+@click.option("--concurrency", default=32, show_default=True, type=click.IntRange(min=1),
+              help="--endpoint: conversations in flight at once.")
+@click.option("--request-timeout", default=600.0, show_default=True, type=click.FloatRange(min=0, min_open=True),
+              help="--endpoint: seconds for one request.")
+@click.option("--retries", default=6, show_default=True, type=click.IntRange(min=0),
+              help="--endpoint: retries of a failed request (connection error, timeout, 429, 5xx), backoff 1 s doubling.")
+@click.option("--extra-body", default=None, help="--endpoint: JSON merged into every request, e.g. '{\"top_k\": -1}'.")
+@click.option("--api-key", default=None, envvar="OPENAI_API_KEY", help="--endpoint: bearer token (or $OPENAI_API_KEY).")
 @click.option("--part-size", default=256, show_default=True, type=click.IntRange(min=1),
-              help="Source rows per output part (the resume unit).")
+              help="Source rows per output part.")
 @click.option("--limit", default=None, type=click.IntRange(min=1), help="Use the first N source rows.")
-@click.option("--device", default="cpu", show_default=True)
-@click.option("--dtype", type=click.Choice(["bfloat16", "float16", "float32"]), default="bfloat16", show_default=True)
-@click.option("--template-kwargs", default=None, help='JSON for the chat template, e.g. \'{"enable_thinking": false}\'.')
+@click.option("--device", default="cpu", show_default=True, help="In process only.")
+@click.option("--dtype", type=click.Choice(["bfloat16", "float16", "float32"]), default="bfloat16", show_default=True,
+              help="In process only.")
+@click.option("--template-kwargs", default=None,
+              help='JSON for the chat template, e.g. \'{"enable_thinking": false}\' (chat_template_kwargs with --endpoint).')
 @click.option("--on-bad-row", type=click.Choice(["skip", "error"]), default="skip", show_default=True)
 @click.option("--overwrite", is_flag=True, help="Delete OUT first instead of resuming.")
-def cli(data, model, out, split, temperature, top_p, seed, max_new_tokens, max_prompt_tokens, drop_truncated,
-        batch_size, part_size, limit, device, dtype, template_kwargs, on_bad_row, overwrite):
-    """Replace every assistant turn of DATA with MODEL's own answers; write a dataset to OUT."""
+def cli(data, model, endpoint, out, split, temperature, top_p, seed, max_new_tokens, max_prompt_tokens,
+        drop_truncated, batch_size, concurrency, request_timeout, retries, extra_body, api_key, part_size, limit,
+        device, dtype, template_kwargs, on_bad_row, overwrite):
+    """Replace every assistant turn of DATA with the target's own answers (MODEL in process, or the server at
+    ENDPOINT); write a dataset to OUT."""
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    if endpoint is None and model is None:
+        raise click.UsageError("give --model (in process) or --endpoint (a server)")
     settings = GenerationSettings(temperature=temperature, top_p=top_p, seed=seed, max_new_tokens=max_new_tokens,
                                   max_prompt_tokens=max_prompt_tokens, drop_truncated=drop_truncated,
-                                  template_kwargs=json.loads(template_kwargs) if template_kwargs else {},
-                                  dtype=dtype)
-    cfg = RegenConfig(data=data, model=model, out=out, split=split, generation=settings, batch_size=batch_size,
-                      part_size=part_size, limit=limit, device=device, on_bad_row=on_bad_row)
+                                  template_kwargs=_json_object(template_kwargs, "--template-kwargs"), dtype=dtype)
     try:
-        metadata = regenerate(cfg, overwrite=overwrite)
+        if endpoint is not None:
+            from .endpoint import EndpointConfig
+            from .regenerate_endpoint import EndpointJob, regenerate_via_endpoint
+
+            job = EndpointJob(data=data, out=out, model=model, split=split, generation=settings,
+                              endpoint=EndpointConfig(url=endpoint, api_key=api_key, request_timeout=request_timeout,
+                                                      retries=retries),
+                              extra_body=_json_object(extra_body, "--extra-body"), concurrency=concurrency,
+                              part_size=part_size, limit=limit, on_bad_row=on_bad_row)
+            metadata = regenerate_via_endpoint(job, overwrite=overwrite)
+        else:
+            cfg = RegenConfig(data=data, model=model, out=out, split=split, generation=settings,
+                              batch_size=batch_size, part_size=part_size, limit=limit, device=device,
+                              on_bad_row=on_bad_row)
+            metadata = regenerate(cfg, overwrite=overwrite)
     except (DataError, ValueError) as err:
         raise click.ClickException(str(err)) from err
     c = metadata["counts"]
     click.echo(f"{c['rows_out']}/{c['rows_in']} rows, {c['turns_regenerated']} turns regenerated "
                f"({c['truncated_turns']} truncated), skipped {c['skipped'] or 'none'} -> {out}")
+
+
+def _json_object(text: str | None, flag: str) -> dict:
+    if not text:
+        return {}
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as err:
+        raise click.BadParameter(f"not JSON: {err}", param_hint=flag) from err
+    if not isinstance(value, dict):
+        raise click.BadParameter("must be a JSON object", param_hint=flag)
+    return value
 
 
 def main(argv: list[str] | None = None) -> None:
