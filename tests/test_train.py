@@ -11,7 +11,7 @@ import torch
 import train_helpers as H
 from dflash.shared.cache import CacheMismatch
 from dflash.train import checkpoint
-from dflash.train.loop import default_target_layer_ids, train
+from dflash.train.loop import train
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -32,11 +32,6 @@ def pattern_cache(tmp_path_factory, tiny_target_dir, tiny_tokenizer):
 def read_metrics(run_dir, kind="train"):
     rows = [json.loads(l) for l in open(run_dir / "metrics.jsonl")]
     return [r for r in rows if r["kind"] == kind]
-
-
-def test_default_layer_ids():
-    assert default_target_layer_ids(36) == [1, 9, 17, 25, 33]
-    assert default_target_layer_ids(28) == [1, 7, 13, 19, 25]
 
 
 def test_loss_falls_and_acceptance_rises(pattern_cache, tiny_target_dir, tmp_path):

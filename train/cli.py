@@ -72,6 +72,17 @@ def _setup_logging() -> None:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
 
+def cpu_preset_warning(preset: str, device: str) -> str | None:
+    """The warning for a run of the full-size recipe on the CPU (minutes per step there), else None."""
+    import torch
+
+    on_cpu = device == "cpu" or (device == "auto" and not torch.cuda.is_available())
+    if preset != "dflash" or not on_cpu:
+        return None
+    return ("the dflash preset (a drafter as wide as the target, 3072-token contexts, 512 blocks per sequence) "
+            "takes minutes per step on the CPU; for a CPU run use --preset tiny")
+
+
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 120})
 def cli():
     """Train DFlash drafters from a hidden-state cache."""
@@ -90,17 +101,21 @@ def run(preset, print_config, **fields):
     if print_config:
         click.echo(cfg.to_json())
         return
-    for required in ("cache", "target", "out"):
+    for required in ("cache", "out"):
         if not getattr(cfg, required):
             raise click.UsageError(f"--{required} is required")
     _setup_logging()
-    from dflash.shared.cache import CacheMismatch
+    warning = cpu_preset_warning(preset, cfg.runtime.device)
+    if warning:
+        logging.getLogger("dflash.train").warning(warning)
+    from dflash.shared.cache import CacheError
 
     from .loop import train
+    from .target import TargetNotFound
 
     try:
         summary = train(cfg)
-    except CacheMismatch as e:
+    except (CacheError, TargetNotFound) as e:
         raise click.ClickException(str(e)) from e
     if summary["eval"] is not None:
         click.echo(f"done: step {summary['step']}/{summary['total_steps']}, eval loss {summary['eval']['loss']:.4f}, "
