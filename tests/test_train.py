@@ -181,3 +181,79 @@ def test_training_estimate_is_the_decoding_replay(pattern_cache, tiny_target_dir
     assert ev["tau_blocks"] == ref["blocks"] > len(held_out)
     assert ev["tau"] == pytest.approx(ref["tau"], rel=1e-12)
     assert 1.0 <= ev["tau_uniform"] <= cfg.drafter.block_size
+
+
+# ---------------------------------------------------------------------------- defaults that follow the cache
+
+
+def test_run_follows_its_cache(pattern_cache, tiny_target_dir, tmp_path, caplog):
+    """No --target, no --target-layer-ids, no --eval-samples: the target the cache records,
+    every layer it stores, and a tenth of its 24 samples held out (logged as capped)."""
+    from dflash.shared.cache import CacheReader
+    from dflash.train.cli import main
+    from dflash.train.data import Split
+
+    run = tmp_path / "run"
+    caplog.set_level("INFO", logger="dflash.train")
+    main(["run", "--preset", "tiny", "--cache", str(pattern_cache), "--out", str(run), "--max-steps", "1",
+          "--mask-token-id", "3"])
+    reader = CacheReader(pattern_cache)
+    saved = json.loads((run / "config.json").read_text())
+    assert saved["target"] == reader.spec.fingerprint["target"]["name_or_path"] == str(tiny_target_dir)
+    state = checkpoint.read_state(checkpoint.resolve(run))
+    assert state["drafter_config"]["target_layer_ids"] == reader.spec.layer_ids == H.LAYER_IDS
+    n = len(reader)
+    held = Split.of(n, None, reader.source_indices()).held_out
+    assert len(held) == n // 10 == 2
+    assert sorted(reader.source_indices()[held].tolist()) == sorted(reader.source_indices().tolist())[-2:]
+    assert f"held out 2 of {n} samples: the default 64 is capped" in caplog.text
+
+
+def test_moved_target_is_named(tiny_target_dir, tiny_tokenizer, tmp_path):
+    """The cache records where its target was; once moved, the error names it and --target fixes it."""
+    import shutil
+
+    from dflash.train.target import TargetNotFound
+
+    where = tmp_path / "target"
+    shutil.copytree(tiny_target_dir, where)
+    cache = H.write_pattern_cache(tmp_path / "c.zarr", where, tiny_tokenizer, n_samples=12)
+    where.rename(tmp_path / "moved")
+    cfg = H.tiny_config(cache, "", tmp_path / "run", max_steps=1)
+    with pytest.raises(TargetNotFound, match=f"extracted from the target {where}, which no longer exists"):
+        train(cfg)
+    assert not (tmp_path / "run").exists()
+    train(H.tiny_config(cache, tmp_path / "moved", tmp_path / "run", max_steps=1))
+    assert json.loads((tmp_path / "run" / "config.json").read_text())["target"] == str(tmp_path / "moved")
+
+
+def test_cache_with_the_last_layer_is_not_a_default(tiny_target_dir, tiny_tokenizer, tmp_path):
+    """A cache made before the rule stored id L-1: it is no default, and the error says what to pass."""
+    cache = H.write_pattern_cache(tmp_path / "old.zarr", tiny_target_dir, tiny_tokenizer, n_samples=8,
+                                  layer_ids=[0, 1, 2, 3])
+    cfg = H.tiny_config(cache, tiny_target_dir, tmp_path / "run", max_steps=1, target_layer_ids=None)
+    with pytest.raises(CacheMismatch, match="3 is the last layer.*pass --target-layer-ids 0,1,2"):
+        train(cfg)
+
+
+@pytest.mark.parametrize("n,asked,want", [(848, None, 64), (80, None, 8), (24, None, 2), (9, None, 1), (1, None, 0),
+                                          (80, 64, 64), (3, 10, 2), (50, 0, 0)])
+def test_held_out_count(n, asked, want):
+    from dflash.train.data import held_out_count
+
+    assert held_out_count(n, asked) == want
+    if asked is None:  # independent statement of the rule: at most a tenth (where a tenth is 1 or more), at most 64
+        assert want <= max(1, n / 10) and want <= 64 and (want >= 1 or n < 2)
+
+
+def test_cpu_warning_for_the_full_recipe(caplog, tmp_path):
+    from click import ClickException
+
+    from dflash.train.cli import cpu_preset_warning, main
+
+    assert "--preset tiny" in cpu_preset_warning("dflash", "cpu")
+    assert cpu_preset_warning("tiny", "cpu") is None and cpu_preset_warning("dflash", "cuda") is None
+    caplog.set_level("WARNING", logger="dflash.train")
+    with pytest.raises(ClickException, match="no cache there"):  # the warning comes before any work
+        main(["run", "--cache", str(tmp_path / "missing.zarr"), "--out", str(tmp_path / "run"), "--device", "cpu"])
+    assert "takes minutes per step on the CPU; for a CPU run use --preset tiny" in caplog.text

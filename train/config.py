@@ -214,7 +214,6 @@ def tiny() -> TrainConfig:
     cfg.data.max_anchors = 8
     cfg.data.batch_size = 4
     cfg.data.micro_batch_size = 2
-    cfg.data.eval_samples = 4
     cfg.data.num_workers = 0
     cfg.optim.lr = 3e-3
     cfg.optim.epochs = 2
