@@ -4,6 +4,7 @@ CLI export, cache refusal."""
 from __future__ import annotations
 
 import json
+import shlex
 
 import pytest
 import torch
@@ -100,7 +101,7 @@ def test_resume_is_bitwise(pattern_cache, tiny_target_dir, tmp_path, workers):
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 
-def test_cli_run_and_export(pattern_cache, tiny_target_dir, tmp_path):
+def test_cli_run_and_export(pattern_cache, tiny_target_dir, tmp_path, capsys):
     from dflash.train.cli import main
     from dflash.train.export import load_exported
     from dflash.train.model import DFlashDrafter, DrafterConfig
@@ -110,7 +111,16 @@ def test_cli_run_and_export(pattern_cache, tiny_target_dir, tmp_path):
           "--max-steps", "2", "--target-layer-ids", "0,2", "--mask-token-id", "3", "--max-anchors", "4"])
     cfg = json.loads((run / "config.json").read_text())
     assert cfg["data"]["max_anchors"] == 4 and cfg["drafter"]["target_layer_ids"] == [0, 2]
+    capsys.readouterr()
     main(["export", str(run), "--out", str(tmp_path / "export"), "--dtype", "float32"])
+    printed = capsys.readouterr().out
+    assert f"checked against {tiny_target_dir}" in printed
+    vllm_line = next(line for line in printed.splitlines() if line.strip().startswith("vllm serve"))
+    vllm_args = shlex.split(vllm_line)
+    assert vllm_args[2] == str(tiny_target_dir)
+    assert json.loads(vllm_args[vllm_args.index("--speculative-config") + 1]) == {
+        "method": "dflash", "model": str((tmp_path / "export").resolve()), "num_speculative_tokens": 4 - 1}
+    assert "--speculative-algorithm DFLASH" in printed
     loaded, lcfg = load_exported(tmp_path / "export")
     state = checkpoint.read_state(checkpoint.resolve(run))
     ref = DFlashDrafter(DrafterConfig.from_dict(state["drafter_config"]))
@@ -127,6 +137,26 @@ def test_cli_run_and_export(pattern_cache, tiny_target_dir, tmp_path):
             mask)
     with torch.no_grad():
         assert torch.equal(loaded(*args), ref(*args))
+
+
+def test_export_refuses_another_target(pattern_cache, tiny_target_dir, tmp_path):
+    """A target of another width (its config edited) is refused before anything is written."""
+    import shutil
+
+    from click import ClickException
+
+    from dflash.train.cli import main
+
+    run = tmp_path / "run"
+    train(H.tiny_config(pattern_cache, tiny_target_dir, run, max_steps=1))
+    other = tmp_path / "other"
+    shutil.copytree(tiny_target_dir, other)
+    config = json.loads((other / "config.json").read_text())
+    config["hidden_size"] *= 2
+    (other / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ClickException, match="hidden size: the drafter has 64, the target 128"):
+        main(["export", str(run), "--out", str(tmp_path / "export"), "--target", str(other)])
+    assert not (tmp_path / "export").exists()
 
 
 def test_incompatible_cache_refused_naming_each_mismatch(tiny_target_dir, tiny_tokenizer, tmp_path):
