@@ -155,8 +155,9 @@ def export(run_dir, out_dir, which, dtype, target):
         dcfg = DrafterConfig.from_dict(state["drafter_config"])
     except ValueError as e:
         raise click.ClickException(f"{path}: {e}") from e
+    run_config = Path(run_dir) / "config.json"
     target = target or (state.get("config") or {}).get("target") or \
-        json.loads((Path(run_dir) / "config.json").read_text()).get("target")
+        (json.loads(run_config.read_text()).get("target") if run_config.exists() else None)
     if not target:
         raise click.ClickException(f"{run_dir} records no target; pass --target")
     if looks_like_path(target) and not os.path.exists(target):
@@ -164,7 +165,8 @@ def export(run_dir, out_dir, which, dtype, target):
     try:
         check_against_target(dcfg, *load_target_meta(target))
     except (OSError, ValueError) as e:
-        raise click.ClickException(f"{run_dir} cannot be exported for {target}: {e}") from e
+        raise click.ClickException(f"{run_dir} cannot be exported for {target} (--target names another place "
+                                   f"of the same target): {e}") from e
     drafter = DFlashDrafter(dcfg)
     drafter.load_state_dict(checkpoint.load_weights(path), strict=True)
     out = export_drafter(drafter, dcfg, out_dir, dtype=getattr(torch, dtype))

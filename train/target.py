@@ -32,7 +32,7 @@ def recorded_target(spec: CacheSpec) -> str | None:
     return str(name) if name else None
 
 
-def _looks_like_path(name: str) -> bool:
+def looks_like_path(name: str) -> bool:
     """A local path rather than a hub id ('org/name' or 'name')."""
     return os.path.isabs(name) or name.startswith((".", "~")) or name.count("/") > 1 or os.sep != "/" and os.sep in name
 
@@ -46,7 +46,7 @@ def resolve_target(requested: str, spec: CacheSpec, cache_path: str) -> str:
     if recorded is None:
         raise TargetNotFound(f"cache {cache_path} records no target; pass --target (the target's folder or hub name)")
     located = bool((spec.info or {}).get("target_path"))
-    if (located or _looks_like_path(recorded)) and not os.path.exists(recorded):
+    if (located or looks_like_path(recorded)) and not os.path.exists(recorded):
         raise TargetNotFound(
             f"cache {cache_path} was extracted from the target {recorded}, which no longer exists; "
             "pass --target with its folder (or hub name): a moved or copied checkpoint with the same "
