@@ -7,6 +7,8 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
+from dflash.shared.layers import default_layer_ids  # noqa: F401  (extraction's default, shared with training)
+
 TRUNCATION_POLICIES = ("right", "skip", "error")
 BAD_ROW_POLICIES = ("error", "skip")
 DTYPES = ("bfloat16", "float16", "float32")
@@ -45,7 +47,7 @@ class ExtractConfig:
 
     # -- what is extracted (fingerprinted)
     layers: list[int] | None = None
-    """Target layer ids to store (id i = HF hidden_states[i + 1]); default: `default_layer_ids`."""
+    """Target layer ids to store (id i = HF hidden_states[i + 1]), ascending, below L-1; default: `default_layer_ids`."""
     topk: int = 64
     """Target log-probs stored per position (top-k of log_softmax over the vocabulary)."""
     max_length: int = 3072
@@ -147,8 +149,6 @@ class ExtractConfig:
             raise ValueError(f"gil_switch_ms must be positive, got {self.gil_switch_ms}")
         if self.min_length > self.max_length:
             raise ValueError(f"min_length {self.min_length} exceeds max_length {self.max_length}")
-        if self.layers is not None and len(set(self.layers)) != len(self.layers):
-            raise ValueError(f"--layers lists a layer twice: {self.layers}")
         self._validate_template_kwargs()
         if self.end_of_turn is not None and not self.end_of_turn:
             raise ValueError("--end-of-turn is empty")
@@ -190,19 +190,3 @@ class ExtractConfig:
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
-
-
-def default_layer_ids(num_layers: int, count: int = 5) -> list[int]:
-    """`count` layer ids spread evenly from 1 to L-3 (36 layers -> [1, 9, 17, 25, 33]).
-
-    Where 1..L-3 holds fewer than `count` layers (tiny targets) the range widens to
-    0..L-1, and duplicates are dropped: 4 layers -> [0, 1, 2, 3], 6 -> [0, 1, 2, 4, 5].
-    """
-    if num_layers < 1 or count < 1:
-        raise ValueError("need at least one target layer and one layer to store")
-    lo, hi = 1, num_layers - 3
-    if hi - lo + 1 < count:
-        lo, hi = 0, num_layers - 1
-    if count == 1:
-        return [hi]
-    return sorted({round(lo + j * (hi - lo) / (count - 1)) for j in range(count)})

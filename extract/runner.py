@@ -31,6 +31,7 @@ from dflash.shared.cache import (
     shard_name,
 )
 from dflash.shared.fingerprint import target_fingerprint, tokenizer_fingerprint
+from dflash.shared.layers import check_layer_ids
 
 from .chat import end_of_turn_id, has_generation_tags
 from .config import ExtractConfig, default_layer_ids
@@ -84,10 +85,11 @@ def package_version() -> str:
 def build_spec(cfg: ExtractConfig, tokenizer, model_config, ds, num_shards: int) -> CacheSpec:
     """The root CacheSpec of this run: shapes, fingerprint (compared on reopen) and info."""
     num_layers = model_config.num_hidden_layers
-    layers = list(cfg.layers) if cfg.layers is not None else default_layer_ids(num_layers)
-    bad = [i for i in layers if not 0 <= i < num_layers]
-    if bad:
-        raise ExtractFailed(f"--layers {bad} out of range: the target has {num_layers} layers (ids 0..{num_layers - 1})")
+    try:
+        layers = list(cfg.layers) if cfg.layers is not None else default_layer_ids(num_layers)
+        check_layer_ids(layers, num_layers)
+    except ValueError as e:
+        raise ExtractFailed(f"--layers: {e}") from e
     if cfg.topk > model_config.vocab_size:
         raise ExtractFailed(f"--topk {cfg.topk} exceeds the vocabulary size {model_config.vocab_size}")
     try:
@@ -118,7 +120,7 @@ def build_spec(cfg: ExtractConfig, tokenizer, model_config, ds, num_shards: int)
         located["dataset_source"] = dataset.pop("source")
         located["dataset_resolved_path"] = dataset.pop("resolved_path", None)
     if target.get("weights_hash"):
-        located["target_path"] = target.pop("name_or_path")
+        located["target_path"] = os.path.abspath(target.pop("name_or_path"))  # training's default --target
     return CacheSpec(
         layer_ids=layers,
         hidden_size=model_config.hidden_size,

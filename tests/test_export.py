@@ -142,3 +142,68 @@ def test_load_rejects_foreign_config(exported):
     (out / "config.json").write_text(json.dumps(data))
     with pytest.raises(ValueError, match="dflash_config"):
         load_exported(out)
+
+
+# ---------------------------------------------------------------------------- both engines, and the target
+
+
+def test_eagle_layer_ids_are_the_capture_points(exported):
+    """Older vLLM releases read eagle_aux_hidden_state_layer_ids: the input of decoder layer
+    i + 1 is the output of layer i, so each id is the DFlash id plus one."""
+    _, cfg, out = exported
+    data = json.loads((out / "config.json").read_text())
+    assert data["eagle_aux_hidden_state_layer_ids"] == [i + 1 for i in data["dflash_config"]["target_layer_ids"]]
+    assert data["eagle_aux_hidden_state_layer_ids"] == [2, 4, 6, 7, 8]
+    data["eagle_aux_hidden_state_layer_ids"] = data["dflash_config"]["target_layer_ids"]  # the off-by-one
+    (out / "config.json").write_text(json.dumps(data))
+    with pytest.raises(ValueError, match="eagle_aux_hidden_state_layer_ids"):
+        load_exported(out)
+
+
+def target_config(**over):
+    from transformers import Qwen3Config
+
+    kw = dict(hidden_size=32, intermediate_size=48, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+              vocab_size=60, num_hidden_layers=10)
+    kw.update(over)
+    return Qwen3Config(**kw)
+
+
+def test_check_against_target(tiny_tokenizer):
+    from dataclasses import replace
+
+    from dflash.train.export import check_against_target
+
+    cfg = small_config()
+    check_against_target(cfg, target_config(), None)  # no tokenizer: any row inside the vocabulary
+    with pytest.raises(ValueError) as info:
+        check_against_target(cfg, target_config(hidden_size=64, vocab_size=61, num_hidden_layers=8), None)
+    text = str(info.value)
+    for needle in ("hidden size: the drafter has 32, the target 64", "vocabulary size: the drafter has 60, the target 61",
+                   "num_target_layers: the drafter has 10, the target 8", "7 is the last layer (L-1)"):
+        assert needle in text, needle
+    with pytest.raises(ValueError, match=r"mask_token_id 59 is outside the target vocabulary \[0, 50\)"):
+        check_against_target(cfg, target_config(vocab_size=50), None)
+    mask_id = tiny_tokenizer.convert_tokens_to_ids("<|MASK|>")  # the toy tokenizer has one
+    assert tiny_tokenizer.convert_ids_to_tokens(mask_id) == "<|MASK|>" and mask_id != 59
+    with pytest.raises(ValueError, match=rf"mask_token_id 59 is not the tokenizer's <\|MASK\|> \({mask_id}\)"):
+        check_against_target(cfg, target_config(), tiny_tokenizer)
+    check_against_target(replace(cfg, mask_token_id=mask_id), target_config(), tiny_tokenizer)
+
+
+def test_serve_commands(tmp_path):
+    import shlex
+
+    from dflash.train.export import serve_commands
+
+    cmds = serve_commands(tmp_path / "my drafter", "Qwen/Qwen3-8B", block_size=16)
+    vllm = shlex.split(cmds["vllm"])
+    assert vllm[:3] == ["vllm", "serve", "Qwen/Qwen3-8B"] and vllm[3] == "--speculative-config"
+    spec = json.loads(vllm[4])
+    assert spec == {"method": "dflash", "model": str((tmp_path / "my drafter").resolve()), "num_speculative_tokens": 15}
+    sglang = shlex.split(cmds["sglang"])
+    flags = dict(zip(sglang[3::2], sglang[4::2]))
+    assert sglang[:3] == ["python", "-m", "sglang.launch_server"]
+    assert flags == {"--model-path": "Qwen/Qwen3-8B", "--speculative-algorithm": "DFLASH",
+                     "--speculative-draft-model-path": str((tmp_path / "my drafter").resolve()),
+                     "--speculative-num-draft-tokens": "16"}

@@ -19,7 +19,7 @@ def tiny_config(**over):
         num_key_value_heads=2,
         head_dim=8,
         vocab_size=50,
-        target_layer_ids=[0, 2, 3],
+        target_layer_ids=[0, 1, 2],
         num_target_layers=4,
         mask_token_id=49,
         num_hidden_layers=2,
@@ -90,12 +90,25 @@ def test_config_validation():
         DrafterConfig.from_target_config(hf, [1], mask_token_id=300)
     with pytest.raises(ValueError, match="mask_token_id"):
         DrafterConfig.from_target_config(hf, [1], mask_token_id=-1)
-    with pytest.raises(ValueError, match="target_layer_ids"):
+    with pytest.raises(ValueError, match="outside 0..5"):
         DrafterConfig.from_target_config(hf, [1, 6], mask_token_id=5)
-    with pytest.raises(ValueError, match="target_layer_ids"):
+    with pytest.raises(ValueError, match="outside 0..5"):
         DrafterConfig.from_target_config(hf, [-1], mask_token_id=5)
     with pytest.raises(ValueError, match="unknown"):
         DrafterConfig.from_dict({**tiny_config().to_dict(), "hidden_sise": 3})
+
+
+@pytest.mark.parametrize("ids,needle", [([1, 5], r"5 is the last layer \(L-1\)"), ([3, 1], "not in ascending order"),
+                                        ([1, 1, 2], r"\[1\] repeated")])
+def test_config_refuses_layers_serving_engines_cannot_feed(ids, needle):
+    """The 6-layer target's id 5 has no capture point in SGLang or vLLM, and both concatenate
+    layers in ascending order: the error says so, also when loading a saved config."""
+    with pytest.raises(ValueError, match=needle) as info:
+        DrafterConfig.from_target_config(qwen3_config(), ids, mask_token_id=5)
+    assert "input of decoder layer i + 1" in str(info.value)
+    saved = {**tiny_config().to_dict(), "target_layer_ids": [0, 3]}
+    with pytest.raises(ValueError, match="last layer"):
+        DrafterConfig.from_dict(saved)
 
 
 # ---------------------------------------------------------------------------- structure

@@ -4,6 +4,7 @@ CLI export, cache refusal."""
 from __future__ import annotations
 
 import json
+import shlex
 
 import pytest
 import torch
@@ -11,7 +12,7 @@ import torch
 import train_helpers as H
 from dflash.shared.cache import CacheMismatch
 from dflash.train import checkpoint
-from dflash.train.loop import default_target_layer_ids, train
+from dflash.train.loop import train
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -32,11 +33,6 @@ def pattern_cache(tmp_path_factory, tiny_target_dir, tiny_tokenizer):
 def read_metrics(run_dir, kind="train"):
     rows = [json.loads(l) for l in open(run_dir / "metrics.jsonl")]
     return [r for r in rows if r["kind"] == kind]
-
-
-def test_default_layer_ids():
-    assert default_target_layer_ids(36) == [1, 9, 17, 25, 33]
-    assert default_target_layer_ids(28) == [1, 7, 13, 19, 25]
 
 
 def test_loss_falls_and_acceptance_rises(pattern_cache, tiny_target_dir, tmp_path):
@@ -105,7 +101,7 @@ def test_resume_is_bitwise(pattern_cache, tiny_target_dir, tmp_path, workers):
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 
-def test_cli_run_and_export(pattern_cache, tiny_target_dir, tmp_path):
+def test_cli_run_and_export(pattern_cache, tiny_target_dir, tmp_path, capsys):
     from dflash.train.cli import main
     from dflash.train.export import load_exported
     from dflash.train.model import DFlashDrafter, DrafterConfig
@@ -115,7 +111,16 @@ def test_cli_run_and_export(pattern_cache, tiny_target_dir, tmp_path):
           "--max-steps", "2", "--target-layer-ids", "0,2", "--mask-token-id", "3", "--max-anchors", "4"])
     cfg = json.loads((run / "config.json").read_text())
     assert cfg["data"]["max_anchors"] == 4 and cfg["drafter"]["target_layer_ids"] == [0, 2]
+    capsys.readouterr()
     main(["export", str(run), "--out", str(tmp_path / "export"), "--dtype", "float32"])
+    printed = capsys.readouterr().out
+    assert f"checked against {tiny_target_dir}" in printed
+    vllm_line = next(line for line in printed.splitlines() if line.strip().startswith("vllm serve"))
+    vllm_args = shlex.split(vllm_line)
+    assert vllm_args[2] == str(tiny_target_dir)
+    assert json.loads(vllm_args[vllm_args.index("--speculative-config") + 1]) == {
+        "method": "dflash", "model": str((tmp_path / "export").resolve()), "num_speculative_tokens": 4 - 1}
+    assert "--speculative-algorithm DFLASH" in printed
     loaded, lcfg = load_exported(tmp_path / "export")
     state = checkpoint.read_state(checkpoint.resolve(run))
     ref = DFlashDrafter(DrafterConfig.from_dict(state["drafter_config"]))
@@ -132,6 +137,26 @@ def test_cli_run_and_export(pattern_cache, tiny_target_dir, tmp_path):
             mask)
     with torch.no_grad():
         assert torch.equal(loaded(*args), ref(*args))
+
+
+def test_export_refuses_another_target(pattern_cache, tiny_target_dir, tmp_path):
+    """A target of another width (its config edited) is refused before anything is written."""
+    import shutil
+
+    from click import ClickException
+
+    from dflash.train.cli import main
+
+    run = tmp_path / "run"
+    train(H.tiny_config(pattern_cache, tiny_target_dir, run, max_steps=1))
+    other = tmp_path / "other"
+    shutil.copytree(tiny_target_dir, other)
+    config = json.loads((other / "config.json").read_text())
+    config["hidden_size"] *= 2
+    (other / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ClickException, match="hidden size: the drafter has 64, the target 128"):
+        main(["export", str(run), "--out", str(tmp_path / "export"), "--target", str(other)])
+    assert not (tmp_path / "export").exists()
 
 
 def test_incompatible_cache_refused_naming_each_mismatch(tiny_target_dir, tiny_tokenizer, tmp_path):
@@ -186,3 +211,79 @@ def test_training_estimate_is_the_decoding_replay(pattern_cache, tiny_target_dir
     assert ev["tau_blocks"] == ref["blocks"] > len(held_out)
     assert ev["tau"] == pytest.approx(ref["tau"], rel=1e-12)
     assert 1.0 <= ev["tau_uniform"] <= cfg.drafter.block_size
+
+
+# ---------------------------------------------------------------------------- defaults that follow the cache
+
+
+def test_run_follows_its_cache(pattern_cache, tiny_target_dir, tmp_path, caplog):
+    """No --target, no --target-layer-ids, no --eval-samples: the target the cache records,
+    every layer it stores, and a tenth of its 24 samples held out (logged as capped)."""
+    from dflash.shared.cache import CacheReader
+    from dflash.train.cli import main
+    from dflash.train.data import Split
+
+    run = tmp_path / "run"
+    caplog.set_level("INFO", logger="dflash.train")
+    main(["run", "--preset", "tiny", "--cache", str(pattern_cache), "--out", str(run), "--max-steps", "1",
+          "--mask-token-id", "3"])
+    reader = CacheReader(pattern_cache)
+    saved = json.loads((run / "config.json").read_text())
+    assert saved["target"] == reader.spec.fingerprint["target"]["name_or_path"] == str(tiny_target_dir)
+    state = checkpoint.read_state(checkpoint.resolve(run))
+    assert state["drafter_config"]["target_layer_ids"] == reader.spec.layer_ids == H.LAYER_IDS
+    n = len(reader)
+    held = Split.of(n, None, reader.source_indices()).held_out
+    assert len(held) == n // 10 == 2
+    assert sorted(reader.source_indices()[held].tolist()) == sorted(reader.source_indices().tolist())[-2:]
+    assert f"held out 2 of {n} samples: the default 64 is capped" in caplog.text
+
+
+def test_moved_target_is_named(tiny_target_dir, tiny_tokenizer, tmp_path):
+    """The cache records where its target was; once moved, the error names it and --target fixes it."""
+    import shutil
+
+    from dflash.train.target import TargetNotFound
+
+    where = tmp_path / "target"
+    shutil.copytree(tiny_target_dir, where)
+    cache = H.write_pattern_cache(tmp_path / "c.zarr", where, tiny_tokenizer, n_samples=12)
+    where.rename(tmp_path / "moved")
+    cfg = H.tiny_config(cache, "", tmp_path / "run", max_steps=1)
+    with pytest.raises(TargetNotFound, match=f"extracted from the target {where}, which no longer exists"):
+        train(cfg)
+    assert not (tmp_path / "run").exists()
+    train(H.tiny_config(cache, tmp_path / "moved", tmp_path / "run", max_steps=1))
+    assert json.loads((tmp_path / "run" / "config.json").read_text())["target"] == str(tmp_path / "moved")
+
+
+def test_cache_with_the_last_layer_is_not_a_default(tiny_target_dir, tiny_tokenizer, tmp_path):
+    """A cache made before the rule stored id L-1: it is no default, and the error says what to pass."""
+    cache = H.write_pattern_cache(tmp_path / "old.zarr", tiny_target_dir, tiny_tokenizer, n_samples=8,
+                                  layer_ids=[0, 1, 2, 3])
+    cfg = H.tiny_config(cache, tiny_target_dir, tmp_path / "run", max_steps=1, target_layer_ids=None)
+    with pytest.raises(CacheMismatch, match="3 is the last layer.*pass --target-layer-ids 0,1,2"):
+        train(cfg)
+
+
+@pytest.mark.parametrize("n,asked,want", [(848, None, 64), (80, None, 8), (24, None, 2), (9, None, 1), (1, None, 0),
+                                          (80, 64, 64), (3, 10, 2), (50, 0, 0)])
+def test_held_out_count(n, asked, want):
+    from dflash.train.data import held_out_count
+
+    assert held_out_count(n, asked) == want
+    if asked is None:  # independent statement of the rule: at most a tenth (where a tenth is 1 or more), at most 64
+        assert want <= max(1, n / 10) and want <= 64 and (want >= 1 or n < 2)
+
+
+def test_cpu_warning_for_the_full_recipe(caplog, tmp_path):
+    from click import ClickException
+
+    from dflash.train.cli import cpu_preset_warning, main
+
+    assert "--preset tiny" in cpu_preset_warning("dflash", "cpu")
+    assert cpu_preset_warning("tiny", "cpu") is None and cpu_preset_warning("dflash", "cuda") is None
+    caplog.set_level("WARNING", logger="dflash.train")
+    with pytest.raises(ClickException, match="no cache there"):  # the warning comes before any work
+        main(["run", "--cache", str(tmp_path / "missing.zarr"), "--out", str(tmp_path / "run"), "--device", "cpu"])
+    assert "takes minutes per step on the CPU; for a CPU run use --preset tiny" in caplog.text

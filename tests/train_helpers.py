@@ -70,6 +70,7 @@ def tiny_config(cache, target, out, **overrides):
     cfg.cache, cfg.target, cfg.out = str(cache), str(target), str(out)
     cfg.drafter.target_layer_ids = [0, 2]
     cfg.drafter.mask_token_id = 3
+    cfg.data.eval_samples = 4
     return cfg.override(**overrides)
 
 

@@ -1,8 +1,10 @@
 """``dflash-train``: train a drafter from a cache, export a checkpoint.
 
-    dflash-train run --cache C --target T --out RUN [--preset dflash|tiny] [--FIELD VALUE ...]
-    dflash-train --cache C --target T --out RUN ...        (same as ``run``)
-    dflash-train export RUN --out DIR [--checkpoint latest|step_000100|PATH] [--dtype bfloat16]
+    dflash-train run --cache C --out RUN [--target T] [--preset dflash|tiny] [--FIELD VALUE ...]
+    dflash-train --cache C --out RUN ...        (same as ``run``)
+    dflash-train export RUN --out DIR [--checkpoint latest|step_000100|PATH] [--dtype bfloat16] [--target T]
+
+``--target`` defaults to the target the cache records (``run``) or the run trained for (``export``).
 
 Every field of ``TrainConfig`` is a flag (``--max-anchors 64``, ``--lr 1e-3``,
 ``--context-buckets 1024,2048,3072``, ``--target-layer-ids none``). Multi-GPU runs go
@@ -15,6 +17,7 @@ import dataclasses
 import logging
 import sys
 import typing
+from pathlib import Path
 
 import click
 
@@ -72,6 +75,17 @@ def _setup_logging() -> None:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
 
+def cpu_preset_warning(preset: str, device: str) -> str | None:
+    """The warning for a run of the full-size recipe on the CPU (minutes per step there), else None."""
+    import torch
+
+    on_cpu = device == "cpu" or (device == "auto" and not torch.cuda.is_available())
+    if preset != "dflash" or not on_cpu:
+        return None
+    return ("the dflash preset (a drafter as wide as the target, 3072-token contexts, 512 blocks per sequence) "
+            "takes minutes per step on the CPU; for a CPU run use --preset tiny")
+
+
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 120})
 def cli():
     """Train DFlash drafters from a hidden-state cache."""
@@ -90,17 +104,21 @@ def run(preset, print_config, **fields):
     if print_config:
         click.echo(cfg.to_json())
         return
-    for required in ("cache", "target", "out"):
+    for required in ("cache", "out"):
         if not getattr(cfg, required):
             raise click.UsageError(f"--{required} is required")
     _setup_logging()
-    from dflash.shared.cache import CacheMismatch
+    warning = cpu_preset_warning(preset, cfg.runtime.device)
+    if warning:
+        logging.getLogger("dflash.train").warning(warning)
+    from dflash.shared.cache import CacheError
 
     from .loop import train
+    from .target import TargetNotFound
 
     try:
         summary = train(cfg)
-    except CacheMismatch as e:
+    except (CacheError, TargetNotFound) as e:
         raise click.ClickException(str(e)) from e
     if summary["eval"] is not None:
         click.echo(f"done: step {summary['step']}/{summary['total_steps']}, eval loss {summary['eval']['loss']:.4f}, "
@@ -114,23 +132,47 @@ def run(preset, print_config, **fields):
               help="'latest', a step folder name (step_000100) or a checkpoint path.")
 @click.option("--dtype", type=click.Choice(sorted(_DTYPES)), default="bfloat16", show_default=True,
               help="dtype of the exported weights.")
-def export(run_dir, out_dir, which, dtype):
-    """Export a checkpoint of RUN_DIR as a DFlashDraftModel folder (SGLang / vLLM format)."""
+@click.option("--target", default=None,
+              help="Target folder or hub name the export is checked against and served with; default: the run's.")
+def export(run_dir, out_dir, which, dtype, target):
+    """Export a checkpoint of RUN_DIR as a DFlashDraftModel folder (SGLang / vLLM format),
+    checked against its target, and print the commands that serve it."""
+    import json
+    import os
+
     import torch
 
     from . import checkpoint
-    from .export import export_drafter
+    from .export import check_against_target, export_drafter, serve_commands
     from .model import DFlashDrafter, DrafterConfig
+    from .target import load_target_meta, looks_like_path
 
     path = checkpoint.resolve(run_dir, which)
     if path is None:
         raise click.ClickException(f"{run_dir} has no complete checkpoint")
     state = checkpoint.read_state(path)
-    dcfg = DrafterConfig.from_dict(state["drafter_config"])
+    try:
+        dcfg = DrafterConfig.from_dict(state["drafter_config"])
+    except ValueError as e:
+        raise click.ClickException(f"{path}: {e}") from e
+    run_config = Path(run_dir) / "config.json"
+    target = target or (state.get("config") or {}).get("target") or \
+        (json.loads(run_config.read_text()).get("target") if run_config.exists() else None)
+    if not target:
+        raise click.ClickException(f"{run_dir} records no target; pass --target")
+    if looks_like_path(target) and not os.path.exists(target):
+        raise click.ClickException(f"the run's target {target} no longer exists; pass --target with its folder")
+    try:
+        check_against_target(dcfg, *load_target_meta(target))
+    except (OSError, ValueError) as e:
+        raise click.ClickException(f"{run_dir} cannot be exported for {target} (--target names another place "
+                                   f"of the same target): {e}") from e
     drafter = DFlashDrafter(dcfg)
     drafter.load_state_dict(checkpoint.load_weights(path), strict=True)
     out = export_drafter(drafter, dcfg, out_dir, dtype=getattr(torch, dtype))
-    click.echo(f"exported {path} (step {state['step']}) -> {out}")
+    click.echo(f"exported {path} (step {state['step']}) -> {out}, checked against {target}")
+    commands = serve_commands(out, target, dcfg.block_size)
+    click.echo(f"serve with SGLang:\n  {commands['sglang']}\nserve with vLLM:\n  {commands['vllm']}")
 
 
 def main(argv: typing.Sequence[str] | None = None) -> None:

@@ -23,7 +23,7 @@ class DrafterSpec:
     block_size: int = 16
     """B: tokens per draft block (anchor + B-1 masks)."""
     target_layer_ids: list[int] | None = None
-    """Target layers fed to the drafter; None = 5 spread evenly from 1 to L-3."""
+    """Target layers fed to the drafter (ascending, below L-1); None = the layers the cache stores."""
     mask_token_id: int | None = None
     """Embedding row of the MASK token; None = tokenizer's <|MASK|>, else first padded row."""
     gamma: float | None = None
@@ -42,8 +42,8 @@ class DataConfig:
     """Global batch in sequences per optimizer step (all ranks, all accumulation steps)."""
     micro_batch_size: int = 1
     """Sequences per forward pass on one rank; accumulation = batch / (micro * world)."""
-    eval_samples: int = 64
-    """Held-out samples (the dataset's last rows) for eval loss and acceptance (the decoding replay)."""
+    eval_samples: int | None = None
+    """Held-out samples (the dataset's last rows) for eval loss and acceptance; None = min(64, a tenth of the cache), at least 1."""
     num_workers: int = 2
     """DataLoader worker processes per rank (0 = load in the main process)."""
     prefetch_factor: int = 4
@@ -121,7 +121,7 @@ class TrainConfig:
     cache: str = ""
     """Path of the hidden-state cache (Zarr) written by dflash-extract."""
     target: str = ""
-    """Target model folder or name: config, tokenizer, embedding and LM head come from it."""
+    """Target model folder or name (config, tokenizer, embedding, LM head); default: the one the cache records."""
     out: str = ""
     """Run folder: checkpoints/, metrics.jsonl, config.json, tb/."""
     drafter: DrafterSpec = field(default_factory=DrafterSpec)
@@ -214,7 +214,6 @@ def tiny() -> TrainConfig:
     cfg.data.max_anchors = 8
     cfg.data.batch_size = 4
     cfg.data.micro_batch_size = 2
-    cfg.data.eval_samples = 4
     cfg.data.num_workers = 0
     cfg.optim.lr = 3e-3
     cfg.optim.epochs = 2

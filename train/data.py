@@ -191,16 +191,32 @@ def truncate_sample(sample: dict[str, torch.Tensor], length: int) -> dict[str, t
     return out
 
 
+DEFAULT_EVAL_SAMPLES = 64
+"""Held-out samples of a large cache when none are asked for."""
+DEFAULT_EVAL_FRACTION = 0.1
+"""Most of a small cache that is held out when none are asked for."""
+
+
+def held_out_count(num_samples: int, eval_samples: int | None) -> int:
+    """How many samples to hold out: ``eval_samples`` as asked, else min(64, a tenth of the
+    cache) and at least 1; always leaving at least one sample to train on."""
+    if eval_samples is None:
+        eval_samples = max(1, min(DEFAULT_EVAL_SAMPLES, int(num_samples * DEFAULT_EVAL_FRACTION)))
+    if eval_samples < 0:
+        raise ValueError(f"eval_samples must be 0 or more, got {eval_samples}")
+    return min(eval_samples, max(num_samples - 1, 0))
+
+
 @dataclass
 class Split:
     """Which cache samples train and which are held out: those of the dataset's last
-    ``eval_samples`` usable rows (by source row, ascending)."""
+    ``held_out_count`` usable rows (by source row, ascending)."""
 
     train: np.ndarray
     held_out: np.ndarray
 
     @classmethod
-    def of(cls, num_samples: int, eval_samples: int, source_index: np.ndarray | None = None) -> "Split":
+    def of(cls, num_samples: int, eval_samples: int | None, source_index: np.ndarray | None = None) -> "Split":
         """``source_index`` (num_samples,): each sample's row in the source dataset.
 
         The cache stores each shard's samples longest first (extract/plan.py), so its
@@ -209,7 +225,7 @@ class Split:
         number of extraction workers. Selecting by source row gives the same held-out
         rows for any worker count. Without ``source_index``, the last samples of the cache.
         """
-        n_eval = min(eval_samples, max(num_samples - 1, 0))
+        n_eval = held_out_count(num_samples, eval_samples)
         idx = np.arange(num_samples, dtype=np.int64)
         if source_index is None:
             return cls(train=idx[: num_samples - n_eval], held_out=idx[num_samples - n_eval:])

@@ -1,7 +1,9 @@
-"""Export a drafter in the folder format SGLang and vLLM read (DESIGN §2), and load it back.
+"""Export a drafter in the folder format SGLang and vLLM read, check it against its target,
+print the commands that serve it, and load it back.
 
     out_dir/config.json        architectures ["DFlashDraftModel"], model_type "qwen3",
-                               block_size, num_target_layers, dflash_config, Qwen3 fields
+                               block_size, num_target_layers, dflash_config, Qwen3 fields,
+                               eagle_aux_hidden_state_layer_ids (what older vLLM releases read)
     out_dir/model.safetensors  unprefixed names (fc.weight, layers.0.self_attn.q_proj.weight,
                                ...), no embedding, no lm_head
 """
@@ -10,12 +12,16 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 from pathlib import Path
 
 import torch
 from safetensors.torch import load_file, save_file
 
+from dflash.shared.layers import check_layer_ids
+
 from .model import DFlashDrafter, DrafterConfig
+from .target import MASK_TOKEN, text_config, tokenizer_mask_id
 
 ARCHITECTURE = "DFlashDraftModel"
 CONFIG_NAME = "config.json"
@@ -39,6 +45,7 @@ def export_config_dict(config: DrafterConfig, dtype: torch.dtype) -> dict:
             "target_layer_ids": list(config.target_layer_ids),
             "target_layer_id_convention": LAYER_ID_CONVENTION,
         },
+        "eagle_aux_hidden_state_layer_ids": eagle_layer_ids(config.target_layer_ids),
         "hidden_size": config.hidden_size,
         "intermediate_size": config.intermediate_size,
         "num_hidden_layers": config.num_hidden_layers,
@@ -60,6 +67,49 @@ def export_config_dict(config: DrafterConfig, dtype: torch.dtype) -> dict:
     }
 
 
+def eagle_layer_ids(target_layer_ids: list[int]) -> list[int]:
+    """The same layers in vLLM's capture-point numbering (input of decoder layer i + 1), which
+    its releases before DFlash support read from ``eagle_aux_hidden_state_layer_ids``."""
+    return [int(i) + 1 for i in target_layer_ids]
+
+
+def check_against_target(config: DrafterConfig, hf_config, tokenizer) -> None:
+    """Raise ValueError naming every way the drafter does not fit the target it is served with:
+    hidden size, vocabulary, layer count and layers, and the MASK row (inside the target's
+    vocabulary, and the tokenizer's <|MASK|> where it has one: SGLang refuses anything else)."""
+    text = text_config(hf_config)
+    problems = []
+    for name, ours, theirs in (("hidden size", config.hidden_size, text.hidden_size),
+                               ("vocabulary size", config.vocab_size, text.vocab_size),
+                               ("num_target_layers", config.num_target_layers, text.num_hidden_layers)):
+        if ours != theirs:
+            problems.append(f"{name}: the drafter has {ours}, the target {theirs}")
+    try:
+        check_layer_ids(config.target_layer_ids, text.num_hidden_layers)
+    except ValueError as e:
+        problems.append(str(e))
+    if not 0 <= config.mask_token_id < text.vocab_size:
+        problems.append(f"mask_token_id {config.mask_token_id} is outside the target vocabulary [0, {text.vocab_size})")
+    tokenizer_mask = tokenizer_mask_id(tokenizer)
+    if tokenizer_mask is not None and tokenizer_mask != config.mask_token_id:
+        problems.append(f"mask_token_id {config.mask_token_id} is not the tokenizer's {MASK_TOKEN} ({tokenizer_mask})")
+    if problems:
+        raise ValueError("the drafter does not fit the target:\n  - " + "\n  - ".join(problems))
+
+
+def serve_commands(export_dir: str | os.PathLike, target: str, block_size: int) -> dict[str, str]:
+    """Shell command lines that serve ``target`` with the exported drafter: SGLang reads the
+    block size from the config (and the flag), vLLM drafts ``num_speculative_tokens`` = B - 1."""
+    draft = str(Path(export_dir).resolve())
+    vllm_spec = json.dumps({"method": "dflash", "model": draft, "num_speculative_tokens": block_size - 1})
+    return {
+        "sglang": (f"python -m sglang.launch_server --model-path {shlex.quote(target)} "
+                   f"--speculative-algorithm DFLASH --speculative-draft-model-path {shlex.quote(draft)} "
+                   f"--speculative-num-draft-tokens {block_size}"),
+        "vllm": f"vllm serve {shlex.quote(target)} --speculative-config {shlex.quote(vllm_spec)}",
+    }
+
+
 def config_from_export_dict(data: dict) -> DrafterConfig:
     """DrafterConfig from an exported config.json, with clear errors on missing fields."""
     if ARCHITECTURE not in (data.get("architectures") or []):
@@ -67,6 +117,10 @@ def config_from_export_dict(data: dict) -> DrafterConfig:
     dflash = data.get("dflash_config")
     if not isinstance(dflash, dict):
         raise ValueError("config.json lacks the dflash_config section")
+    eagle = data.get("eagle_aux_hidden_state_layer_ids")
+    if eagle is not None and list(eagle) != eagle_layer_ids(dflash.get("target_layer_ids") or []):
+        raise ValueError(f"config.json: eagle_aux_hidden_state_layer_ids {eagle} is not dflash_config.target_layer_ids "
+                         f"{dflash.get('target_layer_ids')} + 1; a serving engine would read other layers")
     try:
         theta = data.get("rope_theta", (data.get("rope_parameters") or {}).get("rope_theta"))
         return DrafterConfig(

@@ -13,6 +13,7 @@ any accumulation split compute the same update.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import os
@@ -31,8 +32,10 @@ from . import checkpoint, compile as compile_path, metrics
 from .config import OptimConfig, TrainConfig
 from .data import (AnchorDataset, Collate, GlobalBatchSampler, Split, held_out_batches, make_loader,
                    total_steps, truncate_sample)
-from .model import DFlashDrafter, DrafterConfig, load_target_head
+from .data import DEFAULT_EVAL_SAMPLES
+from .model import DFlashDrafter, load_target_head
 from .step import StepSpec, evaluate_batch, forward_loss, labels_and_weights, to_device, work_counts
+from .target import build_drafter_config, check_cache, load_target_meta, resolve_target
 
 log = logging.getLogger("dflash.train")
 
@@ -83,64 +86,16 @@ def _all_reduce(t: torch.Tensor, world: int) -> torch.Tensor:
 # ---------------------------------------------------------------------------- setup helpers
 
 
-def default_target_layer_ids(num_target_layers: int, count: int = 5) -> list[int]:
-    """``count`` ids spread evenly from 1 to L-3 (36 layers -> [1, 9, 17, 25, 33])."""
-    last = max(num_target_layers - 3, 1)
-    return sorted({round(1 + i * (last - 1) / max(count - 1, 1)) for i in range(count)})
-
-
-def resolve_mask_token(requested: int | None, tokenizer, vocab_size: int) -> int:
-    """An existing, unused embedding row: as given, else <|MASK|>, else the first padded row."""
-    if requested is not None:
-        if not 0 <= requested < vocab_size:
-            raise ValueError(f"mask_token_id {requested} is outside the target vocabulary [0, {vocab_size})")
-        return int(requested)
-    if tokenizer is not None:
-        vocab = tokenizer.get_vocab()
-        if "<|MASK|>" in vocab:
-            return int(vocab["<|MASK|>"])
-        if len(tokenizer) < vocab_size:  # Qwen3: 151669 = first row past the tokenizer
-            return len(tokenizer)
-    raise ValueError("no unused embedding row for the MASK token: the tokenizer fills the vocabulary and has "
-                     "no <|MASK|>; pass --mask-token-id")
-
-
-def load_target_meta(target: str):
-    """(HF config, tokenizer or None) of the target; no weights are read here."""
-    from transformers import AutoConfig, AutoTokenizer
-
-    config = AutoConfig.from_pretrained(target)
-    files = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")
-    if os.path.isdir(target) and not any(os.path.exists(os.path.join(target, f)) for f in files):
-        # transformers 5 builds an empty tokenizer from such a folder; its hash would mean nothing
-        log.warning("%s holds no tokenizer: the cache's tokenizer cannot be checked", target)
-        return config, None
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(target)
-    except Exception as e:  # a weights-only folder: the tokenizer check is skipped, loudly
-        log.warning("no tokenizer loadable from %s (%s): the cache's tokenizer cannot be checked", target, e)
-        tokenizer = None
-    return config, tokenizer
-
-
-def check_cache(reader: CacheReader, hf_config, tokenizer, layer_ids: list[int]) -> None:
-    """Refuse (CacheMismatch, every difference named) a cache that cannot train this drafter."""
-    from dflash.shared.fingerprint import tokenizer_fingerprint
-
-    text = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
-    reader.check_compatible(
-        layer_ids=layer_ids, hidden_size=text.hidden_size, vocab_size=text.vocab_size,
-        tokenizer_hash=tokenizer_fingerprint(tokenizer)["hash"] if tokenizer is not None else None,
-        num_target_layers=text.num_hidden_layers,
-    )
-
-
-def build_drafter_config(cfg: TrainConfig, hf_config, tokenizer) -> DrafterConfig:
-    text = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
-    spec = cfg.drafter
-    layer_ids = spec.target_layer_ids or default_target_layer_ids(text.num_hidden_layers)
-    mask_id = resolve_mask_token(spec.mask_token_id, tokenizer, text.vocab_size)
-    return DrafterConfig.from_target_config(hf_config, layer_ids, mask_id, spec.block_size, spec.num_draft_layers)
+def log_held_out(num_samples: int, requested: int | None, held_out: int) -> None:
+    """Say how many samples are held out, and why where it is not what was asked for."""
+    if requested is None and held_out < DEFAULT_EVAL_SAMPLES:
+        log.info("held out %d of %d samples: the default %d is capped at a tenth of a small cache "
+                 "(--eval-samples to choose)", held_out, num_samples, DEFAULT_EVAL_SAMPLES)
+    elif requested is not None and held_out < requested:
+        log.warning("held out %d of %d samples, not the %d asked for: at least one must remain to train on",
+                    held_out, num_samples, requested)
+    else:
+        log.info("held out %d of %d samples", held_out, num_samples)
 
 
 _RESUME_NEUTRAL = {"resume", "stop_after", "log_every", "eval_every", "save_every", "keep_checkpoints", "progress",
@@ -225,8 +180,9 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     try:
         # -- the cache must match the target before anything else happens
         reader = CacheReader(cfg.cache)
+        cfg = dataclasses.replace(cfg, target=resolve_target(cfg.target, reader.spec, cfg.cache))
         hf_config, tokenizer = load_target_meta(cfg.target)
-        dcfg = build_drafter_config(cfg, hf_config, tokenizer)
+        dcfg = build_drafter_config(cfg, hf_config, tokenizer, reader.spec)
         check_cache(reader, hf_config, tokenizer, dcfg.target_layer_ids)
         if dist_info.is_main:
             out.mkdir(parents=True, exist_ok=True)
@@ -242,6 +198,8 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
 
         # -- data: deterministic order, position = global step
         split = Split.of(len(reader), dcfg_data.eval_samples, reader.source_indices())
+        if dist_info.is_main:
+            log_held_out(len(reader), dcfg_data.eval_samples, len(split.held_out))
         G, micro = dcfg_data.batch_size, dcfg_data.micro_batch_size
         steps = total_steps(len(split.train), G, ocfg.epochs, ocfg.max_steps)
         dataset = AnchorDataset(reader, dcfg.target_layer_ids, cfg.max_length, dcfg_data.max_anchors, rt.seed)

@@ -18,6 +18,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from dflash.shared.layers import check_layer_ids
+
 from . import attention
 
 logger = logging.getLogger(__name__)
@@ -33,7 +35,7 @@ class DrafterConfig:
     num_key_value_heads: int  # key/value heads per layer (GQA)
     head_dim: int  # width of one attention head
     vocab_size: int  # the target's (padded) vocabulary size
-    target_layer_ids: list[int]  # target layers fused as context; id i = output of decoder layer i = HF hidden_states[i + 1]
+    target_layer_ids: list[int]  # target layers fused as context, ascending, below L-1; id i = output of decoder layer i = HF hidden_states[i + 1]
     num_target_layers: int  # number of decoder layers of the target
     mask_token_id: int  # embedding row used for the B - 1 masked block slots
     num_hidden_layers: int = 5  # drafter decoder layers
@@ -62,16 +64,7 @@ class DrafterConfig:
                 f"mask_token_id={self.mask_token_id} is outside the target vocabulary "
                 f"[0, {self.vocab_size})"
             )
-        if not self.target_layer_ids:
-            raise ValueError("target_layer_ids is empty; the drafter needs context layers")
-        if len(set(self.target_layer_ids)) != len(self.target_layer_ids):
-            raise ValueError(f"target_layer_ids has duplicates: {self.target_layer_ids}")
-        bad = [i for i in self.target_layer_ids if not 0 <= i < self.num_target_layers]
-        if bad:
-            raise ValueError(
-                f"target_layer_ids {bad} are outside [0, {self.num_target_layers}) for a "
-                f"target with {self.num_target_layers} layers (id i = output of decoder layer i)"
-            )
+        check_layer_ids(self.target_layer_ids, self.num_target_layers)  # what serving engines can feed
         if self.block_size < 2:
             raise ValueError(f"block_size={self.block_size} must be at least 2")
         if self.num_hidden_layers < 1:
