@@ -69,28 +69,79 @@ class Proposer(Protocol):
 
         context: (1, position, n * D) target hidden states of positions < position;
         tokens: every token so far (prompt + generated), tokens[-1] sits at ``position``.
+        Within one sequence each call's context extends the previous call's; a proposer
+        that keeps state between calls may have a ``reset()``, called before each sequence.
         """
 
 
 class DFlashProposer:
-    """A DFlashDrafter plus the target's own (frozen) embedding and LM head."""
+    """A DFlashDrafter plus the target's own (frozen) embedding and LM head.
 
-    def __init__(self, drafter: DFlashDrafter, target, config: DrafterConfig | None = None):
+    Incremental by default: every drafter layer's context keys and values depend on their
+    own position only, and decoding only ever appends verified positions, so each call
+    computes them for the new positions alone and keeps them; ``reset`` starts a new
+    sequence. ``incremental=False`` recomputes the whole context with the training forward
+    every call (the reference the incremental path is tested against).
+    """
+
+    def __init__(self, drafter: DFlashDrafter, target, config: DrafterConfig | None = None,
+                 incremental: bool = True):
         self.drafter = drafter.eval()
         self.config = config or drafter.config
         self.block_size = self.config.block_size
         self.target_layer_ids = list(self.config.target_layer_ids)
         self.embed = target.get_input_embeddings()
         self.lm_head = target.get_output_embeddings()
+        self.incremental = incremental
         check_compatible(self.config, target)
+        self.reset()
+
+    def reset(self) -> None:
+        """Forget the kept context: the next call starts a new sequence."""
+        self._context_kv: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self._context_len = 0
+        self._last_row: torch.Tensor | None = None  # features of the last kept position
 
     @torch.inference_mode()
     def propose(self, context: torch.Tensor, tokens: Sequence[int], position: int) -> torch.Tensor:
+        return self.block_logits(context, tokens, position).argmax(dim=-1)
+
+    @torch.inference_mode()
+    def block_logits(self, context: torch.Tensor, tokens: Sequence[int], position: int) -> torch.Tensor:
+        """(B - 1, V) drafter logits for positions position+1 .. position+B-1 (``propose``'s arguments)."""
         B, device = self.block_size, context.device
-        ctx_len = context.shape[1]
         block_ids = torch.full((1, B), self.config.mask_token_id, dtype=torch.long, device=device)
         block_ids[0, 0] = tokens[-1]
         block_positions = torch.arange(position, position + B, device=device).unsqueeze(0)  # (1, B)
+        if self.incremental:
+            hidden = self.drafter.forward_cached(self.embed(block_ids), block_positions, self._extend(context))
+        else:
+            hidden = self._full_forward(context, block_ids, block_positions, position)
+        return self.lm_head(hidden[0, 1:].to(self.lm_head.weight.dtype))  # (B-1, V)
+
+    def _extend(self, context: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Each layer's context keys/values for all of ``context``, computing only positions not kept yet.
+
+        The kept positions are reused only while ``context`` still holds them: a shorter
+        context, or another feature row at the last kept position (a new sequence without
+        ``reset``; that row depends on every earlier token), starts over.
+        """
+        ctx_len, kept = context.shape[1], self._context_len
+        if kept and (ctx_len < kept or not torch.equal(context[0, kept - 1], self._last_row)):
+            self.reset()
+            kept = 0
+        if ctx_len > kept or not self._context_kv:
+            positions = torch.arange(kept, ctx_len, device=context.device).unsqueeze(0)  # (1, new)
+            new = self.drafter.context_kv(context[:, kept:], positions)
+            self._context_kv = new if not self._context_kv else [
+                (torch.cat([k, k_new], dim=2), torch.cat([v, v_new], dim=2))
+                for (k, v), (k_new, v_new) in zip(self._context_kv, new)]
+            self._context_len = ctx_len
+            self._last_row = context[0, ctx_len - 1].clone()
+        return self._context_kv
+
+    def _full_forward(self, context, block_ids, block_positions, position: int) -> torch.Tensor:
+        B, device, ctx_len = self.block_size, context.device, context.shape[1]
         context_positions = torch.arange(ctx_len, device=device).unsqueeze(0)  # (1, S)
         mask = attention.build_mask(
             "dense",
@@ -100,9 +151,7 @@ class DFlashProposer:
             context_len=ctx_len,
             block_size=B,
         )
-        hidden = self.drafter(context, context_positions, self.embed(block_ids), block_positions, mask)  # (1, B, D)
-        logits = self.lm_head(hidden[:, 1:].to(self.lm_head.weight.dtype))  # (1, B-1, V)
-        return logits[0].argmax(dim=-1)
+        return self.drafter(context, context_positions, self.embed(block_ids), block_positions, mask)  # (1, B, D)
 
 
 def check_compatible(config: DrafterConfig, target) -> None:
@@ -293,6 +342,8 @@ def speculative_generate(target, proposer: Proposer, prompt_ids: Sequence[int], 
                           logits_to_keep=1)
     forwards = 1
     prefill_states = _layer_states(out.hidden_states, layer_ids)  # (1, P, n * D)
+    if hasattr(proposer, "reset"):  # a proposer that keeps state between calls starts over
+        proposer.reset()
     # Drafter context of positions < p, filled as positions are verified.
     context = prefill_states.new_empty((1, n_prompt + max_new_tokens + B, prefill_states.shape[-1]))
     context[:, :n_prompt] = prefill_states

@@ -311,3 +311,33 @@ def test_drafter_context_is_the_targets_hidden_states(target, drafter, prompts):
                 states = target(input_ids=torch.tensor([prefix]), output_hidden_states=True).hidden_states
             want = torch.cat([states[i + 1] for i in LAYERS], dim=-1)
             torch.testing.assert_close(context, want, rtol=1e-4, atol=1e-5)
+
+
+def test_incremental_drafter_context_equals_full_recompute(target, drafter, drafter_config):
+    """The kept per-layer context keys/values (only new positions computed per block) give the
+    logits of the training forward over the whole context: blocks after 1 and several new
+    positions, a shorter context and an equally long but different one (new sequences
+    without reset), and an explicit reset."""
+    full = spec.DFlashProposer(drafter, target, incremental=False)
+    incremental = spec.DFlashProposer(drafter, target)
+    generator = torch.Generator().manual_seed(3)
+    features = len(LAYERS) * drafter_config.hidden_size
+    first, second = torch.randn(1, 40, features, generator=generator), torch.randn(1, 40, features, generator=generator)
+    calls = [(first, 5), (first, 6), (first, 9), (first, 30), (first, 12), (second, 12), (second, 20), (first, 21)]
+    for context, position in calls:
+        tokens = list(range(1, position + 2))
+        want = full.block_logits(context[:, :position], tokens, position)
+        got = incremental.block_logits(context[:, :position], tokens, position)
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+    assert incremental._context_len == 21
+    incremental.reset()
+    torch.testing.assert_close(incremental.block_logits(second[:, :7], list(range(8)), 7),
+                               full.block_logits(second[:, :7], list(range(8)), 7), rtol=1e-4, atol=1e-5)
+
+
+def test_incremental_and_full_proposers_decode_alike(target, drafter, prompts):
+    """Whole decodes: the same tokens and the same accepted lengths block by block."""
+    for prompt in prompts:
+        a = spec.speculative_generate(target, spec.DFlashProposer(drafter, target), prompt, MAX_NEW)
+        b = spec.speculative_generate(target, spec.DFlashProposer(drafter, target, incremental=False), prompt, MAX_NEW)
+        assert a.tokens == b.tokens and a.block_taus == b.block_taus

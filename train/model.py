@@ -208,14 +208,32 @@ class DFlashAttention(nn.Module):
 
     def forward(self, x, ctx, block_rope, kv_rope, attn_mask):
         bsz, q_len, _ = x.shape
-        kv_in = torch.cat([ctx, x], dim=1)  # (Bsz, S + Q, D)
-        kv_len = kv_in.shape[1]
         q = self.q_norm(self.q_proj(x).view(bsz, q_len, self.n_heads, self.head_dim)).transpose(1, 2)
-        k = self.k_norm(self.k_proj(kv_in).view(bsz, kv_len, self.n_kv_heads, self.head_dim)).transpose(1, 2)
-        v = self.v_proj(kv_in).view(bsz, kv_len, self.n_kv_heads, self.head_dim).transpose(1, 2)
         q = apply_rope(q, *block_rope)  # (Bsz, H, Q, hd)
-        k = apply_rope(k, *kv_rope)  # (Bsz, Hkv, S + Q, hd)
+        k, v = self.project_kv(torch.cat([ctx, x], dim=1), kv_rope)  # (Bsz, Hkv, S + Q, hd)
         out = attention.attend(q, k, v, attn_mask, self.head_dim**-0.5)  # (Bsz, H, Q, hd)
+        return self.o_proj(out.transpose(1, 2).reshape(bsz, q_len, self.n_heads * self.head_dim))
+
+    def project_kv(self, h, rope) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys (normed, rotated) and values of inputs h (Bsz, T, D): each position on its own,
+        so the context's can be computed once and kept while decoding."""
+        bsz, length, _ = h.shape
+        k = self.k_norm(self.k_proj(h).view(bsz, length, self.n_kv_heads, self.head_dim)).transpose(1, 2)
+        v = self.v_proj(h).view(bsz, length, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        return apply_rope(k, *rope), v  # (Bsz, Hkv, T, hd) each
+
+    def forward_cached(self, x, ctx_k, ctx_v, block_rope):
+        """One block (Bsz, B, D) against precomputed context keys/values, all of them visible
+        (decoding: the context is exactly the positions before the anchor)."""
+        bsz, q_len, _ = x.shape
+        q = self.q_norm(self.q_proj(x).view(bsz, q_len, self.n_heads, self.head_dim)).transpose(1, 2)
+        q = apply_rope(q, *block_rope)  # (Bsz, H, Q, hd)
+        k_block, v_block = self.project_kv(x, block_rope)
+        k, v = torch.cat([ctx_k, k_block], dim=2), torch.cat([ctx_v, v_block], dim=2)  # (Bsz, Hkv, S + Q, hd)
+        n_rep = self.n_heads // self.n_kv_heads
+        if n_rep > 1:
+            k, v = k.repeat_interleave(n_rep, dim=1), v.repeat_interleave(n_rep, dim=1)
+        out = F.scaled_dot_product_attention(q, k, v, scale=self.head_dim**-0.5)  # (Bsz, H, Q, hd)
         return self.o_proj(out.transpose(1, 2).reshape(bsz, q_len, self.n_heads * self.head_dim))
 
 
@@ -243,6 +261,10 @@ class DFlashDecoderLayer(nn.Module):
         # ctx is already normed by the drafter's hidden_norm; only the block stream
         # goes through input_layernorm (as in the public DFlash implementation).
         x = x + self.self_attn(self.input_layernorm(x), ctx, block_rope, kv_rope, attn_mask)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+    def forward_cached(self, x, ctx_k, ctx_v, block_rope):
+        x = x + self.self_attn.forward_cached(self.input_layernorm(x), ctx_k, ctx_v, block_rope)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -313,6 +335,24 @@ class DFlashDrafter(nn.Module):
         x = block_embeds
         for layer in self.layers:
             x = layer(x, ctx, block_rope, kv_rope, attn_mask)
+        return self.norm(x)
+
+    def context_kv(self, context_hidden: torch.Tensor, context_positions: torch.Tensor
+                   ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Every layer's keys and values (Bsz, Hkv, S, hd) of context features (Bsz, S, n * D) at
+        positions (Bsz, S): position-wise, so decoding computes them once per new position."""
+        ctx = self.hidden_norm(self.fc(context_hidden.to(self.fc.weight.dtype)))  # (Bsz, S, D)
+        rope = rope_cos_sin(context_positions, self.config.head_dim, self.config.rope_theta)
+        return [layer.self_attn.project_kv(ctx, rope) for layer in self.layers]
+
+    def forward_cached(self, block_embeds: torch.Tensor, block_positions: torch.Tensor,
+                       context_kv: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+        """``forward`` for one decoding block (Bsz, B, D) at positions (Bsz, B) that sees the
+        whole context, given as ``context_kv``; the same result without recomputing the context."""
+        block_rope = rope_cos_sin(block_positions, self.config.head_dim, self.config.rope_theta)
+        x = block_embeds.to(self.fc.weight.dtype)
+        for layer, (k, v) in zip(self.layers, context_kv):
+            x = layer.forward_cached(x, k, v, block_rope)
         return self.norm(x)
 
 
