@@ -165,8 +165,10 @@ def render(
         try:
             markers = turn_markers(tokenizer, end_of_turn, kwargs, tools)
         except TemplateProbeFailed as exc:
-            raise DataError("mask_not_located", conv.source, conv.row_index,
-                            f"cannot learn the chat template's assistant turns: {exc}") from exc
+            if method != "generation_tags":
+                raise DataError("mask_not_located", conv.source, conv.row_index,
+                                f"cannot learn the chat template's assistant turns: {exc}") from exc
+            markers = None  # the tags alone say where the turns are
         if method == "generation_tags":
             text, spans = _spans_from_generation_tags(tokenizer, conv, kwargs)
         else:
@@ -176,7 +178,9 @@ def render(
             except TurnNotFound as exc:
                 raise DataError("mask_not_located", conv.source, conv.row_index, str(exc)) from exc
         ids, offsets = _tokenize_with_offsets(tokenizer, text)
-        mask = _close_spans_at_end_of_turn(ids, _overlap_mask(offsets, spans), _token_id(tokenizer, markers.end_of_turn))
+        mask = _overlap_mask(offsets, spans)
+        if markers is not None:
+            mask = _close_spans_at_end_of_turn(ids, mask, _token_id(tokenizer, markers.end_of_turn))
 
     input_ids = np.asarray(ids, dtype=np.int32)
     loss_mask = np.asarray(mask, dtype=bool)
