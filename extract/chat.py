@@ -68,6 +68,7 @@ class RenderedSample:
 
 
 def has_generation_tags(tokenizer, tools: list[dict[str, Any]] | None = None) -> bool:
+    """Whether the chat template (the one picked for `tools`) marks assistant turns itself."""
     return bool(_GENERATION_TAG.search(tokenizer.get_chat_template(tools=tools)))
 
 
@@ -91,7 +92,7 @@ def turn_markers(tokenizer, end_of_turn: str | None = None, template_kwargs: dic
 
         def render_text(messages, add_generation_prompt):
             return _as_text(tokenizer.apply_chat_template(
-                messages, tokenize=False, add_generation_prompt=add_generation_prompt, **kwargs))
+                messages, chat_template=template, tokenize=False, add_generation_prompt=add_generation_prompt, **kwargs))
 
         try:
             cached[key] = probe_markers(render_text, lambda text: _special_tokens_in(tokenizer, text), end_of_turn)
