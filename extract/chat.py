@@ -68,6 +68,7 @@ class RenderedSample:
 
 
 def has_generation_tags(tokenizer, tools: list[dict[str, Any]] | None = None) -> bool:
+    """Whether the chat template (the one picked for `tools`) marks assistant turns itself."""
     return bool(_GENERATION_TAG.search(tokenizer.get_chat_template(tools=tools)))
 
 
@@ -91,7 +92,7 @@ def turn_markers(tokenizer, end_of_turn: str | None = None, template_kwargs: dic
 
         def render_text(messages, add_generation_prompt):
             return _as_text(tokenizer.apply_chat_template(
-                messages, tokenize=False, add_generation_prompt=add_generation_prompt, **kwargs))
+                messages, chat_template=template, tokenize=False, add_generation_prompt=add_generation_prompt, **kwargs))
 
         try:
             cached[key] = probe_markers(render_text, lambda text: _special_tokens_in(tokenizer, text), end_of_turn)
@@ -165,8 +166,10 @@ def render(
         try:
             markers = turn_markers(tokenizer, end_of_turn, kwargs, tools)
         except TemplateProbeFailed as exc:
-            raise DataError("mask_not_located", conv.source, conv.row_index,
-                            f"cannot learn the chat template's assistant turns: {exc}") from exc
+            if method != "generation_tags":
+                raise DataError("mask_not_located", conv.source, conv.row_index,
+                                f"cannot learn the chat template's assistant turns: {exc}") from exc
+            markers = None  # the tags alone say where the turns are
         if method == "generation_tags":
             text, spans = _spans_from_generation_tags(tokenizer, conv, kwargs)
         else:
@@ -176,7 +179,9 @@ def render(
             except TurnNotFound as exc:
                 raise DataError("mask_not_located", conv.source, conv.row_index, str(exc)) from exc
         ids, offsets = _tokenize_with_offsets(tokenizer, text)
-        mask = _close_spans_at_end_of_turn(ids, _overlap_mask(offsets, spans), _token_id(tokenizer, markers.end_of_turn))
+        mask = _overlap_mask(offsets, spans)
+        if markers is not None:
+            mask = _close_spans_at_end_of_turn(ids, mask, _token_id(tokenizer, markers.end_of_turn))
 
     input_ids = np.asarray(ids, dtype=np.int32)
     loss_mask = np.asarray(mask, dtype=bool)

@@ -303,3 +303,26 @@ def test_end_of_turn_from_the_template(tiny_tokenizer):
     assert info.value.reason == "mask_not_located"
     with pytest.raises(ValueError, match="not in the vocabulary"):
         end_of_turn_id(tok, "<|nope|>")
+
+
+def test_content_as_a_list_of_text_parts(tiny_tokenizer):
+    """Contents given as lists of text parts, rendered part by part by the template."""
+    text_of = ("{%- if m.content is string %}{{- m.content }}{%- else %}"
+               "{%- for p in m.content %}{%- if p.type == 'text' %}{{- p.text }}{%- endif %}{%- endfor %}{%- endif %}")
+    template = (
+        "{%- for m in messages %}{{- '<|im_start|>' + m.role + '\\n' }}"
+        "{%- if m.role == 'assistant' %}@G@" + text_of + "{{- '<|im_end|>' }}@E@{{- '\\n' }}"
+        "{%- else %}" + text_of + "{{- '<|im_end|>\\n' }}{%- endif %}{%- endfor %}"
+        "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+    )
+    parts = lambda *texts: [{"type": "text", "text": t} for t in texts]  # noqa: E731
+    conv = Conversation("chat", source="data/x.jsonl", row_index=0, messages=[
+        {"role": "user", "content": parts("Look at ", "this.")}, {"role": "assistant", "content": parts("Seen", ".")},
+        {"role": "user", "content": "plain"}, {"role": "assistant", "content": parts("Done.")}])
+    tagged = with_template(tiny_tokenizer, template.replace("@G@", "{% generation %}").replace("@E@", "{% endgeneration %}"))
+    untagged = with_template(tiny_tokenizer, template.replace("@G@", "").replace("@E@", ""))
+    a, b = render(tagged, conv, max_length=512), render(untagged, conv, max_length=512)
+    assert b.input_ids.tolist() == untagged.apply_chat_template(conv.messages, tokenize=True, return_dict=False)
+    np.testing.assert_array_equal(a.input_ids, b.input_ids)
+    np.testing.assert_array_equal(a.loss_mask, b.loss_mask)
+    assert untagged.decode(b.input_ids[b.loss_mask].tolist()) == f"Seen.{IM_END}Done.{IM_END}"
