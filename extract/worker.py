@@ -379,7 +379,8 @@ def describe_error(e: BaseException, task: WorkerTask) -> tuple[str, str]:
         return "cache", f"{shard}: {e}"
     if isinstance(e, torch.OutOfMemoryError):
         return "oom", (f"{shard}: out of memory on {task.device}: {e}. Lower --batch-tokens (batches are "
-                       "planned at shard creation: a started shard keeps its plan, so use a new --out).")
+                       "planned at shard creation: a cache with committed samples keeps its plan, so use a new "
+                       "--out; one with none is replaced by the rerun).")
     return "bug", f"{shard}: unexpected {type(e).__name__}: {e}\n{traceback.format_exc()}"
 
 

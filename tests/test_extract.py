@@ -86,10 +86,10 @@ def shard_arrays(path, shard):
 def shard_task(out, dataset, tiny_target_dir, shard, **overrides):
     """A prepared cache at ``out`` (the two-shard layout of ``extracted``) and the task of one
     of its shards, for runs of ``W.run_shard`` in this process."""
-    cfg = ExtractConfig(data=str(dataset[0]), model=str(tiny_target_dir), out=str(out), device="cpu", workers=2,
-                        layers=LAYERS, topk=TOPK, max_length=MAX_LENGTH, batch_tokens=400, commit_seconds=0,
-                        chunk_tokens=64, on_bad_row="skip", cpu_threads=1, progress=False, dtype="float32",
-                        **overrides)
+    settings = dict(device="cpu", workers=2, layers=LAYERS, topk=TOPK, max_length=MAX_LENGTH, batch_tokens=400,
+                    commit_seconds=0, chunk_tokens=64, on_bad_row="skip", cpu_threads=1, progress=False,
+                    dtype="float32")
+    cfg = ExtractConfig(data=str(dataset[0]), model=str(tiny_target_dir), out=str(out), **{**settings, **overrides})
     spec = run_spec(cfg)
     R.prepare_root(cfg, spec, R.NodeLayout(0, 1))
     return W.WorkerTask(cfg=cfg, spec=spec.to_dict(), shard_id=shard, num_shards=2, device="cpu", cpu_threads=1)
@@ -274,7 +274,9 @@ def test_complete_rerun_is_noop(extracted, dataset, tiny_target_dir):
 
 
 def test_other_fingerprint_refused(extracted, dataset, tiny_target_dir):
+    """A cache with committed samples is never replaced: another fingerprint is refused, every file untouched."""
     out, _, _ = extracted
+    before = file_bytes(out)
     args = [a if a != str(TOPK) else "8" for a in COMMON]
     proc = cli("--data", dataset[0], "--model", tiny_target_dir, "--out", out, "--on-bad-row", "skip", *args,
                check=False)
@@ -286,6 +288,7 @@ def test_other_fingerprint_refused(extracted, dataset, tiny_target_dir):
                "--attn-implementation", "eager", check=False)
     assert proc.returncode == 1
     assert "attn_implementation: cache has 'sdpa', run has 'eager'" in proc.stderr
+    assert file_bytes(out) == before
 
 
 def test_moved_data_and_target_are_the_same_cache(extracted, dataset, tiny_target_dir, tmp_path):
@@ -309,12 +312,22 @@ def test_moved_data_and_target_are_the_same_cache(extracted, dataset, tiny_targe
     assert proc.returncode == 1 and "dataset.content_hash" in proc.stderr
 
 
-def test_bad_row_error_names_file_and_row(tmp_path, dataset, tiny_target_dir):
+def test_bad_row_error_names_file_and_row_and_the_fix_runs_at_the_same_out(tmp_path, dataset, tiny_target_dir,
+                                                                            chats_sample_path):
+    """A run stopped by a bad row names file and row; it committed nothing, so the corrected data
+    at the same --out is extracted (the root it left is replaced, saying so), not refused."""
     path, _ = dataset
-    proc = cli("--data", path, "--model", tiny_target_dir, "--out", tmp_path / "c.zarr", *COMMON, check=False)
+    out = tmp_path / "c.zarr"
+    proc = cli("--data", path, "--model", tiny_target_dir, "--out", out, *COMMON, check=False)
     assert proc.returncode == 1
     assert f"{path} row 3: unknown role 'robot'" in proc.stderr  # shard 0's first bad row
     assert "--on-bad-row skip" in proc.stderr and "Traceback" not in proc.stderr
+    assert C.committed_samples(C.open_root(str(out))) == 0  # what the failed run left
+    proc = cli("--data", chats_sample_path, "--model", tiny_target_dir, "--out", out, *COMMON)
+    assert "replacing a cache root made with another fingerprint" in proc.stderr
+    assert "dataset.content_hash" in proc.stderr  # the differences it had, in the log
+    reader = C.CacheReader(str(out))
+    assert reader.complete and sorted(reader.source_indices().tolist()) == list(range(40))
 
 
 @pytest.mark.parametrize("writer_processes", [0, 2])
@@ -536,6 +549,31 @@ def test_two_nodes_on_an_fsspec_url_equal_one_node(tmp_path, extracted, dataset,
         assert_same_shard(reference, out, s)
     fingerprints = [zarr.open_group(str(p), mode="r").attrs[C.ATTRS_KEY]["fingerprint"] for p in (reference, out)]
     assert fingerprints[0] == fingerprints[1]
+
+
+def test_other_ranks_wait_while_rank_0_replaces_an_uncommitted_root(tmp_path, extracted, dataset, tiny_target_dir):
+    """Across nodes only rank 0 replaces a root left by a run that committed nothing; another rank
+    that finds it waits for the replacement instead of refusing it. A root with committed samples
+    and another fingerprint stops every rank at once."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    out = tmp_path / "c.zarr"
+    old = shard_task(out, dataset, tiny_target_dir, 0, topk=8)  # a root of other settings, nothing committed
+    C.ShardWriter(C.open_root(str(out), "r+"), 0, C.ShardPlan([0], [3], [0, 1]), C.CacheSpec.from_dict(old.spec))
+    cfg = dataclasses.replace(old.cfg, topk=TOPK, wait_for_root_s=60.0)
+    spec = run_spec(cfg)
+    with ThreadPoolExecutor(1) as pool:
+        rank1 = pool.submit(R.prepare_root, cfg, spec, R.NodeLayout(1, 2))
+        time.sleep(1.5)
+        assert not rank1.done()  # waiting, not refusing
+        R.prepare_root(cfg, spec, R.NodeLayout(0, 2))
+        root = rank1.result(timeout=30)
+    assert root.attrs[C.ATTRS_KEY]["topk"] == TOPK and list(root["shards"].group_keys()) == []
+    committed, _, _ = extracted
+    t0 = time.monotonic()
+    with pytest.raises(R.ExtractFailed, match="topk: cache has 16, run has 8"):
+        R.prepare_root(dataclasses.replace(cfg, out=str(committed)), run_spec(old.cfg), R.NodeLayout(1, 2))
+    assert time.monotonic() - t0 < 10
 
 
 def test_workers_per_gpu_lay_out_devices_and_shards():
