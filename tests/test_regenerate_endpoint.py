@@ -7,6 +7,7 @@ One server per module, a handful of conversations, a few tokens per turn."""
 from __future__ import annotations
 
 import json
+import re
 
 import click
 import pytest
@@ -176,3 +177,18 @@ def test_in_process_path_gives_the_same_turns(straight_run, server, tmp_path):
                                                     progress=False), model=model, tokenizer=tokenizer)
     assert _rows(tmp_path / "hf") == _rows(out)
     assert in_process["counts"] == meta["counts"]
+
+
+def test_a_request_the_server_refuses_names_the_row(proxy, chats_sample_path, tmp_path):
+    """transformers serve answers 422 to fields it does not know (vLLM's top_k here)."""
+    from click.testing import CliRunner
+
+    args = ["--data", str(chats_sample_path), "--endpoint", proxy.url, "--limit", "2", "--max-new-tokens", "2",
+            "--extra-body", '{"top_k": 5}']
+    stopped = CliRunner().invoke(regen.cli, [*args, "--out", str(tmp_path / "error"), "--on-bad-row", "error"])
+    assert stopped.exit_code != 0
+    assert re.search(r"chats_sample\.jsonl row [01]: turn 1: HTTP 422: .*top_k", stopped.output), stopped.output
+    skipped = CliRunner().invoke(regen.cli, [*args, "--out", str(tmp_path / "skip")])
+    assert skipped.exit_code != 0 and "produced no rows" in skipped.output
+    stats = json.loads((tmp_path / "skip" / regen.PARTS_DIR / "part-00000.done.json").read_text())
+    assert stats["skipped"] == {"server_rejected": 2}
