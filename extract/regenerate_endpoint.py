@@ -336,8 +336,8 @@ def regenerate_via_endpoint(job: EndpointJob, *, overwrite: bool = False) -> dic
         while inflight:
             settle(wait(inflight, return_when=FIRST_COMPLETED).done)
     except BaseException as err:
-        client.stop.set()
-        pool.shutdown(wait=True, cancel_futures=True)
+        client.stop.set()  # no new turn starts; answers of requests in flight are still journaled
+        pool.shutdown(wait=not isinstance(err, KeyboardInterrupt), cancel_futures=True)
         bar.close()
         if isinstance(err, EndpointDown):
             raise click.ClickException(f"regeneration stopped: {err}") from err
