@@ -267,14 +267,20 @@ def _run_record(job: EndpointJob, model: str, source_fp: dict, num_rows: int) ->
 
 
 def served_model(client: ChatEndpoint, requested: str | None) -> str:
-    """The model name to request: ``requested`` (checked against /models) or the only one listed."""
+    """The model name to request: the only one the server lists, or ``requested``; a name
+    the server does not list is tried with a one-token request first (some servers list
+    their cache rather than what they serve)."""
     listed = client.models()
     if requested is None:
         if len(listed) != 1:
             raise click.ClickException(f"{client.base}/models lists {listed or 'no model'}; choose one with --model")
         return listed[0]
-    if listed and requested not in listed:
-        raise click.ClickException(f"{client.base} does not serve {requested!r} (it lists {listed})")
+    if requested not in listed:
+        try:
+            client.chat({"model": requested, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1})
+        except RequestRejected as err:
+            raise click.ClickException(f"{client.base} does not serve {requested!r} (it lists {listed}; a test "
+                                       f"request was answered with {err})") from err
     return requested
 
 
