@@ -193,3 +193,39 @@ def test_a_request_the_server_refuses_names_the_row(proxy, chats_sample_path, tm
     assert skipped.exit_code != 0 and "produced no rows" in skipped.output
     stats = json.loads((tmp_path / "skip" / regen.PARTS_DIR / "part-00000.done.json").read_text())
     assert stats["skipped"] == {"server_rejected": 2}
+
+
+def test_tools_and_source_tool_calls_reach_the_server(proxy, tmp_path, monkeypatch):
+    """The row's tools go with every request; a source turn's tool calls stay in the
+    history (arguments as a JSON string, the API's type) and in the output. Rows are
+    normalised here by a stand-in that keeps every field, so the test does not depend on
+    which fields the data reader keeps."""
+    from dflash.extract.data import Conversation
+
+    tools = [{"type": "function", "function": {"name": "add", "description": "Add two numbers.",
+                                               "parameters": {"type": "object", "properties": {
+                                                   "a": {"type": "integer"}, "b": {"type": "integer"}}}}}]
+    calls = [{"type": "function", "function": {"name": "add", "arguments": {"a": 2, "b": 3}}}]
+    messages = [{"role": "user", "content": "What is 2 + 3?"}, {"role": "assistant", "content": "", "tool_calls": calls},
+                {"role": "tool", "content": "5"}, {"role": "assistant", "content": "It is 5."}]
+    data = tmp_path / "tools.jsonl"
+    data.write_text(json.dumps({"messages": messages, "tools": tools}) + "\n")
+
+    def keep_everything(row, index, source):
+        conv = Conversation(kind="chat", messages=json.loads(json.dumps(messages)), source=source, row_index=index)
+        conv.tools = tools  # as written: Arrow would add the keys one tool has to every other
+        return conv
+
+    monkeypatch.setattr(rep, "normalize_row", keep_everything)
+    proxy.reset()
+    rep.regenerate_via_endpoint(_job(proxy.url, data, tmp_path / "out"))
+    assert len(proxy.bodies) == 2 and all(b["tools"] == tools for b in proxy.bodies)
+    second = proxy.bodies[1]["messages"]
+    assert second[1]["tool_calls"] == [{"type": "function", "function": {"name": "add",
+                                                                         "arguments": '{"a": 2, "b": 3}'}}]
+    assert second[2] == messages[2]
+    row = _rows(tmp_path / "out")[0]
+    kept = row["messages"][1]["tool_calls"]
+    assert [{**c, "function": {**c["function"], "arguments": json.loads(c["function"]["arguments"])}}
+            for c in kept] == calls
+    assert [m["role"] for m in row["messages"]] == [m["role"] for m in messages]
