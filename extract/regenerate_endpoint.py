@@ -267,14 +267,20 @@ def _run_record(job: EndpointJob, model: str, source_fp: dict, num_rows: int) ->
 
 
 def served_model(client: ChatEndpoint, requested: str | None) -> str:
-    """The model name to request: ``requested`` (checked against /models) or the only one listed."""
+    """The model name to request: the only one the server lists, or ``requested``; a name
+    the server does not list is tried with a one-token request first (some servers list
+    their cache rather than what they serve)."""
     listed = client.models()
     if requested is None:
         if len(listed) != 1:
             raise click.ClickException(f"{client.base}/models lists {listed or 'no model'}; choose one with --model")
         return listed[0]
-    if listed and requested not in listed:
-        raise click.ClickException(f"{client.base} does not serve {requested!r} (it lists {listed})")
+    if requested not in listed:
+        try:
+            client.chat({"model": requested, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1})
+        except RequestRejected as err:
+            raise click.ClickException(f"{client.base} does not serve {requested!r} (it lists {listed}; a test "
+                                       f"request was answered with {err})") from err
     return requested
 
 
@@ -336,8 +342,8 @@ def regenerate_via_endpoint(job: EndpointJob, *, overwrite: bool = False) -> dic
         while inflight:
             settle(wait(inflight, return_when=FIRST_COMPLETED).done)
     except BaseException as err:
-        client.stop.set()
-        pool.shutdown(wait=True, cancel_futures=True)
+        client.stop.set()  # no new turn starts; answers of requests in flight are still journaled
+        pool.shutdown(wait=not isinstance(err, KeyboardInterrupt), cancel_futures=True)
         bar.close()
         if isinstance(err, EndpointDown):
             raise click.ClickException(f"regeneration stopped: {err}") from err

@@ -1,0 +1,193 @@
+"""The chat-completions client (dflash.extract.endpoint) against a scripted stdlib HTTP
+server: retries with backoff, rejected requests, a server that is down; and the pieces of
+regenerate_endpoint that turn answers into messages (reasoning, tool calls) and requests."""
+
+from __future__ import annotations
+
+import json
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+import serve_helpers as S
+
+from dflash.extract import regenerate as regen
+from dflash.extract import regenerate_endpoint as rep
+from dflash.extract.data import Conversation
+from dflash.extract.endpoint import ChatEndpoint, EndpointConfig, EndpointDown, RequestRejected, parse_reply
+
+ANSWER = {"model": "m", "choices": [{"index": 0, "finish_reason": "stop",
+                                     "message": {"role": "assistant", "content": "hi"}}],
+          "usage": {"prompt_tokens": 7, "completion_tokens": 1}}
+
+
+class Scripted:
+    """Answers POST /v1/chat/completions with the next (status, body) of a script and
+    GET /v1/models with `models_status`; records every request."""
+
+    def __init__(self, script, models_status=200):
+        self.script, self.models_status, self.requests = list(script), models_status, []
+        owner = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args):
+                pass
+
+            def _send(self, status, body):
+                payload = json.dumps(body).encode()
+                self.send_response(status)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(payload)))
+                self.end_headers()
+                self.wfile.write(payload)
+
+            def do_GET(self):
+                owner.requests.append(("GET", self.path))
+                self._send(owner.models_status, {"data": [{"id": "m"}]})
+
+            def do_POST(self):
+                owner.requests.append(("POST", json.loads(self.rfile.read(int(self.headers["Content-Length"])))))
+                status, body = owner.script.pop(0) if owner.script else (200, ANSWER)
+                self._send(status, body)
+
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}/v1"
+
+    def posts(self):
+        return [r for r in self.requests if r[0] == "POST"]
+
+
+@pytest.fixture
+def scripted():
+    servers = []
+
+    def make(script, models_status=200):
+        servers.append(Scripted(script, models_status))
+        return servers[-1]
+
+    yield make
+    for server in servers:
+        server.httpd.shutdown()
+        server.httpd.server_close()
+
+
+def _client(url, retries=3):
+    return ChatEndpoint(EndpointConfig(url=url, retries=retries, retry_wait=0.01, request_timeout=10))
+
+
+def test_5xx_and_429_are_retried(scripted):
+    server = scripted([(503, {"error": "loading"}), (429, {"error": "busy"})])
+    reply = _client(server.url).chat({"messages": []})
+    assert reply.content == "hi" and reply.model == "m" and reply.prompt_tokens == 7
+    assert len(server.posts()) == 3
+
+
+def test_4xx_is_rejected_at_once_with_the_servers_reason(scripted):
+    server = scripted([(400, {"error": "bad template"})])
+    with pytest.raises(RequestRejected, match="bad template") as err:
+        _client(server.url).chat({"messages": []})
+    assert err.value.status == 400 and len(server.posts()) == 1
+
+
+def test_persistent_5xx_while_the_server_is_up_rejects_the_request(scripted):
+    server = scripted([(500, {"error": "jinja"})] * 4)
+    with pytest.raises(RequestRejected, match="the server is up"):
+        _client(server.url).chat({"messages": []})
+    assert len(server.posts()) == 4
+
+
+def test_persistent_5xx_without_models_means_down(scripted):
+    server = scripted([(502, {"error": "gateway"})] * 4, models_status=502)
+    with pytest.raises(EndpointDown, match="HTTP 502"):
+        _client(server.url).chat({"messages": []})
+
+
+def test_nothing_listening_is_a_clear_error_naming_the_url():
+    url = f"http://127.0.0.1:{S.free_port()}/v1"
+    with pytest.raises(EndpointDown) as err:
+        _client(url, retries=2).chat({"messages": []})
+    text = str(err.value)
+    assert f"POST {url}/chat/completions failed 3 time(s)" in text and f"server at {url} running?" in text
+
+
+@pytest.mark.parametrize("field", ["reasoning_content", "reasoning"])
+def test_reasoning_is_read_from_either_field(field):
+    answer = json.loads(json.dumps(ANSWER))
+    answer["choices"][0]["message"][field] = "let me think"
+    assert parse_reply(answer).reasoning == "let me think"
+
+
+def _chat(messages):
+    conv = Conversation(kind="chat", messages=messages, source="s.jsonl", row_index=4)
+    chat = regen._Chat(conv, [dict(m) for m in messages], None)
+    chat.advance(-1)
+    return chat
+
+
+def test_answer_becomes_the_message_reasoning_and_tool_calls_kept():
+    chat = _chat([{"role": "user", "content": "q"}, {"role": "assistant", "content": "old", "name": "bot",
+                                                     "reasoning_content": "old thoughts"}])
+    answer = json.loads(json.dumps(ANSWER))
+    answer["choices"][0]["message"].update(
+        content="", reasoning="new thoughts",
+        tool_calls=[{"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{\"x\": 1}"}}])
+    event = rep.turn_event(chat, 1, parse_reply(answer), regen.GenerationSettings())
+    assert event["message"] == {"role": "assistant", "name": "bot", "content": "", "reasoning_content": "new thoughts",
+                                "tool_calls": [{"id": "c1", "type": "function",
+                                                "function": {"name": "f", "arguments": {"x": 1}}}]}
+
+
+def test_source_tool_calls_are_kept_over_the_servers():
+    own = [{"type": "function", "function": {"name": "g", "arguments": {"y": 2}}}]
+    chat = _chat([{"role": "user", "content": "q"}, {"role": "assistant", "content": "", "tool_calls": own},
+                  {"role": "tool", "content": "42"}])
+    answer = json.loads(json.dumps(ANSWER))
+    answer["choices"][0]["message"]["tool_calls"] = [{"type": "function", "function": {"name": "f",
+                                                                                       "arguments": "{}"}}]
+    event = rep.turn_event(chat, 1, parse_reply(answer), regen.GenerationSettings())
+    assert event["message"]["tool_calls"] == own and event["message"]["content"] == "hi"
+
+
+def test_empty_answer_and_length_limits_cut_the_conversation():
+    chat = _chat([{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}])
+    answer = json.loads(json.dumps(ANSWER))
+    answer["choices"][0]["message"]["content"] = "  "
+    assert rep.turn_event(chat, 1, parse_reply(answer), regen.GenerationSettings())["cut"] == "empty_generation"
+    answer["choices"][0].update(finish_reason="length", message={"role": "assistant", "content": "x"})
+    assert rep.turn_event(chat, 1, parse_reply(answer), regen.GenerationSettings())["truncated"] is True
+    dropping = regen.GenerationSettings(drop_truncated=True)
+    assert rep.turn_event(chat, 1, parse_reply(answer), dropping)["cut"] == "truncated"
+    too_long = regen.GenerationSettings(max_prompt_tokens=6)  # the answer says prompt_tokens 7
+    assert rep.turn_event(chat, 1, parse_reply(answer), too_long)["cut"] == "prompt_too_long"
+
+
+def test_request_body_carries_tools_kwargs_and_a_per_turn_seed():
+    history = [{"role": "assistant", "content": None, "tool_calls": [
+        {"type": "function", "function": {"name": "f", "arguments": {"x": 1}}}]}]
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    greedy = rep.request_body("m", history, tools, regen.GenerationSettings(template_kwargs={"k": 1}),
+                              {"top_k": -1}, 3, 1)
+    assert greedy["tools"] == tools and greedy["chat_template_kwargs"] == {"k": 1} and greedy["top_k"] == -1
+    assert greedy["temperature"] == 0.0 and "seed" not in greedy and greedy["max_tokens"] == 1024
+    assert greedy["messages"] == [{"role": "assistant", "tool_calls": [
+        {"type": "function", "function": {"name": "f", "arguments": "{\"x\": 1}"}}]}]
+    sampling = regen.GenerationSettings(temperature=0.7, top_p=0.9, seed=5)
+    seeds = {rep.request_body("m", [], None, sampling, {}, row, turn)["seed"] for row in (3, 4) for turn in (1, 3)}
+    assert len(seeds) == 4
+    assert rep.request_body("m", [], None, sampling, {}, 3, 1)["seed"] == rep.request_seed(5, 3, 1)
+
+
+def test_journal_drops_a_torn_last_line_and_refuses_a_broken_one(tmp_path):
+    import click
+
+    journal = rep.TurnJournal(tmp_path / "j.jsonl")
+    journal.append({"row": 0, "turn": 1})
+    journal.close()
+    with journal.path.open("a") as f:
+        f.write('{"row": 0, "tu')  # killed mid-write
+    assert journal.read() == [{"row": 0, "turn": 1}]
+    assert journal.path.read_text() == '{"row": 0, "turn": 1}\n'
+    journal.path.write_text('{"row": 0, "tu\n{"row": 1, "turn": 1}\n')
+    with pytest.raises(click.ClickException, match="line 1 is not JSON"):
+        journal.read()
