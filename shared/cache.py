@@ -606,16 +606,26 @@ class CacheReader:
         return out
 
     def __getitem__(self, index: int) -> dict[str, Any]:
-        raw = self.read_raw(index)
+        return self.read(index)
+
+    def read(self, index: int, fields: Iterable[str] = TOKEN_FIELDS) -> dict[str, Any]:
+        """One sample as torch tensors (bf16 restored) plus its ``source_index``; only the
+        arrays named in ``fields`` are opened and read (training without distillation never
+        touches the top-k arrays)."""
+        fields = tuple(fields)
+        unknown = set(fields) - set(TOKEN_FIELDS)
+        if unknown:
+            raise ValueError(f"unknown cache fields {sorted(unknown)}; the cache stores {TOKEN_FIELDS}")
+        raw = self.read_raw(index, fields)
         pos, j = self.locate(index)
-        return {
-            "input_ids": torch.from_numpy(raw["input_ids"].astype(np.int64)),
-            "loss_mask": torch.from_numpy(raw["loss_mask"].astype(bool)),
-            "hidden": bf16_from_bits(raw["hidden"]),  # (T, L, D) bfloat16
-            "topk_ids": torch.from_numpy(raw["topk_ids"].astype(np.int64)),
-            "topk_logprobs": torch.from_numpy(raw["topk_logprobs"]),
-            "source_index": int(self._sources[pos][j]),
+        convert = {
+            "input_ids": lambda a: torch.from_numpy(a.astype(np.int64)),
+            "loss_mask": lambda a: torch.from_numpy(a.astype(bool)),
+            "hidden": bf16_from_bits,  # (T, L, D) bfloat16
+            "topk_ids": lambda a: torch.from_numpy(a.astype(np.int64)),
+            "topk_logprobs": torch.from_numpy,
         }
+        return {**{f: convert[f](raw[f]) for f in fields}, "source_index": int(self._sources[pos][j])}
 
     # -- contract with training
     def check_compatible(

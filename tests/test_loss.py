@@ -141,3 +141,82 @@ def test_accuracy_per_slot():
     weights = torch.tensor([[[0.0, 1.0, 0.5], [0.0, 1.0, 0.0]]])
     acc = L.accuracy_per_slot(correct, weights)
     assert math.isnan(acc[0]) and acc[1] == 1.0 and acc[2] == 0.0
+
+
+# ---------------------------------------------------------------------------- distillation from the top-k
+
+
+def target_topk(seed, M, V, k):
+    """A target distribution per row, stored as the cache stores it: top-k ids and log-probs
+    of a full softmax (so the tail mass 1 - sum(exp) is what the cache leaves out)."""
+    gen = torch.Generator().manual_seed(100 + seed)
+    logp = torch.log_softmax(torch.randn(M, V, generator=gen, dtype=torch.float64) * 2, -1)
+    values, ids = logp.topk(k, dim=-1)
+    return ids, values.float()
+
+
+def reference_block_loss(hidden, weight, labels, weights, ids, logprobs, ce_coef, kd_coef):
+    """float64, full logits: CE and the KL between the (top-k + one tail bucket) distributions,
+    the tail probability of the drafter summed over every id outside the row's top-k."""
+    h = hidden.detach().double().requires_grad_(True)
+    logq = torch.log_softmax(h @ weight.double().T, -1)  # (M, V)
+    w = torch.where(labels >= 0, weights.double(), torch.zeros((), dtype=torch.float64))
+    ce = -logq.gather(1, labels.clamp(min=0)[:, None]).squeeze(1)
+    p = logprobs.double().exp()
+    r = (1 - p.sum(-1)).clamp(min=0)
+    in_topk = torch.zeros_like(logq, dtype=torch.bool).scatter_(1, ids, True)
+    q_tail = logq.exp().masked_fill(in_topk, 0).sum(-1)
+    kl = (p * (logprobs.double() - logq.gather(1, ids))).sum(-1) + torch.special.xlogy(r, r) - r * q_tail.log()
+    loss = (ce_coef * (w * ce).sum() + kd_coef * (w * kl).sum()) / w.sum()
+    loss.backward()
+    return loss.detach(), h.grad, (w * ce).sum() / w.sum(), (w * kl).sum() / w.sum()
+
+
+@pytest.mark.parametrize("chunk_size,ce_coef,kd_coef,k", [(7, 0.0, 1.0, 5), (16, 0.5, 0.5, 5), (1000, 0.0, 1.0, 1),
+                                                          (3, 1.0, 0.3, 12)])
+def test_kd_matches_float64_reference(chunk_size, ce_coef, kd_coef, k):
+    hidden, weight, labels, weights = ce_case(chunk_size + k)
+    ids, logprobs = target_topk(chunk_size, hidden.shape[0], weight.shape[0], k)
+    h = hidden.clone().requires_grad_(True)
+    out = L.chunked_block_loss(h, weight, labels, weights, ids, logprobs, ce_coef, kd_coef, chunk_size)
+    (out.loss * 1.5).backward()
+    ref_loss, ref_grad, ref_ce, ref_kl = reference_block_loss(hidden, weight, labels, weights, ids, logprobs,
+                                                              ce_coef, kd_coef)
+    torch.testing.assert_close(out.loss.double(), ref_loss, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(out.ce.double(), ref_ce, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(out.kl.double(), ref_kl, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(h.grad.double(), 1.5 * ref_grad, atol=1e-6, rtol=1e-4)
+    assert ref_kl > 0.05  # the case is not trivially matched
+
+
+def test_kd_tail_bucket_counts():
+    """The KL is zero when the drafter is the target; a drafter that moved the target's tail
+    mass into the top-k raises every q_i there, so a KL over the top-k alone would fall below
+    zero: only the tail bucket makes it positive."""
+    M, V, D, k = 6, 40, 40, 4
+    target_logits = torch.randn(M, V, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    logp = torch.log_softmax(target_logits, -1)
+    values, ids = logp.topk(k, dim=-1)
+    eye = torch.eye(D)  # hidden row = logits
+    labels, weights = torch.zeros(M, dtype=torch.long), torch.ones(M)
+    same = L.chunked_block_loss(target_logits.float(), eye, labels, weights, ids, values.float(), 0.0, 1.0)
+    assert abs(same.kl.item()) < 1e-5
+    # the drafter puts the target's tail mass onto its top-1: the top-k-only KL would not see the tail
+    moved = target_logits.clone()
+    for row in range(M):
+        tail = torch.ones(V, dtype=torch.bool)
+        tail[ids[row]] = False
+        moved[row, tail] = -30.0
+    off = L.chunked_block_loss(moved.float(), eye, labels, weights, ids, values.float(), 0.0, 1.0)
+    assert off.kl.item() > 0.1
+
+
+def test_kd_needs_topk_and_no_kd_ignores_it():
+    hidden, weight, labels, weights = ce_case(5)
+    with pytest.raises(ValueError, match="topk"):
+        L.chunked_block_loss(hidden, weight, labels, weights, kd_coef=1.0)
+    ids, logprobs = target_topk(5, hidden.shape[0], weight.shape[0], 3)
+    plain, _ = L.chunked_weighted_ce(hidden, weight, labels, weights)
+    out = L.chunked_block_loss(hidden, weight, labels, weights, ids, logprobs, 1.0, 0.0)
+    torch.testing.assert_close(out.loss, plain)
+    assert out.kl.item() == 0.0

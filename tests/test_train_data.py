@@ -2,16 +2,23 @@
 
 from __future__ import annotations
 
+import math
+import shutil
+from types import SimpleNamespace
+
 import numpy as np
 import pytest
 import torch
+import zarr
 
 import train_helpers as H
+from dflash.shared import cache as C
 from dflash.shared.cache import CacheReader
+from dflash.shared.fingerprint import tokenizer_fingerprint
 from dflash.train import metrics
 from dflash.train.data import (AnchorDataset, Collate, GlobalBatchSampler, Split, draw_anchors, held_out_batches,
                                make_loader, truncate_sample)
-from dflash.train.step import StepSpec, block_inputs
+from dflash.train.step import StepSpec, block_inputs, block_loss, labels_and_weights
 
 
 @pytest.fixture(scope="module")
@@ -172,3 +179,200 @@ def test_step_flops_match_design_figure():
     pairs = 512 * 16 * (1536 + 16)
     flops = metrics.step_flops(d, 151936, 3072, 512 * 16, pairs)
     assert 0.45 < flops / 0.182 / 790e12 < 0.58
+
+
+# ---------------------------------------------------------------------------- the target's top-k and labels
+
+
+def write_topk_cache(path, target_dir, tokenizer, n_samples=12, k=4, seed=0):
+    """A cache whose stored top-k is a real distribution (log-softmax of random logits, so a
+    tail mass is left out) whose top-1 is NOT the next data token: data and target labels differ."""
+    emb = H.target_embedding(target_dir).float()
+    V, D = emb.shape
+    rng = np.random.default_rng(seed)
+    lengths = rng.integers(20, 40, n_samples)
+    spec = C.CacheSpec(layer_ids=[0, 1, 2], hidden_size=D, topk=k, vocab_size=V, num_target_layers=4, max_length=64,
+                       truncation="right", chunk_tokens=64,
+                       fingerprint={"target": {"name_or_path": str(target_dir)},
+                                    "tokenizer": {"hash": tokenizer_fingerprint(tokenizer)["hash"]}})
+    root = C.create_or_open_cache(str(path), spec)
+    plan = C.ShardPlan(source_index=np.arange(n_samples), lengths=lengths, batches=np.arange(n_samples + 1))
+    w = C.ShardWriter(root, 0, plan, spec)
+    for b, T in enumerate(lengths):
+        ids = rng.integers(10, V, T)
+        mask = np.zeros(T, bool)
+        mask[3:] = True
+        logp = torch.log_softmax(torch.from_numpy(rng.normal(size=(T, V)) * 3), -1)
+        values, top = logp.topk(k, dim=-1)
+        w.write_batch(b, input_ids=ids.astype(np.int32), loss_mask=mask,
+                      hidden=C.bf16_to_bits(emb[ids][:, None, :].expand(T, 3, D).to(torch.bfloat16)),
+                      topk_ids=top.numpy().astype(np.int32), topk_logprobs=values.numpy().astype(np.float32))
+        w.commit()
+    w.finish()
+    return path
+
+
+@pytest.fixture(scope="module")
+def topk_cache(tmp_path_factory, tiny_target_dir, tiny_tokenizer):
+    return write_topk_cache(tmp_path_factory.mktemp("topk") / "c.zarr", tiny_target_dir, tiny_tokenizer)
+
+
+def stored(path, field):
+    """A stored array of shard 0 read straight from zarr, and the sample offsets."""
+    g = zarr.open_group(str(path), mode="r")["shards"]["00000"]
+    return np.asarray(g[field][:]), np.asarray(g["offsets"][:])
+
+
+def test_reader_without_topk_never_opens_those_arrays(topk_cache, tmp_path):
+    copy = tmp_path / "c.zarr"
+    shutil.copytree(topk_cache, copy)
+    for name in ("topk_ids", "topk_logprobs"):
+        shutil.rmtree(copy / "shards" / "00000" / name)
+    reader = CacheReader(str(copy))
+    plain = AnchorDataset(reader, [0, 2], max_length=64, max_anchors=8, seed=0, target_top1=False)
+    assert plain.fields == ("input_ids", "loss_mask", "hidden")
+    sample = plain[(0, 1)]
+    assert "target_top1" not in sample and "topk_logprobs" not in sample
+    batch = Collate([32, 64])([sample, plain[(0, 2)], plain.empty_sample()])
+    assert not set(batch) & {"target_top1", "topk_ids", "topk_logprobs"}
+    with pytest.raises(C.CacheError, match="topk_ids"):
+        AnchorDataset(reader, [0, 2], max_length=64, max_anchors=8, seed=0)[(0, 1)]
+    with pytest.raises(C.CacheError, match="topk_logprobs"):
+        reader.read(1, ("input_ids", "topk_logprobs"))
+    with pytest.raises(ValueError, match="unknown cache fields"):
+        reader.read(1, ("input_ids", "logits"))
+
+
+def test_topk_fields_padded_like_the_tokens(topk_cache):
+    reader = CacheReader(str(topk_cache))
+    ds = AnchorDataset(reader, [0, 2], max_length=64, max_anchors=8, seed=0, topk=True)
+    items = [ds[(0, 0)], ds[(0, 3)], ds.empty_sample()]
+    batch = Collate([32, 64])(items)
+    ids, off = stored(topk_cache, "topk_ids")
+    logp, _ = stored(topk_cache, "topk_logprobs")
+    T = int(off[4] - off[3])
+    assert batch["topk_ids"].shape == (3, 64, 4) and batch["topk_logprobs"].dtype == torch.float32
+    assert batch["topk_ids"][1, :T].tolist() == ids[off[3]:off[4]].tolist()
+    assert torch.equal(batch["topk_logprobs"][1, :T], torch.from_numpy(logp[off[3]:off[4]]))
+    assert (batch["topk_ids"][1, T:] == 0).all() and batch["target_top1"][1, :T].tolist() == ids[off[3]:off[4], 0].tolist()
+    cut = truncate_sample(items[1], 10)
+    assert cut["topk_ids"].shape == (10, 4) and cut["topk_logprobs"].shape == (10, 4)
+
+
+def spec_for(**kw):
+    return StepSpec("dense", 4, 3, None, 16, None, **kw)
+
+
+def test_target_labels_are_the_stored_top1_of_the_previous_position(topk_cache):
+    reader = CacheReader(str(topk_cache))
+    ds = AnchorDataset(reader, [0, 2], max_length=64, max_anchors=8, seed=0)
+    keys = [(0, 1), (0, 4)]
+    batch = Collate([32, 64])([ds[k] for k in keys])
+    ids, off = stored(topk_cache, "topk_ids")
+    tokens, _ = stored(topk_cache, "input_ids")
+    target_labels, weights = labels_and_weights(batch, spec_for(labels="target"))
+    data_labels, data_weights = labels_and_weights(batch, spec_for(labels="data"))
+    assert torch.equal(weights, data_weights)  # the data's loss mask decides what counts
+    checked = differ = 0
+    for row, (_, index) in enumerate(keys):
+        start = int(off[index])
+        for n, anchor in enumerate(batch["anchors"][row].tolist()):
+            for k in range(1, 4):
+                if weights[row, n, k] > 0:
+                    # slot k predicts the token at anchor + k; the target predicted it at anchor + k - 1
+                    assert target_labels[row, n, k].item() == ids[start + anchor + k - 1, 0]
+                    assert data_labels[row, n, k].item() == tokens[start + anchor + k]
+                    checked += 1
+                    differ += int(ids[start + anchor + k - 1, 0] != tokens[start + anchor + k])
+    assert checked > 20 and differ > checked // 2
+    with pytest.raises(ValueError, match="target_top1"):
+        labels_and_weights({k: v for k, v in batch.items() if k != "target_top1"}, spec_for(labels="target"))
+
+
+def reference_slot_kl(logits, topk_ids, topk_logprobs, anchors, weights):
+    """float64, slot by slot: KL over the top-k stored at anchor + k - 1 plus the tail bucket."""
+    total = 0.0
+    bsz, n_blocks, B = weights.shape
+    for b in range(bsz):
+        for n in range(n_blocks):
+            for k in range(B):
+                w = float(weights[b, n, k])
+                if w == 0:
+                    continue
+                pos = int(anchors[b, n]) + k - 1
+                ids, lp = topk_ids[b, pos], topk_logprobs[b, pos].double()
+                logq = torch.log_softmax(logits[b, n * B + k].double(), -1)
+                r = max(1 - lp.exp().sum().item(), 0.0)
+                q_tail = 1 - logq[ids].exp().sum().item()
+                total += w * ((lp.exp() * (lp - logq[ids])).sum().item() + (r * math.log(r / q_tail) if r else 0.0))
+    return total / float(weights.sum())
+
+
+def test_kd_reads_the_target_distribution_at_anchor_plus_k_minus_1(topk_cache):
+    """A drafter whose logits ARE the target's stored distribution for each slot scores KL 0;
+    the loss agrees with a slot-by-slot float64 reference, and reading the top-k one position
+    later (or earlier) gives a clearly positive KL."""
+    reader = CacheReader(str(topk_cache))
+    ds = AnchorDataset(reader, [0, 2], max_length=64, max_anchors=8, seed=0, topk=True)
+    batch = Collate([32, 64])([ds[(0, 1)], ds[(0, 4)]])
+    V = int(reader.spec.vocab_size)
+    head = SimpleNamespace(weight=torch.eye(V))  # hidden row = logits
+    spec = spec_for(loss="kd")
+    labels, weights = labels_and_weights(batch, spec)
+
+    def logits_from(shift):
+        """Per slot, the logits of the target's top-k at anchor + k - 1 + shift, tail spread evenly."""
+        bsz, n_blocks = batch["anchors"].shape
+        out = torch.zeros(bsz, n_blocks * 4, V, dtype=torch.float64)
+        S = batch["topk_ids"].shape[1]
+        for b in range(bsz):
+            for n in range(n_blocks):
+                for k in range(4):
+                    pos = min(max(int(batch["anchors"][b, n]) + k - 1 + shift, 0), S - 1)
+                    ids, lp = batch["topk_ids"][b, pos], batch["topk_logprobs"][b, pos].double()
+                    tail = max(1 - lp.exp().sum().item(), 1e-12)
+                    row = torch.full((V,), math.log(tail / (V - len(ids))), dtype=torch.float64)
+                    row[ids] = lp
+                    out[b, n * 4 + k] = row
+        return out.float()
+
+    aligned = block_loss(head, logits_from(0), batch, spec, labels, weights)
+    assert aligned.kl.item() < 1e-4
+    for shift in (1, -1):
+        logits = logits_from(shift)
+        out = block_loss(head, logits, batch, spec, labels, weights)
+        ref = reference_slot_kl(logits, batch["topk_ids"], batch["topk_logprobs"], batch["anchors"], weights)
+        assert out.kl.item() == pytest.approx(ref, rel=1e-4, abs=1e-5)
+        assert out.kl.item() > 0.5
+    with pytest.raises(ValueError, match="top-k"):
+        block_loss(head, logits_from(0), {k: v for k, v in batch.items() if not k.startswith("topk")}, spec,
+                   labels, weights)
+
+
+def test_training_reads_the_top_k_only_for_distillation(topk_cache, tiny_target_dir, tmp_path):
+    """CE on data labels trains on a cache without top-k log-probs; kd and mix with target
+    labels train (the loss is the objective: mix sits between its CE and KL)."""
+    from dflash.train.loop import train
+
+    copy = tmp_path / "c.zarr"
+    shutil.copytree(topk_cache, copy)
+    shutil.rmtree(copy / "shards" / "00000" / "topk_logprobs")
+    kw = dict(max_steps=2, eval_every=2, save_every=1000, num_workers=0)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny matmuls: more threads only contend
+    try:
+        check_training_runs(copy, topk_cache, tiny_target_dir, tmp_path, kw)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def check_training_runs(copy, topk_cache, tiny_target_dir, tmp_path, kw):
+    from dflash.train.loop import train
+
+    assert train(H.tiny_config(copy, tiny_target_dir, tmp_path / "ce-no-topk", **kw))["eval"]["loss"] > 0
+    with pytest.raises(C.CacheError, match="topk_logprobs"):
+        train(H.tiny_config(copy, tiny_target_dir, tmp_path / "kd-missing", loss="kd", **kw))
+    runs = {name: train(H.tiny_config(topk_cache, tiny_target_dir, tmp_path / name, loss=name, labels="target",
+                                      seed=0, **kw))["eval"]["loss"] for name in ("ce", "kd", "mix")}
+    assert all(math.isfinite(v) and v > 0 for v in runs.values())
+    assert min(runs["ce"], runs["kd"]) < runs["mix"] < max(runs["ce"], runs["kd"])

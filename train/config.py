@@ -16,7 +16,7 @@ from typing import Any
 
 @dataclass
 class DrafterSpec:
-    """What drafter to build; the rest of its shape comes from the target's config."""
+    """What drafter to build (the rest of its shape comes from the target's config) and what it learns."""
 
     num_draft_layers: int = 5
     """Decoder layers of the drafter (each the size of one target layer)."""
@@ -28,6 +28,12 @@ class DrafterSpec:
     """Embedding row of the MASK token; None = tokenizer's <|MASK|>, else first padded row."""
     gamma: float | None = None
     """Decay of the per-slot loss weight exp(-(k-1)/gamma); None = 7/5/4 for B=16/10/8."""
+    loss: str = "ce"
+    """ce | kd | mix: CE on the labels, KL from the target's stored top-k (+ tail bucket), or both."""
+    kd_weight: float = 0.5
+    """Weight of the KL term in mix: (1 - kd_weight) * CE + kd_weight * KL."""
+    labels: str = "data"
+    """data | target: the cached token, or the target's own top-1 prediction of it, as the label."""
 
 
 @dataclass
@@ -163,6 +169,12 @@ class TrainConfig:
             raise ValueError(f"context_buckets must be increasing positive lengths, got {b}")
         if self.drafter.block_size < 2:
             raise ValueError("block_size must be at least 2 (an anchor and one prediction)")
+        if self.drafter.loss not in ("ce", "kd", "mix"):
+            raise ValueError(f"loss must be ce|kd|mix, got {self.drafter.loss!r}")
+        if self.drafter.labels not in ("data", "target"):
+            raise ValueError(f"labels must be data|target, got {self.drafter.labels!r}")
+        if not 0.0 <= self.drafter.kd_weight <= 1.0:
+            raise ValueError(f"kd_weight must be within [0, 1], got {self.drafter.kd_weight}")
         if self.data.max_anchors < 1:
             raise ValueError("max_anchors must be at least 1")
         if self.runtime.attention not in ("auto", "flex", "dense", "flex-eager"):

@@ -27,6 +27,10 @@ from dflash.shared.cache import CacheReader
 EVAL_EPOCH = 2**31 - 1
 """Epoch key of the held-out samples' anchors: fixed, so every eval sees the same blocks."""
 _ORDER_SALT = 0x5EED
+TARGET_FIELDS = ("target_top1", "topk_ids", "topk_logprobs")
+"""Per-token fields of what the target predicted, present when the dataset was asked for them."""
+PER_TOKEN_FIELDS = ("input_ids", "loss_mask", "context_hidden") + TARGET_FIELDS
+"""Fields indexed by token position (padded by ``Collate``, cut by ``truncate_sample``)."""
 
 
 def candidate_anchors(loss_mask: torch.Tensor) -> torch.Tensor:
@@ -60,13 +64,22 @@ class AnchorDataset(Dataset):
     """Item ``(epoch, index)`` -> one unpadded training sequence with its anchor blocks.
 
     Returns ``input_ids`` (T,) long, ``loss_mask`` (T,) bool, ``context_hidden``
-    (T, n*D) bf16 (the chosen layers concatenated in ``layer_ids`` order),
-    ``target_top1`` (T,) long (the target's greedy next token at each position, i.e.
-    its prediction of token t+1), ``anchors`` (N,) and ``block_valid`` (N,).
+    (T, n*D) bf16 (the chosen layers concatenated in ``layer_ids`` order), ``anchors`` (N,)
+    and ``block_valid`` (N,); with ``target_top1`` also ``target_top1`` (T,) long (the
+    target's greedy next token at each position, i.e. its prediction of token t+1: what
+    acceptance is measured against, and the labels of ``labels=target``); with ``topk``
+    also ``topk_ids`` (T, k) long and ``topk_logprobs`` (T, k) float32 (for distillation).
+    The cache arrays that none of these need are never read.
     """
 
-    def __init__(self, reader: CacheReader, layer_ids: list[int], max_length: int, max_anchors: int, seed: int):
+    def __init__(self, reader: CacheReader, layer_ids: list[int], max_length: int, max_anchors: int, seed: int,
+                 target_top1: bool = True, topk: bool = False):
         self.reader = reader
+        self.target_top1 = target_top1
+        self.topk = topk
+        self.fields = ("input_ids", "loss_mask", "hidden") + (("topk_ids",) if target_top1 or topk else ()) \
+            + (("topk_logprobs",) if topk else ())
+        """The cache arrays read for each sample."""
         self.slots = reader.layer_slots(layer_ids)
         self._all_slots = self.slots == list(range(reader.spec.num_layers))
         """The chosen layers are every stored layer, in order: the context is a view, not a copy."""
@@ -81,21 +94,25 @@ class AnchorDataset(Dataset):
         epoch, index = key
         if index < 0:
             return self.empty_sample()
-        s = self.reader[int(index)]
+        s = self.reader.read(int(index), self.fields)
         T = min(len(s["input_ids"]), self.max_length)
         hidden = s["hidden"][:T]
         if not self._all_slots:
             hidden = hidden.index_select(1, torch.tensor(self.slots))  # (T, n, D)
         loss_mask = s["loss_mask"][:T]
         anchors, valid = draw_anchors(loss_mask, self.max_anchors, self.seed, int(epoch), int(index))
-        return {
+        out = {
             "input_ids": s["input_ids"][:T],
             "loss_mask": loss_mask,
             "context_hidden": hidden.reshape(T, -1),
-            "target_top1": s["topk_ids"][:T, 0],
             "anchors": anchors,
             "block_valid": valid,
         }
+        if self.target_top1:
+            out["target_top1"] = s["topk_ids"][:T, 0]
+        if self.topk:
+            out["topk_ids"], out["topk_logprobs"] = s["topk_ids"][:T], s["topk_logprobs"][:T]
+        return out
 
 
     def every_anchor(self, index: int) -> list[dict[str, torch.Tensor]]:
@@ -117,14 +134,19 @@ class AnchorDataset(Dataset):
         """A one-token sample with no valid block: fills a global batch that does not split
         evenly over ranks; it weighs nothing, so the update is that of the real samples."""
         width = len(self.slots) * self.reader.spec.hidden_size
-        return {
+        out = {
             "input_ids": torch.zeros(1, dtype=torch.long),
             "loss_mask": torch.zeros(1, dtype=torch.bool),
             "context_hidden": torch.zeros(1, width, dtype=torch.bfloat16),
-            "target_top1": torch.zeros(1, dtype=torch.long),
             "anchors": torch.zeros(self.max_anchors, dtype=torch.long),
             "block_valid": torch.zeros(self.max_anchors, dtype=torch.bool),
         }
+        if self.target_top1:
+            out["target_top1"] = torch.zeros(1, dtype=torch.long)
+        if self.topk:
+            k = self.reader.spec.topk
+            out["topk_ids"], out["topk_logprobs"] = torch.zeros(1, k, dtype=torch.long), torch.zeros(1, k)
+        return out
 
 
 def bucket_for(length: int, buckets: list[int]) -> int:
@@ -148,7 +170,8 @@ class Collate:
     """Stack samples, right-padding the context to the smallest bucket that fits them all.
 
     Batch: ``input_ids`` (Bsz, S), ``loss_mask`` (Bsz, S), ``context_hidden`` (Bsz, S, n*D),
-    ``target_top1`` (Bsz, S), ``seq_len`` (Bsz,), ``anchors`` / ``block_valid`` (Bsz, N).
+    ``seq_len`` (Bsz,), ``anchors`` / ``block_valid`` (Bsz, N), and where the samples have them
+    ``target_top1`` (Bsz, S), ``topk_ids`` / ``topk_logprobs`` (Bsz, S, k).
     Padding is zero with ``loss_mask`` False, so padded positions are never labels.
     """
 
@@ -166,14 +189,18 @@ class Collate:
             "loss_mask": torch.zeros(n, S, dtype=torch.bool),
             # the one big tensor: written once (each row's tokens, then its zero tail), never zero-filled first
             "context_hidden": _batch_buffer((n, S, width), samples[0]["context_hidden"].dtype),
-            "target_top1": torch.zeros(n, S, dtype=torch.long),
             "seq_len": torch.tensor(lengths, dtype=torch.long),
             "anchors": torch.stack([s["anchors"] for s in samples]),
             "block_valid": torch.stack([s["block_valid"] for s in samples]),
         }
+        for name in TARGET_FIELDS:
+            if name in samples[0]:
+                first = samples[0][name]
+                out[name] = torch.zeros((n, S) + tuple(first.shape[1:]), dtype=first.dtype)
         for i, (s, T) in enumerate(zip(samples, lengths)):
-            for name in ("input_ids", "loss_mask", "context_hidden", "target_top1"):
-                out[name][i, :T] = s[name]
+            for name in PER_TOKEN_FIELDS:
+                if name in out:
+                    out[name][i, :T] = s[name]
             out["context_hidden"][i, T:] = 0
         return out
 
@@ -183,7 +210,7 @@ def truncate_sample(sample: dict[str, torch.Tensor], length: int) -> dict[str, t
 
     Used by the compile warm-up to give every bucket a real sample of that shape.
     """
-    out = {k: (v[:length] if k in ("input_ids", "loss_mask", "context_hidden", "target_top1") else v)
+    out = {k: (v[:length] if k in PER_TOKEN_FIELDS else v)
            for k, v in sample.items()}
     fits = sample["anchors"] <= length - 2
     out["block_valid"] = sample["block_valid"] & fits

@@ -194,7 +194,7 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
             else None
         choice = compile_path.resolve(rt, device)
         spec = StepSpec(choice.attention, dcfg.block_size, dcfg.mask_token_id, cfg.drafter.gamma,
-                        rt.ce_chunk_size, autocast_dtype)
+                        rt.ce_chunk_size, autocast_dtype, cfg.drafter.loss, cfg.drafter.kd_weight, cfg.drafter.labels)
 
         # -- data: deterministic order, position = global step
         split = Split.of(len(reader), dcfg_data.eval_samples, reader.source_indices())
@@ -202,7 +202,12 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
             log_held_out(len(reader), dcfg_data.eval_samples, len(split.held_out))
         G, micro = dcfg_data.batch_size, dcfg_data.micro_batch_size
         steps = total_steps(len(split.train), G, ocfg.epochs, ocfg.max_steps)
-        dataset = AnchorDataset(reader, dcfg.target_layer_ids, cfg.max_length, dcfg_data.max_anchors, rt.seed)
+        # training reads the top-k arrays only for what its objective needs; eval always
+        # needs the target's top-1 (acceptance is measured against it)
+        dataset = AnchorDataset(reader, dcfg.target_layer_ids, cfg.max_length, dcfg_data.max_anchors, rt.seed,
+                                target_top1=spec.labels == "target", topk=spec.needs_topk)
+        eval_dataset = AnchorDataset(reader, dcfg.target_layer_ids, cfg.max_length, dcfg_data.max_anchors, rt.seed,
+                                     target_top1=True, topk=spec.needs_topk)
 
         # -- model, target head (frozen, never saved), optimizer
         torch.manual_seed(rt.seed)
@@ -257,7 +262,7 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
             hits = torch.zeros(B, dtype=torch.float64, device=device)
             count = torch.zeros(B, dtype=torch.float64, device=device)
             for keys in eval_keys:
-                batch = to_device(eval_collate([dataset[k] for k in keys]), device)
+                batch = to_device(eval_collate([eval_dataset[k] for k in keys]), device)
                 loss_sum, so, pred = evaluate_batch(eval_model, head, batch, spec)
                 tau, blocks = metrics.acceptance(pred, batch["target_top1"], batch["anchors"],
                                                  batch["block_valid"], batch["seq_len"], batch["loss_mask"])
@@ -283,11 +288,11 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
             forwards are collectives); partial batches are padded with weightless samples."""
             drafted = walked = 0
             for index in split.held_out:
-                items = dataset.every_anchor(int(index))
+                items = eval_dataset.every_anchor(int(index))
                 taus: dict[int, int] = {}
                 for i in range(0, len(items), micro):
                     group = items[i:i + micro]
-                    group += [dataset.empty_sample() for _ in range(micro - len(group))]
+                    group += [eval_dataset.empty_sample() for _ in range(micro - len(group))]
                     batch = to_device(eval_collate(group), device)
                     _, _, pred = evaluate_batch(eval_model, head, batch, spec)
                     tau, counted = metrics.block_taus(pred, batch["target_top1"], batch["anchors"],

@@ -9,6 +9,7 @@ drafts, so it is tested for.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -61,20 +62,47 @@ def block_labels(
     return labels, weights
 
 
-class _ChunkedWeightedCE(torch.autograd.Function):
+def block_target_positions(anchors: torch.Tensor, block_size: int) -> torch.Tensor:
+    """(Bsz, N, B) cache positions whose stored top-k is the target's distribution for each
+    block slot: slot k predicts the token at anchor + k, and the cache stores at position p
+    the target's prediction of token p + 1, so slot k reads position anchor + k - 1."""
+    slot = torch.arange(block_size, device=anchors.device)
+    return anchors[..., None].long() + slot - 1
+
+
+def gather_positions(per_token: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """per_token (Bsz, S, ...) at positions (Bsz, N, B) -> (Bsz, N, B, ...), positions clamped
+    into [0, S) (the slots that fall outside carry weight 0)."""
+    bsz, S = per_token.shape[:2]
+    flat = positions.clamp(0, S - 1).reshape(bsz, -1)
+    index = flat.view(bsz, -1, *([1] * (per_token.dim() - 2))).expand(bsz, flat.shape[1], *per_token.shape[2:])
+    return per_token.gather(1, index).view(*positions.shape, *per_token.shape[2:])
+
+
+class _ChunkedBlockLoss(torch.autograd.Function):
     """Forward computes, chunk by chunk, the loss AND d(loss)/d(hidden); only that
-    (M, D) gradient is kept, so no (M, V) logits tensor ever lives in memory."""
+    (M, D) gradient is kept, so no (M, V) logits tensor ever lives in memory.
+
+    Per row: ``ce_coef * CE(label) + kd_coef * KL(target || drafter)`` over the top-k
+    buckets plus one tail bucket (see ``chunked_block_loss``). With logits z, q = softmax(z),
+    top-k target probabilities p_i, tail mass r and tail softmax s (q over the ids outside
+    the top-k, renormalised): dCE/dz = q - onehot(label) and
+    dKL/dz = (sum p + r) q - sum_i p_i onehot(t_i) - r s, formed in one (c, V) buffer.
+    """
 
     @staticmethod
-    def forward(ctx, hidden, weight, labels, weights, chunk_size, denominator, need_grad):
+    def forward(ctx, hidden, weight, labels, weights, topk_ids, topk_logprobs, ce_coef, kd_coef, chunk_size,
+                denominator, need_grad):
         n_rows = hidden.shape[0]
+        kd = topk_ids is not None and kd_coef != 0
         # Ignored labels (< 0) never count, whatever weight they were given.
         w = torch.where(labels >= 0, weights.to(torch.float32), torch.zeros((), device=weights.device))
         if denominator is None:
             denominator = w.sum()
         denominator = torch.as_tensor(denominator, dtype=torch.float32, device=hidden.device)
         safe_denominator = torch.where(denominator > 0, denominator, torch.ones_like(denominator))
-        total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        ce_total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        kd_total = torch.zeros((), dtype=torch.float32, device=hidden.device)
         correct = torch.zeros(n_rows, dtype=torch.bool, device=hidden.device)
         grad_hidden = torch.zeros_like(hidden) if need_grad else None
         for start in range(0, n_rows, chunk_size):
@@ -83,27 +111,111 @@ class _ChunkedWeightedCE(torch.autograd.Function):
             label = labels[start:stop]
             w_chunk = w[start:stop]
             safe_label = label.clamp(min=0)
-            lse = torch.logsumexp(logits, dim=-1)
-            target_logit = logits.gather(1, safe_label[:, None]).squeeze(1)
-            total = total + (w_chunk * (lse - target_logit)).sum()
+            lse = torch.logsumexp(logits, dim=-1)  # (c,)
+            label_logit = logits.gather(1, safe_label[:, None]).squeeze(1)
+            ce_total = ce_total + (w_chunk * (lse - label_logit)).sum()
             correct[start:stop] = (logits.argmax(dim=-1) == label) & (label >= 0)
+            # Rows of the tail buffer: q / (tail mass) over the ids outside the top-k.
+            tail_lse, tail_coef = lse, ce_coef * torch.ones_like(lse)
+            if kd:
+                ids = topk_ids[start:stop].long()  # (c, k)
+                target_logp = topk_logprobs[start:stop].float()  # (c, k)
+                p = target_logp.exp()
+                r = (1.0 - p.sum(-1)).clamp(min=0.0)  # target's tail mass
+                drafter_logq = logits.gather(1, ids) - lse[:, None]  # (c, k)
+                logits.scatter_(1, ids, float("-inf"))
+                tail_lse = torch.logsumexp(logits, dim=-1)
+                drafter_log_tail = tail_lse - lse  # log of the drafter's mass outside the top-k
+                kl = torch.where(p > 0, p * (target_logp - drafter_logq), torch.zeros_like(p)).sum(-1)
+                kl = kl + torch.where(r > 0, r * (r.clamp(min=1e-30).log() - drafter_log_tail), torch.zeros_like(r))
+                kd_total = kd_total + (w_chunk * kl).sum()
+                mass = p.sum(-1) + r
+                tail_lse = torch.where(torch.isfinite(tail_lse), tail_lse, torch.zeros_like(tail_lse))
+                # tail entries: (ce + kd * mass) * q - kd * r * s = s * ((ce + kd * mass) * Q_tail - kd * r)
+                tail_coef = (ce_coef + kd_coef * mass) * drafter_log_tail.exp() - kd_coef * r
             if need_grad:
-                # d CE / d logits = softmax - onehot, scaled by w / denominator; the
-                # softmax is formed in place so a chunk holds one (c, V) buffer.
-                grad_logits = logits.sub_(lse[:, None]).exp_()
-                grad_logits.scatter_add_(1, safe_label[:, None], -torch.ones_like(target_logit)[:, None])
-                grad_logits.mul_((w_chunk / safe_denominator)[:, None])
+                scale = w_chunk / safe_denominator  # (c,)
+                grad_logits = logits.sub_(tail_lse[:, None]).exp_()  # (c, V); zero at the top-k ids under kd
+                grad_logits.mul_((scale * tail_coef)[:, None])
+                if kd:
+                    topk_grad = (ce_coef + kd_coef * mass)[:, None] * drafter_logq.exp() - kd_coef * p
+                    grad_logits.scatter_add_(1, ids, scale[:, None] * topk_grad)
+                grad_logits.scatter_add_(1, safe_label[:, None], (-ce_coef * scale)[:, None])
                 grad_hidden[start:stop] = (grad_logits.to(weight.dtype) @ weight).to(hidden.dtype)
             del logits
-        loss = torch.where(denominator > 0, total / safe_denominator, torch.zeros_like(total))
+        positive = denominator > 0
+        ce = torch.where(positive, ce_total / safe_denominator, torch.zeros_like(ce_total))
+        kl = torch.where(positive, kd_total / safe_denominator, torch.zeros_like(kd_total))
+        loss = ce_coef * ce + kd_coef * kl
         ctx.save_for_backward(grad_hidden if need_grad else torch.zeros(0))
-        ctx.mark_non_differentiable(correct)
-        return loss, correct
+        ctx.mark_non_differentiable(correct, ce, kl)
+        return loss, correct, ce, kl
 
     @staticmethod
-    def backward(ctx, grad_loss, grad_correct):
+    def backward(ctx, grad_loss, grad_correct, grad_ce, grad_kl):
         (grad_hidden,) = ctx.saved_tensors
-        return grad_hidden * grad_loss.to(grad_hidden.dtype), None, None, None, None, None, None
+        return (grad_hidden * grad_loss.to(grad_hidden.dtype),) + (None,) * 10
+
+
+@dataclass
+class BlockLoss:
+    """What ``chunked_block_loss`` returns."""
+
+    loss: torch.Tensor
+    """0-d float32: ce_coef * ce + kd_coef * kl (the only differentiable output)."""
+    correct: torch.Tensor
+    """(M,) bool: argmax of the drafter == label (ignored labels never correct)."""
+    ce: torch.Tensor
+    """0-d: sum(w * CE) / denominator."""
+    kl: torch.Tensor
+    """0-d: sum(w * KL over the top-k and tail buckets) / denominator (0 without top-k)."""
+
+
+def chunked_block_loss(
+    hidden: torch.Tensor,
+    lm_head_weight: torch.Tensor,
+    labels: torch.Tensor,
+    weights: torch.Tensor,
+    topk_ids: torch.Tensor | None = None,
+    topk_logprobs: torch.Tensor | None = None,
+    ce_coef: float = 1.0,
+    kd_coef: float = 0.0,
+    chunk_size: int = 2048,
+    denominator: float | torch.Tensor | None = None,
+) -> BlockLoss:
+    """Weighted CE and/or KL from the target's stored top-k, through the frozen LM head.
+
+    hidden (M, D), lm_head_weight (V, D) frozen, labels (M,) long (negative = ignored: such
+    rows count with weight 0 whatever ``weights`` says), weights (M,); topk_ids (M, k) and
+    topk_logprobs (M, k) the target's distribution for each row. The KL is taken between
+    the coarse distributions over k + 1 buckets, the target's top-k ids and everything else:
+    P = (p_1..p_k, r = 1 - sum p) against Q = (q_t1..q_tk, 1 - sum q_ti), so the tail mass
+    the cache does not itemise is matched as a whole rather than dropped; it equals the
+    full KL when the target's tail is empty and lower-bounds it otherwise. Logits are formed
+    in float32 one chunk of rows at a time (the matmul in the LM head's dtype). A zero
+    denominator gives loss 0 and gradient 0.
+    """
+    if hidden.dim() != 2 or lm_head_weight.dim() != 2 or hidden.shape[1] != lm_head_weight.shape[1]:
+        raise ValueError(f"hidden (M, D) and lm_head_weight (V, D) expected, got {tuple(hidden.shape)} and {tuple(lm_head_weight.shape)}")
+    if labels.shape != hidden.shape[:1] or weights.shape != hidden.shape[:1]:
+        raise ValueError("labels and weights must be (M,) like hidden's rows")
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+    if kd_coef != 0:
+        if topk_ids is None or topk_logprobs is None:
+            raise ValueError("kd_coef > 0 needs the target's topk_ids and topk_logprobs")
+        if topk_ids.shape != topk_logprobs.shape or topk_ids.dim() != 2 or topk_ids.shape[0] != hidden.shape[0]:
+            raise ValueError(f"topk_ids and topk_logprobs must both be (M, k) with M = {hidden.shape[0]}, got "
+                             f"{tuple(topk_ids.shape)} and {tuple(topk_logprobs.shape)}")
+    need_grad = torch.is_grad_enabled() and hidden.requires_grad
+    if torch.is_grad_enabled() and lm_head_weight.requires_grad:
+        raise ValueError("lm_head_weight requires grad; the target LM head is frozen and gets none here")
+    with torch.autocast(device_type=hidden.device.type, enabled=False):
+        loss, correct, ce, kl = _ChunkedBlockLoss.apply(
+            hidden, lm_head_weight, labels, weights, topk_ids if kd_coef != 0 else None,
+            topk_logprobs if kd_coef != 0 else None, float(ce_coef), float(kd_coef), int(chunk_size),
+            denominator, need_grad)
+    return BlockLoss(loss, correct, ce, kl)
 
 
 def chunked_weighted_ce(
@@ -114,28 +226,10 @@ def chunked_weighted_ce(
     chunk_size: int = 2048,
     denominator: float | torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``sum(w * CE(hidden @ W.T, labels)) / sum(w)`` and per-row argmax-correct flags.
-
-    hidden (M, D), lm_head_weight (V, D) frozen, labels (M,) long (negative = ignored:
-    such rows count with weight 0 whatever ``weights`` says), weights (M,). Logits are computed in float32 one chunk of
-    rows at a time; the matmul runs in the LM head's dtype. ``denominator`` overrides
-    sum(w) (e.g. a global token weight under data parallelism). A zero denominator gives
-    loss 0 and gradient 0. Returns (loss scalar float32, correct (M,) bool).
-    """
-    if hidden.dim() != 2 or lm_head_weight.dim() != 2 or hidden.shape[1] != lm_head_weight.shape[1]:
-        raise ValueError(f"hidden (M, D) and lm_head_weight (V, D) expected, got {tuple(hidden.shape)} and {tuple(lm_head_weight.shape)}")
-    if labels.shape != hidden.shape[:1] or weights.shape != hidden.shape[:1]:
-        raise ValueError("labels and weights must be (M,) like hidden's rows")
-    if chunk_size < 1:
-        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
-    need_grad = torch.is_grad_enabled() and hidden.requires_grad
-    if torch.is_grad_enabled() and lm_head_weight.requires_grad:
-        raise ValueError("lm_head_weight requires grad; the target LM head is frozen and gets none here")
-    device_type = hidden.device.type
-    with torch.autocast(device_type=device_type, enabled=False):
-        return _ChunkedWeightedCE.apply(
-            hidden, lm_head_weight, labels, weights, int(chunk_size), denominator, need_grad
-        )
+    """``sum(w * CE(hidden @ W.T, labels)) / sum(w)`` and per-row argmax-correct flags:
+    ``chunked_block_loss`` without the KL. Returns (loss scalar float32, correct (M,) bool)."""
+    out = chunked_block_loss(hidden, lm_head_weight, labels, weights, chunk_size=chunk_size, denominator=denominator)
+    return out.loss, out.correct
 
 
 def accuracy_per_slot(correct: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:

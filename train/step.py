@@ -5,7 +5,9 @@ embedded with the target's frozen embedding, slot k at position ``anchor + k``; 
 context is the fused target hidden states at positions ``0..S-1``. The block mask comes
 from ``attention.build_mask`` (keyed on block identity) and is passed into the drafter.
 Slot k is scored against the token at ``anchor + k`` (no shift) through the frozen LM
-head with the chunked, weighted cross-entropy of ``loss.py``.
+head with the chunked, weighted loss of ``loss.py``: cross-entropy on that token (or on
+the target's own prediction of it), KL from the target's top-k stored at ``anchor + k - 1``
+(where the target predicted that token), or a mix.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from . import attention
-from .loss import block_labels, chunked_weighted_ce
+from .loss import block_labels, block_target_positions, chunked_block_loss, gather_positions
 from .model import TargetHead
 
 
@@ -37,12 +39,28 @@ class StepSpec:
     """Rows per LM-head chunk."""
     autocast_dtype: torch.dtype | None
     """bf16 on CUDA; None = no autocast."""
+    loss: str = "ce"
+    """ce | kd | mix (see DrafterSpec.loss)."""
+    kd_weight: float = 0.5
+    """Weight of the KL in mix."""
+    labels: str = "data"
+    """data | target: the cached token or the target's top-1 prediction of it."""
+
+    @property
+    def loss_coefs(self) -> tuple[float, float]:
+        """(CE coefficient, KL coefficient) of the objective."""
+        return {"ce": (1.0, 0.0), "kd": (0.0, 1.0), "mix": (1.0 - self.kd_weight, self.kd_weight)}[self.loss]
+
+    @property
+    def needs_topk(self) -> bool:
+        return self.loss_coefs[1] != 0
 
 
 @dataclass
 class StepOutput:
     loss: torch.Tensor
-    """0-d: sum(w * CE) / denominator (the global weight sum when one is given)."""
+    """0-d: the objective, sum(w * (ce_coef * CE + kd_coef * KL)) / denominator (the global
+    weight sum when one is given)."""
     weights: torch.Tensor
     """(Bsz, N, B) float32 label weights."""
     correct: torch.Tensor
@@ -55,9 +73,35 @@ def to_device(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str,
 
 
 def labels_and_weights(batch: dict[str, torch.Tensor], spec: StepSpec) -> tuple[torch.Tensor, torch.Tensor]:
-    """(Bsz, N, B) labels and weights; data only, so the global weight sum is known before any forward."""
-    return block_labels(batch["input_ids"], batch["loss_mask"], batch["seq_len"], batch["anchors"],
+    """(Bsz, N, B) labels and weights; data only, so the global weight sum is known before any forward.
+
+    With ``labels == 'target'`` the label of the token at p is the target's top-1 stored at
+    p - 1 (its prediction of that token); weights still follow the data's loss mask."""
+    label_ids = batch["input_ids"]
+    if spec.labels == "target":
+        if "target_top1" not in batch:
+            raise ValueError("labels='target' needs the batch's target_top1 (AnchorDataset(target_top1=True))")
+        label_ids = torch.cat([label_ids[:, :1], batch["target_top1"][:, :-1]], dim=1)
+    return block_labels(label_ids, batch["loss_mask"], batch["seq_len"], batch["anchors"],
                         batch["block_valid"], spec.block_size, spec.gamma)
+
+
+def block_loss(head: TargetHead, hidden: torch.Tensor, batch: dict[str, torch.Tensor], spec: StepSpec,
+               labels: torch.Tensor, weights: torch.Tensor, denominator: torch.Tensor | None = None):
+    """``loss.BlockLoss`` of drafter outputs hidden (Bsz, N*B, D) against (Bsz, N, B) labels and
+    weights, with the target's top-k of each slot when the objective has a KL term."""
+    topk_ids = topk_logprobs = None
+    if spec.needs_topk:
+        if "topk_logprobs" not in batch:
+            raise ValueError(f"loss={spec.loss!r} needs the batch's top-k (AnchorDataset(topk=True))")
+        positions = block_target_positions(batch["anchors"], spec.block_size)  # (Bsz, N, B)
+        k = batch["topk_ids"].shape[-1]
+        topk_ids = gather_positions(batch["topk_ids"], positions).reshape(-1, k)
+        topk_logprobs = gather_positions(batch["topk_logprobs"], positions).reshape(-1, k)
+    ce_coef, kd_coef = spec.loss_coefs
+    return chunked_block_loss(hidden.reshape(-1, hidden.shape[-1]), head.weight, labels.reshape(-1),
+                              weights.reshape(-1), topk_ids, topk_logprobs, ce_coef, kd_coef,
+                              spec.ce_chunk_size, denominator)
 
 
 def block_inputs(head: TargetHead, batch: dict[str, torch.Tensor], spec: StepSpec
@@ -90,10 +134,8 @@ def forward_loss(model, head: TargetHead, batch: dict[str, torch.Tensor], spec: 
     """Forward + loss of one micro-batch (call ``.backward()`` on ``out.loss``)."""
     labels, weights = labels_weights if labels_weights is not None else labels_and_weights(batch, spec)
     hidden = drafter_hidden(model, head, batch, spec)
-    D = hidden.shape[-1]
-    loss, correct = chunked_weighted_ce(hidden.reshape(-1, D), head.weight, labels.reshape(-1),
-                                        weights.reshape(-1), spec.ce_chunk_size, denominator)
-    return StepOutput(loss, weights, correct.view_as(weights))
+    out = block_loss(head, hidden, batch, spec, labels, weights, denominator)
+    return StepOutput(out.loss, weights, out.correct.view_as(weights))
 
 
 def argmax_tokens(head: TargetHead, hidden: torch.Tensor, chunk_size: int) -> torch.Tensor:
@@ -108,14 +150,12 @@ def argmax_tokens(head: TargetHead, hidden: torch.Tensor, chunk_size: int) -> to
 @torch.no_grad()
 def evaluate_batch(model, head: TargetHead, batch: dict[str, torch.Tensor], spec: StepSpec
                    ) -> tuple[torch.Tensor, StepOutput, torch.Tensor]:
-    """One no-grad forward: (sum(w * CE), StepOutput with the local mean loss, argmax (Bsz, N, B))."""
+    """One no-grad forward: (sum(w * loss), StepOutput with the local mean loss, argmax (Bsz, N, B))."""
     labels, weights = labels_and_weights(batch, spec)
     hidden = drafter_hidden(model, head, batch, spec)
-    flat = hidden.reshape(-1, hidden.shape[-1])
-    loss, correct = chunked_weighted_ce(flat, head.weight, labels.reshape(-1), weights.reshape(-1),
-                                        spec.ce_chunk_size)
-    pred = argmax_tokens(head, flat, spec.ce_chunk_size).view_as(labels)
-    return loss * weights.sum(), StepOutput(loss, weights, correct.view_as(weights)), pred
+    out = block_loss(head, hidden, batch, spec, labels, weights)
+    pred = argmax_tokens(head, hidden.reshape(-1, hidden.shape[-1]), spec.ce_chunk_size).view_as(labels)
+    return out.loss * weights.sum(), StepOutput(out.loss, weights, out.correct.view_as(weights)), pred
 
 
 def work_counts(batch: dict[str, torch.Tensor], block_size: int) -> torch.Tensor:
