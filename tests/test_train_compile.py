@@ -1,9 +1,17 @@
-"""The one compile path: warm-up then fail_on_recompile, main-thread only, flex refusals."""
+"""The one compile path: warm-up then fail_on_recompile, main-thread only, flex refusals,
+only the context buckets the cache needs, compiled graphs reused by the next process."""
 
 from __future__ import annotations
 
+import json
+import logging
+import os
+import subprocess
+import sys
 import threading
+from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -15,7 +23,9 @@ cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 
 @pytest.fixture(autouse=True)
-def default_stance():
+def default_stance(tmp_path, monkeypatch):
+    # training points torch's compile cache at a folder for the whole process: keep it in tmp, restored after
+    monkeypatch.setenv(C.CACHE_DIR_ENV, str(tmp_path / "inductor"))
     yield
     C.thaw()
     attention.allow_uncompiled_flex(False)
@@ -155,3 +165,104 @@ def test_cuda_tiny_run_with_compiled_flex(tiny_target_dir, tiny_tokenizer, tmp_p
     assert rows[-1]["loss"] < rows[0]["loss"]
     assert summary["eval"]["tau"] > 1.0
     assert {r["compiles"] for r in rows} == {summary["compiles"]}
+
+
+def test_bucket_plan_from_offsets_matches_a_scan_of_the_samples(tiny_target_dir, tiny_tokenizer, tmp_path):
+    from dflash.shared.cache import CacheReader
+    from dflash.train.data import AnchorDataset, Collate, bucket_for, plan_buckets
+
+    cache = H.write_pattern_cache(tmp_path / "c.zarr", tiny_target_dir, tiny_tokenizer, n_samples=30,
+                                  min_len=20, max_len=90, samples_per_shard=7)
+    reader = CacheReader(str(cache))
+    buckets = [8, 16, 32, 48, 64, 128]
+    max_length = 64  # samples longer than this are truncated into the last compiled bucket
+    plan = plan_buckets(reader.lengths(), buckets[:5])
+    scanned = [len(reader[i]["input_ids"]) for i in range(len(reader))]  # reads every sample
+    expected = sorted({bucket_for(min(T, max_length), buckets[:5]) for T in scanned})
+    assert plan.buckets == expected and 8 not in plan.buckets and 16 not in plan.buckets
+    assert sum(plan.samples.values()) == len(scanned) and plan.samples[8] == plan.samples[16] == 0
+    assert "not 8, 16: no sample falls into them" in plan.describe()
+    # batches collated with the compiled buckets alone have the shapes they have with every bucket
+    ds = AnchorDataset(reader, [0, 2], max_length, 4, 0)
+    rng = np.random.default_rng(0)
+    for _ in range(12):
+        keys = [(0, int(i)) for i in rng.choice(len(reader), size=3, replace=False)]
+        keys[rng.integers(3)] = (0, -1)  # a weightless filler sample
+        group = [ds[k] for k in keys]
+        assert Collate(plan.buckets)(group)["input_ids"].shape == Collate(buckets[:5])(group)["input_ids"].shape
+    fillers = [ds[(0, -1)]] * 2
+    assert Collate(plan.buckets)(fillers)["input_ids"].shape[1] == plan.buckets[0]
+
+
+def test_training_compiles_only_the_buckets_its_samples_fall_into(tiny_target_dir, tiny_tokenizer, tmp_path,
+                                                                   caplog):
+    """Every sample is longer than 32 tokens: bucket 32 is neither warmed up nor compiled, and
+    training and evaluation then run under fail_on_recompile."""
+    torch.set_num_threads(1)
+    cache = H.write_pattern_cache(tmp_path / "c.zarr", tiny_target_dir, tiny_tokenizer, n_samples=12,
+                                  min_len=40, max_len=60)
+    from dflash.train.loop import train
+
+    def run(name, buckets):
+        torch._dynamo.reset()  # graphs compiled by earlier tests of this process would be reused
+        cfg = H.tiny_config(cache, tiny_target_dir, tmp_path / name, max_steps=3, compile="on",
+                            compile_backend="eager", eval_every=3, log_every=3, context_buckets=buckets,
+                            compile_cache=str(tmp_path / "cc"))
+        return train(cfg)
+
+    with caplog.at_level(logging.INFO, logger="dflash.train"):
+        one = run("one", [32, 64])
+    alone = run("alone", [64])  # reference: bucket 64 as the only one configured
+    assert one["context_buckets"] == [64] and alone["context_buckets"] == [64]
+    assert one["warmup_compiled_graphs"] == alone["warmup_compiled_graphs"] > 0
+    assert any("not 32: no sample falls into them" in r.getMessage() for r in caplog.records)
+    assert {r["compiles"] for r in one["history"] if r["kind"] == "train"} == {one["compiles"]}  # none after warm-up
+    assert one["eval"] is not None and one["compile_cache"] == str((tmp_path / "cc").resolve())
+
+
+def test_default_compile_cache_folder(monkeypatch, tmp_path):
+    monkeypatch.delenv(C.CACHE_DIR_ENV)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert C.default_compile_cache() == tmp_path / "xdg" / "dflash" / "compile"
+    monkeypatch.setenv(C.CACHE_DIR_ENV, str(tmp_path / "mine"))
+    assert C.default_compile_cache() == tmp_path / "mine"  # the user's torch setting wins
+    assert C.use_compile_cache(str(tmp_path / "chosen")) == (tmp_path / "chosen").resolve()
+    assert os.environ[C.CACHE_DIR_ENV] == str((tmp_path / "chosen").resolve()) and (tmp_path / "chosen").is_dir()
+    with pytest.raises(ValueError, match="space"):
+        C.use_compile_cache(str(tmp_path / "my cache"))
+
+
+_COMPILE_ONCE = """
+import json, sys, torch
+from dflash.train import compile as C
+C.use_compile_cache(sys.argv[1])
+f = torch.compile(lambda x, w: x @ w, backend="inductor", dynamic=False)  # one extern call: no C++ to build
+x, w = torch.randn(8, 16), torch.randn(16, 4)
+torch.testing.assert_close(f(x, w), x @ w)
+print(json.dumps(C.cache_counts()))
+"""
+
+
+def test_second_process_loads_compiled_graphs_from_the_cache_folder(tmp_path):
+    """Two separate processes compile the same function with inductor: the first fills the
+    folder, the second loads its graph from there and compiles nothing."""
+    folder = tmp_path / "compile_cache"
+    env = {k: v for k, v in os.environ.items() if k != C.CACHE_DIR_ENV}
+
+    def run() -> dict:
+        out = subprocess.run([sys.executable, "-c", _COMPILE_ONCE, str(folder)], env=env, capture_output=True,
+                             text=True, timeout=300)
+        assert out.returncode == 0, out.stderr[-3000:]
+        return json.loads(out.stdout.strip().splitlines()[-1])
+
+    def files() -> set[Path]:
+        return {p for p in folder.rglob("*") if p.is_file() and "locks" not in p.parts}
+
+    first = run()
+    assert first["fx_graph_miss"] >= 1 and first["fx_graph_hit"] == 0
+    assert any(p.relative_to(folder).parts[0] == "fxgraph" for p in files())
+    written = files()
+    second = run()
+    assert second["fx_graph_hit"] == first["fx_graph_miss"] and second["fx_graph_miss"] == 0
+    assert second["aot_autograd_hit"] == first["aot_autograd_miss"] and second["aot_autograd_miss"] == 0
+    assert files() == written  # nothing new compiled

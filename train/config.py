@@ -92,6 +92,8 @@ class RuntimeConfig:
     """auto | on | off: torch.compile of the drafter (auto: on for CUDA only)."""
     compile_backend: str = "inductor"
     """torch.compile backend (tests use 'eager' to check guards without codegen)."""
+    compile_cache: str | None = None
+    """Compiled graphs kept for runs of the same shapes (None: $TORCHINDUCTOR_CACHE_DIR or ~/.cache/dflash/compile)."""
     autocast: str = "auto"
     """auto | bf16 | off: bf16 autocast around the forward (auto: bf16 on CUDA)."""
     parallel: str = "ddp"

@@ -156,6 +156,40 @@ def bucket_for(length: int, buckets: list[int]) -> int:
     raise ValueError(f"length {length} exceeds the largest context bucket {buckets[-1]}")
 
 
+@dataclass
+class BucketPlan:
+    """The context buckets a run compiles: those its samples' lengths fall into."""
+
+    buckets: list[int]
+    """Buckets some sample falls into, ascending: the only shapes warmed up and batched."""
+    samples: dict[int, int]
+    """Samples per configured bucket (0 for a bucket that is not compiled)."""
+
+    def describe(self) -> str:
+        """One log line: which buckets compile and why the others do not."""
+        used = ", ".join(f"{b} ({self.samples[b]} samples)" for b in self.buckets)
+        unused = [str(b) for b, n in self.samples.items() if n == 0]
+        why = f"; not {', '.join(unused)}: no sample falls into them" if unused else ""
+        return f"context buckets compiled: {used}{why}"
+
+
+def plan_buckets(lengths: np.ndarray, buckets: list[int]) -> BucketPlan:
+    """Which of ``buckets`` the samples of ``lengths`` (N,) need, each sample's length capped at
+    the largest bucket as the dataset truncates it.
+
+    Collating with only these buckets pads every batch exactly as with all of them: a
+    batch's longest sample picks its bucket, and that sample falls into it. A batch of
+    only weightless filler samples (length 1) takes the smallest compiled bucket.
+    """
+    lengths = np.minimum(np.asarray(lengths, dtype=np.int64), buckets[-1])
+    if len(lengths) == 0:
+        raise ValueError("no samples: no context bucket to compile")
+    which = np.searchsorted(np.asarray(buckets), lengths, side="left")  # first bucket >= length, as bucket_for
+    counts = np.bincount(which, minlength=len(buckets))
+    samples = {b: int(n) for b, n in zip(buckets, counts)}
+    return BucketPlan([b for b in buckets if samples[b] > 0], samples)
+
+
 def _batch_buffer(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """An uninitialised tensor; inside a DataLoader worker, in shared memory already, so
     handing the batch to the main process moves no bytes (what ``default_collate`` does)."""

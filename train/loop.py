@@ -31,7 +31,7 @@ from dflash.shared.cache import CacheReader
 from . import checkpoint, compile as compile_path, metrics
 from .config import OptimConfig, TrainConfig
 from .data import (AnchorDataset, Collate, GlobalBatchSampler, Split, held_out_batches, make_loader,
-                   total_steps, truncate_sample)
+                   plan_buckets, total_steps, truncate_sample)
 from .data import DEFAULT_EVAL_SAMPLES
 from .model import DFlashDrafter, load_target_head
 from .step import StepSpec, evaluate_batch, forward_loss, labels_and_weights, to_device, work_counts
@@ -99,7 +99,7 @@ def log_held_out(num_samples: int, requested: int | None, held_out: int) -> None
 
 
 _RESUME_NEUTRAL = {"resume", "stop_after", "log_every", "eval_every", "save_every", "keep_checkpoints", "progress",
-                   "tensorboard", "num_workers", "prefetch_factor", "peak_tflops", "out", "cache"}
+                   "tensorboard", "num_workers", "prefetch_factor", "peak_tflops", "out", "cache", "compile_cache"}
 
 
 def config_changes(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
@@ -193,6 +193,8 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
         autocast_dtype = torch.bfloat16 if {"auto": cuda, "bf16": True, "on": True, "off": False}[rt.autocast] \
             else None
         choice = compile_path.resolve(rt, device)
+        compiles = choice.compile_model or (choice.attention == "flex" and not choice.eager_flex)
+        compile_cache = compile_path.use_compile_cache(rt.compile_cache) if compiles else None
         spec = StepSpec(choice.attention, dcfg.block_size, dcfg.mask_token_id, cfg.drafter.gamma,
                         rt.ce_chunk_size, autocast_dtype, cfg.drafter.loss, cfg.drafter.kd_weight, cfg.drafter.labels)
 
@@ -208,12 +210,16 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
                                 target_top1=spec.labels == "target", topk=spec.needs_topk)
         eval_dataset = AnchorDataset(reader, dcfg.target_layer_ids, cfg.max_length, dcfg_data.max_anchors, rt.seed,
                                      target_top1=True, topk=spec.needs_topk)
+        # the cache's offsets give every sample's length: no data is read to choose the shapes
+        buckets = plan_buckets(reader.lengths(), dcfg_data.context_buckets)
+        if dist_info.is_main:
+            log.info(buckets.describe())
 
         # -- model, target head (frozen, never saved), optimizer
         torch.manual_seed(rt.seed)
         drafter = DFlashDrafter(dcfg).to(device)  # fp32 master weights
         head = load_target_head(cfg.target, device, torch.bfloat16 if autocast_dtype is not None else torch.float32)
-        graphs_needed = 2 * len(dcfg_data.context_buckets) + 2
+        graphs_needed = 2 * len(buckets.buckets) + 2
         model, eval_model = wrap_parallel(drafter, cfg, dist_info, choice, graphs_needed)
         optimizer, scheduler = make_optimizer(drafter.parameters(), ocfg, steps, fused=cuda)
 
@@ -231,30 +237,37 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
 
         sampler = GlobalBatchSampler(split.train, G, micro, rank, world, rt.seed, steps, start_step)
         accum = sampler.accum
-        loader = make_loader(dataset, sampler, dcfg_data.context_buckets,
+        loader = make_loader(dataset, sampler, buckets.buckets,
                              dcfg_data.num_workers, dcfg_data.prefetch_factor, pin_memory=cuda)
         eval_keys = held_out_batches(split.held_out, micro, rank, world)
-        eval_collate = Collate(dcfg_data.context_buckets)
+        eval_collate = Collate(buckets.buckets)
 
         # -- compile: one real step per shape, then any recompile is an error
-        compiled_graphs = 0
-        if choice.compile_model or (choice.attention == "flex" and not choice.eager_flex):
+        compiled_graphs, cache_use = 0, {}
+        if compiles:
             keys = sampler.step_batches(0)[0]
             samples = [dataset[k] for k in keys]
 
             def warm(length: int):
                 def run():
                     fitted = [truncate_sample(x, length) for x in samples]
-                    batch = to_device(Collate(dcfg_data.context_buckets, force_length=length)(fitted), device)
+                    batch = to_device(Collate(buckets.buckets, force_length=length)(fitted), device)
                     forward_loss(model, head, batch, spec).loss.backward()
                     optimizer.zero_grad(set_to_none=True)
                     evaluate_batch(eval_model, head, batch, spec)
                 return run
 
-            compiled_graphs = compile_path.warm_up(warm(b) for b in dcfg_data.context_buckets)
+            warm_start, counts_before = time.perf_counter(), compile_path.cache_counts()
+            compiled_graphs = compile_path.warm_up(warm(b) for b in buckets.buckets)
+            cache_use = {k: v - counts_before[k] for k, v in compile_path.cache_counts().items()}
             if dist_info.is_main:
-                log.info("warm-up compiled %d graphs over %d context buckets; recompiles are now errors",
-                         compiled_graphs, len(dcfg_data.context_buckets))
+                log.info("warm-up compiled %d graphs over %d context buckets in %.1f s; recompiles are now errors",
+                         compiled_graphs, len(buckets.buckets), time.perf_counter() - warm_start)
+                log.info("compile cache %s: inductor graphs %d loaded, %d compiled, %d uncacheable; "
+                         "AOTAutograd %d loaded, %d compiled, %d uncacheable", compile_cache,
+                         cache_use["fx_graph_hit"], cache_use["fx_graph_miss"], cache_use["fx_graph_bypass"],
+                         cache_use["aot_autograd_hit"], cache_use["aot_autograd_miss"],
+                         cache_use["aot_autograd_bypass"])
 
         def evaluate(step: int) -> dict[str, Any]:
             B = dcfg.block_size
@@ -390,7 +403,9 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
         bar.close()
         return {"run_dir": str(out), "step": step + 1 if steps > start_step else start_step,
                 "total_steps": steps, "history": history, "eval": last_eval,
-                "warmup_compiled_graphs": compiled_graphs, "compiles": compile_path.compile_count()}
+                "warmup_compiled_graphs": compiled_graphs, "compiles": compile_path.compile_count(),
+                "context_buckets": buckets.buckets, "compile_cache": str(compile_cache) if compile_cache else None,
+                "compile_cache_use": cache_use}
     finally:
         compile_path.thaw()
         if sink is not None:

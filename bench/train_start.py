@@ -1,0 +1,130 @@
+"""Time from process start to the first training step, cold and warm compile caches.
+
+Builds a fake Qwen3-8B-shaped target and a random cache (``bench/train_loop.py``'s
+``fake_target`` / ``fake_cache``; lengths drawn from ``[--min-ctx, --ctx]``), then runs
+``dflash-train run`` as separate processes, one per entry of ``--runs``: ``cold`` empties
+the compile cache folder first, ``warm`` keeps what the runs before it left there. For
+each process: seconds from its spawn to the log line of step 1 (which waits for the
+step's GPU work), the warm-up's own seconds and graphs, the compile cache's hits and
+misses, and the median step time of the steps after the first.
+
+    python bench/train_start.py --out /tmp/ts --runs cold,warm,warm
+    python bench/train_start.py --out /tmp/ts3 --min-ctx 200 --runs cold,warm --steps 5   # all 3 buckets
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from train_loop import fake_cache, fake_target  # noqa: E402
+
+
+def run_once(args, out: Path, name: str, log_dir: Path) -> dict:
+    """One ``dflash-train run`` process; its output lines are timestamped as they arrive."""
+    run_dir = out / f"run_{name}"
+    shutil.rmtree(run_dir, ignore_errors=True)
+    cmd = [sys.executable, "-m", "dflash.train.cli", "run", "--cache", str(out / "cache.zarr"),
+           "--target", str(out / "target"), "--out", str(run_dir), "--context-buckets", args.buckets,
+           "--max-anchors", str(args.anchors), "--batch-size", str(args.batch_size), "--micro-batch-size", "1",
+           "--eval-samples", "1", "--max-steps", str(args.steps + 1), "--stop-after", str(args.steps),
+           "--log-every", "1", "--eval-every", "1000000", "--save-every", "1000000",
+           "--mask-token-id", str(args.vocab - 1), "--progress", "false", "--tensorboard", "false",
+           "--resume", "none", "--compile-cache", str(args.compile_cache)]
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    t0 = time.perf_counter()
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    lines, first_step_s, warm_line_s = [], None, None
+    for line in proc.stdout:
+        now = time.perf_counter() - t0
+        lines.append(f"{now:8.2f} {line.rstrip()}")
+        if first_step_s is None and re.search(r"\btrain step 1 \|", line):
+            first_step_s = now
+        if warm_line_s is None and "warm-up compiled" in line:
+            warm_line_s = now
+    rc = proc.wait()
+    total_s = time.perf_counter() - t0
+    (log_dir / f"log_{name}.txt").write_text("\n".join(lines) + "\n")
+    text = "\n".join(lines)
+    warm = re.search(r"warm-up compiled (\d+) graphs over (\d+) context buckets in ([\d.]+) s", text)
+    cache = re.search(r"inductor graphs (\d+) loaded, (\d+) compiled, (\d+) uncacheable; "
+                      r"AOTAutograd (\d+) loaded, (\d+) compiled, (\d+) uncacheable", text)
+    buckets = re.search(r"context buckets compiled: (.*)", text)
+    rows = []
+    metrics_file = run_dir / "metrics.jsonl"
+    if metrics_file.exists():
+        rows = [r for r in map(json.loads, metrics_file.read_text().splitlines()) if r["kind"] == "train"]
+    steady = rows[1:]
+    return {
+        "run": name, "rc": rc, "spawn_to_first_step_s": round(first_step_s, 1) if first_step_s else None,
+        "spawn_to_warm_up_done_s": round(warm_line_s, 1) if warm_line_s else None,
+        "warm_up_s": float(warm.group(3)) if warm else None,
+        "warm_up_graphs": int(warm.group(1)) if warm else None,
+        "buckets": buckets.group(1) if buckets else None,
+        "inductor_loaded_compiled_uncacheable": [int(cache.group(i)) for i in (1, 2, 3)] if cache else None,
+        "aot_loaded_compiled_uncacheable": [int(cache.group(i)) for i in (4, 5, 6)] if cache else None,
+        "first_step_s": round(rows[0]["step_s"], 3) if rows else None,
+        "median_step_s": round(statistics.median(r["step_s"] for r in steady), 4) if steady else None,
+        "median_mfu": round(statistics.median(r["mfu"] for r in steady), 3) if steady else None,
+        "steps": len(rows), "recompiles_after_step_1": (rows[-1]["compiles"] - rows[0]["compiles"]) if rows else None,
+        "process_s": round(total_s, 1),
+    }
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", default="/tmp/dflash_start")
+    p.add_argument("--results", default=None, help="folder for the logs and results.json (default: --out)")
+    p.add_argument("--compile-cache", default=None, help="default: OUT/compile_cache")
+    p.add_argument("--runs", default="cold,warm,warm", help="comma list of cold|warm")
+    p.add_argument("--hidden", type=int, default=4096)
+    p.add_argument("--intermediate", type=int, default=12288)
+    p.add_argument("--heads", type=int, default=32)
+    p.add_argument("--kv-heads", type=int, default=8)
+    p.add_argument("--vocab", type=int, default=151936)
+    p.add_argument("--ctx", type=int, default=3072)
+    p.add_argument("--min-ctx", type=int, default=2900)
+    p.add_argument("--buckets", default="1024,2048,3072")
+    p.add_argument("--anchors", type=int, default=512)
+    p.add_argument("--samples", type=int, default=12)
+    p.add_argument("--batch-size", type=int, default=4)
+    p.add_argument("--steps", type=int, default=30)
+    args = p.parse_args()
+    out = Path(args.out)
+    results = Path(args.results or out)
+    results.mkdir(parents=True, exist_ok=True)
+    args.compile_cache = Path(args.compile_cache or out / "compile_cache")
+    t = time.time()
+    if not (out / "cache.zarr").exists():
+        out.mkdir(parents=True, exist_ok=True)
+        fake_target(out / "target", args.hidden, 36, args.vocab, args.intermediate, args.heads, args.kv_heads)
+        lengths = fake_cache(out / "cache.zarr", [1, 9, 17, 25, 33], args.hidden, 36, args.vocab, args.samples,
+                             args.ctx, args.min_ctx)
+        print(f"setup {time.time() - t:.1f} s; lengths {int(lengths.min())}..{int(lengths.max())}", flush=True)
+    summary = []
+    for i, kind in enumerate(args.runs.split(",")):
+        if kind == "cold":
+            shutil.rmtree(args.compile_cache, ignore_errors=True)
+        elif kind != "warm":
+            raise SystemExit(f"--runs: unknown kind {kind!r} (cold|warm)")
+        r = run_once(args, out, f"{i}_{kind}", results)
+        summary.append(r)
+        print(json.dumps(r), flush=True)
+        (results / "results.json").write_text(json.dumps(summary, indent=1))
+    for r in summary:
+        print(f"{r['run']:>8}: first step {r['spawn_to_first_step_s']} s after spawn (warm-up {r['warm_up_s']} s, "
+              f"{r['warm_up_graphs']} graphs; inductor loaded/compiled {r['inductor_loaded_compiled_uncacheable']}), "
+              f"step {r['median_step_s']} s, rc {r['rc']}")
+
+
+if __name__ == "__main__":
+    main()

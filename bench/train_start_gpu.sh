@@ -1,0 +1,14 @@
+#!/usr/bin/env bash
+# One device call: time to the first training step, cold and warm compile caches, at 8B shapes.
+#   bash bench/train_start_gpu.sh [train_start.py args...]   (carry .whl: ../shared/tools/gpu-wheels.sh)
+# Logs and results.json go to $OUT; the machine's GPU, torch and Triton versions to $OUT/machine.txt.
+set -u
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1
+python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . >/dev/null 2>&1 || exit 1
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+{ nproc; nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
+  python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)"
+  df -h /tmp | tail -1; } > "$OUT/machine.txt" 2>&1
+cat "$OUT/machine.txt"
+timeout 520 python3 bench/train_start.py --results "$OUT" "$@" 2>&1 | grep -v "^INFO:torch" | tail -30
