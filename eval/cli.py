@@ -45,10 +45,11 @@ def row_to_messages_or_text(row: dict[str, Any], index: int, source: str) -> tup
             raise
         # A prompt set has no answers by nature; normalise it as if it had one.
         patched = dict(row)
-        if row.get("messages") is not None:
-            patched["messages"] = list(row["messages"]) + [{"role": "assistant", "content": "."}]
-        else:
-            patched["conversations"] = list(row["conversations"]) + [{"from": "gpt", "value": "."}]
+        column = "messages" if row.get("messages") is not None else "conversations"
+        first = row[column][0] if row[column] else {}
+        sharegpt = isinstance(first, dict) and "from" in first and "role" not in first  # the list's own shape
+        answer = {"from": "gpt", "value": "."} if sharegpt else {"role": "assistant", "content": "."}
+        patched[column] = list(row[column]) + [answer]
         conv = normalize_row(patched, index, source)
     if conv.kind == "text":
         return None, conv.text

@@ -239,6 +239,8 @@ def test_load_prompts_cuts_at_last_user_turn(tokenizer, tmp_path):
         {"messages": [{"role": "user", "content": "only a question"}]},
         {"prompt": "a bare prompt"},
         {"text": "plain text prefix"},
+        {"conversations": [{"role": "user", "content": "role/content under conversations"}]},
+        {"conversations": [{"from": "human", "value": "ShareGPT question"}]},
     ]
     path = tmp_path / "p.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
@@ -249,6 +251,8 @@ def test_load_prompts_cuts_at_last_user_turn(tokenizer, tmp_path):
     assert got[1] == render(rows[1]["messages"])
     assert got[2] == render([{"role": "user", "content": "a bare prompt"}])
     assert got[3] == tokenizer("plain text prefix")["input_ids"]
+    assert got[4] == render(rows[4]["conversations"])
+    assert got[5] == render([{"role": "user", "content": "ShareGPT question"}])
     assert len(load_prompts(str(path), tokenizer, limit=2)) == 2
 
 
