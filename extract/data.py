@@ -56,7 +56,7 @@ class DataError(ValueError):
 
     Reason codes: unreadable (file/folder/hub source), missing_columns,
     malformed_message, unknown_role, empty_content, non_string_content,
-    no_assistant_turn; extract.chat adds template_rejected, mask_fallback_failed,
+    no_assistant_turn; extract.chat adds template_rejected, mask_not_located,
     too_long, no_loss_tokens.
     """
 
