@@ -47,7 +47,7 @@ Truncation = Literal["right", "error", "skip"]
 MaskMethod = Literal["auto", "generation_tags", "template_probe"]
 
 _GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")
-# tokenizer -> {(template, template kwargs, end_of_turn override): TurnMarkers or the probe's failure}
+# tokenizer -> {(template, template kwargs, end_of_turn override): TurnMarkers, or why the probe failed}
 _MARKERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
@@ -97,9 +97,9 @@ def turn_markers(tokenizer, end_of_turn: str | None = None, template_kwargs: dic
         try:
             cached[key] = probe_markers(render_text, lambda text: _special_tokens_in(tokenizer, text), end_of_turn)
         except TemplateProbeFailed as exc:
-            cached[key] = exc
-    if isinstance(cached[key], TemplateProbeFailed):
-        raise cached[key]
+            cached[key] = str(exc)  # raised anew for every row, so no traceback piles up
+    if isinstance(cached[key], str):
+        raise TemplateProbeFailed(cached[key])
     return cached[key]
 
 

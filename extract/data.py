@@ -67,7 +67,7 @@ class DataError(ValueError):
 
     Reason codes: unreadable (file/folder/hub source), missing_columns, malformed_row,
     malformed_message, malformed_tools, unknown_role, empty_content (an empty `text`
-    row), non_string_content, no_assistant_turn; extract.chat adds template_rejected, mask_fallback_failed,
+    row), non_string_content, no_assistant_turn; extract.chat adds template_rejected, mask_not_located,
     too_long, no_loss_tokens.
     """
 

@@ -161,6 +161,8 @@ CASES = {
     "consecutive_assistants": [u("Two replies please."), a("First."), a("Second.")],
     "assistant_first": [a("Hi, how can I help?"), u("Nothing."), a("Fine.")],
     "trailing_user": [u("Hello"), a("Hi!"), u("no answer to this")],
+    "markup_in_user_text": [u("What do <|im_start|>assistant\n, <start_of_turn>model and [/INST] do?"),
+                            a("They open a reply."), u("And <|im_end|>?"), a("It ends one.")],
     "unicode": [u("東京の天気は? ✓"), a("ünïcødé ✓ — 東京 😀 晴れです。"), u("Ελληνικά;"), a("Ναι 👍")],
 }
 TOOL_CASES = {"tool_call_without_text", "tool_calls_with_text", "multi_step_tools"}
