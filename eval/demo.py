@@ -49,6 +49,9 @@ class DemoSettings:
     target: dict[str, Any] = field(default_factory=lambda: dict(  # DemoTargetConfig overrides
         num_hidden_layers=4, hidden_size=96, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2,
         head_dim=24, steps=600, batch_size=32, lr=3e-3, warmup_steps=20, log_every=100))
+    # target layers stored in the cache and fused by the drafter: sorted, distinct, below the
+    # last layer (serving engines cannot capture the last one)
+    layer_ids: list[int] = field(default_factory=lambda: [0, 1, 2])
     # regeneration: each turn at most this many tokens; online decoding uses the same cap
     max_new_tokens: int = 96
     drop_truncated: bool = True  # cut a chat at a turn that hit max_new_tokens (it never ended)
@@ -70,7 +73,7 @@ class DemoSettings:
     @classmethod
     def small(cls, seed: int = 0) -> "DemoSettings":
         return cls(
-            n_train=32, n_heldout=8, seed=seed, extract_workers=1, batch_tokens=2048,
+            n_train=32, n_heldout=8, seed=seed, layer_ids=[0], extract_workers=1, batch_tokens=2048,
             target=dict(num_hidden_layers=2, hidden_size=32, intermediate_size=64, num_attention_heads=2,
                         num_key_value_heads=1, head_dim=16, steps=8, batch_size=8, lr=1e-2, warmup_steps=2,
                         log_every=4),
@@ -80,7 +83,8 @@ class DemoSettings:
                        save_every=8, keep_checkpoints=1, attention="dense", compile="off", autocast="off"))
 
     def train_overrides(self) -> dict[str, Any]:
-        return {"eval_samples": self.n_heldout, "seed": self.seed, **self.train}
+        return {"eval_samples": self.n_heldout, "seed": self.seed, "target_layer_ids": list(self.layer_ids),
+                **self.train}
 
 
 # --------------------------------------------------------------------------- step markers
@@ -201,10 +205,11 @@ def step_extract(out: Path, s: DemoSettings, regen: Path, target: Path, echo) ->
 
     cache = out / "cache.zarr"
     settings = {"data": _read(regen)["settings"], "target": _hash_file(target / "model.safetensors"),
-                "workers": s.extract_workers, "batch_tokens": s.batch_tokens, "max_length": s.max_length}
+                "workers": s.extract_workers, "batch_tokens": s.batch_tokens, "max_length": s.max_length,
+                "layers": list(s.layer_ids)}
     if _fresh(cache, settings) is None:
         _write(cache, settings)  # written first: an interrupted extraction resumes in place
-    cfg = ExtractConfig(data=str(regen), model=str(target), out=str(cache), device="cpu",
+    cfg = ExtractConfig(data=str(regen), model=str(target), out=str(cache), device="cpu", layers=list(s.layer_ids),
                         workers=s.extract_workers, batch_tokens=s.batch_tokens, max_length=s.max_length,
                         dtype="float32", commit_seconds=5.0, progress=False,
                         cpu_threads=max(1, (os.cpu_count() or 1) // s.extract_workers))

@@ -58,6 +58,24 @@ def test_small_demo_end_to_end(small_demo):
     assert not any("reusing" in line for line in lines)
 
 
+@pytest.mark.parametrize("settings", [demo.DemoSettings.full(), demo.DemoSettings.small()], ids=["full", "small"])
+def test_demo_layer_ids_are_servable(settings):
+    """Sorted, distinct and below the last target layer, which serving engines cannot capture."""
+    ids, n_layers = settings.layer_ids, settings.target["num_hidden_layers"]
+    assert ids == sorted(set(ids)) and 0 <= ids[0] and ids[-1] < n_layers - 1, (ids, n_layers)
+    assert settings.train_overrides()["target_layer_ids"] == ids
+
+
+def test_small_demo_cache_and_drafter_use_the_demo_layers(small_demo):
+    from dflash.shared.cache import CacheReader
+
+    out, _, _, _ = small_demo
+    ids = demo.DemoSettings.small().layer_ids
+    assert list(CacheReader(str(out / "cache.zarr")).spec.layer_ids) == ids
+    exported = json.loads((out / "export" / "config.json").read_text())
+    assert exported["dflash_config"]["target_layer_ids"] == ids
+
+
 def test_small_demo_offline_and_online_measure_the_same_turns(small_demo):
     import datasets
 
