@@ -13,7 +13,7 @@ OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
   df -h /tmp | tail -1; } > "$OUT/machine.txt" 2>&1
 cat "$OUT/machine.txt"
 work=$1; shift
-timeout 500 python3 bench/train_start.py --out "$work" --results "$OUT" "$@" 2>&1 | grep -v "^INFO:torch" | tail -30
+timeout 470 python3 bench/train_start.py --out "$work" --results "$OUT" "$@" 2>&1 | grep -v "^INFO:torch" | tail -30
 if [ "${SETUP:-0}" = 1 ]; then
   timeout 90 python3 bench/train_setup.py --out "$work" 2>&1 | grep -v "^INFO:torch" | tee "$OUT/setup_phases.txt" | tail -25
 fi
