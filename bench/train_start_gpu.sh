@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One device call: time to the first training step, cold and warm compile caches, at 8B shapes.
-#   bash bench/train_start_gpu.sh [train_start.py args...]   (carry .whl: ../shared/tools/gpu-wheels.sh)
+#   bash bench/train_start_gpu.sh WORK [train_start.py args...]   (carry .whl: ../shared/tools/gpu-wheels.sh)
+#   SETUP=1 bash bench/train_start_gpu.sh WORK ...   then also bench/train_setup.py (setup phases) on WORK
 # Logs and results.json go to $OUT; the machine's GPU, torch and Triton versions to $OUT/machine.txt.
 set -u
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
@@ -11,4 +12,8 @@ OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
   python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)"
   df -h /tmp | tail -1; } > "$OUT/machine.txt" 2>&1
 cat "$OUT/machine.txt"
-timeout 520 python3 bench/train_start.py --results "$OUT" "$@" 2>&1 | grep -v "^INFO:torch" | tail -30
+work=$1; shift
+timeout 470 python3 bench/train_start.py --out "$work" --results "$OUT" "$@" 2>&1 | grep -v "^INFO:torch" | tail -30
+if [ "${SETUP:-0}" = 1 ]; then
+  timeout 90 python3 bench/train_setup.py --out "$work" 2>&1 | grep -v "^INFO:torch" | tee "$OUT/setup_phases.txt" | tail -25
+fi

@@ -217,7 +217,8 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
 
         # -- model, target head (frozen, never saved), optimizer
         torch.manual_seed(rt.seed)
-        drafter = DFlashDrafter(dcfg).to(device)  # fp32 master weights
+        with torch.device(device):  # initialised where it trains: a CPU init of 8B-sized layers takes seconds
+            drafter = DFlashDrafter(dcfg)  # fp32 master weights
         head = load_target_head(cfg.target, device, torch.bfloat16 if autocast_dtype is not None else torch.float32)
         graphs_needed = 2 * len(buckets.buckets) + 2
         model, eval_model = wrap_parallel(drafter, cfg, dist_info, choice, graphs_needed)
