@@ -33,7 +33,7 @@ from dflash.shared.cache import (
 from dflash.shared.fingerprint import target_fingerprint, tokenizer_fingerprint
 from dflash.shared.layers import check_layer_ids
 
-from .chat import end_of_turn_id, has_generation_tags
+from .chat import end_of_turn_id, mask_method
 from .config import ExtractConfig, default_layer_ids
 from .data import DataError, dataset_fingerprint, load_source
 from .tokenizer import load_tokenizer
@@ -93,7 +93,7 @@ def build_spec(cfg: ExtractConfig, tokenizer, model_config, ds, num_shards: int)
     if cfg.topk > model_config.vocab_size:
         raise ExtractFailed(f"--topk {cfg.topk} exceeds the vocabulary size {model_config.vocab_size}")
     try:
-        eot = end_of_turn_id(tokenizer, cfg.end_of_turn)
+        eot = end_of_turn_id(tokenizer, cfg.end_of_turn, cfg.template_kwargs)
     except ValueError:
         eot = None
     extraction = {f: getattr(cfg, f) for f in FINGERPRINTED}
@@ -103,7 +103,7 @@ def build_spec(cfg: ExtractConfig, tokenizer, model_config, ds, num_shards: int)
         "num_shards": num_shards,
         "shard_rows": "contiguous",
         "chat_template": {
-            "mask_method": "generation_tags" if has_generation_tags(tokenizer) else "prefix_diff",
+            "mask_method": mask_method(tokenizer),
             "end_of_turn": cfg.end_of_turn,
             "end_of_turn_id": eot,
             "template_kwargs": dict(cfg.template_kwargs),
