@@ -35,23 +35,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from .messages import ROLES, SHAREGPT_ROLES, add_system, chat_messages, row_tools  # noqa: F401 - ROLES, SHAREGPT_ROLES re-exported
+
 log = logging.getLogger(__name__)
 
-ROLES = ("system", "user", "assistant", "tool")
-SHAREGPT_ROLES = {
-    "system": "system",
-    "human": "user",
-    "user": "user",
-    "gpt": "assistant",
-    "assistant": "assistant",
-    "chatgpt": "assistant",
-    "bard": "assistant",
-    "bing": "assistant",
-    "model": "assistant",
-    "tool": "tool",
-    "function": "tool",
-    "observation": "tool",
-}
 # columns holding messages or tool schemas, whose nested nulls Arrow-backed sources drop
 CHAT_COLUMNS = ("messages", "conversations", "tools")
 # local files read with Python's `json` (exact) rather than through Arrow
@@ -254,123 +241,12 @@ def normalize_row(row: Any, row_index: int, source: str) -> Conversation:
             raise fail("empty_content", "'text' is empty")
         return Conversation("text", text=text, source=source, row_index=row_index)
 
-    messages = _chat_messages(row[column], column, fail)
-    _add_system(messages, row.get("system"), fail)
+    messages = chat_messages(row[column], column, fail)
+    add_system(messages, row.get("system"), fail)
     if not any(m["role"] == "assistant" for m in messages):
         raise fail("no_assistant_turn", "no assistant message, so nothing to learn from")
-    tools = _tools(row.get("tools"), fail)
+    tools = row_tools(row.get("tools"), fail)
     return Conversation("chat", messages=messages, source=source, row_index=row_index, tools=tools)
-
-
-def _chat_messages(raw: Any, column: str, fail: Callable[[str, str], DataError]) -> list[dict[str, Any]]:
-    """The messages of one chat; role/content or ShareGPT from/value, decided by the first message."""
-    if not isinstance(raw, (list, tuple)):
-        raise fail("malformed_message", f"'{column}' must be a list of messages, got {type(raw).__name__}")
-    if not raw:
-        raise fail("no_assistant_turn", f"'{column}' is empty, so nothing to learn from")
-    first = raw[0] if isinstance(raw[0], dict) else {}
-    role_key, content_key, role_map = ("from", "value", SHAREGPT_ROLES) if "role" not in first and "from" in first \
-        else ("role", "content", None)
-    return [_message(msg, i, role_key, content_key, role_map, fail) for i, msg in enumerate(raw)]
-
-
-def _message(msg: Any, i: int, role_key: str, content_key: str, role_map: dict[str, str] | None,
-             fail: Callable[[str, str], DataError]) -> dict[str, Any]:
-    if not isinstance(msg, dict) or msg.get(role_key) is None:
-        keys = sorted(msg) if isinstance(msg, dict) else type(msg).__name__
-        raise fail("malformed_message", f"message {i} needs '{role_key}' (this list uses "
-                                        f"{role_key}/{content_key}; got {keys})")
-    role = msg[role_key]
-    mapped = role_map.get(str(role).lower()) if role_map is not None else role
-    if mapped not in ROLES:
-        raise fail("unknown_role", f"unknown role {role!r} in message {i}")
-    where = f"message {i} ({mapped})"
-    out: dict[str, Any] = {"role": mapped}
-    if content_key in msg:
-        out["content"] = _content(msg[content_key], where, fail)
-    for key in ("reasoning_content", "tool_call_id", "name"):
-        if key in msg:
-            if msg[key] is not None and not isinstance(msg[key], str):
-                raise fail("malformed_message", f"{where} '{key}' is {type(msg[key]).__name__}, not a string")
-            out[key] = msg[key]
-    if "tool_calls" in msg:
-        out["tool_calls"] = _tool_calls(msg["tool_calls"], where, fail)
-    if out.get("content") is None:
-        if mapped != "assistant":
-            raise fail("malformed_message", f"{where} has no '{content_key}'")
-        if not out.get("tool_calls") and out.get("reasoning_content") is None:
-            raise fail("malformed_message", f"{where} has no '{content_key}', 'tool_calls' or 'reasoning_content'")
-    return out
-
-
-def _content(content: Any, where: str, fail: Callable[[str, str], DataError]) -> Any:
-    """A string (empty allowed: the template renders it) or a list of text parts, as given; None kept."""
-    if content is None or isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        for j, part in enumerate(content):
-            if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)):
-                kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-                raise fail("non_string_content", f"{where} content part {j} is {kind!r}, not a text part "
-                                                 "({'type': 'text', 'text': str})")
-        return content
-    raise fail("non_string_content", f"{where} content is {type(content).__name__}, not a string or text parts")
-
-
-def _tool_calls(calls: Any, where: str, fail: Callable[[str, str], DataError]) -> Any:
-    """Tool calls as given, JSON-string arguments decoded to an object (OpenAI nests name and
-    arguments under 'function'; rows that put them on the call itself keep that shape)."""
-    if calls is None:
-        return None
-    if not isinstance(calls, list):
-        raise fail("malformed_message", f"{where} 'tool_calls' is {type(calls).__name__}, not a list")
-    out = []
-    for j, call in enumerate(calls):
-        nested = isinstance(call, dict) and isinstance(call.get("function"), dict)
-        function = call["function"] if nested else call
-        if not isinstance(function, dict) or not isinstance(function.get("name"), str):
-            raise fail("malformed_message", f"{where} tool call {j} needs a 'name' string "
-                                            "(in 'function' or on the call)")
-        if "arguments" in function:
-            function = {**function, "arguments": _arguments(function["arguments"], f"{where} tool call {j}", fail)}
-        out.append({**call, "function": function} if nested else function)
-    return out
-
-
-def _arguments(arguments: Any, where: str, fail: Callable[[str, str], DataError]) -> Any:
-    if isinstance(arguments, str):
-        try:
-            arguments = json.loads(arguments)
-        except json.JSONDecodeError as exc:
-            raise fail("malformed_message", f"{where} arguments are not valid JSON ({exc})") from exc
-    if not isinstance(arguments, dict):
-        raise fail("malformed_message", f"{where} arguments are {type(arguments).__name__}, not a JSON object")
-    return arguments
-
-
-def _tools(tools: Any, fail: Callable[[str, str], DataError]) -> list[dict[str, Any]] | None:
-    """The row's tool schemas (a list of objects, or a JSON string of one), or None."""
-    if isinstance(tools, str):
-        try:
-            tools = json.loads(tools)
-        except json.JSONDecodeError as exc:
-            raise fail("malformed_tools", f"'tools' is a string but not valid JSON ({exc})") from exc
-    if tools is not None and not (isinstance(tools, list) and all(isinstance(t, dict) for t in tools)):
-        raise fail("malformed_tools", f"'tools' must be a list of tool schemas (objects), got {type(tools).__name__}")
-    return tools
-
-
-def _add_system(messages: list[dict[str, Any]], system: Any, fail: Callable[[str, str], DataError]) -> None:
-    """A top-level `system` string becomes the leading system message; an empty one means none."""
-    if system is None or system == "":
-        return
-    if not isinstance(system, str):
-        raise fail("malformed_row", f"'system' is {type(system).__name__}, not a string")
-    if messages[0]["role"] != "system":
-        messages.insert(0, {"role": "system", "content": system})
-    elif messages[0].get("content") != system:
-        raise fail("malformed_row", "both a top-level 'system' and a different first system message: "
-                                    "which one the template should see is ambiguous")
 
 
 # ---------------------------------------------------------------------------------

