@@ -326,3 +326,24 @@ def test_content_as_a_list_of_text_parts(tiny_tokenizer):
     np.testing.assert_array_equal(a.input_ids, b.input_ids)
     np.testing.assert_array_equal(a.loss_mask, b.loss_mask)
     assert untagged.decode(b.input_ids[b.loss_mask].tolist()) == f"Seen.{IM_END}Done.{IM_END}"
+
+
+def test_template_that_refuses_the_probe(tiny_tokenizer):
+    """A template that needs a system message refuses the plain probe chats: with generation
+    tags the tags alone place the turns; without them every row is refused, saying why."""
+    template = (
+        "{%- if messages[0].role != 'system' %}{{- raise_exception('a system message is required') }}{%- endif %}"
+        "{%- for m in messages %}{%- if m.role == 'assistant' %}{{- '<|im_start|>assistant\\n' }}"
+        "@G@{{- m.content + '<|im_end|>' }}@E@{{- '\\n' }}"
+        "{%- else %}{{- '<|im_start|>' + m.role + '\\n' + m.content + '<|im_end|>\\n' }}{%- endif %}{%- endfor %}"
+    )
+    tagged = with_template(tiny_tokenizer, template.replace("@G@", "{% generation %}").replace("@E@", "{% endgeneration %}"))
+    untagged = with_template(tiny_tokenizer, template.replace("@G@", "").replace("@E@", ""))
+    conv = HANDMADE[1]  # starts with a system message
+    sample = render(tagged, conv, max_length=512)
+    np.testing.assert_array_equal(sample.input_ids, reference(tagged, conv)[0])
+    np.testing.assert_array_equal(sample.loss_mask, reference(tagged, conv)[1])
+    with pytest.raises(DataError, match=r"row 0: cannot learn the chat template's assistant turns: the template "
+                                        r"rejected a plain user/assistant probe chat: .*a system message is required") as info:
+        render(untagged, conv, max_length=512)
+    assert info.value.reason == "mask_not_located"
