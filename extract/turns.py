@@ -31,6 +31,7 @@ from typing import Any
 # Plain lowercase ASCII words: templates trim, strip and split contents, never these.
 _PROBE_USER = ("qzxprobeuserone", "qzxprobeusertwo")
 _PROBE_ASSISTANT = ("qzxprobereplyone", "qzxprobereplytwo")
+_PROBE_SYSTEM = "qzxprobesystem"
 
 
 class TemplateProbeFailed(ValueError):
@@ -61,12 +62,19 @@ def probe_markers(render_text: RenderText, special_tokens_in: Callable[[str], li
     (u1, u2), (a1, a2) = _PROBE_USER, _PROBE_ASSISTANT
     chat = [{"role": "user", "content": u1}, {"role": "assistant", "content": a1},
             {"role": "user", "content": u2}, {"role": "assistant", "content": a2}]
-    try:
-        full = render_text(chat, False)
-        prompt = render_text(chat[:1], False)
-        prompt_with_generation = render_text(chat[:1], True)
-    except Exception as exc:  # noqa: BLE001 - jinja errors, raise_exception(), ...
-        raise TemplateProbeFailed(f"the template rejected a plain user/assistant probe chat: {type(exc).__name__}: {exc}") from exc
+    # some templates require a system message first: probe with one when the plain chat is refused
+    for lead in ([], [{"role": "system", "content": _PROBE_SYSTEM}]):
+        try:
+            full = render_text(lead + chat, False)
+            prompt = render_text(lead + chat[:1], False)
+            prompt_with_generation = render_text(lead + chat[:1], True)
+            break
+        except Exception as exc:  # noqa: BLE001 - jinja errors, raise_exception(), ...
+            refusal = exc
+    else:
+        raise TemplateProbeFailed(
+            f"the template rejected the probe chats (user/assistant, with and without a system message first): "
+            f"{type(refusal).__name__}: {refusal}") from refusal
 
     if not prompt_with_generation.startswith(prompt):
         raise TemplateProbeFailed("the template's generation prompt does not extend the rendered prompt")
