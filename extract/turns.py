@@ -32,6 +32,7 @@ from typing import Any
 _PROBE_USER = ("qzxprobeuserone", "qzxprobeusertwo")
 _PROBE_ASSISTANT = ("qzxprobereplyone", "qzxprobereplytwo")
 _PROBE_SYSTEM = "qzxprobesystem"
+_PROBE_TOOL = ("qzxprobetool", "qzxprobetoolresult", "qzxcall01")  # name, result, call id (Mistral wants 9 chars)
 
 
 class TemplateProbeFailed(ValueError):
@@ -49,6 +50,7 @@ class TurnMarkers:
     header: str  # text that opens every assistant turn; "" where the reply follows the user turn directly (Mistral)
     user_close: str  # text the template writes right after a user message's content
     end_of_turn: str  # the token string that closes an assistant turn
+    tool_close: str | None = None  # text after a tool result, learned only where there is no header (None: unknown)
 
 
 RenderText = Callable[[list[dict[str, Any]], bool], str]  # (messages, add_generation_prompt) -> text
@@ -102,7 +104,27 @@ def probe_markers(render_text: RenderText, special_tokens_in: Callable[[str], li
         end_of_turn = found[0]
         if end_of_turn not in full[a2_end:]:
             raise TemplateProbeFailed(f"the template does not close its last assistant turn with {end_of_turn!r}")
-    return TurnMarkers(header=header, user_close=user_close, end_of_turn=end_of_turn)
+    tool_close = None if header else _probe_tool_close(render_text, lead + chat[:1], a2)
+    return TurnMarkers(header=header, user_close=user_close, end_of_turn=end_of_turn, tool_close=tool_close)
+
+
+def _probe_tool_close(render_text: RenderText, opening: list[dict[str, Any]], reply: str) -> str | None:
+    """What a headerless template writes after a tool result, where the next reply starts;
+    None where it refuses the probe or writes something else before a reply."""
+    name, result, call_id = _PROBE_TOOL
+    chat = opening + [
+        {"role": "assistant", "content": "", "tool_calls": [
+            {"id": call_id, "type": "function", "function": {"name": name, "arguments": {}}}]},
+        {"role": "tool", "tool_call_id": call_id, "name": name, "content": result},
+    ]
+    try:
+        prompt = render_text(chat, False)
+        full = render_text(chat + [{"role": "assistant", "content": reply}], False)
+    except Exception:  # noqa: BLE001 - a template without tool support
+        return None
+    if prompt.count(result) != 1 or not full.startswith(prompt) or reply not in full[len(prompt):]:
+        return None
+    return prompt[prompt.index(result) + len(result):] or None
 
 
 def locate_turns(rendered: str, messages: list[dict[str, Any]], markers: TurnMarkers) -> list[tuple[int, int]]:
@@ -140,16 +162,17 @@ def _turn_start(rendered: str, cursor: int, previous_role: str | None, markers: 
             raise TurnNotFound(f"no assistant header {markers.header!r} for assistant message {index}")
         return at + len(markers.header)
     # no header: the reply follows the previous turn's closing text directly
-    if previous_role == "user" and markers.user_close:
-        at = rendered.find(markers.user_close, cursor)
+    close = {"user": markers.user_close, "tool": markers.tool_close}.get(previous_role)
+    if close:
+        at = rendered.find(close, cursor)
         if at < 0:
-            raise TurnNotFound(f"no {markers.user_close!r} closing the user turn before assistant message {index}")
-        return at + len(markers.user_close)
+            raise TurnNotFound(f"no {close!r} closing the {previous_role} turn before assistant message {index}")
+        return at + len(close)
     if previous_role == "assistant":
         return cursor
-    raise TurnNotFound(
-        f"the template writes no assistant header, so assistant message {index} can only be found after a user "
-        f"or assistant message, not after {previous_role or 'the start of the chat'}")
+    after = f"a {previous_role} message" if previous_role else "the start of the chat"
+    raise TurnNotFound(f"the template writes no assistant header and nothing known after {after}, "
+                       f"so assistant message {index} cannot be placed")
 
 
 def _texts(content: Any) -> list[str]:
