@@ -12,7 +12,8 @@ rendering instead:
     unique sentinel strings: the turn header is the text the template writes both in
     its generation prompt and between a user message and the assistant content that
     follows it; the end-of-turn token is the first special token it writes after an
-    assistant message's content.
+    assistant message's content. A template without a header (Mistral: the reply
+    follows `[/INST]`) is also probed for what it writes after a tool result.
   * `locate_turns` walks the full rendering message by message: each user and tool
     message's text is found in order (verbatim, trimmed or JSON-escaped), each assistant
     turn runs from the end of the next header to the end of the next end-of-turn token.

