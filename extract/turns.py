@@ -12,7 +12,8 @@ rendering instead:
     unique sentinel strings: the turn header is the text the template writes both in
     its generation prompt and between a user message and the assistant content that
     follows it; the end-of-turn token is the first special token it writes after an
-    assistant message's content.
+    assistant message's content. A template without a header (Mistral: the reply
+    follows `[/INST]`) is also probed for what it writes after a tool result.
   * `locate_turns` walks the full rendering message by message: each user and tool
     message's text is found in order (verbatim, trimmed or JSON-escaped), each assistant
     turn runs from the end of the next header to the end of the next end-of-turn token.
@@ -31,6 +32,8 @@ from typing import Any
 # Plain lowercase ASCII words: templates trim, strip and split contents, never these.
 _PROBE_USER = ("qzxprobeuserone", "qzxprobeusertwo")
 _PROBE_ASSISTANT = ("qzxprobereplyone", "qzxprobereplytwo")
+_PROBE_SYSTEM = "qzxprobesystem"
+_PROBE_TOOL = ("qzxprobetool", "qzxprobetoolresult", "qzxcall01")  # name, result, call id (Mistral wants 9 chars)
 
 
 class TemplateProbeFailed(ValueError):
@@ -48,6 +51,7 @@ class TurnMarkers:
     header: str  # text that opens every assistant turn; "" where the reply follows the user turn directly (Mistral)
     user_close: str  # text the template writes right after a user message's content
     end_of_turn: str  # the token string that closes an assistant turn
+    tool_close: str | None = None  # text after a tool result, learned only where there is no header (None: unknown)
 
 
 RenderText = Callable[[list[dict[str, Any]], bool], str]  # (messages, add_generation_prompt) -> text
@@ -61,12 +65,19 @@ def probe_markers(render_text: RenderText, special_tokens_in: Callable[[str], li
     (u1, u2), (a1, a2) = _PROBE_USER, _PROBE_ASSISTANT
     chat = [{"role": "user", "content": u1}, {"role": "assistant", "content": a1},
             {"role": "user", "content": u2}, {"role": "assistant", "content": a2}]
-    try:
-        full = render_text(chat, False)
-        prompt = render_text(chat[:1], False)
-        prompt_with_generation = render_text(chat[:1], True)
-    except Exception as exc:  # noqa: BLE001 - jinja errors, raise_exception(), ...
-        raise TemplateProbeFailed(f"the template rejected a plain user/assistant probe chat: {type(exc).__name__}: {exc}") from exc
+    # some templates require a system message first: probe with one when the plain chat is refused
+    for lead in ([], [{"role": "system", "content": _PROBE_SYSTEM}]):
+        try:
+            full = render_text(lead + chat, False)
+            prompt = render_text(lead + chat[:1], False)
+            prompt_with_generation = render_text(lead + chat[:1], True)
+            break
+        except Exception as exc:  # noqa: BLE001 - jinja errors, raise_exception(), ...
+            refusal = exc
+    else:
+        raise TemplateProbeFailed(
+            f"the template rejected the probe chats (user/assistant, with and without a system message first): "
+            f"{type(refusal).__name__}: {refusal}") from refusal
 
     if not prompt_with_generation.startswith(prompt):
         raise TemplateProbeFailed("the template's generation prompt does not extend the rendered prompt")
@@ -94,7 +105,27 @@ def probe_markers(render_text: RenderText, special_tokens_in: Callable[[str], li
         end_of_turn = found[0]
         if end_of_turn not in full[a2_end:]:
             raise TemplateProbeFailed(f"the template does not close its last assistant turn with {end_of_turn!r}")
-    return TurnMarkers(header=header, user_close=user_close, end_of_turn=end_of_turn)
+    tool_close = None if header else _probe_tool_close(render_text, lead + chat[:1], a2)
+    return TurnMarkers(header=header, user_close=user_close, end_of_turn=end_of_turn, tool_close=tool_close)
+
+
+def _probe_tool_close(render_text: RenderText, opening: list[dict[str, Any]], reply: str) -> str | None:
+    """What a headerless template writes after a tool result, where the next reply starts;
+    None where it refuses the probe or writes something else before a reply."""
+    name, result, call_id = _PROBE_TOOL
+    chat = opening + [
+        {"role": "assistant", "content": "", "tool_calls": [
+            {"id": call_id, "type": "function", "function": {"name": name, "arguments": {}}}]},
+        {"role": "tool", "tool_call_id": call_id, "name": name, "content": result},
+    ]
+    try:
+        prompt = render_text(chat, False)
+        full = render_text(chat + [{"role": "assistant", "content": reply}], False)
+    except Exception:  # noqa: BLE001 - a template without tool support
+        return None
+    if prompt.count(result) != 1 or not full.startswith(prompt) or reply not in full[len(prompt):]:
+        return None
+    return prompt[prompt.index(result) + len(result):] or None
 
 
 def locate_turns(rendered: str, messages: list[dict[str, Any]], markers: TurnMarkers) -> list[tuple[int, int]]:
@@ -132,16 +163,17 @@ def _turn_start(rendered: str, cursor: int, previous_role: str | None, markers: 
             raise TurnNotFound(f"no assistant header {markers.header!r} for assistant message {index}")
         return at + len(markers.header)
     # no header: the reply follows the previous turn's closing text directly
-    if previous_role == "user" and markers.user_close:
-        at = rendered.find(markers.user_close, cursor)
+    close = {"user": markers.user_close, "tool": markers.tool_close}.get(previous_role)
+    if close:
+        at = rendered.find(close, cursor)
         if at < 0:
-            raise TurnNotFound(f"no {markers.user_close!r} closing the user turn before assistant message {index}")
-        return at + len(markers.user_close)
+            raise TurnNotFound(f"no {close!r} closing the {previous_role} turn before assistant message {index}")
+        return at + len(close)
     if previous_role == "assistant":
         return cursor
-    raise TurnNotFound(
-        f"the template writes no assistant header, so assistant message {index} can only be found after a user "
-        f"or assistant message, not after {previous_role or 'the start of the chat'}")
+    after = f"a {previous_role} message" if previous_role else "the start of the chat"
+    raise TurnNotFound(f"the template writes no assistant header and nothing known after {after}, "
+                       f"so assistant message {index} cannot be placed")
 
 
 def _texts(content: Any) -> list[str]:

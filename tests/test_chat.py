@@ -326,3 +326,35 @@ def test_content_as_a_list_of_text_parts(tiny_tokenizer):
     np.testing.assert_array_equal(a.input_ids, b.input_ids)
     np.testing.assert_array_equal(a.loss_mask, b.loss_mask)
     assert untagged.decode(b.input_ids[b.loss_mask].tolist()) == f"Seen.{IM_END}Done.{IM_END}"
+
+
+def test_template_that_refuses_the_probe(tiny_tokenizer):
+    """A template that needs a system message is probed with one; one that refuses every
+    probe chat keeps its tags where it has them, and without them every row is refused."""
+    template = (
+        "{%- if messages[0].role != 'system' %}{{- raise_exception('a system message is required') }}{%- endif %}"
+        "{%- if messages | length > 3 and @REFUSE@ %}{{- raise_exception('at most one exchange') }}{%- endif %}"
+        "{%- for m in messages %}{%- if m.role == 'assistant' %}{{- '<|im_start|>assistant\\n' }}"
+        "@G@{{- m.content + '<|im_end|>' }}@E@{{- '\\n' }}"
+        "{%- else %}{{- '<|im_start|>' + m.role + '\\n' + m.content + '<|im_end|>\\n' }}{%- endif %}{%- endfor %}"
+        "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+    )
+
+    def variant(tags: bool, refuse_long: bool):
+        text = template.replace("@REFUSE@", "true" if refuse_long else "false")
+        g, e = ("{% generation %}", "{% endgeneration %}") if tags else ("", "")
+        return with_template(tiny_tokenizer, text.replace("@G@", g).replace("@E@", e))
+
+    needs_system = HANDMADE[1]  # a system message, then two exchanges
+    for tags in (True, False):
+        sample = render(variant(tags, refuse_long=False), needs_system, max_length=512)
+        np.testing.assert_array_equal(sample.input_ids, reference(tiny_tokenizer, needs_system)[0])
+        np.testing.assert_array_equal(sample.loss_mask, reference(tiny_tokenizer, needs_system)[1])
+
+    short = chat(("system", "s"), ("user", "u"), ("assistant", "a"))  # the probes need two exchanges
+    sample = render(variant(True, refuse_long=True), short, max_length=512)
+    np.testing.assert_array_equal(sample.loss_mask, reference(tiny_tokenizer, short)[1])
+    with pytest.raises(DataError, match=r"row 0: cannot learn the chat template's assistant turns: the template "
+                                        r"rejected the probe chats .*at most one exchange") as info:
+        render(variant(False, refuse_long=True), short, max_length=512)
+    assert info.value.reason == "mask_not_located"

