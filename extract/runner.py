@@ -9,7 +9,9 @@ the store, which works for any URL zarr can open) and then check its fingerprint
 A root that differs from this run's fingerprint is refused, naming each difference, unless
 none of its shards committed a sample: then rank 0 replaces it (a run that failed before its
 first commit must not block the corrected rerun at the same ``--out``), and the other ranks
-wait for the replacement.
+wait for the replacement. The local workers touch the cache only once all of them have
+planned their slices, so a bad row (under ``--on-bad-row error``) stops a node before any of
+its shards commits.
 """
 
 from __future__ import annotations
@@ -382,7 +384,9 @@ def _run_workers(tasks: list[WorkerTask], cfg: ExtractConfig) -> dict[str, Any]:
     ctx = mp.get_context("spawn")
     messages = ctx.Queue()
     stop = ctx.Event()
-    procs = {t.shard_id: ctx.Process(target=worker_main, args=(t, messages, stop), name=f"dflash-extract-{t.shard_id:05d}")
+    go = ctx.Event()  # set once every worker has planned: none writes before all slices are known to be good
+    procs = {t.shard_id: ctx.Process(target=worker_main, args=(t, messages, stop, go),
+                                     name=f"dflash-extract-{t.shard_id:05d}")
              for t in tasks}
     for p in procs.values():
         p.start()
@@ -390,6 +394,7 @@ def _run_workers(tasks: list[WorkerTask], cfg: ExtractConfig) -> dict[str, Any]:
     errors: list[str] = []
     categories: set[str] = set()
     planned: dict[int, dict] = {}
+    ready: set[int] = set()
     timing: dict[int, dict] = {}
     samples = tokens = 0
     t_first = t_last = None
@@ -398,7 +403,11 @@ def _run_workers(tasks: list[WorkerTask], cfg: ExtractConfig) -> dict[str, Any]:
 
     def handle(kind: str, shard: int, f: dict) -> None:
         nonlocal samples, tokens, t_first, t_last
-        if kind == "planned":
+        if kind == "plan_ready":
+            ready.add(shard)
+            if len(ready) == len(tasks):
+                go.set()
+        elif kind == "planned":
             planned[shard] = f
             bar.total += f["samples"]
             bar.update(f["done_samples"])
@@ -441,6 +450,8 @@ def _run_workers(tasks: list[WorkerTask], cfg: ExtractConfig) -> dict[str, Any]:
                 raise
             if all(not p.is_alive() for p in procs.values()):
                 break
+            if not go.is_set() and any(not p.is_alive() and s not in ended for s, p in procs.items()):
+                stop.set()  # a worker died while planning: the others must not wait for it
     except KeyboardInterrupt:
         interrupted = True
         stop.set()

@@ -201,11 +201,15 @@ def _to_host(out, device: torch.device, copy_stream=None) -> tuple[dict[str, tor
     return host, event
 
 
-def run_shard(task: WorkerTask, report, stop: threading.Event | Any | None = None) -> dict[str, Any]:
+def run_shard(task: WorkerTask, report, stop: threading.Event | Any | None = None,
+              go: threading.Event | Any | None = None) -> dict[str, Any]:
     """Plan, resume and extract one shard; returns its final commit record.
 
     ``report(kind, **fields)`` receives progress messages; ``stop`` (an Event) asks
     for a clean early stop: whatever is written gets committed, then ``Stopped``.
+    ``go`` (an Event), where given, is awaited between planning (reported as "plan_ready")
+    and touching the cache, so that a bad row in any shard's slice stops the run before
+    another shard has committed anything (see ``runner``).
     """
     cfg = task.cfg
     if task.cpu_threads:
@@ -225,6 +229,10 @@ def run_shard(task: WorkerTask, report, stop: threading.Event | Any | None = Non
     report("planning", rows=stop_row - start, done=0)
     planned = plan_shard(rows, start, cfg.data, tokenizer, cfg,
                          on_row=lambda done: report("planning", rows=stop_row - start, done=done))
+    report("plan_ready")
+    while go is not None and not go.wait(0.2):  # until every worker of the node has planned
+        if stop is not None and stop.is_set():
+            raise Stopped()
     if stop is not None and stop.is_set():  # another worker failed while this one planned: leave no shard
         raise Stopped()
 
@@ -384,7 +392,7 @@ def describe_error(e: BaseException, task: WorkerTask) -> tuple[str, str]:
     return "bug", f"{shard}: unexpected {type(e).__name__}: {e}\n{traceback.format_exc()}"
 
 
-def worker_main(task: WorkerTask, messages, stop) -> None:
+def worker_main(task: WorkerTask, messages, stop, go=None) -> None:
     """Entry point of a spawned worker process: run the shard, report how it ended."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent handles Ctrl-C and sets `stop`
     try:
@@ -400,7 +408,7 @@ def worker_main(task: WorkerTask, messages, stop) -> None:
 
     code = 0
     try:
-        record = run_shard(task, report, stop)
+        record = run_shard(task, report, stop, go)
         report("done", **record)
     except Stopped:
         report("stopped")

@@ -799,3 +799,28 @@ def test_template_flags_are_checked_before_any_work(tmp_path, chats_sample_path,
         result = CliRunner().invoke(extract_main, base + flags)
         assert result.exit_code == code and message in result.output, (flags, result.output)
         assert not out.exists()
+
+
+def test_a_worker_touches_the_cache_only_once_every_worker_has_planned(tmp_path, dataset, tiny_target_dir):
+    """Planned, a worker waits for the others (``go``) before it creates its shard; asked to stop
+    while it waits (another slice had a bad row), it leaves no shard behind. Given ``go`` it runs."""
+    out = tmp_path / "c.zarr"
+    task = shard_task(out, dataset, tiny_target_dir, 1)
+    stop, go, messages = threading.Event(), threading.Event(), []
+
+    def report(kind, **f):
+        messages.append(kind)
+        if kind == "plan_ready":
+            threading.Timer(0.5, stop.set).start()
+
+    threads = torch.get_num_threads()
+    try:
+        with pytest.raises(W.Stopped):
+            W.run_shard(task, report, stop, go)
+        assert "plan_ready" in messages and "planned" not in messages
+        assert list(C.open_root(str(out))["shards"].group_keys()) == []
+        go.set()
+        record = W.run_shard(task, lambda *a, **k: None, threading.Event(), go)
+    finally:
+        torch.set_num_threads(threads)
+    assert record["samples"] == C.open_root(str(out))[C.shard_name(1)].attrs["planned"]["samples"]
