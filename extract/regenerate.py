@@ -21,7 +21,8 @@ batched with left padding; it stops at the end-of-turn / eos tokens or after
 --max-new-tokens (such a turn is "truncated": kept and counted, or dropped with
 --drop-truncated). A conversation is cut before a turn whose prompt exceeds
 --max-prompt-tokens or whose answer comes out empty; with no assistant turn left it is
-skipped (counted). Plain text rows have no turn to regenerate and are skipped (counted).
+skipped (counted). Plain text rows have no turn to regenerate and are skipped (counted);
+assistant messages that open a chat have no prompt and are removed (counted).
 
 Output folder (resumable: rerunning the same command skips finished parts):
 
@@ -167,6 +168,20 @@ class _Chat:
     generated_tokens: int = 0
     dropped: str | None = None  # skip reason, when the whole row is dropped
 
+    @classmethod
+    def start(cls, conv: Conversation, counts: SkipCounter) -> _Chat:
+        """A chat ready for its first turn. Assistant messages before any other message
+        have no prompt to answer (split ShareGPT chats start so): they are removed, counted."""
+        messages = [dict(m) for m in conv.messages]
+        leading = next((i for i, m in enumerate(messages) if m["role"] != "assistant"), len(messages))
+        if leading:
+            counts.counts["leading_assistant_removed"] += 1
+        chat = cls(conv, messages[leading:], None)
+        chat.advance(-1)
+        if chat.next_turn is None:
+            chat.dropped = "no_assistant_turn"
+        return chat
+
     def advance(self, after: int) -> None:
         self.next_turn = next((i for i in range(after + 1, len(self.messages))
                                if self.messages[i]["role"] == "assistant"), None)
@@ -254,9 +269,7 @@ def regenerate_conversations(model, tokenizer, convs: list[Conversation], settin
     stop_ids = stop_token_ids(model, tokenizer)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else stop_ids[0]
     gen_kwargs = generation_kwargs(settings, stop_ids, pad_id)
-    chats = [_Chat(c, [dict(m) for m in c.messages], None) for c in convs]
-    for chat in chats:
-        chat.advance(-1)
+    chats = [_Chat.start(c, skips) for c in convs]
     while True:
         pending: list[tuple[_Chat, int, str, int]] = []
         for chat in chats:

@@ -371,9 +371,7 @@ def _open_part(job: EndpointJob, ds, index: int, start: int, stop: int, path: Pa
         if conv.kind != "chat":
             skips.record(DataError("text_row", job.data, row, "plain text row: no assistant turn to regenerate"))
             continue
-        chat = _Chat(conv, [dict(m) for m in conv.messages], None)
-        chat.advance(-1)
-        chats.append(chat)
+        chats.append(_Chat.start(conv, skips))
     part = _Part(index, stop - start, chats, skips, TurnJournal(path))
     by_row = {chat.conv.row_index: chat for chat in chats}
     for event in part.journal.read():

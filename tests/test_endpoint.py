@@ -120,9 +120,7 @@ def test_reasoning_is_read_from_either_field(field):
 
 def _chat(messages):
     conv = Conversation(kind="chat", messages=messages, source="s.jsonl", row_index=4)
-    chat = regen._Chat(conv, [dict(m) for m in messages], None)
-    chat.advance(-1)
-    return chat
+    return regen._Chat.start(conv, regen.SkipCounter())
 
 
 def test_answer_becomes_the_message_reasoning_and_tool_calls_kept():
@@ -191,3 +189,23 @@ def test_journal_drops_a_torn_last_line_and_refuses_a_broken_one(tmp_path):
     journal.path.write_text('{"row": 0, "tu\n{"row": 1, "turn": 1}\n')
     with pytest.raises(click.ClickException, match="line 1 is not JSON"):
         journal.read()
+
+
+def test_leading_assistant_messages_are_removed_not_asked(scripted, tmp_path):
+    """A chat that starts with the assistant (as split ShareGPT chats do) has no prompt
+    for that turn: it is removed and counted; the rest is regenerated."""
+    server = scripted([])
+    data = tmp_path / "chats.jsonl"
+    rows = [[{"role": "assistant", "content": "hello"}, {"role": "user", "content": "q"},
+             {"role": "assistant", "content": "a"}],
+            [{"role": "assistant", "content": "only me"}]]
+    data.write_text("".join(json.dumps({"messages": m}) + "\n" for m in rows))
+    job = rep.EndpointJob(data=str(data), out=str(tmp_path / "out"), endpoint=EndpointConfig(url=server.url),
+                          progress=False)
+    meta = rep.regenerate_via_endpoint(job)
+    assert [body["messages"] for _, body in server.posts()] == [[{"role": "user", "content": "q"}]]
+    assert meta["counts"]["skipped"] == {"leading_assistant_removed": 2, "no_assistant_turn": 1}
+    import datasets
+
+    (row,) = datasets.load_from_disk(str(tmp_path / "out")).to_list()
+    assert [(m["role"], m["content"]) for m in row["messages"]] == [("user", "q"), ("assistant", "hi")]
