@@ -5,7 +5,7 @@ tokens, `--anchors` blocks of B=16, 5 target layers of D=4096), the real step co
 (train/step.py: block mask, frozen target embedding and LM head, chunked CE), fp32
 master weights + bf16 autocast, fused AdamW. Per attention backend and context length:
 median step time, block tokens/s, MFU (train/metrics.step_flops over 790 TFLOP/s, the
-measured H200 bf16 matmul peak; DESIGN §4), peak memory, and the compile count after
+measured H200 bf16 matmul peak, bench/matmul_peak.py), peak memory, and the compile count after
 warm-up with recompiles made errors.
 
     python bench/train_bench.py --ctx 3072 --attention flex,dense

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One device call: time to the first training step, cold and warm compile caches, at 8B shapes.
-#   bash bench/train_start_gpu.sh WORK [train_start.py args...]   (carry .whl: ../shared/tools/gpu-wheels.sh)
+#   bash bench/train_start_gpu.sh WORK [train_start.py args...]   (carry .whl: Python 3.12 wheels of zarr, numcodecs,
+#   donfig, google-crc32c, datasets, dill and multiprocess, which the GPU image lacks)
 #   SETUP=1 bash bench/train_start_gpu.sh WORK ...   then also bench/train_setup.py (setup phases) on WORK
 # Logs and results.json go to $OUT; the machine's GPU, torch and Triton versions to $OUT/machine.txt.
 set -u

@@ -1,8 +1,9 @@
 """Cache samples -> fixed-shape batches, in a deterministic, resumable order.
 
-Shapes are what keep torch.compile to one graph per bucket (DESIGN §5): the context of
+Shapes are what keep torch.compile to one graph per bucket: the context of
 a batch is padded to one of a few ``context_buckets`` and every sequence carries exactly
-``max_anchors`` blocks, the unused ones marked ``block_valid = False``.
+``max_anchors`` blocks, the unused ones marked ``block_valid = False``. Only the buckets
+some sample falls into are used (``plan_buckets``, from the cache's offsets).
 
 Everything random is keyed, never stateful, so worker processes, restarts and world
 sizes cannot change it:
