@@ -70,7 +70,7 @@ def _message(msg: Any, i: int, role_key: str, content_key: str, role_map: dict[s
         out["tool_calls"] = _tool_calls(msg["tool_calls"], where, fail)
     if out.get("content") is None:
         if mapped != "assistant":
-            raise fail("malformed_message", f"{where} has no '{content_key}'")
+            raise fail("malformed_message", f"{where} has no '{content_key}' (absent or null)")
         if not out.get("tool_calls") and out.get("reasoning_content") is None:
             raise fail("malformed_message", f"{where} has no '{content_key}', 'tool_calls' or 'reasoning_content'")
     return out
