@@ -13,10 +13,11 @@ CPU demo uses it) or an OpenAI-compatible server (`--endpoint`; vLLM, SGLang,
 Every assistant turn is replaced, turn by turn: turn k is generated from the
 conversation with turns < k ALREADY regenerated, so later turns condition on the
 target's own earlier answers. System, user and tool messages are kept. A regenerated
-assistant message keeps the source message's other fields (its `tool_calls` included, so
-the tool replies that follow still answer them); its `content` is the new answer and
-the source's `reasoning_content` is replaced by the new one (or dropped: in process the
-answer's text holds any reasoning inline). In process, generation is
+assistant message is the target's answer: its content, reasoning and tool calls replace
+the source's (in process the answer's raw text, think block and tool-call markup
+included, is the content; a server returns them apart). The loss covers every token of
+the turn, so the source's own tool calls must not stay beside the target's; the tool
+replies after the turn are kept as context. In process, generation is
 batched with left padding; it stops at the end-of-turn / eos tokens or after
 --max-new-tokens (such a turn is "truncated": kept and counted, or dropped with
 --drop-truncated). A conversation is cut before a turn whose prompt exceeds
@@ -206,14 +207,14 @@ class _Chat:
 
 def regenerated_message(source: dict, content: str, reasoning: str | None = None,
                         tool_calls: list | None = None) -> dict:
-    """The source assistant message with a new answer: other fields (its tool calls) kept,
-    the source's reasoning replaced by ``reasoning`` or dropped, ``tool_calls`` set only
-    where the source has none."""
-    message = {k: v for k, v in source.items() if k != "reasoning_content" and v is not None}
+    """The source assistant message with the target's answer in place of the source's:
+    its content, reasoning and tool calls (the source's own are dropped, as the loss covers
+    every token of the turn); other fields (a `name`) kept."""
+    message = {k: v for k, v in source.items() if k not in ("reasoning_content", "tool_calls") and v is not None}
     message["content"] = content
     if reasoning:
         message["reasoning_content"] = reasoning
-    if tool_calls and not message.get("tool_calls"):
+    if tool_calls:
         message["tool_calls"] = tool_calls
     return message
 

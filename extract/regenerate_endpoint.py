@@ -10,10 +10,10 @@ Each request carries the row's `tools`, the template arguments as `chat_template
 (read by vLLM, SGLang and `transformers serve`), `max_tokens`, `temperature` (0 =
 greedy, the default) and, when sampling, `top_p` and a `seed` drawn from (seed, row,
 turn); `--extra-body JSON` adds server-specific fields (vLLM's `top_k`, ...). The answer's
-`content` replaces the turn's; its `reasoning_content` (or `reasoning`) is kept as the
-message's `reasoning_content`; tool calls the server returns become the message's
-`tool_calls` where the source turn had none (a source turn's own tool calls are kept, as
-the tool replies after it answer them). `finish_reason == "length"` marks a truncated
+`content` replaces the turn's; its `reasoning_content` (or `reasoning`) becomes the
+message's `reasoning_content` and its tool calls the message's `tool_calls` (arguments
+decoded to an object); the source turn's own reasoning and tool calls are dropped, as the
+drafter is to learn what the target writes. `finish_reason == "length"` marks a truncated
 turn; `--max-prompt-tokens` is checked against the server's `usage.prompt_tokens`.
 
 Resume is per turn: every answered turn is appended to `OUT/parts/part-NNNNN.turns.jsonl`

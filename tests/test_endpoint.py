@@ -136,15 +136,17 @@ def test_answer_becomes_the_message_reasoning_and_tool_calls_kept():
                                                 "function": {"name": "f", "arguments": {"x": 1}}}]}
 
 
-def test_source_tool_calls_are_kept_over_the_servers():
+def test_the_targets_answer_replaces_the_source_turns_tool_calls():
     own = [{"type": "function", "function": {"name": "g", "arguments": {"y": 2}}}]
     chat = _chat([{"role": "user", "content": "q"}, {"role": "assistant", "content": "", "tool_calls": own},
                   {"role": "tool", "content": "42"}])
+    text_only = rep.turn_event(chat, 1, parse_reply(ANSWER), regen.GenerationSettings())["message"]
+    assert text_only == {"role": "assistant", "content": "hi"}
     answer = json.loads(json.dumps(ANSWER))
     answer["choices"][0]["message"]["tool_calls"] = [{"type": "function", "function": {"name": "f",
                                                                                        "arguments": "{}"}}]
     event = rep.turn_event(chat, 1, parse_reply(answer), regen.GenerationSettings())
-    assert event["message"]["tool_calls"] == own and event["message"]["content"] == "hi"
+    assert event["message"]["tool_calls"] == [{"type": "function", "function": {"name": "f", "arguments": {}}}]
 
 
 def test_empty_answer_and_length_limits_cut_the_conversation():
