@@ -115,7 +115,7 @@ class RuntimeConfig:
     stop_after: int | None = None
     """Stop after this many steps without it being the last (simulates a kill)."""
     peak_tflops: float = 790.0
-    """Device peak for MFU: 790 = bf16 matmul measured on H200 (DESIGN §4; datasheet 989)."""
+    """Device peak for MFU: 790 = bf16 matmul measured on H200 (datasheet 989)."""
     tensorboard: bool = True
     """Also write TensorBoard events when tensorboard is importable."""
     progress: bool = True
@@ -214,7 +214,7 @@ def field_docs() -> dict[str, str]:
 
 
 def dflash_recipe() -> TrainConfig:
-    """DESIGN §2: AdamW lr 6e-4, cosine, warm-up 4%, clip 1.0, 6 epochs, max length 3072,
+    """The DFlash recipe: AdamW lr 6e-4, cosine, warm-up 4%, clip 1.0, 6 epochs, max length 3072,
     512 anchors, B = 16 blocks, global batch 16 sequences, 5 drafter layers."""
     return TrainConfig()
 

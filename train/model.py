@@ -1,4 +1,4 @@
-"""The DFlash drafter (DESIGN §2): a small Qwen3-style decoder whose keys and values
+"""The DFlash drafter: a small Qwen3-style decoder whose keys and values
 are fed, in every layer, with fused target hidden states ("KV injection").
 
 The module holds no embedding and no LM head: both are the target's, frozen, loaded
