@@ -54,8 +54,9 @@ def original_chats(out: Path, data_dir: Path) -> Path:
     return orig
 
 
-def run_variant(root: Path, seed: int, name: str, small: bool, echo) -> dict:
+def run_variant(root: Path, seed: int, name: str, small: bool, threads: int, echo) -> dict:
     s = demo.DemoSettings.small(seed) if small else demo.DemoSettings.full(seed)
+    s.target = {**s.target, "num_threads": threads}  # not part of the target's record
     base = root / f"seed{seed}" / "base"
     base.mkdir(parents=True, exist_ok=True)
     demo.step_data(base, s, echo)
@@ -92,13 +93,19 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
     parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
     parser.add_argument("--small", action="store_true", help="the test suite's demo sizes (a smoke run)")
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch intra-op threads (1: on a shared, loaded machine more threads only contend)")
     args = parser.parse_args()
+    import torch
+
+    torch.set_num_threads(args.threads)
+    demo.os.cpu_count = lambda: args.threads  # the demo's regeneration and extraction size their threads by it
     root = Path(args.out)
     results_path = root / "results.json"
     results = json.loads(results_path.read_text()) if results_path.exists() else []
     for seed in args.seeds:
         for name in args.variants:
-            row = run_variant(root, seed, name, args.small, lambda m: print(m, flush=True))
+            row = run_variant(root, seed, name, args.small, args.threads, lambda m: print(m, flush=True))
             results = [r for r in results if (r["seed"], r["variant"]) != (seed, name)] + [row]
             results_path.write_text(json.dumps(results, indent=2) + "\n")
             print(json.dumps(row), flush=True)

@@ -350,7 +350,7 @@ def test_kd_reads_the_target_distribution_at_anchor_plus_k_minus_1(topk_cache):
 
 
 def test_training_reads_the_top_k_only_for_distillation(topk_cache, tiny_target_dir, tmp_path):
-    """CE on data labels trains on a cache without top-k log-probs; kd and mix with target
+    """CE on data labels trains on a cache without top-k log-probs (kd, the default, refuses it); kd and mix with target
     labels train (the loss is the objective: mix sits between its CE and KL)."""
     from dflash.train.loop import train
 
@@ -369,7 +369,7 @@ def test_training_reads_the_top_k_only_for_distillation(topk_cache, tiny_target_
 def check_training_runs(copy, topk_cache, tiny_target_dir, tmp_path, kw):
     from dflash.train.loop import train
 
-    assert train(H.tiny_config(copy, tiny_target_dir, tmp_path / "ce-no-topk", **kw))["eval"]["loss"] > 0
+    assert train(H.tiny_config(copy, tiny_target_dir, tmp_path / "ce-no-topk", loss="ce", **kw))["eval"]["loss"] > 0
     with pytest.raises(C.CacheError, match="topk_logprobs"):
         train(H.tiny_config(copy, tiny_target_dir, tmp_path / "kd-missing", loss="kd", **kw))
     runs = {name: train(H.tiny_config(topk_cache, tiny_target_dir, tmp_path / name, loss=name, labels="target",

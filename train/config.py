@@ -28,7 +28,7 @@ class DrafterSpec:
     """Embedding row of the MASK token; None = tokenizer's <|MASK|>, else first padded row."""
     gamma: float | None = None
     """Decay of the per-slot loss weight exp(-(k-1)/gamma); None = 7/5/4 for B=16/10/8."""
-    loss: str = "ce"
+    loss: str = "kd"
     """ce | kd | mix: CE on the labels, KL from the target's stored top-k (+ tail bucket), or both."""
     kd_weight: float = 0.5
     """Weight of the KL term in mix: (1 - kd_weight) * CE + kd_weight * KL."""

@@ -1,6 +1,8 @@
-"""DFlash labels and a chunked, weighted cross-entropy through the frozen target LM head.
+"""DFlash labels and a chunked, weighted loss through the frozen target LM head: cross-entropy
+on the labels, KL from the target's distribution stored in the cache (its top-k plus one
+bucket for the rest of the vocabulary), or both.
 
-Label alignment (DESIGN §2): block slot k of the block anchored at position a predicts
+Label alignment: block slot k of the block anchored at position a predicts
 the token AT position a + k: same position, no shift. Slot 0 is the anchor itself (given
 as input) and carries no loss. A shift by one gives high train accuracy and useless
 drafts, so it is tested for.
