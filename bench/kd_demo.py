@@ -115,7 +115,9 @@ def main() -> None:
         rows = sorted((r for r in results if r["variant"] == name and r["seed"] in args.seeds), key=lambda r: r["seed"])
         if not rows:
             continue
-        fmt = lambda key: " / ".join(f"{r[key]:.3f}" for r in rows) + f" (median {statistics.median(r[key] for r in rows):.3f})"
+        def fmt(key):
+            median = statistics.median(r[key] for r in rows)
+            return " / ".join(f"{r[key]:.3f}" for r in rows) + f" (median {median:.3f})"
         print(f"| {name} | {rows[0]['chats']} | {rows[0]['loss']} | {rows[0]['labels']} | {fmt('offline')} | "
               f"{fmt('online')} | {fmt('speedup')} |")
 
