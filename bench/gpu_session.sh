@@ -17,7 +17,7 @@
 #   bash bench/gpu_session.sh 3     # drafter step flex vs dense at 8B dims; peak memory at 2k..16k
 #   bash bench/gpu_session.sh 4     # 300 variable-length steps (compiles, guards); extraction; loader (STEP_S=...)
 #   bash bench/gpu_session.sh 1|2|diag   # this session's earlier calls (see BENCHMARKS.md)
-# (carry .whl: ../shared/tools/gpu-wheels.sh .whl zarr==3.1.6 numcodecs==0.16.6 crc32c ...)
+# (carry .whl: pip download the wheels of zarr==3.1.6 numcodecs==0.16.6 crc32c ...)
 # Logs go to $OUT (the device tool brings them back).
 set -u
 phase=${1:-1}

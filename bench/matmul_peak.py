@@ -1,4 +1,4 @@
-"""The device's bf16 matmul ceiling (8192^3, median of 20), the denominator DESIGN §4 uses for MFU.
+"""The device's bf16 matmul ceiling (8192^3, median of 20), the denominator of every MFU figure.
 
     python bench/matmul_peak.py
 

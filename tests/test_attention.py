@@ -10,7 +10,7 @@ from dflash.train import attention
 
 
 def reference_mask(anchors, block_valid, ctx_len, context_len, block_size):
-    """The DESIGN §2 rule written out with python loops, independent of mask_mod."""
+    """The DFlash training-attention rule written out with python loops, independent of mask_mod."""
     bsz, n_blocks = anchors.shape
     q_len = n_blocks * block_size
     out = torch.zeros(bsz, 1, q_len, context_len + q_len, dtype=torch.bool)

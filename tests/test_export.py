@@ -1,4 +1,4 @@
-"""Export format (DESIGN §2) and the round trip export -> load_exported."""
+"""Export format (the DFlashDraftModel folder SGLang and vLLM load) and the round trip export -> load_exported."""
 
 import json
 
@@ -22,7 +22,7 @@ def small_config():
 
 
 def format_names(n_layers):
-    """Every tensor name of the format, written out from DESIGN §2."""
+    """Every tensor name of the format, written out by hand from the format."""
     names = {"fc.weight", "hidden_norm.weight", "norm.weight"}
     for i in range(n_layers):
         for proj in ("q_proj", "k_proj", "v_proj", "o_proj", "q_norm", "k_norm"):

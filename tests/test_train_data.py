@@ -171,7 +171,7 @@ def test_acceptance_counts_leading_matches_against_shifted_top1():
 
 
 def test_step_flops_match_design_figure():
-    """DESIGN §4: 8B dims, ctx 3072, 512 x 16 blocks, 182 ms/step at MFU 0.51 of 790 TFLOP/s."""
+    """A plain DFlash step measured at 8B dims: ctx 3072, 512 x 16 blocks, 182 ms/step at MFU 0.51 of 790 TFLOP/s."""
     from types import SimpleNamespace
 
     d = SimpleNamespace(hidden_size=4096, intermediate_size=12288, head_dim=128, num_attention_heads=32,

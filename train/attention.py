@@ -1,6 +1,6 @@
 """DFlash training attention: one mask function, two backends.
 
-Layout for one sequence (DESIGN §2, "Training attention"):
+Layout for one sequence:
 
     queries  = N blocks x B slots            (q index -> block q // B)
     keys     = [context (S positions) | blocks (N * B)]
@@ -21,7 +21,7 @@ Backends:
 
 The compiled flex_attention is created lazily, at one place, so importing this module
 compiles nothing, and it may only be entered from the main thread (torch.compile is
-not thread-safe, DESIGN §5).
+not thread-safe).
 """
 
 from __future__ import annotations
@@ -50,8 +50,8 @@ _allow_uncompiled_flex = False
 def allow_uncompiled_flex(allowed: bool = True) -> None:
     """Let ``attend``/``build_mask`` run flex eagerly instead of compiled.
 
-    Eager flex materialises the full score matrix (28.5 GB where compiled needs 0.4 GB,
-    DESIGN §4), so it is only for tests and debugging, and only when asked for.
+    Eager flex materialises the full score matrix (28.5 GB where compiled needs 0.4 GB
+    at ctx 4096, 256 blocks x 16, 32 heads; BENCHMARKS.md), so it is only for tests and debugging, and only when asked for.
     """
     global _allow_uncompiled_flex
     _allow_uncompiled_flex = bool(allowed)
@@ -72,7 +72,7 @@ def _check_main_thread(what: str) -> None:
         raise RuntimeError(
             f"{what} runs compiled code and may only be called from the main thread "
             f"(called from {threading.current_thread().name!r}); torch.compile is not "
-            "thread-safe (DESIGN §5)."
+            "thread-safe."
         )
 
 
