@@ -51,7 +51,8 @@ def allow_uncompiled_flex(allowed: bool = True) -> None:
     """Let ``attend``/``build_mask`` run flex eagerly instead of compiled.
 
     Eager flex materialises the full score matrix (28.5 GB where compiled needs 0.4 GB
-    at ctx 4096, 256 blocks x 16, 32 heads, measured on one H200), so it is only for tests and debugging, and only when asked for.
+    at ctx 4096, 256 blocks x 16, 32 heads, measured on one H200), so it is only for
+    tests and debugging, and only when asked for.
     """
     global _allow_uncompiled_flex
     _allow_uncompiled_flex = bool(allowed)
