@@ -315,6 +315,21 @@ def _write_atomic(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
+def part_chats(ds, start: int, stop: int, source: str, on_bad_row: str, skips: SkipCounter) -> list[Conversation]:
+    """The chats of source rows [start, stop): bad rows and plain text rows (nothing to
+    regenerate) are counted in `skips` (or raise, for bad rows under on_bad_row="error")."""
+    convs = []
+    for index in range(start, stop):
+        conv = guard(on_bad_row, skips, normalize_row, ds[index], index, source)
+        if conv is None:
+            continue
+        if conv.kind != "chat":
+            skips.record(DataError("text_row", source, index, "plain text row: no assistant turn to regenerate"))
+            continue
+        convs.append(conv)
+    return convs
+
+
 def part_paths(out: Path, index: int) -> tuple[Path, Path]:
     base = out / PARTS_DIR / f"part-{index:05d}"
     return base.with_suffix(".jsonl"), base.with_suffix(".done.json")
@@ -399,15 +414,7 @@ def regenerate(cfg: RegenConfig, *, model=None, tokenizer=None, overwrite: bool 
             bar.close()
             return None
         skips = SkipCounter()
-        convs = []
-        for index in range(start, stop):
-            conv = guard(cfg.on_bad_row, skips, normalize_row, ds[index], index, cfg.data)
-            if conv is None:
-                continue
-            if conv.kind != "chat":
-                skips.record(DataError("text_row", cfg.data, index, "plain text row: no assistant turn to regenerate"))
-                continue
-            convs.append(conv)
+        convs = part_chats(ds, start, stop, cfg.data, cfg.on_bad_row, skips)
         torch.manual_seed(cfg.generation.seed * 1_000_003 + part)
         rows, totals = regenerate_conversations(model, tokenizer, convs, cfg.generation, cfg.batch_size, skips)
         write_part(out, part, rows, {"part": part, "rows_in": stop - start, "rows_out": len(rows), **totals,

@@ -42,10 +42,10 @@ from typing import Any
 
 import click
 
-from .data import DataError, SkipCounter, dataset_fingerprint, guard, load_source, normalize_row
+from .data import DataError, SkipCounter, dataset_fingerprint, load_source
 from .endpoint import ChatEndpoint, EndpointConfig, EndpointDown, Reply, RequestRejected
 from .regenerate import (FORMAT_VERSION, PARTS_DIR, GenerationSettings, _Chat, _check_resume, collect_rows,
-                         finalize, part_paths, regenerated_message, write_part)
+                         finalize, part_chats, part_paths, regenerated_message, write_part)
 
 log = logging.getLogger(__name__)
 
@@ -363,15 +363,7 @@ def regenerate_via_endpoint(job: EndpointJob, *, overwrite: bool = False) -> dic
 def _open_part(job: EndpointJob, ds, index: int, start: int, stop: int, path: Path) -> _Part:
     """Normalise a part's rows and replay its journal: the chats as far as they got."""
     skips = SkipCounter()
-    chats = []
-    for row in range(start, stop):
-        conv = guard(job.on_bad_row, skips, normalize_row, ds[row], row, job.data)
-        if conv is None:
-            continue
-        if conv.kind != "chat":
-            skips.record(DataError("text_row", job.data, row, "plain text row: no assistant turn to regenerate"))
-            continue
-        chats.append(_Chat.start(conv, skips))
+    chats = [_Chat.start(conv, skips) for conv in part_chats(ds, start, stop, job.data, job.on_bad_row, skips)]
     part = _Part(index, stop - start, chats, skips, TurnJournal(path))
     by_row = {chat.conv.row_index: chat for chat in chats}
     for event in part.journal.read():

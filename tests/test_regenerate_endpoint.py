@@ -195,12 +195,10 @@ def test_a_request_the_server_refuses_names_the_row(proxy, chats_sample_path, tm
     assert stats["skipped"] == {"server_rejected": 2}
 
 
-def test_tools_and_tool_messages_reach_the_server(proxy, tmp_path, monkeypatch):
-    """The row's tools go with every request; the server takes a history with a tool
-    reply; the regenerated turn replaces the source's tool call (this tiny model answers
-    in text). Rows are normalised here by a stand-in that keeps every field, so the test
-    does not depend on which fields the data reader keeps."""
-    from dflash.extract.data import Conversation
+def test_tools_and_tool_messages_reach_the_server(proxy, tmp_path):
+    """The row's tools go with every request, exactly as the file gives them (the data
+    reader keeps them); the server takes a history with a tool reply; the regenerated turn
+    replaces the source's tool call (this tiny model answers in text)."""
 
     tools = [{"type": "function", "function": {"name": "add", "description": "Add two numbers.",
                                                "parameters": {"type": "object", "properties": {
@@ -211,12 +209,6 @@ def test_tools_and_tool_messages_reach_the_server(proxy, tmp_path, monkeypatch):
     data = tmp_path / "tools.jsonl"
     data.write_text(json.dumps({"messages": messages, "tools": tools}) + "\n")
 
-    def keep_everything(row, index, source):
-        conv = Conversation(kind="chat", messages=json.loads(json.dumps(messages)), source=source, row_index=index)
-        conv.tools = tools  # as written: Arrow would add the keys one tool has to every other
-        return conv
-
-    monkeypatch.setattr(rep, "normalize_row", keep_everything)
     proxy.reset()
     rep.regenerate_via_endpoint(_job(proxy.url, data, tmp_path / "out"))
     assert len(proxy.bodies) == 2 and all(b["tools"] == tools for b in proxy.bodies)
