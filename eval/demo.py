@@ -349,7 +349,7 @@ def plot_curves(records: list[dict], png: Path, online: float | None = None, rep
     fig, (ax_loss, ax_tau) = plt.subplots(1, 2, figsize=(11, 4))
     ax_loss.plot([r["step"] for r in train], [r["loss"] for r in train], label="train loss")
     ax_loss.plot([r["step"] for r in evals], [r["loss"] for r in evals], "o-", label="held-out loss")
-    ax_loss.set_xlabel("step"), ax_loss.set_ylabel("weighted CE"), ax_loss.set_yscale("log"), ax_loss.legend()
+    ax_loss.set_xlabel("step"), ax_loss.set_ylabel("training objective (weighted per slot)"), ax_loss.set_yscale("log"), ax_loss.legend()
     ax_tau.plot([r["step"] for r in evals], [r["tau"] for r in evals], "o-", color="C2",
                 label="held-out acceptance length (training's estimate: decoding replay)")
     ax_tau.plot([r["step"] for r in train], [1 + r["acc"] for r in train], color="C3", alpha=0.5,
