@@ -62,7 +62,7 @@ class DemoSettings:
     # drafter training (overrides of the `tiny` preset); eval_samples is n_heldout
     train: dict[str, Any] = field(default_factory=lambda: dict(
         block_size=8, num_draft_layers=1, context_buckets=[128, 256], max_anchors=16, batch_size=8,
-        micro_batch_size=8, max_steps=1200, lr=6e-3, warmup_ratio=0.05,
+        micro_batch_size=8, max_steps=1200, lr=1e-2, warmup_ratio=0.05,
         log_every=10, eval_every=100, save_every=1200, keep_checkpoints=1, attention="dense", compile="off",
         autocast="off"))
 
