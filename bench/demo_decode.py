@@ -20,7 +20,7 @@ def heldout_prompts(out: Path) -> list[list[int]]:
     """Every assistant turn's prompt of the demo's held-out samples (as ``demo.step_eval``)."""
     from dflash.eval import demo
     from dflash.shared.cache import CacheReader
-    from dflash.train.metrics import turn_spans
+    from dflash.train.replay import turn_spans
 
     settings = demo.DemoSettings(**json.loads((out / "summary.json").read_text())["settings"])
     reader = CacheReader(str(out / "cache.zarr"))

@@ -284,7 +284,7 @@ def step_eval(out: Path, s: DemoSettings, regen: Path, cache: Path, target: Path
     from dflash.eval.speculative import evaluate, load_drafter
     from dflash.shared import toy
     from dflash.shared.cache import CacheReader
-    from dflash.train.metrics import turn_spans
+    from dflash.train.replay import turn_spans
 
     path = out / "eval.json"
     samples = heldout_samples(cache, s)

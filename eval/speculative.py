@@ -440,7 +440,7 @@ def evaluate(target, drafter: DFlashDrafter | Proposer, prompts: Sequence[Sequen
     new_tokens == 1 + sum(block taus) (the first token comes from the prefill), and a
     block cut by eos or max_new_tokens counts only what it output. This is the quantity
     training scores per block on cached sequences (``dflash.train.metrics.block_taus``)
-    and walks as decoding walks (``metrics.walk``, training's held-out ``tau``). With ``check`` a
+    and walks as decoding walks (``dflash.train.replay``, training's held-out ``tau``). With ``check`` a
     mismatch raises LosslessError at the first prompt that shows it; without, each row
     records it ("lossless", "mismatch") and the caller decides.
     """

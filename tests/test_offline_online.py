@@ -122,7 +122,7 @@ def test_uniform_anchors_estimate_the_online_mean(target, prompts):
 
 
 def test_replay_walk_follows_decoding():
-    from dflash.train.metrics import turn_spans, walk
+    from dflash.train.replay import turn_spans, walk
 
     mask = [0, 0, 1, 1, 1, 1, 1, 1, 0, 0, 1, 1, 1, 0]  # turns [2, 8) and [10, 13)
     assert turn_spans(mask) == [(2, 8), (10, 13)]

@@ -191,30 +191,6 @@ def test_fsdp2_matches_ddp_and_resumes(pattern_cache, tiny_target_dir, tmp_path)
         [r["loss"] for r in read_metrics(tmp_path / "ddp")], rel=1e-5)
 
 
-def test_training_estimate_is_the_decoding_replay(pattern_cache, tiny_target_dir, tmp_path):
-    """Training's held-out tau (every assistant anchor in chunks of max_anchors, padded
-    batches, each turn walked) equals eval.offline.replay (all anchors in one forward per
-    sample) with the saved drafter; the uniform-anchor mean is reported beside it."""
-    from dflash.eval.offline import replay
-    from dflash.eval.speculative import load_drafter
-    from dflash.shared.cache import CacheReader
-    from dflash.train.data import Split
-    from dflash.train.model import load_target_head
-
-    cfg = H.tiny_config(pattern_cache, tiny_target_dir, tmp_path / "run", max_steps=20, eval_every=20)
-    summary = train(cfg)
-    reader = CacheReader(pattern_cache)
-    held_out = Split.of(len(reader), cfg.data.eval_samples, reader.source_indices()).held_out
-    drafter, dcfg = load_drafter(tmp_path / "run", dtype=torch.float32)
-    head = load_target_head(tiny_target_dir, "cpu", torch.float32)
-    ref = replay(reader, held_out.tolist(), drafter, head, mask_token_id=dcfg.mask_token_id,
-                 max_length=cfg.max_length)
-    ev = summary["eval"]
-    assert ev["tau_blocks"] == ref["blocks"] > len(held_out)
-    assert ev["tau"] == pytest.approx(ref["tau"], rel=1e-12)
-    assert 1.0 <= ev["tau_uniform"] <= cfg.drafter.block_size
-
-
 # ---------------------------------------------------------------------------- defaults that follow the cache
 
 

@@ -116,17 +116,19 @@ class AnchorDataset(Dataset):
         return out
 
 
-    def every_anchor(self, index: int) -> list[dict[str, torch.Tensor]]:
-        """Sample ``index`` as items of ``max_anchors`` blocks that together hold a block at
-        EVERY candidate anchor (the decoding replay of the held-out evaluation); same
-        shapes as ``self[key]``, so the compiled eval graph serves them."""
+    def every_anchor(self, index: int, fixed_shape: bool = True) -> list[dict[str, torch.Tensor]]:
+        """Sample ``index`` as items that together hold a block at EVERY candidate anchor (the
+        decoding replay, ``replay.py``). With ``fixed_shape``, items of ``max_anchors`` blocks,
+        the shapes of ``self[key]``, so the compiled eval graph serves them; without, one item
+        of exactly the candidate anchors (none where there are none)."""
         sample = self[(EVAL_EPOCH, index)]
         cand = candidate_anchors(sample["loss_mask"])
+        per_item = self.max_anchors if fixed_shape else max(len(cand), 1)
         items = []
-        for start in range(0, len(cand), self.max_anchors):
-            part = cand[start:start + self.max_anchors]
-            anchors = torch.zeros(self.max_anchors, dtype=torch.long)
-            valid = torch.zeros(self.max_anchors, dtype=torch.bool)
+        for start in range(0, len(cand), per_item):
+            part = cand[start:start + per_item]
+            anchors = torch.zeros(per_item, dtype=torch.long)
+            valid = torch.zeros(per_item, dtype=torch.bool)
             anchors[: len(part)], valid[: len(part)] = part, True
             items.append({**sample, "anchors": anchors, "block_valid": valid})
         return items
@@ -210,13 +212,14 @@ class Collate:
     Padding is zero with ``loss_mask`` False, so padded positions are never labels.
     """
 
-    def __init__(self, buckets: list[int], force_length: int | None = None):
-        self.buckets = list(buckets)
+    def __init__(self, buckets: list[int] | None, force_length: int | None = None):
+        self.buckets = list(buckets) if buckets is not None else None
+        """None: no padding beyond the longest sample (uncompiled forwards)."""
         self.force_length = force_length
 
     def __call__(self, samples: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
         lengths = [len(s["input_ids"]) for s in samples]
-        S = self.force_length or bucket_for(max(lengths), self.buckets)
+        S = self.force_length or (bucket_for(max(lengths), self.buckets) if self.buckets is not None else max(lengths))
         n = len(samples)
         width = samples[0]["context_hidden"].shape[-1]
         out = {

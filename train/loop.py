@@ -28,7 +28,7 @@ import torch.distributed as dist
 
 from dflash.shared.cache import CacheReader
 
-from . import checkpoint, compile as compile_path, metrics
+from . import checkpoint, compile as compile_path, metrics, replay
 from .config import OptimConfig, TrainConfig
 from .data import (AnchorDataset, Collate, GlobalBatchSampler, Split, held_out_batches, make_loader,
                    plan_buckets, total_steps, truncate_sample)
@@ -286,38 +286,19 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
                 count += sup.sum(0).double()
             _all_reduce(sums, world), _all_reduce(hits, world), _all_reduce(count, world)
             s = sums.tolist()
-            drafted, walked = replay()
+            walked = replay_held_out()
             return {"kind": "eval", "step": step, "loss": s[0] / max(s[1], 1e-12),
-                    "tau": drafted / walked if walked else float("nan"), "tau_blocks": walked,
+                    "tau": walked.tau, "tau_blocks": walked.blocks,
                     "tau_uniform": s[2] / max(s[3], 1), "blocks": int(s[3]),
                     "acc_per_pos": (hits / count.clamp(min=1)).tolist()}
 
-        def replay() -> tuple[int, int]:
-            """(drafted tokens, blocks) of decoding the held-out turns as speculative decoding
-            would: a block at every assistant position, then each turn walked from its first
-            token to where each block ends (``metrics.walk``). Training's random anchors
-            weight every position alike; decoding spends more blocks where blocks are short,
-            so only this walk estimates the online acceptance (on the demo 2.49 against 2.01
-            online; the walk gave 2.00). Every rank replays every held-out sample (FSDP
-            forwards are collectives); partial batches are padded with weightless samples."""
-            drafted = walked = 0
-            for index in split.held_out:
-                items = eval_dataset.every_anchor(int(index))
-                taus: dict[int, int] = {}
-                for i in range(0, len(items), micro):
-                    group = items[i:i + micro]
-                    group += [eval_dataset.empty_sample() for _ in range(micro - len(group))]
-                    batch = to_device(eval_collate(group), device)
-                    _, _, pred = evaluate_batch(eval_model, head, batch, spec)
-                    tau, counted = metrics.block_taus(pred, batch["target_top1"], batch["anchors"],
-                                                      batch["block_valid"], batch["seq_len"], batch["loss_mask"])
-                    for row in range(len(group)):
-                        keep = counted[row]
-                        taus.update(zip(batch["anchors"][row][keep].tolist(), tau[row][keep].tolist()))
-                if items:
-                    t, b = metrics.walk(taus, metrics.turn_spans(items[0]["loss_mask"].tolist()))
-                    drafted, walked = drafted + t, walked + b
-            return drafted, walked
+        def replay_held_out() -> replay.Replay:
+            """Decoding replayed on the held-out samples through the compiled eval step
+            (``replay.py``). Every rank replays every held-out sample (FSDP forwards are
+            collectives); partial batches are padded with weightless samples."""
+            return replay.replay(eval_dataset, split.held_out,
+                                 lambda batch: evaluate_batch(eval_model, head, batch, spec)[2], eval_collate,
+                                 group_size=micro, fixed_shape=True, device=device)
 
         # -- the loop
         from tqdm import tqdm
