@@ -27,13 +27,14 @@ not thread-safe).
 from __future__ import annotations
 
 import os
-import threading
 import warnings
 from typing import Callable
 
 import torch
 import torch.nn.functional as F
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
+
+from .main_thread import require_main_thread
 
 FLEX_TILE = 128
 """flex_attention's default tile (BLOCK_SIZE) for queries and keys."""
@@ -63,30 +64,11 @@ def uncompiled_flex_allowed() -> bool:
     return _allow_uncompiled_flex
 
 
-def _check_main_thread(what: str) -> None:
-    if torch.compiler.is_compiling():
-        # Inside a compiled drafter: the eager caller already passed this check when it
-        # built the block mask, and dynamo cannot trace ``threading`` (a graph break at
-        # every attention call, found on the H200).
-        return
-    if threading.current_thread() is not threading.main_thread():
-        raise RuntimeError(
-            f"{what} runs compiled code and may only be called from the main thread "
-            f"(called from {threading.current_thread().name!r}); torch.compile is not "
-            "thread-safe."
-        )
-
-
 def _compile_disabled() -> bool:
     """True when torch.compile would silently run eagerly (dynamo disabled)."""
-    if os.environ.get("TORCHDYNAMO_DISABLE", "") not in ("", "0"):
-        return True
-    try:
-        import torch._dynamo.config as dynamo_config
+    import torch._dynamo.config as dynamo_config
 
-        return bool(getattr(dynamo_config, "disable", False))
-    except Exception:  # pragma: no cover - dynamo missing entirely
-        return True
+    return os.environ.get("TORCHDYNAMO_DISABLE", "") not in ("", "0") or bool(dynamo_config.disable)
 
 
 def _refuse_silent_eager_on_cuda(device: torch.device, what: str) -> None:
@@ -101,7 +83,7 @@ def _refuse_silent_eager_on_cuda(device: torch.device, what: str) -> None:
 def compiled_flex_attention():
     """The process-wide compiled ``flex_attention`` (created on first use)."""
     global _compiled_flex_attention
-    _check_main_thread("compiled flex_attention")
+    require_main_thread("compiled flex_attention")
     if _compiled_flex_attention is None:
         _compiled_flex_attention = torch.compile(flex_attention)
     return _compiled_flex_attention

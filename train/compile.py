@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import logging
 import os
-import threading
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,17 +29,9 @@ import torch
 
 from . import attention
 from .config import RuntimeConfig
+from .main_thread import require_main_thread
 
 log = logging.getLogger(__name__)
-
-
-def require_main_thread(what: str) -> None:
-    """Raise unless called from the main thread of the process."""
-    if threading.current_thread() is not threading.main_thread():
-        raise RuntimeError(
-            f"{what} must run on the main thread (called from {threading.current_thread().name!r}): "
-            "torch.compile is not thread-safe"
-        )
 
 
 @dataclass
@@ -91,10 +82,7 @@ def _raise_recompile_limit(graphs_needed: int) -> None:
     whose silent fall-back to eager would otherwise be the dense path."""
     import torch._dynamo.config as dynamo_config
 
-    for name in ("recompile_limit", "cache_size_limit"):
-        if hasattr(dynamo_config, name):
-            setattr(dynamo_config, name, max(getattr(dynamo_config, name), graphs_needed))
-            return
+    dynamo_config.recompile_limit = max(dynamo_config.recompile_limit, graphs_needed)
 
 
 def compile_model(model: torch.nn.Module, choice: CompileChoice, graphs_needed: int) -> torch.nn.Module:
@@ -114,23 +102,15 @@ def _main_thread_only(module, args) -> None:
     require_main_thread("the compiled drafter")
 
 
-def stance_supported() -> bool:
-    return hasattr(torch.compiler, "set_stance")
-
-
 def freeze() -> None:
     """From now on any (re)compile raises, naming the guard that failed."""
     require_main_thread("compile.freeze")
-    if stance_supported():
-        torch.compiler.set_stance("fail_on_recompile")
-    else:  # pragma: no cover - torch < 2.6
-        log.warning("torch %s has no set_stance; recompiles cannot be made errors", torch.__version__)
+    torch.compiler.set_stance("fail_on_recompile")
 
 
 def thaw() -> None:
     """Back to the default stance (end of a run, tests)."""
-    if stance_supported():
-        torch.compiler.set_stance("default")
+    torch.compiler.set_stance("default")
 
 
 @contextmanager

@@ -130,7 +130,7 @@ def make_optimizer(params, ocfg: OptimConfig, total: int, fused: bool):
 def wrap_parallel(drafter: torch.nn.Module, cfg: TrainConfig, dist_info: DistInfo, choice, graphs_needed: int):
     """(model for training steps, model for eval forwards). Model code stays single-device."""
     if cfg.runtime.parallel == "fsdp" and dist_info.world > 1:
-        from torch.distributed.fsdp import fully_shard  # torch >= 2.6
+        from torch.distributed.fsdp import fully_shard
 
         for layer in drafter.layers:
             fully_shard(layer)

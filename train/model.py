@@ -324,7 +324,7 @@ class DFlashDrafter(nn.Module):
         block_positions = _batched_positions(block_positions, bsz, q_len, "block_positions")
 
         weight_dtype = self.fc.weight.dtype
-        if not _autocast_on(context_hidden.device):
+        if not torch.is_autocast_enabled(context_hidden.device.type):
             context_hidden = context_hidden.to(weight_dtype)
             block_embeds = block_embeds.to(weight_dtype)
 
@@ -364,13 +364,6 @@ def _batched_positions(pos: torch.Tensor, bsz: int, length: int, name: str) -> t
     if pos.is_floating_point():
         raise ValueError(f"{name} must hold integer positions, got {pos.dtype}")
     return pos
-
-
-def _autocast_on(device: torch.device) -> bool:
-    try:
-        return torch.is_autocast_enabled(device.type)
-    except TypeError:  # pragma: no cover - older signature without device_type
-        return torch.is_autocast_enabled()
 
 
 # ---------------------------------------------------------------------------- target head
