@@ -42,13 +42,13 @@ def main(out: str, rounds: int, threads: int, max_new_tokens: int) -> None:
 
     from dflash.eval.speculative import DFlashProposer, check_lossless, greedy_generate, load_drafter, \
         speculative_generate
-    from dflash.shared import toy
+    from dflash.eval.toy_tokenizer import IM_END
 
     torch.set_num_threads(threads)
     out = Path(out)
     prompts = heldout_prompts(out)
     target = AutoModelForCausalLM.from_pretrained(out / "target", dtype=torch.float32).eval()
-    eos = [AutoTokenizer.from_pretrained(out / "target").convert_tokens_to_ids(toy.IM_END)]
+    eos = [AutoTokenizer.from_pretrained(out / "target").convert_tokens_to_ids(IM_END)]
     drafter, _ = load_drafter(out / "export", dtype=torch.float32)
     proposers = {"recomputed": DFlashProposer(drafter, target, incremental=False),
                  "incremental": DFlashProposer(drafter, target)}

@@ -33,7 +33,7 @@ from dflash.extract.cpu_time import process_cpu_seconds
 def build(work: Path, args) -> tuple[Path, Path]:
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    from dflash.shared.toy import build_tokenizer
+    from dflash.eval.toy_tokenizer import build_tokenizer
 
     model_dir, data = work / "target", work / "rows.jsonl"
     if not (model_dir / "config.json").exists():

@@ -282,7 +282,7 @@ def step_eval(out: Path, s: DemoSettings, regen: Path, cache: Path, target: Path
 
     from dflash.eval.offline import replay_export
     from dflash.eval.speculative import evaluate, load_drafter
-    from dflash.shared import toy
+    from dflash.eval import toy_tokenizer as toy
     from dflash.shared.cache import CacheReader
     from dflash.train.replay import turn_spans
 

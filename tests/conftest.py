@@ -11,32 +11,32 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 DATA_DIR = REPO_ROOT / "data"
 
 
-# --- tiny tokenizer and target (dflash.shared.toy) --------------------------------
+# --- tiny tokenizer (dflash.eval.toy_tokenizer) and target (toy_target) -------------
 
 
 def _toy_corpus():
-    from dflash.shared import toy
+    from dflash.eval.toy_tokenizer import default_corpus
 
-    return toy.default_corpus() + [DATA_DIR / "chats_sample.jsonl"]
+    return default_corpus() + [DATA_DIR / "chats_sample.jsonl"]
 
 
 @pytest.fixture(scope="session")
 def tiny_tokenizer_dir(tmp_path_factory) -> Path:
     """A 512-token byte-level BPE whose ChatML template has `{% generation %}` tags."""
-    from dflash.shared import toy
+    from dflash.eval.toy_tokenizer import build_tokenizer
 
     out = tmp_path_factory.mktemp("tiny_tokenizer")
-    toy.build_tokenizer(out, generation_tags=True, corpus=_toy_corpus())
+    build_tokenizer(out, generation_tags=True, corpus=_toy_corpus())
     return out
 
 
 @pytest.fixture(scope="session")
 def tiny_tokenizer_notags_dir(tmp_path_factory) -> Path:
     """Same tokenizer and template, but without generation tags (like Qwen3's real one)."""
-    from dflash.shared import toy
+    from dflash.eval.toy_tokenizer import build_tokenizer
 
     out = tmp_path_factory.mktemp("tiny_tokenizer_notags")
-    toy.build_tokenizer(out, generation_tags=False, corpus=_toy_corpus())
+    build_tokenizer(out, generation_tags=False, corpus=_toy_corpus())
     return out
 
 
@@ -62,9 +62,9 @@ def tiny_target_dir(tmp_path_factory, tiny_tokenizer) -> Path:
 
     Load with `AutoModelForCausalLM.from_pretrained(tiny_target_dir)`.
     """
-    from dflash.shared import toy
+    from toy_target import build_qwen3
 
-    return toy.build_qwen3(tmp_path_factory.mktemp("tiny_target"), tiny_tokenizer)
+    return build_qwen3(tmp_path_factory.mktemp("tiny_target"), tiny_tokenizer)
 
 
 @pytest.fixture(scope="module")

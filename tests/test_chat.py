@@ -187,7 +187,7 @@ def test_end_of_turn_handling_does_not_depend_on_tag_placement(tiny_tokenizer, a
 
 def test_token_straddling_the_header_boundary(tmp_path):
     """With a "\\n\\n" merge, header "\\n" + content "\\n..." becomes one token: both methods mark it."""
-    from dflash.shared import toy
+    from dflash.eval import toy_tokenizer as toy
 
     corpus = tmp_path / "corpus.txt"
     corpus.write_text("para one\n\n\npara two\n\n" * 200)

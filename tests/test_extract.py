@@ -747,10 +747,10 @@ def test_resume_with_another_template_flag_is_refused(flagged, chats_sample_path
                                                       tmp_path, change, named):
     """A resume with one template flag changed is refused, naming that flag's entry and nothing
     else but what it implies; the cache is left byte-identical."""
-    from dflash.shared import toy
+    from dflash.eval.toy_tokenizer import chat_template
 
     other_template = tmp_path / "toy.jinja"
-    other_template.write_text(toy.chat_template(generation_tags=True))
+    other_template.write_text(chat_template(generation_tags=True))
     value = {"chat_template": str(other_template), "template_kwargs": {"enable_thinking": True},
              "end_of_turn": "<|im_end|>"}[change]
     same = flagged_config(chats_sample_path, tiny_target_dir, template_file, flagged)

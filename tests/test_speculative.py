@@ -1,6 +1,6 @@
 """Online speculative decoding (dflash.eval.speculative): lossless against plain greedy,
 KV-crop / accept bookkeeping with perfect proposals, loud failure on a mismatch, and the
-export / checkpoint loading paths. Tiny random target from shared/toy.py, CPU only."""
+export / checkpoint loading paths. Tiny random target from tests/toy_target.py, CPU only."""
 
 from __future__ import annotations
 

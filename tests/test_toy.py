@@ -3,7 +3,9 @@ import json
 import pytest
 import torch
 
-from dflash.shared import toy
+from toy_target import build_qwen3
+
+from dflash.eval import toy_tokenizer as toy
 
 
 def test_tokenizer_special_tokens(tiny_tokenizer):
@@ -72,9 +74,9 @@ def test_toy_target_is_seeded(tmp_path, tiny_tokenizer):
     from safetensors.torch import load_file
 
     rng_state = torch.random.get_rng_state()
-    a = load_file(toy.build_qwen3(tmp_path / "a", tiny_tokenizer, num_hidden_layers=1) / "model.safetensors")
-    b = load_file(toy.build_qwen3(tmp_path / "b", tiny_tokenizer, num_hidden_layers=1) / "model.safetensors")
-    c = load_file(toy.build_qwen3(tmp_path / "c", tiny_tokenizer, num_hidden_layers=1, seed=1) / "model.safetensors")
+    a = load_file(build_qwen3(tmp_path / "a", tiny_tokenizer, num_hidden_layers=1) / "model.safetensors")
+    b = load_file(build_qwen3(tmp_path / "b", tiny_tokenizer, num_hidden_layers=1) / "model.safetensors")
+    c = load_file(build_qwen3(tmp_path / "c", tiny_tokenizer, num_hidden_layers=1, seed=1) / "model.safetensors")
     assert torch.equal(torch.random.get_rng_state(), rng_state)  # global RNG untouched
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     assert any(not torch.equal(a[k], c[k]) for k in a)
@@ -83,18 +85,18 @@ def test_toy_target_is_seeded(tmp_path, tiny_tokenizer):
 def test_toy_target_bf16_and_tied(tmp_path, tiny_tokenizer):
     from transformers import AutoModelForCausalLM
 
-    path = toy.build_qwen3(tmp_path, tiny_tokenizer, num_hidden_layers=1, tie_word_embeddings=True, dtype=torch.bfloat16)
+    path = build_qwen3(tmp_path, tiny_tokenizer, num_hidden_layers=1, tie_word_embeddings=True, dtype=torch.bfloat16)
     model = AutoModelForCausalLM.from_pretrained(path, dtype="auto")
     assert model.dtype == torch.bfloat16
     assert model.get_input_embeddings().weight.data_ptr() == model.get_output_embeddings().weight.data_ptr()
 
 
-def test_committed_samples_match_generator(tmp_path, chats_sample_path, chats_sharegpt_sample_path):
-    toy.write_sample_datasets(tmp_path)
-    assert (tmp_path / "chats_sample.jsonl").read_bytes() == chats_sample_path.read_bytes()
-    assert (tmp_path / "chats_sharegpt_sample.jsonl").read_bytes() == chats_sharegpt_sample_path.read_bytes()
+def test_committed_samples(chats_sample_path, chats_sharegpt_sample_path):
+    """What the tests need of data/: single and multi-turn chats, system prompts, both formats."""
     rows = [json.loads(line) for line in chats_sample_path.read_text().splitlines()]
     assert len(rows) == 40
     turns = [sum(m["role"] == "assistant" for m in r["messages"]) for r in rows]
     assert min(turns) == 1 and max(turns) > 1
     assert any(r["messages"][0]["role"] == "system" for r in rows)
+    shared = [json.loads(line) for line in chats_sharegpt_sample_path.read_text().splitlines()]
+    assert len(shared) == 10 and all({m["from"] for m in r["conversations"]} >= {"human", "gpt"} for r in shared)
