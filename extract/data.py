@@ -30,7 +30,7 @@ import hashlib
 import json
 import logging
 from collections import Counter
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -293,17 +293,6 @@ def guard(on_bad_row: OnBadRow, skips: SkipCounter, fn: Callable, /, *args, **kw
             raise
         skips.record(err)
     return None
-
-
-def iter_conversations(
-    rows: Iterable[dict], source: str, *, on_bad_row: OnBadRow = "error", skips: SkipCounter | None = None
-) -> Iterator[Conversation]:
-    """Normalise rows in order, applying the bad-row policy (skips land in `skips`)."""
-    skips = SkipCounter() if skips is None else skips
-    for index, row in enumerate(rows):
-        conv = guard(on_bad_row, skips, normalize_row, row, index, source)
-        if conv is not None:
-            yield conv
 
 
 # ---------------------------------------------------------------------------------

@@ -8,6 +8,15 @@ from dflash.extract.data import Conversation, DataError, SkipCounter
 SRC = "data/x.jsonl"
 
 
+def iter_conversations(rows, source, *, on_bad_row="error", skips=None):
+    """Rows normalised in order under the bad-row policy, as planning applies it."""
+    skips = SkipCounter() if skips is None else skips
+    for index, row in enumerate(rows):
+        conv = D.guard(on_bad_row, skips, D.normalize_row, row, index, source)
+        if conv is not None:
+            yield conv
+
+
 def _write_jsonl(path, rows):
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return path
@@ -198,7 +207,7 @@ def _mixed_rows():
 
 def test_skip_policy_counts_every_reason():
     skips = SkipCounter()
-    convs = list(D.iter_conversations(_mixed_rows(), SRC, on_bad_row="skip", skips=skips))
+    convs = list(iter_conversations(_mixed_rows(), SRC, on_bad_row="skip", skips=skips))
     assert [c.row_index for c in convs] == [0, 2, 6]
     assert skips.to_dict() == {"missing_columns": 1, "no_assistant_turn": 1, "unknown_role": 2}
     assert skips.total == 4
@@ -208,7 +217,7 @@ def test_skip_policy_counts_every_reason():
 
 def test_error_policy_raises_on_first_bad_row():
     with pytest.raises(DataError, match="row 1: unknown role 'robot'"):
-        list(D.iter_conversations(_mixed_rows(), SRC, on_bad_row="error"))
+        list(iter_conversations(_mixed_rows(), SRC, on_bad_row="error"))
 
 
 def test_guard_always_counts_skipped_samples():
@@ -367,7 +376,7 @@ def test_load_sample_datasets(chats_sample_path, chats_sharegpt_sample_path, cac
     for path, n in [(chats_sample_path, 40), (chats_sharegpt_sample_path, 10)]:
         ds = D.load_source(str(path), cache_dir=cache_dir)
         skips = SkipCounter()
-        convs = list(D.iter_conversations(ds, str(path), on_bad_row="skip", skips=skips))
+        convs = list(iter_conversations(ds, str(path), on_bad_row="skip", skips=skips))
         assert len(convs) == n and skips.total == 0
 
 

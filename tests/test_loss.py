@@ -9,6 +9,12 @@ import torch.nn.functional as F
 from dflash.train import loss as L
 
 
+def weighted_ce(*args, **kwargs):
+    """``chunked_block_loss`` as CE only: (loss, per-row argmax-correct flags)."""
+    out = L.chunked_block_loss(*args, **kwargs)
+    return out.loss, out.correct
+
+
 # ---------------------------------------------------------------------------- labels
 
 
@@ -90,7 +96,7 @@ def test_chunked_ce_matches_float64_reference(chunk_size):
     # make some rows argmax-correct
     hidden[1] = weight[labels[1]] * 4
     h = hidden.clone().requires_grad_(True)
-    loss, correct = L.chunked_weighted_ce(h, weight, labels, weights, chunk_size=chunk_size)
+    loss, correct = weighted_ce(h, weight, labels, weights, chunk_size=chunk_size)
     (loss * 2.5).backward()
     ref_loss, ref_grad, ref_correct = reference_ce(hidden, weight, labels, weights)
     torch.testing.assert_close(loss.double(), ref_loss, atol=1e-5, rtol=1e-5)
@@ -102,7 +108,7 @@ def test_chunked_ce_matches_float64_reference(chunk_size):
 def test_chunked_ce_all_zero_weights():
     hidden, weight, labels, weights = ce_case(0)
     h = hidden.clone().requires_grad_(True)
-    loss, _ = L.chunked_weighted_ce(h, weight, labels, torch.zeros_like(weights), chunk_size=8)
+    loss, _ = weighted_ce(h, weight, labels, torch.zeros_like(weights), chunk_size=8)
     loss.backward()
     assert loss.item() == 0.0
     assert torch.equal(h.grad, torch.zeros_like(h))
@@ -110,19 +116,19 @@ def test_chunked_ce_all_zero_weights():
 
 def test_chunked_ce_explicit_denominator_and_no_grad():
     hidden, weight, labels, weights = ce_case(1)
-    loss_default, _ = L.chunked_weighted_ce(hidden, weight, labels, weights, chunk_size=10)
+    loss_default, _ = weighted_ce(hidden, weight, labels, weights, chunk_size=10)
     w = torch.where(labels >= 0, weights, torch.zeros(()))
-    loss_global, _ = L.chunked_weighted_ce(hidden, weight, labels, weights, chunk_size=10, denominator=2 * w.sum())
+    loss_global, _ = weighted_ce(hidden, weight, labels, weights, chunk_size=10, denominator=2 * w.sum())
     torch.testing.assert_close(loss_global, loss_default / 2)
     with torch.no_grad():
-        loss_ng, _ = L.chunked_weighted_ce(hidden.requires_grad_(True), weight, labels, weights)
+        loss_ng, _ = weighted_ce(hidden.requires_grad_(True), weight, labels, weights)
     torch.testing.assert_close(loss_ng, loss_default)
 
 
 def test_chunked_ce_bf16_head_close_to_reference():
     hidden, weight, labels, weights = ce_case(2)
     h = hidden.clone().requires_grad_(True)
-    loss, _ = L.chunked_weighted_ce(h, weight.bfloat16(), labels, weights, chunk_size=9)
+    loss, _ = weighted_ce(h, weight.bfloat16(), labels, weights, chunk_size=9)
     loss.backward()
     ref_loss, ref_grad, _ = reference_ce(hidden, weight.bfloat16().float(), labels, weights)
     torch.testing.assert_close(loss.double(), ref_loss, atol=5e-2, rtol=2e-2)
@@ -133,14 +139,7 @@ def test_chunked_ce_bf16_head_close_to_reference():
 def test_chunked_ce_refuses_trainable_head():
     hidden, weight, labels, weights = ce_case(3)
     with pytest.raises(ValueError, match="frozen"):
-        L.chunked_weighted_ce(hidden, weight.requires_grad_(True), labels, weights)
-
-
-def test_accuracy_per_slot():
-    correct = torch.tensor([[[False, True, False], [False, True, True]]])
-    weights = torch.tensor([[[0.0, 1.0, 0.5], [0.0, 1.0, 0.0]]])
-    acc = L.accuracy_per_slot(correct, weights)
-    assert math.isnan(acc[0]) and acc[1] == 1.0 and acc[2] == 0.0
+        weighted_ce(hidden, weight.requires_grad_(True), labels, weights)
 
 
 # ---------------------------------------------------------------------------- distillation from the top-k
@@ -216,7 +215,7 @@ def test_kd_needs_topk_and_no_kd_ignores_it():
     with pytest.raises(ValueError, match="topk"):
         L.chunked_block_loss(hidden, weight, labels, weights, kd_coef=1.0)
     ids, logprobs = target_topk(5, hidden.shape[0], weight.shape[0], 3)
-    plain, _ = L.chunked_weighted_ce(hidden, weight, labels, weights)
+    plain, _ = weighted_ce(hidden, weight, labels, weights)
     out = L.chunked_block_loss(hidden, weight, labels, weights, ids, logprobs, 1.0, 0.0)
     torch.testing.assert_close(out.loss, plain)
     assert out.kl.item() == 0.0

@@ -10,7 +10,6 @@ drafts, so it is tested for.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
@@ -218,29 +217,3 @@ def chunked_block_loss(
             topk_logprobs if kd_coef != 0 else None, float(ce_coef), float(kd_coef), int(chunk_size),
             denominator, need_grad)
     return BlockLoss(loss, correct, ce, kl)
-
-
-def chunked_weighted_ce(
-    hidden: torch.Tensor,
-    lm_head_weight: torch.Tensor,
-    labels: torch.Tensor,
-    weights: torch.Tensor,
-    chunk_size: int = 2048,
-    denominator: float | torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``sum(w * CE(hidden @ W.T, labels)) / sum(w)`` and per-row argmax-correct flags:
-    ``chunked_block_loss`` without the KL. Returns (loss scalar float32, correct (M,) bool)."""
-    out = chunked_block_loss(hidden, lm_head_weight, labels, weights, chunk_size=chunk_size, denominator=denominator)
-    return out.loss, out.correct
-
-
-def accuracy_per_slot(correct: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-    """Fraction of supervised rows predicted right at each block slot, (B,) float.
-
-    correct, weights: (..., B) with slots on the last dim; slots with no supervised row
-    give NaN.
-    """
-    supervised = (weights > 0).reshape(-1, weights.shape[-1]).float()
-    hits = (correct.reshape(-1, weights.shape[-1]).float() * supervised).sum(0)
-    count = supervised.sum(0)
-    return hits / count.where(count > 0, torch.full_like(count, math.nan))
