@@ -2,7 +2,7 @@
 
 Every function returns plain, JSON-serialisable dicts; ``cache_cli`` only formats them.
 Only committed data is ever read (see the commit protocol in ``cache.py``), and data is
-read in whole chunks, because each synchronous zarr read costs ~1.3 ms however small.
+read in whole chunks, because each synchronous zarr read has a fixed cost however small.
 Integrity checks live in ``verify.py``.
 """
 

@@ -51,9 +51,9 @@ _allow_uncompiled_flex = False
 def allow_uncompiled_flex(allowed: bool = True) -> None:
     """Let ``attend``/``build_mask`` run flex eagerly instead of compiled.
 
-    Eager flex materialises the full score matrix (28.5 GB where compiled needs 0.4 GB
-    at ctx 4096, 256 blocks x 16, 32 heads, measured on one H200), so it is only for
-    tests and debugging, and only when asked for.
+    Eager flex materialises the full score matrix (tens of GB at training shapes where
+    compiled flex needs well under one), so it is only for tests and debugging, and only
+    when asked for.
     """
     global _allow_uncompiled_flex
     _allow_uncompiled_flex = bool(allowed)
@@ -219,9 +219,9 @@ def dflash_block_mask(anchors: torch.Tensor, block_valid: torch.Tensor, ctx_len:
     """The flex ``BlockMask`` of the DFlash mask, built from ``tile_maps`` with plain tensor
     ops: no ``create_block_mask``, so nothing compiles and no dense (Q, KV) grid exists.
 
-    ``create_block_mask`` evaluates mask_mod on every (q, kv) pair to find the same tiles;
-    compiled, it took over three minutes of Triton compilation on the H200 at Qwen3-8B
-    training shapes, and eagerly it materialises the grid. Partial tiles still apply
+    ``create_block_mask`` evaluates mask_mod on every (q, kv) pair to find the same tiles:
+    compiled, it spends minutes in Triton compilation at Qwen3-8B training shapes
+    (BENCHMARKS.md), and eagerly it materialises the grid. Partial tiles still apply
     ``mask_mod`` inside flex, so the attention is exact whatever the tiling says.
     """
     q_len = anchors.shape[1] * int(block_size)
@@ -263,7 +263,7 @@ def _attend_flex(q, k, v, block_mask, scale, enable_gqa):
     if torch.compiler.is_compiling():
         # Inside the compiled drafter dynamo lowers flex_attention into the drafter's own
         # graph. Reaching for the lazily created global instead made dynamo guard on it
-        # being None, so the first step after warm-up recompiled (found on the H200).
+        # being None, so the first step after warm-up recompiled.
         return flex_attention(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=enable_gqa)
     if _allow_uncompiled_flex:
         with warnings.catch_warnings():
