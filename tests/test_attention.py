@@ -134,14 +134,18 @@ def eager_flex():
     attention.allow_uncompiled_flex(False)
 
 
-def test_flex_forward_matches_dense_on_cpu(eager_flex):
-    gen = torch.Generator().manual_seed(2)
+def _flex_and_dense(seed):
+    """(flex output, dense output, dense mask, q) of one random case through both backends."""
+    gen = torch.Generator().manual_seed(seed)
     case = random_case(gen)
     dense = attention.build_mask("dense", *case)
     block_mask = attention.build_mask("flex", *case)
     q, k, v = _random_qkv(gen, dense)
-    out_flex = attention.attend(q, k, v, block_mask, scale=0.25)
-    out_dense = attention.attend(q, k, v, dense, scale=0.25)
+    return attention.attend(q, k, v, block_mask, scale=0.25), attention.attend(q, k, v, dense, scale=0.25), dense, q
+
+
+def test_flex_forward_matches_dense_on_cpu(eager_flex):
+    out_flex, out_dense, dense, q = _flex_and_dense(2)
     torch.testing.assert_close(out_flex, out_dense, atol=1e-5, rtol=1e-5)
     dead_rows = (~dense.any(-1)).expand(-1, q.shape[1], -1)
     assert dead_rows.any() and (out_flex[dead_rows] == 0).all()
@@ -150,13 +154,7 @@ def test_flex_forward_matches_dense_on_cpu(eager_flex):
 @pytest.mark.slow
 @pytest.mark.skipif(not os.environ.get("DFLASH_SLOW_TESTS"), reason="compiles flex on CPU (3-25 s); set DFLASH_SLOW_TESTS=1")
 def test_compiled_flex_forward_matches_dense_on_cpu():
-    gen = torch.Generator().manual_seed(3)
-    case = random_case(gen)
-    dense = attention.build_mask("dense", *case)
-    block_mask = attention.build_mask("flex", *case)
-    q, k, v = _random_qkv(gen, dense)
-    out_flex = attention.attend(q, k, v, block_mask, scale=0.25)
-    out_dense = attention.attend(q, k, v, dense, scale=0.25)
+    out_flex, out_dense, _, _ = _flex_and_dense(3)
     torch.testing.assert_close(out_flex, out_dense, atol=1e-5, rtol=1e-5)
 
 
