@@ -2,7 +2,7 @@
 
     python bench/matmul_peak.py
 
-Printed beside every GPU session's figures, so that MFU measured on an H100 and on an
+Printed beside every GPU run's figures (``bench/gpu.sh``), so that MFU measured on an H100 and on an
 H200 can each be read against the card they ran on (train_bench reports ``mfu_vs_790``,
 the H200 figure).
 """

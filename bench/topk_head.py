@@ -6,10 +6,10 @@ batch of 8192 token states, in chunks of 1024 tokens as ``TargetRunner`` runs it
 * ``logits``: the matmul alone (what HF's forward does; the floor);
 * ``fp32_log_softmax_topk``: fp32 log_softmax over the vocabulary, then ``topk`` of it;
 * ``topk_logits_gather``: ``topk`` of the bf16 logits, fp32 log_softmax gathered at those
-  ids (``extract/target.py`` from f604133 on);
+  ids (``TargetRunner`` without a compiled head, e.g. on the CPU);
 * with ``--compiled``, ``topk_logits_compiled_lse``: ``topk`` of the bf16 logits minus a
-  log-sum-exp from one compiled reduction, no fp32 copy of the logits (``extract/target.py``
-  on CUDA now: ``TargetRunner`` with ``head_backend='inductor'``, its row count dynamic).
+  log-sum-exp from one compiled reduction, no fp32 copy of the logits (``TargetRunner`` on
+  CUDA, ``head_backend='inductor'``, its row count dynamic).
 
 Prints the median milliseconds per batch of each, and how far the two top-k ways agree
 (same ids in the same order, same values).
