@@ -286,7 +286,7 @@ class Split:
 
         The cache stores each shard's samples longest first (extract/plan.py), so its
         last samples are the shortest ones of the last shard: a biased held-out set (on
-        the demo cache 29 tokens long against 70 on average) that also changes with the
+        the demo cache under half the average length) that also changes with the
         number of extraction workers. Selecting by source row gives the same held-out
         rows for any worker count. Without ``source_index``, the last samples of the cache.
         """
