@@ -20,7 +20,10 @@ export PYTHONPATH=/tmp/site:$PWD/_ns PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 { nproc; nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
   python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)"
-  df -h /tmp | tail -1; } > "$OUT/machine.txt" 2>&1
+  df -h /tmp | tail -1
+  for m in torch transformers; do  # a second import of each: files cached, as a warm start finds them
+    python3 -c "import $m" && python3 -c "import time; t = time.perf_counter(); import $m; print('import $m', round(time.perf_counter() - t, 2), 's')"
+  done; } > "$OUT/machine.txt" 2>&1
 cat "$OUT/machine.txt"
 work=$1; shift
 old_args=()
