@@ -46,12 +46,13 @@ def fake_target(path: Path, hidden: int, layers: int, vocab: int, intermediate: 
               str(path / "model.safetensors"))
 
 
-def fake_cache(path: Path, layer_ids, hidden: int, layers: int, vocab: int, n: int, length: int, min_length: int):
+def fake_cache(path: Path, layer_ids, hidden: int, layers: int, vocab: int, n: int, length: int, min_length: int,
+               tokenizer_hash: str | None = None):
     from dflash.shared import cache as C
 
     spec = C.CacheSpec(layer_ids=list(layer_ids), hidden_size=hidden, topk=1, vocab_size=vocab,
                        num_target_layers=layers, max_length=length, truncation="right", chunk_tokens=256,
-                       fingerprint={"tokenizer": {"hash": None}})
+                       fingerprint={"tokenizer": {"hash": tokenizer_hash}})
     root = C.create_or_open_cache(str(path), spec)
     rng = np.random.default_rng(0)
     lengths = rng.integers(min_length, length + 1, n) if min_length < length else np.full(n, length)

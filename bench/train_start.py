@@ -6,10 +6,15 @@ Builds a fake Qwen3-8B-shaped target and a random cache (``bench/train_loop.py``
 the compile cache folder first, ``warm`` keeps what the runs before it left there. For
 each process: seconds from its spawn to the log line of step 1 (which waits for the
 step's GPU work), the warm-up's own seconds and graphs, the compile cache's hits and
-misses, and the median step time of the steps after the first.
+misses, and the median step time of the steps after the first. ``old-cold`` / ``old-warm``
+run the code found at ``--old-path`` (a folder put first on PYTHONPATH, holding another
+version of the ``dflash`` package) on the same cache and compile folder: before and after
+in one call. The target gets a small tokenizer (``--no-tokenizer``: weights and config
+only), whose hash the cache records, so every start checks it as a real one would.
 
     python bench/train_start.py --out /tmp/ts --runs cold,warm,warm
     python bench/train_start.py --out /tmp/ts3 --min-ctx 200 --runs cold,warm --steps 5   # all 3 buckets
+    python bench/train_start.py --out /tmp/ts --runs cold,warm,old-warm --old-path /tmp/old_ns
 """
 
 from __future__ import annotations
@@ -29,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from train_loop import fake_cache, fake_target  # noqa: E402
 
 
-def run_once(args, out: Path, name: str, log_dir: Path) -> dict:
+def run_once(args, out: Path, name: str, log_dir: Path, old: bool = False) -> dict:
     """One ``dflash-train run`` process; its output lines are timestamped as they arrive."""
     run_dir = out / f"run_{name}"
     shutil.rmtree(run_dir, ignore_errors=True)
@@ -38,15 +43,21 @@ def run_once(args, out: Path, name: str, log_dir: Path) -> dict:
            "--max-anchors", str(args.anchors), "--batch-size", str(args.batch_size), "--micro-batch-size", "1",
            "--eval-samples", "1", "--max-steps", str(args.steps + 1), "--stop-after", str(args.steps),
            "--log-every", "1", "--eval-every", "1000000", "--save-every", "1000000",
-           "--mask-token-id", str(args.vocab - 1), "--progress", "false", "--tensorboard", "false",
+           "--progress", "false", "--tensorboard", "false",
            "--resume", "none", "--compile-cache", str(args.compile_cache)]
+    if not args.tokenizer:  # else the tokenizer's <|MASK|>
+        cmd += ["--mask-token-id", str(args.vocab - 1)]
     env = dict(os.environ, PYTHONUNBUFFERED="1")
+    if old:
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (args.old_path, env.get("PYTHONPATH")) if p)
     t0 = time.perf_counter()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
-    lines, first_step_s, warm_line_s = [], None, None
+    lines, first_step_s, warm_line_s, buckets_line_s = [], None, None, None
     for line in proc.stdout:
         now = time.perf_counter() - t0
         lines.append(f"{now:8.2f} {line.rstrip()}")
+        if buckets_line_s is None and "context buckets compiled" in line:
+            buckets_line_s = now
         if first_step_s is None and re.search(r"\btrain step 1 \|", line):
             first_step_s = now
         if warm_line_s is None and "warm-up compiled" in line:
@@ -66,6 +77,7 @@ def run_once(args, out: Path, name: str, log_dir: Path) -> dict:
     steady = rows[1:]
     return {
         "run": name, "rc": rc, "spawn_to_first_step_s": round(first_step_s, 1) if first_step_s else None,
+        "spawn_to_buckets_s": round(buckets_line_s, 1) if buckets_line_s else None,
         "spawn_to_warm_up_done_s": round(warm_line_s, 1) if warm_line_s else None,
         "warm_up_s": float(warm.group(3)) if warm else None,
         "warm_up_graphs": int(warm.group(1)) if warm else None,
@@ -98,6 +110,9 @@ def main():
     p.add_argument("--samples", type=int, default=12)
     p.add_argument("--batch-size", type=int, default=4)
     p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--old-path", default=None, help="PYTHONPATH entry with the code the old-* runs use")
+    p.add_argument("--no-tokenizer", dest="tokenizer", action="store_false",
+                   help="the target folder holds weights and config only")
     args = p.parse_args()
     out = Path(args.out)
     results = Path(args.results or out)
@@ -107,21 +122,31 @@ def main():
     if not (out / "cache.zarr").exists():
         out.mkdir(parents=True, exist_ok=True)
         fake_target(out / "target", args.hidden, 36, args.vocab, args.intermediate, args.heads, args.kv_heads)
+        tokenizer_hash = None
+        if args.tokenizer:
+            from dflash.shared import toy
+            from dflash.shared.fingerprint import tokenizer_fingerprint
+
+            tokenizer_hash = tokenizer_fingerprint(toy.build_tokenizer(out / "target"))["hash"]
         lengths = fake_cache(out / "cache.zarr", [1, 9, 17, 25, 33], args.hidden, 36, args.vocab, args.samples,
-                             args.ctx, args.min_ctx)
+                             args.ctx, args.min_ctx, tokenizer_hash)
         print(f"setup {time.time() - t:.1f} s; lengths {int(lengths.min())}..{int(lengths.max())}", flush=True)
     summary = []
     for i, kind in enumerate(args.runs.split(",")):
-        if kind == "cold":
+        old = kind.startswith("old-")
+        if kind.removeprefix("old-") == "cold":
             shutil.rmtree(args.compile_cache, ignore_errors=True)
-        elif kind != "warm":
-            raise SystemExit(f"--runs: unknown kind {kind!r} (cold|warm)")
-        r = run_once(args, out, f"{i}_{kind}", results)
+        elif kind.removeprefix("old-") != "warm":
+            raise SystemExit(f"--runs: unknown kind {kind!r} (cold|warm|old-cold|old-warm)")
+        if old and not args.old_path:
+            raise SystemExit(f"--runs {kind} needs --old-path")
+        r = run_once(args, out, f"{i}_{kind}", results, old)
         summary.append(r)
         print(json.dumps(r), flush=True)
         (results / "results.json").write_text(json.dumps(summary, indent=1))
     for r in summary:
-        print(f"{r['run']:>8}: first step {r['spawn_to_first_step_s']} s after spawn (warm-up {r['warm_up_s']} s, "
+        print(f"{r['run']:>10}: first step {r['spawn_to_first_step_s']} s after spawn (set-up to the buckets "
+              f"{r['spawn_to_buckets_s']} s, warm-up {r['warm_up_s']} s, "
               f"{r['warm_up_graphs']} graphs; inductor loaded/compiled {r['inductor_loaded_compiled_uncacheable']}), "
               f"step {r['median_step_s']} s, rc {r['rc']}")
 

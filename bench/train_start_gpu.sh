@@ -1,20 +1,34 @@
 #!/usr/bin/env bash
 # One device call: time to the first training step, cold and warm compile caches, at 8B shapes.
-#   bash bench/train_start_gpu.sh WORK [train_start.py args...]   (carry .whl: Python 3.12 wheels of zarr, numcodecs,
-#   donfig, google-crc32c, datasets, dill and multiprocess, which the GPU image lacks)
+#   bash bench/train_start_gpu.sh WORK [train_start.py args...]
+#   OLD=_old bash bench/train_start_gpu.sh WORK --runs cold,warm,warm,old-warm,old-warm   (before/after in one call:
+#       _old holds another version's shared/ train/ extract/ eval/ folders, e.g. from `git archive REV`)
 #   SETUP=1 bash bench/train_start_gpu.sh WORK ...   then also bench/train_setup.py (setup phases) on WORK
-# Logs and results.json go to $OUT; the machine's GPU, torch and Triton versions to $OUT/machine.txt.
+# WHL (default ../../.whl, else .whl): Python 3.12 wheels of zarr, numcodecs, donfig, google-crc32c, datasets, dill
+# and multiprocess, which the GPU image lacks. The checkout is imported as `dflash` through a folder of links
+# (_ns/dflash/train -> train, ...), no install. Logs and results.json go to $OUT; the machine's GPU, torch and
+# Triton versions to $OUT/machine.txt.
 set -u
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
-export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1
-python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . >/dev/null 2>&1 || exit 1
+WHL=${WHL:-$([ -d ../../.whl ] && echo ../../.whl || echo .whl)}
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site "$WHL"/*.whl || exit 1
+namespace() {  # namespace FOLDER SOURCE: FOLDER/dflash/{shared,train,extract,eval} -> SOURCE/...
+  mkdir -p "$1/dflash"
+  for d in shared train extract eval; do ln -sfn "$2/$d" "$1/dflash/$d"; done
+}
+namespace "$PWD/_ns" "$PWD"
+export PYTHONPATH=/tmp/site:$PWD/_ns PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 { nproc; nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
   python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)"
-  df -h /tmp | tail -1; } > "$OUT/machine.txt" 2>&1
+  df -h /tmp | tail -1
+  for m in torch transformers; do  # a second import of each: files cached, as a warm start finds them
+    python3 -c "import $m" && python3 -c "import time; t = time.perf_counter(); import $m; print('import $m', round(time.perf_counter() - t, 2), 's')"
+  done; } > "$OUT/machine.txt" 2>&1
 cat "$OUT/machine.txt"
 work=$1; shift
-timeout 470 python3 bench/train_start.py --out "$work" --results "$OUT" "$@" 2>&1 | grep -v "^INFO:torch" | tail -30
+old_args=()
+if [ -n "${OLD:-}" ]; then namespace "$PWD/_ns_old" "$PWD/$OLD"; old_args=(--old-path "$PWD/_ns_old"); fi
+timeout 470 python3 bench/train_start.py --out "$work" --results "$OUT" "${old_args[@]}" "$@" 2>&1 | grep -v "^INFO:torch" | tail -40
 if [ "${SETUP:-0}" = 1 ]; then
   timeout 90 python3 bench/train_setup.py --out "$work" 2>&1 | grep -v "^INFO:torch" | tee "$OUT/setup_phases.txt" | tail -25
 fi

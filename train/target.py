@@ -4,6 +4,7 @@ the drafter fuses (by default those the cache stores) and the MASK token's row."
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 
@@ -12,10 +13,9 @@ from dflash.shared.layers import check_layer_ids
 
 from .config import TrainConfig
 from .model import DrafterConfig
+from .tokenizer_facts import MASK_TOKEN, TokenizerFacts, as_facts, remembered_facts
 
 log = logging.getLogger("dflash.train")
-
-MASK_TOKEN = "<|MASK|>"
 
 
 class TargetNotFound(ValueError):
@@ -55,40 +55,89 @@ def resolve_target(requested: str, spec: CacheSpec, cache_path: str) -> str:
     return recorded
 
 
-def load_target_meta(target: str):
-    """(HF config, tokenizer or None) of the target; no weights are read here."""
-    from transformers import AutoConfig, AutoTokenizer
+DRAFTER_FIELDS = ("hidden_size", "num_attention_heads", "num_hidden_layers", "vocab_size", "intermediate_size",
+                  "head_dim", "num_key_value_heads", "rms_norm_eps", "max_position_embeddings", "attention_bias",
+                  "initializer_range")
+"""Decoder config fields the drafter is sized from (and RoPE's base, in one of its two layouts)."""
 
-    config = AutoConfig.from_pretrained(target)
-    files = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")
-    if os.path.isdir(target) and not any(os.path.exists(os.path.join(target, f)) for f in files):
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")
+
+
+def _has_rope_theta(text: dict) -> bool:
+    params = text.get("rope_parameters") or text.get("rope_scaling") or {}
+    return text.get("rope_theta") is not None or (isinstance(params, dict) and params.get("rope_theta") is not None)
+
+
+def config_json_text(target: str) -> dict | None:
+    """The decoder's config straight from a local folder's ``config.json`` when it states every
+    field the drafter reads (then HF's config class would fill no default), else None."""
+    path = os.path.join(target, "config.json")
+    if not os.path.isfile(path):
+        return None
+    with open(path) as f:
+        raw = json.load(f)
+    text = raw.get("text_config") if isinstance(raw.get("text_config"), dict) else raw
+    if any(text.get(name) is None for name in DRAFTER_FIELDS) or not _has_rope_theta(text):
+        return None
+    return text
+
+
+def load_target_config(target: str) -> dict:
+    """The target decoder's config as a plain dict. A local folder whose ``config.json`` states
+    every field needed is read as JSON (importing transformers' model classes takes seconds);
+    anything else goes through ``AutoConfig``, which fills the defaults of the model's class."""
+    text = config_json_text(target) if os.path.isdir(target) else None
+    if text is not None:
+        return text
+    from transformers import AutoConfig
+
+    return text_config(AutoConfig.from_pretrained(target))
+
+
+def load_target_tokenizer(target: str, memo_dir: str | os.PathLike | None = None) -> TokenizerFacts | None:
+    """What training needs of the target's tokenizer (remembered in ``memo_dir`` per content of
+    the target's folder), or None (loudly) where its folder holds none."""
+    if os.path.isdir(target) and not any(os.path.exists(os.path.join(target, f)) for f in TOKENIZER_FILES):
         # transformers 5 builds an empty tokenizer from such a folder; its hash would mean nothing
         log.warning("%s holds no tokenizer: the cache's tokenizer cannot be checked", target)
-        return config, None
+        return None
+    return remembered_facts(target, memo_dir, lambda: _load_tokenizer(target))
+
+
+def _load_tokenizer(target: str):
+    from transformers import AutoTokenizer
+
     try:
-        tokenizer = AutoTokenizer.from_pretrained(target)
+        return AutoTokenizer.from_pretrained(target)
     except Exception as e:  # a weights-only folder: the tokenizer check is skipped, loudly
         log.warning("no tokenizer loadable from %s (%s): the cache's tokenizer cannot be checked", target, e)
-        tokenizer = None
-    return config, tokenizer
+        return None
 
 
-def text_config(hf_config):
-    """The decoder's config (multimodal configs nest it)."""
-    return hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
+def load_target_meta(target: str, memo_dir: str | os.PathLike | None = None):
+    """(decoder config as a dict, tokenizer facts or None) of the target; no weights are read here."""
+    return load_target_config(target), load_target_tokenizer(target, memo_dir)
+
+
+def text_config(hf_config) -> dict:
+    """The decoder's config as a plain dict (multimodal configs nest it), from a HF config or a dict."""
+    if isinstance(hf_config, dict):
+        return hf_config["text_config"] if isinstance(hf_config.get("text_config"), dict) else hf_config
+    if hasattr(hf_config, "get_text_config"):
+        hf_config = hf_config.get_text_config()
+    return hf_config.to_dict()
 
 
 def tokenizer_mask_id(tokenizer) -> int | None:
-    """The tokenizer's <|MASK|> id, where it has one."""
-    if tokenizer is None:
-        return None
-    vocab = tokenizer.get_vocab()
-    return int(vocab[MASK_TOKEN]) if MASK_TOKEN in vocab else None
+    """The tokenizer's <|MASK|> id, where it has one (a tokenizer or its facts)."""
+    facts = as_facts(tokenizer)
+    return facts.mask_id if facts is not None else None
 
 
 def resolve_mask_token(requested: int | None, tokenizer, vocab_size: int) -> int:
     """An existing, unused embedding row: as given, else <|MASK|>, else the first padded row."""
-    tokenizer_mask = tokenizer_mask_id(tokenizer)
+    facts = as_facts(tokenizer)
+    tokenizer_mask = facts.mask_id if facts is not None else None
     if requested is not None:
         if not 0 <= requested < vocab_size:
             raise ValueError(f"mask_token_id {requested} is outside the target vocabulary [0, {vocab_size})")
@@ -98,21 +147,20 @@ def resolve_mask_token(requested: int | None, tokenizer, vocab_size: int) -> int
         return int(requested)
     if tokenizer_mask is not None:
         return tokenizer_mask
-    if tokenizer is not None and len(tokenizer) < vocab_size:  # Qwen3: 151669 = first row past the tokenizer
-        return len(tokenizer)
+    if facts is not None and facts.size < vocab_size:  # Qwen3: 151669 = first row past the tokenizer
+        return facts.size
     raise ValueError("no unused embedding row for the MASK token: the tokenizer fills the vocabulary and has "
                      f"no {MASK_TOKEN}; pass --mask-token-id")
 
 
 def check_cache(reader: CacheReader, hf_config, tokenizer, layer_ids: list[int]) -> None:
     """Refuse (CacheMismatch, every difference named) a cache that cannot train this drafter."""
-    from dflash.shared.fingerprint import tokenizer_fingerprint
-
+    facts = as_facts(tokenizer)
     text = text_config(hf_config)
     reader.check_compatible(
-        layer_ids=layer_ids, hidden_size=text.hidden_size, vocab_size=text.vocab_size,
-        tokenizer_hash=tokenizer_fingerprint(tokenizer)["hash"] if tokenizer is not None else None,
-        num_target_layers=text.num_hidden_layers,
+        layer_ids=layer_ids, hidden_size=text["hidden_size"], vocab_size=text["vocab_size"],
+        tokenizer_hash=facts.hash if facts is not None else None,
+        num_target_layers=text["num_hidden_layers"],
     )
 
 
@@ -137,5 +185,5 @@ def build_drafter_config(cfg: TrainConfig, hf_config, tokenizer, spec: CacheSpec
     text = text_config(hf_config)
     d = cfg.drafter
     layer_ids = drafter_layer_ids(d.target_layer_ids, spec)
-    mask_id = resolve_mask_token(d.mask_token_id, tokenizer, text.vocab_size)
-    return DrafterConfig.from_target_config(hf_config, layer_ids, mask_id, d.block_size, d.num_draft_layers)
+    mask_id = resolve_mask_token(d.mask_token_id, tokenizer, text["vocab_size"])
+    return DrafterConfig.from_target_config(text, layer_ids, mask_id, d.block_size, d.num_draft_layers)

@@ -1,0 +1,144 @@
+"""Lossy codecs for cached hidden states: ``[tokens, layers, D]`` bf16 <-> compact bytes + scales.
+
+* ``fp8``: float8 e4m3 with one scale per (token, layer), the row's absolute maximum over
+  448 (e4m3's largest value): 1 byte per value, a float's relative precision (3 mantissa
+  bits) whatever the row's outliers.
+* ``int8`` / ``int4``: symmetric integers with one scale per group of ``group_size``
+  consecutive channels (absolute maximum over 127 or 7): 1 or 1/2 byte per value. An
+  outlier channel sets the step of its whole group, so the group's other channels lose
+  precision in proportion.
+
+Scales are stored as float16 (or float32), rounded up where rounding would push a value
+past the integer range, so every value's error stays within half a quantisation step.
+int4 packs two values per byte: channel 2i in the low nibble, 2i + 1 in the high one, each
+stored as ``q + 8`` (``q`` in [-7, 7]). The lossless stage (byte shuffle + zstd) runs after
+these, in the cache writer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+MODES = ("fp8", "int8", "int4")
+_QMAX = {"int8": 127, "int4": 7}
+_FP8 = torch.float8_e4m3fn
+_FP8_MAX = float(torch.finfo(_FP8).max)  # 448
+_SCALE_DTYPES = {"float16": torch.float16, "float32": torch.float32}
+
+
+@dataclass(frozen=True)
+class HiddenCodec:
+    """How hidden states are quantised before the lossless stage."""
+
+    mode: str = "fp8"
+    """'fp8' (e4m3, a scale per token and layer), 'int8' or 'int4' (a scale per channel group)."""
+    group_size: int = 128
+    """Channels sharing one scale in the int modes (must divide the hidden size; even for int4)."""
+    scale_dtype: str = "float16"
+    """dtype the scales are stored in: 'float16' or 'float32'."""
+
+    def __post_init__(self):
+        if self.mode not in MODES:
+            raise ValueError(f"hidden codec mode {self.mode!r}: expected one of {MODES}")
+        if self.scale_dtype not in _SCALE_DTYPES:
+            raise ValueError(f"hidden codec scale_dtype {self.scale_dtype!r}: expected one of {sorted(_SCALE_DTYPES)}")
+        if self.mode != "fp8" and (self.group_size < 1 or (self.mode == "int4" and self.group_size % 2)):
+            raise ValueError(f"hidden codec group_size {self.group_size}: must be positive"
+                             + (" and even for int4 (two values per byte)" if self.mode == "int4" else ""))
+
+    def check_hidden_size(self, hidden_size: int) -> None:
+        """Raise ValueError unless rows of ``hidden_size`` channels split into whole groups."""
+        if self.mode != "fp8" and hidden_size % self.group_size:
+            raise ValueError(f"hidden size {hidden_size} is not a multiple of the {self.mode} group size "
+                             f"{self.group_size}; choose a group size that divides it")
+
+    def groups(self, hidden_size: int) -> int:
+        """Scales per (token, layer) row."""
+        return 1 if self.mode == "fp8" else hidden_size // self.group_size
+
+    def payload_width(self, hidden_size: int) -> int:
+        """Payload bytes per (token, layer) row."""
+        return hidden_size // 2 if self.mode == "int4" else hidden_size
+
+    def bytes_per_token(self, num_layers: int, hidden_size: int) -> int:
+        """Encoded bytes of one token's hidden states (payload + scales), before the lossless stage."""
+        self.check_hidden_size(hidden_size)
+        scale_bytes = _SCALE_DTYPES[self.scale_dtype].itemsize
+        return num_layers * (self.payload_width(hidden_size) + self.groups(hidden_size) * scale_bytes)
+
+
+@dataclass
+class EncodedHidden:
+    """One encoded array: ``payload`` uint8 ``[T, L, payload_width]``, ``scales`` ``[T, L, groups]``."""
+
+    payload: torch.Tensor
+    scales: torch.Tensor
+
+    def nbytes(self) -> int:
+        return self.payload.numel() * self.payload.element_size() + self.scales.numel() * self.scales.element_size()
+
+
+def _scales(amax: torch.Tensor, qmax: float, dtype: torch.dtype) -> torch.Tensor:
+    """amax / qmax in ``dtype``, rounded up where the cast rounded down (so |x| / scale <= qmax);
+    0 for all-zero groups. Raises where the scale does not fit ``dtype``."""
+    exact = amax.double() / qmax
+    stored = exact.to(dtype)
+    if not torch.isfinite(stored).all():
+        raise ValueError(f"hidden state magnitude {float(amax.max()):.3g} overflows {dtype} scales; "
+                         "use scale_dtype float32")
+    low = stored.double() < exact
+    if low.any():
+        stored = torch.where(low, torch.nextafter(stored, torch.tensor(float("inf"), dtype=dtype)), stored)
+    return stored
+
+
+def encode(codec: HiddenCodec, hidden: torch.Tensor) -> EncodedHidden:
+    """``[T, L, D]`` float (bf16 as cached) -> payload + scales."""
+    if hidden.dim() != 3:
+        raise ValueError(f"hidden states must be [tokens, layers, D], got shape {tuple(hidden.shape)}")
+    if not hidden.is_floating_point():
+        raise ValueError(f"hidden states must be floating point, got {hidden.dtype}")
+    T, L, D = hidden.shape
+    codec.check_hidden_size(D)
+    x = hidden.float()
+    if not torch.isfinite(x).all():
+        raise ValueError("hidden states hold NaN or Inf; a lossy codec cannot encode them")
+    sdtype = _SCALE_DTYPES[codec.scale_dtype]
+    if codec.mode == "fp8":
+        scales = _scales(x.abs().amax(dim=-1, keepdim=True), _FP8_MAX, sdtype)  # (T, L, 1)
+        safe = torch.where(scales == 0, torch.ones_like(scales), scales).float()
+        q = (x / safe).clamp(-_FP8_MAX, _FP8_MAX).to(_FP8)
+        return EncodedHidden(q.view(torch.uint8), scales)
+    qmax = _QMAX[codec.mode]
+    G = codec.groups(D)
+    grouped = x.view(T, L, G, codec.group_size)  # (T, L, G, group)
+    scales = _scales(grouped.abs().amax(dim=-1), qmax, sdtype)  # (T, L, G)
+    safe = torch.where(scales == 0, torch.ones_like(scales), scales).float()
+    q = torch.round(grouped / safe[..., None]).clamp(-qmax, qmax).to(torch.int8).view(T, L, D)
+    if codec.mode == "int8":
+        return EncodedHidden(q.view(torch.uint8), scales)
+    nibbles = (q + 8).to(torch.uint8).view(T, L, D // 2, 2)  # 1..15
+    return EncodedHidden(nibbles[..., 0] | (nibbles[..., 1] << 4), scales)
+
+
+def decode(codec: HiddenCodec, encoded: EncodedHidden, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """payload + scales -> ``[T, L, D]`` in ``dtype`` (bf16, as training reads the cache)."""
+    payload, scales = encoded.payload, encoded.scales
+    if payload.dtype != torch.uint8 or payload.dim() != 3:
+        raise ValueError(f"payload must be uint8 [T, L, bytes], got {payload.dtype} {tuple(payload.shape)}")
+    T, L, width = payload.shape
+    D = width * 2 if codec.mode == "int4" else width
+    if tuple(scales.shape) != (T, L, codec.groups(D)):
+        raise ValueError(f"scales have shape {tuple(scales.shape)}, expected {(T, L, codec.groups(D))} "
+                         f"for {codec.mode} with D {D}")
+    s = scales.float()
+    if codec.mode == "fp8":
+        return (payload.view(_FP8).float() * s).to(dtype)
+    if codec.mode == "int8":
+        q = payload.view(torch.int8).float()
+    else:
+        q = torch.stack([payload & 0x0F, payload >> 4], dim=-1).view(T, L, D).to(torch.int8).float() - 8
+    G = codec.groups(D)
+    return (q.view(T, L, G, codec.group_size) * s[..., None]).view(T, L, D).to(dtype)
