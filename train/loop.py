@@ -181,9 +181,7 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
         # -- the cache must match the target before anything else happens
         reader = CacheReader(cfg.cache)
         cfg = dataclasses.replace(cfg, target=resolve_target(cfg.target, reader.spec, cfg.cache))
-        # the tokenizer's facts are remembered beside the compiled graphs: a second start skips loading it
-        memo = Path(rt.compile_cache).expanduser() if rt.compile_cache else compile_path.default_compile_cache()
-        hf_config, tokenizer = load_target_meta(cfg.target, memo / "tokenizers")
+        hf_config, tokenizer = load_target_meta(cfg.target)
         dcfg = build_drafter_config(cfg, hf_config, tokenizer, reader.spec)
         check_cache(reader, hf_config, tokenizer, dcfg.target_layer_ids)
         if dist_info.is_main:

@@ -13,9 +13,10 @@ from dflash.shared.layers import check_layer_ids
 
 from .config import TrainConfig
 from .model import DrafterConfig
-from .tokenizer_facts import MASK_TOKEN, TokenizerFacts, as_facts, remembered_facts
 
 log = logging.getLogger("dflash.train")
+
+MASK_TOKEN = "<|MASK|>"
 
 
 class TargetNotFound(ValueError):
@@ -94,17 +95,12 @@ def load_target_config(target: str) -> dict:
     return text_config(AutoConfig.from_pretrained(target))
 
 
-def load_target_tokenizer(target: str, memo_dir: str | os.PathLike | None = None) -> TokenizerFacts | None:
-    """What training needs of the target's tokenizer (remembered in ``memo_dir`` per content of
-    the target's folder), or None (loudly) where its folder holds none."""
+def load_target_tokenizer(target: str):
+    """The target's tokenizer, or None (loudly) where its folder holds none."""
     if os.path.isdir(target) and not any(os.path.exists(os.path.join(target, f)) for f in TOKENIZER_FILES):
         # transformers 5 builds an empty tokenizer from such a folder; its hash would mean nothing
         log.warning("%s holds no tokenizer: the cache's tokenizer cannot be checked", target)
         return None
-    return remembered_facts(target, memo_dir, lambda: _load_tokenizer(target))
-
-
-def _load_tokenizer(target: str):
     from transformers import AutoTokenizer
 
     try:
@@ -114,9 +110,9 @@ def _load_tokenizer(target: str):
         return None
 
 
-def load_target_meta(target: str, memo_dir: str | os.PathLike | None = None):
-    """(decoder config as a dict, tokenizer facts or None) of the target; no weights are read here."""
-    return load_target_config(target), load_target_tokenizer(target, memo_dir)
+def load_target_meta(target: str):
+    """(decoder config as a dict, tokenizer or None) of the target; no weights are read here."""
+    return load_target_config(target), load_target_tokenizer(target)
 
 
 def text_config(hf_config) -> dict:
@@ -129,15 +125,16 @@ def text_config(hf_config) -> dict:
 
 
 def tokenizer_mask_id(tokenizer) -> int | None:
-    """The tokenizer's <|MASK|> id, where it has one (a tokenizer or its facts)."""
-    facts = as_facts(tokenizer)
-    return facts.mask_id if facts is not None else None
+    """The tokenizer's <|MASK|> id, where it has one."""
+    if tokenizer is None:
+        return None
+    vocab = tokenizer.get_vocab()
+    return int(vocab[MASK_TOKEN]) if MASK_TOKEN in vocab else None
 
 
 def resolve_mask_token(requested: int | None, tokenizer, vocab_size: int) -> int:
     """An existing, unused embedding row: as given, else <|MASK|>, else the first padded row."""
-    facts = as_facts(tokenizer)
-    tokenizer_mask = facts.mask_id if facts is not None else None
+    tokenizer_mask = tokenizer_mask_id(tokenizer)
     if requested is not None:
         if not 0 <= requested < vocab_size:
             raise ValueError(f"mask_token_id {requested} is outside the target vocabulary [0, {vocab_size})")
@@ -147,19 +144,20 @@ def resolve_mask_token(requested: int | None, tokenizer, vocab_size: int) -> int
         return int(requested)
     if tokenizer_mask is not None:
         return tokenizer_mask
-    if facts is not None and facts.size < vocab_size:  # Qwen3: 151669 = first row past the tokenizer
-        return facts.size
+    if tokenizer is not None and len(tokenizer) < vocab_size:  # Qwen3: 151669 = first row past the tokenizer
+        return len(tokenizer)
     raise ValueError("no unused embedding row for the MASK token: the tokenizer fills the vocabulary and has "
                      f"no {MASK_TOKEN}; pass --mask-token-id")
 
 
 def check_cache(reader: CacheReader, hf_config, tokenizer, layer_ids: list[int]) -> None:
     """Refuse (CacheMismatch, every difference named) a cache that cannot train this drafter."""
-    facts = as_facts(tokenizer)
+    from dflash.shared.fingerprint import tokenizer_fingerprint
+
     text = text_config(hf_config)
     reader.check_compatible(
         layer_ids=layer_ids, hidden_size=text["hidden_size"], vocab_size=text["vocab_size"],
-        tokenizer_hash=facts.hash if facts is not None else None,
+        tokenizer_hash=tokenizer_fingerprint(tokenizer)["hash"] if tokenizer is not None else None,
         num_target_layers=text["num_hidden_layers"],
     )
 
