@@ -79,18 +79,17 @@ def check_against_target(config: DrafterConfig, hf_config, tokenizer) -> None:
     vocabulary, and the tokenizer's <|MASK|> where it has one: SGLang refuses anything else)."""
     text = text_config(hf_config)
     problems = []
-    for name, ours, theirs in (("hidden size", config.hidden_size, text["hidden_size"]),
-                               ("vocabulary size", config.vocab_size, text["vocab_size"]),
-                               ("num_target_layers", config.num_target_layers, text["num_hidden_layers"])):
+    for name, ours, theirs in (("hidden size", config.hidden_size, text.hidden_size),
+                               ("vocabulary size", config.vocab_size, text.vocab_size),
+                               ("num_target_layers", config.num_target_layers, text.num_hidden_layers)):
         if ours != theirs:
             problems.append(f"{name}: the drafter has {ours}, the target {theirs}")
     try:
-        check_layer_ids(config.target_layer_ids, text["num_hidden_layers"])
+        check_layer_ids(config.target_layer_ids, text.num_hidden_layers)
     except ValueError as e:
         problems.append(str(e))
-    if not 0 <= config.mask_token_id < text["vocab_size"]:
-        problems.append(f"mask_token_id {config.mask_token_id} is outside the target vocabulary "
-                        f"[0, {text['vocab_size']})")
+    if not 0 <= config.mask_token_id < text.vocab_size:
+        problems.append(f"mask_token_id {config.mask_token_id} is outside the target vocabulary [0, {text.vocab_size})")
     tokenizer_mask = tokenizer_mask_id(tokenizer)
     if tokenizer_mask is not None and tokenizer_mask != config.mask_token_id:
         problems.append(f"mask_token_id {config.mask_token_id} is not the tokenizer's {MASK_TOKEN} ({tokenizer_mask})")

@@ -4,7 +4,6 @@ the drafter fuses (by default those the cache stores) and the MASK token's row."
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 
@@ -56,72 +55,27 @@ def resolve_target(requested: str, spec: CacheSpec, cache_path: str) -> str:
     return recorded
 
 
-DRAFTER_FIELDS = ("hidden_size", "num_attention_heads", "num_hidden_layers", "vocab_size", "intermediate_size",
-                  "head_dim", "num_key_value_heads", "rms_norm_eps", "max_position_embeddings", "attention_bias",
-                  "initializer_range")
-"""Decoder config fields the drafter is sized from (and RoPE's base, in one of its two layouts)."""
+def load_target_meta(target: str):
+    """(HF config, tokenizer or None) of the target; no weights are read here."""
+    from transformers import AutoConfig, AutoTokenizer
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")
-
-
-def _has_rope_theta(text: dict) -> bool:
-    params = text.get("rope_parameters") or text.get("rope_scaling") or {}
-    return text.get("rope_theta") is not None or (isinstance(params, dict) and params.get("rope_theta") is not None)
-
-
-def config_json_text(target: str) -> dict | None:
-    """The decoder's config straight from a local folder's ``config.json`` when it states every
-    field the drafter reads (then HF's config class would fill no default), else None."""
-    path = os.path.join(target, "config.json")
-    if not os.path.isfile(path):
-        return None
-    with open(path) as f:
-        raw = json.load(f)
-    text = raw.get("text_config") if isinstance(raw.get("text_config"), dict) else raw
-    if any(text.get(name) is None for name in DRAFTER_FIELDS) or not _has_rope_theta(text):
-        return None
-    return text
-
-
-def load_target_config(target: str) -> dict:
-    """The target decoder's config as a plain dict. A local folder whose ``config.json`` states
-    every field needed is read as JSON (importing transformers' model classes takes seconds);
-    anything else goes through ``AutoConfig``, which fills the defaults of the model's class."""
-    text = config_json_text(target) if os.path.isdir(target) else None
-    if text is not None:
-        return text
-    from transformers import AutoConfig
-
-    return text_config(AutoConfig.from_pretrained(target))
-
-
-def load_target_tokenizer(target: str):
-    """The target's tokenizer, or None (loudly) where its folder holds none."""
-    if os.path.isdir(target) and not any(os.path.exists(os.path.join(target, f)) for f in TOKENIZER_FILES):
+    config = AutoConfig.from_pretrained(target)
+    files = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")
+    if os.path.isdir(target) and not any(os.path.exists(os.path.join(target, f)) for f in files):
         # transformers 5 builds an empty tokenizer from such a folder; its hash would mean nothing
         log.warning("%s holds no tokenizer: the cache's tokenizer cannot be checked", target)
-        return None
-    from transformers import AutoTokenizer
-
+        return config, None
     try:
-        return AutoTokenizer.from_pretrained(target)
+        tokenizer = AutoTokenizer.from_pretrained(target)
     except Exception as e:  # a weights-only folder: the tokenizer check is skipped, loudly
         log.warning("no tokenizer loadable from %s (%s): the cache's tokenizer cannot be checked", target, e)
-        return None
+        tokenizer = None
+    return config, tokenizer
 
 
-def load_target_meta(target: str):
-    """(decoder config as a dict, tokenizer or None) of the target; no weights are read here."""
-    return load_target_config(target), load_target_tokenizer(target)
-
-
-def text_config(hf_config) -> dict:
-    """The decoder's config as a plain dict (multimodal configs nest it), from a HF config or a dict."""
-    if isinstance(hf_config, dict):
-        return hf_config["text_config"] if isinstance(hf_config.get("text_config"), dict) else hf_config
-    if hasattr(hf_config, "get_text_config"):
-        hf_config = hf_config.get_text_config()
-    return hf_config.to_dict()
+def text_config(hf_config):
+    """The decoder's config (multimodal configs nest it)."""
+    return hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
 
 
 def tokenizer_mask_id(tokenizer) -> int | None:
@@ -156,9 +110,9 @@ def check_cache(reader: CacheReader, hf_config, tokenizer, layer_ids: list[int])
 
     text = text_config(hf_config)
     reader.check_compatible(
-        layer_ids=layer_ids, hidden_size=text["hidden_size"], vocab_size=text["vocab_size"],
+        layer_ids=layer_ids, hidden_size=text.hidden_size, vocab_size=text.vocab_size,
         tokenizer_hash=tokenizer_fingerprint(tokenizer)["hash"] if tokenizer is not None else None,
-        num_target_layers=text["num_hidden_layers"],
+        num_target_layers=text.num_hidden_layers,
     )
 
 
@@ -183,5 +137,5 @@ def build_drafter_config(cfg: TrainConfig, hf_config, tokenizer, spec: CacheSpec
     text = text_config(hf_config)
     d = cfg.drafter
     layer_ids = drafter_layer_ids(d.target_layer_ids, spec)
-    mask_id = resolve_mask_token(d.mask_token_id, tokenizer, text["vocab_size"])
-    return DrafterConfig.from_target_config(text, layer_ids, mask_id, d.block_size, d.num_draft_layers)
+    mask_id = resolve_mask_token(d.mask_token_id, tokenizer, text.vocab_size)
+    return DrafterConfig.from_target_config(hf_config, layer_ids, mask_id, d.block_size, d.num_draft_layers)
