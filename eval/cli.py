@@ -23,7 +23,7 @@ from typing import Any, Literal
 
 import click
 
-from dflash.shared.cli_options import build, options, validated
+from dflash.shared.cli_options import CONTEXT_SETTINGS, build, options, validated
 
 log = logging.getLogger("dflash.eval")
 
@@ -163,7 +163,7 @@ class EvalConfig:
             raise ValueError(f"limit must be at least 1, got {self.limit}")
 
 
-@click.command(context_settings={"help_option_names": ["-h", "--help"]})
+@click.command(context_settings=CONTEXT_SETTINGS)
 @options(EvalConfig)
 def cli(**values):
     """Speculative decoding with a DFlash drafter vs plain greedy decoding of the target."""

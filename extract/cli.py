@@ -8,12 +8,12 @@ import sys
 
 import click
 
-from dflash.shared.cli_options import build, options, validated
+from dflash.shared.cli_options import CONTEXT_SETTINGS, build, options, validated
 
 from .config import ExtractConfig
 
 
-@click.command(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 120})
+@click.command(context_settings=CONTEXT_SETTINGS)
 @options(ExtractConfig)
 def main(**kw) -> None:
     """Run the target over a chat dataset and write the DFlash hidden-state cache.

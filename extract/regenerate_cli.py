@@ -9,7 +9,7 @@ from typing import Literal
 
 import click
 
-from dflash.shared.cli_options import build, options, validated
+from dflash.shared.cli_options import CONTEXT_SETTINGS, build, options, validated
 
 from .data import DataError
 from .endpoint import EndpointConfig
@@ -83,7 +83,7 @@ class RegenerateOptions:
         return RegenConfig(**common, model=self.model, batch_size=self.batch_size, device=self.device)
 
 
-@click.command(context_settings={"help_option_names": ["-h", "--help"]})
+@click.command(context_settings=CONTEXT_SETTINGS)
 @options(RegenerateOptions)
 def cli(**values):
     """Replace every assistant turn of DATA with the target's own answers (MODEL in process, or the server at

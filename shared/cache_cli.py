@@ -16,7 +16,7 @@ from typing import Any
 import click
 
 from dflash.shared import inspect as I
-from dflash.shared.cli_options import options
+from dflash.shared.cli_options import CONTEXT_SETTINGS, options
 from dflash.shared import verify as V
 from dflash.shared.cache import CacheError
 
@@ -125,7 +125,7 @@ class StatsOptions:
     """Print one JSON document instead of the report."""
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.group(context_settings=CONTEXT_SETTINGS)
 def main():
     """Inspect a dflash hidden-state cache (a Zarr v3 store)."""
 

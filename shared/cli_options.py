@@ -28,6 +28,8 @@ from click.core import ParameterSource
 
 NONE_WORDS = ("none", "null", "")
 """What an optional flag accepts for None (``--layers none``)."""
+CONTEXT_SETTINGS = {"help_option_names": ["-h", "--help"], "max_content_width": 120}
+"""The click context settings of every command (``-h`` for help, help up to 120 columns wide)."""
 
 
 @dataclass(frozen=True)

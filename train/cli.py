@@ -20,7 +20,7 @@ from pathlib import Path
 
 import click
 
-from dflash.shared.cli_options import given, options, pick, validated
+from dflash.shared.cli_options import CONTEXT_SETTINGS, given, options, pick, validated
 
 from . import config as config_mod
 from .config import ExportOptions, RunOptions, TrainConfig
@@ -45,12 +45,12 @@ def cpu_preset_warning(preset: str, device: str) -> str | None:
             "takes minutes per step on the CPU; for a CPU run use --preset tiny")
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 120})
+@click.group(context_settings=CONTEXT_SETTINGS)
 def cli():
     """Train DFlash drafters from a hidden-state cache."""
 
 
-@cli.command(context_settings={"max_content_width": 120})
+@cli.command()
 @options(RunOptions, TrainConfig)
 @click.pass_context
 def run(ctx: click.Context, **values):
