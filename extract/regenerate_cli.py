@@ -51,7 +51,7 @@ class RegenerateOptions:
     """Use the first N source rows."""
     device: str = RegenConfig.device
     """cpu, cuda or cuda:N (in process only)."""
-    on_bad_row: Literal["skip", "error"] = "skip"
+    on_bad_row: Literal["skip", "error"] = RegenConfig.on_bad_row
     """Source rows that do not normalise and requests the server rejects: skip and count them, or stop."""
     overwrite: bool = False
     """Delete OUT first instead of resuming."""
