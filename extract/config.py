@@ -60,7 +60,7 @@ class ExtractConfig:
     topk: int = 64
     """Target log-probs stored per position (top-k of log_softmax over the vocabulary)."""
     max_length: int = 3072
-    """Longest sample in tokens; longer ones are handled by `truncation`."""
+    """Longest sample in tokens; longer ones are handled by --truncation."""
     truncation: Truncation = "right"
     """Over-long samples: 'right' keeps the first max_length tokens, 'skip' drops them, 'error' stops."""
     min_length: int = 2
@@ -81,7 +81,7 @@ class ExtractConfig:
     # -- how it runs (not fingerprinted, except batch_tokens, lm_head_chunk and attn_implementation,
     #    which change padding or roundings, and the shard count that follows from the workers)
     device: Device = "cuda"
-    """'cuda' (`workers_per_gpu` workers per entry of `gpus`) or 'cpu' (`workers` processes)."""
+    """'cuda' (--workers-per-gpu workers per GPU of --gpus) or 'cpu' (--workers processes)."""
     gpus: list[int] = field(default_factory=lambda: list(DEFAULT_GPUS))
     """CUDA device indices on this node."""
     workers_per_gpu: int = 1
@@ -89,7 +89,7 @@ class ExtractConfig:
     processes, two workers per GPU were the way to double the writers (0.80 against 0.79 for
     one, each paying model loading); with them one worker per GPU is enough (BENCHMARKS.md)."""
     workers: int = 1
-    """CPU worker processes (only with device='cpu')."""
+    """CPU worker processes (only with --device cpu)."""
     batch_tokens: int = 16384
     """Token budget of one forward batch, counting padding (batch size x longest sample)."""
     lm_head_chunk: int = 1024

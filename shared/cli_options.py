@@ -17,7 +17,6 @@ import dataclasses
 import functools
 import inspect
 import json
-import textwrap
 import types
 import typing
 from dataclasses import dataclass
@@ -59,13 +58,30 @@ class FieldFlag:
 
 
 @functools.lru_cache(maxsize=None)
+def _module_tree(filename: str) -> ast.Module:
+    """A source file parsed once (``inspect.getsource`` would tokenize the file again for every class)."""
+    with open(filename, encoding="utf-8") as f:
+        return ast.parse(f.read(), filename)
+
+
+def _class_node(cls: type) -> ast.ClassDef:
+    scope: list[ast.stmt] = _module_tree(inspect.getsourcefile(cls)).body
+    for name in cls.__qualname__.split("."):
+        node = next((n for n in scope if isinstance(n, ast.ClassDef) and n.name == name), None)
+        if node is None:
+            raise TypeError(f"cannot find the source of {cls.__qualname__} (needed for its field docs)")
+        scope = node.body
+    return node
+
+
+@functools.lru_cache(maxsize=None)
 def field_docs(cls: type) -> dict[str, str]:
     """Field name -> the string literal under it in ``cls``'s source (whitespace collapsed)."""
     docs: dict[str, str] = {}
     for klass in reversed(cls.__mro__):
         if not dataclasses.is_dataclass(klass):
             continue
-        body = ast.parse(textwrap.dedent(inspect.getsource(klass))).body[0].body
+        body = _class_node(klass).body
         for node, nxt in zip(body, body[1:]):
             if (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and isinstance(nxt, ast.Expr)
                     and isinstance(nxt.value, ast.Constant) and isinstance(nxt.value.value, str)):
