@@ -147,6 +147,9 @@ class ValueType(click.ParamType):
         inner, self.optional = _optional_inner(hint)
         self.origin = typing.get_origin(inner) or inner
         self.inner = inner
+        scalar = (typing.get_args(inner) or (None,))[0] if self.origin is list else inner
+        if self.origin is not dict and scalar not in (int, float, str, bool) and typing.get_origin(scalar) is not Literal:
+            raise TypeError(f"no command-line type for the annotation {hint!r}")
         self.name = self._describe()
 
     def _describe(self) -> str:

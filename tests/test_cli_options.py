@@ -250,3 +250,36 @@ def test_usage_errors_from_validate_and_missing_model_or_endpoint(tmp_path):
 def test_positional_arguments_are_documented_in_the_help():
     text = CliRunner().invoke(cache_cli.main, ["show", "--help"]).output
     assert re.search(r"CACHE\s+The cache", text) and re.search(r"INDEX\s+Global sample index", text)
+
+
+@dataclasses.dataclass
+class _Inner:
+    lr: float = 1.0
+    """A nested field."""
+
+
+@dataclasses.dataclass
+class _Clash:
+    inner: _Inner = dataclasses.field(default_factory=_Inner)
+    lr: float = 2.0
+    """The same name as the nested field."""
+
+
+@dataclasses.dataclass
+class _Undocumented:
+    steps: int = 3
+
+
+@dataclasses.dataclass
+class _Unsupported:
+    shape: tuple[int, int] = (1, 2)
+    """No flag type for a tuple."""
+
+
+def test_the_generator_refuses_what_it_cannot_make_a_flag_of():
+    from dflash.shared.cli_options import options
+
+    for cls, message in ((_Clash, "field name 'lr' appears twice"), (_Undocumented, "_Undocumented.steps has no doc"),
+                         (_Unsupported, "no command-line type for the annotation tuple")):
+        with pytest.raises(TypeError, match=message):
+            options(cls)(lambda **values: None)
