@@ -107,17 +107,27 @@ class GenerationSettings:
 class RegenConfig:
     """One regeneration job."""
 
-    data: str  # source dataset spec (anything load_source reads)
-    model: str  # target: HF folder or hub name
-    out: str  # output folder
-    split: str = "train"  # source split
+    data: str
+    """Source dataset spec (anything load_source reads)."""
+    model: str
+    """Target: HF folder or hub name."""
+    out: str
+    """Output folder."""
+    split: str = "train"
+    """Source split."""
     generation: GenerationSettings = field(default_factory=GenerationSettings)
-    batch_size: int = 16  # prompts per generate() call
-    part_size: int = 256  # source rows per output part (the resume unit)
-    limit: int | None = None  # use the first N source rows
-    device: str = "cpu"  # cpu, cuda, cuda:N
-    on_bad_row: str = "skip"  # source rows that do not normalise: "skip" (counted) or "error"
-    progress: bool = True  # tqdm bar over source rows
+    batch_size: int = 16
+    """Prompts per generate() call."""
+    part_size: int = 256
+    """Source rows per output part (the resume unit)."""
+    limit: int | None = None
+    """Use the first N source rows."""
+    device: str = "cpu"
+    """'cpu', 'cuda' or 'cuda:N'."""
+    on_bad_row: str = "skip"
+    """Source rows that do not normalise: "skip" (counted) or "error"."""
+    progress: bool = True
+    """Show a tqdm bar over source rows."""
 
 
 # ---------------------------------------------------------------------------- generation
