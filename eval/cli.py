@@ -1,7 +1,7 @@
 """``dflash-eval``: online speculative decoding of a drafter against its target.
 
     dflash-eval --target MODEL --drafter RUN_OR_EXPORT --prompts DATA \\
-        [--max-new-tokens 128] [--limit N] [--device cpu|cuda] [--json out.json]
+        [--max-new-tokens 128] [--limit N] [--device cpu|cuda] [--json out.json] [--no-check] [--no-warmup]
 
 Prompts come from any source ``extract`` reads (``load_source`` + ``normalize_row``):
 a chat is cut after its LAST user turn and rendered with the generation prompt (what
@@ -17,10 +17,13 @@ import json
 import logging
 import math
 import sys
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import click
+
+from dflash.shared.cli_options import CONTEXT_SETTINGS, build, options, validated
 
 log = logging.getLogger("dflash.eval")
 
@@ -123,24 +126,48 @@ def format_report(result: dict[str, Any]) -> str:
 # ---------------------------------------------------------------------------- command
 
 
-@click.command(context_settings={"help_option_names": ["-h", "--help"]})
-@click.option("--target", required=True, help="Target model: HF folder or hub name (from_pretrained).")
-@click.option("--drafter", required=True, type=click.Path(exists=True, file_okay=False),
-              help="Export folder (config.json) or training run / checkpoint folder (latest checkpoint).")
-@click.option("--prompts", "prompts_spec", required=True, help="Prompt dataset: anything extract's load_source reads.")
-@click.option("--split", default="train", show_default=True, help="Dataset split.")
-@click.option("--max-new-tokens", default=128, show_default=True, type=click.IntRange(min=1))
-@click.option("--limit", default=None, type=click.IntRange(min=1), help="Use the first N prompts.")
-@click.option("--device", default="cpu", show_default=True, help="cpu, cuda or cuda:N.")
-@click.option("--dtype", type=click.Choice(["auto", "float32", "bfloat16", "float16"]), default="auto",
-              show_default=True, help="Target and drafter dtype; auto = float32 on cpu, bfloat16 on cuda.")
-@click.option("--template-kwargs", default=None, help='JSON for the chat template, e.g. \'{"enable_thinking": false}\'.')
-@click.option("--no-check", is_flag=True, help="Do not fail when speculative output differs from greedy.")
-@click.option("--no-warmup", is_flag=True, help="Skip the untimed warm-up decode.")
-@click.option("--json", "json_out", default=None, type=click.Path(dir_okay=False), help="Write the full report here.")
-def cli(target, drafter, prompts_spec, split, max_new_tokens, limit, device, dtype, template_kwargs, no_check,
-        no_warmup, json_out):
+@dataclass
+class EvalConfig:
+    """Every flag of ``dflash-eval``: which target, drafter and prompts, how to decode and report."""
+
+    target: str
+    """Target model: HF folder or hub name (from_pretrained)."""
+    drafter: str = field(metadata={"exists": "dir"})
+    """Export folder (config.json) or training run / checkpoint folder (latest checkpoint)."""
+    prompts: str
+    """Prompt dataset: anything extract's load_source reads."""
+    split: str = "train"
+    """Dataset split."""
+    max_new_tokens: int = 128
+    """Tokens generated per prompt."""
+    limit: int | None = None
+    """Use the first N prompts."""
+    device: str = "cpu"
+    """cpu, cuda or cuda:N."""
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    """Target and drafter dtype; auto = float32 on cpu, bfloat16 on cuda."""
+    template_kwargs: dict[str, Any] = field(default_factory=dict)
+    """JSON for the chat template, e.g. '{"enable_thinking": false}'."""
+    check: bool = True
+    """Fail (exit 1) when speculative output differs from greedy."""
+    warmup: bool = True
+    """Run an untimed warm-up decode first."""
+    json: str | None = None
+    """Write the full report here."""
+
+    def validate(self) -> None:
+        """Raise ValueError naming the first setting that cannot work."""
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be at least 1, got {self.max_new_tokens}")
+        if self.limit is not None and self.limit < 1:
+            raise ValueError(f"limit must be at least 1, got {self.limit}")
+
+
+@click.command(context_settings=CONTEXT_SETTINGS)
+@options(EvalConfig)
+def cli(**values):
     """Speculative decoding with a DFlash drafter vs plain greedy decoding of the target."""
+    cfg = validated(build(EvalConfig, values))
     import torch
     from transformers import AutoTokenizer
 
@@ -150,28 +177,28 @@ def cli(target, drafter, prompts_spec, split, max_new_tokens, limit, device, dty
     from .speculative import evaluate, load_drafter
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    if dtype == "auto":
-        dtype = "bfloat16" if device.startswith("cuda") else "float32"
+    target, device = cfg.target, cfg.device
+    dtype = cfg.dtype if cfg.dtype != "auto" else ("bfloat16" if device.startswith("cuda") else "float32")
     tokenizer = AutoTokenizer.from_pretrained(target)
     model = load_target(target, dtype=dtype, device=device)
-    draft_model, config = load_drafter(drafter, device=device, dtype=getattr(torch, dtype))
-    kwargs = json.loads(template_kwargs) if template_kwargs else None
-    prompts = load_prompts(prompts_spec, tokenizer, split=split, limit=limit, template_kwargs=kwargs)
+    draft_model, config = load_drafter(cfg.drafter, device=device, dtype=getattr(torch, dtype))
+    prompts = load_prompts(cfg.prompts, tokenizer, split=cfg.split, limit=cfg.limit,
+                           template_kwargs=cfg.template_kwargs or None)
     if not prompts:
-        raise click.ClickException(f"no usable prompts in {prompts_spec}")
+        raise click.ClickException(f"no usable prompts in {cfg.prompts}")
     click.echo(f"{len(prompts)} prompts, block size {config.block_size}, layers {config.target_layer_ids}, "
                f"{device} {dtype}", err=True)
-    result = evaluate(model, draft_model, prompts, max_new_tokens=max_new_tokens,
-                      eos_token_ids=stop_token_ids(model, tokenizer), check=False, warmup=not no_warmup,
+    result = evaluate(model, draft_model, prompts, max_new_tokens=cfg.max_new_tokens,
+                      eos_token_ids=stop_token_ids(model, tokenizer), check=False, warmup=cfg.warmup,
                       progress=True)
-    result["settings"].update({"target": target, "drafter": str(drafter), "prompts": prompts_spec, "split": split})
+    result["settings"].update({"target": target, "drafter": cfg.drafter, "prompts": cfg.prompts, "split": cfg.split})
     click.echo(format_report(result))
-    if json_out:
-        Path(json_out).parent.mkdir(parents=True, exist_ok=True)
-        Path(json_out).write_text(json.dumps(result, indent=2) + "\n")
-        click.echo(f"report -> {json_out}", err=True)
+    if cfg.json:
+        Path(cfg.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(cfg.json).write_text(json.dumps(result, indent=2) + "\n")
+        click.echo(f"report -> {cfg.json}", err=True)
     failed = [r["mismatch"] for r in result["per_prompt"] if not r["lossless"]]
-    if failed and not no_check:
+    if failed and cfg.check:
         for message in failed:
             click.echo(f"LOSSLESS CHECK FAILED: {message}", err=True)
         sys.exit(1)

@@ -5,14 +5,22 @@ from __future__ import annotations
 import dataclasses
 import json
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal, get_args
 
+from dflash.shared.cli_options import check_choices
 from dflash.shared.layers import default_layer_ids  # noqa: F401  (extraction's default, shared with training)
 
-TRUNCATION_POLICIES = ("right", "skip", "error")
-BAD_ROW_POLICIES = ("error", "skip")
-DTYPES = ("bfloat16", "float16", "float32")
+Truncation = Literal["right", "skip", "error"]
+BadRowPolicy = Literal["error", "skip"]
+Dtype = Literal["bfloat16", "float16", "float32"]
+Device = Literal["cuda", "cpu"]
+TRUNCATION_POLICIES = get_args(Truncation)
+BAD_ROW_POLICIES = get_args(BadRowPolicy)
+DTYPES = get_args(Dtype)
 DEFAULT_GPUS = (0, 1, 2, 3, 4)
+ZSTD_LEVELS = tuple(range(1, 16, 2))
+"""The zstd levels a cache can use: the cache stores blosc clevel c = (level + 1) // 2 and blosc runs zstd at
+level 2c - 1 for c in 1..8 (shared/cache.py), so an even level would silently become another one."""
 RESERVED_TEMPLATE_KWARGS = frozenset({
     "conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
     "continue_final_message", "tokenize", "padding", "truncation", "max_length", "return_tensors",
@@ -23,7 +31,7 @@ RESERVED_TEMPLATE_KWARGS = frozenset({
 
 @dataclass
 class ExtractConfig:
-    """Everything ``dflash-extract`` needs; the CLI fills it, ``runner.run`` consumes it.
+    """Everything ``dflash-extract`` needs; each field is one flag of the CLI, ``runner.run`` consumes it.
 
     Fields under "what is extracted" go into the cache fingerprint (a resume must match
     them); the rest only change how fast or where the same bytes are produced.
@@ -31,48 +39,49 @@ class ExtractConfig:
 
     # -- inputs and output
     data: str
-    """Chat dataset: a .jsonl/.json/.parquet file, a folder, or a `datasets` name (see extract/data.py)."""
+    """Chat dataset: a .jsonl/.json/.parquet file, a folder, or a `datasets` name."""
     model: str
     """Target HF causal LM: a local folder or a hub name already in the local cache."""
     out: str
-    """Cache root: a local path or any URL zarr/fsspec can write."""
+    """Cache root: a local path or any URL zarr/fsspec can write; rerun to resume."""
     tokenizer: str | None = None
     """Tokenizer folder or name; default: the model's."""
     split: str | None = None
     """Dataset split for `datasets` sources; default: the only or the 'train' split."""
     revision: str | None = None
     """Model revision for hub names (recorded in the fingerprint)."""
-    chat_template: str | None = None
+    chat_template: str | None = field(default=None, metadata={"exists": "file"})
     """Jinja file that replaces the tokenizer's chat template (its text is fingerprinted, its path recorded)."""
 
     # -- what is extracted (fingerprinted)
     layers: list[int] | None = None
-    """Target layer ids to store (id i = HF hidden_states[i + 1]), ascending, below L-1; default: `default_layer_ids`."""
+    """Target layer ids to store, e.g. 1,9,17 (id i = HF hidden_states[i + 1]), ascending, below L-1; default: 5
+    spread over 1..L-3."""
     topk: int = 64
     """Target log-probs stored per position (top-k of log_softmax over the vocabulary)."""
     max_length: int = 3072
-    """Longest sample in tokens; longer ones are handled by `truncation`."""
-    truncation: str = "right"
+    """Longest sample in tokens; longer ones are handled by --truncation."""
+    truncation: Truncation = "right"
     """Over-long samples: 'right' keeps the first max_length tokens, 'skip' drops them, 'error' stops."""
     min_length: int = 2
     """Shortest sample kept, in tokens: one anchor plus one token to predict is one usable block."""
     template_kwargs: dict[str, Any] = field(default_factory=dict)
-    """Variables passed to the chat template with every row, e.g. {"enable_thinking": False}."""
+    """JSON object of variables passed to the chat template with every row, e.g. '{"enable_thinking": false}'."""
     end_of_turn: str | None = None
     """Token that ends an assistant turn (one vocabulary entry); default: found from the template."""
-    on_bad_row: str = "error"
+    on_bad_row: BadRowPolicy = "error"
     """Malformed rows: 'error' stops naming file and row, 'skip' drops them and counts the reason."""
-    dtype: str = "bfloat16"
+    dtype: Dtype = "bfloat16"
     """Compute dtype of the target; hidden states are always stored as bf16 bits."""
     chunk_tokens: int = 256
     """Tokens per Zarr chunk of every token-major array."""
     compression_level: int = 1
-    """zstd level of the stored chunks."""
+    """zstd level of the stored chunks: 1, 3, 5, ..., 15 (blosc runs zstd at odd levels only)."""
 
     # -- how it runs (not fingerprinted, except batch_tokens, lm_head_chunk and attn_implementation,
     #    which change padding or roundings, and the shard count that follows from the workers)
-    device: str = "cuda"
-    """'cuda' (`workers_per_gpu` workers per entry of `gpus`) or 'cpu' (`workers` processes)."""
+    device: Device = "cuda"
+    """'cuda' (--workers-per-gpu workers per GPU of --gpus) or 'cpu' (--workers processes)."""
     gpus: list[int] = field(default_factory=lambda: list(DEFAULT_GPUS))
     """CUDA device indices on this node."""
     workers_per_gpu: int = 1
@@ -80,13 +89,13 @@ class ExtractConfig:
     processes, two workers per GPU were the way to double the writers (0.80 against 0.79 for
     one, each paying model loading); with them one worker per GPU is enough (BENCHMARKS.md)."""
     workers: int = 1
-    """CPU worker processes (only with device='cpu')."""
+    """CPU worker processes (only with --device cpu)."""
     batch_tokens: int = 16384
     """Token budget of one forward batch, counting padding (batch size x longest sample)."""
     lm_head_chunk: int = 1024
     """Tokens per LM-head chunk: bounds the fp32 logits buffer to chunk x vocab."""
     attn_implementation: str | None = "sdpa"
-    """Attention kernel passed to from_pretrained ('sdpa', 'eager', 'flash_attention_2', None = HF default)."""
+    """Attention kernel passed to from_pretrained ('sdpa', 'eager', 'flash_attention_2'; none = HF default)."""
     commit_seconds: float = 30.0
     """Seconds between commits of a shard (a crash loses at most this much work); 0 = every batch."""
     queue_depth: int = 2
@@ -118,19 +127,15 @@ class ExtractConfig:
     """Show the progress bar (stderr)."""
     wait_for_root_s: float = 600.0
     """Multi-node: how long non-zero ranks wait for rank 0 to create the cache root."""
-    batch_delay_s: float = 0.0
+    batch_delay_s: float = field(default=0.0, metadata={"hidden": True})
     """Sleep after each batch (tests only: makes a run slow enough to interrupt midway)."""
 
     def validate(self) -> None:
         """Raise ValueError naming the first setting that cannot work."""
-        if self.truncation not in TRUNCATION_POLICIES:
-            raise ValueError(f"truncation must be one of {TRUNCATION_POLICIES}, got {self.truncation!r}")
-        if self.on_bad_row not in BAD_ROW_POLICIES:
-            raise ValueError(f"on_bad_row must be one of {BAD_ROW_POLICIES}, got {self.on_bad_row!r}")
-        if self.dtype not in DTYPES:
-            raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
-        if self.device not in ("cuda", "cpu"):
-            raise ValueError(f"device must be 'cuda' or 'cpu', got {self.device!r}")
+        check_choices(self)
+        if self.compression_level not in ZSTD_LEVELS:
+            raise ValueError(f"--compression-level {self.compression_level}: the cache's codec (zstd inside blosc) "
+                             f"runs at zstd levels {', '.join(map(str, ZSTD_LEVELS))} only")
         if self.device == "cuda" and not self.gpus:
             raise ValueError("--gpus is empty")
         if self.device == "cuda" and len(set(self.gpus)) != len(self.gpus):
@@ -143,6 +148,10 @@ class ExtractConfig:
                      "queue_depth", "write_concurrency"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if self.commit_seconds < 0:
+            raise ValueError(f"commit_seconds must be 0 or more, got {self.commit_seconds}")
+        if self.cpu_threads is not None and self.cpu_threads < 1:
+            raise ValueError(f"cpu_threads must be at least 1, got {self.cpu_threads}")
         if self.writer_processes is not None and self.writer_processes < 0:
             raise ValueError(f"writer_processes must be 0 or more, got {self.writer_processes}")
         if self.gil_switch_ms <= 0:

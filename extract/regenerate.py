@@ -56,7 +56,7 @@ import shutil
 import tempfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import click
 
@@ -75,14 +75,22 @@ PARTS_DIR = "parts"
 class GenerationSettings:
     """How the target answers; everything that changes the generated text."""
 
-    temperature: float = 0.0  # 0 = greedy; > 0 = sampling at this temperature
-    top_p: float = 1.0  # nucleus sampling mass (sampling only)
-    seed: int = 0  # base seed; part i samples from seed (seed, i)
-    max_new_tokens: int = 1024  # per assistant turn
-    max_prompt_tokens: int | None = None  # cut the conversation before a longer prompt
-    drop_truncated: bool = False  # cut the conversation at a turn that hit max_new_tokens
-    template_kwargs: dict = field(default_factory=dict)  # chat template extras, e.g. enable_thinking
-    dtype: str = "bfloat16"  # target compute dtype
+    temperature: float = 0.0
+    """0 = greedy; above 0, sampling at this temperature."""
+    top_p: float = 1.0
+    """Nucleus mass when sampling."""
+    seed: int = 0
+    """Base seed; part i samples from seed (seed, i) (per-turn request seeds with --endpoint)."""
+    max_new_tokens: int = 1024
+    """Tokens per assistant turn (max_tokens of each request with --endpoint)."""
+    max_prompt_tokens: int | None = None
+    """Cut a conversation before a turn whose prompt is longer."""
+    drop_truncated: bool = False
+    """Cut a conversation at a turn that hit max_new_tokens (else keep the turn and count it)."""
+    template_kwargs: dict[str, Any] = field(default_factory=dict)
+    """JSON for the chat template, e.g. '{"enable_thinking": false}' (chat_template_kwargs with --endpoint)."""
+    dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
+    """Target compute dtype (in process only)."""
 
     def validate(self) -> None:
         if self.temperature < 0:
@@ -91,23 +99,35 @@ class GenerationSettings:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.max_new_tokens < 1:
             raise ValueError("max_new_tokens must be >= 1")
+        if self.max_prompt_tokens is not None and self.max_prompt_tokens < 1:
+            raise ValueError(f"max_prompt_tokens must be >= 1, got {self.max_prompt_tokens}")
 
 
 @dataclass
 class RegenConfig:
     """One regeneration job."""
 
-    data: str  # source dataset spec (anything load_source reads)
-    model: str  # target: HF folder or hub name
-    out: str  # output folder
-    split: str = "train"  # source split
+    data: str
+    """Source dataset spec (anything load_source reads)."""
+    model: str
+    """Target: HF folder or hub name."""
+    out: str
+    """Output folder."""
+    split: str = "train"
+    """Source split."""
     generation: GenerationSettings = field(default_factory=GenerationSettings)
-    batch_size: int = 16  # prompts per generate() call
-    part_size: int = 256  # source rows per output part (the resume unit)
-    limit: int | None = None  # use the first N source rows
-    device: str = "cpu"  # cpu, cuda, cuda:N
-    on_bad_row: str = "skip"  # source rows that do not normalise: "skip" (counted) or "error"
-    progress: bool = True  # tqdm bar over source rows
+    batch_size: int = 16
+    """Prompts per generate() call."""
+    part_size: int = 256
+    """Source rows per output part (the resume unit)."""
+    limit: int | None = None
+    """Use the first N source rows."""
+    device: str = "cpu"
+    """'cpu', 'cuda' or 'cuda:N'."""
+    on_bad_row: str = "skip"
+    """Source rows that do not normalise: "skip" (counted) or "error"."""
+    progress: bool = True
+    """Show a tqdm bar over source rows."""
 
 
 # ---------------------------------------------------------------------------- generation

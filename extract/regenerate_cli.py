@@ -3,95 +3,106 @@
 
 from __future__ import annotations
 
-import json
 import logging
+from dataclasses import dataclass, field
+from typing import Literal
 
 import click
 
+from dflash.shared.cli_options import CONTEXT_SETTINGS, build, options, validated
+
 from .data import DataError
+from .endpoint import EndpointConfig
 from .regenerate import GenerationSettings, RegenConfig, regenerate
+from .regenerate_endpoint import EndpointJob
 
 
-@click.command(context_settings={"help_option_names": ["-h", "--help"]})
-@click.option("--data", required=True, help="Source chat dataset (anything extract reads).")
-@click.option("--model", default=None,
-              help="Target model: HF folder or hub name (in process); with --endpoint, the served model's name "
-                   "(default: the one the server lists).")
-@click.option("--endpoint", default=None,
-              help="OpenAI-compatible server base URL, e.g. http://HOST:8000/v1 (vLLM, SGLang, transformers serve).")
-@click.option("--out", required=True, type=click.Path(file_okay=False), help="Output folder (resumable).")
-@click.option("--split", default="train", show_default=True)
-@click.option("--temperature", default=0.0, show_default=True, type=float, help="0 = greedy.")
-@click.option("--top-p", default=1.0, show_default=True, type=float, help="Nucleus mass when sampling.")
-@click.option("--seed", default=0, show_default=True, type=int)
-@click.option("--max-new-tokens", default=1024, show_default=True, type=click.IntRange(min=1),
-              help="Per turn (max_tokens of each request with --endpoint).")
-@click.option("--max-prompt-tokens", default=None, type=click.IntRange(min=1),
-              help="Cut a conversation before a turn whose prompt is longer.")
-@click.option("--drop-truncated", is_flag=True, help="Cut a conversation at a turn that hit --max-new-tokens.")
-@click.option("--batch-size", default=16, show_default=True, type=click.IntRange(min=1), help="In process only.")
-@click.option("--concurrency", default=32, show_default=True, type=click.IntRange(min=1),
-              help="--endpoint: conversations in flight at once.")
-@click.option("--request-timeout", default=600.0, show_default=True, type=click.FloatRange(min=0, min_open=True),
-              help="--endpoint: seconds for one request.")
-@click.option("--retries", default=6, show_default=True, type=click.IntRange(min=0),
-              help="--endpoint: retries of a failed request (connection error, timeout, 429, 5xx), backoff 1 s doubling.")
-@click.option("--extra-body", default=None, help="--endpoint: JSON merged into every request, e.g. '{\"top_k\": -1}'.")
-@click.option("--api-key", default=None, envvar="OPENAI_API_KEY", help="--endpoint: bearer token (or $OPENAI_API_KEY).")
-@click.option("--part-size", default=256, show_default=True, type=click.IntRange(min=1),
-              help="Source rows per output part.")
-@click.option("--limit", default=None, type=click.IntRange(min=1), help="Use the first N source rows.")
-@click.option("--device", default="cpu", show_default=True, help="In process only.")
-@click.option("--dtype", type=click.Choice(["bfloat16", "float16", "float32"]), default="bfloat16", show_default=True,
-              help="In process only.")
-@click.option("--template-kwargs", default=None,
-              help='JSON for the chat template, e.g. \'{"enable_thinking": false}\' (chat_template_kwargs with --endpoint).')
-@click.option("--on-bad-row", type=click.Choice(["skip", "error"]), default="skip", show_default=True)
-@click.option("--overwrite", is_flag=True, help="Delete OUT first instead of resuming.")
-def cli(data, model, endpoint, out, split, temperature, top_p, seed, max_new_tokens, max_prompt_tokens,
-        drop_truncated, batch_size, concurrency, request_timeout, retries, extra_body, api_key, part_size, limit,
-        device, dtype, template_kwargs, on_bad_row, overwrite):
+@dataclass(kw_only=True)
+class RegenerateOptions:
+    """Every flag of ``dflash-regenerate``; it becomes a ``RegenConfig`` (in process) or an ``EndpointJob``."""
+
+    data: str
+    """Source chat dataset (anything extract reads)."""
+    model: str | None = None
+    """Target model: HF folder or hub name (in process); with --endpoint, the served model's name (default: the one
+    the server lists)."""
+    endpoint: str | None = None
+    """OpenAI-compatible server base URL, e.g. http://HOST:8000/v1 (vLLM, SGLang, transformers serve)."""
+    out: str
+    """Output folder (rerun to resume)."""
+    split: str = RegenConfig.split
+    """Source dataset split."""
+    generation: GenerationSettings = field(default_factory=GenerationSettings)
+    batch_size: int = RegenConfig.batch_size
+    """Prompts per generate() call (in process only)."""
+    concurrency: int = EndpointJob.concurrency
+    """Conversations in flight at once (--endpoint)."""
+    request_timeout: float = EndpointConfig.request_timeout
+    """Seconds for one request (--endpoint)."""
+    retries: int = EndpointConfig.retries
+    """Retries of a failed request (connection error, timeout, 429, 5xx), backoff 1 s doubling (--endpoint)."""
+    extra_body: dict = field(default_factory=dict)
+    """JSON merged into every request, e.g. '{"top_k": -1}' (--endpoint)."""
+    api_key: str | None = field(default=None, metadata={"envvar": "OPENAI_API_KEY"})
+    """Bearer token (--endpoint)."""
+    part_size: int = RegenConfig.part_size
+    """Source rows per output part (the resume unit)."""
+    limit: int | None = None
+    """Use the first N source rows."""
+    device: str = RegenConfig.device
+    """cpu, cuda or cuda:N (in process only)."""
+    on_bad_row: Literal["skip", "error"] = RegenConfig.on_bad_row
+    """Source rows that do not normalise and requests the server rejects: skip and count them, or stop."""
+    overwrite: bool = False
+    """Delete OUT first instead of resuming."""
+
+    def validate(self) -> None:
+        """Raise ValueError naming the first setting that cannot work."""
+        if self.endpoint is None and self.model is None:
+            raise ValueError("give --model (in process) or --endpoint (a server)")
+        self.generation.validate()
+        for name in ("batch_size", "concurrency", "part_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if self.limit is not None and self.limit < 1:
+            raise ValueError(f"limit must be at least 1, got {self.limit}")
+        if self.request_timeout <= 0:
+            raise ValueError(f"request_timeout must be positive, got {self.request_timeout}")
+        if self.retries < 0:
+            raise ValueError(f"retries must be 0 or more, got {self.retries}")
+
+    def job(self) -> RegenConfig | EndpointJob:
+        """The engine's job: an ``EndpointJob`` with --endpoint, else a ``RegenConfig``."""
+        common = dict(data=self.data, out=self.out, split=self.split, generation=self.generation,
+                      part_size=self.part_size, limit=self.limit, on_bad_row=self.on_bad_row)
+        if self.endpoint is not None:
+            endpoint = EndpointConfig(url=self.endpoint, api_key=self.api_key, request_timeout=self.request_timeout,
+                                      retries=self.retries)
+            return EndpointJob(**common, model=self.model, endpoint=endpoint, extra_body=self.extra_body,
+                               concurrency=self.concurrency)
+        return RegenConfig(**common, model=self.model, batch_size=self.batch_size, device=self.device)
+
+
+@click.command(context_settings=CONTEXT_SETTINGS)
+@options(RegenerateOptions)
+def cli(**values):
     """Replace every assistant turn of DATA with the target's own answers (MODEL in process, or the server at
     ENDPOINT); write a dataset to OUT."""
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    if endpoint is None and model is None:
-        raise click.UsageError("give --model (in process) or --endpoint (a server)")
-    settings = GenerationSettings(temperature=temperature, top_p=top_p, seed=seed, max_new_tokens=max_new_tokens,
-                                  max_prompt_tokens=max_prompt_tokens, drop_truncated=drop_truncated,
-                                  template_kwargs=_json_object(template_kwargs, "--template-kwargs"), dtype=dtype)
+    opts = validated(build(RegenerateOptions, values))
+    job = opts.job()
     try:
-        if endpoint is not None:
-            from .endpoint import EndpointConfig
-            from .regenerate_endpoint import EndpointJob, regenerate_via_endpoint
+        if isinstance(job, EndpointJob):
+            from .regenerate_endpoint import regenerate_via_endpoint
 
-            job = EndpointJob(data=data, out=out, model=model, split=split, generation=settings,
-                              endpoint=EndpointConfig(url=endpoint, api_key=api_key, request_timeout=request_timeout,
-                                                      retries=retries),
-                              extra_body=_json_object(extra_body, "--extra-body"), concurrency=concurrency,
-                              part_size=part_size, limit=limit, on_bad_row=on_bad_row)
-            metadata = regenerate_via_endpoint(job, overwrite=overwrite)
+            metadata = regenerate_via_endpoint(job, overwrite=opts.overwrite)
         else:
-            cfg = RegenConfig(data=data, model=model, out=out, split=split, generation=settings,
-                              batch_size=batch_size, part_size=part_size, limit=limit, device=device,
-                              on_bad_row=on_bad_row)
-            metadata = regenerate(cfg, overwrite=overwrite)
+            metadata = regenerate(job, overwrite=opts.overwrite)
     except (DataError, ValueError) as err:
         raise click.ClickException(str(err)) from err
     c = metadata["counts"]
     click.echo(f"{c['rows_out']}/{c['rows_in']} rows, {c['turns_regenerated']} turns regenerated "
-               f"({c['truncated_turns']} truncated), skipped {c['skipped'] or 'none'} -> {out}")
-
-
-def _json_object(text: str | None, flag: str) -> dict:
-    if not text:
-        return {}
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError as err:
-        raise click.BadParameter(f"not JSON: {err}", param_hint=flag) from err
-    if not isinstance(value, dict):
-        raise click.BadParameter("must be a JSON object", param_hint=flag)
-    return value
+               f"({c['truncated_turns']} truncated), skipped {c['skipped'] or 'none'} -> {opts.out}")
 
 
 def main(argv: list[str] | None = None, prog_name: str | None = None) -> None:

@@ -54,18 +54,30 @@ log = logging.getLogger(__name__)
 class EndpointJob:
     """One regeneration job through a server."""
 
-    data: str  # source dataset spec (anything load_source reads)
-    out: str  # output folder
-    endpoint: EndpointConfig  # the server
-    model: str | None = None  # model name sent in requests; None = the one model the server lists
-    split: str = "train"  # source split
-    generation: GenerationSettings = field(default_factory=GenerationSettings)  # dtype is unused here
-    extra_body: dict[str, Any] = field(default_factory=dict)  # fields merged into every request
-    concurrency: int = 32  # conversations in flight at once
-    part_size: int = 256  # source rows per output part
-    limit: int | None = None  # use the first N source rows
-    on_bad_row: str = "skip"  # bad source rows and rejected requests: "skip" (counted) or "error"
-    progress: bool = True  # tqdm bar over source rows
+    data: str
+    """Source dataset spec (anything load_source reads)."""
+    out: str
+    """Output folder."""
+    endpoint: EndpointConfig
+    """The server."""
+    model: str | None = None
+    """Model name sent in requests; None = the one model the server lists."""
+    split: str = "train"
+    """Source split."""
+    generation: GenerationSettings = field(default_factory=GenerationSettings)
+    """How the target answers (its dtype is unused here)."""
+    extra_body: dict[str, Any] = field(default_factory=dict)
+    """Fields merged into every request."""
+    concurrency: int = 32
+    """Conversations in flight at once."""
+    part_size: int = 256
+    """Source rows per output part."""
+    limit: int | None = None
+    """Use the first N source rows."""
+    on_bad_row: str = "skip"
+    """Bad source rows and rejected requests: "skip" (counted) or "error"."""
+    progress: bool = True
+    """Show a tqdm bar over source rows."""
 
 
 # ---------------------------------------------------------------------------- requests

@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import json
 import sys
+from dataclasses import dataclass, field
 from typing import Any
 
 import click
 
 from dflash.shared import inspect as I
+from dflash.shared.cli_options import CONTEXT_SETTINGS, options
 from dflash.shared import verify as V
 from dflash.shared.cache import CacheError
 
@@ -61,11 +63,69 @@ def _pct(x: float | None) -> str:
     return "-" if x is None else f"{100 * x:.1f}%"
 
 
-def _json_option(f):
-    return click.option("--json", "as_json", is_flag=True, help="Print one JSON document instead of the report.")(f)
+@dataclass
+class InfoOptions:
+    """``dflash-cache info``."""
+
+    cache: str = field(metadata={"argument": True})
+    """The cache: a local path or a zarr/fsspec URL."""
+    json: bool = False
+    """Print one JSON document instead of the report."""
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@dataclass
+class ShowOptions:
+    """``dflash-cache show``."""
+
+    cache: str = field(metadata={"argument": True})
+    """The cache: a local path or a zarr/fsspec URL."""
+    index: int = field(metadata={"argument": True})
+    """Global sample index."""
+    tokenizer: str | None = None
+    """Tokenizer folder to decode with (default: the target path recorded in the cache)."""
+    tokens: int = 32
+    """Rows of the per-token prediction table (-1: all)."""
+    top: int = 3
+    """Target predictions shown per token."""
+    color: bool | None = None
+    """ANSI colour for assistant spans (default: when stdout is a terminal)."""
+    json: bool = False
+    """Print one JSON document instead of the report."""
+
+
+@dataclass
+class VerifyOptions:
+    """``dflash-cache verify``."""
+
+    cache: str = field(metadata={"argument": True})
+    """The cache: a local path or a zarr/fsspec URL."""
+    max_problems: int = 100
+    """Problems listed (all are counted)."""
+    workers: int = 4
+    """Threads reading and checking chunks."""
+    progress: bool = True
+    """Progress bar on stderr."""
+    json: bool = False
+    """Print one JSON document instead of the report."""
+
+
+@dataclass
+class StatsOptions:
+    """``dflash-cache stats``."""
+
+    cache: str = field(metadata={"argument": True})
+    """The cache: a local path or a zarr/fsspec URL."""
+    max_samples: int = 256
+    """Samples drawn for activation/top-k statistics."""
+    seed: int = 0
+    """Seed of that draw."""
+    threshold: float = 100.0
+    """Report the fraction of |x| above this."""
+    json: bool = False
+    """Print one JSON document instead of the report."""
+
+
+@click.group(context_settings=CONTEXT_SETTINGS)
 def main():
     """Inspect a dflash hidden-state cache (a Zarr v3 store)."""
 
@@ -99,12 +159,12 @@ def _template_line(t: dict) -> str:
 
 
 @main.command()
-@click.argument("cache")
-@_json_option
-def info(cache: str, as_json: bool):
+@options(InfoOptions)
+def info(**values):
     """Fingerprint, layout, shard states, counts and size on disk."""
-    d = _run(I.cache_info, cache)
-    if as_json:
+    opts = InfoOptions(**values)
+    d = _run(I.cache_info, opts.cache)
+    if opts.json:
         return _emit_json(d)
     fp = d["fingerprint"]
     t, tok, ds = fp["target"], fp["tokenizer"], fp["dataset"]
@@ -151,23 +211,16 @@ def _tok_text(text: str | None, tid: int) -> str:
 
 
 @main.command()
-@click.argument("cache")
-@click.argument("index", type=int)
-@click.option("--tokenizer", "tokenizer_path", default=None,
-              help="Tokenizer folder to decode with (default: the target path recorded in the cache).")
-@click.option("--tokens", "num_tokens", default=32, show_default=True, type=int,
-              help="Rows of the per-token prediction table (-1: all).")
-@click.option("--top", default=3, show_default=True, type=int, help="Target predictions shown per token.")
-@click.option("--color/--no-color", default=None, help="ANSI colour for assistant spans (default: when a tty).")
-@_json_option
-def show(cache: str, index: int, tokenizer_path: str | None, num_tokens: int, top: int,
-         color: bool | None, as_json: bool):
+@options(ShowOptions)
+def show(**values):
     """One sample: text with assistant spans marked, target top-k, hidden-state norms."""
-    d = _run(I.show_sample, cache, index, tokenizer_path=tokenizer_path,
-             num_tokens=None if num_tokens < 0 else num_tokens, top=top)
-    if as_json:
+    opts = ShowOptions(**values)
+    d = _run(I.show_sample, opts.cache, opts.index, tokenizer_path=opts.tokenizer,
+             num_tokens=None if opts.tokens < 0 else opts.tokens, top=opts.top)
+    if opts.json:
         return _emit_json(d)
-    color = sys.stdout.isatty() if color is None else color
+    color = sys.stdout.isatty() if opts.color is None else opts.color
+    top = opts.top
     tk = d["tokenizer"]
     head = (f"sample {d['index']}  (shard {d['shard_id']:05d} sample {d['local_index']}, source row "
             f"{d['source_index']})  length {d['length']}  assistant tokens {d['assistant_tokens']}")
@@ -203,15 +256,12 @@ def show(cache: str, index: int, tokenizer_path: str | None, num_tokens: int, to
 
 
 @main.command()
-@click.argument("cache")
-@click.option("--max-problems", default=100, show_default=True, help="Problems listed (all are counted).")
-@click.option("--workers", default=4, show_default=True, help="Threads reading and checking chunks.")
-@click.option("--progress/--no-progress", default=True, help="Progress bar on stderr.")
-@_json_option
-def verify(cache: str, max_problems: int, workers: int, progress: bool, as_json: bool):
+@options(VerifyOptions)
+def verify(**values):
     """Read every committed chunk and check checksums, values and structure. Exit 1 on any problem."""
-    d = _run(V.verify_cache, cache, max_problems=max_problems, progress=progress, workers=workers)
-    if as_json:
+    opts = VerifyOptions(**values)
+    d = _run(V.verify_cache, opts.cache, max_problems=opts.max_problems, progress=opts.progress, workers=opts.workers)
+    if opts.json:
         _emit_json(d)
     else:
         lines = []
@@ -234,15 +284,13 @@ def verify(cache: str, max_problems: int, workers: int, progress: bool, as_json:
 
 
 @main.command()
-@click.argument("cache")
-@click.option("--max-samples", default=256, show_default=True, help="Samples drawn for activation/top-k statistics.")
-@click.option("--seed", default=0, show_default=True, help="Seed of that draw.")
-@click.option("--threshold", default=100.0, show_default=True, help="Report the fraction of |x| above this.")
-@_json_option
-def stats(cache: str, max_samples: int, seed: int, threshold: float, as_json: bool):
+@options(StatsOptions)
+def stats(**values):
     """Length histogram, assistant fraction, per-layer activation and top-k statistics."""
-    d = _run(I.cache_stats, cache, max_samples=max_samples, seed=seed, threshold=threshold)
-    if as_json:
+    opts = StatsOptions(**values)
+    threshold = opts.threshold
+    d = _run(I.cache_stats, opts.cache, max_samples=opts.max_samples, seed=opts.seed, threshold=threshold)
+    if opts.json:
         return _emit_json(d)
     ln = d["lengths"]
     out = [f"{_n(d['samples'])} samples, {_n(d['tokens'])} tokens, assistant {_pct(d['assistant_fraction'])}"]

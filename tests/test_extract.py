@@ -790,7 +790,7 @@ def test_template_flags_are_checked_before_any_work(tmp_path, chats_sample_path,
     cases = [
         (["--template-kwargs", '{"enable_thinking": fal'], 2, "not valid JSON"),
         (["--template-kwargs", "[1, 2]"], 2, "expected a JSON object"),
-        (["--template-kwargs", '{"add_generation_prompt": true}'], 1, "cannot set ['add_generation_prompt']"),
+        (["--template-kwargs", '{"add_generation_prompt": true}'], 2, "cannot set ['add_generation_prompt']"),
         (["--chat-template", str(tmp_path / "missing.jinja")], 2, "does not exist"),
         (["--chat-template", str(broken)], 1, f"--chat-template {broken}: not a valid Jinja template"),
         (["--end-of-turn", "<|nope|>"], 1, "--end-of-turn '<|nope|>' is not a token of the vocabulary"),

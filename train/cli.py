@@ -13,7 +13,6 @@ through torchrun (see ``make train``); one process needs nothing.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import sys
 import typing
@@ -21,50 +20,10 @@ from pathlib import Path
 
 import click
 
+from dflash.shared.cli_options import CONTEXT_SETTINGS, given, options, pick, validated
+
 from . import config as config_mod
-
-_DTYPES = {"bfloat16": "bfloat16", "float16": "float16", "float32": "float32"}
-
-
-def _annotations() -> dict[str, str]:
-    out = {}
-    for kind in (config_mod.TrainConfig, config_mod.DrafterSpec, config_mod.DataConfig,
-                 config_mod.OptimConfig, config_mod.RuntimeConfig):
-        for f in dataclasses.fields(kind):
-            if f.name not in config_mod.TrainConfig.SECTIONS:
-                out[f.name] = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", str(f.type))
-    return out
-
-
-def parse_value(annotation: str, text: str):
-    """Flag text -> field value, by the field's annotation ('none' for optional fields)."""
-    ann = annotation.replace(" ", "")
-    optional = ann.endswith("|None")
-    base = ann[: -len("|None")] if optional else ann
-    if optional and text.lower() in ("none", "null", ""):
-        return None
-    if base.startswith("list["):
-        inner = base[5:-1]
-        return [parse_value(inner, t) for t in text.split(",") if t.strip()]
-    if base == "int":
-        return int(text)
-    if base == "float":
-        return float(text)
-    if base == "bool":
-        if text.lower() in ("1", "true", "yes", "on"):
-            return True
-        if text.lower() in ("0", "false", "no", "off"):
-            return False
-        raise click.BadParameter(f"expected true/false, got {text!r}")
-    return text
-
-
-def _field_options(fn):
-    docs = config_mod.field_docs()
-    for name, ann in reversed(list(_annotations().items())):
-        fn = click.option(f"--{name.replace('_', '-')}", name, type=str, default=None,
-                          help=f"{docs.get(name, '')} [{ann}]")(fn)
-    return fn
+from .config import ExportOptions, RunOptions, TrainConfig
 
 
 def _setup_logging() -> None:
@@ -86,29 +45,28 @@ def cpu_preset_warning(preset: str, device: str) -> str | None:
             "takes minutes per step on the CPU; for a CPU run use --preset tiny")
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 120})
+@click.group(context_settings=CONTEXT_SETTINGS)
 def cli():
     """Train DFlash drafters from a hidden-state cache."""
 
 
-@cli.command(context_settings={"max_content_width": 120})
-@click.option("--preset", type=click.Choice(sorted(config_mod.PRESETS)), default="dflash", show_default=True,
-              help="Starting point; flags override its fields.")
-@click.option("--print-config", is_flag=True, help="Print the resolved config as JSON and exit.")
-@_field_options
-def run(preset, print_config, **fields):
+@cli.command()
+@options(RunOptions, TrainConfig)
+@click.pass_context
+def run(ctx: click.Context, **values):
     """Train (or resume, from RUN/checkpoints/latest) a drafter."""
-    cfg = config_mod.PRESETS[preset]()
-    ann = _annotations()
-    cfg.override(**{k: parse_value(ann[k], v) for k, v in fields.items() if v is not None})
-    if print_config:
+    opts = RunOptions(**pick(RunOptions, values))
+    cfg = config_mod.PRESETS[opts.preset]()
+    cfg.override(**pick(TrainConfig, given(ctx, values)))
+    if opts.print_config:
         click.echo(cfg.to_json())
         return
     for required in ("cache", "out"):
         if not getattr(cfg, required):
             raise click.UsageError(f"--{required} is required")
+    validated(cfg)
     _setup_logging()
-    warning = cpu_preset_warning(preset, cfg.runtime.device)
+    warning = cpu_preset_warning(opts.preset, cfg.runtime.device)
     if warning:
         logging.getLogger("dflash.train").warning(warning)
     from dflash.shared.cache import CacheError
@@ -126,16 +84,9 @@ def run(preset, print_config, **fields):
 
 
 @cli.command()
-@click.argument("run_dir", type=click.Path(exists=True, file_okay=False))
-@click.option("--out", "out_dir", required=True, type=click.Path(file_okay=False), help="Export folder.")
-@click.option("--checkpoint", "which", default="latest", show_default=True,
-              help="'latest', a step folder name (step_000100) or a checkpoint path.")
-@click.option("--dtype", type=click.Choice(sorted(_DTYPES)), default="bfloat16", show_default=True,
-              help="dtype of the exported weights.")
-@click.option("--target", default=None,
-              help="Target folder or hub name the export is checked against and served with; default: the run's.")
-def export(run_dir, out_dir, which, dtype, target):
-    """Export a checkpoint of RUN_DIR as a DFlashDraftModel folder (SGLang / vLLM format),
+@options(ExportOptions)
+def export(**values):
+    """Export a checkpoint of RUN as a DFlashDraftModel folder (SGLang / vLLM format),
     checked against its target, and print the commands that serve it."""
     import json
     import os
@@ -147,7 +98,9 @@ def export(run_dir, out_dir, which, dtype, target):
     from .model import DFlashDrafter, DrafterConfig
     from .target import load_target_meta, looks_like_path
 
-    path = checkpoint.resolve(run_dir, which)
+    opts = validated(ExportOptions(**values))
+    run_dir, target = opts.run, opts.target
+    path = checkpoint.resolve(run_dir, opts.checkpoint)
     if path is None:
         raise click.ClickException(f"{run_dir} has no complete checkpoint")
     state = checkpoint.read_state(path)
@@ -169,7 +122,7 @@ def export(run_dir, out_dir, which, dtype, target):
                                    f"of the same target): {e}") from e
     drafter = DFlashDrafter(dcfg)
     drafter.load_state_dict(checkpoint.load_weights(path), strict=True)
-    out = export_drafter(drafter, dcfg, out_dir, dtype=getattr(torch, dtype))
+    out = export_drafter(drafter, dcfg, opts.out, dtype=getattr(torch, opts.dtype))
     click.echo(f"exported {path} (step {state['step']}) -> {out}, checked against {target}")
     commands = serve_commands(out, target, dcfg.block_size)
     click.echo(f"serve with SGLang:\n  {commands['sglang']}\nserve with vLLM:\n  {commands['vllm']}")

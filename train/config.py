@@ -3,7 +3,8 @@
 ``TrainConfig`` holds the paths and one sub-config per component (``DrafterSpec``,
 ``DataConfig``, ``OptimConfig``, ``RuntimeConfig``); each function receives only the
 sub-config it needs. Field names are unique across sub-configs, so the CLI exposes
-every field as one flag (``--max-anchors 64``) without prefixes.
+every field as one flag (``--max-anchors 64``) without prefixes; ``Literal`` fields list
+their choices once, for the CLI and for ``validate``.
 """
 
 from __future__ import annotations
@@ -11,7 +12,10 @@ from __future__ import annotations
 import dataclasses
 import json
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
+
+from dflash.shared.cli_options import check_choices
+from dflash.shared.cli_options import override as override_fields
 
 
 @dataclass
@@ -28,11 +32,11 @@ class DrafterSpec:
     """Embedding row of the MASK token; None = tokenizer's <|MASK|>, else first padded row."""
     gamma: float | None = None
     """Decay of the per-slot loss weight exp(-(k-1)/gamma); None = 7/5/4 for B=16/10/8."""
-    loss: str = "kd"
+    loss: Literal["ce", "kd", "mix"] = "kd"
     """ce | kd | mix: CE on the labels, KL from the target's stored top-k (+ tail bucket), or both."""
     kd_weight: float = 0.5
     """Weight of the KL term in mix: (1 - kd_weight) * CE + kd_weight * KL."""
-    labels: str = "data"
+    labels: Literal["data", "target"] = "data"
     """data | target: the cached token, or the target's own top-1 prediction of it, as the label."""
 
 
@@ -84,19 +88,19 @@ class OptimConfig:
 class RuntimeConfig:
     """Devices, precision, compile, logging and checkpointing."""
 
-    device: str = "auto"
+    device: Literal["auto", "cpu", "cuda"] = "auto"
     """auto | cpu | cuda (auto: cuda:LOCAL_RANK when CUDA is there)."""
-    attention: str = "auto"
+    attention: Literal["auto", "flex", "dense", "flex-eager"] = "auto"
     """auto | flex | dense | flex-eager (auto: flex on CUDA, dense SDPA on CPU)."""
-    compile: str = "auto"
+    compile: Literal["auto", "on", "off"] = "auto"
     """auto | on | off: torch.compile of the drafter (auto: on for CUDA only)."""
     compile_backend: str = "inductor"
     """torch.compile backend (tests use 'eager' to check guards without codegen)."""
     compile_cache: str | None = None
     """Compiled graphs kept for runs of the same shapes (None: $TORCHINDUCTOR_CACHE_DIR or ~/.cache/dflash/compile)."""
-    autocast: str = "auto"
-    """auto | bf16 | off: bf16 autocast around the forward (auto: bf16 on CUDA)."""
-    parallel: str = "ddp"
+    autocast: Literal["auto", "bf16", "on", "off"] = "auto"
+    """auto | bf16 | on | off: bf16 autocast around the forward (on = bf16; auto: bf16 on CUDA)."""
+    parallel: Literal["ddp", "fsdp"] = "ddp"
     """ddp | fsdp: data parallel replicas, or FSDP2 fully_shard for big drafters."""
     ce_chunk_size: int = 4096
     """Rows per chunk of the LM-head cross-entropy (bounds the logits memory)."""
@@ -137,8 +141,6 @@ class TrainConfig:
     optim: OptimConfig = field(default_factory=OptimConfig)
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
 
-    SECTIONS = ("drafter", "data", "optim", "runtime")
-
     @property
     def max_length(self) -> int:
         return self.data.context_buckets[-1]
@@ -157,13 +159,7 @@ class TrainConfig:
 
     def override(self, **values: Any) -> "TrainConfig":
         """Set fields by flat name (``max_anchors=64``, ``lr=1e-3``, ``cache=...``)."""
-        index = field_index()
-        for name, value in values.items():
-            if name not in index:
-                raise KeyError(f"unknown training field {name!r}")
-            section = index[name]
-            setattr(self if section is None else getattr(self, section), name, value)
-        return self
+        return override_fields(self, values)
 
     def validate(self) -> None:
         b = self.data.context_buckets
@@ -171,46 +167,11 @@ class TrainConfig:
             raise ValueError(f"context_buckets must be increasing positive lengths, got {b}")
         if self.drafter.block_size < 2:
             raise ValueError("block_size must be at least 2 (an anchor and one prediction)")
-        if self.drafter.loss not in ("ce", "kd", "mix"):
-            raise ValueError(f"loss must be ce|kd|mix, got {self.drafter.loss!r}")
-        if self.drafter.labels not in ("data", "target"):
-            raise ValueError(f"labels must be data|target, got {self.drafter.labels!r}")
+        check_choices(self)
         if not 0.0 <= self.drafter.kd_weight <= 1.0:
             raise ValueError(f"kd_weight must be within [0, 1], got {self.drafter.kd_weight}")
         if self.data.max_anchors < 1:
             raise ValueError("max_anchors must be at least 1")
-        if self.runtime.attention not in ("auto", "flex", "dense", "flex-eager"):
-            raise ValueError(f"attention must be auto|flex|dense|flex-eager, got {self.runtime.attention!r}")
-        if self.runtime.parallel not in ("ddp", "fsdp"):
-            raise ValueError(f"parallel must be ddp|fsdp, got {self.runtime.parallel!r}")
-        for name in ("compile", "autocast"):
-            if getattr(self.runtime, name) not in ("auto", "on", "off", "bf16"):
-                raise ValueError(f"{name}: unknown value {getattr(self.runtime, name)!r}")
-
-
-def field_index() -> dict[str, str | None]:
-    """Flat field name -> section name (None for the top-level paths)."""
-    index: dict[str, str | None] = {"cache": None, "target": None, "out": None}
-    for section, kind in (("drafter", DrafterSpec), ("data", DataConfig), ("optim", OptimConfig),
-                          ("runtime", RuntimeConfig)):
-        for f in dataclasses.fields(kind):
-            assert f.name not in index, f"duplicate field name {f.name}"
-            index[f.name] = section
-    return index
-
-
-def field_docs() -> dict[str, str]:
-    """Flat field name -> its one-line doc (the string literal under the field)."""
-    import ast
-    import inspect
-
-    docs: dict[str, str] = {}
-    for kind in (TrainConfig, DrafterSpec, DataConfig, OptimConfig, RuntimeConfig):
-        body = ast.parse(inspect.getsource(kind)).body[0].body
-        for node, nxt in zip(body, body[1:]):
-            if isinstance(node, ast.AnnAssign) and isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant):
-                docs[node.target.id] = str(nxt.value.value)
-    return docs
 
 
 def dflash_recipe() -> TrainConfig:
@@ -242,3 +203,30 @@ def tiny() -> TrainConfig:
 
 
 PRESETS = {"dflash": dflash_recipe, "tiny": tiny}
+PresetName = Literal["dflash", "tiny"]
+
+
+@dataclass
+class RunOptions:
+    """``dflash-train run``'s own flags, beside every ``TrainConfig`` field."""
+
+    preset: PresetName = "dflash"
+    """Starting point (the defaults shown are the dflash preset's; tiny changes several); flags override its fields."""
+    print_config: bool = False
+    """Print the resolved config as JSON and exit."""
+
+
+@dataclass
+class ExportOptions:
+    """``dflash-train export``: which checkpoint of a run, where, checked against which target."""
+
+    run: str = field(metadata={"argument": True, "exists": "dir"})
+    """The training run's folder."""
+    out: str
+    """Export folder (config.json + model.safetensors)."""
+    checkpoint: str = "latest"
+    """'latest', a step folder name (step_000100) or a checkpoint path."""
+    dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
+    """dtype of the exported weights."""
+    target: str | None = None
+    """Target folder or hub name the export is checked against and served with; default: the run's."""
