@@ -77,14 +77,21 @@ def main():
     p.add_argument("--variants", type=int, default=2, help="worker settings to run (1: ours only)")
     p.add_argument("--writer-processes", default="", help="e.g. 0,2,3: run the worker with each (instead of --variants)")
     p.add_argument("--settings", default="", help='JSON list of ExtractConfig overrides to run, e.g. '
-                   '\'[{"writer_processes": 2}, {"writer_processes": 3, "write_concurrency": 4}]\'')
+                   '\'[{"writer_processes": 2}, {"writer_processes": 0, "codec_pipeline": "zarrs.ZarrsCodecPipeline"}]\' '
+                   '("codec_pipeline" sets zarr\'s codec_pipeline.path for that run)')
+    p.add_argument("--references", default="backbone,runner,hf",
+                   help="forward-only references to time (runner, the denominator of every ratio, is always timed)")
     p.add_argument("--repeat", type=int, default=1, help="runs of each worker variant (the machine is shared: medians)")
     p.add_argument("--workers-per-gpu", default="", help="e.g. 2: also run dflash-extract's runner with that many workers on the GPU")
     p.add_argument("--cache-dir", default=None, help="where the cache goes (default --work); /dev/shm takes the disk out")
+    p.add_argument("--build-only", action="store_true", help="only write the target and the rows (for a dflash-extract run)")
     args = p.parse_args()
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
     model_dir, data = build(work, args)
+    if args.build_only:
+        print(json.dumps({"model": str(model_dir), "data": str(data)}), flush=True)
+        return
 
     from transformers import AutoTokenizer
 
@@ -136,11 +143,13 @@ def main():
 
     with torch.inference_mode():
         backbone = runner.backbone
-        t_backbone = timed(lambda bt: backbone(input_ids=bt[0].to(args.device), attention_mask=bt[1].to(args.device), use_cache=False))
+        refs = args.references.split(",")
+        t_backbone = timed(lambda bt: backbone(input_ids=bt[0].to(args.device), attention_mask=bt[1].to(args.device),
+                                               use_cache=False)) if "backbone" in refs else float("nan")
         t_runner = timed(lambda bt: runner.forward(*bt))
         # HF's own causal-LM forward: every position's logits over the vocabulary (the hooks stay idle)
         t_hf = timed(lambda bt: model(input_ids=bt[0].to(args.device), attention_mask=bt[1].to(args.device),
-                                      use_cache=False).logits)
+                                      use_cache=False).logits) if "hf" in refs else float("nan")
     runner.close()
     del model, runner, backbone
     if cuda:
@@ -157,8 +166,14 @@ def main():
         variants = [(f"writer_processes_{n}", {"writer_processes": n}) for n in map(int, args.writer_processes.split(","))]
     if args.settings:
         variants = [(",".join(f"{k}={v}" for k, v in o.items()), o) for o in json.loads(args.settings)]
+    import zarr
+
+    default_pipeline = zarr.config.get("codec_pipeline.path")
     for name, overrides in [v for _ in range(args.repeat) for v in variants]:  # interleaved: drift hits all alike
         shutil.rmtree(out, ignore_errors=True)
+        overrides = dict(overrides)
+        pipeline = overrides.pop("codec_pipeline", default_pipeline)
+        zarr.config.set({"codec_pipeline.path": pipeline})
         vcfg = dataclasses.replace(cfg, **overrides)
         prepare_root(vcfg, spec, node_layout())
         events = {}
@@ -183,16 +198,15 @@ def main():
         hidden_stored = sum(f.stat().st_size for f in (out / "shards" / "00000" / "hidden").rglob("*") if f.is_file())
         result = {
             "worker_settings": name, "cache_dir": str(out.parent), "gil_switch_ms": vcfg.gil_switch_ms, "write_concurrency": vcfg.write_concurrency,
-            "writer_heap_buffers": vcfg.writer_heap_buffers, "writer_direct_chunks": vcfg.writer_direct_chunks,
-            "writer_processes": vcfg.resolved_writer_processes,
+            "codec_pipeline": pipeline, "writer_processes": vcfg.resolved_writer_processes,
             "samples": len(plan.source_index), "tokens": n_tok, "batch_tokens": args.batch_tokens,
-            "backbone_only_tok_s": round(n_tok / t_backbone), "forward_capture_topk_tok_s": round(n_tok / t_runner),
+            "backbone_only_tok_s": n_tok / t_backbone, "forward_capture_topk_tok_s": round(n_tok / t_runner),
             "extract_tok_s": round(n_tok / t_extract),
             "extract_vs_forward_capture_topk": round(t_runner / t_extract, 3),
             "steady_vs_forward_capture_topk": round(t_runner / t_steady, 3),
             "once_per_shard_s": {"drain": timing["drain_s"], "after_loop": round(t_extract - timing["loop_s"], 3)},
-            "extract_vs_backbone_only": round(t_backbone / t_extract, 3),
-            "hf_causal_lm_forward_tok_s": round(n_tok / t_hf), "extract_vs_hf_causal_lm_forward": round(t_hf / t_extract, 3),
+            "extract_vs_backbone_only": t_backbone / t_extract,
+            "hf_causal_lm_forward_tok_s": n_tok / t_hf, "extract_vs_hf_causal_lm_forward": round(t_hf / t_extract, 3),
             "cpu_cores_busy": round(cores, 2), "head_backend": head_backend_for(args.device),
             "head_compile_s": round(t_head_compile, 2),
             "bytes_per_token_total": round(stored / n_tok), "raw_bf16_hidden_bytes_per_token": round(hidden_raw / n_tok),

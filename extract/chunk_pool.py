@@ -7,9 +7,7 @@ than that, and the writer thread's share of the GIL slows the forward loop itsel
 processes through shared memory (two blocks per array): the shard's writer thread copies
 the rows into a free block (numpy copies release the GIL), splits them at chunk
 boundaries into one contiguous range per process, and each process writes its range in its
-own interpreter: its full chunks encoded and stored by ``DirectChunks`` (the bytes zarr
-would write, at about half zarr's CPU), anything else (a chunk a commit leaves partial, the
-array's last chunk, a store that is not a local folder) with zarr.
+own interpreter, with zarr.
 
 Ranges of one flush are disjoint whole chunks. A flush that ends inside a chunk (the
 final flush of a commit) is followed by a ``wait`` before the next write rewrites that
@@ -24,7 +22,6 @@ import hashlib
 import multiprocessing as mp
 import os
 import time
-import uuid
 from multiprocessing import shared_memory
 from typing import Any
 
@@ -56,112 +53,17 @@ def split_chunks(start: int, stop: int, chunk: int, parts: int) -> list[tuple[in
     return [(a, min(b, stop)) for a, b in zip(bounds[:-1], bounds[1:]) if a < b]
 
 
-def _keep_buffers_on_the_heap() -> None:
-    """Make glibc's malloc serve large blocks from its heaps and keep freed memory for reuse.
-
-    Each chunk zarr encodes allocates several buffers of chunk size (MBs). By default glibc
-    maps each such buffer fresh (mmap) and unmaps it when freed, so every write faults in
-    new pages, from many encoding threads at once. Alone on the GPU host this cut a writer
-    process's page faults 4-7x and its system time by about half, for 1.2-1.3x its rate
-    (BENCHMARKS.md); beside the forward loop the gain was within the run-to-run spread.
-    Linux/glibc only; a no-op elsewhere."""
-    import ctypes
-    import ctypes.util
-
-    name = ctypes.util.find_library("c")
-    try:
-        libc = ctypes.CDLL(name)
-        mallopt = libc.mallopt
-    except (OSError, AttributeError, TypeError):  # not glibc
-        return
-    M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
-    mallopt(M_MMAP_THRESHOLD, 32 << 20)  # glibc's largest (half its 64 MiB heaps); a chunk at 8B shape is 10 MiB
-    mallopt(M_TRIM_THRESHOLD, 1 << 30)
-
-
-class DirectChunks:
-    """Whole chunks of one zarr array encoded and stored here, as zarr itself would store them.
-
-    zarr's write path adds 65-140 % to the compression's CPU per chunk of hidden states on
-    the development machine (copies into fresh buffers, its async machinery;
-    bench/chunk_cpu.py). For the cache's own layout (a local store; little-endian bytes,
-    blosc, crc32c) this encodes each full chunk with the very blosc codec object zarr built
-    for the array, appends the crc32c as zarr's codec does, and writes the file at the key
-    zarr reads: the same bytes (tested against zarr's files). Chunks in parallel on the
-    threads of ``pool`` (blosc and file writes release the GIL). ``of`` returns None where
-    the layout is any other: zarr writes those.
-    """
-
-    def __init__(self, array, folder: str, blosc, pool):
-        self.array, self.folder, self.blosc, self.pool = array, folder, blosc, pool
-        self.chunk = array.chunks[0]
-
-    @classmethod
-    def of(cls, array, pool) -> "DirectChunks | None":
-        import sys
-
-        from zarr.codecs import BloscCodec, BytesCodec, Crc32cCodec
-        from zarr.storage import LocalStore
-
-        codecs = tuple(getattr(array.metadata, "codecs", ()))
-        if not isinstance(array.store, LocalStore) or sys.byteorder != "little" or len(codecs) != 3:
-            return None
-        serializer, compressor, checksum = codecs
-        endian = getattr(getattr(serializer, "endian", None), "value", None)
-        if not (isinstance(serializer, BytesCodec) and endian in (None, "little") and isinstance(compressor, BloscCodec)
-                and isinstance(checksum, Crc32cCodec) and tuple(array.chunks[1:]) == tuple(array.shape[1:])):
-            return None  # chunked along rows only: chunk i is rows [i * C, (i + 1) * C)
-        blosc = getattr(compressor, "_blosc_codec", None)  # the codec object zarr encodes with
-        if blosc is None:
-            return None
-        return cls(array, os.path.join(str(array.store.root), array.path), blosc, pool)
-
-    def write(self, start: int, rows: np.ndarray) -> int:
-        """Store the full chunks of ``rows`` (which start at row ``start``, a chunk boundary);
-        returns how many rows that was (the rest, under one chunk, is zarr's)."""
-        n = (len(rows) // self.chunk) * self.chunk
-        first = start // self.chunk
-        for _ in self.pool.map(lambda i: self._store(first + i, rows[i * self.chunk:(i + 1) * self.chunk]),
-                               range(n // self.chunk)):
-            pass  # raises the first chunk's error, if any
-        return n
-
-    def _store(self, index: int, chunk: np.ndarray) -> None:
-        import google_crc32c
-
-        frame = self.blosc.encode(np.ascontiguousarray(chunk).view(np.uint8).reshape(-1))  # the bytes zarr hands it
-        path = os.path.join(self.folder, *self.array.metadata.encode_chunk_key((index,) + (0,) * (chunk.ndim - 1)).split("/"))
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        tmp = f"{path}.{uuid.uuid4().hex}.partial"  # a reader never sees half a chunk, as with zarr's own writes
-        try:
-            with open(tmp, "wb") as f:
-                f.write(frame)
-                f.write(np.array([google_crc32c.value(frame)], dtype="<u4").tobytes())
-            os.replace(tmp, path)
-        except BaseException:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
-            raise
-
-
 def _serve(conn, store: str, group: str, layouts: dict[str, tuple[list[str], tuple[int, ...], str]],
-           settings: dict[str, Any], heap_buffers: bool = True, direct_chunks: bool = True) -> None:
+           settings: dict[str, Any]) -> None:
     """Child: write the ranges it is sent, answer each with ('ok', seconds it took) or ('error', ...)."""
     import signal
 
     import zarr
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole process group; the parent stops us
-    if heap_buffers:
-        _keep_buffers_on_the_heap()
     zarr.config.set(settings)
     g = zarr.open_group(store, mode="r+")[group]
     arrays = {name: g[name] for name in layouts}
-    from concurrent.futures import ThreadPoolExecutor
-
-    threads = ThreadPoolExecutor(max_workers=min(settings.get("async.concurrency", 10), os.cpu_count() or 1),
-                                 thread_name_prefix="chunk")
-    direct = {name: DirectChunks.of(a, threads) if direct_chunks else None for name, a in arrays.items()}
     blocks = {name: [shared_memory.SharedMemory(name=n) for n in names] for name, (names, _, _) in layouts.items()}
     try:
         while True:
@@ -177,15 +79,12 @@ def _serve(conn, store: str, group: str, layouts: dict[str, tuple[list[str], tup
             try:
                 view = np.ndarray((stop - start,) + tuple(row_shape), dtype=dtype, buffer=blocks[name][block].buf,
                                   offset=offset * int(np.prod(row_shape)) * np.dtype(dtype).itemsize)
-                done = direct[name].write(start, view) if direct[name] is not None else 0
-                if done < stop - start:
-                    arrays[name][start + done:stop] = view[done:]
+                arrays[name][start:stop] = view
                 del view
                 conn.send(("ok", time.perf_counter() - t))
             except BaseException as e:  # noqa: BLE001 - handed to the parent, which stops the shard
                 conn.send(("error", type(e).__name__, str(e), getattr(e, "errno", None), isinstance(e, OSError)))
     finally:
-        threads.shutdown()
         for bs in blocks.values():
             for b in bs:
                 b.close()
@@ -241,9 +140,11 @@ class ChunkPool:
     dtype)) of the zarr group ``group`` in the store at ``store``."""
 
     def __init__(self, store: str, group: str, arrays: dict[str, tuple[tuple[int, ...], Any]], *, processes: int,
-                 chunk: int, max_rows: int, settings: dict[str, Any], heap_buffers: bool = True,
-                 direct_chunks: bool = True):
-        self.chunk, self.max_rows = chunk, max_rows
+                 chunks: dict[str, int], max_rows: int, settings: dict[str, Any]):
+        """``chunks``: rows per chunk of each array; ``max_rows``: rows of one batch at most
+        (a flush holds those and the partial chunk left before them)."""
+        self.chunks = chunks
+        self.max_rows = {name: max_rows + chunks[name] for name in arrays}
         self.seconds = {"pool_copy": 0.0, "pool_wait": 0.0, "writers_busy": 0.0}
         """The shard's writer thread copying rows into shared memory, and waiting for a block
         (or, at a commit, for every block) to be written; the processes' seconds writing ranges
@@ -253,13 +154,13 @@ class ChunkPool:
         try:
             prefix = segment_prefix(store, group)
             for name, (row_shape, dtype) in arrays.items():
-                self.arrays[name] = _Array(f"{prefix}_{name}", max_rows, row_shape, dtype)
+                self.arrays[name] = _Array(f"{prefix}_{name}", self.max_rows[name], row_shape, dtype)
             layouts = {name: ([b.name for b in a.blocks], a.row_shape, a.dtype.str) for name, a in self.arrays.items()}
             ctx = mp.get_context("spawn")
             for i in range(processes):
                 ours, theirs = ctx.Pipe()
                 p = ctx.Process(target=_serve, name=f"{group.replace('/', '-')}-writer{i}", daemon=True,
-                                args=(theirs, store, group, layouts, settings, heap_buffers, direct_chunks))
+                                args=(theirs, store, group, layouts, settings))
                 p.start()
                 theirs.close()
                 self.conns.append(ours)
@@ -276,8 +177,8 @@ class ChunkPool:
         """Rows [start, stop) of array ``name``: the first stop - start rows of ``parts``
         concatenated. Returns once the rows are copied into shared memory and handed over."""
         n = stop - start
-        if n > self.max_rows:
-            raise ValueError(f"a flush of {n} rows exceeds the pool's {self.max_rows}")
+        if n > self.max_rows[name]:
+            raise ValueError(f"a flush of {n} rows exceeds the pool's {self.max_rows[name]}")
         a = self.arrays[name]
         b = a.next
         a.next = (b + 1) % BLOCKS
@@ -293,7 +194,7 @@ class ChunkPool:
                 break
         del view
         self.seconds["pool_copy"] += time.perf_counter() - t
-        for i, (lo, hi) in enumerate(split_chunks(start, stop, self.chunk, len(self.conns))):
+        for i, (lo, hi) in enumerate(split_chunks(start, stop, self.chunks[name], len(self.conns))):
             try:
                 self.conns[i].send((name, b, lo - start, lo, hi))
             except (BrokenPipeError, ConnectionResetError):

@@ -65,7 +65,7 @@ class ExtractConfig:
     dtype: str = "bfloat16"
     """Compute dtype of the target; hidden states are always stored as bf16 bits."""
     chunk_tokens: int = 256
-    """Tokens per Zarr chunk of every token-major array."""
+    """Tokens per Zarr chunk of the hidden states (the small arrays are chunked coarsely, see shared/cache.py)."""
     compression_level: int = 1
     """zstd level of the stored chunks."""
 
@@ -99,13 +99,6 @@ class ExtractConfig:
     since, BENCHMARKS.md), 0 on the CPU."""
     write_concurrency: int = 32
     """Chunks zarr encodes and writes at once per shard (its ``async.concurrency``; zarr's default is 10)."""
-    writer_direct_chunks: bool = True
-    """Writer processes encode and store whole chunks themselves, the same bytes zarr would
-    write, for 25-35 % less CPU per batch on the development machine (not yet measured on the
-    GPU host; extract/chunk_pool.py ``DirectChunks``; local stores)."""
-    writer_heap_buffers: bool = True
-    """Writer processes keep freed chunk buffers on glibc's heap for reuse instead of mapping
-    fresh pages for every chunk (extract/chunk_pool.py)."""
     gil_switch_ms: float = 0.5
     """The worker's GIL switch interval (Python's default is 5 ms). The forward loop keeps the
     GIL busy; at 5 ms the writer thread waits that long at every hand-off and the cache is

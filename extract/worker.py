@@ -38,7 +38,7 @@ import numpy as np
 import torch
 import zarr
 
-from dflash.shared.cache import CacheError, CacheSpec, ShardWriter, bf16_to_bits, open_root, shard_name
+from dflash.shared.cache import ATTRS_KEY, CacheError, CacheSpec, ShardWriter, bf16_to_bits, open_root, shard_name
 
 from .chunk_pool import BLOCKS, ChunkPool, shm_free_bytes
 from .config import ExtractConfig
@@ -222,6 +222,7 @@ def run_shard(task: WorkerTask, report, stop: threading.Event | Any | None = Non
     if device.type == "cuda":
         torch.cuda.set_device(device)
 
+    t_begin = time.perf_counter()
     tokenizer = load_tokenizer(cfg)
     ds = load_source(cfg.data, cfg.split or "train")
     start, stop_row = shard_rows(len(ds), task.num_shards, task.shard_id)
@@ -230,14 +231,15 @@ def run_shard(task: WorkerTask, report, stop: threading.Event | Any | None = Non
     planned = plan_shard(rows, start, cfg.data, tokenizer, cfg,
                          on_row=lambda done: report("planning", rows=stop_row - start, done=done))
     report("plan_ready")
+    setup = {"plan_s": time.perf_counter() - t_begin}
     while go is not None and not go.wait(0.2):  # until every worker of the node has planned
         if stop is not None and stop.is_set():
             raise Stopped()
     if stop is not None and stop.is_set():  # another worker failed while this one planned: leave no shard
         raise Stopped()
 
-    spec = CacheSpec.from_dict(task.spec)
     root = open_root(cfg.out, "r+")
+    spec = CacheSpec.from_dict(root.attrs[ATTRS_KEY])  # the cache's own layout (an older format resumes in it)
     writer = ShardWriter(root, task.shard_id, planned.plan, spec, compute=compute_environment(device))
     plan = planned.plan
     report("planned", samples=len(plan.source_index), tokens=plan.num_tokens,
@@ -250,15 +252,19 @@ def run_shard(task: WorkerTask, report, stop: threading.Event | Any | None = Non
         return writer.committed
 
     children_cpu = children_cpu_seconds()
+    t = time.perf_counter()
     pool = _writer_pool(cfg, spec, writer, report)
-    timing: dict[str, float] = {}
+    setup["writer_start_s"] = time.perf_counter() - t
+    timing: dict[str, float] = {k: round(v, 3) for k, v in setup.items()}
     try:
         return _extract(cfg, planned, writer, device, pad_id=tokenizer.pad_token_id, report=report, stop=stop,
                         timing=timing)
     finally:
         if pool is not None:
+            t = time.perf_counter()
             pool.close()  # joins the writer processes, so their CPU time is counted below
-        if timing:
+            timing["writer_close_s"] = round(time.perf_counter() - t, 3)
+        if "loop_s" in timing:  # the loop ran to its end (or a requested stop)
             user, system = (b - a for a, b in zip(children_cpu, children_cpu_seconds()))
             writers_cpu = user + system
             timing["cpu_writers_s"], timing["cpu_writers_sys_s"] = round(writers_cpu, 3), round(system, 3)
@@ -278,18 +284,18 @@ def _writer_pool(cfg: ExtractConfig, spec: CacheSpec, writer: ShardWriter, repor
     plan = writer.plan
     # a flush holds at most the partial chunk left by the previous one plus one batch (a shard
     # with no batches is complete and never gets here)
-    max_rows = int(np.diff(plan.offsets[plan.batches]).max()) + spec.chunk_tokens
+    max_rows = int(np.diff(plan.offsets[plan.batches]).max())
     arrays = {f: (a.shape[1:], a.dtype) for f, a in writer.arrays.items()}
-    need = BLOCKS * max_rows * sum(int(np.prod(shape)) * np.dtype(dt).itemsize for shape, dt in arrays.values())
+    need = BLOCKS * sum((max_rows + writer.chunks[f]) * int(np.prod(shape)) * np.dtype(dt).itemsize
+                        for f, (shape, dt) in arrays.items())
     free = shm_free_bytes()
     if free is not None and free < 2 * need:
         report("warning", message=(f"shard {writer.shard_id:05d}: /dev/shm has {free / 2**20:.0f} MiB free, the "
                                    f"writer processes need {need / 2**20:.0f} MiB: the writer thread writes the "
                                    "cache itself (slower; enlarge /dev/shm or lower --batch-tokens)"))
         return None
-    pool = ChunkPool(cfg.out, shard_name(writer.shard_id), arrays, processes=processes, chunk=spec.chunk_tokens,
-                     max_rows=max_rows, settings=_zarr_settings(cfg), heap_buffers=cfg.writer_heap_buffers,
-                     direct_chunks=cfg.writer_direct_chunks)
+    pool = ChunkPool(cfg.out, shard_name(writer.shard_id), arrays, processes=processes, chunks=writer.chunks,
+                     max_rows=max_rows, settings=_zarr_settings(cfg))
     writer.attach_sinks({f: pool.sink(f) for f in arrays})
     return pool
 
@@ -308,9 +314,13 @@ def _extract(cfg: ExtractConfig, planned: PlannedShard, writer: ShardWriter, dev
     GPU's seconds inside and between batches (``gpu_busy``, ``gpu_gap``)."""
     plan = planned.plan
     num_batches = len(plan.batches) - 1
+    t = time.perf_counter()
     model = load_target(cfg.model, dtype=cfg.dtype, device=device, attn_implementation=cfg.attn_implementation,
                         revision=cfg.revision)
+    timing["model_load_s"] = round(time.perf_counter() - t, 3)
+    t = time.perf_counter()
     runner = TargetRunner(model, writer.spec.layer_ids, writer.spec.topk, cfg.lm_head_chunk, head_backend_for(device))
+    timing["head_setup_s"] = round(time.perf_counter() - t, 3)
     pad_id = pad_id if pad_id is not None else 0
     offsets = plan.offsets
     report("started")

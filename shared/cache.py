@@ -1,7 +1,8 @@
 """The hidden-state cache: one Zarr v3 store, the contract between extract and train.
 
 Layout (every array flat and token-major, chunked along tokens, compressed with byte
-shuffle + zstd and checksummed with crc32c on every chunk)::
+shuffle + zstd and checksummed with crc32c on every chunk; each array's rows per chunk
+are in ``CacheSpec.chunks``)::
 
     CACHE/                      root attributes: ``dflash_cache`` (see ``CacheSpec``)
       shards/00000/             one group per shard, written by exactly one process
@@ -22,7 +23,15 @@ chunk included) and only then records, in the shard's attributes, how many batch
 samples and tokens are committed. Readers never look past the commit record, so a
 crash (``kill -9`` included) leaves a shard that is valid up to its last commit, and a
 rerun resumes at the next batch, with the same batch composition, giving a cache
-identical to an unbroken run's.
+identical to an unbroken run's. A chunk that a commit leaves partial is rewritten whole
+(its committed rows included) by the next write; every chunk write replaces the chunk in
+one step (a local store writes a temporary file and renames it, an object store's PUT is
+atomic), so a crash leaves either the old or the new chunk, both holding the committed rows.
+
+Format versions: 1 chunks every token array at ``chunk_tokens`` rows; 2 (written now)
+chunks the hidden states at ``chunk_tokens`` and the small arrays coarsely (``chunks``), so
+that a shard's chunk files are few and not tiny. Both are read alike (readers take each
+array's chunking from its own metadata).
 """
 
 from __future__ import annotations
@@ -40,7 +49,8 @@ import zarr
 import zarr.codecs as zc
 
 FORMAT_NAME = "dflash-cache"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+READABLE_VERSIONS = (1, 2)
 ATTRS_KEY = "dflash_cache"
 LAYER_CONVENTION = (
     "layer id i = output of decoder layer i (0-based) = HF output_hidden_states[i + 1]; "
@@ -48,6 +58,10 @@ LAYER_CONVENTION = (
 )
 TOKEN_FIELDS = ("input_ids", "loss_mask", "hidden", "topk_ids", "topk_logprobs")
 SAMPLE_META_CHUNK = 1 << 16
+SMALL_CHUNK_BYTES = 1 << 20
+"""Raw bytes aimed at per chunk of the small token arrays (format 2)."""
+SMALL_CHUNK_MAX_TOKENS = 1 << 16
+"""Rows per chunk of the small token arrays at most: reading one sample decodes whole chunks."""
 
 log = logging.getLogger(__name__)
 
@@ -83,7 +97,7 @@ class CacheSpec:
     truncation: str
     """Policy for over-long samples: ``right`` keeps the first max_length tokens."""
     chunk_tokens: int = 256
-    """Tokens per chunk of every token-major array."""
+    """Tokens per chunk of the hidden states (format 1: of every token array)."""
     compression_level: int = 1
     """zstd level inside blosc (blosc clevel c means zstd level 2c-1, so we store c)."""
     fingerprint: dict[str, Any] = field(default_factory=dict)
@@ -105,6 +119,19 @@ class CacheSpec:
     layer_convention: str = LAYER_CONVENTION
     format: str = FORMAT_NAME
     format_version: int = FORMAT_VERSION
+    chunks: dict[str, int] = field(default_factory=dict)
+    """Rows per chunk of each token array (format 2; default: ``default_chunks``). Empty in
+    format 1, where every token array is chunked at ``chunk_tokens``."""
+
+    def __post_init__(self):
+        if self.format_version >= 2 and not self.chunks:
+            self.chunks = default_chunks(self)
+        if self.format_version >= 2 and set(self.chunks) != set(TOKEN_FIELDS):
+            raise CacheError(f"cache spec: chunks must name each of {TOKEN_FIELDS}, got {sorted(self.chunks)}")
+
+    def chunk_rows(self, name: str) -> int:
+        """Rows per chunk of token array ``name`` in a cache of this spec."""
+        return int(self.chunks[name]) if self.format_version >= 2 else self.chunk_tokens
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -113,10 +140,10 @@ class CacheSpec:
     def from_dict(cls, d: dict[str, Any]) -> "CacheSpec":
         if d.get("format") != FORMAT_NAME:
             raise CacheError(f"not a {FORMAT_NAME} store (format={d.get('format')!r})")
-        if d.get("format_version") != FORMAT_VERSION:
+        if d.get("format_version") not in READABLE_VERSIONS:
             raise CacheError(
                 f"cache format version {d.get('format_version')} is not supported "
-                f"(this code reads version {FORMAT_VERSION})"
+                f"(this code reads versions {', '.join(map(str, READABLE_VERSIONS))})"
             )
         names = {f.name for f in dataclasses.fields(cls)}
         return cls(**{k: v for k, v in d.items() if k in names})
@@ -124,6 +151,22 @@ class CacheSpec:
     @property
     def num_layers(self) -> int:
         return len(self.layer_ids)
+
+
+def default_chunks(spec: CacheSpec) -> dict[str, int]:
+    """Format 2's rows per chunk: the hidden states at ``chunk_tokens``; each small array at
+    the power of two whose raw chunk is closest under ``SMALL_CHUNK_BYTES``, between
+    ``chunk_tokens`` and ``SMALL_CHUNK_MAX_TOKENS`` rows. With 256-token chunks everywhere
+    the small arrays were 1 % of the bytes but 80 % of the chunk writes (BENCHMARKS.md)."""
+    chunks = {}
+    for name, (shape, dtype) in _token_array_shapes(spec, 1).items():
+        if name == "hidden":
+            chunks[name] = spec.chunk_tokens
+            continue
+        row_bytes = int(np.prod(shape[1:])) * np.dtype(dtype).itemsize
+        rows = 1 << max(0, (SMALL_CHUNK_BYTES // row_bytes).bit_length() - 1)
+        chunks[name] = max(spec.chunk_tokens, min(rows, SMALL_CHUNK_MAX_TOKENS))
+    return chunks
 
 
 def diff_dicts(ours: Any, theirs: Any, prefix: str = "") -> list[str]:
@@ -211,7 +254,10 @@ def create_or_open_cache(path: str, spec: CacheSpec, storage_options: dict | Non
         root.attrs[ATTRS_KEY] = spec.to_dict()
         root.require_group("shards")
         return root
-    diffs = spec_differences(CacheSpec.from_dict(existing), spec)
+    old = CacheSpec.from_dict(existing)
+    if old.format_version < spec.format_version:  # an older layout is resumed in its own layout
+        spec = dataclasses.replace(spec, format_version=old.format_version, chunks=dict(old.chunks))
+    diffs = spec_differences(old, spec)
     if not diffs:
         return root
     if not replace_uncommitted or committed_samples(root) > 0:
@@ -228,7 +274,8 @@ def create_or_open_cache(path: str, spec: CacheSpec, storage_options: dict | Non
 def spec_differences(old: CacheSpec, new: CacheSpec) -> list[str]:
     """Every difference between two specs that makes one cache's bytes differ from the other's."""
     compared = ("layer_ids", "hidden_size", "topk", "vocab_size", "num_target_layers", "max_length",
-                "truncation", "chunk_tokens", "compression_level", "hidden_dtype", "fingerprint")
+                "truncation", "chunk_tokens", "compression_level", "hidden_dtype", "fingerprint", "format_version",
+                "chunks")
     diffs = []
     for name in compared:
         diffs += diff_dicts({name: getattr(old, name)}, {name: getattr(new, name)})
@@ -327,7 +374,6 @@ class ShardWriter:
         self.shard_id = shard_id
         self._offsets = plan.offsets
         name = shard_name(shard_id)
-        C = spec.chunk_tokens
         if name in root:
             self.group = root[name]
             attrs = self.group.attrs.asdict()
@@ -350,7 +396,7 @@ class ShardWriter:
             for fname, (shape, dtype) in _token_array_shapes(spec, plan.num_tokens).items():
                 typesize = np.dtype(dtype).itemsize
                 self.group.create_array(
-                    fname, shape=shape, chunks=(min(C, T),) + shape[1:], dtype=dtype, fill_value=0,
+                    fname, shape=shape, chunks=(min(spec.chunk_rows(fname), T),) + shape[1:], dtype=dtype, fill_value=0,
                     compressors=_compressors(typesize, spec.compression_level),
                 )
             for fname, values in (("offsets", self._offsets), ("source_index", plan.source_index),
@@ -372,16 +418,21 @@ class ShardWriter:
                 "compute": compute,
             })
         self.arrays = {f: self.group[f] for f in TOKEN_FIELDS}
+        self.chunks = {f: int(a.chunks[0]) for f, a in self.arrays.items()}
+        """Rows per chunk of each array, as stored (a shard keeps the layout it was created with)."""
         self.committed = dict(commit)
         self.next_batch = commit["batches"]
-        self._tail: dict[str, list[np.ndarray]] = {f: [] for f in TOKEN_FIELDS}
         done = commit["tokens"]
-        self._tail_start = (done // C) * C
-        if self._tail_start < done:
-            # resume inside a chunk: re-read its committed head so the chunk is rewritten whole
-            for f in TOKEN_FIELDS:
-                self._tail[f].append(np.asarray(self.arrays[f][self._tail_start:done]))
-        self._tail_tokens = done - self._tail_start
+        self._end = done
+        """Tokens handed to ``write_batch`` so far (committed or not)."""
+        self._tail: dict[str, list[np.ndarray]] = {f: [] for f in TOKEN_FIELDS}
+        """Per array, the rows from ``_tail_start[f]`` (a chunk boundary) to ``_end`` not yet
+        written whole: the head of the chunk that is being filled."""
+        self._tail_start = {f: (done // C) * C for f, C in self.chunks.items()}
+        for f in TOKEN_FIELDS:
+            if self._tail_start[f] < done:
+                # resume inside a chunk: re-read its committed head so the chunk is rewritten whole
+                self._tail[f].append(np.asarray(self.arrays[f][self._tail_start[f]:done]))
 
     def attach_sinks(self, sinks: dict[str, ChunkSink]) -> None:
         """From now on write these arrays through their sinks (before the first write_batch:
@@ -412,34 +463,35 @@ class ShardWriter:
             if tuple(a.shape) != shape:
                 raise CacheError(f"shard {self.shard_id:05d} batch {batch}: {f} has shape {tuple(a.shape)}, plan says {shape}")
             self._tail[f].append(np.ascontiguousarray(a, dtype=dtype))
-        self._tail_tokens += ntok
+        self._end += ntok
         self.next_batch += 1
         self._flush(final=False)
 
     def _flush(self, final: bool) -> None:
-        """Write whole chunks (and, when ``final``, the partial last one) from the buffer.
+        """Write each array's whole chunks (and, when ``final``, its partial last one) from
+        its buffer.
 
-        The buffer always starts on a chunk boundary; after a final flush it keeps the
-        partial chunk it wrote, so the next flush rewrites that chunk whole.
+        A buffer always starts on a chunk boundary of its array; after a final flush it
+        keeps the partial chunk it wrote, so the next flush rewrites that chunk whole.
         """
-        C = self.spec.chunk_tokens
-        end = self._tail_start + self._tail_tokens
-        cut = end if final else self._tail_start + (self._tail_tokens // C) * C
-        if cut <= self._tail_start:
-            return
-        keep_from = (cut // C) * C
+        end = self._end
         for f in TOKEN_FIELDS:
+            C, start = self.chunks[f], self._tail_start[f]
+            cut = end if final else start + ((end - start) // C) * C
+            if cut <= start:
+                continue
+            keep_from = (cut // C) * C
             parts = self._tail[f]
             if f in self.sinks:
                 # the sink copies what it needs before returning; no concatenated copy here
-                self.sinks[f].write(self._tail_start, cut, parts)
+                self.sinks[f].write(start, cut, parts)
                 rest = _last_rows(parts, end - keep_from)
             else:
                 data = np.concatenate(parts) if len(parts) > 1 else parts[0]
-                self.arrays[f][self._tail_start:cut] = data[: cut - self._tail_start]
-                rest = data[keep_from - self._tail_start:].copy()
+                self.arrays[f][start:cut] = data[: cut - start]
+                rest = data[keep_from - start:].copy()
             self._tail[f] = [rest] if len(rest) else []
-        self._tail_start, self._tail_tokens = keep_from, end - keep_from
+            self._tail_start[f] = keep_from
 
     def commit(self) -> dict[str, int]:
         """Make every batch written so far durable, then record it. Returns the record."""

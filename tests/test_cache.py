@@ -7,10 +7,15 @@ import torch
 from dflash.shared import cache as C
 
 
+SMALL_CHUNKS = {"hidden": 16, "input_ids": 64, "loss_mask": 64, "topk_ids": 32, "topk_logprobs": 32}
+
+
 def make_spec(**kw):
     base = dict(layer_ids=[0, 2], hidden_size=8, topk=3, vocab_size=50, num_target_layers=4,
                 max_length=64, truncation="right", chunk_tokens=16,
                 fingerprint={"target": {"name": "toy"}, "dataset": {"rows": 10}})
+    if kw.get("format_version", C.FORMAT_VERSION) >= 2:  # chunks of three sizes, each crossed by samples
+        base["chunks"] = SMALL_CHUNKS
     base.update(kw)
     return C.CacheSpec(**base)
 

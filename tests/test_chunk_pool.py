@@ -23,15 +23,15 @@ def test_split_chunks_cuts_whole_chunks_and_covers_the_range():
         assert all(a % chunk == 0 for a, _ in ranges)  # every range starts on a chunk boundary
 
 
-def pool_for(path, spec, plan, processes=2, fields=C.TOKEN_FIELDS, direct_chunks=True):
+def pool_for(path, spec, plan, processes=2, fields=C.TOKEN_FIELDS):
     """``sinks`` for ``write_all``: a new pool writing ``fields`` at each call (kept in ``pools``)."""
-    max_rows = int(np.diff(plan.offsets[plan.batches]).max()) + spec.chunk_tokens
+    max_rows = int(np.diff(plan.offsets[plan.batches]).max())
     pools = []
 
     def sinks(root):
         arrays = {f: (a.shape[1:], a.dtype) for f, a in root[C.shard_name(0)].arrays() if f in fields}
-        pool = ChunkPool(str(path), C.shard_name(0), arrays, processes=processes, chunk=spec.chunk_tokens,
-                         max_rows=max_rows, settings=SETTINGS, direct_chunks=direct_chunks)
+        pool = ChunkPool(str(path), C.shard_name(0), arrays, processes=processes, chunks=spec.chunks,
+                         max_rows=max_rows, settings=SETTINGS)
         pools.append(pool)
         return {f: pool.sink(f) for f in fields}
 
@@ -48,16 +48,14 @@ def chunk_files(path, field):
     return {p.relative_to(folder).as_posix(): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
 
 
-@pytest.mark.parametrize("stop_after,commit_every,fields,direct", [
-    (None, 1, C.TOKEN_FIELDS, True), (3, 1, C.TOKEN_FIELDS, True), (5, 2, C.TOKEN_FIELDS, True),
-    (3, 1, ("hidden",), True), (3, 1, C.TOKEN_FIELDS, False)])
-def test_writer_processes_write_what_the_thread_writes(tmp_path, stop_after, commit_every, fields, direct):
-    """Every array the same as the thread's (which zarr writes), and with the processes' own
-    chunk writes (``direct``) every chunk file the same bytes as zarr's, no file more or less."""
+@pytest.mark.parametrize("stop_after,commit_every,fields", [
+    (None, 1, C.TOKEN_FIELDS), (3, 1, C.TOKEN_FIELDS), (5, 2, C.TOKEN_FIELDS), (3, 1, ("hidden",))])
+def test_writer_processes_write_what_the_thread_writes(tmp_path, stop_after, commit_every, fields):
+    """Every array the same as the thread's, every chunk file the same bytes, no file more or less."""
     spec, plan = make_spec(), make_plan(LENGTHS)  # samples cross chunks of 16 everywhere
     write_all(tmp_path / "thread.zarr", spec, plan)
     path = tmp_path / "procs.zarr"
-    sinks, pools = pool_for(path, spec, plan, fields=fields, direct_chunks=direct)
+    sinks, pools = pool_for(path, spec, plan, fields=fields)
     try:
         if stop_after is not None:  # stop after a commit that ends inside a chunk, then resume
             write_all(path, spec, plan, commit_every=commit_every, stop_after=stop_after, sinks=sinks)
@@ -80,38 +78,6 @@ def test_writer_processes_write_what_the_thread_writes(tmp_path, stop_after, com
         zarrs, ours = chunk_files(tmp_path / "thread.zarr", f), chunk_files(path, f)
         assert sorted(zarrs) == sorted(ours), f
         assert all(zarrs[k] == ours[k] for k in zarrs), f
-
-
-def test_direct_chunks_only_for_the_caches_own_layout(tmp_path):
-    """The writer processes store chunks themselves only where they can write zarr's exact
-    bytes: a local folder, little-endian bytes + blosc + crc32c, chunked along rows. Any
-    other array gets None (zarr writes it)."""
-    import zarr
-    import zarr.codecs as zc
-
-    from concurrent.futures import ThreadPoolExecutor
-
-    from dflash.extract.chunk_pool import DirectChunks
-
-    spec = make_spec()
-    root = C.create_or_open_cache(str(tmp_path / "c.zarr"), spec)
-    C.ShardWriter(root, 0, make_plan(LENGTHS), spec)
-    pool = ThreadPoolExecutor(1)
-    for f in C.TOKEN_FIELDS:
-        assert DirectChunks.of(root[C.shard_name(0)][f], pool) is not None, f
-    g = zarr.open_group(str(tmp_path / "other.zarr"), mode="w")
-    others = {
-        "zstd alone": g.create_array("a", shape=(64, 4), chunks=(16, 4), dtype="uint16", compressors=[zc.ZstdCodec()]),
-        "no checksum": g.create_array("b", shape=(64, 4), chunks=(16, 4), dtype="uint16",
-                                      compressors=[zc.BloscCodec(cname="zstd", clevel=1, shuffle="shuffle")]),
-        "chunked across columns": g.create_array("c", shape=(64, 4), chunks=(16, 2), dtype="uint16",
-                                                 compressors=C._compressors(2, 1)),
-        "in memory": zarr.open_group(zarr.storage.MemoryStore(), mode="w").create_array(
-            "d", shape=(64, 4), chunks=(16, 4), dtype="uint16", compressors=C._compressors(2, 1)),
-    }
-    for what, array in others.items():
-        assert DirectChunks.of(array, pool) is None, what
-    pool.shutdown()
 
 
 def test_commit_waits_for_the_sink_before_recording(tmp_path):
