@@ -99,9 +99,19 @@ def test_reader_sees_only_committed(tmp_path):
         r[2]
 
 
+def chunk_file_bytes(path) -> dict[str, bytes]:
+    """Every chunk file of shard 0's token arrays, by relative name."""
+    shard = path / "shards" / "00000"
+    return {str(f.relative_to(shard)): f.read_bytes() for a in C.TOKEN_FIELDS
+            for f in sorted((shard / a / "c").rglob("*")) if f.is_file()}
+
+
+@pytest.mark.parametrize("format_version", [1, 2])
 @pytest.mark.parametrize("stop_after,commit_every", [(1, 1), (3, 1), (4, 3), (5, 2)])
-def test_resume_identical_to_unbroken(tmp_path, stop_after, commit_every):
-    spec, plan = make_spec(), make_plan(LENGTHS)
+def test_resume_identical_to_unbroken(tmp_path, stop_after, commit_every, format_version):
+    """Stopped after a commit that leaves chunks partial (coarse ones of format 2 too), then
+    resumed: every array and every chunk file as an unbroken run writes them."""
+    spec, plan = make_spec(format_version=format_version), make_plan(LENGTHS)
     write_all(tmp_path / "a.zarr", spec, plan)
     write_all(tmp_path / "b.zarr", spec, plan, commit_every=commit_every, stop_after=stop_after)
     w = write_all(tmp_path / "b.zarr", spec, plan)  # the rerun resumes
@@ -111,6 +121,42 @@ def test_resume_identical_to_unbroken(tmp_path, stop_after, commit_every):
         x, y = np.asarray(a["shards/00000"][f][:]), np.asarray(b["shards/00000"][f][:])
         assert x.dtype == y.dtype and np.array_equal(x, y), f
     assert a["shards/00000"].attrs.asdict() == b["shards/00000"].attrs.asdict()
+    assert chunk_file_bytes(tmp_path / "a.zarr") == chunk_file_bytes(tmp_path / "b.zarr")
+    chunks = {f: a["shards/00000"][f].chunks[0] for f in C.TOKEN_FIELDS}
+    assert chunks == (SMALL_CHUNKS if format_version == 2 else {f: 16 for f in C.TOKEN_FIELDS})
+
+
+def test_a_version_1_cache_resumes_in_its_own_layout(tmp_path):
+    """A format-1 cache stopped midway and rerun by this code (whose spec says format 2):
+    the root keeps format 1 and the shard ends as an unbroken format-1 run writes it."""
+    v1, v2, plan = make_spec(format_version=1), make_spec(), make_plan(LENGTHS)
+    write_all(tmp_path / "a.zarr", v1, plan)
+    write_all(tmp_path / "b.zarr", v1, plan, stop_after=3)
+    root = C.create_or_open_cache(str(tmp_path / "b.zarr"), v2)
+    stored = C.CacheSpec.from_dict(root.attrs[C.ATTRS_KEY])
+    assert stored.format_version == 1 and stored.chunks == {}
+    write_all(tmp_path / "b.zarr", stored, plan)
+    assert chunk_file_bytes(tmp_path / "a.zarr") == chunk_file_bytes(tmp_path / "b.zarr")
+    assert C.CacheReader(str(tmp_path / "b.zarr")).complete
+
+
+def test_default_chunks_at_8b_shape():
+    """Format 2 at Qwen3-8B's shape (5 layers x 4096, top-64): hidden states at chunk_tokens;
+    every small array's raw chunk is the largest power of two of rows within 1 MiB, or 64k rows."""
+    spec = make_spec(layer_ids=[1, 9, 17, 25, 33], hidden_size=4096, topk=64, num_target_layers=36,
+                     chunk_tokens=256, chunks={})
+    row_bytes = {"input_ids": 4, "loss_mask": 1, "topk_ids": 4 * 64, "topk_logprobs": 4 * 64}
+    assert spec.chunks["hidden"] == 256
+    for f, nbytes in row_bytes.items():
+        rows = spec.chunks[f]
+        assert rows & (rows - 1) == 0 and (rows == 1 << 16 or rows * nbytes <= 1 << 20 < 2 * rows * nbytes), f
+    assert spec.chunks == {"hidden": 256, "input_ids": 65536, "loss_mask": 65536, "topk_ids": 4096,
+                           "topk_logprobs": 4096}
+    assert C.CacheSpec.from_dict(spec.to_dict()) == spec
+    v1 = make_spec(format_version=1)
+    assert v1.chunks == {} and all(v1.chunk_rows(f) == 16 for f in C.TOKEN_FIELDS)
+    with pytest.raises(C.CacheError, match="format version 3 is not supported"):
+        C.CacheSpec.from_dict({**spec.to_dict(), "format_version": 3})
 
 
 def test_other_fingerprint_refused(tmp_path):
