@@ -75,10 +75,8 @@ def main():
     p.add_argument("--work", default="/tmp/xbench")
     p.add_argument("--device", default="cuda", help="cuda, or cpu for a dry run of the script")
     p.add_argument("--variants", type=int, default=2, help="worker settings to run (1: ours only)")
-    p.add_argument("--writer-processes", default="", help="e.g. 0,2,3: run the worker with each (instead of --variants)")
     p.add_argument("--settings", default="", help='JSON list of ExtractConfig overrides to run, e.g. '
-                   '\'[{"writer_processes": 2}, {"writer_processes": 0, "codec_pipeline": "zarrs.ZarrsCodecPipeline"}]\' '
-                   '("codec_pipeline" sets zarr\'s codec_pipeline.path for that run)')
+                   '\'[{"commit_seconds": 30}, {"commit_seconds": 0}]\'')
     p.add_argument("--references", default="backbone,runner,hf",
                    help="forward-only references to time (runner, the denominator of every ratio, is always timed)")
     p.add_argument("--repeat", type=int, default=1, help="runs of each worker variant (the machine is shared: medians)")
@@ -160,20 +158,12 @@ def main():
 
     hidden_raw = n_tok * len(spec.layer_ids) * spec.hidden_size * 2
     variants = [("tuned", {}), ("gil_switch_5ms_zarr_concurrency_10",
-                                {"gil_switch_ms": 5.0, "write_concurrency": 10, "writer_processes": 0})]
+                                {"gil_switch_ms": 5.0, "write_concurrency": 10})]
     variants = variants[: args.variants]
-    if args.writer_processes:
-        variants = [(f"writer_processes_{n}", {"writer_processes": n}) for n in map(int, args.writer_processes.split(","))]
     if args.settings:
         variants = [(",".join(f"{k}={v}" for k, v in o.items()), o) for o in json.loads(args.settings)]
-    import zarr
-
-    default_pipeline = zarr.config.get("codec_pipeline.path")
     for name, overrides in [v for _ in range(args.repeat) for v in variants]:  # interleaved: drift hits all alike
         shutil.rmtree(out, ignore_errors=True)
-        overrides = dict(overrides)
-        pipeline = overrides.pop("codec_pipeline", default_pipeline)
-        zarr.config.set({"codec_pipeline.path": pipeline})
         vcfg = dataclasses.replace(cfg, **overrides)
         prepare_root(vcfg, spec, node_layout())
         events = {}
@@ -198,7 +188,7 @@ def main():
         hidden_stored = sum(f.stat().st_size for f in (out / "shards" / "00000" / "hidden").rglob("*") if f.is_file())
         result = {
             "worker_settings": name, "cache_dir": str(out.parent), "gil_switch_ms": vcfg.gil_switch_ms, "write_concurrency": vcfg.write_concurrency,
-            "codec_pipeline": pipeline, "writer_processes": vcfg.resolved_writer_processes,
+            "commit_seconds": vcfg.commit_seconds,
             "samples": len(plan.source_index), "tokens": n_tok, "batch_tokens": args.batch_tokens,
             "backbone_only_tok_s": n_tok / t_backbone, "forward_capture_topk_tok_s": round(n_tok / t_runner),
             "extract_tok_s": round(n_tok / t_extract),
@@ -213,9 +203,6 @@ def main():
             "total_vs_raw_bf16_hidden": round(stored / hidden_raw, 4),
             "hidden_ratio": round(hidden_raw / hidden_stored, 4),
             "worker_seconds": timing,
-            # the writer processes' share of the loop spent writing ranges (1.0: they were the limit)
-            "writers_busy_share": round(timing.get("writers_busy", 0) / max(1, vcfg.resolved_writer_processes)
-                                        / timing["loop_s"], 3),
             # the GPU's share of the loop, and its time inside the batches against the bare forward's
             "gpu_busy_vs_loop": round(timing["gpu_busy"] / timing["loop_s"], 3) if cuda else None,
             "gpu_busy_vs_forward_capture_topk": round(timing["gpu_busy"] / t_runner, 3) if cuda else None,

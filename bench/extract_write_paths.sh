@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Stage one's write path and fixed costs on the GPU host (BENCHMARKS.md, "One write path"):
-#   bash bench/extract_write_paths.sh paths   # 400 x 2048 tokens, 3 interleaved runs of each write path
+#   bash bench/extract_write_paths.sh paths   # 400 x 2048 tokens, 3 runs of the write path (the writer thread, zarrs)
 #   bash bench/extract_write_paths.sh fixed   # dflash-extract end to end, 256 x 2048: where the time outside the loop goes
 # Run from the repository root with zarr, numcodecs, donfig, zarrs... importable (the device tool: carry the wheels);
 # logs go to $OUT. Qwen3-8B-shaped target with random weights, built once under /tmp/xbench.
@@ -12,14 +12,14 @@ OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 cat "$OUT/machine_$1.txt"
 quiet() { grep -vi "warn" | grep -v "^INFO:torch"; }
 case "${1:-}" in
-paths)   # (a) the writer thread alone, (b) the same with zarrs' codec pipeline, (c) two writer processes
+paths)   # the comparison of BENCHMARKS.md (thread + zarr's pipeline / thread + zarrs / two writer processes)
+         # ran at d319f94, where extract_bench.py took {"writer_processes": N, "codec_pipeline": ...} settings
   timeout 560 python3 bench/extract_bench.py --samples 400 --length 2048 --batch-tokens 8192 --references runner \
-      --repeat 3 --settings '[{"writer_processes": 0}, {"writer_processes": 0, "codec_pipeline": "zarrs.ZarrsCodecPipeline"},
-                              {"writer_processes": 2}]' 2>&1 | quiet | grep -v "it/s\]" | tee "$OUT/write_paths.log"
+      --variants 1 --repeat 3 2>&1 | quiet | grep -v "it/s\]" | tee "$OUT/write_paths.log"
   ;;
 fixed)   # the CLI as a user runs it; imports = the summary's started_at minus the shell's clock before the call
   python3 bench/extract_bench.py --samples 256 --length 2048 --build-only 2>&1 | quiet | tail -1
-  for run in 1 2; do
+  for run in $(seq ${RUNS:-2}); do
     rm -rf /tmp/xbench/cli.zarr
     t0=$(date +%s.%N)
     timeout 200 python3 -m dflash.extract.cli --data /tmp/xbench/rows.jsonl --model /tmp/xbench/target \

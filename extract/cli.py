@@ -67,9 +67,6 @@ def _json_object(ctx, param, value):
 @click.option("--attn-implementation", default="sdpa", help="Attention kernel for from_pretrained ('' = HF default).")
 @click.option("--commit-seconds", default=30.0, type=click.FloatRange(0), help="Seconds between shard commits.")
 @click.option("--queue-depth", default=2, type=click.IntRange(1), help="Batches in flight to the writer thread.")
-@click.option("--writer-processes", default=None, type=click.IntRange(0),
-              help="Processes per worker that compress and write the cache arrays (0: the writer thread); "
-                   "default 2 on CUDA, 0 on the CPU.")
 @click.option("--cpu-threads", default=None, type=click.IntRange(1), help="torch threads per CPU worker.")
 @click.option("--summary-json", default=None, type=click.Path(dir_okay=False), help="Also write the summary here.")
 @click.option("--progress/--no-progress", default=True, help="Show the progress bar.")

@@ -76,9 +76,8 @@ class ExtractConfig:
     gpus: list[int] = field(default_factory=lambda: list(DEFAULT_GPUS))
     """CUDA device indices on this node."""
     workers_per_gpu: int = 1
-    """Worker processes (each its own model copy, shard and writer) per GPU. Before the writer
-    processes, two workers per GPU were the way to double the writers (0.80 against 0.79 for
-    one, each paying model loading); with them one worker per GPU is enough (BENCHMARKS.md)."""
+    """Worker processes (each its own model copy, shard and writer) per GPU; one keeps an H200
+    busy (BENCHMARKS.md)."""
     workers: int = 1
     """CPU worker processes (only with device='cpu')."""
     batch_tokens: int = 16384
@@ -91,14 +90,9 @@ class ExtractConfig:
     """Seconds between commits of a shard (a crash loses at most this much work); 0 = every batch."""
     queue_depth: int = 2
     """Batches in flight between the forward loop and the writer thread (bounds host memory)."""
-    writer_processes: int | None = None
-    """Child processes per worker that compress and write the shard's token arrays (each in its
-    own interpreter, off the forward loop's GIL); 0: the writer thread writes them itself.
-    Default: 2 on CUDA (one thread's zarr encodes ~0.9 GB/s, less than an H200 produces for
-    an 8B target; 2 measured best of 0/2/3/4 there, and 2/3/4 within the run-to-run spread
-    since, BENCHMARKS.md), 0 on the CPU."""
     write_concurrency: int = 32
-    """Chunks zarr encodes and writes at once per shard (its ``async.concurrency``; zarr's default is 10)."""
+    """Chunks zarr's own pipeline encodes and writes at once per shard (its ``async.concurrency``;
+    zarr's default is 10), where it writes instead of zarrs (fsspec URLs)."""
     gil_switch_ms: float = 0.5
     """The worker's GIL switch interval (Python's default is 5 ms). The forward loop keeps the
     GIL busy; at 5 ms the writer thread waits that long at every hand-off and the cache is
@@ -136,8 +130,6 @@ class ExtractConfig:
                      "queue_depth", "write_concurrency"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
-        if self.writer_processes is not None and self.writer_processes < 0:
-            raise ValueError(f"writer_processes must be 0 or more, got {self.writer_processes}")
         if self.gil_switch_ms <= 0:
             raise ValueError(f"gil_switch_ms must be positive, got {self.gil_switch_ms}")
         if self.min_length > self.max_length:
@@ -162,13 +154,6 @@ class ExtractConfig:
     def render_kwargs(self) -> dict[str, Any]:
         """The keyword arguments of ``extract.chat.render`` that come from these settings."""
         return {"end_of_turn": self.end_of_turn, "template_kwargs": dict(self.template_kwargs)}
-
-    @property
-    def resolved_writer_processes(self) -> int:
-        """``writer_processes`` with its default resolved for the device."""
-        if self.writer_processes is not None:
-            return self.writer_processes
-        return 2 if self.device == "cuda" else 0
 
     @property
     def local_workers(self) -> int:

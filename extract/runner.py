@@ -302,7 +302,7 @@ def _time_lines(timing: list[dict[str, float]]) -> list[str]:
     if blocked > WRITER_BOUND * loop and loop >= 10:
         cores = sum(t["cpu_s"] for t in timing) / loop
         lines.append(f"  writer-bound: compression and writes could not keep up on {cores:.1f} CPU cores per "
-                     "worker; give each worker more free cores (on CUDA, where cores are free, more --writer-processes)")
+                     "worker; give each worker more free cores")
     return lines
 
 

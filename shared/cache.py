@@ -24,9 +24,10 @@ samples and tokens are committed. Readers never look past the commit record, so 
 crash (``kill -9`` included) leaves a shard that is valid up to its last commit, and a
 rerun resumes at the next batch, with the same batch composition, giving a cache
 identical to an unbroken run's. A chunk that a commit leaves partial is rewritten whole
-(its committed rows included) by the next write; every chunk write replaces the chunk in
-one step (a local store writes a temporary file and renames it, an object store's PUT is
-atomic), so a crash leaves either the old or the new chunk, both holding the committed rows.
+(its committed rows included) by the next write, through zarr's own codec pipeline, which
+replaces the chunk in one step (a local store writes a temporary file and renames it, an
+object store's PUT is atomic): a crash leaves the old or the new chunk, both holding the
+committed rows.
 
 Format versions: 1 chunks every token array at ``chunk_tokens`` rows; 2 (written now)
 chunks the hidden states at ``chunk_tokens`` and the small arrays coarsely (``chunks``), so
@@ -41,7 +42,7 @@ import hashlib
 import json
 import logging
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Protocol
+from typing import Any, Iterable
 
 import numpy as np
 import torch
@@ -58,6 +59,9 @@ LAYER_CONVENTION = (
 )
 TOKEN_FIELDS = ("input_ids", "loss_mask", "hidden", "topk_ids", "topk_logprobs")
 SAMPLE_META_CHUNK = 1 << 16
+ZARR_PIPELINE = "zarr.core.codec_pipeline.BatchedCodecPipeline"
+"""zarr's own codec pipeline (its default): a local store writes each chunk to a temporary
+file and renames it over the old one."""
 SMALL_CHUNK_BYTES = 1 << 20
 """Raw bytes aimed at per chunk of the small token arrays (format 2)."""
 SMALL_CHUNK_MAX_TOKENS = 1 << 16
@@ -339,26 +343,15 @@ class ShardPlan:
         return h.hexdigest()
 
 
-class ChunkSink(Protocol):
-    """Writes rows of one of a shard's arrays somewhere else (e.g. other processes).
-
-    ``write`` may return before the rows are stored; ``wait`` returns once everything
-    handed over so far is stored, or raises what failed. ``ShardWriter`` calls ``wait``
-    before every commit record, so no commit ever covers rows still in flight.
-    """
-
-    def write(self, start: int, stop: int, parts: list[np.ndarray]) -> None:
-        """Rows [start, stop): the first ``stop - start`` rows of ``parts`` concatenated."""
-
-    def wait(self) -> None: ...
-
-
 class ShardWriter:
     """Writes one shard; the only process that ever touches it.
 
     ``write_batch`` takes whole planned batches in order; full chunks go to the store
-    at once, the partial tail waits in memory until the next ``commit``. Arrays given a
-    sink (``attach_sinks``) are written through it instead (same rows, same chunks).
+    at once, the partial tail waits in memory until the next ``commit``. Writes go through
+    whatever codec pipeline zarr is configured with, except the rewrite of a chunk that
+    already holds committed rows: that one goes through zarr's own pipeline, whose local
+    writes replace a file in one step (another pipeline may truncate the file, then write
+    it, and a crash in between would lose committed rows).
 
     ``compute`` describes what computes the shard's values (device, kernels, library
     versions: ``extract.target.compute_environment``); it is recorded when the shard is
@@ -368,7 +361,6 @@ class ShardWriter:
 
     def __init__(self, root: zarr.Group, shard_id: int, plan: ShardPlan, spec: CacheSpec,
                  compute: dict[str, Any] | None = None):
-        self.sinks: dict[str, ChunkSink] = {}
         self.spec = spec
         self.plan = plan
         self.shard_id = shard_id
@@ -418,6 +410,9 @@ class ShardWriter:
                 "compute": compute,
             })
         self.arrays = {f: self.group[f] for f in TOKEN_FIELDS}
+        with zarr.config.set({"codec_pipeline.path": ZARR_PIPELINE}):
+            self._atomic_arrays = {f: self.group[f] for f in TOKEN_FIELDS}
+        """The same arrays through zarr's own pipeline: for chunks that hold committed rows."""
         self.chunks = {f: int(a.chunks[0]) for f, a in self.arrays.items()}
         """Rows per chunk of each array, as stored (a shard keeps the layout it was created with)."""
         self.committed = dict(commit)
@@ -433,14 +428,6 @@ class ShardWriter:
             if self._tail_start[f] < done:
                 # resume inside a chunk: re-read its committed head so the chunk is rewritten whole
                 self._tail[f].append(np.asarray(self.arrays[f][self._tail_start[f]:done]))
-
-    def attach_sinks(self, sinks: dict[str, ChunkSink]) -> None:
-        """From now on write these arrays through their sinks (before the first write_batch:
-        the sinks need the arrays this constructor creates)."""
-        unknown = set(sinks) - set(TOKEN_FIELDS)
-        if unknown:
-            raise ValueError(f"sinks for unknown arrays: {sorted(unknown)}")
-        self.sinks.update(sinks)
 
     @property
     def complete(self) -> bool:
@@ -472,9 +459,10 @@ class ShardWriter:
         its buffer.
 
         A buffer always starts on a chunk boundary of its array; after a final flush it
-        keeps the partial chunk it wrote, so the next flush rewrites that chunk whole.
+        keeps the partial chunk it wrote, so the next flush rewrites that chunk whole. Only
+        that first chunk can hold committed rows (those before ``committed["tokens"]``).
         """
-        end = self._end
+        end, committed = self._end, self.committed["tokens"]
         for f in TOKEN_FIELDS:
             C, start = self.chunks[f], self._tail_start[f]
             cut = end if final else start + ((end - start) // C) * C
@@ -482,22 +470,20 @@ class ShardWriter:
                 continue
             keep_from = (cut // C) * C
             parts = self._tail[f]
-            if f in self.sinks:
-                # the sink copies what it needs before returning; no concatenated copy here
-                self.sinks[f].write(start, cut, parts)
-                rest = _last_rows(parts, end - keep_from)
-            else:
-                data = np.concatenate(parts) if len(parts) > 1 else parts[0]
-                self.arrays[f][start:cut] = data[: cut - start]
-                rest = data[keep_from - start:].copy()
+            data = np.concatenate(parts) if len(parts) > 1 else parts[0]
+            fresh_from = start
+            if start < committed:  # its committed rows are rewritten: in one step, never torn
+                fresh_from = min(cut, start + C)
+                self._atomic_arrays[f][start:fresh_from] = data[: fresh_from - start]
+            if fresh_from < cut:
+                self.arrays[f][fresh_from:cut] = data[fresh_from - start: cut - start]
+            rest = data[keep_from - start:].copy()
             self._tail[f] = [rest] if len(rest) else []
             self._tail_start[f] = keep_from
 
     def commit(self) -> dict[str, int]:
         """Make every batch written so far durable, then record it. Returns the record."""
-        self._flush(final=True)
-        for sink in self.sinks.values():
-            sink.wait()  # every row handed to a sink is stored before the record says so
+        self._flush(final=True)  # every row is stored before the record says so
         s = int(self.plan.batches[self.next_batch])
         record = {"batches": self.next_batch, "samples": s, "tokens": int(self._offsets[s])}
         if record != self.committed:
@@ -519,20 +505,6 @@ def _compute_mismatch(shard_id: int, name: str, recorded: dict, compute: dict, c
     return (f"shard {shard_id:05d} has {commit['samples']} samples computed elsewhere ({diff}); resuming it here "
             "would mix two numerics in one shard. Rerun it where it was started, or delete the folder "
             f"{name} of the cache and rerun to redo that shard from the start")
-
-
-def _last_rows(parts: list[np.ndarray], n: int) -> np.ndarray:
-    """A copy of the last ``n`` rows of ``parts`` concatenated (n is under one chunk)."""
-    tail, need = [], n
-    for p in reversed(parts):
-        if need == 0:
-            break
-        take = min(need, len(p))
-        tail.append(p[len(p) - take:])
-        need -= take
-    if not tail:
-        return parts[0][:0].copy()
-    return np.concatenate(tail[::-1]) if len(tail) > 1 else tail[0].copy()
 
 
 # ----------------------------------------------------------------------------- reader
