@@ -1,4 +1,4 @@
-"""Where one writer process's CPU goes per chunk of hidden states (no GPU).
+"""Where the CPU goes per chunk of hidden states when the cache writes one (no GPU).
 
 Encodes 8B-shaped chunks (256 tokens x 5 layers x 4096, Gaussian bf16 bits) one at a time
 in this process and reports CPU milliseconds per chunk of the cache's compression on its

@@ -181,7 +181,7 @@ def main():
         timing = events["timing"]
         # steady state, what a long run approaches: on CUDA the GPU's span from the first batch's
         # start to the last one's end, elsewhere the loop up to its last batch; the rest of the
-        # wall time (the last batch's writes, the writer processes' exit) is paid once per shard
+        # wall time (the last batch's writes and the final commit) is paid once per shard
         t_steady = timing["gpu_busy"] + timing["gpu_gap"] if cuda else timing["loop_s"] - timing["drain_s"]
         cores = (process_cpu_seconds() - events["cpu0"]) / t_extract
         stored = sum(f.stat().st_size for f in out.rglob("*") if f.is_file())

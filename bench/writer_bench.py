@@ -119,7 +119,7 @@ def main():
     p.add_argument("--batches", type=int, default=12)
     p.add_argument("--tokens", type=int, default=8192)
     p.add_argument("--work", default="/tmp/writer_bench")
-    p.add_argument("--procs", default="", help="e.g. 2,4: also run that many writer processes at once")
+    p.add_argument("--procs", default="", help="e.g. 2,4: also run that many processes at once, each writing its own shard")
     p.add_argument("--only-procs", action="store_true", help="skip the single-process variants")
     args = p.parse_args()
     tuned = {"async.concurrency": 32, "array.write_empty_chunks": True}

@@ -463,7 +463,7 @@ def _run_workers(tasks: list[WorkerTask], cfg: ExtractConfig, phases: Phases | N
             elapsed = t_last - (t_first or t_last)
             if elapsed > 0:
                 bar.set_postfix_str(f"{tokens / elapsed:,.0f} tok/s", refresh=False)
-        elif kind == "timing":  # the loop's wall seconds, CPU seconds (writer processes included), the writer's busy/idle split
+        elif kind == "timing":  # the steps before the loop, the loop's wall and CPU seconds, the writer's busy/idle split
             timing[shard] = f
         elif kind == "warning":
             bar.write(f"dflash-extract: warning: {f['message']}", file=sys.stderr)

@@ -32,11 +32,11 @@ import traceback
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 import torch
 import zarr
 
-from dflash.shared.cache import ZARR_PIPELINE, ATTRS_KEY, CacheError, CacheSpec, ShardWriter, bf16_to_bits, open_root, shard_name
+from dflash.shared.cache import (ATTRS_KEY, ZARR_PIPELINE, CacheError, CacheSpec, ShardWriter, bf16_to_bits,
+                                 open_root)
 
 from .config import ExtractConfig
 from .cpu_time import thread_cpu, thread_cpu_by_name
