@@ -529,7 +529,7 @@ def test_other_ranks_wait_while_rank_0_replaces_an_uncommitted_root(tmp_path, ex
 
     out = tmp_path / "c.zarr"
     old = shard_task(out, dataset, tiny_target_dir, 0, topk=8)  # a root of other settings, nothing committed
-    C.ShardWriter(C.open_root(str(out), "r+"), 0, C.ShardPlan([0], [3], [0, 1]), run_spec(old.cfg))
+    C.ShardWriter(C.open_root(str(out), "r+"), 0, C.ShardPlan([0], [3], [0, 1]), C.CacheSpec.from_dict(old.spec))
     cfg = dataclasses.replace(old.cfg, topk=TOPK, wait_for_root_s=60.0)
     spec = run_spec(cfg)
     with ThreadPoolExecutor(1) as pool:
