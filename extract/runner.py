@@ -341,13 +341,13 @@ def run(cfg: ExtractConfig) -> dict[str, Any]:
         spec, root = _prepare(cfg, layout, num_shards, phases)
         states = shard_states(root, shard_ids)
         if all(st is not None and st.get("complete") for st in states.values()):
-            workers.cancel()
+            workers.kill()
             summary = summarize(cfg.out, shard_ids, spec)
             summary.update(noop=True, samples_this_run=0, wall_s=time.monotonic() - t_start, tokens_per_s=None)
             log.info("%s: shards %s already complete; nothing to do", cfg.out, shard_ids)
             return summary
     except BaseException:
-        workers.cancel()
+        workers.kill()  # planned at most, never touched the cache
         raise
     counts = _run_workers(workers, cfg, phases)
 
@@ -409,20 +409,11 @@ class Workers:
         for p in self.procs.values():
             p.start()
 
-    def cancel(self, timeout_s: float = 60.0) -> None:
-        """Stop workers that never got ``go`` (they have not touched the cache): they stop at
-        their next planning step; their messages are read and dropped meanwhile, so that none
-        blocks on a full pipe. Killed if still alive after ``timeout_s``."""
-        self.stop.set()
-        deadline = time.monotonic() + timeout_s
-        while any(p.is_alive() for p in self.procs.values()) and time.monotonic() < deadline:
-            try:
-                self.messages.get(timeout=0.2)
-            except queue.Empty:
-                pass
+    def kill(self) -> None:
+        """End workers that never got ``go`` (they have not touched the cache)."""
         for p in self.procs.values():
-            if p.is_alive():
-                p.kill()
+            p.kill()
+        for p in self.procs.values():
             p.join()
 
 

@@ -227,12 +227,8 @@ def _run_shard(task: WorkerTask, report, stop, go) -> dict[str, Any]:
     start, stop_row = shard_rows(len(ds), task.num_shards, task.shard_id)
     rows = ds.select(range(start, stop_row)) if hasattr(ds, "select") else ds[start:stop_row]
     report("planning", rows=stop_row - start, done=0)
-    def on_row(done: int) -> None:
-        if stop is not None and stop.is_set():  # the parent's own checks failed, or another worker did
-            raise Stopped()
-        report("planning", rows=stop_row - start, done=done)
-
-    planned = plan_shard(rows, start, cfg.data, tokenizer, cfg, on_row=on_row)
+    planned = plan_shard(rows, start, cfg.data, tokenizer, cfg,
+                         on_row=lambda done: report("planning", rows=stop_row - start, done=done))
     report("plan_ready")
     setup = {"plan_s": time.perf_counter() - t_begin}
     while go is not None and not go.wait(0.2):  # until every worker of the node has planned
