@@ -322,55 +322,6 @@ def run(cfg: ExtractConfig) -> dict[str, Any]:
     num_shards = layout.nodes * local
     shard_ids = [layout.rank * local + j for j in range(local)]
 
-    if cfg.device == "cuda":
-        import torch
-
-        if not torch.cuda.is_available():
-            raise ExtractFailed("--device cuda but no CUDA device is visible (use --device cpu --workers N)")
-        missing = [g for g in cfg.gpus if g >= torch.cuda.device_count()]
-        if missing:
-            raise ExtractFailed(f"--gpus {missing}: only {torch.cuda.device_count()} CUDA devices are visible")
-    threads = cfg.cpu_threads or max(1, (os.cpu_count() or 1) // local)
-    tasks = [WorkerTask(cfg=cfg, shard_id=s, num_shards=num_shards, device=d,
-                        cpu_threads=threads if cfg.device == "cpu" else None)
-             for s, d in zip(shard_ids, cfg.worker_devices)]
-    # The workers start (imports, tokenizer, dataset, planning) while this process fingerprints
-    # and prepares the root: they touch the cache only once ``go`` is set, after both.
-    workers = Workers(tasks)
-    try:
-        spec, root = _prepare(cfg, layout, num_shards, phases)
-        states = shard_states(root, shard_ids)
-        if all(st is not None and st.get("complete") for st in states.values()):
-            workers.kill()
-            summary = summarize(cfg.out, shard_ids, spec)
-            summary.update(noop=True, samples_this_run=0, wall_s=time.monotonic() - t_start, tokens_per_s=None)
-            log.info("%s: shards %s already complete; nothing to do", cfg.out, shard_ids)
-            return summary
-    except BaseException:
-        workers.kill()  # planned at most, never touched the cache
-        raise
-    counts = _run_workers(workers, cfg, phases)
-
-    summary = summarize(cfg.out, shard_ids, spec)
-    phases.mark("summary")
-    wall = time.monotonic() - t_start
-    summary.update(noop=False, samples_this_run=counts["samples"], wall_s=wall, phases=phases.as_dict(),
-                   tokens_per_s=counts["tokens"] / counts["forward_s"] if counts["forward_s"] > 0 else None,
-                   worker_seconds={f"{s:05d}": t for s, t in sorted(counts["timing"].items())})
-    if counts["errors"]:
-        summary["errors"] = counts["errors"]
-        message = "\n".join(counts["errors"])
-        if counts["categories"] - {"data", "cache"}:  # work was lost or stopped midway: show what is safe
-            message += "\n\n" + format_summary(summary)
-        raise ExtractFailed(message)
-    if counts["interrupted"]:
-        raise ExtractFailed("interrupted; every shard committed what it had. Rerun the same command to resume.\n\n"
-                            + format_summary(summary))
-    return summary
-
-
-def _prepare(cfg: ExtractConfig, layout: NodeLayout, num_shards: int, phases: Phases) -> tuple[CacheSpec, zarr.Group]:
-    """The run's spec (tokenizer, target config, dataset fingerprint) and its cache root."""
     from transformers import AutoConfig
 
     try:
@@ -391,30 +342,45 @@ def _prepare(cfg: ExtractConfig, layout: NodeLayout, num_shards: int, phases: Ph
     phases.mark("fingerprint")
     root = prepare_root(cfg, spec, layout)
     phases.mark("cache_root")
-    return spec, root
 
+    states = shard_states(root, shard_ids)
+    if all(st is not None and st.get("complete") for st in states.values()):
+        summary = summarize(cfg.out, shard_ids, spec)
+        summary.update(noop=True, samples_this_run=0, wall_s=time.monotonic() - t_start, tokens_per_s=None)
+        log.info("%s: shards %s already complete; nothing to do", cfg.out, shard_ids)
+        return summary
 
-class Workers:
-    """The spawned worker processes of this node and what the parent shares with them."""
+    if cfg.device == "cuda":
+        import torch
 
-    def __init__(self, tasks: list[WorkerTask]):
-        ctx = mp.get_context("spawn")
-        self.tasks = tasks
-        self.messages = ctx.Queue()
-        self.stop = ctx.Event()
-        self.go = ctx.Event()  # set once every worker has planned: none writes before all slices are known to be good
-        self.procs = {t.shard_id: ctx.Process(target=worker_main, args=(t, self.messages, self.stop, self.go),
-                                              name=f"dflash-extract-{t.shard_id:05d}")
-                      for t in tasks}
-        for p in self.procs.values():
-            p.start()
+        if not torch.cuda.is_available():
+            raise ExtractFailed("--device cuda but no CUDA device is visible (use --device cpu --workers N)")
+        missing = [g for g in cfg.gpus if g >= torch.cuda.device_count()]
+        if missing:
+            raise ExtractFailed(f"--gpus {missing}: only {torch.cuda.device_count()} CUDA devices are visible")
+    devices = cfg.worker_devices
+    threads = cfg.cpu_threads or max(1, (os.cpu_count() or 1) // local)
+    tasks = [WorkerTask(cfg=cfg, spec=spec.to_dict(), shard_id=s, num_shards=num_shards, device=d,
+                        cpu_threads=threads if cfg.device == "cpu" else None)
+             for s, d in zip(shard_ids, devices)]
+    counts = _run_workers(tasks, cfg, phases)
 
-    def kill(self) -> None:
-        """End workers that never got ``go`` (they have not touched the cache)."""
-        for p in self.procs.values():
-            p.kill()
-        for p in self.procs.values():
-            p.join()
+    summary = summarize(cfg.out, shard_ids, spec)
+    phases.mark("summary")
+    wall = time.monotonic() - t_start
+    summary.update(noop=False, samples_this_run=counts["samples"], wall_s=wall, phases=phases.as_dict(),
+                   tokens_per_s=counts["tokens"] / counts["forward_s"] if counts["forward_s"] > 0 else None,
+                   worker_seconds={f"{s:05d}": t for s, t in sorted(counts["timing"].items())})
+    if counts["errors"]:
+        summary["errors"] = counts["errors"]
+        message = "\n".join(counts["errors"])
+        if counts["categories"] - {"data", "cache"}:  # work was lost or stopped midway: show what is safe
+            message += "\n\n" + format_summary(summary)
+        raise ExtractFailed(message)
+    if counts["interrupted"]:
+        raise ExtractFailed("interrupted; every shard committed what it had. Rerun the same command to resume.\n\n"
+                            + format_summary(summary))
+    return summary
 
 
 class Phases:
@@ -428,10 +394,8 @@ class Phases:
         self.seconds: dict[str, float] = {}
 
     def mark(self, name: str, at: float | None = None) -> None:
-        """The step ``name`` ended now (or at monotonic time ``at``); a step that ended while
-        an earlier one was still under way (the workers start beside the parent) counts the
-        seconds it added, none if it ended first."""
-        at = max(self._last, time.monotonic() if at is None else at)
+        """The step ``name`` ended now (or at monotonic time ``at``)."""
+        at = time.monotonic() if at is None else at
         self.seconds[name] = round(self.seconds.get(name, 0.0) + at - self._last, 3)
         self._last = at
 
@@ -439,10 +403,10 @@ class Phases:
         return {"started_at": self.started_at, "seconds": dict(self.seconds)}
 
 
-def _run_workers(workers: Workers, cfg: ExtractConfig, phases: Phases | None = None) -> dict[str, Any]:
-    """Let the started workers write once they have planned, feed the progress bar, collect
-    how each one ended; marks the workers' start (spawn, imports), planning, model load and
-    first batch, the forward loop and the end (drain, final commit, exit) in ``phases``."""
+def _run_workers(tasks: list[WorkerTask], cfg: ExtractConfig, phases: Phases | None = None) -> dict[str, Any]:
+    """Spawn the workers, feed the progress bar, collect how each one ended; marks the
+    workers' start (spawn, imports), planning, model load and first batch, the forward loop
+    and the end (drain, final commit, exit) in ``phases``."""
     phases = phases or Phases(time.time())
     seen: dict[str, float] = {}
 
@@ -450,7 +414,15 @@ def _run_workers(workers: Workers, cfg: ExtractConfig, phases: Phases | None = N
         seen.setdefault(event, time.monotonic())
     from tqdm import tqdm
 
-    tasks, messages, stop, go, procs = workers.tasks, workers.messages, workers.stop, workers.go, workers.procs
+    ctx = mp.get_context("spawn")
+    messages = ctx.Queue()
+    stop = ctx.Event()
+    go = ctx.Event()  # set once every worker has planned: none writes before all slices are known to be good
+    procs = {t.shard_id: ctx.Process(target=worker_main, args=(t, messages, stop, go),
+                                     name=f"dflash-extract-{t.shard_id:05d}")
+             for t in tasks}
+    for p in procs.values():
+        p.start()
     ended: dict[int, str] = {}
     errors: list[str] = []
     categories: set[str] = set()

@@ -51,6 +51,7 @@ class WorkerTask:
     """Everything a spawned worker needs (picklable)."""
 
     cfg: ExtractConfig
+    spec: dict[str, Any]
     shard_id: int
     num_shards: int
     device: str
