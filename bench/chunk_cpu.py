@@ -1,11 +1,11 @@
-"""Where one writer process's CPU goes per chunk of hidden states (no GPU).
+"""Where the CPU goes per chunk of hidden states when the cache writes one (no GPU).
 
 Encodes 8B-shaped chunks (256 tokens x 5 layers x 4096, Gaussian bf16 bits) one at a time
-in this process and reports CPU milliseconds per chunk of each step of the cache's codec
-pipeline on its own (blosc's byte shuffle + zstd 1 in 512 KiB blocks, crc32c), against a
-whole zarr write of the same chunks (``array[a:b] = x``: zarr's pipeline, checksum, file),
-sequential and with zarr's concurrency as the worker sets it, and against the writer
-processes' own chunk writes (``DirectChunks``: checked to be the bytes of zarr's files).
+in this process and reports CPU milliseconds per chunk of the cache's compression on its
+own (blosc's byte shuffle + zstd 1 in 512 KiB blocks), against a whole zarr write of the
+same chunks (``array[a:b] = x``: zarr's pipeline, checksum, file), sequential and with
+zarr's concurrency as the worker sets it, and, where the ``zarrs`` package is installed,
+the same writes through its Rust codec pipeline (checked to read back).
 
     python bench/chunk_cpu.py --chunks 32 --work /tmp/chunk_cpu
 """
@@ -26,13 +26,7 @@ def main():
     p.add_argument("--chunks", type=int, default=32)
     p.add_argument("--work", default="/tmp/chunk_cpu")
     p.add_argument("--concurrency", default="1,32")
-    p.add_argument("--heap-buffers", action="store_true", help="as the writer processes do (extract/chunk_pool.py)")
     args = p.parse_args()
-    if args.heap_buffers:
-        from dflash.extract.chunk_pool import _keep_buffers_on_the_heap
-
-        _keep_buffers_on_the_heap()
-    import google_crc32c
     import zarr
     from numcodecs import Blosc
 
@@ -44,7 +38,7 @@ def main():
     chunks = [bits[i * C_TOK:(i + 1) * C_TOK] for i in range(args.chunks)]
     blosc = Blosc("zstd", 1, Blosc.SHUFFLE, blocksize=C.BLOSC_BLOCKSIZE, typesize=2)
     mb = bits.nbytes / 1e6
-    out = {"chunks": args.chunks, "chunk_MB": round(chunks[0].nbytes / 1e6, 2), "heap_buffers": args.heap_buffers}
+    out = {"chunks": args.chunks, "chunk_MB": round(chunks[0].nbytes / 1e6, 2)}
 
     def per_chunk(fn):
         c0 = time.process_time()
@@ -54,7 +48,6 @@ def main():
 
     out["blosc_ms"], out["blosc_MB_s"], encoded = per_chunk(lambda: [blosc.encode(c) for c in chunks])
     out["ratio"] = round(bits.nbytes / sum(len(e) for e in encoded), 4)
-    out["crc32c_ms"], _, _ = per_chunk(lambda: [google_crc32c.value(e) for e in encoded])
     out["copy_ms"], _, _ = per_chunk(lambda: [np.array(c) for c in chunks])
 
     def hidden_array(path: str):
@@ -69,27 +62,18 @@ def main():
             a = hidden_array(f"{args.work}/c{conc}.zarr")
             out[f"zarr_conc{conc}_ms"], out[f"zarr_conc{conc}_MB_s"], _ = per_chunk(lambda: a.__setitem__(slice(None), bits))
         written.append(f"{args.work}/c{conc}.zarr")
-    # The writer processes' own chunk writes (extract/chunk_pool.py DirectChunks), one thread:
-    # checked against the files zarr just wrote and read back through zarr.
-    from concurrent.futures import ThreadPoolExecutor
-
-    from dflash.extract.chunk_pool import DirectChunks
-
-    path, ref = f"{args.work}/direct.zarr", written[0]
-    one_thread = ThreadPoolExecutor(1)
-    writer = DirectChunks.of(hidden_array(path), one_thread)
-
-    def direct():
-        for i, c in enumerate(chunks):
-            writer.write(i * C_TOK, c)
-
-    out["direct_ms"], out["direct_MB_s"], _ = per_chunk(direct)
-    same_files = all(open(f"{path}/h/c/{i}/0/0", "rb").read() == open(f"{ref}/h/c/{i}/0/0", "rb").read()
-                     for i in range(args.chunks))
-    out["direct_files_equal_zarrs"] = same_files
-    out["direct_reads_back"] = bool(np.array_equal(zarr.open_group(path, mode="r")["h"][:], bits))
-    one_thread.shutdown()
-    for p in written + [path]:
+    try:
+        import zarrs  # noqa: F401
+    except ImportError:
+        zarrs = None
+    if zarrs is not None:
+        path = f"{args.work}/zarrs.zarr"
+        with zarr.config.set({"codec_pipeline.path": "zarrs.ZarrsCodecPipeline", "array.write_empty_chunks": True}):
+            a = hidden_array(path)
+            out["zarrs_ms"], out["zarrs_MB_s"], _ = per_chunk(lambda: a.__setitem__(slice(None), bits))
+        out["zarrs_reads_back"] = bool(np.array_equal(zarr.open_group(path, mode="r")["h"][:], bits))
+        written.append(path)
+    for p in written:
         shutil.rmtree(p, ignore_errors=True)
     print(json.dumps(out), flush=True)
 

@@ -75,16 +75,21 @@ def main():
     p.add_argument("--work", default="/tmp/xbench")
     p.add_argument("--device", default="cuda", help="cuda, or cpu for a dry run of the script")
     p.add_argument("--variants", type=int, default=2, help="worker settings to run (1: ours only)")
-    p.add_argument("--writer-processes", default="", help="e.g. 0,2,3: run the worker with each (instead of --variants)")
     p.add_argument("--settings", default="", help='JSON list of ExtractConfig overrides to run, e.g. '
-                   '\'[{"writer_processes": 2}, {"writer_processes": 3, "write_concurrency": 4}]\'')
+                   '\'[{"commit_seconds": 30}, {"commit_seconds": 0}]\'')
+    p.add_argument("--references", default="backbone,runner,hf",
+                   help="forward-only references to time (runner, the denominator of every ratio, is always timed)")
     p.add_argument("--repeat", type=int, default=1, help="runs of each worker variant (the machine is shared: medians)")
     p.add_argument("--workers-per-gpu", default="", help="e.g. 2: also run dflash-extract's runner with that many workers on the GPU")
     p.add_argument("--cache-dir", default=None, help="where the cache goes (default --work); /dev/shm takes the disk out")
+    p.add_argument("--build-only", action="store_true", help="only write the target and the rows (for a dflash-extract run)")
     args = p.parse_args()
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
     model_dir, data = build(work, args)
+    if args.build_only:
+        print(json.dumps({"model": str(model_dir), "data": str(data)}), flush=True)
+        return
 
     from transformers import AutoTokenizer
 
@@ -136,11 +141,13 @@ def main():
 
     with torch.inference_mode():
         backbone = runner.backbone
-        t_backbone = timed(lambda bt: backbone(input_ids=bt[0].to(args.device), attention_mask=bt[1].to(args.device), use_cache=False))
+        refs = args.references.split(",")
+        t_backbone = timed(lambda bt: backbone(input_ids=bt[0].to(args.device), attention_mask=bt[1].to(args.device),
+                                               use_cache=False)) if "backbone" in refs else float("nan")
         t_runner = timed(lambda bt: runner.forward(*bt))
         # HF's own causal-LM forward: every position's logits over the vocabulary (the hooks stay idle)
         t_hf = timed(lambda bt: model(input_ids=bt[0].to(args.device), attention_mask=bt[1].to(args.device),
-                                      use_cache=False).logits)
+                                      use_cache=False).logits) if "hf" in refs else float("nan")
     runner.close()
     del model, runner, backbone
     if cuda:
@@ -151,10 +158,8 @@ def main():
 
     hidden_raw = n_tok * len(spec.layer_ids) * spec.hidden_size * 2
     variants = [("tuned", {}), ("gil_switch_5ms_zarr_concurrency_10",
-                                {"gil_switch_ms": 5.0, "write_concurrency": 10, "writer_processes": 0})]
+                                {"gil_switch_ms": 5.0, "write_concurrency": 10})]
     variants = variants[: args.variants]
-    if args.writer_processes:
-        variants = [(f"writer_processes_{n}", {"writer_processes": n}) for n in map(int, args.writer_processes.split(","))]
     if args.settings:
         variants = [(",".join(f"{k}={v}" for k, v in o.items()), o) for o in json.loads(args.settings)]
     for name, overrides in [v for _ in range(args.repeat) for v in variants]:  # interleaved: drift hits all alike
@@ -176,32 +181,28 @@ def main():
         timing = events["timing"]
         # steady state, what a long run approaches: on CUDA the GPU's span from the first batch's
         # start to the last one's end, elsewhere the loop up to its last batch; the rest of the
-        # wall time (the last batch's writes, the writer processes' exit) is paid once per shard
+        # wall time (the last batch's writes and the final commit) is paid once per shard
         t_steady = timing["gpu_busy"] + timing["gpu_gap"] if cuda else timing["loop_s"] - timing["drain_s"]
         cores = (process_cpu_seconds() - events["cpu0"]) / t_extract
         stored = sum(f.stat().st_size for f in out.rglob("*") if f.is_file())
         hidden_stored = sum(f.stat().st_size for f in (out / "shards" / "00000" / "hidden").rglob("*") if f.is_file())
         result = {
             "worker_settings": name, "cache_dir": str(out.parent), "gil_switch_ms": vcfg.gil_switch_ms, "write_concurrency": vcfg.write_concurrency,
-            "writer_heap_buffers": vcfg.writer_heap_buffers, "writer_direct_chunks": vcfg.writer_direct_chunks,
-            "writer_processes": vcfg.resolved_writer_processes,
+            "commit_seconds": vcfg.commit_seconds,
             "samples": len(plan.source_index), "tokens": n_tok, "batch_tokens": args.batch_tokens,
-            "backbone_only_tok_s": round(n_tok / t_backbone), "forward_capture_topk_tok_s": round(n_tok / t_runner),
+            "backbone_only_tok_s": n_tok / t_backbone, "forward_capture_topk_tok_s": round(n_tok / t_runner),
             "extract_tok_s": round(n_tok / t_extract),
             "extract_vs_forward_capture_topk": round(t_runner / t_extract, 3),
             "steady_vs_forward_capture_topk": round(t_runner / t_steady, 3),
             "once_per_shard_s": {"drain": timing["drain_s"], "after_loop": round(t_extract - timing["loop_s"], 3)},
-            "extract_vs_backbone_only": round(t_backbone / t_extract, 3),
-            "hf_causal_lm_forward_tok_s": round(n_tok / t_hf), "extract_vs_hf_causal_lm_forward": round(t_hf / t_extract, 3),
+            "extract_vs_backbone_only": t_backbone / t_extract,
+            "hf_causal_lm_forward_tok_s": n_tok / t_hf, "extract_vs_hf_causal_lm_forward": round(t_hf / t_extract, 3),
             "cpu_cores_busy": round(cores, 2), "head_backend": head_backend_for(args.device),
             "head_compile_s": round(t_head_compile, 2),
             "bytes_per_token_total": round(stored / n_tok), "raw_bf16_hidden_bytes_per_token": round(hidden_raw / n_tok),
             "total_vs_raw_bf16_hidden": round(stored / hidden_raw, 4),
             "hidden_ratio": round(hidden_raw / hidden_stored, 4),
             "worker_seconds": timing,
-            # the writer processes' share of the loop spent writing ranges (1.0: they were the limit)
-            "writers_busy_share": round(timing.get("writers_busy", 0) / max(1, vcfg.resolved_writer_processes)
-                                        / timing["loop_s"], 3),
             # the GPU's share of the loop, and its time inside the batches against the bare forward's
             "gpu_busy_vs_loop": round(timing["gpu_busy"] / timing["loop_s"], 3) if cuda else None,
             "gpu_busy_vs_forward_capture_topk": round(timing["gpu_busy"] / t_runner, 3) if cuda else None,

@@ -114,73 +114,14 @@ def parallel(n: int, args, settings: dict) -> dict:
             "cpu_cores_busy_sum": round(sum(r["cpu_cores_busy"] for r in rows), 2)}
 
 
-def proc_cpu(procs) -> tuple[float, float, int]:
-    """User and system CPU seconds and minor page faults of live processes, from /proc (Linux)."""
-    from dflash.extract.cpu_time import read_stat
-
-    stats = [read_stat(f"/proc/{p.pid}/stat")[1:] for p in procs]
-    return sum(s[0] for s in stats), sum(s[1] for s in stats), sum(s[2] for s in stats)
-
-
-def pooled(args, processes: int, concurrency: int, heap_buffers: bool, direct_chunks: bool = True) -> dict:
-    """The worker's own path: ShardWriter hands each flush to a ChunkPool of ``processes``
-    writer processes (shared memory), as ``run_shard`` does on CUDA. Reports the rate, the
-    processes' user and system CPU, and the pool's copy/wait/busy seconds."""
-    import zarr
-
-    from dflash.extract.chunk_pool import ChunkPool
-    from dflash.shared import cache as C
-
-    L, D, T, nb = 5, 4096, args.tokens, args.batches
-    spec, path, (h, ids, tk, lp) = setup(args, "pool")
-    settings = {"async.concurrency": concurrency, "array.write_empty_chunks": True}
-    zarr.config.set(settings)
-    root = C.create_or_open_cache(path, spec)
-    plan = C.ShardPlan(source_index=np.arange(nb), lengths=np.full(nb, T), batches=np.arange(nb + 1))
-    w = C.ShardWriter(root, 0, plan, spec)
-    arrays = {f: (a.shape[1:], a.dtype) for f, a in w.arrays.items()}
-    pool = ChunkPool(path, C.shard_name(0), arrays, processes=processes, chunk=spec.chunk_tokens,
-                     max_rows=T + spec.chunk_tokens, settings=settings, heap_buffers=heap_buffers,
-                     direct_chunks=direct_chunks)
-    w.attach_sinks({f: pool.sink(f) for f in arrays})
-    w.write_batch(0, input_ids=ids, loss_mask=np.ones(T, bool), hidden=h, topk_ids=tk, topk_logprobs=lp)
-    pool.wait()  # the processes are up (their start-up is not what this measures)
-    r1 = proc_cpu(pool.procs)
-    t0 = time.perf_counter()
-    for b in range(1, nb):
-        w.write_batch(b, input_ids=ids, loss_mask=np.ones(T, bool), hidden=h, topk_ids=tk, topk_logprobs=lp)
-    w.finish()
-    dt = time.perf_counter() - t0
-    r2 = proc_cpu(pool.procs)
-    seconds = dict(pool.seconds)
-    pool.close()
-    user, system = r2[0] - r1[0], r2[1] - r1[1]
-    return {"variant": f"pool processes={processes} concurrency={concurrency} heap_buffers={heap_buffers} "
-                       f"direct_chunks={direct_chunks}",
-            "batches": nb - 1, "s_per_batch": round(dt / (nb - 1), 4),
-            "hidden_MB_s": round((nb - 1) * T * L * D * 2 / dt / 1e6),
-            "writers_user_s_per_batch": round(user / (nb - 1), 3),
-            "writers_sys_s_per_batch": round(system / (nb - 1), 3),
-            "writers_cores_busy": round((user + system) / dt, 2),
-            "writers_page_faults_per_batch": round((r2[2] - r1[2]) / (nb - 1)), "work": args.work,
-            **{k: round(v, 3) for k, v in seconds.items()}}
-
-
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--batches", type=int, default=12)
     p.add_argument("--tokens", type=int, default=8192)
     p.add_argument("--work", default="/tmp/writer_bench")
-    p.add_argument("--procs", default="", help="e.g. 2,4: also run that many writer processes at once")
+    p.add_argument("--procs", default="", help="e.g. 2,4: also run that many processes at once, each writing its own shard")
     p.add_argument("--only-procs", action="store_true", help="skip the single-process variants")
-    p.add_argument("--pool", default="", help="e.g. 2:32:1:1,2:4:0:0 (processes:concurrency:heap_buffers[:direct_"
-                   "chunks, default 1]): only the worker's writer-process path, one run of each")
     args = p.parse_args()
-    if args.pool:
-        for v in args.pool.split(","):
-            n, c, hb, *dc = (int(x) for x in v.split(":"))
-            print(json.dumps(pooled(args, n, c, bool(hb), bool(dc[0]) if dc else True)), flush=True)
-        return
     tuned = {"async.concurrency": 32, "array.write_empty_chunks": True}
     for n in [int(x) for x in args.procs.split(",") if x]:
         print(json.dumps(parallel(n, args, tuned)), flush=True)
@@ -194,6 +135,9 @@ def main():
         ("default+gil_busy+switch_0.5ms", {}, 0, True, 0.5),
         ("concurrency32+write_empty+gil_busy+switch_0.5ms",
          {"async.concurrency": 32, "array.write_empty_chunks": True}, 0, True, 0.5),
+        ("zarrs+gil_busy+switch_0.5ms (the worker's settings)",  # extract/worker.py _zarr_settings
+         {"codec_pipeline.path": "zarrs.ZarrsCodecPipeline", "async.concurrency": 32, "array.write_empty_chunks": True},
+         0, True, 0.5),
     ]
     for name, settings, bt, gb, *sw in variants:
         row = run(name, args, settings, bt, gb, *sw)

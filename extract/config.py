@@ -74,7 +74,7 @@ class ExtractConfig:
     dtype: Dtype = "bfloat16"
     """Compute dtype of the target; hidden states are always stored as bf16 bits."""
     chunk_tokens: int = 256
-    """Tokens per Zarr chunk of every token-major array."""
+    """Tokens per Zarr chunk of the hidden states (the small arrays are chunked coarsely, see shared/cache.py)."""
     compression_level: int = 1
     """zstd level of the stored chunks: 1, 3, 5, ..., 15 (blosc runs zstd at odd levels only)."""
 
@@ -85,9 +85,8 @@ class ExtractConfig:
     gpus: list[int] = field(default_factory=lambda: list(DEFAULT_GPUS))
     """CUDA device indices on this node."""
     workers_per_gpu: int = 1
-    """Worker processes (each its own model copy, shard and writer) per GPU. Before the writer
-    processes, two workers per GPU were the way to double the writers (0.80 against 0.79 for
-    one, each paying model loading); with them one worker per GPU is enough (BENCHMARKS.md)."""
+    """Worker processes (each its own model copy, shard and writer) per GPU; one keeps an H200
+    busy (BENCHMARKS.md)."""
     workers: int = 1
     """CPU worker processes (only with --device cpu)."""
     batch_tokens: int = 16384
@@ -100,21 +99,9 @@ class ExtractConfig:
     """Seconds between commits of a shard (a crash loses at most this much work); 0 = every batch."""
     queue_depth: int = 2
     """Batches in flight between the forward loop and the writer thread (bounds host memory)."""
-    writer_processes: int | None = None
-    """Child processes per worker that compress and write the shard's token arrays (each in its
-    own interpreter, off the forward loop's GIL); 0: the writer thread writes them itself.
-    Default: 2 on CUDA (one thread's zarr encodes ~0.9 GB/s, less than an H200 produces for
-    an 8B target; 2 measured best of 0/2/3/4 there, and 2/3/4 within the run-to-run spread
-    since, BENCHMARKS.md), 0 on the CPU."""
     write_concurrency: int = 32
-    """Chunks zarr encodes and writes at once per shard (its ``async.concurrency``; zarr's default is 10)."""
-    writer_direct_chunks: bool = True
-    """Writer processes encode and store whole chunks themselves, the same bytes zarr would
-    write, for 25-35 % less CPU per batch on the development machine (not yet measured on the
-    GPU host; extract/chunk_pool.py ``DirectChunks``; local stores)."""
-    writer_heap_buffers: bool = True
-    """Writer processes keep freed chunk buffers on glibc's heap for reuse instead of mapping
-    fresh pages for every chunk (extract/chunk_pool.py)."""
+    """Chunks zarr's own pipeline encodes and writes at once per shard (its ``async.concurrency``;
+    zarr's default is 10), where it writes instead of zarrs (fsspec URLs)."""
     gil_switch_ms: float = 0.5
     """The worker's GIL switch interval (Python's default is 5 ms). The forward loop keeps the
     GIL busy; at 5 ms the writer thread waits that long at every hand-off and the cache is
@@ -152,8 +139,6 @@ class ExtractConfig:
             raise ValueError(f"commit_seconds must be 0 or more, got {self.commit_seconds}")
         if self.cpu_threads is not None and self.cpu_threads < 1:
             raise ValueError(f"cpu_threads must be at least 1, got {self.cpu_threads}")
-        if self.writer_processes is not None and self.writer_processes < 0:
-            raise ValueError(f"writer_processes must be 0 or more, got {self.writer_processes}")
         if self.gil_switch_ms <= 0:
             raise ValueError(f"gil_switch_ms must be positive, got {self.gil_switch_ms}")
         if self.min_length > self.max_length:
@@ -178,13 +163,6 @@ class ExtractConfig:
     def render_kwargs(self) -> dict[str, Any]:
         """The keyword arguments of ``extract.chat.render`` that come from these settings."""
         return {"end_of_turn": self.end_of_turn, "template_kwargs": dict(self.template_kwargs)}
-
-    @property
-    def resolved_writer_processes(self) -> int:
-        """``writer_processes`` with its default resolved for the device."""
-        if self.writer_processes is not None:
-            return self.writer_processes
-        return 2 if self.device == "cuda" else 0
 
     @property
     def local_workers(self) -> int:

@@ -1,4 +1,5 @@
-"""Where a worker's CPU goes: per thread of its own process, and its joined child processes.
+"""Where a worker's CPU goes: per thread of its process (the forward loop, the writer thread,
+zarrs' encoding threads).
 
 The closing timing of a shard (``extract/worker.py``) reports them, so that a benchmark or a
 slow run shows which thread or process took the cores.
@@ -11,14 +12,14 @@ import resource
 import threading
 
 
-def read_stat(path: str) -> tuple[str, float, float, int]:
-    """(kernel name, user seconds, system seconds, minor page faults) from a /proc ``stat``
-    file of a process or thread (``/proc/<pid>/stat``, ``/proc/self/task/<tid>/stat``)."""
+def read_stat(path: str) -> tuple[str, float, float]:
+    """(kernel name, user seconds, system seconds) from a /proc ``stat`` file of a thread
+    (``/proc/self/task/<tid>/stat``)."""
     with open(path) as f:
         stat = f.read()
     fields = stat[stat.rindex(")") + 2:].split()  # after the name, which may hold spaces
     tick = os.sysconf("SC_CLK_TCK")
-    return stat[stat.index("(") + 1:stat.rindex(")")], int(fields[11]) / tick, int(fields[12]) / tick, int(fields[7])
+    return stat[stat.index("(") + 1:stat.rindex(")")], int(fields[11]) / tick, int(fields[12]) / tick
 
 
 def thread_cpu() -> dict[int, tuple[str, float]]:
@@ -32,7 +33,7 @@ def thread_cpu() -> dict[int, tuple[str, float]]:
         return threads
     for tid in tids:
         try:
-            kernel_name, user, system, _ = read_stat(f"/proc/self/task/{tid}/stat")
+            kernel_name, user, system = read_stat(f"/proc/self/task/{tid}/stat")
         except OSError:  # the thread ended meanwhile
             continue
         # Python's own name for its threads; the kernel's (e.g. "python", "pt_autograd") for the others
@@ -48,12 +49,6 @@ def thread_cpu_by_name(before: dict[int, tuple[str, float]], after: dict[int, tu
         key = name.rstrip("0123456789_-") or name
         by_name[key] = by_name.get(key, 0.0) + cpu - before.get(tid, (name, 0.0))[1]
     return {k: round(v, 2) for k, v in sorted(by_name.items(), key=lambda kv: -kv[1]) if v >= 0.05}
-
-
-def children_cpu_seconds() -> tuple[float, float]:
-    """User and system CPU seconds of this process's finished (joined) child processes."""
-    r = resource.getrusage(resource.RUSAGE_CHILDREN)
-    return r.ru_utime, r.ru_stime
 
 
 def process_cpu_seconds() -> float:

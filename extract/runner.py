@@ -302,7 +302,7 @@ def _time_lines(timing: list[dict[str, float]]) -> list[str]:
     if blocked > WRITER_BOUND * loop and loop >= 10:
         cores = sum(t["cpu_s"] for t in timing) / loop
         lines.append(f"  writer-bound: compression and writes could not keep up on {cores:.1f} CPU cores per "
-                     "worker; give each worker more free cores (on CUDA, where cores are free, more --writer-processes)")
+                     "worker; give each worker more free cores")
     return lines
 
 
@@ -312,6 +312,7 @@ def _time_lines(timing: list[dict[str, float]]) -> list[str]:
 def run(cfg: ExtractConfig) -> dict[str, Any]:
     """Extract (or resume) this node's shards; returns the summary. Raises ExtractFailed."""
     t_start = time.monotonic()
+    phases = Phases(started_at=time.time())
     try:
         cfg.validate()
     except ValueError as e:
@@ -331,12 +332,16 @@ def run(cfg: ExtractConfig) -> dict[str, Any]:
         model_config = AutoConfig.from_pretrained(cfg.model, revision=cfg.revision)
     except (OSError, ValueError) as e:
         raise ExtractFailed(f"cannot load the target {cfg.model!r}: {e}") from e
+    phases.mark("tokenizer_and_config")
     try:
         ds = load_source(cfg.data, cfg.split or "train")
     except DataError as e:
         raise ExtractFailed(str(e)) from e
+    phases.mark("dataset_load")
     spec = build_spec(cfg, tokenizer, model_config, ds, num_shards)
+    phases.mark("fingerprint")
     root = prepare_root(cfg, spec, layout)
+    phases.mark("cache_root")
 
     states = shard_states(root, shard_ids)
     if all(st is not None and st.get("complete") for st in states.values()):
@@ -358,11 +363,12 @@ def run(cfg: ExtractConfig) -> dict[str, Any]:
     tasks = [WorkerTask(cfg=cfg, spec=spec.to_dict(), shard_id=s, num_shards=num_shards, device=d,
                         cpu_threads=threads if cfg.device == "cpu" else None)
              for s, d in zip(shard_ids, devices)]
-    counts = _run_workers(tasks, cfg)
+    counts = _run_workers(tasks, cfg, phases)
 
     summary = summarize(cfg.out, shard_ids, spec)
+    phases.mark("summary")
     wall = time.monotonic() - t_start
-    summary.update(noop=False, samples_this_run=counts["samples"], wall_s=wall,
+    summary.update(noop=False, samples_this_run=counts["samples"], wall_s=wall, phases=phases.as_dict(),
                    tokens_per_s=counts["tokens"] / counts["forward_s"] if counts["forward_s"] > 0 else None,
                    worker_seconds={f"{s:05d}": t for s, t in sorted(counts["timing"].items())})
     if counts["errors"]:
@@ -377,8 +383,35 @@ def run(cfg: ExtractConfig) -> dict[str, Any]:
     return summary
 
 
-def _run_workers(tasks: list[WorkerTask], cfg: ExtractConfig) -> dict[str, Any]:
-    """Spawn the workers, feed the progress bar, collect how each one ended."""
+class Phases:
+    """Seconds spent in each step of a run, in order (the summary's ``phases``): where the
+    time before the first batch and after the last one goes."""
+
+    def __init__(self, started_at: float):
+        self.started_at = started_at
+        """Wall-clock time (epoch seconds) when ``run`` began; what came before is imports."""
+        self._last = time.monotonic()
+        self.seconds: dict[str, float] = {}
+
+    def mark(self, name: str, at: float | None = None) -> None:
+        """The step ``name`` ended now (or at monotonic time ``at``)."""
+        at = time.monotonic() if at is None else at
+        self.seconds[name] = round(self.seconds.get(name, 0.0) + at - self._last, 3)
+        self._last = at
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"started_at": self.started_at, "seconds": dict(self.seconds)}
+
+
+def _run_workers(tasks: list[WorkerTask], cfg: ExtractConfig, phases: Phases | None = None) -> dict[str, Any]:
+    """Spawn the workers, feed the progress bar, collect how each one ended; marks the
+    workers' start (spawn, imports), planning, model load and first batch, the forward loop
+    and the end (drain, final commit, exit) in ``phases``."""
+    phases = phases or Phases(time.time())
+    seen: dict[str, float] = {}
+
+    def first(event: str) -> None:
+        seen.setdefault(event, time.monotonic())
     from tqdm import tqdm
 
     ctx = mp.get_context("spawn")
@@ -403,10 +436,13 @@ def _run_workers(tasks: list[WorkerTask], cfg: ExtractConfig) -> dict[str, Any]:
 
     def handle(kind: str, shard: int, f: dict) -> None:
         nonlocal samples, tokens, t_first, t_last
+        if kind == "planning":
+            first("workers_start")
         if kind == "plan_ready":
             ready.add(shard)
             if len(ready) == len(tasks):
                 go.set()
+                first("planning")
         elif kind == "planned":
             planned[shard] = f
             bar.total += f["samples"]
@@ -418,6 +454,7 @@ def _run_workers(tasks: list[WorkerTask], cfg: ExtractConfig) -> dict[str, Any]:
         elif kind == "started":  # model loaded: the forward loop begins
             if t_first is None:
                 t_first = time.monotonic()
+                first("model_load")
         elif kind == "progress":
             t_last = time.monotonic()
             samples += f["samples"]
@@ -426,7 +463,7 @@ def _run_workers(tasks: list[WorkerTask], cfg: ExtractConfig) -> dict[str, Any]:
             elapsed = t_last - (t_first or t_last)
             if elapsed > 0:
                 bar.set_postfix_str(f"{tokens / elapsed:,.0f} tok/s", refresh=False)
-        elif kind == "timing":  # the loop's wall seconds, CPU seconds (writer processes included), the writer's busy/idle split
+        elif kind == "timing":  # the steps before the loop, the loop's wall and CPU seconds, the writer's busy/idle split
             timing[shard] = f
         elif kind == "warning":
             bar.write(f"dflash-extract: warning: {f['message']}", file=sys.stderr)
@@ -471,6 +508,12 @@ def _run_workers(tasks: list[WorkerTask], cfg: ExtractConfig) -> dict[str, Any]:
     for p in procs.values():
         p.join()
     bar.close()
+    for event in ("workers_start", "planning", "model_load"):  # the steps' ends, in order
+        if event in seen:
+            phases.mark(event, seen[event])
+    if t_last is not None:
+        phases.mark("forward_loop", t_last)
+    phases.mark("drain_and_exit")
     for shard, p in procs.items():
         if shard not in ended:
             categories.add("died")

@@ -8,13 +8,11 @@ records a CUDA event; the writer thread waits on that event (blocking events: a 
 thread sleeps, where CUDA would spin a core, and the loop sleeps until the previous
 batch is done before it starts the next, since HF's mask code would wait for it anyway),
 hands the arrays to ``ShardWriter.write_batch`` and commits every ``commit_seconds``.
-With writer processes (``writer_processes``, the CUDA default) ShardWriter hands each
-flush to a pool that copies it into shared memory, where child processes compress and
-write it (extract/chunk_pool.py),
-so that no zarr work competes with the forward loop for this process's GIL; a commit
-waits for them. The queue between the loop and the thread is bounded, so host memory
-stays at ``queue_depth`` + 2 batches (plus two flushes in shared memory) whatever the
-speed of the disk.
+zarr encodes and stores the chunks through the ``zarrs`` codec pipeline (Rust, on its own
+threads, without the GIL: the forward loop keeps this process's GIL busy, and zarr's own
+pipeline, which needs it, fell behind; BENCHMARKS.md); stores it does not handle (fsspec
+URLs) fall back to zarr's pipeline. The queue between the loop and the thread is
+bounded, so host memory stays at ``queue_depth`` + 2 batches whatever the speed of the disk.
 
 Errors are classified for the parent: ``data`` (a bad row: message names file and row),
 ``cache`` (a cache that cannot be resumed), ``io`` (the store failed while writing:
@@ -34,15 +32,14 @@ import traceback
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 import torch
 import zarr
 
-from dflash.shared.cache import CacheError, CacheSpec, ShardWriter, bf16_to_bits, open_root, shard_name
+from dflash.shared.cache import (ATTRS_KEY, ZARR_PIPELINE, CacheError, CacheSpec, ShardWriter, bf16_to_bits,
+                                 open_root)
 
-from .chunk_pool import BLOCKS, ChunkPool, shm_free_bytes
 from .config import ExtractConfig
-from .cpu_time import children_cpu_seconds, thread_cpu, thread_cpu_by_name
+from .cpu_time import thread_cpu, thread_cpu_by_name
 from .data import DataError, load_source
 from .plan import PlannedShard, plan_shard, shard_rows
 from .target import TargetRunner, compute_environment, head_backend_for, load_target
@@ -211,17 +208,21 @@ def run_shard(task: WorkerTask, report, stop: threading.Event | Any | None = Non
     and touching the cache, so that a bad row in any shard's slice stops the run before
     another shard has committed anything (see ``runner``).
     """
+    with zarr.config.set(_zarr_settings(task.cfg)):  # the shard's write path; other zarr users keep theirs
+        return _run_shard(task, report, stop, go)
+
+
+def _run_shard(task: WorkerTask, report, stop, go) -> dict[str, Any]:
     cfg = task.cfg
     if task.cpu_threads:
         torch.set_num_threads(task.cpu_threads)
-    # The writer thread shares the GIL with the forward loop: hand it over often, and let
-    # zarr keep more chunks in flight (whole chunks, so skip its all-fill-value scan too).
+    # The writer thread shares the GIL with the forward loop: hand it over often.
     sys.setswitchinterval(cfg.gil_switch_ms / 1000.0)
-    zarr.config.set(_zarr_settings(cfg))
     device = torch.device(task.device)
     if device.type == "cuda":
         torch.cuda.set_device(device)
 
+    t_begin = time.perf_counter()
     tokenizer = load_tokenizer(cfg)
     ds = load_source(cfg.data, cfg.split or "train")
     start, stop_row = shard_rows(len(ds), task.num_shards, task.shard_id)
@@ -230,14 +231,15 @@ def run_shard(task: WorkerTask, report, stop: threading.Event | Any | None = Non
     planned = plan_shard(rows, start, cfg.data, tokenizer, cfg,
                          on_row=lambda done: report("planning", rows=stop_row - start, done=done))
     report("plan_ready")
+    setup = {"plan_s": time.perf_counter() - t_begin}
     while go is not None and not go.wait(0.2):  # until every worker of the node has planned
         if stop is not None and stop.is_set():
             raise Stopped()
     if stop is not None and stop.is_set():  # another worker failed while this one planned: leave no shard
         raise Stopped()
 
-    spec = CacheSpec.from_dict(task.spec)
     root = open_root(cfg.out, "r+")
+    spec = CacheSpec.from_dict(root.attrs[ATTRS_KEY])  # the cache's own layout (an older format resumes in it)
     writer = ShardWriter(root, task.shard_id, planned.plan, spec, compute=compute_environment(device))
     plan = planned.plan
     report("planned", samples=len(plan.source_index), tokens=plan.num_tokens,
@@ -249,55 +251,26 @@ def run_shard(task: WorkerTask, report, stop: threading.Event | Any | None = Non
             writer.finish()
         return writer.committed
 
-    children_cpu = children_cpu_seconds()
-    pool = _writer_pool(cfg, spec, writer, report)
-    timing: dict[str, float] = {}
+    timing: dict[str, float] = {k: round(v, 3) for k, v in setup.items()}
     try:
         return _extract(cfg, planned, writer, device, pad_id=tokenizer.pad_token_id, report=report, stop=stop,
                         timing=timing)
     finally:
-        if pool is not None:
-            pool.close()  # joins the writer processes, so their CPU time is counted below
-        if timing:
-            user, system = (b - a for a, b in zip(children_cpu, children_cpu_seconds()))
-            writers_cpu = user + system
-            timing["cpu_writers_s"], timing["cpu_writers_sys_s"] = round(writers_cpu, 3), round(system, 3)
-            timing["cpu_s"] = round(timing["cpu_s"] + writers_cpu, 3)
-            if pool is not None:
-                timing.update({k: round(v, 3) for k, v in pool.seconds.items()})
+        if "loop_s" in timing:  # the loop ran to its end (or a requested stop)
             report("timing", **timing)
 
 
-def _writer_pool(cfg: ExtractConfig, spec: CacheSpec, writer: ShardWriter, report) -> ChunkPool | None:
-    """The writer processes of the shard (``cfg.writer_processes``), hooked into ``writer`` as
-    the sink of every token array, so that no zarr work is left in the forward loop's process;
-    None where the writer thread writes them itself."""
-    processes = cfg.resolved_writer_processes
-    if processes == 0:
-        return None
-    plan = writer.plan
-    # a flush holds at most the partial chunk left by the previous one plus one batch (a shard
-    # with no batches is complete and never gets here)
-    max_rows = int(np.diff(plan.offsets[plan.batches]).max()) + spec.chunk_tokens
-    arrays = {f: (a.shape[1:], a.dtype) for f, a in writer.arrays.items()}
-    need = BLOCKS * max_rows * sum(int(np.prod(shape)) * np.dtype(dt).itemsize for shape, dt in arrays.values())
-    free = shm_free_bytes()
-    if free is not None and free < 2 * need:
-        report("warning", message=(f"shard {writer.shard_id:05d}: /dev/shm has {free / 2**20:.0f} MiB free, the "
-                                   f"writer processes need {need / 2**20:.0f} MiB: the writer thread writes the "
-                                   "cache itself (slower; enlarge /dev/shm or lower --batch-tokens)"))
-        return None
-    pool = ChunkPool(cfg.out, shard_name(writer.shard_id), arrays, processes=processes, chunk=spec.chunk_tokens,
-                     max_rows=max_rows, settings=_zarr_settings(cfg), heap_buffers=cfg.writer_heap_buffers,
-                     direct_chunks=cfg.writer_direct_chunks)
-    writer.attach_sinks({f: pool.sink(f) for f in arrays})
-    return pool
+ZARRS_PIPELINE = "zarrs.ZarrsCodecPipeline"
 
 
 def _zarr_settings(cfg: ExtractConfig) -> dict[str, Any]:
-    """zarr settings of every process that writes the cache: many chunks in flight, and no
-    all-fill-value scan (only whole chunks are written)."""
-    return {"async.concurrency": cfg.write_concurrency, "array.write_empty_chunks": True}
+    """zarr settings of a shard's writer: the zarrs codec pipeline for a local folder (zarrs
+    stores to local folders only: given an fsspec store it warns and falls back to zarr's own
+    pipeline, which is what a URL gets here without the warning), many chunks in flight where
+    zarr's own pipeline writes, and no all-fill-value scan (whole chunks are written)."""
+    pipeline = ZARR_PIPELINE if "://" in cfg.out else ZARRS_PIPELINE
+    return {"codec_pipeline.path": pipeline, "async.concurrency": cfg.write_concurrency,
+            "array.write_empty_chunks": True}
 
 
 def _extract(cfg: ExtractConfig, planned: PlannedShard, writer: ShardWriter, device: torch.device, *,
@@ -308,9 +281,13 @@ def _extract(cfg: ExtractConfig, planned: PlannedShard, writer: ShardWriter, dev
     GPU's seconds inside and between batches (``gpu_busy``, ``gpu_gap``)."""
     plan = planned.plan
     num_batches = len(plan.batches) - 1
+    t = time.perf_counter()
     model = load_target(cfg.model, dtype=cfg.dtype, device=device, attn_implementation=cfg.attn_implementation,
                         revision=cfg.revision)
+    timing["model_load_s"] = round(time.perf_counter() - t, 3)
+    t = time.perf_counter()
     runner = TargetRunner(model, writer.spec.layer_ids, writer.spec.topk, cfg.lm_head_chunk, head_backend_for(device))
+    timing["head_setup_s"] = round(time.perf_counter() - t, 3)
     pad_id = pad_id if pad_id is not None else 0
     offsets = plan.offsets
     report("started")

@@ -1,7 +1,8 @@
 """The hidden-state cache: one Zarr v3 store, the contract between extract and train.
 
 Layout (every array flat and token-major, chunked along tokens, compressed with byte
-shuffle + zstd and checksummed with crc32c on every chunk)::
+shuffle + zstd and checksummed with crc32c on every chunk; each array's rows per chunk
+are in ``CacheSpec.chunks``)::
 
     CACHE/                      root attributes: ``dflash_cache`` (see ``CacheSpec``)
       shards/00000/             one group per shard, written by exactly one process
@@ -22,7 +23,16 @@ chunk included) and only then records, in the shard's attributes, how many batch
 samples and tokens are committed. Readers never look past the commit record, so a
 crash (``kill -9`` included) leaves a shard that is valid up to its last commit, and a
 rerun resumes at the next batch, with the same batch composition, giving a cache
-identical to an unbroken run's.
+identical to an unbroken run's. A chunk that a commit leaves partial is rewritten whole
+(its committed rows included) by the next write, through zarr's own codec pipeline, which
+replaces the chunk in one step (a local store writes a temporary file and renames it, an
+object store's PUT is atomic): a crash leaves the old or the new chunk, both holding the
+committed rows.
+
+Format versions: 1 chunks every token array at ``chunk_tokens`` rows; 2 (written now)
+chunks the hidden states at ``chunk_tokens`` and the small arrays coarsely (``chunks``), so
+that a shard's chunk files are few and not tiny. Both are read alike (readers take each
+array's chunking from its own metadata).
 """
 
 from __future__ import annotations
@@ -32,7 +42,7 @@ import hashlib
 import json
 import logging
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Protocol
+from typing import Any, Iterable
 
 import numpy as np
 import torch
@@ -40,7 +50,8 @@ import zarr
 import zarr.codecs as zc
 
 FORMAT_NAME = "dflash-cache"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+READABLE_VERSIONS = (1, 2)
 ATTRS_KEY = "dflash_cache"
 LAYER_CONVENTION = (
     "layer id i = output of decoder layer i (0-based) = HF output_hidden_states[i + 1]; "
@@ -48,6 +59,13 @@ LAYER_CONVENTION = (
 )
 TOKEN_FIELDS = ("input_ids", "loss_mask", "hidden", "topk_ids", "topk_logprobs")
 SAMPLE_META_CHUNK = 1 << 16
+ZARR_PIPELINE = "zarr.core.codec_pipeline.BatchedCodecPipeline"
+"""zarr's own codec pipeline (its default): a local store writes each chunk to a temporary
+file and renames it over the old one."""
+SMALL_CHUNK_BYTES = 1 << 20
+"""Raw bytes aimed at per chunk of the small token arrays (format 2)."""
+SMALL_CHUNK_MAX_TOKENS = 1 << 16
+"""Rows per chunk of the small token arrays at most: reading one sample decodes whole chunks."""
 
 log = logging.getLogger(__name__)
 
@@ -83,7 +101,7 @@ class CacheSpec:
     truncation: str
     """Policy for over-long samples: ``right`` keeps the first max_length tokens."""
     chunk_tokens: int = 256
-    """Tokens per chunk of every token-major array."""
+    """Tokens per chunk of the hidden states (format 1: of every token array)."""
     compression_level: int = 1
     """zstd level inside blosc (blosc clevel c means zstd level 2c-1, so we store c)."""
     fingerprint: dict[str, Any] = field(default_factory=dict)
@@ -105,6 +123,19 @@ class CacheSpec:
     layer_convention: str = LAYER_CONVENTION
     format: str = FORMAT_NAME
     format_version: int = FORMAT_VERSION
+    chunks: dict[str, int] = field(default_factory=dict)
+    """Rows per chunk of each token array (format 2; default: ``default_chunks``). Empty in
+    format 1, where every token array is chunked at ``chunk_tokens``."""
+
+    def __post_init__(self):
+        if self.format_version >= 2 and not self.chunks:
+            self.chunks = default_chunks(self)
+        if self.format_version >= 2 and set(self.chunks) != set(TOKEN_FIELDS):
+            raise CacheError(f"cache spec: chunks must name each of {TOKEN_FIELDS}, got {sorted(self.chunks)}")
+
+    def chunk_rows(self, name: str) -> int:
+        """Rows per chunk of token array ``name`` in a cache of this spec."""
+        return int(self.chunks[name]) if self.format_version >= 2 else self.chunk_tokens
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -113,10 +144,10 @@ class CacheSpec:
     def from_dict(cls, d: dict[str, Any]) -> "CacheSpec":
         if d.get("format") != FORMAT_NAME:
             raise CacheError(f"not a {FORMAT_NAME} store (format={d.get('format')!r})")
-        if d.get("format_version") != FORMAT_VERSION:
+        if d.get("format_version") not in READABLE_VERSIONS:
             raise CacheError(
                 f"cache format version {d.get('format_version')} is not supported "
-                f"(this code reads version {FORMAT_VERSION})"
+                f"(this code reads versions {', '.join(map(str, READABLE_VERSIONS))})"
             )
         names = {f.name for f in dataclasses.fields(cls)}
         return cls(**{k: v for k, v in d.items() if k in names})
@@ -124,6 +155,22 @@ class CacheSpec:
     @property
     def num_layers(self) -> int:
         return len(self.layer_ids)
+
+
+def default_chunks(spec: CacheSpec) -> dict[str, int]:
+    """Format 2's rows per chunk: the hidden states at ``chunk_tokens``; each small array at
+    the power of two whose raw chunk is closest under ``SMALL_CHUNK_BYTES``, between
+    ``chunk_tokens`` and ``SMALL_CHUNK_MAX_TOKENS`` rows. With 256-token chunks everywhere
+    the small arrays were 1 % of the bytes but 80 % of the chunk writes (BENCHMARKS.md)."""
+    chunks = {}
+    for name, (shape, dtype) in _token_array_shapes(spec, 1).items():
+        if name == "hidden":
+            chunks[name] = spec.chunk_tokens
+            continue
+        row_bytes = int(np.prod(shape[1:])) * np.dtype(dtype).itemsize
+        rows = 1 << max(0, (SMALL_CHUNK_BYTES // row_bytes).bit_length() - 1)
+        chunks[name] = max(spec.chunk_tokens, min(rows, SMALL_CHUNK_MAX_TOKENS))
+    return chunks
 
 
 def diff_dicts(ours: Any, theirs: Any, prefix: str = "") -> list[str]:
@@ -211,7 +258,10 @@ def create_or_open_cache(path: str, spec: CacheSpec, storage_options: dict | Non
         root.attrs[ATTRS_KEY] = spec.to_dict()
         root.require_group("shards")
         return root
-    diffs = spec_differences(CacheSpec.from_dict(existing), spec)
+    old = CacheSpec.from_dict(existing)
+    if old.format_version < spec.format_version:  # an older layout is resumed in its own layout
+        spec = dataclasses.replace(spec, format_version=old.format_version, chunks=dict(old.chunks))
+    diffs = spec_differences(old, spec)
     if not diffs:
         return root
     if not replace_uncommitted or committed_samples(root) > 0:
@@ -228,7 +278,8 @@ def create_or_open_cache(path: str, spec: CacheSpec, storage_options: dict | Non
 def spec_differences(old: CacheSpec, new: CacheSpec) -> list[str]:
     """Every difference between two specs that makes one cache's bytes differ from the other's."""
     compared = ("layer_ids", "hidden_size", "topk", "vocab_size", "num_target_layers", "max_length",
-                "truncation", "chunk_tokens", "compression_level", "hidden_dtype", "fingerprint")
+                "truncation", "chunk_tokens", "compression_level", "hidden_dtype", "fingerprint", "format_version",
+                "chunks")
     diffs = []
     for name in compared:
         diffs += diff_dicts({name: getattr(old, name)}, {name: getattr(new, name)})
@@ -292,26 +343,15 @@ class ShardPlan:
         return h.hexdigest()
 
 
-class ChunkSink(Protocol):
-    """Writes rows of one of a shard's arrays somewhere else (e.g. other processes).
-
-    ``write`` may return before the rows are stored; ``wait`` returns once everything
-    handed over so far is stored, or raises what failed. ``ShardWriter`` calls ``wait``
-    before every commit record, so no commit ever covers rows still in flight.
-    """
-
-    def write(self, start: int, stop: int, parts: list[np.ndarray]) -> None:
-        """Rows [start, stop): the first ``stop - start`` rows of ``parts`` concatenated."""
-
-    def wait(self) -> None: ...
-
-
 class ShardWriter:
     """Writes one shard; the only process that ever touches it.
 
     ``write_batch`` takes whole planned batches in order; full chunks go to the store
-    at once, the partial tail waits in memory until the next ``commit``. Arrays given a
-    sink (``attach_sinks``) are written through it instead (same rows, same chunks).
+    at once, the partial tail waits in memory until the next ``commit``. Writes go through
+    whatever codec pipeline zarr is configured with, except the rewrite of a chunk that
+    already holds committed rows: that one goes through zarr's own pipeline, whose local
+    writes replace a file in one step (another pipeline may truncate the file, then write
+    it, and a crash in between would lose committed rows).
 
     ``compute`` describes what computes the shard's values (device, kernels, library
     versions: ``extract.target.compute_environment``); it is recorded when the shard is
@@ -321,13 +361,11 @@ class ShardWriter:
 
     def __init__(self, root: zarr.Group, shard_id: int, plan: ShardPlan, spec: CacheSpec,
                  compute: dict[str, Any] | None = None):
-        self.sinks: dict[str, ChunkSink] = {}
         self.spec = spec
         self.plan = plan
         self.shard_id = shard_id
         self._offsets = plan.offsets
         name = shard_name(shard_id)
-        C = spec.chunk_tokens
         if name in root:
             self.group = root[name]
             attrs = self.group.attrs.asdict()
@@ -350,7 +388,7 @@ class ShardWriter:
             for fname, (shape, dtype) in _token_array_shapes(spec, plan.num_tokens).items():
                 typesize = np.dtype(dtype).itemsize
                 self.group.create_array(
-                    fname, shape=shape, chunks=(min(C, T),) + shape[1:], dtype=dtype, fill_value=0,
+                    fname, shape=shape, chunks=(min(spec.chunk_rows(fname), T),) + shape[1:], dtype=dtype, fill_value=0,
                     compressors=_compressors(typesize, spec.compression_level),
                 )
             for fname, values in (("offsets", self._offsets), ("source_index", plan.source_index),
@@ -372,24 +410,24 @@ class ShardWriter:
                 "compute": compute,
             })
         self.arrays = {f: self.group[f] for f in TOKEN_FIELDS}
+        with zarr.config.set({"codec_pipeline.path": ZARR_PIPELINE}):
+            self._atomic_arrays = {f: self.group[f] for f in TOKEN_FIELDS}
+        """The same arrays through zarr's own pipeline: for chunks that hold committed rows."""
+        self.chunks = {f: int(a.chunks[0]) for f, a in self.arrays.items()}
+        """Rows per chunk of each array, as stored (a shard keeps the layout it was created with)."""
         self.committed = dict(commit)
         self.next_batch = commit["batches"]
-        self._tail: dict[str, list[np.ndarray]] = {f: [] for f in TOKEN_FIELDS}
         done = commit["tokens"]
-        self._tail_start = (done // C) * C
-        if self._tail_start < done:
-            # resume inside a chunk: re-read its committed head so the chunk is rewritten whole
-            for f in TOKEN_FIELDS:
-                self._tail[f].append(np.asarray(self.arrays[f][self._tail_start:done]))
-        self._tail_tokens = done - self._tail_start
-
-    def attach_sinks(self, sinks: dict[str, ChunkSink]) -> None:
-        """From now on write these arrays through their sinks (before the first write_batch:
-        the sinks need the arrays this constructor creates)."""
-        unknown = set(sinks) - set(TOKEN_FIELDS)
-        if unknown:
-            raise ValueError(f"sinks for unknown arrays: {sorted(unknown)}")
-        self.sinks.update(sinks)
+        self._end = done
+        """Tokens handed to ``write_batch`` so far (committed or not)."""
+        self._tail: dict[str, list[np.ndarray]] = {f: [] for f in TOKEN_FIELDS}
+        """Per array, the rows from ``_tail_start[f]`` (a chunk boundary) to ``_end`` not yet
+        written whole: the head of the chunk that is being filled."""
+        self._tail_start = {f: (done // C) * C for f, C in self.chunks.items()}
+        for f in TOKEN_FIELDS:
+            if self._tail_start[f] < done:
+                # resume inside a chunk: re-read its committed head so the chunk is rewritten whole
+                self._tail[f].append(np.asarray(self.arrays[f][self._tail_start[f]:done]))
 
     @property
     def complete(self) -> bool:
@@ -412,40 +450,40 @@ class ShardWriter:
             if tuple(a.shape) != shape:
                 raise CacheError(f"shard {self.shard_id:05d} batch {batch}: {f} has shape {tuple(a.shape)}, plan says {shape}")
             self._tail[f].append(np.ascontiguousarray(a, dtype=dtype))
-        self._tail_tokens += ntok
+        self._end += ntok
         self.next_batch += 1
         self._flush(final=False)
 
     def _flush(self, final: bool) -> None:
-        """Write whole chunks (and, when ``final``, the partial last one) from the buffer.
+        """Write each array's whole chunks (and, when ``final``, its partial last one) from
+        its buffer.
 
-        The buffer always starts on a chunk boundary; after a final flush it keeps the
-        partial chunk it wrote, so the next flush rewrites that chunk whole.
+        A buffer always starts on a chunk boundary of its array; after a final flush it
+        keeps the partial chunk it wrote, so the next flush rewrites that chunk whole. Only
+        that first chunk can hold committed rows (those before ``committed["tokens"]``).
         """
-        C = self.spec.chunk_tokens
-        end = self._tail_start + self._tail_tokens
-        cut = end if final else self._tail_start + (self._tail_tokens // C) * C
-        if cut <= self._tail_start:
-            return
-        keep_from = (cut // C) * C
+        end, committed = self._end, self.committed["tokens"]
         for f in TOKEN_FIELDS:
+            C, start = self.chunks[f], self._tail_start[f]
+            cut = end if final else start + ((end - start) // C) * C
+            if cut <= start:
+                continue
+            keep_from = (cut // C) * C
             parts = self._tail[f]
-            if f in self.sinks:
-                # the sink copies what it needs before returning; no concatenated copy here
-                self.sinks[f].write(self._tail_start, cut, parts)
-                rest = _last_rows(parts, end - keep_from)
-            else:
-                data = np.concatenate(parts) if len(parts) > 1 else parts[0]
-                self.arrays[f][self._tail_start:cut] = data[: cut - self._tail_start]
-                rest = data[keep_from - self._tail_start:].copy()
+            data = np.concatenate(parts) if len(parts) > 1 else parts[0]
+            fresh_from = start
+            if start < committed:  # its committed rows are rewritten: in one step, never torn
+                fresh_from = min(cut, start + C)
+                self._atomic_arrays[f][start:fresh_from] = data[: fresh_from - start]
+            if fresh_from < cut:
+                self.arrays[f][fresh_from:cut] = data[fresh_from - start: cut - start]
+            rest = data[keep_from - start:].copy()
             self._tail[f] = [rest] if len(rest) else []
-        self._tail_start, self._tail_tokens = keep_from, end - keep_from
+            self._tail_start[f] = keep_from
 
     def commit(self) -> dict[str, int]:
         """Make every batch written so far durable, then record it. Returns the record."""
-        self._flush(final=True)
-        for sink in self.sinks.values():
-            sink.wait()  # every row handed to a sink is stored before the record says so
+        self._flush(final=True)  # every row is stored before the record says so
         s = int(self.plan.batches[self.next_batch])
         record = {"batches": self.next_batch, "samples": s, "tokens": int(self._offsets[s])}
         if record != self.committed:
@@ -467,20 +505,6 @@ def _compute_mismatch(shard_id: int, name: str, recorded: dict, compute: dict, c
     return (f"shard {shard_id:05d} has {commit['samples']} samples computed elsewhere ({diff}); resuming it here "
             "would mix two numerics in one shard. Rerun it where it was started, or delete the folder "
             f"{name} of the cache and rerun to redo that shard from the start")
-
-
-def _last_rows(parts: list[np.ndarray], n: int) -> np.ndarray:
-    """A copy of the last ``n`` rows of ``parts`` concatenated (n is under one chunk)."""
-    tail, need = [], n
-    for p in reversed(parts):
-        if need == 0:
-            break
-        take = min(need, len(p))
-        tail.append(p[len(p) - take:])
-        need -= take
-    if not tail:
-        return parts[0][:0].copy()
-    return np.concatenate(tail[::-1]) if len(tail) > 1 else tail[0].copy()
 
 
 # ----------------------------------------------------------------------------- reader

@@ -158,6 +158,12 @@ def _template_line(t: dict) -> str:
             f"end of turn {eot}  mask {t['mask_method'] or '-'}")
 
 
+def _chunks_line(chunks: dict[str, int]) -> str:
+    """Rows per chunk of each token array (format 1: the same for all; format 2: coarse for the small ones)."""
+    return (f"chunks     hidden {chunks['hidden']}, top-k {chunks['topk_ids']}/{chunks['topk_logprobs']}, "
+            f"input ids {chunks['input_ids']}, loss mask {chunks['loss_mask']} tokens")
+
+
 @main.command()
 @options(InfoOptions)
 def info(**values):
@@ -178,7 +184,8 @@ def info(**values):
         f"dataset    {ds['name'] or '-'}  split {ds['split'] or '-'}  rows {_n(ds['rows'])}  hash {_short(ds['hash'])}",
         f"layers     {d['layer_ids']} of {d['num_target_layers']}  ({d['layer_convention']})",
         f"hidden     D={d['hidden_size']} {d['hidden_dtype']}  top-k {d['topk']}  vocab {_n(d['vocab_size'])}  "
-        f"max length {d['max_length']} (truncation {d['truncation']})  chunk {d['chunk_tokens']} tokens",
+        f"max length {d['max_length']} (truncation {d['truncation']})",
+        _chunks_line(d["chunks"]),
         "",
         f"{'shard':>5}  {'state':<8}  {'samples':>17}  {'tokens':>23}  {'assistant':>11}  {'disk':>11}  skipped",
     ]

@@ -152,6 +152,7 @@ def cache_info(path: str, storage_options: dict | None = None) -> dict[str, Any]
         "topk": k, "vocab_size": spec.vocab_size,
         "max_length": spec.max_length, "truncation": spec.truncation,
         "chunk_tokens": spec.chunk_tokens, "compression_level": spec.compression_level,
+        "chunks": {f: spec.chunk_rows(f) for f in TOKEN_FIELDS},
         "shards": shards,
         "num_shards": len(shards), "complete": reader.complete,
         "samples": len(reader), "planned_samples": sum(e["planned_samples"] for e in shards),

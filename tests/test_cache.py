@@ -7,10 +7,15 @@ import torch
 from dflash.shared import cache as C
 
 
+SMALL_CHUNKS = {"hidden": 16, "input_ids": 64, "loss_mask": 64, "topk_ids": 32, "topk_logprobs": 32}
+
+
 def make_spec(**kw):
     base = dict(layer_ids=[0, 2], hidden_size=8, topk=3, vocab_size=50, num_target_layers=4,
                 max_length=64, truncation="right", chunk_tokens=16,
                 fingerprint={"target": {"name": "toy"}, "dataset": {"rows": 10}})
+    if kw.get("format_version", C.FORMAT_VERSION) >= 2:  # chunks of three sizes, each crossed by samples
+        base["chunks"] = SMALL_CHUNKS
     base.update(kw)
     return C.CacheSpec(**base)
 
@@ -94,9 +99,19 @@ def test_reader_sees_only_committed(tmp_path):
         r[2]
 
 
+def chunk_file_bytes(path) -> dict[str, bytes]:
+    """Every chunk file of shard 0's token arrays, by relative name."""
+    shard = path / "shards" / "00000"
+    return {str(f.relative_to(shard)): f.read_bytes() for a in C.TOKEN_FIELDS
+            for f in sorted((shard / a / "c").rglob("*")) if f.is_file()}
+
+
+@pytest.mark.parametrize("format_version", [1, 2])
 @pytest.mark.parametrize("stop_after,commit_every", [(1, 1), (3, 1), (4, 3), (5, 2)])
-def test_resume_identical_to_unbroken(tmp_path, stop_after, commit_every):
-    spec, plan = make_spec(), make_plan(LENGTHS)
+def test_resume_identical_to_unbroken(tmp_path, stop_after, commit_every, format_version):
+    """Stopped after a commit that leaves chunks partial (coarse ones of format 2 too), then
+    resumed: every array and every chunk file as an unbroken run writes them."""
+    spec, plan = make_spec(format_version=format_version), make_plan(LENGTHS)
     write_all(tmp_path / "a.zarr", spec, plan)
     write_all(tmp_path / "b.zarr", spec, plan, commit_every=commit_every, stop_after=stop_after)
     w = write_all(tmp_path / "b.zarr", spec, plan)  # the rerun resumes
@@ -106,6 +121,42 @@ def test_resume_identical_to_unbroken(tmp_path, stop_after, commit_every):
         x, y = np.asarray(a["shards/00000"][f][:]), np.asarray(b["shards/00000"][f][:])
         assert x.dtype == y.dtype and np.array_equal(x, y), f
     assert a["shards/00000"].attrs.asdict() == b["shards/00000"].attrs.asdict()
+    assert chunk_file_bytes(tmp_path / "a.zarr") == chunk_file_bytes(tmp_path / "b.zarr")
+    chunks = {f: a["shards/00000"][f].chunks[0] for f in C.TOKEN_FIELDS}
+    assert chunks == (SMALL_CHUNKS if format_version == 2 else {f: 16 for f in C.TOKEN_FIELDS})
+
+
+def test_a_version_1_cache_resumes_in_its_own_layout(tmp_path):
+    """A format-1 cache stopped midway and rerun by this code (whose spec says format 2):
+    the root keeps format 1 and the shard ends as an unbroken format-1 run writes it."""
+    v1, v2, plan = make_spec(format_version=1), make_spec(), make_plan(LENGTHS)
+    write_all(tmp_path / "a.zarr", v1, plan)
+    write_all(tmp_path / "b.zarr", v1, plan, stop_after=3)
+    root = C.create_or_open_cache(str(tmp_path / "b.zarr"), v2)
+    stored = C.CacheSpec.from_dict(root.attrs[C.ATTRS_KEY])
+    assert stored.format_version == 1 and stored.chunks == {}
+    write_all(tmp_path / "b.zarr", stored, plan)
+    assert chunk_file_bytes(tmp_path / "a.zarr") == chunk_file_bytes(tmp_path / "b.zarr")
+    assert C.CacheReader(str(tmp_path / "b.zarr")).complete
+
+
+def test_default_chunks_at_8b_shape():
+    """Format 2 at Qwen3-8B's shape (5 layers x 4096, top-64): hidden states at chunk_tokens;
+    every small array's raw chunk is the largest power of two of rows within 1 MiB, or 64k rows."""
+    spec = make_spec(layer_ids=[1, 9, 17, 25, 33], hidden_size=4096, topk=64, num_target_layers=36,
+                     chunk_tokens=256, chunks={})
+    row_bytes = {"input_ids": 4, "loss_mask": 1, "topk_ids": 4 * 64, "topk_logprobs": 4 * 64}
+    assert spec.chunks["hidden"] == 256
+    for f, nbytes in row_bytes.items():
+        rows = spec.chunks[f]
+        assert rows & (rows - 1) == 0 and (rows == 1 << 16 or rows * nbytes <= 1 << 20 < 2 * rows * nbytes), f
+    assert spec.chunks == {"hidden": 256, "input_ids": 65536, "loss_mask": 65536, "topk_ids": 4096,
+                           "topk_logprobs": 4096}
+    assert C.CacheSpec.from_dict(spec.to_dict()) == spec
+    v1 = make_spec(format_version=1)
+    assert v1.chunks == {} and all(v1.chunk_rows(f) == 16 for f in C.TOKEN_FIELDS)
+    with pytest.raises(C.CacheError, match="format version 3 is not supported"):
+        C.CacheSpec.from_dict({**spec.to_dict(), "format_version": 3})
 
 
 def test_other_fingerprint_refused(tmp_path):
@@ -242,3 +293,57 @@ def test_reader_pickles(tmp_path):
     r = C.CacheReader(str(tmp_path / "c.zarr"))
     r2 = pickle.loads(pickle.dumps(r))
     assert torch.equal(r[3]["hidden"], r2[3]["hidden"])
+
+
+class WriteLog:
+    """Stands in for a zarr array in ``ShardWriter``: records each write's first row and the
+    rows committed when it came, then writes through."""
+
+    def __init__(self, array, writer, log, path):
+        self.array, self.writer, self.log, self.path = array, writer, log, path
+
+    def __setitem__(self, key, value):
+        self.log.append((self.path, key.start, key.stop, self.writer.committed["tokens"]))
+        self.array[key] = value
+
+    def __getitem__(self, key):
+        return self.array[key]
+
+
+@pytest.mark.parametrize("stop_after", [None, 3])
+def test_chunks_with_committed_rows_are_rewritten_through_zarrs_own_pipeline(tmp_path, stop_after):
+    """Under the zarrs pipeline (which truncates a chunk file, then writes it), a write that
+    rewrites a chunk holding committed rows goes through zarr's own pipeline (which replaces
+    the file in one step), and only that chunk; every other write goes through zarrs."""
+    import zarr
+
+    spec, plan = make_spec(), make_plan(LENGTHS)
+    path = tmp_path / "c.zarr"
+    log = []
+    with zarr.config.set({"codec_pipeline.path": "zarrs.ZarrsCodecPipeline"}):
+        for attempt in ("first", "resumed") if stop_after else ("only",):
+            root = C.create_or_open_cache(str(path), spec)
+            w = C.ShardWriter(root, 0, plan, spec)
+            for f in C.TOKEN_FIELDS:
+                assert type(w.arrays[f].async_array.codec_pipeline).__name__ == "ZarrsCodecPipeline"
+                assert type(w._atomic_arrays[f].async_array.codec_pipeline).__name__ == "BatchedCodecPipeline"
+                w.arrays[f] = WriteLog(w.arrays[f], w, log, ("zarrs", f))
+                w._atomic_arrays[f] = WriteLog(w._atomic_arrays[f], w, log, ("zarr", f))
+            for b in range(w.next_batch, len(plan.batches) - 1):
+                if attempt == "first" and b >= stop_after:
+                    break
+                w.write_batch(b, **batch_data(spec, plan, b))
+                w.commit()
+            else:
+                w.finish()
+    assert any(p == "zarr" for (p, _), *_ in log)  # commits inside chunks happened: the rule was exercised
+    for (pipeline, f), start, stop, committed in log:
+        C_ = spec.chunks[f]
+        assert start % C_ == 0
+        if pipeline == "zarrs":
+            assert start >= committed, (f, start, committed)  # no chunk it touches holds a committed row
+        else:
+            assert start < committed and stop <= start + C_, (f, start, stop, committed)  # that one chunk only
+    write_all(tmp_path / "ref.zarr", spec, plan)
+    assert [np.array_equal(C.open_root(str(path))["shards/00000"][f][:], C.open_root(str(tmp_path / "ref.zarr"))["shards/00000"][f][:])
+            for f in C.TOKEN_FIELDS] == [True] * len(C.TOKEN_FIELDS)

@@ -49,13 +49,20 @@ def _token_fields(ids, mask, vocab, rng, gen):
                 topk_logprobs=np.take_along_axis(logp, top, 1).astype(np.float32))
 
 
-def build_cache(path: Path, tok, tok_dir: Path) -> dict:
+SMALL_CHUNKS = {"hidden": CHUNK, "topk_ids": CHUNK, "topk_logprobs": 2 * CHUNK, "input_ids": 4 * CHUNK,
+                "loss_mask": 4 * CHUNK}
+"""Format 2's per-array chunks, small enough that samples cross chunks of every array."""
+
+
+def build_cache(path: Path, tok, tok_dir: Path, format_version: int = C.FORMAT_VERSION) -> dict:
     """Shard 0: 7 samples, complete. Shard 1: 6 planned in 3 batches, 2 committed, the 3rd
-    written but not committed. Returns what was written, per shard, for the reference."""
+    written but not committed. Returns what was written, per shard, for the reference.
+    ``format_version`` 1: every array chunked at ``CHUNK``, as that format's writer did."""
     vocab = len(tok)
     spec = C.CacheSpec(
         layer_ids=LAYER_IDS, hidden_size=D, topk=K, vocab_size=vocab, num_target_layers=4, max_length=128,
-        truncation="right", chunk_tokens=CHUNK,
+        truncation="right", chunk_tokens=CHUNK, format_version=format_version,
+        chunks=dict(SMALL_CHUNKS) if format_version >= 2 else {},
         fingerprint={
             "target": {"name_or_path": str(tok_dir), "revision": "rev123", "dtype": "bfloat16",
                        "config_hash": "c0ffee" * 10, "weights_hash": "beef" * 16},
@@ -155,6 +162,40 @@ def test_info_counts_match_numpy(cache):
     assert [s["compute"]["device"] for s in d["shards"]] == ["gpu-0", "gpu-1"]
     assert "computed   device gpu-0, torch 2.x  (shards 00000)" in text
     assert "computed   device gpu-1, torch 2.x  (shards 00001)" in text
+
+
+def test_a_version_1_cache_reads_verifies_and_shows_its_version(tmp_path, tiny_tokenizer, tiny_tokenizer_dir):
+    """A cache written in format 1 (every array in CHUNK-token chunks) reads back what was
+    written, verifies clean, and ``info`` names its version and chunking; a flipped byte in a
+    small array's chunk is still found."""
+    path = tmp_path / "v1.zarr"
+    exp = build_cache(path, tiny_tokenizer, tiny_tokenizer_dir, format_version=1)
+    for f in C.TOKEN_FIELDS:
+        assert zarr.open_array(str(path / "shards" / "00000" / f)).chunks[0] == CHUNK
+    d = run_json("info", path)
+    assert d["format_version"] == 1 and d["chunks"] == {f: CHUNK for f in C.TOKEN_FIELDS}
+    assert "dflash-cache v1" in run("info", path).output
+    r = C.CacheReader(str(path))
+    for f in C.TOKEN_FIELDS:
+        got = np.concatenate([r.read_raw(i, [f])[f] for i in range(len(r))])
+        assert np.array_equal(got, all_committed(exp, f)), f
+    assert run_json("verify", path)["ok"]
+    chunk = path / "shards" / "00000" / "loss_mask" / "c" / "1"
+    raw = bytearray(chunk.read_bytes())
+    raw[len(raw) // 2] ^= 0xFF
+    chunk.write_bytes(bytes(raw))
+    d = run_json("verify", path, code=1)
+    assert [(p["shard"], p["array"], p["check"]) for p in d["problems"]] == [(0, "loss_mask", "undecodable")]
+
+
+def test_info_shows_the_format_and_each_arrays_chunks(cache):
+    path, _ = cache
+    d = run_json("info", path)
+    assert d["format_version"] == C.FORMAT_VERSION == 2
+    assert d["chunks"] == {f: zarr.open_array(str(path / "shards" / "00000" / f)).chunks[0] for f in C.TOKEN_FIELDS}
+    assert d["chunks"] == SMALL_CHUNKS
+    text = run("info", path).output
+    assert "dflash-cache v2" in text and f"chunks     hidden {CHUNK}, top-k {CHUNK}/{2 * CHUNK}" in text
 
 
 def test_not_a_cache_exits_2(tmp_path):
