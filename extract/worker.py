@@ -245,7 +245,7 @@ def run_shard(task: WorkerTask, report, stop: threading.Event | Any | None = Non
                f"done_{k}": v for k, v in writer.committed.items()},
            done_assistant=int(planned.loss_mask[: writer.committed["tokens"]].sum()))
     if writer.complete:
-        if not writer.group.attrs.get("complete"):
+        if not writer.state.complete:
             writer.finish()
         return writer.committed
 

@@ -84,8 +84,12 @@ def _read_loss_mask_sum(arr: zarr.Array, tokens: int) -> int:
     return int(np.count_nonzero(np.asarray(arr[:tokens])))  # cheap: 1 byte/token
 
 
-def cache_info(path: str, storage_options: dict | None = None) -> dict[str, Any]:
-    """Spec, fingerprint, per-shard state and counts, bytes on disk and compression ratios."""
+def cache_info(path: str, storage_options: dict | None = None, shard_ids: list[int] | None = None) -> dict[str, Any]:
+    """Spec, fingerprint, per-shard state and counts, bytes on disk and compression ratios.
+
+    ``shard_ids`` limits every count to those shards (an extraction node's own summary); a
+    listed shard not created yet counts as planned nothing and makes the result incomplete.
+    """
     reader = CacheReader(path, storage_options)
     spec = reader.spec
     root = reader.root
@@ -95,17 +99,18 @@ def cache_info(path: str, storage_options: dict | None = None) -> dict[str, Any]
     raw_hidden = raw_total = disk_hidden = disk_total_committed = 0
     shards = []
     for s in reader.shards:
+        if shard_ids is not None and s.shard_id not in shard_ids:
+            continue
         key = f"shards/{s.shard_id:05d}"
         g = root[key]
-        attrs = g.attrs.asdict()
         assistant = _read_loss_mask_sum(g["loss_mask"], s.tokens)
         entry = {
             "shard_id": s.shard_id, "state": s.state,
             "samples": s.samples, "planned_samples": s.planned_samples,
             "tokens": s.tokens, "planned_tokens": s.planned_tokens,
-            "batches": attrs["commit"]["batches"], "planned_batches": attrs["planned"]["batches"],
+            "batches": s.record.commit.batches, "planned_batches": s.record.planned.batches,
             "assistant_tokens": assistant, "skipped": dict(s.skipped), "bytes_on_disk": None,
-            "compute": attrs.get("compute"),
+            "compute": s.record.compute,
         }
         if listing is not None:
             entry["bytes_on_disk"] = sum(v for kk, v in listing.items() if kk.startswith(key + "/"))
@@ -119,7 +124,8 @@ def cache_info(path: str, storage_options: dict | None = None) -> dict[str, Any]
         raw_hidden += s.tokens * row_bytes["hidden"]
         raw_total += s.tokens * sum(row_bytes.values()) + 8 * sum(g[f].shape[0] for f in META_FIELDS)
         shards.append(entry)
-    tokens = reader.num_tokens
+    tokens = sum(e["tokens"] for e in shards)
+    missing = sorted(set(shard_ids or ()) - {e["shard_id"] for e in shards})
     assistant_total = sum(e["assistant_tokens"] for e in shards)
     skipped: dict[str, int] = {}
     for e in shards:
@@ -152,14 +158,15 @@ def cache_info(path: str, storage_options: dict | None = None) -> dict[str, Any]
         "topk": k, "vocab_size": spec.vocab_size,
         "max_length": spec.max_length, "truncation": spec.truncation,
         "chunk_tokens": spec.chunk_tokens, "compression_level": spec.compression_level,
-        "shards": shards,
-        "num_shards": len(shards), "complete": reader.complete,
-        "samples": len(reader), "planned_samples": sum(e["planned_samples"] for e in shards),
+        "shards": shards, "shards_not_created": missing,
+        "num_shards": len(shards), "complete": bool(shards) and not missing and all(e["state"] == "complete" for e in shards),
+        "samples": sum(e["samples"] for e in shards), "planned_samples": sum(e["planned_samples"] for e in shards),
         "tokens": tokens, "planned_tokens": sum(e["planned_tokens"] for e in shards),
         "assistant_tokens": assistant_total,
         "assistant_fraction": assistant_total / tokens if tokens else None,
         "skipped": skipped,
-        "bytes_on_disk": sum(listing.values()) if listing is not None else None,
+        "bytes_on_disk": (sum(listing.values()) if shard_ids is None else sum(e["bytes_on_disk"] for e in shards))
+        if listing is not None else None,
         "raw_bytes": {"hidden": raw_hidden, "total": raw_total},
         "committed_bytes_on_disk": (
             {"hidden": disk_hidden, "total": disk_total_committed} if listing is not None else None),
