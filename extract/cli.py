@@ -73,6 +73,8 @@ def _json_object(ctx, param, value):
 @click.option("--cpu-threads", default=None, type=click.IntRange(1), help="torch threads per CPU worker.")
 @click.option("--summary-json", default=None, type=click.Path(dir_okay=False), help="Also write the summary here.")
 @click.option("--progress/--no-progress", default=True, help="Show the progress bar.")
+@click.option("--wait-for-lock", is_flag=True, default=False,
+              help="Wait for shards another live run is writing, instead of stopping with its holder named.")
 @click.option("--batch-delay-s", default=0.0, type=float, hidden=True)
 def main(**kw) -> None:
     """Run the target over a chat dataset and write the DFlash hidden-state cache.

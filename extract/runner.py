@@ -32,6 +32,7 @@ from dflash.shared.cache import (
 )
 from dflash.shared.fingerprint import target_fingerprint, tokenizer_fingerprint
 from dflash.shared.inspect import cache_info
+from dflash.shared.shard_lock import ShardLock
 from dflash.shared.layers import check_layer_ids
 
 from .chat import end_of_turn_id, mask_method
@@ -47,7 +48,7 @@ log = logging.getLogger(__name__)
 # with others would mix two roundings in one cache
 FINGERPRINTED = ("topk", "max_length", "truncation", "min_length", "on_bad_row", "batch_tokens",
                  "chunk_tokens", "compression_level", "attn_implementation", "lm_head_chunk")
-NOT_RECORDED = ("out", "summary_json", "progress", "batch_delay_s")
+NOT_RECORDED = ("out", "summary_json", "progress", "batch_delay_s", "wait_for_lock")
 
 
 class ExtractFailed(Exception):
@@ -172,6 +173,21 @@ def prepare_root(cfg: ExtractConfig, spec: CacheSpec, layout: NodeLayout) -> zar
             raise ExtractFailed(f"rank {layout.rank}: {cfg.out} {what}\nafter {cfg.wait_for_root_s:.0f} s of waiting "
                                 "for rank 0 (did rank 0 fail, or run with other settings?)")
         time.sleep(1.0)
+
+
+def check_shard_locks(cfg: ExtractConfig, shard_ids: list[int]) -> None:
+    """Refuse at once, naming the holder, where a live process writes one of these shards
+    (the workers take the locks themselves; this only saves planning a run that would be
+    refused); under ``wait_for_lock`` only say which shards the workers will wait for."""
+    held = {s: h for s in shard_ids if (h := ShardLock(cfg.out, s).probe()) is not None}
+    if not held:
+        return
+    lines = [f"shard {s:05d} of {cfg.out} is being written by another run: {h.describe()}" for s, h in held.items()]
+    if cfg.wait_for_lock:
+        log.warning("%s; its worker waits for it (--wait-for-lock)", "\n".join(lines))
+        return
+    raise ExtractFailed("\n".join(lines) + "\nLet that run finish or stop it (a run that died leaves its locks to "
+                        "the next run), or rerun with --wait-for-lock to wait for it")
 
 
 FLAG_HINTS = {
@@ -304,6 +320,7 @@ def run(cfg: ExtractConfig) -> dict[str, Any]:
     except DataError as e:
         raise ExtractFailed(str(e)) from e
     spec = build_spec(cfg, tokenizer, model_config, ds, num_shards)
+    check_shard_locks(cfg, shard_ids)
     root = prepare_root(cfg, spec, layout)
 
     states = read_shard_states(root, shard_ids)
@@ -336,7 +353,7 @@ def run(cfg: ExtractConfig) -> dict[str, Any]:
     if counts["errors"]:
         summary["errors"] = counts["errors"]
         message = "\n".join(counts["errors"])
-        if counts["categories"] - {"data", "cache"}:  # work was lost or stopped midway: show what is safe
+        if counts["categories"] - {"data", "cache", "locked"}:  # work was lost or stopped midway: show what is safe
             message += "\n\n" + format_summary(summary)
         raise ExtractFailed(message)
     if counts["interrupted"]:

@@ -39,6 +39,7 @@ import torch
 import zarr
 
 from dflash.shared.cache import CacheError, CacheSpec, ShardWriter, bf16_to_bits, open_root, shard_name
+from dflash.shared.shard_lock import ShardLock, ShardLocked
 
 from .chunk_pool import BLOCKS, ChunkPool, shm_free_bytes
 from .config import ExtractConfig
@@ -203,6 +204,45 @@ def _to_host(out, device: torch.device, copy_stream=None) -> tuple[dict[str, tor
 
 def run_shard(task: WorkerTask, report, stop: threading.Event | Any | None = None,
               go: threading.Event | Any | None = None) -> dict[str, Any]:
+    """Take the shard's lock (one writer per shard), then plan, resume and extract it (see
+    ``_run_shard``); the lock is released however that ends."""
+    lock = _take_lock(task, report, stop)
+    try:
+        return _run_shard(task, report, stop, go, lock)
+    finally:
+        lock.release()
+
+
+LOCK_POLL_S = 5.0
+"""Seconds between attempts to take a shard's lock under ``wait_for_lock``."""
+
+
+def _take_lock(task: WorkerTask, report, stop) -> ShardLock:
+    """The shard's lock, held; ShardLocked naming the holder, or with ``wait_for_lock`` wait for it."""
+    lock = ShardLock(task.cfg.out, task.shard_id)
+    said = None
+    while True:
+        try:
+            previous = lock.acquire()
+            break
+        except ShardLocked as e:
+            if not task.cfg.wait_for_lock:
+                raise
+            if said != (e.holder and e.holder.token):
+                report("warning", message=f"{e}; waiting for it (--wait-for-lock)")
+                said = e.holder and e.holder.token
+        deadline = time.monotonic() + LOCK_POLL_S
+        while time.monotonic() < deadline:
+            if stop is not None and stop.is_set():
+                raise Stopped()
+            time.sleep(0.2)
+    if previous is not None:
+        report("warning", message=f"shard {task.shard_id:05d}: took over the lock of {previous.describe()}, "
+                                  "which ended without releasing it (killed, or its node was lost)")
+    return lock
+
+
+def _run_shard(task: WorkerTask, report, stop, go, lock: ShardLock) -> dict[str, Any]:
     """Plan, resume and extract one shard; returns its final commit record.
 
     ``report(kind, **fields)`` receives progress messages; ``stop`` (an Event) asks
@@ -239,6 +279,7 @@ def run_shard(task: WorkerTask, report, stop: threading.Event | Any | None = Non
     spec = CacheSpec.from_dict(task.spec)
     root = open_root(cfg.out, "r+")
     writer = ShardWriter(root, task.shard_id, planned.plan, spec, compute=compute_environment(device))
+    writer.guard = lock.check  # no commit record once another process has taken the shard over
     plan = planned.plan
     report("planned", samples=len(plan.source_index), tokens=plan.num_tokens,
            assistant=planned.assistant_tokens, skipped=dict(plan.skipped), **{
@@ -383,6 +424,9 @@ def describe_error(e: BaseException, task: WorkerTask) -> tuple[str, str]:
         return "io", (f"{shard}: {what} while writing {task.cfg.out}: {type(cause).__name__}: {cause}. "
                       f"Committed and intact: {c['batches']} batches, {c['samples']} samples, {c['tokens']} tokens. "
                       "Fix the cause (disk space, permissions) and rerun the same command to resume.")
+    if isinstance(e, ShardLocked):
+        return "locked", (f"{e}. Let it finish or stop it (a run that died leaves its lock to the next run), "
+                          "or rerun with --wait-for-lock to wait for it")
     if isinstance(e, CacheError):
         return "cache", f"{shard}: {e}"
     if isinstance(e, torch.OutOfMemoryError):

@@ -48,6 +48,8 @@ LAYER_CONVENTION = (
 )
 TOKEN_FIELDS = ("input_ids", "loss_mask", "hidden", "topk_ids", "topk_logprobs")
 SAMPLE_META_CHUNK = 1 << 16
+LOCKS_GROUP = "locks"
+"""Group of the shards' lock files (``shard_lock``), outside ``shards`` so that zarr never lists them."""
 
 log = logging.getLogger(__name__)
 
@@ -210,18 +212,30 @@ def create_or_open_cache(path: str, spec: CacheSpec, storage_options: dict | Non
             raise CacheError(f"{path}: holds Zarr data that is not a dflash cache; refusing to write there")
         root.attrs[ATTRS_KEY] = spec.to_dict()
         root.require_group("shards")
+        root.require_group(LOCKS_GROUP)
         return root
     diffs = spec_differences(CacheSpec.from_dict(existing), spec)
     if not diffs:
+        if LOCKS_GROUP not in root:  # a cache made before shards had locks
+            root.require_group(LOCKS_GROUP)
         return root
     if not replace_uncommitted or committed_samples(root) > 0:
         raise CacheMismatch(f"{path} holds a cache with another fingerprint; use another --out or delete it", diffs)
+    from .shard_lock import live_holders
+
+    writing = live_holders(path, storage_options)
+    if writing:
+        raise CacheError(f"{path} holds a cache with another fingerprint, in which no shard committed a sample yet, "
+                         "but another run is writing it: " + "; ".join(
+                             f"shard {s:05d} by {h.describe()}" for s, h in sorted(writing.items())))
     log.warning("%s: replacing a cache root made with another fingerprint, in which no shard committed a sample "
                 "(left by a run that failed before its first commit); differences:\n  - %s", path, "\n  - ".join(diffs))
     for name in list(root.keys()):  # the shards first: a crash in between leaves a root that is still uncommitted
-        del root[name]
+        if name != LOCKS_GROUP:
+            del root[name]
     root.attrs[ATTRS_KEY] = spec.to_dict()
     root.require_group("shards")
+    root.require_group(LOCKS_GROUP)
     return root
 
 
