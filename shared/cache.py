@@ -316,7 +316,8 @@ class ShardState:
     def from_attrs(cls, attrs: dict[str, Any]) -> "ShardState":
         """Parse a shard's attributes; raises ValueError naming what is missing or malformed."""
         try:
-            counts = {key: ShardCounts(**{k: int(v) for k, v in attrs[key].items()}) for key in ("planned", "commit")}
+            counts = {key: ShardCounts(**{k: int(attrs[key][k]) for k in ("batches", "samples", "tokens")})
+                      for key in ("planned", "commit")}
             return cls(plan_digest=str(attrs["plan_digest"]), planned=counts["planned"], commit=counts["commit"],
                        complete=bool(attrs.get("complete", False)),
                        skipped={str(k): int(v) for k, v in (attrs.get("skipped") or {}).items()},
@@ -666,7 +667,11 @@ class CacheReader:
         """Array ``name`` of the shard at ``pos``, opened on first use and kept open."""
         key = (pos, name)
         if key not in self._arrays:
-            self._arrays[key] = self.root["shards"][f"{self.shards[pos].shard_id:05d}"][name]
+            shard = f"{self.shards[pos].shard_id:05d}"
+            try:
+                self._arrays[key] = self.root["shards"][shard][name]
+            except KeyError:
+                raise CacheError(f"{self.path}: shard {shard} has no array {name}") from None
         return self._arrays[key]
 
     def _source(self, pos: int) -> np.ndarray:
