@@ -213,7 +213,7 @@ def run_shard(task: WorkerTask, report, stop: threading.Event | Any | None = Non
         lock.release()
 
 
-LOCK_POLL_S = 5.0
+LOCK_POLL_S = 2.0
 """Seconds between attempts to take a shard's lock under ``wait_for_lock``."""
 
 

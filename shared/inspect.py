@@ -8,6 +8,7 @@ Integrity checks live in ``verify.py``.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from pathlib import Path
 from typing import Any
@@ -16,6 +17,7 @@ import numpy as np
 import zarr
 
 from dflash.shared.cache import TOKEN_FIELDS, CacheReader
+from dflash.shared.shard_lock import live_holders
 
 META_FIELDS = ("offsets", "source_index", "batches")
 
@@ -165,6 +167,9 @@ def cache_info(path: str, storage_options: dict | None = None, shard_ids: list[i
         "assistant_tokens": assistant_total,
         "assistant_fraction": assistant_total / tokens if tokens else None,
         "skipped": skipped,
+        "writing": {f"{s:05d}": dataclasses.asdict(h) | {"described": h.describe()}
+                    for s, h in sorted(live_holders(path, storage_options).items())
+                    if shard_ids is None or s in shard_ids},
         "bytes_on_disk": (sum(listing.values()) if shard_ids is None else sum(e["bytes_on_disk"] for e in shards))
         if listing is not None else None,
         "raw_bytes": {"hidden": raw_hidden, "total": raw_total},
