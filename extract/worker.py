@@ -1,7 +1,7 @@
 """One extraction worker: one process, one device, one shard.
 
-plan (tokenise the slice) -> ShardWriter (resume point) -> forward loop on the main
-thread -> writer thread. The forward loop copies each batch's outputs device->host
+lock (one writer per shard, ``shared/shard_lock.py``) -> plan (tokenise the slice) ->
+ShardWriter (resume point) -> forward loop on the main thread -> writer thread. The forward loop copies each batch's outputs device->host
 into freshly allocated pinned buffers (PyTorch's caching host allocator recycles them)
 with ``non_blocking`` on a side stream (so the copy overlaps the next forward) and
 records a CUDA event; the writer thread waits on that event (blocking events: a waiting

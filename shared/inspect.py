@@ -66,6 +66,16 @@ def _store_listing(root: zarr.Group) -> dict[str, int] | None:
         return None
 
 
+def _by_shard(listing: dict[str, int]) -> dict[str, dict[str, int]]:
+    """The listing split by shard folder ('shards/00000' -> its keys and sizes), in one pass."""
+    out: dict[str, dict[str, int]] = {}
+    for key, size in listing.items():
+        parts = key.split("/", 2)
+        if len(parts) == 3 and parts[0] == "shards":
+            out.setdefault(f"shards/{parts[1]}", {})[key] = size
+    return out
+
+
 def _array_disk_bytes(listing: dict[str, int], array_key: str, committed_chunks: int | None) -> tuple[int, int]:
     """(bytes of every chunk, bytes of chunks with first index < committed_chunks) of one array."""
     prefix = array_key + "/c"
@@ -96,6 +106,7 @@ def cache_info(path: str, storage_options: dict | None = None, shard_ids: list[i
     spec = reader.spec
     root = reader.root
     listing = _store_listing(root)
+    shard_listing = _by_shard(listing) if listing is not None else {}
     L, D, k = spec.num_layers, spec.hidden_size, spec.topk
     row_bytes = {"input_ids": 4, "loss_mask": 1, "hidden": L * D * 2, "topk_ids": 4 * k, "topk_logprobs": 4 * k}
     raw_hidden = raw_total = disk_hidden = disk_total_committed = 0
@@ -115,14 +126,15 @@ def cache_info(path: str, storage_options: dict | None = None, shard_ids: list[i
             "compute": s.record.compute,
         }
         if listing is not None:
-            entry["bytes_on_disk"] = sum(v for kk, v in listing.items() if kk.startswith(key + "/"))
+            own = shard_listing.get(key, {})
+            entry["bytes_on_disk"] = sum(own.values())
             for f in TOKEN_FIELDS:
-                _, committed = _array_disk_bytes(listing, f"{key}/{f}", _ceil_div(s.tokens, _chunk_tokens(g[f])))
+                _, committed = _array_disk_bytes(own, f"{key}/{f}", _ceil_div(s.tokens, _chunk_tokens(g[f])))
                 disk_total_committed += committed
                 if f == "hidden":
                     disk_hidden += committed
             for f in META_FIELDS:
-                disk_total_committed += _array_disk_bytes(listing, f"{key}/{f}", None)[1]
+                disk_total_committed += _array_disk_bytes(own, f"{key}/{f}", None)[1]
         raw_hidden += s.tokens * row_bytes["hidden"]
         raw_total += s.tokens * sum(row_bytes.values()) + 8 * sum(g[f].shape[0] for f in META_FIELDS)
         shards.append(entry)
