@@ -39,7 +39,7 @@ import torch
 import zarr
 
 from dflash.shared.cache import CacheError, CacheSpec, ShardWriter, bf16_to_bits, open_root, shard_name
-from dflash.shared.shard_lock import ShardLock, ShardLocked
+from dflash.shared.shard_lock import LockError, ShardLock, ShardLocked
 
 from .chunk_pool import BLOCKS, ChunkPool, shm_free_bytes
 from .config import ExtractConfig
@@ -427,6 +427,9 @@ def describe_error(e: BaseException, task: WorkerTask) -> tuple[str, str]:
     if isinstance(e, ShardLocked):
         return "locked", (f"{e}. Let it finish or stop it (a run that died leaves its lock to the next run), "
                           "or rerun with --wait-for-lock to wait for it")
+    cause = e.cause if isinstance(e, WriterFailed) else e
+    if isinstance(cause, LockError):
+        return "locked", str(cause)
     if isinstance(e, CacheError):
         return "cache", f"{shard}: {e}"
     if isinstance(e, torch.OutOfMemoryError):

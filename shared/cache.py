@@ -39,6 +39,9 @@ import torch
 import zarr
 import zarr.codecs as zc
 
+from .shard_lock import LOCKS_DIR as LOCKS_GROUP
+from .shard_lock import live_holders
+
 FORMAT_NAME = "dflash-cache"
 FORMAT_VERSION = 1
 ATTRS_KEY = "dflash_cache"
@@ -48,8 +51,6 @@ LAYER_CONVENTION = (
 )
 TOKEN_FIELDS = ("input_ids", "loss_mask", "hidden", "topk_ids", "topk_logprobs")
 SAMPLE_META_CHUNK = 1 << 16
-LOCKS_GROUP = "locks"
-"""Group of the shards' lock files (``shard_lock``), outside ``shards`` so that zarr never lists them."""
 
 log = logging.getLogger(__name__)
 
@@ -221,8 +222,6 @@ def create_or_open_cache(path: str, spec: CacheSpec, storage_options: dict | Non
         return root
     if not replace_uncommitted or committed_samples(root) > 0:
         raise CacheMismatch(f"{path} holds a cache with another fingerprint; use another --out or delete it", diffs)
-    from .shard_lock import live_holders
-
     writing = live_holders(path, storage_options)
     if writing:
         raise CacheError(f"{path} holds a cache with another fingerprint, in which no shard committed a sample yet, "

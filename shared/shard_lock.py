@@ -31,9 +31,8 @@ import uuid
 from dataclasses import asdict, dataclass
 from datetime import datetime, timezone
 
-from dflash.shared.cache import LOCKS_GROUP, CacheError
-
-LOCKS_DIR = LOCKS_GROUP
+LOCKS_DIR = "locks"
+"""Folder of the lock files inside the cache (a Zarr group of its own, so that zarr lists no lock file)."""
 HEARTBEAT_S = 10.0
 """Seconds between the holder's heartbeats."""
 STALE_AFTER_S = 120.0
@@ -75,7 +74,11 @@ class LockHolder:
             return None
 
 
-class ShardLocked(CacheError):
+class LockError(Exception):
+    """A shard's lock is not this process's to take, or no longer is."""
+
+
+class ShardLocked(LockError):
     """Another live process holds the shard's lock; ``holder`` names it."""
 
     def __init__(self, out: str, shard_id: int, holder: LockHolder | None):
@@ -84,7 +87,7 @@ class ShardLocked(CacheError):
         super().__init__(f"shard {shard_id:05d} of {out} is being written by another run: {who}")
 
 
-class LockLost(CacheError):
+class LockLost(LockError):
     """This process no longer holds the lock of the shard it writes."""
 
 
@@ -164,8 +167,9 @@ class _LocalLockFile:
             os.close(fd)
             return False, holder
         previous = self._read_fd(fd)
-        if previous is not None and previous.host != HOST and holder_alive(previous, stale_after_s):
-            # flock did not see it: a filesystem whose locks stay on each node
+        if previous is not None and holder_alive(previous, stale_after_s):
+            # flock did not see it: a filesystem whose locks stay on each node (another host), or a
+            # lock file deleted and made anew under a live holder (this host)
             fcntl.flock(fd, fcntl.LOCK_UN)
             os.close(fd)
             return False, previous
@@ -182,6 +186,12 @@ class _LocalLockFile:
 
     def refresh(self, record: LockHolder) -> LockHolder | None:
         """Write the heartbeat; returns the record found instead of ours, if any (the lock is lost)."""
+        try:
+            replaced = os.stat(self.path).st_ino != os.fstat(self.fd).st_ino
+        except FileNotFoundError:
+            replaced = True
+        if replaced:  # the file was deleted under us: whoever made the new one may hold it
+            return self.read() or LockHolder("?", 0, 0.0, 0.0, "", None)
         current = self._read_fd(self.fd)
         if current is not None and current.token != record.token:
             return current
@@ -307,8 +317,8 @@ class ShardLock:
             self.record.heartbeat = time.time()
             try:
                 other = self.file.refresh(self.record)
-            except OSError:
-                continue  # retried at the next beat; check() gives up once the lease may have expired
+            except Exception:  # noqa: BLE001 - retried at the next beat; check() gives up once the lease may expire
+                continue
             if other is not None:
                 self._lost = f"it was taken over by {other.describe()}"
                 return
