@@ -253,13 +253,8 @@ def committed_samples(root: zarr.Group) -> int:
     if "shards" not in root:
         return 0
     shards = root["shards"]
-    total = 0
-    for name in shards.group_keys():
-        try:
-            total += read_shard_state(shards[name]).commit.samples
-        except CacheError:  # created but never recorded (a crash right after creating it): nothing committed
-            pass
-    return total
+    return sum(read_shard_state(shards[name]).commit.samples for name in shards.group_keys()
+               if shard_recorded(shards[name]))
 
 
 def shard_name(shard_id: int) -> str:
@@ -333,12 +328,18 @@ def read_shard_state(group: zarr.Group) -> ShardState:
         raise CacheError(f"{group.path}: {e}") from None
 
 
+def shard_recorded(group: zarr.Group) -> bool:
+    """Whether a shard group records a state: ``ShardWriter`` creates the arrays first and the
+    state last, so a group without one is being created (or its creator died doing so)."""
+    return bool(group.attrs.asdict())
+
+
 def read_shard_states(root: zarr.Group, shard_ids: Iterable[int]) -> dict[int, ShardState | None]:
-    """The state of each of these shards, None for a shard not created yet."""
+    """The state of each of these shards, None for a shard not created (or not recorded) yet."""
     out = {}
     for s in shard_ids:
         name = shard_name(s)
-        out[s] = read_shard_state(root[name]) if name in root else None
+        out[s] = read_shard_state(root[name]) if name in root and shard_recorded(root[name]) else None
     return out
 
 
@@ -431,6 +432,9 @@ class ShardWriter:
         self._offsets = plan.offsets
         name = shard_name(shard_id)
         C = spec.chunk_tokens
+        if name in root and not shard_recorded(root[name]):
+            log.warning("shard %05d: created but never recorded (its creator died creating it); made anew", shard_id)
+            del root[name]  # nothing of it is committed, and this process holds the shard
         if name in root:
             self.group = root[name]
             self.state = read_shard_state(self.group)
@@ -640,6 +644,8 @@ class CacheReader:
         offsets = []
         if "shards" in root:
             for name in sorted(root["shards"].group_keys()):
+                if not shard_recorded(root["shards"][name]):
+                    continue  # being created: nothing in it is committed
                 state = read_shard_state(root["shards"][name])
                 c = state.commit
                 info = ShardInfo(int(name), state.planned.samples, state.planned.tokens, c.samples, c.tokens,

@@ -314,3 +314,21 @@ def test_a_reader_opens_only_the_arrays_it_is_asked_for(tmp_path):
         r.read_raw(0, ("hidden",))
     with pytest.raises(C.CacheError, match="no array source_index"):
         r.read(0, ("input_ids",))
+
+
+def test_a_shard_created_but_never_recorded_is_skipped_by_readers_and_made_anew(tmp_path):
+    """A writer that died between creating a shard's group and recording its state leaves a
+    group without a state: readers skip it (nothing in it is committed) and the next writer
+    starts it over, ending as an unbroken run does."""
+    spec, plan = make_spec(), make_plan(LENGTHS)
+    write_all(tmp_path / "a.zarr", spec, plan)
+    root = C.create_or_open_cache(str(tmp_path / "b.zarr"), spec)
+    root.create_group("shards/00000").create_array("input_ids", shape=(3,), dtype="int32")  # then it died
+    r = C.CacheReader(str(tmp_path / "b.zarr"))
+    assert len(r) == 0 and r.shards == []
+    assert C.read_shard_states(root, [0]) == {0: None} and C.committed_samples(root) == 0
+    write_all(tmp_path / "b.zarr", spec, plan)
+    a, b = C.open_root(str(tmp_path / "a.zarr")), C.open_root(str(tmp_path / "b.zarr"))
+    for f in C.TOKEN_FIELDS + ("offsets", "source_index", "batches"):
+        assert np.array_equal(np.asarray(a["shards/00000"][f][:]), np.asarray(b["shards/00000"][f][:])), f
+    assert C.read_shard_state(a["shards/00000"]) == C.read_shard_state(b["shards/00000"])
