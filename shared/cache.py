@@ -630,7 +630,8 @@ class CacheReader:
     for (``source_index`` included), so a reader of some fields never touches the others.
     """
 
-    def __init__(self, path: str, storage_options: dict | None = None):
+    def __init__(self, path: str, storage_options: dict | None = None, shard_ids: Iterable[int] | None = None):
+        """``shard_ids``: open only these shards (e.g. one node's, while other nodes write theirs)."""
         self.path = path
         self.storage_options = storage_options
         self._root = None
@@ -643,7 +644,10 @@ class CacheReader:
         self.shards: list[ShardInfo] = []
         offsets = []
         if "shards" in root:
-            for name in sorted(root["shards"].group_keys()):
+            wanted = None if shard_ids is None else {f"{s:05d}" for s in shard_ids}
+            names = sorted(root["shards"].group_keys()) if wanted is None else sorted(
+                n for n in wanted if f"shards/{n}" in root)
+            for name in names:
                 if not shard_recorded(root["shards"][name]):
                     continue  # being created: nothing in it is committed
                 state = read_shard_state(root["shards"][name])

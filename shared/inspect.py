@@ -38,13 +38,21 @@ def _ceil_div(a: int, b: int) -> int:
 # ----------------------------------------------------------------------------- info
 
 
-def _store_listing(root: zarr.Group) -> dict[str, int] | None:
-    """Key -> bytes of every object in the store, or None where listing is not simple."""
+def _store_listing(root: zarr.Group, prefixes: list[str] | None = None) -> dict[str, int] | None:
+    """Key -> bytes of every object in the store (under ``prefixes`` where given), or None where
+    listing is not simple."""
+    if prefixes is not None:
+        parts = [_store_listing_under(root, p) for p in prefixes]
+        return None if any(p is None for p in parts) else {k: v for p in parts for k, v in p.items()}
+    return _store_listing_under(root, "")
+
+
+def _store_listing_under(root: zarr.Group, prefix: str) -> dict[str, int] | None:
     store = root.store
     if isinstance(store, zarr.storage.LocalStore):
         base = Path(store.root)
         out = {}
-        for dirpath, _dirs, files in os.walk(base):
+        for dirpath, _dirs, files in os.walk(base / prefix if prefix else base):
             for name in files:
                 full = os.path.join(dirpath, name)
                 try:
@@ -59,7 +67,7 @@ def _store_listing(root: zarr.Group) -> dict[str, int] | None:
             return None
 
         async def listing():
-            return {key: await store.getsize(key) async for key in store.list()}
+            return {key: await store.getsize(key) async for key in store.list_prefix(prefix)}
 
         return sync(listing())
     except Exception:
@@ -102,10 +110,10 @@ def cache_info(path: str, storage_options: dict | None = None, shard_ids: list[i
     ``shard_ids`` limits every count to those shards (an extraction node's own summary); a
     listed shard not created yet counts as planned nothing and makes the result incomplete.
     """
-    reader = CacheReader(path, storage_options)
+    reader = CacheReader(path, storage_options, shard_ids=shard_ids)
     spec = reader.spec
     root = reader.root
-    listing = _store_listing(root)
+    listing = _store_listing(root, None if shard_ids is None else [f"shards/{s:05d}/" for s in shard_ids])
     shard_listing = _by_shard(listing) if listing is not None else {}
     L, D, k = spec.num_layers, spec.hidden_size, spec.topk
     row_bytes = {"input_ids": 4, "loss_mask": 1, "hidden": L * D * 2, "topk_ids": 4 * k, "topk_logprobs": 4 * k}
