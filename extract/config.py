@@ -112,6 +112,8 @@ class ExtractConfig:
     """Also write the closing summary as JSON to this path."""
     progress: bool = True
     """Show the progress bar (stderr)."""
+    wait_for_lock: bool = False
+    """A shard another live run is writing: wait until it is released, instead of stopping with its holder named."""
     wait_for_root_s: float = 600.0
     """Multi-node: how long non-zero ranks wait for rank 0 to create the cache root."""
     batch_delay_s: float = field(default=0.0, metadata={"hidden": True})

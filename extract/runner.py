@@ -25,14 +25,14 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 import zarr
 
 from dflash.shared.cache import (
-    ATTRS_KEY, TOKEN_FIELDS, CacheError, CacheMismatch, CacheSpec, committed_samples, create_or_open_cache, open_root,
-    shard_name,
+    ATTRS_KEY, CacheError, CacheMismatch, CacheSpec, committed_samples, create_or_open_cache, read_shard_states,
 )
 from dflash.shared.fingerprint import target_fingerprint, tokenizer_fingerprint
+from dflash.shared.inspect import cache_info
+from dflash.shared.shard_lock import ShardLock
 from dflash.shared.layers import check_layer_ids
 
 from .chat import end_of_turn_id, mask_method
@@ -48,7 +48,7 @@ log = logging.getLogger(__name__)
 # with others would mix two roundings in one cache
 FINGERPRINTED = ("topk", "max_length", "truncation", "min_length", "on_bad_row", "batch_tokens",
                  "chunk_tokens", "compression_level", "attn_implementation", "lm_head_chunk")
-NOT_RECORDED = ("out", "summary_json", "progress", "batch_delay_s")
+NOT_RECORDED = ("out", "summary_json", "progress", "batch_delay_s", "wait_for_lock")
 
 
 class ExtractFailed(Exception):
@@ -175,6 +175,21 @@ def prepare_root(cfg: ExtractConfig, spec: CacheSpec, layout: NodeLayout) -> zar
         time.sleep(1.0)
 
 
+def check_shard_locks(cfg: ExtractConfig, shard_ids: list[int]) -> None:
+    """Refuse at once, naming the holder, where a live process writes one of these shards
+    (the workers take the locks themselves; this only saves planning a run that would be
+    refused); under ``wait_for_lock`` only say which shards the workers will wait for."""
+    held = {s: h for s in shard_ids if (h := ShardLock(cfg.out, s).probe()) is not None}
+    if not held:
+        return
+    lines = [f"shard {s:05d} of {cfg.out} is being written by another run: {h.describe()}" for s, h in held.items()]
+    if cfg.wait_for_lock:
+        log.warning("%s; its worker waits for it (--wait-for-lock)", "\n".join(lines))
+        return
+    raise ExtractFailed("\n".join(lines) + "\nLet that run finish or stop it (a run that died leaves its locks to "
+                        "the next run), or rerun with --wait-for-lock to wait for it")
+
+
 FLAG_HINTS = {
     "fingerprint.tokenizer.chat_template_hash": "the chat template (--chat-template, or the tokenizer's own)",
     "fingerprint.extraction.chat_template.template_kwargs": "--template-kwargs",
@@ -193,64 +208,33 @@ def _with_flag_hints(message: str) -> str:
     return "\n".join(lines)
 
 
-def shard_states(root: zarr.Group, shard_ids: list[int]) -> dict[int, dict[str, Any] | None]:
-    out = {}
-    for s in shard_ids:
-        name = shard_name(s)
-        out[s] = root[name].attrs.asdict() if name in root else None
-    return out
-
-
 # ----------------------------------------------------------------------------- summary
 
 
-def summarize(out: str, shard_ids: list[int], spec: CacheSpec) -> dict[str, Any]:
-    """What the store holds for these shards: counts, skips, bytes, compression."""
-    root = open_root(out, "r")
-    samples = tokens = assistant = planned = 0
-    stored = {f: 0 for f in TOKEN_FIELDS}
-    stored_meta = 0
-    skipped: dict[str, int] = {}
-    complete = True
-    for s in shard_ids:
-        name = shard_name(s)
-        if name not in root:
-            complete = False
-            continue
-        g = root[name]
-        a = g.attrs.asdict()
-        c = a["commit"]
-        samples, tokens, planned = samples + c["samples"], tokens + c["tokens"], planned + a["planned"]["samples"]
-        complete = complete and bool(a.get("complete"))
-        for reason, n in a.get("skipped", {}).items():
-            skipped[reason] = skipped.get(reason, 0) + n
-        for t0 in range(0, c["tokens"], 1 << 24):
-            assistant += int(np.count_nonzero(g["loss_mask"][t0:min(c["tokens"], t0 + (1 << 24))]))
-        for f in TOKEN_FIELDS:
-            stored[f] += g[f].nbytes_stored()
-        for f in ("offsets", "source_index", "batches"):
-            stored_meta += g[f].nbytes_stored()
-    k = spec.topk
-    hidden_raw = tokens * spec.num_layers * spec.hidden_size * 2
-    other_raw = tokens * (4 + 1 + 4 * k + 4 * k)
-    total_stored = sum(stored.values()) + stored_meta
+def summarize(out: str, shard_ids: list[int]) -> dict[str, Any]:
+    """What the store holds for these shards (counts, skips, bytes, compression), counted by
+    the same ``cache_info`` that ``dflash-cache info`` prints."""
+    info = cache_info(out, shard_ids=shard_ids)
+    tokens = info["tokens"]
+    disk = info["committed_bytes_on_disk"]  # None where the store cannot list its objects
+    stored = disk["total"] if disk else None
     return {
         "out": out,
         "shards": shard_ids,
-        "complete": complete,
-        "samples": samples,
-        "planned_samples": planned,
-        "skipped": dict(sorted(skipped.items())),
+        "complete": info["complete"],
+        "samples": info["samples"],
+        "planned_samples": info["planned_samples"],
+        "skipped": dict(sorted(info["skipped"].items())),
         "tokens": tokens,
-        "assistant_tokens": assistant,
-        "bytes_stored": total_stored,
-        "hidden_bytes_raw_bf16": hidden_raw,
-        "hidden_bytes_stored": stored["hidden"],
-        "hidden_compression": hidden_raw / stored["hidden"] if stored["hidden"] else None,
-        "other_bytes_raw": other_raw,
-        "other_bytes_stored": total_stored - stored["hidden"],
-        "compression": (hidden_raw + other_raw) / total_stored if total_stored and tokens else None,
-        "bytes_per_token": total_stored / tokens if tokens else None,
+        "assistant_tokens": info["assistant_tokens"],
+        "bytes_stored": stored,
+        "hidden_bytes_raw_bf16": info["raw_bytes"]["hidden"],
+        "hidden_bytes_stored": disk["hidden"] if disk else None,
+        "hidden_compression": info["compression_ratio"]["hidden"],
+        "other_bytes_raw": info["raw_bytes"]["total"] - info["raw_bytes"]["hidden"],
+        "other_bytes_stored": stored - disk["hidden"] if disk else None,
+        "compression": info["compression_ratio"]["total"],
+        "bytes_per_token": stored / tokens if stored is not None and tokens else None,
     }
 
 
@@ -269,7 +253,7 @@ def format_summary(s: dict[str, Any]) -> str:
         f"({s.get('samples_this_run', 0):,} this run)",
         f"  skipped rows     {sum(s['skipped'].values()):,} ({skipped})",
         f"  tokens           {s['tokens']:,} ({s['assistant_tokens']:,} assistant)",
-        f"  on disk          {size(s['bytes_stored'])}"
+        f"  on disk          {size(s['bytes_stored']) if s['bytes_stored'] is not None else 'unknown (the store cannot list)'}"
         + (f" ({s['bytes_per_token']:,.0f} B/token)" if s["bytes_per_token"] else ""),
     ]
     if s["hidden_compression"]:
@@ -340,12 +324,13 @@ def run(cfg: ExtractConfig) -> dict[str, Any]:
     phases.mark("dataset_load")
     spec = build_spec(cfg, tokenizer, model_config, ds, num_shards)
     phases.mark("fingerprint")
+    check_shard_locks(cfg, shard_ids)
     root = prepare_root(cfg, spec, layout)
     phases.mark("cache_root")
 
-    states = shard_states(root, shard_ids)
-    if all(st is not None and st.get("complete") for st in states.values()):
-        summary = summarize(cfg.out, shard_ids, spec)
+    states = read_shard_states(root, shard_ids)
+    if all(st is not None and st.complete for st in states.values()):
+        summary = summarize(cfg.out, shard_ids)
         summary.update(noop=True, samples_this_run=0, wall_s=time.monotonic() - t_start, tokens_per_s=None)
         log.info("%s: shards %s already complete; nothing to do", cfg.out, shard_ids)
         return summary
@@ -365,7 +350,7 @@ def run(cfg: ExtractConfig) -> dict[str, Any]:
              for s, d in zip(shard_ids, devices)]
     counts = _run_workers(tasks, cfg, phases)
 
-    summary = summarize(cfg.out, shard_ids, spec)
+    summary = summarize(cfg.out, shard_ids)
     phases.mark("summary")
     wall = time.monotonic() - t_start
     summary.update(noop=False, samples_this_run=counts["samples"], wall_s=wall, phases=phases.as_dict(),
@@ -374,7 +359,7 @@ def run(cfg: ExtractConfig) -> dict[str, Any]:
     if counts["errors"]:
         summary["errors"] = counts["errors"]
         message = "\n".join(counts["errors"])
-        if counts["categories"] - {"data", "cache"}:  # work was lost or stopped midway: show what is safe
+        if counts["categories"] - {"data", "cache", "locked"}:  # work was lost or stopped midway: show what is safe
             message += "\n\n" + format_summary(summary)
         raise ExtractFailed(message)
     if counts["interrupted"]:

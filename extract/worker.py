@@ -1,7 +1,7 @@
 """One extraction worker: one process, one device, one shard.
 
-plan (tokenise the slice) -> ShardWriter (resume point) -> forward loop on the main
-thread -> writer thread. The forward loop copies each batch's outputs device->host
+lock (one writer per shard, ``shared/shard_lock.py``) -> plan (tokenise the slice) ->
+ShardWriter (resume point) -> forward loop on the main thread -> writer thread. The forward loop copies each batch's outputs device->host
 into freshly allocated pinned buffers (PyTorch's caching host allocator recycles them)
 with ``non_blocking`` on a side stream (so the copy overlaps the next forward) and
 records a CUDA event; the writer thread waits on that event (blocking events: a waiting
@@ -37,6 +37,7 @@ import zarr
 
 from dflash.shared.cache import (ATTRS_KEY, ZARR_PIPELINE, CacheError, CacheSpec, ShardWriter, bf16_to_bits,
                                  open_root)
+from dflash.shared.shard_lock import LockError, ShardLock, ShardLocked
 
 from .config import ExtractConfig
 from .cpu_time import thread_cpu, thread_cpu_by_name
@@ -200,6 +201,46 @@ def _to_host(out, device: torch.device, copy_stream=None) -> tuple[dict[str, tor
 
 def run_shard(task: WorkerTask, report, stop: threading.Event | Any | None = None,
               go: threading.Event | Any | None = None) -> dict[str, Any]:
+    """Take the shard's lock (one writer per shard), then plan, resume and extract it (see
+    ``_run_shard``); the lock is released however that ends."""
+    lock = _take_lock(task, report, stop)
+    try:
+        with zarr.config.set(_zarr_settings(task.cfg)):  # the shard's write path; other zarr users keep theirs
+            return _run_shard(task, report, stop, go, lock)
+    finally:
+        lock.release()
+
+
+LOCK_POLL_S = 2.0
+"""Seconds between attempts to take a shard's lock under ``wait_for_lock``."""
+
+
+def _take_lock(task: WorkerTask, report, stop) -> ShardLock:
+    """The shard's lock, held; ShardLocked naming the holder, or with ``wait_for_lock`` wait for it."""
+    lock = ShardLock(task.cfg.out, task.shard_id)
+    said = None
+    while True:
+        try:
+            previous = lock.acquire()
+            break
+        except ShardLocked as e:
+            if not task.cfg.wait_for_lock:
+                raise
+            if said != (e.holder and e.holder.token):
+                report("warning", message=f"{e}; waiting for it (--wait-for-lock)")
+                said = e.holder and e.holder.token
+        deadline = time.monotonic() + LOCK_POLL_S
+        while time.monotonic() < deadline:
+            if stop is not None and stop.is_set():
+                raise Stopped()
+            time.sleep(0.2)
+    if previous is not None:
+        report("warning", message=f"shard {task.shard_id:05d}: took over the lock of {previous.describe()}, "
+                                  "which ended without releasing it (killed, or its node was lost)")
+    return lock
+
+
+def _run_shard(task: WorkerTask, report, stop, go, lock: ShardLock) -> dict[str, Any]:
     """Plan, resume and extract one shard; returns its final commit record.
 
     ``report(kind, **fields)`` receives progress messages; ``stop`` (an Event) asks
@@ -208,11 +249,6 @@ def run_shard(task: WorkerTask, report, stop: threading.Event | Any | None = Non
     and touching the cache, so that a bad row in any shard's slice stops the run before
     another shard has committed anything (see ``runner``).
     """
-    with zarr.config.set(_zarr_settings(task.cfg)):  # the shard's write path; other zarr users keep theirs
-        return _run_shard(task, report, stop, go)
-
-
-def _run_shard(task: WorkerTask, report, stop, go) -> dict[str, Any]:
     cfg = task.cfg
     if task.cpu_threads:
         torch.set_num_threads(task.cpu_threads)
@@ -241,13 +277,14 @@ def _run_shard(task: WorkerTask, report, stop, go) -> dict[str, Any]:
     root = open_root(cfg.out, "r+")
     spec = CacheSpec.from_dict(root.attrs[ATTRS_KEY])  # the cache's own layout (an older format resumes in it)
     writer = ShardWriter(root, task.shard_id, planned.plan, spec, compute=compute_environment(device))
+    writer.guard = lock.check  # no commit record once another process has taken the shard over
     plan = planned.plan
     report("planned", samples=len(plan.source_index), tokens=plan.num_tokens,
            assistant=planned.assistant_tokens, skipped=dict(plan.skipped), **{
                f"done_{k}": v for k, v in writer.committed.items()},
            done_assistant=int(planned.loss_mask[: writer.committed["tokens"]].sum()))
     if writer.complete:
-        if not writer.group.attrs.get("complete"):
+        if not writer.state.complete:
             writer.finish()
         return writer.committed
 
@@ -360,6 +397,12 @@ def describe_error(e: BaseException, task: WorkerTask) -> tuple[str, str]:
         return "io", (f"{shard}: {what} while writing {task.cfg.out}: {type(cause).__name__}: {cause}. "
                       f"Committed and intact: {c['batches']} batches, {c['samples']} samples, {c['tokens']} tokens. "
                       "Fix the cause (disk space, permissions) and rerun the same command to resume.")
+    if isinstance(e, ShardLocked):
+        return "locked", (f"{e}. Let it finish or stop it (a run that died leaves its lock to the next run), "
+                          "or rerun with --wait-for-lock to wait for it")
+    cause = e.cause if isinstance(e, WriterFailed) else e
+    if isinstance(cause, LockError):
+        return "locked", str(cause)
     if isinstance(e, CacheError):
         return "cache", f"{shard}: {e}"
     if isinstance(e, torch.OutOfMemoryError):

@@ -42,12 +42,15 @@ import hashlib
 import json
 import logging
 from dataclasses import dataclass, field
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 import numpy as np
 import torch
 import zarr
 import zarr.codecs as zc
+
+from .shard_lock import LOCKS_DIR as LOCKS_GROUP
+from .shard_lock import live_holders
 
 FORMAT_NAME = "dflash-cache"
 FORMAT_VERSION = 2
@@ -257,21 +260,31 @@ def create_or_open_cache(path: str, spec: CacheSpec, storage_options: dict | Non
             raise CacheError(f"{path}: holds Zarr data that is not a dflash cache; refusing to write there")
         root.attrs[ATTRS_KEY] = spec.to_dict()
         root.require_group("shards")
+        root.require_group(LOCKS_GROUP)
         return root
     old = CacheSpec.from_dict(existing)
     if old.format_version < spec.format_version:  # an older layout is resumed in its own layout
         spec = dataclasses.replace(spec, format_version=old.format_version, chunks=dict(old.chunks))
     diffs = spec_differences(old, spec)
     if not diffs:
+        if LOCKS_GROUP not in root:  # a cache made before shards had locks
+            root.require_group(LOCKS_GROUP)
         return root
     if not replace_uncommitted or committed_samples(root) > 0:
         raise CacheMismatch(f"{path} holds a cache with another fingerprint; use another --out or delete it", diffs)
+    writing = live_holders(path, storage_options)
+    if writing:
+        raise CacheError(f"{path} holds a cache with another fingerprint, in which no shard committed a sample yet, "
+                         "but another run is writing it: " + "; ".join(
+                             f"shard {s:05d} by {h.describe()}" for s, h in sorted(writing.items())))
     log.warning("%s: replacing a cache root made with another fingerprint, in which no shard committed a sample "
                 "(left by a run that failed before its first commit); differences:\n  - %s", path, "\n  - ".join(diffs))
     for name in list(root.keys()):  # the shards first: a crash in between leaves a root that is still uncommitted
-        del root[name]
+        if name != LOCKS_GROUP:
+            del root[name]
     root.attrs[ATTRS_KEY] = spec.to_dict()
     root.require_group("shards")
+    root.require_group(LOCKS_GROUP)
     return root
 
 
@@ -291,11 +304,100 @@ def committed_samples(root: zarr.Group) -> int:
     if "shards" not in root:
         return 0
     shards = root["shards"]
-    return sum(int(shards[name].attrs.get("commit", {}).get("samples", 0)) for name in shards.group_keys())
+    return sum(read_shard_state(shards[name]).commit.samples for name in shards.group_keys()
+               if shard_recorded(shards[name]))
 
 
 def shard_name(shard_id: int) -> str:
     return f"shards/{shard_id:05d}"
+
+
+@dataclass
+class ShardCounts:
+    """Batches, samples and tokens of a shard: planned, or committed so far."""
+
+    batches: int = 0
+    samples: int = 0
+    tokens: int = 0
+
+    def as_dict(self) -> dict[str, int]:
+        return dataclasses.asdict(self)
+
+
+@dataclass
+class ShardState:
+    """Everything a shard records about itself, stored in its group's attributes.
+
+    This module alone reads and writes those attributes (``read_shard_state``,
+    ``ShardWriter``); everything else gets this dataclass. ``commit`` is the commit point:
+    readers never look past it.
+    """
+
+    plan_digest: str
+    """Hash of the plan (rows, lengths, batches, skips); a resume must plan the same."""
+    planned: ShardCounts
+    """What the shard holds once complete; every array has this final size from the start."""
+    commit: ShardCounts
+    """What is committed: written and recorded after its bytes were stored."""
+    complete: bool = False
+    """Every planned batch is committed."""
+    skipped: dict[str, int] = field(default_factory=dict)
+    """Rows of the shard's slice that were not planned, counted by reason."""
+    compute: dict[str, Any] | None = None
+    """What computed the shard's values (device, kernels, versions); a resume must match it."""
+
+    @property
+    def status(self) -> str:
+        """'complete', 'partial' (some samples committed) or 'empty'."""
+        if self.complete:
+            return "complete"
+        return "empty" if self.commit.samples == 0 else "partial"
+
+    def to_attrs(self) -> dict[str, Any]:
+        return {"plan_digest": self.plan_digest, "planned": self.planned.as_dict(), "skipped": dict(self.skipped),
+                "commit": self.commit.as_dict(), "complete": self.complete, "compute": self.compute}
+
+    @classmethod
+    def from_attrs(cls, attrs: dict[str, Any]) -> "ShardState":
+        """Parse a shard's attributes; raises ValueError naming what is missing or malformed."""
+        try:
+            counts = {key: ShardCounts(**{k: int(attrs[key][k]) for k in ("batches", "samples", "tokens")})
+                      for key in ("planned", "commit")}
+            return cls(plan_digest=str(attrs["plan_digest"]), planned=counts["planned"], commit=counts["commit"],
+                       complete=bool(attrs.get("complete", False)),
+                       skipped={str(k): int(v) for k, v in (attrs.get("skipped") or {}).items()},
+                       compute=attrs.get("compute"))
+        except (KeyError, TypeError, ValueError, AttributeError) as e:
+            raise ValueError(f"missing or malformed shard attributes ({type(e).__name__}: {e})") from None
+
+
+def read_shard_state(group: zarr.Group) -> ShardState:
+    """The state a shard group records; CacheError naming the group where it cannot be parsed."""
+    try:
+        return ShardState.from_attrs(group.attrs.asdict())
+    except ValueError as e:
+        raise CacheError(f"{group.path}: {e}") from None
+
+
+def shard_recorded(group: zarr.Group) -> bool:
+    """Whether a shard group records a state: ``ShardWriter`` creates the arrays first and the
+    state last, so a group without one is being created (or its creator died doing so)."""
+    return bool(group.attrs.asdict())
+
+
+def read_shard_states(root: zarr.Group, shard_ids: Iterable[int]) -> dict[int, ShardState | None]:
+    """The state of each of these shards, None for a shard not created (or not recorded) yet."""
+    out = {}
+    for s in shard_ids:
+        name = shard_name(s)
+        out[s] = read_shard_state(root[name]) if name in root and shard_recorded(root[name]) else None
+    return out
+
+
+def _record_state(group: zarr.Group, state: ShardState, *keys: str) -> None:
+    """Write these fields of ``state`` into the group's attributes (all of them without ``keys``)."""
+    attrs = state.to_attrs()
+    group.attrs.update({k: attrs[k] for k in keys} if keys else attrs)
 
 
 # ----------------------------------------------------------------------------- writer
@@ -361,27 +463,33 @@ class ShardWriter:
 
     def __init__(self, root: zarr.Group, shard_id: int, plan: ShardPlan, spec: CacheSpec,
                  compute: dict[str, Any] | None = None):
+        self.guard: Callable[[], None] | None = None
+        """Called before every commit record is written; raising stops the commit (see ``shard_lock``)."""
         self.spec = spec
         self.plan = plan
         self.shard_id = shard_id
         self._offsets = plan.offsets
         name = shard_name(shard_id)
+        if name in root and not shard_recorded(root[name]):
+            log.warning("shard %05d: created but never recorded (its creator died creating it); made anew", shard_id)
+            del root[name]  # nothing of it is committed, and this process holds the shard
         if name in root:
             self.group = root[name]
-            attrs = self.group.attrs.asdict()
-            if attrs.get("plan_digest") != plan.digest():
+            self.state = read_shard_state(self.group)
+            if self.state.plan_digest != plan.digest():
                 raise CacheError(
                     f"shard {shard_id:05d} was planned differently (other rows, order or batches); "
                     "the data, tokenizer or worker count changed since it was written"
                 )
-            commit = attrs["commit"]
-            recorded = attrs.get("compute")
-            finished = commit["batches"] >= len(plan.batches) - 1  # nothing left to compute
+            commit = self.state.commit
+            recorded = self.state.compute
+            finished = commit.batches >= len(plan.batches) - 1  # nothing left to compute
             if compute is not None and recorded != compute and not finished:
-                if commit["tokens"] and recorded is not None:
-                    raise CacheError(_compute_mismatch(shard_id, name, recorded, compute, commit))
-                if not commit["tokens"]:  # nothing computed yet: the shard is this run's
-                    self.group.attrs["compute"] = compute
+                if commit.tokens and recorded is not None:
+                    raise CacheError(_compute_mismatch(shard_id, name, recorded, compute, commit.as_dict()))
+                if not commit.tokens:  # nothing computed yet: the shard is this run's
+                    self.state.compute = compute
+                    _record_state(self.group, self.state, "compute")
         else:
             self.group = root.create_group(name)
             T = max(plan.num_tokens, 1)
@@ -399,25 +507,21 @@ class ShardWriter:
                 )
                 if len(values):
                     arr[:] = values
-            commit = {"batches": 0, "samples": 0, "tokens": 0}
-            self.group.attrs.update({
-                "plan_digest": plan.digest(),
-                "planned": {"samples": len(plan.source_index), "tokens": plan.num_tokens,
-                            "batches": len(plan.batches) - 1},
-                "skipped": dict(plan.skipped),
-                "commit": commit,
-                "complete": False,
-                "compute": compute,
-            })
+            self.state = ShardState(
+                plan_digest=plan.digest(),
+                planned=ShardCounts(batches=len(plan.batches) - 1, samples=len(plan.source_index),
+                                    tokens=plan.num_tokens),
+                commit=ShardCounts(), complete=False, skipped=dict(plan.skipped), compute=compute)
+            _record_state(self.group, self.state)
         self.arrays = {f: self.group[f] for f in TOKEN_FIELDS}
         with zarr.config.set({"codec_pipeline.path": ZARR_PIPELINE}):
             self._atomic_arrays = {f: self.group[f] for f in TOKEN_FIELDS}
         """The same arrays through zarr's own pipeline: for chunks that hold committed rows."""
         self.chunks = {f: int(a.chunks[0]) for f, a in self.arrays.items()}
         """Rows per chunk of each array, as stored (a shard keeps the layout it was created with)."""
-        self.committed = dict(commit)
-        self.next_batch = commit["batches"]
-        done = commit["tokens"]
+        self.committed = self.state.commit.as_dict()
+        self.next_batch = self.state.commit.batches
+        done = self.state.commit.tokens
         self._end = done
         """Tokens handed to ``write_batch`` so far (committed or not)."""
         self._tail: dict[str, list[np.ndarray]] = {f: [] for f in TOKEN_FIELDS}
@@ -485,17 +589,22 @@ class ShardWriter:
         """Make every batch written so far durable, then record it. Returns the record."""
         self._flush(final=True)  # every row is stored before the record says so
         s = int(self.plan.batches[self.next_batch])
-        record = {"batches": self.next_batch, "samples": s, "tokens": int(self._offsets[s])}
-        if record != self.committed:
-            self.group.attrs.update({"commit": record, "complete": self.complete})
-            self.committed = record
-        return record
+        record = ShardCounts(batches=self.next_batch, samples=s, tokens=int(self._offsets[s]))
+        if record != self.state.commit:
+            if self.guard is not None:
+                self.guard()  # e.g. this process still holds the shard's lock
+            self.state.commit, self.state.complete = record, self.complete
+            _record_state(self.group, self.state, "commit", "complete")
+            self.committed = record.as_dict()
+        return record.as_dict()
 
     def finish(self) -> None:
         if not self.complete:
             raise CacheError(f"shard {self.shard_id:05d}: finish() before its last batch")
         self.commit()
-        self.group.attrs["complete"] = True
+        if not self.state.complete:
+            self.state.complete = True
+            _record_state(self.group, self.state, "complete")
 
 
 def _compute_mismatch(shard_id: int, name: str, recorded: dict, compute: dict, commit: dict) -> str:
@@ -527,6 +636,8 @@ class ShardInfo:
     tokens: int
     complete: bool
     skipped: dict[str, int]
+    record: ShardState | None = None
+    """The shard's whole recorded state (commit point, plan, what computed it)."""
 
     @property
     def state(self) -> str:
@@ -538,35 +649,43 @@ class ShardInfo:
 class CacheReader:
     """Random access by global sample index over the committed samples of every shard.
 
-    Picklable: a DataLoader worker process reopens the store lazily after fork.
+    Picklable: a DataLoader worker process reopens the store lazily after fork. Opening
+    reads the shards' states and offsets only; every other array is opened when first asked
+    for (``source_index`` included), so a reader of some fields never touches the others.
     """
 
-    def __init__(self, path: str, storage_options: dict | None = None):
+    def __init__(self, path: str, storage_options: dict | None = None, shard_ids: Iterable[int] | None = None):
+        """``shard_ids``: open only these shards (e.g. one node's, while other nodes write theirs)."""
         self.path = path
         self.storage_options = storage_options
         self._root = None
+        self._arrays: dict[tuple[int, str], zarr.Array] = {}
         root = self.root
         attrs = root.attrs.get(ATTRS_KEY)
         if attrs is None:
             raise CacheError(f"{path}: a Zarr store but not a dflash cache (no '{ATTRS_KEY}' attribute)")
         self.spec = CacheSpec.from_dict(attrs)
         self.shards: list[ShardInfo] = []
-        offsets, sources = [], []
+        offsets = []
         if "shards" in root:
-            for name in sorted(root["shards"].group_keys()):
-                g = root["shards"][name]
-                a = g.attrs.asdict()
-                c = a["commit"]
-                info = ShardInfo(int(name), a["planned"]["samples"], a["planned"]["tokens"],
-                                 c["samples"], c["tokens"], bool(a.get("complete")), a.get("skipped", {}))
+            wanted = None if shard_ids is None else {f"{s:05d}" for s in shard_ids}
+            names = sorted(root["shards"].group_keys()) if wanted is None else sorted(
+                n for n in wanted if f"shards/{n}" in root)
+            for name in names:
+                if not shard_recorded(root["shards"][name]):
+                    continue  # being created: nothing in it is committed
+                state = read_shard_state(root["shards"][name])
+                c = state.commit
+                info = ShardInfo(int(name), state.planned.samples, state.planned.tokens, c.samples, c.tokens,
+                                 state.complete, dict(state.skipped), record=state)
                 self.shards.append(info)
-                off = np.asarray(g["offsets"][: c["samples"] + 1]) if c["samples"] else np.zeros(1, np.int64)
-                if off[-1] != c["tokens"]:
+                off = (np.asarray(self._array(len(self.shards) - 1, "offsets")[: c.samples + 1]) if c.samples
+                       else np.zeros(1, np.int64))
+                if off[-1] != c.tokens:
                     raise CacheError(f"{path}: shard {name}: offsets disagree with its commit record")
                 offsets.append(off)
-                sources.append(np.asarray(g["source_index"][: c["samples"]]) if c["samples"] else np.zeros(0, np.int64))
         self._offsets = offsets
-        self._sources = sources
+        self._sources: list[np.ndarray | None] = [None] * len(self.shards)
         counts = np.array([s.samples for s in self.shards], dtype=np.int64)
         self._starts = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
 
@@ -577,9 +696,29 @@ class CacheReader:
             self._root = open_root(self.path, "r", self.storage_options)
         return self._root
 
+    def _array(self, pos: int, name: str) -> zarr.Array:
+        """Array ``name`` of the shard at ``pos``, opened on first use and kept open."""
+        key = (pos, name)
+        if key not in self._arrays:
+            shard = f"{self.shards[pos].shard_id:05d}"
+            try:
+                self._arrays[key] = self.root["shards"][shard][name]
+            except KeyError:
+                raise CacheError(f"{self.path}: shard {shard} has no array {name}") from None
+        return self._arrays[key]
+
+    def _source(self, pos: int) -> np.ndarray:
+        """The committed part of ``source_index`` of the shard at ``pos`` (read once)."""
+        if self._sources[pos] is None:
+            n = self.shards[pos].samples
+            self._sources[pos] = (np.asarray(self._array(pos, "source_index")[:n]) if n
+                                  else np.zeros(0, np.int64))
+        return self._sources[pos]
+
     def __getstate__(self):
         state = self.__dict__.copy()
         state["_root"] = None
+        state["_arrays"] = {}
         return state
 
     # -- sizes
@@ -605,7 +744,8 @@ class CacheReader:
         return np.concatenate([np.diff(o) for o in self._offsets]) if self._offsets else np.zeros(0, np.int64)
 
     def source_indices(self) -> np.ndarray:
-        return np.concatenate(self._sources) if self._sources else np.zeros(0, np.int64)
+        return (np.concatenate([self._source(p) for p in range(len(self.shards))]) if self.shards
+                else np.zeros(0, np.int64))
 
     def token_range(self, index: int) -> tuple[int, int, int]:
         pos, j = self.locate(index)
@@ -617,11 +757,10 @@ class CacheReader:
         """Stored (numpy) arrays of one sample; a corrupted chunk raises CacheError naming it."""
         pos, t0, t1 = self.token_range(index)
         shard = self.shards[pos]
-        g = self.root["shards"][f"{shard.shard_id:05d}"]
         out = {}
         for f in fields:
             try:
-                out[f] = np.asarray(g[f][t0:t1])
+                out[f] = np.asarray(self._array(pos, f)[t0:t1])
             except Exception as e:
                 raise CacheError(
                     f"{self.path}: shard {shard.shard_id:05d} sample {index} (tokens {t0}:{t1}) "
@@ -649,7 +788,7 @@ class CacheReader:
             "topk_ids": lambda a: torch.from_numpy(a.astype(np.int64)),
             "topk_logprobs": torch.from_numpy,
         }
-        return {**{f: convert[f](raw[f]) for f in fields}, "source_index": int(self._sources[pos][j])}
+        return {**{f: convert[f](raw[f]) for f in fields}, "source_index": int(self._source(pos)[j])}
 
     # -- contract with training
     def check_compatible(

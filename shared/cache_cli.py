@@ -196,6 +196,7 @@ def info(**values):
             f"{_n(s['tokens']) + '/' + _n(s['planned_tokens']):>23}  {_n(s['assistant_tokens']):>11}  "
             f"{_bytes(s['bytes_on_disk']):>11}  {skipped}")
     lines += _compute_lines(d["shards"])
+    lines += [f"writing    shard {s} now: {h['described']}" for s, h in d["writing"].items()]
     ratio = d["compression_ratio"]
     fmt_ratio = lambda r: "-" if r is None else f"{r:.2f}x"  # noqa: E731
     skipped = ", ".join(f"{k}={v}" for k, v in d["skipped"].items() if v) or "none"

@@ -8,6 +8,7 @@ Integrity checks live in ``verify.py``.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from pathlib import Path
 from typing import Any
@@ -16,6 +17,7 @@ import numpy as np
 import zarr
 
 from dflash.shared.cache import TOKEN_FIELDS, CacheReader
+from dflash.shared.shard_lock import live_holders
 
 META_FIELDS = ("offsets", "source_index", "batches")
 
@@ -36,13 +38,21 @@ def _ceil_div(a: int, b: int) -> int:
 # ----------------------------------------------------------------------------- info
 
 
-def _store_listing(root: zarr.Group) -> dict[str, int] | None:
-    """Key -> bytes of every object in the store, or None where listing is not simple."""
+def _store_listing(root: zarr.Group, prefixes: list[str] | None = None) -> dict[str, int] | None:
+    """Key -> bytes of every object in the store (under ``prefixes`` where given), or None where
+    listing is not simple."""
+    if prefixes is not None:
+        parts = [_store_listing_under(root, p) for p in prefixes]
+        return None if any(p is None for p in parts) else {k: v for p in parts for k, v in p.items()}
+    return _store_listing_under(root, "")
+
+
+def _store_listing_under(root: zarr.Group, prefix: str) -> dict[str, int] | None:
     store = root.store
     if isinstance(store, zarr.storage.LocalStore):
         base = Path(store.root)
         out = {}
-        for dirpath, _dirs, files in os.walk(base):
+        for dirpath, _dirs, files in os.walk(base / prefix if prefix else base):
             for name in files:
                 full = os.path.join(dirpath, name)
                 try:
@@ -57,11 +67,21 @@ def _store_listing(root: zarr.Group) -> dict[str, int] | None:
             return None
 
         async def listing():
-            return {key: await store.getsize(key) async for key in store.list()}
+            return {key: await store.getsize(key) async for key in store.list_prefix(prefix)}
 
         return sync(listing())
     except Exception:
         return None
+
+
+def _by_shard(listing: dict[str, int]) -> dict[str, dict[str, int]]:
+    """The listing split by shard folder ('shards/00000' -> its keys and sizes), in one pass."""
+    out: dict[str, dict[str, int]] = {}
+    for key, size in listing.items():
+        parts = key.split("/", 2)
+        if len(parts) == 3 and parts[0] == "shards":
+            out.setdefault(f"shards/{parts[1]}", {})[key] = size
+    return out
 
 
 def _array_disk_bytes(listing: dict[str, int], array_key: str, committed_chunks: int | None) -> tuple[int, int]:
@@ -84,42 +104,50 @@ def _read_loss_mask_sum(arr: zarr.Array, tokens: int) -> int:
     return int(np.count_nonzero(np.asarray(arr[:tokens])))  # cheap: 1 byte/token
 
 
-def cache_info(path: str, storage_options: dict | None = None) -> dict[str, Any]:
-    """Spec, fingerprint, per-shard state and counts, bytes on disk and compression ratios."""
-    reader = CacheReader(path, storage_options)
+def cache_info(path: str, storage_options: dict | None = None, shard_ids: list[int] | None = None) -> dict[str, Any]:
+    """Spec, fingerprint, per-shard state and counts, bytes on disk and compression ratios.
+
+    ``shard_ids`` limits every count to those shards (an extraction node's own summary); a
+    listed shard not created yet counts as planned nothing and makes the result incomplete.
+    """
+    reader = CacheReader(path, storage_options, shard_ids=shard_ids)
     spec = reader.spec
     root = reader.root
-    listing = _store_listing(root)
+    listing = _store_listing(root, None if shard_ids is None else [f"shards/{s:05d}/" for s in shard_ids])
+    shard_listing = _by_shard(listing) if listing is not None else {}
     L, D, k = spec.num_layers, spec.hidden_size, spec.topk
     row_bytes = {"input_ids": 4, "loss_mask": 1, "hidden": L * D * 2, "topk_ids": 4 * k, "topk_logprobs": 4 * k}
     raw_hidden = raw_total = disk_hidden = disk_total_committed = 0
     shards = []
     for s in reader.shards:
+        if shard_ids is not None and s.shard_id not in shard_ids:
+            continue
         key = f"shards/{s.shard_id:05d}"
         g = root[key]
-        attrs = g.attrs.asdict()
         assistant = _read_loss_mask_sum(g["loss_mask"], s.tokens)
         entry = {
             "shard_id": s.shard_id, "state": s.state,
             "samples": s.samples, "planned_samples": s.planned_samples,
             "tokens": s.tokens, "planned_tokens": s.planned_tokens,
-            "batches": attrs["commit"]["batches"], "planned_batches": attrs["planned"]["batches"],
+            "batches": s.record.commit.batches, "planned_batches": s.record.planned.batches,
             "assistant_tokens": assistant, "skipped": dict(s.skipped), "bytes_on_disk": None,
-            "compute": attrs.get("compute"),
+            "compute": s.record.compute,
         }
         if listing is not None:
-            entry["bytes_on_disk"] = sum(v for kk, v in listing.items() if kk.startswith(key + "/"))
+            own = shard_listing.get(key, {})
+            entry["bytes_on_disk"] = sum(own.values())
             for f in TOKEN_FIELDS:
-                _, committed = _array_disk_bytes(listing, f"{key}/{f}", _ceil_div(s.tokens, _chunk_tokens(g[f])))
+                _, committed = _array_disk_bytes(own, f"{key}/{f}", _ceil_div(s.tokens, _chunk_tokens(g[f])))
                 disk_total_committed += committed
                 if f == "hidden":
                     disk_hidden += committed
             for f in META_FIELDS:
-                disk_total_committed += _array_disk_bytes(listing, f"{key}/{f}", None)[1]
+                disk_total_committed += _array_disk_bytes(own, f"{key}/{f}", None)[1]
         raw_hidden += s.tokens * row_bytes["hidden"]
         raw_total += s.tokens * sum(row_bytes.values()) + 8 * sum(g[f].shape[0] for f in META_FIELDS)
         shards.append(entry)
-    tokens = reader.num_tokens
+    tokens = sum(e["tokens"] for e in shards)
+    missing = sorted(set(shard_ids or ()) - {e["shard_id"] for e in shards})
     assistant_total = sum(e["assistant_tokens"] for e in shards)
     skipped: dict[str, int] = {}
     for e in shards:
@@ -153,14 +181,18 @@ def cache_info(path: str, storage_options: dict | None = None) -> dict[str, Any]
         "max_length": spec.max_length, "truncation": spec.truncation,
         "chunk_tokens": spec.chunk_tokens, "compression_level": spec.compression_level,
         "chunks": {f: spec.chunk_rows(f) for f in TOKEN_FIELDS},
-        "shards": shards,
-        "num_shards": len(shards), "complete": reader.complete,
-        "samples": len(reader), "planned_samples": sum(e["planned_samples"] for e in shards),
+        "shards": shards, "shards_not_created": missing,
+        "num_shards": len(shards), "complete": bool(shards) and not missing and all(e["state"] == "complete" for e in shards),
+        "samples": sum(e["samples"] for e in shards), "planned_samples": sum(e["planned_samples"] for e in shards),
         "tokens": tokens, "planned_tokens": sum(e["planned_tokens"] for e in shards),
         "assistant_tokens": assistant_total,
         "assistant_fraction": assistant_total / tokens if tokens else None,
         "skipped": skipped,
-        "bytes_on_disk": sum(listing.values()) if listing is not None else None,
+        "writing": {f"{s:05d}": dataclasses.asdict(h) | {"described": h.describe()}
+                    for s, h in sorted(live_holders(path, storage_options).items())
+                    if shard_ids is None or s in shard_ids},
+        "bytes_on_disk": (sum(listing.values()) if shard_ids is None else sum(e["bytes_on_disk"] for e in shards))
+        if listing is not None else None,
         "raw_bytes": {"hidden": raw_hidden, "total": raw_total},
         "committed_bytes_on_disk": (
             {"hidden": disk_hidden, "total": disk_total_committed} if listing is not None else None),

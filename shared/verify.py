@@ -18,7 +18,7 @@ import numpy as np
 import zarr
 from tqdm import tqdm
 
-from dflash.shared.cache import ATTRS_KEY, TOKEN_FIELDS, CacheError, CacheSpec, ShardPlan, open_root
+from dflash.shared.cache import ATTRS_KEY, TOKEN_FIELDS, CacheError, CacheSpec, ShardPlan, open_root, read_shard_state
 from dflash.shared.inspect import META_FIELDS, _ceil_div, _chunk_tokens
 
 BF16_EXP_MASK = 0x7F80  # exponent bits of a bfloat16; all ones = Inf or NaN
@@ -145,12 +145,12 @@ def verify_cache(path: str, *, max_problems: int = 100, progress: bool = True, w
             problems.add(None, None, "structure", f"unexpected group shards/{name}")
             continue
         sid, g = int(name), root["shards"][name]
-        a = g.attrs.asdict()
         try:
-            commit, planned = {k: int(v) for k, v in a["commit"].items()}, {k: int(v) for k, v in a["planned"].items()}
-        except Exception as e:
-            problems.add(sid, None, "structure", f"missing or malformed commit/planned attributes ({e})")
+            state = read_shard_state(g)
+        except CacheError as e:
+            problems.add(sid, None, "structure", str(e))
             continue
+        commit, planned = state.commit.as_dict(), state.planned.as_dict()
         arrays = {}
         for f in TOKEN_FIELDS + META_FIELDS:
             if f not in g:
@@ -162,7 +162,7 @@ def verify_cache(path: str, *, max_problems: int = 100, progress: bool = True, w
                 problems.add(sid, f, "structure", f"shape {tuple(arr.shape)}, spec and plan say {want}")
                 continue
             arrays[f] = arr
-        shards.append({"shard_id": sid, "group": g, "commit": commit, "planned": planned, "attrs": a,
+        shards.append({"shard_id": sid, "group": g, "commit": commit, "planned": planned, "state": state,
                        "arrays": arrays, "global_start": global_start})
         global_start += commit["samples"]
 
@@ -186,7 +186,7 @@ def verify_cache(path: str, *, max_problems: int = 100, progress: bool = True, w
         for k in ("batches", "samples", "tokens"):
             if commit[k] > planned[k]:
                 problems.add(sid, None, "commit", f"commit record has {commit[k]} {k}, plan has only {planned[k]}")
-        if s["attrs"].get("complete") and commit != planned:
+        if s["state"].complete and commit != planned:
             problems.add(sid, None, "commit", f"marked complete but commit {commit} != planned {planned}")
         off, src, bat = meta["offsets"], meta["source_index"], meta["batches"]
         s["mapping"] = None
@@ -220,12 +220,12 @@ def verify_cache(path: str, *, max_problems: int = 100, progress: bool = True, w
             elif commit["batches"] < len(bat) and bat[commit["batches"]] != ns:
                 problems.add(sid, "batches", "commit",
                              f"commit record: {commit['batches']} batches = {bat[commit['batches']]} samples, record says {ns}")
-        if off is not None and src is not None and bat is not None and "plan_digest" in s["attrs"]:
+        if off is not None and src is not None and bat is not None:
             try:
-                digest = ShardPlan(src, np.diff(off), bat, dict(s["attrs"].get("skipped", {}))).digest()
+                digest = ShardPlan(src, np.diff(off), bat, dict(s["state"].skipped)).digest()
             except ValueError:
                 digest = None  # already reported above
-            if digest is not None and digest != s["attrs"]["plan_digest"]:
+            if digest is not None and digest != s["state"].plan_digest:
                 problems.add(sid, None, "plan_digest",
                              "offsets/source_index/batches differ from the plan the shard was written with")
         if src is not None:
@@ -294,8 +294,7 @@ def verify_cache(path: str, *, max_problems: int = 100, progress: bool = True, w
                      samples=a["samples"] if s["mapping"] is not None else None, tokens=(a["first"], a["last"]),
                      global_start=s["global_start"], committed_samples=s["commit"]["samples"])
 
-    summary = [{"shard_id": s["shard_id"], "state": ("complete" if s["attrs"].get("complete") else
-                                                     "empty" if s["commit"]["samples"] == 0 else "partial"),
+    summary = [{"shard_id": s["shard_id"], "state": s["state"].status,
                 "samples": s["commit"]["samples"], "planned_samples": s["planned"]["samples"],
                 "tokens": s["commit"]["tokens"], "planned_tokens": s["planned"]["tokens"]} for s in shards]
     return {"path": path, "ok": problems.total == 0, "num_problems": problems.total,

@@ -347,3 +347,92 @@ def test_chunks_with_committed_rows_are_rewritten_through_zarrs_own_pipeline(tmp
     write_all(tmp_path / "ref.zarr", spec, plan)
     assert [np.array_equal(C.open_root(str(path))["shards/00000"][f][:], C.open_root(str(tmp_path / "ref.zarr"))["shards/00000"][f][:])
             for f in C.TOKEN_FIELDS] == [True] * len(C.TOKEN_FIELDS)
+
+def test_shard_state_round_trip(tmp_path):
+    """What a shard records, read back as a ShardState, equals what its plan and commits say,
+    counted here from the plan itself; malformed attributes name the shard."""
+    spec, plan = make_spec(), make_plan(LENGTHS)
+    compute = {"device": "cpu", "torch": "2.13.0"}
+    root = C.create_or_open_cache(str(tmp_path / "c.zarr"), spec)
+    w = C.ShardWriter(root, 0, plan, spec, compute=compute)
+    for b in range(3):
+        w.write_batch(b, **batch_data(spec, plan, b))
+    w.commit()
+    state = C.read_shard_state(C.open_root(str(tmp_path / "c.zarr"))["shards/00000"])
+    nb = len(plan.batches) - 1
+    samples = int(plan.batches[3])
+    assert state == C.ShardState(
+        plan_digest=plan.digest(), planned=C.ShardCounts(nb, len(LENGTHS), sum(LENGTHS)),
+        commit=C.ShardCounts(3, samples, sum(LENGTHS[:samples])), complete=False,
+        skipped={"too_short": 1}, compute=compute)
+    assert state.status == "partial" and C.ShardState.from_attrs(state.to_attrs()) == state
+    for b in range(3, nb):
+        w.write_batch(b, **batch_data(spec, plan, b))
+    w.finish()
+    done = C.read_shard_states(C.open_root(str(tmp_path / "c.zarr")), [0, 1])
+    assert done[1] is None and done[0].complete and done[0].status == "complete"
+    assert done[0].commit == done[0].planned
+    broken = C.open_root(str(tmp_path / "c.zarr"), "r+")["shards/00000"]
+    broken.attrs["commit"] = {"batches": 1}
+    with pytest.raises(C.CacheError, match="shards/00000: missing or malformed shard attributes"):
+        C.read_shard_state(broken)
+
+
+def test_only_the_cache_module_reads_shard_attributes():
+    """The contract in one file: every other module gets a ShardState (root attributes hold
+    the CacheSpec, read under ATTRS_KEY)."""
+    import pathlib
+    import re
+
+    package = pathlib.Path(C.__file__).resolve().parents[1]
+    offenders = []
+    for path in sorted(p for d in ("shared", "extract", "train", "eval", "bench") for p in (package / d).rglob("*.py")):
+        if path == pathlib.Path(C.__file__).resolve():
+            continue
+        for number, line in enumerate(path.read_text().splitlines(), 1):
+            if re.search(r"\.attrs\b", line) and "ATTRS_KEY" not in line:
+                offenders.append(f"{path.relative_to(package)}:{number}: {line.strip()}")
+    assert not offenders, offenders
+
+
+def test_a_reader_opens_only_the_arrays_it_is_asked_for(tmp_path):
+    """With every other array's folder deleted, opening and reading some fields still works,
+    equal to what was written; asking for a deleted array names it."""
+    import shutil
+
+    spec, plan = make_spec(), make_plan(LENGTHS)
+    path = tmp_path / "c.zarr"
+    write_all(path, spec, plan)
+    for name in ("hidden", "topk_ids", "topk_logprobs", "source_index", "batches"):
+        shutil.rmtree(path / "shards" / "00000" / name)
+    r = C.CacheReader(str(path))
+    assert len(r) == len(LENGTHS) and r.lengths().tolist() == LENGTHS
+    expected = {f: np.concatenate([batch_data(spec, plan, b)[f] for b in range(len(plan.batches) - 1)])
+                for f in ("input_ids", "loss_mask")}
+    off = plan.offsets
+    for i in range(len(LENGTHS)):
+        raw = r.read_raw(i, ("input_ids", "loss_mask"))
+        assert np.array_equal(raw["input_ids"], expected["input_ids"][off[i]:off[i + 1]])
+        assert np.array_equal(raw["loss_mask"], expected["loss_mask"][off[i]:off[i + 1]])
+    with pytest.raises(C.CacheError, match="shard 00000 has no array hidden"):
+        r.read_raw(0, ("hidden",))
+    with pytest.raises(C.CacheError, match="no array source_index"):
+        r.read(0, ("input_ids",))
+
+
+def test_a_shard_created_but_never_recorded_is_skipped_by_readers_and_made_anew(tmp_path):
+    """A writer that died between creating a shard's group and recording its state leaves a
+    group without a state: readers skip it (nothing in it is committed) and the next writer
+    starts it over, ending as an unbroken run does."""
+    spec, plan = make_spec(), make_plan(LENGTHS)
+    write_all(tmp_path / "a.zarr", spec, plan)
+    root = C.create_or_open_cache(str(tmp_path / "b.zarr"), spec)
+    root.create_group("shards/00000").create_array("input_ids", shape=(3,), dtype="int32")  # then it died
+    r = C.CacheReader(str(tmp_path / "b.zarr"))
+    assert len(r) == 0 and r.shards == []
+    assert C.read_shard_states(root, [0]) == {0: None} and C.committed_samples(root) == 0
+    write_all(tmp_path / "b.zarr", spec, plan)
+    a, b = C.open_root(str(tmp_path / "a.zarr")), C.open_root(str(tmp_path / "b.zarr"))
+    for f in C.TOKEN_FIELDS + ("offsets", "source_index", "batches"):
+        assert np.array_equal(np.asarray(a["shards/00000"][f][:]), np.asarray(b["shards/00000"][f][:])), f
+    assert C.read_shard_state(a["shards/00000"]) == C.read_shard_state(b["shards/00000"])

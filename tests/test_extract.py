@@ -247,6 +247,34 @@ def test_two_workers_write_every_row_once(extracted, dataset):
     assert fp["target"]["weights_hash"] and fp["dataset"]["content_hash"].startswith("sha256:")
 
 
+def test_summary_counts_as_dflash_cache_info_does(extracted, tiny_target_dir):
+    """The run's closing summary is cache_info's count of the same shards, and both agree with
+    the chunk files on disk and the arrays read back."""
+    from transformers import AutoConfig
+
+    from dflash.shared.inspect import cache_info
+
+    out, summary, proc = extracted
+    info = cache_info(str(out))
+    chunk_files = [f for f in out.glob("shards/*/*/c/**/*") if f.is_file()]  # complete: every chunk committed
+    hidden_files = [f for f in chunk_files if f.relative_to(out).parts[2] == "hidden"]
+    assert summary["bytes_stored"] == info["committed_bytes_on_disk"]["total"] == sum(f.stat().st_size for f in chunk_files)
+    assert summary["hidden_bytes_stored"] == info["committed_bytes_on_disk"]["hidden"] \
+        == sum(f.stat().st_size for f in hidden_files)
+    reader = C.CacheReader(str(out))
+    tokens = int(reader.lengths().sum())
+    hidden_size = AutoConfig.from_pretrained(tiny_target_dir).hidden_size
+    assert summary["hidden_bytes_raw_bf16"] == tokens * len(LAYERS) * hidden_size * 2
+    assert summary["hidden_compression"] == pytest.approx(summary["hidden_bytes_raw_bf16"] / summary["hidden_bytes_stored"])
+    for key in ("samples", "planned_samples", "tokens", "assistant_tokens", "skipped", "complete"):
+        assert summary[key] == info[key], key
+    assert summary["samples"] == len(reader) and summary["tokens"] == tokens
+    node = R.summarize(str(out), [1])  # one node's shards only
+    assert node["samples"] == reader.shards[1].samples and node["bytes_stored"] == sum(
+        f.stat().st_size for f in chunk_files if f.relative_to(out).parts[1] == "00001")
+    assert f"{summary['samples']:,} of {summary['planned_samples']:,} planned" in proc.stdout
+
+
 def test_summary_says_where_the_loops_time_went(extracted):
     _, summary, proc = extracted
     timing = summary["worker_seconds"].values()
@@ -834,3 +862,68 @@ def test_the_shard_writer_uses_zarrs_for_a_folder_and_zarrs_own_pipeline_for_a_u
         for f in C.TOKEN_FIELDS:
             got = np.concatenate([r.read_raw(i, [f])[f] for i in range(len(r))])
             assert np.array_equal(got, np.concatenate([rows[0][f], rows[1][f]])), (out, f)
+
+def test_a_second_run_is_refused_naming_the_holder_and_a_waiting_run_takes_over_after_kill9(
+        tmp_path, extracted, dataset, tiny_target_dir):
+    """Two dflash-extract runs on one --out: the second stops at once naming the worker that
+    writes each shard (host, pid, since when); a third with --wait-for-lock waits, takes the
+    shards over once the first is killed with -9, and the cache equals an unbroken run's."""
+    from click.testing import CliRunner
+
+    from dflash.shared import shard_lock as L
+    from dflash.shared.cache_cli import main as cache_main
+
+    reference, _, _ = extracted
+    out = tmp_path / "c.zarr"
+    args = [sys.executable, "-m", "dflash.extract.cli", "--data", str(dataset[0]), "--model", str(tiny_target_dir),
+            "--out", str(out), "--on-bad-row", "skip", *COMMON]
+    before, semaphores = set(glob.glob("/dev/shm/sem.mp-*")), set()
+    first = subprocess.Popen(args + ["--batch-delay-s", "30"], start_new_session=True,  # killed long before it ends
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    waiting = None
+    try:
+        deadline = time.monotonic() + 90
+        while not all(L.ShardLock(str(out), s).probe() for s in (0, 1)):
+            assert time.monotonic() < deadline, "the first run took no lock within 90 s"
+            time.sleep(0.1)
+        holders = {s: L.ShardLock(str(out), s).probe() for s in (0, 1)}
+        semaphores = set(glob.glob("/dev/shm/sem.mp-*")) - before  # the first run's (its workers run)
+        for h in holders.values():  # the first run's workers hold them
+            assert h.host == L.HOST and L._proc_stat(h.pid)[1] == str(first.pid).encode()
+        info = CliRunner().invoke(cache_main, ["info", str(out)])  # dflash-cache info names them too
+        for s, h in holders.items():
+            assert f"writing    shard {s:05d} now: host {h.host}, pid {h.pid}, since" in info.output, info.output
+
+        waiting = subprocess.Popen(args + ["--wait-for-lock"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                   text=True)  # started beside the second, to save time
+        second = cli("--data", dataset[0], "--model", tiny_target_dir, "--out", out, "--on-bad-row", "skip",
+                     *COMMON, check=False)
+        assert first.poll() is None, "the first run ended before the second started: nothing was tested"
+        assert second.returncode == 1
+        for s, h in holders.items():
+            assert f"shard {s:05d} of {out} is being written by another run: host {h.host}, pid {h.pid}, since " \
+                   in second.stderr, second.stderr[-3000:]
+        assert "--wait-for-lock" in second.stderr
+
+        lines = []
+        while not any("waiting for it (--wait-for-lock)" in line and "dflash-extract: warning" in line
+                      for line in lines):  # a worker of the third run waits
+            line = waiting.stderr.readline()
+            assert line, "".join(x for x in lines if "resource_tracker" not in x)[-3000:]
+            lines.append(line)
+        assert first.poll() is None
+    finally:
+        os.killpg(first.pid, signal.SIGKILL)
+        first.wait()
+        if sys.exc_info()[0] is not None and waiting is not None:  # failed: the third run is not needed
+            waiting.kill()
+            waiting.wait()
+        for path in semaphores & set(glob.glob("/dev/shm/sem.mp-*")):  # the killed group's, see the kill -9 test
+            os.unlink(path)
+    stdout, stderr = waiting.communicate(timeout=240)
+    stderr = "".join(lines) + stderr
+    assert waiting.returncode == 0, stderr[-3000:]
+    for s, h in holders.items():
+        assert f"shard {s:05d}: took over the lock of host {h.host}, pid {h.pid}" in stderr, stderr[-3000:]
+        assert_same_shard(reference, out, s)
+    assert all(L.ShardLock(str(out), s).probe() is None for s in (0, 1))  # released
