@@ -130,7 +130,7 @@ def _du(path: Path) -> int:
 
 
 def step_data(out: Path, s: DemoSettings, echo) -> tuple[Path, Path]:
-    from dflash.shared import demo_data
+    from dflash.eval import demo_data
 
     data = out / "data"
     settings = {"n_train": s.n_train, "n_heldout": s.n_heldout, "seed": s.seed}
@@ -148,7 +148,7 @@ def step_data(out: Path, s: DemoSettings, echo) -> tuple[Path, Path]:
 
 
 def step_target(out: Path, s: DemoSettings, train_jsonl: Path, echo) -> tuple[Path, dict]:
-    from dflash.shared import demo_data, demo_target
+    from dflash.eval import demo_data, demo_target
 
     chats = demo_data.read_jsonl(train_jsonl)
     tok_dir = out / "tokenizer"

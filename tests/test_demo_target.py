@@ -1,5 +1,5 @@
-"""The demo's synthetic chats and its self-built target LM (dflash.shared.demo_data,
-dflash.shared.demo_target). Replies are checked against an independent recomputation
+"""The demo's synthetic chats and its self-built target LM (dflash.eval.demo_data,
+dflash.eval.demo_target). Replies are checked against an independent recomputation
 (regex parse + stdlib calendar/string), and a tiny target is built, reloaded and reused."""
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from dflash.shared import demo_data
-from dflash.shared import demo_target as dt
+from dflash.eval import demo_data
+from dflash.eval import demo_target as dt
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -121,7 +121,7 @@ def test_jsonl_round_trip_and_committed_sample(tmp_path):
     path = demo_data.write_jsonl(chats, tmp_path / "chats.jsonl")
     assert demo_data.read_jsonl(path) == chats
     # data/demo_chats_sample.jsonl is exactly generate_chats(30, seed=0): regenerate with
-    # `python -m dflash.shared.demo_data` if the generator changes.
+    # `python -m dflash.eval.demo_data` if the generator changes.
     sample = REPO_ROOT / "data" / "demo_chats_sample.jsonl"
     assert [json.loads(line) for line in sample.read_text().splitlines()] == chats
 

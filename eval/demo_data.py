@@ -179,7 +179,7 @@ def write_corpus(chats: Iterable[dict], path: str | Path) -> Path:
     return path
 
 
-if __name__ == "__main__":  # python -m dflash.shared.demo_data [PATH]: rewrite the sample
+if __name__ == "__main__":  # python -m dflash.eval.demo_data [PATH]: rewrite the sample
     import sys
 
     print(write_jsonl(generate_chats(30, seed=0), sys.argv[1] if len(sys.argv) > 1 else "data/demo_chats_sample.jsonl"))

@@ -32,7 +32,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from dflash.shared import demo_data, toy
+from dflash.eval import demo_data
+from dflash.shared import toy
 from dflash.shared.fingerprint import tokenizer_fingerprint
 
 MARKER = "demo_target.json"
