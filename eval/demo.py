@@ -82,6 +82,29 @@ class DemoSettings:
                        micro_batch_size=4, max_steps=8, lr=3e-3, log_every=2, eval_every=4,
                        save_every=8, keep_checkpoints=1, attention="dense", compile="off", autocast="off"))
 
+    def with_overrides(self, assignments: list[str]) -> "DemoSettings":
+        """A copy with ``KEY=VALUE`` assignments applied: KEY a field or ``target.X`` /
+        ``train.X`` (an entry of those dicts), VALUE JSON (a bare word is a string)."""
+        s = dataclasses.replace(self, target=dict(self.target), train=dict(self.train))
+        fields = {f.name for f in dataclasses.fields(s)}
+        for assignment in assignments:
+            key, sep, text = assignment.partition("=")
+            if not sep:
+                raise click.BadParameter(f"{assignment!r}: expected KEY=VALUE", param_hint="--set")
+            try:
+                value = json.loads(text)
+            except json.JSONDecodeError:
+                value = text
+            head, _, entry = key.partition(".")
+            if entry and head in ("target", "train"):
+                getattr(s, head)[entry] = value
+            elif not entry and head in fields and head not in ("target", "train"):
+                setattr(s, head, value)
+            else:
+                raise click.BadParameter(f"{key!r}: not a demo setting (fields: {', '.join(sorted(fields))}; "
+                                         "target.X and train.X set one entry of those)", param_hint="--set")
+        return s
+
     def train_overrides(self) -> dict[str, Any]:
         return {"eval_samples": self.n_heldout, "seed": self.seed, "target_layer_ids": list(self.layer_ids),
                 **self.train}
@@ -116,6 +139,13 @@ def _fresh(path: Path, settings: dict) -> dict | None:
     elif path.exists():
         path.unlink()
     return None
+
+
+def usable_cores() -> int:
+    """Cores this process may run on (``taskset`` and cgroup pinning respected), not the machine's."""
+    if hasattr(os, "sched_getaffinity"):
+        return max(1, len(os.sched_getaffinity(0)))
+    return os.cpu_count() or 1
 
 
 def _hash_file(path: Path) -> str:
@@ -178,7 +208,7 @@ def step_regenerate(out: Path, s: DemoSettings, all_jsonl: Path, target: Path, e
     import torch
 
     threads = torch.get_num_threads()
-    torch.set_num_threads(os.cpu_count() or 1)
+    torch.set_num_threads(usable_cores())
     t0 = time.perf_counter()
     try:
         meta = regenerate(RegenConfig(
@@ -212,7 +242,7 @@ def step_extract(out: Path, s: DemoSettings, regen: Path, target: Path, echo) ->
     cfg = ExtractConfig(data=str(regen), model=str(target), out=str(cache), device="cpu", layers=list(s.layer_ids),
                         workers=s.extract_workers, batch_tokens=s.batch_tokens, max_length=s.max_length,
                         dtype="float32", commit_seconds=5.0, progress=False,
-                        cpu_threads=max(1, (os.cpu_count() or 1) // s.extract_workers))
+                        cpu_threads=max(1, usable_cores() // s.extract_workers))
     t0 = time.perf_counter()
     summary = run(cfg)
     seconds = time.perf_counter() - t0
@@ -290,7 +320,7 @@ def step_eval(out: Path, s: DemoSettings, regen: Path, cache: Path, target: Path
     samples = heldout_samples(cache, s)
     reader = CacheReader(str(cache))
     rows = [int(reader.source_indices()[i]) for i in samples]
-    settings = {"format": 2, "export": _hash_file(out / "export" / "model.safetensors"),
+    settings = {"format": 3, "export": _hash_file(out / "export" / "model.safetensors"),
                 "regen": _read(regen)["settings"], "rows": rows, "max_new_tokens": s.max_new_tokens}
     if _fresh(path, settings) is not None and path.is_file():
         result = json.loads(path.read_text())
@@ -318,6 +348,8 @@ def step_eval(out: Path, s: DemoSettings, regen: Path, cache: Path, target: Path
         # a turn cut at max_new_tokens was cached with an <|im_end|> the target never chose
         row["regenerated_match"] = row["tokens"] == want[: s.max_new_tokens]
     result["overall"]["regenerated_match"] = sum(r["regenerated_match"] for r in result["per_prompt"]) / len(prompts)
+    result["per_task"] = per_task_acceptance([last_user_message(tokenizer.decode(p)) for p in prompts],
+                                             result["per_prompt"])
     result["overall"]["chats"] = len(samples)
     # the offline estimate of what decoding measures: training's held-out samples, the
     # cache and the drafter only, blocks where decoding starts them (dflash.eval.offline)
@@ -331,6 +363,28 @@ def step_eval(out: Path, s: DemoSettings, regen: Path, cache: Path, target: Path
          f"{o['regenerated_match']:.0%}; offline replay tau {result['offline_replay']['tau']:.2f} "
          f"({result['seconds']:.1f} s)")
     return result
+
+
+def last_user_message(rendered: str) -> str:
+    """The text of the last user turn of a chat rendered by the demo's template."""
+    from dflash.shared import toy
+
+    return rendered.rsplit(f"{toy.IM_START}user\n", 1)[-1].split(toy.IM_END, 1)[0]
+
+
+def per_task_acceptance(user_prompts: list[str], per_prompt: list[dict]) -> dict[str, dict]:
+    """Acceptance length per task (``demo_data.task_of`` of each turn's user prompt):
+    tokens emitted per verify over that task's blocks, with its turn and block counts."""
+    from dflash.eval.demo_data import task_of
+
+    totals: dict[str, list[int]] = {}
+    for prompt, row in zip(user_prompts, per_prompt, strict=True):
+        t = totals.setdefault(task_of(prompt), [0, 0, 0])
+        t[0] += 1
+        t[1] += row["new_tokens"] - 1  # the first token comes from the prefill, not a verify
+        t[2] += row["blocks"]
+    return {name: {"turns": n, "blocks": blocks, "tau": emitted / blocks if blocks else None}
+            for name, (n, emitted, blocks) in sorted(totals.items())}
 
 
 def read_metrics(run_dir: Path) -> list[dict]:
@@ -411,6 +465,7 @@ def run_demo(out: str | Path, settings: DemoSettings | None = None, echo=click.e
         "speedup": o["speedup"],
         "tokens_per_target_forward": o["tokens_per_target_forward"],
         "tau_histogram": o["tau_histogram"],
+        "acceptance_per_task": result["per_task"],
         "eval_prompts": o["prompts"],
         "export": str(out / "export"),
         "training_curves": str(png),
@@ -435,6 +490,8 @@ def run_demo(out: str | Path, settings: DemoSettings | None = None, echo=click.e
          f"lossless={o['lossless']}, {o['regenerated_match']:.0%} equal to the cached turns)")
     echo(f"      speedup vs greedy        {o['speedup']:.2f}x wall clock, "
          f"{o['tokens_per_target_forward']:.2f} tokens per target forward")
+    echo("      online, per task         " + ", ".join(
+        f"{name} {t['tau']:.2f}" for name, t in result["per_task"].items() if t["tau"] is not None))
     echo(f"      curves                   {png}")
     echo(f"      this run took            {summary['demo_seconds']:.1f} s")
     return summary
@@ -446,12 +503,15 @@ def run_demo(out: str | Path, settings: DemoSettings | None = None, echo=click.e
 @click.option("--small", is_flag=True, help="Reduced sizes (the test suite's demo, seconds).")
 @click.option("--seed", default=0, show_default=True, type=int,
               help="Seeds the chats, the target and the drafter (another seed, another demo).")
-def main(out: str, small: bool, seed: int) -> None:
+@click.option("--set", "assignments", multiple=True, metavar="KEY=VALUE",
+              help="Change one setting (repeatable), e.g. --set train.max_steps=800 --set layer_ids=[0,2].")
+def main(out: str, small: bool, seed: int, assignments: tuple[str, ...]) -> None:
     """Run the whole CPU demo: data, target, regenerated chats, cache, drafter, speculative eval, summary."""
     import logging
 
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
-    run_demo(out, DemoSettings.small(seed) if small else DemoSettings.full(seed))
+    settings = DemoSettings.small(seed) if small else DemoSettings.full(seed)
+    run_demo(out, settings.with_overrides(list(assignments)))
 
 
 if __name__ == "__main__":

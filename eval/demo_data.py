@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 import string
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -125,6 +126,26 @@ FOLLOW_UPS = {
     "Say that again.": lambda previous: previous,
     "Now in capital letters.": lambda previous: previous.upper(),
 }
+
+
+# How each task's user prompt begins (follow-ups by their fixed text): `task_of` reads it back.
+PROMPT_PREFIXES = {
+    "add": "What is {} + ", "subtract": "What is {} - ", "count_up": "Count from ", "count_down": "Count down from ",
+    "times_table": "Write the ", "repeat": "Repeat after me: ", "spell": "Spell the word ",
+    "alphabet": "List the alphabet ", "reverse_list": "Reverse this list: ", "days": "Name the days ",
+    "months": "List the months ", "say_again": "Say that again.", "capitals": "Now in capital letters.",
+}
+_PROMPT_PATTERNS = [(name, re.compile(re.escape(prefix).replace(r"\{\}", r"\d+")))
+                    for name, prefix in PROMPT_PREFIXES.items()]
+
+
+def task_of(prompt: str) -> str:
+    """The task a user prompt asks for (a `TASKS` name, or "say_again"/"capitals" for the
+    follow-ups), or "other" for a prompt these chats never contain."""
+    for name, pattern in _PROMPT_PATTERNS:
+        if pattern.match(prompt):
+            return name
+    return "other"
 
 
 def generate_chat(rng: random.Random) -> dict:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import calendar
 import json
 import re
+import random
 from collections import Counter
 from pathlib import Path
 
@@ -114,6 +115,20 @@ def test_generated_chats_are_valid_and_correct():
     assert set(kinds) == expected
     assert any(len(c["messages"]) >= 5 for c in chats)
     assert any(c["messages"][0]["role"] == "system" for c in chats)
+
+
+def test_task_of_names_the_task_behind_every_prompt():
+    """task_of reads back which generator drew a prompt (per-task acceptance depends on it)."""
+    rng = random.Random(5)
+    for name, task in demo_data.TASKS.items():
+        for _ in range(40):
+            prompt, _ = task(rng)
+            assert demo_data.task_of(prompt) == name, prompt
+    assert demo_data.task_of("Say that again.") == "say_again"
+    assert demo_data.task_of("Now in capital letters.") == "capitals"
+    assert set(demo_data.FOLLOW_UPS) == {"Say that again.", "Now in capital letters."}
+    assert demo_data.task_of("What is 3 * 4?") == "other"
+    assert demo_data.task_of("Please count from 1 to 3.") == "other"
 
 
 def test_jsonl_round_trip_and_committed_sample(tmp_path):
