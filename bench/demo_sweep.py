@@ -52,7 +52,8 @@ def main() -> None:
     for i, (name, sets, seed) in enumerate(runs):
         pinned = ",".join(str(c) for c in cores[i * k:(i + 1) * k])
         folder = args.out / f"{name}_s{seed}"
-        env = {**os.environ, "OMP_NUM_THREADS": str(k), "MKL_NUM_THREADS": str(k), "CUDA_VISIBLE_DEVICES": ""}  # CPU only
+        env = {**os.environ, "OMP_NUM_THREADS": str(k), "MKL_NUM_THREADS": str(k),
+               "CUDA_VISIBLE_DEVICES": ""}  # the CPU only, as on the 2-core machine
         cmd = ["taskset", "-c", pinned, sys.executable, "-m", "dflash.eval.demo", "--out", str(folder),
                "--seed", str(seed)] + [f"--set={a}" for a in sets] + (["--small"] if args.small else [])
         log = open(args.out / f"{name}_s{seed}.log", "w")
