@@ -100,6 +100,53 @@ def test_small_demo_offline_and_online_measure_the_same_turns(small_demo):
     assert abs(online - trained) / trained < 0.10, (online, trained)
 
 
+def test_small_demo_acceptance_per_task(small_demo):
+    """Per-task acceptance covers every decoded turn once, under the task its user prompt asks for."""
+    import datasets
+
+    from dflash.eval.demo_data import task_of
+
+    out, summary, _, _ = small_demo
+    per_task = summary["acceptance_per_task"]
+    regen = datasets.load_from_disk(str(out / "regen"))
+    result = json.loads((out / "eval.json").read_text())
+    # the turns' tasks, read from the held-out chats' messages (not from the rendered prompts)
+    rows = sorted(int(r) for r in range(len(regen)) if regen[r]["source_row"] >= demo.DemoSettings.small().n_train)
+    asked = []
+    for r in rows:
+        messages = regen[r]["messages"]
+        for i, m in enumerate(messages):
+            if m["role"] == "assistant":
+                asked.append(task_of(next(u["content"] for u in reversed(messages[:i]) if u["role"] == "user")))
+    assert sorted(per_task) == sorted(set(asked)) and "other" not in per_task
+    assert sum(t["turns"] for t in per_task.values()) == summary["eval_prompts"] == len(asked)
+    assert sum(t["blocks"] for t in per_task.values()) == summary["online_blocks"]
+    emitted = sum(t["tau"] * t["blocks"] for t in per_task.values() if t["blocks"])
+    assert emitted == pytest.approx(result["overall"]["new_tokens"] - result["overall"]["prompts"])
+
+
+def test_small_demo_target_trains_on_its_share_of_the_chats(small_demo):
+    out, _, _, _ = small_demo
+    s = demo.DemoSettings.small()
+    record = json.loads((out / "target" / "demo_target.json").read_text())
+    assert record["settings"]["num_chats"] == s.target_chats < s.n_train
+
+
+def test_settings_overrides():
+    s = demo.DemoSettings.full()
+    changed = s.with_overrides(["train.num_draft_layers=2", "layer_ids=[0,2]", "n_train=100",
+                                "target.num_hidden_layers=6", "train.attention=dense"])
+    assert changed.train["num_draft_layers"] == 2 and changed.layer_ids == [0, 2] and changed.n_train == 100
+    assert changed.target["num_hidden_layers"] == 6 and changed.train["attention"] == "dense"
+    assert s.train["num_draft_layers"] == demo.DemoSettings.full().train["num_draft_layers"]  # a copy
+    assert changed.train_overrides()["num_draft_layers"] == 2
+    import click
+
+    for bad in ("n_trian=5", "train", "target=3", "seed.x=1"):
+        with pytest.raises(click.BadParameter):
+            s.with_overrides([bad])
+
+
 def test_small_demo_rerun_reuses(small_demo):
     out, first, _, first_seconds = small_demo
     before = _built_files(out)

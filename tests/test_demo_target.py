@@ -1,5 +1,5 @@
-"""The demo's synthetic chats and its self-built target LM (dflash.shared.demo_data,
-dflash.shared.demo_target). Replies are checked against an independent recomputation
+"""The demo's synthetic chats and its self-built target LM (dflash.eval.demo_data,
+dflash.eval.demo_target). Replies are checked against an independent recomputation
 (regex parse + stdlib calendar/string), and a tiny target is built, reloaded and reused."""
 
 from __future__ import annotations
@@ -7,13 +7,14 @@ from __future__ import annotations
 import calendar
 import json
 import re
+import random
 from collections import Counter
 from pathlib import Path
 
 import pytest
 
-from dflash.shared import demo_data
-from dflash.shared import demo_target as dt
+from dflash.eval import demo_data
+from dflash.eval import demo_target as dt
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -116,12 +117,26 @@ def test_generated_chats_are_valid_and_correct():
     assert any(c["messages"][0]["role"] == "system" for c in chats)
 
 
+def test_task_of_names_the_task_behind_every_prompt():
+    """task_of reads back which generator drew a prompt (per-task acceptance depends on it)."""
+    rng = random.Random(5)
+    for name, task in demo_data.TASKS.items():
+        for _ in range(40):
+            prompt, _ = task(rng)
+            assert demo_data.task_of(prompt) == name, prompt
+    assert demo_data.task_of("Say that again.") == "say_again"
+    assert demo_data.task_of("Now in capital letters.") == "capitals"
+    assert set(demo_data.FOLLOW_UPS) == {"Say that again.", "Now in capital letters."}
+    assert demo_data.task_of("What is 3 * 4?") == "other"
+    assert demo_data.task_of("Please count from 1 to 3.") == "other"
+
+
 def test_jsonl_round_trip_and_committed_sample(tmp_path):
     chats = demo_data.generate_chats(30, seed=0)
     path = demo_data.write_jsonl(chats, tmp_path / "chats.jsonl")
     assert demo_data.read_jsonl(path) == chats
     # data/demo_chats_sample.jsonl is exactly generate_chats(30, seed=0): regenerate with
-    # `python -m dflash.shared.demo_data` if the generator changes.
+    # `python -m dflash.eval.demo_data` if the generator changes.
     sample = REPO_ROOT / "data" / "demo_chats_sample.jsonl"
     assert [json.loads(line) for line in sample.read_text().splitlines()] == chats
 

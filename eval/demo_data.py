@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 import string
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -127,6 +128,26 @@ FOLLOW_UPS = {
 }
 
 
+# How each task's user prompt begins (follow-ups by their fixed text): `task_of` reads it back.
+PROMPT_PREFIXES = {
+    "add": "What is {} + ", "subtract": "What is {} - ", "count_up": "Count from ", "count_down": "Count down from ",
+    "times_table": "Write the ", "repeat": "Repeat after me: ", "spell": "Spell the word ",
+    "alphabet": "List the alphabet ", "reverse_list": "Reverse this list: ", "days": "Name the days ",
+    "months": "List the months ", "say_again": "Say that again.", "capitals": "Now in capital letters.",
+}
+_PROMPT_PATTERNS = [(name, re.compile(re.escape(prefix).replace(r"\{\}", r"\d+")))
+                    for name, prefix in PROMPT_PREFIXES.items()]
+
+
+def task_of(prompt: str) -> str:
+    """The task a user prompt asks for (a `TASKS` name, or "say_again"/"capitals" for the
+    follow-ups), or "other" for a prompt these chats never contain."""
+    for name, pattern in _PROMPT_PATTERNS:
+        if pattern.match(prompt):
+            return name
+    return "other"
+
+
 def generate_chat(rng: random.Random) -> dict:
     """One chat: optional system prompt, then 1-3 turns, some of them follow-ups."""
     messages: list[dict] = []
@@ -179,7 +200,7 @@ def write_corpus(chats: Iterable[dict], path: str | Path) -> Path:
     return path
 
 
-if __name__ == "__main__":  # python -m dflash.shared.demo_data [PATH]: rewrite the sample
+if __name__ == "__main__":  # python -m dflash.eval.demo_data [PATH]: rewrite the sample
     import sys
 
     print(write_jsonl(generate_chats(30, seed=0), sys.argv[1] if len(sys.argv) > 1 else "data/demo_chats_sample.jsonl"))

@@ -32,8 +32,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from dflash.eval import demo_data
 from dflash.eval import toy_tokenizer as toy
-from dflash.shared import demo_data
 from dflash.shared.fingerprint import tokenizer_fingerprint
 
 MARKER = "demo_target.json"
