@@ -124,7 +124,7 @@ def main():
         fake_target(out / "target", args.hidden, 36, args.vocab, args.intermediate, args.heads, args.kv_heads)
         tokenizer_hash = None
         if args.tokenizer:
-            from dflash.shared import toy
+            from dflash.eval import toy_tokenizer as toy
             from dflash.shared.fingerprint import tokenizer_fingerprint
 
             tokenizer_hash = tokenizer_fingerprint(toy.build_tokenizer(out / "target"))["hash"]

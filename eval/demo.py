@@ -374,7 +374,7 @@ def step_eval(out: Path, s: DemoSettings, regen: Path, cache: Path, target: Path
 
 def last_user_message(rendered: str) -> str:
     """The text of the last user turn of a chat rendered by the demo's template."""
-    from dflash.shared import toy
+    from dflash.eval import toy_tokenizer as toy
 
     return rendered.rsplit(f"{toy.IM_START}user\n", 1)[-1].split(toy.IM_END, 1)[0]
 
