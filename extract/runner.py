@@ -345,7 +345,7 @@ def run(cfg: ExtractConfig) -> dict[str, Any]:
             raise ExtractFailed(f"--gpus {missing}: only {torch.cuda.device_count()} CUDA devices are visible")
     devices = cfg.worker_devices
     threads = cfg.cpu_threads or max(1, (os.cpu_count() or 1) // local)
-    tasks = [WorkerTask(cfg=cfg, spec=spec.to_dict(), shard_id=s, num_shards=num_shards, device=d,
+    tasks = [WorkerTask(cfg=cfg, shard_id=s, num_shards=num_shards, device=d,
                         cpu_threads=threads if cfg.device == "cpu" else None)
              for s, d in zip(shard_ids, devices)]
     counts = _run_workers(tasks, cfg, phases)

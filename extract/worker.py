@@ -49,10 +49,9 @@ from .tokenizer import load_tokenizer
 
 @dataclass
 class WorkerTask:
-    """Everything a spawned worker needs (picklable)."""
+    """Everything a spawned worker needs (picklable); the cache's layout it reads from the root."""
 
     cfg: ExtractConfig
-    spec: dict[str, Any]
     shard_id: int
     num_shards: int
     device: str

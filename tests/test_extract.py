@@ -91,7 +91,7 @@ def shard_task(out, dataset, tiny_target_dir, shard, **overrides):
     cfg = ExtractConfig(data=str(dataset[0]), model=str(tiny_target_dir), out=str(out), **{**settings, **overrides})
     spec = run_spec(cfg)
     R.prepare_root(cfg, spec, R.NodeLayout(0, 1))
-    return W.WorkerTask(cfg=cfg, spec=spec.to_dict(), shard_id=shard, num_shards=2, device="cpu", cpu_threads=1)
+    return W.WorkerTask(cfg=cfg, shard_id=shard, num_shards=2, device="cpu", cpu_threads=1)
 
 
 def run_spec(cfg, num_shards=2):
@@ -557,7 +557,7 @@ def test_other_ranks_wait_while_rank_0_replaces_an_uncommitted_root(tmp_path, ex
 
     out = tmp_path / "c.zarr"
     old = shard_task(out, dataset, tiny_target_dir, 0, topk=8)  # a root of other settings, nothing committed
-    C.ShardWriter(C.open_root(str(out), "r+"), 0, C.ShardPlan([0], [3], [0, 1]), C.CacheSpec.from_dict(old.spec))
+    C.ShardWriter(C.open_root(str(out), "r+"), 0, C.ShardPlan([0], [3], [0, 1]), run_spec(old.cfg))
     cfg = dataclasses.replace(old.cfg, topk=TOPK, wait_for_root_s=60.0)
     spec = run_spec(cfg)
     with ThreadPoolExecutor(1) as pool:
@@ -602,7 +602,7 @@ def test_cuda_worker_matches_hf_on_the_gpu(tmp_path, dataset, tiny_target_dir):
     switch = sys.getswitchinterval()
     timing = {}
     try:
-        W.run_shard(W.WorkerTask(cfg=cfg, spec=spec.to_dict(), shard_id=0, num_shards=1, device="cuda:0"),
+        W.run_shard(W.WorkerTask(cfg=cfg, shard_id=0, num_shards=1, device="cuda:0"),
                     lambda kind, **f: timing.update(f) if kind == "timing" else None, threading.Event())
     finally:
         sys.setswitchinterval(switch)
