@@ -258,3 +258,28 @@ def test_training_on_a_lossy_cache_does_not_depend_on_where_decoding_runs(caches
         assert any(x.get("kind") == "eval" and np.isfinite(x["loss"]) for x in lines)
     a, b = weights["loader"], weights["device"]
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_spec_encoding_fields_format_and_round_trip():
+    lossless = C.CacheSpec(layer_ids=[1, 5], hidden_size=256, topk=4, vocab_size=100, num_target_layers=8,
+                           max_length=64, truncation="right")
+    assert lossless.format_version == 2 and not set(C.ENCODING_DEFAULTS) & set(lossless.to_dict())
+    int4 = lossless.with_encoding(hidden_codec="int4", hidden_group_size=64, topk_dtype="bfloat16")
+    assert int4.format_version == 3 and int4.token_fields == C.TOKEN_FIELDS + ("hidden_scale",)
+    assert int4.chunks["hidden_scale"] == int4.chunks["hidden"] == int4.chunk_tokens
+    assert C.token_array_shapes(int4, 10)["hidden"] == ((10, 2, 128), "uint8")
+    assert C.token_array_shapes(int4, 10)["hidden_scale"] == ((10, 2, 4), "float16")
+    assert int4.hidden_bytes_per_token() == 2 * (128 + 4 * 2)
+    assert C.CacheSpec.from_dict(int4.to_dict()) == int4
+    fp8 = int4.with_encoding(hidden_codec="fp8", topk_dtype="float32")
+    assert fp8.hidden_group_size is None and fp8.hidden_scale_dtype == "float16"  # fields that do not apply: None
+    assert lossless.with_encoding(hidden_codec="fp8", hidden_group_size=32) == fp8.with_encoding(hidden_group_size=7)
+    assert fp8.with_encoding(hidden_codec="bf16").to_dict() == lossless.to_dict()
+    assert [d.split(":")[0] for d in C.spec_differences(lossless, fp8)] == [
+        "hidden_codec", "hidden_scale_dtype", "format_version", "chunks.hidden_scale"]
+    with pytest.raises(C.CacheError, match="not a multiple of the int8 group size 96"):
+        lossless.with_encoding(hidden_codec="int8", hidden_group_size=96)
+    with pytest.raises(C.CacheError, match="hidden_codec 'int2'"):
+        lossless.with_encoding(hidden_codec="int2")
+    with pytest.raises(C.CacheError, match="format version 4 is not supported"):
+        C.CacheSpec.from_dict({**int4.to_dict(), "format_version": 4})
