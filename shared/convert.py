@@ -1,0 +1,235 @@
+"""``dflash-cache convert``: re-encode a finished cache into another layout, without the target.
+
+The converted cache has the source's plan, shard by shard (the same samples, order, batches,
+source rows and skip counts), written through the same ``ShardWriter`` as extraction, so it
+is chunked, compressed and checksummed like an extracted cache and resumes the same way: a
+rerun after a crash (``kill -9`` included) continues each shard from its last commit, and
+the result is identical to an unbroken run's. What changes is only how the values are
+stored: the current format version with its chunking (``--chunk-tokens``), the zstd level.
+Its fingerprint is the source's with those settings, so training treats it as the same data;
+``info.converted_from`` records the source's path and fingerprint digest.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import hashlib
+import json
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import numpy as np
+import zarr
+
+from dflash.shared.cache import (
+    FORMAT_VERSION, TOKEN_FIELDS, ZSTD_LEVELS, CacheError, CacheMismatch, CacheReader, CacheSpec, ShardPlan,
+    ShardWriter, create_or_open_cache, read_shard_state, shard_name, shard_recorded, writer_zarr_settings,
+)
+from dflash.shared.shard_lock import ShardLock, ShardLocked, live_holders
+
+
+@dataclass
+class ConvertSettings:
+    """How the converted cache stores its values (each unset one keeps the source's)."""
+
+    chunk_tokens: int | None = None
+    """Tokens per chunk of the converted hidden states (default: the source's); the small arrays are chunked coarsely."""
+    compression_level: int | None = None
+    """zstd level of the converted cache: 1, 3, 5, ..., 15 (default: the source's)."""
+    read_mib: float = 256.0
+    """Source data read at once per shard, in MiB of stored arrays (whole planned batches; bounds memory)."""
+    commit_seconds: float = 10.0
+    """Seconds between commits of a shard (a crash loses at most this much work); 0 = after every read."""
+    delay_s: float = field(default=0.0, metadata={"hidden": True})
+    """Sleep after each read (tests only: makes a conversion slow enough to interrupt midway)."""
+
+    def validate(self) -> None:
+        """Raise ValueError naming the first setting that cannot work."""
+        if self.compression_level is not None and self.compression_level not in ZSTD_LEVELS:
+            raise ValueError(f"--compression-level {self.compression_level}: the cache's codec (zstd inside blosc) "
+                             f"runs at zstd levels {', '.join(map(str, ZSTD_LEVELS))} only")
+        if self.chunk_tokens is not None and self.chunk_tokens < 1:
+            raise ValueError(f"--chunk-tokens must be at least 1, got {self.chunk_tokens}")
+        if self.read_mib <= 0:
+            raise ValueError(f"--read-mib must be positive, got {self.read_mib}")
+        if self.commit_seconds < 0:
+            raise ValueError(f"--commit-seconds must be 0 or more, got {self.commit_seconds}")
+
+
+def fingerprint_digest(fingerprint: dict[str, Any]) -> str:
+    """sha256 of a fingerprint's canonical JSON: names one source cache's content in a line."""
+    text = json.dumps(fingerprint, sort_keys=True, default=str, separators=(",", ":"))
+    return "sha256:" + hashlib.sha256(text.encode()).hexdigest()
+
+
+def _package_version() -> str:
+    try:
+        from importlib.metadata import version
+
+        return version("dflash-pipeline")
+    except Exception:  # noqa: BLE001 - not installed as a distribution
+        return "unknown"
+
+
+def _location(path: str) -> str:
+    """A local path made absolute (a URL as given): where a later ``stats`` finds the source."""
+    return path if "://" in path else os.path.abspath(path)
+
+
+def converted_spec(src: CacheSpec, settings: ConvertSettings, src_path: str) -> CacheSpec:
+    """The spec of ``src`` converted with ``settings``: the current format, the new storage
+    settings, in the fingerprint too (where the source's records them), and the source's
+    location and fingerprint digest in ``info.converted_from``."""
+    chunk_tokens = settings.chunk_tokens or src.chunk_tokens
+    level = settings.compression_level or src.compression_level
+    fingerprint = copy.deepcopy(src.fingerprint)
+    extraction = fingerprint.get("extraction")
+    if isinstance(extraction, dict):
+        for key, value in (("chunk_tokens", chunk_tokens), ("compression_level", level)):
+            if key in extraction:
+                extraction[key] = value
+    info = copy.deepcopy(src.info or {})
+    info["converted_from"] = {
+        "path": _location(src_path),
+        "fingerprint_digest": fingerprint_digest(src.fingerprint),
+        "format_version": src.format_version,
+        "chunk_tokens": src.chunk_tokens,
+        "compression_level": src.compression_level,
+        "package_version": _package_version(),
+        "previous": (src.info or {}).get("converted_from"),
+    }
+    return dataclasses.replace(src, chunk_tokens=chunk_tokens, compression_level=level, fingerprint=fingerprint,
+                               info=info, format_version=FORMAT_VERSION, chunks={})
+
+
+def _check_source(reader: CacheReader, src: str) -> None:
+    """Refuse a source that is not finished: a shard being written, created but not recorded,
+    partial or empty (its plan would be converted only in part)."""
+    root = reader.root
+    problems = []
+    writing = live_holders(src)
+    for s, h in sorted(writing.items()):
+        problems.append(f"shard {s:05d} is being written now by {h.describe()}")
+    names = sorted(root["shards"].group_keys()) if "shards" in root else []
+    for name in names:
+        if not shard_recorded(root["shards"][name]) and int(name) not in writing:
+            problems.append(f"shard {name} was created but never recorded (its extraction died creating it)")
+    for s in reader.shards:
+        if not s.complete and s.shard_id not in writing:
+            problems.append(f"shard {s.shard_id:05d} is {s.state}: {s.samples:,} of {s.planned_samples:,} samples "
+                            "committed")
+    if problems:
+        raise CacheError(f"{src}: only a finished cache can be converted; finish its extraction first (rerun "
+                         "dflash-extract with the same flags):\n  - " + "\n  - ".join(problems))
+    if not reader.shards:
+        raise CacheError(f"{src}: the cache holds no shards; nothing to convert")
+
+
+def _source_plan(group: zarr.Group, state) -> ShardPlan:
+    """The plan a source shard was written with, read back from its arrays."""
+    offsets = np.asarray(group["offsets"][:])
+    plan = ShardPlan(source_index=np.asarray(group["source_index"][:]), lengths=np.diff(offsets),
+                     batches=np.asarray(group["batches"][:]), skipped=dict(state.skipped))
+    if plan.digest() != state.plan_digest:
+        raise CacheError(f"{group.path}: its offsets, source rows or batches do not match its recorded plan digest; "
+                         "run dflash-cache verify on the source")
+    return plan
+
+
+def _row_bytes(arrays: dict[str, zarr.Array]) -> int:
+    """Stored bytes of one token over every token array."""
+    return sum(int(np.prod(a.shape[1:], dtype=np.int64)) * a.dtype.itemsize for a in arrays.values())
+
+
+def _convert_shard(src_group: zarr.Group, dst_root: zarr.Group, dst: str, shard_id: int, spec: CacheSpec,
+                   settings: ConvertSettings, bar, say: Callable[[str], None]) -> dict[str, int]:
+    """Convert one shard under its lock; returns its token counts (converted now, found done)."""
+    state = read_shard_state(src_group)
+    plan = _source_plan(src_group, state)
+    lock = ShardLock(dst, shard_id)
+    try:
+        previous = lock.acquire()
+    except ShardLocked as e:
+        raise CacheError(f"{e}; wait for it to end, or stop it") from None
+    try:
+        if previous is not None:
+            say(f"shard {shard_id:05d}: took over the lock of {previous.describe()}, which ended without releasing it")
+        writer = ShardWriter(dst_root, shard_id, plan, spec, compute=state.compute)
+        writer.guard = lock.check
+        done = writer.committed["tokens"]
+        bar.update(done)
+        if done and not writer.complete:
+            say(f"shard {shard_id:05d}: resumed at batch {writer.next_batch:,} of {len(plan.batches) - 1:,}")
+        arrays = {f: src_group[f] for f in TOKEN_FIELDS}
+        window = max(1, int(settings.read_mib * (1 << 20) / _row_bytes(arrays)))
+        offsets, batches = plan.offsets, plan.batches
+        last_commit = time.monotonic()
+        while not writer.complete:
+            b0 = writer.next_batch
+            t0 = int(offsets[batches[b0]])
+            b1 = b0 + 1  # whole batches up to the window's size (one at least)
+            while b1 < len(batches) - 1 and offsets[batches[b1 + 1]] - t0 <= window:
+                b1 += 1
+            t1 = int(offsets[batches[b1]])
+            data = {f: np.asarray(a[t0:t1]) for f, a in arrays.items()}
+            for b in range(b0, b1):
+                s0, s1 = writer.batch_samples(b)
+                a, z = int(offsets[s0]) - t0, int(offsets[s1]) - t0
+                writer.write_batch(b, **{f: v[a:z] for f, v in data.items()})
+            bar.update(t1 - t0)
+            if settings.delay_s:
+                time.sleep(settings.delay_s)
+            if time.monotonic() - last_commit >= settings.commit_seconds:
+                writer.commit()
+                last_commit = time.monotonic()
+        writer.finish()
+        return {"tokens_converted": plan.num_tokens - done, "tokens_found_done": done}
+    finally:
+        lock.release()
+
+
+def convert_cache(src: str, dst: str, settings: ConvertSettings | None = None, *, progress: bool = True,
+                  say: Callable[[str], None] | None = None) -> dict[str, Any]:
+    """Convert cache ``src`` into ``dst`` (created, or resumed where a conversion with the same
+    settings stopped); returns a summary: shards, samples, tokens converted now and found
+    done, seconds. Raises CacheError for a source that is not finished, a ``dst`` holding
+    another cache, or a shard of ``dst`` that another live process is writing."""
+    from tqdm import tqdm
+
+    settings = settings or ConvertSettings()
+    settings.validate()
+    if _location(src).rstrip("/") == _location(dst).rstrip("/"):
+        raise CacheError(f"{dst}: the destination is the source; convert into another path")
+    reader = CacheReader(src)
+    _check_source(reader, src)
+    spec = converted_spec(reader.spec, settings, src)
+    t_start = time.monotonic()
+    try:
+        dst_root = create_or_open_cache(dst, spec, replace_uncommitted=True)
+    except CacheMismatch as e:
+        raise CacheMismatch(f"{dst} holds another cache (not {src} converted with these settings); choose another "
+                            "destination or delete it", e.differences) from None
+    bar = tqdm(total=reader.num_tokens, unit="tok", unit_scale=True, desc="convert", file=sys.stderr,
+               dynamic_ncols=True, disable=not progress)
+    say = say or (lambda message: bar.write(f"dflash-cache convert: {message}", file=sys.stderr))
+    totals = {"tokens_converted": 0, "tokens_found_done": 0}
+    try:
+        with zarr.config.set(writer_zarr_settings(dst)):
+            src_root = zarr.open_group(store=src, mode="r", zarr_format=3)
+            for s in reader.shards:
+                counts = _convert_shard(src_root[shard_name(s.shard_id)], dst_root, dst, s.shard_id, spec,
+                                        settings, bar, say)
+                for k, v in counts.items():
+                    totals[k] += v
+    finally:
+        bar.close()
+    seconds = time.monotonic() - t_start
+    return {"source": _location(src), "destination": dst, "shards": len(reader.shards), "samples": len(reader),
+            "tokens": reader.num_tokens, **totals, "seconds": round(seconds, 3),
+            "tokens_per_s": totals["tokens_converted"] / seconds if seconds > 0 else None,
+            "settings": dataclasses.asdict(settings) | {"chunk_tokens": spec.chunk_tokens,
+                                                         "compression_level": spec.compression_level}}

@@ -1,0 +1,253 @@
+"""``dflash-cache convert`` on a real extraction of the tiny Qwen3 target: the converted cache
+against the source read back field by field, its plan, checksums, resume after ``kill -9``
+(against an unbroken conversion, file by file), refusals; ``stats`` against a float64
+recomputation; ``info``."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import zarr
+from click.testing import CliRunner
+
+from dflash.extract import runner as R
+from dflash.extract.config import ExtractConfig
+from dflash.extract.data import load_source
+from dflash.extract.tokenizer import load_tokenizer
+from dflash.shared import cache as C
+from dflash.shared.cache_cli import main
+from dflash.shared.convert import fingerprint_digest
+
+LAYERS = [0, 1, 2]
+EXTRACT = dict(device="cpu", workers=2, cpu_threads=1, dtype="float32", layers=LAYERS, topk=16, max_length=96,
+               batch_tokens=400, chunk_tokens=32, commit_seconds=0, progress=False)
+"""A small two-shard extraction; its hidden chunks (32 tokens) are crossed by samples and batches."""
+META_FIELDS = ("offsets", "source_index", "batches")
+
+
+def cli(*args):
+    return CliRunner().invoke(main, [str(a) for a in args], catch_exceptions=False)
+
+
+def cli_process(*args, **kw):
+    return subprocess.run([sys.executable, "-m", "dflash.shared.cache_cli", *map(str, args)], capture_output=True,
+                          text=True, **kw)
+
+
+@pytest.fixture(scope="module")
+def source(tmp_path_factory, chats_sample_path, tiny_target_dir):
+    """A format-1 cache (every array chunked at 32 tokens) written by a real two-worker
+    extraction: its root is created in format 1, which extraction then resumes in that layout."""
+    out = tmp_path_factory.mktemp("source") / "src.zarr"
+    cfg = ExtractConfig(data=str(chats_sample_path), model=str(tiny_target_dir), out=str(out), **EXTRACT)
+    from transformers import AutoConfig
+
+    spec = R.build_spec(cfg, load_tokenizer(cfg), AutoConfig.from_pretrained(cfg.model), load_source(cfg.data),
+                        num_shards=2)
+    C.create_or_open_cache(str(out), dataclasses.replace(spec, format_version=1, chunks={}))
+    flags = ["--data", chats_sample_path, "--model", tiny_target_dir, "--out", out, "--device", "cpu", "--workers", "2",
+             "--cpu-threads", "1", "--dtype", "float32", "--layers", "0,1,2", "--topk", "16", "--max-length", "96",
+             "--batch-tokens", "400", "--chunk-tokens", "32", "--commit-seconds", "0", "--no-progress"]
+    proc = subprocess.run([sys.executable, "-m", "dflash.extract.cli", *map(str, flags)], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    reader = C.CacheReader(str(out))
+    assert reader.complete and reader.spec.format_version == 1 and len(reader.shards) == 2
+    return out
+
+
+@pytest.fixture(scope="module")
+def converted(source, tmp_path_factory):
+    """``source`` converted losslessly to the current format at zstd level 3, in one run."""
+    out = tmp_path_factory.mktemp("converted") / "dst.zarr"
+    result = cli("convert", source, out, "--compression-level", "3", "--no-progress", "--json")
+    assert result.exit_code == 0, result.output
+    return out, json.loads(result.stdout)
+
+
+def shard_arrays(path, shard):
+    g = C.open_root(str(path))[C.shard_name(shard)]
+    return {f: np.asarray(g[f][:]) for f in C.TOKEN_FIELDS + META_FIELDS}, g.attrs.asdict()
+
+
+def store_contents(path: Path) -> dict[str, object]:
+    """Every file of a store but the lock files: metadata parsed (key order is not content), each
+    chunk as the values it decodes to. (A chunk rewritten at a resume goes through zarr's own codec
+    pipeline, whose blosc encodes the same values into other bytes than the zarrs pipeline's.)"""
+    out = {}
+    root = zarr.open_group(str(path), mode="r")
+    for f in sorted(path.rglob("*")):
+        rel = str(f.relative_to(path))
+        if not f.is_file() or rel.startswith(C.LOCKS_GROUP):
+            continue
+        if f.name == "zarr.json":
+            out[rel] = json.loads(f.read_text())
+        else:  # shards/NNNNN/ARRAY/c/i/...: the chunk's rows
+            shard, array, _, first = rel.split("/")[1:5]
+            a = root[f"shards/{shard}/{array}"]
+            rows = a.chunks[0]
+            out[rel] = np.asarray(a[int(first) * rows:(int(first) + 1) * rows]).tobytes()
+    return out
+
+
+# ----------------------------------------------------------------------------- lossless
+
+
+def test_lossless_conversion_reads_back_bitwise_with_the_sources_plan(source, converted):
+    out, summary = converted
+    src, dst = C.CacheReader(str(source)), C.CacheReader(str(out))
+    assert dst.complete and summary["tokens_converted"] == src.num_tokens == dst.num_tokens
+    assert dst.spec.format_version == C.FORMAT_VERSION and dst.spec.compression_level == 3
+    assert dst.spec.chunks == C.default_chunks(dst.spec) and dst.spec.chunk_tokens == src.spec.chunk_tokens == 32
+    for shard in (0, 1):  # every stored array, the plan's included, equal; the shard's record equal
+        a, a_attrs = shard_arrays(source, shard)
+        b, b_attrs = shard_arrays(out, shard)
+        for f in a:
+            assert a[f].dtype == b[f].dtype and np.array_equal(a[f], b[f]), (shard, f)
+        assert a_attrs == b_attrs
+        group = C.open_root(str(out))[C.shard_name(shard)]
+        assert {f: group[f].chunks[0] for f in C.TOKEN_FIELDS} == {
+            f: min(dst.spec.chunks[f], group[f].shape[0]) for f in C.TOKEN_FIELDS}
+        assert group["hidden"].compressors[0].clevel == 2  # zstd level 3 is blosc clevel 2
+    bits = lambda t: t.view(torch.int16) if t.dtype == torch.bfloat16 else t  # noqa: E731
+    for i in range(len(src)):  # and read back through the reader, as training reads it
+        x, y = src.read(i), dst.read(i)
+        assert x.keys() == y.keys() and x["source_index"] == y["source_index"]
+        for f in C.TOKEN_FIELDS:
+            assert x[f].dtype == y[f].dtype and torch.equal(bits(x[f]), bits(y[f])), (i, f)
+
+
+def test_the_fingerprint_is_the_sources_with_the_new_settings(source, converted):
+    out, _ = converted
+    src, dst = C.CacheReader(str(source)).spec, C.CacheReader(str(out)).spec
+    expected = json.loads(json.dumps(src.fingerprint))
+    expected["extraction"]["compression_level"] = 3
+    assert dst.fingerprint == expected
+    record = dst.info["converted_from"]
+    assert record["path"] == str(source.resolve()) and record["fingerprint_digest"] == fingerprint_digest(src.fingerprint)
+    assert record["format_version"] == 1 and record["compression_level"] == 1 and record["previous"] is None
+    assert dst.info["target_path"] == src.info["target_path"]  # training's default --target still found
+
+
+def test_info_says_where_a_converted_cache_came_from(source, converted, tmp_path):
+    out, _ = converted
+    text = cli("info", out).output
+    digest = fingerprint_digest(C.CacheReader(str(source)).spec.fingerprint).split(":")[1]
+    line = next(l for l in text.splitlines() if l.startswith("converted"))
+    assert str(source.resolve()) in line and digest[:12] in line and "format v1" in line and "zstd level 1" in line
+    assert "converted" not in cli("info", source).output
+    # converted again: both steps shown, newest first
+    again = tmp_path / "again.zarr"
+    assert cli("convert", out, again, "--compression-level", "5", "--chunk-tokens", "64", "--no-progress").exit_code == 0
+    lines = [l for l in cli("info", again).output.splitlines() if "from " in l and "fingerprint" in l]
+    assert len(lines) == 2 and str(out) in lines[0] and "zstd level 3" in lines[0] and str(source.resolve()) in lines[1]
+    assert C.CacheReader(str(again)).spec.chunks["hidden"] == 64
+
+
+def test_converted_cache_verifies_and_a_flipped_byte_is_found(converted, tmp_path):
+    out, _ = converted
+    ok = cli("verify", out, "--no-progress", "--json")
+    assert ok.exit_code == 0 and json.loads(ok.stdout)["ok"]
+    broken = tmp_path / "broken.zarr"
+    shutil.copytree(out, broken)
+    chunk = broken / "shards" / "00001" / "hidden" / "c" / "1" / "0" / "0"
+    data = bytearray(chunk.read_bytes())
+    data[len(data) // 2] ^= 0x40
+    chunk.write_bytes(bytes(data))
+    bad = cli("verify", broken, "--no-progress", "--json")
+    report = json.loads(bad.stdout)
+    assert bad.exit_code == 1 and not report["ok"]
+    assert any(p["shard"] == 1 and p["array"] == "hidden" and "chunk 1" in p["message"] for p in report["problems"])
+
+
+def test_stats_of_a_lossless_conversion_shows_zero_error(converted):
+    out, _ = converted
+    d = json.loads(cli("stats", out, "--json").stdout)["conversion_error"]
+    assert d["source_matches_record"] and d["tokens"] == C.CacheReader(str(out)).num_tokens
+    assert [lay["rel_l2"] for lay in d["layers"]] == [0.0] * len(LAYERS)
+    assert d["topk_logprobs"]["rel_l2"] == 0.0
+    text = cli("stats", out).output
+    assert "error against" in text and "0.000e+00" in text
+
+
+# ----------------------------------------------------------------------------- resume
+
+
+def test_kill9_then_rerun_equals_the_unbroken_conversion(source, converted, tmp_path):
+    reference, _ = converted
+    out = tmp_path / "killed.zarr"
+    args = ["convert", source, out, "--compression-level", "3", "--no-progress", "--commit-seconds", "0",
+            "--read-mib", "0.02"]
+    proc = subprocess.Popen([sys.executable, "-m", "dflash.shared.cache_cli", *map(str, args), "--delay-s", "0.3"],
+                            start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 60
+    try:
+        while time.monotonic() < deadline:
+            try:
+                if zarr.open_group(str(out), mode="r")[C.shard_name(0)].attrs["commit"]["batches"] >= 2:
+                    break
+            except Exception:  # noqa: BLE001 - not created yet
+                pass
+            time.sleep(0.05)
+        else:
+            raise AssertionError("no commit became visible within 60 s")
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    state = C.read_shard_state(C.open_root(str(out))[C.shard_name(0)])
+    assert not state.complete and state.commit.batches < state.planned.batches, "finished before the kill"
+    rerun = cli_process(*args)
+    assert rerun.returncode == 0, rerun.stderr[-3000:]
+    assert "resumed at batch" in rerun.stderr
+    assert store_contents(out) == store_contents(reference)
+
+
+def test_a_complete_conversion_rerun_converts_nothing(source, converted):
+    out, _ = converted
+    before = store_contents(out)
+    d = json.loads(cli("convert", source, out, "--compression-level", "3", "--no-progress", "--json").stdout)
+    assert d["tokens_converted"] == 0 and d["tokens_found_done"] == d["tokens"]
+    assert store_contents(out) == before
+
+
+# ----------------------------------------------------------------------------- refusals
+
+
+def test_a_destination_holding_another_cache_is_refused(source, converted):
+    out, _ = converted
+    before = store_contents(out)
+    result = cli("convert", source, out, "--compression-level", "5", "--no-progress")
+    assert result.exit_code == 2 and "holds another cache" in result.output and "compression_level" in result.output
+    assert cli("convert", source, source, "--no-progress").exit_code == 2
+    assert store_contents(out) == before
+
+
+def test_an_unfinished_source_is_refused_naming_the_shard(source, tmp_path):
+    partial = tmp_path / "partial.zarr"
+    shutil.copytree(source, partial)
+    group = zarr.open_group(str(partial / "shards" / "00001"), mode="r+")
+    state = C.read_shard_state(group)
+    offsets = np.asarray(group["offsets"][:])
+    samples = int(group["batches"][1])
+    group.attrs.update({"complete": False, "commit": {"batches": 1, "samples": samples,
+                                                      "tokens": int(offsets[samples])}})
+    result = cli("convert", partial, tmp_path / "dst.zarr", "--no-progress")
+    assert result.exit_code == 2, result.output
+    assert "shard 00001 is partial" in result.output and f"{samples:,} of {state.planned.samples:,}" in result.output
+    assert not (tmp_path / "dst.zarr").exists()
+
+
+def test_bad_settings_are_usage_errors(source, tmp_path):
+    result = cli("convert", source, tmp_path / "x.zarr", "--compression-level", "4")
+    assert result.exit_code == 2 and "zstd levels 1, 3" in result.output
+    assert not (tmp_path / "x.zarr").exists()
