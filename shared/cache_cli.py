@@ -190,9 +190,11 @@ def _converted_lines(record: dict | None) -> list[str]:
     """Where a converted cache came from: the source's path and fingerprint, and how it stored its values."""
     lines = []
     while record:
+        stored = record.get("encoding") or {}
         lines.append(f"{'converted' if not lines else '  which was':<10} from {record['path']}  fingerprint "
-                     f"{_short(record['fingerprint_digest'])}  (format v{record['format_version']}, hidden chunks "
-                     f"{record['chunk_tokens']}, zstd level {record['compression_level']})")
+                     f"{_short(record['fingerprint_digest'])}  (format v{record['format_version']}, hidden "
+                     f"{record.get('hidden', 'bf16 (lossless)')}, top-k log-probs {stored.get('topk_dtype', 'float32')}, "
+                     f"hidden chunks {record['chunk_tokens']}, zstd level {record['compression_level']})")
         record = record.get("previous")
     return lines
 
@@ -218,6 +220,7 @@ def info(**values):
         f"layers     {d['layer_ids']} of {d['num_target_layers']}  ({d['layer_convention']})",
         f"hidden     D={d['hidden_size']} {d['hidden_dtype']}  top-k {d['topk']}  vocab {_n(d['vocab_size'])}  "
         f"max length {d['max_length']} (truncation {d['truncation']})",
+        _encoding_line(d),
         _chunks_line(d["chunks"]),
         *_converted_lines(d["converted_from"]),
         "",
@@ -243,6 +246,15 @@ def info(**values):
         f"all arrays {fmt_ratio(ratio['total'])}  (raw {_bytes(d['raw_bytes']['total'])})",
     ]
     click.echo("\n".join(lines))
+
+
+def _encoding_line(d: dict) -> str:
+    """The codec and the hidden states' bytes per token: raw bf16, encoded, and on disk."""
+    b, e = d["bytes_per_token"], d["encoding"]
+    disk = "-" if b["hidden_on_disk"] is None else f"{b['hidden_on_disk']:,.0f}"
+    ratio = "" if b["hidden_on_disk"] is None else f" ({b['hidden_on_disk'] / b['hidden_raw_bf16']:.3f} of raw bf16)"
+    return (f"codec      hidden {e['hidden']}, top-k log-probs {e['topk_dtype']}; hidden bytes/token: raw bf16 "
+            f"{b['hidden_raw_bf16']:,}, encoded {b['hidden_encoded']:,}, on disk {disk}{ratio}")
 
 
 # ----------------------------------------------------------------------------- show
@@ -374,7 +386,7 @@ def _conversion_error_lines(e: dict | None) -> list[str]:
         rel = "-" if lay["rel_l2"] is None else f"{lay['rel_l2']:.3e}"
         out.append(f"  {lay['layer_id']:>5} {rel:>10} {lay['max_abs_error']:>10.4g}")
     tk = e["topk_logprobs"]
-    if tk is not None:
+    if e["topk_reduced"] or tk["rel_l2"]:
         rel = "-" if tk["rel_l2"] is None else f"{tk['rel_l2']:.3e}"
         out.append(f"  top-k log-probs: rel L2 {rel}, max |err| {tk['max_abs_error']:.4g}")
     return out
@@ -386,10 +398,10 @@ def _conversion_error_lines(e: dict | None) -> list[str]:
 @main.command()
 @options(ConvertOptions)
 def convert(**values):
-    """Re-encode a finished cache into DST (another chunking or zstd level), without the target.
+    """Re-encode a finished cache into DST (another hidden codec, top-k precision, chunking or zstd level).
 
-    Same samples, plan and checksums as extraction writes; rerun the same command after a crash
-    to resume. Exit 2 for a source that is not finished or a DST that holds another cache.
+    No target needed. Same samples, plan and checksums as extraction writes; rerun the same
+    command after a crash to resume; `stats DST` then shows the error against the source. Exit 2 for a source that is not finished or a DST that holds another cache.
     """
     opts = validated(build(ConvertOptions, values))
     d = _run(convert_cache, opts.src, opts.dst, opts.settings, progress=opts.progress)

@@ -5,9 +5,14 @@ source rows and skip counts), written through the same ``ShardWriter`` as extrac
 is chunked, compressed and checksummed like an extracted cache and resumes the same way: a
 rerun after a crash (``kill -9`` included) continues each shard from its last commit, and
 the result is identical to an unbroken run's. What changes is only how the values are
-stored: the current format version with its chunking (``--chunk-tokens``), the zstd level.
-Its fingerprint is the source's with those settings, so training treats it as the same data;
-``info.converted_from`` records the source's path and fingerprint digest.
+stored: the current format version with its chunking (``--chunk-tokens``), the zstd level,
+the hidden states' codec (lossy fp8/int8/int4 or lossless bf16) and the top-k log-probs'
+precision. An array whose encoding does not change is copied as stored; one whose encoding
+changes is decoded and encoded again with the cache's own codec functions, as extraction
+encodes. The fingerprint is the source's with the new settings (and, where the source's
+values were lossy and are re-encoded, that encoding under ``decoded_from``: such values are
+not those of a direct conversion of the lossless cache); ``info.converted_from`` records the
+source's path, fingerprint digest and storage settings.
 """
 
 from __future__ import annotations
@@ -20,14 +25,16 @@ import os
 import sys
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Literal
 
 import numpy as np
+import torch
 import zarr
 
 from dflash.shared.cache import (
-    FORMAT_VERSION, TOKEN_FIELDS, ZSTD_LEVELS, CacheError, CacheMismatch, CacheReader, CacheSpec, ShardPlan,
-    ShardWriter, create_or_open_cache, read_shard_state, shard_name, shard_recorded, writer_zarr_settings,
+    HIDDEN_SCALE, ZSTD_LEVELS, CacheError, CacheMismatch, CacheReader, CacheSpec, ShardPlan,
+    ShardWriter, create_or_open_cache, decode_hidden, decode_topk_logprobs, encode_hidden, encode_topk_logprobs,
+    read_shard_state, shard_name, shard_recorded, to_numpy, writer_zarr_settings,
 )
 from dflash.shared.shard_lock import ShardLock, ShardLocked, live_holders
 
@@ -36,6 +43,14 @@ from dflash.shared.shard_lock import ShardLock, ShardLocked, live_holders
 class ConvertSettings:
     """How the converted cache stores its values (each unset one keeps the source's)."""
 
+    hidden_codec: Literal["bf16", "fp8", "int8", "int4"] | None = None
+    """Hidden states: 'bf16' lossless, lossy 'fp8' (e4m3, a scale per token and layer), 'int8' or 'int4' (a scale per --hidden-group-size channels); default: the source's."""
+    hidden_group_size: int | None = None
+    """Channels sharing one scale under int8/int4 (must divide the hidden size; even for int4); default: the source's, else 128."""
+    hidden_scale_dtype: Literal["float16", "float32"] | None = None
+    """dtype of the lossy codecs' scales (default: the source's, else float16)."""
+    topk_dtype: Literal["float32", "float16", "bfloat16"] | None = None
+    """Precision of the stored top-k log-probs (default: the source's)."""
     chunk_tokens: int | None = None
     """Tokens per chunk of the converted hidden states (default: the source's); the small arrays are chunked coarsely."""
     compression_level: int | None = None
@@ -52,6 +67,8 @@ class ConvertSettings:
         if self.compression_level is not None and self.compression_level not in ZSTD_LEVELS:
             raise ValueError(f"--compression-level {self.compression_level}: the cache's codec (zstd inside blosc) "
                              f"runs at zstd levels {', '.join(map(str, ZSTD_LEVELS))} only")
+        if self.hidden_group_size is not None and self.hidden_group_size < 1:
+            raise ValueError(f"--hidden-group-size must be at least 1, got {self.hidden_group_size}")
         if self.chunk_tokens is not None and self.chunk_tokens < 1:
             raise ValueError(f"--chunk-tokens must be at least 1, got {self.chunk_tokens}")
         if self.read_mib <= 0:
@@ -83,27 +100,48 @@ def _location(path: str) -> str:
 def converted_spec(src: CacheSpec, settings: ConvertSettings, src_path: str) -> CacheSpec:
     """The spec of ``src`` converted with ``settings``: the current format, the new storage
     settings, in the fingerprint too (where the source's records them), and the source's
-    location and fingerprint digest in ``info.converted_from``."""
-    chunk_tokens = settings.chunk_tokens or src.chunk_tokens
-    level = settings.compression_level or src.compression_level
-    fingerprint = copy.deepcopy(src.fingerprint)
+    location, fingerprint digest and storage in ``info.converted_from``."""
+    fields = {f.name: copy.deepcopy(getattr(src, f.name)) for f in dataclasses.fields(CacheSpec)
+              if f.name not in ("chunks", "stored_dtypes", "format_version")}  # what follows from the rest
+    fields.update(
+        chunk_tokens=settings.chunk_tokens or src.chunk_tokens,
+        compression_level=settings.compression_level or src.compression_level,
+        hidden_codec=settings.hidden_codec or src.hidden_codec,
+        hidden_group_size=settings.hidden_group_size or src.hidden_group_size or 128,
+        hidden_scale_dtype=settings.hidden_scale_dtype or src.hidden_scale_dtype or "float16",
+        topk_dtype=settings.topk_dtype or src.topk_dtype,
+    )
+    try:
+        spec = CacheSpec(**fields)  # lossless: format 2; an encoding: format 3
+    except CacheError as e:
+        raise CacheError(f"{e} (--hidden-codec {fields['hidden_codec']}, --hidden-group-size "
+                         f"{fields['hidden_group_size']})") from None
+    fingerprint = spec.fingerprint
     extraction = fingerprint.get("extraction")
     if isinstance(extraction, dict):
-        for key, value in (("chunk_tokens", chunk_tokens), ("compression_level", level)):
+        for key in ("chunk_tokens", "compression_level"):
             if key in extraction:
-                extraction[key] = value
-    info = copy.deepcopy(src.info or {})
-    info["converted_from"] = {
+                extraction[key] = getattr(spec, key)
+        extraction.pop("encoding", None)
+        if spec.encoded:  # as extraction records it: a lossless cache's fingerprint has no encoding
+            extraction["encoding"] = spec.encoding()
+    lost = (src.codec.lossy and src.codec != spec.codec) or (
+        src.topk_dtype != "float32" and src.topk_dtype != spec.topk_dtype)
+    if lost:  # the values went through an encoding the new one does not name
+        fingerprint["decoded_from"] = list(fingerprint.get("decoded_from", [])) + [src.encoding()]
+    spec.info = copy.deepcopy(src.info or {})
+    spec.info["converted_from"] = {
         "path": _location(src_path),
         "fingerprint_digest": fingerprint_digest(src.fingerprint),
         "format_version": src.format_version,
         "chunk_tokens": src.chunk_tokens,
         "compression_level": src.compression_level,
+        "encoding": src.encoding(),
+        "hidden": src.codec.describe(),
         "package_version": _package_version(),
         "previous": (src.info or {}).get("converted_from"),
     }
-    return dataclasses.replace(src, chunk_tokens=chunk_tokens, compression_level=level, fingerprint=fingerprint,
-                               info=info, format_version=FORMAT_VERSION, chunks={})
+    return spec
 
 
 def _check_source(reader: CacheReader, src: str) -> None:
@@ -140,12 +178,37 @@ def _source_plan(group: zarr.Group, state) -> ShardPlan:
     return plan
 
 
+class Reencoder:
+    """The stored token arrays of a source shard -> those of the converted one: each array
+    whose encoding is unchanged as it is, the others decoded (hidden states to float32) and
+    encoded again as extraction encodes them."""
+
+    def __init__(self, src: CacheSpec, dst: CacheSpec):
+        self.src, self.dst = src, dst
+        self.copy_hidden = src.codec == dst.codec
+        self.copy_topk = src.topk_dtype == dst.topk_dtype
+
+    def __call__(self, stored: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        out = {f: stored[f] for f in ("input_ids", "loss_mask", "topk_ids")}
+        if self.copy_hidden:
+            out.update({f: stored[f] for f in ("hidden", HIDDEN_SCALE) if f in stored})
+        else:
+            hidden = decode_hidden(self.src, stored, torch.float32)  # (T, L, D)
+            out.update({f: to_numpy(t) for f, t in encode_hidden(self.dst, hidden).items()})
+        if self.copy_topk:
+            out["topk_logprobs"] = stored["topk_logprobs"]
+        else:
+            logprobs = decode_topk_logprobs(self.src, stored["topk_logprobs"])
+            out["topk_logprobs"] = to_numpy(encode_topk_logprobs(self.dst, logprobs))
+        return out
+
+
 def _row_bytes(arrays: dict[str, zarr.Array]) -> int:
     """Stored bytes of one token over every token array."""
     return sum(int(np.prod(a.shape[1:], dtype=np.int64)) * a.dtype.itemsize for a in arrays.values())
 
 
-def _convert_shard(src_group: zarr.Group, dst_root: zarr.Group, dst: str, shard_id: int, spec: CacheSpec,
+def _convert_shard(src_group: zarr.Group, dst_root: zarr.Group, dst: str, shard_id: int, reencode: Reencoder,
                    settings: ConvertSettings, bar, say: Callable[[str], None]) -> dict[str, int]:
     """Convert one shard under its lock; returns its token counts (converted now, found done)."""
     state = read_shard_state(src_group)
@@ -158,13 +221,13 @@ def _convert_shard(src_group: zarr.Group, dst_root: zarr.Group, dst: str, shard_
     try:
         if previous is not None:
             say(f"shard {shard_id:05d}: took over the lock of {previous.describe()}, which ended without releasing it")
-        writer = ShardWriter(dst_root, shard_id, plan, spec, compute=state.compute)
+        writer = ShardWriter(dst_root, shard_id, plan, reencode.dst, compute=state.compute)
         writer.guard = lock.check
         done = writer.committed["tokens"]
         bar.update(done)
         if done and not writer.complete:
             say(f"shard {shard_id:05d}: resumed at batch {writer.next_batch:,} of {len(plan.batches) - 1:,}")
-        arrays = {f: src_group[f] for f in TOKEN_FIELDS}
+        arrays = {f: src_group[f] for f in reencode.src.token_fields}
         window = max(1, int(settings.read_mib * (1 << 20) / _row_bytes(arrays)))
         offsets, batches = plan.offsets, plan.batches
         last_commit = time.monotonic()
@@ -175,7 +238,10 @@ def _convert_shard(src_group: zarr.Group, dst_root: zarr.Group, dst: str, shard_
             while b1 < len(batches) - 1 and offsets[batches[b1 + 1]] - t0 <= window:
                 b1 += 1
             t1 = int(offsets[batches[b1]])
-            data = {f: np.asarray(a[t0:t1]) for f, a in arrays.items()}
+            try:
+                data = reencode({f: np.asarray(a[t0:t1]) for f, a in arrays.items()})
+            except ValueError as e:  # e.g. NaN/Inf a lossy codec cannot encode
+                raise CacheError(f"{src_group.path} tokens {t0}:{t1}: {e}") from None
             for b in range(b0, b1):
                 s0, s1 = writer.batch_samples(b)
                 a, z = int(offsets[s0]) - t0, int(offsets[s1]) - t0
@@ -207,6 +273,7 @@ def convert_cache(src: str, dst: str, settings: ConvertSettings | None = None, *
     reader = CacheReader(src)
     _check_source(reader, src)
     spec = converted_spec(reader.spec, settings, src)
+    reencode = Reencoder(reader.spec, spec)
     t_start = time.monotonic()
     try:
         dst_root = create_or_open_cache(dst, spec, replace_uncommitted=True)
@@ -221,7 +288,7 @@ def convert_cache(src: str, dst: str, settings: ConvertSettings | None = None, *
         with zarr.config.set(writer_zarr_settings(dst)):
             src_root = zarr.open_group(store=src, mode="r", zarr_format=3)
             for s in reader.shards:
-                counts = _convert_shard(src_root[shard_name(s.shard_id)], dst_root, dst, s.shard_id, spec,
+                counts = _convert_shard(src_root[shard_name(s.shard_id)], dst_root, dst, s.shard_id, reencode,
                                         settings, bar, say)
                 for k, v in counts.items():
                     totals[k] += v
@@ -232,4 +299,6 @@ def convert_cache(src: str, dst: str, settings: ConvertSettings | None = None, *
             "tokens": reader.num_tokens, **totals, "seconds": round(seconds, 3),
             "tokens_per_s": totals["tokens_converted"] / seconds if seconds > 0 else None,
             "settings": dataclasses.asdict(settings) | {"chunk_tokens": spec.chunk_tokens,
-                                                         "compression_level": spec.compression_level}}
+                                                         "compression_level": spec.compression_level,
+                                                         **spec.encoding()},
+            "hidden": {"source": reader.spec.codec.describe(), "destination": spec.codec.describe()}}

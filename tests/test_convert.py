@@ -251,3 +251,72 @@ def test_bad_settings_are_usage_errors(source, tmp_path):
     result = cli("convert", source, tmp_path / "x.zarr", "--compression-level", "4")
     assert result.exit_code == 2 and "zstd levels 1, 3" in result.output
     assert not (tmp_path / "x.zarr").exists()
+
+
+# ----------------------------------------------------------------------------- stats
+
+
+def bf16_to_float64(bits: np.ndarray) -> np.ndarray:
+    """bf16 bit patterns -> float64, exactly (the bits are the high half of a float32's)."""
+    return (bits.astype(np.uint32) << 16).view(np.float32).astype(np.float64)
+
+
+def relative_l2_per_layer(ours: Path, reference: Path) -> tuple[np.ndarray, float]:
+    """The float64 relative L2 error of every stored hidden value, per layer, and of the top-k
+    log-probs, of cache ``ours`` against ``reference``, from their zarr arrays directly."""
+    num, den = np.zeros(len(LAYERS)), np.zeros(len(LAYERS))
+    tk_num = tk_den = 0.0
+    for shard in (0, 1):
+        a, b = shard_arrays(ours, shard)[0], shard_arrays(reference, shard)[0]
+        x, ref = bf16_to_float64(a["hidden"]), bf16_to_float64(b["hidden"])
+        num += ((x - ref) ** 2).sum(axis=(0, 2))
+        den += (ref ** 2).sum(axis=(0, 2))
+        p, q = a["topk_logprobs"].astype(np.float64), b["topk_logprobs"].astype(np.float64)
+        tk_num += ((p - q) ** 2).sum()
+        tk_den += (q ** 2).sum()
+    return np.sqrt(num / den), float(np.sqrt(tk_num / tk_den))
+
+
+def test_stats_against_another_cache_matches_a_float64_recomputation(source, tmp_path):
+    """A copy of the source with every layer's hidden states and the log-probs perturbed by
+    known amounts: ``stats COPY --against SOURCE`` gives their relative L2 error per layer."""
+    noisy = tmp_path / "noisy.zarr"
+    shutil.copytree(source, noisy)
+    rng = np.random.default_rng(0)
+    for shard in (0, 1):
+        group = zarr.open_group(str(noisy / "shards" / f"{shard:05d}"), mode="r+")
+        x = torch.from_numpy(bf16_to_float64(np.asarray(group["hidden"][:])))
+        scale = torch.tensor([1e-3, 1e-2, 1e-1], dtype=torch.float64).view(1, -1, 1)
+        x = x * (1 + scale * torch.from_numpy(rng.standard_normal(tuple(x.shape))))
+        group["hidden"][:] = C.bf16_to_bits(x.to(torch.bfloat16))
+        lp = np.asarray(group["topk_logprobs"][:])
+        group["topk_logprobs"][:] = (lp * (1 + 1e-3 * rng.standard_normal(lp.shape))).astype(np.float32)
+    n = len(C.CacheReader(str(source)))
+    d = json.loads(cli("stats", noisy, "--against", source, "--max-samples", n, "--json").stdout)["conversion_error"]
+    hidden, topk = relative_l2_per_layer(noisy, source)
+    assert d["samples"] == n and d["against"] == str(source) and d["source_matches_record"] is None
+    np.testing.assert_allclose([lay["rel_l2"] for lay in d["layers"]], hidden, rtol=1e-9)
+    np.testing.assert_allclose(d["topk_logprobs"]["rel_l2"], topk, rtol=1e-9)
+    assert 5e-4 < hidden[0] < 2e-3 and 5e-2 < hidden[2] < 2e-1  # the planted scales, roughly
+    # a sample of the draw: the error over those samples only, still against the same reference
+    sub = json.loads(cli("stats", noisy, "--against", source, "--max-samples", 5, "--json").stdout)
+    assert sub["conversion_error"]["samples"] == 5 and sub["conversion_error"]["tokens"] == sub["sampled"]["tokens"]
+    # no source recorded and none given: no error section; a cache of other samples is refused
+    assert json.loads(cli("stats", source, "--json").stdout)["conversion_error"] is None
+    other = tmp_path / "other.zarr"
+    shutil.copytree(source, other)
+    shutil.rmtree(other / "shards" / "00001")
+    refused = cli("stats", other, "--against", source)
+    assert refused.exit_code == 2 and "does not hold the samples" in refused.output
+
+
+def test_stats_of_a_converted_cache_whose_source_moved_says_so(converted, tmp_path):
+    out, _ = converted
+    moved = tmp_path / "moved.zarr"
+    shutil.copytree(out, moved)
+    root = zarr.open_group(str(moved), mode="r+")
+    spec = root.attrs[C.ATTRS_KEY]
+    spec["info"]["converted_from"]["path"] = str(tmp_path / "gone.zarr")
+    root.attrs[C.ATTRS_KEY] = spec
+    text = cli("stats", moved).output
+    assert "gone.zarr" in text and "--against" in text
