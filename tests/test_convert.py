@@ -75,9 +75,28 @@ def converted(source, tmp_path_factory):
     return out, json.loads(result.stdout)
 
 
+LOSSY = {  # name -> convert flags
+    "fp8": ["--hidden-codec", "fp8"],
+    "int8": ["--hidden-codec", "int8", "--hidden-group-size", "16", "--topk-dtype", "float16"],
+    "int4": ["--hidden-codec", "int4", "--hidden-group-size", "32", "--topk-dtype", "bfloat16"],
+}
+
+
+@pytest.fixture(scope="module")
+def lossy(source, tmp_path_factory):
+    """``source`` converted with each lossy setting of ``LOSSY``."""
+    out = {}
+    for name, flags in LOSSY.items():
+        out[name] = tmp_path_factory.mktemp(name) / "dst.zarr"
+        result = cli("convert", source, out[name], *flags, "--no-progress")
+        assert result.exit_code == 0, result.output
+    return out
+
+
 def shard_arrays(path, shard):
     g = C.open_root(str(path))[C.shard_name(shard)]
-    return {f: np.asarray(g[f][:]) for f in C.TOKEN_FIELDS + META_FIELDS}, g.attrs.asdict()
+    spec = C.CacheSpec.from_dict(C.open_root(str(path)).attrs[C.ATTRS_KEY])
+    return {f: np.asarray(g[f][:]) for f in spec.token_fields + META_FIELDS}, g.attrs.asdict()
 
 
 def store_contents(path: Path) -> dict[str, object]:
@@ -183,11 +202,11 @@ def test_stats_of_a_lossless_conversion_shows_zero_error(converted):
 # ----------------------------------------------------------------------------- resume
 
 
-def test_kill9_then_rerun_equals_the_unbroken_conversion(source, converted, tmp_path):
-    reference, _ = converted
+def test_kill9_then_rerun_equals_the_unbroken_conversion(source, lossy, tmp_path):
+    """Killed mid-run, rerun: every array and attribute equal to the unbroken int4 conversion's."""
+    reference = lossy["int4"]
     out = tmp_path / "killed.zarr"
-    args = ["convert", source, out, "--compression-level", "3", "--no-progress", "--commit-seconds", "0",
-            "--read-mib", "0.02"]
+    args = ["convert", source, out, *LOSSY["int4"], "--no-progress", "--commit-seconds", "0", "--read-mib", "0.01"]
     proc = subprocess.Popen([sys.executable, "-m", "dflash.shared.cache_cli", *map(str, args), "--delay-s", "0.3"],
                             start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 60
@@ -320,3 +339,125 @@ def test_stats_of_a_converted_cache_whose_source_moved_says_so(converted, tmp_pa
     root.attrs[C.ATTRS_KEY] = spec
     text = cli("stats", moved).output
     assert "gone.zarr" in text and "--against" in text
+
+
+# ----------------------------------------------------------------------------- lossy
+
+
+def decode_independently(spec: C.CacheSpec, stored: dict[str, np.ndarray]) -> np.ndarray:
+    """(T, L, D) float64 hidden states from a lossy cache's stored payload and scales, written
+    out here from the format's definition (not the cache's decoder), rounded to bf16 as the
+    reader hands them to training."""
+    payload, scales = stored["hidden"], stored["hidden_scale"].astype(np.float64)
+    T, L, _ = payload.shape
+    if spec.hidden_codec == "fp8":
+        values = torch.from_numpy(payload).view(torch.float8_e4m3fn).double().numpy() * scales
+    else:
+        if spec.hidden_codec == "int8":
+            q = payload.view(np.int8).astype(np.float64)
+        else:  # two channels a byte, low nibble first, each stored as q + 8
+            q = np.stack([payload & 0x0F, payload >> 4], axis=-1).reshape(T, L, -1).astype(np.float64) - 8
+        values = (q.reshape(T, L, -1, spec.hidden_group_size) * scales[..., None]).reshape(T, L, -1)
+    return torch.from_numpy(values).to(torch.bfloat16).double().numpy()
+
+
+def logprobs_independently(spec: C.CacheSpec, stored: np.ndarray) -> np.ndarray:
+    if spec.topk_dtype == "bfloat16":
+        return bf16_to_float64(stored)
+    return stored.astype(np.float64)
+
+
+@pytest.mark.parametrize("name", list(LOSSY))
+def test_a_lossy_conversion_keeps_the_plan_and_stats_measures_its_error(source, lossy, name):
+    out = lossy[name]
+    src, dst = C.CacheReader(str(source)), C.CacheReader(str(out))
+    spec = dst.spec
+    assert spec.hidden_codec == name and spec.format_version == 3 and dst.complete
+    assert spec.fingerprint["extraction"]["encoding"] == spec.encoding() and "decoded_from" not in spec.fingerprint
+    num, den = np.zeros(len(LAYERS)), np.zeros(len(LAYERS))
+    tk_num = tk_den = 0.0
+    for shard in (0, 1):
+        a, a_attrs = shard_arrays(source, shard)
+        b, b_attrs = shard_arrays(out, shard)
+        assert a_attrs == b_attrs
+        for f in ("input_ids", "loss_mask", "topk_ids") + META_FIELDS:
+            assert np.array_equal(a[f], b[f]), (shard, f)
+        ref = bf16_to_float64(a["hidden"])
+        x = decode_independently(spec, b)
+        num += ((x - ref) ** 2).sum(axis=(0, 2))
+        den += (ref ** 2).sum(axis=(0, 2))
+        assert np.abs(x - ref).max() <= np.abs(ref).max() * (2 ** -3 if name == "fp8" else 1 / (7 if name == "int4" else 127))
+        p, q = logprobs_independently(spec, b["topk_logprobs"]), a["topk_logprobs"].astype(np.float64)
+        tk_num += ((p - q) ** 2).sum()
+        tk_den += (q ** 2).sum()
+    d = json.loads(cli("stats", out, "--max-samples", len(src), "--json").stdout)["conversion_error"]
+    assert d["against"] == str(source.resolve()) and d["source_matches_record"] and d["tokens"] == src.num_tokens
+    rel = [lay["rel_l2"] for lay in d["layers"]]
+    np.testing.assert_allclose(rel, np.sqrt(num / den), rtol=1e-9)
+    assert all(0 < r < (0.2 if name == "int4" else 0.05) for r in rel)
+    np.testing.assert_allclose(d["topk_logprobs"]["rel_l2"], np.sqrt(tk_num / tk_den), rtol=1e-9, atol=0)
+    assert d["topk_reduced"] == (name != "fp8") and (d["topk_logprobs"]["rel_l2"] > 0) == (name != "fp8")
+    text = cli("stats", out, "--max-samples", len(src)).output
+    assert f"{rel[0]:.3e}" in text and ("top-k log-probs: rel L2" in text) == (name != "fp8")
+    info = cli("info", out).output
+    assert f"codec      hidden {spec.codec.describe()}" in info and "hidden bf16 (lossless)" in info
+
+
+def test_a_lossy_conversion_verifies_and_a_flipped_scale_byte_is_found(lossy, tmp_path):
+    ok = cli("verify", lossy["int8"], "--no-progress", "--json")
+    assert ok.exit_code == 0 and json.loads(ok.stdout)["ok"]
+    broken = tmp_path / "broken.zarr"
+    shutil.copytree(lossy["int8"], broken)
+    chunk = broken / "shards" / "00000" / "hidden_scale" / "c" / "2" / "0" / "0"
+    data = bytearray(chunk.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    chunk.write_bytes(bytes(data))
+    bad = cli("verify", broken, "--no-progress", "--json")
+    problems = json.loads(bad.stdout)["problems"]
+    assert bad.exit_code == 1 and any(p["shard"] == 0 and p["array"] == "hidden_scale" and "chunk 2" in p["message"]
+                                      for p in problems)
+
+
+def test_a_lossy_source_reencoded_is_named_in_the_fingerprint(lossy, source, tmp_path):
+    """fp8 -> int8 and fp8 -> bf16 hold values that went through fp8: their fingerprints say so,
+    so neither passes for a conversion of the lossless source; fp8 -> fp8 at another zstd level
+    copies the payload as it is."""
+    fp8 = lossy["fp8"]
+    for flags, want_error in ((["--hidden-codec", "int8", "--hidden-group-size", "16"], True),
+                              (["--hidden-codec", "bf16"], False), (["--compression-level", "5"], None)):
+        out = tmp_path / "-".join(flags).replace("--", "")
+        assert cli("convert", fp8, out, *flags, "--no-progress").exit_code == 0
+        spec = C.CacheReader(str(out)).spec
+        if want_error is None:
+            assert "decoded_from" not in spec.fingerprint
+            for shard in (0, 1):
+                a, b = shard_arrays(fp8, shard)[0], shard_arrays(out, shard)[0]
+                assert all(np.array_equal(a[f], b[f]) for f in a)
+            continue
+        assert spec.fingerprint["decoded_from"] == [C.CacheReader(str(fp8)).spec.encoding()]
+        lossless = C.CacheReader(str(source)).spec.fingerprint
+        assert spec.fingerprint != lossless
+        d = json.loads(cli("stats", out, "--against", source, "--json").stdout)["conversion_error"]
+        assert all(lay["rel_l2"] > 0 for lay in d["layers"])  # fp8's error stays, whatever the codec now
+        assert d["source_matches_record"] is False  # measured against another cache than its own source
+
+
+def test_another_codec_into_the_same_destination_is_refused(source, lossy):
+    result = cli("convert", source, lossy["fp8"], "--hidden-codec", "int8", "--hidden-group-size", "16", "--no-progress")
+    assert result.exit_code == 2 and "hidden_codec: cache has 'fp8', run has 'int8'" in result.output
+    bad = cli("convert", source, lossy["fp8"].parent / "x.zarr", "--hidden-codec", "int8", "--hidden-group-size", "48")
+    assert bad.exit_code == 2 and "not a multiple" in bad.output and "--hidden-group-size 48" in bad.output
+
+
+def test_a_converted_lossy_cache_trains(lossy, tiny_target_dir, tmp_path):
+    from dflash.train.cli import main as train_main
+
+    run = tmp_path / "run"
+    train_main(["run", "--preset", "tiny", "--cache", str(lossy["int4"]), "--out", str(run), "--max-steps", "3",
+                "--mask-token-id", "3", "--max-anchors", "4", "--eval-samples", "2", "--num-workers", "0",
+                "--log-every", "1"])
+    lines = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    train_rows = [x for x in lines if x.get("kind") != "eval"]
+    assert [x["step"] for x in train_rows][-1] == 3 and all(np.isfinite(x["loss"]) for x in train_rows)
+    assert any(x.get("kind") == "eval" and np.isfinite(x["loss"]) for x in lines)
+    assert json.loads((run / "config.json").read_text())["target"] == str(tiny_target_dir.resolve())
