@@ -178,6 +178,15 @@ def _source_plan(group: zarr.Group, state) -> ShardPlan:
     return plan
 
 
+class NonFiniteRows(ValueError):
+    """Tokens (of the data handed over) whose hidden states the lossy codec cannot encode."""
+
+    def __init__(self, rows: np.ndarray, codec: str):
+        self.rows = rows
+        super().__init__(f"{len(rows)} token(s) hold NaN or Inf hidden states, or magnitudes past the scales' "
+                         f"dtype ({codec}; --hidden-scale-dtype float32 holds larger ones)")
+
+
 class Reencoder:
     """The stored token arrays of a source shard -> those of the converted one: each array
     whose encoding is unchanged as it is, the others decoded (hidden states to float32) and
@@ -194,7 +203,12 @@ class Reencoder:
             out.update({f: stored[f] for f in ("hidden", HIDDEN_SCALE) if f in stored})
         else:
             hidden = decode_hidden(self.src, stored, torch.float32)  # (T, L, D)
-            out.update({f: to_numpy(t) for f, t in encode_hidden(self.dst, hidden).items()})
+            out.update({f: to_numpy(t) for f, t in encode_hidden(self.dst, hidden, validate=False).items()})
+            if HIDDEN_SCALE in out:  # NaN/Inf in, or a scale past its dtype, shows as a non-finite scale
+                scales = out[HIDDEN_SCALE]
+                finite = np.isfinite(scales.reshape(len(scales), -1)).all(axis=1)
+                if not finite.all():
+                    raise NonFiniteRows(np.flatnonzero(~finite), self.dst.codec.describe())
         if self.copy_topk:
             out["topk_logprobs"] = stored["topk_logprobs"]
         else:
@@ -209,8 +223,9 @@ def _row_bytes(arrays: dict[str, zarr.Array]) -> int:
 
 
 def _convert_shard(src_group: zarr.Group, dst_root: zarr.Group, dst: str, shard_id: int, reencode: Reencoder,
-                   settings: ConvertSettings, bar, say: Callable[[str], None]) -> dict[str, int]:
-    """Convert one shard under its lock; returns its token counts (converted now, found done)."""
+                   settings: ConvertSettings, bar, say: Callable[[str], None], where: str) -> dict[str, int]:
+    """Convert one shard under its lock; returns its token counts (converted now, found done).
+    ``where`` names the source shard in errors."""
     state = read_shard_state(src_group)
     plan = _source_plan(src_group, state)
     lock = ShardLock(dst, shard_id)
@@ -240,8 +255,12 @@ def _convert_shard(src_group: zarr.Group, dst_root: zarr.Group, dst: str, shard_
             t1 = int(offsets[batches[b1]])
             try:
                 data = reencode({f: np.asarray(a[t0:t1]) for f, a in arrays.items()})
-            except ValueError as e:  # e.g. NaN/Inf a lossy codec cannot encode
-                raise CacheError(f"{src_group.path} tokens {t0}:{t1}: {e}") from None
+            except NonFiniteRows as e:
+                token = t0 + int(e.rows[0])
+                sample = int(np.searchsorted(offsets, token, side="right") - 1)
+                raise CacheError(f"{where}: {e}; the first in sample {sample} of the shard (source row "
+                                 f"{int(plan.source_index[sample])}), token {token - int(offsets[sample])}; "
+                                 "dflash-cache verify lists every one") from None
             for b in range(b0, b1):
                 s0, s1 = writer.batch_samples(b)
                 a, z = int(offsets[s0]) - t0, int(offsets[s1]) - t0
@@ -289,7 +308,7 @@ def convert_cache(src: str, dst: str, settings: ConvertSettings | None = None, *
             src_root = zarr.open_group(store=src, mode="r", zarr_format=3)
             for s in reader.shards:
                 counts = _convert_shard(src_root[shard_name(s.shard_id)], dst_root, dst, s.shard_id, reencode,
-                                        settings, bar, say)
+                                        settings, bar, say, where=f"{src} shard {s.shard_id:05d}")
                 for k, v in counts.items():
                     totals[k] += v
     finally:

@@ -456,6 +456,9 @@ def conversion_error(reader: CacheReader, indices: np.ndarray, against: str | No
         if against is not None:
             raise
         return {"against": where, "unavailable": f"the recorded source cannot be opened ({e}); pass --against SRC"}
+    if not reader.complete:
+        return {"against": where, "unavailable": f"{reader.path} is not complete (a conversion that stopped midway? "
+                                                  "rerun it to finish)"}
     _same_samples(reader, source)
     missing = [lid for lid in reader.spec.layer_ids if lid not in source.spec.layer_ids]
     if missing:

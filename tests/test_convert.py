@@ -220,11 +220,17 @@ def test_kill9_then_rerun_equals_the_unbroken_conversion(source, lossy, tmp_path
             time.sleep(0.05)
         else:
             raise AssertionError("no commit became visible within 60 s")
+        # while it runs, a second conversion into the same destination is refused naming it
+        second = cli("convert", source, out, *LOSSY["int4"], "--no-progress")
+        assert second.exit_code == 2 and "being written by another run: " in second.output
+        assert f"pid {proc.pid}" in second.output
     finally:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
     state = C.read_shard_state(C.open_root(str(out))[C.shard_name(0)])
     assert not state.complete and state.commit.batches < state.planned.batches, "finished before the kill"
+    stopped = json.loads(cli("stats", out, "--json").stdout)["conversion_error"]
+    assert "not complete" in stopped["unavailable"]
     rerun = cli_process(*args)
     assert rerun.returncode == 0, rerun.stderr[-3000:]
     assert "resumed at batch" in rerun.stderr
@@ -461,3 +467,18 @@ def test_a_converted_lossy_cache_trains(lossy, tiny_target_dir, tmp_path):
     assert [x["step"] for x in train_rows][-1] == 3 and all(np.isfinite(x["loss"]) for x in train_rows)
     assert any(x.get("kind") == "eval" and np.isfinite(x["loss"]) for x in lines)
     assert json.loads((run / "config.json").read_text())["target"] == str(tiny_target_dir.resolve())
+
+
+def test_a_nan_in_the_source_stops_a_lossy_conversion_naming_where(source, tmp_path):
+    bad = tmp_path / "nan.zarr"
+    shutil.copytree(source, bad)
+    group = zarr.open_group(str(bad / "shards" / "00001"), mode="r+")
+    bits = np.asarray(group["hidden"][:])
+    bits[100, 1, 5] = 0x7FC0  # a bf16 NaN
+    group["hidden"][:] = bits
+    result = cli("convert", bad, tmp_path / "dst.zarr", "--hidden-codec", "fp8", "--no-progress")
+    offsets, rows = np.asarray(group["offsets"][:]), np.asarray(group["source_index"][:])
+    sample = int(np.searchsorted(offsets, 100, side="right") - 1)
+    assert result.exit_code == 2, result.output
+    assert (f"{bad} shard 00001: 1 token(s) hold NaN" in result.output and f"sample {sample} of the shard (source row "
+            f"{rows[sample]}), token {100 - offsets[sample]}" in result.output)
