@@ -81,17 +81,16 @@ def main():
               f"{time.perf_counter() - t:.1f} s; load average {os.getloadavg()[0]:.1f}", flush=True)
         raw_hidden = args.layers * args.hidden * 2
         base = cache_info(src)
-        rows = [{"mode": "source (bf16, zstd 1)", "disk_bytes_per_token": base["bytes_on_disk"] / args.tokens,
-                 "of_raw_bf16_hidden_plus_topk": None}]
+        rows = [{"mode": "source (bf16, zstd 1)", "disk_bytes_per_token": round(base["bytes_on_disk"] / args.tokens),
+                 "hidden_disk_of_raw_bf16": round(base["bytes_per_token"]["hidden_on_disk"] / raw_hidden, 3)}]
+        print(json.dumps(rows[0]), flush=True)
         for name, settings in MODES.items():
             dst = os.path.join(work, name.split(",")[0] + ".zarr")
             cpu0, t0 = time.process_time(), time.perf_counter()
             summary = convert_cache(src, dst, ConvertSettings(**settings), progress=False)
             wall, cpu = time.perf_counter() - t0, time.process_time() - cpu0
             info = cache_info(dst)
-            from dflash.shared.cache import CacheReader
-
-            reader = CacheReader(dst)
+            reader = C.CacheReader(dst)
             err = conversion_error(reader, np.arange(len(reader)))
             rows.append({
                 "mode": name, "tokens": summary["tokens_converted"], "wall_s": round(wall, 2),
