@@ -176,6 +176,8 @@ class CacheSpec:
         codec = self.codec  # normalised: the fields that do not apply to the mode are None
         self.hidden_group_size = codec.group_size if codec.grouped else None
         self.hidden_scale_dtype = codec.scale_dtype if codec.lossy else None
+        if not self.encoded and self.format_version == ENCODED_FORMAT_VERSION:
+            self.format_version = FORMAT_VERSION  # the lossless layout is format 2
         if self.encoded:
             if self.format_version == FORMAT_VERSION:  # a new spec: the encoding needs format 3
                 self.format_version = ENCODED_FORMAT_VERSION
@@ -185,11 +187,20 @@ class CacheSpec:
                 codec.check_hidden_size(self.hidden_size)
             except ValueError as e:
                 raise CacheError(f"cache spec: {e}") from None
-            self.stored_dtypes = {f: dtype for f, (_, dtype) in _token_array_shapes(self, 1).items()}
+        self.stored_dtypes = {f: dtype for f, (_, dtype) in _token_array_shapes(self, 1).items()}
         if self.format_version >= 2 and not self.chunks:
             self.chunks = default_chunks(self)
         if self.format_version >= 2 and set(self.chunks) != set(self.token_fields):
             raise CacheError(f"cache spec: chunks must name each of {self.token_fields}, got {sorted(self.chunks)}")
+
+    def with_encoding(self, **encoding) -> "CacheSpec":
+        """This spec with other encoding fields (keys of ``ENCODING_DEFAULTS``; those not given are
+        kept), in the format and default chunks that encoding is written in (e.g. to convert a cache)."""
+        unknown = sorted(set(encoding) - set(ENCODING_DEFAULTS))
+        if unknown:
+            raise ValueError(f"not encoding fields: {unknown}; expected some of {sorted(ENCODING_DEFAULTS)}")
+        return dataclasses.replace(self, **{**self.encoding(), **encoding}, format_version=FORMAT_VERSION,
+                                   chunks={})
 
     @property
     def codec(self) -> HiddenCodec:

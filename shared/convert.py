@@ -101,21 +101,20 @@ def converted_spec(src: CacheSpec, settings: ConvertSettings, src_path: str) -> 
     """The spec of ``src`` converted with ``settings``: the current format, the new storage
     settings, in the fingerprint too (where the source's records them), and the source's
     location, fingerprint digest and storage in ``info.converted_from``."""
-    fields = {f.name: copy.deepcopy(getattr(src, f.name)) for f in dataclasses.fields(CacheSpec)
-              if f.name not in ("chunks", "stored_dtypes", "format_version")}  # what follows from the rest
-    fields.update(
-        chunk_tokens=settings.chunk_tokens or src.chunk_tokens,
-        compression_level=settings.compression_level or src.compression_level,
+    layout = dataclasses.replace(src, chunk_tokens=settings.chunk_tokens or src.chunk_tokens,
+                                 compression_level=settings.compression_level or src.compression_level,
+                                 fingerprint=copy.deepcopy(src.fingerprint), info=copy.deepcopy(src.info or {}))
+    encoding = dict(
         hidden_codec=settings.hidden_codec or src.hidden_codec,
         hidden_group_size=settings.hidden_group_size or src.hidden_group_size or 128,
         hidden_scale_dtype=settings.hidden_scale_dtype or src.hidden_scale_dtype or "float16",
         topk_dtype=settings.topk_dtype or src.topk_dtype,
     )
     try:
-        spec = CacheSpec(**fields)  # lossless: format 2; an encoding: format 3
+        spec = layout.with_encoding(**encoding)  # the current format: 2 lossless, 3 with an encoding
     except CacheError as e:
-        raise CacheError(f"{e} (--hidden-codec {fields['hidden_codec']}, --hidden-group-size "
-                         f"{fields['hidden_group_size']})") from None
+        raise CacheError(f"{e} (--hidden-codec {encoding['hidden_codec']}, --hidden-group-size "
+                         f"{encoding['hidden_group_size']})") from None
     fingerprint = spec.fingerprint
     extraction = fingerprint.get("extraction")
     if isinstance(extraction, dict):
@@ -129,7 +128,6 @@ def converted_spec(src: CacheSpec, settings: ConvertSettings, src_path: str) -> 
         src.topk_dtype != "float32" and src.topk_dtype != spec.topk_dtype)
     if lost:  # the values went through an encoding the new one does not name
         fingerprint["decoded_from"] = list(fingerprint.get("decoded_from", [])) + [src.encoding()]
-    spec.info = copy.deepcopy(src.info or {})
     spec.info["converted_from"] = {
         "path": _location(src_path),
         "fingerprint_digest": fingerprint_digest(src.fingerprint),
