@@ -7,6 +7,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any, Literal, get_args
 
+from dflash.shared.cache import ZSTD_LEVELS  # noqa: F401  (the cache's levels, checked here)
 from dflash.shared.cli_options import check_choices
 from dflash.shared.layers import default_layer_ids  # noqa: F401  (extraction's default, shared with training)
 
@@ -21,9 +22,6 @@ TRUNCATION_POLICIES = get_args(Truncation)
 BAD_ROW_POLICIES = get_args(BadRowPolicy)
 DTYPES = get_args(Dtype)
 DEFAULT_GPUS = (0, 1, 2, 3, 4)
-ZSTD_LEVELS = tuple(range(1, 16, 2))
-"""The zstd levels a cache can use: the cache stores blosc clevel c = (level + 1) // 2 and blosc runs zstd at
-level 2c - 1 for c in 1..8 (shared/cache.py), so an even level would silently become another one."""
 RESERVED_TEMPLATE_KWARGS = frozenset({
     "conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
     "continue_final_message", "tokenize", "padding", "truncation", "max_length", "return_tensors",

@@ -35,8 +35,8 @@ from typing import Any
 import torch
 import zarr
 
-from dflash.shared.cache import (ATTRS_KEY, HIDDEN_SCALE, ZARR_PIPELINE, CacheError, CacheSpec, ShardWriter,
-                                 encode_hidden, encode_topk_logprobs, open_root, to_numpy)
+from dflash.shared.cache import (ATTRS_KEY, HIDDEN_SCALE, CacheError, CacheSpec, ShardWriter, encode_hidden,
+                                 encode_topk_logprobs, open_root, to_numpy, writer_zarr_settings)
 from dflash.shared.hidden_codecs import check_scales
 from dflash.shared.shard_lock import LockError, ShardLock, ShardLocked
 
@@ -296,17 +296,9 @@ def _run_shard(task: WorkerTask, report, stop, go, lock: ShardLock) -> dict[str,
             report("timing", **timing)
 
 
-ZARRS_PIPELINE = "zarrs.ZarrsCodecPipeline"
-
-
 def _zarr_settings(cfg: ExtractConfig) -> dict[str, Any]:
-    """zarr settings of a shard's writer: the zarrs codec pipeline for a local folder (zarrs
-    stores to local folders only: given an fsspec store it warns and falls back to zarr's own
-    pipeline, which is what a URL gets here without the warning), many chunks in flight where
-    zarr's own pipeline writes, and no all-fill-value scan (whole chunks are written)."""
-    pipeline = ZARR_PIPELINE if "://" in cfg.out else ZARRS_PIPELINE
-    return {"codec_pipeline.path": pipeline, "async.concurrency": cfg.write_concurrency,
-            "array.write_empty_chunks": True}
+    """zarr settings of a shard's writer (``writer_zarr_settings``)."""
+    return writer_zarr_settings(cfg.out, cfg.write_concurrency)
 
 
 def _extract(cfg: ExtractConfig, planned: PlannedShard, writer: ShardWriter, device: torch.device, *,

@@ -302,6 +302,21 @@ def _jsonable(x: Any) -> Any:
 
 
 BLOSC_BLOCKSIZE = 1 << 19
+ZSTD_LEVELS = tuple(range(1, 16, 2))
+"""The zstd levels a cache can use: it stores blosc clevel c = (level + 1) // 2, and blosc runs zstd at
+level 2c - 1 for c in 1..8, so an even level would silently become another one."""
+ZARRS_PIPELINE = "zarrs.ZarrsCodecPipeline"
+
+
+def writer_zarr_settings(path: str, write_concurrency: int = 32) -> dict[str, Any]:
+    """zarr settings of a shard's writer: the zarrs codec pipeline (Rust, on its own threads,
+    without the GIL) for a local folder, which is all zarrs stores to (given an fsspec store
+    it warns and falls back to zarr's own pipeline, which a URL gets here without the
+    warning); ``write_concurrency`` chunks in flight where zarr's own pipeline writes; no
+    all-fill-value scan (whole chunks are written)."""
+    pipeline = ZARR_PIPELINE if "://" in path else ZARRS_PIPELINE
+    return {"codec_pipeline.path": pipeline, "async.concurrency": write_concurrency,
+            "array.write_empty_chunks": True}
 
 
 def _compressors(typesize: int, level: int) -> list:
