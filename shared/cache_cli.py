@@ -185,6 +185,7 @@ def info(**values):
         f"layers     {d['layer_ids']} of {d['num_target_layers']}  ({d['layer_convention']})",
         f"hidden     D={d['hidden_size']} {d['hidden_dtype']}  top-k {d['topk']}  vocab {_n(d['vocab_size'])}  "
         f"max length {d['max_length']} (truncation {d['truncation']})",
+        _encoding_line(d),
         _chunks_line(d["chunks"]),
         "",
         f"{'shard':>5}  {'state':<8}  {'samples':>17}  {'tokens':>23}  {'assistant':>11}  {'disk':>11}  skipped",
@@ -209,6 +210,15 @@ def info(**values):
         f"all arrays {fmt_ratio(ratio['total'])}  (raw {_bytes(d['raw_bytes']['total'])})",
     ]
     click.echo("\n".join(lines))
+
+
+def _encoding_line(d: dict) -> str:
+    """The codec and the hidden states' bytes per token: raw bf16, encoded, and on disk."""
+    b, e = d["bytes_per_token"], d["encoding"]
+    disk = "-" if b["hidden_on_disk"] is None else f"{b['hidden_on_disk']:,.0f}"
+    ratio = "" if b["hidden_on_disk"] is None else f" ({b['hidden_on_disk'] / b['hidden_raw_bf16']:.3f} of raw bf16)"
+    return (f"codec      hidden {e['hidden']}, top-k log-probs {e['topk_dtype']}; hidden bytes/token: raw bf16 "
+            f"{b['hidden_raw_bf16']:,}, encoded {b['hidden_encoded']:,}, on disk {disk}{ratio}")
 
 
 # ----------------------------------------------------------------------------- show

@@ -14,9 +14,11 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import torch
 import zarr
 
-from dflash.shared.cache import TOKEN_FIELDS, CacheReader
+from dflash.shared.cache import (HIDDEN_SCALE, TOKEN_FIELDS, CacheReader, CacheSpec, decode_hidden,
+                                 decode_topk_logprobs, token_array_shapes)
 from dflash.shared.shard_lock import live_holders
 
 META_FIELDS = ("offsets", "source_index", "batches")
@@ -25,6 +27,14 @@ META_FIELDS = ("offsets", "source_index", "batches")
 def bf16_bits_to_float32(bits: np.ndarray) -> np.ndarray:
     """Exact bf16 -> fp32: the bf16 bits are the high half of the fp32 bits."""
     return (np.asarray(bits, dtype=np.uint16).astype(np.uint32) << 16).view(np.float32)
+
+
+def hidden_float32(spec: CacheSpec, raw: dict[str, np.ndarray]) -> np.ndarray:
+    """(T, L, D) float32 hidden states from a sample's stored arrays (``read_raw`` with
+    ``spec.token_fields``), decoded whatever the codec; exact for the lossless layout."""
+    if spec.hidden_codec == "bf16":
+        return bf16_bits_to_float32(raw["hidden"])
+    return decode_hidden(spec, raw, torch.float32).numpy()
 
 
 def _chunk_tokens(arr: zarr.Array) -> int:
@@ -117,6 +127,10 @@ def cache_info(path: str, storage_options: dict | None = None, shard_ids: list[i
     shard_listing = _by_shard(listing) if listing is not None else {}
     L, D, k = spec.num_layers, spec.hidden_size, spec.topk
     row_bytes = {"input_ids": 4, "loss_mask": 1, "hidden": L * D * 2, "topk_ids": 4 * k, "topk_logprobs": 4 * k}
+    """Bytes per token of the raw lossless layout (bf16 hidden states, float32 log-probs): what ratios compare to."""
+    stored_row_bytes = {f: int(np.prod(shape[1:], dtype=np.int64)) * np.dtype(dtype).itemsize
+                        for f, (shape, dtype) in token_array_shapes(spec, 1).items()}
+    """Bytes per token as stored before the lossless stage (a lossy codec's payload and scales)."""
     raw_hidden = raw_total = disk_hidden = disk_total_committed = 0
     shards = []
     for s in reader.shards:
@@ -136,10 +150,10 @@ def cache_info(path: str, storage_options: dict | None = None, shard_ids: list[i
         if listing is not None:
             own = shard_listing.get(key, {})
             entry["bytes_on_disk"] = sum(own.values())
-            for f in TOKEN_FIELDS:
+            for f in spec.token_fields:
                 _, committed = _array_disk_bytes(own, f"{key}/{f}", _ceil_div(s.tokens, _chunk_tokens(g[f])))
                 disk_total_committed += committed
-                if f == "hidden":
+                if f in ("hidden", HIDDEN_SCALE):
                     disk_hidden += committed
             for f in META_FIELDS:
                 disk_total_committed += _array_disk_bytes(own, f"{key}/{f}", None)[1]
@@ -180,7 +194,16 @@ def cache_info(path: str, storage_options: dict | None = None, shard_ids: list[i
         "topk": k, "vocab_size": spec.vocab_size,
         "max_length": spec.max_length, "truncation": spec.truncation,
         "chunk_tokens": spec.chunk_tokens, "compression_level": spec.compression_level,
-        "chunks": {f: spec.chunk_rows(f) for f in TOKEN_FIELDS},
+        "chunks": {f: spec.chunk_rows(f) for f in spec.token_fields},
+        "encoding": {**spec.encoding(), "hidden": spec.codec.describe()},
+        "bytes_per_token": {
+            "hidden_raw_bf16": row_bytes["hidden"],
+            "hidden_encoded": stored_row_bytes["hidden"] + stored_row_bytes.get(HIDDEN_SCALE, 0),
+            "hidden_on_disk": disk_hidden / tokens if listing is not None and tokens else None,
+            "total_raw": sum(row_bytes.values()),
+            "total_encoded": sum(stored_row_bytes.values()),
+            "total_on_disk": disk_total_committed / tokens if listing is not None and tokens else None,
+        },
         "shards": shards, "shards_not_created": missing,
         "num_shards": len(shards), "complete": bool(shards) and not missing and all(e["state"] == "complete" for e in shards),
         "samples": sum(e["samples"] for e in shards), "planned_samples": sum(e["planned_samples"] for e in shards),
@@ -251,7 +274,8 @@ def show_sample(path: str, index: int, *, tokenizer_path: str | None = None, num
     """
     reader = CacheReader(path, storage_options)
     pos, local = reader.locate(index)
-    raw = reader.read_raw(index)
+    raw = reader.read_raw(index, reader.spec.token_fields)
+    raw["topk_logprobs"] = decode_topk_logprobs(reader.spec, raw["topk_logprobs"]).numpy()
     fp = reader.spec.fingerprint
     candidates = [tokenizer_path] if tokenizer_path else [
         fp.get("tokenizer", {}).get("name_or_path"), fp.get("target", {}).get("name_or_path"),
@@ -293,7 +317,7 @@ def show_sample(path: str, index: int, *, tokenizer_path: str | None = None, num
             "top": preds, "top1_is_next": bool(preds and nxt is not None and preds[0]["id"] == nxt),
         })
 
-    x = bf16_bits_to_float32(raw["hidden"]).astype(np.float64)  # (T, L, D)
+    x = hidden_float32(reader.spec, raw).astype(np.float64)  # (T, L, D)
     norms = np.sqrt((x * x).sum(-1)) if T else np.zeros((0, reader.spec.num_layers))  # (T, L)
     layer_norms = [{"layer_id": lid, "mean": float(norms[:, j].mean()) if T else None,
                     "max": float(norms[:, j].max()) if T else None}
@@ -344,8 +368,9 @@ def cache_stats(path: str, *, max_samples: int = 256, seed: int = 0, threshold: 
     top1, mass, entropy, tk_tokens = 0.0, 0.0, 0.0, 0
     match, match_n, match_a, match_an = 0, 0, 0, 0
     for i in chosen:
-        raw = reader.read_raw(int(i), ("input_ids", "loss_mask", "hidden", "topk_ids", "topk_logprobs"))
-        x = bf16_bits_to_float32(raw["hidden"]).astype(np.float64)  # (T, L, D)
+        raw = reader.read_raw(int(i), spec.token_fields)
+        raw["topk_logprobs"] = decode_topk_logprobs(spec, raw["topk_logprobs"]).numpy()
+        x = hidden_float32(spec, raw).astype(np.float64)  # (T, L, D)
         s1 += x.sum(axis=(0, 2))
         s2 += (x * x).sum(axis=(0, 2))
         absmax = np.maximum(absmax, np.abs(x).max(axis=(0, 2)))
