@@ -13,29 +13,32 @@ import math
 import os
 import shutil
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # imported where used: the parent of a run starts without torch
+    from dflash.shared.hidden_codecs import HiddenCodec
 
 log = logging.getLogger(__name__)
 
-LOSSLESS = "bf16"
-"""The hidden codec that stores bf16 bits through the lossless stage only (the default)."""
-
-HIDDEN_STAGE_RATIO: dict[tuple[str, int | None], float] = {
-    ("bf16", None): 1 / 1.4547,
-    ("fp8", None): 17_059 / 20_490,
-    ("int8", 128): 18_289 / 20_800,
-    ("int8", 32): 20_386 / 21_760,
-    ("int4", 128): 7_254 / 10_560,
-    ("int4", 32): 9_629 / 11_520,
+HIDDEN_STAGE_RATIO = {
+    "bf16": 28_159 / 40_960,
+    "fp8": 16_780 / 20_490,
+    "int8": 19_548 / 20_800,
+    "int4": 8_907 / 10_560,
 }
-"""Stored bytes over encoded bytes of the hidden states after the lossless stage (byte shuffle +
-zstd 1), per codec and group size. bf16: BENCHMARKS.md "Cache format 2: the small arrays in coarse
-chunks" (Qwen3-8B shape, 1.4547x); the lossy modes: "Lossy hidden-state codecs on synthetic
-activations" (after zstd over bytes/token, payload and scales together)."""
+"""Stored over encoded bytes of the hidden states after the lossless stage (byte shuffle + zstd 1),
+per hidden codec: BENCHMARKS.md "Lossy hidden-state codecs in the cache (issue 16)" (the real
+writer on a Qwen3-8B-shaped target with random weights, layers 1,9,17,25,33; the int modes in
+groups of 128 with float16 scales): bytes/token on disk over the codec's bytes/token."""
 
-SMALL_ARRAYS_RATIO = (28_349 - 40_960 / 1.4547) / (4 + 1 + 4 * 64 + 4 * 64)
+RATIO_MEASURED_AT = {"fp8": "float16 scales", "int8": "groups of 128, float16 scales",
+                     "int4": "groups of 128, float16 scales"}
+"""The codec settings those ratios were measured with."""
+
+SMALL_ARRAYS_RATIO = (28_350 - 28_159) / (4 + 1 + 4 * 64 + 4 * 64)
 """Stored over raw bytes of the token ids, loss mask and top-k ids and log-probs: the same
-cache's 28,349 B/token in all minus its hidden states, over 517 raw bytes (top-64, float32)."""
+lossless cache's 28,350 B/token in all minus its hidden states, over 517 raw bytes (top-64,
+float32)."""
 
 TOPK_DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 
@@ -74,18 +77,16 @@ EXTRACTION_RATES = (
 class SizeEstimate:
     """Expected bytes on disk per token of a cache, by part."""
 
-    hidden_codec: str
-    """'bf16' (lossless) or the lossy mode."""
-    group_size: int | None
-    """The int modes' group size (None otherwise)."""
+    codec: "HiddenCodec"
+    """How the hidden states are stored."""
     hidden_raw_bf16: int
     """Raw bf16 bytes of one token's hidden states (the reference every ratio is quoted against)."""
     hidden_encoded: int
-    """Bytes of one token's hidden states before the lossless stage (payload + scales for lossy modes)."""
+    """Bytes of one token's hidden states before the lossless stage (payload + scales for lossy codecs)."""
     hidden_ratio: float
     """Measured stored/encoded ratio of the lossless stage for this codec."""
     ratio_measured_at: str
-    """Which measurement the ratio comes from (a group size other than the run's is named)."""
+    """The codec settings of that measurement."""
     other_raw: int
     """Raw bytes of one token's ids, mask and top-k."""
 
@@ -106,49 +107,35 @@ class SizeEstimate:
         return int(math.ceil(tokens * self.per_token + 16 * samples))
 
     def as_dict(self) -> dict[str, Any]:
-        return {"hidden_codec": self.hidden_codec, "group_size": self.group_size,
+        return {"hidden_codec": self.codec.mode, "codec": self.codec.describe(),
                 "hidden_raw_bf16_per_token": self.hidden_raw_bf16, "hidden_encoded_per_token": self.hidden_encoded,
                 "hidden_stage_ratio": self.hidden_ratio, "ratio_measured_at": self.ratio_measured_at,
                 "hidden_per_token": self.hidden_per_token, "other_raw_per_token": self.other_raw,
                 "other_per_token": self.other_per_token, "per_token": self.per_token}
 
 
-def run_codec(cfg) -> tuple[str, int | None, str]:
-    """(hidden codec, group size, top-k dtype) of an ExtractConfig; lossless bf16, float32 top-k where it has no such
-    settings."""
-    codec = getattr(cfg, "hidden_codec", None) or LOSSLESS
-    group = getattr(cfg, "hidden_group_size", None) if codec in ("int8", "int4") else None
-    return codec, group, getattr(cfg, "topk_dtype", None) or "float32"
+def run_codec(cfg) -> tuple["HiddenCodec", str]:
+    """(hidden codec, top-k dtype) of an ExtractConfig."""
+    from dflash.shared.hidden_codecs import HiddenCodec
+
+    return HiddenCodec(cfg.hidden_codec, cfg.hidden_group_size, cfg.hidden_scale_dtype), cfg.topk_dtype
 
 
-def _stage_ratio(codec: str, group_size: int | None) -> tuple[float, str]:
-    """The measured lossless-stage ratio for ``codec``: at its group size, else at the nearest one measured."""
-    if (codec, group_size) in HIDDEN_STAGE_RATIO:
-        return HIDDEN_STAGE_RATIO[(codec, group_size)], codec if group_size is None else f"{codec}, groups of {group_size}"
-    measured = [g for (c, g) in HIDDEN_STAGE_RATIO if c == codec and g is not None]
-    if not measured:
-        raise ValueError(f"no measured compression ratio for hidden codec {codec!r}")
-    nearest = min(measured, key=lambda g: abs(math.log2(g) - math.log2(group_size or 128)))
-    return HIDDEN_STAGE_RATIO[(codec, nearest)], f"{codec}, groups of {nearest} (the nearest group size measured)"
-
-
-def size_estimate(num_layers: int, hidden_size: int, topk: int, hidden_codec: str = LOSSLESS,
-                  group_size: int | None = None, topk_dtype: str = "float32") -> SizeEstimate:
-    """Expected bytes per token: each array's raw (or encoded) bytes times its measured ratio."""
-    raw = num_layers * hidden_size * 2
-    if hidden_codec == LOSSLESS:
-        encoded = raw
-    else:
+def size_estimate(num_layers: int, hidden_size: int, topk: int, codec: "HiddenCodec | None" = None,
+                  topk_dtype: str = "float32") -> SizeEstimate:
+    """Expected bytes per token: each array's encoded bytes times its measured lossless-stage ratio
+    (lossless bf16 hidden states without ``codec``)."""
+    if codec is None:
         from dflash.shared.hidden_codecs import HiddenCodec
 
-        codec = HiddenCodec(hidden_codec) if group_size is None else HiddenCodec(hidden_codec, group_size=group_size)
-        encoded = codec.bytes_per_token(num_layers, hidden_size)
-        group_size = codec.group_size if hidden_codec != "fp8" else None
-    ratio, measured_at = _stage_ratio(hidden_codec, group_size)
+        codec = HiddenCodec("bf16")
     if topk_dtype not in TOPK_DTYPE_BYTES:
         raise ValueError(f"top-k dtype {topk_dtype!r}: expected one of {sorted(TOPK_DTYPE_BYTES)}")
-    other = 4 + 1 + topk * (4 + TOPK_DTYPE_BYTES[topk_dtype])
-    return SizeEstimate(hidden_codec, group_size, raw, encoded, ratio, measured_at, other)
+    measured_at = codec.mode + (f" ({RATIO_MEASURED_AT[codec.mode]})" if codec.mode in RATIO_MEASURED_AT else "")
+    return SizeEstimate(
+        codec=codec, hidden_raw_bf16=num_layers * hidden_size * 2,
+        hidden_encoded=codec.bytes_per_token(num_layers, hidden_size), hidden_ratio=HIDDEN_STAGE_RATIO[codec.mode],
+        ratio_measured_at=measured_at, other_raw=4 + 1 + topk * (4 + TOPK_DTYPE_BYTES[topk_dtype]))
 
 
 # ----------------------------------------------------------------------------- time
@@ -277,8 +264,7 @@ def run_space_problem(cfg, spec, planned: dict[int, dict[str, int]], committed: 
     """Before a run's workers write: the message where ``cfg.out`` has less free space than the
     estimate of what is left to write (each shard's planned ``tokens``/``samples`` minus its
     ``committed`` counts, so a resumed run needs only the rest), else None."""
-    codec, group_size, topk_dtype = run_codec(cfg)
-    size = size_estimate(spec.num_layers, spec.hidden_size, spec.topk, codec, group_size, topk_dtype)
+    size = size_estimate(spec.num_layers, spec.hidden_size, spec.topk, spec.codec, spec.topk_dtype)
     tokens = sum(max(0, p["tokens"] - (committed[s].tokens if s in committed else 0)) for s, p in planned.items())
     samples = sum(max(0, p["samples"] - (committed[s].samples if s in committed else 0)) for s, p in planned.items())
     needed = size.total(tokens, samples)

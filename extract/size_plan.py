@@ -145,11 +145,12 @@ def plan_run(cfg: ExtractConfig) -> RunPlan:
         raise ExtractFailed(f"--layers: {e}") from e
     if cfg.topk > model_config.vocab_size:
         raise ExtractFailed(f"--topk {cfg.topk} exceeds the vocabulary size {model_config.vocab_size}")
-    codec, group_size, topk_dtype = run_codec(cfg)
     try:
-        size = size_estimate(len(layers), model_config.hidden_size, cfg.topk, codec, group_size, topk_dtype)
+        codec, topk_dtype = run_codec(cfg)
+        size = size_estimate(len(layers), model_config.hidden_size, cfg.topk, codec, topk_dtype)
     except ValueError as e:
-        raise ExtractFailed(str(e)) from e
+        raise ExtractFailed(f"--hidden-codec {cfg.hidden_codec}, --hidden-group-size {cfg.hidden_group_size}: "
+                            f"{e}") from e
     try:
         ds = load_source(cfg.data, cfg.split or "train")
         counts = count_run(cfg, tokenizer, ds, num_shards, progress=cfg.progress)
@@ -174,8 +175,6 @@ def format_plan(p: RunPlan, cfg: ExtractConfig) -> str:
     c, s, t = p.counts, p.size, p.time
     skipped = ", ".join(f"{k}={v:,}" for k, v in c.skipped.items()) or "none"
     share = f", {c.assistant_tokens / c.tokens:.1%}" if c.tokens else ""
-    codec = "bf16, lossless" if s.hidden_codec == "bf16" else s.hidden_codec + (
-        f", groups of {s.group_size}" if s.group_size else "")
     lines = [
         f"plan of dflash-extract (nothing computed, nothing written): {p.data} -> {p.out}",
         f"  rows             {c.rows:,} in {c.shards} shard{'s' if c.shards != 1 else ''}",
@@ -184,7 +183,7 @@ def format_plan(p: RunPlan, cfg: ExtractConfig) -> str:
         f"  tokens           {c.tokens:,} ({c.assistant_tokens:,} assistant{share}); longest sample {c.longest:,}; "
         f"{c.padded_tokens:,} computed with the batches' padding",
         f"  cache            layers {','.join(map(str, p.layers))} of {p.num_target_layers} (hidden size "
-        f"{p.hidden_size:,}), top-{p.topk}, hidden codec {codec}",
+        f"{p.hidden_size:,}), top-{p.topk} ({cfg.topk_dtype}), hidden {s.codec.describe()}",
         f"  on disk          about {size_text(p.expected_bytes)} ({s.per_token:,.0f} B/token: hidden states "
         f"{s.hidden_per_token:,.0f}, the rest {s.other_per_token:,.0f}; raw bf16 hidden states "
         f"{s.hidden_raw_bf16:,} B/token). An estimate: {s.hidden_encoded:,} encoded B/token x the "
