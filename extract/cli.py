@@ -26,6 +26,9 @@ def main(**kw) -> None:
     from .runner import ExtractFailed, format_summary, run
 
     cfg = validated(build(ExtractConfig, kw))
+    if cfg.plan:
+        _plan(cfg)
+        return
     summary_json = cfg.summary_json
     try:
         summary = run(cfg)
@@ -38,6 +41,24 @@ def main(**kw) -> None:
     if summary_json:
         with open(summary_json, "w") as f:
             json.dump(summary, f, indent=2, sort_keys=True)
+            f.write("\n")
+
+
+def _plan(cfg: ExtractConfig) -> None:
+    """``--plan``: the report (or ``--json``) on stdout, also written to ``--summary-json`` where given."""
+    from .runner import ExtractFailed
+    from .size_plan import format_plan, plan_run
+
+    try:
+        plan = plan_run(cfg)
+    except ExtractFailed as e:
+        click.echo(f"dflash-extract: error: {e}", err=True)
+        sys.exit(1)
+    doc = plan.as_dict()
+    click.echo(json.dumps(doc, indent=2) if cfg.json else format_plan(plan, cfg))
+    if cfg.summary_json:
+        with open(cfg.summary_json, "w") as f:
+            json.dump(doc, f, indent=2, sort_keys=True)
             f.write("\n")
 
 

@@ -9,7 +9,7 @@ from typing import Any, Literal, get_args
 
 from dflash.shared.cache import ZSTD_LEVELS  # noqa: F401  (the cache's levels, checked here)
 from dflash.shared.cli_options import check_choices
-from dflash.shared.layers import default_layer_ids  # noqa: F401  (extraction's default, shared with training)
+from dflash.shared.layers import check_layer_ids, default_layer_ids  # extraction's default, shared with training
 
 Truncation = Literal["right", "skip", "error"]
 BadRowPolicy = Literal["error", "skip"]
@@ -124,6 +124,13 @@ class ExtractConfig:
     """Show the progress bar (stderr)."""
     wait_for_lock: bool = False
     """A shard another live run is writing: wait until it is released, instead of stopping with its holder named."""
+    plan: bool = False
+    """Only plan: tokenise and count the rows as the run would, estimate its bytes on disk and GPU-hours, and exit
+    (no target forward, no weights loaded, nothing written)."""
+    json: bool = False
+    """With --plan: print the plan as one JSON document instead of the report."""
+    ignore_free_space: bool = False
+    """Start even where the output's free space is below the estimate of what the run still has to write."""
     wait_for_root_s: float = 600.0
     """Multi-node: how long non-zero ranks wait for rank 0 to create the cache root."""
     batch_delay_s: float = field(default=0.0, metadata={"hidden": True})
@@ -173,6 +180,12 @@ class ExtractConfig:
             json.dumps(self.template_kwargs, allow_nan=False)
         except (TypeError, ValueError) as e:
             raise ValueError(f"--template-kwargs must hold JSON values only (they are fingerprinted): {e}") from None
+
+    def layer_ids(self, num_target_layers: int) -> list[int]:
+        """The target layers this run stores (--layers, or the default spread); ValueError where they cannot work."""
+        layers = list(self.layers) if self.layers is not None else default_layer_ids(num_target_layers)
+        check_layer_ids(layers, num_target_layers)
+        return layers
 
     @property
     def render_kwargs(self) -> dict[str, Any]:

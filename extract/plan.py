@@ -42,6 +42,8 @@ class PlannedShard:
     """(T,) bool: the matching assistant mask."""
     skips: SkipCounter
     """Why rows of the slice were not planned (also in ``plan.skipped``)."""
+    truncated: int = 0
+    """Planned samples cut to max_length by right truncation."""
 
     @property
     def assistant_tokens(self) -> int:
@@ -93,6 +95,7 @@ def plan_shard(rows, row_offset: int, source: str, tokenizer, cfg: ExtractConfig
     kept_rows: list[int] = []
     ids: list[np.ndarray] = []
     masks: list[np.ndarray] = []
+    truncated = 0
     render_kwargs = cfg.render_kwargs
 
     def one(row: dict, index: int):
@@ -111,6 +114,7 @@ def plan_shard(rows, row_offset: int, source: str, tokenizer, cfg: ExtractConfig
             kept_rows.append(index)
             ids.append(sample.input_ids)
             masks.append(sample.loss_mask)
+            truncated += sample.truncated
         if on_row is not None and done % 256 == 0:
             on_row(done)
     if on_row is not None:
@@ -126,4 +130,4 @@ def plan_shard(rows, row_offset: int, source: str, tokenizer, cfg: ExtractConfig
         loss_mask = np.concatenate([masks[i] for i in order]).astype(bool, copy=False)
     else:
         input_ids, loss_mask = np.zeros(0, np.int32), np.zeros(0, bool)
-    return PlannedShard(plan=plan, input_ids=input_ids, loss_mask=loss_mask, skips=skips)
+    return PlannedShard(plan=plan, input_ids=input_ids, loss_mask=loss_mask, skips=skips, truncated=truncated)

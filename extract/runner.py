@@ -16,6 +16,7 @@ its shards commits.
 
 from __future__ import annotations
 
+import functools
 import logging
 import multiprocessing as mp
 import os
@@ -33,11 +34,11 @@ from dflash.shared.cache import (
 from dflash.shared.fingerprint import target_fingerprint, tokenizer_fingerprint
 from dflash.shared.inspect import cache_info
 from dflash.shared.shard_lock import ShardLock
-from dflash.shared.layers import check_layer_ids
 
 from .chat import end_of_turn_id, mask_method
-from .config import ExtractConfig, default_layer_ids
+from .config import ExtractConfig
 from .data import DataError, dataset_fingerprint, load_source
+from .estimates import run_space_problem
 from .tokenizer import load_tokenizer
 from .worker import WorkerTask, worker_main
 
@@ -48,7 +49,8 @@ log = logging.getLogger(__name__)
 # with others would mix two roundings in one cache
 FINGERPRINTED = ("topk", "max_length", "truncation", "min_length", "on_bad_row", "batch_tokens",
                  "chunk_tokens", "compression_level", "attn_implementation", "lm_head_chunk")
-NOT_RECORDED = ("out", "summary_json", "progress", "batch_delay_s", "wait_for_lock")
+NOT_RECORDED = ("out", "summary_json", "progress", "batch_delay_s", "wait_for_lock", "plan", "json",
+                "ignore_free_space")
 
 
 class ExtractFailed(Exception):
@@ -88,8 +90,7 @@ def build_spec(cfg: ExtractConfig, tokenizer, model_config, ds, num_shards: int)
     """The root CacheSpec of this run: shapes, fingerprint (compared on reopen) and info."""
     num_layers = model_config.num_hidden_layers
     try:
-        layers = list(cfg.layers) if cfg.layers is not None else default_layer_ids(num_layers)
-        check_layer_ids(layers, num_layers)
+        layers = cfg.layer_ids(num_layers)
     except ValueError as e:
         raise ExtractFailed(f"--layers: {e}") from e
     if cfg.topk > model_config.vocab_size:
@@ -364,7 +365,9 @@ def run(cfg: ExtractConfig) -> dict[str, Any]:
     tasks = [WorkerTask(cfg=cfg, shard_id=s, num_shards=num_shards, device=d,
                         cpu_threads=threads if cfg.device == "cpu" else None)
              for s, d in zip(shard_ids, devices)]
-    counts = _run_workers(tasks, cfg, phases)
+    committed = {s: st.commit for s, st in states.items() if st is not None}
+    space_check = None if cfg.ignore_free_space else functools.partial(run_space_problem, cfg, spec, committed=committed)
+    counts = _run_workers(tasks, cfg, phases, before_go=space_check)
 
     summary = summarize(cfg.out, shard_ids)
     phases.mark("summary")
@@ -375,7 +378,7 @@ def run(cfg: ExtractConfig) -> dict[str, Any]:
     if counts["errors"]:
         summary["errors"] = counts["errors"]
         message = "\n".join(counts["errors"])
-        if counts["categories"] - {"data", "cache", "locked"}:  # work was lost or stopped midway: show what is safe
+        if counts["categories"] - {"data", "cache", "locked", "space"}:  # work was lost or stopped midway: show what is safe
             message += "\n\n" + format_summary(summary)
         raise ExtractFailed(message)
     if counts["interrupted"]:
@@ -404,10 +407,13 @@ class Phases:
         return {"started_at": self.started_at, "seconds": dict(self.seconds)}
 
 
-def _run_workers(tasks: list[WorkerTask], cfg: ExtractConfig, phases: Phases | None = None) -> dict[str, Any]:
+def _run_workers(tasks: list[WorkerTask], cfg: ExtractConfig, phases: Phases | None = None,
+                 before_go=None) -> dict[str, Any]:
     """Spawn the workers, feed the progress bar, collect how each one ended; marks the
     workers' start (spawn, imports), planning, model load and first batch, the forward loop
-    and the end (drain, final commit, exit) in ``phases``."""
+    and the end (drain, final commit, exit) in ``phases``. ``before_go(planned)``, given each
+    shard's planned ``tokens`` and ``samples`` once all have planned, returns why the workers
+    must not start writing (they are stopped), or None."""
     phases = phases or Phases(time.time())
     seen: dict[str, float] = {}
 
@@ -428,7 +434,7 @@ def _run_workers(tasks: list[WorkerTask], cfg: ExtractConfig, phases: Phases | N
     errors: list[str] = []
     categories: set[str] = set()
     planned: dict[int, dict] = {}
-    ready: set[int] = set()
+    ready: dict[int, dict] = {}
     timing: dict[int, dict] = {}
     samples = tokens = 0
     t_first = t_last = None
@@ -440,9 +446,20 @@ def _run_workers(tasks: list[WorkerTask], cfg: ExtractConfig, phases: Phases | N
         if kind == "planning":
             first("workers_start")
         if kind == "plan_ready":
-            ready.add(shard)
+            ready[shard] = f
             if len(ready) == len(tasks):
-                go.set()
+                problem = None
+                try:
+                    problem = before_go(ready) if before_go is not None else None
+                except Exception as e:  # noqa: BLE001 - a check that fails must not leave the workers waiting
+                    bar.write(f"dflash-extract: warning: the free-space check failed ({type(e).__name__}: {e}); "
+                              "starting without it", file=sys.stderr)
+                if problem is None:
+                    go.set()
+                else:
+                    categories.add("space")
+                    errors.append(problem)
+                    stop.set()
                 first("planning")
         elif kind == "planned":
             planned[shard] = f

@@ -265,7 +265,7 @@ def _run_shard(task: WorkerTask, report, stop, go, lock: ShardLock) -> dict[str,
     report("planning", rows=stop_row - start, done=0)
     planned = plan_shard(rows, start, cfg.data, tokenizer, cfg,
                          on_row=lambda done: report("planning", rows=stop_row - start, done=done))
-    report("plan_ready")
+    report("plan_ready", tokens=planned.plan.num_tokens, samples=len(planned.plan.source_index))
     setup = {"plan_s": time.perf_counter() - t_begin}
     while go is not None and not go.wait(0.2):  # until every worker of the node has planned
         if stop is not None and stop.is_set():
