@@ -190,7 +190,8 @@ def format_plan(p: RunPlan, cfg: ExtractConfig) -> str:
         f"the compression measured for {s.ratio_measured_at}",
     ]
     if p.free is not None:
-        enough = "enough" if p.free[0] >= p.expected_bytes else "NOT enough: a run would refuse to start"
+        enough = ("enough for the whole run" if p.free[0] >= p.expected_bytes
+                  else "NOT enough for the whole run: a fresh run would refuse to start")
         lines.append(f"  free space       {size_text(p.free[0])} at {p.free[1]} ({enough})")
     ref = t.reference
     lines.append(
