@@ -379,7 +379,7 @@ def run(cfg: ExtractConfig) -> dict[str, Any]:
     if counts["errors"]:
         summary["errors"] = counts["errors"]
         message = "\n".join(counts["errors"])
-        if counts["categories"] - {"data", "cache", "locked", "space"}:  # work was lost or stopped midway: show what is safe
+        if counts["categories"] - {"data", "cache", "locked", "space"}:  # lost or stopped midway: show what is safe
             message += "\n\n" + format_summary(summary)
         raise ExtractFailed(message)
     if counts["interrupted"]:
