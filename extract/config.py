@@ -163,6 +163,8 @@ class ExtractConfig:
         if self.hidden_codec == "int4" and self.hidden_group_size % 2:
             raise ValueError(f"--hidden-group-size {self.hidden_group_size}: int4 packs two channels a byte, "
                              "so its groups must be even")
+        if self.json and not self.plan:
+            raise ValueError("--json goes with --plan (a run writes its summary as JSON with --summary-json PATH)")
         if self.min_length > self.max_length:
             raise ValueError(f"min_length {self.min_length} exceeds max_length {self.max_length}")
         self._validate_template_kwargs()

@@ -131,7 +131,7 @@ def size_estimate(num_layers: int, hidden_size: int, topk: int, codec: "HiddenCo
         codec = HiddenCodec("bf16")
     if topk_dtype not in TOPK_DTYPE_BYTES:
         raise ValueError(f"top-k dtype {topk_dtype!r}: expected one of {sorted(TOPK_DTYPE_BYTES)}")
-    measured_at = codec.mode + (f" ({RATIO_MEASURED_AT[codec.mode]})" if codec.mode in RATIO_MEASURED_AT else "")
+    measured_at = codec.mode + (f", {RATIO_MEASURED_AT[codec.mode]}" if codec.mode in RATIO_MEASURED_AT else "")
     return SizeEstimate(
         codec=codec, hidden_raw_bf16=num_layers * hidden_size * 2,
         hidden_encoded=codec.bytes_per_token(num_layers, hidden_size), hidden_ratio=HIDDEN_STAGE_RATIO[codec.mode],

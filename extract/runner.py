@@ -366,7 +366,8 @@ def run(cfg: ExtractConfig) -> dict[str, Any]:
                         cpu_threads=threads if cfg.device == "cpu" else None)
              for s, d in zip(shard_ids, devices)]
     committed = {s: st.commit for s, st in states.items() if st is not None}
-    space_check = None if cfg.ignore_free_space else functools.partial(run_space_problem, cfg, spec, committed=committed)
+    space_check = None if cfg.ignore_free_space else functools.partial(run_space_problem, cfg, spec,
+                                                                        committed=committed)
     counts = _run_workers(tasks, cfg, phases, before_go=space_check)
 
     summary = summarize(cfg.out, shard_ids)
@@ -378,7 +379,7 @@ def run(cfg: ExtractConfig) -> dict[str, Any]:
     if counts["errors"]:
         summary["errors"] = counts["errors"]
         message = "\n".join(counts["errors"])
-        if counts["categories"] - {"data", "cache", "locked", "space"}:  # work was lost or stopped midway: show what is safe
+        if counts["categories"] - {"data", "cache", "locked", "space"}:  # lost or stopped midway: show what is safe
             message += "\n\n" + format_summary(summary)
         raise ExtractFailed(message)
     if counts["interrupted"]:

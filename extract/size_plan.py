@@ -186,11 +186,12 @@ def format_plan(p: RunPlan, cfg: ExtractConfig) -> str:
         f"{p.hidden_size:,}), top-{p.topk} ({cfg.topk_dtype}), hidden {s.codec.describe()}",
         f"  on disk          about {size_text(p.expected_bytes)} ({s.per_token:,.0f} B/token: hidden states "
         f"{s.hidden_per_token:,.0f}, the rest {s.other_per_token:,.0f}; raw bf16 hidden states "
-        f"{s.hidden_raw_bf16:,} B/token). An estimate: {s.hidden_encoded:,} encoded B/token x the "
-        f"compression measured for {s.ratio_measured_at} ({s.hidden_ratio:.3f})",
+        f"{s.hidden_raw_bf16:,} B/token). An estimate: {s.hidden_encoded:,} encoded B/token x {s.hidden_ratio:.3f}, "
+        f"the compression measured for {s.ratio_measured_at}",
     ]
     if p.free is not None:
-        enough = "enough" if p.free[0] >= p.expected_bytes else "NOT enough: a run would refuse to start"
+        enough = ("enough for the whole run" if p.free[0] >= p.expected_bytes
+                  else "NOT enough for the whole run: a fresh run would refuse to start")
         lines.append(f"  free space       {size_text(p.free[0])} at {p.free[1]} ({enough})")
     ref = t.reference
     lines.append(

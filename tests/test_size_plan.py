@@ -233,8 +233,11 @@ def test_the_plan_estimates_the_chosen_codec_and_refuses_one_that_cannot_work(da
     assert result.exit_code == 0, result.output
     plan = json.loads(result.output)
     assert plan["bytes"]["hidden_codec"] == "int4"
-    assert plan["bytes"]["hidden_encoded_per_token"] == HiddenCodec("int4", 16).bytes_per_token(len(LAYERS), hidden_size)
+    encoded = HiddenCodec("int4", 16).bytes_per_token(len(LAYERS), hidden_size)
+    assert plan["bytes"]["hidden_encoded_per_token"] == encoded
     lossless = json.loads(CliRunner().invoke(extract_main, args).output)
     assert plan["bytes"]["expected"] < lossless["bytes"]["expected"]
     result = CliRunner().invoke(extract_main, [*args, "--hidden-codec", "int8", "--hidden-group-size", "48"])
     assert result.exit_code == 1 and "--hidden-group-size 48" in result.output and "not a multiple" in result.output
+    result = CliRunner().invoke(extract_main, [a for a in args if a != "--plan"])
+    assert result.exit_code == 2 and "--json goes with --plan" in result.output
