@@ -43,7 +43,7 @@ from .config import ExtractConfig
 from .cpu_time import thread_cpu, thread_cpu_by_name
 from .data import DataError, load_source
 from .launch import WorkerTask
-from .plan import PlannedShard, plan_shard, shard_rows
+from .plan import PlannedShard, plan_shard, planning_processes, shard_rows
 from .target import TargetRunner, compute_environment, head_backend_for, load_target
 from .tokenizer import load_tokenizer
 
@@ -255,7 +255,8 @@ class Planner:
             rows = ds.select(range(start, stop_row)) if hasattr(ds, "select") else ds[start:stop_row]
             report("planning", rows=stop_row - start, done=0)
             self.planned = plan_shard(rows, start, cfg.data, self.tokenizer, cfg,
-                                      on_row=lambda done: report("planning", rows=stop_row - start, done=done))
+                                      on_row=lambda done: report("planning", rows=stop_row - start, done=done),
+                                      processes=planning_processes(cfg, stop_row - start))
         except BaseException as e:  # noqa: BLE001 - raised again on the main thread by result()
             self.error = e
         self.seconds = round(time.perf_counter() - t, 3)
