@@ -3,7 +3,8 @@
 #   bash bench/extract_write_paths.sh paths   # 400 x 2048 tokens, 3 runs of the write path (the writer thread, zarrs)
 #   bash bench/extract_write_paths.sh fixed   # dflash-extract end to end, 256 x 2048: where the time outside the loop goes
 #     RUNS="before after after" BEFORE_NS=DIR: a run labelled "before" imports dflash from DIR (DIR/dflash holds
-#     shared, extract, ... of the older code), the others this checkout's; each run's phases go to fixed_costs.log
+#     shared, extract, ... of the older code), the others this checkout's; each run's phases go to fixed_costs.log;
+#     BUILD_ARGS="--layers 8" builds the target with fewer layers (same width and vocabulary)
 # Run from the repository root with zarr, numcodecs, donfig, zarrs... importable (the device tool: carry the wheels);
 # logs go to $OUT. Qwen3-8B-shaped target with random weights, built once under /tmp/xbench.
 set -u
@@ -20,7 +21,7 @@ paths)   # the comparison of BENCHMARKS.md (thread + zarr's pipeline / thread + 
       --variants 1 --repeat 3 2>&1 | quiet | grep -v "it/s\]" | tee "$OUT/write_paths.log"
   ;;
 fixed)   # the CLI as a user runs it; imports = the summary's started_at minus the shell's clock before the call
-  python3 bench/extract_bench.py --samples 256 --length 2048 --build-only 2>&1 | quiet | tail -1
+  python3 bench/extract_bench.py --samples 256 --length 2048 --build-only ${BUILD_ARGS:-} 2>&1 | quiet | tail -1
   run=0
   for label in ${RUNS:-after after}; do
     run=$((run + 1))
