@@ -24,6 +24,8 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import threading
+import time
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from typing import Callable
@@ -175,7 +177,16 @@ def _pool_start(cfg: ExtractConfig) -> None:
     global _pool_tokenizer
     from .tokenizer import load_tokenizer
 
+    threading.Thread(target=_exit_with_parent, args=(os.getppid(),), daemon=True).start()
     _pool_tokenizer = load_tokenizer(cfg)
+
+
+def _exit_with_parent(parent: int) -> None:
+    """End this pool process once the worker that started it is gone (killed before the cache
+    root was ready, or by the OOM killer): an orphaned pool process would wait for work forever."""
+    while os.getppid() == parent:
+        time.sleep(0.5)
+    os._exit(1)
 
 
 def _pool_tokenise(rows: list, row_offset: int, source: str, cfg: ExtractConfig):
