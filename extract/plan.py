@@ -173,18 +173,18 @@ def tokenise_rows(rows, row_offset: int, source: str, tokenizer, cfg: ExtractCon
 _pool_tokenizer = None  # a pool process's own tokenizer, loaded once by _pool_start
 
 
-def _pool_start(cfg: ExtractConfig) -> None:
+def _pool_start(cfg: ExtractConfig, parent: int) -> None:
     global _pool_tokenizer
     from .tokenizer import load_tokenizer
 
-    threading.Thread(target=_exit_with_parent, args=(os.getppid(),), daemon=True).start()
+    threading.Thread(target=_exit_with_parent, args=(parent,), daemon=True).start()
     _pool_tokenizer = load_tokenizer(cfg)
 
 
 def _exit_with_parent(parent: int) -> None:
     """End this pool process once the worker that started it is gone (killed before the cache
     root was ready, or by the OOM killer): an orphaned pool process would wait for work forever."""
-    while os.getppid() == parent:
+    while os.getppid() == parent:  # ``parent`` passed in: this process may start after it died
         time.sleep(0.5)
     os._exit(1)
 
@@ -206,7 +206,7 @@ def _tokenise_pooled(rows, row_offset: int, source: str, cfg: ExtractConfig,
     ids: list[np.ndarray] = []
     masks: list[np.ndarray] = []
     with ProcessPoolExecutor(max_workers=processes, mp_context=mp.get_context("spawn"),
-                             initializer=_pool_start, initargs=(cfg,)) as pool:
+                             initializer=_pool_start, initargs=(cfg, os.getpid())) as pool:
         try:
             futures = [pool.submit(_pool_tokenise, _row_list(rows, a, b), row_offset + a, source, cfg)
                        for a, b in zip(bounds, bounds[1:])]
