@@ -1,7 +1,7 @@
 """One extraction worker: one process, one device, one shard.
 
-plan (tokenise the slice, on a thread) beside the model load and the compiled head (main
-thread) -> lock (one writer per shard, ``shared/shard_lock.py``) -> ShardWriter (resume point) -> forward loop on the main thread -> writer thread. The forward loop copies each batch's outputs device->host
+plan (on a thread, beside the model load) -> lock (one writer per shard, ``shared/shard_lock.py``) ->
+ShardWriter (resume point) -> forward loop on the main thread -> writer thread. The forward loop copies each batch's outputs device->host
 into freshly allocated pinned buffers (PyTorch's caching host allocator recycles them)
 with ``non_blocking`` on a side stream (so the copy overlaps the next forward) and
 records a CUDA event; the writer thread waits on that event (blocking events: a waiting
@@ -198,9 +198,9 @@ def run_shard(task: WorkerTask, report, stop: threading.Event | Any | None = Non
     early stop: whatever is written gets committed, then ``Stopped``. ``root_ready`` (an Event),
     where given, is awaited before the model load: the parent has prepared the cache root and
     found no live run writing these shards (a refused run loads no model onto a busy GPU).
-    ``go`` (an Event), where given, is awaited between planning and locking (reported as
-    "plan_ready") and touching the shard, so that a bad row in any shard's slice stops the run
-    before another shard has committed anything (see ``runner``).
+    ``go`` (an Event), where given, is awaited once planned and locked (reported as
+    "plan_ready"), before the shard is touched, so that a bad row in any shard's slice stops
+    the run before another shard has committed anything (see ``runner``).
     """
     cfg = task.cfg
     if task.cpu_threads:
@@ -343,7 +343,7 @@ def _run_shard(task: WorkerTask, planned: PlannedShard, runner: TargetRunner | N
         if not writer.state.complete:
             writer.finish()
         return writer.committed
-    if runner is None:  # complete when the model load was skipped, not any more: another run wrote it
+    if runner is None:  # the shard was complete when the model load was skipped; another run changed it since
         runner = _target_runner(cfg, spec, device, timing)
     try:
         return _extract(cfg, planned, writer, device, runner, pad_id=pad_id, report=report, stop=stop,
