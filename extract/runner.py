@@ -281,6 +281,8 @@ def run(cfg: ExtractConfig, workers: Workers | None = None) -> dict[str, Any]:
     try:
         cfg.validate()
     except ValueError as e:
+        if workers is not None:
+            workers.kill()
         raise ExtractFailed(str(e)) from e
     layout = node_layout()
     if workers is None:
