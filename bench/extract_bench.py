@@ -43,7 +43,7 @@ def build(work: Path, args) -> tuple[Path, Path]:
         tok = build_tokenizer(work / "tok", vocab_size=512)
         cfg = Qwen3Config(hidden_size=args.hidden, intermediate_size=args.intermediate,
                           num_hidden_layers=args.layers, num_attention_heads=32, num_key_value_heads=8,
-                          head_dim=128, vocab_size=151936, max_position_embeddings=40960,
+                          head_dim=128, vocab_size=args.vocab, max_position_embeddings=40960,
                           tie_word_embeddings=False)
         torch.manual_seed(0)
         with torch.device(args.device):
@@ -99,6 +99,7 @@ def main():
     p.add_argument("--layers", type=int, default=36)
     p.add_argument("--hidden", type=int, default=4096)
     p.add_argument("--intermediate", type=int, default=12288)
+    p.add_argument("--vocab", type=int, default=151936, help="the target's vocabulary (a CPU dry run: 512, the tokenizer's)")
     p.add_argument("--batch-tokens", type=int, default=8192)
     p.add_argument("--work", default="/tmp/xbench")
     p.add_argument("--device", default="cuda", help="cuda, or cpu for a dry run of the script")

@@ -2,6 +2,10 @@
 # Stage one's write path and fixed costs on the GPU host (BENCHMARKS.md, "One write path"):
 #   bash bench/extract_write_paths.sh paths   # 400 x 2048 tokens, 3 runs of the write path (the writer thread, zarrs)
 #   bash bench/extract_write_paths.sh fixed   # dflash-extract end to end, 256 x 2048: where the time outside the loop goes
+#     RUNS="before after after" BEFORE_NS=DIR: a run labelled "before" imports dflash from DIR (DIR/dflash holds
+#     shared, extract, ... of the older code), the others this checkout's; each run's phases go to fixed_costs.log;
+#     BUILD_ARGS="--layers 8" builds the target with fewer layers (same width and vocabulary);
+#     WORK (default /tmp/xbench) holds target, rows and cache; DEVICE_ARGS (default --gpus 0) picks the device
 # Run from the repository root with zarr, numcodecs, donfig, zarrs... importable (the device tool: carry the wheels);
 # logs go to $OUT. Qwen3-8B-shaped target with random weights, built once under /tmp/xbench.
 set -u
@@ -18,16 +22,20 @@ paths)   # the comparison of BENCHMARKS.md (thread + zarr's pipeline / thread + 
       --variants 1 --repeat 3 2>&1 | quiet | grep -v "it/s\]" | tee "$OUT/write_paths.log"
   ;;
 fixed)   # the CLI as a user runs it; imports = the summary's started_at minus the shell's clock before the call
-  python3 bench/extract_bench.py --samples 256 --length 2048 --build-only 2>&1 | quiet | tail -1
-  for run in $(seq ${RUNS:-2}); do
-    rm -rf /tmp/xbench/cli.zarr
+  WORK=${WORK:-/tmp/xbench}
+  python3 bench/extract_bench.py --samples 256 --length 2048 --build-only --work "$WORK" ${BUILD_ARGS:-} 2>&1 | quiet | tail -1
+  run=0
+  for label in ${RUNS:-after after}; do
+    run=$((run + 1))
+    rm -rf "$WORK/cli.zarr"
+    path=${PYTHONPATH:-}; [ "$label" = before ] && path=$BEFORE_NS:$path
     t0=$(date +%s.%N)
-    timeout 200 python3 -m dflash.extract.cli --data /tmp/xbench/rows.jsonl --model /tmp/xbench/target \
-        --out /tmp/xbench/cli.zarr --gpus 0 --max-length 2048 --batch-tokens 8192 --no-progress \
+    PYTHONPATH=$path timeout 200 python3 -m dflash.extract.cli --data "$WORK/rows.jsonl" --model "$WORK/target" \
+        --out "$WORK/cli.zarr" ${DEVICE_ARGS:---gpus 0} --max-length 2048 --batch-tokens 8192 --no-progress \
         --summary-json "$OUT/fixed_summary_$run.json" ${EXTRA:-} 2>&1 | quiet | tail -20
     t1=$(date +%s.%N)
     python3 -c "import json,sys; s=json.load(open('$OUT/fixed_summary_$run.json')); p=s['phases']; \
-print(json.dumps({'run': $run, 'total_s': round($t1 - $t0, 2), 'imports_s': round(p['started_at'] - $t0, 2), **p['seconds'], \
+print(json.dumps({'run': $run, 'code': '$label', 'total_s': round($t1 - $t0, 2), 'imports_s': round(p['started_at'] - $t0, 2), **p['seconds'], \
 'worker': {k: v for k, v in list(s['worker_seconds'].values())[0].items() if k.endswith('_s') and k != 'cpu_threads_s'}}))" \
         | tee -a "$OUT/fixed_costs.log"
   done

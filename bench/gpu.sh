@@ -12,6 +12,8 @@
 #   loader          bench/train_loop.py --out /tmp/tl --samples 20 --loader-workers 1,2,4,8 --loader-only 0.161
 #   compiled-path   bench/train_loop.py (300 variable-length steps, D 1024) --guards
 #   cuda-tests      python -m pytest -q -m cuda tests                 the tests that need a GPU
+#   start-profile   bench/extract_start_profile.py --head             dflash-extract's start, step by step (small target)
+#   extract-fixed   bench/extract_write_paths.sh fixed                the CLI end to end, 256 x 2048, its phases (RUNS, BEFORE_NS)
 # (time to the first training step has its own wrapper: bench/train_start_gpu.sh)
 set -u
 name=${1:-}
@@ -28,6 +30,8 @@ case "$name" in
                                                     --vocab 32000 --min-ctx 200 --ctx 3072 --buckets 1024,2048,3072
                                                     --anchors 256 --steps 300 --samples 256 --guards) ;;
   cuda-tests)    script=;                 defaults=() ;;
+  start-profile) script=extract_start_profile.py; defaults=(--model /tmp/xs/target --data /tmp/xs/rows.jsonl --head) ;;
+  extract-fixed) script=extract_write_paths.sh; defaults=(fixed) ;;
   *) echo "usage: bash bench/gpu.sh NAME [ARGS...]; NAME is one of those listed at the top of bench/gpu.sh" >&2; exit 2 ;;
 esac
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
@@ -36,11 +40,17 @@ python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . >/dev/n
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 { nproc; nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
   python3 -c "import torch, transformers, zarr, numcodecs; print(torch.__version__, transformers.__version__, zarr.__version__, numcodecs.__version__)"
-  python3 bench/matmul_peak.py; } > "$OUT/machine.txt" 2>&1
+  [ "$name" = extract-fixed ] || python3 bench/matmul_peak.py; } > "$OUT/machine.txt" 2>&1
 cat "$OUT/machine.txt"
 if [ $# -eq 0 ]; then set -- "${defaults[@]}"; fi
+if [ "$name" = start-profile ]; then  # a small target of the 8B's vocabulary and 256 rows of 2048 tokens
+  python3 bench/extract_bench.py --samples 256 --length 2048 --build-only --device cpu --work /tmp/xs --layers 4 \
+      --hidden 128 --intermediate 256 2>&1 | tail -1
+fi
 if [ -z "$script" ]; then
   timeout 570 python3 -m pytest -q -m cuda tests "$@" 2>&1 | tail -15 | tee "$OUT/$name.log"
+elif [ "${script%.sh}" != "$script" ]; then
+  OUT=$OUT timeout 570 bash "bench/$script" "$@" 2>&1 | tee "$OUT/$name.log"
 else
   timeout 570 python3 "bench/$script" "$@" 2>&1 | grep -v "^INFO:torch" | tee "$OUT/$name.log"
 fi

@@ -23,7 +23,7 @@ def main(**kw) -> None:
     workers and shards.
     """
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
-    from .runner import ExtractFailed, format_summary, run
+    from .launch import ExtractFailed, Workers, node_layout, node_tasks
 
     cfg = validated(build(ExtractConfig, kw))
     if cfg.plan:
@@ -31,7 +31,11 @@ def main(**kw) -> None:
         return
     summary_json = cfg.summary_json
     try:
-        summary = run(cfg)
+        # the workers start their imports and planning now, before this process imports torch
+        workers = Workers(node_tasks(cfg, node_layout()))
+        from .runner import format_summary, run
+
+        summary = run(cfg, workers)
     except ExtractFailed as e:
         click.echo(f"dflash-extract: error: {e}", err=True)
         sys.exit(1)

@@ -11,19 +11,18 @@ none of its shards committed a sample: then rank 0 replaces it (a run that faile
 first commit must not block the corrected rerun at the same ``--out``), and the other ranks
 wait for the replacement. The local workers touch the cache only once all of them have
 planned their slices, so a bad row (under ``--on-bad-row error``) stops a node before any of
-its shards commits.
+its shards commits. The workers start first (``launch``) and plan while this process prepares
+the root.
 """
 
 from __future__ import annotations
 
 import functools
 import logging
-import multiprocessing as mp
 import os
 import queue
 import sys
 import time
-from dataclasses import dataclass
 from typing import Any
 
 import zarr
@@ -40,7 +39,7 @@ from .config import ExtractConfig
 from .data import DataError, dataset_fingerprint, load_source
 from .estimates import run_space_problem
 from .tokenizer import load_tokenizer
-from .worker import WorkerTask, worker_main
+from .launch import ExtractFailed, NodeLayout, Workers, node_layout, node_tasks  # noqa: F401 - re-exported
 
 log = logging.getLogger(__name__)
 
@@ -49,32 +48,8 @@ log = logging.getLogger(__name__)
 # with others would mix two roundings in one cache
 FINGERPRINTED = ("topk", "max_length", "truncation", "min_length", "on_bad_row", "batch_tokens",
                  "chunk_tokens", "compression_level", "attn_implementation", "lm_head_chunk")
-NOT_RECORDED = ("out", "summary_json", "progress", "batch_delay_s", "wait_for_lock", "plan", "json",
-                "ignore_free_space")
-
-
-class ExtractFailed(Exception):
-    """A run that cannot go on; the message is for the user (no traceback needed)."""
-
-
-@dataclass
-class NodeLayout:
-    rank: int
-    """This node's index (torchrun RANK with one process per node; 0 outside torchrun)."""
-    nodes: int
-    """Number of nodes (torchrun WORLD_SIZE; 1 outside torchrun)."""
-
-
-def node_layout() -> NodeLayout:
-    """Read the torchrun environment only where it is set."""
-    if "WORLD_SIZE" not in os.environ:
-        return NodeLayout(0, 1)
-    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    if local_world != 1:
-        raise ExtractFailed(
-            f"LOCAL_WORLD_SIZE={local_world}: run one dflash-extract per node (torchrun --nproc-per-node 1); "
-            "it spawns one worker per GPU itself")
-    return NodeLayout(int(os.environ.get("RANK", "0")), int(os.environ["WORLD_SIZE"]))
+NOT_RECORDED = ("out", "summary_json", "progress", "batch_delay_s", "wait_for_lock", "compile_cache",
+                "plan_processes", "plan", "json", "ignore_free_space")
 
 
 def package_version() -> str:
@@ -310,19 +285,69 @@ def _time_lines(timing: list[dict[str, float]]) -> list[str]:
 # ----------------------------------------------------------------------------- run
 
 
-def run(cfg: ExtractConfig) -> dict[str, Any]:
-    """Extract (or resume) this node's shards; returns the summary. Raises ExtractFailed."""
+def run(cfg: ExtractConfig, workers: Workers | None = None) -> dict[str, Any]:
+    """Extract (or resume) this node's shards; returns the summary. Raises ExtractFailed.
+
+    ``workers``: this node's workers, already started (``launch``; the command line starts
+    them before it imports this module); started here otherwise. They plan while this
+    process prepares the root, and are killed if it fails or finds the shards complete.
+    """
     t_start = time.monotonic()
     phases = Phases(started_at=time.time())
     try:
         cfg.validate()
     except ValueError as e:
+        if workers is not None:
+            workers.kill()
         raise ExtractFailed(str(e)) from e
     layout = node_layout()
-    local = cfg.local_workers
-    num_shards = layout.nodes * local
-    shard_ids = [layout.rank * local + j for j in range(local)]
+    if workers is None:
+        workers = Workers(node_tasks(cfg, layout))
+    phases.mark("spawn")
+    try:
+        root, spec, shard_ids = _prepare(cfg, layout, phases)
+        states = read_shard_states(root, shard_ids)
+        done = all(st is not None and st.complete for st in states.values())
+        if not done:
+            _check_devices(cfg)
+    except BaseException:
+        workers.kill()  # planned at most, never touched the cache
+        raise
+    if done:
+        workers.kill()
+        summary = summarize(cfg.out, shard_ids)
+        summary.update(noop=True, samples_this_run=0, wall_s=time.monotonic() - t_start, tokens_per_s=None)
+        log.info("%s: shards %s already complete; nothing to do", cfg.out, shard_ids)
+        return summary
+    workers.root_ready.set()
+    committed = {s: st.commit for s, st in states.items() if st is not None}
+    space_check = None if cfg.ignore_free_space else functools.partial(run_space_problem, cfg, spec,
+                                                                        committed=committed)
+    counts = _run_workers(workers, cfg, phases, before_go=space_check)
 
+    summary = summarize(cfg.out, shard_ids)
+    phases.mark("summary")
+    wall = time.monotonic() - t_start
+    summary.update(noop=False, samples_this_run=counts["samples"], wall_s=wall, phases=phases.as_dict(),
+                   tokens_per_s=counts["tokens"] / counts["forward_s"] if counts["forward_s"] > 0 else None,
+                   worker_seconds={f"{s:05d}": t for s, t in sorted(counts["timing"].items())})
+    if counts["errors"]:
+        summary["errors"] = counts["errors"]
+        message = "\n".join(counts["errors"])
+        if counts["categories"] - {"data", "cache", "locked", "space"}:  # lost or stopped midway: show what is safe
+            message += "\n\n" + format_summary(summary)
+        raise ExtractFailed(message)
+    if counts["interrupted"]:
+        raise ExtractFailed("interrupted; every shard committed what it had. Rerun the same command to resume.\n\n"
+                            + format_summary(summary))
+    return summary
+
+
+def _prepare(cfg: ExtractConfig, layout: NodeLayout, phases: Phases) -> tuple[zarr.Group, CacheSpec, list[int]]:
+    """The parent's set-up: the run's spec (tokenizer, target config, dataset fingerprint), the
+    shard locks probed, the cache root prepared; returns the root, the spec and this node's shard ids."""
+    shard_ids = layout.shard_ids(cfg.local_workers)
+    num_shards = layout.nodes * cfg.local_workers
     from transformers import AutoConfig
 
     try:
@@ -344,14 +369,11 @@ def run(cfg: ExtractConfig) -> dict[str, Any]:
     check_shard_locks(cfg, shard_ids)
     root = prepare_root(cfg, spec, layout)
     phases.mark("cache_root")
+    return root, spec, shard_ids
 
-    states = read_shard_states(root, shard_ids)
-    if all(st is not None and st.complete for st in states.values()):
-        summary = summarize(cfg.out, shard_ids)
-        summary.update(noop=True, samples_this_run=0, wall_s=time.monotonic() - t_start, tokens_per_s=None)
-        log.info("%s: shards %s already complete; nothing to do", cfg.out, shard_ids)
-        return summary
 
+def _check_devices(cfg: ExtractConfig) -> None:
+    """The CUDA devices the run names exist."""
     if cfg.device == "cuda":
         import torch
 
@@ -360,32 +382,6 @@ def run(cfg: ExtractConfig) -> dict[str, Any]:
         missing = [g for g in cfg.gpus if g >= torch.cuda.device_count()]
         if missing:
             raise ExtractFailed(f"--gpus {missing}: only {torch.cuda.device_count()} CUDA devices are visible")
-    devices = cfg.worker_devices
-    threads = cfg.cpu_threads or max(1, (os.cpu_count() or 1) // local)
-    tasks = [WorkerTask(cfg=cfg, shard_id=s, num_shards=num_shards, device=d,
-                        cpu_threads=threads if cfg.device == "cpu" else None)
-             for s, d in zip(shard_ids, devices)]
-    committed = {s: st.commit for s, st in states.items() if st is not None}
-    space_check = None if cfg.ignore_free_space else functools.partial(run_space_problem, cfg, spec,
-                                                                        committed=committed)
-    counts = _run_workers(tasks, cfg, phases, before_go=space_check)
-
-    summary = summarize(cfg.out, shard_ids)
-    phases.mark("summary")
-    wall = time.monotonic() - t_start
-    summary.update(noop=False, samples_this_run=counts["samples"], wall_s=wall, phases=phases.as_dict(),
-                   tokens_per_s=counts["tokens"] / counts["forward_s"] if counts["forward_s"] > 0 else None,
-                   worker_seconds={f"{s:05d}": t for s, t in sorted(counts["timing"].items())})
-    if counts["errors"]:
-        summary["errors"] = counts["errors"]
-        message = "\n".join(counts["errors"])
-        if counts["categories"] - {"data", "cache", "locked", "space"}:  # lost or stopped midway: show what is safe
-            message += "\n\n" + format_summary(summary)
-        raise ExtractFailed(message)
-    if counts["interrupted"]:
-        raise ExtractFailed("interrupted; every shard committed what it had. Rerun the same command to resume.\n\n"
-                            + format_summary(summary))
-    return summary
 
 
 class Phases:
@@ -399,8 +395,9 @@ class Phases:
         self.seconds: dict[str, float] = {}
 
     def mark(self, name: str, at: float | None = None) -> None:
-        """The step ``name`` ended now (or at monotonic time ``at``)."""
-        at = time.monotonic() if at is None else at
+        """The step ``name`` ended now (or at monotonic time ``at``); a step of the workers that
+        ended while the parent's set-up was still under way counts only the seconds it added."""
+        at = max(self._last, time.monotonic() if at is None else at)
         self.seconds[name] = round(self.seconds.get(name, 0.0) + at - self._last, 3)
         self._last = at
 
@@ -408,13 +405,14 @@ class Phases:
         return {"started_at": self.started_at, "seconds": dict(self.seconds)}
 
 
-def _run_workers(tasks: list[WorkerTask], cfg: ExtractConfig, phases: Phases | None = None,
+def _run_workers(workers: Workers, cfg: ExtractConfig, phases: Phases | None = None,
                  before_go=None) -> dict[str, Any]:
-    """Spawn the workers, feed the progress bar, collect how each one ended; marks the
-    workers' start (spawn, imports), planning, model load and first batch, the forward loop
-    and the end (drain, final commit, exit) in ``phases``. ``before_go(planned)``, given each
-    shard's planned ``tokens`` and ``samples`` once all have planned, returns why the workers
-    must not start writing (they are stopped), or None."""
+    """Feed the progress bar from the started workers, let them write once all have planned,
+    collect how each one ended; marks the workers' start (spawn, imports), planning (with the
+    model load and the compiled head beside it), the first batch, the forward loop and the end
+    (drain, final commit, exit) in ``phases``. ``before_go(planned)``, given each shard's
+    planned ``tokens`` and ``samples`` once all have planned, returns why the workers must not
+    start writing (they are stopped), or None."""
     phases = phases or Phases(time.time())
     seen: dict[str, float] = {}
 
@@ -422,15 +420,7 @@ def _run_workers(tasks: list[WorkerTask], cfg: ExtractConfig, phases: Phases | N
         seen.setdefault(event, time.monotonic())
     from tqdm import tqdm
 
-    ctx = mp.get_context("spawn")
-    messages = ctx.Queue()
-    stop = ctx.Event()
-    go = ctx.Event()  # set once every worker has planned: none writes before all slices are known to be good
-    procs = {t.shard_id: ctx.Process(target=worker_main, args=(t, messages, stop, go),
-                                     name=f"dflash-extract-{t.shard_id:05d}")
-             for t in tasks}
-    for p in procs.values():
-        p.start()
+    tasks, messages, stop, go, procs = workers.tasks, workers.messages, workers.stop, workers.go, workers.procs
     ended: dict[int, str] = {}
     errors: list[str] = []
     categories: set[str] = set()
@@ -470,10 +460,10 @@ def _run_workers(tasks: list[WorkerTask], cfg: ExtractConfig, phases: Phases | N
                 bar.set_description("extract")
             else:
                 bar.set_description(f"planning {len(planned)}/{len(tasks)}")
-        elif kind == "started":  # model loaded: the forward loop begins
+        elif kind == "started":  # the shard's writer is open: the forward loop begins
             if t_first is None:
                 t_first = time.monotonic()
-                first("model_load")
+                first("writer_start")
         elif kind == "progress":
             t_last = time.monotonic()
             samples += f["samples"]
@@ -527,7 +517,7 @@ def _run_workers(tasks: list[WorkerTask], cfg: ExtractConfig, phases: Phases | N
     for p in procs.values():
         p.join()
     bar.close()
-    for event in ("workers_start", "planning", "model_load"):  # the steps' ends, in order
+    for event in ("workers_start", "planning", "writer_start"):  # the steps' ends, in order
         if event in seen:
             phases.mark(event, seen[event])
     if t_last is not None:

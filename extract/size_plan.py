@@ -49,7 +49,7 @@ def count_run(cfg: ExtractConfig, tokenizer, ds, num_shards: int, progress: bool
     """
     from tqdm import tqdm
 
-    from .plan import plan_shard, shard_rows
+    from .plan import plan_shard, planning_processes, shard_rows
 
     counts = PlanCounts(rows=len(ds), shards=num_shards)
     skipped: Counter[str] = Counter()
@@ -64,7 +64,8 @@ def count_run(cfg: ExtractConfig, tokenizer, ds, num_shards: int, progress: bool
                 bar.update(done - seen[0])
                 seen[0] = done
 
-            planned = plan_shard(rows, start, cfg.data, tokenizer, cfg, on_row=advance)
+            planned = plan_shard(rows, start, cfg.data, tokenizer, cfg, on_row=advance,
+                                 processes=planning_processes(cfg, stop - start))  # the workers' pooling
             plan = planned.plan
             skipped.update(plan.skipped)
             counts.samples += len(plan.source_index)

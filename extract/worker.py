@@ -1,6 +1,6 @@
 """One extraction worker: one process, one device, one shard.
 
-lock (one writer per shard, ``shared/shard_lock.py``) -> plan (tokenise the slice) ->
+plan (on a thread, beside the model load) -> lock (one writer per shard, ``shared/shard_lock.py``) ->
 ShardWriter (resume point) -> forward loop on the main thread -> writer thread. The forward loop copies each batch's outputs device->host
 into freshly allocated pinned buffers (PyTorch's caching host allocator recycles them)
 with ``non_blocking`` on a side stream (so the copy overlaps the next forward) and
@@ -29,35 +29,24 @@ import sys
 import threading
 import time
 import traceback
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 import zarr
 
 from dflash.shared.cache import (ATTRS_KEY, HIDDEN_SCALE, CacheError, CacheSpec, ShardWriter, encode_hidden,
-                                 encode_topk_logprobs, open_root, to_numpy, writer_zarr_settings)
+                                 encode_topk_logprobs, open_root, read_shard_states, to_numpy, writer_zarr_settings)
+from dflash.shared.compile_cache import use_compile_cache
 from dflash.shared.hidden_codecs import check_scales
 from dflash.shared.shard_lock import LockError, ShardLock, ShardLocked
 
 from .config import ExtractConfig
 from .cpu_time import thread_cpu, thread_cpu_by_name
 from .data import DataError, load_source
-from .plan import PlannedShard, plan_shard, shard_rows
+from .launch import WorkerTask
+from .plan import PlannedShard, plan_shard, planning_processes, shard_rows
 from .target import TargetRunner, compute_environment, head_backend_for, load_target
 from .tokenizer import load_tokenizer
-
-
-@dataclass
-class WorkerTask:
-    """Everything a spawned worker needs (picklable); the cache's layout it reads from the root."""
-
-    cfg: ExtractConfig
-    shard_id: int
-    num_shards: int
-    device: str
-    """'cpu' or 'cuda:N'."""
-    cpu_threads: int | None = None
 
 
 class WriterFailed(Exception):
@@ -199,15 +188,112 @@ def _to_host(out, spec: CacheSpec, device: torch.device, copy_stream=None) -> tu
 
 
 def run_shard(task: WorkerTask, report, stop: threading.Event | Any | None = None,
-              go: threading.Event | Any | None = None) -> dict[str, Any]:
-    """Take the shard's lock (one writer per shard), then plan, resume and extract it (see
-    ``_run_shard``); the lock is released however that ends."""
+              go: threading.Event | Any | None = None, root_ready: threading.Event | Any | None = None
+              ) -> dict[str, Any]:
+    """Plan the shard's slice while the model loads and its head compiles, then take the shard's
+    lock (one writer per shard), resume and extract it (see ``_run_shard``); the lock is released
+    however that ends.
+
+    ``report(kind, **fields)`` receives progress messages; ``stop`` (an Event) asks for a clean
+    early stop: whatever is written gets committed, then ``Stopped``. ``root_ready`` (an Event),
+    where given, is awaited before the model load: the parent has prepared the cache root and
+    found no live run writing these shards (a refused run loads no model onto a busy GPU).
+    ``go`` (an Event), where given, is awaited once planned and locked (reported as
+    "plan_ready"), before the shard is touched, so that a bad row in any shard's slice stops
+    the run before another shard has committed anything (see ``runner``).
+    """
+    cfg = task.cfg
+    if task.cpu_threads:
+        torch.set_num_threads(task.cpu_threads)
+    # The writer thread shares the GIL with the forward loop: hand it over often.
+    sys.setswitchinterval(cfg.gil_switch_ms / 1000.0)
+    device = torch.device(task.device)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    tokenizer = load_tokenizer(cfg)
+    planner = Planner(task, tokenizer, report)
+    timing: dict[str, float] = {}
+    _wait(root_ready, stop)
+    root = open_root(cfg.out, "r")
+    spec = CacheSpec.from_dict(root.attrs[ATTRS_KEY])  # the cache's own layout (an older format resumes in it)
+    state = read_shard_states(root, [task.shard_id])[task.shard_id]
+    runner = None
+    if state is None or not state.complete:
+        runner = _target_runner(cfg, spec, device, timing)
+    planned = planner.result()
+    timing["plan_s"] = planner.seconds
     lock = _take_lock(task, report, stop)
     try:
+        report("plan_ready", tokens=planned.plan.num_tokens, samples=len(planned.plan.source_index))
+        _wait(go, stop)  # until every worker of the node has planned; stopped if another one failed meanwhile
         with zarr.config.set(_zarr_settings(task.cfg)):  # the shard's write path; other zarr users keep theirs
-            return _run_shard(task, report, stop, go, lock)
+            return _run_shard(task, planned, runner, tokenizer.pad_token_id, report, stop, lock, timing)
     finally:
         lock.release()
+        if runner is not None:
+            runner.close()
+
+
+class Planner:
+    """Loads the dataset and plans the shard's slice on a thread of its own, beside the main
+    thread's model load and compile (tokenising runs in Rust, mostly without the GIL)."""
+
+    def __init__(self, task: WorkerTask, tokenizer, report):
+        self.task, self.tokenizer, self.report = task, tokenizer, report
+        self.planned: PlannedShard | None = None
+        self.error: BaseException | None = None
+        self.seconds = 0.0
+        self._thread = threading.Thread(target=self._run, name=f"shard-{task.shard_id:05d}-planner", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        t = time.perf_counter()
+        cfg, report = self.task.cfg, self.report
+        try:
+            ds = load_source(cfg.data, cfg.split or "train")
+            start, stop_row = shard_rows(len(ds), self.task.num_shards, self.task.shard_id)
+            rows = ds.select(range(start, stop_row)) if hasattr(ds, "select") else ds[start:stop_row]
+            report("planning", rows=stop_row - start, done=0)
+            self.planned = plan_shard(rows, start, cfg.data, self.tokenizer, cfg,
+                                      on_row=lambda done: report("planning", rows=stop_row - start, done=done),
+                                      processes=planning_processes(cfg, stop_row - start))
+        except BaseException as e:  # noqa: BLE001 - raised again on the main thread by result()
+            self.error = e
+        self.seconds = round(time.perf_counter() - t, 3)
+
+    def result(self) -> PlannedShard:
+        """The planned shard, once planning ended; its error (a bad row) raised here."""
+        self._thread.join()
+        if self.error is not None:
+            raise self.error
+        return self.planned
+
+
+def _wait(event, stop) -> None:
+    """Until ``event`` is set (at once where None); Stopped where ``stop`` is set or the parent died."""
+    parent = os.getppid()
+    while event is not None and not event.wait(0.2):
+        if (stop is not None and stop.is_set()) or os.getppid() != parent:
+            raise Stopped()
+    if stop is not None and stop.is_set():
+        raise Stopped()
+
+
+def _target_runner(cfg: ExtractConfig, spec: CacheSpec, device: torch.device, timing: dict[str, float]
+                   ) -> TargetRunner:
+    """The target on ``device`` with its capture hooks and top-k head (compiled on CUDA, the
+    graphs kept in the compile-cache folder); the seconds of each step into ``timing``."""
+    t = time.perf_counter()
+    model = load_target(cfg.model, dtype=cfg.dtype, device=device, attn_implementation=cfg.attn_implementation,
+                        revision=cfg.revision)
+    timing["model_load_s"] = round(time.perf_counter() - t, 3)
+    t = time.perf_counter()
+    backend = head_backend_for(device)
+    if backend is not None:
+        use_compile_cache(cfg.compile_cache)
+    runner = TargetRunner(model, spec.layer_ids, spec.topk, cfg.lm_head_chunk, backend)
+    timing["head_setup_s"] = round(time.perf_counter() - t, 3)
+    return runner
 
 
 LOCK_POLL_S = 2.0
@@ -239,40 +325,11 @@ def _take_lock(task: WorkerTask, report, stop) -> ShardLock:
     return lock
 
 
-def _run_shard(task: WorkerTask, report, stop, go, lock: ShardLock) -> dict[str, Any]:
-    """Plan, resume and extract one shard; returns its final commit record.
-
-    ``report(kind, **fields)`` receives progress messages; ``stop`` (an Event) asks
-    for a clean early stop: whatever is written gets committed, then ``Stopped``.
-    ``go`` (an Event), where given, is awaited between planning (reported as "plan_ready")
-    and touching the cache, so that a bad row in any shard's slice stops the run before
-    another shard has committed anything (see ``runner``).
-    """
+def _run_shard(task: WorkerTask, planned: PlannedShard, runner: TargetRunner | None, pad_id: int | None, report,
+               stop, lock: ShardLock, timing: dict[str, float]) -> dict[str, Any]:
+    """Resume and extract one planned, locked shard; returns its final commit record."""
     cfg = task.cfg
-    if task.cpu_threads:
-        torch.set_num_threads(task.cpu_threads)
-    # The writer thread shares the GIL with the forward loop: hand it over often.
-    sys.setswitchinterval(cfg.gil_switch_ms / 1000.0)
     device = torch.device(task.device)
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-
-    t_begin = time.perf_counter()
-    tokenizer = load_tokenizer(cfg)
-    ds = load_source(cfg.data, cfg.split or "train")
-    start, stop_row = shard_rows(len(ds), task.num_shards, task.shard_id)
-    rows = ds.select(range(start, stop_row)) if hasattr(ds, "select") else ds[start:stop_row]
-    report("planning", rows=stop_row - start, done=0)
-    planned = plan_shard(rows, start, cfg.data, tokenizer, cfg,
-                         on_row=lambda done: report("planning", rows=stop_row - start, done=done))
-    report("plan_ready", tokens=planned.plan.num_tokens, samples=len(planned.plan.source_index))
-    setup = {"plan_s": time.perf_counter() - t_begin}
-    while go is not None and not go.wait(0.2):  # until every worker of the node has planned
-        if stop is not None and stop.is_set():
-            raise Stopped()
-    if stop is not None and stop.is_set():  # another worker failed while this one planned: leave no shard
-        raise Stopped()
-
     root = open_root(cfg.out, "r+")
     spec = CacheSpec.from_dict(root.attrs[ATTRS_KEY])  # the cache's own layout (an older format resumes in it)
     writer = ShardWriter(root, task.shard_id, planned.plan, spec, compute=compute_environment(device))
@@ -286,10 +343,10 @@ def _run_shard(task: WorkerTask, report, stop, go, lock: ShardLock) -> dict[str,
         if not writer.state.complete:
             writer.finish()
         return writer.committed
-
-    timing: dict[str, float] = {k: round(v, 3) for k, v in setup.items()}
+    if runner is None:  # the shard was complete when the model load was skipped; another run changed it since
+        runner = _target_runner(cfg, spec, device, timing)
     try:
-        return _extract(cfg, planned, writer, device, pad_id=tokenizer.pad_token_id, report=report, stop=stop,
+        return _extract(cfg, planned, writer, device, runner, pad_id=pad_id, report=report, stop=stop,
                         timing=timing)
     finally:
         if "loop_s" in timing:  # the loop ran to its end (or a requested stop)
@@ -301,7 +358,8 @@ def _zarr_settings(cfg: ExtractConfig) -> dict[str, Any]:
     return writer_zarr_settings(cfg.out, cfg.write_concurrency)
 
 
-def _extract(cfg: ExtractConfig, planned: PlannedShard, writer: ShardWriter, device: torch.device, *,
+def _extract(cfg: ExtractConfig, planned: PlannedShard, writer: ShardWriter, device: torch.device,
+             runner: TargetRunner, *,
              pad_id: int | None, report, stop, timing: dict[str, float]) -> dict[str, Any]:
     """The forward loop on this (main) thread, the writer thread behind it; returns the final
     commit and fills ``timing``: wall and CPU seconds of the loop, the seconds from its last
@@ -309,13 +367,6 @@ def _extract(cfg: ExtractConfig, planned: PlannedShard, writer: ShardWriter, dev
     GPU's seconds inside and between batches (``gpu_busy``, ``gpu_gap``)."""
     plan = planned.plan
     num_batches = len(plan.batches) - 1
-    t = time.perf_counter()
-    model = load_target(cfg.model, dtype=cfg.dtype, device=device, attn_implementation=cfg.attn_implementation,
-                        revision=cfg.revision)
-    timing["model_load_s"] = round(time.perf_counter() - t, 3)
-    t = time.perf_counter()
-    runner = TargetRunner(model, writer.spec.layer_ids, writer.spec.topk, cfg.lm_head_chunk, head_backend_for(device))
-    timing["head_setup_s"] = round(time.perf_counter() - t, 3)
     pad_id = pad_id if pad_id is not None else 0
     offsets = plan.offsets
     report("started")
@@ -360,7 +411,6 @@ def _extract(cfg: ExtractConfig, planned: PlannedShard, writer: ShardWriter, dev
     t_drain = time.perf_counter()
     threads_after = thread_cpu()  # while the writer thread is alive
     thread.close(finish=not stopped)
-    runner.close()
     t_end = time.perf_counter()
     cpu_main = time.process_time() - cpu_loop
     timing.update(loop_s=round(t_end - t_loop, 3), cpu_s=round(cpu_main, 3), cpu_main_s=round(cpu_main, 3),
@@ -403,7 +453,7 @@ def describe_error(e: BaseException, task: WorkerTask) -> tuple[str, str]:
     return "bug", f"{shard}: unexpected {type(e).__name__}: {e}\n{traceback.format_exc()}"
 
 
-def worker_main(task: WorkerTask, messages, stop, go=None) -> None:
+def worker_main(task: WorkerTask, messages, stop, go=None, root_ready=None) -> None:
     """Entry point of a spawned worker process: run the shard, report how it ended."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent handles Ctrl-C and sets `stop`
     try:
@@ -419,7 +469,7 @@ def worker_main(task: WorkerTask, messages, stop, go=None) -> None:
 
     code = 0
     try:
-        record = run_shard(task, report, stop, go)
+        record = run_shard(task, report, stop, go, root_ready)
         report("done", **record)
     except Stopped:
         report("stopped")

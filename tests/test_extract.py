@@ -104,6 +104,42 @@ def run_spec(cfg, num_shards=2):
                         num_shards=num_shards)
 
 
+def kill_run(pid: int) -> None:
+    """``kill -9`` every process of the run's process group (``pid`` leads it) except
+    multiprocessing's resource tracker, which then removes the semaphores the killed run left
+    in /dev/shm, and only those: removing every new ``sem.mp-*`` there also removed those of
+    runs of other test suites on the same machine, whose workers then failed at start."""
+    def group() -> dict[int, bytes]:
+        found = {}
+        for stat in glob.glob("/proc/[0-9]*/stat"):
+            try:
+                fields = open(stat, "rb").read().rsplit(b")", 1)[1].split()
+                if int(fields[2]) == pid and fields[0] != b"Z":  # process group, not a zombie
+                    found[int(stat.split("/")[2])] = open(stat[:-4] + "cmdline", "rb").read()
+            except (OSError, IndexError, ValueError):
+                continue  # ended meanwhile
+        return found
+
+    trackers: set[int] = set()
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:  # again until none is left: a dying parent may still spawn
+        members = group()
+        trackers |= {p for p, cmd in members.items() if b"resource_tracker" in cmd}
+        others = [p for p in members if p not in trackers]
+        if not others:
+            break
+        for p in others:
+            try:
+                os.kill(p, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        time.sleep(0.05)
+    while trackers and time.monotonic() < deadline:  # each exits once every holder of its pipe is gone
+        trackers = {p for p in trackers if os.path.exists(f"/proc/{p}") and
+                    open(f"/proc/{p}/stat", "rb").read().rsplit(b")", 1)[1].split()[0] != b"Z"}
+        time.sleep(0.05)
+
+
 def file_bytes(path) -> dict[str, bytes]:
     """Every file under ``path`` by relative name: a byte-exact picture of a store."""
     return {str(f.relative_to(path)): f.read_bytes() for f in sorted(path.rglob("*")) if f.is_file()}
@@ -134,6 +170,37 @@ def test_bucketed_batches_respect_budget_and_are_deterministic():
     order2, batches2 = length_bucketed_batches(lengths, source, 1024)
     assert np.array_equal(order, order2) and np.array_equal(batches, batches2)
     assert [shard_rows(10, 3, s) for s in range(3)] == [(0, 3), (3, 6), (6, 10)]
+
+
+def test_pooled_planning_equals_one_process_and_names_the_first_bad_row(dataset, tiny_target_dir):
+    """Tokenised by a pool of processes, a slice gives the plan, ids, mask and skips of one
+    process; with ``--on-bad-row error`` the bad row reported is the first in row order, with
+    file and row, however late in the slice and whichever run of rows finished first."""
+    from dflash.extract.data import DataError, load_source
+    from dflash.extract.plan import plan_shard
+
+    path, rows = dataset
+    cfg = ExtractConfig(data=str(path), model=str(tiny_target_dir), out="unused", device="cpu", max_length=MAX_LENGTH,
+                        batch_tokens=400, on_bad_row="skip")
+    tok = load_tokenizer(cfg)
+    ds = load_source(str(path))
+    one = plan_shard(ds, 0, str(path), tok, cfg)
+    pooled = plan_shard(ds, 0, str(path), tok, cfg, processes=2)
+    assert pooled.plan.digest() == one.plan.digest() and pooled.plan.skipped == one.plan.skipped
+    assert np.array_equal(pooled.input_ids, one.input_ids) and np.array_equal(pooled.loss_mask, one.loss_mask)
+    assert pooled.skips.first_message == one.skips.first_message
+    assert sum(one.plan.skipped.values()) == len(BAD_ROWS)  # every bad row counted, none dropped silently
+
+    clean = [r for i, r in enumerate(rows) if i not in BAD_ROWS or BAD_ROWS[i][1] == "too_short"]
+    clean[39] = BAD_ROWS[20][0]  # missing_columns, in the last run of rows (of 41)
+    clean[28] = BAD_ROWS[3][0]  # unknown_role, earlier: the one to report
+    bad = path.parent / "late_bad_rows.jsonl"
+    bad.write_text("".join(json.dumps(r) + "\n" for r in clean))
+    cfg = dataclasses.replace(cfg, data=str(bad), on_bad_row="error")
+    for processes in (1, 2):
+        with pytest.raises(DataError) as err:
+            plan_shard(load_source(str(bad)), 0, str(bad), tok, cfg, processes=processes)
+        assert str(err.value).startswith(f"{bad} row 28: unknown role 'robot'") and err.value.reason == "unknown_role"
 
 
 def test_batched_equals_unbatched_and_hf(tiny_target_dir):
@@ -217,6 +284,16 @@ def test_cache_matches_hf_reference(extracted, dataset, tiny_target_dir):
         torch.testing.assert_close(ref_lp.gather(1, s["topk_ids"]), s["topk_logprobs"], rtol=1e-5, atol=1e-5)
     assert truncated > 0  # the settings exercised right truncation
     assert summary["tokens"] == reader.num_tokens and summary["complete"]
+
+
+def test_a_cache_planned_by_pools_equals_one_planned_in_each_worker(tmp_path, extracted, dataset, tiny_target_dir):
+    """Each worker's slice tokenised by two pool processes: the cache is bitwise the unbroken run's."""
+    reference, _, _ = extracted
+    out = tmp_path / "pooled.zarr"
+    cli("--data", dataset[0], "--model", tiny_target_dir, "--out", out, "--on-bad-row", "skip", "--plan-processes", "2",
+        *COMMON)
+    for s in (0, 1):
+        assert_same_shard(reference, out, s)
 
 
 def test_two_workers_write_every_row_once(extracted, dataset):
@@ -363,7 +440,6 @@ def test_kill9_then_resume_is_bitwise_identical(tmp_path, extracted, dataset, ti
     out = tmp_path / "killed.zarr"
     args = [sys.executable, "-m", "dflash.extract.cli", "--data", str(dataset[0]), "--model", str(tiny_target_dir),
             "--out", str(out), "--on-bad-row", "skip", *COMMON]
-    semaphores = set(glob.glob("/dev/shm/sem.mp-*"))
     proc = subprocess.Popen(args + ["--batch-delay-s", "0.25"], start_new_session=True,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 60
@@ -380,12 +456,8 @@ def test_kill9_then_resume_is_bitwise_identical(tmp_path, extracted, dataset, ti
         else:
             raise AssertionError("no commit became visible within 60 s")
     finally:
-        os.killpg(proc.pid, signal.SIGKILL)
+        kill_run(proc.pid)
         proc.wait()
-        # multiprocessing's semaphores of the killed group: its resource tracker, which would
-        # have removed them, died with it
-        for path in set(glob.glob("/dev/shm/sem.mp-*")) - semaphores:
-            os.unlink(path)
     states = [C.open_root(str(out))[C.shard_name(s)].attrs.asdict() for s in (0, 1)]
     assert not all(a["complete"] for a in states), "the run finished before the kill: nothing was tested"
     rerun = subprocess.run(args, capture_output=True, text=True)
@@ -877,17 +949,20 @@ def test_a_second_run_is_refused_naming_the_holder_and_a_waiting_run_takes_over_
     out = tmp_path / "c.zarr"
     args = [sys.executable, "-m", "dflash.extract.cli", "--data", str(dataset[0]), "--model", str(tiny_target_dir),
             "--out", str(out), "--on-bad-row", "skip", *COMMON]
-    before, semaphores = set(glob.glob("/dev/shm/sem.mp-*")), set()
     first = subprocess.Popen(args + ["--batch-delay-s", "30"], start_new_session=True,  # killed long before it ends
                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     waiting = None
     try:
         deadline = time.monotonic() + 90
-        while not all(L.ShardLock(str(out), s).probe() for s in (0, 1)):
+        def writing() -> bool:  # both shards locked and created (a shard being created has no record yet)
+            if not all(L.ShardLock(str(out), s).probe() for s in (0, 1)):
+                return False
+            return None not in C.read_shard_states(C.open_root(str(out)), (0, 1)).values()
+
+        while not writing():
             assert time.monotonic() < deadline, "the first run took no lock within 90 s"
             time.sleep(0.1)
         holders = {s: L.ShardLock(str(out), s).probe() for s in (0, 1)}
-        semaphores = set(glob.glob("/dev/shm/sem.mp-*")) - before  # the first run's (its workers run)
         for h in holders.values():  # the first run's workers hold them
             assert h.host == L.HOST and L._proc_stat(h.pid)[1] == str(first.pid).encode()
         info = CliRunner().invoke(cache_main, ["info", str(out)])  # dflash-cache info names them too
@@ -913,13 +988,11 @@ def test_a_second_run_is_refused_naming_the_holder_and_a_waiting_run_takes_over_
             lines.append(line)
         assert first.poll() is None
     finally:
-        os.killpg(first.pid, signal.SIGKILL)
+        kill_run(first.pid)
         first.wait()
         if sys.exc_info()[0] is not None and waiting is not None:  # failed: the third run is not needed
             waiting.kill()
             waiting.wait()
-        for path in semaphores & set(glob.glob("/dev/shm/sem.mp-*")):  # the killed group's, see the kill -9 test
-            os.unlink(path)
     stdout, stderr = waiting.communicate(timeout=240)
     stderr = "".join(lines) + stderr
     assert waiting.returncode == 0, stderr[-3000:]
