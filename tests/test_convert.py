@@ -12,6 +12,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -22,6 +23,7 @@ import zarr
 from click.testing import CliRunner
 
 from dflash.extract import runner as R
+from dflash.extract import worker as W
 from dflash.extract.config import ExtractConfig
 from dflash.extract.data import load_source
 from dflash.extract.tokenizer import load_tokenizer
@@ -47,20 +49,23 @@ def cli_process(*args, **kw):
 
 @pytest.fixture(scope="module")
 def source(tmp_path_factory, chats_sample_path, tiny_target_dir):
-    """A format-1 cache (every array chunked at 32 tokens) written by a real two-worker
-    extraction: its root is created in format 1, which extraction then resumes in that layout."""
-    out = tmp_path_factory.mktemp("source") / "src.zarr"
-    cfg = ExtractConfig(data=str(chats_sample_path), model=str(tiny_target_dir), out=str(out), **EXTRACT)
+    """A format-1 cache (every array chunked at 32 tokens) of two shards, extracted as a run
+    does (the runner's spec, each shard's worker, here in this process): its root is created
+    in format 1, which the workers then write in that layout."""
     from transformers import AutoConfig
 
+    out = tmp_path_factory.mktemp("source") / "src.zarr"
+    cfg = ExtractConfig(data=str(chats_sample_path), model=str(tiny_target_dir), out=str(out), **EXTRACT)
     spec = R.build_spec(cfg, load_tokenizer(cfg), AutoConfig.from_pretrained(cfg.model), load_source(cfg.data),
                         num_shards=2)
     C.create_or_open_cache(str(out), dataclasses.replace(spec, format_version=1, chunks={}))
-    flags = ["--data", chats_sample_path, "--model", tiny_target_dir, "--out", out, "--device", "cpu", "--workers", "2",
-             "--cpu-threads", "1", "--dtype", "float32", "--layers", "0,1,2", "--topk", "16", "--max-length", "96",
-             "--batch-tokens", "400", "--chunk-tokens", "32", "--commit-seconds", "0", "--no-progress"]
-    proc = subprocess.run([sys.executable, "-m", "dflash.extract.cli", *map(str, flags)], capture_output=True, text=True)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    threads = torch.get_num_threads()
+    try:
+        for shard in (0, 1):
+            W.run_shard(W.WorkerTask(cfg=cfg, shard_id=shard, num_shards=2, device="cpu", cpu_threads=1),
+                        lambda *a, **k: None, threading.Event())
+    finally:
+        torch.set_num_threads(threads)
     reader = C.CacheReader(str(out))
     assert reader.complete and reader.spec.format_version == 1 and len(reader.shards) == 2
     return out
