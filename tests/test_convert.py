@@ -47,17 +47,22 @@ def cli_process(*args, **kw):
                           text=True, **kw)
 
 
+def extraction_spec(cfg: ExtractConfig) -> C.CacheSpec:
+    """The spec an extraction run with ``cfg`` writes (the runner's own)."""
+    from transformers import AutoConfig
+
+    return R.build_spec(cfg, load_tokenizer(cfg), AutoConfig.from_pretrained(cfg.model), load_source(cfg.data),
+                        num_shards=2)
+
+
 @pytest.fixture(scope="module")
 def source(tmp_path_factory, chats_sample_path, tiny_target_dir):
     """A format-1 cache (every array chunked at 32 tokens) of two shards, extracted as a run
     does (the runner's spec, each shard's worker, here in this process): its root is created
     in format 1, which the workers then write in that layout."""
-    from transformers import AutoConfig
-
     out = tmp_path_factory.mktemp("source") / "src.zarr"
     cfg = ExtractConfig(data=str(chats_sample_path), model=str(tiny_target_dir), out=str(out), **EXTRACT)
-    spec = R.build_spec(cfg, load_tokenizer(cfg), AutoConfig.from_pretrained(cfg.model), load_source(cfg.data),
-                        num_shards=2)
+    spec = extraction_spec(cfg)
     C.create_or_open_cache(str(out), dataclasses.replace(spec, format_version=1, chunks={}))
     threads = torch.get_num_threads()
     try:
@@ -379,12 +384,18 @@ def logprobs_independently(spec: C.CacheSpec, stored: np.ndarray) -> np.ndarray:
 
 
 @pytest.mark.parametrize("name", list(LOSSY))
-def test_a_lossy_conversion_keeps_the_plan_and_stats_measures_its_error(source, lossy, name):
+def test_a_lossy_conversion_keeps_the_plan_and_stats_measures_its_error(source, lossy, name, chats_sample_path,
+                                                                         tiny_target_dir):
     out = lossy[name]
     src, dst = C.CacheReader(str(source)), C.CacheReader(str(out))
     spec = dst.spec
     assert spec.hidden_codec == name and spec.format_version == 3 and dst.complete
     assert spec.fingerprint["extraction"]["encoding"] == spec.encoding() and "decoded_from" not in spec.fingerprint
+    # the fingerprint an extraction with these settings records: training takes either for the other
+    settings = {flag[2:].replace("-", "_"): int(v) if v.isdigit() else v
+                for flag, v in zip(LOSSY[name][::2], LOSSY[name][1::2])}
+    cfg = ExtractConfig(data=str(chats_sample_path), model=str(tiny_target_dir), out=str(out), **EXTRACT, **settings)
+    assert spec.fingerprint == extraction_spec(cfg).fingerprint
     num, den = np.zeros(len(LAYERS)), np.zeros(len(LAYERS))
     tk_num = tk_den = 0.0
     for shard in (0, 1):
