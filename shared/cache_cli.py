@@ -19,11 +19,12 @@ from dflash.shared import inspect as I
 from dflash.shared.cli_options import CONTEXT_SETTINGS, build, options, validated
 from dflash.shared import verify as V
 from dflash.shared.cache import CacheError
-from dflash.shared.convert import ConvertSettings, convert_cache
+from dflash.shared.convert import ConvertSettings, Interrupted, convert_cache
 from dflash.shared.shard_lock import LockError
 
 EXIT_PROBLEMS = 1
 EXIT_ERROR = 2
+EXIT_INTERRUPTED = 130
 
 
 class CacheCliError(click.ClickException):
@@ -402,10 +403,15 @@ def convert(**values):
 
     No target needed. Same samples, plan and checksums as extraction writes; rerun the same
     command after a crash to resume; `stats DST` then shows the error against the source.
-    Exit 2 for a source that is not finished or a DST that holds another cache.
+    Exit 2 for a source that is not finished or a DST that holds another cache; Ctrl-C commits
+    and stops (exit 130).
     """
     opts = validated(build(ConvertOptions, values))
-    d = _run(convert_cache, opts.src, opts.dst, opts.settings, progress=opts.progress)
+    try:
+        d = _run(convert_cache, opts.src, opts.dst, opts.settings, progress=opts.progress)
+    except Interrupted as e:
+        click.echo(f"dflash-cache convert: interrupted: {e}; rerun the same command to resume", err=True)
+        sys.exit(EXIT_INTERRUPTED)
     src, dst = _run(I.cache_info, opts.src), _run(I.cache_info, opts.dst)
     for key in ("bytes_on_disk", "bytes_per_token", "compression_ratio", "encoding"):
         d[key] = {"source": src[key], "destination": dst[key]}

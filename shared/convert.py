@@ -22,7 +22,9 @@ import dataclasses
 import hashlib
 import json
 import os
+import signal
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Literal
@@ -83,15 +85,6 @@ def fingerprint_digest(fingerprint: dict[str, Any]) -> str:
     return "sha256:" + hashlib.sha256(text.encode()).hexdigest()
 
 
-def _package_version() -> str:
-    try:
-        from importlib.metadata import version
-
-        return version("dflash-pipeline")
-    except Exception:  # noqa: BLE001 - not installed as a distribution
-        return "unknown"
-
-
 def _location(path: str) -> str:
     """A local path made absolute (a URL as given): where a later ``stats`` finds the source."""
     return path if "://" in path else os.path.abspath(path)
@@ -136,7 +129,6 @@ def converted_spec(src: CacheSpec, settings: ConvertSettings, src_path: str) -> 
         "compression_level": src.compression_level,
         "encoding": src.encoding(),
         "hidden": src.codec.describe(),
-        "package_version": _package_version(),
         "previous": (src.info or {}).get("converted_from"),
     }
     return spec
@@ -174,6 +166,34 @@ def _source_plan(group: zarr.Group, state) -> ShardPlan:
         raise CacheError(f"{group.path}: its offsets, source rows or batches do not match its recorded plan digest; "
                          "run dflash-cache verify on the source")
     return plan
+
+
+class Interrupted(Exception):
+    """A stop was asked for (Ctrl-C): the shard being converted committed what it had."""
+
+
+class StopFlag:
+    """Set by the first SIGINT while installed (a second one interrupts at once, as usual), so
+    that the conversion stops between two reads, after a commit."""
+
+    def __init__(self):
+        self.asked = False
+        self._previous = None
+
+    def __enter__(self) -> "StopFlag":
+        if threading.current_thread() is threading.main_thread():
+            self._previous = signal.signal(signal.SIGINT, self._handle)
+        return self
+
+    def _handle(self, signum, frame) -> None:
+        self.asked = True
+        sys.stderr.write("\ndflash-cache convert: stopping after the current read, once it is committed "
+                         "(Ctrl-C again stops at once)\n")
+        signal.signal(signal.SIGINT, self._previous or signal.default_int_handler)
+
+    def __exit__(self, *exc) -> None:
+        if self._previous is not None:
+            signal.signal(signal.SIGINT, self._previous)
 
 
 class NonFiniteRows(ValueError):
@@ -221,9 +241,10 @@ def _row_bytes(arrays: dict[str, zarr.Array]) -> int:
 
 
 def _convert_shard(src_group: zarr.Group, dst_root: zarr.Group, dst: str, shard_id: int, reencode: Reencoder,
-                   settings: ConvertSettings, bar, say: Callable[[str], None], where: str) -> dict[str, int]:
+                   settings: ConvertSettings, bar, say: Callable[[str], None], where: str,
+                   stop: StopFlag) -> dict[str, int]:
     """Convert one shard under its lock; returns its token counts (converted now, found done).
-    ``where`` names the source shard in errors."""
+    ``where`` names the source shard in errors; ``stop`` set: commit, then ``Interrupted``."""
     state = read_shard_state(src_group)
     plan = _source_plan(src_group, state)
     lock = ShardLock(dst, shard_id)
@@ -266,6 +287,10 @@ def _convert_shard(src_group: zarr.Group, dst_root: zarr.Group, dst: str, shard_
             bar.update(t1 - t0)
             if settings.delay_s:
                 time.sleep(settings.delay_s)
+            if stop.asked:
+                writer.commit()
+                raise Interrupted(f"shard {shard_id:05d} committed {writer.committed['tokens']:,} of "
+                                  f"{plan.num_tokens:,} tokens")
             if time.monotonic() - last_commit >= settings.commit_seconds:
                 writer.commit()
                 last_commit = time.monotonic()
@@ -280,7 +305,8 @@ def convert_cache(src: str, dst: str, settings: ConvertSettings | None = None, *
     """Convert cache ``src`` into ``dst`` (created, or resumed where a conversion with the same
     settings stopped); returns a summary: shards, samples, tokens converted now and found
     done, seconds. Raises CacheError for a source that is not finished, a ``dst`` holding
-    another cache, or a shard of ``dst`` that another live process is writing."""
+    another cache, or a shard of ``dst`` that another live process is writing; Interrupted
+    after a Ctrl-C, once the shard being converted has committed what it had."""
     from tqdm import tqdm
 
     settings = settings or ConvertSettings()
@@ -302,11 +328,11 @@ def convert_cache(src: str, dst: str, settings: ConvertSettings | None = None, *
     say = say or (lambda message: bar.write(f"dflash-cache convert: {message}", file=sys.stderr))
     totals = {"tokens_converted": 0, "tokens_found_done": 0}
     try:
-        with zarr.config.set(writer_zarr_settings(dst)):
+        with zarr.config.set(writer_zarr_settings(dst)), StopFlag() as stop:
             src_root = zarr.open_group(store=src, mode="r", zarr_format=3)
             for s in reader.shards:
                 counts = _convert_shard(src_root[shard_name(s.shard_id)], dst_root, dst, s.shard_id, reencode,
-                                        settings, bar, say, where=f"{src} shard {s.shard_id:05d}")
+                                        settings, bar, say, where=f"{src} shard {s.shard_id:05d}", stop=stop)
                 for k, v in counts.items():
                     totals[k] += v
     finally:

@@ -212,24 +212,40 @@ def test_stats_of_a_lossless_conversion_shows_zero_error(converted):
 # ----------------------------------------------------------------------------- resume
 
 
-def test_kill9_then_rerun_equals_the_unbroken_conversion(source, lossy, tmp_path):
-    """Killed mid-run, rerun: every array and attribute equal to the unbroken int4 conversion's."""
+def wait_for_commit(out: Path, batches: int, timeout: float = 60.0) -> None:
+    """Until shard 0 of ``out`` has committed ``batches`` batches."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if zarr.open_group(str(out), mode="r")[C.shard_name(0)].attrs["commit"]["batches"] >= batches:
+                return
+        except Exception:  # noqa: BLE001 - not created yet
+            pass
+        time.sleep(0.05)
+    raise AssertionError(f"no commit of {batches} batches became visible within {timeout} s")
+
+
+def test_ctrl_c_then_kill9_then_rerun_equals_the_unbroken_conversion(source, lossy, tmp_path):
+    """Stopped with Ctrl-C (it commits and says so), resumed, killed with -9 mid-run, rerun:
+    every array and attribute equal to the unbroken int4 conversion's."""
     reference = lossy["int4"]
     out = tmp_path / "killed.zarr"
-    args = ["convert", source, out, *LOSSY["int4"], "--no-progress", "--commit-seconds", "0", "--read-mib", "0.01"]
-    proc = subprocess.Popen([sys.executable, "-m", "dflash.shared.cache_cli", *map(str, args), "--delay-s", "0.3"],
-                            start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.monotonic() + 60
+    args = ["convert", source, out, *LOSSY["int4"], "--no-progress", "--commit-seconds", "60", "--read-mib", "0.01"]
+    slow = [sys.executable, "-m", "dflash.shared.cache_cli", *map(str, args), "--delay-s", "0.3"]
+    interrupted = subprocess.Popen(slow, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        while time.monotonic() < deadline:
-            try:
-                if zarr.open_group(str(out), mode="r")[C.shard_name(0)].attrs["commit"]["batches"] >= 2:
-                    break
-            except Exception:  # noqa: BLE001 - not created yet
-                pass
-            time.sleep(0.05)
-        else:
-            raise AssertionError("no commit became visible within 60 s")
+        wait_for_commit(out, 0)  # shard 0 exists: its first read is under way (and no commit for 60 s)
+        interrupted.send_signal(signal.SIGINT)
+        _, err = interrupted.communicate(timeout=60)
+    finally:
+        interrupted.kill()
+    assert interrupted.returncode == 130 and "interrupted: shard 00000 committed" in err, err
+    assert C.read_shard_state(C.open_root(str(out))[C.shard_name(0)]).commit.batches >= 1  # what it had read
+    proc = subprocess.Popen([*slow, "--commit-seconds", "0"], start_new_session=True, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    try:
+        resumed_at = C.read_shard_state(C.open_root(str(out))[C.shard_name(0)]).commit.batches
+        wait_for_commit(out, resumed_at + 1)
         # while it runs, a second conversion into the same destination is refused naming it
         second = cli("convert", source, out, *LOSSY["int4"], "--no-progress")
         assert second.exit_code == 2 and "being written by another run: " in second.output
@@ -239,6 +255,7 @@ def test_kill9_then_rerun_equals_the_unbroken_conversion(source, lossy, tmp_path
         proc.wait()
     state = C.read_shard_state(C.open_root(str(out))[C.shard_name(0)])
     assert not state.complete and state.commit.batches < state.planned.batches, "finished before the kill"
+    assert state.commit.batches > resumed_at  # the second run resumed and went on
     stopped = json.loads(cli("stats", out, "--json").stdout)["conversion_error"]
     assert "not complete" in stopped["unavailable"]
     rerun = cli_process(*args)
