@@ -59,6 +59,8 @@ class ConvertSettings:
     """zstd level of the converted cache: 1, 3, 5, ..., 15 (default: the source's)."""
     read_mib: float = 256.0
     """Source data read at once per shard, in MiB of stored arrays (whole planned batches; bounds memory)."""
+    workers: int = 1
+    """Shards converted at once, one thread each (zarrs already spreads each read's and write's chunks over threads)."""
     commit_seconds: float = 10.0
     """Seconds between commits of a shard (a crash loses at most this much work); 0 = after every read."""
     delay_s: float = field(default=0.0, metadata={"hidden": True})
@@ -73,6 +75,8 @@ class ConvertSettings:
             raise ValueError(f"--hidden-group-size must be at least 1, got {self.hidden_group_size}")
         if self.chunk_tokens is not None and self.chunk_tokens < 1:
             raise ValueError(f"--chunk-tokens must be at least 1, got {self.chunk_tokens}")
+        if self.workers < 1:
+            raise ValueError(f"--workers must be at least 1, got {self.workers}")
         if self.read_mib <= 0:
             raise ValueError(f"--read-mib must be positive, got {self.read_mib}")
         if self.commit_seconds < 0:
@@ -241,7 +245,7 @@ def _row_bytes(arrays: dict[str, zarr.Array]) -> int:
 
 
 def _convert_shard(src_group: zarr.Group, dst_root: zarr.Group, dst: str, shard_id: int, reencode: Reencoder,
-                   settings: ConvertSettings, bar, say: Callable[[str], None], where: str,
+                   settings: ConvertSettings, advance: Callable[[int], None], say: Callable[[str], None], where: str,
                    stop: StopFlag) -> dict[str, int]:
     """Convert one shard under its lock; returns its token counts (converted now, found done).
     ``where`` names the source shard in errors; ``stop`` set: commit, then ``Interrupted``."""
@@ -258,7 +262,7 @@ def _convert_shard(src_group: zarr.Group, dst_root: zarr.Group, dst: str, shard_
         writer = ShardWriter(dst_root, shard_id, plan, reencode.dst, compute=state.compute)
         writer.guard = lock.check
         done = writer.committed["tokens"]
-        bar.update(done)
+        advance(done)
         if done and not writer.complete:
             say(f"shard {shard_id:05d}: resumed at batch {writer.next_batch:,} of {len(plan.batches) - 1:,}")
         arrays = {f: src_group[f] for f in reencode.src.token_fields}
@@ -284,7 +288,7 @@ def _convert_shard(src_group: zarr.Group, dst_root: zarr.Group, dst: str, shard_
                 s0, s1 = writer.batch_samples(b)
                 a, z = int(offsets[s0]) - t0, int(offsets[s1]) - t0
                 writer.write_batch(b, **{f: v[a:z] for f, v in data.items()})
-            bar.update(t1 - t0)
+            advance(t1 - t0)
             if settings.delay_s:
                 time.sleep(settings.delay_s)
             if stop.asked:
@@ -298,6 +302,22 @@ def _convert_shard(src_group: zarr.Group, dst_root: zarr.Group, dst: str, shard_
         return {"tokens_converted": plan.num_tokens - done, "tokens_found_done": done}
     finally:
         lock.release()
+
+
+def _map_shards(fn: Callable[[int], dict[str, int]], shard_ids: list[int], workers: int) -> list[dict[str, int]]:
+    """``fn`` over the shards, ``workers`` at a time; once all have ended, the first error that is
+    not a stop (``Interrupted``, which it causes in the others) is raised."""
+    if workers == 1:
+        return [fn(s) for s in shard_ids]
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(workers, thread_name_prefix="convert") as pool:
+        futures = [pool.submit(fn, s) for s in shard_ids]
+        errors = [f.exception() for f in futures]
+    failed = [e for e in errors if e is not None]
+    if failed:
+        raise next((e for e in failed if not isinstance(e, Interrupted)), failed[0])
+    return [f.result() for f in futures]
 
 
 def convert_cache(src: str, dst: str, settings: ConvertSettings | None = None, *, progress: bool = True,
@@ -327,12 +347,27 @@ def convert_cache(src: str, dst: str, settings: ConvertSettings | None = None, *
                dynamic_ncols=True, disable=not progress)
     say = say or (lambda message: bar.write(f"dflash-cache convert: {message}", file=sys.stderr))
     totals = {"tokens_converted": 0, "tokens_found_done": 0}
+    lock = threading.Lock()
+
+    def advance(tokens: int) -> None:
+        with lock:
+            bar.update(tokens)
+
     try:
         with zarr.config.set(writer_zarr_settings(dst)), StopFlag() as stop:
             src_root = zarr.open_group(store=src, mode="r", zarr_format=3)
-            for s in reader.shards:
-                counts = _convert_shard(src_root[shard_name(s.shard_id)], dst_root, dst, s.shard_id, reencode,
-                                        settings, bar, say, where=f"{src} shard {s.shard_id:05d}", stop=stop)
+
+            def convert_one(shard_id: int) -> dict[str, int]:
+                if stop.asked:  # another shard failed or Ctrl-C came: do not start this one
+                    return {}
+                try:
+                    return _convert_shard(src_root[shard_name(shard_id)], dst_root, dst, shard_id, reencode,
+                                          settings, advance, say, where=f"{src} shard {shard_id:05d}", stop=stop)
+                except BaseException:
+                    stop.asked = True  # the shards being converted commit and stop
+                    raise
+
+            for counts in _map_shards(convert_one, [s.shard_id for s in reader.shards], settings.workers):
                 for k, v in counts.items():
                     totals[k] += v
     finally:
