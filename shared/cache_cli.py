@@ -19,11 +19,12 @@ from dflash.shared import inspect as I
 from dflash.shared.cli_options import CONTEXT_SETTINGS, build, options, validated
 from dflash.shared import verify as V
 from dflash.shared.cache import CacheError
-from dflash.shared.convert import ConvertSettings, convert_cache
+from dflash.shared.convert import ConvertSettings, Interrupted, convert_cache
 from dflash.shared.shard_lock import LockError
 
 EXIT_PROBLEMS = 1
 EXIT_ERROR = 2
+EXIT_INTERRUPTED = 130
 
 
 class CacheCliError(click.ClickException):
@@ -401,23 +402,34 @@ def convert(**values):
     """Re-encode a finished cache into DST (another hidden codec, top-k precision, chunking or zstd level).
 
     No target needed. Same samples, plan and checksums as extraction writes; rerun the same
-    command after a crash to resume; `stats DST` then shows the error against the source. Exit 2 for a source that is not finished or a DST that holds another cache.
+    command after a crash to resume; `stats DST` then shows the error against the source.
+    Exit 2 for a source that is not finished or a DST that holds another cache; Ctrl-C commits
+    and stops (exit 130).
     """
     opts = validated(build(ConvertOptions, values))
-    d = _run(convert_cache, opts.src, opts.dst, opts.settings, progress=opts.progress)
+    try:
+        d = _run(convert_cache, opts.src, opts.dst, opts.settings, progress=opts.progress)
+    except Interrupted as e:
+        click.echo(f"dflash-cache convert: interrupted: {e}; rerun the same command to resume", err=True)
+        sys.exit(EXIT_INTERRUPTED)
     src, dst = _run(I.cache_info, opts.src), _run(I.cache_info, opts.dst)
-    d["bytes_on_disk"] = {"source": src["bytes_on_disk"], "destination": dst["bytes_on_disk"]}
-    d["compression_ratio"] = {"source": src["compression_ratio"], "destination": dst["compression_ratio"]}
+    for key in ("bytes_on_disk", "bytes_per_token", "compression_ratio", "encoding"):
+        d[key] = {"source": src[key], "destination": dst[key]}
     if opts.json:
         return _emit_json(d)
-    ratio = lambda r: "-" if r is None else f"{r:.2f}x"  # noqa: E731
     rate = "" if d["tokens_per_s"] is None else f", {d['tokens_per_s']:,.0f} tok/s"
+    per_token = lambda info: "-" if info["bytes_per_token"]["hidden_on_disk"] is None else (  # noqa: E731
+        f"{info['bytes_per_token']['hidden_on_disk']:,.0f} B/token "
+        f"({info['bytes_per_token']['hidden_on_disk'] / info['bytes_per_token']['hidden_raw_bf16']:.3f} of raw bf16)")
     click.echo("\n".join([
         f"converted  {d['source']} -> {d['destination']}: {d['shards']} shard(s), {_n(d['samples'])} samples, "
         f"{_n(d['tokens'])} tokens ({_n(d['tokens_converted'])} now, {_n(d['tokens_found_done'])} found done) "
         f"in {d['seconds']:.1f} s{rate}",
-        f"disk       {_bytes(src['bytes_on_disk'])} -> {_bytes(dst['bytes_on_disk'])}; vs raw bf16, all arrays: "
-        f"{ratio(src['compression_ratio']['total'])} -> {ratio(dst['compression_ratio']['total'])}",
+        f"encoding   hidden {src['encoding']['hidden']} -> {dst['encoding']['hidden']}; top-k log-probs "
+        f"{src['encoding']['topk_dtype']} -> {dst['encoding']['topk_dtype']}",
+        f"disk       {_bytes(src['bytes_on_disk'])} -> {_bytes(dst['bytes_on_disk'])}; hidden states {per_token(src)} "
+        f"-> {per_token(dst)}",
+        f"next       dflash-cache stats {opts.dst}   (the relative L2 error per layer against the source)",
     ]))
 
 

@@ -22,7 +22,9 @@ import dataclasses
 import hashlib
 import json
 import os
+import signal
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Literal
@@ -57,6 +59,8 @@ class ConvertSettings:
     """zstd level of the converted cache: 1, 3, 5, ..., 15 (default: the source's)."""
     read_mib: float = 256.0
     """Source data read at once per shard, in MiB of stored arrays (whole planned batches; bounds memory)."""
+    workers: int = 1
+    """Shards converted at once, one thread each (zarrs already spreads each read's and write's chunks over threads)."""
     commit_seconds: float = 10.0
     """Seconds between commits of a shard (a crash loses at most this much work); 0 = after every read."""
     delay_s: float = field(default=0.0, metadata={"hidden": True})
@@ -71,6 +75,8 @@ class ConvertSettings:
             raise ValueError(f"--hidden-group-size must be at least 1, got {self.hidden_group_size}")
         if self.chunk_tokens is not None and self.chunk_tokens < 1:
             raise ValueError(f"--chunk-tokens must be at least 1, got {self.chunk_tokens}")
+        if self.workers < 1:
+            raise ValueError(f"--workers must be at least 1, got {self.workers}")
         if self.read_mib <= 0:
             raise ValueError(f"--read-mib must be positive, got {self.read_mib}")
         if self.commit_seconds < 0:
@@ -81,15 +87,6 @@ def fingerprint_digest(fingerprint: dict[str, Any]) -> str:
     """sha256 of a fingerprint's canonical JSON: names one source cache's content in a line."""
     text = json.dumps(fingerprint, sort_keys=True, default=str, separators=(",", ":"))
     return "sha256:" + hashlib.sha256(text.encode()).hexdigest()
-
-
-def _package_version() -> str:
-    try:
-        from importlib.metadata import version
-
-        return version("dflash-pipeline")
-    except Exception:  # noqa: BLE001 - not installed as a distribution
-        return "unknown"
 
 
 def _location(path: str) -> str:
@@ -136,7 +133,6 @@ def converted_spec(src: CacheSpec, settings: ConvertSettings, src_path: str) -> 
         "compression_level": src.compression_level,
         "encoding": src.encoding(),
         "hidden": src.codec.describe(),
-        "package_version": _package_version(),
         "previous": (src.info or {}).get("converted_from"),
     }
     return spec
@@ -174,6 +170,34 @@ def _source_plan(group: zarr.Group, state) -> ShardPlan:
         raise CacheError(f"{group.path}: its offsets, source rows or batches do not match its recorded plan digest; "
                          "run dflash-cache verify on the source")
     return plan
+
+
+class Interrupted(Exception):
+    """A stop was asked for (Ctrl-C): the shard being converted committed what it had."""
+
+
+class StopFlag:
+    """Set by the first SIGINT while installed (a second one interrupts at once, as usual), so
+    that the conversion stops between two reads, after a commit."""
+
+    def __init__(self):
+        self.asked = False
+        self._previous = None
+
+    def __enter__(self) -> "StopFlag":
+        if threading.current_thread() is threading.main_thread():
+            self._previous = signal.signal(signal.SIGINT, self._handle)
+        return self
+
+    def _handle(self, signum, frame) -> None:
+        self.asked = True
+        sys.stderr.write("\ndflash-cache convert: stopping after the current read, once it is committed "
+                         "(Ctrl-C again stops at once)\n")
+        signal.signal(signal.SIGINT, self._previous or signal.default_int_handler)
+
+    def __exit__(self, *exc) -> None:
+        if self._previous is not None:
+            signal.signal(signal.SIGINT, self._previous)
 
 
 class NonFiniteRows(ValueError):
@@ -221,9 +245,10 @@ def _row_bytes(arrays: dict[str, zarr.Array]) -> int:
 
 
 def _convert_shard(src_group: zarr.Group, dst_root: zarr.Group, dst: str, shard_id: int, reencode: Reencoder,
-                   settings: ConvertSettings, bar, say: Callable[[str], None], where: str) -> dict[str, int]:
+                   settings: ConvertSettings, advance: Callable[[int], None], say: Callable[[str], None], where: str,
+                   stop: StopFlag) -> dict[str, int]:
     """Convert one shard under its lock; returns its token counts (converted now, found done).
-    ``where`` names the source shard in errors."""
+    ``where`` names the source shard in errors; ``stop`` set: commit, then ``Interrupted``."""
     state = read_shard_state(src_group)
     plan = _source_plan(src_group, state)
     lock = ShardLock(dst, shard_id)
@@ -237,7 +262,7 @@ def _convert_shard(src_group: zarr.Group, dst_root: zarr.Group, dst: str, shard_
         writer = ShardWriter(dst_root, shard_id, plan, reencode.dst, compute=state.compute)
         writer.guard = lock.check
         done = writer.committed["tokens"]
-        bar.update(done)
+        advance(done)
         if done and not writer.complete:
             say(f"shard {shard_id:05d}: resumed at batch {writer.next_batch:,} of {len(plan.batches) - 1:,}")
         arrays = {f: src_group[f] for f in reencode.src.token_fields}
@@ -263,9 +288,13 @@ def _convert_shard(src_group: zarr.Group, dst_root: zarr.Group, dst: str, shard_
                 s0, s1 = writer.batch_samples(b)
                 a, z = int(offsets[s0]) - t0, int(offsets[s1]) - t0
                 writer.write_batch(b, **{f: v[a:z] for f, v in data.items()})
-            bar.update(t1 - t0)
+            advance(t1 - t0)
             if settings.delay_s:
                 time.sleep(settings.delay_s)
+            if stop.asked:
+                writer.commit()
+                raise Interrupted(f"shard {shard_id:05d} committed {writer.committed['tokens']:,} of "
+                                  f"{plan.num_tokens:,} tokens")
             if time.monotonic() - last_commit >= settings.commit_seconds:
                 writer.commit()
                 last_commit = time.monotonic()
@@ -275,12 +304,29 @@ def _convert_shard(src_group: zarr.Group, dst_root: zarr.Group, dst: str, shard_
         lock.release()
 
 
+def _map_shards(fn: Callable[[int], dict[str, int]], shard_ids: list[int], workers: int) -> list[dict[str, int]]:
+    """``fn`` over the shards, ``workers`` at a time; once all have ended, the first error that is
+    not a stop (``Interrupted``, which it causes in the others) is raised."""
+    if workers == 1:
+        return [fn(s) for s in shard_ids]
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(workers, thread_name_prefix="convert") as pool:
+        futures = [pool.submit(fn, s) for s in shard_ids]
+        errors = [f.exception() for f in futures]
+    failed = [e for e in errors if e is not None]
+    if failed:
+        raise next((e for e in failed if not isinstance(e, Interrupted)), failed[0])
+    return [f.result() for f in futures]
+
+
 def convert_cache(src: str, dst: str, settings: ConvertSettings | None = None, *, progress: bool = True,
                   say: Callable[[str], None] | None = None) -> dict[str, Any]:
     """Convert cache ``src`` into ``dst`` (created, or resumed where a conversion with the same
     settings stopped); returns a summary: shards, samples, tokens converted now and found
     done, seconds. Raises CacheError for a source that is not finished, a ``dst`` holding
-    another cache, or a shard of ``dst`` that another live process is writing."""
+    another cache, or a shard of ``dst`` that another live process is writing; Interrupted
+    after a Ctrl-C, once the shard being converted has committed what it had."""
     from tqdm import tqdm
 
     settings = settings or ConvertSettings()
@@ -301,12 +347,27 @@ def convert_cache(src: str, dst: str, settings: ConvertSettings | None = None, *
                dynamic_ncols=True, disable=not progress)
     say = say or (lambda message: bar.write(f"dflash-cache convert: {message}", file=sys.stderr))
     totals = {"tokens_converted": 0, "tokens_found_done": 0}
+    lock = threading.Lock()
+
+    def advance(tokens: int) -> None:
+        with lock:
+            bar.update(tokens)
+
     try:
-        with zarr.config.set(writer_zarr_settings(dst)):
+        with zarr.config.set(writer_zarr_settings(dst)), StopFlag() as stop:
             src_root = zarr.open_group(store=src, mode="r", zarr_format=3)
-            for s in reader.shards:
-                counts = _convert_shard(src_root[shard_name(s.shard_id)], dst_root, dst, s.shard_id, reencode,
-                                        settings, bar, say, where=f"{src} shard {s.shard_id:05d}")
+
+            def convert_one(shard_id: int) -> dict[str, int]:
+                if stop.asked:  # another shard failed or Ctrl-C came: do not start this one
+                    return {}
+                try:
+                    return _convert_shard(src_root[shard_name(shard_id)], dst_root, dst, shard_id, reencode,
+                                          settings, advance, say, where=f"{src} shard {shard_id:05d}", stop=stop)
+                except BaseException:
+                    stop.asked = True  # the shards being converted commit and stop
+                    raise
+
+            for counts in _map_shards(convert_one, [s.shard_id for s in reader.shards], settings.workers):
                 for k, v in counts.items():
                     totals[k] += v
     finally:

@@ -12,6 +12,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -22,6 +23,7 @@ import zarr
 from click.testing import CliRunner
 
 from dflash.extract import runner as R
+from dflash.extract import worker as W
 from dflash.extract.config import ExtractConfig
 from dflash.extract.data import load_source
 from dflash.extract.tokenizer import load_tokenizer
@@ -45,22 +47,30 @@ def cli_process(*args, **kw):
                           text=True, **kw)
 
 
-@pytest.fixture(scope="module")
-def source(tmp_path_factory, chats_sample_path, tiny_target_dir):
-    """A format-1 cache (every array chunked at 32 tokens) written by a real two-worker
-    extraction: its root is created in format 1, which extraction then resumes in that layout."""
-    out = tmp_path_factory.mktemp("source") / "src.zarr"
-    cfg = ExtractConfig(data=str(chats_sample_path), model=str(tiny_target_dir), out=str(out), **EXTRACT)
+def extraction_spec(cfg: ExtractConfig) -> C.CacheSpec:
+    """The spec an extraction run with ``cfg`` writes (the runner's own)."""
     from transformers import AutoConfig
 
-    spec = R.build_spec(cfg, load_tokenizer(cfg), AutoConfig.from_pretrained(cfg.model), load_source(cfg.data),
+    return R.build_spec(cfg, load_tokenizer(cfg), AutoConfig.from_pretrained(cfg.model), load_source(cfg.data),
                         num_shards=2)
+
+
+@pytest.fixture(scope="module")
+def source(tmp_path_factory, chats_sample_path, tiny_target_dir):
+    """A format-1 cache (every array chunked at 32 tokens) of two shards, extracted as a run
+    does (the runner's spec, each shard's worker, here in this process): its root is created
+    in format 1, which the workers then write in that layout."""
+    out = tmp_path_factory.mktemp("source") / "src.zarr"
+    cfg = ExtractConfig(data=str(chats_sample_path), model=str(tiny_target_dir), out=str(out), **EXTRACT)
+    spec = extraction_spec(cfg)
     C.create_or_open_cache(str(out), dataclasses.replace(spec, format_version=1, chunks={}))
-    flags = ["--data", chats_sample_path, "--model", tiny_target_dir, "--out", out, "--device", "cpu", "--workers", "2",
-             "--cpu-threads", "1", "--dtype", "float32", "--layers", "0,1,2", "--topk", "16", "--max-length", "96",
-             "--batch-tokens", "400", "--chunk-tokens", "32", "--commit-seconds", "0", "--no-progress"]
-    proc = subprocess.run([sys.executable, "-m", "dflash.extract.cli", *map(str, flags)], capture_output=True, text=True)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    threads = torch.get_num_threads()
+    try:
+        for shard in (0, 1):
+            W.run_shard(W.WorkerTask(cfg=cfg, shard_id=shard, num_shards=2, device="cpu", cpu_threads=1),
+                        lambda *a, **k: None, threading.Event())
+    finally:
+        torch.set_num_threads(threads)
     reader = C.CacheReader(str(out))
     assert reader.complete and reader.spec.format_version == 1 and len(reader.shards) == 2
     return out
@@ -202,24 +212,40 @@ def test_stats_of_a_lossless_conversion_shows_zero_error(converted):
 # ----------------------------------------------------------------------------- resume
 
 
-def test_kill9_then_rerun_equals_the_unbroken_conversion(source, lossy, tmp_path):
-    """Killed mid-run, rerun: every array and attribute equal to the unbroken int4 conversion's."""
+def wait_for_commit(out: Path, batches: int, timeout: float = 60.0) -> None:
+    """Until shard 0 of ``out`` has committed ``batches`` batches."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if zarr.open_group(str(out), mode="r")[C.shard_name(0)].attrs["commit"]["batches"] >= batches:
+                return
+        except Exception:  # noqa: BLE001 - not created yet
+            pass
+        time.sleep(0.05)
+    raise AssertionError(f"no commit of {batches} batches became visible within {timeout} s")
+
+
+def test_ctrl_c_then_kill9_then_rerun_equals_the_unbroken_conversion(source, lossy, tmp_path):
+    """Stopped with Ctrl-C (it commits and says so), resumed, killed with -9 mid-run, rerun:
+    every array and attribute equal to the unbroken int4 conversion's."""
     reference = lossy["int4"]
     out = tmp_path / "killed.zarr"
-    args = ["convert", source, out, *LOSSY["int4"], "--no-progress", "--commit-seconds", "0", "--read-mib", "0.01"]
-    proc = subprocess.Popen([sys.executable, "-m", "dflash.shared.cache_cli", *map(str, args), "--delay-s", "0.3"],
-                            start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.monotonic() + 60
+    args = ["convert", source, out, *LOSSY["int4"], "--no-progress", "--commit-seconds", "60", "--read-mib", "0.01"]
+    slow = [sys.executable, "-m", "dflash.shared.cache_cli", *map(str, args), "--delay-s", "0.3"]
+    interrupted = subprocess.Popen(slow, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        while time.monotonic() < deadline:
-            try:
-                if zarr.open_group(str(out), mode="r")[C.shard_name(0)].attrs["commit"]["batches"] >= 2:
-                    break
-            except Exception:  # noqa: BLE001 - not created yet
-                pass
-            time.sleep(0.05)
-        else:
-            raise AssertionError("no commit became visible within 60 s")
+        wait_for_commit(out, 0)  # shard 0 exists: its first read is under way (and no commit for 60 s)
+        interrupted.send_signal(signal.SIGINT)
+        _, err = interrupted.communicate(timeout=60)
+    finally:
+        interrupted.kill()
+    assert interrupted.returncode == 130 and "interrupted: shard 00000 committed" in err, err
+    assert C.read_shard_state(C.open_root(str(out))[C.shard_name(0)]).commit.batches >= 1  # what it had read
+    proc = subprocess.Popen([*slow, "--commit-seconds", "0"], start_new_session=True, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    try:
+        resumed_at = C.read_shard_state(C.open_root(str(out))[C.shard_name(0)]).commit.batches
+        wait_for_commit(out, resumed_at + 1)
         # while it runs, a second conversion into the same destination is refused naming it
         second = cli("convert", source, out, *LOSSY["int4"], "--no-progress")
         assert second.exit_code == 2 and "being written by another run: " in second.output
@@ -229,11 +255,19 @@ def test_kill9_then_rerun_equals_the_unbroken_conversion(source, lossy, tmp_path
         proc.wait()
     state = C.read_shard_state(C.open_root(str(out))[C.shard_name(0)])
     assert not state.complete and state.commit.batches < state.planned.batches, "finished before the kill"
+    assert state.commit.batches > resumed_at  # the second run resumed and went on
     stopped = json.loads(cli("stats", out, "--json").stdout)["conversion_error"]
     assert "not complete" in stopped["unavailable"]
     rerun = cli_process(*args)
     assert rerun.returncode == 0, rerun.stderr[-3000:]
     assert "resumed at batch" in rerun.stderr
+    assert store_contents(out) == store_contents(reference)
+
+
+def test_two_workers_write_what_one_writes(source, converted, tmp_path):
+    reference, _ = converted
+    out = tmp_path / "two.zarr"
+    assert cli("convert", source, out, "--compression-level", "3", "--workers", "2", "--no-progress").exit_code == 0
     assert store_contents(out) == store_contents(reference)
 
 
@@ -374,12 +408,18 @@ def logprobs_independently(spec: C.CacheSpec, stored: np.ndarray) -> np.ndarray:
 
 
 @pytest.mark.parametrize("name", list(LOSSY))
-def test_a_lossy_conversion_keeps_the_plan_and_stats_measures_its_error(source, lossy, name):
+def test_a_lossy_conversion_keeps_the_plan_and_stats_measures_its_error(source, lossy, name, chats_sample_path,
+                                                                         tiny_target_dir):
     out = lossy[name]
     src, dst = C.CacheReader(str(source)), C.CacheReader(str(out))
     spec = dst.spec
     assert spec.hidden_codec == name and spec.format_version == 3 and dst.complete
     assert spec.fingerprint["extraction"]["encoding"] == spec.encoding() and "decoded_from" not in spec.fingerprint
+    # the fingerprint an extraction with these settings records: training takes either for the other
+    settings = {flag[2:].replace("-", "_"): int(v) if v.isdigit() else v
+                for flag, v in zip(LOSSY[name][::2], LOSSY[name][1::2])}
+    cfg = ExtractConfig(data=str(chats_sample_path), model=str(tiny_target_dir), out=str(out), **EXTRACT, **settings)
+    assert spec.fingerprint == extraction_spec(cfg).fingerprint
     num, den = np.zeros(len(LAYERS)), np.zeros(len(LAYERS))
     tk_num = tk_den = 0.0
     for shard in (0, 1):
@@ -476,7 +516,7 @@ def test_a_nan_in_the_source_stops_a_lossy_conversion_naming_where(source, tmp_p
     bits = np.asarray(group["hidden"][:])
     bits[100, 1, 5] = 0x7FC0  # a bf16 NaN
     group["hidden"][:] = bits
-    result = cli("convert", bad, tmp_path / "dst.zarr", "--hidden-codec", "fp8", "--no-progress")
+    result = cli("convert", bad, tmp_path / "dst.zarr", "--hidden-codec", "fp8", "--workers", "2", "--no-progress")
     offsets, rows = np.asarray(group["offsets"][:]), np.asarray(group["source_index"][:])
     sample = int(np.searchsorted(offsets, 100, side="right") - 1)
     assert result.exit_code == 2, result.output
