@@ -46,15 +46,33 @@ HIDDEN_CHUNK_TOKENS = 256
 
 
 def parse_mode(text: str) -> dict:
-    """``fp8`` | ``int8:G`` | ``int4:G`` -> {"mode", "group_size", "name"}."""
-    mode, _, group = text.partition(":")
-    if mode not in ("fp8", "int8", "int4"):
-        raise argparse.ArgumentTypeError(f"mode {text!r}: expected fp8, int8:GROUP or int4:GROUP")
+    """``fp8`` | ``int8:G`` | ``int4:G`` | ``bf16:K``, optionally ``,topk=DTYPE`` ->
+    {"mode", "group_size", "name", "seed_offset", "topk_dtype", "spec"}.
+
+    ``bf16:K`` is the control: the lossless cache itself, the drafter trained with seed
+    (demo seed + K), so its spread is what training's randomness alone moves acceptance by.
+    ``topk=float16|bfloat16`` also stores the top-k log-probs at that precision (convert only)."""
+    codec, *extras = text.split(",")
+    topk = None
+    for extra in extras:
+        key, _, value = extra.partition("=")
+        if key != "topk" or value not in ("float16", "bfloat16"):
+            raise argparse.ArgumentTypeError(f"mode {text!r}: {extra!r} is not topk=float16 or topk=bfloat16")
+        topk = value
+    mode, _, group = codec.partition(":")
+    suffix = f"_topk{topk}" if topk else ""
+    base = {"seed_offset": 0, "topk_dtype": topk, "spec": text, "group_size": None, "mode": mode}
+    if mode not in ("fp8", "int8", "int4", LOSSLESS):
+        raise argparse.ArgumentTypeError(f"mode {text!r}: expected fp8, int8:GROUP, int4:GROUP or bf16:SEED_OFFSET")
     if mode == "fp8":
-        return {"mode": "fp8", "group_size": None, "name": "fp8"}
-    if not group.isdigit():
-        raise argparse.ArgumentTypeError(f"mode {text!r}: int modes need a group size, e.g. {mode}:32")
-    return {"mode": mode, "group_size": int(group), "name": f"{mode}g{group}"}
+        return {**base, "name": "fp8" + suffix}
+    if not group.isdigit() or int(group) < 1:
+        raise argparse.ArgumentTypeError(f"mode {text!r}: needs a positive number after the colon, e.g. {mode}:32")
+    if mode == LOSSLESS:
+        if topk:
+            raise argparse.ArgumentTypeError(f"mode {text!r}: the control keeps the lossless cache as it is")
+        return {**base, "name": f"bf16seed+{group}", "seed_offset": int(group)}
+    return {**base, "group_size": int(group), "name": f"{mode}g{group}{suffix}"}
 
 
 def hidden_codec(mode: dict):
@@ -69,7 +87,7 @@ def hidden_codec(mode: dict):
 def array_bytes_on_disk(cache: Path) -> dict[str, int]:
     """Bytes of every array's files summed over the shards, by array name."""
     sizes: dict[str, int] = {}
-    for shard in sorted((cache / "shards").iterdir()):
+    for shard in sorted(p for p in (cache / "shards").iterdir() if p.is_dir()):
         for array in shard.iterdir():
             if array.is_dir():
                 sizes[array.name] = sizes.get(array.name, 0) + sum(
@@ -129,13 +147,19 @@ def simulate_lossy_cache(lossless: Path, out: Path, mode: dict) -> int:
     return stored
 
 
-def convert_lossy_cache(lossless: Path, out: Path, mode: dict) -> None:
-    """``dflash-cache convert`` (the real path)."""
-    cmd = [sys.executable, "-m", "dflash.shared.cache_cli", "convert", str(lossless), str(out),
-           "--hidden-codec", mode["mode"]]
+def convert_lossy_cache(lossless: Path, out: Path, mode: dict) -> list[float]:
+    """``dflash-cache convert`` (the real path); returns the relative L2 error per layer that
+    ``dflash-cache stats`` reports for the converted cache over all its samples."""
+    cli = [sys.executable, "-m", "dflash.shared.cache_cli"]
+    cmd = cli + ["convert", str(lossless), str(out), "--hidden-codec", mode["mode"], "--no-progress"]
     if mode["group_size"]:
-        cmd += ["--group-size", str(mode["group_size"])]
+        cmd += ["--hidden-group-size", str(mode["group_size"])]
+    if mode["topk_dtype"]:
+        cmd += ["--topk-dtype", mode["topk_dtype"]]
     subprocess.run(cmd, check=True)
+    stats = subprocess.run(cli + ["stats", str(out), "--json", "--max-samples", str(10 ** 9)], check=True,
+                           capture_output=True, text=True)
+    return [layer["rel_l2"] for layer in json.loads(stats.stdout)["conversion_error"]["layers"]]
 
 
 def relative_l2_per_layer(lossless: Path, lossy: Path) -> list[float]:
@@ -156,6 +180,26 @@ def relative_l2_per_layer(lossless: Path, lossy: Path) -> list[float]:
     return [float(v) for v in np.sqrt(err / norm)]
 
 
+def outlier_structure(cache: Path, every: int = 10) -> list[dict]:
+    """Per stored layer, how far the largest channels stand out (every ``every``-th sample):
+    the largest channel's RMS over the median channel's, and the median over tokens of a
+    row's absolute maximum over its RMS (what a per-row or per-group scale has to span)."""
+    from dflash.shared.cache import CacheReader
+
+    reader = CacheReader(str(cache))
+    x = np.concatenate([reader.read(i, ("hidden",))["hidden"].double().numpy()
+                        for i in range(0, len(reader), every)])  # (T, L, D)
+    rows = []
+    for j, layer in enumerate(reader.spec.layer_ids):
+        a = x[:, j]
+        channel_rms = np.sqrt((a ** 2).mean(axis=0))
+        row_rms = np.sqrt((a ** 2).mean(axis=1))
+        rows.append({"layer_id": layer, "top_channel_rms_over_median": float(channel_rms.max() / np.median(channel_rms)),
+                     "row_absmax_over_rms_median": float(np.median(np.abs(a).max(axis=1) / row_rms)),
+                     "absmax_over_rms": float(np.abs(a).max() / np.sqrt((a ** 2).mean()))})
+    return rows
+
+
 # --------------------------------------------------------------------------- one mode
 
 
@@ -172,24 +216,33 @@ def run_mode(base: Path, out: Path, mode: dict, seed: int, simulate: bool, small
 
     s = demo_settings(seed, small)
     lossless = base / "cache.zarr"
-    cache = out / "cache.zarr"
+    cache = out / "cache.zarr" if mode["mode"] != LOSSLESS else lossless
+    if mode["seed_offset"]:
+        s.train["seed"] = seed + mode["seed_offset"]
     base_record = demo._read(lossless)
     if base_record is None or not (base / "summary.json").is_file():
         raise SystemExit(f"{base}: the lossless demo is not finished (no cache marker or summary.json)")
     out.mkdir(parents=True, exist_ok=True)
-    settings = {"lossless": base_record["settings"], "codec": {k: mode[k] for k in ("mode", "group_size")},
+    settings = {"lossless": base_record["settings"],
+                "codec": {k: mode[k] for k in ("mode", "group_size", "topk_dtype") if k != "topk_dtype" or mode[k]},
                 "path": "simulated" if simulate else "convert"}
-    record = demo._fresh(cache, settings)
     echo = lambda m: print(m, flush=True)  # noqa: E731
+    if mode["mode"] == LOSSLESS:
+        settings, record = base_record["settings"], {"hidden_bytes_estimate": None,
+                                                     "rel_l2_per_layer": [0.0] * len(s.layer_ids)}
+    else:
+        record = demo._fresh(cache, settings)
     if record is None:
         t0 = time.perf_counter()
+        stats_l2, hidden_estimate = None, None
         if simulate:
+            if mode["topk_dtype"]:
+                raise SystemExit(f"{mode['spec']}: reduced top-k precision is not simulated; run without --simulate")
             hidden_estimate = simulate_lossy_cache(lossless, cache, mode)
         else:
-            convert_lossy_cache(lossless, cache, mode)
-            hidden_estimate = None
+            stats_l2 = convert_lossy_cache(lossless, cache, mode)
         record = {"seconds": time.perf_counter() - t0, "hidden_bytes_estimate": hidden_estimate,
-                  "rel_l2_per_layer": relative_l2_per_layer(lossless, cache)}
+                  "rel_l2_per_layer": relative_l2_per_layer(lossless, cache), "stats_rel_l2_per_layer": stats_l2}
         demo._write(cache, settings, **record)
         echo(f"lossy cache {cache} ({settings['path']}) in {record['seconds']:.1f} s, "
              f"relative L2 per layer {[round(e, 4) for e in record['rel_l2_per_layer']]}")
@@ -205,16 +258,18 @@ def run_mode(base: Path, out: Path, mode: dict, seed: int, simulate: bool, small
     raw_hidden = tokens * len(s.layer_ids) * _hidden_size(lossless) * 2
     sizes, base_sizes = array_bytes_on_disk(cache), array_bytes_on_disk(lossless)
     hidden_disk = sum(v for k, v in sizes.items() if k.startswith("hidden"))
-    hidden_bytes = record["hidden_bytes_estimate"] if simulate else hidden_disk
+    estimate = record["hidden_bytes_estimate"]
+    hidden_bytes = hidden_disk if estimate is None else estimate
     whole = cache_bytes_on_disk(cache) - (hidden_disk - hidden_bytes)
     o = result["overall"]
     row = {
-        "mode": mode["name"], "seed": seed, "path": settings["path"], "tokens": tokens,
+        "mode": mode["name"], "seed": seed, "path": "control" if mode["mode"] == LOSSLESS else settings["path"],
+        "train_seed": s.train_overrides()["seed"], "tokens": tokens,
         "hidden_bytes_per_token": hidden_bytes / tokens, "hidden_of_raw_bf16": hidden_bytes / raw_hidden,
         "lossless_hidden_of_raw_bf16": sum(v for k, v in base_sizes.items() if k.startswith("hidden")) / raw_hidden,
         "cache_bytes_per_token": whole / tokens, "cache_of_raw_bf16": whole / raw_hidden,
         "lossless_cache_of_raw_bf16": cache_bytes_on_disk(lossless) / raw_hidden,
-        "rel_l2_per_layer": record["rel_l2_per_layer"],
+        "rel_l2_per_layer": record["rel_l2_per_layer"], "stats_rel_l2_per_layer": record.get("stats_rel_l2_per_layer"),
         "acceptance_offline": trained["eval"]["tau"], "acceptance_offline_replay": result["offline_replay"]["tau"],
         "replay_on_lossless_cache": replay_lossless, "acceptance_online": o["tau"], "lossless": o["lossless"],
         "regenerated_match": o["regenerated_match"], "speedup": o["speedup"],
@@ -262,6 +317,7 @@ def base_row(base: Path, seed: int, small: bool = False) -> dict:
             "hidden_bytes_per_token": hidden / tokens, "hidden_of_raw_bf16": hidden / raw_hidden,
             "cache_bytes_per_token": whole / tokens, "cache_of_raw_bf16": whole / raw_hidden,
             "array_bytes": sizes, "rel_l2_per_layer": [0.0] * len(s.layer_ids),
+            "outliers": outlier_structure(lossless),
             "acceptance_offline": summary["acceptance_offline"],
             "acceptance_offline_replay": summary["acceptance_offline_replay"],
             "replay_on_lossless_cache": summary["acceptance_offline_replay"],
@@ -366,9 +422,8 @@ def main() -> None:
                                  *flags]})
     for mode in args.mode:
         for seed in args.seeds:
-            spec = mode["mode"] if mode["group_size"] is None else f"{mode['mode']}:{mode['group_size']}"
             base_job = f"base_s{seed}"
-            jobs.append({"name": f"{mode['name']}_s{seed}", "cmd": me + ["--one", spec, str(seed)],
+            jobs.append({"name": f"{mode['name']}_s{seed}", "cmd": me + ["--one", mode["spec"], str(seed)],
                          "after": base_job if any(j["name"] == base_job for j in jobs) else None})
     load_before = os.getloadavg()
     run_jobs(jobs, cores, args.out)
