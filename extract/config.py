@@ -7,6 +7,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any, Literal, get_args
 
+from dflash.shared.cache import ZSTD_LEVELS  # noqa: F401  (the cache's levels, checked here)
 from dflash.shared.cli_options import check_choices
 from dflash.shared.layers import default_layer_ids  # noqa: F401  (extraction's default, shared with training)
 
@@ -14,13 +15,13 @@ Truncation = Literal["right", "skip", "error"]
 BadRowPolicy = Literal["error", "skip"]
 Dtype = Literal["bfloat16", "float16", "float32"]
 Device = Literal["cuda", "cpu"]
+HiddenCodecName = Literal["bf16", "fp8", "int8", "int4"]
+ScaleDtype = Literal["float16", "float32"]
+TopkDtype = Literal["float32", "float16", "bfloat16"]
 TRUNCATION_POLICIES = get_args(Truncation)
 BAD_ROW_POLICIES = get_args(BadRowPolicy)
 DTYPES = get_args(Dtype)
 DEFAULT_GPUS = (0, 1, 2, 3, 4)
-ZSTD_LEVELS = tuple(range(1, 16, 2))
-"""The zstd levels a cache can use: the cache stores blosc clevel c = (level + 1) // 2 and blosc runs zstd at
-level 2c - 1 for c in 1..8 (shared/cache.py), so an even level would silently become another one."""
 RESERVED_TEMPLATE_KWARGS = frozenset({
     "conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
     "continue_final_message", "tokenize", "padding", "truncation", "max_length", "return_tensors",
@@ -77,6 +78,15 @@ class ExtractConfig:
     """Tokens per Zarr chunk of the hidden states (the small arrays are chunked coarsely, see shared/cache.py)."""
     compression_level: int = 1
     """zstd level of the stored chunks: 1, 3, 5, ..., 15 (blosc runs zstd at odd levels only)."""
+    hidden_codec: HiddenCodecName = "bf16"
+    """How hidden states are stored: 'bf16' lossless, or lossy 'fp8' (e4m3, a scale per token and layer),
+    'int8' or 'int4' (a scale per --hidden-group-size channels); decoded to bf16 when read."""
+    hidden_group_size: int = 128
+    """Channels sharing one scale under --hidden-codec int8/int4 (must divide the hidden size; even for int4)."""
+    hidden_scale_dtype: ScaleDtype = "float16"
+    """dtype of the lossy codecs' scales; float32 where activations exceed what float16 scales hold."""
+    topk_dtype: TopkDtype = "float32"
+    """Precision of the stored top-k log-probs (read back as float32)."""
 
     # -- how it runs (not fingerprinted, except batch_tokens, lm_head_chunk and attn_implementation,
     #    which change padding or roundings, and the shard count that follows from the workers)
@@ -134,7 +144,7 @@ class ExtractConfig:
         if self.device == "cpu" and self.workers < 1:
             raise ValueError("--workers must be at least 1")
         for name in ("topk", "max_length", "min_length", "batch_tokens", "lm_head_chunk", "chunk_tokens",
-                     "queue_depth", "write_concurrency"):
+                     "queue_depth", "write_concurrency", "hidden_group_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
         if self.commit_seconds < 0:
@@ -143,6 +153,9 @@ class ExtractConfig:
             raise ValueError(f"cpu_threads must be at least 1, got {self.cpu_threads}")
         if self.gil_switch_ms <= 0:
             raise ValueError(f"gil_switch_ms must be positive, got {self.gil_switch_ms}")
+        if self.hidden_codec == "int4" and self.hidden_group_size % 2:
+            raise ValueError(f"--hidden-group-size {self.hidden_group_size}: int4 packs two channels a byte, "
+                             "so its groups must be even")
         if self.min_length > self.max_length:
             raise ValueError(f"min_length {self.min_length} exceeds max_length {self.max_length}")
         self._validate_template_kwargs()

@@ -123,7 +123,7 @@ def build_spec(cfg: ExtractConfig, tokenizer, model_config, ds, num_shards: int)
         located["dataset_resolved_path"] = dataset.pop("resolved_path", None)
     if target.get("weights_hash"):
         located["target_path"] = os.path.abspath(target.pop("name_or_path"))  # training's default --target
-    return CacheSpec(
+    spec = _spec(
         layer_ids=layers,
         hidden_size=model_config.hidden_size,
         topk=cfg.topk,
@@ -140,7 +140,21 @@ def build_spec(cfg: ExtractConfig, tokenizer, model_config, ds, num_shards: int)
             "extraction": extraction,
         },
         info={"package_version": package_version(), "config": info_cfg, **located},
+        hidden_codec=cfg.hidden_codec, hidden_group_size=cfg.hidden_group_size,
+        hidden_scale_dtype=cfg.hidden_scale_dtype, topk_dtype=cfg.topk_dtype,
     )
+    if spec.encoded:  # fingerprinted where not lossless, so a lossless cache's fingerprint is as before codecs
+        spec.fingerprint["extraction"]["encoding"] = spec.encoding()
+    return spec
+
+
+def _spec(**fields) -> CacheSpec:
+    """CacheSpec(**fields), its refusal (e.g. a group size that does not divide D) named by flag."""
+    try:
+        return CacheSpec(**fields)
+    except CacheError as e:
+        raise ExtractFailed(f"{_with_flag_hints(str(e))} (--hidden-codec {fields['hidden_codec']}, "
+                            f"--hidden-group-size {fields['hidden_group_size']})") from e
 
 
 def prepare_root(cfg: ExtractConfig, spec: CacheSpec, layout: NodeLayout) -> zarr.Group:
@@ -194,6 +208,8 @@ FLAG_HINTS = {
     "fingerprint.tokenizer.chat_template_hash": "the chat template (--chat-template, or the tokenizer's own)",
     "fingerprint.extraction.chat_template.template_kwargs": "--template-kwargs",
     "fingerprint.extraction.chat_template.end_of_turn": "--end-of-turn",
+    "hidden_codec": "--hidden-codec", "hidden_group_size": "--hidden-group-size",
+    "hidden_scale_dtype": "--hidden-scale-dtype", "topk_dtype": "--topk-dtype",
 }
 """Fingerprint entries whose name alone does not say which flag sets them."""
 

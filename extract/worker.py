@@ -35,8 +35,9 @@ from typing import Any
 import torch
 import zarr
 
-from dflash.shared.cache import (ATTRS_KEY, ZARR_PIPELINE, CacheError, CacheSpec, ShardWriter, bf16_to_bits,
-                                 open_root)
+from dflash.shared.cache import (ATTRS_KEY, HIDDEN_SCALE, CacheError, CacheSpec, ShardWriter, encode_hidden,
+                                 encode_topk_logprobs, open_root, to_numpy, writer_zarr_settings)
+from dflash.shared.hidden_codecs import check_scales
 from dflash.shared.shard_lock import LockError, ShardLock, ShardLocked
 
 from .config import ExtractConfig
@@ -144,14 +145,11 @@ class WriterThread:
                     self._clock(*marks)
                 t0, t1 = self.planned.batch_tokens(batch)
                 s0, s1 = self.writer.batch_samples(batch)
-                self.writer.write_batch(
-                    batch,
-                    input_ids=self.planned.input_ids[t0:t1],
-                    loss_mask=self.planned.loss_mask[t0:t1],
-                    hidden=bf16_to_bits(host["hidden"]),
-                    topk_ids=host["topk_ids"].numpy(),
-                    topk_logprobs=host["topk_logprobs"].numpy(),
-                )
+                stored = {name: to_numpy(t) for name, t in host.items()}  # as the cache stores them
+                if HIDDEN_SCALE in stored:  # encoded without a device sync: checked here
+                    check_scales(self.writer.spec.codec, stored[HIDDEN_SCALE])
+                self.writer.write_batch(batch, input_ids=self.planned.input_ids[t0:t1],
+                                        loss_mask=self.planned.loss_mask[t0:t1], **stored)
                 del host, item
                 self.report("progress", samples=s1 - s0, tokens=t1 - t0,
                             assistant=int(self.planned.loss_mask[t0:t1].sum()))
@@ -175,14 +173,16 @@ def _mark():
     return event
 
 
-def _to_host(out, device: torch.device, copy_stream=None) -> tuple[dict[str, torch.Tensor], Any]:
-    """Device->host copies of one batch's outputs: on CUDA into pinned buffers, non_blocking,
-    on ``copy_stream`` so that the next batch's forward runs while they land; the returned
-    event marks their end."""
+def _to_host(out, spec: CacheSpec, device: torch.device, copy_stream=None) -> tuple[dict[str, torch.Tensor], Any]:
+    """Device->host copies of one batch's outputs, encoded as the cache stores them (on the
+    device: bf16 bits, or a lossy codec's payload and scales, and the top-k log-probs in their
+    stored dtype, so fewer bytes cross and get compressed): on CUDA into pinned buffers,
+    non_blocking, on ``copy_stream`` so that the next batch's forward runs while they land;
+    the returned event marks their end."""
     tensors = {
-        "hidden": out.hidden.to(torch.bfloat16),  # (N, L, D): rounded on the device, half the traffic
+        **encode_hidden(spec, out.hidden, validate=False),  # (N, L, D) bits or (N, L, W) + (N, L, G)
         "topk_ids": out.topk_ids,
-        "topk_logprobs": out.topk_logprobs,
+        "topk_logprobs": encode_topk_logprobs(spec, out.topk_logprobs),
     }
     if device.type != "cuda":
         return tensors, None
@@ -296,17 +296,9 @@ def _run_shard(task: WorkerTask, report, stop, go, lock: ShardLock) -> dict[str,
             report("timing", **timing)
 
 
-ZARRS_PIPELINE = "zarrs.ZarrsCodecPipeline"
-
-
 def _zarr_settings(cfg: ExtractConfig) -> dict[str, Any]:
-    """zarr settings of a shard's writer: the zarrs codec pipeline for a local folder (zarrs
-    stores to local folders only: given an fsspec store it warns and falls back to zarr's own
-    pipeline, which is what a URL gets here without the warning), many chunks in flight where
-    zarr's own pipeline writes, and no all-fill-value scan (whole chunks are written)."""
-    pipeline = ZARR_PIPELINE if "://" in cfg.out else ZARRS_PIPELINE
-    return {"codec_pipeline.path": pipeline, "async.concurrency": cfg.write_concurrency,
-            "array.write_empty_chunks": True}
+    """zarr settings of a shard's writer (``writer_zarr_settings``)."""
+    return writer_zarr_settings(cfg.out, cfg.write_concurrency)
 
 
 def _extract(cfg: ExtractConfig, planned: PlannedShard, writer: ShardWriter, device: torch.device, *,
@@ -351,7 +343,7 @@ def _extract(cfg: ExtractConfig, planned: PlannedShard, writer: ShardWriter, dev
             start = _mark() if copy_stream is not None else None
             out = runner.forward(ids, mask, index)
             marks = (start, _mark()) if start is not None else None
-            host, event = _to_host(out, device, copy_stream)
+            host, event = _to_host(out, writer.spec, device, copy_stream)
             del out
             thread.submit(("batch", batch, event, host, marks))
             if cfg.batch_delay_s:

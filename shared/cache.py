@@ -9,8 +9,10 @@ are in ``CacheSpec.chunks``)::
         input_ids      [T]          int32
         loss_mask      [T]          bool   (assistant tokens)
         hidden         [T, L, D]    uint16 (bf16 bits; logical dtype in the attributes)
+                       [T, L, W]    uint8  (a lossy ``hidden_codec``: its payload, see below)
+        hidden_scale   [T, L, G]    float16 (lossy codecs only: their scales)
         topk_ids       [T, k]       int32
-        topk_logprobs  [T, k]       float32
+        topk_logprobs  [T, k]       float32 (or float16, or bf16 bits as uint16: ``topk_dtype``)
         offsets        [N + 1]      int64  (sample i is tokens offsets[i]:offsets[i+1])
         source_index   [N]          int64  (row of sample i in the source dataset)
         batches        [NB + 1]     int64  (sample offsets of the planned batches)
@@ -29,10 +31,20 @@ replaces the chunk in one step (a local store writes a temporary file and rename
 object store's PUT is atomic): a crash leaves the old or the new chunk, both holding the
 committed rows.
 
-Format versions: 1 chunks every token array at ``chunk_tokens`` rows; 2 (written now)
-chunks the hidden states at ``chunk_tokens`` and the small arrays coarsely (``chunks``), so
-that a shard's chunk files are few and not tiny. Both are read alike (readers take each
+Format versions: 1 chunks every token array at ``chunk_tokens`` rows; 2 (written now for
+the lossless default) chunks the hidden states at ``chunk_tokens`` and the small arrays
+coarsely (``chunks``), so that a shard's chunk files are few and not tiny; 3 is 2 with a
+lossy ``hidden_codec`` or a reduced ``topk_dtype`` (the version tells older readers, which
+would misread those arrays, to refuse the cache). All are read alike (readers take each
 array's chunking from its own metadata).
+
+Lossy hidden states (``shared/hidden_codecs.py``): ``hidden`` holds the codec's uint8
+payload (fp8/int8: one byte per channel, int4: two channels per byte) and ``hidden_scale``
+its scales (fp8: one per token and layer; int8/int4: one per group of channels), both
+chunked at ``chunk_tokens`` rows and through the same lossless stage and checksums.
+``CacheReader.read`` decodes them to bf16, so training sees the same tensors whatever the
+codec; ``read(..., decode=False)`` hands payload and scales over for decoding
+elsewhere (on the GPU: ``decode_hidden``).
 """
 
 from __future__ import annotations
@@ -49,18 +61,35 @@ import torch
 import zarr
 import zarr.codecs as zc
 
+from .hidden_codecs import EncodedHidden, HiddenCodec
+from .hidden_codecs import decode as decode_codec
+from .hidden_codecs import encode as encode_codec
 from .shard_lock import LOCKS_DIR as LOCKS_GROUP
 from .shard_lock import live_holders
 
 FORMAT_NAME = "dflash-cache"
 FORMAT_VERSION = 2
-READABLE_VERSIONS = (1, 2)
+"""Written for the lossless default (bf16 hidden states, float32 log-probs)."""
+ENCODED_FORMAT_VERSION = 3
+"""Written where ``hidden_codec`` is lossy or ``topk_dtype`` is not float32."""
+READABLE_VERSIONS = (1, 2, 3)
 ATTRS_KEY = "dflash_cache"
 LAYER_CONVENTION = (
     "layer id i = output of decoder layer i (0-based) = HF output_hidden_states[i + 1]; "
     "hidden_states[0] is the embedding output"
 )
 TOKEN_FIELDS = ("input_ids", "loss_mask", "hidden", "topk_ids", "topk_logprobs")
+"""What a reader asks for (``CacheReader.read``), whatever the encoding."""
+HIDDEN_SCALE = "hidden_scale"
+"""The token array of a lossy hidden codec's scales (``CacheSpec.token_fields``)."""
+HIDDEN_CODECS = ("bf16", "fp8", "int8", "int4")
+TOPK_DTYPES = ("float32", "float16", "bfloat16")
+_TOPK_STORED = {"float32": "float32", "float16": "float16", "bfloat16": "uint16"}
+"""Stored dtype of ``topk_logprobs`` per ``topk_dtype`` (zarr has no bfloat16: its bits as uint16)."""
+ENCODING_DEFAULTS = {"hidden_codec": "bf16", "hidden_group_size": None, "hidden_scale_dtype": None,
+                     "topk_dtype": "float32"}
+"""The spec fields of the encoding and their lossless defaults; a spec at these defaults
+writes none of them, so a lossless cache's attributes are those of format 2 before codecs."""
 SAMPLE_META_CHUNK = 1 << 16
 ZARR_PIPELINE = "zarr.core.codec_pipeline.BatchedCodecPipeline"
 """zarr's own codec pipeline (its default): a local store writes each chunk to a temporary
@@ -129,19 +158,79 @@ class CacheSpec:
     chunks: dict[str, int] = field(default_factory=dict)
     """Rows per chunk of each token array (format 2; default: ``default_chunks``). Empty in
     format 1, where every token array is chunked at ``chunk_tokens``."""
+    hidden_codec: str = "bf16"
+    """How ``hidden`` is stored: 'bf16' (lossless bits) or a lossy ``shared/hidden_codecs.py``
+    mode, 'fp8', 'int8' or 'int4', whose scales are in ``hidden_scale`` (format 3)."""
+    hidden_group_size: int | None = None
+    """Channels per scale of the int codecs (None for bf16 and fp8)."""
+    hidden_scale_dtype: str | None = None
+    """dtype of ``hidden_scale`` ('float16' or 'float32'; None for bf16)."""
+    topk_dtype: str = "float32"
+    """Precision of the stored top-k log-probs: 'float32', 'float16' or 'bfloat16' (read back as float32)."""
 
     def __post_init__(self):
+        if self.hidden_codec not in HIDDEN_CODECS:
+            raise CacheError(f"cache spec: hidden_codec {self.hidden_codec!r}, expected one of {HIDDEN_CODECS}")
+        if self.topk_dtype not in TOPK_DTYPES:
+            raise CacheError(f"cache spec: topk_dtype {self.topk_dtype!r}, expected one of {TOPK_DTYPES}")
+        codec = self.codec  # normalised: the fields that do not apply to the mode are None
+        self.hidden_group_size = codec.group_size if codec.grouped else None
+        self.hidden_scale_dtype = codec.scale_dtype if codec.lossy else None
+        if self.encoded:
+            if self.format_version == FORMAT_VERSION:  # a new spec: the encoding needs format 3
+                self.format_version = ENCODED_FORMAT_VERSION
+            if self.format_version < ENCODED_FORMAT_VERSION:
+                raise CacheError(f"cache spec: format {self.format_version} cannot hold {self.describe_encoding()}")
+            try:
+                codec.check_hidden_size(self.hidden_size)
+            except ValueError as e:
+                raise CacheError(f"cache spec: {e}") from None
+            self.stored_dtypes = {f: dtype for f, (_, dtype) in _token_array_shapes(self, 1).items()}
         if self.format_version >= 2 and not self.chunks:
             self.chunks = default_chunks(self)
-        if self.format_version >= 2 and set(self.chunks) != set(TOKEN_FIELDS):
-            raise CacheError(f"cache spec: chunks must name each of {TOKEN_FIELDS}, got {sorted(self.chunks)}")
+        if self.format_version >= 2 and set(self.chunks) != set(self.token_fields):
+            raise CacheError(f"cache spec: chunks must name each of {self.token_fields}, got {sorted(self.chunks)}")
+
+    @property
+    def codec(self) -> HiddenCodec:
+        """The hidden states' codec (mode 'bf16' for the lossless layout)."""
+        try:
+            return HiddenCodec(self.hidden_codec, self.hidden_group_size or 128, self.hidden_scale_dtype or "float16")
+        except ValueError as e:
+            raise CacheError(f"cache spec: {e}") from None
+
+    @property
+    def encoded(self) -> bool:
+        """Whether any array is stored other than in the lossless layout (format 3)."""
+        return self.hidden_codec != "bf16" or self.topk_dtype != "float32"
+
+    @property
+    def token_fields(self) -> tuple[str, ...]:
+        """The token arrays stored in each shard: ``TOKEN_FIELDS``, plus ``hidden_scale`` for a lossy codec."""
+        return TOKEN_FIELDS + ((HIDDEN_SCALE,) if self.hidden_codec != "bf16" else ())
+
+    def encoding(self) -> dict[str, Any]:
+        """The encoding fields (``ENCODING_DEFAULTS``' keys) with this spec's values."""
+        return {k: getattr(self, k) for k in ENCODING_DEFAULTS}
+
+    def describe_encoding(self) -> str:
+        """One line: the hidden codec and the top-k dtype."""
+        return f"hidden {self.codec.describe()}, top-k log-probs {self.topk_dtype}"
+
+    def hidden_bytes_per_token(self) -> int:
+        """Stored bytes of one token's hidden states (payload + scales) before the lossless stage."""
+        return self.codec.bytes_per_token(self.num_layers, self.hidden_size)
 
     def chunk_rows(self, name: str) -> int:
         """Rows per chunk of token array ``name`` in a cache of this spec."""
         return int(self.chunks[name]) if self.format_version >= 2 else self.chunk_tokens
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        d = dataclasses.asdict(self)
+        if not self.encoded:  # a lossless cache's attributes stay those written before codecs existed
+            for k in ENCODING_DEFAULTS:
+                del d[k]
+        return d
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "CacheSpec":
@@ -167,7 +256,7 @@ def default_chunks(spec: CacheSpec) -> dict[str, int]:
     the small arrays were 1 % of the bytes but 80 % of the chunk writes (BENCHMARKS.md)."""
     chunks = {}
     for name, (shape, dtype) in _token_array_shapes(spec, 1).items():
-        if name == "hidden":
+        if name in ("hidden", HIDDEN_SCALE):
             chunks[name] = spec.chunk_tokens
             continue
         row_bytes = int(np.prod(shape[1:])) * np.dtype(dtype).itemsize
@@ -202,6 +291,21 @@ def _jsonable(x: Any) -> Any:
 
 
 BLOSC_BLOCKSIZE = 1 << 19
+ZSTD_LEVELS = tuple(range(1, 16, 2))
+"""The zstd levels a cache can use: it stores blosc clevel c = (level + 1) // 2, and blosc runs zstd at
+level 2c - 1 for c in 1..8, so an even level would silently become another one."""
+ZARRS_PIPELINE = "zarrs.ZarrsCodecPipeline"
+
+
+def writer_zarr_settings(path: str, write_concurrency: int = 32) -> dict[str, Any]:
+    """zarr settings of a shard's writer: the zarrs codec pipeline (Rust, on its own threads,
+    without the GIL) for a local folder, which is all zarrs stores to (given an fsspec store
+    it warns and falls back to zarr's own pipeline, which a URL gets here without the
+    warning); ``write_concurrency`` chunks in flight where zarr's own pipeline writes; no
+    all-fill-value scan (whole chunks are written)."""
+    pipeline = ZARR_PIPELINE if "://" in path else ZARRS_PIPELINE
+    return {"codec_pipeline.path": pipeline, "async.concurrency": write_concurrency,
+            "array.write_empty_chunks": True}
 
 
 def _compressors(typesize: int, level: int) -> list:
@@ -220,14 +324,73 @@ def _compressors(typesize: int, level: int) -> list:
 
 
 def _token_array_shapes(spec: CacheSpec, tokens: int) -> dict[str, tuple[tuple[int, ...], str]]:
+    """Shape and stored dtype of each token array (``spec.token_fields``) for ``tokens`` rows."""
     k, L, D = spec.topk, spec.num_layers, spec.hidden_size
-    return {
+    codec = spec.codec
+    shapes = {
         "input_ids": ((tokens,), "int32"),
         "loss_mask": ((tokens,), "bool"),
-        "hidden": ((tokens, L, D), "uint16"),
+        "hidden": ((tokens, L, D), "uint16") if not codec.lossy else ((tokens, L, codec.payload_width(D)), "uint8"),
         "topk_ids": ((tokens, k), "int32"),
-        "topk_logprobs": ((tokens, k), "float32"),
+        "topk_logprobs": ((tokens, k), _TOPK_STORED[spec.topk_dtype]),
     }
+    if codec.lossy:
+        shapes[HIDDEN_SCALE] = ((tokens, L, codec.groups(D)), codec.scale_dtype)
+    return shapes
+
+
+def token_array_shapes(spec: CacheSpec, tokens: int) -> dict[str, tuple[tuple[int, ...], str]]:
+    """Shape and stored dtype of each token array of a shard of ``tokens`` tokens."""
+    return _token_array_shapes(spec, tokens)
+
+
+# ----------------------------------------------------------------------------- encode / decode
+
+
+def encode_hidden(spec: CacheSpec, hidden: torch.Tensor, validate: bool = True) -> dict[str, torch.Tensor]:
+    """``[T, L, D]`` hidden states -> the stored token arrays ``hidden`` (+ ``hidden_scale``), as
+    tensors on ``hidden``'s device (the extraction worker encodes on the GPU, before the copy):
+    bf16 bits as int16 for the lossless layout, the codec's payload and scales otherwise.
+    ``validate``: see ``hidden_codecs.encode`` (the lossless layout stores whatever it gets)."""
+    codec = spec.codec
+    if not codec.lossy:
+        return {"hidden": hidden.to(torch.bfloat16).view(torch.int16)}
+    enc = encode_codec(codec, hidden, validate=validate)
+    return {"hidden": enc.payload, HIDDEN_SCALE: enc.scales}
+
+
+def decode_hidden(spec: CacheSpec, stored: dict[str, Any], dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """The stored ``hidden`` (+ ``hidden_scale``), numpy or tensors of any leading shape, ->
+    hidden states ``[..., L, D]`` in ``dtype``, on the tensors' device. Bitwise the same on
+    the CPU and the GPU (``hidden_codecs``)."""
+    payload = torch.as_tensor(stored["hidden"])
+    codec = spec.codec
+    if not codec.lossy:
+        return payload.view(torch.bfloat16).to(dtype)
+    return decode_codec(codec, EncodedHidden(payload, torch.as_tensor(stored[HIDDEN_SCALE])), dtype)
+
+
+def encode_topk_logprobs(spec: CacheSpec, logprobs: torch.Tensor) -> torch.Tensor:
+    """float log-probs ``[T, k]`` -> the stored ``topk_logprobs`` (bf16 as its int16 bits), same device."""
+    if spec.topk_dtype == "float32":
+        return logprobs.float()
+    if spec.topk_dtype == "float16":
+        return logprobs.to(torch.float16)
+    return logprobs.to(torch.bfloat16).view(torch.int16)
+
+
+def decode_topk_logprobs(spec: CacheSpec, stored) -> torch.Tensor:
+    """The stored ``topk_logprobs`` (numpy or tensor) -> float32 log-probs."""
+    t = torch.as_tensor(stored)
+    if spec.topk_dtype == "bfloat16":
+        return t.view(torch.int16).view(torch.bfloat16).float()
+    return t.float()
+
+
+def to_numpy(t: torch.Tensor) -> np.ndarray:
+    """A host tensor as the numpy array the writer stores (int16 bit patterns as uint16)."""
+    a = t.numpy()
+    return a.view(np.uint16) if a.dtype == np.int16 else a
 
 
 # ----------------------------------------------------------------------------- root
@@ -263,7 +426,8 @@ def create_or_open_cache(path: str, spec: CacheSpec, storage_options: dict | Non
         root.require_group(LOCKS_GROUP)
         return root
     old = CacheSpec.from_dict(existing)
-    if old.format_version < spec.format_version:  # an older layout is resumed in its own layout
+    if old.format_version < spec.format_version and old.encoding() == spec.encoding():
+        # an older layout is resumed in its own layout
         spec = dataclasses.replace(spec, format_version=old.format_version, chunks=dict(old.chunks))
     diffs = spec_differences(old, spec)
     if not diffs:
@@ -291,8 +455,8 @@ def create_or_open_cache(path: str, spec: CacheSpec, storage_options: dict | Non
 def spec_differences(old: CacheSpec, new: CacheSpec) -> list[str]:
     """Every difference between two specs that makes one cache's bytes differ from the other's."""
     compared = ("layer_ids", "hidden_size", "topk", "vocab_size", "num_target_layers", "max_length",
-                "truncation", "chunk_tokens", "compression_level", "hidden_dtype", "fingerprint", "format_version",
-                "chunks")
+                "truncation", "chunk_tokens", "compression_level", "hidden_dtype", *ENCODING_DEFAULTS, "fingerprint",
+                "format_version", "chunks")
     diffs = []
     for name in compared:
         diffs += diff_dicts({name: getattr(old, name)}, {name: getattr(new, name)})
@@ -513,9 +677,11 @@ class ShardWriter:
                                     tokens=plan.num_tokens),
                 commit=ShardCounts(), complete=False, skipped=dict(plan.skipped), compute=compute)
             _record_state(self.group, self.state)
-        self.arrays = {f: self.group[f] for f in TOKEN_FIELDS}
+        self.fields = spec.token_fields
+        """The token arrays ``write_batch`` takes (``TOKEN_FIELDS``, plus ``hidden_scale`` for a lossy codec)."""
+        self.arrays = {f: self.group[f] for f in self.fields}
         with zarr.config.set({"codec_pipeline.path": ZARR_PIPELINE}):
-            self._atomic_arrays = {f: self.group[f] for f in TOKEN_FIELDS}
+            self._atomic_arrays = {f: self.group[f] for f in self.fields}
         """The same arrays through zarr's own pipeline: for chunks that hold committed rows."""
         self.chunks = {f: int(a.chunks[0]) for f, a in self.arrays.items()}
         """Rows per chunk of each array, as stored (a shard keeps the layout it was created with)."""
@@ -524,11 +690,11 @@ class ShardWriter:
         done = self.state.commit.tokens
         self._end = done
         """Tokens handed to ``write_batch`` so far (committed or not)."""
-        self._tail: dict[str, list[np.ndarray]] = {f: [] for f in TOKEN_FIELDS}
+        self._tail: dict[str, list[np.ndarray]] = {f: [] for f in self.fields}
         """Per array, the rows from ``_tail_start[f]`` (a chunk boundary) to ``_end`` not yet
         written whole: the head of the chunk that is being filled."""
         self._tail_start = {f: (done // C) * C for f, C in self.chunks.items()}
-        for f in TOKEN_FIELDS:
+        for f in self.fields:
             if self._tail_start[f] < done:
                 # resume inside a chunk: re-read its committed head so the chunk is rewritten whole
                 self._tail[f].append(np.asarray(self.arrays[f][self._tail_start[f]:done]))
@@ -541,14 +707,16 @@ class ShardWriter:
         return int(self.plan.batches[batch]), int(self.plan.batches[batch + 1])
 
     def write_batch(self, batch: int, **fields: np.ndarray) -> None:
-        """Append planned batch ``batch`` (token-major arrays of all its samples, concatenated)."""
+        """Append planned batch ``batch`` (token-major arrays of all its samples, concatenated), one
+        array per stored field (``self.fields``) as stored: see ``encode_hidden``,
+        ``encode_topk_logprobs`` and ``to_numpy``."""
         if batch != self.next_batch:
             raise CacheError(f"shard {self.shard_id:05d}: batch {batch} written out of order (expected {self.next_batch})")
         s0, s1 = self.batch_samples(batch)
         ntok = int(self._offsets[s1] - self._offsets[s0])
         expected = _token_array_shapes(self.spec, ntok)
-        if set(fields) != set(TOKEN_FIELDS):
-            raise CacheError(f"write_batch needs exactly {TOKEN_FIELDS}, got {sorted(fields)}")
+        if set(fields) != set(self.fields):
+            raise CacheError(f"write_batch needs exactly {self.fields}, got {sorted(fields)}")
         for f, a in fields.items():
             shape, dtype = expected[f]
             if tuple(a.shape) != shape:
@@ -567,7 +735,7 @@ class ShardWriter:
         that first chunk can hold committed rows (those before ``committed["tokens"]``).
         """
         end, committed = self._end, self.committed["tokens"]
-        for f in TOKEN_FIELDS:
+        for f in self.fields:
             C, start = self.chunks[f], self._tail_start[f]
             cut = end if final else start + ((end - start) // C) * C
             if cut <= start:
@@ -754,7 +922,9 @@ class CacheReader:
 
     # -- data
     def read_raw(self, index: int, fields: Iterable[str] = TOKEN_FIELDS) -> dict[str, np.ndarray]:
-        """Stored (numpy) arrays of one sample; a corrupted chunk raises CacheError naming it."""
+        """Stored (numpy) arrays of one sample, as stored (``spec.token_fields``: a lossy
+        ``hidden`` is its payload, ``hidden_scale`` its scales); a corrupted chunk raises
+        CacheError naming it."""
         pos, t0, t1 = self.token_range(index)
         shard = self.shards[pos]
         out = {}
@@ -771,24 +941,34 @@ class CacheReader:
     def __getitem__(self, index: int) -> dict[str, Any]:
         return self.read(index)
 
-    def read(self, index: int, fields: Iterable[str] = TOKEN_FIELDS) -> dict[str, Any]:
-        """One sample as torch tensors (bf16 restored) plus its ``source_index``; only the
-        arrays named in ``fields`` are opened and read (training without distillation never
-        touches the top-k arrays)."""
+    def read(self, index: int, fields: Iterable[str] = TOKEN_FIELDS, decode: bool = True) -> dict[str, Any]:
+        """One sample as torch tensors plus its ``source_index``: ``hidden`` (T, L, D) bf16 and
+        ``topk_logprobs`` float32 whatever the cache's encoding. Only the arrays named in
+        ``fields`` are opened and read (training without distillation never touches the top-k
+        arrays). ``decode=False`` on a lossy cache gives ``hidden`` as its uint8 payload
+        (T, L, W) and ``hidden_scale`` (T, L, G), for ``decode_hidden`` to decode elsewhere."""
         fields = tuple(fields)
         unknown = set(fields) - set(TOKEN_FIELDS)
         if unknown:
             raise ValueError(f"unknown cache fields {sorted(unknown)}; the cache stores {TOKEN_FIELDS}")
-        raw = self.read_raw(index, fields)
+        lossy = "hidden" in fields and self.spec.codec.lossy
+        raw = self.read_raw(index, fields + ((HIDDEN_SCALE,) if lossy else ()))
         pos, j = self.locate(index)
         convert = {
             "input_ids": lambda a: torch.from_numpy(a.astype(np.int64)),
             "loss_mask": lambda a: torch.from_numpy(a.astype(bool)),
-            "hidden": bf16_from_bits,  # (T, L, D) bfloat16
             "topk_ids": lambda a: torch.from_numpy(a.astype(np.int64)),
-            "topk_logprobs": torch.from_numpy,
+            "topk_logprobs": lambda a: decode_topk_logprobs(self.spec, a),
         }
-        return {**{f: convert[f](raw[f]) for f in fields}, "source_index": int(self._source(pos)[j])}
+        out = {f: convert[f](raw[f]) for f in fields if f != "hidden"}
+        if "hidden" in fields:
+            if not lossy:
+                out["hidden"] = bf16_from_bits(raw["hidden"])  # (T, L, D) bfloat16
+            elif decode:
+                out["hidden"] = decode_hidden(self.spec, raw)  # (T, L, D) bfloat16
+            else:
+                out["hidden"], out[HIDDEN_SCALE] = torch.from_numpy(raw["hidden"]), torch.from_numpy(raw[HIDDEN_SCALE])
+        return {**out, "source_index": int(self._source(pos)[j])}
 
     # -- contract with training
     def check_compatible(

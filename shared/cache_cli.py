@@ -1,4 +1,4 @@
-"""``dflash-cache``: inspect a hidden-state cache (info, show, verify, stats).
+"""``dflash-cache``: inspect a hidden-state cache (info, show, verify, stats) and convert it.
 
 Every command prints a compact human report, or with ``--json`` one JSON document (the
 dicts from ``dflash.shared.inspect`` and ``dflash.shared.verify``). Exit codes: 0 fine,
@@ -16,9 +16,11 @@ from typing import Any
 import click
 
 from dflash.shared import inspect as I
-from dflash.shared.cli_options import CONTEXT_SETTINGS, options
+from dflash.shared.cli_options import CONTEXT_SETTINGS, build, options, validated
 from dflash.shared import verify as V
 from dflash.shared.cache import CacheError
+from dflash.shared.convert import ConvertSettings, convert_cache
+from dflash.shared.shard_lock import LockError
 
 EXIT_PROBLEMS = 1
 EXIT_ERROR = 2
@@ -31,7 +33,7 @@ class CacheCliError(click.ClickException):
 def _run(fn, *args, **kwargs) -> dict[str, Any]:
     try:
         return fn(*args, **kwargs)
-    except (CacheError, IndexError) as e:
+    except (CacheError, LockError, IndexError) as e:
         raise CacheCliError(str(e)) from e
 
 
@@ -121,8 +123,28 @@ class StatsOptions:
     """Seed of that draw."""
     threshold: float = 100.0
     """Report the fraction of |x| above this."""
+    against: str | None = None
+    """Cache to measure the hidden states' error against (default: for a converted cache, its recorded source)."""
     json: bool = False
     """Print one JSON document instead of the report."""
+
+
+@dataclass
+class ConvertOptions:
+    """``dflash-cache convert``."""
+
+    src: str = field(metadata={"argument": True})
+    """The finished cache to convert: a local path or a zarr/fsspec URL."""
+    dst: str = field(metadata={"argument": True})
+    """The converted cache: created, or resumed where a conversion with the same settings stopped."""
+    settings: ConvertSettings = field(default_factory=ConvertSettings)
+    progress: bool = True
+    """Progress bar on stderr."""
+    json: bool = False
+    """Print one JSON document instead of the report."""
+
+    def validate(self) -> None:
+        self.settings.validate()
 
 
 @click.group(context_settings=CONTEXT_SETTINGS)
@@ -164,6 +186,19 @@ def _chunks_line(chunks: dict[str, int]) -> str:
             f"input ids {chunks['input_ids']}, loss mask {chunks['loss_mask']} tokens")
 
 
+def _converted_lines(record: dict | None) -> list[str]:
+    """Where a converted cache came from: the source's path and fingerprint, and how it stored its values."""
+    lines = []
+    while record:
+        stored = record.get("encoding") or {}
+        lines.append(f"{'converted' if not lines else '  which was':<10} from {record['path']}  fingerprint "
+                     f"{_short(record['fingerprint_digest'])}  (format v{record['format_version']}, hidden "
+                     f"{record.get('hidden', 'bf16 (lossless)')}, top-k log-probs {stored.get('topk_dtype', 'float32')}, "
+                     f"hidden chunks {record['chunk_tokens']}, zstd level {record['compression_level']})")
+        record = record.get("previous")
+    return lines
+
+
 @main.command()
 @options(InfoOptions)
 def info(**values):
@@ -185,7 +220,9 @@ def info(**values):
         f"layers     {d['layer_ids']} of {d['num_target_layers']}  ({d['layer_convention']})",
         f"hidden     D={d['hidden_size']} {d['hidden_dtype']}  top-k {d['topk']}  vocab {_n(d['vocab_size'])}  "
         f"max length {d['max_length']} (truncation {d['truncation']})",
+        _encoding_line(d),
         _chunks_line(d["chunks"]),
+        *_converted_lines(d["converted_from"]),
         "",
         f"{'shard':>5}  {'state':<8}  {'samples':>17}  {'tokens':>23}  {'assistant':>11}  {'disk':>11}  skipped",
     ]
@@ -209,6 +246,15 @@ def info(**values):
         f"all arrays {fmt_ratio(ratio['total'])}  (raw {_bytes(d['raw_bytes']['total'])})",
     ]
     click.echo("\n".join(lines))
+
+
+def _encoding_line(d: dict) -> str:
+    """The codec and the hidden states' bytes per token: raw bf16, encoded, and on disk."""
+    b, e = d["bytes_per_token"], d["encoding"]
+    disk = "-" if b["hidden_on_disk"] is None else f"{b['hidden_on_disk']:,.0f}"
+    ratio = "" if b["hidden_on_disk"] is None else f" ({b['hidden_on_disk'] / b['hidden_raw_bf16']:.3f} of raw bf16)"
+    return (f"codec      hidden {e['hidden']}, top-k log-probs {e['topk_dtype']}; hidden bytes/token: raw bf16 "
+            f"{b['hidden_raw_bf16']:,}, encoded {b['hidden_encoded']:,}, on disk {disk}{ratio}")
 
 
 # ----------------------------------------------------------------------------- show
@@ -297,7 +343,8 @@ def stats(**values):
     """Length histogram, assistant fraction, per-layer activation and top-k statistics."""
     opts = StatsOptions(**values)
     threshold = opts.threshold
-    d = _run(I.cache_stats, opts.cache, max_samples=opts.max_samples, seed=opts.seed, threshold=threshold)
+    d = _run(I.cache_stats, opts.cache, max_samples=opts.max_samples, seed=opts.seed, threshold=threshold,
+             against=opts.against)
     if opts.json:
         return _emit_json(d)
     ln = d["lengths"]
@@ -322,7 +369,56 @@ def stats(**values):
     out.append(f"top-{tk['k']}: mean top-1 prob {fmt(tk['mean_top1_prob'])}, mass in top-k {fmt(tk['mean_topk_mass'])}, "
                f"entropy >= {fmt(tk['mean_entropy_lower_bound'])} nats; top-1 = next token "
                f"{_pct(tk['top1_is_next_token'])} (assistant {_pct(tk['top1_is_next_token_assistant'])})")
+    out += _conversion_error_lines(d["conversion_error"])
     click.echo("\n".join(out))
+
+
+def _conversion_error_lines(e: dict | None) -> list[str]:
+    """The error of a converted cache's values against its source's, per layer."""
+    if e is None:
+        return []
+    if e.get("unavailable"):
+        return [f"error against the source: {e['unavailable']}"]
+    note = "" if e["source_matches_record"] in (None, True) else "  (NOT the fingerprint it was converted from)"
+    out = [f"error against {e['against']}{note}, over the same {_n(e['tokens'])} tokens:",
+           f"  {'layer':>5} {'rel L2':>10} {'max |err|':>10}"]
+    for lay in e["layers"]:
+        rel = "-" if lay["rel_l2"] is None else f"{lay['rel_l2']:.3e}"
+        out.append(f"  {lay['layer_id']:>5} {rel:>10} {lay['max_abs_error']:>10.4g}")
+    tk = e["topk_logprobs"]
+    if e["topk_reduced"] or tk["rel_l2"]:
+        rel = "-" if tk["rel_l2"] is None else f"{tk['rel_l2']:.3e}"
+        out.append(f"  top-k log-probs: rel L2 {rel}, max |err| {tk['max_abs_error']:.4g}")
+    return out
+
+
+# ----------------------------------------------------------------------------- convert
+
+
+@main.command()
+@options(ConvertOptions)
+def convert(**values):
+    """Re-encode a finished cache into DST (another hidden codec, top-k precision, chunking or zstd level).
+
+    No target needed. Same samples, plan and checksums as extraction writes; rerun the same
+    command after a crash to resume; `stats DST` then shows the error against the source. Exit 2 for a source that is not finished or a DST that holds another cache.
+    """
+    opts = validated(build(ConvertOptions, values))
+    d = _run(convert_cache, opts.src, opts.dst, opts.settings, progress=opts.progress)
+    src, dst = _run(I.cache_info, opts.src), _run(I.cache_info, opts.dst)
+    d["bytes_on_disk"] = {"source": src["bytes_on_disk"], "destination": dst["bytes_on_disk"]}
+    d["compression_ratio"] = {"source": src["compression_ratio"], "destination": dst["compression_ratio"]}
+    if opts.json:
+        return _emit_json(d)
+    ratio = lambda r: "-" if r is None else f"{r:.2f}x"  # noqa: E731
+    rate = "" if d["tokens_per_s"] is None else f", {d['tokens_per_s']:,.0f} tok/s"
+    click.echo("\n".join([
+        f"converted  {d['source']} -> {d['destination']}: {d['shards']} shard(s), {_n(d['samples'])} samples, "
+        f"{_n(d['tokens'])} tokens ({_n(d['tokens_converted'])} now, {_n(d['tokens_found_done'])} found done) "
+        f"in {d['seconds']:.1f} s{rate}",
+        f"disk       {_bytes(src['bytes_on_disk'])} -> {_bytes(dst['bytes_on_disk'])}; vs raw bf16, all arrays: "
+        f"{ratio(src['compression_ratio']['total'])} -> {ratio(dst['compression_ratio']['total'])}",
+    ]))
 
 
 if __name__ == "__main__":

@@ -1,5 +1,6 @@
-"""Lossy codecs for cached hidden states: ``[tokens, layers, D]`` bf16 <-> compact bytes + scales.
+"""Codecs for cached hidden states: ``[tokens, layers, D]`` <-> stored bytes (+ scales).
 
+* ``bf16``: lossless, the bf16 bits as they are (the cache's default; nothing to encode).
 * ``fp8``: float8 e4m3 with one scale per (token, layer), the row's absolute maximum over
   448 (e4m3's largest value): 1 byte per value, a float's relative precision (3 mantissa
   bits) whatever the row's outliers.
@@ -12,7 +13,9 @@ Scales are stored as float16 (or float32), rounded up where rounding would push 
 past the integer range, so every value's error stays within half a quantisation step.
 int4 packs two values per byte: channel 2i in the low nibble, 2i + 1 in the high one, each
 stored as ``q + 8`` (``q`` in [-7, 7]). The lossless stage (byte shuffle + zstd) runs after
-these, in the cache writer.
+these, in the cache writer. Encoding and decoding are plain tensor ops that run on any
+device without a host sync; decoding gives bitwise the same values on the CPU and the GPU
+(one exact conversion, one correctly rounded multiply, one rounding to the output dtype).
 """
 
 from __future__ import annotations
@@ -21,7 +24,8 @@ from dataclasses import dataclass
 
 import torch
 
-MODES = ("fp8", "int8", "int4")
+MODES = ("bf16", "fp8", "int8", "int4")
+LOSSY_MODES = ("fp8", "int8", "int4")
 _QMAX = {"int8": 127, "int4": 7}
 _FP8 = torch.float8_e4m3fn
 _FP8_MAX = float(torch.finfo(_FP8).max)  # 448
@@ -30,10 +34,10 @@ _SCALE_DTYPES = {"float16": torch.float16, "float32": torch.float32}
 
 @dataclass(frozen=True)
 class HiddenCodec:
-    """How hidden states are quantised before the lossless stage."""
+    """How hidden states are stored: losslessly as bf16, or quantised before the lossless stage."""
 
     mode: str = "fp8"
-    """'fp8' (e4m3, a scale per token and layer), 'int8' or 'int4' (a scale per channel group)."""
+    """'bf16' (lossless), 'fp8' (e4m3, a scale per token and layer), 'int8' or 'int4' (a scale per channel group)."""
     group_size: int = 128
     """Channels sharing one scale in the int modes (must divide the hidden size; even for int4)."""
     scale_dtype: str = "float16"
@@ -44,23 +48,57 @@ class HiddenCodec:
             raise ValueError(f"hidden codec mode {self.mode!r}: expected one of {MODES}")
         if self.scale_dtype not in _SCALE_DTYPES:
             raise ValueError(f"hidden codec scale_dtype {self.scale_dtype!r}: expected one of {sorted(_SCALE_DTYPES)}")
-        if self.mode != "fp8" and (self.group_size < 1 or (self.mode == "int4" and self.group_size % 2)):
+        if self.mode in _QMAX and (self.group_size < 1 or (self.mode == "int4" and self.group_size % 2)):
             raise ValueError(f"hidden codec group_size {self.group_size}: must be positive"
                              + (" and even for int4 (two values per byte)" if self.mode == "int4" else ""))
 
+    @property
+    def lossy(self) -> bool:
+        return self.mode != "bf16"
+
+    @property
+    def grouped(self) -> bool:
+        """Whether ``group_size`` matters (the int modes)."""
+        return self.mode in _QMAX
+
+    @property
+    def zero_byte(self) -> int:
+        """The payload byte that decodes to 0 with any scale (int4 stores q + 8 per nibble)."""
+        return 0x88 if self.mode == "int4" else 0
+
+    @property
+    def torch_scale_dtype(self) -> torch.dtype:
+        return _SCALE_DTYPES[self.scale_dtype]
+
+    def describe(self) -> str:
+        """'bf16', 'fp8 (float16 scale per token and layer)', 'int4 (groups of 128, float16 scales)'."""
+        if self.mode == "bf16":
+            return "bf16 (lossless)"
+        if self.mode == "fp8":
+            return f"fp8 e4m3 ({self.scale_dtype} scale per token and layer)"
+        return f"{self.mode} (groups of {self.group_size}, {self.scale_dtype} scales)"
+
     def check_hidden_size(self, hidden_size: int) -> None:
         """Raise ValueError unless rows of ``hidden_size`` channels split into whole groups."""
-        if self.mode != "fp8" and hidden_size % self.group_size:
+        if self.grouped and hidden_size % self.group_size:
             raise ValueError(f"hidden size {hidden_size} is not a multiple of the {self.mode} group size "
                              f"{self.group_size}; choose a group size that divides it")
 
     def groups(self, hidden_size: int) -> int:
-        """Scales per (token, layer) row."""
+        """Scales per (token, layer) row (0 for bf16)."""
+        if self.mode == "bf16":
+            return 0
         return 1 if self.mode == "fp8" else hidden_size // self.group_size
 
     def payload_width(self, hidden_size: int) -> int:
-        """Payload bytes per (token, layer) row."""
+        """Payload bytes per (token, layer) row (bf16: 2 per channel)."""
+        if self.mode == "bf16":
+            return 2 * hidden_size
         return hidden_size // 2 if self.mode == "int4" else hidden_size
+
+    def hidden_size(self, payload_width: int) -> int:
+        """D from the payload bytes per row (the inverse of ``payload_width``)."""
+        return payload_width * 2 if self.mode == "int4" else payload_width // 2 if self.mode == "bf16" else payload_width
 
     def bytes_per_token(self, num_layers: int, hidden_size: int) -> int:
         """Encoded bytes of one token's hidden states (payload + scales), before the lossless stage."""
@@ -82,20 +120,22 @@ class EncodedHidden:
 
 def _scales(amax: torch.Tensor, qmax: float, dtype: torch.dtype) -> torch.Tensor:
     """amax / qmax in ``dtype``, rounded up where the cast rounded down (so |x| / scale <= qmax);
-    0 for all-zero groups. Raises where the scale does not fit ``dtype``."""
+    0 for all-zero groups; Inf where it does not fit ``dtype``. No host sync."""
     exact = amax.double() / qmax
     stored = exact.to(dtype)
-    if not torch.isfinite(stored).all():
-        raise ValueError(f"hidden state magnitude {float(amax.max()):.3g} overflows {dtype} scales; "
-                         "use scale_dtype float32")
-    low = stored.double() < exact
-    if low.any():
-        stored = torch.where(low, torch.nextafter(stored, torch.tensor(float("inf"), dtype=dtype)), stored)
-    return stored
+    up = torch.nextafter(stored, torch.full_like(stored, float("inf")))
+    return torch.where(stored.double() < exact, up, stored)
 
 
-def encode(codec: HiddenCodec, hidden: torch.Tensor) -> EncodedHidden:
-    """``[T, L, D]`` float (bf16 as cached) -> payload + scales."""
+def encode(codec: HiddenCodec, hidden: torch.Tensor, validate: bool = True) -> EncodedHidden:
+    """``[T, L, D]`` float -> payload + scales, on ``hidden``'s device.
+
+    ``validate`` raises ValueError on NaN/Inf input and on scales that overflow their dtype
+    (both show as non-finite scales otherwise); it syncs with the device, so the extraction
+    worker skips it there and checks the scales on the host instead (``check_scales``).
+    """
+    if not codec.lossy:
+        raise ValueError("the bf16 hidden codec is lossless: the cache stores the bf16 bits, nothing to encode")
     if hidden.dim() != 3:
         raise ValueError(f"hidden states must be [tokens, layers, D], got shape {tuple(hidden.shape)}")
     if not hidden.is_floating_point():
@@ -103,35 +143,52 @@ def encode(codec: HiddenCodec, hidden: torch.Tensor) -> EncodedHidden:
     T, L, D = hidden.shape
     codec.check_hidden_size(D)
     x = hidden.float()
-    if not torch.isfinite(x).all():
+    if validate and not torch.isfinite(x).all():
         raise ValueError("hidden states hold NaN or Inf; a lossy codec cannot encode them")
-    sdtype = _SCALE_DTYPES[codec.scale_dtype]
+    sdtype = codec.torch_scale_dtype
     if codec.mode == "fp8":
         scales = _scales(x.abs().amax(dim=-1, keepdim=True), _FP8_MAX, sdtype)  # (T, L, 1)
         safe = torch.where(scales == 0, torch.ones_like(scales), scales).float()
         q = (x / safe).clamp(-_FP8_MAX, _FP8_MAX).to(_FP8)
-        return EncodedHidden(q.view(torch.uint8), scales)
-    qmax = _QMAX[codec.mode]
-    G = codec.groups(D)
-    grouped = x.view(T, L, G, codec.group_size)  # (T, L, G, group)
-    scales = _scales(grouped.abs().amax(dim=-1), qmax, sdtype)  # (T, L, G)
-    safe = torch.where(scales == 0, torch.ones_like(scales), scales).float()
-    q = torch.round(grouped / safe[..., None]).clamp(-qmax, qmax).to(torch.int8).view(T, L, D)
-    if codec.mode == "int8":
-        return EncodedHidden(q.view(torch.uint8), scales)
-    nibbles = (q + 8).to(torch.uint8).view(T, L, D // 2, 2)  # 1..15
-    return EncodedHidden(nibbles[..., 0] | (nibbles[..., 1] << 4), scales)
+        encoded = EncodedHidden(q.view(torch.uint8), scales)
+    else:
+        qmax = _QMAX[codec.mode]
+        G = codec.groups(D)
+        grouped = x.view(T, L, G, codec.group_size)  # (T, L, G, group)
+        scales = _scales(grouped.abs().amax(dim=-1), qmax, sdtype)  # (T, L, G)
+        safe = torch.where(scales == 0, torch.ones_like(scales), scales).float()
+        q = torch.round(grouped / safe[..., None]).clamp(-qmax, qmax).to(torch.int8).view(T, L, D)
+        if codec.mode == "int8":
+            encoded = EncodedHidden(q.view(torch.uint8), scales)
+        else:
+            nibbles = (q + 8).to(torch.uint8).view(T, L, D // 2, 2)  # 1..15
+            encoded = EncodedHidden(nibbles[..., 0] | (nibbles[..., 1] << 4), scales)
+    if validate:
+        check_scales(codec, encoded.scales)
+    return encoded
+
+
+def check_scales(codec: HiddenCodec, scales) -> None:
+    """Raise ValueError where a scale is not finite: the input held NaN/Inf, or a magnitude
+    past what ``codec.scale_dtype`` can hold. Takes a tensor or a numpy array."""
+    finite = torch.isfinite(torch.as_tensor(scales))
+    if not bool(finite.all()):
+        raise ValueError(f"{int((~finite).sum())} non-finite {codec.mode} scales: the hidden states hold NaN or "
+                         f"Inf, or magnitudes that overflow {codec.torch_scale_dtype} scales (use scale_dtype float32)")
 
 
 def decode(codec: HiddenCodec, encoded: EncodedHidden, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
-    """payload + scales -> ``[T, L, D]`` in ``dtype`` (bf16, as training reads the cache)."""
+    """payload + scales -> ``[..., L, D]`` in ``dtype`` (bf16, as training reads the cache), on
+    the payload's device; any leading dims (``[T]`` or ``[B, S]``) are kept."""
+    if not codec.lossy:
+        raise ValueError("the bf16 hidden codec is lossless: nothing to decode")
     payload, scales = encoded.payload, encoded.scales
-    if payload.dtype != torch.uint8 or payload.dim() != 3:
-        raise ValueError(f"payload must be uint8 [T, L, bytes], got {payload.dtype} {tuple(payload.shape)}")
-    T, L, width = payload.shape
-    D = width * 2 if codec.mode == "int4" else width
-    if tuple(scales.shape) != (T, L, codec.groups(D)):
-        raise ValueError(f"scales have shape {tuple(scales.shape)}, expected {(T, L, codec.groups(D))} "
+    if payload.dtype != torch.uint8 or payload.dim() < 3:
+        raise ValueError(f"payload must be uint8 [..., L, bytes], got {payload.dtype} {tuple(payload.shape)}")
+    *lead, L, width = payload.shape
+    D = codec.hidden_size(width)
+    if tuple(scales.shape) != (*lead, L, codec.groups(D)):
+        raise ValueError(f"scales have shape {tuple(scales.shape)}, expected {(*lead, L, codec.groups(D))} "
                          f"for {codec.mode} with D {D}")
     s = scales.float()
     if codec.mode == "fp8":
@@ -139,6 +196,6 @@ def decode(codec: HiddenCodec, encoded: EncodedHidden, dtype: torch.dtype = torc
     if codec.mode == "int8":
         q = payload.view(torch.int8).float()
     else:
-        q = torch.stack([payload & 0x0F, payload >> 4], dim=-1).view(T, L, D).to(torch.int8).float() - 8
+        q = torch.stack([payload & 0x0F, payload >> 4], dim=-1).view(*lead, L, D).to(torch.int8).float() - 8
     G = codec.groups(D)
-    return (q.view(T, L, G, codec.group_size) * s[..., None]).view(T, L, D).to(dtype)
+    return (q.view(*lead, L, G, codec.group_size) * s[..., None]).view(*lead, L, D).to(dtype)

@@ -14,9 +14,12 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import torch
 import zarr
 
-from dflash.shared.cache import TOKEN_FIELDS, CacheReader
+from dflash.shared.cache import (HIDDEN_SCALE, CacheError, CacheReader, CacheSpec, decode_hidden,
+                                 decode_topk_logprobs, token_array_shapes)
+from dflash.shared.convert import fingerprint_digest
 from dflash.shared.shard_lock import live_holders
 
 META_FIELDS = ("offsets", "source_index", "batches")
@@ -25,6 +28,14 @@ META_FIELDS = ("offsets", "source_index", "batches")
 def bf16_bits_to_float32(bits: np.ndarray) -> np.ndarray:
     """Exact bf16 -> fp32: the bf16 bits are the high half of the fp32 bits."""
     return (np.asarray(bits, dtype=np.uint16).astype(np.uint32) << 16).view(np.float32)
+
+
+def hidden_float32(spec: CacheSpec, raw: dict[str, np.ndarray]) -> np.ndarray:
+    """(T, L, D) float32 hidden states from a sample's stored arrays (``read_raw`` with
+    ``spec.token_fields``), decoded whatever the codec; exact for the lossless layout."""
+    if spec.hidden_codec == "bf16":
+        return bf16_bits_to_float32(raw["hidden"])
+    return decode_hidden(spec, raw, torch.float32).numpy()
 
 
 def _chunk_tokens(arr: zarr.Array) -> int:
@@ -117,6 +128,10 @@ def cache_info(path: str, storage_options: dict | None = None, shard_ids: list[i
     shard_listing = _by_shard(listing) if listing is not None else {}
     L, D, k = spec.num_layers, spec.hidden_size, spec.topk
     row_bytes = {"input_ids": 4, "loss_mask": 1, "hidden": L * D * 2, "topk_ids": 4 * k, "topk_logprobs": 4 * k}
+    """Bytes per token of the raw lossless layout (bf16 hidden states, float32 log-probs): what ratios compare to."""
+    stored_row_bytes = {f: int(np.prod(shape[1:], dtype=np.int64)) * np.dtype(dtype).itemsize
+                        for f, (shape, dtype) in token_array_shapes(spec, 1).items()}
+    """Bytes per token as stored before the lossless stage (a lossy codec's payload and scales)."""
     raw_hidden = raw_total = disk_hidden = disk_total_committed = 0
     shards = []
     for s in reader.shards:
@@ -136,10 +151,10 @@ def cache_info(path: str, storage_options: dict | None = None, shard_ids: list[i
         if listing is not None:
             own = shard_listing.get(key, {})
             entry["bytes_on_disk"] = sum(own.values())
-            for f in TOKEN_FIELDS:
+            for f in spec.token_fields:
                 _, committed = _array_disk_bytes(own, f"{key}/{f}", _ceil_div(s.tokens, _chunk_tokens(g[f])))
                 disk_total_committed += committed
-                if f == "hidden":
+                if f in ("hidden", HIDDEN_SCALE):
                     disk_hidden += committed
             for f in META_FIELDS:
                 disk_total_committed += _array_disk_bytes(own, f"{key}/{f}", None)[1]
@@ -180,7 +195,17 @@ def cache_info(path: str, storage_options: dict | None = None, shard_ids: list[i
         "topk": k, "vocab_size": spec.vocab_size,
         "max_length": spec.max_length, "truncation": spec.truncation,
         "chunk_tokens": spec.chunk_tokens, "compression_level": spec.compression_level,
-        "chunks": {f: spec.chunk_rows(f) for f in TOKEN_FIELDS},
+        "chunks": {f: spec.chunk_rows(f) for f in spec.token_fields},
+        "encoding": {**spec.encoding(), "hidden": spec.codec.describe()},
+        "bytes_per_token": {
+            "hidden_raw_bf16": row_bytes["hidden"],
+            "hidden_encoded": stored_row_bytes["hidden"] + stored_row_bytes.get(HIDDEN_SCALE, 0),
+            "hidden_on_disk": disk_hidden / tokens if listing is not None and tokens else None,
+            "total_raw": sum(row_bytes.values()),
+            "total_encoded": sum(stored_row_bytes.values()),
+            "total_on_disk": disk_total_committed / tokens if listing is not None and tokens else None,
+        },
+        "converted_from": located.get("converted_from"),
         "shards": shards, "shards_not_created": missing,
         "num_shards": len(shards), "complete": bool(shards) and not missing and all(e["state"] == "complete" for e in shards),
         "samples": sum(e["samples"] for e in shards), "planned_samples": sum(e["planned_samples"] for e in shards),
@@ -251,7 +276,8 @@ def show_sample(path: str, index: int, *, tokenizer_path: str | None = None, num
     """
     reader = CacheReader(path, storage_options)
     pos, local = reader.locate(index)
-    raw = reader.read_raw(index)
+    raw = reader.read_raw(index, reader.spec.token_fields)
+    raw["topk_logprobs"] = decode_topk_logprobs(reader.spec, raw["topk_logprobs"]).numpy()
     fp = reader.spec.fingerprint
     candidates = [tokenizer_path] if tokenizer_path else [
         fp.get("tokenizer", {}).get("name_or_path"), fp.get("target", {}).get("name_or_path"),
@@ -293,7 +319,7 @@ def show_sample(path: str, index: int, *, tokenizer_path: str | None = None, num
             "top": preds, "top1_is_next": bool(preds and nxt is not None and preds[0]["id"] == nxt),
         })
 
-    x = bf16_bits_to_float32(raw["hidden"]).astype(np.float64)  # (T, L, D)
+    x = hidden_float32(reader.spec, raw).astype(np.float64)  # (T, L, D)
     norms = np.sqrt((x * x).sum(-1)) if T else np.zeros((0, reader.spec.num_layers))  # (T, L)
     layer_norms = [{"layer_id": lid, "mean": float(norms[:, j].mean()) if T else None,
                     "max": float(norms[:, j].max()) if T else None}
@@ -323,9 +349,10 @@ def length_histogram(lengths: np.ndarray) -> list[dict[str, int]]:
 
 
 def cache_stats(path: str, *, max_samples: int = 256, seed: int = 0, threshold: float = 100.0,
-                storage_options: dict | None = None) -> dict[str, Any]:
+                against: str | None = None, storage_options: dict | None = None) -> dict[str, Any]:
     """Lengths and assistant fraction over every committed sample; activation and top-k
-    statistics over ``max_samples`` samples drawn without replacement (seeded; all if fewer)."""
+    statistics over ``max_samples`` samples drawn without replacement (seeded; all if fewer);
+    for a converted cache (or with ``against``), the error of those samples against the source."""
     reader = CacheReader(path, storage_options)
     spec = reader.spec
     lengths = reader.lengths()
@@ -344,8 +371,9 @@ def cache_stats(path: str, *, max_samples: int = 256, seed: int = 0, threshold: 
     top1, mass, entropy, tk_tokens = 0.0, 0.0, 0.0, 0
     match, match_n, match_a, match_an = 0, 0, 0, 0
     for i in chosen:
-        raw = reader.read_raw(int(i), ("input_ids", "loss_mask", "hidden", "topk_ids", "topk_logprobs"))
-        x = bf16_bits_to_float32(raw["hidden"]).astype(np.float64)  # (T, L, D)
+        raw = reader.read_raw(int(i), spec.token_fields)
+        raw["topk_logprobs"] = decode_topk_logprobs(spec, raw["topk_logprobs"]).numpy()
+        x = hidden_float32(spec, raw).astype(np.float64)  # (T, L, D)
         s1 += x.sum(axis=(0, 2))
         s2 += (x * x).sum(axis=(0, 2))
         absmax = np.maximum(absmax, np.abs(x).max(axis=(0, 2)))
@@ -395,4 +423,74 @@ def cache_stats(path: str, *, max_samples: int = 256, seed: int = 0, threshold: 
             "top1_is_next_token": match / match_n if match_n else None,
             "top1_is_next_token_assistant": match_a / match_an if match_an else None,
         },
+        "conversion_error": conversion_error(reader, chosen, against, storage_options),
+    }
+
+
+def _same_samples(reader: CacheReader, source: CacheReader) -> None:
+    """Raise CacheError unless both caches hold the same samples (rows and lengths) in the same order."""
+    what = [("samples", len(reader), len(source))]
+    if len(reader) == len(source):
+        what += [("source rows", reader.source_indices(), source.source_indices()),
+                 ("sample lengths", reader.lengths(), source.lengths())]
+    for name, ours, theirs in what:
+        if not np.array_equal(ours, theirs):
+            raise CacheError(f"{source.path} does not hold the samples of {reader.path} ({name} differ): it is not "
+                             "the cache it was converted from")
+
+
+def conversion_error(reader: CacheReader, indices: np.ndarray, against: str | None = None,
+                     storage_options: dict | None = None) -> dict[str, Any] | None:
+    """Relative L2 error ``||x - x_src|| / ||x_src||`` per layer of the hidden states of samples
+    ``indices`` against those of the cache they were converted from (``against``, else the source
+    recorded at conversion), with the largest absolute error; the same for the top-k log-probs.
+    None for a cache that records no source when none is given; a recorded source that cannot be
+    opened is reported (``unavailable``), a given one raises."""
+    record = (reader.spec.info or {}).get("converted_from")
+    if against is None and not record:
+        return None
+    where = against or record["path"]
+    try:
+        source = CacheReader(where, storage_options)
+    except CacheError as e:
+        if against is not None:
+            raise
+        return {"against": where, "unavailable": f"the recorded source cannot be opened ({e}); pass --against SRC"}
+    if not reader.complete:
+        return {"against": where, "unavailable": f"{reader.path} is not complete (a conversion that stopped midway? "
+                                                  "rerun it to finish)"}
+    _same_samples(reader, source)
+    missing = [lid for lid in reader.spec.layer_ids if lid not in source.spec.layer_ids]
+    if missing:
+        raise CacheError(f"{where} does not store layers {missing} of {reader.path}")
+    slots = [source.spec.layer_ids.index(lid) for lid in reader.spec.layer_ids]
+    fields = ("input_ids", "hidden", "topk_ids", "topk_logprobs")
+    L = reader.spec.num_layers
+    err2, ref2, worst = np.zeros(L), np.zeros(L), np.zeros(L)
+    tk_err2 = tk_ref2 = tk_worst = 0.0
+    tokens = 0
+    for i in indices:
+        ours, theirs = reader.read(int(i), fields), source.read(int(i), fields)
+        if not (torch.equal(ours["input_ids"], theirs["input_ids"]) and torch.equal(ours["topk_ids"], theirs["topk_ids"])):
+            raise CacheError(f"sample {int(i)}: token ids or top-k ids differ between {reader.path} and {where}")
+        x, ref = ours["hidden"].double(), theirs["hidden"][:, slots].double()  # (T, L, D)
+        diff = x - ref
+        err2 += (diff * diff).sum(dim=(0, 2)).numpy()
+        ref2 += (ref * ref).sum(dim=(0, 2)).numpy()
+        worst = np.maximum(worst, diff.abs().amax(dim=(0, 2)).numpy()) if diff.numel() else worst
+        p, q = ours["topk_logprobs"].double(), theirs["topk_logprobs"].double()
+        tk_err2 += float(((p - q) ** 2).sum())
+        tk_ref2 += float((q * q).sum())
+        tk_worst = max(tk_worst, float((p - q).abs().max())) if p.numel() else tk_worst
+        tokens += len(x)
+    rel = lambda e, r: float(np.sqrt(e / r)) if r > 0 else None  # noqa: E731
+    return {
+        "against": where, "recorded_source": record["path"] if record else None,
+        "source_matches_record": None if not record else record["fingerprint_digest"] == fingerprint_digest(
+            source.spec.fingerprint),
+        "samples": len(indices), "tokens": tokens,
+        "layers": [{"layer_id": lid, "rel_l2": rel(err2[j], ref2[j]), "max_abs_error": float(worst[j])}
+                   for j, lid in enumerate(reader.spec.layer_ids)],
+        "topk_logprobs": {"rel_l2": rel(tk_err2, tk_ref2), "max_abs_error": tk_worst},
+        "topk_reduced": reader.spec.topk_dtype != source.spec.topk_dtype,
     }

@@ -1,7 +1,8 @@
 """``dflash-cache verify``: read every committed chunk of a cache and report each problem.
 
-Checksums (crc32c of every chunk, through zarr), NaN/Inf in the hidden states, monotone
-offsets, counts against the commit records, top-k log-probs. Returns a plain dict that
+Checksums (crc32c of every chunk, through zarr), NaN/Inf in the hidden states (a lossy
+codec's NaN payloads, and its scales: finite and not negative), monotone offsets, counts
+against the commit records, top-k log-probs (in any stored precision). Returns a plain dict that
 names shard, array, chunk and sample of every problem; ``cache_cli`` formats it.
 ``verify_cache`` deliberately does not go through ``CacheReader``: the reader refuses a
 shard whose offsets disagree with its commit record, and verify must report that, not die.
@@ -18,10 +19,12 @@ import numpy as np
 import zarr
 from tqdm import tqdm
 
-from dflash.shared.cache import ATTRS_KEY, TOKEN_FIELDS, CacheError, CacheSpec, ShardPlan, open_root, read_shard_state
+from dflash.shared.cache import (ATTRS_KEY, HIDDEN_SCALE, CacheError, CacheSpec, ShardPlan, decode_topk_logprobs,
+                                 open_root, read_shard_state, token_array_shapes)
 from dflash.shared.inspect import META_FIELDS, _ceil_div, _chunk_tokens
 
 BF16_EXP_MASK = 0x7F80  # exponent bits of a bfloat16; all ones = Inf or NaN
+FP8_NAN_BITS = 0x7F  # e4m3fn has no Inf; NaN is every bit but the sign set
 MAX_LISTED_SAMPLES = 1000  # per problem, in the JSON; the count is always complete
 LOGPROB_TOL = 1e-5  # fp32 log_softmax rounding: "> 0" and "not descending" allow this much
 
@@ -80,12 +83,24 @@ def _check_token_chunk(arr: zarr.Array, name: str, c: int, committed: int, spec:
     except Exception as e:  # crc32c mismatch, truncated or garbled blosc frame, missing key...
         return f"{type(e).__name__}: {e}", []
     found = []
-    if name == "hidden":
-        bad = (data & BF16_EXP_MASK) == BF16_EXP_MASK  # (n, L, D)
+    if name == "topk_logprobs":
+        data = decode_topk_logprobs(spec, data).numpy()
+    if name == "hidden" and (spec.hidden_codec == "bf16" or spec.hidden_codec == "fp8"):
+        if spec.hidden_codec == "bf16":
+            bad = (data & BF16_EXP_MASK) == BF16_EXP_MASK  # (n, L, D)
+        else:
+            bad = (data & 0x7F) == FP8_NAN_BITS  # (n, L, D): int payloads have no NaN
         if bad.any():
             per_layer = bad.any(axis=2)  # (n, L)
             layers = [spec.layer_ids[j] for j in np.flatnonzero(per_layer.any(axis=0))]
             found.append(("nan_inf", t0 + np.flatnonzero(per_layer.any(axis=1)),
+                          {"values": int(bad.sum()), "layers": set(layers)}))
+    elif name == HIDDEN_SCALE:
+        bad = ~np.isfinite(data) | (data < 0)  # (n, L, G)
+        if bad.any():
+            per_layer = bad.any(axis=2)
+            layers = [spec.layer_ids[j] for j in np.flatnonzero(per_layer.any(axis=0))]
+            found.append(("bad_scale", t0 + np.flatnonzero(per_layer.any(axis=1)),
                           {"values": int(bad.sum()), "layers": set(layers)}))
     elif name == "topk_logprobs":
         rows = ~np.isfinite(data).all(axis=1)
@@ -138,8 +153,8 @@ def verify_cache(path: str, *, max_problems: int = 100, progress: bool = True, w
 
     # pass 1: attributes, array presence and shapes; global sample numbering from commit records
     shards, global_start = [], 0
-    expected_tail = {"input_ids": (), "loss_mask": (), "hidden": (spec.num_layers, spec.hidden_size),
-                     "topk_ids": (spec.topk,), "topk_logprobs": (spec.topk,)}
+    expected_tail = {f: shape[1:] for f, (shape, _) in token_array_shapes(spec, 0).items()}
+    token_fields = spec.token_fields
     for name in names:
         if not name.isdigit():
             problems.add(None, None, "structure", f"unexpected group shards/{name}")
@@ -152,12 +167,12 @@ def verify_cache(path: str, *, max_problems: int = 100, progress: bool = True, w
             continue
         commit, planned = state.commit.as_dict(), state.planned.as_dict()
         arrays = {}
-        for f in TOKEN_FIELDS + META_FIELDS:
+        for f in token_fields + META_FIELDS:
             if f not in g:
                 problems.add(sid, f, "structure", "array missing")
                 continue
             arr = g[f]
-            want = ((planned["tokens"],) + expected_tail[f]) if f in TOKEN_FIELDS else None
+            want = ((planned["tokens"],) + expected_tail[f]) if f in token_fields else None
             if want is not None and tuple(arr.shape) != want:
                 problems.add(sid, f, "structure", f"shape {tuple(arr.shape)}, spec and plan say {want}")
                 continue
@@ -169,7 +184,7 @@ def verify_cache(path: str, *, max_problems: int = 100, progress: bool = True, w
     chunk_jobs = []
     for s in shards:
         committed = min(s["commit"]["tokens"], s["planned"]["tokens"])
-        for f in TOKEN_FIELDS:
+        for f in token_fields:
             if f in s["arrays"]:
                 chunk_jobs += [(s, f, c, committed) for c in range(_ceil_div(committed, _chunk_tokens(s["arrays"][f])))]
     n_meta = sum(_ceil_div(s["arrays"][f].shape[0], _chunk_tokens(s["arrays"][f]))
@@ -285,6 +300,7 @@ def verify_cache(path: str, *, max_problems: int = 100, progress: bool = True, w
     for (sid, f, check), a in value_findings.items():
         what = {
             ("hidden", "nan_inf"): f"{a['values']} NaN/Inf values (layers {sorted(a['layers'])})",
+            (HIDDEN_SCALE, "bad_scale"): f"{a['values']} scales NaN, Inf or negative (layers {sorted(a['layers'])})",
             ("topk_logprobs", "nan_inf"): f"{a['values']} NaN/Inf log-probs",
             ("topk_logprobs", "positive"): f"log-probs > 0 (max {a['max']:.4g})",
             ("topk_logprobs", "not_descending"): "top-k log-probs not descending",

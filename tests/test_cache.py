@@ -155,8 +155,8 @@ def test_default_chunks_at_8b_shape():
     assert C.CacheSpec.from_dict(spec.to_dict()) == spec
     v1 = make_spec(format_version=1)
     assert v1.chunks == {} and all(v1.chunk_rows(f) == 16 for f in C.TOKEN_FIELDS)
-    with pytest.raises(C.CacheError, match="format version 3 is not supported"):
-        C.CacheSpec.from_dict({**spec.to_dict(), "format_version": 3})
+    with pytest.raises(C.CacheError, match="format version 4 is not supported"):
+        C.CacheSpec.from_dict({**spec.to_dict(), "format_version": 4})
 
 
 def test_other_fingerprint_refused(tmp_path):

@@ -130,7 +130,7 @@ def test_bad_input_is_refused_naming_the_problem():
     bad[0, 0, 0] = float("nan")
     with pytest.raises(ValueError, match="NaN or Inf"):
         encode(HiddenCodec("int8"), bad)
-    with pytest.raises(ValueError, match="overflows torch.float16 scales"):
+    with pytest.raises(ValueError, match="overflow torch.float16 scales"):
         encode(HiddenCodec("int4", 32), torch.full((1, 1, 32), 1e6))
     enc = encode(HiddenCodec("int8", 64), activations())
     with pytest.raises(ValueError, match="scales have shape"):

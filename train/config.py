@@ -58,6 +58,9 @@ class DataConfig:
     """DataLoader worker processes per rank (0 = load in the main process)."""
     prefetch_factor: int = 4
     """Batches each worker keeps ready."""
+    hidden_decode: Literal["auto", "loader", "device"] = "auto"
+    """Where a lossy cache's hidden states are decoded: in the loader workers, or on the training device
+    after the copy (fewer bytes to copy, no CPU decode); 'auto' = device on CUDA. Same values either way."""
 
 
 @dataclass

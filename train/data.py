@@ -23,15 +23,46 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from dflash.shared.cache import CacheReader
+from dflash.shared.cache import HIDDEN_SCALE, CacheReader
+from dflash.shared.hidden_codecs import EncodedHidden, HiddenCodec, decode
 
 EVAL_EPOCH = 2**31 - 1
 """Epoch key of the held-out samples' anchors: fixed, so every eval sees the same blocks."""
 _ORDER_SALT = 0x5EED
 TARGET_FIELDS = ("target_top1", "topk_ids", "topk_logprobs")
 """Per-token fields of what the target predicted, present when the dataset was asked for them."""
-PER_TOKEN_FIELDS = ("input_ids", "loss_mask", "context_hidden") + TARGET_FIELDS
+ENCODED_FIELDS = ("context_payload", "context_scale")
+"""A lossy cache's context still encoded (``AnchorDataset(decode_on_device=True)``): payload, scales."""
+PER_TOKEN_FIELDS = ("input_ids", "loss_mask", "context_hidden") + ENCODED_FIELDS + TARGET_FIELDS
 """Fields indexed by token position (padded by ``Collate``, cut by ``truncate_sample``)."""
+
+
+@dataclass
+class EncodedContext:
+    """A batch's context hidden states as a lossy cache stores them, for decoding where they
+    land: ``to(device)`` copies payload and scales (a quarter to a half of the bf16 bytes) and
+    decodes there, returning the (Bsz, S, n*D) bf16 tensor that ``Collate`` gives otherwise,
+    bitwise (``hidden_codecs.decode`` is exact and device-independent). ``pin_memory`` lets the
+    DataLoader pin it like a tensor."""
+
+    payload: torch.Tensor
+    """(Bsz, S, n, W) uint8, padded with the codec's zero byte."""
+    scales: torch.Tensor
+    """(Bsz, S, n, G), padded with 0."""
+    codec: HiddenCodec
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        bsz, S, n, W = self.payload.shape
+        return bsz, S, n * self.codec.hidden_size(W)
+
+    def pin_memory(self) -> "EncodedContext":
+        return EncodedContext(self.payload.pin_memory(), self.scales.pin_memory(), self.codec)
+
+    def to(self, device, non_blocking: bool = False) -> torch.Tensor:
+        payload = self.payload.to(device, non_blocking=non_blocking)
+        scales = self.scales.to(device, non_blocking=non_blocking)
+        return decode(self.codec, EncodedHidden(payload, scales)).flatten(2)  # (Bsz, S, n * D) bf16
 
 
 def candidate_anchors(loss_mask: torch.Tensor) -> torch.Tensor:
@@ -74,8 +105,13 @@ class AnchorDataset(Dataset):
     """
 
     def __init__(self, reader: CacheReader, layer_ids: list[int], max_length: int, max_anchors: int, seed: int,
-                 target_top1: bool = True, topk: bool = False):
+                 target_top1: bool = True, topk: bool = False, decode_on_device: bool = False):
         self.reader = reader
+        self.codec = reader.spec.codec
+        self.decode_on_device = decode_on_device and self.codec.lossy
+        """A lossy cache's samples carry ``context_payload``/``context_scale`` (and ``hidden_codec``)
+        instead of ``context_hidden``; ``Collate`` makes them an ``EncodedContext``, decoded by
+        ``to(device)``. Otherwise the reader decodes in the loader workers."""
         self.target_top1 = target_top1
         self.topk = topk
         self.fields = ("input_ids", "loss_mask", "hidden") + (("topk_ids",) if target_top1 or topk else ()) \
@@ -95,26 +131,32 @@ class AnchorDataset(Dataset):
         epoch, index = key
         if index < 0:
             return self.empty_sample()
-        s = self.reader.read(int(index), self.fields)
+        s = self.reader.read(int(index), self.fields, decode=not self.decode_on_device)
         T = min(len(s["input_ids"]), self.max_length)
-        hidden = s["hidden"][:T]
-        if not self._all_slots:
-            hidden = hidden.index_select(1, torch.tensor(self.slots))  # (T, n, D)
         loss_mask = s["loss_mask"][:T]
         anchors, valid = draw_anchors(loss_mask, self.max_anchors, self.seed, int(epoch), int(index))
         out = {
             "input_ids": s["input_ids"][:T],
             "loss_mask": loss_mask,
-            "context_hidden": hidden.reshape(T, -1),
             "anchors": anchors,
             "block_valid": valid,
         }
+        if self.decode_on_device:
+            out["context_payload"], out["context_scale"] = self._layers(s["hidden"][:T]), self._layers(
+                s[HIDDEN_SCALE][:T])  # (T, n, W), (T, n, G)
+            out["hidden_codec"] = self.codec
+        else:
+            out["context_hidden"] = self._layers(s["hidden"][:T]).reshape(T, -1)
         if self.target_top1:
             out["target_top1"] = s["topk_ids"][:T, 0]
         if self.topk:
             out["topk_ids"], out["topk_logprobs"] = s["topk_ids"][:T], s["topk_logprobs"][:T]
         return out
 
+
+    def _layers(self, per_layer: torch.Tensor) -> torch.Tensor:
+        """(T, L, ...) -> (T, n, ...): the chosen layers (a view where they are all of them)."""
+        return per_layer if self._all_slots else per_layer.index_select(1, torch.tensor(self.slots))
 
     def every_anchor(self, index: int, fixed_shape: bool = True) -> list[dict[str, torch.Tensor]]:
         """Sample ``index`` as items that together hold a block at EVERY candidate anchor (the
@@ -136,14 +178,20 @@ class AnchorDataset(Dataset):
     def empty_sample(self) -> dict[str, torch.Tensor]:
         """A one-token sample with no valid block: fills a global batch that does not split
         evenly over ranks; it weighs nothing, so the update is that of the real samples."""
-        width = len(self.slots) * self.reader.spec.hidden_size
+        n, D = len(self.slots), self.reader.spec.hidden_size
         out = {
             "input_ids": torch.zeros(1, dtype=torch.long),
             "loss_mask": torch.zeros(1, dtype=torch.bool),
-            "context_hidden": torch.zeros(1, width, dtype=torch.bfloat16),
             "anchors": torch.zeros(self.max_anchors, dtype=torch.long),
             "block_valid": torch.zeros(self.max_anchors, dtype=torch.bool),
         }
+        if self.decode_on_device:
+            c = self.codec
+            out["context_payload"] = torch.full((1, n, c.payload_width(D)), c.zero_byte, dtype=torch.uint8)
+            out["context_scale"] = torch.zeros(1, n, c.groups(D), dtype=c.torch_scale_dtype)
+            out["hidden_codec"] = c
+        else:
+            out["context_hidden"] = torch.zeros(1, n * D, dtype=torch.bfloat16)
         if self.target_top1:
             out["target_top1"] = torch.zeros(1, dtype=torch.long)
         if self.topk:
@@ -206,7 +254,8 @@ def _batch_buffer(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
 class Collate:
     """Stack samples, right-padding the context to the smallest bucket that fits them all.
 
-    Batch: ``input_ids`` (Bsz, S), ``loss_mask`` (Bsz, S), ``context_hidden`` (Bsz, S, n*D),
+    Batch: ``input_ids`` (Bsz, S), ``loss_mask`` (Bsz, S), ``context_hidden`` (Bsz, S, n*D) (an
+    ``EncodedContext`` for samples that carry it encoded),
     ``seq_len`` (Bsz,), ``anchors`` / ``block_valid`` (Bsz, N), and where the samples have them
     ``target_top1`` (Bsz, S), ``topk_ids`` / ``topk_logprobs`` (Bsz, S, k).
     Padding is zero with ``loss_mask`` False, so padded positions are never labels.
@@ -221,25 +270,33 @@ class Collate:
         lengths = [len(s["input_ids"]) for s in samples]
         S = self.force_length or (bucket_for(max(lengths), self.buckets) if self.buckets is not None else max(lengths))
         n = len(samples)
-        width = samples[0]["context_hidden"].shape[-1]
+        first = samples[0]
+        encoded = "context_payload" in first
+        # the big tensors: written once (each row's tokens, then its padding), never filled first
+        big = {name: _batch_buffer((n, S) + tuple(first[name].shape[1:]), first[name].dtype)
+               for name in (ENCODED_FIELDS if encoded else ("context_hidden",))}
+        pad = {"context_hidden": 0, "context_scale": 0, "context_payload": first["hidden_codec"].zero_byte
+               if encoded else 0}
         out = {
             "input_ids": torch.zeros(n, S, dtype=torch.long),
             "loss_mask": torch.zeros(n, S, dtype=torch.bool),
-            # the one big tensor: written once (each row's tokens, then its zero tail), never zero-filled first
-            "context_hidden": _batch_buffer((n, S, width), samples[0]["context_hidden"].dtype),
+            **big,
             "seq_len": torch.tensor(lengths, dtype=torch.long),
             "anchors": torch.stack([s["anchors"] for s in samples]),
             "block_valid": torch.stack([s["block_valid"] for s in samples]),
         }
         for name in TARGET_FIELDS:
-            if name in samples[0]:
-                first = samples[0][name]
-                out[name] = torch.zeros((n, S) + tuple(first.shape[1:]), dtype=first.dtype)
+            if name in first:
+                out[name] = torch.zeros((n, S) + tuple(first[name].shape[1:]), dtype=first[name].dtype)
         for i, (s, T) in enumerate(zip(samples, lengths)):
             for name in PER_TOKEN_FIELDS:
                 if name in out:
                     out[name][i, :T] = s[name]
-            out["context_hidden"][i, T:] = 0
+            for name, tensor in big.items():
+                tensor[i, T:] = pad[name]
+        if encoded:  # decoded by to(device), where the batch lands
+            out["context_hidden"] = EncodedContext(out.pop("context_payload"), out.pop("context_scale"),
+                                                   first["hidden_codec"])
         return out
 
 

@@ -206,8 +206,9 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
         steps = total_steps(len(split.train), G, ocfg.epochs, ocfg.max_steps)
         # training reads the top-k arrays only for what its objective needs; eval always
         # needs the target's top-1 (acceptance is measured against it)
+        on_device = dcfg_data.hidden_decode == "device" or (dcfg_data.hidden_decode == "auto" and cuda)
         dataset = AnchorDataset(reader, dcfg.target_layer_ids, cfg.max_length, dcfg_data.max_anchors, rt.seed,
-                                target_top1=spec.labels == "target", topk=spec.needs_topk)
+                                target_top1=spec.labels == "target", topk=spec.needs_topk, decode_on_device=on_device)
         eval_dataset = AnchorDataset(reader, dcfg.target_layer_ids, cfg.max_length, dcfg_data.max_anchors, rt.seed,
                                      target_top1=True, topk=spec.needs_topk)
         # the cache's offsets give every sample's length: no data is read to choose the shapes

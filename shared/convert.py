@@ -1,0 +1,323 @@
+"""``dflash-cache convert``: re-encode a finished cache into another layout, without the target.
+
+The converted cache has the source's plan, shard by shard (the same samples, order, batches,
+source rows and skip counts), written through the same ``ShardWriter`` as extraction, so it
+is chunked, compressed and checksummed like an extracted cache and resumes the same way: a
+rerun after a crash (``kill -9`` included) continues each shard from its last commit, and
+the result is identical to an unbroken run's. What changes is only how the values are
+stored: the current format version with its chunking (``--chunk-tokens``), the zstd level,
+the hidden states' codec (lossy fp8/int8/int4 or lossless bf16) and the top-k log-probs'
+precision. An array whose encoding does not change is copied as stored; one whose encoding
+changes is decoded and encoded again with the cache's own codec functions, as extraction
+encodes. The fingerprint is the source's with the new settings (and, where the source's
+values were lossy and are re-encoded, that encoding under ``decoded_from``: such values are
+not those of a direct conversion of the lossless cache); ``info.converted_from`` records the
+source's path, fingerprint digest and storage settings.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import hashlib
+import json
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Literal
+
+import numpy as np
+import torch
+import zarr
+
+from dflash.shared.cache import (
+    HIDDEN_SCALE, ZSTD_LEVELS, CacheError, CacheMismatch, CacheReader, CacheSpec, ShardPlan,
+    ShardWriter, create_or_open_cache, decode_hidden, decode_topk_logprobs, encode_hidden, encode_topk_logprobs,
+    read_shard_state, shard_name, shard_recorded, to_numpy, writer_zarr_settings,
+)
+from dflash.shared.shard_lock import ShardLock, ShardLocked, live_holders
+
+
+@dataclass
+class ConvertSettings:
+    """How the converted cache stores its values (each unset one keeps the source's)."""
+
+    hidden_codec: Literal["bf16", "fp8", "int8", "int4"] | None = None
+    """Hidden states: 'bf16' lossless, lossy 'fp8' (e4m3, a scale per token and layer), 'int8' or 'int4' (a scale per --hidden-group-size channels); default: the source's."""
+    hidden_group_size: int | None = None
+    """Channels sharing one scale under int8/int4 (must divide the hidden size; even for int4); default: the source's, else 128."""
+    hidden_scale_dtype: Literal["float16", "float32"] | None = None
+    """dtype of the lossy codecs' scales (default: the source's, else float16)."""
+    topk_dtype: Literal["float32", "float16", "bfloat16"] | None = None
+    """Precision of the stored top-k log-probs (default: the source's)."""
+    chunk_tokens: int | None = None
+    """Tokens per chunk of the converted hidden states (default: the source's); the small arrays are chunked coarsely."""
+    compression_level: int | None = None
+    """zstd level of the converted cache: 1, 3, 5, ..., 15 (default: the source's)."""
+    read_mib: float = 256.0
+    """Source data read at once per shard, in MiB of stored arrays (whole planned batches; bounds memory)."""
+    commit_seconds: float = 10.0
+    """Seconds between commits of a shard (a crash loses at most this much work); 0 = after every read."""
+    delay_s: float = field(default=0.0, metadata={"hidden": True})
+    """Sleep after each read (tests only: makes a conversion slow enough to interrupt midway)."""
+
+    def validate(self) -> None:
+        """Raise ValueError naming the first setting that cannot work."""
+        if self.compression_level is not None and self.compression_level not in ZSTD_LEVELS:
+            raise ValueError(f"--compression-level {self.compression_level}: the cache's codec (zstd inside blosc) "
+                             f"runs at zstd levels {', '.join(map(str, ZSTD_LEVELS))} only")
+        if self.hidden_group_size is not None and self.hidden_group_size < 1:
+            raise ValueError(f"--hidden-group-size must be at least 1, got {self.hidden_group_size}")
+        if self.chunk_tokens is not None and self.chunk_tokens < 1:
+            raise ValueError(f"--chunk-tokens must be at least 1, got {self.chunk_tokens}")
+        if self.read_mib <= 0:
+            raise ValueError(f"--read-mib must be positive, got {self.read_mib}")
+        if self.commit_seconds < 0:
+            raise ValueError(f"--commit-seconds must be 0 or more, got {self.commit_seconds}")
+
+
+def fingerprint_digest(fingerprint: dict[str, Any]) -> str:
+    """sha256 of a fingerprint's canonical JSON: names one source cache's content in a line."""
+    text = json.dumps(fingerprint, sort_keys=True, default=str, separators=(",", ":"))
+    return "sha256:" + hashlib.sha256(text.encode()).hexdigest()
+
+
+def _package_version() -> str:
+    try:
+        from importlib.metadata import version
+
+        return version("dflash-pipeline")
+    except Exception:  # noqa: BLE001 - not installed as a distribution
+        return "unknown"
+
+
+def _location(path: str) -> str:
+    """A local path made absolute (a URL as given): where a later ``stats`` finds the source."""
+    return path if "://" in path else os.path.abspath(path)
+
+
+def converted_spec(src: CacheSpec, settings: ConvertSettings, src_path: str) -> CacheSpec:
+    """The spec of ``src`` converted with ``settings``: the current format, the new storage
+    settings, in the fingerprint too (where the source's records them), and the source's
+    location, fingerprint digest and storage in ``info.converted_from``."""
+    fields = {f.name: copy.deepcopy(getattr(src, f.name)) for f in dataclasses.fields(CacheSpec)
+              if f.name not in ("chunks", "stored_dtypes", "format_version")}  # what follows from the rest
+    fields.update(
+        chunk_tokens=settings.chunk_tokens or src.chunk_tokens,
+        compression_level=settings.compression_level or src.compression_level,
+        hidden_codec=settings.hidden_codec or src.hidden_codec,
+        hidden_group_size=settings.hidden_group_size or src.hidden_group_size or 128,
+        hidden_scale_dtype=settings.hidden_scale_dtype or src.hidden_scale_dtype or "float16",
+        topk_dtype=settings.topk_dtype or src.topk_dtype,
+    )
+    try:
+        spec = CacheSpec(**fields)  # lossless: format 2; an encoding: format 3
+    except CacheError as e:
+        raise CacheError(f"{e} (--hidden-codec {fields['hidden_codec']}, --hidden-group-size "
+                         f"{fields['hidden_group_size']})") from None
+    fingerprint = spec.fingerprint
+    extraction = fingerprint.get("extraction")
+    if isinstance(extraction, dict):
+        for key in ("chunk_tokens", "compression_level"):
+            if key in extraction:
+                extraction[key] = getattr(spec, key)
+        extraction.pop("encoding", None)
+        if spec.encoded:  # as extraction records it: a lossless cache's fingerprint has no encoding
+            extraction["encoding"] = spec.encoding()
+    lost = (src.codec.lossy and src.codec != spec.codec) or (
+        src.topk_dtype != "float32" and src.topk_dtype != spec.topk_dtype)
+    if lost:  # the values went through an encoding the new one does not name
+        fingerprint["decoded_from"] = list(fingerprint.get("decoded_from", [])) + [src.encoding()]
+    spec.info = copy.deepcopy(src.info or {})
+    spec.info["converted_from"] = {
+        "path": _location(src_path),
+        "fingerprint_digest": fingerprint_digest(src.fingerprint),
+        "format_version": src.format_version,
+        "chunk_tokens": src.chunk_tokens,
+        "compression_level": src.compression_level,
+        "encoding": src.encoding(),
+        "hidden": src.codec.describe(),
+        "package_version": _package_version(),
+        "previous": (src.info or {}).get("converted_from"),
+    }
+    return spec
+
+
+def _check_source(reader: CacheReader, src: str) -> None:
+    """Refuse a source that is not finished: a shard being written, created but not recorded,
+    partial or empty (its plan would be converted only in part)."""
+    root = reader.root
+    problems = []
+    writing = live_holders(src)
+    for s, h in sorted(writing.items()):
+        problems.append(f"shard {s:05d} is being written now by {h.describe()}")
+    names = sorted(root["shards"].group_keys()) if "shards" in root else []
+    for name in names:
+        if not shard_recorded(root["shards"][name]) and int(name) not in writing:
+            problems.append(f"shard {name} was created but never recorded (its extraction died creating it)")
+    for s in reader.shards:
+        if not s.complete and s.shard_id not in writing:
+            problems.append(f"shard {s.shard_id:05d} is {s.state}: {s.samples:,} of {s.planned_samples:,} samples "
+                            "committed")
+    if problems:
+        raise CacheError(f"{src}: only a finished cache can be converted; finish its extraction first (rerun "
+                         "dflash-extract with the same flags):\n  - " + "\n  - ".join(problems))
+    if not reader.shards:
+        raise CacheError(f"{src}: the cache holds no shards; nothing to convert")
+
+
+def _source_plan(group: zarr.Group, state) -> ShardPlan:
+    """The plan a source shard was written with, read back from its arrays."""
+    offsets = np.asarray(group["offsets"][:])
+    plan = ShardPlan(source_index=np.asarray(group["source_index"][:]), lengths=np.diff(offsets),
+                     batches=np.asarray(group["batches"][:]), skipped=dict(state.skipped))
+    if plan.digest() != state.plan_digest:
+        raise CacheError(f"{group.path}: its offsets, source rows or batches do not match its recorded plan digest; "
+                         "run dflash-cache verify on the source")
+    return plan
+
+
+class NonFiniteRows(ValueError):
+    """Tokens (of the data handed over) whose hidden states the lossy codec cannot encode."""
+
+    def __init__(self, rows: np.ndarray, codec: str):
+        self.rows = rows
+        super().__init__(f"{len(rows)} token(s) hold NaN or Inf hidden states, or magnitudes past the scales' "
+                         f"dtype ({codec}; --hidden-scale-dtype float32 holds larger ones)")
+
+
+class Reencoder:
+    """The stored token arrays of a source shard -> those of the converted one: each array
+    whose encoding is unchanged as it is, the others decoded (hidden states to float32) and
+    encoded again as extraction encodes them."""
+
+    def __init__(self, src: CacheSpec, dst: CacheSpec):
+        self.src, self.dst = src, dst
+        self.copy_hidden = src.codec == dst.codec
+        self.copy_topk = src.topk_dtype == dst.topk_dtype
+
+    def __call__(self, stored: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        out = {f: stored[f] for f in ("input_ids", "loss_mask", "topk_ids")}
+        if self.copy_hidden:
+            out.update({f: stored[f] for f in ("hidden", HIDDEN_SCALE) if f in stored})
+        else:
+            hidden = decode_hidden(self.src, stored, torch.float32)  # (T, L, D)
+            out.update({f: to_numpy(t) for f, t in encode_hidden(self.dst, hidden, validate=False).items()})
+            if HIDDEN_SCALE in out:  # NaN/Inf in, or a scale past its dtype, shows as a non-finite scale
+                scales = out[HIDDEN_SCALE]
+                finite = np.isfinite(scales.reshape(len(scales), -1)).all(axis=1)
+                if not finite.all():
+                    raise NonFiniteRows(np.flatnonzero(~finite), self.dst.codec.describe())
+        if self.copy_topk:
+            out["topk_logprobs"] = stored["topk_logprobs"]
+        else:
+            logprobs = decode_topk_logprobs(self.src, stored["topk_logprobs"])
+            out["topk_logprobs"] = to_numpy(encode_topk_logprobs(self.dst, logprobs))
+        return out
+
+
+def _row_bytes(arrays: dict[str, zarr.Array]) -> int:
+    """Stored bytes of one token over every token array."""
+    return sum(int(np.prod(a.shape[1:], dtype=np.int64)) * a.dtype.itemsize for a in arrays.values())
+
+
+def _convert_shard(src_group: zarr.Group, dst_root: zarr.Group, dst: str, shard_id: int, reencode: Reencoder,
+                   settings: ConvertSettings, bar, say: Callable[[str], None], where: str) -> dict[str, int]:
+    """Convert one shard under its lock; returns its token counts (converted now, found done).
+    ``where`` names the source shard in errors."""
+    state = read_shard_state(src_group)
+    plan = _source_plan(src_group, state)
+    lock = ShardLock(dst, shard_id)
+    try:
+        previous = lock.acquire()
+    except ShardLocked as e:
+        raise CacheError(f"{e}; wait for it to end, or stop it") from None
+    try:
+        if previous is not None:
+            say(f"shard {shard_id:05d}: took over the lock of {previous.describe()}, which ended without releasing it")
+        writer = ShardWriter(dst_root, shard_id, plan, reencode.dst, compute=state.compute)
+        writer.guard = lock.check
+        done = writer.committed["tokens"]
+        bar.update(done)
+        if done and not writer.complete:
+            say(f"shard {shard_id:05d}: resumed at batch {writer.next_batch:,} of {len(plan.batches) - 1:,}")
+        arrays = {f: src_group[f] for f in reencode.src.token_fields}
+        window = max(1, int(settings.read_mib * (1 << 20) / _row_bytes(arrays)))
+        offsets, batches = plan.offsets, plan.batches
+        last_commit = time.monotonic()
+        while not writer.complete:
+            b0 = writer.next_batch
+            t0 = int(offsets[batches[b0]])
+            b1 = b0 + 1  # whole batches up to the window's size (one at least)
+            while b1 < len(batches) - 1 and offsets[batches[b1 + 1]] - t0 <= window:
+                b1 += 1
+            t1 = int(offsets[batches[b1]])
+            try:
+                data = reencode({f: np.asarray(a[t0:t1]) for f, a in arrays.items()})
+            except NonFiniteRows as e:
+                token = t0 + int(e.rows[0])
+                sample = int(np.searchsorted(offsets, token, side="right") - 1)
+                raise CacheError(f"{where}: {e}; the first in sample {sample} of the shard (source row "
+                                 f"{int(plan.source_index[sample])}), token {token - int(offsets[sample])}; "
+                                 "dflash-cache verify lists every one") from None
+            for b in range(b0, b1):
+                s0, s1 = writer.batch_samples(b)
+                a, z = int(offsets[s0]) - t0, int(offsets[s1]) - t0
+                writer.write_batch(b, **{f: v[a:z] for f, v in data.items()})
+            bar.update(t1 - t0)
+            if settings.delay_s:
+                time.sleep(settings.delay_s)
+            if time.monotonic() - last_commit >= settings.commit_seconds:
+                writer.commit()
+                last_commit = time.monotonic()
+        writer.finish()
+        return {"tokens_converted": plan.num_tokens - done, "tokens_found_done": done}
+    finally:
+        lock.release()
+
+
+def convert_cache(src: str, dst: str, settings: ConvertSettings | None = None, *, progress: bool = True,
+                  say: Callable[[str], None] | None = None) -> dict[str, Any]:
+    """Convert cache ``src`` into ``dst`` (created, or resumed where a conversion with the same
+    settings stopped); returns a summary: shards, samples, tokens converted now and found
+    done, seconds. Raises CacheError for a source that is not finished, a ``dst`` holding
+    another cache, or a shard of ``dst`` that another live process is writing."""
+    from tqdm import tqdm
+
+    settings = settings or ConvertSettings()
+    settings.validate()
+    if _location(src).rstrip("/") == _location(dst).rstrip("/"):
+        raise CacheError(f"{dst}: the destination is the source; convert into another path")
+    reader = CacheReader(src)
+    _check_source(reader, src)
+    spec = converted_spec(reader.spec, settings, src)
+    reencode = Reencoder(reader.spec, spec)
+    t_start = time.monotonic()
+    try:
+        dst_root = create_or_open_cache(dst, spec, replace_uncommitted=True)
+    except CacheMismatch as e:
+        raise CacheMismatch(f"{dst} holds another cache (not {src} converted with these settings); choose another "
+                            "destination or delete it", e.differences) from None
+    bar = tqdm(total=reader.num_tokens, unit="tok", unit_scale=True, desc="convert", file=sys.stderr,
+               dynamic_ncols=True, disable=not progress)
+    say = say or (lambda message: bar.write(f"dflash-cache convert: {message}", file=sys.stderr))
+    totals = {"tokens_converted": 0, "tokens_found_done": 0}
+    try:
+        with zarr.config.set(writer_zarr_settings(dst)):
+            src_root = zarr.open_group(store=src, mode="r", zarr_format=3)
+            for s in reader.shards:
+                counts = _convert_shard(src_root[shard_name(s.shard_id)], dst_root, dst, s.shard_id, reencode,
+                                        settings, bar, say, where=f"{src} shard {s.shard_id:05d}")
+                for k, v in counts.items():
+                    totals[k] += v
+    finally:
+        bar.close()
+    seconds = time.monotonic() - t_start
+    return {"source": _location(src), "destination": dst, "shards": len(reader.shards), "samples": len(reader),
+            "tokens": reader.num_tokens, **totals, "seconds": round(seconds, 3),
+            "tokens_per_s": totals["tokens_converted"] / seconds if seconds > 0 else None,
+            "settings": dataclasses.asdict(settings) | {"chunk_tokens": spec.chunk_tokens,
+                                                         "compression_level": spec.compression_level,
+                                                         **spec.encoding()},
+            "hidden": {"source": reader.spec.codec.describe(), "destination": spec.codec.describe()}}

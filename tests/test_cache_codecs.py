@@ -1,0 +1,260 @@
+"""Lossy hidden-state codecs and reduced-precision log-probs in the cache, end to end on the CPU.
+
+A tiny Qwen3 target whose residual stream carries outlier channels (a few embedding columns
+scaled 100x, so every layer's output has channels ~100x the rest, as real LLMs do) is
+extracted with each codec; every decoded value is checked against the HF model's own
+``output_hidden_states`` within its mode's bound (fp8: half an e4m3 step of the value under
+its row scale; int: half its group's step), the mode is recorded and a resume with another
+refused, a flipped byte is found by ``verify``, training runs on a lossy cache, and decoding
+in the loader or on the device gives bitwise the same batches and the same trained weights.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import threading
+
+import numpy as np
+import pytest
+import torch
+from click.testing import CliRunner
+
+from dflash.extract import runner as R
+from dflash.extract import worker as W
+from dflash.extract.config import ExtractConfig
+from dflash.extract.data import load_source
+from dflash.extract.tokenizer import load_tokenizer
+from dflash.shared import cache as C
+from dflash.shared.cache_cli import main as cache_main
+
+LAYERS = [0, 1, 2]
+TOPK = 8
+OUTLIERS = [5, 40, 41]
+CODECS = {  # name -> extraction settings
+    "fp8": dict(hidden_codec="fp8"),
+    "int8": dict(hidden_codec="int8", hidden_group_size=16),
+    "int4": dict(hidden_codec="int4", hidden_group_size=32, topk_dtype="bfloat16"),
+    "fp8-f16": dict(hidden_codec="fp8", hidden_scale_dtype="float32", topk_dtype="float16"),
+}
+
+
+@pytest.fixture(scope="module")
+def outlier_target_dir(tmp_path_factory, tiny_tokenizer):
+    """The tiny 4-layer, 64-wide Qwen3 with embedding columns OUTLIERS scaled 100x."""
+    from toy_target import build_qwen3
+    from transformers import AutoModelForCausalLM
+
+    path = build_qwen3(tmp_path_factory.mktemp("outlier_target"), tiny_tokenizer, seed=1)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    with torch.no_grad():
+        model.model.embed_tokens.weight[:, OUTLIERS] *= 100
+    model.save_pretrained(path, safe_serialization=True)
+    return path
+
+
+@pytest.fixture(scope="module")
+def data_path(tmp_path_factory, chats_sample_path):
+    rows = chats_sample_path.read_text().splitlines()[:12]
+    path = tmp_path_factory.mktemp("data") / "chats.jsonl"
+    path.write_text("\n".join(rows) + "\n")
+    return path
+
+
+def config(out, data_path, target_dir, **overrides) -> ExtractConfig:
+    settings = dict(device="cpu", workers=1, layers=LAYERS, topk=TOPK, max_length=96, batch_tokens=400,
+                    commit_seconds=0, chunk_tokens=64, cpu_threads=1, progress=False, dtype="float32")
+    return ExtractConfig(data=str(data_path), model=str(target_dir), out=str(out), **{**settings, **overrides})
+
+
+def extract_in_process(cfg: ExtractConfig) -> None:
+    """The runner's spec and root, then the one shard's worker, in this process."""
+    from transformers import AutoConfig
+
+    spec = R.build_spec(cfg, load_tokenizer(cfg), AutoConfig.from_pretrained(cfg.model), load_source(cfg.data),
+                        num_shards=1)
+    R.prepare_root(cfg, spec, R.NodeLayout(0, 1))
+    threads = torch.get_num_threads()
+    try:
+        W.run_shard(W.WorkerTask(cfg=cfg, shard_id=0, num_shards=1, device="cpu", cpu_threads=1),
+                    lambda *a, **k: None, threading.Event())
+    finally:
+        torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def caches(tmp_path_factory, data_path, outlier_target_dir):
+    """name -> path of a complete cache extracted with CODECS[name] (and 'bf16', the default)."""
+    base = tmp_path_factory.mktemp("caches")
+    out = {}
+    for name, settings in {"bf16": {}, **CODECS}.items():
+        out[name] = base / f"{name}.zarr"
+        extract_in_process(config(out[name], data_path, outlier_target_dir, **settings))
+    return out
+
+
+@pytest.fixture(scope="module")
+def reference(outlier_target_dir):
+    """The HF model itself (fp32)."""
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(outlier_target_dir, dtype=torch.float32).eval()
+
+
+def _bound(spec: C.CacheSpec, ref: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """Largest allowed |decoded - ref| per value, float64: half a quantisation step under the
+    stored scale (fp8: half an e4m3 spacing at |ref| / scale, subnormals' 2^-9 at least; int:
+    half the group's scale), plus fp32 slack for a batched forward against a single one."""
+    x = ref.double().abs()
+    s = scales.double()
+    if spec.hidden_codec == "fp8":
+        scaled = x / torch.where(s == 0, torch.ones_like(s), s)
+        exponent = torch.floor(torch.log2(scaled.clamp(min=2.0 ** -6)))  # e4m3's normal exponents start at -6
+        quant = 2.0 ** (exponent - 3) / 2 * s  # half the spacing of 3 mantissa bits
+    else:
+        quant = (s / 2).repeat_interleave(spec.hidden_group_size, dim=-1)
+    slack = 2e-6 * x.amax(dim=-1, keepdim=True) + 1e-6
+    return quant + slack
+
+
+def test_lossless_default_is_format_2_without_codec_fields(caches):
+    """The default writes what it wrote before codecs: format 2, no encoding keys in the root
+    attributes or the fingerprint, the five token arrays with their v2 dtypes, no scales."""
+    import zarr
+
+    root = zarr.open_group(str(caches["bf16"]), mode="r")
+    attrs = root.attrs[C.ATTRS_KEY]
+    assert attrs["format_version"] == 2 and not set(C.ENCODING_DEFAULTS) & set(attrs)
+    assert "encoding" not in attrs["fingerprint"]["extraction"]
+    shard = root["shards/00000"]
+    assert {name for name, _ in shard.arrays()} == set(C.TOKEN_FIELDS) | {"offsets", "source_index", "batches"}
+    assert {f: str(shard[f].dtype) for f in C.TOKEN_FIELDS} == attrs["stored_dtypes"] == {
+        "input_ids": "int32", "loss_mask": "bool", "hidden": "uint16", "topk_ids": "int32", "topk_logprobs": "float32"}
+    assert C.CacheSpec.from_dict(attrs).hidden_codec == "bf16"
+
+
+@pytest.mark.parametrize("name", list(CODECS))
+def test_decoded_values_within_their_bound_of_hf_hidden_states(caches, reference, name):
+    reader = C.CacheReader(str(caches[name]))
+    spec = reader.spec
+    settings = CODECS[name]
+    assert spec.format_version == 3 and spec.hidden_codec == settings["hidden_codec"]
+    assert spec.topk_dtype == settings.get("topk_dtype", "float32")
+    assert spec.fingerprint["extraction"]["encoding"] == spec.encoding()
+    codec = spec.codec
+    D = spec.hidden_size
+    outlier_share = []
+    for i in range(len(reader)):
+        raw = reader.read_raw(i, spec.token_fields)
+        assert raw["hidden"].dtype == np.uint8 and raw["hidden"].shape[2] == codec.payload_width(D)
+        assert raw["hidden_scale"].shape[2] == codec.groups(D)
+        decoded = C.decode_hidden(spec, raw, torch.float32)  # (T, L, D)
+        sample = reader.read(i)
+        assert torch.equal(sample["hidden"], decoded.bfloat16())  # the reader's bf16 is this, rounded once
+        with torch.no_grad():
+            out = reference(sample["input_ids"][None], output_hidden_states=True)
+        scales = torch.from_numpy(raw["hidden_scale"])
+        for slot, layer in enumerate(LAYERS):
+            ref = out.hidden_states[layer + 1][0]  # (T, D)
+            err = (decoded[:, slot].double() - ref.double()).abs()
+            excess = (err - _bound(spec, ref, scales[:, slot])).max().item()
+            assert excess <= 0, f"{name} layer {layer}: a value is {excess:.3g} past its bound"
+            ordinary = torch.ones(D, dtype=torch.bool)
+            ordinary[OUTLIERS] = False
+            outlier_share.append(ref[:, OUTLIERS].abs().mean() / ref[:, ordinary].abs().mean())
+        # top-k log-probs at their stored precision, read back as float32
+        lp = torch.log_softmax(out.logits[0].float(), -1).gather(1, sample["topk_ids"])
+        assert sample["topk_logprobs"].dtype == torch.float32
+        tol = {"float32": 1e-5, "float16": 2.0 ** -10, "bfloat16": 2.0 ** -7}[spec.topk_dtype]
+        torch.testing.assert_close(sample["topk_logprobs"], lp, rtol=tol, atol=1e-5)
+    assert min(outlier_share) > 50  # the outlier channels really are ~100x the others
+
+
+def test_resume_with_another_codec_is_refused_naming_both(caches, data_path, outlier_target_dir, tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "dflash.extract.cli", "--data", data_path, "--model",
+                           outlier_target_dir, "--out", caches["int8"], "--device", "cpu", "--dtype", "float32",
+                           "--layers", "0,1,2", "--topk", str(TOPK), "--max-length", "96", "--batch-tokens", "400",
+                           "--chunk-tokens", "64", "--no-progress", "--hidden-codec", "fp8"],
+                          capture_output=True, text=True)
+    assert proc.returncode != 0
+    assert "hidden_codec: cache has 'int8', run has 'fp8'  [--hidden-codec]" in proc.stderr, proc.stderr[-2000:]
+    # the same run with the cache's settings resumes it (nothing left to do)
+    cfg = config(caches["int8"], data_path, outlier_target_dir, **CODECS["int8"])
+    extract_in_process(cfg)
+    with pytest.raises(R.ExtractFailed, match="hidden_group_size: cache has 16, run has 32"):
+        extract_in_process(config(caches["int8"], data_path, outlier_target_dir, hidden_codec="int8",
+                                  hidden_group_size=32))
+    with pytest.raises(R.ExtractFailed, match="not a multiple of the int8 group size 48"):
+        extract_in_process(config(tmp_path / "x.zarr", data_path, outlier_target_dir, hidden_codec="int8",
+                                  hidden_group_size=48))
+
+
+@pytest.mark.parametrize("array", ["hidden", "hidden_scale"])
+def test_verify_finds_a_flipped_byte_in_a_lossy_chunk(caches, tmp_path, array):
+    import shutil
+
+    path = tmp_path / "c.zarr"
+    shutil.copytree(caches["int4"], path)
+    clean = json.loads(CliRunner().invoke(cache_main, ["verify", str(path), "--json", "--no-progress"]).output)
+    assert clean["ok"], clean["problems"]
+    f = path / "shards" / "00000" / array / "c" / "1" / "0" / "0"
+    raw = bytearray(f.read_bytes())
+    raw[len(raw) // 2] ^= 0xFF
+    f.write_bytes(bytes(raw))
+    result = CliRunner().invoke(cache_main, ["verify", str(path), "--json", "--no-progress"])
+    d = json.loads(result.output)
+    assert result.exit_code == 1 and [(p["array"], p["check"]) for p in d["problems"]] == [(array, "undecodable")]
+    assert d["problems"][0]["tokens"] == [64, 128]
+
+
+def test_info_shows_codec_and_bytes_per_token(caches):
+    for name in ("bf16", "int4"):
+        result = CliRunner().invoke(cache_main, ["info", str(caches[name]), "--json"])
+        d = json.loads(result.output)
+        L, D = len(LAYERS), d["hidden_size"]
+        per_token = d["bytes_per_token"]
+        assert per_token["hidden_raw_bf16"] == L * D * 2
+        expected = L * D * 2 if name == "bf16" else L * (D // 2 + (D // 32) * 2)  # int4 nibbles + float16 scales
+        assert per_token["hidden_encoded"] == expected and d["encoding"]["hidden_codec"] == name
+        assert per_token["hidden_on_disk"] * d["tokens"] == pytest.approx(d["committed_bytes_on_disk"]["hidden"])
+        text = CliRunner().invoke(cache_main, ["info", str(caches[name])]).output
+        assert f"codec      hidden {C.CacheReader(str(caches[name])).spec.codec.describe()}" in text
+        assert f"raw bf16 {L * D * 2:,}, encoded {expected:,}" in text
+
+
+@pytest.mark.parametrize("name", ["fp8", "int4"])
+def test_loader_and_device_decoding_give_bitwise_the_same_batch(caches, name):
+    from dflash.train.data import AnchorDataset, Collate, EncodedContext
+    from dflash.train.step import to_device
+
+    reader = C.CacheReader(str(caches[name]))
+    keys = [(0, 3), (0, 0), (0, -1), (0, 7)]  # a weightless filler included
+    batches = {}
+    for on_device in (False, True):
+        ds = AnchorDataset(reader, [0, 2], 96, 8, seed=0, decode_on_device=on_device)
+        batch = Collate([64, 96])([ds[k] for k in keys])
+        assert isinstance(batch["context_hidden"], EncodedContext) == on_device
+        batches[on_device] = to_device(batch, torch.device("cpu"))
+    a, b = batches[False], batches[True]
+    assert a.keys() == b.keys()
+    for k in a:
+        assert a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]), k
+    assert torch.equal(a["context_hidden"].view(torch.int16), b["context_hidden"].view(torch.int16))  # -0.0 too
+
+
+def test_training_on_a_lossy_cache_does_not_depend_on_where_decoding_runs(caches, outlier_target_dir, tmp_path):
+    from dflash.train import checkpoint
+    from dflash.train.cli import main
+
+    weights = {}
+    for where in ("loader", "device"):
+        run = tmp_path / where
+        main(["--preset", "tiny", "--cache", str(caches["int4"]), "--target", str(outlier_target_dir),
+              "--out", str(run), "--max-steps", "3", "--mask-token-id", "3", "--max-anchors", "4",
+              "--eval-samples", "2", "--num-workers", "1", "--hidden-decode", where])
+        weights[where] = checkpoint.load_weights(checkpoint.resolve(run))
+        lines = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+        assert any(x.get("kind") == "eval" and np.isfinite(x["loss"]) for x in lines)
+    a, b = weights["loader"], weights["device"]
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
