@@ -11,9 +11,12 @@ save_pretrained, writes `--samples` text rows that tokenise to at least
    zarr compression and writes, commits), timed from the first batch to the last commit.
 
 Reports tokens/s of each, the ratio, bytes on disk per token against raw bf16 of the
-hidden states, and the CPU cores the extraction process kept busy.
+hidden states, and the CPU cores the extraction process kept busy. ``--codecs`` runs the
+worker once per hidden codec (interleaved, ``--repeat`` times) and ends with each codec's
+medians and its throughput against the lossless path's in the same run.
 
     python bench/extract_bench.py --samples 256 --length 2048 --work /tmp/xb
+    python bench/extract_bench.py --samples 400 --length 2048 --variants 1 --repeat 2 --codecs bf16,fp8,int8,int4
 """
 
 from __future__ import annotations
@@ -63,6 +66,31 @@ def build(work: Path, args) -> tuple[Path, Path]:
     return model_dir, data
 
 
+def codec_summary(results: list[dict]) -> dict:
+    """Per codec: medians over its repeats, and its throughput against the lossless (bf16) runs'."""
+    import statistics
+
+    by = {}
+    for r in results:
+        by.setdefault(r["worker_settings"], []).append(r)
+    med = lambda rows, key: statistics.median(r[key] for r in rows)  # noqa: E731
+    base = by.get("bf16")
+    out = {}
+    for name, rows in by.items():
+        out[name] = {
+            "runs": len(rows), "extract_tok_s": [r["extract_tok_s"] for r in rows],
+            "median_extract_tok_s": med(rows, "extract_tok_s"),
+            "median_extract_vs_forward_capture_topk": med(rows, "extract_vs_forward_capture_topk"),
+            "median_steady_vs_forward_capture_topk": med(rows, "steady_vs_forward_capture_topk"),
+            "median_vs_bf16": round(med(rows, "extract_tok_s") / med(base, "extract_tok_s"), 3) if base else None,
+            "hidden_bytes_per_token": med(rows, "hidden_bytes_per_token"),
+            "hidden_vs_raw_bf16": med(rows, "hidden_vs_raw_bf16"),
+            "total_bytes_per_token": med(rows, "bytes_per_token_total"),
+            "cpu_cores_busy": med(rows, "cpu_cores_busy"),
+        }
+    return out
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--samples", type=int, default=256)
@@ -83,6 +111,9 @@ def main():
     p.add_argument("--workers-per-gpu", default="", help="e.g. 2: also run dflash-extract's runner with that many workers on the GPU")
     p.add_argument("--cache-dir", default=None, help="where the cache goes (default --work); /dev/shm takes the disk out")
     p.add_argument("--build-only", action="store_true", help="only write the target and the rows (for a dflash-extract run)")
+    p.add_argument("--codecs", default="", help="e.g. bf16,fp8,int8,int4: one worker variant per hidden codec")
+    p.add_argument("--hidden-group-size", type=int, default=128, help="group size of the int codecs")
+    p.add_argument("--topk-dtype", default="float32", help="top-k log-prob dtype of the --codecs variants")
     args = p.parse_args()
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
@@ -162,10 +193,15 @@ def main():
     variants = variants[: args.variants]
     if args.settings:
         variants = [(",".join(f"{k}={v}" for k, v in o.items()), o) for o in json.loads(args.settings)]
+    if args.codecs:
+        variants = [(c, {"hidden_codec": c, "hidden_group_size": args.hidden_group_size,
+                         "topk_dtype": args.topk_dtype}) for c in args.codecs.split(",")]
+    results = []
     for name, overrides in [v for _ in range(args.repeat) for v in variants]:  # interleaved: drift hits all alike
         shutil.rmtree(out, ignore_errors=True)
         vcfg = dataclasses.replace(cfg, **overrides)
-        prepare_root(vcfg, spec, node_layout())
+        vspec = build_spec(vcfg, tok, AutoConfig.from_pretrained(model_dir), ds, 1)  # the codec is in the spec
+        prepare_root(vcfg, vspec, node_layout())
         events = {}
 
         def report(kind, **f):
@@ -185,10 +221,11 @@ def main():
         t_steady = timing["gpu_busy"] + timing["gpu_gap"] if cuda else timing["loop_s"] - timing["drain_s"]
         cores = (process_cpu_seconds() - events["cpu0"]) / t_extract
         stored = sum(f.stat().st_size for f in out.rglob("*") if f.is_file())
-        hidden_stored = sum(f.stat().st_size for f in (out / "shards" / "00000" / "hidden").rglob("*") if f.is_file())
+        hidden_stored = sum(f.stat().st_size for name in ("hidden", "hidden_scale")
+                            for f in (out / "shards" / "00000" / name).rglob("*") if f.is_file())
         result = {
             "worker_settings": name, "cache_dir": str(out.parent), "gil_switch_ms": vcfg.gil_switch_ms, "write_concurrency": vcfg.write_concurrency,
-            "commit_seconds": vcfg.commit_seconds,
+            "commit_seconds": vcfg.commit_seconds, "encoding": vspec.encoding(),
             "samples": len(plan.source_index), "tokens": n_tok, "batch_tokens": args.batch_tokens,
             "backbone_only_tok_s": n_tok / t_backbone, "forward_capture_topk_tok_s": round(n_tok / t_runner),
             "extract_tok_s": round(n_tok / t_extract),
@@ -202,6 +239,7 @@ def main():
             "bytes_per_token_total": round(stored / n_tok), "raw_bf16_hidden_bytes_per_token": round(hidden_raw / n_tok),
             "total_vs_raw_bf16_hidden": round(stored / hidden_raw, 4),
             "hidden_ratio": round(hidden_raw / hidden_stored, 4),
+            "hidden_bytes_per_token": round(hidden_stored / n_tok), "hidden_vs_raw_bf16": round(hidden_stored / hidden_raw, 4),
             "worker_seconds": timing,
             # the GPU's share of the loop, and its time inside the batches against the bare forward's
             "gpu_busy_vs_loop": round(timing["gpu_busy"] / timing["loop_s"], 3) if cuda else None,
@@ -209,6 +247,9 @@ def main():
             "torch": torch.__version__, "gpu": torch.cuda.get_device_name() if cuda else "cpu",
         }
         print(json.dumps(result), flush=True)
+        results.append(result)
+    if args.codecs:
+        print(json.dumps({"codecs": codec_summary(results)}, indent=1), flush=True)
 
     # ---- 3. the whole runner (spawned workers, one progress stream) with several workers on the GPU
     from dflash.extract.runner import run

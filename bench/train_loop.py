@@ -47,21 +47,24 @@ def fake_target(path: Path, hidden: int, layers: int, vocab: int, intermediate: 
 
 
 def fake_cache(path: Path, layer_ids, hidden: int, layers: int, vocab: int, n: int, length: int, min_length: int,
-               tokenizer_hash: str | None = None):
+               tokenizer_hash: str | None = None, hidden_codec: str = "bf16"):
     from dflash.shared import cache as C
 
     spec = C.CacheSpec(layer_ids=list(layer_ids), hidden_size=hidden, topk=1, vocab_size=vocab,
                        num_target_layers=layers, max_length=length, truncation="right", chunk_tokens=256,
-                       fingerprint={"tokenizer": {"hash": tokenizer_hash}})
+                       fingerprint={"tokenizer": {"hash": tokenizer_hash}}, hidden_codec=hidden_codec,
+                       hidden_group_size=128)
     root = C.create_or_open_cache(str(path), spec)
     rng = np.random.default_rng(0)
     lengths = rng.integers(min_length, length + 1, n) if min_length < length else np.full(n, length)
     plan = C.ShardPlan(source_index=np.arange(n), lengths=lengths, batches=np.arange(n + 1))
     w = C.ShardWriter(root, 0, plan, spec)
-    h = C.bf16_to_bits(torch.randn(length, len(layer_ids), hidden).bfloat16())
+    h = torch.randn(length, len(layer_ids), hidden).bfloat16()
+    h[:, :, :: hidden // 8] *= 100  # outlier channels, as real activations have
+    stored = {k: C.to_numpy(v) for k, v in C.encode_hidden(spec, h).items()}
     for b, T in enumerate(lengths.tolist()):
         ids = rng.integers(0, vocab, T).astype(np.int32)
-        w.write_batch(b, input_ids=ids, loss_mask=np.arange(T) > 16, hidden=h[:T],
+        w.write_batch(b, input_ids=ids, loss_mask=np.arange(T) > 16, **{k: v[:T] for k, v in stored.items()},
                       topk_ids=ids[:, None], topk_logprobs=np.zeros((T, 1), np.float32))
     w.finish()
     return lengths
@@ -72,15 +75,19 @@ def cpu_seconds(who) -> float:
     return r.ru_utime + r.ru_stime
 
 
-def loader_rate(cfg, workers: int, n_batches: int) -> dict:
-    """Micro-batches/s of the training DataLoader alone, and the CPU cores it kept busy."""
+def loader_rate(cfg, workers: int, n_batches: int, decode_on_device: bool = False) -> dict:
+    """Micro-batches/s of the training DataLoader alone, and the CPU cores it kept busy; with
+    ``decode_on_device`` (a lossy cache) the batches hold payload + scales, and the copy to the
+    GPU with its decode is timed apart (``device_decode_ms``, per micro-batch, synchronised)."""
     from dflash.shared.cache import CacheReader
     from dflash.train.data import AnchorDataset, GlobalBatchSampler, Split, make_loader
+    from dflash.train.step import to_device
 
     reader = CacheReader(cfg.cache)
     d = cfg.data
     split = Split.of(len(reader), d.eval_samples)
-    dataset = AnchorDataset(reader, [1, 9, 17, 25, 33], cfg.max_length, d.max_anchors, cfg.runtime.seed)
+    dataset = AnchorDataset(reader, [1, 9, 17, 25, 33], cfg.max_length, d.max_anchors, cfg.runtime.seed,
+                            decode_on_device=decode_on_device)
     sampler = GlobalBatchSampler(split.train, d.batch_size, d.micro_batch_size, 0, 1, cfg.runtime.seed,
                                  n_batches + 4)
     loader = make_loader(dataset, sampler, d.context_buckets, workers, d.prefetch_factor,
@@ -93,11 +100,35 @@ def loader_rate(cfg, workers: int, n_batches: int) -> dict:
     for _ in range(n_batches):
         next(it)
     dt = time.perf_counter() - t
+    device_ms = None
+    if torch.cuda.is_available():  # the batch's copy to the GPU (and its decode there), per micro-batch
+        batch = next(it)
+        to_device(batch, torch.device("cuda"))
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        for _ in range(5):
+            to_device(batch, torch.device("cuda"))
+        torch.cuda.synchronize()
+        device_ms = round((time.perf_counter() - t) / 5 * 1000, 2)
     del it, loader  # workers exit; their CPU time lands in RUSAGE_CHILDREN
     time.sleep(1.0)
     c1 = cpu_seconds(resource.RUSAGE_SELF) + cpu_seconds(resource.RUSAGE_CHILDREN)
-    return {"workers": workers, "micro_batches_s": round(n_batches / dt, 2),
-            "cpu_cores_busy_upper_bound": round((c1 - c0) / dt, 2)}
+    return {"workers": workers, "codec": reader.spec.hidden_codec, "decode": "device" if dataset.decode_on_device
+            else "loader", "micro_batches_s": round(n_batches / dt, 2),
+            "cpu_cores_busy_upper_bound": round((c1 - c0) / dt, 2), "to_device_ms": device_ms}
+
+
+def decode_cpu_equals_cuda(cache: str) -> bool | None:
+    """One sample's hidden states decoded on the CPU and on the GPU: bitwise equal?"""
+    from dflash.shared.cache import HIDDEN_SCALE, CacheReader, decode_hidden
+
+    reader = CacheReader(cache)
+    if not torch.cuda.is_available() or not reader.spec.codec.lossy:
+        return None
+    s = reader.read(0, ["hidden"], decode=False)
+    cpu = decode_hidden(reader.spec, s)
+    gpu = decode_hidden(reader.spec, {"hidden": s["hidden"].cuda(), HIDDEN_SCALE: s[HIDDEN_SCALE].cuda()}).cpu()
+    return bool(torch.equal(cpu.view(torch.int16), gpu.view(torch.int16)))
 
 
 def guards(hidden: int, vocab: int) -> dict:
@@ -171,6 +202,8 @@ def main():
     p.add_argument("--guards", action="store_true", help="exercise the thread guard and the dense refusal")
     p.add_argument("--loader-only", type=float, default=None, metavar="STEP_S",
                    help="skip training; compare the loader with this measured step time (s)")
+    p.add_argument("--hidden-codecs", default="bf16", help="with --loader-only: e.g. bf16,fp8,int8,int4, a cache each")
+    p.add_argument("--loader-batches", type=int, default=None, help="micro-batches timed (default: samples - 2, at most 48)")
     p.add_argument("--anchors", type=int, default=512)
     p.add_argument("--samples", type=int, default=8)
     p.add_argument("--steps", type=int, default=20)
@@ -199,10 +232,20 @@ def main():
         num_workers=2, resume=None)
     cfg.runtime.save_every = args.steps  # the last step saves anyway
     if args.loader_only:
-        for w in (int(x) for x in args.loader_workers.split(",")):
-            r = loader_rate(cfg, w, n_batches=min(args.samples - 2, 48))
-            r["vs_training_step"] = round(r["micro_batches_s"] * args.loader_only, 2)
-            print(json.dumps({"loader": r, "step_s": args.loader_only}), flush=True)
+        n_batches = args.loader_batches or min(args.samples - 2, 48)
+        for codec in args.hidden_codecs.split(","):
+            if codec != "bf16":  # a cache of this codec in place of the bf16 one
+                t = time.time()
+                shutil.rmtree(out / "cache.zarr")
+                fake_cache(out / "cache.zarr", layer_ids, args.hidden, 36, args.vocab, args.samples + 1, args.ctx,
+                           args.min_ctx or args.ctx, hidden_codec=codec)
+                print(f"{codec} cache written in {time.time() - t:.1f}s; decoded on the GPU bitwise as on the CPU: "
+                      f"{decode_cpu_equals_cuda(str(out / 'cache.zarr'))}", flush=True)
+            for on_device in ((False, True) if codec != "bf16" else (False,)):
+                for w in (int(x) for x in args.loader_workers.split(",")):
+                    r = loader_rate(cfg, w, n_batches, decode_on_device=on_device)
+                    r["vs_training_step"] = round(r["micro_batches_s"] * args.loader_only, 2)
+                    print(json.dumps({"loader": r, "step_s": args.loader_only}), flush=True)
         return
     t = time.time()
     summary = train(cfg)

@@ -73,7 +73,7 @@ class ExtractConfig:
     on_bad_row: BadRowPolicy = "error"
     """Malformed rows: 'error' stops naming file and row, 'skip' drops them and counts the reason."""
     dtype: Dtype = "bfloat16"
-    """Compute dtype of the target; hidden states are always stored as bf16 bits."""
+    """Compute dtype of the target; hidden states are stored as bf16 bits, or as --hidden-codec encodes them."""
     chunk_tokens: int = 256
     """Tokens per Zarr chunk of the hidden states (the small arrays are chunked coarsely, see shared/cache.py)."""
     compression_level: int = 1

@@ -176,6 +176,8 @@ class CacheSpec:
         codec = self.codec  # normalised: the fields that do not apply to the mode are None
         self.hidden_group_size = codec.group_size if codec.grouped else None
         self.hidden_scale_dtype = codec.scale_dtype if codec.lossy else None
+        if not self.encoded and self.format_version == ENCODED_FORMAT_VERSION:
+            self.format_version = FORMAT_VERSION  # the lossless layout is format 2
         if self.encoded:
             if self.format_version == FORMAT_VERSION:  # a new spec: the encoding needs format 3
                 self.format_version = ENCODED_FORMAT_VERSION
@@ -185,11 +187,20 @@ class CacheSpec:
                 codec.check_hidden_size(self.hidden_size)
             except ValueError as e:
                 raise CacheError(f"cache spec: {e}") from None
-            self.stored_dtypes = {f: dtype for f, (_, dtype) in _token_array_shapes(self, 1).items()}
+        self.stored_dtypes = {f: dtype for f, (_, dtype) in token_array_shapes(self, 1).items()}
         if self.format_version >= 2 and not self.chunks:
             self.chunks = default_chunks(self)
         if self.format_version >= 2 and set(self.chunks) != set(self.token_fields):
             raise CacheError(f"cache spec: chunks must name each of {self.token_fields}, got {sorted(self.chunks)}")
+
+    def with_encoding(self, **encoding) -> "CacheSpec":
+        """This spec with other encoding fields (keys of ``ENCODING_DEFAULTS``; those not given are
+        kept), in the format and default chunks that encoding is written in (e.g. to convert a cache)."""
+        unknown = sorted(set(encoding) - set(ENCODING_DEFAULTS))
+        if unknown:
+            raise ValueError(f"not encoding fields: {unknown}; expected some of {sorted(ENCODING_DEFAULTS)}")
+        return dataclasses.replace(self, **{**self.encoding(), **encoding}, format_version=FORMAT_VERSION,
+                                   chunks={})
 
     @property
     def codec(self) -> HiddenCodec:
@@ -255,7 +266,7 @@ def default_chunks(spec: CacheSpec) -> dict[str, int]:
     ``chunk_tokens`` and ``SMALL_CHUNK_MAX_TOKENS`` rows. With 256-token chunks everywhere
     the small arrays were 1 % of the bytes but 80 % of the chunk writes (BENCHMARKS.md)."""
     chunks = {}
-    for name, (shape, dtype) in _token_array_shapes(spec, 1).items():
+    for name, (shape, dtype) in token_array_shapes(spec, 1).items():
         if name in ("hidden", HIDDEN_SCALE):
             chunks[name] = spec.chunk_tokens
             continue
@@ -323,7 +334,7 @@ def _compressors(typesize: int, level: int) -> list:
     ]
 
 
-def _token_array_shapes(spec: CacheSpec, tokens: int) -> dict[str, tuple[tuple[int, ...], str]]:
+def token_array_shapes(spec: CacheSpec, tokens: int) -> dict[str, tuple[tuple[int, ...], str]]:
     """Shape and stored dtype of each token array (``spec.token_fields``) for ``tokens`` rows."""
     k, L, D = spec.topk, spec.num_layers, spec.hidden_size
     codec = spec.codec
@@ -337,11 +348,6 @@ def _token_array_shapes(spec: CacheSpec, tokens: int) -> dict[str, tuple[tuple[i
     if codec.lossy:
         shapes[HIDDEN_SCALE] = ((tokens, L, codec.groups(D)), codec.scale_dtype)
     return shapes
-
-
-def token_array_shapes(spec: CacheSpec, tokens: int) -> dict[str, tuple[tuple[int, ...], str]]:
-    """Shape and stored dtype of each token array of a shard of ``tokens`` tokens."""
-    return _token_array_shapes(spec, tokens)
 
 
 # ----------------------------------------------------------------------------- encode / decode
@@ -657,7 +663,7 @@ class ShardWriter:
         else:
             self.group = root.create_group(name)
             T = max(plan.num_tokens, 1)
-            for fname, (shape, dtype) in _token_array_shapes(spec, plan.num_tokens).items():
+            for fname, (shape, dtype) in token_array_shapes(spec, plan.num_tokens).items():
                 typesize = np.dtype(dtype).itemsize
                 self.group.create_array(
                     fname, shape=shape, chunks=(min(spec.chunk_rows(fname), T),) + shape[1:], dtype=dtype, fill_value=0,
@@ -714,7 +720,7 @@ class ShardWriter:
             raise CacheError(f"shard {self.shard_id:05d}: batch {batch} written out of order (expected {self.next_batch})")
         s0, s1 = self.batch_samples(batch)
         ntok = int(self._offsets[s1] - self._offsets[s0])
-        expected = _token_array_shapes(self.spec, ntok)
+        expected = token_array_shapes(self.spec, ntok)
         if set(fields) != set(self.fields):
             raise CacheError(f"write_batch needs exactly {self.fields}, got {sorted(fields)}")
         for f, a in fields.items():

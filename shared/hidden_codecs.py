@@ -123,7 +123,8 @@ def _scales(amax: torch.Tensor, qmax: float, dtype: torch.dtype) -> torch.Tensor
     0 for all-zero groups; Inf where it does not fit ``dtype``. No host sync."""
     exact = amax.double() / qmax
     stored = exact.to(dtype)
-    up = torch.nextafter(stored, torch.full_like(stored, float("inf")))
+    bits = torch.int16 if dtype == torch.float16 else torch.int32
+    up = (stored.view(bits) + 1).view(dtype)  # the next value up: scales are >= 0 (no nextafter for half on CUDA)
     return torch.where(stored.double() < exact, up, stored)
 
 

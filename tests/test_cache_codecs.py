@@ -258,3 +258,78 @@ def test_training_on_a_lossy_cache_does_not_depend_on_where_decoding_runs(caches
         assert any(x.get("kind") == "eval" and np.isfinite(x["loss"]) for x in lines)
     a, b = weights["loader"], weights["device"]
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_spec_encoding_fields_format_and_round_trip():
+    lossless = C.CacheSpec(layer_ids=[1, 5], hidden_size=256, topk=4, vocab_size=100, num_target_layers=8,
+                           max_length=64, truncation="right")
+    assert lossless.format_version == 2 and not set(C.ENCODING_DEFAULTS) & set(lossless.to_dict())
+    int4 = lossless.with_encoding(hidden_codec="int4", hidden_group_size=64, topk_dtype="bfloat16")
+    assert int4.format_version == 3 and int4.token_fields == C.TOKEN_FIELDS + ("hidden_scale",)
+    assert int4.chunks["hidden_scale"] == int4.chunks["hidden"] == int4.chunk_tokens
+    assert C.token_array_shapes(int4, 10)["hidden"] == ((10, 2, 128), "uint8")
+    assert C.token_array_shapes(int4, 10)["hidden_scale"] == ((10, 2, 4), "float16")
+    assert int4.hidden_bytes_per_token() == 2 * (128 + 4 * 2)
+    assert C.CacheSpec.from_dict(int4.to_dict()) == int4
+    fp8 = int4.with_encoding(hidden_codec="fp8", topk_dtype="float32")
+    assert fp8.hidden_group_size is None and fp8.hidden_scale_dtype == "float16"  # fields that do not apply: None
+    assert lossless.with_encoding(hidden_codec="fp8", hidden_group_size=32) == fp8.with_encoding(hidden_group_size=7)
+    assert fp8.with_encoding(hidden_codec="bf16").to_dict() == lossless.to_dict()
+    assert [d.split(":")[0] for d in C.spec_differences(lossless, fp8)] == [
+        "hidden_codec", "hidden_scale_dtype", "format_version", "chunks.hidden_scale"]
+    with pytest.raises(C.CacheError, match="not a multiple of the int8 group size 96"):
+        lossless.with_encoding(hidden_codec="int8", hidden_group_size=96)
+    with pytest.raises(C.CacheError, match="hidden_codec 'int2'"):
+        lossless.with_encoding(hidden_codec="int2")
+    with pytest.raises(C.CacheError, match="format version 4 is not supported"):
+        C.CacheSpec.from_dict({**int4.to_dict(), "format_version": 4})
+
+
+def test_lossy_shard_resumed_mid_chunk_equals_an_unbroken_one(tmp_path):
+    """A lossy shard whose writer died after a commit that left a partial chunk (and wrote one
+    more batch, uncommitted) resumes to exactly the arrays of an unbroken writer, and reads
+    back as the decoded encoding of what was written."""
+    import zarr
+
+    spec = C.CacheSpec(layer_ids=[0, 1], hidden_size=64, topk=3, vocab_size=50, num_target_layers=3,
+                       max_length=40, truncation="right", chunk_tokens=16, hidden_codec="int4",
+                       hidden_group_size=16, topk_dtype="float16")
+    rng = np.random.default_rng(0)
+    lengths = rng.integers(5, 30, 6)
+    plan = C.ShardPlan(source_index=np.arange(6), lengths=lengths, batches=np.arange(7))
+    g = torch.Generator().manual_seed(0)
+    hidden = torch.randn(int(lengths.sum()), 2, 64, generator=g) * torch.where(torch.arange(64) % 9 == 0, 100.0, 1.0)
+    logprobs = -torch.rand(int(lengths.sum()), 3, generator=g).sort(-1).values * 5
+    stored = {**{k: C.to_numpy(v) for k, v in C.encode_hidden(spec, hidden).items()},
+              "topk_logprobs": C.to_numpy(C.encode_topk_logprobs(spec, logprobs)),
+              "input_ids": rng.integers(0, 50, len(hidden)).astype(np.int32),
+              "loss_mask": rng.random(len(hidden)) < 0.5,
+              "topk_ids": rng.integers(0, 50, (len(hidden), 3)).astype(np.int32)}
+    off = plan.offsets
+
+    def write(writer, batches):
+        for b in batches:
+            writer.write_batch(b, **{k: v[off[b]:off[b + 1]] for k, v in stored.items()})
+
+    paths = {name: str(tmp_path / f"{name}.zarr") for name in ("unbroken", "resumed")}
+    for name, path in paths.items():
+        root = C.create_or_open_cache(path, spec)
+        w = C.ShardWriter(root, 0, plan, spec)
+        if name == "resumed":
+            write(w, range(3))
+            w.commit()
+            assert w.committed["tokens"] % 16  # the commit left a partial chunk
+            write(w, [3])  # then the process dies
+            w = C.ShardWriter(C.create_or_open_cache(path, spec), 0, plan, spec)
+            assert w.next_batch == 3
+        write(w, range(w.next_batch, 6))
+        w.finish()
+    a, b = (zarr.open_group(p, mode="r")["shards/00000"] for p in paths.values())
+    for f in spec.token_fields:
+        assert np.array_equal(a[f][:], b[f][:]), f
+    reader = C.CacheReader(paths["resumed"])
+    want = C.decode_hidden(spec, C.encode_hidden(spec, hidden))
+    for i in range(6):
+        s = reader.read(i)
+        assert torch.equal(s["hidden"], want[off[i]:off[i + 1]])
+        assert torch.equal(s["topk_logprobs"], logprobs[off[i]:off[i + 1]].half().float())

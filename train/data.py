@@ -101,7 +101,9 @@ class AnchorDataset(Dataset):
     target's greedy next token at each position, i.e. its prediction of token t+1: what
     acceptance is measured against, and the labels of ``labels=target``); with ``topk``
     also ``topk_ids`` (T, k) long and ``topk_logprobs`` (T, k) float32 (for distillation).
-    The cache arrays that none of these need are never read.
+    The cache arrays that none of these need are never read. With ``decode_on_device`` and a
+    lossy cache, ``context_payload`` (T, n, W) and ``context_scale`` (T, n, G) replace
+    ``context_hidden`` (see ``EncodedContext``).
     """
 
     def __init__(self, reader: CacheReader, layer_ids: list[int], max_length: int, max_anchors: int, seed: int,
@@ -152,7 +154,6 @@ class AnchorDataset(Dataset):
         if self.topk:
             out["topk_ids"], out["topk_logprobs"] = s["topk_ids"][:T], s["topk_logprobs"][:T]
         return out
-
 
     def _layers(self, per_layer: torch.Tensor) -> torch.Tensor:
         """(T, L, ...) -> (T, n, ...): the chosen layers (a view where they are all of them)."""

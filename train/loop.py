@@ -210,7 +210,7 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
         dataset = AnchorDataset(reader, dcfg.target_layer_ids, cfg.max_length, dcfg_data.max_anchors, rt.seed,
                                 target_top1=spec.labels == "target", topk=spec.needs_topk, decode_on_device=on_device)
         eval_dataset = AnchorDataset(reader, dcfg.target_layer_ids, cfg.max_length, dcfg_data.max_anchors, rt.seed,
-                                     target_top1=True, topk=spec.needs_topk)
+                                     target_top1=True, topk=spec.needs_topk, decode_on_device=on_device)
         # the cache's offsets give every sample's length: no data is read to choose the shapes
         buckets = plan_buckets(reader.lengths(), dcfg_data.context_buckets)
         if dist_info.is_main:
