@@ -194,10 +194,22 @@ def outlier_structure(cache: Path, every: int = 10) -> list[dict]:
         a = x[:, j]
         channel_rms = np.sqrt((a ** 2).mean(axis=0))
         row_rms = np.sqrt((a ** 2).mean(axis=1))
-        rows.append({"layer_id": layer, "top_channel_rms_over_median": float(channel_rms.max() / np.median(channel_rms)),
+        rows.append({"layer_id": layer,
+                     "top_channel_rms_over_median": float(channel_rms.max() / np.median(channel_rms)),
                      "row_absmax_over_rms_median": float(np.median(np.abs(a).max(axis=1) / row_rms)),
                      "absmax_over_rms": float(np.abs(a).max() / np.sqrt((a ** 2).mean()))})
     return rows
+
+
+def same_decoded_hidden(a: Path, b: Path) -> bool:
+    """Whether two caches hold the same samples with bitwise equal hidden states as read."""
+    import torch
+
+    from dflash.shared.cache import CacheReader
+
+    ra, rb = CacheReader(str(a)), CacheReader(str(b))
+    bits = lambda reader, i: reader.read(i, ("hidden",))["hidden"].view(torch.int16)  # noqa: E731
+    return len(ra) == len(rb) and all(torch.equal(bits(ra, i), bits(rb, i)) for i in range(len(ra)))
 
 
 # --------------------------------------------------------------------------- one mode
@@ -399,6 +411,9 @@ def main() -> None:
     p.add_argument("--simulate", action="store_true", help="round trip into a lossless cache (no convert)")
     p.add_argument("--small", action="store_true", help="the test suite's reduced demo (checks the harness)")
     p.add_argument("--jobs", type=int, default=2, help="processes at once, each on its own core, one thread")
+    p.add_argument("--check-against", type=Path, metavar="SIM_OUT",
+                   help="another --out (a --simulate one): record whether each mode's cache decodes "
+                        "bitwise equal to its")
     p.add_argument("--one", nargs=2, metavar=("MODE", "SEED"), help=argparse.SUPPRESS)
     args = p.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
@@ -433,7 +448,14 @@ def main() -> None:
         for seed in args.seeds:
             result = args.out / f"{mode['name']}_s{seed}" / "result.json"
             if result.is_file():
-                rows.append(json.loads(result.read_text()))
+                row = json.loads(result.read_text())
+                other = args.check_against / f"{mode['name']}_s{seed}" / "cache.zarr" if args.check_against else None
+                if other is not None and other.is_dir() and mode["mode"] != LOSSLESS:
+                    row["decodes_equal_to"] = {"cache": str(other), "equal": same_decoded_hidden(
+                        args.out / f"{mode['name']}_s{seed}" / "cache.zarr", other)}
+                    print(f"{mode['name']} seed {seed}: hidden states decode bitwise equal to {other}: "
+                          f"{row['decodes_equal_to']['equal']}", flush=True)
+                rows.append(row)
     (args.out / "frontier.json").write_text(json.dumps(
         {"load_before": load_before, "load_after": os.getloadavg(), "simulate": args.simulate, "rows": rows},
         indent=2) + "\n")
