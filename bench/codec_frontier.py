@@ -28,6 +28,7 @@ Writes ``OUT/frontier.json`` and prints a markdown table (mean and spread over t
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
@@ -259,11 +260,11 @@ def run_mode(base: Path, out: Path, mode: dict, seed: int, simulate: bool, small
         echo(f"lossy cache {cache} ({settings['path']}) in {record['seconds']:.1f} s, "
              f"relative L2 per layer {[round(e, 4) for e in record['rel_l2_per_layer']]}")
     target, regen = base / "target", base / "regen"
-    load_train = os.getloadavg()
-    trained = demo.step_train(out, s, cache, target, echo)
-    load_eval = os.getloadavg()
-    result = demo.step_eval(out, s, regen, cache, target, echo)
-    load_end = os.getloadavg()
+    loads = LoadLog(out / "loads.json")
+    with loads.around("train", out / "run.demo.json"):
+        trained = demo.step_train(out, s, cache, target, echo)
+    with loads.around("eval", out / "eval.json"):
+        result = demo.step_eval(out, s, regen, cache, target, echo)
     replay_lossless = replay_on(out, base, s)
 
     tokens = _tokens(lossless)
@@ -286,10 +287,28 @@ def run_mode(base: Path, out: Path, mode: dict, seed: int, simulate: bool, small
         "replay_on_lossless_cache": replay_lossless, "acceptance_online": o["tau"], "lossless": o["lossless"],
         "regenerated_match": o["regenerated_match"], "speedup": o["speedup"],
         "train_seconds": trained["seconds"], "eval_seconds": result["seconds"],
-        "load_before_train": load_train, "load_before_eval": load_eval, "load_after_eval": load_end,
+        "load_average": loads.record,
     }
     (out / "result.json").write_text(json.dumps(row, indent=2) + "\n")
     return row
+
+
+class LoadLog:
+    """The load average before and after each step that really ran (a step reused from an
+    earlier run keeps the figures recorded then), kept in a JSON file beside the run."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self.record = json.loads(path.read_text()) if path.is_file() else {}
+
+    @contextlib.contextmanager
+    def around(self, step: str, product: Path):
+        stamp = product.stat().st_mtime_ns if product.exists() else None
+        before = os.getloadavg()
+        yield
+        if not product.exists() or product.stat().st_mtime_ns != stamp:
+            self.record[step] = {"before": before, "after": os.getloadavg()}
+            self.path.write_text(json.dumps(self.record, indent=2) + "\n")
 
 
 def replay_on(run: Path, base: Path, s) -> float:
