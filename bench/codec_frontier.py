@@ -398,21 +398,23 @@ def _each(rows: list[dict], key: str, fmt: str) -> str:
 
 
 def summarise(rows: list[dict]) -> list[str]:
-    """Markdown table: one line per mode, mean over seeds and the per-seed values."""
+    """Markdown table: one line per mode, the mean over seeds and each seed's value."""
     by_mode: dict[str, list[dict]] = {}
     for r in rows:
         by_mode.setdefault(r["mode"], []).append(r)
     base = {r["seed"]: r for r in by_mode.get(LOSSLESS, [])}
-    lines = ["| mode | path | hidden of raw bf16 | whole cache of raw bf16 | rel. L2 per layer | online tau (seeds) "
-             "| vs lossless | offline replay on its cache | replay on lossless cache | speedup |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    lines = ["| mode | path | hidden bytes/token | of raw bf16 | whole cache of raw bf16 | rel. L2 per layer "
+             "| online tau, mean (per seed) | vs lossless, mean (per seed) | offline: replay on its cache "
+             "| replay on the lossless cache | speedup (loaded machine) |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for name, rs in by_mode.items():
         rs = sorted(rs, key=lambda r: r["seed"])
         online = [r["acceptance_online"] for r in rs]
         rel = [r["acceptance_online"] / base[r["seed"]]["acceptance_online"] - 1 for r in rs if r["seed"] in base]
         l2 = np.mean([r["rel_l2_per_layer"] for r in rs], axis=0)
         lines.append(
-            f"| {name} | {rs[0]['path']} | {np.mean([r['hidden_of_raw_bf16'] for r in rs]):.3f} "
+            f"| {name} | {rs[0]['path']} | {np.mean([r['hidden_bytes_per_token'] for r in rs]):.0f} "
+            f"| {np.mean([r['hidden_of_raw_bf16'] for r in rs]):.3f} "
             f"| {np.mean([r['cache_of_raw_bf16'] for r in rs]):.3f} | {' / '.join(f'{e:.4f}' for e in l2)} "
             f"| {np.mean(online):.3f} ({' / '.join(f'{t:.3f}' for t in online)}) "
             f"| {np.mean(rel):+.1%} ({' / '.join(f'{x:+.1%}' for x in rel)}) "
@@ -426,7 +428,8 @@ def main() -> None:
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
     p.add_argument("--mode", type=parse_mode, action="append", default=[],
-                   help="fp8 | int8:GROUP | int4:GROUP (repeatable)")
+                   help="fp8 | int8:GROUP | int4:GROUP | bf16:SEED_OFFSET (the control), each optionally "
+                        "with ,topk=float16|bfloat16 (repeatable)")
     p.add_argument("--simulate", action="store_true", help="round trip into a lossless cache (no convert)")
     p.add_argument("--small", action="store_true", help="the test suite's reduced demo (checks the harness)")
     p.add_argument("--jobs", type=int, default=2, help="processes at once, each on its own core, one thread")
