@@ -1,8 +1,12 @@
-"""Lossy hidden-state caches against the CPU demo drafter's acceptance: bytes on one axis,
-acceptance on the other (issue 16 item 3).
+"""Lossy hidden-state caches: bytes against the CPU demo drafter's acceptance (issue 16 item 3).
 
-    python bench/codec_frontier.py --out /tmp/cf --seeds 0 1 \
-        --mode fp8 --mode int8:96 --mode int8:32 --mode int4:96 --mode int4:32 [--simulate]
+    python bench/codec_frontier.py --out /tmp/cf --seeds 0 1 --mode bf16:1000 \
+        --mode fp8 --mode int8:96 --mode int8:32 --mode int4:96 --mode int4:32 \
+        [--simulate | --check-against SIMULATED_OUT]
+
+``bf16:K`` is the control: the lossless cache itself, the drafter trained with seed S + K
+(training's own randomness, the features unchanged). ``MODE,topk=bfloat16`` also stores
+the top-k log-probs at that precision.
 
 Per seed, ``OUT/base_sS`` is a whole CPU demo (``python -m dflash.eval.demo --seed S``):
 data, target, regenerated chats, the lossless cache and its drafter, built once and reused
@@ -22,7 +26,9 @@ shuffle + zstd 1 in blosc, 256-token chunks, a 4-byte checksum each), not read o
 
 Every job (a base demo or a mode) runs as its own process pinned to one core with one
 thread, at most ``--jobs`` at once (2 by default: the development machine has 2 cores).
-Writes ``OUT/frontier.json`` and prints a markdown table (mean and spread over the seeds).
+Writes ``OUT/frontier.json`` and prints a markdown table (the mean and each seed's value);
+``--check-against`` records, per mode, whether the converted cache decodes bitwise equal
+to a ``--simulate`` run's.
 """
 
 from __future__ import annotations
