@@ -343,11 +343,8 @@ def run(cfg: ExtractConfig, workers: Workers | None = None) -> dict[str, Any]:
     return summary
 
 
-def _prepare(cfg: ExtractConfig, layout: NodeLayout, phases: Phases) -> tuple[zarr.Group, CacheSpec, list[int]]:
-    """The parent's set-up: the run's spec (tokenizer, target config, dataset fingerprint), the
-    shard locks probed, the cache root prepared; returns the root, the spec and this node's shard ids."""
-    shard_ids = layout.shard_ids(cfg.local_workers)
-    num_shards = layout.nodes * cfg.local_workers
+def load_tokenizer_and_config(cfg: ExtractConfig):
+    """The run's tokenizer and the target's config (no weights); ExtractFailed naming what failed."""
     from transformers import AutoConfig
 
     try:
@@ -358,6 +355,15 @@ def _prepare(cfg: ExtractConfig, layout: NodeLayout, phases: Phases) -> tuple[za
         model_config = AutoConfig.from_pretrained(cfg.model, revision=cfg.revision)
     except (OSError, ValueError) as e:
         raise ExtractFailed(f"cannot load the target {cfg.model!r}: {e}") from e
+    return tokenizer, model_config
+
+
+def _prepare(cfg: ExtractConfig, layout: NodeLayout, phases: Phases) -> tuple[zarr.Group, CacheSpec, list[int]]:
+    """The parent's set-up: the run's spec (tokenizer, target config, dataset fingerprint), the
+    shard locks probed, the cache root prepared; returns the root, the spec and this node's shard ids."""
+    shard_ids = layout.shard_ids(cfg.local_workers)
+    num_shards = layout.nodes * cfg.local_workers
+    tokenizer, model_config = load_tokenizer_and_config(cfg)
     phases.mark("tokenizer_and_config")
     try:
         ds = load_source(cfg.data, cfg.split or "train")

@@ -120,11 +120,8 @@ class RunPlan:
 def plan_run(cfg: ExtractConfig) -> RunPlan:
     """Tokenise and plan ``cfg``'s dataset as the run would and estimate its cost; raises
     ExtractFailed with the run's own message where the run would stop (bad settings, a bad row)."""
-    from transformers import AutoConfig
-
     from .data import DataError, load_source
-    from .runner import ExtractFailed, node_layout
-    from .tokenizer import load_tokenizer
+    from .runner import ExtractFailed, load_tokenizer_and_config, node_layout
 
     try:
         cfg.validate()
@@ -132,14 +129,7 @@ def plan_run(cfg: ExtractConfig) -> RunPlan:
         raise ExtractFailed(str(e)) from e
     layout = node_layout()
     num_shards = layout.nodes * cfg.local_workers
-    try:
-        tokenizer = load_tokenizer(cfg)
-    except ValueError as e:
-        raise ExtractFailed(str(e)) from e
-    try:
-        model_config = AutoConfig.from_pretrained(cfg.model, revision=cfg.revision)
-    except (OSError, ValueError) as e:
-        raise ExtractFailed(f"cannot load the target {cfg.model!r}: {e}") from e
+    tokenizer, model_config = load_tokenizer_and_config(cfg)
     try:
         layers = cfg.layer_ids(model_config.num_hidden_layers)
     except ValueError as e:

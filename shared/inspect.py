@@ -17,7 +17,7 @@ import numpy as np
 import torch
 import zarr
 
-from dflash.shared.cache import (HIDDEN_SCALE, TOKEN_FIELDS, CacheReader, CacheSpec, decode_hidden,
+from dflash.shared.cache import (HIDDEN_SCALE, CacheReader, CacheSpec, decode_hidden,
                                  decode_topk_logprobs, token_array_shapes)
 from dflash.shared.compare import conversion_error
 from dflash.shared.shard_lock import live_holders
