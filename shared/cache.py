@@ -565,9 +565,11 @@ def read_shard_states(root: zarr.Group, shard_ids: Iterable[int]) -> dict[int, S
 
 
 def _record_state(group: zarr.Group, state: ShardState, *keys: str) -> None:
-    """Write these fields of ``state`` into the group's attributes (all of them without ``keys``)."""
+    """Write these fields of ``state`` into the group's attributes (all of them without ``keys``)
+    in one metadata write: ``group.attrs.update`` writes the group's metadata once per key, so a
+    reader (or a crash) between two of those writes would find a record with fields missing."""
     attrs = state.to_attrs()
-    group.attrs.update({k: attrs[k] for k in keys} if keys else attrs)
+    group.update_attributes({k: attrs[k] for k in keys} if keys else attrs)  # merged with what is there
 
 
 # ----------------------------------------------------------------------------- writer

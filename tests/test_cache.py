@@ -378,6 +378,37 @@ def test_shard_state_round_trip(tmp_path):
         C.read_shard_state(broken)
 
 
+def test_every_metadata_write_of_a_shard_holds_a_whole_record(tmp_path, monkeypatch):
+    """A reader sees a shard's metadata as written at some moment: every version a shard group
+    writes while it is created, committed and finished is either the empty group or a record
+    that parses whole (a reader of a run in progress never meets a half-written record)."""
+    from zarr.core.group import AsyncGroup
+
+    versions: list[dict] = []
+    save = AsyncGroup._save_metadata
+
+    async def recording(self, *args, **kwargs):
+        if self.path.startswith("shards/"):
+            versions.append(dict(self.metadata.attributes))
+        return await save(self, *args, **kwargs)
+
+    monkeypatch.setattr(AsyncGroup, "_save_metadata", recording)
+    spec, plan = make_spec(), make_plan(LENGTHS)
+    root = C.create_or_open_cache(str(tmp_path / "c.zarr"), spec)
+    w = C.ShardWriter(root, 0, plan, spec, compute={"device": "cpu"})
+    for b in range(len(plan.batches) - 1):
+        w.write_batch(b, **batch_data(spec, plan, b))
+        w.commit()
+    w.finish()
+    again = C.ShardWriter(C.open_root(str(tmp_path / "c.zarr"), "r+"), 0, plan, spec, compute={"device": "cuda"})
+    assert again.complete
+    assert len(versions) >= len(plan.batches), versions  # the creation, each commit, the end
+    for attrs in versions:
+        if attrs:
+            C.ShardState.from_attrs(attrs)  # raises ValueError naming a missing field
+    assert versions[-1]["complete"] is True
+
+
 def test_only_the_cache_module_reads_shard_attributes():
     """The contract in one file: every other module gets a ShardState (root attributes hold
     the CacheSpec, read under ATTRS_KEY)."""
