@@ -23,23 +23,12 @@ from dflash.extract.plan import plan_shard, shard_rows
 from dflash.extract.tokenizer import load_tokenizer
 from dflash.shared import cache as C
 from dflash.shared.cache_cli import main as cache_main
-from test_extract import BAD_ROWS, COMMON, LAYERS, TOPK, cli, shard_task
+from test_extract import BAD_ROWS, COMMON, LAYERS, TOPK, cli, dataset, shard_task  # noqa: F401 - dataset: the fixture
 
 MAX_LENGTH = 64  # short enough that right truncation cuts some of the sample chats
 RUN = [*COMMON, "--max-length", str(MAX_LENGTH), "--on-bad-row", "skip"]  # the later --max-length wins
 
 DiskUsage = namedtuple("DiskUsage", "total used free")
-
-
-@pytest.fixture(scope="module")
-def dataset(tmp_path_factory, chats_sample_path):
-    """The 40 sample chats with the bad rows of test_extract spliced in (44 rows)."""
-    rows = [json.loads(line) for line in chats_sample_path.read_text().splitlines()]
-    for index in sorted(BAD_ROWS):
-        rows.insert(index, BAD_ROWS[index][0])
-    path = tmp_path_factory.mktemp("data") / "chats.jsonl"
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return path, rows
 
 
 @pytest.fixture(scope="module")
