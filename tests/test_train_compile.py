@@ -138,8 +138,21 @@ def test_uncompiled_flex_refused_on_cuda_unless_named(monkeypatch):
     assert C.resolve(RuntimeConfig(attention="flex-eager"), gpu).eager_flex
 
 
+def held_out_buckets(cache, cfg) -> set[int]:
+    """The context buckets the held-out samples fall into, from the cache's lengths."""
+    from dflash.shared.cache import CacheReader
+    from dflash.train.data import Split, bucket_for
+
+    reader = CacheReader(str(cache))
+    held_out = Split.of(len(reader), cfg.data.eval_samples, reader.source_indices()).held_out
+    lengths = reader.lengths()
+    return {bucket_for(min(int(lengths[i]), cfg.max_length), cfg.data.context_buckets) for i in held_out}
+
+
 def test_training_with_compiled_drafter_never_recompiles(tiny_target_dir, tiny_tokenizer, tmp_path):
-    """Two buckets, train + eval graphs warmed up; then 6 steps and 2 evals under fail_on_recompile."""
+    """Two buckets: the warm-up compiles one training graph per bucket, the first evaluation
+    one eval graph per bucket of the held-out samples; then 6 steps and a second evaluation
+    under fail_on_recompile compile nothing."""
     torch.set_num_threads(1)
     cache = H.write_pattern_cache(tmp_path / "c.zarr", tiny_target_dir, tiny_tokenizer, n_samples=14,
                                   min_len=10, max_len=60)
@@ -148,9 +161,97 @@ def test_training_with_compiled_drafter_never_recompiles(tiny_target_dir, tiny_t
     cfg = H.tiny_config(cache, tiny_target_dir, tmp_path / "run", max_steps=6, compile="on",
                         compile_backend="eager", eval_every=3, log_every=3)
     summary = train(cfg)
-    assert summary["warmup_compiled_graphs"] >= 4  # (2 buckets) x (grad, no grad)
-    counts = {r["compiles"] for r in summary["history"] if r["kind"] == "train"}
-    assert counts == {summary["compiles"]}  # nothing compiled after the warm-up
+    assert len(summary["context_buckets"]) == 2
+    assert summary["warmup_compiled_graphs"] == 2  # grad mode only: no eval graph before step 1
+    assert summary["eval_compiled_graphs"] == len(held_out_buckets(cache, cfg)) > 0
+    train_rows = [r for r in summary["history"] if r["kind"] == "train"]
+    assert [r["step"] for r in train_rows] == [3, 6]
+    assert train_rows[0]["compiles"] == summary["compiles_after_warm_up"]  # steps 1-3 compiled nothing
+    assert train_rows[1]["compiles"] == summary["compiles"] == \
+        summary["compiles_after_warm_up"] + summary["eval_compiled_graphs"]  # steps 4-6 and eval 2: nothing
+
+
+def test_compiled_run_trains_as_the_uncompiled_one(tiny_target_dir, tiny_tokenizer, tmp_path):
+    """The warm-up's real step, the eval graphs compiled at the first evaluation and the
+    start's I/O thread leave no trace: a compiled run (eager backend: the same operations)
+    logs the losses and evaluation of a run that compiles nothing."""
+    torch.set_num_threads(1)
+    cache = H.write_pattern_cache(tmp_path / "c.zarr", tiny_target_dir, tiny_tokenizer, n_samples=14,
+                                  min_len=10, max_len=60)
+    from dflash.train.loop import train
+
+    def run(name, compile):
+        torch._dynamo.reset()
+        cfg = H.tiny_config(cache, tiny_target_dir, tmp_path / name, max_steps=4, compile=compile,
+                            compile_backend="eager", eval_every=2, log_every=1)
+        return train(cfg)
+
+    plain, compiled = run("plain", "off"), run("compiled", "on")
+    assert plain["warmup_compiled_graphs"] == 0 and compiled["warmup_compiled_graphs"] > 0
+    losses = [[(r["kind"], r["step"], r["loss"]) for r in s["history"]] for s in (plain, compiled)]
+    assert len(losses[0]) == 6 and losses[0] == losses[1]
+    assert [r.get("tau") for r in plain["history"]] == [r.get("tau") for r in compiled["history"]]
+
+
+def test_first_evaluation_compiles_then_recompiles_are_errors_again():
+    """``compile_then_freeze``: the no-grad graph of a warmed-up function compiles inside it;
+    after it, the same call compiles nothing and another shape raises naming the guard."""
+    def f(x):
+        return (x * 2).sum()
+
+    fn = torch.compile(f, backend="eager", dynamic=False)
+    x = torch.randn(8, requires_grad=True)
+    assert C.warm_up([lambda: fn(x).backward()]) == 1
+    with torch.no_grad(), pytest.raises(RuntimeError, match="(?s)recompile.*grad"):
+        fn(x)  # frozen: the no-grad graph may not compile outside compile_then_freeze
+    result, compiled = C.compile_then_freeze(lambda: _no_grad(fn, x))
+    assert compiled == 1 and result == pytest.approx(2 * x.detach().sum().item())
+    before = C.compile_count()
+    _no_grad(fn, x)
+    fn(x).backward()
+    assert C.compile_count() == before  # both graphs reused
+    with pytest.raises(RuntimeError, match="(?s)recompile.*size mismatch"):
+        _no_grad(fn, torch.randn(9, requires_grad=True))
+
+
+def _no_grad(fn, x):
+    with torch.no_grad():
+        return fn(x).item()
+
+
+def test_start_reads_files_on_a_thread_and_compiles_on_the_main_one(tiny_target_dir, tiny_tokenizer, tmp_path,
+                                                                      monkeypatch):
+    """The target head and the warm-up's samples load on the I/O thread; the drafter's
+    compiled calls all happen on the main thread; no thread of the start outlives it."""
+    import dflash.train.loop as loop
+    from dflash.train.data import AnchorDataset
+
+    torch.set_num_threads(1)
+    cache = H.write_pattern_cache(tmp_path / "c.zarr", tiny_target_dir, tiny_tokenizer, n_samples=14,
+                                  min_len=10, max_len=60)
+    threads = {"head": set(), "sample": set()}
+    load_head, read_sample = loop.load_target_head, AnchorDataset.__getitem__
+
+    def recording_head(*args, **kwargs):
+        threads["head"].add(threading.current_thread().name)
+        return load_head(*args, **kwargs)
+
+    def recording_sample(self, key):
+        threads["sample"].add(threading.current_thread().name)
+        return read_sample(self, key)
+
+    monkeypatch.setattr(loop, "load_target_head", recording_head)
+    monkeypatch.setattr(AnchorDataset, "__getitem__", recording_sample)
+    before = set(threading.enumerate())
+    torch._dynamo.reset()
+    cfg = H.tiny_config(cache, tiny_target_dir, tmp_path / "run", max_steps=2, compile="on",
+                        compile_backend="eager", eval_every=2, log_every=1)
+    summary = loop.train(cfg)  # a compiled call off the main thread raises (compile_model's hook)
+    assert summary["step"] == 2
+    main = threading.main_thread().name
+    assert len(threads["head"]) == 1 and main not in threads["head"]
+    assert threads["sample"] == threads["head"] | {main}  # warm-up samples on the thread; the steps' on main
+    assert not [t for t in threading.enumerate() if t not in before and t.name.startswith("dflash-load")]
 
 
 @cuda
@@ -164,7 +265,8 @@ def test_cuda_tiny_run_with_compiled_flex(tiny_target_dir, tiny_tokenizer, tmp_p
     rows = [r for r in summary["history"] if r["kind"] == "train"]
     assert rows[-1]["loss"] < rows[0]["loss"]
     assert summary["eval"]["tau"] > 1.0
-    assert {r["compiles"] for r in rows} == {summary["compiles"]}
+    assert {r["compiles"] for r in rows[:2]} == {summary["compiles_after_warm_up"]}  # before the evaluation at 30
+    assert summary["compiles"] == summary["compiles_after_warm_up"] + summary["eval_compiled_graphs"]
 
 
 def test_bucket_plan_from_offsets_matches_a_scan_of_the_samples(tiny_target_dir, tiny_tokenizer, tmp_path):
@@ -216,7 +318,8 @@ def test_training_compiles_only_the_buckets_its_samples_fall_into(tiny_target_di
     assert one["context_buckets"] == [64] and alone["context_buckets"] == [64]
     assert one["warmup_compiled_graphs"] == alone["warmup_compiled_graphs"] > 0
     assert any("not 32: no sample falls into them" in r.getMessage() for r in caplog.records)
-    assert {r["compiles"] for r in one["history"] if r["kind"] == "train"} == {one["compiles"]}  # none after warm-up
+    assert [r["compiles"] for r in one["history"] if r["kind"] == "train"] == [one["compiles_after_warm_up"]]
+    assert one["compiles"] == one["compiles_after_warm_up"] + one["eval_compiled_graphs"]  # none after eval 1
     assert one["eval"] is not None and one["compile_cache"] == str((tmp_path / "cc").resolve())
 
 

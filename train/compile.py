@@ -6,9 +6,12 @@ Rules it enforces:
   thread-safe);
 * shapes are fixed by the data (context buckets, a fixed number of blocks), so after a
   warm-up that runs one REAL training step per shape (grad on, same dtypes, shapes and
-  ``requires_grad``) and one eval forward per shape, nothing may compile again:
+  ``requires_grad``), nothing may compile again:
   ``torch.compiler.set_stance("fail_on_recompile")`` turns any recompile into an error
-  that names the guard that failed, instead of a silent fall-back to eager (= dense);
+  that names the guard that failed, instead of a silent fall-back to eager (= dense); the
+  one expected exception is the first evaluation, which compiles the no-grad graphs of
+  the shapes it meets (``compile_then_freeze``) and freezes again, so that the first
+  training step does not wait for graphs that only evaluations use;
 * on CUDA the uncompiled flex path (which materialises the full score matrix) is
   refused unless ``--attention flex-eager`` asks for it by name; on the CPU flex has no
   backward, so training there uses the dense SDPA backend of the same mask function;
@@ -22,7 +25,7 @@ import logging
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterable
+from typing import Callable, Iterable, TypeVar
 
 import torch
 
@@ -34,6 +37,7 @@ from .config import RuntimeConfig
 from .main_thread import require_main_thread
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 @dataclass
@@ -135,6 +139,20 @@ def warm_up(steps: Iterable[Callable[[], None]]) -> int:
     compiled = compile_count() - before
     freeze()
     return compiled
+
+
+def compile_then_freeze(run: Callable[[], T]) -> tuple[T, int]:
+    """Run ``run`` on the main thread with compiling allowed, then freeze again: (its
+    result, graphs it compiled). For code whose graphs are compiled once, at its first call
+    (the evaluation's no-grad graphs); afterwards a recompile there is an error as anywhere."""
+    require_main_thread("compile.compile_then_freeze")
+    before = compile_count()
+    thaw()
+    try:
+        result = run()
+    finally:
+        freeze()
+    return result, compile_count() - before
 
 
 def use_compile_cache(folder: str | None) -> Path:

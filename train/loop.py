@@ -3,7 +3,11 @@
 Setup order matters and is the same on every rank: refuse an incompatible cache before
 anything else, build the drafter from the target's config, load only the target's
 embedding and LM head, wrap (FSDP2 / compile / DDP), restore a checkpoint if there is
-one, warm up every compiled shape with a real step, then freeze compilation.
+one, warm up every compiled shape with a real step, then freeze compilation (the first
+evaluation compiles its no-grad graphs, then freezes again). File reads and copies to the
+device that the start needs (the target's embedding and head, the warm-up's samples) run
+on one I/O thread while the main thread imports, builds and compiles; the loader's
+worker processes start before the warm-up, so the first batches are ready when it ends.
 
 Loss normalisation is global: every micro-batch's weighted CE is divided by the weight
 sum of the whole global batch (all ranks, all accumulation steps; known before any
@@ -18,6 +22,7 @@ import logging
 import math
 import os
 import time
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
@@ -177,10 +182,22 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     device, rank, world = dist_info.device, dist_info.rank, dist_info.world
     out = Path(cfg.out)
     sink = None
+    # one thread for file reads and host-to-device copies; compiling and compiled calls stay on the main thread
+    io = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dflash-load")
     try:
         # -- the cache must match the target before anything else happens
         reader = CacheReader(cfg.cache)
         cfg = dataclasses.replace(cfg, target=resolve_target(cfg.target, reader.spec, cfg.cache))
+        cuda = device.type == "cuda"
+        autocast_dtype = torch.bfloat16 if {"auto": cuda, "bf16": True, "on": True, "off": False}[rt.autocast] \
+            else None
+        choice = compile_path.resolve(rt, device)
+        compiles = choice.compile_model or (choice.attention == "flex" and not choice.eager_flex)
+        # sets the process environment: before any other thread runs
+        compile_cache = compile_path.use_compile_cache(rt.compile_cache) if compiles else None
+        # the target's embedding and LM head (GBs at 8B shapes) load while the config and tokenizer are checked
+        head_future = io.submit(load_target_head, cfg.target, device,
+                                torch.bfloat16 if autocast_dtype is not None else torch.float32)
         hf_config, tokenizer = load_target_meta(cfg.target)
         dcfg = build_drafter_config(cfg, hf_config, tokenizer, reader.spec)
         check_cache(reader, hf_config, tokenizer, dcfg.target_layer_ids)
@@ -189,12 +206,6 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
             (out / "config.json").write_text(cfg.to_json())
         sink = metrics.MetricsSink(out, dist_info.is_main, rt.tensorboard)
 
-        cuda = device.type == "cuda"
-        autocast_dtype = torch.bfloat16 if {"auto": cuda, "bf16": True, "on": True, "off": False}[rt.autocast] \
-            else None
-        choice = compile_path.resolve(rt, device)
-        compiles = choice.compile_model or (choice.attention == "flex" and not choice.eager_flex)
-        compile_cache = compile_path.use_compile_cache(rt.compile_cache) if compiles else None
         spec = StepSpec(choice.attention, dcfg.block_size, dcfg.mask_token_id, cfg.drafter.gamma,
                         rt.ce_chunk_size, autocast_dtype, cfg.drafter.loss, cfg.drafter.kd_weight, cfg.drafter.labels)
 
@@ -215,12 +226,15 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
         buckets = plan_buckets(reader.lengths(), dcfg_data.context_buckets)
         if dist_info.is_main:
             log.info(buckets.describe())
+        # the warm-up's samples (the first micro-batch of step 0, whatever step the run resumes at), read on the thread
+        warm_keys = GlobalBatchSampler(split.train, G, micro, rank, world, rt.seed, steps).step_batches(0)[0]
+        warm_samples_future = io.submit(lambda: [dataset[k] for k in warm_keys]) if compiles else None
 
         # -- model, target head (frozen, never saved), optimizer
+        setup_start = time.perf_counter()
         torch.manual_seed(rt.seed)
         with torch.device(device):  # initialised where it trains: a CPU init of 8B-sized layers takes seconds
             drafter = DFlashDrafter(dcfg)  # fp32 master weights
-        head = load_target_head(cfg.target, device, torch.bfloat16 if autocast_dtype is not None else torch.float32)
         graphs_needed = 2 * len(buckets.buckets) + 2
         model, eval_model = wrap_parallel(drafter, cfg, dist_info, choice, graphs_needed)
         optimizer, scheduler = make_optimizer(drafter.parameters(), ocfg, steps, fused=cuda)
@@ -243,20 +257,23 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
                              dcfg_data.num_workers, dcfg_data.prefetch_factor, pin_memory=cuda)
         eval_keys = held_out_batches(split.held_out, micro, rank, world)
         eval_collate = Collate(buckets.buckets)
+        head = head_future.result()
+        warm_samples = warm_samples_future.result() if warm_samples_future is not None else None
+        io.shutdown()  # no thread but the main one when the loader's workers fork
+        # the workers start now and have the first batches ready when the warm-up ends
+        data_iter = iter(loader)
+        if dist_info.is_main:
+            log.info("drafter, target head, optimizer and loader ready in %.1f s", time.perf_counter() - setup_start)
 
-        # -- compile: one real step per shape, then any recompile is an error
+        # -- compile: one real training step per shape, then any recompile is an error
         compiled_graphs, cache_use = 0, {}
         if compiles:
-            keys = sampler.step_batches(0)[0]
-            samples = [dataset[k] for k in keys]
-
             def warm(length: int):
                 def run():
-                    fitted = [truncate_sample(x, length) for x in samples]
+                    fitted = [truncate_sample(x, length) for x in warm_samples]
                     batch = to_device(Collate(buckets.buckets, force_length=length)(fitted), device)
                     forward_loss(model, head, batch, spec).loss.backward()
                     optimizer.zero_grad(set_to_none=True)
-                    evaluate_batch(eval_model, head, batch, spec)
                 return run
 
             warm_start, counts_before = time.perf_counter(), compile_path.cache_counts()
@@ -270,8 +287,24 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
                          cache_use["fx_graph_hit"], cache_use["fx_graph_miss"], cache_use["fx_graph_bypass"],
                          cache_use["aot_autograd_hit"], cache_use["aot_autograd_miss"],
                          cache_use["aot_autograd_bypass"])
+        compiles_after_warm_up = compile_path.compile_count()
+        eval_compiled_graphs = None
 
         def evaluate(step: int) -> dict[str, Any]:
+            """The held-out evaluation; its first call compiles the no-grad graphs of the shapes it meets."""
+            nonlocal eval_compiled_graphs
+            if not compiles or eval_compiled_graphs is not None:
+                return evaluate_held_out(step)
+            eval_start, counts_before = time.perf_counter(), compile_path.cache_counts()
+            result, eval_compiled_graphs = compile_path.compile_then_freeze(lambda: evaluate_held_out(step))
+            if dist_info.is_main:
+                use = {k: v - counts_before[k] for k, v in compile_path.cache_counts().items()}
+                log.info("the first evaluation compiled %d eval graphs (inductor %d loaded, %d compiled) and took "
+                         "%.1f s; recompiles are errors again", eval_compiled_graphs, use["fx_graph_hit"],
+                         use["fx_graph_miss"], time.perf_counter() - eval_start)
+            return result
+
+        def evaluate_held_out(step: int) -> dict[str, Any]:
             B = dcfg.block_size
             sums = torch.zeros(4, dtype=torch.float64, device=device)  # loss*w, w, tau, blocks
             hits = torch.zeros(B, dtype=torch.float64, device=device)
@@ -315,7 +348,6 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
         params = [p for p in drafter.parameters() if p.requires_grad]
         history: list[dict[str, Any]] = []
         last_eval: dict[str, Any] | None = None
-        data_iter = iter(loader)
         step = start_step
         for step in range(start_step, steps):
             micro_batches = [to_device(next(data_iter), device) for _ in range(accum)]
@@ -386,10 +418,12 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
         bar.close()
         return {"run_dir": str(out), "step": step + 1 if steps > start_step else start_step,
                 "total_steps": steps, "history": history, "eval": last_eval,
-                "warmup_compiled_graphs": compiled_graphs, "compiles": compile_path.compile_count(),
+                "warmup_compiled_graphs": compiled_graphs, "eval_compiled_graphs": eval_compiled_graphs,
+                "compiles_after_warm_up": compiles_after_warm_up, "compiles": compile_path.compile_count(),
                 "context_buckets": buckets.buckets, "compile_cache": str(compile_cache) if compile_cache else None,
                 "compile_cache_use": cache_use}
     finally:
+        io.shutdown(wait=False, cancel_futures=True)
         compile_path.thaw()
         if sink is not None:
             sink.close()
