@@ -4,9 +4,11 @@ Builds a fake Qwen3-8B-shaped target and a random cache (``bench/train_loop.py``
 ``fake_target`` / ``fake_cache``; lengths drawn from ``[--min-ctx, --ctx]``), then runs
 ``dflash-train run`` as separate processes, one per entry of ``--runs``: ``cold`` empties
 the compile cache folder first, ``warm`` keeps what the runs before it left there. For
-each process: seconds from its spawn to the log line of step 1 (which waits for the
-step's GPU work), the warm-up's own seconds and graphs, the compile cache's hits and
-misses, and the median step time of the steps after the first. ``old-cold`` / ``old-warm``
+each process: seconds from its spawn to the log lines of the start's phases and of step 1
+(which waits for the step's GPU work), the warm-up's own seconds and graphs, the compile
+cache's hits and misses, the losses of every step (equal across runs of the same data),
+the compile count at each logged step, the first evaluation's seconds and graphs
+(``--eval-every``), and the median step time of the steps after the first. ``old-cold`` / ``old-warm``
 run the code found at ``--old-path`` (a folder put first on PYTHONPATH, holding another
 version of the ``dflash`` package) on the same cache and compile folder: before and after
 in one call. The target gets a small tokenizer (``--no-tokenizer``: weights and config
@@ -42,9 +44,9 @@ def run_once(args, out: Path, name: str, log_dir: Path, old: bool = False) -> di
            "--target", str(out / "target"), "--out", str(run_dir), "--context-buckets", args.buckets,
            "--max-anchors", str(args.anchors), "--batch-size", str(args.batch_size), "--micro-batch-size", "1",
            "--eval-samples", "1", "--max-steps", str(args.steps + 1), "--stop-after", str(args.steps),
-           "--log-every", "1", "--eval-every", "1000000", "--save-every", "1000000",
-           "--progress", "false", "--tensorboard", "false",
-           "--resume", "none", "--compile-cache", str(args.compile_cache)]
+           "--log-every", "1", "--eval-every", str(args.eval_every), "--save-every", "1000000",
+           "--no-progress", "--no-tensorboard",
+           "--resume", "none", "--compile-cache", str(args.compile_cache)] + args.train_args.split()
     if not args.tokenizer:  # else the tokenizer's <|MASK|>
         cmd += ["--mask-token-id", str(args.vocab - 1)]
     env = dict(os.environ, PYTHONUNBUFFERED="1")
@@ -52,12 +54,14 @@ def run_once(args, out: Path, name: str, log_dir: Path, old: bool = False) -> di
         env["PYTHONPATH"] = os.pathsep.join(p for p in (args.old_path, env.get("PYTHONPATH")) if p)
     t0 = time.perf_counter()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
-    lines, first_step_s, warm_line_s, buckets_line_s = [], None, None, None
+    lines, first_step_s, warm_line_s, buckets_line_s, ready_line_s = [], None, None, None, None
     for line in proc.stdout:
         now = time.perf_counter() - t0
         lines.append(f"{now:8.2f} {line.rstrip()}")
         if buckets_line_s is None and "context buckets compiled" in line:
             buckets_line_s = now
+        if ready_line_s is None and "loader ready in" in line:  # logged by the code after 79a7383 only
+            ready_line_s = now
         if first_step_s is None and re.search(r"\btrain step 1 \|", line):
             first_step_s = now
         if warm_line_s is None and "warm-up compiled" in line:
@@ -70,14 +74,18 @@ def run_once(args, out: Path, name: str, log_dir: Path, old: bool = False) -> di
     cache = re.search(r"inductor graphs (\d+) loaded, (\d+) compiled, (\d+) uncacheable; "
                       r"AOTAutograd (\d+) loaded, (\d+) compiled, (\d+) uncacheable", text)
     buckets = re.search(r"context buckets compiled: (.*)", text)
-    rows = []
+    first_eval = re.search(r"the first evaluation compiled (\d+) eval graphs .* took ([\d.]+) s", text)
+    rows, evals = [], []
     metrics_file = run_dir / "metrics.jsonl"
     if metrics_file.exists():
-        rows = [r for r in map(json.loads, metrics_file.read_text().splitlines()) if r["kind"] == "train"]
+        records = list(map(json.loads, metrics_file.read_text().splitlines()))
+        rows = [r for r in records if r["kind"] == "train"]
+        evals = [r for r in records if r["kind"] == "eval"]
     steady = rows[1:]
     return {
         "run": name, "rc": rc, "spawn_to_first_step_s": round(first_step_s, 1) if first_step_s else None,
         "spawn_to_buckets_s": round(buckets_line_s, 1) if buckets_line_s else None,
+        "spawn_to_ready_s": round(ready_line_s, 1) if ready_line_s else None,
         "spawn_to_warm_up_done_s": round(warm_line_s, 1) if warm_line_s else None,
         "warm_up_s": float(warm.group(3)) if warm else None,
         "warm_up_graphs": int(warm.group(1)) if warm else None,
@@ -87,7 +95,11 @@ def run_once(args, out: Path, name: str, log_dir: Path, old: bool = False) -> di
         "first_step_s": round(rows[0]["step_s"], 3) if rows else None,
         "median_step_s": round(statistics.median(r["step_s"] for r in steady), 4) if steady else None,
         "median_mfu": round(statistics.median(r["mfu"] for r in steady), 3) if steady else None,
-        "steps": len(rows), "recompiles_after_step_1": (rows[-1]["compiles"] - rows[0]["compiles"]) if rows else None,
+        "steps": len(rows), "losses": [round(r["loss"], 6) for r in rows],
+        "eval": [{"step": r["step"], "loss": round(r["loss"], 6), "tau": round(r["tau"], 4)} for r in evals],
+        "first_eval_graphs": int(first_eval.group(1)) if first_eval else None,
+        "first_eval_s": float(first_eval.group(2)) if first_eval else None,
+        "compiles_by_step": [r["compiles"] for r in rows],
         "process_s": round(total_s, 1),
     }
 
@@ -110,7 +122,10 @@ def main():
     p.add_argument("--samples", type=int, default=12)
     p.add_argument("--batch-size", type=int, default=4)
     p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--eval-every", type=int, default=1000000, help="steps between evaluations (default: none)")
     p.add_argument("--old-path", default=None, help="PYTHONPATH entry with the code the old-* runs use")
+    p.add_argument("--train-args", default="", help="more dflash-train flags, e.g. '--attention dense --compile on' "
+                   "for the CPU")
     p.add_argument("--no-tokenizer", dest="tokenizer", action="store_false",
                    help="the target folder holds weights and config only")
     args = p.parse_args()
@@ -145,11 +160,12 @@ def main():
         print(json.dumps(r), flush=True)
         (results / "results.json").write_text(json.dumps(summary, indent=1))
     for r in summary:
-        print(f"{r['run']:>10}: first step {r['spawn_to_first_step_s']} s after spawn (set-up to the buckets "
-              f"{r['spawn_to_buckets_s']} s, warm-up {r['warm_up_s']} s, "
-              f"{r['warm_up_graphs']} graphs; inductor loaded/compiled {r['inductor_loaded_compiled_uncacheable']}), "
-              f"step {r['median_step_s']} s, rc {r['rc']}")
-
+        print(f"{r['run']:>10}: step 1 logged {r['spawn_to_first_step_s']} s after spawn (buckets line "
+              f"{r['spawn_to_buckets_s']} s, ready {r['spawn_to_ready_s']} s, warm-up done "
+              f"{r['spawn_to_warm_up_done_s']} s; warm-up {r['warm_up_s']} s, {r['warm_up_graphs']} graphs; inductor "
+              f"loaded/compiled {r['inductor_loaded_compiled_uncacheable']}), first step {r['first_step_s']} s, "
+              f"median step {r['median_step_s']} s, first eval {r['first_eval_s']} s ({r['first_eval_graphs']} "
+              f"graphs), losses {r['losses']}, compiles by step {r['compiles_by_step']}, rc {r['rc']}")
 
 if __name__ == "__main__":
     main()
