@@ -4,6 +4,7 @@
 #   OLD=_old bash bench/train_start_gpu.sh WORK --runs cold,warm,warm,old-warm,old-warm   (before/after in one call:
 #       _old holds another version's shared/ train/ extract/ eval/ folders, e.g. from `git archive REV`)
 #   SETUP=1 bash bench/train_start_gpu.sh WORK ...   then also bench/train_setup.py (setup phases) on WORK
+#   IMPORT_TIMES=0 ...   skips timing `import torch` / `import transformers` in fresh processes (saves device time)
 # WHL (default ../../.whl, else .whl): Python 3.12 wheels of zarr, numcodecs, donfig, google-crc32c, datasets, dill
 # and multiprocess, which the GPU image lacks. The checkout is imported as `dflash` through a folder of links
 # (_ns/dflash/train -> train, ...), no install. Logs and results.json go to $OUT; the machine's GPU, torch and
@@ -21,9 +22,9 @@ OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 { nproc; nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
   python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)"
   df -h /tmp | tail -1
-  for m in torch transformers; do  # a second import of each: files cached, as a warm start finds them
+  if [ "${IMPORT_TIMES:-1}" = 1 ]; then for m in torch transformers; do  # a second import of each: files cached
     python3 -c "import $m" && python3 -c "import time; t = time.perf_counter(); import $m; print('import $m', round(time.perf_counter() - t, 2), 's')"
-  done; } > "$OUT/machine.txt" 2>&1
+  done; fi; } > "$OUT/machine.txt" 2>&1
 cat "$OUT/machine.txt"
 work=$1; shift
 old_args=()
