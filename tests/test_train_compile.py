@@ -265,7 +265,7 @@ def test_cuda_tiny_run_with_compiled_flex(tiny_target_dir, tiny_tokenizer, tmp_p
     rows = [r for r in summary["history"] if r["kind"] == "train"]
     assert rows[-1]["loss"] < rows[0]["loss"]
     assert summary["eval"]["tau"] > 1.0
-    assert {r["compiles"] for r in rows[:2]} == {summary["compiles_after_warm_up"]}  # before the evaluation at 30
+    assert {r["compiles"] for r in rows} == {summary["compiles_after_warm_up"]}  # step 30 logs before its evaluation
     assert summary["compiles"] == summary["compiles_after_warm_up"] + summary["eval_compiled_graphs"]
 
 

@@ -193,7 +193,7 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
             else None
         choice = compile_path.resolve(rt, device)
         compiles = choice.compile_model or (choice.attention == "flex" and not choice.eager_flex)
-        # sets the process environment: before any other thread runs
+        # sets the process environment (inductor's cache folder): before the I/O thread starts
         compile_cache = compile_path.use_compile_cache(rt.compile_cache) if compiles else None
         # the target's embedding and LM head (GBs at 8B shapes) load while the config and tokenizer are checked
         head_future = io.submit(load_target_head, cfg.target, device,
