@@ -259,7 +259,9 @@ def main():
                       "warmup_compiled_graphs": summary["warmup_compiled_graphs"],
                       "compile_count_per_log_row": sorted({r["compiles"] for r in rows}),
                       "compiles_at_end": summary["compiles"],
-                      "recompiles_after_warmup": summary["compiles"] - rows[0]["compiles"],
+                      "eval_compiled_graphs": summary["eval_compiled_graphs"],  # at the first evaluation, expected
+                      "recompiles_after_warmup": summary["compiles"] - (summary["eval_compiled_graphs"] or 0)
+                      - rows[0]["compiles"],
                       "median_step_s": round(step_s, 4), "median_mfu": round(statistics.median(r["mfu"] for r in steady), 3),
                       "median_block_tok_s": round(statistics.median(r["tok_s"] for r in steady)),
                       "peak_mem_gb": max(r["peak_mem_gb"] or 0 for r in rows),
