@@ -97,8 +97,11 @@ class DFlashProposer:
         self.reset()
 
     def reset(self) -> None:
-        """Forget the kept context: the next call starts a new sequence."""
-        self._context_kv: list[tuple[torch.Tensor, torch.Tensor]] = []
+        """Forget the kept context (the next call starts a new sequence) and take the drafter's
+        weights afresh."""
+        self._weights = self.drafter.decoding_weights()
+        self._keys: torch.Tensor | None = None  # (L, 1, Hkv, capacity, hd), positions < _context_len valid
+        self._values: torch.Tensor | None = None
         self._context_len = 0
         self._last_row: torch.Tensor | None = None  # features of the last kept position
 
@@ -110,35 +113,54 @@ class DFlashProposer:
     def block_logits(self, context: torch.Tensor, tokens: Sequence[int], position: int) -> torch.Tensor:
         """(B - 1, V) drafter logits for positions position+1 .. position+B-1 (``propose``'s arguments)."""
         B, device = self.block_size, context.device
+        if position + B > self.config.max_position_embeddings:
+            raise ValueError(f"block at position {position} runs past the drafter's "
+                             f"max_position_embeddings={self.config.max_position_embeddings}")
         block_ids = torch.full((1, B), self.config.mask_token_id, dtype=torch.long, device=device)
         block_ids[0, 0] = tokens[-1]
         block_positions = torch.arange(position, position + B, device=device).unsqueeze(0)  # (1, B)
         if self.incremental:
-            hidden = self.drafter.forward_cached(self.embed(block_ids), block_positions, self._extend(context))
+            hidden = self.drafter.forward_cached(self.embed(block_ids), block_positions, self._extend(context),
+                                                 self._weights)
         else:
             hidden = self._full_forward(context, block_ids, block_positions, position)
         return self.lm_head(hidden[0, 1:].to(self.lm_head.weight.dtype))  # (B-1, V)
 
-    def _extend(self, context: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Each layer's context keys/values for all of ``context``, computing only positions not kept yet.
+    def _extend(self, context: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every layer's context keys/values for all of ``context``, (L, 1, Hkv, S, hd) each,
+        computing only positions not kept yet.
 
         The kept positions are reused only while ``context`` still holds them: a shorter
         context, or another feature row at the last kept position (a new sequence without
-        ``reset``; that row depends on every earlier token), starts over.
+        ``reset``; that row depends on every earlier token), starts over. They are kept in
+        buffers that grow by doubling, so a call writes only its new positions.
         """
         ctx_len, kept = context.shape[1], self._context_len
         if kept and (ctx_len < kept or not torch.equal(context[0, kept - 1], self._last_row)):
-            self.reset()
-            kept = 0
-        if ctx_len > kept or not self._context_kv:
+            kept = self._context_len = 0
+        if ctx_len > kept:
             positions = torch.arange(kept, ctx_len, device=context.device).unsqueeze(0)  # (1, new)
-            new = self.drafter.context_kv(context[:, kept:], positions)
-            self._context_kv = new if not self._context_kv else [
-                (torch.cat([k, k_new], dim=2), torch.cat([v, v_new], dim=2))
-                for (k, v), (k_new, v_new) in zip(self._context_kv, new)]
-            self._context_len = ctx_len
+            keys, values = self.drafter.context_kv(context[:, kept:], positions, self._weights)
+            if self._keys is None or self._keys.shape[3] < ctx_len:
+                self._grow(keys, max(2 * ctx_len, 256))
+            self._keys[:, :, :, kept:ctx_len] = keys
+            self._values[:, :, :, kept:ctx_len] = values
             self._last_row = context[0, ctx_len - 1].clone()
-        return self._context_kv
+        elif self._keys is None:  # an empty context: nothing to attend to but the block
+            c = self.config
+            self._grow(torch.empty(c.num_hidden_layers, 1, c.num_key_value_heads, 0, c.head_dim,
+                                   dtype=self._weights.dtype, device=context.device), 256)
+        self._context_len = ctx_len
+        return self._keys[:, :, :, :ctx_len], self._values[:, :, :, :ctx_len]
+
+    def _grow(self, like: torch.Tensor, capacity: int) -> None:
+        """Buffers of ``capacity`` positions shaped like ``like`` (L, 1, Hkv, *, hd), holding the kept positions."""
+        shape = (*like.shape[:3], capacity, like.shape[4])
+        keys, values = like.new_empty(shape), like.new_empty(shape)
+        if self._keys is not None and self._context_len:
+            keys[:, :, :, :self._context_len] = self._keys[:, :, :, :self._context_len]
+            values[:, :, :, :self._context_len] = self._values[:, :, :, :self._context_len]
+        self._keys, self._values = keys, values
 
     def _full_forward(self, context, block_ids, block_positions, position: int) -> torch.Tensor:
         B, device, ctx_len = self.block_size, context.device, context.shape[1]
@@ -326,6 +348,49 @@ def _layer_states(hidden_states, layer_ids: Sequence[int], stop: int | None = No
     return torch.cat([hidden_states[i + 1][:, :stop] for i in layer_ids], dim=-1)
 
 
+class LayerCapture:
+    """The chosen target layers' outputs of each forward, taken by forward hooks on those
+    decoder layers while the ``with`` block lasts: ``output_hidden_states=True`` would also
+    collect every other layer's and cost the verify forward more. Where the layers cannot be
+    hooked exactly (no ``.model.layers``, or the last layer, whose HF hidden state is taken
+    after the final norm) it asks the forward for ``output_hidden_states`` instead."""
+
+    def __init__(self, target, layer_ids: Sequence[int]):
+        from dflash.extract.target import decoder_parts
+
+        self.layer_ids = list(layer_ids)
+        try:
+            layers = decoder_parts(target)[1]
+        except ValueError:
+            layers = None
+        hookable = layers is not None and all(0 <= i < len(layers) - 1 for i in self.layer_ids)
+        self._layers = [layers[i] for i in self.layer_ids] if hookable else None
+        self.forward_kwargs = {} if hookable else {"output_hidden_states": True}
+        self._outputs: list[torch.Tensor | None] = [None] * len(self.layer_ids)
+        self._handles: list = []
+
+    def __enter__(self) -> "LayerCapture":
+        for slot, layer in enumerate(self._layers or []):
+            self._handles.append(layer.register_forward_hook(self._keep(slot)))
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles, self._outputs = [], [None] * len(self.layer_ids)
+
+    def _keep(self, slot: int):
+        def keep(module, args, output):
+            self._outputs[slot] = output[0] if isinstance(output, tuple) else output  # (1, T, D)
+        return keep
+
+    def states(self, out, stop: int | None = None) -> torch.Tensor:
+        """(1, T, n * D) of the forward that returned ``out``, its first ``stop`` positions."""
+        if self._layers is None:
+            return _layer_states(out.hidden_states, self.layer_ids, stop)
+        return torch.cat([h[:, :stop] for h in self._outputs], dim=-1)
+
+
 @torch.inference_mode()
 def speculative_generate(target, proposer: Proposer, prompt_ids: Sequence[int], max_new_tokens: int,
                          eos_token_ids: Iterable[int] = ()) -> Generation:
@@ -333,47 +398,50 @@ def speculative_generate(target, proposer: Proposer, prompt_ids: Sequence[int], 
     if max_new_tokens < 1:
         raise ValueError("max_new_tokens must be >= 1")
     device, eos = _device_of(target), frozenset(int(t) for t in eos_token_ids)
-    prompt = [int(t) for t in prompt_ids]
-    n_prompt, B, layer_ids = len(prompt), proposer.block_size, list(proposer.target_layer_ids)
+    sequence = [int(t) for t in prompt_ids]  # prompt, then every emitted token
+    n_prompt, B = len(sequence), proposer.block_size
     _sync(device)
     start = time.perf_counter()
-
-    out, cache = _forward(target, torch.tensor([prompt], device=device), output_hidden_states=True,
-                          logits_to_keep=1)
-    forwards = 1
-    prefill_states = _layer_states(out.hidden_states, layer_ids)  # (1, P, n * D)
-    if hasattr(proposer, "reset"):  # a proposer that keeps state between calls starts over
-        proposer.reset()
-    # Drafter context of positions < p, filled as positions are verified.
-    context = prefill_states.new_empty((1, n_prompt + max_new_tokens + B, prefill_states.shape[-1]))
-    context[:, :n_prompt] = prefill_states
-    tokens = [int(out.logits[0, -1].argmax())]
-    taus: list[int] = []
-    done = _is_stop(tokens[0], 1, max_new_tokens, eos)
-    while not done:
-        p = n_prompt + len(tokens) - 1  # position of the last accepted token, not yet in the cache
-        if cache_length(cache) != p:
-            raise RuntimeError(f"KV cache holds {cache_length(cache)} positions, expected {p}")
-        drafts = proposer.propose(context[:, :p], prompt + tokens, p).to(device=device, dtype=torch.long)
-        if drafts.shape != (B - 1,):
-            raise ValueError(f"proposer returned shape {tuple(drafts.shape)}, expected ({B - 1},)")
-        block = torch.cat([torch.tensor([tokens[-1]], device=device), drafts]).unsqueeze(0)  # (1, B)
-        out, cache = _forward(target, block, cache, output_hidden_states=True)
-        forwards += 1
-        greedy = out.logits[0].argmax(dim=-1)  # (B,): target's token for positions p+1 .. p+B
-        accepted = int((drafts == greedy[:-1]).long().cumprod(dim=0).sum())
-        context[:, p:p + accepted + 1] = _layer_states(out.hidden_states, layer_ids, accepted + 1)
-        cache = crop_cache(cache, p + accepted + 1)
-        emitted = 0
-        for token in drafts[:accepted].tolist() + [int(greedy[accepted])]:
-            tokens.append(token)
-            emitted += 1
-            if _is_stop(token, len(tokens), max_new_tokens, eos):
-                done = True
-                break
-        taus.append(emitted)
+    with LayerCapture(target, proposer.target_layer_ids) as capture:
+        out, cache = _forward(target, torch.tensor([sequence], device=device), logits_to_keep=1,
+                              **capture.forward_kwargs)
+        forwards = 1
+        prefill_states = capture.states(out)  # (1, P, n * D)
+        if hasattr(proposer, "reset"):  # a proposer that keeps state between calls starts over
+            proposer.reset()
+        # Drafter context of positions < p, filled as positions are verified.
+        context = prefill_states.new_empty((1, n_prompt + max_new_tokens + B, prefill_states.shape[-1]))
+        context[:, :n_prompt] = prefill_states
+        sequence.append(int(out.logits[0, -1].argmax()))
+        taus: list[int] = []
+        done = _is_stop(sequence[-1], 1, max_new_tokens, eos)
+        while not done:
+            p = len(sequence) - 1  # position of the last accepted token, not yet in the cache
+            if cache_length(cache) != p:
+                raise RuntimeError(f"KV cache holds {cache_length(cache)} positions, expected {p}")
+            drafts = proposer.propose(context[:, :p], sequence[:], p)
+            if drafts.shape != (B - 1,):
+                raise ValueError(f"proposer returned shape {tuple(drafts.shape)}, expected ({B - 1},)")
+            drafts = drafts.tolist()
+            out, cache = _forward(target, torch.tensor([[sequence[-1], *drafts]], device=device), cache,
+                                  **capture.forward_kwargs)
+            forwards += 1
+            greedy = out.logits[0].argmax(dim=-1).tolist()  # the target's tokens for positions p+1 .. p+B
+            accepted = 0
+            while accepted < B - 1 and drafts[accepted] == greedy[accepted]:
+                accepted += 1
+            context[:, p:p + accepted + 1] = capture.states(out, accepted + 1)
+            cache = crop_cache(cache, p + accepted + 1)
+            emitted = 0
+            for token in drafts[:accepted] + [greedy[accepted]]:
+                sequence.append(token)
+                emitted += 1
+                if _is_stop(token, len(sequence) - n_prompt, max_new_tokens, eos):
+                    done = True
+                    break
+            taus.append(emitted)
     _sync(device)
-    return Generation(tokens, forwards, time.perf_counter() - start, block_taus=taus)
+    return Generation(sequence[n_prompt:], forwards, time.perf_counter() - start, block_taus=taus)
 
 
 # ---------------------------------------------------------------------------- evaluation
