@@ -348,49 +348,6 @@ def _layer_states(hidden_states, layer_ids: Sequence[int], stop: int | None = No
     return torch.cat([hidden_states[i + 1][:, :stop] for i in layer_ids], dim=-1)
 
 
-class LayerCapture:
-    """The chosen target layers' outputs of each forward, taken by forward hooks on those
-    decoder layers while the ``with`` block lasts: ``output_hidden_states=True`` would also
-    collect every other layer's and cost the verify forward more. Where the layers cannot be
-    hooked exactly (no ``.model.layers``, or the last layer, whose HF hidden state is taken
-    after the final norm) it asks the forward for ``output_hidden_states`` instead."""
-
-    def __init__(self, target, layer_ids: Sequence[int]):
-        from dflash.extract.target import decoder_parts
-
-        self.layer_ids = list(layer_ids)
-        try:
-            layers = decoder_parts(target)[1]
-        except ValueError:
-            layers = None
-        hookable = layers is not None and all(0 <= i < len(layers) - 1 for i in self.layer_ids)
-        self._layers = [layers[i] for i in self.layer_ids] if hookable else None
-        self.forward_kwargs = {} if hookable else {"output_hidden_states": True}
-        self._outputs: list[torch.Tensor | None] = [None] * len(self.layer_ids)
-        self._handles: list = []
-
-    def __enter__(self) -> "LayerCapture":
-        for slot, layer in enumerate(self._layers or []):
-            self._handles.append(layer.register_forward_hook(self._keep(slot)))
-        return self
-
-    def __exit__(self, *exc) -> None:
-        for handle in self._handles:
-            handle.remove()
-        self._handles, self._outputs = [], [None] * len(self.layer_ids)
-
-    def _keep(self, slot: int):
-        def keep(module, args, output):
-            self._outputs[slot] = output[0] if isinstance(output, tuple) else output  # (1, T, D)
-        return keep
-
-    def states(self, out, stop: int | None = None) -> torch.Tensor:
-        """(1, T, n * D) of the forward that returned ``out``, its first ``stop`` positions."""
-        if self._layers is None:
-            return _layer_states(out.hidden_states, self.layer_ids, stop)
-        return torch.cat([h[:, :stop] for h in self._outputs], dim=-1)
-
-
 @torch.inference_mode()
 def speculative_generate(target, proposer: Proposer, prompt_ids: Sequence[int], max_new_tokens: int,
                          eos_token_ids: Iterable[int] = ()) -> Generation:
@@ -402,44 +359,44 @@ def speculative_generate(target, proposer: Proposer, prompt_ids: Sequence[int], 
     n_prompt, B = len(sequence), proposer.block_size
     _sync(device)
     start = time.perf_counter()
-    with LayerCapture(target, proposer.target_layer_ids) as capture:
-        out, cache = _forward(target, torch.tensor([sequence], device=device), logits_to_keep=1,
-                              **capture.forward_kwargs)
-        forwards = 1
-        prefill_states = capture.states(out)  # (1, P, n * D)
-        if hasattr(proposer, "reset"):  # a proposer that keeps state between calls starts over
-            proposer.reset()
-        # Drafter context of positions < p, filled as positions are verified.
-        context = prefill_states.new_empty((1, n_prompt + max_new_tokens + B, prefill_states.shape[-1]))
-        context[:, :n_prompt] = prefill_states
-        sequence.append(int(out.logits[0, -1].argmax()))
-        taus: list[int] = []
-        done = _is_stop(sequence[-1], 1, max_new_tokens, eos)
-        while not done:
-            p = len(sequence) - 1  # position of the last accepted token, not yet in the cache
-            if cache_length(cache) != p:
-                raise RuntimeError(f"KV cache holds {cache_length(cache)} positions, expected {p}")
-            drafts = proposer.propose(context[:, :p], sequence[:], p)
-            if drafts.shape != (B - 1,):
-                raise ValueError(f"proposer returned shape {tuple(drafts.shape)}, expected ({B - 1},)")
-            drafts = drafts.tolist()
-            out, cache = _forward(target, torch.tensor([[sequence[-1], *drafts]], device=device), cache,
-                                  **capture.forward_kwargs)
-            forwards += 1
-            greedy = out.logits[0].argmax(dim=-1).tolist()  # the target's tokens for positions p+1 .. p+B
-            accepted = 0
-            while accepted < B - 1 and drafts[accepted] == greedy[accepted]:
-                accepted += 1
-            context[:, p:p + accepted + 1] = capture.states(out, accepted + 1)
-            cache = crop_cache(cache, p + accepted + 1)
-            emitted = 0
-            for token in drafts[:accepted] + [greedy[accepted]]:
-                sequence.append(token)
-                emitted += 1
-                if _is_stop(token, len(sequence) - n_prompt, max_new_tokens, eos):
-                    done = True
-                    break
-            taus.append(emitted)
+    layer_ids = list(proposer.target_layer_ids)
+    out, cache = _forward(target, torch.tensor([sequence], device=device), output_hidden_states=True,
+                          logits_to_keep=1)
+    forwards = 1
+    prefill_states = _layer_states(out.hidden_states, layer_ids)  # (1, P, n * D)
+    if hasattr(proposer, "reset"):  # a proposer that keeps state between calls starts over
+        proposer.reset()
+    # Drafter context of positions < p, filled as positions are verified.
+    context = prefill_states.new_empty((1, n_prompt + max_new_tokens + B, prefill_states.shape[-1]))
+    context[:, :n_prompt] = prefill_states
+    sequence.append(int(out.logits[0, -1].argmax()))
+    taus: list[int] = []
+    done = _is_stop(sequence[-1], 1, max_new_tokens, eos)
+    while not done:
+        p = len(sequence) - 1  # position of the last accepted token, not yet in the cache
+        if cache_length(cache) != p:
+            raise RuntimeError(f"KV cache holds {cache_length(cache)} positions, expected {p}")
+        drafts = proposer.propose(context[:, :p], sequence[:], p)
+        if drafts.shape != (B - 1,):
+            raise ValueError(f"proposer returned shape {tuple(drafts.shape)}, expected ({B - 1},)")
+        drafts = drafts.tolist()
+        out, cache = _forward(target, torch.tensor([[sequence[-1], *drafts]], device=device), cache,
+                              output_hidden_states=True)
+        forwards += 1
+        greedy = out.logits[0].argmax(dim=-1).tolist()  # the target's tokens for positions p+1 .. p+B
+        accepted = 0
+        while accepted < B - 1 and drafts[accepted] == greedy[accepted]:
+            accepted += 1
+        context[:, p:p + accepted + 1] = _layer_states(out.hidden_states, layer_ids, accepted + 1)
+        cache = crop_cache(cache, p + accepted + 1)
+        emitted = 0
+        for token in drafts[:accepted] + [greedy[accepted]]:
+            sequence.append(token)
+            emitted += 1
+            if _is_stop(token, len(sequence) - n_prompt, max_new_tokens, eos):
+                done = True
+                break
+        taus.append(emitted)
     _sync(device)
     return Generation(sequence[n_prompt:], forwards, time.perf_counter() - start, block_taus=taus)
 

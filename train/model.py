@@ -397,7 +397,7 @@ class DecodingWeights:
     context_kv_bias: torch.Tensor | None  # their biases, else None
     context_k_norm: torch.Tensor  # (L, 1, hd): each layer's k_norm, broadcast over its key heads
     rope_cos: torch.Tensor  # (max_position_embeddings, hd) float32 cos of every position
-    rope_sin: torch.Tensor  # the same for sin
+    rope_sin: torch.Tensor  # (max_position_embeddings, hd) float32 sin, first half negated (rotate_half folded in)
     dtype: torch.dtype  # the drafter's weight dtype
 
     @classmethod
