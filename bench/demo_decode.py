@@ -4,8 +4,11 @@ prompt in one process (the machine is shared: compare ratios, not milliseconds),
 held-out turns a finished demo folder evaluates. For the kept context it also splits a
 block's time into the prefill's share, the verify forward, the proposal and the rest of
 the loop, each in greedy steps (greedy's time per token, its prefill included).
+``--clock cpu`` times this process's CPU time instead of the wall clock: on a machine
+shared with other work it leaves out the time spent waiting for a core (with several
+threads it adds theirs up, spinning included).
 
-    python bench/demo_decode.py --out demo_out [--rounds 3] [--threads 1] [--no-recomputed]
+    python bench/demo_decode.py --out demo_out [--rounds 3] [--threads 1] [--no-recomputed] [--clock cpu]
 """
 
 from __future__ import annotations
@@ -43,7 +46,9 @@ def heldout_prompts(out: Path) -> list[list[int]]:
 @click.option("--max-new-tokens", default=96, show_default=True)
 @click.option("--recomputed/--no-recomputed", default=True, show_default=True,
               help="Also decode with the drafter's context recomputed every block.")
-def main(out: str, rounds: int, threads: int, max_new_tokens: int, recomputed: bool) -> None:
+@click.option("--clock", type=click.Choice(["wall", "cpu"]), default="wall", show_default=True,
+              help="wall: time.perf_counter; cpu: time.process_time (this process's CPU time).")
+def main(out: str, rounds: int, threads: int, max_new_tokens: int, recomputed: bool, clock: str) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from dflash.eval import speculative
@@ -58,7 +63,8 @@ def main(out: str, rounds: int, threads: int, max_new_tokens: int, recomputed: b
     eos = [AutoTokenizer.from_pretrained(out / "target").convert_tokens_to_ids(IM_END)]
     drafter, _ = load_drafter(out / "export", dtype=torch.float32)
     proposers = {"recomputed": DFlashProposer(drafter, target, incremental=False)} if recomputed else {}
-    proposers["incremental"] = parts = TimedParts(DFlashProposer(drafter, target), speculative)
+    now = time.perf_counter if clock == "wall" else time.process_time
+    proposers["incremental"] = parts = TimedParts(DFlashProposer(drafter, target), speculative, now)
     greedy_generate(target, prompts[0], 4, eos)  # warm-up
     for proposer in proposers.values():
         speculative_generate(target, proposer, prompts[0], 16, eos)
@@ -71,14 +77,16 @@ def main(out: str, rounds: int, threads: int, max_new_tokens: int, recomputed: b
         seconds = dict.fromkeys(["greedy", *proposers], 0.0)
         tokens, blocks = 0, dict.fromkeys(proposers, 0)
         for prompt in prompts:
+            start = now()
             greedy = greedy_generate(target, prompt, max_new_tokens, eos)
-            seconds["greedy"] += greedy.seconds
+            seconds["greedy"] += now() - start
             tokens += len(greedy.tokens)
             for name, proposer in proposers.items():
+                start = now()
                 with parts.timing() if proposer is parts else contextlib.nullcontext():
                     spec = speculative_generate(target, proposer, prompt, max_new_tokens, eos)
+                seconds[name] += now() - start
                 check_lossless(spec.tokens, greedy.tokens, greedy.margins)
-                seconds[name] += spec.seconds
                 blocks[name] += len(spec.block_taus)
         per_token.append(seconds["greedy"] / tokens * 1e3)
         step, n_blocks = seconds["greedy"] / tokens, blocks["incremental"]
@@ -87,7 +95,8 @@ def main(out: str, rounds: int, threads: int, max_new_tokens: int, recomputed: b
             ratios[name].append(seconds["greedy"] / seconds[name])
             per_block[name].append(seconds[name] / blocks[name] * 1e3)
     tau = (tokens - len(prompts)) / blocks["incremental"]
-    print(f"{out}: {len(prompts)} prompts, {tokens} tokens, tau {tau:.3f}, {threads} thread(s), {rounds} rounds; "
+    print(f"{out}: {len(prompts)} prompts, {tokens} tokens, tau {tau:.3f}, {threads} thread(s), {rounds} rounds, "
+          f"{clock} clock; "
           f"greedy {statistics.median(per_token):.2f} ms/token")
     for name in proposers:
         print(f"  {name:12s} {statistics.median(per_block[name]):.2f} ms/block, speedup vs greedy "
@@ -101,8 +110,8 @@ class TimedParts:
     """A proposer wrapper that also times the target forwards of ``speculative`` (prefill and
     verify apart) and its own proposals; the rest of a decode is the loop."""
 
-    def __init__(self, proposer, speculative):
-        self.proposer, self.block_size = proposer, proposer.block_size
+    def __init__(self, proposer, speculative, now):
+        self.proposer, self.block_size, self.now = proposer, proposer.block_size, now
         self.target_layer_ids = proposer.target_layer_ids
         self._module, self._forward = speculative, speculative._forward
         self.clear()
@@ -123,15 +132,15 @@ class TimedParts:
             self._module._forward = self._forward
 
     def _timed_forward(self, *args, **kwargs):
-        start = time.perf_counter()
+        start = self.now()
         result = self._forward(*args, **kwargs)
-        self._times["verify" if args[2:] or kwargs.get("cache") is not None else "prefill"] += time.perf_counter() - start
+        self._times["verify" if args[2:] or kwargs.get("cache") is not None else "prefill"] += self.now() - start
         return result
 
     def propose(self, context, tokens, position):
-        start = time.perf_counter()
+        start = self.now()
         drafts = self.proposer.propose(context, tokens, position)
-        self._times["proposal"] += time.perf_counter() - start
+        self._times["proposal"] += self.now() - start
         return drafts
 
     def seconds(self, total: float) -> dict[str, float]:

@@ -107,23 +107,25 @@ class DFlashProposer:
 
     @torch.inference_mode()
     def propose(self, context: torch.Tensor, tokens: Sequence[int], position: int) -> torch.Tensor:
-        return self.block_logits(context, tokens, position).argmax(dim=-1)
+        return self._block_logits(context, tokens, position).argmax(dim=-1)
 
     @torch.inference_mode()
     def block_logits(self, context: torch.Tensor, tokens: Sequence[int], position: int) -> torch.Tensor:
         """(B - 1, V) drafter logits for positions position+1 .. position+B-1 (``propose``'s arguments)."""
+        return self._block_logits(context, tokens, position)
+
+    def _block_logits(self, context: torch.Tensor, tokens: Sequence[int], position: int) -> torch.Tensor:
         B, device = self.block_size, context.device
         if position + B > self.config.max_position_embeddings:
             raise ValueError(f"block at position {position} runs past the drafter's "
                              f"max_position_embeddings={self.config.max_position_embeddings}")
-        block_ids = torch.full((1, B), self.config.mask_token_id, dtype=torch.long, device=device)
-        block_ids[0, 0] = tokens[-1]
+        block_ids = torch.tensor([[tokens[-1]] + [self.config.mask_token_id] * (B - 1)], device=device)  # (1, B)
         block_positions = torch.arange(position, position + B, device=device).unsqueeze(0)  # (1, B)
+        block_embeds = self.embed(block_ids)  # the target's own module: some scale their embeddings
         if self.incremental:
-            hidden = self.drafter.forward_cached(self.embed(block_ids), block_positions, self._extend(context),
-                                                 self._weights)
+            hidden = self.drafter.forward_cached(block_embeds, block_positions, self._extend(context), self._weights)
         else:
-            hidden = self._full_forward(context, block_ids, block_positions, position)
+            hidden = self._full_forward(context, block_embeds, block_positions, position)
         return self.lm_head(hidden[0, 1:].to(self.lm_head.weight.dtype))  # (B-1, V)
 
     def _extend(self, context: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -162,7 +164,7 @@ class DFlashProposer:
             values[:, :, :, :self._context_len] = self._values[:, :, :, :self._context_len]
         self._keys, self._values = keys, values
 
-    def _full_forward(self, context, block_ids, block_positions, position: int) -> torch.Tensor:
+    def _full_forward(self, context, block_embeds, block_positions, position: int) -> torch.Tensor:
         B, device, ctx_len = self.block_size, context.device, context.shape[1]
         context_positions = torch.arange(ctx_len, device=device).unsqueeze(0)  # (1, S)
         mask = attention.build_mask(
@@ -173,7 +175,7 @@ class DFlashProposer:
             context_len=ctx_len,
             block_size=B,
         )
-        return self.drafter(context, context_positions, self.embed(block_ids), block_positions, mask)  # (1, B, D)
+        return self.drafter(context, context_positions, block_embeds, block_positions, mask)  # (1, B, D)
 
 
 def check_compatible(config: DrafterConfig, target) -> None:

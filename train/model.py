@@ -334,7 +334,8 @@ class DFlashDrafter(nn.Module):
         c = self.config
         eps, n_layers, n_kv, hd = c.rms_norm_eps, c.num_hidden_layers, c.num_key_value_heads, c.head_dim
         ctx = _rms_norm(F.linear(context_hidden.to(w.dtype), self.fc.weight), self.hidden_norm.weight, eps)
-        kv = F.linear(ctx, w.context_kv, w.context_kv_bias).unflatten(-1, (n_layers, 2, n_kv, hd))  # (Bsz, S, L, 2, Hkv, hd)
+        kv = F.linear(ctx, w.context_kv, w.context_kv_bias)
+        kv = kv.view(*kv.shape[:-1], n_layers, 2, n_kv, hd)  # (Bsz, S, L, 2, Hkv, hd)
         cos, sin = w.rope(context_positions)  # (Bsz, S, hd)
         keys = _rms_norm(kv[..., 0, :, :], None, eps) * w.context_k_norm  # (Bsz, S, L, Hkv, hd)
         keys = _rotate(keys, cos[:, :, None, None], sin[:, :, None, None])
@@ -356,9 +357,9 @@ class DFlashDrafter(nn.Module):
         x = block_embeds.to(w.dtype)
         for i, layer in enumerate(w.layers):
             qkv = F.linear(_rms_norm(x, layer.input_norm, eps), layer.qkv, layer.qkv_bias)  # (Bsz, B, (H + 2 Hkv) hd)
-            qk = qkv[..., :(n_heads + n_kv) * hd].unflatten(-1, (n_heads + n_kv, hd))
-            qk = _rotate(_rms_norm(qk, None, eps) * layer.qk_norm, cos, sin).transpose(1, 2)  # (Bsz, H + Hkv, B, hd)
-            v = qkv[..., (n_heads + n_kv) * hd:].unflatten(-1, (n_kv, hd)).transpose(1, 2)  # (Bsz, Hkv, B, hd)
+            qkv = qkv.view(bsz, q_len, n_heads + 2 * n_kv, hd)
+            qk = _rotate(_rms_norm(qkv[:, :, :n_heads + n_kv], None, eps) * layer.qk_norm, cos, sin).transpose(1, 2)  # (Bsz, H + Hkv, B, hd)
+            v = qkv[:, :, n_heads + n_kv:].transpose(1, 2)  # (Bsz, Hkv, B, hd)
             k_all = torch.cat([keys[i], qk[:, n_heads:]], dim=2)  # (Bsz, Hkv, S + B, hd)
             v_all = torch.cat([values[i], v], dim=2)
             out = F.scaled_dot_product_attention(qk[:, :n_heads], k_all, v_all, scale=hd**-0.5, enable_gqa=True)
@@ -450,8 +451,8 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> tor
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
     """RMSNorm's arithmetic (normalise in float32, scale in the input dtype) in fused calls."""
     if x.dtype == torch.float32:
-        return F.rms_norm(x, (x.shape[-1],), weight, eps)
-    normed = F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype)
+        return torch.rms_norm(x, (x.shape[-1],), weight, eps)
+    normed = torch.rms_norm(x.float(), (x.shape[-1],), None, eps).to(x.dtype)
     return normed if weight is None else weight * normed
 
 
