@@ -358,10 +358,9 @@ def speculative_generate(target, proposer: Proposer, prompt_ids: Sequence[int], 
         raise ValueError("max_new_tokens must be >= 1")
     device, eos = _device_of(target), frozenset(int(t) for t in eos_token_ids)
     sequence = [int(t) for t in prompt_ids]  # prompt, then every emitted token
-    n_prompt, B = len(sequence), proposer.block_size
+    n_prompt, B, layer_ids = len(sequence), proposer.block_size, list(proposer.target_layer_ids)
     _sync(device)
     start = time.perf_counter()
-    layer_ids = list(proposer.target_layer_ids)
     out, cache = _forward(target, torch.tensor([sequence], device=device), output_hidden_states=True,
                           logits_to_keep=1)
     forwards = 1
@@ -381,7 +380,7 @@ def speculative_generate(target, proposer: Proposer, prompt_ids: Sequence[int], 
         drafts = proposer.propose(context[:, :p], sequence[:], p)
         if drafts.shape != (B - 1,):
             raise ValueError(f"proposer returned shape {tuple(drafts.shape)}, expected ({B - 1},)")
-        drafts = drafts.tolist()
+        drafts = [int(t) for t in drafts.tolist()]
         out, cache = _forward(target, torch.tensor([[sequence[-1], *drafts]], device=device), cache,
                               output_hidden_states=True)
         forwards += 1
