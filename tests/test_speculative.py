@@ -377,11 +377,16 @@ def test_decoding_path_equals_training_forward_with_bias_and_without_gqa(drafter
     block_positions = offset + ctx_len + torch.arange(B)[None]
     mask = attention.build_mask("dense", anchors=torch.tensor([[ctx_len]]), block_valid=torch.ones(1, 1, dtype=torch.bool),
                                 ctx_len=torch.tensor([ctx_len]), context_len=ctx_len, block_size=B)
-    with torch.no_grad():
-        # the training forward numbers positions from the context's own; shift both by the offset
-        want = drafter(context, context_positions, embeds, block_positions, mask)
-        got = drafter.forward_cached(embeds, block_positions, drafter.context_kv(context, context_positions))
+    want = drafter(context, context_positions, embeds, block_positions, mask)
+    got = drafter.forward_cached(embeds, block_positions, drafter.context_kv(context, context_positions))
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    # and differentiable alike: the fused weights are built from the parameters, not detached
+    probe = torch.randn(want.shape, generator=generator)
+    params = [p for p in drafter.parameters()]
+    want_grads = torch.autograd.grad((want * probe).sum(), params)
+    got_grads = torch.autograd.grad((got * probe).sum(), params)
+    for (name, _), g_want, g_got in zip(drafter.named_parameters(), want_grads, got_grads):
+        torch.testing.assert_close(g_got, g_want, rtol=1e-4, atol=1e-5, msg=name)
 
 
 def test_proposer_refreshes_weights_per_sequence_and_grows_its_buffers(target, drafter, drafter_config):

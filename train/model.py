@@ -321,8 +321,8 @@ class DFlashDrafter(nn.Module):
         return self.norm(x)
 
     def decoding_weights(self) -> "DecodingWeights":
-        """A snapshot of the weights regrouped for ``context_kv`` / ``forward_cached``; take a new
-        one after changing the weights."""
+        """The weights regrouped for ``context_kv`` / ``forward_cached`` (concatenated copies, so
+        take new ones after changing the weights; gradients reach the parameters through them)."""
         return DecodingWeights.of(self)
 
     def context_kv(self, context_hidden: torch.Tensor, context_positions: torch.Tensor,
@@ -407,8 +407,8 @@ class DecodingWeights:
         attn = [layer.self_attn for layer in drafter.layers]
 
         def rows(*linears: nn.Linear) -> tuple[torch.Tensor, torch.Tensor | None]:
-            weight = torch.cat([lin.weight for lin in linears]).detach()
-            bias = torch.cat([lin.bias for lin in linears]).detach() if linears[0].bias is not None else None
+            weight = torch.cat([lin.weight for lin in linears])
+            bias = torch.cat([lin.bias for lin in linears]) if linears[0].bias is not None else None
             return weight, bias
 
         layers = []
@@ -416,16 +416,16 @@ class DecodingWeights:
             qkv, qkv_bias = rows(a.q_proj, a.k_proj, a.v_proj)
             qk_norm = torch.cat([a.q_norm.weight.expand(a.n_heads, -1), a.k_norm.weight.expand(a.n_kv_heads, -1)])
             layers.append(DecodingLayer(
-                input_norm=layer.input_layernorm.weight.detach(), qkv=qkv, qkv_bias=qkv_bias,
-                qk_norm=qk_norm.detach(), o=a.o_proj.weight.detach(),
-                o_bias=None if a.o_proj.bias is None else a.o_proj.bias.detach(),
-                post_norm=layer.post_attention_layernorm.weight.detach(),
-                gate_up=rows(layer.mlp.gate_proj, layer.mlp.up_proj)[0], down=layer.mlp.down_proj.weight.detach()))
+                input_norm=layer.input_layernorm.weight, qkv=qkv, qkv_bias=qkv_bias,
+                qk_norm=qk_norm, o=a.o_proj.weight,
+                o_bias=a.o_proj.bias,
+                post_norm=layer.post_attention_layernorm.weight,
+                gate_up=rows(layer.mlp.gate_proj, layer.mlp.up_proj)[0], down=layer.mlp.down_proj.weight))
         context_kv, context_kv_bias = rows(*[lin for a in attn for lin in (a.k_proj, a.v_proj)])
         device = drafter.fc.weight.device
         cos, sin = _rope_table(c.max_position_embeddings, c.head_dim, c.rope_theta, str(device))
         return cls(layers=layers, context_kv=context_kv, context_kv_bias=context_kv_bias,
-                   context_k_norm=torch.stack([a.k_norm.weight for a in attn]).detach()[:, None],
+                   context_k_norm=torch.stack([a.k_norm.weight for a in attn])[:, None],
                    rope_cos=cos, rope_sin=sin, dtype=drafter.fc.weight.dtype)
 
     def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
