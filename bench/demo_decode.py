@@ -1,15 +1,22 @@
 """Where the demo's decoding time goes: greedy against speculative decoding with the
 drafter's context recomputed every block and kept incrementally, interleaved prompt by
 prompt in one process (the machine is shared: compare ratios, not milliseconds), on the
-held-out turns a finished demo folder evaluates.
+held-out turns a finished demo folder evaluates. For the kept context it also splits a
+block's time into the prefill's share, the verify forward, the proposal and the rest of
+the loop, each in greedy steps (greedy's time per token, its prefill included).
+``--clock cpu`` times this process's CPU time instead of the wall clock: on a machine
+shared with other work it leaves out the time spent waiting for a core (with several
+threads it adds theirs up, spinning included).
 
-    python bench/demo_decode.py --out demo_out [--rounds 3] [--threads 1]
+    python bench/demo_decode.py --out demo_out [--rounds 3] [--threads 1] [--no-recomputed] [--clock cpu]
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import statistics
+import time
 from pathlib import Path
 
 import click
@@ -37,9 +44,14 @@ def heldout_prompts(out: Path) -> list[list[int]]:
 @click.option("--rounds", default=3, show_default=True, help="Passes over all prompts; medians are reported.")
 @click.option("--threads", default=1, show_default=True, help="torch intra-op threads.")
 @click.option("--max-new-tokens", default=96, show_default=True)
-def main(out: str, rounds: int, threads: int, max_new_tokens: int) -> None:
+@click.option("--recomputed/--no-recomputed", default=True, show_default=True,
+              help="Also decode with the drafter's context recomputed every block.")
+@click.option("--clock", type=click.Choice(["wall", "cpu"]), default="wall", show_default=True,
+              help="wall: time.perf_counter; cpu: time.process_time (this process's CPU time).")
+def main(out: str, rounds: int, threads: int, max_new_tokens: int, recomputed: bool, clock: str) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from dflash.eval import speculative
     from dflash.eval.speculative import DFlashProposer, check_lossless, greedy_generate, load_drafter, \
         speculative_generate
     from dflash.eval.toy_tokenizer import IM_END
@@ -50,36 +62,90 @@ def main(out: str, rounds: int, threads: int, max_new_tokens: int) -> None:
     target = AutoModelForCausalLM.from_pretrained(out / "target", dtype=torch.float32).eval()
     eos = [AutoTokenizer.from_pretrained(out / "target").convert_tokens_to_ids(IM_END)]
     drafter, _ = load_drafter(out / "export", dtype=torch.float32)
-    proposers = {"recomputed": DFlashProposer(drafter, target, incremental=False),
-                 "incremental": DFlashProposer(drafter, target)}
+    proposers = {"recomputed": DFlashProposer(drafter, target, incremental=False)} if recomputed else {}
+    now = time.perf_counter if clock == "wall" else time.process_time
+    proposers["incremental"] = parts = TimedParts(DFlashProposer(drafter, target), speculative, now)
     greedy_generate(target, prompts[0], 4, eos)  # warm-up
     for proposer in proposers.values():
         speculative_generate(target, proposer, prompts[0], 16, eos)
     ratios: dict[str, list[float]] = {name: [] for name in proposers}
     per_block: dict[str, list[float]] = {name: [] for name in proposers}
     per_token: list[float] = []
+    shares: list[dict[str, float]] = []
     for _ in range(rounds):
+        parts.clear()
         seconds = dict.fromkeys(["greedy", *proposers], 0.0)
         tokens, blocks = 0, dict.fromkeys(proposers, 0)
         for prompt in prompts:
+            start = now()
             greedy = greedy_generate(target, prompt, max_new_tokens, eos)
-            seconds["greedy"] += greedy.seconds
+            seconds["greedy"] += now() - start
             tokens += len(greedy.tokens)
             for name, proposer in proposers.items():
-                spec = speculative_generate(target, proposer, prompt, max_new_tokens, eos)
+                start = now()
+                with parts.timing() if proposer is parts else contextlib.nullcontext():
+                    spec = speculative_generate(target, proposer, prompt, max_new_tokens, eos)
+                seconds[name] += now() - start
                 check_lossless(spec.tokens, greedy.tokens, greedy.margins)
-                seconds[name] += spec.seconds
                 blocks[name] += len(spec.block_taus)
         per_token.append(seconds["greedy"] / tokens * 1e3)
+        step, n_blocks = seconds["greedy"] / tokens, blocks["incremental"]
+        shares.append({name: t / n_blocks / step for name, t in parts.seconds(seconds["incremental"]).items()})
         for name in proposers:
             ratios[name].append(seconds["greedy"] / seconds[name])
             per_block[name].append(seconds[name] / blocks[name] * 1e3)
     tau = (tokens - len(prompts)) / blocks["incremental"]
-    print(f"{out}: {len(prompts)} prompts, {tokens} tokens, tau {tau:.3f}, {threads} thread(s), {rounds} rounds; "
+    print(f"{out}: {len(prompts)} prompts, {tokens} tokens, tau {tau:.3f}, {threads} thread(s), {rounds} rounds, "
+          f"{clock} clock; "
           f"greedy {statistics.median(per_token):.2f} ms/token")
     for name in proposers:
         print(f"  {name:12s} {statistics.median(per_block[name]):.2f} ms/block, speedup vs greedy "
               f"{statistics.median(ratios[name]):.2f}x (rounds: {', '.join(f'{r:.2f}' for r in ratios[name])})")
+    print("  kept-context block in greedy steps, median (rounds): " + "; ".join(
+        f"{part} {statistics.median(s[part] for s in shares):.2f} ({', '.join(f'{s[part]:.2f}' for s in shares)})"
+        for part in shares[0]))
+
+
+class TimedParts:
+    """A proposer wrapper that also times the target forwards of ``speculative`` (prefill and
+    verify apart) and its own proposals; the rest of a decode is the loop."""
+
+    def __init__(self, proposer, speculative, now):
+        self.proposer, self.block_size, self.now = proposer, proposer.block_size, now
+        self.target_layer_ids = proposer.target_layer_ids
+        self._module, self._forward = speculative, speculative._forward
+        self.clear()
+
+    def clear(self) -> None:
+        self._times = dict.fromkeys(["prefill", "verify", "proposal"], 0.0)
+
+    def reset(self) -> None:
+        self.proposer.reset()
+
+    @contextlib.contextmanager
+    def timing(self):
+        """Time the target forwards of the decodes inside the block (greedy's stay untouched)."""
+        self._module._forward = self._timed_forward
+        try:
+            yield
+        finally:
+            self._module._forward = self._forward
+
+    def _timed_forward(self, *args, **kwargs):
+        start = self.now()
+        result = self._forward(*args, **kwargs)
+        self._times["verify" if args[2:] or kwargs.get("cache") is not None else "prefill"] += self.now() - start
+        return result
+
+    def propose(self, context, tokens, position):
+        start = self.now()
+        drafts = self.proposer.propose(context, tokens, position)
+        self._times["proposal"] += self.now() - start
+        return drafts
+
+    def seconds(self, total: float) -> dict[str, float]:
+        """Each part's seconds since ``clear``, and the loop's: ``total`` less the parts."""
+        return {**self._times, "loop": total - sum(self._times.values())}
 
 
 if __name__ == "__main__":

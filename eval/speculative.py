@@ -97,50 +97,74 @@ class DFlashProposer:
         self.reset()
 
     def reset(self) -> None:
-        """Forget the kept context: the next call starts a new sequence."""
-        self._context_kv: list[tuple[torch.Tensor, torch.Tensor]] = []
+        """Forget the kept context (the next call starts a new sequence) and take the drafter's
+        weights afresh."""
+        self._weights = self.drafter.decoding_weights()
+        self._keys: torch.Tensor | None = None  # (L, 1, Hkv, capacity, hd), positions < _context_len valid
+        self._values: torch.Tensor | None = None
         self._context_len = 0
         self._last_row: torch.Tensor | None = None  # features of the last kept position
 
     @torch.inference_mode()
     def propose(self, context: torch.Tensor, tokens: Sequence[int], position: int) -> torch.Tensor:
-        return self.block_logits(context, tokens, position).argmax(dim=-1)
+        return self._block_logits(context, tokens, position).argmax(dim=-1)
 
     @torch.inference_mode()
     def block_logits(self, context: torch.Tensor, tokens: Sequence[int], position: int) -> torch.Tensor:
         """(B - 1, V) drafter logits for positions position+1 .. position+B-1 (``propose``'s arguments)."""
+        return self._block_logits(context, tokens, position)
+
+    def _block_logits(self, context: torch.Tensor, tokens: Sequence[int], position: int) -> torch.Tensor:
         B, device = self.block_size, context.device
-        block_ids = torch.full((1, B), self.config.mask_token_id, dtype=torch.long, device=device)
-        block_ids[0, 0] = tokens[-1]
+        if position + B > self.config.max_position_embeddings:
+            raise ValueError(f"block at position {position} runs past the drafter's "
+                             f"max_position_embeddings={self.config.max_position_embeddings}")
+        block_ids = torch.tensor([[tokens[-1]] + [self.config.mask_token_id] * (B - 1)], device=device)  # (1, B)
         block_positions = torch.arange(position, position + B, device=device).unsqueeze(0)  # (1, B)
+        block_embeds = self.embed(block_ids)  # the target's own module: some scale their embeddings
         if self.incremental:
-            hidden = self.drafter.forward_cached(self.embed(block_ids), block_positions, self._extend(context))
+            hidden = self.drafter.forward_cached(block_embeds, block_positions, self._extend(context), self._weights)
         else:
-            hidden = self._full_forward(context, block_ids, block_positions, position)
+            hidden = self._full_forward(context, block_embeds, block_positions, position)
         return self.lm_head(hidden[0, 1:].to(self.lm_head.weight.dtype))  # (B-1, V)
 
-    def _extend(self, context: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Each layer's context keys/values for all of ``context``, computing only positions not kept yet.
+    def _extend(self, context: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every layer's context keys/values for all of ``context``, (L, 1, Hkv, S, hd) each,
+        computing only positions not kept yet.
 
         The kept positions are reused only while ``context`` still holds them: a shorter
         context, or another feature row at the last kept position (a new sequence without
-        ``reset``; that row depends on every earlier token), starts over.
+        ``reset``; that row depends on every earlier token), starts over. They are kept in
+        buffers that grow by doubling, so a call writes only its new positions.
         """
         ctx_len, kept = context.shape[1], self._context_len
         if kept and (ctx_len < kept or not torch.equal(context[0, kept - 1], self._last_row)):
-            self.reset()
-            kept = 0
-        if ctx_len > kept or not self._context_kv:
+            kept = self._context_len = 0
+        if ctx_len > kept:
             positions = torch.arange(kept, ctx_len, device=context.device).unsqueeze(0)  # (1, new)
-            new = self.drafter.context_kv(context[:, kept:], positions)
-            self._context_kv = new if not self._context_kv else [
-                (torch.cat([k, k_new], dim=2), torch.cat([v, v_new], dim=2))
-                for (k, v), (k_new, v_new) in zip(self._context_kv, new)]
-            self._context_len = ctx_len
+            keys, values = self.drafter.context_kv(context[:, kept:], positions, self._weights)
+            if self._keys is None or self._keys.shape[3] < ctx_len:
+                self._grow(keys, max(2 * ctx_len, 256))
+            self._keys[:, :, :, kept:ctx_len] = keys
+            self._values[:, :, :, kept:ctx_len] = values
             self._last_row = context[0, ctx_len - 1].clone()
-        return self._context_kv
+        elif self._keys is None:  # an empty context: nothing to attend to but the block
+            c = self.config
+            self._grow(torch.empty(c.num_hidden_layers, 1, c.num_key_value_heads, 0, c.head_dim,
+                                   dtype=self._weights.dtype, device=context.device), 256)
+        self._context_len = ctx_len
+        return self._keys[:, :, :, :ctx_len], self._values[:, :, :, :ctx_len]
 
-    def _full_forward(self, context, block_ids, block_positions, position: int) -> torch.Tensor:
+    def _grow(self, like: torch.Tensor, capacity: int) -> None:
+        """Buffers of ``capacity`` positions shaped like ``like`` (L, 1, Hkv, *, hd), holding the kept positions."""
+        shape = (*like.shape[:3], capacity, like.shape[4])
+        keys, values = like.new_empty(shape), like.new_empty(shape)
+        if self._keys is not None and self._context_len:
+            keys[:, :, :, :self._context_len] = self._keys[:, :, :, :self._context_len]
+            values[:, :, :, :self._context_len] = self._values[:, :, :, :self._context_len]
+        self._keys, self._values = keys, values
+
+    def _full_forward(self, context, block_embeds, block_positions, position: int) -> torch.Tensor:
         B, device, ctx_len = self.block_size, context.device, context.shape[1]
         context_positions = torch.arange(ctx_len, device=device).unsqueeze(0)  # (1, S)
         mask = attention.build_mask(
@@ -151,7 +175,7 @@ class DFlashProposer:
             context_len=ctx_len,
             block_size=B,
         )
-        return self.drafter(context, context_positions, self.embed(block_ids), block_positions, mask)  # (1, B, D)
+        return self.drafter(context, context_positions, block_embeds, block_positions, mask)  # (1, B, D)
 
 
 def check_compatible(config: DrafterConfig, target) -> None:
@@ -333,12 +357,11 @@ def speculative_generate(target, proposer: Proposer, prompt_ids: Sequence[int], 
     if max_new_tokens < 1:
         raise ValueError("max_new_tokens must be >= 1")
     device, eos = _device_of(target), frozenset(int(t) for t in eos_token_ids)
-    prompt = [int(t) for t in prompt_ids]
-    n_prompt, B, layer_ids = len(prompt), proposer.block_size, list(proposer.target_layer_ids)
+    sequence = [int(t) for t in prompt_ids]  # prompt, then every emitted token
+    n_prompt, B, layer_ids = len(sequence), proposer.block_size, list(proposer.target_layer_ids)
     _sync(device)
     start = time.perf_counter()
-
-    out, cache = _forward(target, torch.tensor([prompt], device=device), output_hidden_states=True,
+    out, cache = _forward(target, torch.tensor([sequence], device=device), output_hidden_states=True,
                           logits_to_keep=1)
     forwards = 1
     prefill_states = _layer_states(out.hidden_states, layer_ids)  # (1, P, n * D)
@@ -347,33 +370,36 @@ def speculative_generate(target, proposer: Proposer, prompt_ids: Sequence[int], 
     # Drafter context of positions < p, filled as positions are verified.
     context = prefill_states.new_empty((1, n_prompt + max_new_tokens + B, prefill_states.shape[-1]))
     context[:, :n_prompt] = prefill_states
-    tokens = [int(out.logits[0, -1].argmax())]
+    sequence.append(int(out.logits[0, -1].argmax()))
     taus: list[int] = []
-    done = _is_stop(tokens[0], 1, max_new_tokens, eos)
+    done = _is_stop(sequence[-1], 1, max_new_tokens, eos)
     while not done:
-        p = n_prompt + len(tokens) - 1  # position of the last accepted token, not yet in the cache
+        p = len(sequence) - 1  # position of the last accepted token, not yet in the cache
         if cache_length(cache) != p:
             raise RuntimeError(f"KV cache holds {cache_length(cache)} positions, expected {p}")
-        drafts = proposer.propose(context[:, :p], prompt + tokens, p).to(device=device, dtype=torch.long)
+        drafts = proposer.propose(context[:, :p], sequence[:], p)
         if drafts.shape != (B - 1,):
             raise ValueError(f"proposer returned shape {tuple(drafts.shape)}, expected ({B - 1},)")
-        block = torch.cat([torch.tensor([tokens[-1]], device=device), drafts]).unsqueeze(0)  # (1, B)
-        out, cache = _forward(target, block, cache, output_hidden_states=True)
+        drafts = [int(t) for t in drafts.tolist()]
+        out, cache = _forward(target, torch.tensor([[sequence[-1], *drafts]], device=device), cache,
+                              output_hidden_states=True)
         forwards += 1
-        greedy = out.logits[0].argmax(dim=-1)  # (B,): target's token for positions p+1 .. p+B
-        accepted = int((drafts == greedy[:-1]).long().cumprod(dim=0).sum())
+        greedy = out.logits[0].argmax(dim=-1).tolist()  # the target's tokens for positions p+1 .. p+B
+        accepted = 0
+        while accepted < B - 1 and drafts[accepted] == greedy[accepted]:
+            accepted += 1
         context[:, p:p + accepted + 1] = _layer_states(out.hidden_states, layer_ids, accepted + 1)
         cache = crop_cache(cache, p + accepted + 1)
         emitted = 0
-        for token in drafts[:accepted].tolist() + [int(greedy[accepted])]:
-            tokens.append(token)
+        for token in drafts[:accepted] + [greedy[accepted]]:
+            sequence.append(token)
             emitted += 1
-            if _is_stop(token, len(tokens), max_new_tokens, eos):
+            if _is_stop(token, len(sequence) - n_prompt, max_new_tokens, eos):
                 done = True
                 break
         taus.append(emitted)
     _sync(device)
-    return Generation(tokens, forwards, time.perf_counter() - start, block_taus=taus)
+    return Generation(sequence[n_prompt:], forwards, time.perf_counter() - start, block_taus=taus)
 
 
 # ---------------------------------------------------------------------------- evaluation

@@ -345,3 +345,70 @@ def test_incremental_and_full_proposers_decode_alike(target, drafter, prompts):
         a = spec.speculative_generate(target, spec.DFlashProposer(drafter, target), prompt, MAX_NEW)
         b = spec.speculative_generate(target, spec.DFlashProposer(drafter, target, incremental=False), prompt, MAX_NEW)
         assert a.tokens == b.tokens and a.block_taus == b.block_taus
+
+
+# ---------------------------------------------------------------------------- the cheaper step
+
+
+def test_decoding_path_equals_training_forward_with_bias_and_without_gqa(drafter_config):
+    """``context_kv`` + ``forward_cached`` (fused projections, rope from a table, one matmul
+    for every layer's context keys/values) against the training forward over the whole
+    context: with attention biases and as many key heads as query heads, which the default
+    drafters never exercise, at a position past the first rows of the rope table."""
+    from dataclasses import replace
+
+    from dflash.train import attention
+
+    config = replace(drafter_config, attention_bias=True, num_key_value_heads=drafter_config.num_attention_heads,
+                     num_hidden_layers=3)
+    torch.manual_seed(1)
+    drafter = DFlashDrafter(config).eval()
+    with torch.no_grad():
+        for module in drafter.modules():
+            if isinstance(module, torch.nn.Linear) and module.bias is not None:
+                module.bias.normal_(0.0, 0.5)
+            if isinstance(module, torch.nn.LayerNorm) or type(module).__name__ == "RMSNorm":
+                module.weight.uniform_(0.5, 1.5)
+    B, ctx_len, offset = config.block_size, 11, 300
+    generator = torch.Generator().manual_seed(5)
+    context = torch.randn(1, ctx_len, len(LAYERS) * config.hidden_size, generator=generator)
+    embeds = torch.randn(1, B, config.hidden_size, generator=generator)
+    context_positions = offset + torch.arange(ctx_len)[None]
+    block_positions = offset + ctx_len + torch.arange(B)[None]
+    mask = attention.build_mask("dense", anchors=torch.tensor([[ctx_len]]), block_valid=torch.ones(1, 1, dtype=torch.bool),
+                                ctx_len=torch.tensor([ctx_len]), context_len=ctx_len, block_size=B)
+    want = drafter(context, context_positions, embeds, block_positions, mask)
+    got = drafter.forward_cached(embeds, block_positions, drafter.context_kv(context, context_positions))
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    # and differentiable alike: the fused weights are built from the parameters, not detached
+    probe = torch.randn(want.shape, generator=generator)
+    params = [p for p in drafter.parameters()]
+    want_grads = torch.autograd.grad((want * probe).sum(), params)
+    got_grads = torch.autograd.grad((got * probe).sum(), params)
+    for (name, _), g_want, g_got in zip(drafter.named_parameters(), want_grads, got_grads):
+        torch.testing.assert_close(g_got, g_want, rtol=1e-4, atol=1e-5, msg=name)
+
+
+def test_proposer_refreshes_weights_per_sequence_and_grows_its_buffers(target, drafter, drafter_config):
+    """``reset`` takes the drafter's weights afresh (a snapshot must not outlive a change of
+    weights between sequences), and a context longer than the kept buffers grows them
+    without changing the logits."""
+    import copy
+
+    local = copy.deepcopy(drafter)
+    proposer = spec.DFlashProposer(local, target)
+    full = spec.DFlashProposer(local, target, incremental=False)
+    features = len(LAYERS) * drafter_config.hidden_size
+    context = torch.randn(1, 600, features, generator=torch.Generator().manual_seed(2))
+    for position in (3, 200, 599):  # 599 > the first buffer's 2 * 200 positions
+        tokens = [7] * (position + 1)
+        torch.testing.assert_close(proposer.block_logits(context[:, :position], tokens, position),
+                                   full.block_logits(context[:, :position], tokens, position), rtol=1e-4, atol=1e-5)
+    with torch.no_grad():  # weights the snapshot holds concatenated, not as views
+        for layer in local.layers:
+            layer.self_attn.q_proj.weight.mul_(3.0)
+            layer.self_attn.k_proj.weight.mul_(-1.0)
+    proposer.reset()
+    tokens = list(range(1, 12))
+    torch.testing.assert_close(proposer.block_logits(context[:, :10], tokens, 10),
+                               full.block_logits(context[:, :10], tokens, 10), rtol=1e-4, atol=1e-5)

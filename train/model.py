@@ -8,6 +8,7 @@ are chosen so that ``state_dict()`` keys are exactly the export names.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -222,20 +223,6 @@ class DFlashAttention(nn.Module):
         v = self.v_proj(h).view(bsz, length, self.n_kv_heads, self.head_dim).transpose(1, 2)
         return apply_rope(k, *rope), v  # (Bsz, Hkv, T, hd) each
 
-    def forward_cached(self, x, ctx_k, ctx_v, block_rope):
-        """One block (Bsz, B, D) against precomputed context keys/values, all of them visible
-        (decoding: the context is exactly the positions before the anchor)."""
-        bsz, q_len, _ = x.shape
-        q = self.q_norm(self.q_proj(x).view(bsz, q_len, self.n_heads, self.head_dim)).transpose(1, 2)
-        q = apply_rope(q, *block_rope)  # (Bsz, H, Q, hd)
-        k_block, v_block = self.project_kv(x, block_rope)
-        k, v = torch.cat([ctx_k, k_block], dim=2), torch.cat([ctx_v, v_block], dim=2)  # (Bsz, Hkv, S + Q, hd)
-        n_rep = self.n_heads // self.n_kv_heads
-        if n_rep > 1:
-            k, v = k.repeat_interleave(n_rep, dim=1), v.repeat_interleave(n_rep, dim=1)
-        out = F.scaled_dot_product_attention(q, k, v, scale=self.head_dim**-0.5)  # (Bsz, H, Q, hd)
-        return self.o_proj(out.transpose(1, 2).reshape(bsz, q_len, self.n_heads * self.head_dim))
-
 
 class SwiGLU(nn.Module):
     def __init__(self, config: DrafterConfig):
@@ -261,10 +248,6 @@ class DFlashDecoderLayer(nn.Module):
         # ctx is already normed by the drafter's hidden_norm; only the block stream
         # goes through input_layernorm (as in the public DFlash implementation).
         x = x + self.self_attn(self.input_layernorm(x), ctx, block_rope, kv_rope, attn_mask)
-        return x + self.mlp(self.post_attention_layernorm(x))
-
-    def forward_cached(self, x, ctx_k, ctx_v, block_rope):
-        x = x + self.self_attn.forward_cached(self.input_layernorm(x), ctx_k, ctx_v, block_rope)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -337,23 +320,140 @@ class DFlashDrafter(nn.Module):
             x = layer(x, ctx, block_rope, kv_rope, attn_mask)
         return self.norm(x)
 
-    def context_kv(self, context_hidden: torch.Tensor, context_positions: torch.Tensor
-                   ) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Every layer's keys and values (Bsz, Hkv, S, hd) of context features (Bsz, S, n * D) at
-        positions (Bsz, S): position-wise, so decoding computes them once per new position."""
-        ctx = self.hidden_norm(self.fc(context_hidden.to(self.fc.weight.dtype)))  # (Bsz, S, D)
-        rope = rope_cos_sin(context_positions, self.config.head_dim, self.config.rope_theta)
-        return [layer.self_attn.project_kv(ctx, rope) for layer in self.layers]
+    def decoding_weights(self) -> "DecodingWeights":
+        """The weights regrouped for ``context_kv`` / ``forward_cached`` (concatenated copies, so
+        take new ones after changing the weights; gradients reach the parameters through them)."""
+        return DecodingWeights.of(self)
+
+    def context_kv(self, context_hidden: torch.Tensor, context_positions: torch.Tensor,
+                   weights: "DecodingWeights | None" = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every layer's keys and values, each (L, Bsz, Hkv, S, hd), of context features
+        (Bsz, S, n * D) at positions (Bsz, S): position-wise, so decoding computes them once per
+        new position. ``weights`` from ``decoding_weights`` (taken here when None)."""
+        w = weights or self.decoding_weights()
+        c = self.config
+        eps, n_layers, n_kv, hd = c.rms_norm_eps, c.num_hidden_layers, c.num_key_value_heads, c.head_dim
+        ctx = _rms_norm(F.linear(context_hidden.to(w.dtype), self.fc.weight), self.hidden_norm.weight, eps)
+        kv = F.linear(ctx, w.context_kv, w.context_kv_bias)
+        kv = kv.view(*kv.shape[:-1], n_layers, 2, n_kv, hd)  # (Bsz, S, L, 2, Hkv, hd)
+        cos, sin = w.rope(context_positions)  # (Bsz, S, hd)
+        keys = _rms_norm(kv[..., 0, :, :], None, eps) * w.context_k_norm  # (Bsz, S, L, Hkv, hd)
+        keys = _rotate(keys, cos[:, :, None, None], sin[:, :, None, None])
+        return keys.permute(2, 0, 3, 1, 4), kv[..., 1, :, :].permute(2, 0, 3, 1, 4)
 
     def forward_cached(self, block_embeds: torch.Tensor, block_positions: torch.Tensor,
-                       context_kv: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+                       context_kv: tuple[torch.Tensor, torch.Tensor],
+                       weights: "DecodingWeights | None" = None) -> torch.Tensor:
         """``forward`` for one decoding block (Bsz, B, D) at positions (Bsz, B) that sees the
-        whole context, given as ``context_kv``; the same result without recomputing the context."""
-        block_rope = rope_cos_sin(block_positions, self.config.head_dim, self.config.rope_theta)
-        x = block_embeds.to(self.fc.weight.dtype)
-        for layer, (k, v) in zip(self.layers, context_kv):
-            x = layer.forward_cached(x, k, v, block_rope)
-        return self.norm(x)
+        whole context, given as ``context_kv``'s keys and values (L, Bsz, Hkv, S, hd); the same
+        result without recomputing the context."""
+        w = weights or self.decoding_weights()
+        c = self.config
+        eps, n_heads, n_kv, hd = c.rms_norm_eps, c.num_attention_heads, c.num_key_value_heads, c.head_dim
+        keys, values = context_kv
+        bsz, q_len, _ = block_embeds.shape
+        cos, sin = w.rope(block_positions)  # (Bsz, B, hd)
+        cos, sin = cos[:, :, None], sin[:, :, None]
+        x = block_embeds.to(w.dtype)
+        for i, layer in enumerate(w.layers):
+            qkv = F.linear(_rms_norm(x, layer.input_norm, eps), layer.qkv, layer.qkv_bias)  # (Bsz, B, (H + 2 Hkv) hd)
+            qkv = qkv.view(bsz, q_len, n_heads + 2 * n_kv, hd)
+            qk = _rotate(_rms_norm(qkv[:, :, :n_heads + n_kv], None, eps) * layer.qk_norm, cos, sin).transpose(1, 2)  # (Bsz, H + Hkv, B, hd)
+            v = qkv[:, :, n_heads + n_kv:].transpose(1, 2)  # (Bsz, Hkv, B, hd)
+            k_all = torch.cat([keys[i], qk[:, n_heads:]], dim=2)  # (Bsz, Hkv, S + B, hd)
+            v_all = torch.cat([values[i], v], dim=2)
+            out = F.scaled_dot_product_attention(qk[:, :n_heads], k_all, v_all, scale=hd**-0.5, enable_gqa=True)
+            x = x + F.linear(out.transpose(1, 2).reshape(bsz, q_len, n_heads * hd), layer.o, layer.o_bias)
+            gate, up = F.linear(_rms_norm(x, layer.post_norm, eps), layer.gate_up).chunk(2, dim=-1)
+            x = x + F.linear(F.silu(gate) * up, layer.down)
+        return _rms_norm(x, self.norm.weight, eps)
+
+
+# ---------------------------------------------------------------------------- decoding one block
+
+
+@dataclass
+class DecodingLayer:
+    """One drafter layer's weights for decoding: projections of the same input in one matrix."""
+
+    input_norm: torch.Tensor  # (D,) input_layernorm
+    qkv: torch.Tensor  # ((H + 2 Hkv) hd, D): q_proj, k_proj, v_proj rows
+    qkv_bias: torch.Tensor | None  # their biases (attention_bias), else None
+    qk_norm: torch.Tensor  # (H + Hkv, hd): q_norm for each query head, then k_norm for each key head
+    o: torch.Tensor  # (D, H hd) o_proj
+    o_bias: torch.Tensor | None  # o_proj bias, else None
+    post_norm: torch.Tensor  # (D,) post_attention_layernorm
+    gate_up: torch.Tensor  # (2 F, D): gate_proj, up_proj rows
+    down: torch.Tensor  # (D, F) down_proj
+
+
+@dataclass
+class DecodingWeights:
+    """The drafter's weights regrouped for decoding one block at a time: at small widths each
+    kernel call costs more than its arithmetic, so projections reading the same input run as
+    one matmul (every layer's context k/v at once; each layer's q/k/v; gate/up)."""
+
+    layers: list[DecodingLayer]  # per drafter layer
+    context_kv: torch.Tensor  # (L * 2 * Hkv * hd, D): k_proj, v_proj rows of layer 0, then layer 1...
+    context_kv_bias: torch.Tensor | None  # their biases, else None
+    context_k_norm: torch.Tensor  # (L, 1, hd): each layer's k_norm, broadcast over its key heads
+    rope_cos: torch.Tensor  # (max_position_embeddings, hd) float32 cos of every position
+    rope_sin: torch.Tensor  # (max_position_embeddings, hd) float32 sin, first half negated (rotate_half folded in)
+    dtype: torch.dtype  # the drafter's weight dtype
+
+    @classmethod
+    def of(cls, drafter: "DFlashDrafter") -> "DecodingWeights":
+        c = drafter.config
+        attn = [layer.self_attn for layer in drafter.layers]
+
+        def rows(*linears: nn.Linear) -> tuple[torch.Tensor, torch.Tensor | None]:
+            weight = torch.cat([lin.weight for lin in linears])
+            bias = torch.cat([lin.bias for lin in linears]) if linears[0].bias is not None else None
+            return weight, bias
+
+        layers = []
+        for layer, a in zip(drafter.layers, attn):
+            qkv, qkv_bias = rows(a.q_proj, a.k_proj, a.v_proj)
+            qk_norm = torch.cat([a.q_norm.weight.expand(a.n_heads, -1), a.k_norm.weight.expand(a.n_kv_heads, -1)])
+            layers.append(DecodingLayer(
+                input_norm=layer.input_layernorm.weight, qkv=qkv, qkv_bias=qkv_bias,
+                qk_norm=qk_norm, o=a.o_proj.weight,
+                o_bias=a.o_proj.bias,
+                post_norm=layer.post_attention_layernorm.weight,
+                gate_up=rows(layer.mlp.gate_proj, layer.mlp.up_proj)[0], down=layer.mlp.down_proj.weight))
+        context_kv, context_kv_bias = rows(*[lin for a in attn for lin in (a.k_proj, a.v_proj)])
+        device = drafter.fc.weight.device
+        cos, sin = _rope_table(c.max_position_embeddings, c.head_dim, c.rope_theta, str(device))
+        return cls(layers=layers, context_kv=context_kv, context_kv_bias=context_kv_bias,
+                   context_k_norm=torch.stack([a.k_norm.weight for a in attn])[:, None],
+                   rope_cos=cos, rope_sin=sin, dtype=drafter.fc.weight.dtype)
+
+    def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin (Bsz, T, hd) of integer positions (Bsz, T), in the weights' dtype; the sin
+        carries rotate_half's sign so that ``_rotate`` needs no negation."""
+        return self.rope_cos[positions].to(self.dtype), self.rope_sin[positions].to(self.dtype)
+
+
+@functools.lru_cache(maxsize=8)
+def _rope_table(length: int, head_dim: int, theta: float, device: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """``rope_cos_sin`` of positions 0 .. length-1, the sin's first half negated."""
+    with torch.inference_mode(False), torch.no_grad():
+        cos, sin = rope_cos_sin(torch.arange(length, device=device)[None], head_dim, theta)
+        half = head_dim // 2
+        return cos[0], torch.cat([-sin[0, :, :half], sin[0, :, half:]], dim=-1)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """``apply_rope`` with a sign-folded sin: rotate_half(x) * sin == roll(x, half) * signed_sin."""
+    return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * signed_sin
+
+
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """RMSNorm's arithmetic (normalise in float32, scale in the input dtype) in fused calls."""
+    if x.dtype == torch.float32:
+        return torch.rms_norm(x, (x.shape[-1],), weight, eps)
+    normed = torch.rms_norm(x.float(), (x.shape[-1],), None, eps).to(x.dtype)
+    return normed if weight is None else weight * normed
 
 
 def _batched_positions(pos: torch.Tensor, bsz: int, length: int, name: str) -> torch.Tensor:
