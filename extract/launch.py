@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import time
 from dataclasses import dataclass
 
 from .config import ExtractConfig
@@ -95,6 +96,8 @@ class Workers:
                       for t in tasks}
         for p in self.procs.values():
             p.start()
+        self.spawned_at = time.time()
+        """Wall-clock time (epoch seconds) when the last worker was started."""
 
     def kill(self) -> None:
         """End workers before ``root_ready`` (they have not touched the cache)."""
