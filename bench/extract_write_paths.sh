@@ -7,7 +7,9 @@
 #     a label "pyc" runs nothing and turns on a bytecode cache for the runs after it (PYTHONPYCACHEPREFIX=/tmp/pyc,
 #     writing allowed): the first run after it writes the bytecode of every module it imports, as a pip install
 #     would have compiled it beforehand, the later ones read it;
-#     BUILD_ARGS="--layers 8" builds the target with fewer layers (same width and vocabulary);
+#     BUILD_ARGS="--layers 8" builds the target with fewer layers (same width and vocabulary); SAMPLES (default
+#     256) rows; a CPU dry run: BUILD_ARGS="--layers 2 --hidden 64 --intermediate 128 --vocab 512 --device cpu"
+#     DEVICE_ARGS="--device cpu --workers 1" SAMPLES=4;
 #     WORK (default /tmp/xbench) holds target, rows and cache; DEVICE_ARGS (default --gpus 0) picks the device
 # Run from the repository root with zarr, numcodecs, donfig, zarrs... importable (the device tool: carry the wheels);
 # logs go to $OUT. Qwen3-8B-shaped target with random weights, built once under /tmp/xbench.
