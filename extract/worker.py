@@ -322,6 +322,8 @@ def _target_runner(cfg: ExtractConfig, device: torch.device, timing: dict[str, f
     compiles on this one (compiling stays on the main thread); the seconds of each step into ``timing``."""
     t = time.perf_counter()
     backend = head_backend_for(device)
+    if backend is not None:
+        use_compile_cache(cfg.compile_cache)
     compiled = None
     if model is None:
         loading = Background(functools.partial(_load_model, cfg, device), "target-load")
@@ -347,6 +349,7 @@ def _target_runner(cfg: ExtractConfig, device: torch.device, timing: dict[str, f
 
 
 def _load_model(cfg: ExtractConfig, device: torch.device):
+    """The target's weights on ``device`` (on whatever thread calls it)."""
     if device.type == "cuda":
         torch.cuda.set_device(device)  # the current device is per thread
     return load_target(cfg.model, dtype=cfg.dtype, device=device, attn_implementation=cfg.attn_implementation,
@@ -362,7 +365,6 @@ def _compile_head(cfg: ExtractConfig, device: torch.device, backend: str, timing
     vocab = getattr(AutoConfig.from_pretrained(cfg.model, revision=cfg.revision), "vocab_size", None)
     if not vocab:
         return None
-    use_compile_cache(cfg.compile_cache)
     compiled = compile_logsumexp(vocab, DTYPES[cfg.dtype], device, cfg.lm_head_chunk, backend)
     timing["head_setup_s"] = round(time.perf_counter() - t, 3)
     return vocab, compiled

@@ -184,3 +184,20 @@ def test_the_command_exits_with_its_code_and_all_of_its_output():
     refused = subprocess.run(command + ["--data", "d", "--model", "m", "--out", "o", "--compression-level", "2"],
                              capture_output=True, text=True)
     assert refused.returncode == 2 and "--compression-level 2" in refused.stderr and refused.stdout == ""
+
+
+def test_a_head_compiled_before_the_weights_equals_the_eager_head(tiny_target_dir):
+    """The head's log-sum-exp compiled from the vocabulary, dtype and device alone (as a worker
+    does while its model loads) gives the eager runner's outputs, bit for bit."""
+    from dflash.extract.target import compile_logsumexp
+
+    model = load_target(str(tiny_target_dir), dtype="float32")
+    vocab = model.get_output_embeddings().weight.shape[0]
+    compiled = compile_logsumexp(vocab, torch.float32, "cpu", 7, "eager")
+    ids, mask, index = TargetRunner.pad_batch([torch.arange(5, 25), torch.arange(30, 40)])
+    eager = TargetRunner(model, LAYERS, TOPK, lm_head_chunk=7).forward(ids, mask, index)
+    early = TargetRunner(model, LAYERS, TOPK, lm_head_chunk=7, head_backend="eager", compiled_logsumexp=compiled)
+    assert early._logsumexp is compiled
+    out = early.forward(ids, mask, index)
+    for name in ("hidden", "topk_logprobs", "topk_ids"):
+        assert np.array_equal(getattr(out, name).numpy(), getattr(eager, name).numpy()), name
