@@ -4,13 +4,20 @@
 #   bash bench/extract_write_paths.sh fixed   # dflash-extract end to end, 256 x 2048: where the time outside the loop goes
 #     RUNS="before after after" BEFORE_NS=DIR: a run labelled "before" imports dflash from DIR (DIR/dflash holds
 #     shared, extract, ... of the older code), the others this checkout's; each run's phases go to fixed_costs.log;
-#     BUILD_ARGS="--layers 8" builds the target with fewer layers (same width and vocabulary);
+#     a label "pyc" runs nothing and turns on a bytecode cache for the runs after it (PYTHONPYCACHEPREFIX=/tmp/pyc,
+#     writing allowed): the first run after it writes the bytecode of every module it imports, as a pip install
+#     would have compiled it beforehand, the later ones read it;
+#     BUILD_ARGS="--layers 8" builds the target with fewer layers (same width and vocabulary); SAMPLES (default
+#     256) rows; a CPU dry run: BUILD_ARGS="--layers 2 --hidden 64 --intermediate 128 --vocab 512 --device cpu"
+#     DEVICE_ARGS="--device cpu --workers 1" SAMPLES=4;
 #     WORK (default /tmp/xbench) holds target, rows and cache; DEVICE_ARGS (default --gpus 0) picks the device
 # Run from the repository root with zarr, numcodecs, donfig, zarrs... importable (the device tool: carry the wheels);
 # logs go to $OUT. Qwen3-8B-shaped target with random weights, built once under /tmp/xbench.
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 { nproc; nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+  env | grep "^PYTHON" | grep -v PYTHONPATH
+  python3 -c "import sys, torch, os; print('dont_write_bytecode', sys.dont_write_bytecode, 'torch in', os.path.dirname(torch.__file__), 'writable', os.access(os.path.dirname(torch.__file__), os.W_OK))"
   python3 -c "import torch, transformers, zarr, numcodecs, zarrs; print(torch.__version__, transformers.__version__, zarr.__version__, numcodecs.__version__, zarrs.__version__)"
 } > "$OUT/machine_$1.txt" 2>&1
 cat "$OUT/machine_$1.txt"
@@ -23,21 +30,26 @@ paths)   # the comparison of BENCHMARKS.md (thread + zarr's pipeline / thread + 
   ;;
 fixed)   # the CLI as a user runs it; imports = the summary's started_at minus the shell's clock before the call
   WORK=${WORK:-/tmp/xbench}
-  python3 bench/extract_bench.py --samples 256 --length 2048 --build-only --work "$WORK" ${BUILD_ARGS:-} 2>&1 | quiet | tail -1
+  python3 bench/extract_bench.py --samples ${SAMPLES:-256} --length 2048 --build-only --work "$WORK" ${BUILD_ARGS:-} 2>&1 | quiet | tail -1
   run=0
+  bytecode=none
   for label in ${RUNS:-after after}; do
+    if [ "$label" = pyc ]; then
+      export PYTHONPYCACHEPREFIX=/tmp/pyc; unset PYTHONDONTWRITEBYTECODE; bytecode=writing; continue
+    fi
     run=$((run + 1))
     rm -rf "$WORK/cli.zarr"
     path=${PYTHONPATH:-}; [ "$label" = before ] && path=$BEFORE_NS:$path
     t0=$(date +%s.%N)
     PYTHONPATH=$path timeout 200 python3 -m dflash.extract.cli --data "$WORK/rows.jsonl" --model "$WORK/target" \
         --out "$WORK/cli.zarr" ${DEVICE_ARGS:---gpus 0} --max-length 2048 --batch-tokens 8192 --no-progress \
-        --summary-json "$OUT/fixed_summary_$run.json" ${EXTRA:-} 2>&1 | quiet | tail -20
+        --summary-json "$WORK/summary_$run.json" ${EXTRA:-} 2>&1 | quiet | tail -20
     t1=$(date +%s.%N)
-    python3 -c "import json,sys; s=json.load(open('$OUT/fixed_summary_$run.json')); p=s['phases']; \
-print(json.dumps({'run': $run, 'code': '$label', 'total_s': round($t1 - $t0, 2), 'imports_s': round(p['started_at'] - $t0, 2), **p['seconds'], \
-'worker': {k: v for k, v in list(s['worker_seconds'].values())[0].items() if k.endswith('_s') and k != 'cpu_threads_s'}}))" \
+    cat "$WORK/summary_$run.json" | python3 -c "import json,sys; print(json.dumps(json.load(sys.stdin)))" \
+        >> "$OUT/fixed_summaries.jsonl"   # one file for every run: a call brings back at most 8
+    T0=$t0 T1=$t1 RUN=$run LABEL=$label BYTECODE=$bytecode python3 bench/fixed_costs_line.py "$WORK/summary_$run.json" \
         | tee -a "$OUT/fixed_costs.log"
+    [ "$bytecode" = writing ] && bytecode=cached
   done
   ;;
 *) echo "usage: $0 paths|fixed" >&2; exit 2;;

@@ -7,8 +7,8 @@ import json
 from dataclasses import dataclass, field
 from typing import Any, Literal, get_args
 
-from dflash.shared.cache import ZSTD_LEVELS  # noqa: F401  (the cache's levels, checked here)
 from dflash.shared.cli_options import check_choices
+from dflash.shared.compression import ZSTD_LEVELS
 from dflash.shared.layers import check_layer_ids, default_layer_ids  # extraction's default, shared with training
 
 Truncation = Literal["right", "skip", "error"]

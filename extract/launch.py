@@ -1,12 +1,13 @@
 """Start this node's worker processes first, before the parent imports torch or transformers.
 
-A spawned worker imports torch and transformers, loads the tokenizer and the dataset and
-plans its slice: most of a run's start. Started before the parent's own set-up (which
-loads the same tokenizer and the target's config to fingerprint the run and prepare the
-cache root), both proceed side by side. A worker touches the cache only once the parent
-says the root is ready (``root_ready``: prepared, and no live run writes these shards),
-and writes only once every worker has planned and locked its shard (``go``). Until
-``root_ready`` a worker may be killed at any moment without leaving anything behind.
+A spawned worker imports torch and transformers, loads the tokenizer, the dataset and the
+model, compiles the LM head and plans its slice: most of a run's start. Started before the
+parent's own set-up (which loads the same tokenizer and the target's config to fingerprint
+the run and prepare the cache root), both proceed side by side. Until the parent says the
+root is ready (``root_ready``: prepared, and no live run writes these shards) a worker only
+reads (the root, where one exists, and its shard's lock: where a live run holds that lock it
+loads no model before ``root_ready``), so it may be killed at any moment without leaving
+anything behind; it writes only once every worker has planned and locked its shard (``go``).
 
 This module imports nothing heavy, so that the command line reaches the spawn at once.
 """
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import time
 from dataclasses import dataclass
 
 from .config import ExtractConfig
@@ -94,6 +96,8 @@ class Workers:
                       for t in tasks}
         for p in self.procs.values():
             p.start()
+        self.spawned_at = time.time()
+        """Wall-clock time (epoch seconds) when the last worker was started."""
 
     def kill(self) -> None:
         """End workers before ``root_ready`` (they have not touched the cache)."""

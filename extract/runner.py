@@ -289,8 +289,8 @@ def run(cfg: ExtractConfig, workers: Workers | None = None) -> dict[str, Any]:
     """Extract (or resume) this node's shards; returns the summary. Raises ExtractFailed.
 
     ``workers``: this node's workers, already started (``launch``; the command line starts
-    them before it imports this module); started here otherwise. They plan while this
-    process prepares the root, and are killed if it fails or finds the shards complete.
+    them before it imports this module); started here otherwise. They load the model and plan
+    while this process prepares the root, and are killed if it fails or finds the shards complete.
     """
     t_start = time.monotonic()
     phases = Phases(started_at=time.time())
@@ -304,6 +304,7 @@ def run(cfg: ExtractConfig, workers: Workers | None = None) -> dict[str, Any]:
     if workers is None:
         workers = Workers(node_tasks(cfg, layout))
     phases.mark("spawn")
+    phases.workers_spawned_at = workers.spawned_at
     try:
         root, spec, shard_ids = _prepare(cfg, layout, phases)
         states = read_shard_states(root, shard_ids)
@@ -397,6 +398,8 @@ class Phases:
     def __init__(self, started_at: float):
         self.started_at = started_at
         """Wall-clock time (epoch seconds) when ``run`` began; what came before is imports."""
+        self.workers_spawned_at: float | None = None
+        """Wall-clock time when the workers were started (before ``run`` where the command line started them)."""
         self._last = time.monotonic()
         self.seconds: dict[str, float] = {}
 
@@ -408,7 +411,8 @@ class Phases:
         self._last = at
 
     def as_dict(self) -> dict[str, Any]:
-        return {"started_at": self.started_at, "seconds": dict(self.seconds)}
+        return {"started_at": self.started_at, "workers_spawned_at": self.workers_spawned_at,
+                "seconds": dict(self.seconds)}
 
 
 def _run_workers(workers: Workers, cfg: ExtractConfig, phases: Phases | None = None,

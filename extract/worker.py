@@ -1,7 +1,9 @@
 """One extraction worker: one process, one device, one shard.
 
-plan (on a thread, beside the model load) -> lock (one writer per shard, ``shared/shard_lock.py``) ->
-ShardWriter (resume point) -> forward loop on the main thread -> writer thread. The forward loop copies each batch's outputs device->host
+plan (on a thread), beside the model load (on another) and the head's compile (on the main thread),
+all before the parent has prepared the cache root -> lock (one writer per shard,
+``shared/shard_lock.py``) -> ShardWriter (resume point) -> forward loop on the main thread -> writer
+thread. The forward loop copies each batch's outputs device->host
 into freshly allocated pinned buffers (PyTorch's caching host allocator recycles them)
 with ``non_blocking`` on a side stream (so the copy overlaps the next forward) and
 records a CUDA event; the writer thread waits on that event (blocking events: a waiting
@@ -22,6 +24,7 @@ else, with its traceback). A worker never prints tracebacks for the first three.
 
 from __future__ import annotations
 
+import functools
 import os
 import queue
 import signal
@@ -45,7 +48,7 @@ from .cpu_time import thread_cpu, thread_cpu_by_name
 from .data import DataError, load_source
 from .launch import WorkerTask
 from .plan import PlannedShard, plan_shard, planning_processes, shard_rows
-from .target import TargetRunner, compute_environment, head_backend_for, load_target
+from .target import DTYPES, TargetRunner, compile_logsumexp, compute_environment, head_backend_for, load_target
 from .tokenizer import load_tokenizer
 
 
@@ -196,11 +199,14 @@ def run_shard(task: WorkerTask, report, stop: threading.Event | Any | None = Non
 
     ``report(kind, **fields)`` receives progress messages; ``stop`` (an Event) asks for a clean
     early stop: whatever is written gets committed, then ``Stopped``. ``root_ready`` (an Event),
-    where given, is awaited before the model load: the parent has prepared the cache root and
-    found no live run writing these shards (a refused run loads no model onto a busy GPU).
-    ``go`` (an Event), where given, is awaited once planned and locked (reported as
-    "plan_ready"), before the shard is touched, so that a bad row in any shard's slice stops
-    the run before another shard has committed anything (see ``runner``).
+    where given, is awaited before the cache is read: the parent has prepared the cache root
+    and found no live run writing these shards. The model loads before it (layers and top-k
+    from this run's settings, checked against the root's once it is ready), unless a live
+    process holds this shard's lock (a run that will be refused loads no model onto the GPU
+    such a run uses) or the shard is complete already. ``go`` (an Event), where given, is
+    awaited once planned and locked (reported as "plan_ready"), before the shard is touched,
+    so that a bad row in any shard's slice stops the run before another shard has committed
+    anything (see ``runner``).
     """
     cfg = task.cfg
     if task.cpu_threads:
@@ -211,62 +217,90 @@ def run_shard(task: WorkerTask, report, stop: threading.Event | Any | None = Non
     if device.type == "cuda":
         torch.cuda.set_device(device)
     tokenizer = load_tokenizer(cfg)
-    planner = Planner(task, tokenizer, report)
+    planner = Background(functools.partial(_plan, task, tokenizer, report), f"shard-{task.shard_id:05d}-planner")
     timing: dict[str, float] = {}
-    _wait(root_ready, stop)
-    root = open_root(cfg.out, "r")
-    spec = CacheSpec.from_dict(root.attrs[ATTRS_KEY])  # the cache's own layout (an older format resumes in it)
-    state = read_shard_states(root, [task.shard_id])[task.shard_id]
     runner = None
-    if state is None or not state.complete:
-        runner = _target_runner(cfg, spec, device, timing)
-    planned = planner.result()
-    timing["plan_s"] = planner.seconds
-    lock = _take_lock(task, report, stop)
     try:
-        report("plan_ready", tokens=planned.plan.num_tokens, samples=len(planned.plan.source_index))
-        _wait(go, stop)  # until every worker of the node has planned; stopped if another one failed meanwhile
-        with zarr.config.set(_zarr_settings(task.cfg)):  # the shard's write path; other zarr users keep theirs
-            return _run_shard(task, planned, runner, tokenizer.pad_token_id, report, stop, lock, timing)
+        if _may_load_before_the_root(task):
+            runner = _target_runner(cfg, device, timing)
+        t = time.perf_counter()
+        _wait(root_ready, stop)
+        timing["root_wait_s"] = round(time.perf_counter() - t, 3)
+        root = open_root(cfg.out, "r")
+        spec = CacheSpec.from_dict(root.attrs[ATTRS_KEY])  # the cache's own layout (an older format resumes in it)
+        state = read_shard_states(root, [task.shard_id])[task.shard_id]
+        if state is None or not state.complete:
+            runner = _runner_for(spec, runner, cfg, device, timing)
+        planned = planner.result()
+        timing["plan_s"] = planner.seconds
+        lock = _take_lock(task, report, stop)
+        try:
+            report("plan_ready", tokens=planned.plan.num_tokens, samples=len(planned.plan.source_index))
+            _wait(go, stop)  # until every worker of the node has planned; stopped if another one failed meanwhile
+            with zarr.config.set(_zarr_settings(task.cfg)):  # the shard's write path; other zarr users keep theirs
+                return _run_shard(task, planned, runner, tokenizer.pad_token_id, report, stop, lock, timing)
+        finally:
+            lock.release()
     finally:
-        lock.release()
         if runner is not None:
             runner.close()
 
 
-class Planner:
-    """Loads the dataset and plans the shard's slice on a thread of its own, beside the main
-    thread's model load and compile (tokenising runs in Rust, mostly without the GIL)."""
+class Background:
+    """``fn()`` on a thread of its own, beside the main thread's work; ``result()`` waits for it
+    and raises its error on the caller's thread."""
 
-    def __init__(self, task: WorkerTask, tokenizer, report):
-        self.task, self.tokenizer, self.report = task, tokenizer, report
-        self.planned: PlannedShard | None = None
+    def __init__(self, fn, name: str):
+        self.value: Any = None
         self.error: BaseException | None = None
         self.seconds = 0.0
-        self._thread = threading.Thread(target=self._run, name=f"shard-{task.shard_id:05d}-planner", daemon=True)
+        self._thread = threading.Thread(target=self._run, args=(fn,), name=name, daemon=True)
         self._thread.start()
 
-    def _run(self) -> None:
+    def _run(self, fn) -> None:
         t = time.perf_counter()
-        cfg, report = self.task.cfg, self.report
         try:
-            ds = load_source(cfg.data, cfg.split or "train")
-            start, stop_row = shard_rows(len(ds), self.task.num_shards, self.task.shard_id)
-            rows = ds.select(range(start, stop_row)) if hasattr(ds, "select") else ds[start:stop_row]
-            report("planning", rows=stop_row - start, done=0)
-            self.planned = plan_shard(rows, start, cfg.data, self.tokenizer, cfg,
-                                      on_row=lambda done: report("planning", rows=stop_row - start, done=done),
-                                      processes=planning_processes(cfg, stop_row - start))
-        except BaseException as e:  # noqa: BLE001 - raised again on the main thread by result()
+            self.value = fn()
+        except BaseException as e:  # noqa: BLE001 - raised again on the caller's thread by result()
             self.error = e
         self.seconds = round(time.perf_counter() - t, 3)
 
-    def result(self) -> PlannedShard:
-        """The planned shard, once planning ended; its error (a bad row) raised here."""
+    def result(self) -> Any:
         self._thread.join()
         if self.error is not None:
             raise self.error
-        return self.planned
+        return self.value
+
+
+def _plan(task: WorkerTask, tokenizer, report) -> PlannedShard:
+    """Load the dataset and plan the shard's slice (on a thread beside the model load and the
+    head's compile: tokenising runs in Rust, mostly without the GIL)."""
+    cfg = task.cfg
+    ds = load_source(cfg.data, cfg.split or "train")
+    start, stop_row = shard_rows(len(ds), task.num_shards, task.shard_id)
+    rows = ds.select(range(start, stop_row)) if hasattr(ds, "select") else ds[start:stop_row]
+    report("planning", rows=stop_row - start, done=0)
+    return plan_shard(rows, start, cfg.data, tokenizer, cfg,
+                      on_row=lambda done: report("planning", rows=stop_row - start, done=done),
+                      processes=planning_processes(cfg, stop_row - start))
+
+
+def _may_load_before_the_root(task: WorkerTask) -> bool:
+    """Whether the model may load before the parent has prepared the root: no live process holds
+    this shard's lock (read only; the parent refuses such a run, and its worker must not have
+    loaded a model onto a GPU the holder uses), and the shard is not complete already (read
+    from an existing root; anything unreadable counts as not complete)."""
+    cfg = task.cfg
+    try:
+        if ShardLock(cfg.out, task.shard_id).probe() is not None:
+            return False
+    except Exception:  # noqa: BLE001 - a lock that cannot be read is decided after the root is ready
+        return False
+    try:
+        state = read_shard_states(open_root(cfg.out, "r"), [task.shard_id])[task.shard_id]
+    except Exception:  # noqa: BLE001 - no root yet (or one being replaced)
+        return True
+    return state is None or not state.complete
 
 
 def _wait(event, stop) -> None:
@@ -279,21 +313,74 @@ def _wait(event, stop) -> None:
         raise Stopped()
 
 
-def _target_runner(cfg: ExtractConfig, spec: CacheSpec, device: torch.device, timing: dict[str, float]
-                   ) -> TargetRunner:
-    """The target on ``device`` with its capture hooks and top-k head (compiled on CUDA, the
-    graphs kept in the compile-cache folder); the seconds of each step into ``timing``."""
-    t = time.perf_counter()
-    model = load_target(cfg.model, dtype=cfg.dtype, device=device, attn_implementation=cfg.attn_implementation,
-                        revision=cfg.revision)
-    timing["model_load_s"] = round(time.perf_counter() - t, 3)
+def _target_runner(cfg: ExtractConfig, device: torch.device, timing: dict[str, float], spec: CacheSpec | None = None,
+                   model=None) -> TargetRunner | None:
+    """The target on ``device`` with its capture hooks and top-k head (compiled on CUDA, the graphs
+    kept in the compile-cache folder), for ``spec``'s layers and top-k or, before the root is ready
+    (no ``spec``), this run's own: None where those do not fit the target (the parent refuses the
+    run, naming them). ``model``: one loaded already. The model loads on a thread while the head
+    compiles on this one (compiling stays on the main thread); the seconds of each step into ``timing``."""
     t = time.perf_counter()
     backend = head_backend_for(device)
     if backend is not None:
         use_compile_cache(cfg.compile_cache)
-    runner = TargetRunner(model, spec.layer_ids, spec.topk, cfg.lm_head_chunk, backend)
-    timing["head_setup_s"] = round(time.perf_counter() - t, 3)
+    compiled = None
+    if model is None:
+        loading = Background(functools.partial(_load_model, cfg, device), "target-load")
+        if backend is not None:
+            compiled = _compile_head(cfg, device, backend, timing)
+        model = loading.result()
+        timing["model_load_s"] = loading.seconds
+    if compiled is not None and compiled[0] != model.get_output_embeddings().weight.shape[0]:
+        compiled = None  # the config's vocabulary is not the head's: compiled again for the head below
+    try:
+        layers = spec.layer_ids if spec is not None else cfg.layer_ids(model.config.num_hidden_layers)
+        topk = spec.topk if spec is not None else cfg.topk
+        t_head = time.perf_counter()
+        runner = TargetRunner(model, layers, topk, cfg.lm_head_chunk, backend,
+                              compiled_logsumexp=compiled[1] if compiled is not None else None)
+    except ValueError:
+        if spec is not None:
+            raise
+        return None
+    timing["head_setup_s"] = round(timing.get("head_setup_s", 0.0) + time.perf_counter() - t_head, 3)
+    timing["model_and_head_s"] = round(time.perf_counter() - t, 3)
     return runner
+
+
+def _load_model(cfg: ExtractConfig, device: torch.device):
+    """The target's weights on ``device`` (on whatever thread calls it)."""
+    if device.type == "cuda":
+        torch.cuda.set_device(device)  # the current device is per thread
+    return load_target(cfg.model, dtype=cfg.dtype, device=device, attn_implementation=cfg.attn_implementation,
+                       revision=cfg.revision)
+
+
+def _compile_head(cfg: ExtractConfig, device: torch.device, backend: str, timing: dict[str, float]):
+    """(vocabulary size, the head's log-sum-exp compiled for it), from the target's config alone
+    (no weights needed); None where the config names no vocabulary size."""
+    from transformers import AutoConfig
+
+    t = time.perf_counter()
+    vocab = getattr(AutoConfig.from_pretrained(cfg.model, revision=cfg.revision), "vocab_size", None)
+    if not vocab:
+        return None
+    compiled = compile_logsumexp(vocab, DTYPES[cfg.dtype], device, cfg.lm_head_chunk, backend)
+    timing["head_setup_s"] = round(time.perf_counter() - t, 3)
+    return vocab, compiled
+
+
+def _runner_for(spec: CacheSpec, runner: TargetRunner | None, cfg: ExtractConfig, device: torch.device,
+                timing: dict[str, float]) -> TargetRunner:
+    """``runner`` where it captures the root's layers and top-k; otherwise one that does (keeping
+    the model already loaded)."""
+    if runner is not None and runner.layer_ids == list(spec.layer_ids) and runner.topk == spec.topk:
+        return runner
+    model = None
+    if runner is not None:
+        runner.close()
+        model = runner.model
+    return _target_runner(cfg, device, timing, spec=spec, model=model)
 
 
 LOCK_POLL_S = 2.0
@@ -344,7 +431,7 @@ def _run_shard(task: WorkerTask, planned: PlannedShard, runner: TargetRunner | N
             writer.finish()
         return writer.committed
     if runner is None:  # the shard was complete when the model load was skipped; another run changed it since
-        runner = _target_runner(cfg, spec, device, timing)
+        runner = _target_runner(cfg, device, timing, spec=spec)
     try:
         return _extract(cfg, planned, writer, device, runner, pad_id=pad_id, report=report, stop=stop,
                         timing=timing)

@@ -61,6 +61,7 @@ import torch
 import zarr
 import zarr.codecs as zc
 
+from .compression import ZSTD_LEVELS  # noqa: F401 - re-exported: the levels the cache is written at
 from .hidden_codecs import EncodedHidden, HiddenCodec
 from .hidden_codecs import decode as decode_codec
 from .hidden_codecs import encode as encode_codec
@@ -302,9 +303,6 @@ def _jsonable(x: Any) -> Any:
 
 
 BLOSC_BLOCKSIZE = 1 << 19
-ZSTD_LEVELS = tuple(range(1, 16, 2))
-"""The zstd levels a cache can use: it stores blosc clevel c = (level + 1) // 2, and blosc runs zstd at
-level 2c - 1 for c in 1..8, so an even level would silently become another one."""
 ZARRS_PIPELINE = "zarrs.ZarrsCodecPipeline"
 
 

@@ -369,6 +369,16 @@ def test_summary_says_where_the_loops_time_went(extracted):
     assert "40% of it waiting" in text and "writer-bound" not in text
 
 
+def test_summary_times_the_start(extracted):
+    """The command line spawned the workers before the parent's set-up began; each worker says how
+    long it waited for the cache root, beside its model load, head and planning."""
+    _, summary, _ = extracted
+    phases = summary["phases"]
+    assert phases["workers_spawned_at"] <= phases["started_at"]
+    for t in summary["worker_seconds"].values():
+        assert {"root_wait_s", "model_load_s", "head_setup_s", "model_and_head_s", "plan_s"} <= set(t), t
+
+
 def test_complete_rerun_is_noop(extracted, dataset, tiny_target_dir):
     out, _, _ = extracted
     before = {s: shard_arrays(out, s)[1] for s in (0, 1)}
