@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import sys
 
 import click
@@ -67,25 +66,5 @@ def _plan(cfg: ExtractConfig) -> None:
             f.write("\n")
 
 
-def entry() -> None:
-    """The ``dflash-extract`` command: ``main``, then, once its output is flushed, an exit that skips
-    the interpreter's teardown of torch, zarr and transformers (seconds after the work is done;
-    BENCHMARKS.md). An unexpected exception still ends the ordinary way, with its traceback."""
-    try:
-        main()
-        code = 0
-    except SystemExit as e:
-        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
-        if not isinstance(e.code, (int, type(None))):
-            print(e.code, file=sys.stderr)
-    logging.shutdown()
-    from multiprocessing import util as mp_util
-
-    mp_util._exit_function()  # what a normal exit runs for multiprocessing (the workers are joined already)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
-
-
 if __name__ == "__main__":
-    entry()
+    main()

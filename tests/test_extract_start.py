@@ -168,24 +168,6 @@ def test_a_runner_built_before_the_root_is_rebuilt_where_the_root_stores_other_l
         assert np.array_equal(getattr(a, name).numpy(), getattr(b, name).numpy()), name
 
 
-def test_the_command_exits_with_its_code_and_all_of_its_output():
-    """``python -m dflash.extract.cli`` (``entry``, the console script) skips the interpreter's
-    teardown but loses no output and keeps the exit code: the help, equal to click's own rendering
-    in this process (up to where lines wrap), with 0; a refused setting on stderr with 2."""
-    from click.testing import CliRunner
-
-    from dflash.extract.cli import main
-
-    command = [sys.executable, "-m", "dflash.extract.cli"]
-    shown = subprocess.run(command + ["--help"], capture_output=True, text=True)
-    reference = CliRunner().invoke(main, ["--help"], prog_name="python -m dflash.extract.cli")
-    assert shown.returncode == 0 and reference.exit_code == 0
-    assert "".join(shown.stdout.split()) == "".join(reference.output.split())  # lines wrap at the terminal's width
-    refused = subprocess.run(command + ["--data", "d", "--model", "m", "--out", "o", "--compression-level", "2"],
-                             capture_output=True, text=True)
-    assert refused.returncode == 2 and "--compression-level 2" in refused.stderr and refused.stdout == ""
-
-
 def test_a_head_compiled_before_the_weights_equals_the_eager_head(tiny_target_dir):
     """The head's log-sum-exp compiled from the vocabulary, dtype and device alone (as a worker
     does while its model loads) gives the eager runner's outputs, bit for bit."""
