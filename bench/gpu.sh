@@ -13,7 +13,7 @@
 #   compiled-path   bench/train_loop.py (300 variable-length steps, D 1024) --guards
 #   cuda-tests      python -m pytest -q -m cuda tests                 the tests that need a GPU
 #   start-profile   bench/extract_start_profile.py --head             dflash-extract's start, step by step (small target)
-#   extract-fixed   bench/extract_write_paths.sh fixed                the CLI end to end, 256 x 2048, its phases (RUNS, BEFORE_NS)
+#   extract-fixed   bench/extract_write_paths.sh fixed                the CLI end to end, 256 x 2048, its phases (RUNS with labels before/after/pyc, BEFORE_NS)
 # (time to the first training step has its own wrapper: bench/train_start_gpu.sh)
 set -u
 name=${1:-}
