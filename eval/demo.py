@@ -71,6 +71,8 @@ class DemoSettings:
         micro_batch_size=8, max_steps=1200, lr=1e-2, warmup_ratio=0.05,
         log_every=10, eval_every=100, save_every=1200, keep_checkpoints=1, attention="dense", compile="off",
         autocast="off"))
+    # drafter layer i starts as a copy of target layer i (its final norm as the target's); False: random init
+    drafter_init_from_target: bool = True
 
     @classmethod
     def full(cls, seed: int = 0) -> "DemoSettings":
@@ -112,8 +114,14 @@ class DemoSettings:
         return s
 
     def train_overrides(self) -> dict[str, Any]:
-        return {"eval_samples": self.n_heldout, "seed": self.seed, "target_layer_ids": list(self.layer_ids),
-                **self.train}
+        overrides = {"eval_samples": self.n_heldout, "seed": self.seed, "target_layer_ids": list(self.layer_ids),
+                     **self.train}
+        if self.drafter_init_from_target and "init_from_target_layers" not in overrides:
+            from dflash.train.config import tiny
+
+            layers = overrides.get("num_draft_layers", tiny().drafter.num_draft_layers)
+            overrides["init_from_target_layers"] = list(range(layers))
+        return overrides
 
 
 # --------------------------------------------------------------------------- step markers

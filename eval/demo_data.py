@@ -148,6 +148,27 @@ def task_of(prompt: str) -> str:
     return "other"
 
 
+def right_answers(source: dict, answered: dict) -> list[tuple[str, bool]]:
+    """(task, right?) for every assistant turn of `answered`, a chat of `source` whose replies
+    another model wrote, turn by turn on its own earlier replies (regeneration): a task's
+    right reply is the source's (a pure function of its prompt), a follow-up's is computed
+    from the reply `answered` gave before it."""
+    prompts = [m["content"] for m in source["messages"] if m["role"] == "user"]
+    wanted = [m["content"] for m in source["messages"] if m["role"] == "assistant"]
+    results, previous, prompt = [], None, None
+    for message in answered["messages"]:
+        if message["role"] == "user":
+            prompt = message["content"]
+        elif message["role"] == "assistant":
+            turn = len(results)
+            if turn >= len(prompts) or prompts[turn] != prompt:
+                raise ValueError(f"answered turn {turn} ({prompt!r}) is not turn {turn} of its source chat")
+            right = FOLLOW_UPS[prompt](previous) if prompt in FOLLOW_UPS else wanted[turn]
+            results.append((task_of(prompt), message["content"] == right))
+            previous = message["content"]
+    return results
+
+
 def generate_chat(rng: random.Random) -> dict:
     """One chat: optional system prompt, then 1-3 turns, some of them follow-ups."""
     messages: list[dict] = []

@@ -147,6 +147,19 @@ def test_settings_overrides():
             s.with_overrides([bad])
 
 
+def test_drafter_starts_from_the_target_layers_it_has_room_for(small_demo):
+    """By default drafter layer i starts as target layer i, for whatever number of drafter layers."""
+    out, _, _, _ = small_demo
+    run_config = json.loads((out / "run" / "config.json").read_text())
+    assert run_config["drafter"]["init_from_target_layers"] == list(range(run_config["drafter"]["num_draft_layers"]))
+    s = demo.DemoSettings.full()
+    assert s.train_overrides()["init_from_target_layers"] == list(range(s.train["num_draft_layers"]))
+    assert s.with_overrides(["train.num_draft_layers=3"]).train_overrides()["init_from_target_layers"] == [0, 1, 2]
+    assert "init_from_target_layers" not in s.with_overrides(["drafter_init_from_target=false"]).train_overrides()
+    chosen = s.with_overrides(["train.init_from_target_layers=[2,3]"]).train_overrides()
+    assert chosen["init_from_target_layers"] == [2, 3]
+
+
 def test_small_demo_rerun_reuses(small_demo):
     out, first, _, first_seconds = small_demo
     before = _built_files(out)

@@ -38,6 +38,8 @@ class DrafterSpec:
     """Weight of the KL term in mix: (1 - kd_weight) * CE + kd_weight * KL."""
     labels: Literal["data", "target"] = "data"
     """data | target: the cached token, or the target's own top-1 prediction of it, as the label."""
+    init_from_target_layers: list[int] | None = None
+    """Drafter layer i starts as a copy of target layer ids[i] (and its final norm as the target's); None = random."""
 
 
 @dataclass

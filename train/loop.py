@@ -38,7 +38,7 @@ from .config import OptimConfig, TrainConfig
 from .data import (AnchorDataset, Collate, GlobalBatchSampler, Split, held_out_batches, make_loader,
                    plan_buckets, total_steps, truncate_sample)
 from .data import DEFAULT_EVAL_SAMPLES
-from .model import DFlashDrafter, load_target_head
+from .model import DFlashDrafter, init_from_target_layers, load_target_head
 from .step import StepSpec, evaluate_batch, forward_loss, labels_and_weights, to_device, work_counts
 from .target import build_drafter_config, check_cache, load_target_meta, resolve_target
 
@@ -235,6 +235,8 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
         torch.manual_seed(rt.seed)
         with torch.device(device):  # initialised where it trains: a CPU init of 8B-sized layers takes seconds
             drafter = DFlashDrafter(dcfg)  # fp32 master weights
+            if cfg.drafter.init_from_target_layers is not None:
+                init_from_target_layers(drafter, cfg.target, cfg.drafter.init_from_target_layers)
         graphs_needed = 2 * len(buckets.buckets) + 2
         model, eval_model = wrap_parallel(drafter, cfg, dist_info, choice, graphs_needed)
         optimizer, scheduler = make_optimizer(drafter.parameters(), ocfg, steps, fused=cuda)

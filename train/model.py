@@ -515,6 +515,24 @@ def _find_name(names, preferred, suffix):
     return matches[0] if matches else None
 
 
+def _tensor_files(target_path: str) -> dict[str, str]:
+    """Tensor name -> safetensors file of a checkpoint folder (its index file when there is one)."""
+    from safetensors import safe_open
+
+    index_file = os.path.join(target_path, "model.safetensors.index.json")
+    if os.path.exists(index_file):
+        with open(index_file) as f:
+            return json.load(f)["weight_map"]
+    files = sorted(p for p in os.listdir(target_path) if p.endswith(".safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors files in {target_path}")
+    name_to_file = {}
+    for fname in files:
+        with safe_open(os.path.join(target_path, fname), framework="pt") as handle:
+            name_to_file.update({k: fname for k in handle.keys()})
+    return name_to_file
+
+
 def load_target_head(
     target_path: str | os.PathLike,
     device: str | torch.device = "cpu",
@@ -537,19 +555,7 @@ def load_target_head(
     text_config = config.get("text_config") if isinstance(config.get("text_config"), dict) else {}
     tied = bool(config.get("tie_word_embeddings", text_config.get("tie_word_embeddings", False)))
 
-    index_file = os.path.join(target_path, "model.safetensors.index.json")
-    if os.path.exists(index_file):
-        with open(index_file) as f:
-            name_to_file = json.load(f)["weight_map"]
-    else:
-        files = sorted(p for p in os.listdir(target_path) if p.endswith(".safetensors"))
-        if not files:
-            raise FileNotFoundError(f"no *.safetensors files in {target_path}")
-        name_to_file = {}
-        for fname in files:
-            with safe_open(os.path.join(target_path, fname), framework="pt") as handle:
-                name_to_file.update({k: fname for k in handle.keys()})
-
+    name_to_file = _tensor_files(target_path)
     embed_name = _find_name(name_to_file, _EMBED_NAMES, "embed_tokens.weight")
     if embed_name is None:
         raise KeyError(f"no input embedding (embed_tokens.weight) found in {target_path}")
@@ -569,3 +575,58 @@ def load_target_head(
     if head is not None and head.shape != embed.shape:
         raise ValueError(f"lm_head {tuple(head.shape)} and embedding {tuple(embed.shape)} shapes differ")
     return TargetHead(embed, head).requires_grad_(False)
+
+
+# ---------------------------------------------------------------------------- init from the target
+
+
+@torch.no_grad()
+def init_from_target_layers(drafter: DFlashDrafter, target_path: str | os.PathLike, layer_ids: list[int]) -> None:
+    """Start drafter layer i as a copy of target decoder layer ``layer_ids[i]``, and the drafter's
+    final norm as the target's (its output feeds the target's LM head, as the target's last layer's does).
+
+    A drafter layer has a target layer's shape (attention, q/k norms, MLP, both layer norms), so a
+    copy starts it from what the target learned about these tokens; ``fc`` and ``hidden_norm`` keep
+    their random init.
+    """
+    from safetensors import safe_open
+
+    target_path = os.fspath(target_path)
+    n_layers = drafter.config.num_hidden_layers
+    if len(layer_ids) != n_layers:
+        raise ValueError(f"init_from_target_layers has {len(layer_ids)} ids {list(layer_ids)}, but the drafter has "
+                         f"{n_layers} layers: give one target layer per drafter layer")
+    n_target = drafter.config.num_target_layers
+    bad = [j for j in layer_ids if not 0 <= int(j) < n_target]
+    if bad:
+        raise ValueError(f"init_from_target_layers {list(layer_ids)}: ids {bad} are not layers of the target "
+                         f"{target_path} (it has {n_target}: 0..{n_target - 1})")
+    name_to_file = _tensor_files(target_path)
+    sources: dict[str, str] = {}  # drafter state name -> target tensor name
+    for i, j in enumerate(layer_ids):
+        q_name = f"layers.{int(j)}.self_attn.q_proj.weight"
+        anchor = _find_name(name_to_file, (f"model.{q_name}", f"model.language_model.{q_name}"), f".{q_name}")
+        if anchor is None:
+            raise KeyError(f"{target_path}: no tensor for decoder layer {j} (layers.{j}.self_attn.q_proj.weight)")
+        prefix = anchor[: -len("self_attn.q_proj.weight")]
+        for name, _ in drafter.layers[i].named_parameters():
+            sources[f"layers.{i}.{name}"] = prefix + name
+    norm = _find_name(name_to_file, ("model.norm.weight", "model.language_model.norm.weight"), ".norm.weight")
+    if norm is None:
+        raise KeyError(f"{target_path}: no final norm (model.norm.weight)")
+    sources["norm.weight"] = norm
+
+    params = dict(drafter.named_parameters())
+    by_file: dict[str, list[str]] = {}
+    for name, source in sources.items():
+        if source not in name_to_file:
+            raise KeyError(f"{target_path}: drafter weight {name} needs {source}, which the checkpoint lacks")
+        by_file.setdefault(name_to_file[source], []).append(name)
+    for fname, names in by_file.items():
+        with safe_open(os.path.join(target_path, fname), framework="pt", device="cpu") as handle:
+            for name in names:
+                tensor = handle.get_tensor(sources[name])
+                if tuple(tensor.shape) != tuple(params[name].shape):
+                    raise ValueError(f"{target_path}: {sources[name]} is {tuple(tensor.shape)}, drafter weight "
+                                     f"{name} is {tuple(params[name].shape)}")
+                params[name].copy_(tensor)
