@@ -10,17 +10,10 @@ import pytest
 import torch
 
 import train_helpers as H
+from train_helpers import one_thread  # noqa: F401 - the module's autouse fixture
 from dflash.train import checkpoint
 from dflash.train.loop import train
 from dflash.train.model import DFlashDrafter, DrafterConfig, init_from_target_layers
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def drafter_for(target_dir, layers: int) -> DFlashDrafter:

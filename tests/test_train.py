@@ -10,18 +10,10 @@ import pytest
 import torch
 
 import train_helpers as H
+from train_helpers import one_thread  # noqa: F401 - the module's autouse fixture
 from dflash.shared.cache import CacheMismatch
 from dflash.train import checkpoint
 from dflash.train.loop import train
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny matmuls: intra-op threads only contend (10x slower on a loaded 2-core box)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")

@@ -12,6 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
+import pytest
 import torch
 from safetensors import safe_open
 
@@ -21,6 +22,16 @@ from dflash.train.config import tiny
 
 LAYER_IDS = [0, 1, 2]  # stored layers; the drafter uses [0, 2]
 CYCLE = [21, 34, 55, 89, 144, 233, 377, 61]
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Tiny matmuls: intra-op threads only contend (10x slower on a loaded 2-core box). Autouse in
+    every module that imports it."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
 
 
 def target_embedding(target_dir) -> torch.Tensor:
