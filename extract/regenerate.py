@@ -124,6 +124,8 @@ class RegenConfig:
     """Use the first N source rows."""
     device: str = "cpu"
     """'cpu', 'cuda' or 'cuda:N'."""
+    static_cache: bool | None = None
+    """Static KV cache with the decode step compiled into CUDA graphs; None = on for cuda."""
     on_bad_row: str = "skip"
     """Source rows that do not normalise: "skip" (counted) or "error"."""
     progress: bool = True
@@ -145,14 +147,27 @@ def generation_kwargs(settings: GenerationSettings, stop_ids: list[int], pad_id:
     return kwargs
 
 
-def generate_batch(model, tokenizer, prompts: list[str], gen_kwargs: dict, stop_ids: list[int]
-                   ) -> list[tuple[list[int], bool]]:
-    """Left-padded batched generation: per prompt (tokens before the stop token, truncated?)."""
+STATIC_WIDTH_STEP = 128  # static-cache prompts are left-padded to a multiple of this: few cache shapes
+
+
+def generate_batch(model, tokenizer, prompts: list[str], gen_kwargs: dict, stop_ids: list[int],
+                   static_cache: bool = False) -> list[tuple[list[int], bool]]:
+    """Left-padded batched generation: per prompt (tokens before the stop token, truncated?).
+
+    ``static_cache``: transformers' static KV cache, whose decode step generate() compiles
+    with CUDA graphs on a GPU (Python launch overhead, not the GPU, bounds a small target's
+    decoding). Prompts are padded to a multiple of STATIC_WIDTH_STEP so that batches share
+    cache shapes and the captured graphs; padding is masked, so the tokens do not change
+    beyond floating-point rounding.
+    """
     import torch
 
     # Padded by hand: setting tokenizer.padding_side would change the tokenizer (and its fingerprint).
     encoded = [tokenizer(p, add_special_tokens=False)["input_ids"] for p in prompts]
     width = max(len(ids) for ids in encoded)
+    if static_cache:
+        width = -(-width // STATIC_WIDTH_STEP) * STATIC_WIDTH_STEP
+        gen_kwargs = {**gen_kwargs, "cache_implementation": "static"}
     input_ids = torch.full((len(encoded), width), gen_kwargs["pad_token_id"], dtype=torch.long)
     attention_mask = torch.zeros((len(encoded), width), dtype=torch.long)
     for row, ids in enumerate(encoded):  # left padding: every prompt ends at the last column
@@ -284,7 +299,8 @@ def write_part(out: Path, part: int, rows: list[dict], stats: dict) -> None:
 
 
 def regenerate_conversations(model, tokenizer, convs: list[Conversation], settings: GenerationSettings,
-                             batch_size: int, skips: SkipCounter) -> tuple[list[dict], dict[str, int]]:
+                             batch_size: int, skips: SkipCounter, static_cache: bool = False
+                             ) -> tuple[list[dict], dict[str, int]]:
     """Regenerate every assistant turn of ``convs``, round by round (turn k of every chat
     in one round, batched), so each turn conditions on the regenerated earlier ones."""
     stop_ids = stop_token_ids(model, tokenizer)
@@ -313,7 +329,8 @@ def regenerate_conversations(model, tokenizer, convs: list[Conversation], settin
         pending.sort(key=lambda item: -item[3])  # similar lengths share a batch: less padding
         for start in range(0, len(pending), batch_size):
             batch = pending[start:start + batch_size]
-            outputs = generate_batch(model, tokenizer, [text for _, _, text, _ in batch], gen_kwargs, stop_ids)
+            outputs = generate_batch(model, tokenizer, [text for _, _, text, _ in batch], gen_kwargs, stop_ids,
+                                     static_cache)
             for (chat, turn, _, _), (tokens, truncated) in zip(batch, outputs):
                 content = tokenizer.decode(tokens, skip_special_tokens=False)
                 if not content.strip():
@@ -421,6 +438,7 @@ def regenerate(cfg: RegenConfig, *, model=None, tokenizer=None, overwrite: bool 
 
     from tqdm.auto import tqdm
 
+    static_cache = cfg.static_cache if cfg.static_cache is not None else model.device.type == "cuda"
     num_parts = math.ceil(num_rows / cfg.part_size)
     written = 0
     bar = tqdm(total=num_rows, desc="regenerate", unit="row", disable=not cfg.progress)
@@ -436,7 +454,8 @@ def regenerate(cfg: RegenConfig, *, model=None, tokenizer=None, overwrite: bool 
         skips = SkipCounter()
         convs = part_chats(ds, start, stop, cfg.data, cfg.on_bad_row, skips)
         torch.manual_seed(cfg.generation.seed * 1_000_003 + part)
-        rows, totals = regenerate_conversations(model, tokenizer, convs, cfg.generation, cfg.batch_size, skips)
+        rows, totals = regenerate_conversations(model, tokenizer, convs, cfg.generation, cfg.batch_size, skips,
+                                                static_cache)
         write_part(out, part, rows, {"part": part, "rows_in": stop - start, "rows_out": len(rows), **totals,
                                      "skipped": skips.to_dict()})
         written += 1

@@ -51,6 +51,8 @@ class RegenerateOptions:
     """Use the first N source rows."""
     device: str = RegenConfig.device
     """cpu, cuda or cuda:N (in process only)."""
+    static_cache: bool | None = None
+    """Static KV cache, decode step compiled into CUDA graphs (in process; default: on for cuda)."""
     on_bad_row: Literal["skip", "error"] = RegenConfig.on_bad_row
     """Source rows that do not normalise and requests the server rejects: skip and count them, or stop."""
     overwrite: bool = False
@@ -80,7 +82,8 @@ class RegenerateOptions:
                                       retries=self.retries)
             return EndpointJob(**common, model=self.model, endpoint=endpoint, extra_body=self.extra_body,
                                concurrency=self.concurrency)
-        return RegenConfig(**common, model=self.model, batch_size=self.batch_size, device=self.device)
+        return RegenConfig(**common, model=self.model, batch_size=self.batch_size, device=self.device,
+                           static_cache=self.static_cache)
 
 
 @click.command(context_settings=CONTEXT_SETTINGS)
