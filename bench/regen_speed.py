@@ -32,7 +32,7 @@ def main() -> None:
     from transformers import AutoTokenizer
 
     from dflash.extract.data import SkipCounter, load_source
-    from dflash.extract.regenerate import GenerationSettings, part_chats, regenerate_conversations
+    from dflash.extract.regenerate import GenerationSettings, StaticDecoder, part_chats, regenerate_conversations
     from dflash.extract.target import load_target
 
     tokenizer = AutoTokenizer.from_pretrained(args.model)
@@ -40,7 +40,7 @@ def main() -> None:
     ds = load_source(args.data)
     settings = GenerationSettings(max_new_tokens=args.max_new_tokens, max_prompt_tokens=1024)
 
-    def run(rows: int, batch_size: int, static: bool) -> tuple[list[dict], dict]:
+    def run(rows: int, batch_size: int, static: StaticDecoder | None) -> tuple[list[dict], dict]:
         skips = SkipCounter()
         convs = part_chats(ds, 0, min(rows, len(ds)), args.data, "skip", skips)
         torch.cuda.synchronize() if args.device.startswith("cuda") else None
@@ -48,20 +48,21 @@ def main() -> None:
         out, totals = regenerate_conversations(model, tokenizer, convs, settings, batch_size, skips, static)
         torch.cuda.synchronize() if args.device.startswith("cuda") else None
         seconds = time.perf_counter() - t0
-        stats = {"static": static, "rows": len(convs), "batch_size": batch_size, "seconds": round(seconds, 2),
+        stats = {"static": static is not None, "rows": len(convs), "batch_size": batch_size, "seconds": round(seconds, 2),
                  **totals, "tokens_per_s": round(totals["generated_tokens"] / seconds),
                  "rows_per_s": round(len(convs) / seconds, 2)}
         print(json.dumps(stats), flush=True)
         return out, stats
 
     results = []
-    # Warm-up of the static path (compile + graph capture) on a few rows, reported apart.
-    _, warm = run(min(64, args.rows), args.batch_size[0], True)
-    results.append({**warm, "label": "static warm-up (compile)"})
-    plain_rows, plain = run(args.plain_rows, args.batch_size[0], False)
+    plain_rows, plain = run(args.plain_rows, args.batch_size[0], None)
     results.append({**plain, "label": "plain"})
     for batch_size in args.batch_size:
-        static_rows, static = run(args.rows, batch_size, True)
+        decoder = StaticDecoder(model, batch_size, settings.max_new_tokens, settings.max_prompt_tokens)
+        # Warm-up (compile + graph capture) on one batch, reported apart.
+        _, warm = run(batch_size, batch_size, decoder)
+        results.append({**warm, "label": f"static bs {batch_size} warm-up (compile)"})
+        static_rows, static = run(args.rows, batch_size, decoder)
         by_row = {r["source_row"]: r["messages"] for r in static_rows}
         both = [r for r in plain_rows if r["source_row"] in by_row]
         same = sum(r["messages"] == by_row[r["source_row"]] for r in both)

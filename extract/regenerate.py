@@ -147,27 +147,46 @@ def generation_kwargs(settings: GenerationSettings, stop_ids: list[int], pad_id:
     return kwargs
 
 
-STATIC_WIDTH_STEP = 128  # static-cache prompts are left-padded to a multiple of this: few cache shapes
+STATIC_PROMPT_TOKENS = 2048  # the static cache's room for a prompt when --max-prompt-tokens is not set
+
+
+class StaticDecoder:
+    """One static KV cache of (batch_size, prompt room + max_new_tokens) for a whole run.
+
+    generate() compiles the decode step of a model whose cache is static and, on CUDA,
+    captures it in CUDA graphs: Python launch overhead, not the GPU, bounds a small
+    target's decoding. Every batch is padded to the same rows and reuses this one cache
+    (reset in place), so the step is compiled and captured once, not once per batch shape.
+    Prompts longer than the room fall back to the plain path.
+    """
+
+    def __init__(self, model, batch_size: int, max_new_tokens: int, prompt_tokens: int | None):
+        from transformers import StaticCache
+
+        self.rows, self.room = batch_size, prompt_tokens or STATIC_PROMPT_TOKENS
+        self.cache = StaticCache(config=model.config, max_cache_len=self.room + max_new_tokens)
+
+    def fits(self, width: int, rows: int) -> bool:
+        return width <= self.room and rows <= self.rows
 
 
 def generate_batch(model, tokenizer, prompts: list[str], gen_kwargs: dict, stop_ids: list[int],
-                   static_cache: bool = False) -> list[tuple[list[int], bool]]:
+                   static: StaticDecoder | None = None) -> list[tuple[list[int], bool]]:
     """Left-padded batched generation: per prompt (tokens before the stop token, truncated?).
-
-    ``static_cache``: transformers' static KV cache, whose decode step generate() compiles
-    with CUDA graphs on a GPU (Python launch overhead, not the GPU, bounds a small target's
-    decoding). Prompts are padded to a multiple of STATIC_WIDTH_STEP so that batches share
-    cache shapes and the captured graphs; padding is masked, so the tokens do not change
-    beyond floating-point rounding.
-    """
+    With ``static`` (where the batch fits it), the batch is padded to its rows with copies of
+    the first prompt and decoded on its cache; padding is masked, so the tokens do not
+    change beyond floating-point rounding."""
     import torch
 
     # Padded by hand: setting tokenizer.padding_side would change the tokenizer (and its fingerprint).
     encoded = [tokenizer(p, add_special_tokens=False)["input_ids"] for p in prompts]
     width = max(len(ids) for ids in encoded)
-    if static_cache:
-        width = -(-width // STATIC_WIDTH_STEP) * STATIC_WIDTH_STEP
-        gen_kwargs = {**gen_kwargs, "cache_implementation": "static"}
+    real_rows = len(encoded)
+    if static is not None and static.fits(width, real_rows):
+        encoded += [encoded[0]] * (static.rows - real_rows)
+        with torch.inference_mode():
+            static.cache.reset()
+        gen_kwargs = {**gen_kwargs, "past_key_values": static.cache}
     input_ids = torch.full((len(encoded), width), gen_kwargs["pad_token_id"], dtype=torch.long)
     attention_mask = torch.zeros((len(encoded), width), dtype=torch.long)
     for row, ids in enumerate(encoded):  # left padding: every prompt ends at the last column
@@ -176,7 +195,7 @@ def generate_batch(model, tokenizer, prompts: list[str], gen_kwargs: dict, stop_
     device = next(model.parameters()).device
     with torch.inference_mode():
         out = model.generate(input_ids=input_ids.to(device), attention_mask=attention_mask.to(device), **gen_kwargs)
-    new = out[:, width:].tolist()
+    new = out[:real_rows, width:].tolist()
     stops = set(stop_ids)
     results = []
     for tokens in new:
@@ -299,7 +318,7 @@ def write_part(out: Path, part: int, rows: list[dict], stats: dict) -> None:
 
 
 def regenerate_conversations(model, tokenizer, convs: list[Conversation], settings: GenerationSettings,
-                             batch_size: int, skips: SkipCounter, static_cache: bool = False
+                             batch_size: int, skips: SkipCounter, static: StaticDecoder | None = None
                              ) -> tuple[list[dict], dict[str, int]]:
     """Regenerate every assistant turn of ``convs``, round by round (turn k of every chat
     in one round, batched), so each turn conditions on the regenerated earlier ones."""
@@ -330,7 +349,7 @@ def regenerate_conversations(model, tokenizer, convs: list[Conversation], settin
         for start in range(0, len(pending), batch_size):
             batch = pending[start:start + batch_size]
             outputs = generate_batch(model, tokenizer, [text for _, _, text, _ in batch], gen_kwargs, stop_ids,
-                                     static_cache)
+                                     static)
             for (chat, turn, _, _), (tokens, truncated) in zip(batch, outputs):
                 content = tokenizer.decode(tokens, skip_special_tokens=False)
                 if not content.strip():
@@ -438,7 +457,9 @@ def regenerate(cfg: RegenConfig, *, model=None, tokenizer=None, overwrite: bool 
 
     from tqdm.auto import tqdm
 
-    static_cache = cfg.static_cache if cfg.static_cache is not None else model.device.type == "cuda"
+    use_static = cfg.static_cache if cfg.static_cache is not None else model.device.type == "cuda"
+    static = (StaticDecoder(model, cfg.batch_size, cfg.generation.max_new_tokens, cfg.generation.max_prompt_tokens)
+              if use_static else None)
     num_parts = math.ceil(num_rows / cfg.part_size)
     written = 0
     bar = tqdm(total=num_rows, desc="regenerate", unit="row", disable=not cfg.progress)
@@ -455,7 +476,7 @@ def regenerate(cfg: RegenConfig, *, model=None, tokenizer=None, overwrite: bool 
         convs = part_chats(ds, start, stop, cfg.data, cfg.on_bad_row, skips)
         torch.manual_seed(cfg.generation.seed * 1_000_003 + part)
         rows, totals = regenerate_conversations(model, tokenizer, convs, cfg.generation, cfg.batch_size, skips,
-                                                static_cache)
+                                                static)
         write_part(out, part, rows, {"part": part, "rows_in": stop - start, "rows_out": len(rows), **totals,
                                      "skipped": skips.to_dict()})
         written += 1

@@ -174,3 +174,20 @@ def test_cli_runs(tmp_path, tiny_target_dir, chats_sample_path):
     again = CliRunner().invoke(regen_cli.cli, args)  # everything done: just re-finalises
     assert again.exit_code == 0, again.output
     assert len(_rows(out)) == 2
+
+
+@pytest.mark.parametrize("room", [None, 40])
+def test_static_cache_equals_the_plain_path(greedy_run, tmp_path, target, tokenizer, tiny_target_dir,
+                                            chats_sample_path, monkeypatch, room):
+    """The static-cache path (one cache for the run, batches padded to its rows; prompts longer
+    than its room fall back to the plain path) gives the plain path's rows, in fp32 exactly."""
+    fits = []
+    original_fits = regen.StaticDecoder.fits
+    monkeypatch.setattr(regen.StaticDecoder, "fits", lambda self, *a: fits.append(original_fits(self, *a)) or fits[-1])
+    if room is not None:
+        monkeypatch.setattr(regen, "STATIC_PROMPT_TOKENS", room)
+    cfg = _config(chats_sample_path, tiny_target_dir, tmp_path / "static")
+    cfg.static_cache, cfg.batch_size = True, 4
+    regen.regenerate(cfg, model=target, tokenizer=tokenizer)
+    assert _rows(tmp_path / "static") == _rows(greedy_run[0])
+    assert True in fits and (room is None or False in fits), fits  # both paths ran where the room forces it
