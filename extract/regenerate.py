@@ -147,27 +147,40 @@ def generation_kwargs(settings: GenerationSettings, stop_ids: list[int], pad_id:
     return kwargs
 
 
-STATIC_PROMPT_TOKENS = 2048  # the static cache's room for a prompt when --max-prompt-tokens is not set
+STATIC_PROMPT_TOKENS = 2048  # the static caches' room for a prompt when --max-prompt-tokens is not set
+STATIC_SMALLEST_ROOM = 256  # rooms double from here up to the prompt cap
 
 
 class StaticDecoder:
-    """One static KV cache of (batch_size, prompt room + max_new_tokens) for a whole run.
+    """Static KV caches of (batch_size, room + max_new_tokens), one per prompt room, for a whole run.
 
     generate() compiles the decode step of a model whose cache is static and, on CUDA,
-    captures it in CUDA graphs: Python launch overhead, not the GPU, bounds a small
-    target's decoding. Every batch is padded to the same rows and reuses this one cache
-    (reset in place), so the step is compiled and captured once, not once per batch shape.
-    Prompts longer than the room fall back to the plain path.
+    captures it in CUDA graphs: Python launch overhead would otherwise bound a small
+    target's decoding. Every batch is padded to the same rows and takes the smallest room
+    that holds its prompts; each room's cache is reset in place and reused, so the step is
+    compiled once per room, not once per batch. Rooms double because a decode step reads
+    the whole static cache (its cost grows with the room, not with the prompt). Prompts
+    longer than the largest room fall back to the plain path.
     """
 
     def __init__(self, model, batch_size: int, max_new_tokens: int, prompt_tokens: int | None):
-        from transformers import StaticCache
+        self.model, self.rows, self.max_new_tokens = model, batch_size, max_new_tokens
+        self.room = prompt_tokens or STATIC_PROMPT_TOKENS
+        self.caches: dict[int, object] = {}
 
-        self.rows, self.room = batch_size, prompt_tokens or STATIC_PROMPT_TOKENS
-        self.cache = StaticCache(config=model.config, max_cache_len=self.room + max_new_tokens)
+    def cache_for(self, width: int, rows: int):
+        """The reset cache of the smallest room that holds ``width`` prompt tokens, or None."""
+        if width > self.room or rows > self.rows:
+            return None
+        room = STATIC_SMALLEST_ROOM
+        while room < width:
+            room *= 2
+        room = min(room, self.room)
+        if room not in self.caches:
+            from transformers import StaticCache
 
-    def fits(self, width: int, rows: int) -> bool:
-        return width <= self.room and rows <= self.rows
+            self.caches[room] = StaticCache(config=self.model.config, max_cache_len=room + self.max_new_tokens)
+        return self.caches[room]
 
 
 def generate_batch(model, tokenizer, prompts: list[str], gen_kwargs: dict, stop_ids: list[int],
@@ -182,11 +195,12 @@ def generate_batch(model, tokenizer, prompts: list[str], gen_kwargs: dict, stop_
     encoded = [tokenizer(p, add_special_tokens=False)["input_ids"] for p in prompts]
     width = max(len(ids) for ids in encoded)
     real_rows = len(encoded)
-    if static is not None and static.fits(width, real_rows):
+    cache = static.cache_for(width, real_rows) if static is not None else None
+    if cache is not None:
         encoded += [encoded[0]] * (static.rows - real_rows)
         with torch.inference_mode():
-            static.cache.reset()
-        gen_kwargs = {**gen_kwargs, "past_key_values": static.cache}
+            cache.reset()
+        gen_kwargs = {**gen_kwargs, "past_key_values": cache}
     input_ids = torch.full((len(encoded), width), gen_kwargs["pad_token_id"], dtype=torch.long)
     attention_mask = torch.zeros((len(encoded), width), dtype=torch.long)
     for row, ids in enumerate(encoded):  # left padding: every prompt ends at the last column

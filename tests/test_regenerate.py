@@ -182,12 +182,35 @@ def test_static_cache_equals_the_plain_path(greedy_run, tmp_path, target, tokeni
     """The static-cache path (one cache for the run, batches padded to its rows; prompts longer
     than its room fall back to the plain path) gives the plain path's rows, in fp32 exactly."""
     fits = []
-    original_fits = regen.StaticDecoder.fits
-    monkeypatch.setattr(regen.StaticDecoder, "fits", lambda self, *a: fits.append(original_fits(self, *a)) or fits[-1])
+    original = regen.StaticDecoder.cache_for
+    monkeypatch.setattr(regen.StaticDecoder, "cache_for",
+                        lambda self, *a: fits.append(original(self, *a) is not None) or original(self, *a))
+    monkeypatch.setattr(regen, "STATIC_SMALLEST_ROOM", 16)  # several rooms at the test's prompt lengths
     if room is not None:
         monkeypatch.setattr(regen, "STATIC_PROMPT_TOKENS", room)
+    decoder_rooms = set()
+    original_init = regen.StaticDecoder.__init__
+
+    def init(self, *args):
+        original_init(self, *args)
+        self.caches = _Recording(decoder_rooms)
+
+    monkeypatch.setattr(regen.StaticDecoder, "__init__", init)
     cfg = _config(chats_sample_path, tiny_target_dir, tmp_path / "static")
     cfg.static_cache, cfg.batch_size = True, 4
     regen.regenerate(cfg, model=target, tokenizer=tokenizer)
     assert _rows(tmp_path / "static") == _rows(greedy_run[0])
     assert True in fits and (room is None or False in fits), fits  # both paths ran where the room forces it
+    assert room is not None or len(decoder_rooms) > 1, decoder_rooms  # several rooms were used
+
+
+class _Recording(dict):
+    """A dict that notes every key set in it."""
+
+    def __init__(self, seen: set):
+        super().__init__()
+        self.seen = seen
+
+    def __setitem__(self, key, value):
+        self.seen.add(key)
+        super().__setitem__(key, value)
