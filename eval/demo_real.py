@@ -148,7 +148,7 @@ def run_real(out: Path, s: RealSettings, gguf: str | None, echo=click.echo) -> d
         "--part-size", "2048"], echo)["seconds"]
     times["extract"] = _stage("[3/5] extract", cache, regen_settings, [
         "dflash.extract.cli", "--data", str(regen), "--model", str(target), "--out", str(cache), "--gpus", "0",
-        "--max-length", str(max(s.train["context_buckets"])), "--summary-json", str(out / "extract.json")],
+        "--max-length", str(max(s.train["context_buckets"])), "--on-bad-row", "skip", "--summary-json", str(out / "extract.json")],
         echo)["seconds"]
     train_flags = [f"--{k.replace('_', '-')}={','.join(map(str, v)) if isinstance(v, list) else v}"
                    for k, v in s.train.items()]
