@@ -137,7 +137,7 @@ class TrainConfig:
 
     cache: str = ""
     """Path of the hidden-state cache (Zarr) written by dflash-extract."""
-    target: str = ""
+    target: str = field(default="", metadata={"exists": "model"})
     """Target model folder or name (config, tokenizer, embedding, LM head); default: the one the cache records."""
     out: str = ""
     """Run folder: checkpoints/, metrics.jsonl, config.json, tb/."""
@@ -233,5 +233,5 @@ class ExportOptions:
     """'latest', a step folder name (step_000100) or a checkpoint path."""
     dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
     """dtype of the exported weights."""
-    target: str | None = None
+    target: str | None = field(default=None, metadata={"exists": "model"})
     """Target folder or hub name the export is checked against and served with; default: the run's."""

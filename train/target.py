@@ -8,6 +8,7 @@ import logging
 import os
 
 from dflash.shared.cache import CacheMismatch, CacheReader, CacheSpec
+from dflash.shared.cli_options import looks_like_path
 from dflash.shared.layers import check_layer_ids
 
 from .config import TrainConfig
@@ -30,11 +31,6 @@ def recorded_target(spec: CacheSpec) -> str | None:
         return str(located)
     name = (spec.fingerprint or {}).get("target", {}).get("name_or_path")
     return str(name) if name else None
-
-
-def looks_like_path(name: str) -> bool:
-    """A local path rather than a hub id ('org/name' or 'name')."""
-    return os.path.isabs(name) or name.startswith((".", "~")) or name.count("/") > 1 or os.sep != "/" and os.sep in name
 
 
 def resolve_target(requested: str, spec: CacheSpec, cache_path: str) -> str:
@@ -91,7 +87,7 @@ def resolve_mask_token(requested: int | None, tokenizer, vocab_size: int) -> int
     tokenizer_mask = tokenizer_mask_id(tokenizer)
     if requested is not None:
         if not 0 <= requested < vocab_size:
-            raise ValueError(f"mask_token_id {requested} is outside the target vocabulary [0, {vocab_size})")
+            raise ValueError(f"--mask-token-id {requested} is outside the target vocabulary [0, {vocab_size})")
         if tokenizer_mask is not None and requested != tokenizer_mask:
             log.warning("mask_token_id %d is not the tokenizer's %s (%d): SGLang refuses such a drafter",
                         requested, MASK_TOKEN, tokenizer_mask)
@@ -121,6 +117,10 @@ def drafter_layer_ids(requested: list[int] | None, spec: CacheSpec) -> list[int]
     whose layers break the serving rules (made before they were checked) is refused with a
     valid subset to pass instead."""
     if requested:
+        try:
+            check_layer_ids(list(requested), spec.num_target_layers)
+        except ValueError as e:
+            raise ValueError(f"--target-layer-ids: {e}") from None
         return list(requested)
     stored = list(spec.layer_ids)
     try:
