@@ -23,7 +23,7 @@ from typing import Any, Literal
 
 import click
 
-from dflash.shared.cli_options import CONTEXT_SETTINGS, build, options, reading, validated
+from dflash.shared.cli_options import CONTEXT_SETTINGS, build, options, reading, usable_device, validated
 
 log = logging.getLogger("dflash.eval")
 
@@ -168,6 +168,7 @@ class EvalConfig:
 def cli(**values):
     """Speculative decoding with a DFlash drafter vs plain greedy decoding of the target."""
     cfg = validated(build(EvalConfig, values))
+    usable_device(cfg.device)
     import torch
     from transformers import AutoTokenizer
 

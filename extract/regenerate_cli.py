@@ -10,7 +10,8 @@ from typing import Literal
 
 import click
 
-from dflash.shared.cli_options import CONTEXT_SETTINGS, build, looks_like_path, options, validated
+from dflash.shared.cli_options import (CONTEXT_SETTINGS, build, looks_like_path, options, usable_device,
+                                       validated)
 
 from .data import DataError
 from .endpoint import EndpointConfig
@@ -93,6 +94,8 @@ def cli(**values):
     ENDPOINT); write a dataset to OUT."""
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     opts = validated(build(RegenerateOptions, values))
+    if opts.endpoint is None:
+        usable_device(opts.device)
     job = opts.job()
     try:
         if isinstance(job, EndpointJob):

@@ -350,6 +350,23 @@ def _bad_input_as_click_errors(fn: Callable) -> Callable:
     return command
 
 
+def usable_device(device: str, flag: str = "--device") -> str:
+    """``device`` ('auto', 'cpu', 'cuda' or 'cuda:N') where this machine has it, else a
+    click.BadParameter naming the flag (torch would fail later with an assertion)."""
+    kind, _, index = device.partition(":")
+    if device == "auto" or (kind == "cpu" and not index):
+        return device
+    if kind != "cuda" or (index and not index.isdigit()):
+        raise click.BadParameter(f"{device!r} is not a device; use cpu, cuda or cuda:N", param_hint=flag)
+    import torch
+
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if int(index or 0) >= count:
+        raise click.BadParameter(f"{device}: this machine has {count} visible CUDA devices; use --device cpu",
+                                 param_hint=flag)
+    return device
+
+
 @contextlib.contextmanager
 def reading(flag: str):
     """Around the code that reads ``flag``'s input: an expected error there becomes a

@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+import torch
 from click.testing import CliRunner
 from train_helpers import one_thread, write_pattern_cache  # noqa: F401 - one_thread: autouse fixture
 
@@ -33,6 +35,14 @@ def drafter(tiny_target_dir, tmp_path_factory) -> Path:
     config = DrafterConfig.from_target_config(AutoConfig.from_pretrained(tiny_target_dir), [0, 2], mask_token_id=3,
                                               block_size=4, num_hidden_layers=1)
     return export_drafter(DFlashDrafter(config), config, tmp_path_factory.mktemp("errors") / "drafter")
+
+
+@dataclass
+class RaiseFlags:
+    """A command that raises the error named."""
+
+    kind: str = "value"
+    """Which error to raise."""
 
 
 def refused(command, args: list[str], *named: str) -> str:
@@ -106,3 +116,36 @@ def test_console_script_prints_no_traceback(cache, tmp_path):
     run = subprocess.run([sys.executable, "-m", "dflash.train.cli", *args], capture_output=True, text=True, timeout=120)
     assert run.returncode == 1 and "Traceback" not in run.stderr, run.stderr
     assert "Error: --target-layer-ids: target layer ids [3, 1]" in run.stderr
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+def test_cuda_asked_for_on_a_machine_without_it(cache, tiny_target_dir, drafter, tmp_path):
+    refused(train_cli, ["run", "--cache", cache, "--out", tmp_path / "run", "--preset", "tiny", "--device", "cuda"],
+            "--device", "0 visible CUDA devices")
+    refused(eval_cli, ["--target", tiny_target_dir, "--drafter", drafter, "--prompts", "x.jsonl", "--device", "cuda:1"],
+            "--device", "cuda:1")
+
+
+def test_device_name_not_a_device(tiny_target_dir, drafter):
+    refused(eval_cli, ["--target", tiny_target_dir, "--drafter", drafter, "--prompts", "x.jsonl", "--device", "gpu"],
+            "--device", "'gpu' is not a device")
+
+
+def test_only_expected_errors_become_one_line(tmp_path):
+    """ValueError and OSError (bad input) are one line; any other error keeps its traceback."""
+    import click
+
+    from dflash.shared.cli_options import options
+
+    errors = {"value": ValueError("--kind: not good"), "os": FileNotFoundError(2, "No such file", str(tmp_path / "f")),
+              "bug": RuntimeError("internal")}
+
+    @click.command()
+    @options(RaiseFlags)
+    def command(kind):
+        raise errors[kind]
+
+    assert "Error: --kind: not good" in refused(command, ["--kind", "value"])
+    assert f"Error: {tmp_path / 'f'}: No such file" in refused(command, ["--kind", "os"])
+    result = CliRunner().invoke(command, ["--kind", "bug"])
+    assert result.exception is errors["bug"]

@@ -20,7 +20,8 @@ from pathlib import Path
 
 import click
 
-from dflash.shared.cli_options import CONTEXT_SETTINGS, given, options, pick, reading, validated
+from dflash.shared.cli_options import (CONTEXT_SETTINGS, given, options, pick, reading, usable_device,
+                                       validated)
 
 from . import config as config_mod
 from .config import ExportOptions, RunOptions, TrainConfig
@@ -65,6 +66,7 @@ def run(ctx: click.Context, **values):
         if not getattr(cfg, required):
             raise click.UsageError(f"--{required} is required")
     validated(cfg)
+    usable_device(cfg.runtime.device)
     _setup_logging()
     warning = cpu_preset_warning(opts.preset, cfg.runtime.device)
     if warning:
