@@ -354,7 +354,7 @@ def usable_device(device: str, flag: str = "--device") -> str:
     """``device`` ('auto', 'cpu', 'cuda' or 'cuda:N') where this machine has it, else a
     click.BadParameter naming the flag (torch would fail later with an assertion)."""
     kind, _, index = device.partition(":")
-    if device == "auto" or (kind == "cpu" and not index):
+    if device == "auto" or kind == "cpu":
         return device
     if kind != "cuda" or (index and not index.isdigit()):
         raise click.BadParameter(f"{device!r} is not a device; use cpu, cuda or cuda:N", param_hint=flag)
