@@ -53,7 +53,7 @@ def main():
     t = mark("open cache", t)
     hf_config, tokenizer = load_target_meta(cfg.target)
     cfg.drafter.mask_token_id = hf_config.vocab_size - 1  # as train_start.py passes it
-    dcfg = build_drafter_config(cfg, hf_config, tokenizer, reader.spec)
+    dcfg = build_drafter_config(cfg, hf_config, tokenizer, reader)
     t = mark("target config + tokenizer", t)
     torch.manual_seed(0)
     drafter = DFlashDrafter(dcfg)

@@ -23,7 +23,7 @@ from typing import Any, Literal
 
 import click
 
-from dflash.shared.cli_options import CONTEXT_SETTINGS, build, options, validated
+from dflash.shared.cli_options import CONTEXT_SETTINGS, build, options, reading, usable_device, validated
 
 log = logging.getLogger("dflash.eval")
 
@@ -130,7 +130,7 @@ def format_report(result: dict[str, Any]) -> str:
 class EvalConfig:
     """Every flag of ``dflash-eval``: which target, drafter and prompts, how to decode and report."""
 
-    target: str
+    target: str = field(metadata={"exists": "model"})
     """Target model: HF folder or hub name (from_pretrained)."""
     drafter: str = field(metadata={"exists": "dir"})
     """Export folder (config.json) or training run / checkpoint folder (latest checkpoint)."""
@@ -168,6 +168,7 @@ class EvalConfig:
 def cli(**values):
     """Speculative decoding with a DFlash drafter vs plain greedy decoding of the target."""
     cfg = validated(build(EvalConfig, values))
+    usable_device(cfg.device)
     import torch
     from transformers import AutoTokenizer
 
@@ -181,9 +182,11 @@ def cli(**values):
     dtype = cfg.dtype if cfg.dtype != "auto" else ("bfloat16" if device.startswith("cuda") else "float32")
     tokenizer = AutoTokenizer.from_pretrained(target)
     model = load_target(target, dtype=dtype, device=device)
-    draft_model, config = load_drafter(cfg.drafter, device=device, dtype=getattr(torch, dtype))
-    prompts = load_prompts(cfg.prompts, tokenizer, split=cfg.split, limit=cfg.limit,
-                           template_kwargs=cfg.template_kwargs or None)
+    with reading("--drafter"):
+        draft_model, config = load_drafter(cfg.drafter, device=device, dtype=getattr(torch, dtype))
+    with reading("--prompts"):
+        prompts = load_prompts(cfg.prompts, tokenizer, split=cfg.split, limit=cfg.limit,
+                               template_kwargs=cfg.template_kwargs or None)
     if not prompts:
         raise click.ClickException(f"no usable prompts in {cfg.prompts}")
     click.echo(f"{len(prompts)} prompts, block size {config.block_size}, layers {config.target_layer_ids}, "

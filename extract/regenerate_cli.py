@@ -4,12 +4,14 @@
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass, field
 from typing import Literal
 
 import click
 
-from dflash.shared.cli_options import CONTEXT_SETTINGS, build, options, validated
+from dflash.shared.cli_options import (CONTEXT_SETTINGS, build, looks_like_path, options, usable_device,
+                                       validated)
 
 from .data import DataError
 from .endpoint import EndpointConfig
@@ -62,6 +64,8 @@ class RegenerateOptions:
         """Raise ValueError naming the first setting that cannot work."""
         if self.endpoint is None and self.model is None:
             raise ValueError("give --model (in process) or --endpoint (a server)")
+        if self.endpoint is None and looks_like_path(self.model) and not os.path.isdir(os.path.expanduser(self.model)):
+            raise ValueError(f"--model {self.model} is not a folder; pass an existing model folder or a hub name")
         self.generation.validate()
         for name in ("batch_size", "concurrency", "part_size"):
             if getattr(self, name) < 1:
@@ -93,6 +97,8 @@ def cli(**values):
     ENDPOINT); write a dataset to OUT."""
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     opts = validated(build(RegenerateOptions, values))
+    if opts.endpoint is None:
+        usable_device(opts.device)
     job = opts.job()
     try:
         if isinstance(job, EndpointJob):

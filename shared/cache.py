@@ -976,6 +976,25 @@ class CacheReader:
                 out["hidden"], out[HIDDEN_SCALE] = torch.from_numpy(raw["hidden"]), torch.from_numpy(raw[HIDDEN_SCALE])
         return {**out, "source_index": int(self._source(pos)[j])}
 
+    def id_counts(self, minlength: int = 0, batch_chunks: int = 16) -> np.ndarray:
+        """Occurrences of every token id in the committed ``input_ids`` (indexed by id, at least
+        ``vocab_size`` and ``minlength`` long): a pass over whole chunks, ``batch_chunks`` at a time."""
+        counts = np.zeros(max(self.spec.vocab_size, minlength), np.int64)
+        for pos, shard in enumerate(self.shards):
+            array = self._array(pos, "input_ids")
+            step = array.chunks[0] * batch_chunks
+            for t0 in range(0, shard.tokens, step):
+                try:
+                    ids = np.asarray(array[t0:min(t0 + step, shard.tokens)])
+                except Exception as e:
+                    raise CacheError(f"{self.path}: shard {shard.shard_id:05d} input_ids tokens {t0}:{t0 + step}: "
+                                     f"cannot read: {type(e).__name__}: {e}") from e
+                found = np.bincount(ids, minlength=len(counts))
+                if len(found) > len(counts):
+                    counts = np.pad(counts, (0, len(found) - len(counts)))
+                counts += found
+        return counts
+
     # -- contract with training
     def check_compatible(
         self,

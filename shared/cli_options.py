@@ -7,16 +7,23 @@ default is the field's, and the help is the string literal written under the fie
 field whose type is a dataclass contributes its own fields (flat names, unique across
 the tree). Per-field ``metadata`` (``dataclasses.field``) adds what the type cannot say:
 ``argument`` (positional), ``flag`` (another spelling), ``hidden``, ``envvar`` and
-``exists`` ("file" or "dir": the path must exist).
+``exists`` ("file" or "dir": the path must exist; "model": a folder or hub name, and a
+value that looks like a local path must be an existing folder).
+
+Bad input ends in one line naming what to fix, never a traceback: a command built with
+``options`` shows the expected errors of bad input (ValueError, OSError, CacheError) as
+click errors (exit status 1), and ``reading(flag)`` names the flag whose input failed.
 """
 
 from __future__ import annotations
 
 import ast
+import contextlib
 import dataclasses
 import functools
 import inspect
 import json
+import os
 import types
 import typing
 from dataclasses import dataclass
@@ -218,8 +225,32 @@ def flag_text(value: Any) -> str | Any:
     return value
 
 
+def looks_like_path(name: str) -> bool:
+    """A local path rather than a hub id ('org/name' or 'name')."""
+    return os.path.isabs(name) or name.startswith((".", "~")) or name.count("/") > 1 or os.sep != "/" and os.sep in name
+
+
+class ModelPath(click.ParamType):
+    """A model folder or hub name; one that looks like a local path must be an existing folder
+    (else transformers reports a malformed hub id, naming neither the flag nor the fix)."""
+
+    name = "text"
+
+    def __init__(self, optional: bool):
+        self.optional = optional
+
+    def convert(self, value, param, ctx):
+        if self.optional and isinstance(value, str) and value.strip().lower() in NONE_WORDS:
+            return None
+        if value and looks_like_path(value) and not os.path.isdir(os.path.expanduser(value)):
+            self.fail(f"{value} is not a folder; pass an existing model folder or a hub name (org/name)", param, ctx)
+        return value
+
+
 def _click_type(f: FieldFlag):
     exists = f.metadata.get("exists")
+    if exists == "model":
+        return ModelPath(_optional_inner(f.hint)[1])
     if exists:
         return click.Path(exists=True, dir_okay=exists == "dir", file_okay=exists == "file")
     inner, optional = _optional_inner(f.hint)
@@ -281,11 +312,73 @@ def options(*classes: type) -> Callable:
         if arguments and fn.__doc__:
             lines = "\n".join(f"  {f.name.upper():<10} {f.doc}" for f in arguments)
             fn.__doc__ = inspect.cleandoc(fn.__doc__) + "\n\n\b\nArguments:\n" + lines
+        fn = _bad_input_as_click_errors(fn)
         for f in reversed(flags):
             fn = _parameter(f)(fn)
         return fn
 
     return decorate
+
+
+def _expected_errors() -> tuple[type[Exception], ...]:
+    """The errors that mean bad input (a missing or unreadable file, a value that cannot work)."""
+    from .cache import CacheError  # on the error path only: it imports torch and zarr
+
+    return (ValueError, OSError, CacheError)
+
+
+def _message(e: Exception) -> str:
+    if isinstance(e, OSError) and e.filename and e.strerror:
+        return f"{e.filename}: {e.strerror}"
+    return str(e)
+
+
+def _bad_input_as_click_errors(fn: Callable) -> Callable:
+    """``fn`` with the expected errors of bad input shown as a click error (exit status 1)."""
+
+    @functools.wraps(fn)
+    def command(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except click.ClickException:
+            raise
+        except Exception as e:
+            if not isinstance(e, _expected_errors()):
+                raise
+            raise click.ClickException(_message(e)) from e
+
+    return command
+
+
+def usable_device(device: str, flag: str = "--device") -> str:
+    """``device`` ('auto', 'cpu', 'cuda' or 'cuda:N') where this machine has it, else a
+    click.BadParameter naming the flag (torch would fail later with an assertion)."""
+    kind, _, index = device.partition(":")
+    if device == "auto" or kind == "cpu":
+        return device
+    if kind != "cuda" or (index and not index.isdigit()):
+        raise click.BadParameter(f"{device!r} is not a device; use cpu, cuda or cuda:N", param_hint=flag)
+    import torch
+
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if int(index or 0) >= count:
+        raise click.BadParameter(f"{device}: this machine has {count} visible CUDA devices; use --device cpu",
+                                 param_hint=flag)
+    return device
+
+
+@contextlib.contextmanager
+def reading(flag: str):
+    """Around the code that reads ``flag``'s input: an expected error there becomes a
+    click.BadParameter naming the flag (exit status 2)."""
+    try:
+        yield
+    except click.ClickException:
+        raise
+    except Exception as e:
+        if not isinstance(e, _expected_errors()):
+            raise
+        raise click.BadParameter(_message(e), param_hint=flag) from e
 
 
 def build(cls: type, values: dict[str, Any]):

@@ -389,7 +389,7 @@ def test_empty_slots_add_nothing_under_kd(reader, tiny_target_dir):
 
     cfg = H.tiny_config(reader.path, tiny_target_dir, "unused")
     hf_config, tokenizer = load_target_meta(str(tiny_target_dir))
-    dcfg = build_drafter_config(cfg, hf_config, tokenizer, reader.spec)
+    dcfg = build_drafter_config(cfg, hf_config, tokenizer, reader)
     head = load_target_head(str(tiny_target_dir), torch.device("cpu"), torch.float32)
     torch.manual_seed(0)
     drafter = DFlashDrafter(dcfg)

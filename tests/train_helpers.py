@@ -41,7 +41,7 @@ def target_embedding(target_dir) -> torch.Tensor:
 
 def write_pattern_cache(path, target_dir, tokenizer, n_samples=24, seed=0, min_len=20, max_len=60,
                         layer_ids=LAYER_IDS, hidden_size=None, vocab_size=None, tokenizer_hash=None,
-                        num_target_layers=4, samples_per_shard=None):
+                        num_target_layers=4, samples_per_shard=None, cycle=CYCLE):
     emb = target_embedding(target_dir).float()
     V, D = emb.shape
     hidden_size = hidden_size or D
@@ -55,7 +55,7 @@ def write_pattern_cache(path, target_dir, tokenizer, n_samples=24, seed=0, min_l
     )
     root = C.create_or_open_cache(str(path), spec)
     per_shard = samples_per_shard or n_samples
-    cycle = np.array(CYCLE)
+    cycle = np.array(cycle)
     for shard, s0 in enumerate(range(0, n_samples, per_shard)):
         lens = lengths[s0:s0 + per_shard]
         plan = C.ShardPlan(source_index=np.arange(s0, s0 + len(lens)), lengths=lens,

@@ -20,7 +20,8 @@ from pathlib import Path
 
 import click
 
-from dflash.shared.cli_options import CONTEXT_SETTINGS, given, options, pick, validated
+from dflash.shared.cli_options import (CONTEXT_SETTINGS, given, options, pick, reading, usable_device,
+                                       validated)
 
 from . import config as config_mod
 from .config import ExportOptions, RunOptions, TrainConfig
@@ -65,19 +66,14 @@ def run(ctx: click.Context, **values):
         if not getattr(cfg, required):
             raise click.UsageError(f"--{required} is required")
     validated(cfg)
+    usable_device(cfg.runtime.device)
     _setup_logging()
     warning = cpu_preset_warning(opts.preset, cfg.runtime.device)
     if warning:
         logging.getLogger("dflash.train").warning(warning)
-    from dflash.shared.cache import CacheError
-
     from .loop import train
-    from .target import TargetNotFound
 
-    try:
-        summary = train(cfg)
-    except (CacheError, TargetNotFound) as e:
-        raise click.ClickException(str(e)) from e
+    summary = train(cfg)  # a bad cache, target or flag value is one line (cli_options), not a traceback
     if summary["eval"] is not None:
         click.echo(f"done: step {summary['step']}/{summary['total_steps']}, eval loss {summary['eval']['loss']:.4f}, "
                    f"tau {summary['eval']['tau']:.3f}", err=True)
@@ -100,7 +96,8 @@ def export(**values):
 
     opts = validated(ExportOptions(**values))
     run_dir, target = opts.run, opts.target
-    path = checkpoint.resolve(run_dir, opts.checkpoint)
+    with reading("--checkpoint"):
+        path = checkpoint.resolve(run_dir, opts.checkpoint)
     if path is None:
         raise click.ClickException(f"{run_dir} has no complete checkpoint")
     state = checkpoint.read_state(path)

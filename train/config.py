@@ -29,7 +29,8 @@ class DrafterSpec:
     target_layer_ids: list[int] | None = None
     """Target layers fed to the drafter (ascending, below L-1); None = the layers the cache stores."""
     mask_token_id: int | None = None
-    """Embedding row of the MASK token; None = tokenizer's <|MASK|>, else first padded row."""
+    """Embedding row of the MASK token, absent from the cache's input_ids; None = the tokenizer's <|MASK|>, else the
+    first padded row, else the first special token (not eos/bos/pad or the template's) the cache never holds."""
     gamma: float | None = None
     """Decay of the per-slot loss weight exp(-(k-1)/gamma); None = 7/5/4 for B=16/10/8."""
     loss: Literal["ce", "kd", "mix"] = "kd"
@@ -137,7 +138,7 @@ class TrainConfig:
 
     cache: str = ""
     """Path of the hidden-state cache (Zarr) written by dflash-extract."""
-    target: str = ""
+    target: str = field(default="", metadata={"exists": "model"})
     """Target model folder or name (config, tokenizer, embedding, LM head); default: the one the cache records."""
     out: str = ""
     """Run folder: checkpoints/, metrics.jsonl, config.json, tb/."""
@@ -233,5 +234,5 @@ class ExportOptions:
     """'latest', a step folder name (step_000100) or a checkpoint path."""
     dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
     """dtype of the exported weights."""
-    target: str | None = None
+    target: str | None = field(default=None, metadata={"exists": "model"})
     """Target folder or hub name the export is checked against and served with; default: the run's."""

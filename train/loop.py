@@ -199,8 +199,10 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
         head_future = io.submit(load_target_head, cfg.target, device,
                                 torch.bfloat16 if autocast_dtype is not None else torch.float32)
         hf_config, tokenizer = load_target_meta(cfg.target)
-        dcfg = build_drafter_config(cfg, hf_config, tokenizer, reader.spec)
+        dcfg = build_drafter_config(cfg, hf_config, tokenizer, reader)
         check_cache(reader, hf_config, tokenizer, dcfg.target_layer_ids)
+        # the run's config.json and checkpoints record the MASK row chosen, not "None = choose"
+        cfg = dataclasses.replace(cfg, drafter=dataclasses.replace(cfg.drafter, mask_token_id=dcfg.mask_token_id))
         if dist_info.is_main:
             out.mkdir(parents=True, exist_ok=True)
             (out / "config.json").write_text(cfg.to_json())

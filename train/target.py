@@ -8,6 +8,7 @@ import logging
 import os
 
 from dflash.shared.cache import CacheMismatch, CacheReader, CacheSpec
+from dflash.shared.cli_options import looks_like_path
 from dflash.shared.layers import check_layer_ids
 
 from .config import TrainConfig
@@ -30,11 +31,6 @@ def recorded_target(spec: CacheSpec) -> str | None:
         return str(located)
     name = (spec.fingerprint or {}).get("target", {}).get("name_or_path")
     return str(name) if name else None
-
-
-def looks_like_path(name: str) -> bool:
-    """A local path rather than a hub id ('org/name' or 'name')."""
-    return os.path.isabs(name) or name.startswith((".", "~")) or name.count("/") > 1 or os.sep != "/" and os.sep in name
 
 
 def resolve_target(requested: str, spec: CacheSpec, cache_path: str) -> str:
@@ -86,22 +82,57 @@ def tokenizer_mask_id(tokenizer) -> int | None:
     return int(vocab[MASK_TOKEN]) if MASK_TOKEN in vocab else None
 
 
-def resolve_mask_token(requested: int | None, tokenizer, vocab_size: int) -> int:
-    """An existing, unused embedding row: as given, else <|MASK|>, else the first padded row."""
+def mask_candidates(tokenizer) -> list[int]:
+    """The tokenizer's special tokens that may become the MASK row, by id: none that chat data
+    holds (eos, bos, pad, unk, and every token the chat template writes, such as <|im_end|>)."""
+    if tokenizer is None:
+        return []
+    template = tokenizer.chat_template or ""
+    template = " ".join(template.values()) if isinstance(template, dict) else str(template)
+    reserved = {tokenizer.eos_token_id, tokenizer.bos_token_id, tokenizer.pad_token_id, tokenizer.unk_token_id}
+    return [i for i, token in sorted(tokenizer.added_tokens_decoder.items())
+            if token.special and i not in reserved and token.content not in template]
+
+
+def resolve_mask_token(requested: int | None, tokenizer, vocab_size: int, reader: CacheReader) -> int:
+    """An existing embedding row that no input holds: --mask-token-id (refused where the cache's
+    input_ids contain it), else the tokenizer's <|MASK|>, else the first padded row, else the first
+    special token (``mask_candidates``) that never occurs in the cache's input_ids."""
     tokenizer_mask = tokenizer_mask_id(tokenizer)
+    padded = len(tokenizer) if tokenizer is not None and len(tokenizer) < vocab_size else None
+    if requested is None and tokenizer_mask is not None:
+        log.info("mask token: the tokenizer's %s (id %d)", MASK_TOKEN, tokenizer_mask)
+        return tokenizer_mask
+    if requested is None and padded is not None:  # Qwen3: 151669 = first row past the tokenizer
+        log.info("mask token: id %d, the first embedding row past the tokenizer's %d tokens (no text maps to it)",
+                 padded, padded)
+        return padded
+    counts = reader.id_counts(minlength=vocab_size)
+    candidates = mask_candidates(tokenizer)
+    free = [i for i in [tokenizer_mask, padded, *candidates] if i is not None and i < vocab_size and not counts[i]]
     if requested is not None:
         if not 0 <= requested < vocab_size:
-            raise ValueError(f"mask_token_id {requested} is outside the target vocabulary [0, {vocab_size})")
+            raise ValueError(f"--mask-token-id {requested} is outside the target vocabulary [0, {vocab_size})")
+        if counts[requested]:
+            hint = f"pass a free one such as --mask-token-id {free[0]}" if free else "pass an id no sample contains"
+            raise ValueError(f"--mask-token-id {requested} occurs {int(counts[requested])} times in the input_ids of "
+                             f"the cache {reader.path}: the drafter could not tell a MASK from that token; {hint}")
         if tokenizer_mask is not None and requested != tokenizer_mask:
             log.warning("mask_token_id %d is not the tokenizer's %s (%d): SGLang refuses such a drafter",
                         requested, MASK_TOKEN, tokenizer_mask)
         return int(requested)
-    if tokenizer_mask is not None:
-        return tokenizer_mask
-    if tokenizer is not None and len(tokenizer) < vocab_size:  # Qwen3: 151669 = first row past the tokenizer
-        return len(tokenizer)
-    raise ValueError("no unused embedding row for the MASK token: the tokenizer fills the vocabulary and has "
-                     f"no {MASK_TOKEN}; pass --mask-token-id")
+    if not free:
+        raise ValueError(f"no unused embedding row for the MASK token: the tokenizer fills the vocabulary "
+                         f"({vocab_size}), has no {MASK_TOKEN}, and each of its special tokens that chat data does not "
+                         f"hold ({candidates}) occurs in the cache {reader.path}; pass --mask-token-id with an id no "
+                         "sample contains")
+    chosen = free[0]
+    used = [i for i in candidates if i < chosen]
+    log.info("mask token: %r (id %d), a special token of the tokenizer that occurs nowhere in the cache's %d tokens "
+             "(the tokenizer fills all %d embedding rows and has no %s%s)", tokenizer.convert_ids_to_tokens(chosen),
+             chosen, reader.num_tokens, vocab_size, MASK_TOKEN,
+             f"; {used} occur in the cache" if used else "")
+    return chosen
 
 
 def check_cache(reader: CacheReader, hf_config, tokenizer, layer_ids: list[int]) -> None:
@@ -121,6 +152,10 @@ def drafter_layer_ids(requested: list[int] | None, spec: CacheSpec) -> list[int]
     whose layers break the serving rules (made before they were checked) is refused with a
     valid subset to pass instead."""
     if requested:
+        try:
+            check_layer_ids(list(requested), spec.num_target_layers)
+        except ValueError as e:
+            raise ValueError(f"--target-layer-ids: {e}") from None
         return list(requested)
     stored = list(spec.layer_ids)
     try:
@@ -132,10 +167,11 @@ def drafter_layer_ids(requested: list[int] | None, spec: CacheSpec) -> list[int]
     return stored
 
 
-def build_drafter_config(cfg: TrainConfig, hf_config, tokenizer, spec: CacheSpec) -> DrafterConfig:
-    """The drafter's shapes from the target, its layers from the flag or the cache."""
+def build_drafter_config(cfg: TrainConfig, hf_config, tokenizer, reader: CacheReader) -> DrafterConfig:
+    """The drafter's shapes from the target, its layers from the flag or the cache, its MASK row
+    from the flag, the tokenizer or the cache's unused ids."""
     text = text_config(hf_config)
     d = cfg.drafter
-    layer_ids = drafter_layer_ids(d.target_layer_ids, spec)
-    mask_id = resolve_mask_token(d.mask_token_id, tokenizer, text.vocab_size)
+    layer_ids = drafter_layer_ids(d.target_layer_ids, reader.spec)
+    mask_id = resolve_mask_token(d.mask_token_id, tokenizer, text.vocab_size, reader)
     return DrafterConfig.from_target_config(hf_config, layer_ids, mask_id, d.block_size, d.num_draft_layers)

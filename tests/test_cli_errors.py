@@ -1,0 +1,151 @@
+"""Bad input to the dflash-* commands ends in one line that names the flag or file, with a
+non-zero exit status, never in a Python traceback."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+from click.testing import CliRunner
+from train_helpers import one_thread, write_pattern_cache  # noqa: F401 - one_thread: autouse fixture
+
+from dflash.eval.cli import cli as eval_cli
+from dflash.extract.regenerate_cli import cli as regenerate_cli
+from dflash.shared.cache_cli import main as cache_cli
+from dflash.train.cli import cli as train_cli
+
+@pytest.fixture(scope="module")
+def cache(tiny_target_dir, tiny_tokenizer, tmp_path_factory) -> Path:
+    return write_pattern_cache(tmp_path_factory.mktemp("errors") / "cache", tiny_target_dir, tiny_tokenizer,
+                               n_samples=8)
+
+
+@pytest.fixture(scope="module")
+def drafter(tiny_target_dir, tmp_path_factory) -> Path:
+    """An exported (untrained) drafter of the tiny target."""
+    from transformers import AutoConfig
+
+    from dflash.train.export import export_drafter
+    from dflash.train.model import DFlashDrafter, DrafterConfig
+
+    config = DrafterConfig.from_target_config(AutoConfig.from_pretrained(tiny_target_dir), [0, 2], mask_token_id=3,
+                                              block_size=4, num_hidden_layers=1)
+    return export_drafter(DFlashDrafter(config), config, tmp_path_factory.mktemp("errors") / "drafter")
+
+
+@dataclass
+class RaiseFlags:
+    """A command that raises the error named."""
+
+    kind: str = "value"
+    """Which error to raise."""
+
+
+def refused(command, args: list[str], *named: str) -> str:
+    """Run ``command`` as its console script would; assert a clean refusal naming each of ``named``."""
+    result = CliRunner().invoke(command, [str(a) for a in args])
+    # an escaping exception would be result.exception itself (the console script prints its traceback)
+    assert isinstance(result.exception, SystemExit) and result.exit_code in (1, 2), (result.exception, result.output)
+    assert "Traceback" not in result.output
+    for name in named:
+        assert str(name) in result.output, result.output
+    return result.output
+
+
+def test_train_layers_out_of_order(cache, tmp_path):
+    refused(train_cli, ["run", "--cache", cache, "--out", tmp_path / "run", "--preset", "tiny",
+                        "--target-layer-ids", "3,1"], "--target-layer-ids", "ascending")
+    assert not (tmp_path / "run").exists()
+
+
+def test_train_target_folder_missing(cache, tmp_path):
+    missing = tmp_path / "no_target"
+    refused(train_cli, ["run", "--cache", cache, "--out", tmp_path / "run", "--preset", "tiny",
+                        "--target", missing], "--target", missing)
+
+
+def test_train_mask_id_outside_the_vocabulary(cache, tmp_path):
+    refused(train_cli, ["run", "--cache", cache, "--out", tmp_path / "run", "--preset", "tiny",
+                        "--target-layer-ids", "0,2", "--mask-token-id", "100000"], "--mask-token-id 100000")
+
+
+def test_train_cache_missing(tmp_path):
+    refused(train_cli, ["run", "--cache", tmp_path / "no_cache", "--out", tmp_path / "run"], tmp_path / "no_cache")
+
+
+def test_export_checkpoint_missing(tmp_path):
+    (tmp_path / "run" / "checkpoints").mkdir(parents=True)
+    refused(train_cli, ["export", tmp_path / "run", "--out", tmp_path / "x", "--checkpoint", "step_000999"],
+            "--checkpoint", "step_000999")
+
+
+@pytest.mark.parametrize("content", [None, "{not json", '[{"messages": []}'])
+def test_eval_prompts_missing_or_not_json(tiny_target_dir, drafter, tmp_path, content):
+    prompts = tmp_path / "prompts.json"
+    if content is not None:
+        prompts.write_text(content)
+    refused(eval_cli, ["--target", tiny_target_dir, "--drafter", drafter, "--prompts", prompts],
+            "--prompts", prompts)
+
+
+def test_eval_target_and_drafter_not_there(tiny_target_dir, cache, tmp_path):
+    refused(eval_cli, ["--target", tmp_path / "none", "--drafter", cache, "--prompts", "x.jsonl"],
+            "--target", tmp_path / "none")
+    refused(eval_cli, ["--target", tiny_target_dir, "--drafter", cache, "--prompts", "x.jsonl"],
+            "--drafter", cache)
+
+
+def test_regenerate_model_folder_missing(chats_sample_path, tmp_path):
+    refused(regenerate_cli, ["--data", chats_sample_path, "--model", tmp_path / "none", "--out", tmp_path / "out"],
+            "--model", tmp_path / "none")
+
+
+def test_cache_convert_onto_a_file(cache, tmp_path):
+    (tmp_path / "file").write_text("")
+    refused(cache_cli, ["convert", cache, tmp_path / "file", "--hidden-codec", "fp8", "--no-progress"],
+            tmp_path / "file")
+
+
+def test_console_script_prints_no_traceback(cache, tmp_path):
+    """The real entry point in its own process: the layer list out of order named, exit status 1."""
+    args = ["--cache", str(cache), "--out", str(tmp_path / "run"), "--preset", "tiny", "--target-layer-ids", "3,1"]
+    run = subprocess.run([sys.executable, "-m", "dflash.train.cli", *args], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 1 and "Traceback" not in run.stderr, run.stderr
+    assert "Error: --target-layer-ids: target layer ids [3, 1]" in run.stderr
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+def test_cuda_asked_for_on_a_machine_without_it(cache, tiny_target_dir, drafter, tmp_path):
+    refused(train_cli, ["run", "--cache", cache, "--out", tmp_path / "run", "--preset", "tiny", "--device", "cuda"],
+            "--device", "0 visible CUDA devices")
+    refused(eval_cli, ["--target", tiny_target_dir, "--drafter", drafter, "--prompts", "x.jsonl", "--device", "cuda:1"],
+            "--device", "cuda:1")
+
+
+def test_device_name_not_a_device(tiny_target_dir, drafter):
+    refused(eval_cli, ["--target", tiny_target_dir, "--drafter", drafter, "--prompts", "x.jsonl", "--device", "gpu"],
+            "--device", "'gpu' is not a device")
+
+
+def test_only_expected_errors_become_one_line(tmp_path):
+    """ValueError and OSError (bad input) are one line; any other error keeps its traceback."""
+    import click
+
+    from dflash.shared.cli_options import options
+
+    errors = {"value": ValueError("--kind: not good"), "os": FileNotFoundError(2, "No such file", str(tmp_path / "f")),
+              "bug": RuntimeError("internal")}
+
+    @click.command()
+    @options(RaiseFlags)
+    def command(kind):
+        raise errors[kind]
+
+    assert "Error: --kind: not good" in refused(command, ["--kind", "value"])
+    assert f"Error: {tmp_path / 'f'}: No such file" in refused(command, ["--kind", "os"])
+    result = CliRunner().invoke(command, ["--kind", "bug"])
+    assert result.exception is errors["bug"]
