@@ -12,6 +12,7 @@ import hashlib
 import importlib.util
 import json
 import shutil
+import struct
 from pathlib import Path
 
 import click
@@ -81,6 +82,12 @@ def load(path: Path, dtype: str):
 
     if importlib.util.find_spec("gguf") is None:
         raise ConvertError(f"reading {path.name} needs the gguf package: {REAL_EXTRA} (or pip install gguf)")
+    from gguf import GGUFReader
+
+    try:
+        GGUFReader(path)
+    except (ValueError, struct.error, IndexError) as err:
+        raise ConvertError(f"{path}: not a readable GGUF, truncated or corrupt? ({err}); download it again") from err
     kwargs = {}
     if hasattr(transformers, "GgufConfig"):
         kwargs["quantization_config"] = transformers.GgufConfig(dequantize=True)

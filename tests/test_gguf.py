@@ -171,10 +171,13 @@ def test_errors_name_the_file_and_the_fix(tmp_path, tiny_gguf, converted, hf_lla
     text = tmp_path / "notes.gguf"
     text.write_text("not a model")
     other = write_gguf(tmp_path / "other.gguf", hf_llama, {}, architecture="nonesuch")
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(tiny_gguf.read_bytes()[:5000])
     out = tmp_path / "out"
     cases = [
         (["--gguf", str(tmp_path / "missing.gguf"), "--out", str(out)], f"{tmp_path / 'missing.gguf'}: no such file"),
         (["--gguf", str(text), "--out", str(out)], f"{text}: not a GGUF file"),
+        (["--gguf", str(cut), "--out", str(out)], f"{cut}: not a readable GGUF, truncated or corrupt?"),
         (["--gguf", str(other), "--out", str(out)], f"{other}: transformers", "architecture nonesuch"),
         (["--gguf", str(tiny_gguf), "--out", str(converted)], "float32): choose another --out or delete it"),
         (["--gguf", str(tiny_gguf), "--out", str(tmp_path)], f"{tmp_path} exists and is not a finished conversion"),
