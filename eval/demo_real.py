@@ -50,6 +50,8 @@ class RealSettings:
         num_draft_layers=3, block_size=16, max_steps=3000, batch_size=32, micro_batch_size=32, max_anchors=256,
         context_buckets=[512, 1024, 1536], lr=6e-4, eval_every=500, save_every=1000, eval_samples=64))
     spec_sample: int = 8  # prompts per benchmark decoded speculatively for real (lossless check, tau match)
+    device: str = "cuda"  # "cpu" runs the same steps at toy sizes (the test suite's)
+    preset: str = "dflash"  # dflash-train's preset under the train overrides
 
     def with_overrides(self, assignments: list[str]) -> "RealSettings":
         """A copy with ``KEY=VALUE`` (VALUE JSON) applied; ``train.X`` sets one training flag."""
@@ -149,25 +151,26 @@ def run_real(out: Path, s: RealSettings, gguf: str | None, echo=click.echo) -> d
                       "max_prompt_tokens": s.max_prompt_tokens}
     times["regenerate"] = _stage("[2/5] regenerate", regen, regen_settings, [
         "dflash.extract.regenerate", "--data", str(out / "data" / "train.jsonl"), "--model", str(target),
-        "--out", str(regen), "--device", "cuda", "--batch-size", str(s.regen_batch_size),
+        "--out", str(regen), "--device", s.device, "--batch-size", str(s.regen_batch_size),
         "--max-new-tokens", str(s.max_new_tokens), "--max-prompt-tokens", str(s.max_prompt_tokens),
         "--part-size", "2048"], echo)["seconds"]
     times["extract"] = _stage("[3/5] extract", cache, regen_settings, [
-        "dflash.extract.cli", "--data", str(regen), "--model", str(target), "--out", str(cache), "--gpus", "0",
+        "dflash.extract.cli", "--data", str(regen), "--model", str(target), "--out", str(cache),
+        *(["--gpus", "0"] if s.device == "cuda" else ["--device", "cpu", "--workers", "1"]),
         "--max-length", str(max(s.train["context_buckets"])), "--on-bad-row", "skip", "--summary-json", str(out / "extract.json")],
         echo)["seconds"]
     train_flags = [f"--{k.replace('_', '-')}={','.join(map(str, v)) if isinstance(v, list) else v}"
                    for k, v in s.train.items()]
     train_settings = {"cache": regen_settings, "train": s.train}
     times["train"] = _stage("[4/5] train", run, train_settings, [
-        "dflash.train.cli", "run", "--preset", "dflash", "--cache", str(cache), "--target", str(target),
+        "dflash.train.cli", "run", "--preset", s.preset, "--cache", str(cache), "--target", str(target),
         "--out", str(run), "--no-progress", *train_flags], echo)["seconds"]
     times["export"] = _stage("      export", export, train_settings, [
         "dflash.train.cli", "export", str(run), "--out", str(export)], echo)["seconds"]
     benchmarks = {name: str(out / "data" / f"{name}.jsonl") for name in ("mtbench", "humaneval", "sharegpt")}
     eval_json = out / "eval.json"
     times["eval"] = _stage("[5/5] eval", eval_json.with_suffix(""), {"export": train_settings, "spec": s.spec_sample}, [
-        "dflash.eval.cli", "--target", str(target), "--drafter", str(export), "--device", "cuda",
+        "dflash.eval.cli", "--target", str(target), "--drafter", str(export), "--device", s.device,
         *[a for name, path in benchmarks.items() for a in ("--prompts", f"{name}={path}")],
         "--max-new-tokens", str(s.max_new_tokens), "--spec-sample", str(s.spec_sample), "--json", str(eval_json)],
         echo)["seconds"]
