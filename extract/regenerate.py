@@ -536,7 +536,8 @@ def finalize(out: Path, num_parts: int, record: dict, target_fp: dict, source_fp
     stats = [json.loads(part_paths(out, p)[1].read_text()) for p in range(num_parts)]
     files = [str(part_paths(out, p)[0]) for p, s in enumerate(stats) if s["rows_out"] > 0]
     if not files:
-        raise click.ClickException("regeneration produced no rows (see the skip counts in the part records)")
+        raise click.ClickException("regeneration produced no rows (see the counts in the part records: skipped, and "
+                                   "self_prompts for self-prompted questions)")
     for old in out.glob("data-*.arrow"):
         old.unlink()
     scratch = Path(tempfile.mkdtemp(prefix=".finalize-", dir=out))
