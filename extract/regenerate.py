@@ -3,6 +3,7 @@ learns the target's own distribution, so the answers it trains on should be the 
 
     python -m dflash.extract.regenerate --data chats.jsonl --model Qwen/Qwen3-8B --out regen/ \\
         [--temperature 0] [--top-p 1] [--seed 0] [--max-new-tokens 1024] [--batch-size 16]
+    python -m dflash.extract.regenerate [--data chats.jsonl] --self-prompts 10000 --model Qwen/Qwen3-8B --out regen/
     python -m dflash.extract.regenerate --data chats.jsonl --endpoint http://HOST:8000/v1 --out regen/ \\
         [--model NAME] [--concurrency 32] [--max-new-tokens 1024] [--template-kwargs JSON]
 
@@ -24,6 +25,12 @@ batched with left padding; it stops at the end-of-turn / eos tokens or after
 --max-prompt-tokens or whose answer comes out empty; with no assistant turn left it is
 skipped (counted). Plain text rows have no turn to regenerate and are skipped (counted);
 assistant messages that open a chat have no prompt and are removed (counted).
+
+`--self-prompts N` (in process only, with or without --data) adds rows whose question the
+target writes itself (Magpie-style, extract/self_prompts.py), answered like the dataset's
+turns. Their parts come after the dataset's, part_size samples each; their rows have
+source_row = -1 - i (i: the question's sample index) and their part records count the
+questions generated, dropped (truncated, empty, too short, duplicates) and kept.
 
 Output folder (resumable: rerunning the same command skips finished parts):
 
@@ -54,7 +61,7 @@ import math
 import os
 import shutil
 import tempfile
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
 
@@ -62,6 +69,7 @@ import click
 
 from .chat import stop_token_ids
 from .data import Conversation, DataError, SkipCounter, dataset_fingerprint, guard, load_source, normalize_row
+from .self_prompts import QuestionSampler, SelfPromptSettings, question_stop_ids, user_header
 
 log = logging.getLogger(__name__)
 
@@ -107,8 +115,8 @@ class GenerationSettings:
 class RegenConfig:
     """One regeneration job."""
 
-    data: str
-    """Source dataset spec (anything load_source reads)."""
+    data: str | None
+    """Source dataset spec (anything load_source reads); None: self-prompted rows only."""
     model: str
     """Target: HF folder or hub name."""
     out: str
@@ -130,6 +138,8 @@ class RegenConfig:
     """Source rows that do not normalise: "skip" (counted) or "error"."""
     progress: bool = True
     """Show a tqdm bar over source rows."""
+    self_prompting: SelfPromptSettings = field(default_factory=SelfPromptSettings)
+    """Questions the target writes itself (extract/self_prompts.py), answered after the dataset's rows."""
 
 
 # ---------------------------------------------------------------------------- generation
@@ -405,9 +415,10 @@ def part_paths(out: Path, index: int) -> tuple[Path, Path]:
     return base.with_suffix(".jsonl"), base.with_suffix(".done.json")
 
 
-def _run_record(cfg: RegenConfig, source_fp: dict, target_fp: dict, tokenizer_fp: dict, num_rows: int) -> dict:
+def _run_record(cfg: RegenConfig, source_fp: dict, target_fp: dict, tokenizer_fp: dict, num_rows: int,
+                header: str | None = None) -> dict:
     """Everything that decides the output rows; a resume must match it exactly."""
-    return {
+    record = {
         "format": FORMAT_VERSION,
         "source": {k: source_fp.get(k) for k in ("source", "split", "revision", "num_rows", "hash_method",
                                                  "content_hash")},
@@ -418,6 +429,9 @@ def _run_record(cfg: RegenConfig, source_fp: dict, target_fp: dict, tokenizer_fp
         "num_rows": num_rows,
         "on_bad_row": cfg.on_bad_row,
     }
+    if cfg.self_prompting.self_prompts:  # absent otherwise, so runs made before it still resume
+        record["self_prompts"] = {**asdict(cfg.self_prompting), "header": header}
+    return record
 
 
 def _check_resume(out: Path, record: dict) -> None:
@@ -448,15 +462,19 @@ def regenerate(cfg: RegenConfig, *, model=None, tokenizer=None, overwrite: bool 
     from dflash.shared.fingerprint import target_fingerprint, tokenizer_fingerprint
 
     cfg.generation.validate()
+    prompting = cfg.self_prompting
+    prompting.validate()
     if cfg.part_size < 1 or cfg.batch_size < 1:
         raise ValueError("part_size and batch_size must be >= 1")
+    if cfg.data is None and not prompting.self_prompts:
+        raise ValueError("nothing to regenerate: give a dataset (--data) or --self-prompts N")
     out = Path(cfg.out)
     if overwrite and out.exists():
         shutil.rmtree(out)
     (out / PARTS_DIR).mkdir(parents=True, exist_ok=True)
 
-    ds = load_source(cfg.data, cfg.split)
-    num_rows = len(ds) if cfg.limit is None else min(len(ds), cfg.limit)
+    ds = load_source(cfg.data, cfg.split) if cfg.data is not None else None
+    num_rows = 0 if ds is None else len(ds) if cfg.limit is None else min(len(ds), cfg.limit)
     if tokenizer is None:
         tokenizer = AutoTokenizer.from_pretrained(cfg.model)
     if model is None:
@@ -465,34 +483,56 @@ def regenerate(cfg: RegenConfig, *, model=None, tokenizer=None, overwrite: bool 
         model = load_target(cfg.model, dtype=cfg.generation.dtype, device=cfg.device)
     model_dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
     target_fp = target_fingerprint(cfg.model, model.config.to_dict(), model_dtype)
-    source_fp = dataset_fingerprint(ds, cfg.data, cfg.split)
-    record = _run_record(cfg, source_fp, target_fp, tokenizer_fingerprint(tokenizer), num_rows)
+    source_fp = dataset_fingerprint(ds, cfg.data, cfg.split) if ds is not None else {}
+    header = end_of_user_turn = None
+    if prompting.self_prompts:
+        header, end_of_user_turn = user_header(tokenizer, cfg.generation.template_kwargs)
+    record = _run_record(cfg, source_fp, target_fp, tokenizer_fingerprint(tokenizer), num_rows, header)
     _check_resume(out, record)
 
     from tqdm.auto import tqdm
 
     use_static = cfg.static_cache if cfg.static_cache is not None else model.device.type == "cuda"
-    static = (StaticDecoder(model, cfg.batch_size, cfg.generation.max_new_tokens, cfg.generation.max_prompt_tokens)
-              if use_static else None)
-    num_parts = math.ceil(num_rows / cfg.part_size)
+    new_tokens = max(cfg.generation.max_new_tokens, prompting.question_max_tokens if prompting.self_prompts else 0)
+    static = StaticDecoder(model, cfg.batch_size, new_tokens, cfg.generation.max_prompt_tokens) if use_static else None
+    sampler = None
+    if prompting.self_prompts:
+        stops = question_stop_ids(model, tokenizer, end_of_user_turn, cfg.generation.template_kwargs)
+        pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else stops[0]
+        question_settings = replace(cfg.generation, temperature=prompting.question_temperature,
+                                    top_p=prompting.question_top_p, max_new_tokens=prompting.question_max_tokens)
+        question_kwargs = generation_kwargs(question_settings, stops, pad_id)
+        sampler = QuestionSampler(lambda prompts: generate_batch(model, tokenizer, prompts, question_kwargs, stops,
+                                                                 static),
+                                  tokenizer, header, prompting, cfg.batch_size)
+    # The dataset's parts first, then the self-prompt parts (samples [0, self_prompts) in part_size steps).
+    data_parts = math.ceil(num_rows / cfg.part_size)
+    num_parts = data_parts + math.ceil(prompting.self_prompts / cfg.part_size)
     written = 0
-    bar = tqdm(total=num_rows, desc="regenerate", unit="row", disable=not cfg.progress)
+    bar = tqdm(total=num_rows + prompting.self_prompts, desc="regenerate", unit="row", disable=not cfg.progress)
     for part in range(num_parts):
-        start, stop = part * cfg.part_size, min(num_rows, (part + 1) * cfg.part_size)
+        prompted = part >= data_parts
+        start = (part - data_parts if prompted else part) * cfg.part_size
+        stop = min(prompting.self_prompts if prompted else num_rows, start + cfg.part_size)
         _, done_path = part_paths(out, part)
         if done_path.exists():
+            if prompted:  # its questions count as seen for the dedup of later parts
+                sampler.seen.update(json.loads(done_path.read_text())["questions"])
             bar.update(stop - start)
             continue
         if max_parts is not None and written >= max_parts:
             bar.close()
             return None
         skips = SkipCounter()
-        convs = part_chats(ds, start, stop, cfg.data, cfg.on_bad_row, skips)
         torch.manual_seed(cfg.generation.seed * 1_000_003 + part)
+        if prompted:
+            convs, extra = sampler.chats(range(start, stop))
+        else:
+            convs, extra = part_chats(ds, start, stop, cfg.data, cfg.on_bad_row, skips), {}
         rows, totals = regenerate_conversations(model, tokenizer, convs, cfg.generation, cfg.batch_size, skips,
                                                 static)
         write_part(out, part, rows, {"part": part, "rows_in": stop - start, "rows_out": len(rows), **totals,
-                                     "skipped": skips.to_dict()})
+                                     "skipped": skips.to_dict(), **extra})
         written += 1
         bar.update(stop - start)
     bar.close()
@@ -510,7 +550,8 @@ def finalize(out: Path, num_parts: int, record: dict, target_fp: dict, source_fp
     stats = [json.loads(part_paths(out, p)[1].read_text()) for p in range(num_parts)]
     files = [str(part_paths(out, p)[0]) for p, s in enumerate(stats) if s["rows_out"] > 0]
     if not files:
-        raise click.ClickException("regeneration produced no rows (see the skip counts in the part records)")
+        raise click.ClickException("regeneration produced no rows (see the counts in the part records: skipped, and "
+                                   "self_prompts for self-prompted questions)")
     for old in out.glob("data-*.arrow"):
         old.unlink()
     scratch = Path(tempfile.mkdtemp(prefix=".finalize-", dir=out))
@@ -525,6 +566,9 @@ def finalize(out: Path, num_parts: int, record: dict, target_fp: dict, source_fp
             skipped[reason] = skipped.get(reason, 0) + n
     counts = {key: sum(s[key] for s in stats)
               for key in ("rows_in", "rows_out", "turns_regenerated", "truncated_turns", "generated_tokens")}
+    prompted = [s["self_prompts"] for s in stats if "self_prompts" in s]
+    if prompted:
+        counts["self_prompts"] = {key: sum(p[key] for p in prompted) for key in prompted[0]}
     metadata = {
         **record,
         "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),

@@ -17,14 +17,15 @@ from .data import DataError
 from .endpoint import EndpointConfig
 from .regenerate import GenerationSettings, RegenConfig, regenerate
 from .regenerate_endpoint import EndpointJob
+from .self_prompts import SelfPromptSettings
 
 
 @dataclass(kw_only=True)
 class RegenerateOptions:
     """Every flag of ``dflash-regenerate``; it becomes a ``RegenConfig`` (in process) or an ``EndpointJob``."""
 
-    data: str
-    """Source chat dataset (anything extract reads)."""
+    data: str | None = None
+    """Source chat dataset (anything extract reads); optional with --self-prompts."""
     model: str | None = None
     """Target model: HF folder or hub name (in process); with --endpoint, the served model's name (default: the one
     the server lists)."""
@@ -35,6 +36,7 @@ class RegenerateOptions:
     split: str = RegenConfig.split
     """Source dataset split."""
     generation: GenerationSettings = field(default_factory=GenerationSettings)
+    self_prompting: SelfPromptSettings = field(default_factory=SelfPromptSettings)
     batch_size: int = RegenConfig.batch_size
     """Prompts per generate() call (in process only)."""
     concurrency: int = EndpointJob.concurrency
@@ -62,10 +64,16 @@ class RegenerateOptions:
 
     def validate(self) -> None:
         """Raise ValueError naming the first setting that cannot work."""
+        self.self_prompting.validate()
+        if self.self_prompting.self_prompts and (self.endpoint is not None or self.model is None):
+            raise ValueError("--self-prompts needs the target in process: give --model, without --endpoint (a chat "
+                             "API cannot continue a bare user header)")
         if self.endpoint is None and self.model is None:
             raise ValueError("give --model (in process) or --endpoint (a server)")
         if self.endpoint is None and looks_like_path(self.model) and not os.path.isdir(os.path.expanduser(self.model)):
             raise ValueError(f"--model {self.model} is not a folder; pass an existing model folder or a hub name")
+        if self.data is None and not self.self_prompting.self_prompts:
+            raise ValueError("give --data (a chat dataset) or --self-prompts N (questions the target writes itself)")
         self.generation.validate()
         for name in ("batch_size", "concurrency", "part_size"):
             if getattr(self, name) < 1:
@@ -87,14 +95,14 @@ class RegenerateOptions:
             return EndpointJob(**common, model=self.model, endpoint=endpoint, extra_body=self.extra_body,
                                concurrency=self.concurrency)
         return RegenConfig(**common, model=self.model, batch_size=self.batch_size, device=self.device,
-                           static_cache=self.static_cache)
+                           static_cache=self.static_cache, self_prompting=self.self_prompting)
 
 
 @click.command(context_settings=CONTEXT_SETTINGS)
 @options(RegenerateOptions)
 def cli(**values):
     """Replace every assistant turn of DATA with the target's own answers (MODEL in process, or the server at
-    ENDPOINT); write a dataset to OUT."""
+    ENDPOINT), and/or add SELF_PROMPTS questions the target writes and answers itself; write a dataset to OUT."""
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     opts = validated(build(RegenerateOptions, values))
     if opts.endpoint is None:
@@ -111,7 +119,8 @@ def cli(**values):
         raise click.ClickException(str(err)) from err
     c = metadata["counts"]
     click.echo(f"{c['rows_out']}/{c['rows_in']} rows, {c['turns_regenerated']} turns regenerated "
-               f"({c['truncated_turns']} truncated), skipped {c['skipped'] or 'none'} -> {opts.out}")
+               f"({c['truncated_turns']} truncated), skipped {c['skipped'] or 'none'}"
+               + (f", self-prompted questions {c['self_prompts']}" if "self_prompts" in c else "") + f" -> {opts.out}")
 
 
 def main(argv: list[str] | None = None, prog_name: str | None = None) -> None:

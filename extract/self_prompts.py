@@ -1,0 +1,128 @@
+"""Magpie-style self-prompting: the target writes the user turn itself, then answers it,
+so regeneration needs no dataset (``dflash-regenerate --self-prompts N``).
+
+The user header is found from the chat template itself: a conversation of one user
+message holding a sentinel is rendered (the template's default system prompt, if it adds
+one, stays) and the text before the sentinel is the header. The target continues the
+header until it emits a stop token: those of `chat.stop_token_ids` plus the special token
+the template writes right after a user message (`<|im_end|>`, `<|eot_id|>`, Mistral's
+`[/INST]`). Questions are sampled (diversity: temperature 1.0, top_p 0.95 by default);
+truncated, empty and too short ones are dropped, and exact duplicates (after whitespace
+normalisation) across the whole run. Every drop is counted.
+
+The kept questions become chats [user: question, assistant: ""] whose assistant turn
+`regenerate` answers like a dataset's (same settings, same batching, the run's static
+cache), so the answer is the one the target gives to that question. Their rows carry
+``source_row = -1 - i``, i being the question's sample index in the run: a negative
+source_row marks a self-prompted row.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from .chat import _as_text, _special_tokens_in, stop_token_ids
+from .data import Conversation
+
+SENTINEL = "dflashSelfPromptSentinel7f3a"
+SOURCE = "self_prompt"
+"""The `source` of a self-prompted chat (errors and skip counts name it)."""
+
+
+@dataclass
+class SelfPromptSettings:
+    """How the target writes its own questions (--self-prompts)."""
+
+    self_prompts: int = 0
+    """Questions the target writes itself and then answers (Magpie-style; in process only); after --data's rows."""
+    question_temperature: float = 1.0
+    """Sampling temperature of the self-prompted questions (0 = greedy: every question the same)."""
+    question_top_p: float = 0.95
+    """Nucleus mass of the self-prompted questions."""
+    question_max_tokens: int = 256
+    """Tokens per self-prompted question; a question that does not end by then is dropped (counted)."""
+    question_min_chars: int = 8
+    """Self-prompted questions shorter than this (whitespace collapsed) are dropped (counted)."""
+
+    def validate(self) -> None:
+        if self.self_prompts < 0:
+            raise ValueError(f"self_prompts must be 0 or more, got {self.self_prompts}")
+        if self.question_temperature < 0:
+            raise ValueError(f"question_temperature must be >= 0, got {self.question_temperature}")
+        if not 0 < self.question_top_p <= 1:
+            raise ValueError(f"question_top_p must be in (0, 1], got {self.question_top_p}")
+        if self.question_max_tokens < 1:
+            raise ValueError(f"question_max_tokens must be >= 1, got {self.question_max_tokens}")
+        if self.question_min_chars < 0:
+            raise ValueError(f"question_min_chars must be 0 or more, got {self.question_min_chars}")
+
+
+def user_header(tokenizer, template_kwargs: dict[str, Any] | None = None) -> tuple[str, str | None]:
+    """The text a first user turn starts with (default system prompt included) and the first
+    special token the template writes after the user's text (the end of a user turn), if any.
+    ValueError when the template does not keep the user's text as given."""
+    messages = [{"role": "user", "content": SENTINEL}]
+    text = _as_text(tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=False,
+                                                  **(template_kwargs or {})))
+    if text.count(SENTINEL) != 1:
+        raise ValueError(f"the chat template does not write a user message's text once and unchanged (found "
+                         f"{text.count(SENTINEL)} times in {text!r}): --self-prompts cannot find its user header")
+    header, after = text.split(SENTINEL)
+    if not header:
+        raise ValueError("the chat template writes nothing before a user message: --self-prompts has no header to "
+                         "continue")
+    return header, next(iter(_special_tokens_in(tokenizer, after)), None)
+
+
+def question_stop_ids(model, tokenizer, end_of_user_turn: str | None,
+                      template_kwargs: dict[str, Any] | None = None) -> list[int]:
+    """Where a question ends: the answer's stop tokens plus the template's end of a user turn."""
+    ids = set(stop_token_ids(model, tokenizer, template_kwargs=template_kwargs))
+    if end_of_user_turn is not None:
+        ids.add(int(tokenizer.convert_tokens_to_ids(end_of_user_turn)))
+    return sorted(ids)
+
+
+def normalise(question: str) -> str:
+    """The dedup key: whitespace runs collapsed to one space, ends stripped."""
+    return " ".join(question.split())
+
+
+COUNT_KEYS = ("generated", "truncated", "empty", "too_short", "duplicates", "kept")
+
+
+@dataclass
+class QuestionSampler:
+    """Samples questions after ``header`` through ``generate`` (prompts -> [(tokens, truncated)])
+    and keeps the new ones; ``seen`` holds the dedup keys of every question kept in the run."""
+
+    generate: Callable[[list[str]], list[tuple[list[int], bool]]]
+    tokenizer: Any
+    header: str
+    settings: SelfPromptSettings
+    batch_size: int
+    seen: set[str] = field(default_factory=set)
+
+    def chats(self, indices: range) -> tuple[list[Conversation], dict]:
+        """The chats [user: question, assistant: to answer] of samples ``indices`` (the caller
+        seeds the RNG), and the part record's additions: the counts and the kept questions'
+        dedup keys (read back on a resume)."""
+        counts = dict.fromkeys(COUNT_KEYS, 0)
+        convs, keys = [], []
+        for start in range(0, len(indices), self.batch_size):
+            batch = indices[start:start + self.batch_size]
+            for index, (tokens, truncated) in zip(batch, self.generate([self.header] * len(batch))):
+                counts["generated"] += 1
+                question = self.tokenizer.decode(tokens, skip_special_tokens=False).strip()
+                key = normalise(question)
+                reason = ("truncated" if truncated else "empty" if not key
+                          else "too_short" if len(key) < self.settings.question_min_chars
+                          else "duplicates" if key in self.seen else "kept")
+                counts[reason] += 1
+                if reason == "kept":
+                    self.seen.add(key)
+                    keys.append(key)
+                    messages = [{"role": "user", "content": question}, {"role": "assistant", "content": ""}]
+                    convs.append(Conversation(kind="chat", messages=messages, source=SOURCE, row_index=-1 - index))
+        return convs, {"self_prompts": counts, "questions": keys}
