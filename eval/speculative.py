@@ -491,7 +491,7 @@ def evaluate(target, drafter: DFlashDrafter | Proposer, prompts: Sequence[Sequen
         row = {"index": index, "prompt_tokens": len(prompt), "lossless": mismatch is None, "mismatch": mismatch,
                **_summary(n_new, spec.block_taus, spec.target_forwards, greedy.target_forwards,
                           spec.seconds, greedy.seconds, B),
-               "tokens": spec.tokens}
+               "block_taus": spec.block_taus, "tokens": spec.tokens}
         per_prompt.append(row)
         all_taus += spec.block_taus
         totals["new"] += n_new
