@@ -6,8 +6,9 @@ is comma-separated, ``dict`` is a JSON object, ``bool`` is ``--flag/--no-flag``)
 default is the field's, and the help is the string literal written under the field. A
 field whose type is a dataclass contributes its own fields (flat names, unique across
 the tree). Per-field ``metadata`` (``dataclasses.field``) adds what the type cannot say:
-``argument`` (positional), ``flag`` (another spelling), ``hidden``, ``envvar`` and
-``exists`` ("file" or "dir": the path must exist).
+``argument`` (positional), ``flag`` (another spelling), ``hidden``, ``envvar``,
+``exists`` ("file" or "dir": the path must exist) and ``multiple`` (a ``list[X]`` flag
+given once per value).
 """
 
 from __future__ import annotations
@@ -243,6 +244,9 @@ def _parameter(f: FieldFlag) -> Callable:
         flag = f.flag
         return click.option(f"{flag}/--no-{flag[2:]}", f.name, default=None if required else f.default,
                             required=required, show_default=f.default not in (None, dataclasses.MISSING), **common)
+    if f.metadata.get("multiple"):  # list[X] given once per value: --flag a --flag b
+        return click.option(f.flag, f.name, type=ValueType(typing.get_args(inner)[0]), multiple=True,
+                            default=None if required else f.default, required=required, **common)
     kind = _click_type(f)
     if isinstance(kind, click.Choice):
         # Literal values may be ints or bools: hand the field back its own value, not the text.
