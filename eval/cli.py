@@ -148,11 +148,15 @@ class EvalConfig:
     prompts: list[str] = field(metadata={"multiple": True})
     """Prompt dataset (anything extract's load_source reads) as DATA or NAME=DATA; repeat for several benchmarks."""
     mode: Literal["replay", "online"] = "replay"
-    """replay: tau over every prompt from batched greedy continuations, real decoding on a sample; online: real decoding of every prompt."""
+    """replay: tau of every prompt from batched greedy continuations, real decoding on a sample; online: real
+    decoding of every prompt."""
     spec_sample: int = 8
     """replay: prompts per benchmark decoded speculatively for real (lossless, tau equal, speed); 0 = none."""
     batch_size: int = 16
     """replay: prompts per batched generate and target forward."""
+    capture: bool = False
+    """Timed greedy and speculative decoding on a static KV cache, the target's decode/verify forwards in CUDA
+    graphs on CUDA (the drafter stays eager)."""
     split: str = "train"
     """Dataset split."""
     max_new_tokens: int = 128
@@ -244,7 +248,7 @@ def cli(**values):
     if cfg.mode == "online":
         (name, data), prompts = benchmarks[0], prompt_sets[benchmarks[0][0]]
         result = evaluate(model, draft_model, prompts, max_new_tokens=cfg.max_new_tokens, eos_token_ids=eos,
-                          check=False, warmup=cfg.warmup, progress=True)
+                          check=False, warmup=cfg.warmup, progress=True, capture=cfg.capture)
         result["settings"].update({"target": target, "drafter": cfg.drafter, "prompts": data, "split": cfg.split})
         click.echo(format_report(result))
         failed = [r["mismatch"] for r in result["per_prompt"] if not r["lossless"]]
@@ -273,7 +277,8 @@ def replay_mode(cfg: EvalConfig, model, drafter, prompt_sets: dict[str, list[lis
     report: dict[str, Any] = {"benchmarks": {}, "settings": {
         "target": cfg.target, "drafter": cfg.drafter, "prompts": list(cfg.prompts), "split": cfg.split,
         "mode": "replay", "max_new_tokens": cfg.max_new_tokens, "spec_sample": cfg.spec_sample,
-        "batch_size": cfg.batch_size, "device": cfg.device, "dtype": dtype, "eos_token_ids": sorted(eos),
+        "batch_size": cfg.batch_size, "capture": cfg.capture, "device": cfg.device, "dtype": dtype,
+        "eos_token_ids": sorted(eos),
         "block_size": drafter.config.block_size, "target_layer_ids": list(drafter.config.target_layer_ids)}}
     lines, failed, diverged = [], [], []
     for name, prompts in prompt_sets.items():
@@ -282,7 +287,7 @@ def replay_mode(cfg: EvalConfig, model, drafter, prompt_sets: dict[str, list[lis
         sample = None
         if cfg.spec_sample:
             sample = spec_sample(model, drafter, prompts, replay, cfg.spec_sample, max_new_tokens=cfg.max_new_tokens,
-                                 eos_token_ids=eos, warmup=cfg.warmup, progress=True)
+                                 eos_token_ids=eos, warmup=cfg.warmup, progress=True, capture=cfg.capture)
             failed += [f"{name} {r['mismatch']}" for r in sample["per_prompt"] if not r["lossless"]]
             diverged += [f"{name} {r['divergence']}" for r in sample["per_prompt"] if r["divergence"]]
         lines.append(benchmark_line(name, replay, sample))

@@ -237,7 +237,7 @@ def first_divergence(replay_taus: Sequence[int], online_taus: Sequence[int]) -> 
 
 def spec_sample(target, drafter: DFlashDrafter, prompts: Sequence[Sequence[int]], replay: dict[str, Any], k: int, *,
                 max_new_tokens: int, eos_token_ids: Iterable[int] = (), warmup: bool = True,
-                progress: bool = False) -> dict[str, Any]:
+                progress: bool = False, capture: bool = False) -> dict[str, Any]:
     """Real speculative and greedy decoding (``speculative.evaluate``) on ``k`` of the prompts,
     each compared with its replay: the same tokens, the same tau block by block.
 
@@ -245,7 +245,7 @@ def spec_sample(target, drafter: DFlashDrafter, prompts: Sequence[Sequence[int]]
     "taus_equal" and "divergence" (None or where tokens / block taus first differ)."""
     indices = sample_indices(len(prompts), k)
     result = evaluate(target, drafter, [prompts[i] for i in indices], max_new_tokens=max_new_tokens,
-                      eos_token_ids=eos_token_ids, check=False, warmup=warmup, progress=progress)
+                      eos_token_ids=eos_token_ids, check=False, warmup=warmup, progress=progress, capture=capture)
     from .speculative import mismatch_message
 
     for row, i in zip(result["per_prompt"], indices):

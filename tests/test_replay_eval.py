@@ -175,10 +175,10 @@ def test_cli_two_benchmarks(tiny_target_dir, export, chats_sample_path, tmp_path
     report = tmp_path / "report.json"
     result = _invoke(["--target", str(tiny_target_dir), "--drafter", str(export), "--prompts",
                       f"chats={chats_sample_path}", "--prompts", str(questions), "--limit", "3",
-                      "--max-new-tokens", "8", "--spec-sample", "2", "--no-warmup", "--json", str(report)])
+                      "--max-new-tokens", "8", "--spec-sample", "2", "--no-warmup", "--capture", "--json", str(report)])
     assert result.exit_code == 0, result.output
     data = json.loads(report.read_text())
-    assert list(data["benchmarks"]) == ["chats", "questions"]
+    assert list(data["benchmarks"]) == ["chats", "questions"] and data["settings"]["capture"]
     for name in ("chats", "questions"):
         summary = data["benchmarks"][name]["summary"]
         assert summary["prompts"] == 3 and summary["sample_prompts"] == 2 and summary["taus_equal"] == 2
@@ -202,3 +202,26 @@ def test_cli_same_name_twice_is_refused(tiny_target_dir, export, chats_sample_pa
     result = _invoke(["--target", str(tiny_target_dir), "--drafter", str(export), "--prompts",
                       f"a={chats_sample_path}", "--prompts", f"a={chats_sample_path}"])
     assert result.exit_code == 2 and "given twice" in result.output
+
+
+# ---------------------------------------------------------------------------- static KV cache (--capture)
+
+
+def test_static_cache_decoding_equals_the_eager_path(target, drafter, prompts, eos):
+    """``--capture``'s decoders (one StaticTarget: static KV cache, rejected drafts left in
+    place and overwritten; on CUDA also CUDA graphs, not run here) give the eager path's
+    tokens and block taus, greedy and speculative, over prompts of different lengths."""
+    eager = spec.evaluate(target, drafter, prompts, max_new_tokens=MAX_NEW, eos_token_ids=eos, warmup=False)
+    static = spec.evaluate(target, drafter, prompts, max_new_tokens=MAX_NEW, eos_token_ids=eos, warmup=True,
+                           capture=True)
+    assert static["overall"]["lossless"] and static["settings"]["capture"]
+    for a, b in zip(eager["per_prompt"], static["per_prompt"]):
+        assert (a["tokens"], a["block_taus"]) == (b["tokens"], b["block_taus"])
+    assert any(t > 1 for r in static["per_prompt"] for t in r["block_taus"])  # some drafts were kept
+
+
+def test_static_cache_rejects_running_past_its_length(target, prompts):
+    session = spec.StaticTarget(target, len(prompts[0]) + 2)
+    spec.greedy_generate(target, prompts[0], 3, session=session)  # prompt + 2 decoded positions: fits
+    with pytest.raises(ValueError, match="static KV cache"):
+        spec.greedy_generate(target, prompts[0], 4, session=session)  # 3 positions after the prompt
