@@ -1,7 +1,7 @@
 """``dflash-eval``: acceptance of a drafter against its target, per benchmark.
 
     dflash-eval --target MODEL --drafter RUN_OR_EXPORT --prompts [NAME=]DATA [--prompts NAME=DATA ...] \\
-        [--mode replay|online] [--spec-sample 8] [--batch-size 16] [--max-new-tokens 128] [--limit N] \\
+        [--mode replay|online] [--spec-sample 8] [--batch-size 16] [--capture] [--max-new-tokens 128] [--limit N] \\
         [--device cpu|cuda] [--json out.json] [--no-check] [--no-warmup]
 
 ``--mode replay`` (default, ``replay_eval``): every prompt's greedy continuation generated
@@ -9,7 +9,8 @@ in batches, one batched target forward for the drafter's context, a block scored
 position and the continuation walked as greedy speculative decoding walks it: the tau real
 decoding gets, over a whole benchmark in minutes; then real speculative decoding on
 ``--spec-sample`` prompts per benchmark checks losslessness and that its tau equals the
-replay's prompt by prompt, and times greedy vs speculative decoding. ``--mode online``:
+replay's prompt by prompt, and times greedy vs speculative decoding (``--capture``: both on a
+static KV cache, with CUDA graphs and a compiled drafter on CUDA). ``--mode online``:
 real speculative vs greedy decoding of every prompt at batch 1 (one benchmark).
 
 Prompts come from any source ``extract`` reads (``load_source`` + ``normalize_row``):
@@ -155,8 +156,8 @@ class EvalConfig:
     batch_size: int = 16
     """replay: prompts per batched generate and target forward."""
     capture: bool = False
-    """Timed greedy and speculative decoding on a static KV cache, the target's decode/verify forwards in CUDA
-    graphs on CUDA (the drafter stays eager)."""
+    """Timed greedy and speculative decoding on a static KV cache; on CUDA the target's decode/verify forwards
+    in CUDA graphs and the drafter's block forward compiled."""
     split: str = "train"
     """Dataset split."""
     max_new_tokens: int = 128

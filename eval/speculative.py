@@ -81,12 +81,16 @@ class DFlashProposer:
     own position only, and decoding only ever appends verified positions, so each call
     computes them for the new positions alone and keeps them; ``reset`` starts a new
     sequence. ``incremental=False`` recomputes the whole context with the training forward
-    every call (the reference the incremental path is tested against).
+    every call (the reference the incremental path is tested against). ``compile_backend``
+    (incremental only): the block's forward compiled by that ``torch.compile`` backend, with
+    the context length dynamic (it grows every block), so one graph serves a whole run.
     """
 
     def __init__(self, drafter: DFlashDrafter, target, config: DrafterConfig | None = None,
-                 incremental: bool = True):
+                 incremental: bool = True, compile_backend: str | None = None):
         self.drafter = drafter.eval()
+        self._forward_cached = (torch.compile(self.drafter.forward_cached, backend=compile_backend, dynamic=True)
+                                if compile_backend else self.drafter.forward_cached)
         self.config = config or drafter.config
         self.block_size = self.config.block_size
         self.target_layer_ids = list(self.config.target_layer_ids)
@@ -123,7 +127,7 @@ class DFlashProposer:
         block_positions = torch.arange(position, position + B, device=device).unsqueeze(0)  # (1, B)
         block_embeds = self.embed(block_ids)  # the target's own module: some scale their embeddings
         if self.incremental:
-            hidden = self.drafter.forward_cached(block_embeds, block_positions, self._extend(context), self._weights)
+            hidden = self._forward_cached(block_embeds, block_positions, self._extend(context), self._weights)
         else:
             hidden = self._full_forward(context, block_embeds, block_positions, position)
         return self.lm_head(hidden[0, 1:].to(self.lm_head.weight.dtype))  # (B-1, V)
@@ -550,9 +554,12 @@ def evaluate(target, drafter: DFlashDrafter | Proposer, prompts: Sequence[Sequen
     mismatch raises LosslessError at the first prompt that shows it; without, each row
     records it ("lossless", "mismatch") and the caller decides. With ``capture`` both decoders
     run on one ``StaticTarget`` (static KV cache; on CUDA its decode and verify forwards in
-    CUDA graphs), so launch overhead does not decide the speedup; the drafter runs as without.
+    CUDA graphs) and, on CUDA, the drafter's block forward is compiled (inductor), so launch
+    overhead does not decide the speedup.
     """
-    proposer = DFlashProposer(drafter, target) if isinstance(drafter, DFlashDrafter) else drafter
+    backend = "inductor" if capture and _device_of(target).type == "cuda" else None
+    proposer = (DFlashProposer(drafter, target, compile_backend=backend) if isinstance(drafter, DFlashDrafter)
+                else drafter)
     eos = sorted({int(t) for t in eos_token_ids})
     B = proposer.block_size
     session = None

@@ -45,36 +45,14 @@ def eos(target, prompts):
 
 
 @pytest.fixture(scope="module")
-def drafter(target, tokenizer, prompts, eos):
+def drafter(target, tokenizer, prompts):
     """A 2-layer drafter fitted for a few seconds to the target's continuations of the prompts:
     its blocks accept anywhere from 1 to BLOCK tokens, so the replay's walk is exercised."""
-    from dflash.extract.target import TargetRunner
-    from dflash.train.data import Collate, candidate_anchors
-    from dflash.train.step import StepSpec, forward_loss
+    from toy_target import fit_drafter
 
     config = DrafterConfig.from_target_config(target.config, LAYERS, tokenizer.convert_tokens_to_ids("<|MASK|>"),
                                               block_size=BLOCK, num_hidden_layers=2)
-    torch.manual_seed(0)
-    drafter = DFlashDrafter(config)
-    runner = TargetRunner(target, LAYERS, topk=1)
-    conts = rp.greedy_continuations(target, prompts, 2 * MAX_NEW, [])
-    samples = rp.replay_samples(runner, prompts, conts, frozenset())
-    runner.close()
-    items = []
-    for s in samples:
-        anchors = candidate_anchors(s["loss_mask"])
-        items.append({k: v for k, v in s.items() if isinstance(v, torch.Tensor)}
-                     | {"anchors": torch.nn.functional.pad(anchors, (0, 2 * MAX_NEW - len(anchors))),
-                        "block_valid": torch.arange(2 * MAX_NEW) < len(anchors)})
-    batch = Collate(None)(items)
-    step = StepSpec("dense", BLOCK, config.mask_token_id, None, 4096, None)
-    head = rp.target_head(target)
-    opt = torch.optim.Adam(drafter.parameters(), lr=3e-3)
-    for _ in range(40):
-        opt.zero_grad()
-        forward_loss(drafter, head, batch, step).loss.backward()
-        opt.step()
-    return drafter.eval()
+    return fit_drafter(target, config, prompts, 2 * MAX_NEW)
 
 
 @pytest.fixture(scope="module")
@@ -225,3 +203,23 @@ def test_static_cache_rejects_running_past_its_length(target, prompts):
     spec.greedy_generate(target, prompts[0], 3, session=session)  # prompt + 2 decoded positions: fits
     with pytest.raises(ValueError, match="static KV cache"):
         spec.greedy_generate(target, prompts[0], 4, session=session)  # 3 positions after the prompt
+
+
+def test_compiled_drafter_proposes_alike_with_one_graph(target, drafter, prompts):
+    """``--capture`` compiles the drafter's block forward with the context length dynamic: the
+    proposals stay the same and one graph serves every block of every prompt (a backend that
+    counts its compilations stands in for inductor, which needs a compiler the CPU tests skip)."""
+    graphs = []
+
+    def counting(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    torch._dynamo.reset()
+    eager = spec.DFlashProposer(drafter, target)
+    compiled = spec.DFlashProposer(drafter, target, compile_backend=counting)
+    for prompt in prompts:
+        a = spec.speculative_generate(target, eager, prompt, MAX_NEW)
+        b = spec.speculative_generate(target, compiled, prompt, MAX_NEW)
+        assert (a.tokens, a.block_taus) == (b.tokens, b.block_taus)
+    assert len(graphs) == 1
