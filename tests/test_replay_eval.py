@@ -82,6 +82,8 @@ def test_batched_continuations_equal_unbatched_generate(target, prompts, eos):
         assert tokens + ([] if truncated else eos) == new
         assert truncated == (eos[0] not in new)
     assert not all(t for _, t in batched) and any(t for _, t in batched)
+    # the static-KV-cache path that CUDA takes by default (batches padded to its rows)
+    assert rp.greedy_continuations(target, prompts, MAX_NEW, eos, batch_size=2, static=True) == batched
 
 
 def test_walked_block_taus_follow_the_walk():
@@ -114,7 +116,7 @@ def test_report_numbers_follow_from_the_records(target, drafter, prompts, eos, r
     assert line["greedy_tokens_per_s"] == pytest.approx(n_new / greedy_s)
     assert line["spec_tokens_per_s"] == pytest.approx(n_new / spec_s)
     assert line["speedup"] == pytest.approx(greedy_s / spec_s)
-    assert line["lossless"] == line["taus_equal"] == line["sample_prompts"] == 2
+    assert line["lossless"] == line["replay_equal"] == line["sample_prompts"] == 2
     assert all(r["divergence"] is None and r["replay_tau"] == r["tau"] for r in rows)
     table = rp.format_benchmarks([line])
     assert "bench" in table and f"{line['tau']:.2f}" in table and "2/2" in table
@@ -159,9 +161,19 @@ def test_cli_two_benchmarks(tiny_target_dir, export, chats_sample_path, tmp_path
     assert list(data["benchmarks"]) == ["chats", "questions"] and data["settings"]["capture"]
     for name in ("chats", "questions"):
         summary = data["benchmarks"][name]["summary"]
-        assert summary["prompts"] == 3 and summary["sample_prompts"] == 2 and summary["taus_equal"] == 2
+        assert summary["prompts"] == 3 and summary["sample_prompts"] == 2 and summary["replay_equal"] == 2
         assert name in result.output
     assert "online tau" in result.output and "tau histogram" in result.output
+
+
+def test_cli_fails_in_float32_when_the_replay_disagrees(tiny_target_dir, export, chats_sample_path, monkeypatch):
+    real = rp.score_sample
+    monkeypatch.setattr(rp, "score_sample", lambda *a, **k: [t + 1 for t in real(*a, **k)])
+    result = _invoke(["--target", str(tiny_target_dir), "--drafter", str(export), "--prompts", str(chats_sample_path),
+                      "--limit", "2", "--max-new-tokens", "8", "--spec-sample", "1", "--no-warmup"])
+    assert result.exit_code == 1, result.output
+    assert "REPLAY CHECK FAILED: chats_sample prompt 0: block 0" in result.output
+    assert "0/1" in result.output  # the table's "= replay" column
 
 
 @pytest.mark.parametrize("value,needle", [
