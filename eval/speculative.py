@@ -325,9 +325,9 @@ def _is_stop(token: int, n_new: int, max_new_tokens: int, eos: frozenset[int]) -
     return token in eos or n_new >= max_new_tokens
 
 
-def _layer_states(hidden_states, layer_ids: Sequence[int], stop: int | None = None) -> torch.Tensor:
+def _layer_states(hidden_states, layer_ids: Sequence[int]) -> torch.Tensor:
     """(1, T, n * D): HF hidden_states[i + 1] of every chosen layer id i, concatenated."""
-    return torch.cat([hidden_states[i + 1][:, :stop] for i in layer_ids], dim=-1)
+    return torch.cat([hidden_states[i + 1] for i in layer_ids], dim=-1)
 
 
 class EagerTarget:
@@ -361,8 +361,10 @@ class EagerTarget:
 
 class StaticTarget(EagerTarget):
     """``EagerTarget`` on a static KV cache (transformers' ``StaticCache``, one for every prompt):
-    a forward writes at its own positions and attends up to its own, so a crop only moves the
-    length (the next verify overwrites the rejected drafts). With ``capture`` (CUDA) the forwards
+    a forward writes at the next positions and attends up to its own, so a crop only moves the
+    length back (the next verify overwrites the rejected drafts; since 5.2x the cache's layers
+    count positions in a device tensor that a captured graph advances, so the crop moves that
+    counter back in place too). With ``capture`` (CUDA) the forwards
     after the prefill, 1 token (greedy) or B tokens (verify), are compiled with CUDA graphs
     (``mode="reduce-overhead"``), once per shape; without, the same code runs eager."""
 
