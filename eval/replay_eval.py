@@ -92,8 +92,10 @@ def replay_samples(runner, prompts: Sequence[Sequence[int]], continuations: Sequ
     (the continuation), context_hidden (T, n * D), target_top1 (T,), and ``disagreements``:
     positions where the forward's greedy token is not the generated one (0 in float32).
 
-    The stop token is not generated back by ``generate_batch``: it is the forward's greedy
-    token after the continuation (its hidden state is never context: decoding stops there)."""
+    The stop token is not given back by ``generate_batch``: it is the forward's greedy token
+    after the continuation (its hidden state is never context: decoding stops there); where
+    that token is no stop token (a bf16 near-tie), the smallest stop id stands in, counted as
+    a disagreement."""
     sequences = [torch.tensor(list(p) + tokens, dtype=torch.long) for p, (tokens, _) in zip(prompts, continuations)]
     out = runner.forward(*runner.pad_batch(sequences))
     hidden = out.hidden.flatten(1).split([len(s) for s in sequences])  # per prompt (T, n * D)
