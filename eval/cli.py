@@ -1,14 +1,25 @@
-"""``dflash-eval``: online speculative decoding of a drafter against its target.
+"""``dflash-eval``: acceptance of a drafter against its target, per benchmark.
 
-    dflash-eval --target MODEL --drafter RUN_OR_EXPORT --prompts DATA \\
-        [--max-new-tokens 128] [--limit N] [--device cpu|cuda] [--json out.json] [--no-check] [--no-warmup]
+    dflash-eval --target MODEL --drafter RUN_OR_EXPORT --prompts [NAME=]DATA [--prompts NAME=DATA ...] \\
+        [--mode replay|online] [--spec-sample 8] [--batch-size 16] [--capture] [--max-new-tokens 128] [--limit N] \\
+        [--device cpu|cuda] [--json out.json] [--no-check] [--no-warmup]
+
+``--mode replay`` (default, ``replay_eval``): every prompt's greedy continuation generated
+in batches, one batched target forward for the drafter's context, a block scored at every
+position and the continuation walked as greedy speculative decoding walks it: the tau real
+decoding gets, over a whole benchmark in minutes; then real speculative decoding on
+``--spec-sample`` prompts per benchmark checks losslessness and that its tau equals the
+replay's prompt by prompt, and times greedy vs speculative decoding (``--capture``: both on a
+static KV cache, with CUDA graphs and a compiled drafter on CUDA). ``--mode online``:
+real speculative vs greedy decoding of every prompt at batch 1 (one benchmark).
 
 Prompts come from any source ``extract`` reads (``load_source`` + ``normalize_row``):
 a chat is cut after its LAST user turn and rendered with the generation prompt (what
 the target would be asked); a plain ``text`` row is used as a raw prefix; a row with
 only a ``prompt`` or ``question`` string column becomes one user turn (GSM8K,
 HumanEval style). The exit status is 1 when any speculative output differs from
-greedy (the run still finishes and writes --json, so the report shows every prompt).
+greedy (the run still finishes and writes --json, so the report shows every prompt),
+and in replay mode in float32 also when an online tau differs from the replay's.
 """
 
 from __future__ import annotations
@@ -16,6 +27,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import re
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -134,8 +146,18 @@ class EvalConfig:
     """Target model: HF folder or hub name (from_pretrained)."""
     drafter: str = field(metadata={"exists": "dir"})
     """Export folder (config.json) or training run / checkpoint folder (latest checkpoint)."""
-    prompts: str
-    """Prompt dataset: anything extract's load_source reads."""
+    prompts: list[str] = field(metadata={"multiple": True})
+    """Prompt dataset (anything extract's load_source reads) as DATA or NAME=DATA; repeat for several benchmarks."""
+    mode: Literal["replay", "online"] = "replay"
+    """replay: tau of every prompt from batched greedy continuations, real decoding on a sample; online: real
+    decoding of every prompt."""
+    spec_sample: int = 8
+    """replay: prompts per benchmark decoded speculatively for real (lossless, tau equal, speed); 0 = none."""
+    batch_size: int = 16
+    """replay: prompts per batched generate and target forward."""
+    capture: bool = False
+    """Timed greedy and speculative decoding on a static KV cache; on CUDA the target's decode/verify forwards
+    in CUDA graphs and the drafter's block forward compiled."""
     split: str = "train"
     """Dataset split."""
     max_new_tokens: int = 128
@@ -161,18 +183,48 @@ class EvalConfig:
             raise ValueError(f"max_new_tokens must be at least 1, got {self.max_new_tokens}")
         if self.limit is not None and self.limit < 1:
             raise ValueError(f"limit must be at least 1, got {self.limit}")
+        if self.batch_size < 1 or self.spec_sample < 0:
+            raise ValueError(f"batch_size must be at least 1 and spec_sample 0 or more, got {self.batch_size}, "
+                             f"{self.spec_sample}")
+        if self.mode == "online" and len(self.prompts) > 1:
+            raise ValueError("--mode online takes one --prompts; replay mode (the default) takes several")
+
+
+BENCHMARK_NAME = re.compile(r"[A-Za-z0-9_.-]+")
+
+
+def parse_benchmarks(specs: list[str]) -> list[tuple[str, str]]:
+    """[(name, dataset)] of the --prompts values: NAME=DATA, or DATA named after its file."""
+    out: list[tuple[str, str]] = []
+    for spec in specs:
+        name, sep, data = spec.partition("=")
+        named = bool(sep) and (not name or BENCHMARK_NAME.fullmatch(name) is not None)
+        if not named:  # a dataset alone, maybe with '=' or '/' in its path
+            name, data = Path(spec.rstrip("/")).stem or spec, spec
+        if not name or not data:
+            raise click.BadParameter(f"{spec!r}: give NAME=DATA (e.g. mtbench=mt_bench.jsonl) or a dataset",
+                                     param_hint="--prompts")
+        if name in dict(out):
+            raise click.BadParameter(f"benchmark name {name!r} given twice; name them NAME=DATA",
+                                     param_hint="--prompts")
+        out.append((name, data))
+    return out
 
 
 @click.command(context_settings=CONTEXT_SETTINGS)
 @options(EvalConfig)
 def cli(**values):
-    """Speculative decoding with a DFlash drafter vs plain greedy decoding of the target."""
+    """Acceptance (tau) of a DFlash drafter per benchmark: replayed over every prompt from the
+    target's batched greedy continuations, checked and timed against real speculative decoding
+    on a sample (--mode replay), or real speculative vs greedy decoding of every prompt (--mode online)."""
     cfg = validated(build(EvalConfig, values))
     usable_device(cfg.device)
+    benchmarks = parse_benchmarks(list(cfg.prompts))
     import torch
     from transformers import AutoTokenizer
 
     from dflash.extract.chat import stop_token_ids
+    from dflash.extract.data import DataError
     from dflash.extract.target import load_target
 
     from .speculative import evaluate, load_drafter
@@ -181,30 +233,71 @@ def cli(**values):
     target, device = cfg.target, cfg.device
     dtype = cfg.dtype if cfg.dtype != "auto" else ("bfloat16" if device.startswith("cuda") else "float32")
     tokenizer = AutoTokenizer.from_pretrained(target)
+    prompt_sets = {}
+    for name, data in benchmarks:
+        with reading(f"--prompts {name}={data}"):
+            try:
+                prompt_sets[name] = load_prompts(data, tokenizer, split=cfg.split, limit=cfg.limit,
+                                                 template_kwargs=cfg.template_kwargs or None)
+            except DataError as err:
+                raise click.ClickException(f"--prompts {name}={data}: {err}") from err
+        if not prompt_sets[name]:
+            raise click.ClickException(f"no usable prompts in {data}")
     model = load_target(target, dtype=dtype, device=device)
     with reading("--drafter"):
         draft_model, config = load_drafter(cfg.drafter, device=device, dtype=getattr(torch, dtype))
-    with reading("--prompts"):
-        prompts = load_prompts(cfg.prompts, tokenizer, split=cfg.split, limit=cfg.limit,
-                               template_kwargs=cfg.template_kwargs or None)
-    if not prompts:
-        raise click.ClickException(f"no usable prompts in {cfg.prompts}")
-    click.echo(f"{len(prompts)} prompts, block size {config.block_size}, layers {config.target_layer_ids}, "
-               f"{device} {dtype}", err=True)
-    result = evaluate(model, draft_model, prompts, max_new_tokens=cfg.max_new_tokens,
-                      eos_token_ids=stop_token_ids(model, tokenizer), check=False, warmup=cfg.warmup,
-                      progress=True)
-    result["settings"].update({"target": target, "drafter": cfg.drafter, "prompts": cfg.prompts, "split": cfg.split})
-    click.echo(format_report(result))
+    eos = stop_token_ids(model, tokenizer)
+    click.echo(f"{', '.join(f'{n}: {len(p)}' for n, p in prompt_sets.items())} prompts, block size "
+               f"{config.block_size}, layers {config.target_layer_ids}, {device} {dtype}", err=True)
+    if cfg.mode == "online":
+        (name, data), prompts = benchmarks[0], prompt_sets[benchmarks[0][0]]
+        result = evaluate(model, draft_model, prompts, max_new_tokens=cfg.max_new_tokens, eos_token_ids=eos,
+                          check=False, warmup=cfg.warmup, progress=True, capture=cfg.capture)
+        result["settings"].update({"target": target, "drafter": cfg.drafter, "prompts": data, "split": cfg.split})
+        click.echo(format_report(result))
+        failed = [r["mismatch"] for r in result["per_prompt"] if not r["lossless"]]
+        diverged = []
+    else:
+        result, failed, diverged = replay_mode(cfg, model, draft_model, prompt_sets, eos, dtype)
     if cfg.json:
         Path(cfg.json).parent.mkdir(parents=True, exist_ok=True)
         Path(cfg.json).write_text(json.dumps(result, indent=2) + "\n")
         click.echo(f"report -> {cfg.json}", err=True)
-    failed = [r["mismatch"] for r in result["per_prompt"] if not r["lossless"]]
-    if failed and cfg.check:
-        for message in failed:
-            click.echo(f"LOSSLESS CHECK FAILED: {message}", err=True)
+    for message in diverged:
+        click.echo(f"{'REPLAY CHECK FAILED' if dtype == 'float32' else 'replay vs online (not float32)'}: "
+                   f"{message}", err=True)
+    for message in failed:
+        click.echo(f"LOSSLESS CHECK FAILED: {message}", err=True)
+    if cfg.check and (failed or (diverged and dtype == "float32")):
         sys.exit(1)
+
+
+def replay_mode(cfg: EvalConfig, model, drafter, prompt_sets: dict[str, list[list[int]]], eos: list[int],
+                dtype: str) -> tuple[dict[str, Any], list[str], list[str]]:
+    """Replay every benchmark, decode its sample for real, print the table:
+    (the --json report, lossless failures, replay-vs-online divergences)."""
+    from .replay_eval import benchmark_line, format_benchmarks, replay_benchmark, spec_sample
+
+    report: dict[str, Any] = {"benchmarks": {}, "settings": {
+        "target": cfg.target, "drafter": cfg.drafter, "prompts": list(cfg.prompts), "split": cfg.split,
+        "mode": "replay", "max_new_tokens": cfg.max_new_tokens, "spec_sample": cfg.spec_sample,
+        "batch_size": cfg.batch_size, "capture": cfg.capture, "device": cfg.device, "dtype": dtype,
+        "eos_token_ids": sorted(eos),
+        "block_size": drafter.config.block_size, "target_layer_ids": list(drafter.config.target_layer_ids)}}
+    lines, failed, diverged = [], [], []
+    for name, prompts in prompt_sets.items():
+        replay = replay_benchmark(model, drafter, prompts, max_new_tokens=cfg.max_new_tokens, eos_token_ids=eos,
+                                  batch_size=cfg.batch_size, progress=True)
+        sample = None
+        if cfg.spec_sample:
+            sample = spec_sample(model, drafter, prompts, replay, cfg.spec_sample, max_new_tokens=cfg.max_new_tokens,
+                                 eos_token_ids=eos, warmup=cfg.warmup, progress=True, capture=cfg.capture)
+            failed += [f"{name} {r['mismatch']}" for r in sample["per_prompt"] if not r["lossless"]]
+            diverged += [f"{name} {r['divergence']}" for r in sample["per_prompt"] if r["divergence"]]
+        lines.append(benchmark_line(name, replay, sample))
+        report["benchmarks"][name] = {"summary": lines[-1], "replay": replay, "sample": sample}
+    click.echo(format_benchmarks(lines))
+    return report, failed, diverged
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -13,7 +13,19 @@ import torch
 
 from dflash.train.data import AnchorDataset, Collate
 from dflash.train.replay import replay as replay_decoding
-from dflash.train.step import StepSpec, evaluate_batch
+from dflash.train.step import StepSpec, argmax_tokens, drafter_hidden
+
+
+def block_predictor(drafter, head, mask_token_id: int, chunk_size: int = 4096):
+    """``predict(batch)`` for ``train.replay``: the drafter's argmax at every slot of every block,
+    (Bsz, N, B), from training's forward with dense attention (no loss computed)."""
+    spec = StepSpec("dense", drafter.config.block_size, mask_token_id, None, chunk_size, None)
+
+    def predict(batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        hidden = drafter_hidden(drafter, head, batch, spec)  # (Bsz, N*B, D)
+        return argmax_tokens(head, hidden.flatten(0, 1), chunk_size).view(*batch["anchors"].shape, -1)
+
+    return predict
 
 
 @torch.no_grad()
@@ -28,9 +40,8 @@ def replay(reader, samples: list[int], drafter, head, *, mask_token_id: int, max
     """
     dcfg = drafter.config
     data = AnchorDataset(reader, list(dcfg.target_layer_ids), max_length, max_anchors=max_length, seed=0)
-    spec = StepSpec("dense", dcfg.block_size, mask_token_id, None, ce_chunk_size, None)
     drafter = drafter.eval().to(device)
-    result = replay_decoding(data, samples, lambda batch: evaluate_batch(drafter, head, batch, spec)[2],
+    result = replay_decoding(data, samples, block_predictor(drafter, head, mask_token_id, ce_chunk_size),
                              Collate(None), max_new_tokens=max_new_tokens, device=device)
     return result.to_dict()
 

@@ -81,12 +81,16 @@ class DFlashProposer:
     own position only, and decoding only ever appends verified positions, so each call
     computes them for the new positions alone and keeps them; ``reset`` starts a new
     sequence. ``incremental=False`` recomputes the whole context with the training forward
-    every call (the reference the incremental path is tested against).
+    every call (the reference the incremental path is tested against). ``compile_backend``
+    (incremental only): the block's forward compiled by that ``torch.compile`` backend, with
+    the context length dynamic (it grows every block), so one graph serves a whole run.
     """
 
     def __init__(self, drafter: DFlashDrafter, target, config: DrafterConfig | None = None,
-                 incremental: bool = True):
+                 incremental: bool = True, compile_backend: str | None = None):
         self.drafter = drafter.eval()
+        self._forward_cached = (torch.compile(self.drafter.forward_cached, backend=compile_backend, dynamic=True)
+                                if compile_backend else self.drafter.forward_cached)
         self.config = config or drafter.config
         self.block_size = self.config.block_size
         self.target_layer_ids = list(self.config.target_layer_ids)
@@ -123,7 +127,7 @@ class DFlashProposer:
         block_positions = torch.arange(position, position + B, device=device).unsqueeze(0)  # (1, B)
         block_embeds = self.embed(block_ids)  # the target's own module: some scale their embeddings
         if self.incremental:
-            hidden = self.drafter.forward_cached(block_embeds, block_positions, self._extend(context), self._weights)
+            hidden = self._forward_cached(block_embeds, block_positions, self._extend(context), self._weights)
         else:
             hidden = self._full_forward(context, block_embeds, block_positions, position)
         return self.lm_head(hidden[0, 1:].to(self.lm_head.weight.dtype))  # (B-1, V)
@@ -321,75 +325,157 @@ def _is_stop(token: int, n_new: int, max_new_tokens: int, eos: frozenset[int]) -
     return token in eos or n_new >= max_new_tokens
 
 
+def _layer_states(hidden_states, layer_ids: Sequence[int]) -> torch.Tensor:
+    """(1, T, n * D): HF hidden_states[i + 1] of every chosen layer id i, concatenated."""
+    return torch.cat([hidden_states[i + 1] for i in layer_ids], dim=-1)
+
+
+class EagerTarget:
+    """The decoding loops' view of the target: forwards that extend one sequence's KV cache
+    (transformers' dynamic cache, eager: the reference path), and ``crop`` to drop rejected drafts."""
+
+    def __init__(self, target):
+        self.target, self.device = target, _device_of(target)
+        self.cache = None
+
+    def reset(self) -> None:
+        self.cache = None
+
+    @property
+    def length(self) -> int:
+        """Positions in the KV cache."""
+        return 0 if self.cache is None else cache_length(self.cache)
+
+    def forward(self, ids: Sequence[int], layer_ids: Sequence[int] | None = None, last_only: bool = False
+                ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``ids`` at the next positions -> (logits (n or 1, V), chosen layers' states (n, n_l * D) or None)."""
+        kwargs = {"logits_to_keep": 1} if last_only else {}
+        out, self.cache = _forward(self.target, torch.tensor([list(ids)], device=self.device), self.cache,
+                                   output_hidden_states=layer_ids is not None, **kwargs)
+        states = _layer_states(out.hidden_states, layer_ids)[0] if layer_ids is not None else None
+        return out.logits[0], states
+
+    def crop(self, keep: int) -> None:
+        self.cache = crop_cache(self.cache, keep)
+
+
+class StaticTarget(EagerTarget):
+    """``EagerTarget`` on a static KV cache (transformers' ``StaticCache``, one for every prompt):
+    a forward writes at the next positions and attends up to its own, so a crop only moves the
+    length back (the next verify overwrites the rejected drafts; since 5.2x the cache's layers
+    count positions in a device tensor that a captured graph advances, so the crop moves that
+    counter back in place too). With ``capture`` (CUDA) the forwards
+    after the prefill, 1 token (greedy) or B tokens (verify), are compiled with CUDA graphs
+    (``mode="reduce-overhead"``), once per shape; without, the same code runs eager."""
+
+    def __init__(self, target, max_length: int, capture: bool = False):
+        from transformers import StaticCache
+
+        super().__init__(target)
+        self.cache = StaticCache(config=target.config, max_cache_len=max_length)
+        self.max_length, self._length = max_length, 0
+        self._cache_name = _cache_argument(type(target))
+        self._step = torch.compile(self._run, mode="reduce-overhead") if capture else self._run
+
+    def reset(self) -> None:
+        self.cache.reset()
+        self._length = 0
+
+    @property
+    def length(self) -> int:
+        return self._length
+
+    def _run(self, ids: torch.Tensor, positions: torch.Tensor, hidden: bool):
+        out = self.target(input_ids=ids, position_ids=positions[None], cache_position=positions, use_cache=True,
+                          output_hidden_states=hidden, **{self._cache_name: self.cache})
+        return out.logits, out.hidden_states
+
+    def forward(self, ids, layer_ids=None, last_only=False):
+        n = len(ids)
+        if self._length + n > self.max_length:
+            raise ValueError(f"static KV cache of {self.max_length} positions cannot take {self._length + n}")
+        positions = torch.arange(self._length, self._length + n, device=self.device)
+        run = self._run if self._length == 0 else self._step  # the prefill's length varies: eager
+        logits, hidden = run(torch.tensor([list(ids)], device=self.device), positions, layer_ids is not None)
+        self._length += n
+        states = _layer_states(hidden, layer_ids)[0] if layer_ids is not None else None  # a copy (cat)
+        return (logits[0, -1:] if last_only else logits[0]).clone(), states
+
+    def crop(self, keep: int) -> None:
+        if keep > self._length:
+            raise ValueError(f"cannot crop a {self._length}-position cache to {keep}")
+        for layer in getattr(self.cache, "layers", ()):
+            if keep < self._length and hasattr(layer, "cumulative_length"):  # transformers 5.2x: the layer
+                layer.crop(keep - self._length)  # counts its positions (moved back in place); before: cache_position
+        self._length = keep
+
+
 @torch.inference_mode()
 def greedy_generate(target, prompt_ids: Sequence[int], max_new_tokens: int,
-                    eos_token_ids: Iterable[int] = ()) -> Generation:
-    """Plain greedy decoding with the KV cache, one token per target forward."""
+                    eos_token_ids: Iterable[int] = (), session: EagerTarget | None = None) -> Generation:
+    """Plain greedy decoding with the KV cache, one token per target forward (``session``: the
+    target's forwards, default ``EagerTarget``)."""
     if max_new_tokens < 1:
         raise ValueError("max_new_tokens must be >= 1")
     device, eos = _device_of(target), frozenset(int(t) for t in eos_token_ids)
+    session = session or EagerTarget(target)
+    session.reset()
     _sync(device)
     start = time.perf_counter()
-    out, cache = _forward(target, torch.tensor([list(prompt_ids)], device=device), logits_to_keep=1)
+    logits, _ = session.forward(prompt_ids, last_only=True)
     tokens, margins, forwards = [], [], 1
     while True:
-        top2 = out.logits[0, -1].float().topk(2)
+        top2 = logits[-1].float().topk(2)
         token = int(top2.indices[0])
         tokens.append(token)
         margins.append(float(top2.values[0] - top2.values[1]))
         if _is_stop(token, len(tokens), max_new_tokens, eos):
             break
-        out, cache = _forward(target, torch.tensor([[token]], device=device), cache, logits_to_keep=1)
+        logits, _ = session.forward([token], last_only=True)
         forwards += 1
     _sync(device)
     return Generation(tokens, forwards, time.perf_counter() - start, margins=margins)
 
 
-def _layer_states(hidden_states, layer_ids: Sequence[int], stop: int | None = None) -> torch.Tensor:
-    """(1, T, n * D): HF hidden_states[i + 1] of every chosen layer id i, concatenated."""
-    return torch.cat([hidden_states[i + 1][:, :stop] for i in layer_ids], dim=-1)
-
-
 @torch.inference_mode()
 def speculative_generate(target, proposer: Proposer, prompt_ids: Sequence[int], max_new_tokens: int,
-                         eos_token_ids: Iterable[int] = ()) -> Generation:
+                         eos_token_ids: Iterable[int] = (), session: EagerTarget | None = None) -> Generation:
     """DFlash speculative decoding at temperature 0 (see the module docstring)."""
     if max_new_tokens < 1:
         raise ValueError("max_new_tokens must be >= 1")
     device, eos = _device_of(target), frozenset(int(t) for t in eos_token_ids)
+    session = session or EagerTarget(target)
+    session.reset()
     sequence = [int(t) for t in prompt_ids]  # prompt, then every emitted token
     n_prompt, B, layer_ids = len(sequence), proposer.block_size, list(proposer.target_layer_ids)
     _sync(device)
     start = time.perf_counter()
-    out, cache = _forward(target, torch.tensor([sequence], device=device), output_hidden_states=True,
-                          logits_to_keep=1)
+    logits, prefill_states = session.forward(sequence, layer_ids, last_only=True)  # states (P, n * D)
     forwards = 1
-    prefill_states = _layer_states(out.hidden_states, layer_ids)  # (1, P, n * D)
     if hasattr(proposer, "reset"):  # a proposer that keeps state between calls starts over
         proposer.reset()
     # Drafter context of positions < p, filled as positions are verified.
     context = prefill_states.new_empty((1, n_prompt + max_new_tokens + B, prefill_states.shape[-1]))
-    context[:, :n_prompt] = prefill_states
-    sequence.append(int(out.logits[0, -1].argmax()))
+    context[0, :n_prompt] = prefill_states
+    sequence.append(int(logits[-1].argmax()))
     taus: list[int] = []
     done = _is_stop(sequence[-1], 1, max_new_tokens, eos)
     while not done:
         p = len(sequence) - 1  # position of the last accepted token, not yet in the cache
-        if cache_length(cache) != p:
-            raise RuntimeError(f"KV cache holds {cache_length(cache)} positions, expected {p}")
+        if session.length != p:
+            raise RuntimeError(f"KV cache holds {session.length} positions, expected {p}")
         drafts = proposer.propose(context[:, :p], sequence[:], p)
         if drafts.shape != (B - 1,):
             raise ValueError(f"proposer returned shape {tuple(drafts.shape)}, expected ({B - 1},)")
         drafts = [int(t) for t in drafts.tolist()]
-        out, cache = _forward(target, torch.tensor([[sequence[-1], *drafts]], device=device), cache,
-                              output_hidden_states=True)
+        logits, states = session.forward([sequence[-1], *drafts], layer_ids)
         forwards += 1
-        greedy = out.logits[0].argmax(dim=-1).tolist()  # the target's tokens for positions p+1 .. p+B
+        greedy = logits.argmax(dim=-1).tolist()  # the target's tokens for positions p+1 .. p+B
         accepted = 0
         while accepted < B - 1 and drafts[accepted] == greedy[accepted]:
             accepted += 1
-        context[:, p:p + accepted + 1] = _layer_states(out.hidden_states, layer_ids, accepted + 1)
-        cache = crop_cache(cache, p + accepted + 1)
+        context[0, p:p + accepted + 1] = states[:accepted + 1]
+        session.crop(p + accepted + 1)
         emitted = 0
         for token in drafts[:accepted] + [greedy[accepted]]:
             sequence.append(token)
@@ -455,7 +541,7 @@ def _summary(new_tokens: int, taus: list[int], spec_fw: int, greedy_fw: int, spe
 
 def evaluate(target, drafter: DFlashDrafter | Proposer, prompts: Sequence[Sequence[int]], *,
              max_new_tokens: int = 128, eos_token_ids: Iterable[int] = (), check: bool = True,
-             warmup: bool = True, progress: bool = False) -> dict[str, Any]:
+             warmup: bool = True, progress: bool = False, capture: bool = False) -> dict[str, Any]:
     """Speculative vs greedy decoding of every prompt (lists of token ids).
 
     Returns {"overall": {...}, "per_prompt": [{...}], "settings": {...}} where each
@@ -468,22 +554,32 @@ def evaluate(target, drafter: DFlashDrafter | Proposer, prompts: Sequence[Sequen
     training scores per block on cached sequences (``dflash.train.metrics.block_taus``)
     and walks as decoding walks (``dflash.train.replay``, training's held-out ``tau``). With ``check`` a
     mismatch raises LosslessError at the first prompt that shows it; without, each row
-    records it ("lossless", "mismatch") and the caller decides.
+    records it ("lossless", "mismatch") and the caller decides. With ``capture`` both decoders
+    run on one ``StaticTarget`` (static KV cache; on CUDA its decode and verify forwards in
+    CUDA graphs) and, on CUDA, the drafter's block forward is compiled (inductor), so launch
+    overhead does not decide the speedup.
     """
-    proposer = DFlashProposer(drafter, target) if isinstance(drafter, DFlashDrafter) else drafter
+    backend = "inductor" if capture and _device_of(target).type == "cuda" else None
+    proposer = (DFlashProposer(drafter, target, compile_backend=backend) if isinstance(drafter, DFlashDrafter)
+                else drafter)
     eos = sorted({int(t) for t in eos_token_ids})
     B = proposer.block_size
-    if warmup and prompts:  # first calls pay for allocator growth, kernels, lazy init
-        greedy_generate(target, prompts[0], min(4, max_new_tokens), eos)
-        speculative_generate(target, proposer, prompts[0], min(2 * B, max_new_tokens), eos)
+    session = None
+    if capture and prompts:
+        max_length = max(len(p) for p in prompts) + max_new_tokens + 2 * B
+        session = StaticTarget(target, max_length, capture=_device_of(target).type == "cuda")
+    if warmup and prompts:  # first calls pay for allocator growth, kernels, lazy init, graph capture
+        for _ in range(2 if session is not None else 1):
+            greedy_generate(target, prompts[0], min(4, max_new_tokens), eos, session)
+            speculative_generate(target, proposer, prompts[0], min(2 * B, max_new_tokens), eos, session)
 
     from tqdm.auto import tqdm
 
     per_prompt, all_taus = [], []
     totals = dict(new=0, spec_fw=0, greedy_fw=0, spec_s=0.0, greedy_s=0.0)
     for index, prompt in enumerate(tqdm(prompts, desc="dflash-eval", unit="prompt", disable=not progress)):
-        greedy = greedy_generate(target, prompt, max_new_tokens, eos)
-        spec = speculative_generate(target, proposer, prompt, max_new_tokens, eos)
+        greedy = greedy_generate(target, prompt, max_new_tokens, eos, session)
+        spec = speculative_generate(target, proposer, prompt, max_new_tokens, eos, session)
         mismatch = mismatch_message(spec.tokens, greedy.tokens, greedy.margins, where=f"prompt {index}")
         if check and mismatch is not None:
             raise LosslessError(mismatch)
@@ -491,7 +587,7 @@ def evaluate(target, drafter: DFlashDrafter | Proposer, prompts: Sequence[Sequen
         row = {"index": index, "prompt_tokens": len(prompt), "lossless": mismatch is None, "mismatch": mismatch,
                **_summary(n_new, spec.block_taus, spec.target_forwards, greedy.target_forwards,
                           spec.seconds, greedy.seconds, B),
-               "tokens": spec.tokens}
+               "block_taus": spec.block_taus, "tokens": spec.tokens}
         per_prompt.append(row)
         all_taus += spec.block_taus
         totals["new"] += n_new
@@ -504,7 +600,7 @@ def evaluate(target, drafter: DFlashDrafter | Proposer, prompts: Sequence[Sequen
         overall.update(_summary(totals["new"], all_taus, totals["spec_fw"], totals["greedy_fw"],
                                 totals["spec_s"], totals["greedy_s"], B))
     device = _device_of(target)
-    settings = {"block_size": B, "max_new_tokens": max_new_tokens, "eos_token_ids": eos,
+    settings = {"block_size": B, "max_new_tokens": max_new_tokens, "eos_token_ids": eos, "capture": capture,
                 "target_layer_ids": list(proposer.target_layer_ids), "device": str(device),
                 "dtype": str(next(target.parameters()).dtype).removeprefix("torch.")}
     return {"overall": overall, "per_prompt": per_prompt, "settings": settings}

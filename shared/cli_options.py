@@ -6,9 +6,10 @@ is comma-separated, ``dict`` is a JSON object, ``bool`` is ``--flag/--no-flag``)
 default is the field's, and the help is the string literal written under the field. A
 field whose type is a dataclass contributes its own fields (flat names, unique across
 the tree). Per-field ``metadata`` (``dataclasses.field``) adds what the type cannot say:
-``argument`` (positional), ``flag`` (another spelling), ``hidden``, ``envvar`` and
+``argument`` (positional), ``flag`` (another spelling), ``hidden``, ``envvar``,
 ``exists`` ("file" or "dir": the path must exist; "model": a folder or hub name, and a
-value that looks like a local path must be an existing folder).
+value that looks like a local path must be an existing folder) and ``multiple`` (a
+``list[X]`` flag given once per value).
 
 Bad input ends in one line naming what to fix, never a traceback: a command built with
 ``options`` shows the expected errors of bad input (ValueError, OSError, CacheError) as
@@ -274,6 +275,9 @@ def _parameter(f: FieldFlag) -> Callable:
         flag = f.flag
         return click.option(f"{flag}/--no-{flag[2:]}", f.name, default=None if required else f.default,
                             required=required, show_default=f.default not in (None, dataclasses.MISSING), **common)
+    if f.metadata.get("multiple"):  # list[X] given once per value: --flag a --flag b
+        return click.option(f.flag, f.name, type=ValueType(typing.get_args(inner)[0]), multiple=True,
+                            default=None if required else f.default, required=required, **common)
     kind = _click_type(f)
     if isinstance(kind, click.Choice):
         # Literal values may be ints or bools: hand the field back its own value, not the text.

@@ -92,10 +92,10 @@ def test_eval_prompts_missing_or_not_json(tiny_target_dir, drafter, tmp_path, co
             "--prompts", prompts)
 
 
-def test_eval_target_and_drafter_not_there(tiny_target_dir, cache, tmp_path):
-    refused(eval_cli, ["--target", tmp_path / "none", "--drafter", cache, "--prompts", "x.jsonl"],
+def test_eval_target_and_drafter_not_there(tiny_target_dir, cache, tmp_path, chats_sample_path):
+    refused(eval_cli, ["--target", tmp_path / "none", "--drafter", cache, "--prompts", chats_sample_path],
             "--target", tmp_path / "none")
-    refused(eval_cli, ["--target", tiny_target_dir, "--drafter", cache, "--prompts", "x.jsonl"],
+    refused(eval_cli, ["--target", tiny_target_dir, "--drafter", cache, "--prompts", chats_sample_path],
             "--drafter", cache)
 
 

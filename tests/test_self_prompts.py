@@ -217,8 +217,9 @@ def test_static_cache_samples_the_same_questions(sampled_run, tmp_path, ending_t
     """The run's StaticDecoder samples the questions too (every batch fills its rows, so the RNG
     draws as on the plain path); fp32 gives the plain path's rows."""
     fits = []
-    original_fits = regen.StaticDecoder.fits
-    monkeypatch.setattr(regen.StaticDecoder, "fits", lambda self, *a: fits.append(original_fits(self, *a)) or fits[-1])
+    original = regen.StaticDecoder.cache_for
+    monkeypatch.setattr(regen.StaticDecoder, "cache_for",
+                        lambda self, *a: fits.append(original(self, *a) is not None) or original(self, *a))
     cfg = _config(tmp_path / "static", tiny_target_dir, 8)
     cfg.static_cache = True
     regen.regenerate(cfg, model=ending_target, tokenizer=tokenizer)

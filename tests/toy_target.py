@@ -53,3 +53,38 @@ def build_qwen3(
     model.save_pretrained(out_dir, safe_serialization=True)
     tokenizer.save_pretrained(out_dir)
     return out_dir
+
+
+def fit_drafter(target, config, prompts: list[list[int]], new_tokens: int, steps: int = 40, seed: int = 0):
+    """A DFlashDrafter fitted for ``steps`` Adam steps (training's forward and loss, dense
+    attention) to the target's greedy continuations of ``prompts``: on a tiny target its
+    blocks then accept anywhere from 1 to B tokens, which an untrained drafter's never do."""
+    from dflash.eval import replay_eval as rp
+    from dflash.extract.target import TargetRunner
+    from dflash.train.data import Collate, candidate_anchors
+    from dflash.train.model import DFlashDrafter
+    from dflash.train.step import StepSpec, forward_loss
+
+    device = next(target.parameters()).device
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        drafter = DFlashDrafter(config).to(device)
+    runner = TargetRunner(target, list(config.target_layer_ids), topk=1)
+    samples = rp.replay_samples(runner, prompts, rp.greedy_continuations(target, prompts, new_tokens, []),
+                                frozenset())
+    runner.close()
+    items = []
+    for s in samples:
+        anchors = candidate_anchors(s["loss_mask"].cpu())
+        items.append({k: v.cpu() for k, v in s.items() if isinstance(v, torch.Tensor)}
+                     | {"anchors": torch.nn.functional.pad(anchors, (0, new_tokens - len(anchors))),
+                        "block_valid": torch.arange(new_tokens) < len(anchors)})
+    batch = {k: v.to(device) for k, v in Collate(None)(items).items()}
+    spec = StepSpec("dense", config.block_size, config.mask_token_id, None, 4096, None)
+    head = rp.target_head(target)
+    opt = torch.optim.Adam(drafter.parameters(), lr=3e-3)
+    for _ in range(steps):
+        opt.zero_grad()
+        forward_loss(drafter, head, batch, spec).loss.backward()
+        opt.step()
+    return drafter.eval()

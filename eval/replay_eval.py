@@ -1,0 +1,300 @@
+"""Acceptance over a whole benchmark in minutes: greedy speculative decoding replayed, not run.
+
+At temperature 0 speculative decoding emits exactly the target's greedy continuation, and a
+block anchored at position a accepts what the drafter proposes from the target's hidden
+states of positions < a. So, per benchmark:
+
+1. every prompt's greedy continuation, batched (``regenerate.generate_batch``; a static KV
+   cache with the decode step captured on CUDA, the plain path on CPU);
+2. one batched target forward over prompt + continuation: the drafter's context layers and
+   the target's top-1 at every position (``extract.target.TargetRunner``);
+3. the drafter scores a block at every position of the continuation (training's forward,
+   dense attention; ``offline.block_predictor``) and the continuation is walked as decoding
+   walks it (``train.replay.anchor_taus`` + ``walk``, the replay training and
+   ``eval.offline`` run on caches).
+
+Per prompt this gives the block taus real decoding measures: equal in float32 (tested
+against ``speculative.evaluate``), up to near-ties in bfloat16. ``spec_sample`` runs real
+speculative decoding on a few prompts to check exactly that and to time both decoders.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import torch
+
+from dflash.train.data import Collate, candidate_anchors
+from dflash.train.model import DFlashDrafter, TargetHead
+from dflash.train.replay import anchor_taus, walk
+
+from .offline import block_predictor
+from .speculative import _device_of, _histogram, _sync, check_compatible, evaluate, mismatch_message
+
+log = logging.getLogger(__name__)
+
+ANCHORS_PER_FORWARD = 256
+"""Blocks per drafter forward (dense attention: queries = this x B, keys = context + queries)."""
+
+
+# ---------------------------------------------------------------------------- target side
+
+
+class _PromptIds:
+    """The tokenizer ``generate_batch`` calls, for prompts that are token ids already: the
+    'text' ``str(i)`` is prompt i, used exactly as given."""
+
+    def __init__(self, prompts: Sequence[Sequence[int]]):
+        self.prompts = prompts
+
+    def __call__(self, text: str, add_special_tokens: bool = False) -> dict[str, list[int]]:
+        return {"input_ids": list(self.prompts[int(text)])}
+
+
+def greedy_continuations(target, prompts: Sequence[Sequence[int]], max_new_tokens: int,
+                         eos_token_ids: Iterable[int] = (), batch_size: int = 16, static: bool | None = None
+                         ) -> list[tuple[list[int], bool]]:
+    """Per prompt: (greedy tokens before the stop token, truncated?), generated in batches of
+    similar lengths. ``static``: the lead's static-KV-cache path (None: on for CUDA)."""
+    from dflash.extract.regenerate import GenerationSettings, StaticDecoder, generate_batch, generation_kwargs
+
+    stops = sorted({int(t) for t in eos_token_ids})
+    gen_kwargs = generation_kwargs(GenerationSettings(max_new_tokens=max_new_tokens), stops,
+                                   stops[0] if stops else 0)
+    if not stops:  # no stop token: decode max_new_tokens (generate() refuses an empty eos list)
+        gen_kwargs["eos_token_id"] = None
+    use_static = static if static is not None else _device_of(target).type == "cuda"
+    decoder = (StaticDecoder(target, batch_size, max_new_tokens, max(len(p) for p in prompts))
+               if use_static and prompts else None)
+    order = sorted(range(len(prompts)), key=lambda i: -len(prompts[i]))  # similar lengths share a batch
+    out: list[tuple[list[int], bool]] = [([], True)] * len(prompts)
+    for start in range(0, len(order), batch_size):
+        rows = order[start:start + batch_size]
+        results = generate_batch(target, _PromptIds(prompts), [str(i) for i in rows], gen_kwargs, stops, decoder)
+        for i, result in zip(rows, results):
+            out[i] = result
+    return out
+
+
+def target_head(target) -> TargetHead:
+    """The loaded target's own embedding and LM head, as training's forward takes them."""
+    return TargetHead(target.get_input_embeddings().weight, target.get_output_embeddings().weight)
+
+
+def replay_samples(runner, prompts: Sequence[Sequence[int]], continuations: Sequence[tuple[list[int], bool]],
+                   stops: frozenset[int]) -> list[dict[str, Any]]:
+    """One batched target forward over prompt + continuation -> per prompt the sample the
+    replay scores: input_ids (prompt, continuation, stop token when one was hit), loss_mask
+    (the continuation), context_hidden (T, n * D), target_top1 (T,), and ``disagreements``:
+    positions where the forward's greedy token is not the generated one (0 in float32).
+
+    The stop token is not given back by ``generate_batch``: it is the forward's greedy token
+    after the continuation (its hidden state is never context: decoding stops there); where
+    that token is no stop token (a bf16 near-tie), the smallest stop id stands in, counted as
+    a disagreement."""
+    sequences = [torch.tensor(list(p) + tokens, dtype=torch.long) for p, (tokens, _) in zip(prompts, continuations)]
+    out = runner.forward(*runner.pad_batch(sequences))
+    hidden = out.hidden.flatten(1).split([len(s) for s in sequences])  # per prompt (T, n * D)
+    top1 = out.topk_ids[:, 0].long().split([len(s) for s in sequences])
+    samples = []
+    for prompt, (tokens, truncated), ids, h, t1 in zip(prompts, continuations, sequences, hidden, top1):
+        ids, P = ids.to(t1.device), len(prompt)
+        if not truncated:
+            stop = int(t1[-1])
+            ids = torch.cat([ids, ids.new_tensor([stop if stop in stops else min(stops)])])
+            h = torch.cat([h, h.new_zeros(1, h.shape[1])])
+            t1 = torch.cat([t1, t1[-1:]])
+        loss_mask = torch.zeros(len(ids), dtype=torch.bool, device=ids.device)
+        loss_mask[P:] = True
+        disagreements = int((t1[P - 1:-1] != ids[P:]).sum())
+        samples.append({"input_ids": ids, "loss_mask": loss_mask, "context_hidden": h, "target_top1": t1,
+                        "disagreements": disagreements})
+    return samples
+
+
+# ---------------------------------------------------------------------------- drafter side
+
+
+class _InMemory:
+    """The part of ``AnchorDataset`` that ``train.replay.anchor_taus`` reads, over one sample
+    held in memory: its candidate anchors in items of at most ``max_anchors`` blocks."""
+
+    def __init__(self, sample: dict[str, torch.Tensor], max_anchors: int):
+        self.sample = {k: v for k, v in sample.items() if isinstance(v, torch.Tensor)}
+        self.max_anchors = max_anchors
+
+    def every_anchor(self, index: int, fixed_shape: bool = False) -> list[dict[str, torch.Tensor]]:
+        cand = candidate_anchors(self.sample["loss_mask"].cpu())
+        return [{**self.sample, "anchors": part, "block_valid": torch.ones(len(part), dtype=torch.bool)}
+                for part in cand.split(self.max_anchors)]
+
+
+def walked_block_taus(taus: dict[int, int], spans: list[tuple[int, int]]) -> list[int]:
+    """Each block's tau along ``train.replay.walk``'s walk, in order: its tokens are their
+    sum, its blocks their count (checked by the caller)."""
+    out = []
+    for s, e in spans:
+        done, budget = 0, e - s - 1
+        while done < budget:
+            out.append(min(taus[s + done], budget - done))
+            done += out[-1]
+    return out
+
+
+def score_sample(sample: dict[str, torch.Tensor], predict, device, max_anchors: int = ANCHORS_PER_FORWARD
+                 ) -> list[int]:
+    """The block taus greedy speculative decoding takes on one replay sample."""
+    taus, spans = anchor_taus(_InMemory(sample, max_anchors), 0, predict, Collate(None), 1, False, device)
+    block_taus = walked_block_taus(taus, spans)
+    if (sum(block_taus), len(block_taus)) != walk(taus, spans):
+        raise RuntimeError("walked_block_taus disagrees with train.replay.walk")
+    return block_taus
+
+
+# ---------------------------------------------------------------------------- benchmark
+
+
+def summarize(records: Sequence[dict[str, Any]], block_size: int) -> dict[str, Any]:
+    """Totals of per-prompt replay records: tau = drafted tokens / blocks (bonus included)."""
+    taus = [t for r in records for t in r["block_taus"]]
+    drafted = sum(taus)
+    return {"prompts": len(records), "new_tokens": sum(len(r["tokens"]) for r in records), "drafted_tokens": drafted,
+            "blocks": len(taus), "tau": drafted / len(taus) if taus else math.nan,
+            "tau_histogram": _histogram(taus, block_size),
+            "truncated": sum(r["truncated"] for r in records),
+            "disagreements": sum(r["disagreements"] for r in records)}
+
+
+@torch.inference_mode()
+def replay_benchmark(target, drafter: DFlashDrafter, prompts: Sequence[Sequence[int]], *, max_new_tokens: int,
+                     eos_token_ids: Iterable[int] = (), batch_size: int = 16, static: bool | None = None,
+                     max_anchors: int = ANCHORS_PER_FORWARD, progress: bool = False) -> dict[str, Any]:
+    """Replay greedy speculative decoding of ``drafter`` on every prompt (token ids).
+
+    Returns {"summary": summarize(...), "per_prompt": [{index, prompt_tokens, tokens (the
+    greedy continuation, stop token included), truncated, block_taus, tau, disagreements}],
+    "seconds": {generate, forward, drafter}}.
+    """
+    from tqdm.auto import tqdm
+
+    from dflash.extract.target import TargetRunner
+
+    config = drafter.config
+    check_compatible(config, target)
+    device, stops = _device_of(target), frozenset(int(t) for t in eos_token_ids)
+    drafter = drafter.eval()
+    predict = block_predictor(drafter, target_head(target), config.mask_token_id)
+    seconds = {"generate": 0.0, "forward": 0.0, "drafter": 0.0}
+
+    def clock(key, start):
+        _sync(device)
+        seconds[key] += time.perf_counter() - start
+
+    start = time.perf_counter()
+    continuations = greedy_continuations(target, prompts, max_new_tokens, stops, batch_size, static)
+    clock("generate", start)
+    runner = TargetRunner(target, list(config.target_layer_ids), topk=1)
+    records: list[dict[str, Any]] = [{}] * len(prompts)
+    order = sorted(range(len(prompts)), key=lambda i: -len(prompts[i]) - len(continuations[i][0]))
+    try:
+        for first in tqdm(range(0, len(order), batch_size), desc="replay", unit="batch", disable=not progress):
+            rows = order[first:first + batch_size]
+            start = time.perf_counter()
+            samples = replay_samples(runner, [prompts[i] for i in rows], [continuations[i] for i in rows], stops)
+            clock("forward", start)
+            start = time.perf_counter()
+            for i, sample in zip(rows, samples):
+                block_taus = score_sample(sample, predict, device, max_anchors)
+                tokens = sample["input_ids"][len(prompts[i]):].tolist()
+                records[i] = {"index": i, "prompt_tokens": len(prompts[i]), "new_tokens": len(tokens),
+                              "truncated": continuations[i][1], "blocks": len(block_taus),
+                              "tau": sum(block_taus) / len(block_taus) if block_taus else math.nan,
+                              "block_taus": block_taus, "disagreements": sample["disagreements"], "tokens": tokens}
+            clock("drafter", start)
+    finally:
+        runner.close()
+    return {"summary": summarize(records, config.block_size), "per_prompt": records, "seconds": seconds}
+
+
+def sample_indices(n: int, k: int) -> list[int]:
+    """``k`` prompt indices spread evenly over ``n`` (all of them when k >= n)."""
+    if k >= n:
+        return list(range(n))
+    return sorted({int(i * n / k) for i in range(k)})
+
+
+def first_divergence(replay_taus: Sequence[int], online_taus: Sequence[int]) -> str | None:
+    """None when the two per-block tau lists are equal, else where they first part."""
+    if list(replay_taus) == list(online_taus):
+        return None
+    i = next((i for i, (a, b) in enumerate(zip(replay_taus, online_taus)) if a != b),
+             min(len(replay_taus), len(online_taus)))
+    return (f"block {i} (after {sum(online_taus[:i])} drafted tokens): replay tau {list(replay_taus[i:i + 5])}..., "
+            f"online {list(online_taus[i:i + 5])}...; blocks {len(replay_taus)} vs {len(online_taus)}")
+
+
+def spec_sample(target, drafter: DFlashDrafter, prompts: Sequence[Sequence[int]], replay: dict[str, Any], k: int, *,
+                max_new_tokens: int, eos_token_ids: Iterable[int] = (), warmup: bool = True,
+                progress: bool = False, capture: bool = False) -> dict[str, Any]:
+    """Real speculative and greedy decoding (``speculative.evaluate``) on ``k`` of the prompts,
+    each compared with its replay: the same tokens, the same tau block by block.
+
+    Returns evaluate's dict plus "indices" and, per prompt row, "replay_tau", "tokens_equal",
+    "taus_equal" and "divergence" (None or where tokens / block taus first differ)."""
+    indices = sample_indices(len(prompts), k)
+    result = evaluate(target, drafter, [prompts[i] for i in indices], max_new_tokens=max_new_tokens,
+                      eos_token_ids=eos_token_ids, check=False, warmup=warmup, progress=progress, capture=capture)
+    for row, i in zip(result["per_prompt"], indices):
+        replayed = replay["per_prompt"][i]
+        row["index"] = i
+        row["replay_tau"] = replayed["tau"]
+        row["tokens_equal"] = row["tokens"] == replayed["tokens"]
+        row["taus_equal"] = row["block_taus"] == replayed["block_taus"]
+        row["divergence"] = (mismatch_message(row["tokens"], replayed["tokens"], where=f"prompt {i}: online vs batched")
+                             if not row["tokens_equal"] else
+                             None if row["taus_equal"] else
+                             f"prompt {i}: " + first_divergence(replayed["block_taus"], row["block_taus"]))
+    result["indices"] = indices
+    return result
+
+
+def benchmark_line(name: str, replay: dict[str, Any], sample: dict[str, Any] | None) -> dict[str, Any]:
+    """One benchmark's row of the report: replay over all prompts, online figures over the sample
+    (lossless: speculative == greedy decoding; replay_equal: its tokens and block taus == the replay's)."""
+    s = replay["summary"]
+    row = {"benchmark": name, "prompts": s["prompts"], "new_tokens": s["new_tokens"], "tau": s["tau"],
+           "blocks": s["blocks"], "tau_histogram": s["tau_histogram"], "sample_prompts": 0,
+           "online_tau": math.nan, "greedy_tokens_per_s": math.nan, "spec_tokens_per_s": math.nan,
+           "speedup": math.nan, "lossless": None, "replay_equal": None}
+    if sample and sample["per_prompt"]:
+        o, rows = sample["overall"], sample["per_prompt"]
+        row.update(sample_prompts=len(rows), online_tau=o["tau"], greedy_tokens_per_s=o["greedy_tokens_per_s"],
+                   spec_tokens_per_s=o["spec_tokens_per_s"], speedup=o["speedup"],
+                   lossless=sum(r["lossless"] for r in rows),
+                   replay_equal=sum(r["tokens_equal"] and r["taus_equal"] for r in rows))
+    return row
+
+
+def format_benchmarks(lines: Sequence[dict[str, Any]]) -> str:
+    """The per-benchmark table and each benchmark's tau histogram."""
+    def f(value, spec=".2f"):
+        return "-" if value is None or (isinstance(value, float) and math.isnan(value)) else format(value, spec)
+
+    head = (f"{'benchmark':<16} {'prompts':>7} {'tokens':>8} {'tau':>6} {'sample':>6} {'online tau':>10} "
+            f"{'greedy tok/s':>12} {'spec tok/s':>10} {'speedup':>7} {'lossless':>8} {'= replay':>8}")
+    out = [head, "-" * len(head)]
+    for r in lines:
+        k = r["sample_prompts"]
+        lossless = f"{r['lossless']}/{k}" if k else "-"
+        equal = f"{r['replay_equal']}/{k}" if k else "-"
+        out.append(f"{r['benchmark']:<16} {r['prompts']:>7} {r['new_tokens']:>8} {f(r['tau']):>6} {k:>6} "
+                   f"{f(r['online_tau']):>10} {f(r['greedy_tokens_per_s'], '.1f'):>12} "
+                   f"{f(r['spec_tokens_per_s'], '.1f'):>10} {f(r['speedup']):>6}x {lossless:>8} {equal:>8}")
+    out.append("tau histogram (blocks accepting 1..B tokens, replay):")
+    out += [f"  {r['benchmark']:<16} " + " ".join(f"{k}:{n}" for k, n in enumerate(r["tau_histogram"], start=1))
+            for r in lines]
+    return "\n".join(out)

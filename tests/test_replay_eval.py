@@ -1,0 +1,237 @@
+"""dflash-eval's replay mode (dflash.eval.replay_eval): the tau it replays from batched greedy
+continuations equals real speculative decoding's, token for token and block for block
+(float32, tiny target, a tiny drafter trained on the spot so that blocks accept a varying
+number of tokens); batched continuations equal unbatched generate(); the report's numbers
+follow from its per-prompt records; the CLI's input errors exit != 0 without a traceback."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from dflash.eval import replay_eval as rp
+from dflash.eval import speculative as spec
+from dflash.train.model import DFlashDrafter, DrafterConfig
+
+BLOCK = 4
+LAYERS = [0, 2]
+MAX_NEW = 24
+TEXTS = ["What is 17 + 25?", "Reverse the word 'maple'.", "Sort these numbers: [4, 9, 1].",
+         "Count from 3 to 9.", "Spell the word 'stone'."]
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_target_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tiny_target_dir)
+
+
+@pytest.fixture(scope="module")
+def prompts(tokenizer):
+    chats = [tokenizer.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True,
+                                           tokenize=False) for t in TEXTS]
+    return [tokenizer(c, add_special_tokens=False)["input_ids"] for c in chats]
+
+
+@pytest.fixture(scope="module")
+def eos(target, prompts):
+    """A stop token that ends the first prompt's continuation early, while others run to MAX_NEW."""
+    reference = spec.greedy_generate(target, prompts[0], MAX_NEW).tokens
+    return [reference[MAX_NEW // 2]]
+
+
+@pytest.fixture(scope="module")
+def drafter(target, tokenizer, prompts):
+    """A 2-layer drafter fitted for a few seconds to the target's continuations of the prompts:
+    its blocks accept anywhere from 1 to BLOCK tokens, so the replay's walk is exercised."""
+    from toy_target import fit_drafter
+
+    config = DrafterConfig.from_target_config(target.config, LAYERS, tokenizer.convert_tokens_to_ids("<|MASK|>"),
+                                              block_size=BLOCK, num_hidden_layers=2)
+    return fit_drafter(target, config, prompts, 2 * MAX_NEW)
+
+
+@pytest.fixture(scope="module")
+def replayed(target, drafter, prompts, eos):
+    return rp.replay_benchmark(target, drafter, prompts, max_new_tokens=MAX_NEW, eos_token_ids=eos, batch_size=2)
+
+
+def test_replay_equals_speculative_decoding(target, drafter, prompts, eos, replayed):
+    online = spec.evaluate(target, drafter, prompts, max_new_tokens=MAX_NEW, eos_token_ids=eos, warmup=False)
+    for row, rec in zip(online["per_prompt"], replayed["per_prompt"]):
+        assert rec["tokens"] == row["tokens"], rec["index"]
+        assert rec["block_taus"] == row["block_taus"], rec["index"]
+        assert rec["disagreements"] == 0
+    assert [r["truncated"] for r in replayed["per_prompt"]][:2] == [False, True]  # the eos and the cap
+    taus = [t for r in replayed["per_prompt"] for t in r["block_taus"]]
+    assert len(set(taus)) >= 3, taus  # blocks accept different lengths: a shifted context would show
+    assert replayed["summary"]["tau"] == pytest.approx(online["overall"]["tau"])
+
+
+def test_batched_continuations_equal_unbatched_generate(target, prompts, eos):
+    batched = rp.greedy_continuations(target, prompts, MAX_NEW, eos, batch_size=3)
+    for prompt, (tokens, truncated) in zip(prompts, batched):
+        with torch.inference_mode():
+            out = target.generate(input_ids=torch.tensor([prompt]), max_new_tokens=MAX_NEW, do_sample=False,
+                                  eos_token_id=eos, pad_token_id=eos[0])
+        new = out[0, len(prompt):].tolist()
+        assert tokens + ([] if truncated else eos) == new
+        assert truncated == (eos[0] not in new)
+    assert not all(t for _, t in batched) and any(t for _, t in batched)
+    # the static-KV-cache path that CUDA takes by default (batches padded to its rows)
+    assert rp.greedy_continuations(target, prompts, MAX_NEW, eos, batch_size=2, static=True) == batched
+
+
+def test_walked_block_taus_follow_the_walk():
+    from dflash.train.replay import walk
+
+    taus = {2: 2, 3: 9, 4: 3, 5: 9, 6: 9, 7: 1, 10: 1, 11: 1}
+    spans = [(2, 8), (10, 13)]
+    blocks = rp.walked_block_taus(taus, spans)
+    assert blocks == [2, 3, 1, 1] and (sum(blocks), len(blocks)) == walk(taus, spans)
+
+
+def test_report_numbers_follow_from_the_records(target, drafter, prompts, eos, replayed):
+    sample = rp.spec_sample(target, drafter, prompts, replayed, 2, max_new_tokens=MAX_NEW, eos_token_ids=eos,
+                            warmup=False)
+    assert sample["indices"] == [0, 2]
+    line = rp.benchmark_line("bench", replayed, sample)
+    records = replayed["per_prompt"]
+    blocks = sum(len(r["block_taus"]) for r in records)
+    drafted = sum(sum(r["block_taus"]) for r in records)
+    assert drafted == sum(len(r["tokens"]) - 1 for r in records)  # every token but each prefill's
+    assert line["prompts"] == len(prompts) and line["new_tokens"] == sum(len(r["tokens"]) for r in records)
+    assert sum(line["tau_histogram"]) == line["blocks"] == blocks
+    assert sum(k * n for k, n in enumerate(line["tau_histogram"], start=1)) == drafted
+    assert line["tau"] == pytest.approx(drafted / blocks)
+    rows = sample["per_prompt"]
+    online_taus = [t for r in rows for t in r["block_taus"]]
+    assert line["online_tau"] == pytest.approx(sum(online_taus) / len(online_taus))
+    greedy_s, spec_s = sum(r["greedy_seconds"] for r in rows), sum(r["spec_seconds"] for r in rows)
+    n_new = sum(r["new_tokens"] for r in rows)
+    assert line["greedy_tokens_per_s"] == pytest.approx(n_new / greedy_s)
+    assert line["spec_tokens_per_s"] == pytest.approx(n_new / spec_s)
+    assert line["speedup"] == pytest.approx(greedy_s / spec_s)
+    assert line["lossless"] == line["replay_equal"] == line["sample_prompts"] == 2
+    assert all(r["divergence"] is None and r["replay_tau"] == r["tau"] for r in rows)
+    table = rp.format_benchmarks([line])
+    assert "bench" in table and f"{line['tau']:.2f}" in table and "2/2" in table
+
+
+def test_a_divergence_is_reported_where_it_starts():
+    assert rp.first_divergence([2, 3, 1], [2, 3, 1]) is None
+    message = rp.first_divergence([2, 3, 1, 4], [2, 2, 2, 4])
+    assert message.startswith("block 1 (after 2 drafted tokens)")
+    assert rp.sample_indices(10, 3) == [0, 3, 6] and rp.sample_indices(2, 8) == [0, 1]
+
+
+# ---------------------------------------------------------------------------- command line
+
+
+@pytest.fixture(scope="module")
+def export(drafter, tmp_path_factory):
+    from dflash.train.export import export_drafter
+
+    out = tmp_path_factory.mktemp("replay_export") / "export"
+    export_drafter(drafter, drafter.config, out)
+    return out
+
+
+def _invoke(args):
+    from click.testing import CliRunner
+
+    from dflash.eval.cli import cli
+
+    return CliRunner().invoke(cli, args)
+
+
+def test_cli_two_benchmarks(tiny_target_dir, export, chats_sample_path, tmp_path):
+    questions = tmp_path / "questions.jsonl"
+    questions.write_text("".join(json.dumps({"question": t}) + "\n" for t in TEXTS[:3]))
+    report = tmp_path / "report.json"
+    result = _invoke(["--target", str(tiny_target_dir), "--drafter", str(export), "--prompts",
+                      f"chats={chats_sample_path}", "--prompts", str(questions), "--limit", "3",
+                      "--max-new-tokens", "8", "--spec-sample", "2", "--no-warmup", "--capture", "--json", str(report)])
+    assert result.exit_code == 0, result.output
+    data = json.loads(report.read_text())
+    assert list(data["benchmarks"]) == ["chats", "questions"] and data["settings"]["capture"]
+    for name in ("chats", "questions"):
+        summary = data["benchmarks"][name]["summary"]
+        assert summary["prompts"] == 3 and summary["sample_prompts"] == 2 and summary["replay_equal"] == 2
+        assert name in result.output
+    assert "online tau" in result.output and "tau histogram" in result.output
+
+
+def test_cli_fails_in_float32_when_the_replay_disagrees(tiny_target_dir, export, chats_sample_path, monkeypatch):
+    real = rp.score_sample
+    monkeypatch.setattr(rp, "score_sample", lambda *a, **k: [t + 1 for t in real(*a, **k)])
+    result = _invoke(["--target", str(tiny_target_dir), "--drafter", str(export), "--prompts", str(chats_sample_path),
+                      "--limit", "2", "--max-new-tokens", "8", "--spec-sample", "1", "--no-warmup"])
+    assert result.exit_code == 1, result.output
+    assert "REPLAY CHECK FAILED: chats_sample prompt 0: block 0" in result.output
+    assert "0/1" in result.output  # the table's "= replay" column
+
+
+@pytest.mark.parametrize("value,needle", [
+    ("missing=/nonexistent/prompts.jsonl", "no such file"),
+    ("=prompts.jsonl", "NAME=DATA"),
+    ("bench=", "NAME=DATA"),
+])
+def test_cli_bad_prompts_exit_nonzero_without_traceback(tiny_target_dir, export, value, needle):
+    result = _invoke(["--target", str(tiny_target_dir), "--drafter", str(export), "--prompts", value])
+    assert result.exit_code != 0
+    assert needle in result.output and "Traceback" not in result.output
+    assert not isinstance(result.exception, Exception) or isinstance(result.exception, SystemExit)
+
+
+def test_cli_same_name_twice_is_refused(tiny_target_dir, export, chats_sample_path):
+    result = _invoke(["--target", str(tiny_target_dir), "--drafter", str(export), "--prompts",
+                      f"a={chats_sample_path}", "--prompts", f"a={chats_sample_path}"])
+    assert result.exit_code == 2 and "given twice" in result.output
+
+
+# ---------------------------------------------------------------------------- static KV cache (--capture)
+
+
+def test_static_cache_decoding_equals_the_eager_path(target, drafter, prompts, eos):
+    """``--capture``'s decoders (one StaticTarget: static KV cache, rejected drafts left in
+    place and overwritten; on CUDA also CUDA graphs, not run here) give the eager path's
+    tokens and block taus, greedy and speculative, over prompts of different lengths."""
+    eager = spec.evaluate(target, drafter, prompts, max_new_tokens=MAX_NEW, eos_token_ids=eos, warmup=False)
+    static = spec.evaluate(target, drafter, prompts, max_new_tokens=MAX_NEW, eos_token_ids=eos, warmup=True,
+                           capture=True)
+    assert static["overall"]["lossless"] and static["settings"]["capture"]
+    for a, b in zip(eager["per_prompt"], static["per_prompt"]):
+        assert (a["tokens"], a["block_taus"]) == (b["tokens"], b["block_taus"])
+    assert any(t > 1 for r in static["per_prompt"] for t in r["block_taus"])  # some drafts were kept
+
+
+def test_static_cache_rejects_running_past_its_length(target, prompts):
+    session = spec.StaticTarget(target, len(prompts[0]) + 2)
+    spec.greedy_generate(target, prompts[0], 3, session=session)  # prompt + 2 decoded positions: fits
+    with pytest.raises(ValueError, match="static KV cache"):
+        spec.greedy_generate(target, prompts[0], 4, session=session)  # 3 positions after the prompt
+
+
+def test_compiled_drafter_proposes_alike_with_one_graph(target, drafter, prompts):
+    """``--capture`` compiles the drafter's block forward with the context length dynamic: the
+    proposals stay the same and one graph serves every block of every prompt (a backend that
+    counts its compilations stands in for inductor, which needs a compiler the CPU tests skip)."""
+    graphs = []
+
+    def counting(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    torch._dynamo.reset()
+    eager = spec.DFlashProposer(drafter, target)
+    compiled = spec.DFlashProposer(drafter, target, compile_backend=counting)
+    for prompt in prompts:
+        a = spec.speculative_generate(target, eager, prompt, MAX_NEW)
+        b = spec.speculative_generate(target, compiled, prompt, MAX_NEW)
+        assert (a.tokens, a.block_taus) == (b.tokens, b.block_taus)
+    assert len(graphs) == 1
