@@ -59,7 +59,7 @@ def greedy_continuations(target, prompts: Sequence[Sequence[int]], max_new_token
                          eos_token_ids: Iterable[int] = (), batch_size: int = 16, static: bool | None = None
                          ) -> list[tuple[list[int], bool]]:
     """Per prompt: (greedy tokens before the stop token, truncated?), generated in batches of
-    similar lengths. ``static``: the lead's static-KV-cache path (None: on for CUDA)."""
+    similar lengths. ``static``: regeneration's static-KV-cache path (None: on for CUDA)."""
     from dflash.extract.regenerate import GenerationSettings, StaticDecoder, generate_batch, generation_kwargs
 
     stops = sorted({int(t) for t in eos_token_ids})
