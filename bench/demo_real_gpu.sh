@@ -4,7 +4,7 @@
 # two halves (it is above what one call carries), the wheels in .whl/.
 #   here:     python -m dflash.eval.demo_real prepare --out .real/out [--set conversations=N]
 #             (cd .real/out && tar czf ../data.tgz data data.demo.json)
-#             split the GGUF into .carry1/part_aa and .carry2/part_ab (split -n 2), both git-ignored
+#             split -n 2 GGUF part_ && mv part_aa .carry1/ && mv part_ab .carry2/   (both folders git-ignored)
 #   call 1 (carry .carry1 .whl):  mkdir -p /tmp/carry && cp .carry1/part_aa /tmp/carry/ &&
 #       python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl
 #   call 2 (carry .carry2 .real): bash bench/demo_real_gpu.sh [--set KEY=VALUE ...]
