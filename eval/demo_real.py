@@ -123,8 +123,11 @@ def prepare(data: Path, s: RealSettings) -> dict:
     return _read(data)
 
 
-def _stage(name: str, path: Path, settings: dict, argv: list[str], echo) -> dict:
-    """Run one stage's command unless ``path`` holds its result for these settings; its time is recorded."""
+def _stage(name: str, path: Path, after: dict, argv: list[str], echo) -> dict:
+    """Run one stage's command unless ``path`` holds its result; its time is recorded. The result
+    is reused where the command and everything before it (``after``: the previous stage's
+    record) are unchanged, so a change anywhere redoes that stage and every later one."""
+    settings = {"after": after.get("settings"), "argv": argv}
     record = _fresh(path, settings)
     if record is not None and record.get("done"):
         echo(f"{name}: reusing {path} ({record['seconds']:.0f} s when built)")
@@ -164,42 +167,43 @@ def _run_real(out: Path, s: RealSettings, gguf: str | None, echo, stop_after: st
     data = prepare(out / "data", s)
     target, regen, cache, run, export = (out / n for n in ("target", "regen", "cache.zarr", "run", "export"))
     times = {}
-    times["convert"] = _stage("[1/5] convert", target, {"gguf": gguf or "smollm2"},
-                              ["dflash.extract.gguf", "--out", str(target)] + (["--gguf", gguf] if gguf else []),
-                              echo)["seconds"]
+    stage = data
+    stage = _stage("[1/5] convert", target, stage,
+                   ["dflash.extract.gguf", "--out", str(target)] + (["--gguf", gguf] if gguf else []), echo)
+    times["convert"] = stage["seconds"]
     _check_stop("convert", stop_after)
-    regen_settings = {"data": data["settings"], "max_new_tokens": s.max_new_tokens,
-                      "max_prompt_tokens": s.max_prompt_tokens}
-    times["regenerate"] = _stage("[2/5] regenerate", regen, regen_settings, [
+    stage = _stage("[2/5] regenerate", regen, stage, [
         "dflash.extract.regenerate", "--data", str(out / "data" / "train.jsonl"), "--model", str(target),
         "--out", str(regen), "--device", s.device, "--batch-size", str(s.regen_batch_size),
         "--max-new-tokens", str(s.max_new_tokens), "--max-prompt-tokens", str(s.max_prompt_tokens),
-        "--part-size", "2048"], echo)["seconds"]
+        "--part-size", "2048"], echo)
+    times["regenerate"] = stage["seconds"]
     _check_stop("regenerate", stop_after)
-    times["extract"] = _stage("[3/5] extract", cache, regen_settings, [
+    stage = _stage("[3/5] extract", cache, stage, [
         "dflash.extract.cli", "--data", str(regen), "--model", str(target), "--out", str(cache),
         *(["--gpus", "0"] if s.device == "cuda" else ["--device", "cpu", "--workers", "1"]),
-        "--max-length", str(max(s.train["context_buckets"])), "--on-bad-row", "skip", "--summary-json", str(out / "extract.json")],
-        echo)["seconds"]
+        "--max-length", str(max(s.train["context_buckets"])), "--on-bad-row", "skip",
+        "--summary-json", str(out / "extract.json")], echo)
+    times["extract"] = stage["seconds"]
     _check_stop("extract", stop_after)
     train_flags = [f"--{k.replace('_', '-')}={','.join(map(str, v)) if isinstance(v, list) else v}"
                    for k, v in s.train.items()]
-    train_settings = {"cache": regen_settings, "train": s.train}
-    times["train"] = _stage("[4/5] train", run, train_settings, [
+    stage = _stage("[4/5] train", run, stage, [
         "dflash.train.cli", "run", "--preset", s.preset, "--cache", str(cache), "--target", str(target),
-        "--out", str(run), "--no-progress", *train_flags], echo)["seconds"]
-    times["export"] = _stage("      export", export, train_settings, [
-        "dflash.train.cli", "export", str(run), "--out", str(export)], echo)["seconds"]
+        "--out", str(run), "--no-progress", *train_flags], echo)
+    times["train"] = stage["seconds"]
+    stage = _stage("      export", export, stage, ["dflash.train.cli", "export", str(run), "--out", str(export)], echo)
+    times["export"] = stage["seconds"]
     _check_stop("train", stop_after)
     benchmarks = {name: str(out / "data" / f"{name}.jsonl") for name in ("mtbench", "humaneval", "sharegpt")}
     eval_json = out / "eval.json"
-    times["eval"] = _stage("[5/5] eval", eval_json.with_suffix(""), {"export": train_settings, "spec": s.spec_sample}, [
+    stage = _stage("[5/5] eval", eval_json.with_suffix(""), stage, [
         "dflash.eval.cli", "--target", str(target), "--drafter", str(export), "--device", s.device,
         *[a for name, path in benchmarks.items() for a in ("--prompts", f"{name}={path}")],
         "--max-new-tokens", str(s.max_new_tokens), "--spec-sample", str(s.spec_sample),
         "--batch-size", str(s.eval_batch_size), "--json", str(eval_json),
-        *(["--limit", str(s.eval_limit)] if s.eval_limit else [])],
-        echo)["seconds"]
+        *(["--limit", str(s.eval_limit)] if s.eval_limit else [])], echo)
+    times["eval"] = stage["seconds"]
     result = json.loads(eval_json.read_text())
     png = plot_curves(read_metrics(run), out / "training_curves.png")
     table = benchmark_table(result)

@@ -4,6 +4,7 @@ then extraction, training and export on the converted folder."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import numpy as np
@@ -282,3 +283,8 @@ def test_demo_real_runs_every_stage_on_the_cpu(tiny_gguf, tmp_path):
     export = json.loads((out / "export" / "config.json").read_text())
     assert 3 <= export["dflash_config"]["mask_token_id"] <= 16  # a special token, picked without a flag
     assert (out / "training_curves.png").stat().st_size > 0
+    lines.clear()  # a later setting changed: only the stages from it on run again
+    summary = run_real(out, dataclasses.replace(settings, eval_limit=1), str(tiny_gguf), echo=lines.append)
+    assert [line.split(":")[0].strip() for line in lines if ": reusing" in line] == [
+        "[1/5] convert", "[2/5] regenerate", "[3/5] extract", "[4/5] train", "export"]
+    assert all(line["prompts"] == 1 for line in summary["benchmarks"].values())
