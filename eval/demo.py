@@ -91,27 +91,9 @@ class DemoSettings:
                        save_every=8, keep_checkpoints=1, attention="dense", compile="off", autocast="off"))
 
     def with_overrides(self, assignments: list[str]) -> "DemoSettings":
-        """A copy with ``KEY=VALUE`` assignments applied: KEY a field or ``target.X`` /
-        ``train.X`` (an entry of those dicts), VALUE JSON (a bare word is a string)."""
-        s = dataclasses.replace(self, target=dict(self.target), train=dict(self.train))
-        fields = {f.name for f in dataclasses.fields(s)}
-        for assignment in assignments:
-            key, sep, text = assignment.partition("=")
-            if not sep:
-                raise click.BadParameter(f"{assignment!r}: expected KEY=VALUE", param_hint="--set")
-            try:
-                value = json.loads(text)
-            except json.JSONDecodeError:
-                value = text
-            head, _, entry = key.partition(".")
-            if entry and head in ("target", "train"):
-                getattr(s, head)[entry] = value
-            elif not entry and head in fields and head not in ("target", "train"):
-                setattr(s, head, value)
-            else:
-                raise click.BadParameter(f"{key!r}: not a demo setting (fields: {', '.join(sorted(fields))}; "
-                                         "target.X and train.X set one entry of those)", param_hint="--set")
-        return s
+        """A copy with ``KEY=VALUE`` assignments applied (``apply_overrides``; ``target.X`` and
+        ``train.X`` set one entry of those dicts)."""
+        return apply_overrides(self, assignments, ("target", "train"))
 
     def train_overrides(self) -> dict[str, Any]:
         overrides = {"eval_samples": self.n_heldout, "seed": self.seed, "target_layer_ids": list(self.layer_ids),
@@ -122,6 +104,31 @@ class DemoSettings:
             layers = overrides.get("num_draft_layers", tiny().drafter.num_draft_layers)
             overrides["init_from_target_layers"] = list(range(layers))
         return overrides
+
+
+def apply_overrides(settings, assignments: list[str], dict_fields: tuple[str, ...]):
+    """A copy of the dataclass ``settings`` with ``KEY=VALUE`` assignments applied: KEY a field,
+    or ``D.X`` for D in ``dict_fields`` (one entry of that dict); VALUE JSON (a bare word is a string)."""
+    s = dataclasses.replace(settings, **{d: dict(getattr(settings, d)) for d in dict_fields})
+    fields = {f.name for f in dataclasses.fields(s)}
+    for assignment in assignments:
+        key, sep, text = assignment.partition("=")
+        if not sep:
+            raise click.BadParameter(f"{assignment!r}: expected KEY=VALUE", param_hint="--set")
+        try:
+            value = json.loads(text)
+        except json.JSONDecodeError:
+            value = text
+        head, _, entry = key.partition(".")
+        if entry and head in dict_fields:
+            getattr(s, head)[entry] = value
+        elif not entry and head in fields and head not in dict_fields:
+            setattr(s, head, value)
+        else:
+            raise click.BadParameter(f"{key!r}: not a demo setting (fields: {', '.join(sorted(fields))}; "
+                                     f"{' and '.join(f'{d}.X' for d in dict_fields)} set one entry of those)",
+                                     param_hint="--set")
+    return s
 
 
 # --------------------------------------------------------------------------- step markers

