@@ -8,10 +8,15 @@
 #   call 1 (carry .carry1 .whl):  mkdir -p /tmp/carry && cp .carry1/part_aa /tmp/carry/ &&
 #       python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl
 #   call 2 (carry .carry2 .real): bash bench/demo_real_gpu.sh [--set KEY=VALUE ...]
-# Results (summary, eval, table, curves, metrics, logs) are copied to $OUT.
+# Results (summary, eval, table, curves, metrics, logs) go to RESULTS (default $OUT). With
+# REGEN_BENCH=ROWS, bench/regen_speed.py first times regeneration on the converted target
+# (plain path on 256 of those rows, static path on all of them). A run longer than one call
+# starts this script with setsid in the background and RESULTS=/tmp/results, and later calls
+# wait for RESULTS/done and copy RESULTS to $OUT.
 set -euo pipefail
-OUT=${OUT:-/tmp/out}
-cat /tmp/carry/part_aa .carry2/part_ab > /tmp/carry/smol.gguf
+RESULTS=${RESULTS:-${OUT:-/tmp/out}}
+mkdir -p "$RESULTS"
+[ -f /tmp/carry/smol.gguf ] || cat /tmp/carry/part_aa .carry2/part_ab > /tmp/carry/smol.gguf
 if [ -d .whl ]; then  # else installed by call 1
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
 fi
@@ -19,11 +24,19 @@ export PYTHONPATH=/tmp/site:$PWD/.shim PYTHONUNBUFFERED=1
 mkdir -p .shim/dflash && for p in shared extract train eval; do ln -sfn "$PWD/$p" ".shim/dflash/$p"; done
 touch .shim/dflash/__init__.py
 mkdir -p /tmp/real && tar xzf .real/data.tgz -C /tmp/real
-nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$OUT/machine.txt"
+nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$RESULTS/machine.txt"
+demo() { python3 -m dflash.eval.demo_real run --out /tmp/real --gguf /tmp/carry/smol.gguf "$@"; }
 set +e
-python3 -m dflash.eval.demo_real run --out /tmp/real --gguf /tmp/carry/smol.gguf "$@" 2>&1 | tee "$OUT/demo_real.log"
+if [ -n "${REGEN_BENCH:-}" ]; then
+  demo --stop-after convert "$@" 2>&1 | tee "$RESULTS/convert.log"
+  python3 bench/regen_speed.py --model /tmp/real/target --data /tmp/real/data/train.jsonl --rows "$REGEN_BENCH" \
+    --plain-rows 256 --batch-size 512 --max-new-tokens 256 --max-prompt-tokens 1024 \
+    --json "$RESULTS/regen_speed.json" 2>&1 | tee "$RESULTS/regen_speed.log"
+fi
+demo "$@" 2>&1 | tee "$RESULTS/demo_real.log"
 rc=${PIPESTATUS[0]}
 for f in summary.json eval.json table.md training_curves.png run/metrics.jsonl; do
-  [ -f "/tmp/real/$f" ] && cp "/tmp/real/$f" "$OUT/"
+  [ -f "/tmp/real/$f" ] && cp "/tmp/real/$f" "$RESULTS/"
 done
+echo "$rc" > "$RESULTS/done"
 exit "$rc"

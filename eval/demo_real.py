@@ -49,8 +49,8 @@ class RealSettings:
     max_prompt_tokens: int = 1024  # later turns of long chats are cut there (counted)
     regen_batch_size: int = 512
     train: dict = field(default_factory=lambda: dict(
-        num_draft_layers=3, block_size=16, max_steps=1200, batch_size=32, micro_batch_size=32, max_anchors=256,
-        context_buckets=[512, 1024, 1536], lr=6e-4, eval_every=400, save_every=1200, eval_samples=64))
+        num_draft_layers=3, block_size=16, max_steps=800, batch_size=32, micro_batch_size=32, max_anchors=256,
+        context_buckets=[512, 1024, 1536], lr=6e-4, eval_every=400, save_every=800, eval_samples=64))
     spec_sample: int = 4  # prompts per benchmark decoded speculatively for real (lossless check, tau match)
     eval_batch_size: int = 128  # prompts per batched greedy generation in the evaluation
     eval_limit: int | None = None  # the first N prompts of each benchmark (None: all)
@@ -187,6 +187,7 @@ def _run_real(out: Path, s: RealSettings, gguf: str | None, echo, stop_after: st
         *[a for name, path in benchmarks.items() for a in ("--prompts", f"{name}={path}")],
         "--max-new-tokens", str(s.max_new_tokens), "--spec-sample", str(s.spec_sample),
         "--batch-size", str(s.eval_batch_size), "--json", str(eval_json),
+        *(["--capture"] if s.device == "cuda" else []),
         *(["--limit", str(s.eval_limit)] if s.eval_limit else [])], echo)
     times["eval"] = stage["seconds"]
     result = json.loads(eval_json.read_text())

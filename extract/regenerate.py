@@ -170,10 +170,14 @@ class StaticDecoder:
     that holds its prompts; each room's cache is reset in place and reused, so the step is
     compiled once per room, not once per batch. Rooms double because a decode step reads
     the whole static cache (its cost grows with the room, not with the prompt). Prompts
-    longer than the largest room fall back to the plain path.
+    longer than the largest room fall back to the plain path. The model's attention becomes
+    ``target.grouped_sdpa``, which reads the cache's key/value heads without copying them.
     """
 
     def __init__(self, model, batch_size: int, max_new_tokens: int, prompt_tokens: int | None):
+        from .target import use_grouped_decode
+
+        use_grouped_decode(model)
         self.model, self.rows, self.max_new_tokens = model, batch_size, max_new_tokens
         self.room = prompt_tokens or STATIC_PROMPT_TOKENS
         self.caches: dict[int, object] = {}
@@ -344,45 +348,51 @@ def write_part(out: Path, part: int, rows: list[dict], stats: dict) -> None:
 def regenerate_conversations(model, tokenizer, convs: list[Conversation], settings: GenerationSettings,
                              batch_size: int, skips: SkipCounter, static: StaticDecoder | None = None
                              ) -> tuple[list[dict], dict[str, int]]:
-    """Regenerate every assistant turn of ``convs``, round by round (turn k of every chat
-    in one round, batched), so each turn conditions on the regenerated earlier ones."""
+    """Regenerate every assistant turn of ``convs``; turn k of a chat is answered after its
+    turn k - 1, so it conditions on the regenerated earlier ones.
+
+    Turns whose prompt is ready wait in one pool; each batch takes the longest of them, and
+    a chat's next turn joins the pool as soon as its answer is in. Deep chats (the longest
+    prompts) so go first and later batches stay full, where answering round by round (turn
+    k of every chat together) left the late rounds with a few chats each, padded to a batch."""
     stop_ids = stop_token_ids(model, tokenizer)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else stop_ids[0]
     gen_kwargs = generation_kwargs(settings, stop_ids, pad_id)
     chats = [_Chat.start(c, skips) for c in convs]
-    while True:
-        pending: list[tuple[_Chat, int, str, int]] = []
-        for chat in chats:
-            if chat.next_turn is None or chat.dropped:
-                continue
-            turn = chat.next_turn
-            try:
-                text = _render_prompt(tokenizer, chat.conv, chat.messages[:turn], settings.template_kwargs)
-            except DataError as err:
-                skips.record(err)
-                chat.dropped, chat.next_turn = err.reason, None
-                continue
-            n_tokens = len(tokenizer(text, add_special_tokens=False)["input_ids"])
-            if settings.max_prompt_tokens is not None and n_tokens > settings.max_prompt_tokens:
-                chat.cut(turn, "prompt_too_long", skips)
-                continue
-            pending.append((chat, turn, text, n_tokens))
-        if not pending:
-            break
-        pending.sort(key=lambda item: -item[3])  # similar lengths share a batch: less padding
-        for start in range(0, len(pending), batch_size):
-            batch = pending[start:start + batch_size]
-            outputs = generate_batch(model, tokenizer, [text for _, _, text, _ in batch], gen_kwargs, stop_ids,
-                                     static)
-            for (chat, turn, _, _), (tokens, truncated) in zip(batch, outputs):
-                content = tokenizer.decode(tokens, skip_special_tokens=False)
-                if not content.strip():
-                    chat.cut(turn, "empty_generation", skips)
-                    continue
-                if truncated and settings.drop_truncated:
-                    chat.cut(turn, "truncated", skips)
-                    continue
+    pool: list[tuple[_Chat, int, str, int]] = []  # (chat, turn, prompt, prompt tokens)
+
+    def ready(chat: _Chat) -> None:
+        """Put the chat's next turn in the pool, or cut / drop the chat there."""
+        if chat.next_turn is None or chat.dropped:
+            return
+        turn = chat.next_turn
+        try:
+            text = _render_prompt(tokenizer, chat.conv, chat.messages[:turn], settings.template_kwargs)
+        except DataError as err:
+            skips.record(err)
+            chat.dropped, chat.next_turn = err.reason, None
+            return
+        n_tokens = len(tokenizer(text, add_special_tokens=False)["input_ids"])
+        if settings.max_prompt_tokens is not None and n_tokens > settings.max_prompt_tokens:
+            chat.cut(turn, "prompt_too_long", skips)
+            return
+        pool.append((chat, turn, text, n_tokens))
+
+    for chat in chats:
+        ready(chat)
+    while pool:
+        pool.sort(key=lambda item: -item[3])  # similar lengths share a batch: less padding
+        batch, pool[:] = pool[:batch_size], pool[batch_size:]
+        outputs = generate_batch(model, tokenizer, [text for _, _, text, _ in batch], gen_kwargs, stop_ids, static)
+        for (chat, turn, _, _), (tokens, truncated) in zip(batch, outputs):
+            content = tokenizer.decode(tokens, skip_special_tokens=False)
+            if not content.strip():
+                chat.cut(turn, "empty_generation", skips)
+            elif truncated and settings.drop_truncated:
+                chat.cut(turn, "truncated", skips)
+            else:
                 chat.answer(turn, regenerated_message(chat.messages[turn], content), truncated, len(tokens))
+                ready(chat)
     return collect_rows(chats, skips)
 
 
