@@ -405,7 +405,7 @@ class StaticTarget(EagerTarget):
         if keep > self._length:
             raise ValueError(f"cannot crop a {self._length}-position cache to {keep}")
         for layer in getattr(self.cache, "layers", ()):
-            if keep < self._length and hasattr(layer, "cumulative_length"):  # transformers 5.2x: the layer
+            if keep < self._length and hasattr(layer, "cumulative_length") and hasattr(layer, "crop"):  # transformers 5.2x: the layer
                 layer.crop(keep - self._length)  # counts its positions (moved back in place); before: cache_position
         self._length = keep
 
