@@ -362,9 +362,10 @@ class EagerTarget:
 class StaticTarget(EagerTarget):
     """``EagerTarget`` on a static KV cache (transformers' ``StaticCache``, one for every prompt):
     a forward writes at the next positions and attends up to its own, so a crop only moves the
-    length back (the next verify overwrites the rejected drafts; since 5.2x the cache's layers
-    count positions in a device tensor that a captured graph advances, so the crop moves that
-    counter back in place too). With ``capture`` (CUDA) the forwards
+    length back (the next verify overwrites the rejected drafts; the cache's layers count their
+    positions in a device tensor that a captured graph advances and, in 5.17, write at that
+    count whatever positions are passed, so the crop moves that counter back in place too).
+    With ``capture`` (CUDA) the forwards
     after the prefill, 1 token (greedy) or B tokens (verify), are compiled with CUDA graphs
     (``mode="reduce-overhead"``), once per shape; without, the same code runs eager."""
 
@@ -405,8 +406,9 @@ class StaticTarget(EagerTarget):
         if keep > self._length:
             raise ValueError(f"cannot crop a {self._length}-position cache to {keep}")
         for layer in getattr(self.cache, "layers", ()):
-            if keep < self._length and hasattr(layer, "cumulative_length") and hasattr(layer, "crop"):  # transformers 5.2x: the layer
-                layer.crop(keep - self._length)  # counts its positions (moved back in place); before: cache_position
+            counter = getattr(layer, "cumulative_length", None)  # transformers 5.17+: the layer writes there
+            if keep < self._length and isinstance(counter, torch.Tensor):
+                counter.sub_(self._length - keep)  # in place: a captured graph reads it at its address
         self._length = keep
 
 
