@@ -48,6 +48,8 @@ import torch
 from dflash.train import attention
 from dflash.train.model import DFlashDrafter, DrafterConfig
 
+from . import fused_drafter as fused
+
 log = logging.getLogger(__name__)
 
 
@@ -79,8 +81,8 @@ class DFlashProposer:
 
     Incremental by default: every drafter layer's context keys and values depend on their
     own position only, and decoding only ever appends verified positions, so each call
-    computes them for the new positions alone and keeps them; ``reset`` starts a new
-    sequence. ``incremental=False`` recomputes the whole context with the training forward
+    computes them for the new positions alone and keeps them, through the fused decoding
+    path of ``fused_drafter``; ``reset`` starts a new sequence. ``incremental=False`` recomputes the whole context with the training forward
     every call (the reference the incremental path is tested against). ``compile_backend``
     (incremental only): the block's forward compiled by that ``torch.compile`` backend, with
     the context length dynamic (it grows every block), so one graph serves a whole run.
@@ -89,8 +91,8 @@ class DFlashProposer:
     def __init__(self, drafter: DFlashDrafter, target, config: DrafterConfig | None = None,
                  incremental: bool = True, compile_backend: str | None = None):
         self.drafter = drafter.eval()
-        self._forward_cached = (torch.compile(self.drafter.forward_cached, backend=compile_backend, dynamic=True)
-                                if compile_backend else self.drafter.forward_cached)
+        self._block = (torch.compile(fused.block_forward, backend=compile_backend, dynamic=True)
+                       if compile_backend else fused.block_forward)
         self.config = config or drafter.config
         self.block_size = self.config.block_size
         self.target_layer_ids = list(self.config.target_layer_ids)
@@ -102,8 +104,8 @@ class DFlashProposer:
 
     def reset(self) -> None:
         """Forget the kept context (the next call starts a new sequence) and take the drafter's
-        weights afresh."""
-        self._weights = self.drafter.decoding_weights()
+        weights afresh (the fused path holds copies)."""
+        self._weights = fused.DecodingWeights.of(self.drafter)
         self._keys: torch.Tensor | None = None  # (L, 1, Hkv, capacity, hd), positions < _context_len valid
         self._values: torch.Tensor | None = None
         self._context_len = 0
@@ -127,7 +129,7 @@ class DFlashProposer:
         block_positions = torch.arange(position, position + B, device=device).unsqueeze(0)  # (1, B)
         block_embeds = self.embed(block_ids)  # the target's own module: some scale their embeddings
         if self.incremental:
-            hidden = self._forward_cached(block_embeds, block_positions, self._extend(context), self._weights)
+            hidden = self._block(self.drafter, self._weights, block_embeds, block_positions, self._extend(context))
         else:
             hidden = self._full_forward(context, block_embeds, block_positions, position)
         return self.lm_head(hidden[0, 1:].to(self.lm_head.weight.dtype))  # (B-1, V)
@@ -146,7 +148,7 @@ class DFlashProposer:
             kept = self._context_len = 0
         if ctx_len > kept:
             positions = torch.arange(kept, ctx_len, device=context.device).unsqueeze(0)  # (1, new)
-            keys, values = self.drafter.context_kv(context[:, kept:], positions, self._weights)
+            keys, values = fused.context_kv(self.drafter, self._weights, context[:, kept:], positions)
             if self._keys is None or self._keys.shape[3] < ctx_len:
                 self._grow(keys, max(2 * ctx_len, 256))
             self._keys[:, :, :, kept:ctx_len] = keys

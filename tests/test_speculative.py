@@ -350,13 +350,16 @@ def test_incremental_and_full_proposers_decode_alike(target, drafter, prompts):
 # ---------------------------------------------------------------------------- the cheaper step
 
 
-def test_decoding_path_equals_training_forward_with_bias_and_without_gqa(drafter_config):
-    """``context_kv`` + ``forward_cached`` (fused projections, rope from a table, one matmul
-    for every layer's context keys/values) against the training forward over the whole
-    context: with attention biases and as many key heads as query heads, which the default
-    drafters never exercise, at a position past the first rows of the rope table."""
+def test_decoding_paths_equal_training_forward_with_bias_and_without_gqa(drafter_config):
+    """The drafter's forward with its context-KV cache (``context_kv``, no mask) and the
+    proposer's fused path (``eval.fused_drafter``: fused projections, rope from a table, one
+    matmul for every layer's context keys/values) against the training forward over the whole
+    context with the decoding block's dense mask: with attention biases and as many key heads
+    as query heads, which the default drafters never exercise, at positions past 300; values
+    and gradients."""
     from dataclasses import replace
 
+    from dflash.eval import fused_drafter as fused
     from dflash.train import attention
 
     config = replace(drafter_config, attention_bias=True, num_key_value_heads=drafter_config.num_attention_heads,
@@ -378,21 +381,24 @@ def test_decoding_path_equals_training_forward_with_bias_and_without_gqa(drafter
     mask = attention.build_mask("dense", anchors=torch.tensor([[ctx_len]]), block_valid=torch.ones(1, 1, dtype=torch.bool),
                                 ctx_len=torch.tensor([ctx_len]), context_len=ctx_len, block_size=B)
     want = drafter(context, context_positions, embeds, block_positions, mask)
-    got = drafter.forward_cached(embeds, block_positions, drafter.context_kv(context, context_positions))
-    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
-    # and differentiable alike: the fused weights are built from the parameters, not detached
+    cached = drafter(None, None, embeds, block_positions, None, context_kv=drafter.context_kv(context, context_positions))
+    weights = fused.DecodingWeights.of(drafter)
+    fast = fused.block_forward(drafter, weights, embeds, block_positions,
+                               fused.context_kv(drafter, weights, context, context_positions))
     probe = torch.randn(want.shape, generator=generator)
     params = [p for p in drafter.parameters()]
-    want_grads = torch.autograd.grad((want * probe).sum(), params)
-    got_grads = torch.autograd.grad((got * probe).sum(), params)
-    for (name, _), g_want, g_got in zip(drafter.named_parameters(), want_grads, got_grads):
-        torch.testing.assert_close(g_got, g_want, rtol=1e-4, atol=1e-5, msg=name)
+    want_grads = torch.autograd.grad((want * probe).sum(), params, retain_graph=True)
+    for got in (cached, fast):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        got_grads = torch.autograd.grad((got * probe).sum(), params)
+        for (name, _), g_want, g_got in zip(drafter.named_parameters(), want_grads, got_grads):
+            torch.testing.assert_close(g_got, g_want, rtol=1e-4, atol=1e-5, msg=name)
 
 
 def test_proposer_refreshes_weights_per_sequence_and_grows_its_buffers(target, drafter, drafter_config):
-    """``reset`` takes the drafter's weights afresh (a snapshot must not outlive a change of
-    weights between sequences), and a context longer than the kept buffers grows them
-    without changing the logits."""
+    """``reset`` takes the drafter's weights afresh (the fused path's concatenated copies must
+    not outlive a change of weights between sequences) and drops the kept context keys and
+    values; a context longer than the kept buffers grows them without changing the logits."""
     import copy
 
     local = copy.deepcopy(drafter)
@@ -404,7 +410,7 @@ def test_proposer_refreshes_weights_per_sequence_and_grows_its_buffers(target, d
         tokens = [7] * (position + 1)
         torch.testing.assert_close(proposer.block_logits(context[:, :position], tokens, position),
                                    full.block_logits(context[:, :position], tokens, position), rtol=1e-4, atol=1e-5)
-    with torch.no_grad():  # weights the snapshot holds concatenated, not as views
+    with torch.no_grad():  # weights the fused path holds concatenated, not as views
         for layer in local.layers:
             layer.self_attn.q_proj.weight.mul_(3.0)
             layer.self_attn.k_proj.weight.mul_(-1.0)

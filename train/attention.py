@@ -241,17 +241,20 @@ def attend(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    mask: BlockMask | torch.Tensor,
+    mask: BlockMask | torch.Tensor | None,
     scale: float,
 ) -> torch.Tensor:
     """Attention with q (Bsz, H, Q, hd), k/v (Bsz, Hkv, KV, hd) -> (Bsz, H, Q, hd).
 
     GQA is handled here (H must be a multiple of Hkv). Query rows that see no key
-    (padded blocks) return exactly zero on both backends.
+    (padded blocks) return exactly zero on both backends. ``mask`` None: every query
+    sees every key (one decoding block over its whole context).
     """
     n_heads, n_kv_heads = q.shape[1], k.shape[1]
     if n_heads % n_kv_heads != 0:
         raise ValueError(f"{n_heads} query heads is not a multiple of {n_kv_heads} kv heads")
+    if mask is None:
+        return F.scaled_dot_product_attention(q, k, v, scale=scale, enable_gqa=n_heads != n_kv_heads)
     if isinstance(mask, BlockMask):
         return _attend_flex(q, k, v, mask, scale, enable_gqa=n_heads != n_kv_heads)
     if isinstance(mask, torch.Tensor) and mask.dtype == torch.bool:

@@ -8,7 +8,6 @@ are chosen so that ``state_dict()`` keys are exactly the export names.
 
 from __future__ import annotations
 
-import functools
 import json
 import logging
 import os
@@ -207,11 +206,16 @@ class DFlashAttention(nn.Module):
         self.q_norm = RMSNorm(hd, config.rms_norm_eps)
         self.k_norm = RMSNorm(hd, config.rms_norm_eps)
 
-    def forward(self, x, ctx, block_rope, kv_rope, attn_mask):
+    def forward(self, x, ctx, block_rope, kv_rope, attn_mask, ctx_kv=None):
+        """``ctx_kv``: the context's keys and values, each (Bsz, Hkv, S, hd), in place of ``ctx``."""
         bsz, q_len, _ = x.shape
         q = self.q_norm(self.q_proj(x).view(bsz, q_len, self.n_heads, self.head_dim)).transpose(1, 2)
         q = apply_rope(q, *block_rope)  # (Bsz, H, Q, hd)
-        k, v = self.project_kv(torch.cat([ctx, x], dim=1), kv_rope)  # (Bsz, Hkv, S + Q, hd)
+        if ctx_kv is None:
+            k, v = self.project_kv(torch.cat([ctx, x], dim=1), kv_rope)  # (Bsz, Hkv, S + Q, hd)
+        else:  # keys and values are position-wise: the context's were projected before
+            k, v = self.project_kv(x, block_rope)
+            k, v = torch.cat([ctx_kv[0], k], dim=2), torch.cat([ctx_kv[1], v], dim=2)
         out = attention.attend(q, k, v, attn_mask, self.head_dim**-0.5)  # (Bsz, H, Q, hd)
         return self.o_proj(out.transpose(1, 2).reshape(bsz, q_len, self.n_heads * self.head_dim))
 
@@ -244,10 +248,10 @@ class DFlashDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = SwiGLU(config)
 
-    def forward(self, x, ctx, block_rope, kv_rope, attn_mask):
+    def forward(self, x, ctx, block_rope, kv_rope, attn_mask, ctx_kv=None):
         # ctx is already normed by the drafter's hidden_norm; only the block stream
         # goes through input_layernorm (as in the public DFlash implementation).
-        x = x + self.self_attn(self.input_layernorm(x), ctx, block_rope, kv_rope, attn_mask)
+        x = x + self.self_attn(self.input_layernorm(x), ctx, block_rope, kv_rope, attn_mask, ctx_kv)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -277,11 +281,12 @@ class DFlashDrafter(nn.Module):
 
     def forward(
         self,
-        context_hidden: torch.Tensor,
-        context_positions: torch.Tensor,
+        context_hidden: torch.Tensor | None,
+        context_positions: torch.Tensor | None,
         block_embeds: torch.Tensor,
         block_positions: torch.Tensor,
         attn_mask,
+        context_kv: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """Hidden states of the block tokens after the final norm, (Bsz, Q, D).
 
@@ -290,170 +295,57 @@ class DFlashDrafter(nn.Module):
         context_positions: (Bsz, S) or (S,) integer positions of the context.
         block_embeds: (Bsz, Q, D) target embeddings of [anchor, MASK x (B-1)] per block.
         block_positions: (Bsz, Q) or (Q,) integer positions, anchor + slot.
-        attn_mask: from ``attention.build_mask`` (BlockMask or bool (Bsz, 1, Q, S + Q)).
+        attn_mask: from ``attention.build_mask`` (BlockMask or bool (Bsz, 1, Q, S + Q)), or
+            None: every block token sees the whole context and block (decoding one block).
+        context_kv: decoding's cache, in place of context_hidden and context_positions
+            (both None): every layer's context keys and values from ``context_kv``.
         """
+        if block_embeds.dim() != 3:
+            raise ValueError(f"block_embeds must be (Bsz, Q, D), got {tuple(block_embeds.shape)}")
+        bsz, q_len, _ = block_embeds.shape
+        block_positions = _batched_positions(block_positions, bsz, q_len, "block_positions")
+        hd, theta = self.config.head_dim, self.config.rope_theta
+        block_rope = rope_cos_sin(block_positions, hd, theta)
+        ctx = kv_rope = None
+        if context_kv is None:
+            ctx = self.fuse_context(context_hidden, bsz)
+            context_positions = _batched_positions(context_positions, bsz, ctx.shape[1], "context_positions")
+            kv_rope = rope_cos_sin(torch.cat([context_positions, block_positions], dim=1), hd, theta)
+        x = block_embeds
+        if not torch.is_autocast_enabled(x.device.type):
+            x = x.to(self.fc.weight.dtype)
+        for i, layer in enumerate(self.layers):
+            ctx_kv = None if context_kv is None else (context_kv[0][i], context_kv[1][i])
+            x = layer(x, ctx, block_rope, kv_rope, attn_mask, ctx_kv)
+        return self.norm(x)
+
+    def fuse_context(self, context_hidden: torch.Tensor, bsz: int | None = None) -> torch.Tensor:
+        """The target layers' states (Bsz, S, n * D) or (Bsz, S, n, D), fused by ``fc`` and
+        normed: what every layer's keys and values read, (Bsz, S, D)."""
         if context_hidden.dim() == 4:
             context_hidden = context_hidden.flatten(2)  # (Bsz, S, n * D)
-        bsz, ctx_len, feat = context_hidden.shape
+        feat = context_hidden.shape[-1]
         if feat != self.fc.in_features:
             raise ValueError(
                 f"context_hidden has {feat} features; expected {self.config.num_context_layers}"
                 f" layers x {self.config.hidden_size} = {self.fc.in_features}"
             )
-        if block_embeds.dim() != 3 or block_embeds.shape[0] != bsz:
-            raise ValueError(f"block_embeds must be (Bsz={bsz}, Q, D), got {tuple(block_embeds.shape)}")
-        q_len = block_embeds.shape[1]
-        context_positions = _batched_positions(context_positions, bsz, ctx_len, "context_positions")
-        block_positions = _batched_positions(block_positions, bsz, q_len, "block_positions")
-
-        weight_dtype = self.fc.weight.dtype
+        if bsz is not None and context_hidden.shape[0] != bsz:
+            raise ValueError(f"context_hidden has batch {context_hidden.shape[0]}, the block {bsz}")
         if not torch.is_autocast_enabled(context_hidden.device.type):
-            context_hidden = context_hidden.to(weight_dtype)
-            block_embeds = block_embeds.to(weight_dtype)
+            context_hidden = context_hidden.to(self.fc.weight.dtype)
+        return self.hidden_norm(self.fc(context_hidden))
 
-        ctx = self.hidden_norm(self.fc(context_hidden))  # (Bsz, S, D)
-        hd, theta = self.config.head_dim, self.config.rope_theta
-        block_rope = rope_cos_sin(block_positions, hd, theta)
-        kv_rope = rope_cos_sin(torch.cat([context_positions, block_positions], dim=1), hd, theta)
-        x = block_embeds
-        for layer in self.layers:
-            x = layer(x, ctx, block_rope, kv_rope, attn_mask)
-        return self.norm(x)
-
-    def decoding_weights(self) -> "DecodingWeights":
-        """The weights regrouped for ``context_kv`` / ``forward_cached`` (concatenated copies, so
-        take new ones after changing the weights; gradients reach the parameters through them)."""
-        return DecodingWeights.of(self)
-
-    def context_kv(self, context_hidden: torch.Tensor, context_positions: torch.Tensor,
-                   weights: "DecodingWeights | None" = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """Every layer's keys and values, each (L, Bsz, Hkv, S, hd), of context features
-        (Bsz, S, n * D) at positions (Bsz, S): position-wise, so decoding computes them once per
-        new position. ``weights`` from ``decoding_weights`` (taken here when None)."""
-        w = weights or self.decoding_weights()
-        c = self.config
-        eps, n_layers, n_kv, hd = c.rms_norm_eps, c.num_hidden_layers, c.num_key_value_heads, c.head_dim
-        ctx = _rms_norm(F.linear(context_hidden.to(w.dtype), self.fc.weight), self.hidden_norm.weight, eps)
-        kv = F.linear(ctx, w.context_kv, w.context_kv_bias)
-        kv = kv.view(*kv.shape[:-1], n_layers, 2, n_kv, hd)  # (Bsz, S, L, 2, Hkv, hd)
-        cos, sin = w.rope(context_positions)  # (Bsz, S, hd)
-        keys = _rms_norm(kv[..., 0, :, :], None, eps) * w.context_k_norm  # (Bsz, S, L, Hkv, hd)
-        keys = _rotate(keys, cos[:, :, None, None], sin[:, :, None, None])
-        return keys.permute(2, 0, 3, 1, 4), kv[..., 1, :, :].permute(2, 0, 3, 1, 4)
-
-    def forward_cached(self, block_embeds: torch.Tensor, block_positions: torch.Tensor,
-                       context_kv: tuple[torch.Tensor, torch.Tensor],
-                       weights: "DecodingWeights | None" = None) -> torch.Tensor:
-        """``forward`` for one decoding block (Bsz, B, D) at positions (Bsz, B) that sees the
-        whole context, given as ``context_kv``'s keys and values (L, Bsz, Hkv, S, hd); the same
-        result without recomputing the context."""
-        w = weights or self.decoding_weights()
-        c = self.config
-        eps, n_heads, n_kv, hd = c.rms_norm_eps, c.num_attention_heads, c.num_key_value_heads, c.head_dim
-        keys, values = context_kv
-        bsz, q_len, _ = block_embeds.shape
-        cos, sin = w.rope(block_positions)  # (Bsz, B, hd)
-        cos, sin = cos[:, :, None], sin[:, :, None]
-        x = block_embeds.to(w.dtype)
-        for i, layer in enumerate(w.layers):
-            qkv = F.linear(_rms_norm(x, layer.input_norm, eps), layer.qkv, layer.qkv_bias)  # (Bsz, B, (H + 2 Hkv) hd)
-            qkv = qkv.view(bsz, q_len, n_heads + 2 * n_kv, hd)
-            qk = _rotate(_rms_norm(qkv[:, :, :n_heads + n_kv], None, eps) * layer.qk_norm, cos, sin).transpose(1, 2)  # (Bsz, H + Hkv, B, hd)
-            v = qkv[:, :, n_heads + n_kv:].transpose(1, 2)  # (Bsz, Hkv, B, hd)
-            k_all = torch.cat([keys[i], qk[:, n_heads:]], dim=2)  # (Bsz, Hkv, S + B, hd)
-            v_all = torch.cat([values[i], v], dim=2)
-            out = F.scaled_dot_product_attention(qk[:, :n_heads], k_all, v_all, scale=hd**-0.5, enable_gqa=True)
-            x = x + F.linear(out.transpose(1, 2).reshape(bsz, q_len, n_heads * hd), layer.o, layer.o_bias)
-            gate, up = F.linear(_rms_norm(x, layer.post_norm, eps), layer.gate_up).chunk(2, dim=-1)
-            x = x + F.linear(F.silu(gate) * up, layer.down)
-        return _rms_norm(x, self.norm.weight, eps)
-
-
-# ---------------------------------------------------------------------------- decoding one block
-
-
-@dataclass
-class DecodingLayer:
-    """One drafter layer's weights for decoding: projections of the same input in one matrix."""
-
-    input_norm: torch.Tensor  # (D,) input_layernorm
-    qkv: torch.Tensor  # ((H + 2 Hkv) hd, D): q_proj, k_proj, v_proj rows
-    qkv_bias: torch.Tensor | None  # their biases (attention_bias), else None
-    qk_norm: torch.Tensor  # (H + Hkv, hd): q_norm for each query head, then k_norm for each key head
-    o: torch.Tensor  # (D, H hd) o_proj
-    o_bias: torch.Tensor | None  # o_proj bias, else None
-    post_norm: torch.Tensor  # (D,) post_attention_layernorm
-    gate_up: torch.Tensor  # (2 F, D): gate_proj, up_proj rows
-    down: torch.Tensor  # (D, F) down_proj
-
-
-@dataclass
-class DecodingWeights:
-    """The drafter's weights regrouped for decoding one block at a time: at small widths each
-    kernel call costs more than its arithmetic, so projections reading the same input run as
-    one matmul (every layer's context k/v at once; each layer's q/k/v; gate/up)."""
-
-    layers: list[DecodingLayer]  # per drafter layer
-    context_kv: torch.Tensor  # (L * 2 * Hkv * hd, D): k_proj, v_proj rows of layer 0, then layer 1...
-    context_kv_bias: torch.Tensor | None  # their biases, else None
-    context_k_norm: torch.Tensor  # (L, 1, hd): each layer's k_norm, broadcast over its key heads
-    rope_cos: torch.Tensor  # (max_position_embeddings, hd) float32 cos of every position
-    rope_sin: torch.Tensor  # (max_position_embeddings, hd) float32 sin, first half negated (rotate_half folded in)
-    dtype: torch.dtype  # the drafter's weight dtype
-
-    @classmethod
-    def of(cls, drafter: "DFlashDrafter") -> "DecodingWeights":
-        c = drafter.config
-        attn = [layer.self_attn for layer in drafter.layers]
-
-        def rows(*linears: nn.Linear) -> tuple[torch.Tensor, torch.Tensor | None]:
-            weight = torch.cat([lin.weight for lin in linears])
-            bias = torch.cat([lin.bias for lin in linears]) if linears[0].bias is not None else None
-            return weight, bias
-
-        layers = []
-        for layer, a in zip(drafter.layers, attn):
-            qkv, qkv_bias = rows(a.q_proj, a.k_proj, a.v_proj)
-            qk_norm = torch.cat([a.q_norm.weight.expand(a.n_heads, -1), a.k_norm.weight.expand(a.n_kv_heads, -1)])
-            layers.append(DecodingLayer(
-                input_norm=layer.input_layernorm.weight, qkv=qkv, qkv_bias=qkv_bias,
-                qk_norm=qk_norm, o=a.o_proj.weight,
-                o_bias=a.o_proj.bias,
-                post_norm=layer.post_attention_layernorm.weight,
-                gate_up=rows(layer.mlp.gate_proj, layer.mlp.up_proj)[0], down=layer.mlp.down_proj.weight))
-        context_kv, context_kv_bias = rows(*[lin for a in attn for lin in (a.k_proj, a.v_proj)])
-        device = drafter.fc.weight.device
-        cos, sin = _rope_table(c.max_position_embeddings, c.head_dim, c.rope_theta, str(device))
-        return cls(layers=layers, context_kv=context_kv, context_kv_bias=context_kv_bias,
-                   context_k_norm=torch.stack([a.k_norm.weight for a in attn])[:, None],
-                   rope_cos=cos, rope_sin=sin, dtype=drafter.fc.weight.dtype)
-
-    def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin (Bsz, T, hd) of integer positions (Bsz, T), in the weights' dtype; the sin
-        carries rotate_half's sign so that ``_rotate`` needs no negation."""
-        return self.rope_cos[positions].to(self.dtype), self.rope_sin[positions].to(self.dtype)
-
-
-@functools.lru_cache(maxsize=8)
-def _rope_table(length: int, head_dim: int, theta: float, device: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """``rope_cos_sin`` of positions 0 .. length-1, the sin's first half negated."""
-    with torch.inference_mode(False), torch.no_grad():
-        cos, sin = rope_cos_sin(torch.arange(length, device=device)[None], head_dim, theta)
-        half = head_dim // 2
-        return cos[0], torch.cat([-sin[0, :, :half], sin[0, :, half:]], dim=-1)
-
-
-def _rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
-    """``apply_rope`` with a sign-folded sin: rotate_half(x) * sin == roll(x, half) * signed_sin."""
-    return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * signed_sin
-
-
-def _rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
-    """RMSNorm's arithmetic (normalise in float32, scale in the input dtype) in fused calls."""
-    if x.dtype == torch.float32:
-        return torch.rms_norm(x, (x.shape[-1],), weight, eps)
-    normed = torch.rms_norm(x.float(), (x.shape[-1],), None, eps).to(x.dtype)
-    return normed if weight is None else weight * normed
+    def context_kv(self, context_hidden: torch.Tensor, context_positions: torch.Tensor
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every layer's keys and values, each (L, Bsz, Hkv, S, hd), of context states
+        (Bsz, S, n * D) at positions (Bsz, S): position-wise, so decoding computes them once
+        per new position and passes them to ``forward`` as ``context_kv``."""
+        ctx = self.fuse_context(context_hidden)
+        rope = rope_cos_sin(_batched_positions(context_positions, *ctx.shape[:2], "context_positions"),
+                            self.config.head_dim, self.config.rope_theta)
+        kv = [layer.self_attn.project_kv(ctx, rope) for layer in self.layers]
+        return torch.stack([k for k, _ in kv]), torch.stack([v for _, v in kv])
 
 
 def _batched_positions(pos: torch.Tensor, bsz: int, length: int, name: str) -> torch.Tensor:
