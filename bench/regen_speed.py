@@ -38,7 +38,7 @@ def main() -> None:
     from transformers import AutoTokenizer
 
     from dflash.extract.data import SkipCounter, load_source
-    from dflash.extract.regenerate import GenerationSettings, StaticDecoder, part_chats, regenerate_conversations
+    from dflash.extract.regenerate import Chat, GenerationSettings, StaticDecoder, part_chats, regenerate_conversations
     from dflash.extract.target import load_target
 
     tokenizer = AutoTokenizer.from_pretrained(args.model)
@@ -51,7 +51,8 @@ def main() -> None:
         convs = part_chats(ds, 0, min(rows, len(ds)), args.data, "skip", skips)
         torch.cuda.synchronize() if args.device.startswith("cuda") else None
         t0 = time.perf_counter()
-        out, totals = regenerate_conversations(model, tokenizer, convs, settings, batch_size, skips, static)
+        chats = [Chat.start(c, skips) for c in convs]
+        out, totals = regenerate_conversations(model, tokenizer, chats, settings, batch_size, skips, static)
         torch.cuda.synchronize() if args.device.startswith("cuda") else None
         seconds = time.perf_counter() - t0
         stats = {"static": static is not None, "rows": len(convs), "batch_size": batch_size, "seconds": round(seconds, 2),

@@ -35,6 +35,9 @@ questions generated, dropped (truncated, empty, too short, duplicates) and kept.
 Output folder (resumable: rerunning the same command skips finished parts):
 
     OUT/run.json                    settings + fingerprints, written first, checked on resume
+    OUT/parts/part-00000.turns.jsonl  through a server only: the turn journal of an unfinished
+                                    part, every answered turn appended as it comes; replayed
+                                    on resume, deleted once the part is written
     OUT/parts/part-00000.jsonl      rows of source rows [0, part_size), regenerated
     OUT/parts/part-00000.done.json  the part's counts; its presence marks the part done
     OUT/state.json, dataset_info.json, data-*.arrow
@@ -46,8 +49,11 @@ Output folder (resumable: rerunning the same command skips finished parts):
     OUT/regenerate.json             how it was made: target / tokenizer / source
                                     fingerprints, generation settings, counts (last)
 
-Each part reseeds the RNG from (seed, part index), so an interrupted and resumed run
-gives the same rows as an uninterrupted one. The model's own generation_config
+In process each part reseeds the RNG from (seed, part index) and an unfinished part is
+redone whole, so an interrupted and resumed run gives the same rows as an uninterrupted
+one, sampled or not: batched sampling draws from one generator, so answered turns cannot
+be kept without changing the later ones. A server seeds every request from (seed, row,
+turn) instead, so there the journal keeps each answered turn. The model's own generation_config
 sampling defaults (Qwen3 ships temperature 0.6, top_k 20) are overridden: only the
 settings given here apply.
 """
@@ -61,14 +67,14 @@ import math
 import os
 import shutil
 import tempfile
+from collections import Counter
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
 
-import click
-
 from .chat import stop_token_ids
 from .data import Conversation, DataError, SkipCounter, dataset_fingerprint, guard, load_source, normalize_row
+from .endpoint import EndpointConfig
 from .self_prompts import QuestionSampler, SelfPromptSettings, question_stop_ids, user_header
 
 log = logging.getLogger(__name__)
@@ -117,15 +123,22 @@ class RegenConfig:
 
     data: str | None
     """Source dataset spec (anything load_source reads); None: self-prompted rows only."""
-    model: str
-    """Target: HF folder or hub name."""
+    model: str | None
+    """Target: HF folder or hub name (in process); with ``endpoint``, the served model's name
+    (None: the one model the server lists)."""
     out: str
     """Output folder."""
     split: str = "train"
     """Source split."""
     generation: GenerationSettings = field(default_factory=GenerationSettings)
+    endpoint: EndpointConfig | None = None
+    """The server answering (regenerate_endpoint); None: the target in this process."""
+    concurrency: int = 32
+    """Conversations in flight at once (endpoint)."""
+    extra_body: dict[str, Any] = field(default_factory=dict)
+    """Fields merged into every request (endpoint)."""
     batch_size: int = 16
-    """Prompts per generate() call."""
+    """Prompts per generate() call (in process)."""
     part_size: int = 256
     """Source rows per output part (the resume unit)."""
     limit: int | None = None
@@ -135,7 +148,7 @@ class RegenConfig:
     static_cache: bool | None = None
     """Static KV cache with the decode step compiled into CUDA graphs; None = on for cuda."""
     on_bad_row: str = "skip"
-    """Source rows that do not normalise: "skip" (counted) or "error"."""
+    """Source rows that do not normalise (and requests a server rejects): "skip" (counted) or "error"."""
     progress: bool = True
     """Show a tqdm bar over source rows."""
     self_prompting: SelfPromptSettings = field(default_factory=SelfPromptSettings)
@@ -242,7 +255,7 @@ def _render_prompt(tokenizer, conv: Conversation, messages: list[dict], template
 
 
 @dataclass
-class _Chat:
+class Chat:
     conv: Conversation
     messages: list[dict]
     next_turn: int | None  # index of the next assistant message to regenerate
@@ -252,7 +265,7 @@ class _Chat:
     dropped: str | None = None  # skip reason, when the whole row is dropped
 
     @classmethod
-    def start(cls, conv: Conversation, counts: SkipCounter) -> _Chat:
+    def start(cls, conv: Conversation, counts: SkipCounter) -> Chat:
         """A chat ready for its first turn. Assistant messages before any other message
         have no prompt to answer (split ShareGPT chats start so): they are removed, counted."""
         messages = [dict(m) for m in conv.messages]
@@ -301,7 +314,7 @@ def regenerated_message(source: dict, content: str, reasoning: str | None = None
     return message
 
 
-def collect_rows(chats: list[_Chat], skips: SkipCounter) -> tuple[list[dict], dict[str, int]]:
+def collect_rows(chats: list[Chat], skips: SkipCounter) -> tuple[list[dict], dict[str, int]]:
     """Output rows of finished chats (dropped ones counted) and their totals."""
     rows = []
     for chat in chats:
@@ -345,23 +358,21 @@ def write_part(out: Path, part: int, rows: list[dict], stats: dict) -> None:
     _write_atomic(done_path, json.dumps(stats, indent=2, sort_keys=True) + "\n")
 
 
-def regenerate_conversations(model, tokenizer, convs: list[Conversation], settings: GenerationSettings,
+def regenerate_conversations(model, tokenizer, chats: list[Chat], settings: GenerationSettings,
                              batch_size: int, skips: SkipCounter, static: StaticDecoder | None = None
                              ) -> tuple[list[dict], dict[str, int]]:
-    """Regenerate every assistant turn of ``convs``; turn k of a chat is answered after its
-    turn k - 1, so it conditions on the regenerated earlier ones.
+    """Regenerate every assistant turn of ``chats`` (``Chat.start``); turn k of a chat is
+    answered after its turn k - 1, so it conditions on the regenerated earlier ones.
 
     Turns whose prompt is ready wait in one pool; each batch takes the longest of them, and
     a chat's next turn joins the pool as soon as its answer is in. Deep chats (the longest
     prompts) so go first and later batches stay full, where answering round by round (turn
     k of every chat together) left the late rounds with a few chats each, padded to a batch."""
     stop_ids = stop_token_ids(model, tokenizer)
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else stop_ids[0]
-    gen_kwargs = generation_kwargs(settings, stop_ids, pad_id)
-    chats = [_Chat.start(c, skips) for c in convs]
-    pool: list[tuple[_Chat, int, str, int]] = []  # (chat, turn, prompt, prompt tokens)
+    gen_kwargs = generation_kwargs(settings, stop_ids, pad_token_id(tokenizer, stop_ids))
+    pool: list[tuple[Chat, int, str, int]] = []  # (chat, turn, prompt, prompt tokens)
 
-    def ready(chat: _Chat) -> None:
+    def ready(chat: Chat) -> None:
         """Put the chat's next turn in the pool, or cut / drop the chat there."""
         if chat.next_turn is None or chat.dropped:
             return
@@ -385,15 +396,34 @@ def regenerate_conversations(model, tokenizer, convs: list[Conversation], settin
         batch, pool[:] = pool[:batch_size], pool[batch_size:]
         outputs = generate_batch(model, tokenizer, [text for _, _, text, _ in batch], gen_kwargs, stop_ids, static)
         for (chat, turn, _, _), (tokens, truncated) in zip(batch, outputs):
+            event = {"row": chat.conv.row_index, "turn": turn}
             content = tokenizer.decode(tokens, skip_special_tokens=False)
             if not content.strip():
-                chat.cut(turn, "empty_generation", skips)
+                event["cut"] = "empty_generation"
             elif truncated and settings.drop_truncated:
-                chat.cut(turn, "truncated", skips)
+                event["cut"] = "truncated"
             else:
-                chat.answer(turn, regenerated_message(chat.messages[turn], content), truncated, len(tokens))
-                ready(chat)
+                event.update(message=regenerated_message(chat.messages[turn], content), truncated=truncated,
+                             tokens=len(tokens))
+            apply_event(chat, event, skips)
+            ready(chat)
     return collect_rows(chats, skips)
+
+
+def pad_token_id(tokenizer, stop_ids: list[int]) -> int:
+    """The tokenizer's pad token, else the first stop token (padding is masked either way)."""
+    return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else stop_ids[0]
+
+
+def apply_event(chat: Chat, event: dict, skips: SkipCounter) -> None:
+    """Apply one answered turn (a journal line) to its chat: the answer, or a cut there."""
+    if event["turn"] != chat.next_turn:
+        raise ValueError(f"turn journal of row {chat.conv.row_index} does not match the source "
+                         f"(turn {event['turn']}, expected {chat.next_turn}); delete that part's journal to redo it")
+    if "cut" in event:
+        chat.cut(event["turn"], event["cut"], skips)
+    else:
+        chat.answer(event["turn"], event["message"], event["truncated"], event["tokens"])
 
 
 # ---------------------------------------------------------------------------- parts and resume
@@ -425,6 +455,86 @@ def part_paths(out: Path, index: int) -> tuple[Path, Path]:
     return base.with_suffix(".jsonl"), base.with_suffix(".done.json")
 
 
+def journal_path(out: Path, part: int) -> Path:
+    return out / PARTS_DIR / f"part-{part:05d}.turns.jsonl"
+
+
+class TurnJournal:
+    """Append-only JSON lines of one part's answered turns: the unit of resume."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self._file = None
+
+    def read(self) -> list[dict]:
+        """Events written so far; a torn last line (killed mid-write) is dropped."""
+        if not self.path.exists():
+            return []
+        lines = self.path.read_text(encoding="utf-8").splitlines(keepends=True)
+        events = []
+        for number, line in enumerate(lines, 1):
+            try:
+                events.append(json.loads(line))
+            except json.JSONDecodeError as err:
+                if number < len(lines) or line.endswith("\n"):
+                    raise ValueError(f"{self.path} line {number} is not JSON ({err}); delete the file to redo "
+                                     "that part") from err
+                self.path.write_text("".join(lines[:-1]), encoding="utf-8")
+        return events
+
+    def append(self, event: dict) -> None:
+        if self._file is None:
+            self._file = self.path.open("a", encoding="utf-8")
+        self._file.write(json.dumps(event, ensure_ascii=False) + "\n")
+        self._file.flush()  # in the OS's hands: survives a kill of this process
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+    def remove(self) -> None:
+        self.close()
+        self.path.unlink(missing_ok=True)
+
+
+@dataclass
+class Part:
+    """One part being regenerated: its chats as far as the journal got."""
+
+    index: int
+    rows: int  # source rows (or self-prompt samples) it covers
+    chats: list[Chat]
+    skips: SkipCounter
+    journal: TurnJournal
+    running: int = 0  # conversations in flight (endpoint)
+    models: Counter = field(default_factory=Counter)  # answers per served model (endpoint)
+
+
+def open_part(out: Path, index: int, rows: int, convs: list[Conversation], skips: SkipCounter) -> Part:
+    """Start a part's chats and replay its journal onto them."""
+    chats = [Chat.start(conv, skips) for conv in convs]
+    part = Part(index, rows, chats, skips, TurnJournal(journal_path(out, index)))
+    by_row = {chat.conv.row_index: chat for chat in chats}
+    for event in part.journal.read():
+        chat = by_row.get(event.get("row"))
+        if chat is None:
+            raise ValueError(f"{part.journal.path}: row {event.get('row')} is not a conversation of this part; "
+                             "delete the file to redo the part")
+        apply_event(chat, event, skips)
+        if "model" in event:
+            part.models[event["model"]] += 1
+    return part
+
+
+def finish_part(out: Path, part: Part, extra: dict | None = None) -> None:
+    """Write the part's rows and done record, then drop its journal."""
+    rows, totals = collect_rows(part.chats, part.skips)
+    write_part(out, part.index, rows, {"part": part.index, "rows_in": part.rows, "rows_out": len(rows), **totals,
+                                       "skipped": part.skips.to_dict(), **(extra or {})})
+    part.journal.remove()
+
+
 def _run_record(cfg: RegenConfig, source_fp: dict, target_fp: dict, tokenizer_fp: dict, num_rows: int,
                 header: str | None = None) -> dict:
     """Everything that decides the output rows; a resume must match it exactly."""
@@ -452,7 +562,7 @@ def _check_resume(out: Path, record: dict) -> None:
     previous = json.loads(path.read_text())
     if previous != json.loads(json.dumps(record, sort_keys=True)):
         diff = sorted(k for k in set(previous) | set(record) if previous.get(k) != json.loads(json.dumps(record)).get(k))
-        raise click.ClickException(
+        raise ValueError(
             f"{out} was started with different settings or inputs (differs in: {', '.join(diff)}); "
             "use another --out or --overwrite"
         )
@@ -478,6 +588,8 @@ def regenerate(cfg: RegenConfig, *, model=None, tokenizer=None, overwrite: bool 
         raise ValueError("part_size and batch_size must be >= 1")
     if cfg.data is None and not prompting.self_prompts:
         raise ValueError("nothing to regenerate: give a dataset (--data) or --self-prompts N")
+    if cfg.model is None:
+        raise ValueError("regeneration in process needs the target: give --model")
     out = Path(cfg.out)
     if overwrite and out.exists():
         shutil.rmtree(out)
@@ -508,7 +620,7 @@ def regenerate(cfg: RegenConfig, *, model=None, tokenizer=None, overwrite: bool 
     sampler = None
     if prompting.self_prompts:
         stops = question_stop_ids(model, tokenizer, end_of_user_turn, cfg.generation.template_kwargs)
-        pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else stops[0]
+        pad_id = pad_token_id(tokenizer, stops)
         question_settings = replace(cfg.generation, temperature=prompting.question_temperature,
                                     top_p=prompting.question_top_p, max_new_tokens=prompting.question_max_tokens)
         question_kwargs = generation_kwargs(question_settings, stops, pad_id)
@@ -539,10 +651,9 @@ def regenerate(cfg: RegenConfig, *, model=None, tokenizer=None, overwrite: bool 
             convs, extra = sampler.chats(range(start, stop))
         else:
             convs, extra = part_chats(ds, start, stop, cfg.data, cfg.on_bad_row, skips), {}
-        rows, totals = regenerate_conversations(model, tokenizer, convs, cfg.generation, cfg.batch_size, skips,
-                                                static)
-        write_part(out, part, rows, {"part": part, "rows_in": stop - start, "rows_out": len(rows), **totals,
-                                     "skipped": skips.to_dict(), **extra})
+        current = open_part(out, part, stop - start, convs, skips)
+        regenerate_conversations(model, tokenizer, current.chats, cfg.generation, cfg.batch_size, skips, static)
+        finish_part(out, current, extra)
         written += 1
         bar.update(stop - start)
     bar.close()
@@ -560,7 +671,7 @@ def finalize(out: Path, num_parts: int, record: dict, target_fp: dict, source_fp
     stats = [json.loads(part_paths(out, p)[1].read_text()) for p in range(num_parts)]
     files = [str(part_paths(out, p)[0]) for p, s in enumerate(stats) if s["rows_out"] > 0]
     if not files:
-        raise click.ClickException("regeneration produced no rows (see the counts in the part records: skipped, and "
+        raise ValueError("regeneration produced no rows (see the counts in the part records: skipped, and "
                                    "self_prompts for self-prompted questions)")
     for old in out.glob("data-*.arrow"):
         old.unlink()

@@ -14,15 +14,14 @@ from dflash.shared.cli_options import (CONTEXT_SETTINGS, build, looks_like_path,
                                        validated)
 
 from .data import DataError
-from .endpoint import EndpointConfig
+from .endpoint import EndpointConfig, EndpointDown
 from .regenerate import GenerationSettings, RegenConfig, regenerate
-from .regenerate_endpoint import EndpointJob
 from .self_prompts import SelfPromptSettings
 
 
 @dataclass(kw_only=True)
 class RegenerateOptions:
-    """Every flag of ``dflash-regenerate``; it becomes a ``RegenConfig`` (in process) or an ``EndpointJob``."""
+    """Every flag of ``dflash-regenerate``; it becomes a ``RegenConfig``."""
 
     data: str | None = None
     """Source chat dataset (anything extract reads); optional with --self-prompts."""
@@ -39,7 +38,7 @@ class RegenerateOptions:
     self_prompting: SelfPromptSettings = field(default_factory=SelfPromptSettings)
     batch_size: int = RegenConfig.batch_size
     """Prompts per generate() call (in process only)."""
-    concurrency: int = EndpointJob.concurrency
+    concurrency: int = RegenConfig.concurrency
     """Conversations in flight at once (--endpoint)."""
     request_timeout: float = EndpointConfig.request_timeout
     """Seconds for one request (--endpoint)."""
@@ -85,17 +84,17 @@ class RegenerateOptions:
         if self.retries < 0:
             raise ValueError(f"retries must be 0 or more, got {self.retries}")
 
-    def job(self) -> RegenConfig | EndpointJob:
-        """The engine's job: an ``EndpointJob`` with --endpoint, else a ``RegenConfig``."""
-        common = dict(data=self.data, out=self.out, split=self.split, generation=self.generation,
-                      part_size=self.part_size, limit=self.limit, on_bad_row=self.on_bad_row)
+    def job(self) -> RegenConfig:
+        """The job: through the server with --endpoint, else with the target in process."""
+        endpoint = None
         if self.endpoint is not None:
             endpoint = EndpointConfig(url=self.endpoint, api_key=self.api_key, request_timeout=self.request_timeout,
                                       retries=self.retries)
-            return EndpointJob(**common, model=self.model, endpoint=endpoint, extra_body=self.extra_body,
-                               concurrency=self.concurrency)
-        return RegenConfig(**common, model=self.model, batch_size=self.batch_size, device=self.device,
-                           static_cache=self.static_cache, self_prompting=self.self_prompting)
+        return RegenConfig(data=self.data, model=self.model, out=self.out, split=self.split,
+                           generation=self.generation, endpoint=endpoint, concurrency=self.concurrency,
+                           extra_body=self.extra_body, batch_size=self.batch_size, part_size=self.part_size,
+                           limit=self.limit, device=self.device, static_cache=self.static_cache,
+                           on_bad_row=self.on_bad_row, self_prompting=self.self_prompting)
 
 
 @click.command(context_settings=CONTEXT_SETTINGS)
@@ -109,12 +108,14 @@ def cli(**values):
         usable_device(opts.device)
     job = opts.job()
     try:
-        if isinstance(job, EndpointJob):
+        if job.endpoint is not None:
             from .regenerate_endpoint import regenerate_via_endpoint
 
             metadata = regenerate_via_endpoint(job, overwrite=opts.overwrite)
         else:
             metadata = regenerate(job, overwrite=opts.overwrite)
+    except EndpointDown as err:
+        raise click.ClickException(f"regeneration stopped: {err}") from err
     except (DataError, ValueError) as err:
         raise click.ClickException(str(err)) from err
     c = metadata["counts"]

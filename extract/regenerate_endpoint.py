@@ -19,7 +19,7 @@ turn; `--max-prompt-tokens` is checked against the server's `usage.prompt_tokens
 Resume is per turn: every answered turn is appended to `OUT/parts/part-NNNNN.turns.jsonl`
 as it arrives, so a rerun after a kill or a server crash replays that journal and asks
 only for the turns that were not answered yet. A part's journal is deleted once the
-part's rows and done record are written (the same part files as the in-process path).
+part's rows and done record are written (the same part files and journal as in process).
 A request the server rejects while staying up (4xx, or a 5xx that persists while
 `/models` answers) cuts that conversation at that turn (counted, `server_rejected`) or,
 with `--on-bad-row error`, stops the run; a server that stays down stops the run with
@@ -36,48 +36,17 @@ import shutil
 import threading
 from collections import Counter
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-import click
-
 from .data import DataError, SkipCounter, dataset_fingerprint, load_source
-from .endpoint import ChatEndpoint, EndpointConfig, EndpointDown, Reply, RequestRejected
-from .regenerate import (FORMAT_VERSION, PARTS_DIR, GenerationSettings, _Chat, _check_resume, collect_rows,
-                         finalize, part_chats, part_paths, regenerated_message, write_part)
+from .endpoint import ChatEndpoint, Reply, RequestRejected
+from .regenerate import (FORMAT_VERSION, PARTS_DIR, Chat, GenerationSettings, Part, RegenConfig,
+                         _check_resume, apply_event, finalize, finish_part, open_part, part_chats, part_paths,
+                         regenerated_message)
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class EndpointJob:
-    """One regeneration job through a server."""
-
-    data: str
-    """Source dataset spec (anything load_source reads)."""
-    out: str
-    """Output folder."""
-    endpoint: EndpointConfig
-    """The server."""
-    model: str | None = None
-    """Model name sent in requests; None = the one model the server lists."""
-    split: str = "train"
-    """Source split."""
-    generation: GenerationSettings = field(default_factory=GenerationSettings)
-    """How the target answers (its dtype is unused here)."""
-    extra_body: dict[str, Any] = field(default_factory=dict)
-    """Fields merged into every request."""
-    concurrency: int = 32
-    """Conversations in flight at once."""
-    part_size: int = 256
-    """Source rows per output part."""
-    limit: int | None = None
-    """Use the first N source rows."""
-    on_bad_row: str = "skip"
-    """Bad source rows and rejected requests: "skip" (counted) or "error"."""
-    progress: bool = True
-    """Show a tqdm bar over source rows."""
 
 
 # ---------------------------------------------------------------------------- requests
@@ -139,7 +108,7 @@ def reply_tool_calls(reply: Reply) -> list[dict] | None:
     return calls
 
 
-def turn_event(chat: _Chat, turn: int, reply: Reply, settings: GenerationSettings) -> dict[str, Any]:
+def turn_event(chat: Chat, turn: int, reply: Reply, settings: GenerationSettings) -> dict[str, Any]:
     """What an answer does to the conversation, as a journal line."""
     row = chat.conv.row_index
     if settings.max_prompt_tokens is not None and (reply.prompt_tokens or 0) > settings.max_prompt_tokens:
@@ -156,86 +125,18 @@ def turn_event(chat: _Chat, turn: int, reply: Reply, settings: GenerationSetting
             "server_tool_calls": bool(tool_calls)}
 
 
-def apply_event(chat: _Chat, event: dict, skips: SkipCounter) -> None:
-    if event["turn"] != chat.next_turn:
-        raise click.ClickException(f"turn journal of row {chat.conv.row_index} does not match the source "
-                                   f"(turn {event['turn']}, expected {chat.next_turn}); delete that part's "
-                                   "journal to redo it")
-    if "cut" in event:
-        chat.cut(event["turn"], event["cut"], skips)
-    else:
-        chat.answer(event["turn"], event["message"], event["truncated"], event["tokens"])
-
-
-# ---------------------------------------------------------------------------- the turn journal
-
-
-class TurnJournal:
-    """Append-only JSON lines of one part's answered turns: the unit of resume."""
-
-    def __init__(self, path: Path):
-        self.path = path
-        self._file = None
-
-    def read(self) -> list[dict]:
-        """Events written so far; a torn last line (killed mid-write) is dropped."""
-        if not self.path.exists():
-            return []
-        lines = self.path.read_text(encoding="utf-8").splitlines(keepends=True)
-        events = []
-        for number, line in enumerate(lines, 1):
-            try:
-                events.append(json.loads(line))
-            except json.JSONDecodeError as err:
-                if number < len(lines) or line.endswith("\n"):
-                    raise click.ClickException(f"{self.path} line {number} is not JSON ({err}); delete the "
-                                               "file to redo that part") from err
-                self.path.write_text("".join(lines[:-1]), encoding="utf-8")
-        return events
-
-    def append(self, event: dict) -> None:
-        if self._file is None:
-            self._file = self.path.open("a", encoding="utf-8")
-        self._file.write(json.dumps(event, ensure_ascii=False) + "\n")
-        self._file.flush()  # in the OS's hands: survives a kill of this process
-
-    def close(self) -> None:
-        if self._file is not None:
-            self._file.close()
-            self._file = None
-
-    def remove(self) -> None:
-        self.close()
-        self.path.unlink(missing_ok=True)
-
-
-def journal_path(out: Path, part: int) -> Path:
-    return out / PARTS_DIR / f"part-{part:05d}.turns.jsonl"
-
-
 # ---------------------------------------------------------------------------- the job
-
-
-@dataclass
-class _Part:
-    index: int
-    rows: int
-    chats: list[_Chat]
-    skips: SkipCounter
-    journal: TurnJournal
-    running: int = 0
-    models: Counter = field(default_factory=Counter)
 
 
 class _Runner:
     """Turns of many conversations in flight; the journal and the counts under one lock."""
 
-    def __init__(self, job: EndpointJob, client: ChatEndpoint, model: str):
+    def __init__(self, job: RegenConfig, client: ChatEndpoint, model: str):
         self.job, self.client, self.model = job, client, model
         self.lock = threading.Lock()
         self.turns = 0
 
-    def run_chat(self, part: _Part, chat: _Chat) -> None:
+    def run_chat(self, part: Part, chat: Chat) -> None:
         job = self.job
         while chat.next_turn is not None and not chat.dropped:
             if self.client.stop.is_set():
@@ -260,7 +161,7 @@ class _Runner:
                     self.turns += 1
 
 
-def _run_record(job: EndpointJob, model: str, source_fp: dict, num_rows: int) -> dict:
+def _run_record(job: RegenConfig, model: str, source_fp: dict, num_rows: int) -> dict:
     """Everything that decides the output rows; a resume must match it exactly (the URL
     may change: a restarted server can listen elsewhere)."""
     generation = {k: v for k, v in asdict(job.generation).items() if k != "dtype"}
@@ -285,30 +186,32 @@ def served_model(client: ChatEndpoint, requested: str | None) -> str:
     listed = client.models()
     if requested is None:
         if len(listed) != 1:
-            raise click.ClickException(f"{client.base}/models lists {listed or 'no model'}; choose one with --model")
+            raise ValueError(f"{client.base}/models lists {listed or 'no model'}; choose one with --model")
         return listed[0]
     if requested not in listed:
         try:
             client.chat({"model": requested, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1})
         except RequestRejected as err:
-            raise click.ClickException(f"{client.base} does not serve {requested!r} (it lists {listed}; a test "
+            raise ValueError(f"{client.base} does not serve {requested!r} (it lists {listed}; a test "
                                        f"request was answered with {err})") from err
     return requested
 
 
-def regenerate_via_endpoint(job: EndpointJob, *, overwrite: bool = False) -> dict[str, Any]:
+def regenerate_via_endpoint(job: RegenConfig, *, overwrite: bool = False) -> dict[str, Any]:
     """Run (or resume) the job; returns the metadata written to regenerate.json."""
     from tqdm.auto import tqdm
 
     job.generation.validate()
+    if job.endpoint is None:
+        raise ValueError("regeneration through a server needs its URL: give --endpoint")
     if job.part_size < 1 or job.concurrency < 1:
         raise ValueError("part_size and concurrency must be >= 1")
     out = Path(job.out)
     client = ChatEndpoint(job.endpoint)
     try:
         model = served_model(client, job.model)
-    except (EndpointDown, RequestRejected) as err:
-        raise click.ClickException(str(err)) from err
+    except RequestRejected as err:
+        raise ValueError(str(err)) from err
     if overwrite and out.exists():
         shutil.rmtree(out)
     (out / PARTS_DIR).mkdir(parents=True, exist_ok=True)
@@ -321,7 +224,7 @@ def regenerate_via_endpoint(job: EndpointJob, *, overwrite: bool = False) -> dic
     num_parts = math.ceil(num_rows / job.part_size)
     runner = _Runner(job, client, model)
     bar = tqdm(total=num_rows, desc="regenerate", unit="row", disable=not job.progress)
-    inflight: dict[Future, tuple[_Part, _Chat]] = {}
+    inflight: dict[Future, tuple[Part, Chat]] = {}
     pool = ThreadPoolExecutor(max_workers=job.concurrency, thread_name_prefix="regenerate")
 
     def settle(done) -> None:
@@ -331,7 +234,7 @@ def regenerate_via_endpoint(job: EndpointJob, *, overwrite: bool = False) -> dic
             part.running -= 1
             bar.update(1)
             if part.running == 0:
-                _finish_part(out, part)
+                finish_part(out, part, {"served_models": dict(part.models)})
         bar.set_postfix(turns=runner.turns, refresh=False)
 
     try:
@@ -340,7 +243,9 @@ def regenerate_via_endpoint(job: EndpointJob, *, overwrite: bool = False) -> dic
             if part_paths(out, index)[1].exists():
                 bar.update(stop - start)
                 continue
-            part = _open_part(job, ds, index, start, stop, journal_path(out, index))
+            skips = SkipCounter()
+            part = open_part(out, index, stop - start, part_chats(ds, start, stop, job.data, job.on_bad_row, skips),
+                             skips)
             waiting = [c for c in part.chats if c.next_turn is not None and not c.dropped]
             bar.update(stop - start - len(waiting))
             part.running = len(waiting) + 1  # +1 until every chat is submitted
@@ -350,15 +255,13 @@ def regenerate_via_endpoint(job: EndpointJob, *, overwrite: bool = False) -> dic
                 inflight[pool.submit(runner.run_chat, part, chat)] = (part, chat)
             part.running -= 1
             if part.running == 0:
-                _finish_part(out, part)
+                finish_part(out, part, {"served_models": dict(part.models)})
         while inflight:
             settle(wait(inflight, return_when=FIRST_COMPLETED).done)
     except BaseException as err:
         client.stop.set()  # no new turn starts; answers of requests in flight are still journaled
         pool.shutdown(wait=not isinstance(err, KeyboardInterrupt), cancel_futures=True)
         bar.close()
-        if isinstance(err, EndpointDown):
-            raise click.ClickException(f"regeneration stopped: {err}") from err
         raise
     pool.shutdown()
     bar.close()
@@ -370,27 +273,3 @@ def regenerate_via_endpoint(job: EndpointJob, *, overwrite: bool = False) -> dic
                     extra={"endpoint": {"url": client.base, "concurrency": job.concurrency,
                                         "request_timeout": job.endpoint.request_timeout,
                                         "retries": job.endpoint.retries}})
-
-
-def _open_part(job: EndpointJob, ds, index: int, start: int, stop: int, path: Path) -> _Part:
-    """Normalise a part's rows and replay its journal: the chats as far as they got."""
-    skips = SkipCounter()
-    chats = [_Chat.start(conv, skips) for conv in part_chats(ds, start, stop, job.data, job.on_bad_row, skips)]
-    part = _Part(index, stop - start, chats, skips, TurnJournal(path))
-    by_row = {chat.conv.row_index: chat for chat in chats}
-    for event in part.journal.read():
-        chat = by_row.get(event.get("row"))
-        if chat is None:
-            raise click.ClickException(f"{path}: row {event.get('row')} is not a conversation of this part; "
-                                       "delete the file to redo the part")
-        apply_event(chat, event, skips)
-        if "model" in event:
-            part.models[event["model"]] += 1
-    return part
-
-
-def _finish_part(out: Path, part: _Part) -> None:
-    rows, totals = collect_rows(part.chats, part.skips)
-    write_part(out, part.index, rows, {"part": part.index, "rows_in": part.rows, "rows_out": len(rows), **totals,
-                                       "skipped": part.skips.to_dict(), "served_models": dict(part.models)})
-    part.journal.remove()

@@ -120,7 +120,7 @@ def test_reasoning_is_read_from_either_field(field):
 
 def _chat(messages):
     conv = Conversation(kind="chat", messages=messages, source="s.jsonl", row_index=4)
-    return regen._Chat.start(conv, regen.SkipCounter())
+    return regen.Chat.start(conv, regen.SkipCounter())
 
 
 def test_answer_becomes_the_message_reasoning_and_tool_calls_kept():
@@ -179,9 +179,7 @@ def test_request_body_carries_tools_kwargs_and_a_per_turn_seed():
 
 
 def test_journal_drops_a_torn_last_line_and_refuses_a_broken_one(tmp_path):
-    import click
-
-    journal = rep.TurnJournal(tmp_path / "j.jsonl")
+    journal = regen.TurnJournal(tmp_path / "j.jsonl")
     journal.append({"row": 0, "turn": 1})
     journal.close()
     with journal.path.open("a") as f:
@@ -189,7 +187,7 @@ def test_journal_drops_a_torn_last_line_and_refuses_a_broken_one(tmp_path):
     assert journal.read() == [{"row": 0, "turn": 1}]
     assert journal.path.read_text() == '{"row": 0, "turn": 1}\n'
     journal.path.write_text('{"row": 0, "tu\n{"row": 1, "turn": 1}\n')
-    with pytest.raises(click.ClickException, match="line 1 is not JSON"):
+    with pytest.raises(ValueError, match="line 1 is not JSON"):
         journal.read()
 
 
@@ -202,8 +200,8 @@ def test_leading_assistant_messages_are_removed_not_asked(scripted, tmp_path):
              {"role": "assistant", "content": "a"}],
             [{"role": "assistant", "content": "only me"}]]
     data.write_text("".join(json.dumps({"messages": m}) + "\n" for m in rows))
-    job = rep.EndpointJob(data=str(data), out=str(tmp_path / "out"), endpoint=EndpointConfig(url=server.url),
-                          progress=False)
+    job = regen.RegenConfig(data=str(data), model=None, out=str(tmp_path / "out"),
+                            endpoint=EndpointConfig(url=server.url), progress=False)
     meta = rep.regenerate_via_endpoint(job)
     assert [body["messages"] for _, body in server.posts()] == [[{"role": "user", "content": "q"}]]
     assert meta["counts"]["skipped"] == {"leading_assistant_removed": 2, "no_assistant_turn": 1}

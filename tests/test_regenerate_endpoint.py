@@ -9,14 +9,13 @@ from __future__ import annotations
 import json
 import re
 
-import click
 import pytest
 import serve_helpers as S
 
 from dflash.extract import regenerate as regen
 from dflash.extract import regenerate_cli as regen_cli
 from dflash.extract import regenerate_endpoint as rep
-from dflash.extract.endpoint import EndpointConfig
+from dflash.extract.endpoint import EndpointConfig, EndpointDown
 
 LIMIT = 5
 MAX_NEW = 6
@@ -40,10 +39,10 @@ def proxy(server):
 
 def _job(url, data, out, *, concurrency=3, part_size=2, retries=2, **generation):
     settings = regen.GenerationSettings(max_new_tokens=MAX_NEW, **generation)
-    return rep.EndpointJob(data=str(data), out=str(out), endpoint=EndpointConfig(url=url, retries=retries,
-                                                                                 retry_wait=0.05),
-                           generation=settings, concurrency=concurrency, part_size=part_size, limit=LIMIT,
-                           progress=False)
+    return regen.RegenConfig(data=str(data), model=None, out=str(out),
+                             endpoint=EndpointConfig(url=url, retries=retries, retry_wait=0.05),
+                             generation=settings, concurrency=concurrency, part_size=part_size, limit=LIMIT,
+                             progress=False)
 
 
 def _rows(out):
@@ -113,11 +112,11 @@ def test_killed_server_stops_the_run_and_the_rerun_asks_only_for_missing_turns(s
     proxy.reset()
     proxy.kill_at = 4  # the 4th request kills the server: 3 turns at most get answered
     try:
-        with pytest.raises(click.ClickException) as failure:
+        with pytest.raises(EndpointDown) as failure:
             rep.regenerate_via_endpoint(job)
     finally:
         server.start()
-    message = failure.value.message
+    message = str(failure.value)
     assert proxy.url in message and "chat/completions failed" in message and "running?" in message
     answered = proxy.answered
     assert 0 < answered < total

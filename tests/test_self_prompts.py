@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 
-import click
 import pytest
 import torch
 from click.testing import CliRunner
@@ -207,7 +206,7 @@ def test_interrupted_sampled_run_resumes_to_the_same_dataset(sampled_run, tmp_pa
     assert regen.regenerate(cfg, model=ending_target, tokenizer=tokenizer, max_parts=1) is None
     meta = regen.regenerate(cfg, model=ending_target, tokenizer=tokenizer)
     assert _rows(tmp_path / "resumed") == _rows(sampled_run[0]) and meta["counts"] == sampled_run[1]["counts"]
-    with pytest.raises(click.ClickException, match="self_prompts"):  # other question settings: refused on resume
+    with pytest.raises(ValueError, match="self_prompts"):  # other question settings: refused on resume
         regen.regenerate(_config(tmp_path / "resumed", tiny_target_dir, 8, question_top_p=0.5),
                          model=ending_target, tokenizer=tokenizer)
 
