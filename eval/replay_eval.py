@@ -33,7 +33,7 @@ from dflash.train.model import DFlashDrafter, TargetHead
 from dflash.train.replay import anchor_taus, walk
 
 from .offline import block_predictor
-from .speculative import _device_of, _histogram, _sync, check_compatible, evaluate, mismatch_message
+from .speculative import check_compatible, device_of, evaluate, mismatch_message, sync_device, tau_histogram
 
 log = logging.getLogger(__name__)
 
@@ -67,7 +67,7 @@ def greedy_continuations(target, prompts: Sequence[Sequence[int]], max_new_token
                                    stops[0] if stops else 0)
     if not stops:  # no stop token: decode max_new_tokens (generate() refuses an empty eos list)
         gen_kwargs["eos_token_id"] = None
-    use_static = static if static is not None else _device_of(target).type == "cuda"
+    use_static = static if static is not None else device_of(target).type == "cuda"
     decoder = (StaticDecoder(target, batch_size, max_new_tokens, max(len(p) for p in prompts))
                if use_static and prompts else None)
     order = sorted(range(len(prompts)), key=lambda i: -len(prompts[i]))  # similar lengths share a batch
@@ -164,7 +164,7 @@ def summarize(records: Sequence[dict[str, Any]], block_size: int) -> dict[str, A
     drafted = sum(taus)
     return {"prompts": len(records), "new_tokens": sum(len(r["tokens"]) for r in records), "drafted_tokens": drafted,
             "blocks": len(taus), "tau": drafted / len(taus) if taus else math.nan,
-            "tau_histogram": _histogram(taus, block_size),
+            "tau_histogram": tau_histogram(taus, block_size),
             "truncated": sum(r["truncated"] for r in records),
             "disagreements": sum(r["disagreements"] for r in records)}
 
@@ -185,13 +185,13 @@ def replay_benchmark(target, drafter: DFlashDrafter, prompts: Sequence[Sequence[
 
     config = drafter.config
     check_compatible(config, target)
-    device, stops = _device_of(target), frozenset(int(t) for t in eos_token_ids)
+    device, stops = device_of(target), frozenset(int(t) for t in eos_token_ids)
     drafter = drafter.eval()
     predict = block_predictor(drafter, target_head(target), config.mask_token_id)
     seconds = {"generate": 0.0, "forward": 0.0, "drafter": 0.0}
 
     def clock(key, start):
-        _sync(device)
+        sync_device(device)
         seconds[key] += time.perf_counter() - start
 
     start = time.perf_counter()

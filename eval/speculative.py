@@ -314,11 +314,11 @@ def _forward(target, input_ids: torch.Tensor, cache=None, **kwargs):
     return out, new_cache
 
 
-def _device_of(model) -> torch.device:
+def device_of(model) -> torch.device:
     return next(model.parameters()).device
 
 
-def _sync(device: torch.device) -> None:
+def sync_device(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
@@ -337,7 +337,7 @@ class EagerTarget:
     (transformers' dynamic cache, eager: the reference path), and ``crop`` to drop rejected drafts."""
 
     def __init__(self, target):
-        self.target, self.device = target, _device_of(target)
+        self.target, self.device = target, device_of(target)
         self.cache = None
 
     def reset(self) -> None:
@@ -421,10 +421,10 @@ def greedy_generate(target, prompt_ids: Sequence[int], max_new_tokens: int,
     target's forwards, default ``EagerTarget``)."""
     if max_new_tokens < 1:
         raise ValueError("max_new_tokens must be >= 1")
-    device, eos = _device_of(target), frozenset(int(t) for t in eos_token_ids)
+    device, eos = device_of(target), frozenset(int(t) for t in eos_token_ids)
     session = session or EagerTarget(target)
     session.reset()
-    _sync(device)
+    sync_device(device)
     start = time.perf_counter()
     logits, _ = session.forward(prompt_ids, last_only=True)
     tokens, margins, forwards = [], [], 1
@@ -437,7 +437,7 @@ def greedy_generate(target, prompt_ids: Sequence[int], max_new_tokens: int,
             break
         logits, _ = session.forward([token], last_only=True)
         forwards += 1
-    _sync(device)
+    sync_device(device)
     return Generation(tokens, forwards, time.perf_counter() - start, margins=margins)
 
 
@@ -447,12 +447,12 @@ def speculative_generate(target, proposer: Proposer, prompt_ids: Sequence[int], 
     """DFlash speculative decoding at temperature 0 (see the module docstring)."""
     if max_new_tokens < 1:
         raise ValueError("max_new_tokens must be >= 1")
-    device, eos = _device_of(target), frozenset(int(t) for t in eos_token_ids)
+    device, eos = device_of(target), frozenset(int(t) for t in eos_token_ids)
     session = session or EagerTarget(target)
     session.reset()
     sequence = [int(t) for t in prompt_ids]  # prompt, then every emitted token
     n_prompt, B, layer_ids = len(sequence), proposer.block_size, list(proposer.target_layer_ids)
-    _sync(device)
+    sync_device(device)
     start = time.perf_counter()
     logits, prefill_states = session.forward(sequence, layer_ids, last_only=True)  # states (P, n * D)
     forwards = 1
@@ -488,7 +488,7 @@ def speculative_generate(target, proposer: Proposer, prompt_ids: Sequence[int], 
                 done = True
                 break
         taus.append(emitted)
-    _sync(device)
+    sync_device(device)
     return Generation(sequence[n_prompt:], forwards, time.perf_counter() - start, block_taus=taus)
 
 
@@ -518,7 +518,7 @@ def check_lossless(spec: Sequence[int], greedy: Sequence[int], margins: Sequence
         raise LosslessError(message)
 
 
-def _histogram(taus: Iterable[int], block_size: int) -> list[int]:
+def tau_histogram(taus: Iterable[int], block_size: int) -> list[int]:
     counts = [0] * block_size  # counts[k - 1]: blocks that accepted k tokens
     for tau in taus:
         counts[tau - 1] += 1
@@ -531,7 +531,7 @@ def _summary(new_tokens: int, taus: list[int], spec_fw: int, greedy_fw: int, spe
         "new_tokens": new_tokens,
         "blocks": len(taus),
         "tau": sum(taus) / len(taus) if taus else math.nan,
-        "tau_histogram": _histogram(taus, block_size),
+        "tau_histogram": tau_histogram(taus, block_size),
         "target_forwards": spec_fw,
         "greedy_target_forwards": greedy_fw,
         "tokens_per_target_forward": new_tokens / spec_fw,
@@ -563,7 +563,7 @@ def evaluate(target, drafter: DFlashDrafter | Proposer, prompts: Sequence[Sequen
     CUDA graphs) and, on CUDA, the drafter's block forward is compiled (inductor), so launch
     overhead does not decide the speedup.
     """
-    backend = "inductor" if capture and _device_of(target).type == "cuda" else None
+    backend = "inductor" if capture and device_of(target).type == "cuda" else None
     proposer = (DFlashProposer(drafter, target, compile_backend=backend) if isinstance(drafter, DFlashDrafter)
                 else drafter)
     eos = sorted({int(t) for t in eos_token_ids})
@@ -571,7 +571,7 @@ def evaluate(target, drafter: DFlashDrafter | Proposer, prompts: Sequence[Sequen
     session = None
     if capture and prompts:
         max_length = max(len(p) for p in prompts) + max_new_tokens + 2 * B
-        session = StaticTarget(target, max_length, capture=_device_of(target).type == "cuda")
+        session = StaticTarget(target, max_length, capture=device_of(target).type == "cuda")
     if warmup and prompts:  # first calls pay for allocator growth, kernels, lazy init, graph capture
         for _ in range(2 if session is not None else 1):
             greedy_generate(target, prompts[0], min(4, max_new_tokens), eos, session)
@@ -603,7 +603,7 @@ def evaluate(target, drafter: DFlashDrafter | Proposer, prompts: Sequence[Sequen
     if per_prompt:
         overall.update(_summary(totals["new"], all_taus, totals["spec_fw"], totals["greedy_fw"],
                                 totals["spec_s"], totals["greedy_s"], B))
-    device = _device_of(target)
+    device = device_of(target)
     settings = {"block_size": B, "max_new_tokens": max_new_tokens, "eos_token_ids": eos, "capture": capture,
                 "target_layer_ids": list(proposer.target_layer_ids), "device": str(device),
                 "dtype": str(next(target.parameters()).dtype).removeprefix("torch.")}
