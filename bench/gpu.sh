@@ -3,35 +3,24 @@
 #   bash bench/gpu.sh NAME [ARGS...]
 # ARGS, when given, replace the default arguments listed here. Carry .whl (wheels of the
 # packages the GPU image lacks: zarr, numcodecs, donfig, crc32c, ...). Logs go to $OUT.
-#   codecs          bench/codecs.py                                   lossless codecs on real hidden states
-#   topk-head       bench/topk_head.py --compiled                     the LM head's top-k, each way of taking it
-#   sync-check      bench/sync_check.py                               where an extraction batch syncs with the GPU
-#   extract         bench/extract_bench.py --samples 400 --length 2048 --batch-tokens 8192 --repeat 3
+#   extract         bench/extract_bench.py --samples 400 --length 2048 --batch-tokens 8192 --references runner --repeat 3
+#   extract-fixed   bench/extract_write_paths.sh fixed                the CLI end to end, 256 x 2048, its phases (RUNS with labels before/after/pyc, BEFORE_NS)
 #   train-step      bench/train_bench.py --ctx 3072 --attention flex,dense --steps 6
 #   train-memory    bench/train_bench.py --ctx 2048,4096,8192,16384 --attention flex --steps 2
 #   loader          bench/train_loop.py --out /tmp/tl --samples 20 --loader-workers 1,2,4,8 --loader-only 0.161
-#   compiled-path   bench/train_loop.py (300 variable-length steps, D 1024) --guards
 #   cuda-tests      python -m pytest -q -m cuda tests                 the tests that need a GPU
-#   start-profile   bench/extract_start_profile.py --head             dflash-extract's start, step by step (small target)
-#   extract-fixed   bench/extract_write_paths.sh fixed                the CLI end to end, 256 x 2048, its phases (RUNS with labels before/after/pyc, BEFORE_NS)
-# (time to the first training step has its own wrapper: bench/train_start_gpu.sh)
+# (time to the first training step has its own wrapper: bench/train_start_gpu.sh; the real-target demo
+# bench/demo_real_gpu.sh)
 set -u
 name=${1:-}
 shift $(( $# > 0 ? 1 : 0 ))
 case "$name" in
-  codecs)        script=codecs.py;        defaults=() ;;
-  topk-head)     script=topk_head.py;     defaults=(--compiled) ;;
-  sync-check)    script=sync_check.py;    defaults=() ;;
-  extract)       script=extract_bench.py; defaults=(--samples 400 --length 2048 --batch-tokens 8192 --repeat 3) ;;
+  extract)       script=extract_bench.py; defaults=(--samples 400 --length 2048 --batch-tokens 8192 --references runner --repeat 3) ;;
+  extract-fixed) script=extract_write_paths.sh; defaults=(fixed) ;;
   train-step)    script=train_bench.py;   defaults=(--ctx 3072 --attention flex,dense --steps 6) ;;
   train-memory)  script=train_bench.py;   defaults=(--ctx 2048,4096,8192,16384 --attention flex --steps 2) ;;
   loader)        script=train_loop.py;    defaults=(--out /tmp/tl --samples 20 --loader-workers 1,2,4,8 --loader-only 0.161) ;;
-  compiled-path) script=train_loop.py;    defaults=(--out /tmp/tlv --hidden 1024 --intermediate 3072 --heads 8 --kv-heads 4
-                                                    --vocab 32000 --min-ctx 200 --ctx 3072 --buckets 1024,2048,3072
-                                                    --anchors 256 --steps 300 --samples 256 --guards) ;;
   cuda-tests)    script=;                 defaults=() ;;
-  start-profile) script=extract_start_profile.py; defaults=(--model /tmp/xs/target --data /tmp/xs/rows.jsonl --head) ;;
-  extract-fixed) script=extract_write_paths.sh; defaults=(fixed) ;;
   *) echo "usage: bash bench/gpu.sh NAME [ARGS...]; NAME is one of those listed at the top of bench/gpu.sh" >&2; exit 2 ;;
 esac
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
@@ -43,10 +32,6 @@ OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
   [ "$name" = extract-fixed ] || python3 bench/matmul_peak.py; } > "$OUT/machine.txt" 2>&1
 cat "$OUT/machine.txt"
 if [ $# -eq 0 ]; then set -- "${defaults[@]}"; fi
-if [ "$name" = start-profile ]; then  # a small target of the 8B's vocabulary and 256 rows of 2048 tokens
-  python3 bench/extract_bench.py --samples 256 --length 2048 --build-only --device cpu --work /tmp/xs --layers 4 \
-      --hidden 128 --intermediate 256 2>&1 | tail -1
-fi
 if [ -z "$script" ]; then
   timeout 570 python3 -m pytest -q -m cuda tests "$@" 2>&1 | tail -15 | tee "$OUT/$name.log"
 elif [ "${script%.sh}" != "$script" ]; then

