@@ -1,14 +1,10 @@
-"""Where the demo's decoding time goes: greedy against speculative decoding with the
-drafter's context recomputed every block and kept incrementally, interleaved prompt by
-prompt in one process (the machine is shared: compare ratios, not milliseconds), on the
-held-out turns a finished demo folder evaluates. For the kept context it also splits a
-block's time into the prefill's share, the verify forward, the proposal and the rest of
-the loop, each in greedy steps (greedy's time per token, its prefill included).
-``--clock cpu`` times this process's CPU time instead of the wall clock: on a machine
-shared with other work it leaves out the time spent waiting for a core (with several
-threads it adds theirs up, spinning included).
+"""Where the demo's decoding time goes: greedy against speculative decoding, interleaved prompt
+by prompt in one process (compare ratios, not milliseconds), on the held-out turns of a finished
+demo folder, every output checked equal to greedy's; a block's time split into the prefill's
+share, the verify, the proposal and the rest of the loop, in greedy steps. ``--clock cpu`` times
+this process's CPU time (leaves out waiting for a core on a shared machine).
 
-    python bench/demo_decode.py --out demo_out [--rounds 3] [--threads 1] [--no-recomputed] [--clock cpu]
+    python bench/demo_decode.py --out demo_out [--rounds 3] [--threads 1] [--clock cpu]
 """
 
 from __future__ import annotations
@@ -44,11 +40,9 @@ def heldout_prompts(out: Path) -> list[list[int]]:
 @click.option("--rounds", default=3, show_default=True, help="Passes over all prompts; medians are reported.")
 @click.option("--threads", default=1, show_default=True, help="torch intra-op threads.")
 @click.option("--max-new-tokens", default=96, show_default=True)
-@click.option("--recomputed/--no-recomputed", default=True, show_default=True,
-              help="Also decode with the drafter's context recomputed every block.")
 @click.option("--clock", type=click.Choice(["wall", "cpu"]), default="wall", show_default=True,
               help="wall: time.perf_counter; cpu: time.process_time (this process's CPU time).")
-def main(out: str, rounds: int, threads: int, max_new_tokens: int, recomputed: bool, clock: str) -> None:
+def main(out: str, rounds: int, threads: int, max_new_tokens: int, clock: str) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from dflash.eval import speculative
@@ -62,46 +56,37 @@ def main(out: str, rounds: int, threads: int, max_new_tokens: int, recomputed: b
     target = AutoModelForCausalLM.from_pretrained(out / "target", dtype=torch.float32).eval()
     eos = [AutoTokenizer.from_pretrained(out / "target").convert_tokens_to_ids(IM_END)]
     drafter, _ = load_drafter(out / "export", dtype=torch.float32)
-    proposers = {"recomputed": DFlashProposer(drafter, target, incremental=False)} if recomputed else {}
     now = time.perf_counter if clock == "wall" else time.process_time
-    proposers["incremental"] = parts = TimedParts(DFlashProposer(drafter, target), speculative, now)
+    parts = TimedParts(DFlashProposer(drafter, target), speculative, now)
     greedy_generate(target, prompts[0], 4, eos)  # warm-up
-    for proposer in proposers.values():
-        speculative_generate(target, proposer, prompts[0], 16, eos)
-    ratios: dict[str, list[float]] = {name: [] for name in proposers}
-    per_block: dict[str, list[float]] = {name: [] for name in proposers}
-    per_token: list[float] = []
-    shares: list[dict[str, float]] = []
+    speculative_generate(target, parts, prompts[0], 16, eos)
+    ratios, per_block, per_token, shares = [], [], [], []
     for _ in range(rounds):
         parts.clear()
-        seconds = dict.fromkeys(["greedy", *proposers], 0.0)
-        tokens, blocks = 0, dict.fromkeys(proposers, 0)
+        greedy_s = spec_s = 0.0
+        tokens = blocks = 0
         for prompt in prompts:
             start = now()
             greedy = greedy_generate(target, prompt, max_new_tokens, eos)
-            seconds["greedy"] += now() - start
+            greedy_s += now() - start
             tokens += len(greedy.tokens)
-            for name, proposer in proposers.items():
-                start = now()
-                with parts.timing() if proposer is parts else contextlib.nullcontext():
-                    spec = speculative_generate(target, proposer, prompt, max_new_tokens, eos)
-                seconds[name] += now() - start
-                check_lossless(spec.tokens, greedy.tokens, greedy.margins)
-                blocks[name] += len(spec.block_taus)
-        per_token.append(seconds["greedy"] / tokens * 1e3)
-        step, n_blocks = seconds["greedy"] / tokens, blocks["incremental"]
-        shares.append({name: t / n_blocks / step for name, t in parts.seconds(seconds["incremental"]).items()})
-        for name in proposers:
-            ratios[name].append(seconds["greedy"] / seconds[name])
-            per_block[name].append(seconds[name] / blocks[name] * 1e3)
-    tau = (tokens - len(prompts)) / blocks["incremental"]
+            start = now()
+            with parts.timing():
+                spec = speculative_generate(target, parts, prompt, max_new_tokens, eos)
+            spec_s += now() - start
+            check_lossless(spec.tokens, greedy.tokens, greedy.margins)
+            blocks += len(spec.block_taus)
+        per_token.append(greedy_s / tokens * 1e3)
+        step = greedy_s / tokens
+        shares.append({name: t / blocks / step for name, t in parts.seconds(spec_s).items()})
+        ratios.append(greedy_s / spec_s)
+        per_block.append(spec_s / blocks * 1e3)
+    tau = (tokens - len(prompts)) / blocks
     print(f"{out}: {len(prompts)} prompts, {tokens} tokens, tau {tau:.3f}, {threads} thread(s), {rounds} rounds, "
-          f"{clock} clock; "
-          f"greedy {statistics.median(per_token):.2f} ms/token")
-    for name in proposers:
-        print(f"  {name:12s} {statistics.median(per_block[name]):.2f} ms/block, speedup vs greedy "
-              f"{statistics.median(ratios[name]):.2f}x (rounds: {', '.join(f'{r:.2f}' for r in ratios[name])})")
-    print("  kept-context block in greedy steps, median (rounds): " + "; ".join(
+          f"{clock} clock; greedy {statistics.median(per_token):.2f} ms/token")
+    print(f"  speculative {statistics.median(per_block):.2f} ms/block, speedup vs greedy "
+          f"{statistics.median(ratios):.2f}x (rounds: {', '.join(f'{r:.2f}' for r in ratios)})")
+    print("  block in greedy steps, median (rounds): " + "; ".join(
         f"{part} {statistics.median(s[part] for s in shares):.2f} ({', '.join(f'{s[part]:.2f}' for s in shares)})"
         for part in shares[0]))
 

@@ -1,18 +1,14 @@
 #!/usr/bin/env bash
-# `make demo-real` on the lent GPU machine, whose image lacks zarr, gguf and the PyPI data packages:
-# the chats and benchmark prompts are prepared on a CPU machine first and carried, the GGUF arrives in
-# two halves (it is above what one call carries), the wheels in .whl/.
+# `make demo-real` on the lent GPU machine, whose image lacks zarr, gguf and the PyPI data packages.
 #   here:     python -m dflash.eval.demo_real prepare --out .real/out [--set conversations=N]
 #             (cd .real/out && tar czf ../data.tgz data data.demo.json)
-#             split -n 2 GGUF part_ && mv part_aa .carry1/ && mv part_ab .carry2/   (both folders git-ignored)
+#             split -n 2 GGUF part_ && mv part_aa .carry1/ && mv part_ab .carry2/   (both git-ignored: one call carries less)
 #   call 1 (carry .carry1 .whl):  mkdir -p /tmp/carry && cp .carry1/part_aa /tmp/carry/ &&
 #       python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl
 #   call 2 (carry .carry2 .real): bash bench/demo_real_gpu.sh [--set KEY=VALUE ...]
-# Results (summary, eval, table, curves, metrics, logs) go to RESULTS (default $OUT). With
-# REGEN_BENCH=ROWS, bench/regen_speed.py first times regeneration on the converted target
-# (plain path on 256 of those rows, static path on all of them). A run longer than one call
-# starts this script with setsid in the background and RESULTS=/tmp/results, and later calls
-# wait for RESULTS/done and copy RESULTS to $OUT.
+# Results go to RESULTS (default $OUT). REGEN_BENCH=ROWS first times regeneration (bench/regen_speed.py) on
+# the converted target. A run longer than one call: setsid in the background with RESULTS=/tmp/results; later
+# calls wait for RESULTS/done and copy RESULTS to $OUT.
 set -euo pipefail
 RESULTS=${RESULTS:-${OUT:-/tmp/out}}
 mkdir -p "$RESULTS"

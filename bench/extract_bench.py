@@ -1,22 +1,15 @@
 """Extraction throughput against the forward pass alone, same batches, same run.
 
-Builds a Qwen3-8B-shaped target with random weights (bf16), saves it with
-save_pretrained, writes `--samples` text rows that tokenise to at least
-`--length` tokens (truncated to exactly that), then on one GPU:
+Builds a Qwen3-8B-shaped target with random weights (bf16) and `--samples` text rows of
+exactly `--length` tokens, then on one GPU: (1) the planned batches through ``TargetRunner``
+(forward + capture + top-k: the reference of every ratio) and HF's causal-LM forward,
+nothing copied or written; (2) ``run_shard``, the real worker, from the first batch to the
+last commit. Reports tokens/s, the ratios, bytes on disk per token against raw bf16 of the
+hidden states and the CPU cores kept busy. ``--codecs`` runs the worker once per hidden codec
+(interleaved, ``--repeat`` times), then each codec's medians and its rate against bf16's.
 
-1. forward-only: the planned batches through the backbone alone (no capture), then
-   through ``TargetRunner`` (hooks + top-k), then HF's causal-LM forward (every logit),
-   synchronised, nothing copied or written;
-2. extraction: ``run_shard`` (the real worker: D2H into pinned buffers, writer thread,
-   zarr compression and writes, commits), timed from the first batch to the last commit.
-
-Reports tokens/s of each, the ratio, bytes on disk per token against raw bf16 of the
-hidden states, and the CPU cores the extraction process kept busy. ``--codecs`` runs the
-worker once per hidden codec (interleaved, ``--repeat`` times) and ends with each codec's
-medians and its throughput against the lossless path's in the same run.
-
-    python bench/extract_bench.py --samples 256 --length 2048 --work /tmp/xb
-    python bench/extract_bench.py --samples 400 --length 2048 --variants 1 --repeat 2 --codecs bf16,fp8,int8,int4
+    python bench/extract_bench.py --samples 400 --length 2048 --batch-tokens 8192 --references runner --repeat 3
+    python bench/extract_bench.py --samples 100 --length 2048 --repeat 2 --codecs bf16,fp8,int8,int4 --references runner
 """
 
 from __future__ import annotations
@@ -74,21 +67,13 @@ def codec_summary(results: list[dict]) -> dict:
     for r in results:
         by.setdefault(r["worker_settings"], []).append(r)
     med = lambda rows, key: statistics.median(r[key] for r in rows)  # noqa: E731
+    keys = ("extract_tok_s", "extract_vs_forward_capture_topk", "steady_vs_forward_capture_topk",
+            "hidden_bytes_per_token", "hidden_vs_raw_bf16", "bytes_per_token_total", "cpu_cores_busy")
     base = by.get("bf16")
-    out = {}
-    for name, rows in by.items():
-        out[name] = {
-            "runs": len(rows), "extract_tok_s": [r["extract_tok_s"] for r in rows],
-            "median_extract_tok_s": med(rows, "extract_tok_s"),
-            "median_extract_vs_forward_capture_topk": med(rows, "extract_vs_forward_capture_topk"),
-            "median_steady_vs_forward_capture_topk": med(rows, "steady_vs_forward_capture_topk"),
-            "median_vs_bf16": round(med(rows, "extract_tok_s") / med(base, "extract_tok_s"), 3) if base else None,
-            "hidden_bytes_per_token": med(rows, "hidden_bytes_per_token"),
-            "hidden_vs_raw_bf16": med(rows, "hidden_vs_raw_bf16"),
-            "total_bytes_per_token": med(rows, "bytes_per_token_total"),
-            "cpu_cores_busy": med(rows, "cpu_cores_busy"),
-        }
-    return out
+    return {name: {"runs": len(rows), "extract_tok_s": [r["extract_tok_s"] for r in rows],
+                   **{f"median_{k}": med(rows, k) for k in keys},
+                   "median_vs_bf16": round(med(rows, "extract_tok_s") / med(base, "extract_tok_s"), 3) if base else None}
+            for name, rows in by.items()}
 
 
 def main():
@@ -103,14 +88,9 @@ def main():
     p.add_argument("--batch-tokens", type=int, default=8192)
     p.add_argument("--work", default="/tmp/xbench")
     p.add_argument("--device", default="cuda", help="cuda, or cpu for a dry run of the script")
-    p.add_argument("--variants", type=int, default=2, help="worker settings to run (1: ours only)")
-    p.add_argument("--settings", default="", help='JSON list of ExtractConfig overrides to run, e.g. '
-                   '\'[{"commit_seconds": 30}, {"commit_seconds": 0}]\'')
-    p.add_argument("--references", default="backbone,runner,hf",
+    p.add_argument("--references", default="runner,hf",
                    help="forward-only references to time (runner, the denominator of every ratio, is always timed)")
     p.add_argument("--repeat", type=int, default=1, help="runs of each worker variant (the machine is shared: medians)")
-    p.add_argument("--workers-per-gpu", default="", help="e.g. 2: also run dflash-extract's runner with that many workers on the GPU")
-    p.add_argument("--cache-dir", default=None, help="where the cache goes (default --work); /dev/shm takes the disk out")
     p.add_argument("--build-only", action="store_true", help="only write the target and the rows (for a dflash-extract run)")
     p.add_argument("--codecs", default="", help="e.g. bf16,fp8,int8,int4: one worker variant per hidden codec")
     p.add_argument("--hidden-group-size", type=int, default=128, help="group size of the int codecs")
@@ -132,7 +112,7 @@ def main():
     from dflash.extract.target import TargetRunner, head_backend_for, load_target
     from dflash.extract.worker import WorkerTask, run_shard
 
-    out = Path(args.cache_dir or work) / "cache.zarr"
+    out = work / "cache.zarr"
     shutil.rmtree(out, ignore_errors=True)
     cuda = args.device == "cuda"
     sync = torch.cuda.synchronize if cuda else (lambda: None)
@@ -172,28 +152,21 @@ def main():
         return (time.perf_counter() - t) / reps
 
     with torch.inference_mode():
-        backbone = runner.backbone
         refs = args.references.split(",")
-        t_backbone = timed(lambda bt: backbone(input_ids=bt[0].to(args.device), attention_mask=bt[1].to(args.device),
-                                               use_cache=False)) if "backbone" in refs else float("nan")
         t_runner = timed(lambda bt: runner.forward(*bt))
         # HF's own causal-LM forward: every position's logits over the vocabulary (the hooks stay idle)
         t_hf = timed(lambda bt: model(input_ids=bt[0].to(args.device), attention_mask=bt[1].to(args.device),
                                       use_cache=False).logits) if "hf" in refs else float("nan")
     runner.close()
-    del model, runner, backbone
+    del model, runner
     if cuda:
         torch.cuda.empty_cache()
 
-    # ---- 2. the real worker: our settings, then Python's and zarr's defaults, same batches
+    # ---- 2. the real worker (the default settings, or one variant per --codecs entry), same batches
     import dataclasses
 
     hidden_raw = n_tok * len(spec.layer_ids) * spec.hidden_size * 2
-    variants = [("tuned", {}), ("gil_switch_5ms_zarr_concurrency_10",
-                                {"gil_switch_ms": 5.0, "write_concurrency": 10})]
-    variants = variants[: args.variants]
-    if args.settings:
-        variants = [(",".join(f"{k}={v}" for k, v in o.items()), o) for o in json.loads(args.settings)]
+    variants = [("default", {})]
     if args.codecs:
         variants = [(c, {"hidden_codec": c, "hidden_group_size": args.hidden_group_size,
                          "topk_dtype": args.topk_dtype}) for c in args.codecs.split(",")]
@@ -225,21 +198,17 @@ def main():
         hidden_stored = sum(f.stat().st_size for name in ("hidden", "hidden_scale")
                             for f in (out / "shards" / "00000" / name).rglob("*") if f.is_file())
         result = {
-            "worker_settings": name, "cache_dir": str(out.parent), "gil_switch_ms": vcfg.gil_switch_ms, "write_concurrency": vcfg.write_concurrency,
-            "commit_seconds": vcfg.commit_seconds, "encoding": vspec.encoding(),
+            "worker_settings": name, "commit_seconds": vcfg.commit_seconds, "encoding": vspec.encoding(),
             "samples": len(plan.source_index), "tokens": n_tok, "batch_tokens": args.batch_tokens,
-            "backbone_only_tok_s": n_tok / t_backbone, "forward_capture_topk_tok_s": round(n_tok / t_runner),
+            "forward_capture_topk_tok_s": round(n_tok / t_runner),
             "extract_tok_s": round(n_tok / t_extract),
             "extract_vs_forward_capture_topk": round(t_runner / t_extract, 3),
             "steady_vs_forward_capture_topk": round(t_runner / t_steady, 3),
             "once_per_shard_s": {"drain": timing["drain_s"], "after_loop": round(t_extract - timing["loop_s"], 3)},
-            "extract_vs_backbone_only": t_backbone / t_extract,
             "hf_causal_lm_forward_tok_s": n_tok / t_hf, "extract_vs_hf_causal_lm_forward": round(t_hf / t_extract, 3),
             "cpu_cores_busy": round(cores, 2), "head_backend": head_backend_for(args.device),
             "head_compile_s": round(t_head_compile, 2),
-            "bytes_per_token_total": round(stored / n_tok), "raw_bf16_hidden_bytes_per_token": round(hidden_raw / n_tok),
-            "total_vs_raw_bf16_hidden": round(stored / hidden_raw, 4),
-            "hidden_ratio": round(hidden_raw / hidden_stored, 4),
+            "bytes_per_token_total": round(stored / n_tok), "total_vs_raw_bf16_hidden": round(stored / hidden_raw, 4),
             "hidden_bytes_per_token": round(hidden_stored / n_tok), "hidden_vs_raw_bf16": round(hidden_stored / hidden_raw, 4),
             "worker_seconds": timing,
             # the GPU's share of the loop, and its time inside the batches against the bare forward's
@@ -251,24 +220,6 @@ def main():
         results.append(result)
     if args.codecs:
         print(json.dumps({"codecs": codec_summary(results)}, indent=1), flush=True)
-
-    # ---- 3. the whole runner (spawned workers, one progress stream) with several workers on the GPU
-    from dflash.extract.runner import run
-
-    for wpg in (int(x) for x in args.workers_per_gpu.split(",") if x):
-        shutil.rmtree(out, ignore_errors=True)
-        rcfg = dataclasses.replace(cfg, workers_per_gpu=wpg, device=args.device, workers=wpg)
-        s = run(rcfg)
-        timing = s["worker_seconds"]
-        loop = max(t["loop_s"] for t in timing.values())
-        # the runner's rate runs from the first worker's first batch to the last batch written
-        print(json.dumps({
-            "runner_workers_per_gpu": wpg, "shards": len(timing), "extract_tok_s": round(s["tokens_per_s"]),
-            "extract_vs_forward_capture_topk": round(s["tokens_per_s"] * t_runner / n_tok, 3),
-            "forward_capture_topk_tok_s": round(n_tok / t_runner),
-            "cpu_cores_busy": round(sum(t["cpu_s"] for t in timing.values()) / loop, 2),
-            "total_vs_raw_bf16_hidden": round(s["bytes_stored"] / hidden_raw, 4),
-            "worker_seconds": timing}), flush=True)
 
 
 if __name__ == "__main__":

@@ -1,18 +1,13 @@
 #!/usr/bin/env bash
-# Stage one's write path and fixed costs on the GPU host (BENCHMARKS.md, "One write path"):
-#   bash bench/extract_write_paths.sh paths   # 400 x 2048 tokens, 3 runs of the write path (the writer thread, zarrs)
+# Stage one's fixed costs on the GPU host (BENCHMARKS.md, "Extraction"):
 #   bash bench/extract_write_paths.sh fixed   # dflash-extract end to end, 256 x 2048: where the time outside the loop goes
-#     RUNS="before after after" BEFORE_NS=DIR: a run labelled "before" imports dflash from DIR (DIR/dflash holds
-#     shared, extract, ... of the older code), the others this checkout's; each run's phases go to fixed_costs.log;
-#     a label "pyc" runs nothing and turns on a bytecode cache for the runs after it (PYTHONPYCACHEPREFIX=/tmp/pyc,
-#     writing allowed): the first run after it writes the bytecode of every module it imports, as a pip install
-#     would have compiled it beforehand, the later ones read it;
-#     BUILD_ARGS="--layers 8" builds the target with fewer layers (same width and vocabulary); SAMPLES (default
-#     256) rows; a CPU dry run: BUILD_ARGS="--layers 2 --hidden 64 --intermediate 128 --vocab 512 --device cpu"
-#     DEVICE_ARGS="--device cpu --workers 1" SAMPLES=4;
-#     WORK (default /tmp/xbench) holds target, rows and cache; DEVICE_ARGS (default --gpus 0) picks the device
-# Run from the repository root with zarr, numcodecs, donfig, zarrs... importable (the device tool: carry the wheels);
-# logs go to $OUT. Qwen3-8B-shaped target with random weights, built once under /tmp/xbench.
+#   RUNS="before after after" BEFORE_NS=DIR: a run labelled "before" imports dflash from DIR (DIR/dflash holds the
+#   older code's shared, extract, ...), the others this checkout's; each run's phases go to fixed_costs.log. A label
+#   "pyc" runs nothing and turns on a bytecode cache (PYTHONPYCACHEPREFIX=/tmp/pyc) that the next run writes, as a pip
+#   install would have, and the later ones read. BUILD_ARGS="--layers 8": fewer target layers (same width and
+#   vocabulary); SAMPLES (default 256) rows; WORK (default /tmp/xbench) holds target, rows and cache; DEVICE_ARGS
+#   (default --gpus 0). A CPU dry run: BUILD_ARGS="--layers 2 --hidden 64 --intermediate 128 --vocab 512 --device cpu"
+#   DEVICE_ARGS="--device cpu --workers 1" SAMPLES=4. Needs zarr, zarrs, ... importable (carry the wheels); logs to $OUT.
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 { nproc; nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
@@ -23,16 +18,10 @@ OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 cat "$OUT/machine_$1.txt"
 quiet() { grep -vi "warn" | grep -v "^INFO:torch"; }
 case "${1:-}" in
-paths)   # the comparison of BENCHMARKS.md (thread + zarr's pipeline / thread + zarrs / two writer processes)
-         # ran at d319f94, where extract_bench.py took {"writer_processes": N, "codec_pipeline": ...} settings
-  timeout 560 python3 bench/extract_bench.py --samples 400 --length 2048 --batch-tokens 8192 --references runner \
-      --variants 1 --repeat 3 2>&1 | quiet | grep -v "it/s\]" | tee "$OUT/write_paths.log"
-  ;;
 fixed)   # the CLI as a user runs it; imports = the summary's started_at minus the shell's clock before the call
   WORK=${WORK:-/tmp/xbench}
   python3 bench/extract_bench.py --samples ${SAMPLES:-256} --length 2048 --build-only --work "$WORK" ${BUILD_ARGS:-} 2>&1 | quiet | tail -1
-  run=0
-  bytecode=none
+  run=0; bytecode=none
   for label in ${RUNS:-after after}; do
     if [ "$label" = pyc ]; then
       export PYTHONPYCACHEPREFIX=/tmp/pyc; unset PYTHONDONTWRITEBYTECODE; bytecode=writing; continue
@@ -52,5 +41,5 @@ fixed)   # the CLI as a user runs it; imports = the summary's started_at minus t
     [ "$bytecode" = writing ] && bytecode=cached
   done
   ;;
-*) echo "usage: $0 paths|fixed" >&2; exit 2;;
+*) echo "usage: $0 fixed" >&2; exit 2;;
 esac

@@ -1,6 +1,5 @@
-"""One line of JSON per ``dflash-extract`` run of ``bench/extract_write_paths.sh fixed``: where the
-seconds before the first batch and after the last one went, from the run's summary JSON and the
-shell's clock around the call (T0, T1; the run's RUN number, LABEL and BYTECODE in the environment).
+"""One line of JSON per ``dflash-extract`` run of ``bench/extract_write_paths.sh fixed``: the seconds
+before the first batch and after the last, from the run's summary JSON and the shell's clock.
 
     T0=... T1=... RUN=1 LABEL=after BYTECODE=none python bench/fixed_costs_line.py SUMMARY_JSON
 """
@@ -20,20 +19,16 @@ ORDER = ("spawn", "tokenizer_and_config", "dataset_load", "fingerprint", "cache_
 def main() -> None:
     summary = json.load(open(sys.argv[1]))
     t0, t1 = float(os.environ["T0"]), float(os.environ["T1"])
-    phases = summary["phases"]
-    seconds = phases["seconds"]
+    phases, seconds = summary["phases"], summary["phases"]["seconds"]
     at = phases["started_at"] - t0  # seconds since the shell started the command, phase by phase
     ends = {}
     for name in sorted(seconds, key=lambda n: ORDER.index(n) if n in ORDER else len(ORDER)):
-        s = seconds[name]
-        at += s
-        ends[name] = at
+        at = ends[name] = at + seconds[name]
     worker = list(summary["worker_seconds"].values())[0]
     line = {
         "run": int(os.environ["RUN"]), "code": os.environ["LABEL"], "bytecode": os.environ.get("BYTECODE", "none"),
-        "total_s": round(t1 - t0, 2),
+        "total_s": round(t1 - t0, 2), "imports_s": round(phases["started_at"] - t0, 2),
         "workers_spawned_s": round(phases["workers_spawned_at"] - t0, 2) if phases.get("workers_spawned_at") else None,
-        "imports_s": round(phases["started_at"] - t0, 2),
         "first_batch_s": round(ends["writer_start"], 2) if "writer_start" in ends else None,
         "forward_loop_s": seconds.get("forward_loop"),
         "after_last_batch_s": round(t1 - t0 - ends["forward_loop"], 2) if "forward_loop" in ends else None,

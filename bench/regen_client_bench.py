@@ -1,7 +1,5 @@
-"""How many turns per second the regeneration client itself sustains: a local server that
-answers every chat completion at once (after an optional delay standing in for the
-engine), so the figure is the client's ceiling (requests, journal, bookkeeping), not a
-model's speed.
+"""The regeneration client's own ceiling in turns per second, against a local server that answers
+every chat completion at once (after an optional delay standing in for the engine).
 
     python bench/regen_client_bench.py --conversations 2000 --concurrency 32 [--delay-ms 0]
 """

@@ -1,14 +1,11 @@
-"""Regeneration in process: the plain path (dynamic KV cache, eager decode) against the
-static KV cache whose decode step generate() captures in CUDA graphs, on the same rows,
-in one process; prints generated tokens per second and how many turns come out equal.
+"""Regeneration in process: the plain path (dynamic KV cache, eager decode) against the static
+KV cache whose decode step generate() captures in CUDA graphs, same rows, one process: generated
+tokens per second and how many rows come out equal. The plain path runs on the first
+--plain-rows rows, the static path on --rows rows twice (the first pass compiles every prompt
+room it meets, the second is timed). Every assistant turn of a row is answered.
 
-    python bench/regen_speed.py --model TARGET_DIR --data rows.jsonl --rows 512 \\
-        --plain-rows 256 --batch-size 256 --max-new-tokens 384 [--max-prompt-tokens 1024] [--json out.json]
-
-The plain path runs on the first --plain-rows rows (it is the slow one), the static path
-on --rows rows, twice: the first pass compiles and captures every prompt room it meets
-(reported apart), the second is timed. Agreement is counted on the rows both ran. Every
-assistant turn of a row is answered (multi-turn rows: every turn).
+    python bench/regen_speed.py --model TARGET_DIR --data rows.jsonl --rows 1024 --plain-rows 256 \
+        --batch-size 512 --max-new-tokens 256 --max-prompt-tokens 1024 [--json out.json]
 """
 
 from __future__ import annotations
@@ -28,9 +25,6 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", type=int, default=384)
     parser.add_argument("--max-prompt-tokens", type=int, default=1024)
     parser.add_argument("--device", default="cuda")
-    parser.add_argument("--profile", type=int, default=0, metavar="ROWS",
-                        help="after the timed passes, profile the static path on ROWS rows (torch.profiler) "
-                             "and print where the GPU and the host spend a decode step")
     parser.add_argument("--json")
     args = parser.parse_args()
 
@@ -77,24 +71,10 @@ def main() -> None:
         static["speedup_vs_plain"] = round(static["tokens_per_s"] / plain["tokens_per_s"], 2)
         results.append({**static, "label": f"static bs {batch_size}"})
         print(json.dumps(static), flush=True)
-    if args.profile:
-        profile(lambda: run(args.profile, args.batch_size[-1], decoder))
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"args": vars(args), "results": results,
                        "versions": {"torch": torch.__version__}}, f, indent=2)
-
-
-def profile(work) -> None:
-    """torch.profiler over ``work()``: the ops that take the most GPU time, then the most host time."""
-    from torch.profiler import ProfilerActivity
-    from torch.profiler import profile as torch_profile
-
-    with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        work()
-    table = prof.key_averages()
-    print(table.table(sort_by="cuda_time_total", row_limit=25), flush=True)
-    print(table.table(sort_by="self_cpu_time_total", row_limit=25), flush=True)
 
 
 if __name__ == "__main__":

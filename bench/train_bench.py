@@ -1,21 +1,18 @@
 """Drafter training step at Qwen3-8B dimensions: compiled flex against dense SDPA.
 
-Synthetic batches of the shape the loader delivers (one sequence of `--ctx` context
-tokens, `--anchors` blocks of B=16, 5 target layers of D=4096), the real step code
-(train/step.py: block mask, frozen target embedding and LM head, chunked CE), fp32
-master weights + bf16 autocast, fused AdamW. Per attention backend and context length:
-median step time, block tokens/s, MFU (train/metrics.step_flops over 790 TFLOP/s, the
-measured H200 bf16 matmul peak, bench/matmul_peak.py), peak memory, and the compile count after
-warm-up with recompiles made errors.
+Synthetic batches of the loader's shape (one sequence of `--ctx` context tokens, `--anchors`
+blocks of B=16, 5 target layers of D=4096), the real step code (train/step.py), fp32 master
+weights + bf16 autocast, fused AdamW. Per attention backend and context length: median step,
+block tokens/s, MFU (train/metrics.step_flops over 790 TFLOP/s, the H200's measured bf16 matmul
+peak; ``--peak`` measures the device's), peak memory, and the compiles after warm-up.
 
-    python bench/train_bench.py --ctx 3072 --attention flex,dense
-    python bench/train_bench.py --ctx 2048,4096,8192,16384 --attention flex
+    python bench/train_bench.py --ctx 3072 --attention flex,dense --steps 6
+    python bench/train_bench.py --ctx 2048,4096,8192,16384 --attention flex --steps 2
 """
 
 from __future__ import annotations
 
 import argparse
-import faulthandler
 import json
 import statistics
 import sys
@@ -93,6 +90,22 @@ def run(kind: str, S: int, args, cfg: DrafterConfig, head: TargetHead) -> dict:
     return res
 
 
+def matmul_peak(n: int = 8192, reps: int = 20) -> dict:
+    a, b = (torch.randn(n, n, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    for _ in range(5):
+        a @ b
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        a @ b
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    tflops = 2 * n**3 / statistics.median(times) / 1e12
+    return {"device": torch.cuda.get_device_name(), "matmul_bf16_tflops": round(tflops, 1)}
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--ctx", default="3072")
@@ -100,10 +113,10 @@ def main():
     p.add_argument("--anchors", type=int, default=512)
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--layers", type=int, default=5)
-    p.add_argument("--stack-every", type=float, default=0, help="dump every thread's stack every N s (hangs)")
+    p.add_argument("--peak", action="store_true", help="only print the device's bf16 matmul ceiling")
     args = p.parse_args()
-    if args.stack_every:
-        faulthandler.dump_traceback_later(args.stack_every, repeat=True)
+    if args.peak:
+        return print(json.dumps(matmul_peak()))
     cfg = DrafterConfig(hidden_size=4096, intermediate_size=12288, num_hidden_layers=args.layers,
                         num_attention_heads=32, num_key_value_heads=8, head_dim=128, rms_norm_eps=1e-6,
                         rope_theta=1e6, max_position_embeddings=40960, vocab_size=151936, block_size=16,

@@ -1,22 +1,16 @@
 """Time from process start to the first training step, cold and warm compile caches.
 
-Builds a fake Qwen3-8B-shaped target and a random cache (``bench/train_loop.py``'s
-``fake_target`` / ``fake_cache``; lengths drawn from ``[--min-ctx, --ctx]``), then runs
-``dflash-train run`` as separate processes, one per entry of ``--runs``: ``cold`` empties
-the compile cache folder first, ``warm`` keeps what the runs before it left there. For
-each process: seconds from its spawn to the log lines of the start's phases and of step 1
-(which waits for the step's GPU work), the warm-up's own seconds and graphs, the compile
-cache's hits and misses, the losses of every step (equal across runs of the same data),
-the compile count at each logged step, the first evaluation's seconds and graphs
-(``--eval-every``), and the median step time of the steps after the first. ``old-cold`` / ``old-warm``
-run the code found at ``--old-path`` (a folder put first on PYTHONPATH, holding another
-version of the ``dflash`` package) on the same cache and compile folder: before and after
-in one call. The target gets a small tokenizer (``--no-tokenizer``: weights and config
-only), whose hash the cache records, so every start checks it as a real one would.
+Builds a fake Qwen3-8B-shaped target (with a small tokenizer whose hash the cache records,
+so every start checks it) and a random cache (``bench/train_loop.py``), then runs ``dflash-train
+run`` as one process per entry of ``--runs``: ``cold`` empties the compile cache folder first,
+``warm`` keeps what the runs before left; ``old-cold`` / ``old-warm`` run the ``dflash`` package
+found at ``--old-path`` (put first on PYTHONPATH) on the same cache and folder: before and after
+in one call. Per process: seconds from spawn to the log lines of the start's phases and of step
+1, the warm-up's seconds and graphs, the compile cache's hits, every step's loss and compile
+count, the first evaluation (``--eval-every``), and the median step time after the first.
 
-    python bench/train_start.py --out /tmp/ts --runs cold,warm,warm
-    python bench/train_start.py --out /tmp/ts3 --min-ctx 200 --runs cold,warm --steps 5   # all 3 buckets
-    python bench/train_start.py --out /tmp/ts --runs cold,warm,old-warm --old-path /tmp/old_ns
+    python bench/train_start.py --out /tmp/ts --runs cold,old-warm,warm --steps 3 --samples 6 --eval-every 2 \
+        --old-path /tmp/old_ns
 """
 
 from __future__ import annotations
@@ -47,25 +41,18 @@ def run_once(args, out: Path, name: str, log_dir: Path, old: bool = False) -> di
            "--log-every", "1", "--eval-every", str(args.eval_every), "--save-every", "1000000",
            "--no-progress", "--no-tensorboard",
            "--resume", "none", "--compile-cache", str(args.compile_cache)] + args.train_args.split()
-    if not args.tokenizer:  # else the tokenizer's <|MASK|>
-        cmd += ["--mask-token-id", str(args.vocab - 1)]
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     if old:
         env["PYTHONPATH"] = os.pathsep.join(p for p in (args.old_path, env.get("PYTHONPATH")) if p)
     t0 = time.perf_counter()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
-    lines, first_step_s, warm_line_s, buckets_line_s, ready_line_s = [], None, None, None, None
+    marks = {"buckets": "context buckets compiled", "ready": "loader ready in", "warm_up_done": "warm-up compiled",
+             "first_step": r"\btrain step 1 \|"}  # "loader ready in": logged by the code after 79a7383 only
+    lines, at = [], {}
     for line in proc.stdout:
         now = time.perf_counter() - t0
         lines.append(f"{now:8.2f} {line.rstrip()}")
-        if buckets_line_s is None and "context buckets compiled" in line:
-            buckets_line_s = now
-        if ready_line_s is None and "loader ready in" in line:  # logged by the code after 79a7383 only
-            ready_line_s = now
-        if first_step_s is None and re.search(r"\btrain step 1 \|", line):
-            first_step_s = now
-        if warm_line_s is None and "warm-up compiled" in line:
-            warm_line_s = now
+        at.update({k: round(now, 1) for k, pattern in marks.items() if k not in at and re.search(pattern, line)})
     rc = proc.wait()
     total_s = time.perf_counter() - t0
     (log_dir / f"log_{name}.txt").write_text("\n".join(lines) + "\n")
@@ -83,10 +70,7 @@ def run_once(args, out: Path, name: str, log_dir: Path, old: bool = False) -> di
         evals = [r for r in records if r["kind"] == "eval"]
     steady = rows[1:]
     return {
-        "run": name, "rc": rc, "spawn_to_first_step_s": round(first_step_s, 1) if first_step_s else None,
-        "spawn_to_buckets_s": round(buckets_line_s, 1) if buckets_line_s else None,
-        "spawn_to_ready_s": round(ready_line_s, 1) if ready_line_s else None,
-        "spawn_to_warm_up_done_s": round(warm_line_s, 1) if warm_line_s else None,
+        "run": name, "rc": rc, **{f"spawn_to_{k}_s": at.get(k) for k in marks},
         "warm_up_s": float(warm.group(3)) if warm else None,
         "warm_up_graphs": int(warm.group(1)) if warm else None,
         "buckets": buckets.group(1) if buckets else None,
@@ -126,8 +110,6 @@ def main():
     p.add_argument("--old-path", default=None, help="PYTHONPATH entry with the code the old-* runs use")
     p.add_argument("--train-args", default="", help="more dflash-train flags, e.g. '--attention dense --compile on' "
                    "for the CPU")
-    p.add_argument("--no-tokenizer", dest="tokenizer", action="store_false",
-                   help="the target folder holds weights and config only")
     args = p.parse_args()
     out = Path(args.out)
     results = Path(args.results or out)
@@ -137,12 +119,10 @@ def main():
     if not (out / "cache.zarr").exists():
         out.mkdir(parents=True, exist_ok=True)
         fake_target(out / "target", args.hidden, 36, args.vocab, args.intermediate, args.heads, args.kv_heads)
-        tokenizer_hash = None
-        if args.tokenizer:
-            from dflash.eval import toy_tokenizer as toy
-            from dflash.shared.fingerprint import tokenizer_fingerprint
+        from dflash.eval import toy_tokenizer as toy
+        from dflash.shared.fingerprint import tokenizer_fingerprint
 
-            tokenizer_hash = tokenizer_fingerprint(toy.build_tokenizer(out / "target"))["hash"]
+        tokenizer_hash = tokenizer_fingerprint(toy.build_tokenizer(out / "target"))["hash"]
         lengths = fake_cache(out / "cache.zarr", [1, 9, 17, 25, 33], args.hidden, 36, args.vocab, args.samples,
                              args.ctx, args.min_ctx, tokenizer_hash)
         print(f"setup {time.time() - t:.1f} s; lengths {int(lengths.min())}..{int(lengths.max())}", flush=True)
@@ -160,12 +140,8 @@ def main():
         print(json.dumps(r), flush=True)
         (results / "results.json").write_text(json.dumps(summary, indent=1))
     for r in summary:
-        print(f"{r['run']:>10}: step 1 logged {r['spawn_to_first_step_s']} s after spawn (buckets line "
-              f"{r['spawn_to_buckets_s']} s, ready {r['spawn_to_ready_s']} s, warm-up done "
-              f"{r['spawn_to_warm_up_done_s']} s; warm-up {r['warm_up_s']} s, {r['warm_up_graphs']} graphs; inductor "
-              f"loaded/compiled {r['inductor_loaded_compiled_uncacheable']}), first step {r['first_step_s']} s, "
-              f"median step {r['median_step_s']} s, first eval {r['first_eval_s']} s ({r['first_eval_graphs']} "
-              f"graphs), losses {r['losses']}, compiles by step {r['compiles_by_step']}, rc {r['rc']}")
+        print(f"{r['run']:>10}: step 1 logged {r['spawn_to_first_step_s']} s after spawn; " + ", ".join(
+            f"{k} {r[k]}" for k in ("spawn_to_buckets_s", "warm_up_s", "median_step_s", "first_eval_s", "rc")))
 
 if __name__ == "__main__":
     main()

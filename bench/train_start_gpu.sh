@@ -1,13 +1,10 @@
 #!/usr/bin/env bash
 # One device call: time to the first training step, cold and warm compile caches, at 8B shapes.
-#   bash bench/train_start_gpu.sh WORK [train_start.py args...]
-#   OLD=_old bash bench/train_start_gpu.sh WORK --runs cold,warm,warm,old-warm,old-warm   (before/after in one call:
-#       _old holds another version's shared/ train/ extract/ eval/ folders, e.g. from `git archive REV`)
-#   IMPORT_TIMES=0 ...   skips timing `import torch` / `import transformers` in fresh processes (saves device time)
-# WHL (default ../../.whl, else .whl): Python 3.12 wheels of zarr, numcodecs, donfig, google-crc32c, datasets, dill
-# and multiprocess, which the GPU image lacks. The checkout is imported as `dflash` through a folder of links
-# (_ns/dflash/train -> train, ...), no install. Logs and results.json go to $OUT; the machine's GPU, torch and
-# Triton versions to $OUT/machine.txt.
+#   [OLD=_old] [IMPORT_TIMES=0] bash bench/train_start_gpu.sh WORK [train_start.py args...]
+# OLD: another version's shared/ train/ extract/ eval/ (e.g. from `git archive REV`) for the old-* runs;
+# IMPORT_TIMES=0 skips timing `import torch` / `transformers` in fresh processes. WHL (default ../../.whl, else
+# .whl): wheels the GPU image lacks (zarr, numcodecs, donfig, google-crc32c, datasets, ...). The checkout is imported
+# as `dflash` through a folder of links, no install. Logs, results.json and machine.txt go to $OUT.
 set -u
 WHL=${WHL:-$([ -d ../../.whl ] && echo ../../.whl || echo .whl)}
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site "$WHL"/*.whl || exit 1
