@@ -13,9 +13,10 @@ from collections import Counter
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from dflash.shared.compression import size_text
+
 from .config import ExtractConfig
-from .estimates import (SizeEstimate, TimeEstimate, free_bytes, run_codec, size_estimate, size_text,
-                        time_estimate)
+from .estimates import SizeEstimate, TimeEstimate, free_bytes, run_codec, size_estimate, time_estimate
 
 
 @dataclass
