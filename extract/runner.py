@@ -62,15 +62,21 @@ def package_version() -> str:
         return "unknown"
 
 
-def build_spec(cfg: ExtractConfig, tokenizer, model_config, ds, num_shards: int) -> CacheSpec:
-    """The root CacheSpec of this run: shapes, fingerprint (compared on reopen) and info."""
-    num_layers = model_config.num_hidden_layers
+def checked_layers(cfg: ExtractConfig, model_config) -> list[int]:
+    """The layers the run stores, with --layers and --topk checked against the target (ExtractFailed naming the flag)."""
     try:
-        layers = cfg.layer_ids(num_layers)
+        layers = cfg.layer_ids(model_config.num_hidden_layers)
     except ValueError as e:
         raise ExtractFailed(f"--layers: {e}") from e
     if cfg.topk > model_config.vocab_size:
         raise ExtractFailed(f"--topk {cfg.topk} exceeds the vocabulary size {model_config.vocab_size}")
+    return layers
+
+
+def build_spec(cfg: ExtractConfig, tokenizer, model_config, ds, num_shards: int) -> CacheSpec:
+    """The root CacheSpec of this run: shapes, fingerprint (compared on reopen) and info."""
+    num_layers = model_config.num_hidden_layers
+    layers = checked_layers(cfg, model_config)
     try:
         eot = end_of_turn_id(tokenizer, cfg.end_of_turn, cfg.template_kwargs)
     except ValueError:
