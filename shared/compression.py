@@ -6,15 +6,10 @@ from __future__ import annotations
 
 from typing import Literal, get_args
 
-HiddenCodecName = Literal["bf16", "fp8", "int8", "int4"]
-ScaleDtype = Literal["float16", "float32"]
-TopkDtype = Literal["float32", "float16", "bfloat16"]
-HIDDEN_CODECS = get_args(HiddenCodecName)
-"""How hidden states can be stored (``hidden_codecs``): bf16 lossless, or a lossy codec."""
-SCALE_DTYPES = get_args(ScaleDtype)
-"""dtypes the lossy hidden codecs' scales can be stored in."""
-TOPK_DTYPES = get_args(TopkDtype)
-"""Precisions the top-k log-probs can be stored in."""
+HiddenCodecName = Literal["bf16", "fp8", "int8", "int4"]  # bf16 lossless, or a lossy codec (``hidden_codecs``)
+ScaleDtype = Literal["float16", "float32"]  # of the lossy codecs' scales
+TopkDtype = Literal["float32", "float16", "bfloat16"]  # of the stored top-k log-probs
+HIDDEN_CODECS, SCALE_DTYPES, TOPK_DTYPES = get_args(HiddenCodecName), get_args(ScaleDtype), get_args(TopkDtype)
 
 ZSTD_LEVELS = tuple(range(1, 16, 2))
 """The zstd levels a cache can use: it stores blosc clevel c = (level + 1) // 2, and blosc runs zstd at
