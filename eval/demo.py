@@ -43,6 +43,8 @@ from typing import Any
 
 import click
 
+from dflash.shared.compression import size_text
+
 
 @dataclass
 class DemoSettings:
@@ -275,7 +277,7 @@ def step_extract(out: Path, s: DemoSettings, regen: Path, target: Path, echo) ->
     else:
         what = f"extracted in {seconds:.1f} s"
         _write(cache, settings, extract_seconds=seconds)
-    echo(f"[4/7] cache: {cache} {what}, {size / 2**20:.1f} MiB on disk")
+    echo(f"[4/7] cache: {cache} {what}, {size_text(size)} on disk")
     return {"path": str(cache), "bytes_on_disk": size, "extract_seconds": seconds, "noop": bool(summary.get("noop")),
             "samples": summary.get("samples"), "tokens": summary.get("tokens")}
 
@@ -495,7 +497,7 @@ def run_demo(out: str | Path, settings: DemoSettings | None = None, echo=click.e
     }
     (out / "summary.json").write_text(json.dumps(summary, indent=2, default=str) + "\n")
     echo("[7/7] summary")
-    echo(f"      cache on disk            {cache['bytes_on_disk'] / 2**20:.2f} MiB "
+    echo(f"      cache on disk            {size_text(cache['bytes_on_disk'])} "
          f"({cache['samples']} samples, {cache['tokens']} tokens, extracted in {cache['extract_seconds']:.1f} s)")
     echo(f"      target training time     {target_record.get('train_seconds', float('nan')):.1f} s")
     echo(f"      regeneration             {regen['turns']} turns in {regen['seconds']:.1f} s "

@@ -46,6 +46,7 @@ from typing import Any, Protocol
 import torch
 
 from dflash.train import attention
+from dflash.train.export import check_against_target as check_compatible  # the one drafter-vs-target check
 from dflash.train.model import DFlashDrafter, DrafterConfig
 
 from . import fused_drafter as fused
@@ -182,21 +183,6 @@ class DFlashProposer:
             block_size=B,
         )
         return self.drafter(context, context_positions, block_embeds, block_positions, mask)  # (1, B, D)
-
-
-def check_compatible(config: DrafterConfig, target) -> None:
-    """Refuse a drafter built for another target (width, vocabulary, depth)."""
-    tcfg = target.config.get_text_config() if hasattr(target.config, "get_text_config") else target.config
-    vocab = target.get_input_embeddings().weight.shape[0]
-    problems = []
-    if config.hidden_size != tcfg.hidden_size:
-        problems.append(f"hidden_size {config.hidden_size} != target {tcfg.hidden_size}")
-    if config.vocab_size != vocab:
-        problems.append(f"vocab_size {config.vocab_size} != target embedding rows {vocab}")
-    if config.num_target_layers != tcfg.num_hidden_layers:
-        problems.append(f"num_target_layers {config.num_target_layers} != target {tcfg.num_hidden_layers}")
-    if problems:
-        raise ValueError("drafter does not fit this target: " + "; ".join(problems))
 
 
 def load_drafter(path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype | None = None

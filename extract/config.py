@@ -8,16 +8,13 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, get_args
 
 from dflash.shared.cli_options import check_choices
-from dflash.shared.compression import ZSTD_LEVELS
+from dflash.shared.compression import ZSTD_LEVELS, HiddenCodecName, ScaleDtype, TopkDtype
 from dflash.shared.layers import check_layer_ids, default_layer_ids  # extraction's default, shared with training
 
 Truncation = Literal["right", "skip", "error"]
 BadRowPolicy = Literal["error", "skip"]
 Dtype = Literal["bfloat16", "float16", "float32"]
 Device = Literal["cuda", "cpu"]
-HiddenCodecName = Literal["bf16", "fp8", "int8", "int4"]
-ScaleDtype = Literal["float16", "float32"]
-TopkDtype = Literal["float32", "float16", "bfloat16"]
 TRUNCATION_POLICIES = get_args(Truncation)
 BAD_ROW_POLICIES = get_args(BadRowPolicy)
 DTYPES = get_args(Dtype)

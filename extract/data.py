@@ -35,6 +35,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from dflash.shared.cli_options import looks_like_path
+
 from .messages import ROLES, SHAREGPT_ROLES, add_system, chat_messages, row_tools  # noqa: F401 - ROLES, SHAREGPT_ROLES re-exported
 
 log = logging.getLogger(__name__)
@@ -154,7 +156,7 @@ def load_source(
             bad, problem = _find_unreadable(builder, files, cache_dir) or (spec, str(exc))
             raise DataError("unreadable", str(bad), None, f"cannot read: {problem}") from exc
         return loaded.with_transform(_without_nulls)
-    if _looks_like_path(spec):
+    if looks_like_path(spec) or Path(spec).suffix in LOCAL_FORMATS:
         raise DataError("unreadable", spec, None, "no such file or directory")
     try:
         loaded = datasets.load_dataset(spec, split=split, revision=revision, data_files=data_files, cache_dir=cache_dir)
@@ -208,10 +210,6 @@ def _is_saved_dataset(path: Path) -> bool:
     return (path / "dataset_dict.json").is_file() or (
         (path / "state.json").is_file() and (path / "dataset_info.json").is_file()
     )
-
-
-def _looks_like_path(spec: str) -> bool:
-    return spec.startswith((".", "/", "~")) or Path(spec).suffix in LOCAL_FORMATS or spec.count("/") > 1
 
 
 def _find_unreadable(builder: str, files: list[Path], cache_dir: str | None) -> tuple[Path, str] | None:

@@ -15,6 +15,8 @@ import shutil
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from dflash.shared.compression import is_local, size_text
+
 if TYPE_CHECKING:  # imported where used: the parent of a run starts without torch
     from dflash.shared.hidden_codecs import HiddenCodec
 
@@ -231,18 +233,10 @@ def nearest_existing(path: str) -> str:
 
 def free_bytes(out: str) -> tuple[int, str] | None:
     """(free bytes, the folder asked) for a local ``out``; None for fsspec URLs, which are not checked."""
-    if "://" in out:
+    if not is_local(out):
         return None
     where = nearest_existing(out)
     return shutil.disk_usage(where).free, where
-
-
-def size_text(n: float) -> str:
-    """Bytes in binary units, three significant figures or so."""
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB", "PiB"):
-        if abs(n) < 1024 or unit == "PiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
 
 
 def free_space_problem(out: str, needed: int, what: str) -> str | None:
@@ -271,7 +265,7 @@ def run_space_problem(cfg, spec, planned: dict[int, dict[str, int]], committed: 
     resumed = any(s in committed and committed[s].tokens for s in planned)
     what = f"{'the rest of ' if resumed else ''}this run ({tokens:,} tokens x {size.per_token:,.0f} B/token)"
     problem = free_space_problem(cfg.out, needed, what)
-    if problem is None and "://" not in cfg.out:
+    if problem is None and is_local(cfg.out):
         log.info("%s: %s free, %s needs about %s (an estimate)", cfg.out, size_text(free_bytes(cfg.out)[0]), what,
                  size_text(needed))
     return problem

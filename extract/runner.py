@@ -30,6 +30,7 @@ import zarr
 from dflash.shared.cache import (
     ATTRS_KEY, CacheError, CacheMismatch, CacheSpec, committed_samples, create_or_open_cache, read_shard_states,
 )
+from dflash.shared.compression import size_text
 from dflash.shared.fingerprint import target_fingerprint, tokenizer_fingerprint
 from dflash.shared.inspect import cache_info
 from dflash.shared.shard_lock import ShardLock
@@ -61,15 +62,21 @@ def package_version() -> str:
         return "unknown"
 
 
-def build_spec(cfg: ExtractConfig, tokenizer, model_config, ds, num_shards: int) -> CacheSpec:
-    """The root CacheSpec of this run: shapes, fingerprint (compared on reopen) and info."""
-    num_layers = model_config.num_hidden_layers
+def checked_layers(cfg: ExtractConfig, model_config) -> list[int]:
+    """The layers the run stores, with --layers and --topk checked against the target (ExtractFailed naming the flag)."""
     try:
-        layers = cfg.layer_ids(num_layers)
+        layers = cfg.layer_ids(model_config.num_hidden_layers)
     except ValueError as e:
         raise ExtractFailed(f"--layers: {e}") from e
     if cfg.topk > model_config.vocab_size:
         raise ExtractFailed(f"--topk {cfg.topk} exceeds the vocabulary size {model_config.vocab_size}")
+    return layers
+
+
+def build_spec(cfg: ExtractConfig, tokenizer, model_config, ds, num_shards: int) -> CacheSpec:
+    """The root CacheSpec of this run: shapes, fingerprint (compared on reopen) and info."""
+    num_layers = model_config.num_hidden_layers
+    layers = checked_layers(cfg, model_config)
     try:
         eot = end_of_turn_id(tokenizer, cfg.end_of_turn, cfg.template_kwargs)
     except ValueError:
@@ -231,12 +238,6 @@ def summarize(out: str, shard_ids: list[int]) -> dict[str, Any]:
 
 
 def format_summary(s: dict[str, Any]) -> str:
-    def size(n):
-        for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-            if abs(n) < 1024 or unit == "TiB":
-                return f"{n:.1f} {unit}" if unit != "B" else f"{n} B"
-            n /= 1024
-
     skipped = ", ".join(f"{k}={v}" for k, v in s["skipped"].items()) or "none"
     lines = [
         f"cache {s['out']}: shards {s['shards'][0]:05d}..{s['shards'][-1]:05d} "
@@ -245,13 +246,13 @@ def format_summary(s: dict[str, Any]) -> str:
         f"({s.get('samples_this_run', 0):,} this run)",
         f"  skipped rows     {sum(s['skipped'].values()):,} ({skipped})",
         f"  tokens           {s['tokens']:,} ({s['assistant_tokens']:,} assistant)",
-        f"  on disk          {size(s['bytes_stored']) if s['bytes_stored'] is not None else 'unknown (the store cannot list)'}"
+        f"  on disk          {size_text(s['bytes_stored']) if s['bytes_stored'] is not None else 'unknown (the store cannot list)'}"
         + (f" ({s['bytes_per_token']:,.0f} B/token)" if s["bytes_per_token"] else ""),
     ]
     if s["hidden_compression"]:
         lines.append(f"  compression      hidden states {s['hidden_compression']:.2f}x vs raw bf16 "
-                     f"({size(s['hidden_bytes_raw_bf16'])} -> {size(s['hidden_bytes_stored'])}); all arrays "
-                     f"{s['compression']:.2f}x ({size(s['hidden_bytes_raw_bf16'] + s['other_bytes_raw'])} raw)")
+                     f"({size_text(s['hidden_bytes_raw_bf16'])} -> {size_text(s['hidden_bytes_stored'])}); all arrays "
+                     f"{s['compression']:.2f}x ({size_text(s['hidden_bytes_raw_bf16'] + s['other_bytes_raw'])} raw)")
     if "wall_s" in s:
         rate = f", {s['tokens_per_s']:,.0f} tokens/s" if s.get("tokens_per_s") else ""
         lines.append(f"  wall time        {s['wall_s']:.1f} s{rate}")

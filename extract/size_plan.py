@@ -13,9 +13,10 @@ from collections import Counter
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from dflash.shared.compression import size_text
+
 from .config import ExtractConfig
-from .estimates import (SizeEstimate, TimeEstimate, free_bytes, run_codec, size_estimate, size_text,
-                        time_estimate)
+from .estimates import SizeEstimate, TimeEstimate, free_bytes, run_codec, size_estimate, time_estimate
 
 
 @dataclass
@@ -121,7 +122,7 @@ def plan_run(cfg: ExtractConfig) -> RunPlan:
     """Tokenise and plan ``cfg``'s dataset as the run would and estimate its cost; raises
     ExtractFailed with the run's own message where the run would stop (bad settings, a bad row)."""
     from .data import DataError, load_source
-    from .runner import ExtractFailed, load_tokenizer_and_config, node_layout
+    from .runner import ExtractFailed, checked_layers, load_tokenizer_and_config, node_layout
 
     try:
         cfg.validate()
@@ -130,12 +131,7 @@ def plan_run(cfg: ExtractConfig) -> RunPlan:
     layout = node_layout()
     num_shards = layout.nodes * cfg.local_workers
     tokenizer, model_config = load_tokenizer_and_config(cfg)
-    try:
-        layers = cfg.layer_ids(model_config.num_hidden_layers)
-    except ValueError as e:
-        raise ExtractFailed(f"--layers: {e}") from e
-    if cfg.topk > model_config.vocab_size:
-        raise ExtractFailed(f"--topk {cfg.topk} exceeds the vocabulary size {model_config.vocab_size}")
+    layers = checked_layers(cfg, model_config)
     try:
         codec, topk_dtype = run_codec(cfg)
         size = size_estimate(len(layers), model_config.hidden_size, cfg.topk, codec, topk_dtype)

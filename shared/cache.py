@@ -61,7 +61,7 @@ import torch
 import zarr
 import zarr.codecs as zc
 
-from .compression import ZSTD_LEVELS  # noqa: F401 - re-exported: the levels the cache is written at
+from .compression import HIDDEN_CODECS, TOPK_DTYPES, ZSTD_LEVELS, is_local  # noqa: F401 - ZSTD_LEVELS re-exported
 from .hidden_codecs import EncodedHidden, HiddenCodec
 from .hidden_codecs import decode as decode_codec
 from .hidden_codecs import encode as encode_codec
@@ -83,8 +83,6 @@ TOKEN_FIELDS = ("input_ids", "loss_mask", "hidden", "topk_ids", "topk_logprobs")
 """What a reader asks for (``CacheReader.read``), whatever the encoding."""
 HIDDEN_SCALE = "hidden_scale"
 """The token array of a lossy hidden codec's scales (``CacheSpec.token_fields``)."""
-HIDDEN_CODECS = ("bf16", "fp8", "int8", "int4")
-TOPK_DTYPES = ("float32", "float16", "bfloat16")
 _TOPK_STORED = {"float32": "float32", "float16": "float16", "bfloat16": "uint16"}
 """Stored dtype of ``topk_logprobs`` per ``topk_dtype`` (zarr has no bfloat16: its bits as uint16)."""
 ENCODING_DEFAULTS = {"hidden_codec": "bf16", "hidden_group_size": None, "hidden_scale_dtype": None,
@@ -312,7 +310,7 @@ def writer_zarr_settings(path: str, write_concurrency: int = 32) -> dict[str, An
     it warns and falls back to zarr's own pipeline, which a URL gets here without the
     warning); ``write_concurrency`` chunks in flight where zarr's own pipeline writes; no
     all-fill-value scan (whole chunks are written)."""
-    pipeline = ZARR_PIPELINE if "://" in path else ZARRS_PIPELINE
+    pipeline = ZARRS_PIPELINE if is_local(path) else ZARR_PIPELINE
     return {"codec_pipeline.path": pipeline, "async.concurrency": write_concurrency,
             "array.write_empty_chunks": True}
 

@@ -19,6 +19,7 @@ from dflash.shared import inspect as I
 from dflash.shared.cli_options import CONTEXT_SETTINGS, build, options, validated
 from dflash.shared import verify as V
 from dflash.shared.cache import CacheError
+from dflash.shared.compression import size_text
 from dflash.shared.convert import ConvertSettings, Interrupted, convert_cache
 from dflash.shared.shard_lock import LockError
 
@@ -44,15 +45,6 @@ def _emit_json(doc: dict[str, Any]) -> None:
 
 def _n(x: int | None) -> str:
     return "?" if x is None else f"{x:,}"
-
-
-def _bytes(x: int | None) -> str:
-    if x is None:
-        return "unknown"
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(x) < 1024 or unit == "TiB":
-            return f"{x:.0f} {unit}" if unit == "B" else f"{x:.2f} {unit}"
-        x /= 1024
 
 
 def _short(h: str | None, n: int = 12) -> str:
@@ -232,7 +224,7 @@ def info(**values):
         lines.append(
             f"{s['shard_id']:05d}  {s['state']:<8}  {_n(s['samples']) + '/' + _n(s['planned_samples']):>17}  "
             f"{_n(s['tokens']) + '/' + _n(s['planned_tokens']):>23}  {_n(s['assistant_tokens']):>11}  "
-            f"{_bytes(s['bytes_on_disk']):>11}  {skipped}")
+            f"{size_text(s['bytes_on_disk']):>11}  {skipped}")
     lines += _compute_lines(d["shards"])
     lines += [f"writing    shard {s} now: {h['described']}" for s, h in d["writing"].items()]
     ratio = d["compression_ratio"]
@@ -243,8 +235,8 @@ def info(**values):
         f"total      {_n(d['samples'])}/{_n(d['planned_samples'])} samples, {_n(d['tokens'])}/"
         f"{_n(d['planned_tokens'])} tokens, {_n(d['assistant_tokens'])} assistant tokens "
         f"({_pct(d['assistant_fraction'])}); skipped rows: {skipped}",
-        f"disk       {_bytes(d['bytes_on_disk'])}; vs raw bf16: hidden {fmt_ratio(ratio['hidden'])}, "
-        f"all arrays {fmt_ratio(ratio['total'])}  (raw {_bytes(d['raw_bytes']['total'])})",
+        f"disk       {size_text(d['bytes_on_disk'])}; vs raw bf16: hidden {fmt_ratio(ratio['hidden'])}, "
+        f"all arrays {fmt_ratio(ratio['total'])}  (raw {size_text(d['raw_bytes']['total'])})",
     ]
     click.echo("\n".join(lines))
 
@@ -427,7 +419,7 @@ def convert(**values):
         f"in {d['seconds']:.1f} s{rate}",
         f"encoding   hidden {src['encoding']['hidden']} -> {dst['encoding']['hidden']}; top-k log-probs "
         f"{src['encoding']['topk_dtype']} -> {dst['encoding']['topk_dtype']}",
-        f"disk       {_bytes(src['bytes_on_disk'])} -> {_bytes(dst['bytes_on_disk'])}; hidden states {per_token(src)} "
+        f"disk       {size_text(src['bytes_on_disk'])} -> {size_text(dst['bytes_on_disk'])}; hidden states {per_token(src)} "
         f"-> {per_token(dst)}",
         f"next       dflash-cache stats {opts.dst}   (the relative L2 error per layer against the source)",
     ]))

@@ -27,17 +27,18 @@ import sys
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Literal
+from typing import Any, Callable
 
 import numpy as np
 import torch
 import zarr
 
 from dflash.shared.cache import (
-    HIDDEN_SCALE, ZSTD_LEVELS, CacheError, CacheMismatch, CacheReader, CacheSpec, ShardPlan,
+    HIDDEN_SCALE, CacheError, CacheMismatch, CacheReader, CacheSpec, ShardPlan,
     ShardWriter, create_or_open_cache, decode_hidden, decode_topk_logprobs, encode_hidden, encode_topk_logprobs,
     read_shard_state, shard_name, shard_recorded, to_numpy, writer_zarr_settings,
 )
+from dflash.shared.compression import ZSTD_LEVELS, HiddenCodecName, ScaleDtype, TopkDtype, is_local
 from dflash.shared.shard_lock import ShardLock, ShardLocked, live_holders
 
 
@@ -45,13 +46,13 @@ from dflash.shared.shard_lock import ShardLock, ShardLocked, live_holders
 class ConvertSettings:
     """How the converted cache stores its values (each unset one keeps the source's)."""
 
-    hidden_codec: Literal["bf16", "fp8", "int8", "int4"] | None = None
+    hidden_codec: HiddenCodecName | None = None
     """Hidden states: 'bf16' lossless, lossy 'fp8' (e4m3, a scale per token and layer), 'int8' or 'int4' (a scale per --hidden-group-size channels); default: the source's."""
     hidden_group_size: int | None = None
     """Channels sharing one scale under int8/int4 (must divide the hidden size; even for int4); default: the source's, else 128."""
-    hidden_scale_dtype: Literal["float16", "float32"] | None = None
+    hidden_scale_dtype: ScaleDtype | None = None
     """dtype of the lossy codecs' scales (default: the source's, else float16)."""
-    topk_dtype: Literal["float32", "float16", "bfloat16"] | None = None
+    topk_dtype: TopkDtype | None = None
     """Precision of the stored top-k log-probs (default: the source's)."""
     chunk_tokens: int | None = None
     """Tokens per chunk of the converted hidden states (default: the source's); the small arrays are chunked coarsely."""
@@ -91,7 +92,7 @@ def fingerprint_digest(fingerprint: dict[str, Any]) -> str:
 
 def _location(path: str) -> str:
     """A local path made absolute (a URL as given): where a later ``stats`` finds the source."""
-    return path if "://" in path else os.path.abspath(path)
+    return os.path.abspath(path) if is_local(path) else path
 
 
 def converted_spec(src: CacheSpec, settings: ConvertSettings, src_path: str) -> CacheSpec:

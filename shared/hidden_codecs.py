@@ -24,12 +24,12 @@ from dataclasses import dataclass
 
 import torch
 
-MODES = ("bf16", "fp8", "int8", "int4")
-LOSSY_MODES = ("fp8", "int8", "int4")
+from .compression import HIDDEN_CODECS, SCALE_DTYPES
+
 _QMAX = {"int8": 127, "int4": 7}
 _FP8 = torch.float8_e4m3fn
 _FP8_MAX = float(torch.finfo(_FP8).max)  # 448
-_SCALE_DTYPES = {"float16": torch.float16, "float32": torch.float32}
+_SCALE_DTYPES = {name: getattr(torch, name) for name in SCALE_DTYPES}
 
 
 @dataclass(frozen=True)
@@ -44,8 +44,8 @@ class HiddenCodec:
     """dtype the scales are stored in: 'float16' or 'float32'."""
 
     def __post_init__(self):
-        if self.mode not in MODES:
-            raise ValueError(f"hidden codec mode {self.mode!r}: expected one of {MODES}")
+        if self.mode not in HIDDEN_CODECS:
+            raise ValueError(f"hidden codec mode {self.mode!r}: expected one of {HIDDEN_CODECS}")
         if self.scale_dtype not in _SCALE_DTYPES:
             raise ValueError(f"hidden codec scale_dtype {self.scale_dtype!r}: expected one of {sorted(_SCALE_DTYPES)}")
         if self.mode in _QMAX and (self.group_size < 1 or (self.mode == "int4" and self.group_size % 2)):

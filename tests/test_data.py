@@ -384,6 +384,9 @@ def test_unreadable_sources_name_the_file(tmp_path, cache_dir):
     with pytest.raises(DataError, match=r"missing\.jsonl: no such file or directory") as info:
         D.load_source(str(tmp_path / "missing.jsonl"), cache_dir=cache_dir)
     assert info.value.reason == "unreadable"
+    for local in ("missing.jsonl", "./missing", "a/b/missing"):  # a file's suffix, or a path's shape: not a hub id
+        with pytest.raises(DataError, match="no such file or directory"):
+            D.load_source(local, cache_dir=cache_dir)
 
     folder = tmp_path / "shards"
     folder.mkdir()

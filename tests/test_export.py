@@ -171,6 +171,7 @@ def target_config(**over):
 
 def test_check_against_target(tiny_tokenizer):
     from dataclasses import replace
+    from types import SimpleNamespace
 
     from dflash.train.export import check_against_target
 
@@ -189,6 +190,11 @@ def test_check_against_target(tiny_tokenizer):
     with pytest.raises(ValueError, match=rf"mask_token_id 59 is not the tokenizer's <\|MASK\|> \({mask_id}\)"):
         check_against_target(cfg, target_config(), tiny_tokenizer)
     check_against_target(replace(cfg, mask_token_id=mask_id), target_config(), tiny_tokenizer)
+    # a loaded target (evaluation's case): its embedding rows are the vocabulary
+    loaded = lambda rows: SimpleNamespace(config=target_config(), get_input_embeddings=lambda: torch.nn.Embedding(rows, 4))
+    check_against_target(cfg, loaded(60))
+    with pytest.raises(ValueError, match="vocabulary size: the drafter has 60, the target 64"):
+        check_against_target(cfg, loaded(64))
 
 
 def test_serve_commands(tmp_path):

@@ -230,3 +230,11 @@ def test_the_plan_estimates_the_chosen_codec_and_refuses_one_that_cannot_work(da
     assert result.exit_code == 1 and "--hidden-group-size 48" in result.output and "not a multiple" in result.output
     result = CliRunner().invoke(extract_main, [a for a in args if a != "--plan"])
     assert result.exit_code == 2 and "--json goes with --plan" in result.output
+
+
+def test_is_local_and_size_text():
+    """The one URL test and the one byte formatter every command uses."""
+    from dflash.shared.compression import is_local, size_text
+
+    assert is_local("/data/cache") and is_local("rel/cache") and not is_local("s3://b/c") and not is_local("file:///c")
+    assert [size_text(n) for n in (None, 0, 1023, 1536, 5 * 2**30)] == ["unknown", "0 B", "1023 B", "1.5 KiB", "5.0 GiB"]

@@ -221,7 +221,7 @@ def test_incompatible_drafter_is_refused(target, tokenizer):
     other = Qwen3Config(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=4,
                         num_attention_heads=2, num_key_value_heads=1, head_dim=16)
     cfg = DrafterConfig.from_target_config(other, LAYERS, 3, block_size=BLOCK, num_hidden_layers=1)
-    with pytest.raises(ValueError, match="hidden_size"):
+    with pytest.raises(ValueError, match="hidden size: the drafter has 32, the target 64"):
         spec.DFlashProposer(DFlashDrafter(cfg), target)
 
 

@@ -73,14 +73,17 @@ def eagle_layer_ids(target_layer_ids: list[int]) -> list[int]:
     return [int(i) + 1 for i in target_layer_ids]
 
 
-def check_against_target(config: DrafterConfig, hf_config, tokenizer) -> None:
-    """Raise ValueError naming every way the drafter does not fit the target it is served with:
-    hidden size, vocabulary, layer count and layers, and the MASK row (inside the target's
+def check_against_target(config: DrafterConfig, target, tokenizer=None) -> None:
+    """Raise ValueError naming every way the drafter does not fit ``target`` (an HF config, or a
+    loaded model whose embedding rows are then the vocabulary; export and evaluation both check
+    here): hidden size, vocabulary, layer count and layers, and the MASK row (inside the target's
     vocabulary, and the tokenizer's <|MASK|> where it has one: SGLang refuses anything else)."""
-    text = text_config(hf_config)
+    loaded = hasattr(target, "get_input_embeddings")
+    text = text_config(target.config if loaded else target)
+    vocab = target.get_input_embeddings().weight.shape[0] if loaded else text.vocab_size
     problems = []
     for name, ours, theirs in (("hidden size", config.hidden_size, text.hidden_size),
-                               ("vocabulary size", config.vocab_size, text.vocab_size),
+                               ("vocabulary size", config.vocab_size, vocab),
                                ("num_target_layers", config.num_target_layers, text.num_hidden_layers)):
         if ours != theirs:
             problems.append(f"{name}: the drafter has {ours}, the target {theirs}")
@@ -88,8 +91,8 @@ def check_against_target(config: DrafterConfig, hf_config, tokenizer) -> None:
         check_layer_ids(config.target_layer_ids, text.num_hidden_layers)
     except ValueError as e:
         problems.append(str(e))
-    if not 0 <= config.mask_token_id < text.vocab_size:
-        problems.append(f"mask_token_id {config.mask_token_id} is outside the target vocabulary [0, {text.vocab_size})")
+    if not 0 <= config.mask_token_id < vocab:
+        problems.append(f"mask_token_id {config.mask_token_id} is outside the target vocabulary [0, {vocab})")
     tokenizer_mask = tokenizer_mask_id(tokenizer)
     if tokenizer_mask is not None and tokenizer_mask != config.mask_token_id:
         problems.append(f"mask_token_id {config.mask_token_id} is not the tokenizer's {MASK_TOKEN} ({tokenizer_mask})")
