@@ -26,8 +26,8 @@ import filelock
 LOCKS_DIR = "locks"
 """Folder of the lock files inside the cache (a Zarr group of its own, so that zarr lists no lock file)."""
 HOST = socket.gethostname()
-ACQUIRE_WAIT_S = 1.0
-"""How long ``acquire`` retries a local lock: a ``probe`` holds it for an instant."""
+ACQUIRE_WAIT_S = 0.1
+"""How long ``acquire`` retries a local lock: a ``probe`` holds it for an instant (and a refusal should be quick)."""
 
 
 @dataclass
@@ -138,7 +138,7 @@ class ShardLock:
         if self.fs is None:
             os.makedirs(os.path.dirname(self.path), exist_ok=True)
             try:
-                self.os_lock.acquire(timeout=ACQUIRE_WAIT_S)
+                self.os_lock.acquire(timeout=ACQUIRE_WAIT_S, poll_interval=0.01)
             except filelock.Timeout:
                 raise ShardLocked(self, self._read()) from None
             previous = self._read()
