@@ -124,7 +124,7 @@ class ExtractConfig:
     progress: bool = True
     """Show the progress bar (stderr)."""
     wait_for_lock: bool = False
-    """A shard another live run is writing: wait until it is released, instead of stopping with its holder named."""
+    """A shard whose lock another run holds: wait until it is released, instead of stopping with its holder named."""
     plan: bool = False
     """Only plan: tokenise and count the rows as the run would, estimate its bytes on disk and GPU-hours, and exit
     (no target forward, no weights loaded, nothing written)."""

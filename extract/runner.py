@@ -33,7 +33,7 @@ from dflash.shared.cache import (
 from dflash.shared.compression import size_text
 from dflash.shared.fingerprint import target_fingerprint, tokenizer_fingerprint
 from dflash.shared.inspect import cache_info
-from dflash.shared.shard_lock import ShardLock
+from dflash.shared.shard_lock import ShardLock, ShardLocked
 
 from .chat import end_of_turn_id, mask_method
 from .config import ExtractConfig
@@ -173,18 +173,18 @@ def prepare_root(cfg: ExtractConfig, spec: CacheSpec, layout: NodeLayout) -> zar
 
 
 def check_shard_locks(cfg: ExtractConfig, shard_ids: list[int]) -> None:
-    """Refuse at once, naming the holder, where a live process writes one of these shards
+    """Refuse at once, naming the holder, where another run holds one of these shards' locks
     (the workers take the locks themselves; this only saves planning a run that would be
     refused); under ``wait_for_lock`` only say which shards the workers will wait for."""
-    held = {s: h for s in shard_ids if (h := ShardLock(cfg.out, s).probe()) is not None}
-    if not held:
+    locks = [ShardLock(cfg.out, s) for s in shard_ids]
+    lines = [str(ShardLocked(lock, h)) for lock in locks if (h := lock.probe()) is not None]
+    if not lines:
         return
-    lines = [f"shard {s:05d} of {cfg.out} is being written by another run: {h.describe()}" for s, h in held.items()]
     if cfg.wait_for_lock:
         log.warning("%s; its worker waits for it (--wait-for-lock)", "\n".join(lines))
         return
-    raise ExtractFailed("\n".join(lines) + "\nLet that run finish or stop it (a run that died leaves its locks to "
-                        "the next run), or rerun with --wait-for-lock to wait for it")
+    raise ExtractFailed("\n".join(lines) + "\nLet that run finish or stop it, or rerun with --wait-for-lock to "
+                        "wait for it")
 
 
 FLAG_HINTS = {

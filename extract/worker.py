@@ -286,8 +286,8 @@ def _plan(task: WorkerTask, tokenizer, report) -> PlannedShard:
 
 
 def _may_load_before_the_root(task: WorkerTask) -> bool:
-    """Whether the model may load before the parent has prepared the root: no live process holds
-    this shard's lock (read only; the parent refuses such a run, and its worker must not have
+    """Whether the model may load before the parent has prepared the root: no other process holds
+    this shard's lock (probed, not kept; the parent refuses such a run, and its worker must not have
     loaded a model onto a GPU the holder uses), and the shard is not complete already (read
     from an existing root; anything unreadable counts as not complete)."""
     cfg = task.cfg
@@ -526,8 +526,7 @@ def describe_error(e: BaseException, task: WorkerTask) -> tuple[str, str]:
                       f"Committed and intact: {c['batches']} batches, {c['samples']} samples, {c['tokens']} tokens. "
                       "Fix the cause (disk space, permissions) and rerun the same command to resume.")
     if isinstance(e, ShardLocked):
-        return "locked", (f"{e}. Let it finish or stop it (a run that died leaves its lock to the next run), "
-                          "or rerun with --wait-for-lock to wait for it")
+        return "locked", f"{e}. Let it finish or stop it, or rerun with --wait-for-lock to wait for it"
     cause = e.cause if isinstance(e, WriterFailed) else e
     if isinstance(cause, LockError):
         return "locked", str(cause)

@@ -1,7 +1,11 @@
-"""One writer per shard: the lock file, with real processes holding it, dying and being taken over."""
+"""One writer per shard: the lock file, with real processes holding it, racing for it and dying.
+
+"store" runs the object-store path (create-if-absent through fsspec) on a local folder reached
+as ``local://``, an fsspec URL that is not a plain path or ``file://``."""
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import signal
@@ -14,120 +18,129 @@ import pytest
 from dflash.shared import shard_lock as L
 
 HOLD = """
-import sys, time
-from dflash.shared.shard_lock import ShardLock
-lock = ShardLock(sys.argv[1], 3, heartbeat_s=0.1, settle_s=0.2, backend=sys.argv[2])
-lock.acquire()
-print("held", flush=True)
+import os, sys, time
+from dflash.shared.shard_lock import ShardLock, ShardLocked
+while not os.path.exists(sys.argv[2]):  # the start signal: every racer tries at once
+    time.sleep(0.001)
+lock = ShardLock(sys.argv[1], 3)  # kept: filelock releases a lock that is garbage collected
+try:
+    lock.acquire()
+    print("held", flush=True)
+except ShardLocked:
+    print("refused", flush=True)
 time.sleep(600)
 """
 
 
 def out_url(tmp_path, backend):
-    """The cache root as each backend is reached: a plain folder, or an fsspec URL of one."""
-    return str(tmp_path / "c.zarr") if backend == "local" else f"file://{tmp_path / 'c.zarr'}"
+    return str(tmp_path / "c.zarr") if backend == "local" else f"local://{tmp_path / 'c.zarr'}"
 
 
-def start_holder(out, backend):
-    proc = subprocess.Popen([sys.executable, "-c", HOLD, out, backend], stdout=subprocess.PIPE, text=True)
-    assert proc.stdout.readline().strip() == "held"
-    return proc
+def start(out, tmp_path, n=1):
+    """``n`` processes that each try to take shard 3's lock at once, then sleep; with their answers."""
+    go = tmp_path / "go"
+    procs = [subprocess.Popen([sys.executable, "-c", HOLD, out, str(go)], stdout=subprocess.PIPE, text=True)
+             for _ in range(n)]
+    go.touch()
+    return procs, [p.stdout.readline().strip() for p in procs]
+
+
+def kill9(procs):
+    for p in procs:
+        p.send_signal(signal.SIGKILL)
+        p.wait()
+
+
+def os_lock_free(path) -> bool:
+    """Whether an flock of this file can be taken now (read without the module under test)."""
+    fd = os.open(path, os.O_RDWR)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return True
+    except BlockingIOError:
+        return False
+    finally:
+        os.close(fd)
 
 
 @pytest.mark.parametrize("backend", ["local", "store"])
-def test_a_second_process_is_refused_naming_the_holder_then_takes_over_after_kill9(tmp_path, backend):
-    out = out_url(tmp_path, backend)
-    holder = start_holder(out, backend)
+def test_of_processes_racing_for_a_shard_exactly_one_takes_it(tmp_path, backend):
+    procs, answers = start(out_url(tmp_path, backend), tmp_path, n=4)
     try:
-        lock = L.ShardLock(out, 3, settle_s=0.2, backend=backend)
+        assert sorted(answers) == ["held", "refused", "refused", "refused"], answers
+    finally:
+        kill9(procs)
+
+
+def test_local_a_second_run_is_refused_naming_the_holder_and_kill9_frees_the_shard_at_once(tmp_path):
+    out = str(tmp_path / "c.zarr")
+    lock_file, record_file = tmp_path / "c.zarr/locks/00003.lock", tmp_path / "c.zarr/locks/00003.json"
+    (holder,), answers = start(out, tmp_path)
+    assert answers == ["held"]
+    lock = L.ShardLock(out, 3)
+    try:
+        assert not os_lock_free(lock_file)
+        assert json.loads(record_file.read_bytes())["pid"] == holder.pid
         with pytest.raises(L.ShardLocked) as refused:
             lock.acquire()
-        assert refused.value.holder.pid == holder.pid and refused.value.holder.host == L.HOST
-        assert f"pid {holder.pid}" in str(refused.value) and "shard 00003" in str(refused.value)
-        first_beat = lock.probe().heartbeat
-        deadline = time.monotonic() + 10
-        while lock.probe().heartbeat == first_beat:  # the holder keeps its heartbeat going
-            assert time.monotonic() < deadline, "no heartbeat within 10 s"
-            time.sleep(0.05)
+        assert str(refused.value).startswith(f"shard 00003 of {out} is being written by another run: "
+                                             f"host {L.HOST}, pid {holder.pid}, since ")
+        assert lock.probe().pid == holder.pid and L.live_holders(out)[3].pid == holder.pid
     finally:
-        holder.send_signal(signal.SIGKILL)
-        holder.wait()
-    assert lock.probe() is None  # its pid is gone
-    previous = lock.acquire()
+        kill9([holder])
+    assert os_lock_free(lock_file) and record_file.exists()  # the OS lock died with it; its record stays
+    assert lock.probe() is None and L.live_holders(out) == {}
+    previous = lock.acquire()  # at once: no waiting for a lease to expire
     try:
-        assert previous.pid == holder.pid  # taken over, and the dead holder is named
-        assert lock.probe().pid == os.getpid()
+        assert previous.pid == holder.pid  # the dead holder is named
+        assert not os_lock_free(lock_file) and json.loads(record_file.read_bytes())["pid"] == os.getpid()
         lock.check()
     finally:
         lock.release()
-    assert lock.probe() is None
-    again = L.ShardLock(out, 3, settle_s=0.2, backend=backend)
-    assert again.acquire() is None  # released cleanly: nothing to take over
+    assert os_lock_free(lock_file) and not record_file.exists() and lock.probe() is None
+    again = L.ShardLock(out, 3)
+    assert again.acquire() is None  # released cleanly: nothing taken over
     again.release()
 
 
-@pytest.mark.parametrize("backend", ["local", "store"])
-def test_a_holder_on_another_host_is_refused_while_its_heartbeat_is_fresh(tmp_path, backend):
-    """Another node's holder cannot be checked by pid: its heartbeat decides (even where flock
-    would let this host take the file, as on a filesystem whose locks stay on each node)."""
-    out = out_url(tmp_path, backend)
-    path = tmp_path / "c.zarr" / "locks" / "00003.lock"
-    path.parent.mkdir(parents=True)
+def test_store_lock_file_is_created_if_absent_removed_on_release_and_left_by_kill9_until_deleted(tmp_path):
+    out = out_url(tmp_path, "store")
+    lock_file = tmp_path / "c.zarr/locks/00003.lock"
+    lock = L.ShardLock(out, 3)
+    assert lock.acquire() is None
+    assert json.loads(lock_file.read_bytes())["pid"] == os.getpid()
+    lock.check()
+    lock.release()
+    assert not lock_file.exists() and L.live_holders(out) == {}
 
-    def other_node(age_s):
-        now = time.time()
-        record = L.LockHolder("other-node", 4242, now - 1000, now - age_s, "t" * 32, None)
-        path.write_bytes(record.to_bytes())
-
-    other_node(age_s=5)
-    lock = L.ShardLock(out, 3, stale_after_s=60, settle_s=0.2, backend=backend)
+    (holder,), answers = start(out, tmp_path)
+    assert answers == ["held"]
+    kill9([holder])
+    assert json.loads(lock_file.read_bytes())["pid"] == holder.pid  # a crash leaves it
+    assert L.live_holders(out)[3].pid == holder.pid
     with pytest.raises(L.ShardLocked) as refused:
         lock.acquire()
-    assert "host other-node, pid 4242" in str(refused.value)
-    other_node(age_s=61)
-    previous = lock.acquire()
-    assert previous.host == "other-node"
-    assert json.loads(path.read_bytes())["pid"] == os.getpid()
+    message = str(refused.value)
+    assert f"host {L.HOST}, pid {holder.pid}, since " in message
+    assert f"delete file://{lock_file} to release the shard" in message
+    os.remove(lock_file)  # what the message tells the user to do
+    assert lock.acquire() is None
     lock.release()
+    assert not lock_file.exists()
 
 
 @pytest.mark.parametrize("backend", ["local", "store"])
-def test_a_holder_that_was_taken_over_refuses_to_commit(tmp_path, backend):
+def test_a_holder_whose_lock_file_was_deleted_refuses_to_commit(tmp_path, backend):
     out = out_url(tmp_path, backend)
-    lock = L.ShardLock(out, 3, heartbeat_s=0.05, settle_s=0.2, backend=backend)
-    lock.acquire()
-    lock.check()
-    path = tmp_path / "c.zarr" / "locks" / "00003.lock"
-    successor = L.LockHolder("other-node", 4242, time.time(), time.time(), "s" * 32, None)
-    path.write_bytes(successor.to_bytes())  # what a node that presumed this one dead writes
-    time.sleep(0.3)
-    with pytest.raises(L.LockLost, match="taken over by host other-node, pid 4242"):
-        lock.check()
-    lock.release()
-    assert json.loads(path.read_bytes())["host"] == "other-node"  # the successor's record is left alone
-
-
-def test_a_reused_pid_or_a_zombie_is_no_holder():
-    me = L.LockHolder(L.HOST, os.getpid(), 0.0, 0.0, "x", L._pid_started(os.getpid()))
-    assert L.holder_alive(me)
-    assert not L.holder_alive(L.LockHolder(L.HOST, os.getpid(), 0.0, 0.0, "x", "1"))  # same pid, another process
-    child = subprocess.Popen([sys.executable, "-c", "pass"])
-    while L._proc_stat(child.pid)[0] != b"Z":  # exited, not reaped yet
-        time.sleep(0.01)
-    assert not L.holder_alive(L.LockHolder(L.HOST, child.pid, 0.0, 0.0, "x", None))
-    child.wait()
-
-
-def test_a_holder_whose_lock_file_was_deleted_refuses_to_commit(tmp_path):
-    out = str(tmp_path / "c.zarr")
-    lock = L.ShardLock(out, 3, heartbeat_s=0.05, backend="local")
-    lock.acquire()
-    os.unlink(tmp_path / "c.zarr" / "locks" / "00003.lock")
-    successor = L.ShardLock(out, 3, backend="local")
-    successor.acquire()  # nothing on disk tells it about the first holder any more
-    time.sleep(0.3)
-    with pytest.raises(L.LockLost, match=f"taken over by host {L.HOST}, pid {os.getpid()}"):
-        lock.check()
-    lock.release()
+    first = L.ShardLock(out, 3)
+    first.acquire()
+    os.remove(tmp_path / "c.zarr/locks/00003.lock")  # by hand, under a live holder
+    successor = L.ShardLock(out, 3)
+    successor.acquire()
+    with pytest.raises(L.LockLost, match="no longer names this process"):
+        first.check()
+    first.release()  # leaves the successor's record alone
     successor.check()
+    assert L.ShardLock(out, 3).probe().token == successor.record.token
     successor.release()
+    assert L.ShardLock(out, 3).probe() is None
