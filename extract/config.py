@@ -93,7 +93,7 @@ class ExtractConfig:
     """CUDA device indices on this node."""
     workers_per_gpu: int = 1
     """Worker processes (each its own model copy, shard and writer) per GPU; one keeps an H200
-    busy (BENCHMARKS.md)."""
+    busy (BENCHMARKS_LOG.md)."""
     workers: int = 1
     """CPU worker processes (only with --device cpu)."""
     batch_tokens: int = 16384
@@ -112,7 +112,7 @@ class ExtractConfig:
     gil_switch_ms: float = 0.5
     """The worker's GIL switch interval (Python's default is 5 ms). The forward loop keeps the
     GIL busy; at 5 ms the writer thread waits that long at every hand-off and the cache is
-    written at a sixth of its speed (bench/writer_bench.py)."""
+    written at a sixth of its speed (BENCHMARKS_LOG.md, "writer_bench")."""
     cpu_threads: int | None = None
     """torch threads per CPU worker; default: the machine's cores divided by the workers."""
     plan_processes: int = 0

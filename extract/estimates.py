@@ -29,7 +29,7 @@ HIDDEN_STAGE_RATIO = {
     "int4": 8_907 / 10_560,
 }
 """Stored over encoded bytes of the hidden states after the lossless stage (byte shuffle + zstd 1),
-per hidden codec: BENCHMARKS.md "Lossy hidden-state codecs in the cache (issue 16)" (the real
+per hidden codec: BENCHMARKS_LOG.md "Lossy hidden-state codecs in the cache (issue 16)" (the real
 writer on a Qwen3-8B-shaped target with random weights, layers 1,9,17,25,33; the int modes in
 groups of 128 with float16 scales): bytes/token on disk over the codec's bytes/token."""
 
@@ -68,7 +68,7 @@ EXTRACTION_RATES = (
                     num_key_value_heads=8, head_dim=128, vocab_size=151936, tie_word_embeddings=False),
         sample_tokens=2048, tokens_per_s=27_870, gpu="H200"),
 )
-"""Measured rates; BENCHMARKS.md "One write path: the writer thread with the zarrs codec pipeline"
+"""Measured rates; BENCHMARKS_LOG.md "One write path: the writer thread with the zarrs codec pipeline"
 (median of write path (b), 400 x 2048 tokens, layers 1,9,17,25,33, top-64, bf16)."""
 
 

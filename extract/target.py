@@ -10,7 +10,7 @@ and the top-k of the target's next-token log-probs. Two memory rules shape the c
   model's dtype (log_softmax is monotone), and the log-probs at those ids are the fp32
   logits minus their fp32 log-sum-exp; a full (B, T, vocab) logits tensor never exists.
   On CUDA the log-sum-exp is one compiled reduction over the bf16 logits, which writes no
-  fp32 copy of them (the saving: BENCHMARKS.md, ``bench/topk_head.py``).
+  fp32 copy of them (the saving: BENCHMARKS_LOG.md).
 
 Layer id ``i`` is the output of decoder layer ``i``, i.e. HF ``hidden_states[i + 1]``.
 HF's last entry ``hidden_states[L]`` is taken AFTER the final norm, so id ``L - 1`` is

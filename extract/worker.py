@@ -12,7 +12,7 @@ batch is done before it starts the next, since HF's mask code would wait for it 
 hands the arrays to ``ShardWriter.write_batch`` and commits every ``commit_seconds``.
 zarr encodes and stores the chunks through the ``zarrs`` codec pipeline (Rust, on its own
 threads, without the GIL: the forward loop keeps this process's GIL busy, and zarr's own
-pipeline, which needs it, fell behind; BENCHMARKS.md); stores it does not handle (fsspec
+pipeline, which needs it, fell behind; BENCHMARKS_LOG.md); stores it does not handle (fsspec
 URLs) fall back to zarr's pipeline. The queue between the loop and the thread is
 bounded, so host memory stays at ``queue_depth`` + 2 batches whatever the speed of the disk.
 
@@ -475,7 +475,7 @@ def _extract(cfg: ExtractConfig, planned: PlannedShard, writer: ShardWriter, dev
                 ids, mask, index = ids.pin_memory(), mask.pin_memory(), index.pin_memory()
             if marks is not None:
                 # Sleep until the GPU has finished the previous batch: HF's mask code waits for
-                # it inside the forward anyway (a host-GPU sync per batch, bench/sync_check.py),
+                # it inside the forward anyway (a host-GPU sync per batch, BENCHMARKS_LOG.md),
                 # and there CUDA spins a core for the whole wait.
                 marks[1].synchronize()
             start = _mark() if copy_stream is not None else None

@@ -263,7 +263,7 @@ def default_chunks(spec: CacheSpec) -> dict[str, int]:
     """Format 2's rows per chunk: the hidden states at ``chunk_tokens``; each small array at
     the power of two whose raw chunk is closest under ``SMALL_CHUNK_BYTES``, between
     ``chunk_tokens`` and ``SMALL_CHUNK_MAX_TOKENS`` rows. With 256-token chunks everywhere
-    the small arrays were 1 % of the bytes but 80 % of the chunk writes (BENCHMARKS.md)."""
+    the small arrays were 1 % of the bytes but 80 % of the chunk writes (BENCHMARKS_LOG.md)."""
     chunks = {}
     for name, (shape, dtype) in token_array_shapes(spec, 1).items():
         if name in ("hidden", HIDDEN_SCALE):
@@ -320,7 +320,7 @@ def _compressors(typesize: int, level: int) -> list:
 
     The blosc block size is set explicitly: its automatic choice (small blocks) lets
     zstd see the shuffled high and low bytes mixed and costs a fifth of the ratio on
-    bf16 hidden states (1.29 against 1.46; bench/codecs.py).
+    bf16 hidden states (1.29 against 1.46; BENCHMARKS_LOG.md).
     """
     blosc_level = max(1, (level + 1) // 2)  # blosc clevel c -> zstd level 2c - 1
     return [

@@ -114,7 +114,7 @@ def test_a_bad_row_stops_the_plan_as_it_stops_the_run(dataset, tiny_target_dir, 
 
 def test_bytes_per_token_from_the_codec_and_the_measured_ratios():
     """At Qwen3-8B shape the estimate gives back each codec's measured cache (bytes/token of all
-    arrays, BENCHMARKS.md); the encoded bytes are what the codec's encoder produces (payload +
+    arrays, BENCHMARKS_LOG.md); the encoded bytes are what the codec's encoder produces (payload +
     scales), at any group size."""
     from dflash.shared import hidden_codecs as H
 

@@ -171,7 +171,7 @@ def test_acceptance_counts_leading_matches_against_shifted_top1():
 
 
 def test_step_flops_match_a_measured_step():
-    """A plain DFlash step measured at 8B dims (BENCHMARKS.md, stage two): ctx 3072, 512 x 16 blocks,
+    """A plain DFlash step measured at 8B dims (BENCHMARKS_LOG.md, stage two): ctx 3072, 512 x 16 blocks,
     182 ms/step at MFU 0.51 of 790 TFLOP/s."""
     from types import SimpleNamespace
 

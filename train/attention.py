@@ -221,7 +221,7 @@ def dflash_block_mask(anchors: torch.Tensor, block_valid: torch.Tensor, ctx_len:
 
     ``create_block_mask`` evaluates mask_mod on every (q, kv) pair to find the same tiles:
     compiled, it spends minutes in Triton compilation at Qwen3-8B training shapes
-    (BENCHMARKS.md), and eagerly it materialises the grid. Partial tiles still apply
+    (BENCHMARKS_LOG.md), and eagerly it materialises the grid. Partial tiles still apply
     ``mask_mod`` inside flex, so the attention is exact whatever the tiling says.
     """
     q_len = anchors.shape[1] * int(block_size)

@@ -6,7 +6,7 @@ Online decoding starts a turn's first block at the turn's first token and every 
 block where the previous one ended, i.e. right after a rejected (or the bonus) token.
 Where acceptance depends on the position, the mean over uniformly drawn anchors weighs
 every position alike while decoding spends more blocks where blocks are short, so the
-two differ (BENCHMARKS.md, "The CPU demo"). The replay therefore scores a block at EVERY
+two differ (BENCHMARKS_LOG.md, "The CPU demo"). The replay therefore scores a block at EVERY
 assistant position with training's step and ``metrics.block_taus`` (end-of-turn cap, no
 block on the end-of-turn token), then walks each turn as decoding does: anchor at the
 turn's first token, next anchor = anchor + tau. On data the target regenerated, the walk
