@@ -183,14 +183,10 @@ class StaticDecoder:
     that holds its prompts; each room's cache is reset in place and reused, so the step is
     compiled once per room, not once per batch. Rooms double because a decode step reads
     the whole static cache (its cost grows with the room, not with the prompt). Prompts
-    longer than the largest room fall back to the plain path. The model's attention becomes
-    ``target.grouped_sdpa``, which reads the cache's key/value heads without copying them.
+    longer than the largest room fall back to the plain path.
     """
 
     def __init__(self, model, batch_size: int, max_new_tokens: int, prompt_tokens: int | None):
-        from .target import use_grouped_decode
-
-        use_grouped_decode(model)
         self.model, self.rows, self.max_new_tokens = model, batch_size, max_new_tokens
         self.room = prompt_tokens or STATIC_PROMPT_TOKENS
         self.caches: dict[int, object] = {}

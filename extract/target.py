@@ -54,40 +54,6 @@ def load_target(name_or_path: str, *, dtype: str = "bfloat16", device: str | tor
     return model
 
 
-GROUPED_SDPA = "grouped_decode_sdpa"  # no "flash" in it: transformers reads such names as flash kernels
-
-
-def grouped_sdpa(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None, **kwargs):
-    """transformers' SDPA attention, except that a one-token decode step reads grouped key/value
-    heads as they are: the G query heads sharing a key/value head become G query rows of that
-    head (the same dot products), where transformers' own path copies every key/value head G
-    times whenever a mask is given, as left padding and static caches always give one (under
-    compile). Decoding a static cache is bound by reading it, so the copy cost the G-fold time."""
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
-    groups = getattr(module, "num_key_value_groups", 1)
-    shared_mask = attention_mask is None or (attention_mask.dim() == 4 and attention_mask.shape[1] == 1)
-    if query.shape[2] != 1 or groups == 1 or dropout or not shared_mask or kwargs.get("position_bias") is not None:
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
-                                      **kwargs)
-    batch, heads, _, dim = query.shape
-    out = torch.nn.functional.scaled_dot_product_attention(
-        query.reshape(batch, heads // groups, groups, dim), key, value, attn_mask=attention_mask, scale=scaling)
-    return out.reshape(batch, heads, 1, value.shape[-1]).transpose(1, 2).contiguous(), None
-
-
-def use_grouped_decode(model) -> None:
-    """Switch ``model`` to ``grouped_sdpa`` (registered with transformers' attention and mask
-    interfaces under GROUPED_SDPA; masks as for SDPA). Only one-token steps change."""
-    from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
-
-    AttentionInterface.register(GROUPED_SDPA, grouped_sdpa)
-    AttentionMaskInterface.register(GROUPED_SDPA, sdpa_mask)
-    if model.config._attn_implementation != GROUPED_SDPA:
-        model.set_attn_implementation(GROUPED_SDPA)
-
-
 def decoder_parts(model):
     """(backbone, decoder layers, LM head) of a HF causal LM with the usual layout."""
     backbone = getattr(model, "model", None)

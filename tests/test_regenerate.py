@@ -194,12 +194,10 @@ def test_static_cache_equals_the_plain_path(greedy_run, tmp_path, target, tokeni
         self.caches = _Recording(decoder_rooms)
 
     monkeypatch.setattr(regen.StaticDecoder, "__init__", init)
-    grouped = _count_grouped_calls(monkeypatch)
     cfg = _config(chats_sample_path, tiny_target_dir, tmp_path / "static")
     cfg.static_cache, cfg.batch_size = True, 4
     regen.regenerate(cfg, model=target, tokenizer=tokenizer)
     assert _rows(tmp_path / "static") == _rows(greedy_run[0])
-    assert grouped, "the static path decodes with target.grouped_sdpa's grouped key/value heads"
     assert True in fits and (room is None or False in fits), fits  # both paths ran where the room forces it
     assert room is not None or len(decoder_rooms) > 1, decoder_rooms  # several rooms were used
 
@@ -214,44 +212,3 @@ class _Recording(dict):
     def __setitem__(self, key, value):
         self.seen.add(key)
         super().__setitem__(key, value)
-
-
-def _count_grouped_calls(monkeypatch) -> list:
-    """Records the query shape of every one-token step that reaches target.grouped_sdpa."""
-    from dflash.extract import target as target_module
-
-    calls, grouped = [], target_module.grouped_sdpa
-
-    def spy(module, query, *args, **kwargs):
-        if query.shape[2] == 1:
-            calls.append(tuple(query.shape))
-        return grouped(module, query, *args, **kwargs)
-
-    monkeypatch.setattr(target_module, "grouped_sdpa", spy)
-    return calls
-
-
-@pytest.mark.parametrize("mask_kind", ["bool", "float", "none"])
-def test_grouped_sdpa_equals_transformers_sdpa(mask_kind):
-    """One decode step with grouped key/value heads read in place gives transformers' own SDPA
-    attention (which copies each key/value head to its query heads), on random inputs with a
-    left-padding mask; steps of several tokens are transformers' path unchanged."""
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
-    from dflash.extract.target import grouped_sdpa
-
-    torch.manual_seed(0)
-    module = torch.nn.Module()
-    module.num_key_value_groups, module.is_causal = 3, True
-    batch, kv_heads, length, dim = 4, 2, 37, 16
-    for q_len in (1, 5):
-        query = torch.randn(batch, kv_heads * 3, q_len, dim, dtype=torch.float64)
-        key, value = (torch.randn(batch, kv_heads, length, dim, dtype=torch.float64) for _ in range(2))
-        keep = torch.arange(length)[None, :] >= torch.tensor([0, 3, 10, 20])[:, None]  # left padding per row
-        keep = keep[:, None, None, :].expand(batch, 1, q_len, length)
-        mask = {"bool": keep, "float": torch.zeros(keep.shape, dtype=torch.float64).masked_fill(~keep, -1e30),
-                "none": None}[mask_kind]
-        expected, _ = sdpa_attention_forward(module, query, key, value, mask, scaling=0.3)
-        got, _ = grouped_sdpa(module, query, key, value, mask, scaling=0.3)
-        assert got.shape == expected.shape == (batch, q_len, kv_heads * 3, dim)
-        torch.testing.assert_close(got, expected, rtol=1e-12, atol=1e-12)
