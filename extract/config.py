@@ -115,8 +115,6 @@ class ExtractConfig:
     written at a sixth of its speed (BENCHMARKS_LOG.md, "writer_bench")."""
     cpu_threads: int | None = None
     """torch threads per CPU worker; default: the machine's cores divided by the workers."""
-    plan_processes: int = 0
-    """Processes that tokenise each worker's slice (0: one per 2048 rows from 4096 rows on, up to its share of the cores)."""
     compile_cache: str | None = None
     """Folder of compiled graphs kept between runs (the LM head's, on CUDA; None: $TORCHINDUCTOR_CACHE_DIR or ~/.cache/dflash/compile)."""
     summary_json: str | None = None
@@ -157,8 +155,6 @@ class ExtractConfig:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
         if self.commit_seconds < 0:
             raise ValueError(f"commit_seconds must be 0 or more, got {self.commit_seconds}")
-        if self.plan_processes < 0:
-            raise ValueError(f"plan_processes must be 0 (auto) or more, got {self.plan_processes}")
         if self.cpu_threads is not None and self.cpu_threads < 1:
             raise ValueError(f"cpu_threads must be at least 1, got {self.cpu_threads}")
         if self.gil_switch_ms <= 0:

@@ -50,7 +50,7 @@ log = logging.getLogger(__name__)
 FINGERPRINTED = ("topk", "max_length", "truncation", "min_length", "on_bad_row", "batch_tokens",
                  "chunk_tokens", "compression_level", "attn_implementation", "lm_head_chunk")
 NOT_RECORDED = ("out", "summary_json", "progress", "batch_delay_s", "wait_for_lock", "compile_cache",
-                "plan_processes", "plan", "json", "ignore_free_space")
+                "plan", "json", "ignore_free_space")
 
 
 def package_version() -> str:

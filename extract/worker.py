@@ -47,7 +47,7 @@ from .config import ExtractConfig
 from .cpu_time import thread_cpu, thread_cpu_by_name
 from .data import DataError, load_source
 from .launch import WorkerTask
-from .plan import PlannedShard, plan_shard, planning_processes, shard_rows
+from .plan import PlannedShard, plan_shard, shard_rows
 from .target import DTYPES, TargetRunner, compile_logsumexp, compute_environment, head_backend_for, load_target
 from .tokenizer import load_tokenizer
 
@@ -281,8 +281,7 @@ def _plan(task: WorkerTask, tokenizer, report) -> PlannedShard:
     rows = ds.select(range(start, stop_row)) if hasattr(ds, "select") else ds[start:stop_row]
     report("planning", rows=stop_row - start, done=0)
     return plan_shard(rows, start, cfg.data, tokenizer, cfg,
-                      on_row=lambda done: report("planning", rows=stop_row - start, done=done),
-                      processes=planning_processes(cfg, stop_row - start))
+                      on_row=lambda done: report("planning", rows=stop_row - start, done=done))
 
 
 def _may_load_before_the_root(task: WorkerTask) -> bool:
