@@ -49,6 +49,11 @@ from .plan import PlannedShard, plan_shard, shard_rows
 from .target import TargetRunner, compute_environment, head_backend_for, load_target
 from .tokenizer import load_tokenizer
 
+GIL_SWITCH_S = 0.0005
+"""The worker's GIL switch interval (Python's default is 5 ms). The forward loop keeps the
+GIL busy; at 5 ms the writer thread waits that long at every hand-off and the cache is
+written at a sixth of its speed (BENCHMARKS_LOG.md, "writer_bench")."""
+
 
 @dataclass
 class WorkerTask:
@@ -214,8 +219,7 @@ def run_shard(task: WorkerTask, report, stop: threading.Event | Any | None = Non
     cfg = task.cfg
     if task.cpu_threads:
         torch.set_num_threads(task.cpu_threads)
-    # The writer thread shares the GIL with the forward loop: hand it over often.
-    sys.setswitchinterval(cfg.gil_switch_ms / 1000.0)
+    sys.setswitchinterval(GIL_SWITCH_S)
     device = torch.device(task.device)
     if device.type == "cuda":
         torch.cuda.set_device(device)
@@ -227,7 +231,7 @@ def run_shard(task: WorkerTask, report, stop: threading.Event | Any | None = Non
     try:
         report("plan_ready", tokens=planned.plan.num_tokens, samples=len(planned.plan.source_index))
         _wait(go, stop)  # until every worker of the node has planned; stopped if another one failed meanwhile
-        with zarr.config.set(writer_zarr_settings(cfg.out, cfg.write_concurrency)):  # the shard's write path; other zarr users keep theirs
+        with zarr.config.set(writer_zarr_settings(cfg.out)):  # the shard's write path; other zarr users keep theirs
             return _run_shard(task, planned, tokenizer.pad_token_id, report, stop, lock, timing)
     finally:
         lock.release()

@@ -907,7 +907,7 @@ def test_the_shard_writer_uses_zarrs_for_a_folder_and_zarrs_own_pipeline_for_a_u
         cfg = ExtractConfig(data="unused", model=str(tiny_target_dir), out=out, device="cpu")
         with warnings.catch_warnings():
             warnings.simplefilter("error")  # no fallback warning from zarrs
-            with zarr.config.set(C.writer_zarr_settings(cfg.out, cfg.write_concurrency)):
+            with zarr.config.set(C.writer_zarr_settings(cfg.out)):
                 root = C.create_or_open_cache(out, spec, storage_options={"auto_mkdir": True} if "://" in out else None)
                 w = C.ShardWriter(root, 0, plan, spec)
                 assert {type(a.async_array.codec_pipeline).__name__ for a in w.arrays.values()} == {expected}
