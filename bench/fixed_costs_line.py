@@ -11,7 +11,7 @@ import os
 import sys
 
 
-ORDER = ("spawn", "tokenizer_and_config", "dataset_load", "fingerprint", "cache_root", "workers_start", "planning",
+ORDER = ("tokenizer_and_config", "dataset_load", "fingerprint", "cache_root", "spawn", "workers_start", "planning",
          "writer_start", "forward_loop", "drain_and_exit", "summary")
 """The runner's phases in the order they follow each other (the summary JSON sorts its keys)."""
 
@@ -28,7 +28,6 @@ def main() -> None:
     line = {
         "run": int(os.environ["RUN"]), "code": os.environ["LABEL"], "bytecode": os.environ.get("BYTECODE", "none"),
         "total_s": round(t1 - t0, 2), "imports_s": round(phases["started_at"] - t0, 2),
-        "workers_spawned_s": round(phases["workers_spawned_at"] - t0, 2) if phases.get("workers_spawned_at") else None,
         "first_batch_s": round(ends["writer_start"], 2) if "writer_start" in ends else None,
         "forward_loop_s": seconds.get("forward_loop"),
         "after_last_batch_s": round(t1 - t0 - ends["forward_loop"], 2) if "forward_loop" in ends else None,

@@ -23,19 +23,15 @@ def main(**kw) -> None:
     workers and shards.
     """
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
-    from .launch import ExtractFailed, Workers, node_layout, node_tasks
-
     cfg = validated(build(ExtractConfig, kw))
     if cfg.plan:
         _plan(cfg)
         return
+    from .runner import ExtractFailed, format_summary, run
+
     summary_json = cfg.summary_json
     try:
-        # the workers start their imports and planning now, before this process imports torch
-        workers = Workers(node_tasks(cfg, node_layout()))
-        from .runner import format_summary, run
-
-        summary = run(cfg, workers)
+        summary = run(cfg)
     except ExtractFailed as e:
         click.echo(f"dflash-extract: error: {e}", err=True)
         sys.exit(1)

@@ -106,17 +106,8 @@ class ExtractConfig:
     """Seconds between commits of a shard (a crash loses at most this much work); 0 = every batch."""
     queue_depth: int = 2
     """Batches in flight between the forward loop and the writer thread (bounds host memory)."""
-    write_concurrency: int = 32
-    """Chunks zarr's own pipeline encodes and writes at once per shard (its ``async.concurrency``;
-    zarr's default is 10), where it writes instead of zarrs (fsspec URLs)."""
-    gil_switch_ms: float = 0.5
-    """The worker's GIL switch interval (Python's default is 5 ms). The forward loop keeps the
-    GIL busy; at 5 ms the writer thread waits that long at every hand-off and the cache is
-    written at a sixth of its speed (BENCHMARKS_LOG.md, "writer_bench")."""
     cpu_threads: int | None = None
     """torch threads per CPU worker; default: the machine's cores divided by the workers."""
-    plan_processes: int = 0
-    """Processes that tokenise each worker's slice (0: one per 2048 rows from 4096 rows on, up to its share of the cores)."""
     compile_cache: str | None = None
     """Folder of compiled graphs kept between runs (the LM head's, on CUDA; None: $TORCHINDUCTOR_CACHE_DIR or ~/.cache/dflash/compile)."""
     summary_json: str | None = None
@@ -152,17 +143,13 @@ class ExtractConfig:
         if self.device == "cpu" and self.workers < 1:
             raise ValueError("--workers must be at least 1")
         for name in ("topk", "max_length", "min_length", "batch_tokens", "lm_head_chunk", "chunk_tokens",
-                     "queue_depth", "write_concurrency", "hidden_group_size"):
+                     "queue_depth", "hidden_group_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
         if self.commit_seconds < 0:
             raise ValueError(f"commit_seconds must be 0 or more, got {self.commit_seconds}")
-        if self.plan_processes < 0:
-            raise ValueError(f"plan_processes must be 0 (auto) or more, got {self.plan_processes}")
         if self.cpu_threads is not None and self.cpu_threads < 1:
             raise ValueError(f"cpu_threads must be at least 1, got {self.cpu_threads}")
-        if self.gil_switch_ms <= 0:
-            raise ValueError(f"gil_switch_ms must be positive, got {self.gil_switch_ms}")
         if self.hidden_codec == "int4" and self.hidden_group_size % 2:
             raise ValueError(f"--hidden-group-size {self.hidden_group_size}: int4 packs two channels a byte, "
                              "so its groups must be even")

@@ -272,25 +272,13 @@ class SkipCounter:
 
     counts: Counter = field(default_factory=Counter)
     first_message: dict[str, str] = field(default_factory=dict)
-    quiet: bool = False
-    """Log nothing (a planning process: the worker logs the merged counts)."""
 
     def record(self, error: DataError) -> None:
         if error.reason not in self.first_message:
-            self._first(error.reason, str(error))
+            self.first_message[error.reason] = str(error)
+            log.warning("skipping row (%s): %s; further %r skips are only counted", error.reason, error,
+                        error.reason)
         self.counts[error.reason] += 1
-
-    def merge(self, other: "SkipCounter") -> None:
-        """Add ``other``'s skips, of rows after this counter's."""
-        for reason, message in other.first_message.items():
-            if reason not in self.first_message:
-                self._first(reason, message)
-        self.counts.update(other.counts)
-
-    def _first(self, reason: str, message: str) -> None:
-        self.first_message[reason] = message
-        if not self.quiet:
-            log.warning("skipping row (%s): %s; further %r skips are only counted", reason, message, reason)
 
     @property
     def total(self) -> int:

@@ -15,18 +15,10 @@ what lets a rerun rebuild the same plan and resume a shard where its commit reco
   shows up in the first minute, not after hours), ties by source row; then cut greedily
   into batches whose padded size, batch size x longest sample, stays within
   ``batch_tokens``. A sample longer than the budget gets a batch of its own.
-* Large slices are tokenised by a pool of processes, in contiguous runs of rows whose
-  results are joined in row order: the plan is the one a single process makes, and the
-  first bad row in row order is the one reported.
 """
 
 from __future__ import annotations
 
-import multiprocessing as mp
-import os
-import threading
-import time
-from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from typing import Callable
 
@@ -37,14 +29,6 @@ from dflash.shared.cache import ShardPlan
 from .chat import render
 from .config import ExtractConfig
 from .data import SkipCounter, SkippedSample, guard, normalize_row
-
-PARALLEL_MIN_ROWS = 4096
-"""Slices of fewer rows are tokenised in the calling process (a pool process needs seconds to
-import transformers and load the tokenizer)."""
-ROWS_PER_PROCESS = 2048
-"""With ``plan_processes`` 0 (auto), one pool process per this many rows of the slice, up to the
-worker's share of the cores."""
-
 
 @dataclass
 class PlannedShard:
@@ -99,19 +83,14 @@ def length_bucketed_batches(lengths: np.ndarray, source_index: np.ndarray, batch
 
 
 def plan_shard(rows, row_offset: int, source: str, tokenizer, cfg: ExtractConfig,
-               on_row: Callable[[int], None] | None = None, processes: int = 1) -> PlannedShard:
+               on_row: Callable[[int], None] | None = None) -> PlannedShard:
     """Tokenise ``rows`` (the shard's slice, global row numbers from ``row_offset``) and plan it,
-    rendered with ``cfg``'s end-of-turn token and template arguments; with ``processes`` > 1 a
-    pool of that many processes tokenises (each loads ``cfg``'s tokenizer itself).
+    rendered with ``cfg``'s end-of-turn token and template arguments.
 
     Raises DataError on the first bad row unless ``cfg.on_bad_row == "skip"``.
-    ``on_row(done)`` is called every 256 rows (pooled: every run of rows) for progress.
+    ``on_row(done)`` is called every 256 rows for progress.
     """
-    if processes > 1 and len(rows) > 1:
-        tokenised = _tokenise_pooled(rows, row_offset, source, cfg, on_row, processes)
-    else:
-        tokenised = tokenise_rows(rows, row_offset, source, tokenizer, cfg, on_row)
-    kept_rows, ids, masks, skips, truncated = tokenised
+    kept_rows, ids, masks, skips, truncated = tokenise_rows(rows, row_offset, source, tokenizer, cfg, on_row)
     source_index = np.asarray(kept_rows, dtype=np.int64)
     lengths = np.asarray([len(x) for x in ids], dtype=np.int64)
     order, batches = length_bucketed_batches(lengths, source_index, cfg.batch_tokens)
@@ -125,24 +104,12 @@ def plan_shard(rows, row_offset: int, source: str, tokenizer, cfg: ExtractConfig
     return PlannedShard(plan=plan, input_ids=input_ids, loss_mask=loss_mask, skips=skips, truncated=truncated)
 
 
-def planning_processes(cfg: ExtractConfig, num_rows: int) -> int:
-    """Processes that tokenise a slice of ``num_rows`` rows: ``cfg.plan_processes``, or with 0
-    one per ``ROWS_PER_PROCESS`` rows up to this worker's share of the cores, 1 under
-    ``PARALLEL_MIN_ROWS`` rows."""
-    if cfg.plan_processes:
-        return cfg.plan_processes
-    if num_rows < PARALLEL_MIN_ROWS:
-        return 1
-    share = max(1, (os.cpu_count() or 1) // cfg.local_workers)
-    return max(1, min(share, num_rows // ROWS_PER_PROCESS))
-
-
 def tokenise_rows(rows, row_offset: int, source: str, tokenizer, cfg: ExtractConfig,
-                  on_row: Callable[[int], None] | None = None, skips: SkipCounter | None = None
+                  on_row: Callable[[int], None] | None = None
                   ) -> tuple[list[int], list[np.ndarray], list[np.ndarray], SkipCounter, int]:
     """(kept row numbers, their ids, their loss masks, the skips, how many kept samples were
     truncated) of ``rows``, in row order."""
-    skips = skips if skips is not None else SkipCounter()
+    skips = SkipCounter()
     kept_rows: list[int] = []
     ids: list[np.ndarray] = []
     masks: list[np.ndarray] = []
@@ -171,66 +138,3 @@ def tokenise_rows(rows, row_offset: int, source: str, tokenizer, cfg: ExtractCon
     if on_row is not None:
         on_row(done)
     return kept_rows, ids, masks, skips, truncated
-
-
-# ----------------------------------------------------------------------------- the pool
-
-_pool_tokenizer = None  # a pool process's own tokenizer, loaded once by _pool_start
-
-
-def _pool_start(cfg: ExtractConfig, parent: int) -> None:
-    global _pool_tokenizer
-    from .tokenizer import load_tokenizer
-
-    threading.Thread(target=_exit_with_parent, args=(parent,), daemon=True).start()
-    _pool_tokenizer = load_tokenizer(cfg)
-
-
-def _exit_with_parent(parent: int) -> None:
-    """End this pool process once the worker that started it is gone (killed before the cache
-    root was ready, or by the OOM killer): an orphaned pool process would wait for work forever."""
-    while os.getppid() == parent:  # ``parent`` passed in: this process may start after it died
-        time.sleep(0.5)
-    os._exit(1)
-
-
-def _pool_tokenise(rows: list, row_offset: int, source: str, cfg: ExtractConfig):
-    skips = SkipCounter(quiet=True)  # the caller logs the merged skips
-    return tokenise_rows(rows, row_offset, source, _pool_tokenizer, cfg, skips=skips)
-
-
-def _tokenise_pooled(rows, row_offset: int, source: str, cfg: ExtractConfig,
-                     on_row: Callable[[int], None] | None, processes: int):
-    """``tokenise_rows`` by a pool of spawned processes over contiguous runs of rows, joined in
-    row order (four runs per process, so that a slow run does not leave the others idle)."""
-    n = len(rows)
-    runs = min(n, processes * 4)
-    bounds = [i * n // runs for i in range(runs + 1)]
-    skips = SkipCounter()
-    kept_rows: list[int] = []
-    ids: list[np.ndarray] = []
-    masks: list[np.ndarray] = []
-    truncated = 0
-    with ProcessPoolExecutor(max_workers=processes, mp_context=mp.get_context("spawn"),
-                             initializer=_pool_start, initargs=(cfg, os.getpid())) as pool:
-        try:
-            futures = [pool.submit(_pool_tokenise, _row_list(rows, a, b), row_offset + a, source, cfg)
-                       for a, b in zip(bounds, bounds[1:])]
-            for future, done in zip(futures, bounds[1:]):
-                run_rows, run_ids, run_masks, run_skips, run_truncated = future.result()  # a bad row: the first
-                kept_rows += run_rows
-                ids += run_ids
-                masks += run_masks
-                skips.merge(run_skips)
-                truncated += run_truncated
-                if on_row is not None:
-                    on_row(done)
-        except BaseException:
-            pool.shutdown(wait=True, cancel_futures=True)
-            raise
-    return kept_rows, ids, masks, skips, truncated
-
-
-def _row_list(rows, start: int, stop: int) -> list:
-    """Rows ``start..stop`` of a JSON row list or an HF dataset, as plain rows to send to a pool process."""
-    return [rows[i] for i in range(start, stop)]  # row access applies a dataset's own transform

@@ -9,20 +9,21 @@ the store, which works for any URL zarr can open) and then check its fingerprint
 A root that differs from this run's fingerprint is refused, naming each difference, unless
 none of its shards committed a sample: then rank 0 replaces it (a run that failed before its
 first commit must not block the corrected rerun at the same ``--out``), and the other ranks
-wait for the replacement. The local workers touch the cache only once all of them have
-planned their slices, so a bad row (under ``--on-bad-row error``) stops a node before any of
-its shards commits. The workers start first (``launch``) and plan while this process prepares
-the root.
+wait for the replacement. The local workers are spawned once the root is ready and touch
+the cache only once all of them have planned their slices, so a bad row (under
+``--on-bad-row error``) stops a node before any of its shards commits.
 """
 
 from __future__ import annotations
 
 import functools
 import logging
+import multiprocessing as mp
 import os
 import queue
 import sys
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import zarr
@@ -40,7 +41,7 @@ from .config import ExtractConfig
 from .data import DataError, dataset_fingerprint, load_source
 from .estimates import run_space_problem
 from .tokenizer import load_tokenizer
-from .launch import ExtractFailed, NodeLayout, Workers, node_layout, node_tasks  # noqa: F401 - re-exported
+from .worker import WorkerTask, worker_main
 
 log = logging.getLogger(__name__)
 
@@ -50,7 +51,44 @@ log = logging.getLogger(__name__)
 FINGERPRINTED = ("topk", "max_length", "truncation", "min_length", "on_bad_row", "batch_tokens",
                  "chunk_tokens", "compression_level", "attn_implementation", "lm_head_chunk")
 NOT_RECORDED = ("out", "summary_json", "progress", "batch_delay_s", "wait_for_lock", "compile_cache",
-                "plan_processes", "plan", "json", "ignore_free_space")
+                "plan", "json", "ignore_free_space")
+
+
+class ExtractFailed(Exception):
+    """A run that cannot go on; the message is for the user (no traceback needed)."""
+
+
+@dataclass
+class NodeLayout:
+    rank: int
+    """This node's index (torchrun RANK with one process per node; 0 outside torchrun)."""
+    nodes: int
+    """Number of nodes (torchrun WORLD_SIZE; 1 outside torchrun)."""
+
+    def shard_ids(self, local_workers: int) -> list[int]:
+        """Global shard ids of this node's workers: node ``r`` owns ``r * W .. r * W + W - 1``."""
+        return [self.rank * local_workers + j for j in range(local_workers)]
+
+
+def node_layout() -> NodeLayout:
+    """Read the torchrun environment only where it is set."""
+    if "WORLD_SIZE" not in os.environ:
+        return NodeLayout(0, 1)
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    if local_world != 1:
+        raise ExtractFailed(
+            f"LOCAL_WORLD_SIZE={local_world}: run one dflash-extract per node (torchrun --nproc-per-node 1); "
+            "it spawns one worker per GPU itself")
+    return NodeLayout(int(os.environ.get("RANK", "0")), int(os.environ["WORLD_SIZE"]))
+
+
+def node_tasks(cfg: ExtractConfig, layout: NodeLayout) -> list[WorkerTask]:
+    """One task per local worker: its global shard, its device, its CPU threads."""
+    local = cfg.local_workers
+    threads = cfg.cpu_threads or max(1, (os.cpu_count() or 1) // local)
+    return [WorkerTask(cfg=cfg, shard_id=s, num_shards=layout.nodes * local, device=d,
+                       cpu_threads=threads if cfg.device == "cpu" else None)
+            for s, d in zip(layout.shard_ids(local), cfg.worker_devices)]
 
 
 def package_version() -> str:
@@ -286,46 +324,27 @@ def _time_lines(timing: list[dict[str, float]]) -> list[str]:
 # ----------------------------------------------------------------------------- run
 
 
-def run(cfg: ExtractConfig, workers: Workers | None = None) -> dict[str, Any]:
-    """Extract (or resume) this node's shards; returns the summary. Raises ExtractFailed.
-
-    ``workers``: this node's workers, already started (``launch``; the command line starts
-    them before it imports this module); started here otherwise. They load the model and plan
-    while this process prepares the root, and are killed if it fails or finds the shards complete.
-    """
+def run(cfg: ExtractConfig) -> dict[str, Any]:
+    """Extract (or resume) this node's shards; returns the summary. Raises ExtractFailed."""
     t_start = time.monotonic()
     phases = Phases(started_at=time.time())
     try:
         cfg.validate()
     except ValueError as e:
-        if workers is not None:
-            workers.kill()
         raise ExtractFailed(str(e)) from e
     layout = node_layout()
-    if workers is None:
-        workers = Workers(node_tasks(cfg, layout))
-    phases.mark("spawn")
-    phases.workers_spawned_at = workers.spawned_at
-    try:
-        root, spec, shard_ids = _prepare(cfg, layout, phases)
-        states = read_shard_states(root, shard_ids)
-        done = all(st is not None and st.complete for st in states.values())
-        if not done:
-            _check_devices(cfg)
-    except BaseException:
-        workers.kill()  # planned at most, never touched the cache
-        raise
-    if done:
-        workers.kill()
+    root, spec, shard_ids = _prepare(cfg, layout, phases)
+    states = read_shard_states(root, shard_ids)
+    if all(st is not None and st.complete for st in states.values()):
         summary = summarize(cfg.out, shard_ids)
         summary.update(noop=True, samples_this_run=0, wall_s=time.monotonic() - t_start, tokens_per_s=None)
         log.info("%s: shards %s already complete; nothing to do", cfg.out, shard_ids)
         return summary
-    workers.root_ready.set()
+    _check_devices(cfg)
     committed = {s: st.commit for s, st in states.items() if st is not None}
     space_check = None if cfg.ignore_free_space else functools.partial(run_space_problem, cfg, spec,
                                                                         committed=committed)
-    counts = _run_workers(workers, cfg, phases, before_go=space_check)
+    counts = _run_workers(node_tasks(cfg, layout), cfg, phases, before_go=space_check)
 
     summary = summarize(cfg.out, shard_ids)
     phases.mark("summary")
@@ -399,39 +418,43 @@ class Phases:
     def __init__(self, started_at: float):
         self.started_at = started_at
         """Wall-clock time (epoch seconds) when ``run`` began; what came before is imports."""
-        self.workers_spawned_at: float | None = None
-        """Wall-clock time when the workers were started (before ``run`` where the command line started them)."""
         self._last = time.monotonic()
         self.seconds: dict[str, float] = {}
 
     def mark(self, name: str, at: float | None = None) -> None:
-        """The step ``name`` ended now (or at monotonic time ``at``); a step of the workers that
-        ended while the parent's set-up was still under way counts only the seconds it added."""
+        """The step ``name`` ended now (or at monotonic time ``at``)."""
         at = max(self._last, time.monotonic() if at is None else at)
         self.seconds[name] = round(self.seconds.get(name, 0.0) + at - self._last, 3)
         self._last = at
 
     def as_dict(self) -> dict[str, Any]:
-        return {"started_at": self.started_at, "workers_spawned_at": self.workers_spawned_at,
-                "seconds": dict(self.seconds)}
+        return {"started_at": self.started_at, "seconds": dict(self.seconds)}
 
 
-def _run_workers(workers: Workers, cfg: ExtractConfig, phases: Phases | None = None,
+def _run_workers(tasks: list[WorkerTask], cfg: ExtractConfig, phases: Phases | None = None,
                  before_go=None) -> dict[str, Any]:
-    """Feed the progress bar from the started workers, let them write once all have planned,
-    collect how each one ended; marks the workers' start (spawn, imports), planning (with the
-    model load and the compiled head beside it), the first batch, the forward loop and the end
-    (drain, final commit, exit) in ``phases``. ``before_go(planned)``, given each shard's
-    planned ``tokens`` and ``samples`` once all have planned, returns why the workers must not
-    start writing (they are stopped), or None."""
+    """Spawn one worker per task, feed the progress bar, let them write once all have planned,
+    collect how each one ended; marks the spawn, the workers' start (imports, tokenizer),
+    planning, the first batch (model load, head), the forward loop and the end (drain, final
+    commit, exit) in ``phases``. ``before_go(planned)``, given each shard's planned ``tokens``
+    and ``samples`` once all have planned, returns why the workers must not start writing
+    (they are stopped), or None."""
+    from tqdm import tqdm
+
     phases = phases or Phases(time.time())
     seen: dict[str, float] = {}
 
     def first(event: str) -> None:
         seen.setdefault(event, time.monotonic())
-    from tqdm import tqdm
 
-    tasks, messages, stop, go, procs = workers.tasks, workers.messages, workers.stop, workers.go, workers.procs
+    ctx = mp.get_context("spawn")
+    messages, stop = ctx.Queue(), ctx.Event()
+    go = ctx.Event()  # set once every worker has planned and locked: none writes before all slices are known good
+    procs = {t.shard_id: ctx.Process(target=worker_main, args=(t, messages, stop, go),
+                                     name=f"dflash-extract-{t.shard_id:05d}") for t in tasks}
+    for p in procs.values():
+        p.start()
+    phases.mark("spawn")
     ended: dict[int, str] = {}
     errors: list[str] = []
     categories: set[str] = set()

@@ -50,7 +50,7 @@ def count_run(cfg: ExtractConfig, tokenizer, ds, num_shards: int, progress: bool
     """
     from tqdm import tqdm
 
-    from .plan import plan_shard, planning_processes, shard_rows
+    from .plan import plan_shard, shard_rows
 
     counts = PlanCounts(rows=len(ds), shards=num_shards)
     skipped: Counter[str] = Counter()
@@ -65,8 +65,7 @@ def count_run(cfg: ExtractConfig, tokenizer, ds, num_shards: int, progress: bool
                 bar.update(done - seen[0])
                 seen[0] = done
 
-            planned = plan_shard(rows, start, cfg.data, tokenizer, cfg, on_row=advance,
-                                 processes=planning_processes(cfg, stop - start))  # the workers' pooling
+            planned = plan_shard(rows, start, cfg.data, tokenizer, cfg, on_row=advance)
             plan = planned.plan
             skipped.update(plan.skipped)
             counts.samples += len(plan.source_index)

@@ -79,7 +79,7 @@ def compile_logsumexp(vocab_size: int, dtype: torch.dtype, device: torch.device 
     """``logsumexp_fp32`` compiled by ``backend`` for (rows, vocab_size) logits of ``dtype`` on
     ``device``, run once here, on the caller's thread, with the row count dynamic, so that a
     batch's shorter last chunk does not compile again (a 1-row chunk does, once: dynamo
-    specialises sizes 0 and 1). It needs no weights: it can compile while the model loads."""
+    specialises sizes 0 and 1)."""
     compiled = torch.compile(logsumexp_fp32, backend=backend)
     with torch.inference_mode():
         z = torch.zeros((max(2, rows), vocab_size), dtype=dtype, device=device)
@@ -92,10 +92,9 @@ class TargetRunner:
     """Runs padded batches through the target; see the module docstring for the rules."""
 
     def __init__(self, model, layer_ids: list[int], topk: int, lm_head_chunk: int = 1024,
-                 head_backend: str | None = None, compiled_logsumexp=None):
+                 head_backend: str | None = None):
         """``head_backend``: a ``torch.compile`` backend for the head's log-sum-exp ('inductor'
-        on CUDA), None for eager; compiled here (``compile_logsumexp``) unless
-        ``compiled_logsumexp`` is one compiled already for this head's vocabulary, dtype and device."""
+        on CUDA), None for eager; compiled here (``compile_logsumexp``)."""
         self.model = model
         self.backbone, self.layers, self.lm_head = decoder_parts(model)
         self.num_layers = len(self.layers)
@@ -116,9 +115,7 @@ class TargetRunner:
         self._hooks = [self.layers[i].register_forward_hook(self._hook(slot))
                        for slot, i in enumerate(self.layer_ids) if i != self.num_layers - 1]
         self._logsumexp = logsumexp_fp32
-        if compiled_logsumexp is not None:
-            self._logsumexp = compiled_logsumexp
-        elif head_backend is not None:
+        if head_backend is not None:
             self._logsumexp = compile_logsumexp(vocab, self.dtype, self.device, lm_head_chunk, head_backend)
 
     def close(self) -> None:

@@ -1,9 +1,8 @@
 """One extraction worker: one process, one device, one shard.
 
-plan (on a thread), beside the model load (on another) and the head's compile (on the main thread),
-all before the parent has prepared the cache root -> lock (one writer per shard,
-``shared/shard_lock.py``) -> ShardWriter (resume point) -> forward loop on the main thread -> writer
-thread. The forward loop copies each batch's outputs device->host
+plan -> lock (one writer per shard, ``shared/shard_lock.py``) -> wait until every worker of
+the node has planned -> ShardWriter (resume point) -> model load and head -> forward loop on
+the main thread -> writer thread. The forward loop copies each batch's outputs device->host
 into freshly allocated pinned buffers (PyTorch's caching host allocator recycles them)
 with ``non_blocking`` on a side stream (so the copy overlaps the next forward) and
 records a CUDA event; the writer thread waits on that event (blocking events: a waiting
@@ -24,7 +23,6 @@ else, with its traceback). A worker never prints tracebacks for the first three.
 
 from __future__ import annotations
 
-import functools
 import os
 import queue
 import signal
@@ -32,13 +30,14 @@ import sys
 import threading
 import time
 import traceback
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 import zarr
 
 from dflash.shared.cache import (ATTRS_KEY, HIDDEN_SCALE, CacheError, CacheSpec, ShardWriter, encode_hidden,
-                                 encode_topk_logprobs, open_root, read_shard_states, to_numpy, writer_zarr_settings)
+                                 encode_topk_logprobs, open_root, to_numpy, writer_zarr_settings)
 from dflash.shared.compile_cache import use_compile_cache
 from dflash.shared.hidden_codecs import check_scales
 from dflash.shared.shard_lock import LockError, ShardLock, ShardLocked
@@ -46,10 +45,26 @@ from dflash.shared.shard_lock import LockError, ShardLock, ShardLocked
 from .config import ExtractConfig
 from .cpu_time import thread_cpu, thread_cpu_by_name
 from .data import DataError, load_source
-from .launch import WorkerTask
-from .plan import PlannedShard, plan_shard, planning_processes, shard_rows
-from .target import DTYPES, TargetRunner, compile_logsumexp, compute_environment, head_backend_for, load_target
+from .plan import PlannedShard, plan_shard, shard_rows
+from .target import TargetRunner, compute_environment, head_backend_for, load_target
 from .tokenizer import load_tokenizer
+
+GIL_SWITCH_S = 0.0005
+"""The worker's GIL switch interval (Python's default is 5 ms). The forward loop keeps the
+GIL busy; at 5 ms the writer thread waits that long at every hand-off and the cache is
+written at a sixth of its speed (BENCHMARKS_LOG.md, "writer_bench")."""
+
+
+@dataclass
+class WorkerTask:
+    """Everything a spawned worker needs (picklable); the cache's layout it reads from the root."""
+
+    cfg: ExtractConfig
+    shard_id: int
+    num_shards: int
+    device: str
+    """'cpu' or 'cuda:N'."""
+    cpu_threads: int | None = None
 
 
 class WriterFailed(Exception):
@@ -191,116 +206,46 @@ def _to_host(out, spec: CacheSpec, device: torch.device, copy_stream=None) -> tu
 
 
 def run_shard(task: WorkerTask, report, stop: threading.Event | Any | None = None,
-              go: threading.Event | Any | None = None, root_ready: threading.Event | Any | None = None
-              ) -> dict[str, Any]:
-    """Plan the shard's slice while the model loads and its head compiles, then take the shard's
-    lock (one writer per shard), resume and extract it (see ``_run_shard``); the lock is released
-    however that ends.
+              go: threading.Event | Any | None = None) -> dict[str, Any]:
+    """Plan the shard's slice, take its lock (one writer per shard), then resume and extract it
+    (see ``_run_shard``); the lock is released however that ends.
 
     ``report(kind, **fields)`` receives progress messages; ``stop`` (an Event) asks for a clean
-    early stop: whatever is written gets committed, then ``Stopped``. ``root_ready`` (an Event),
-    where given, is awaited before the cache is read: the parent has prepared the cache root
-    and found no live run writing these shards. The model loads before it (layers and top-k
-    from this run's settings, checked against the root's once it is ready), unless a live
-    process holds this shard's lock (a run that will be refused loads no model onto the GPU
-    such a run uses) or the shard is complete already. ``go`` (an Event), where given, is
-    awaited once planned and locked (reported as "plan_ready"), before the shard is touched,
-    so that a bad row in any shard's slice stops the run before another shard has committed
-    anything (see ``runner``).
+    early stop: whatever is written gets committed, then ``Stopped``. ``go`` (an Event), where
+    given, is awaited once planned and locked (reported as "plan_ready"), before the shard is
+    touched, so that a bad row in any shard's slice stops the run before another shard has
+    committed anything (see ``runner``).
     """
     cfg = task.cfg
     if task.cpu_threads:
         torch.set_num_threads(task.cpu_threads)
-    # The writer thread shares the GIL with the forward loop: hand it over often.
-    sys.setswitchinterval(cfg.gil_switch_ms / 1000.0)
+    sys.setswitchinterval(GIL_SWITCH_S)
     device = torch.device(task.device)
     if device.type == "cuda":
         torch.cuda.set_device(device)
+    t = time.perf_counter()
     tokenizer = load_tokenizer(cfg)
-    planner = Background(functools.partial(_plan, task, tokenizer, report), f"shard-{task.shard_id:05d}-planner")
-    timing: dict[str, float] = {}
-    runner = None
+    planned = _plan(task, tokenizer, report)
+    timing: dict[str, float] = {"plan_s": round(time.perf_counter() - t, 3)}
+    lock = _take_lock(task, report, stop)
     try:
-        if _may_load_before_the_root(task):
-            runner = _target_runner(cfg, device, timing)
-        t = time.perf_counter()
-        _wait(root_ready, stop)
-        timing["root_wait_s"] = round(time.perf_counter() - t, 3)
-        root = open_root(cfg.out, "r")
-        spec = CacheSpec.from_dict(root.attrs[ATTRS_KEY])  # the cache's own layout (an older format resumes in it)
-        state = read_shard_states(root, [task.shard_id])[task.shard_id]
-        if state is None or not state.complete:
-            runner = _runner_for(spec, runner, cfg, device, timing)
-        planned = planner.result()
-        timing["plan_s"] = planner.seconds
-        lock = _take_lock(task, report, stop)
-        try:
-            report("plan_ready", tokens=planned.plan.num_tokens, samples=len(planned.plan.source_index))
-            _wait(go, stop)  # until every worker of the node has planned; stopped if another one failed meanwhile
-            with zarr.config.set(_zarr_settings(task.cfg)):  # the shard's write path; other zarr users keep theirs
-                return _run_shard(task, planned, runner, tokenizer.pad_token_id, report, stop, lock, timing)
-        finally:
-            lock.release()
+        report("plan_ready", tokens=planned.plan.num_tokens, samples=len(planned.plan.source_index))
+        _wait(go, stop)  # until every worker of the node has planned; stopped if another one failed meanwhile
+        with zarr.config.set(writer_zarr_settings(cfg.out)):  # the shard's write path; other zarr users keep theirs
+            return _run_shard(task, planned, tokenizer.pad_token_id, report, stop, lock, timing)
     finally:
-        if runner is not None:
-            runner.close()
-
-
-class Background:
-    """``fn()`` on a thread of its own, beside the main thread's work; ``result()`` waits for it
-    and raises its error on the caller's thread."""
-
-    def __init__(self, fn, name: str):
-        self.value: Any = None
-        self.error: BaseException | None = None
-        self.seconds = 0.0
-        self._thread = threading.Thread(target=self._run, args=(fn,), name=name, daemon=True)
-        self._thread.start()
-
-    def _run(self, fn) -> None:
-        t = time.perf_counter()
-        try:
-            self.value = fn()
-        except BaseException as e:  # noqa: BLE001 - raised again on the caller's thread by result()
-            self.error = e
-        self.seconds = round(time.perf_counter() - t, 3)
-
-    def result(self) -> Any:
-        self._thread.join()
-        if self.error is not None:
-            raise self.error
-        return self.value
+        lock.release()
 
 
 def _plan(task: WorkerTask, tokenizer, report) -> PlannedShard:
-    """Load the dataset and plan the shard's slice (on a thread beside the model load and the
-    head's compile: tokenising runs in Rust, mostly without the GIL)."""
+    """Load the dataset and plan the shard's slice."""
     cfg = task.cfg
     ds = load_source(cfg.data, cfg.split or "train")
     start, stop_row = shard_rows(len(ds), task.num_shards, task.shard_id)
     rows = ds.select(range(start, stop_row)) if hasattr(ds, "select") else ds[start:stop_row]
     report("planning", rows=stop_row - start, done=0)
     return plan_shard(rows, start, cfg.data, tokenizer, cfg,
-                      on_row=lambda done: report("planning", rows=stop_row - start, done=done),
-                      processes=planning_processes(cfg, stop_row - start))
-
-
-def _may_load_before_the_root(task: WorkerTask) -> bool:
-    """Whether the model may load before the parent has prepared the root: no other process holds
-    this shard's lock (probed, not kept; the parent refuses such a run, and its worker must not have
-    loaded a model onto a GPU the holder uses), and the shard is not complete already (read
-    from an existing root; anything unreadable counts as not complete)."""
-    cfg = task.cfg
-    try:
-        if ShardLock(cfg.out, task.shard_id).probe() is not None:
-            return False
-    except Exception:  # noqa: BLE001 - a lock that cannot be read is decided after the root is ready
-        return False
-    try:
-        state = read_shard_states(open_root(cfg.out, "r"), [task.shard_id])[task.shard_id]
-    except Exception:  # noqa: BLE001 - no root yet (or one being replaced)
-        return True
-    return state is None or not state.complete
+                      on_row=lambda done: report("planning", rows=stop_row - start, done=done))
 
 
 def _wait(event, stop) -> None:
@@ -313,74 +258,21 @@ def _wait(event, stop) -> None:
         raise Stopped()
 
 
-def _target_runner(cfg: ExtractConfig, device: torch.device, timing: dict[str, float], spec: CacheSpec | None = None,
-                   model=None) -> TargetRunner | None:
-    """The target on ``device`` with its capture hooks and top-k head (compiled on CUDA, the graphs
-    kept in the compile-cache folder), for ``spec``'s layers and top-k or, before the root is ready
-    (no ``spec``), this run's own: None where those do not fit the target (the parent refuses the
-    run, naming them). ``model``: one loaded already. The model loads on a thread while the head
-    compiles on this one (compiling stays on the main thread); the seconds of each step into ``timing``."""
+def _target_runner(cfg: ExtractConfig, device: torch.device, spec: CacheSpec, timing: dict[str, float]
+                   ) -> TargetRunner:
+    """The target on ``device`` with its capture hooks for ``spec``'s layers and top-k, and its
+    head (compiled on CUDA, the graphs kept in the compile-cache folder); the seconds into ``timing``."""
     t = time.perf_counter()
+    model = load_target(cfg.model, dtype=cfg.dtype, device=device, attn_implementation=cfg.attn_implementation,
+                        revision=cfg.revision)
+    timing["model_load_s"] = round(time.perf_counter() - t, 3)
     backend = head_backend_for(device)
     if backend is not None:
         use_compile_cache(cfg.compile_cache)
-    compiled = None
-    if model is None:
-        loading = Background(functools.partial(_load_model, cfg, device), "target-load")
-        if backend is not None:
-            compiled = _compile_head(cfg, device, backend, timing)
-        model = loading.result()
-        timing["model_load_s"] = loading.seconds
-    if compiled is not None and compiled[0] != model.get_output_embeddings().weight.shape[0]:
-        compiled = None  # the config's vocabulary is not the head's: compiled again for the head below
-    try:
-        layers = spec.layer_ids if spec is not None else cfg.layer_ids(model.config.num_hidden_layers)
-        topk = spec.topk if spec is not None else cfg.topk
-        t_head = time.perf_counter()
-        runner = TargetRunner(model, layers, topk, cfg.lm_head_chunk, backend,
-                              compiled_logsumexp=compiled[1] if compiled is not None else None)
-    except ValueError:
-        if spec is not None:
-            raise
-        return None
-    timing["head_setup_s"] = round(timing.get("head_setup_s", 0.0) + time.perf_counter() - t_head, 3)
-    timing["model_and_head_s"] = round(time.perf_counter() - t, 3)
-    return runner
-
-
-def _load_model(cfg: ExtractConfig, device: torch.device):
-    """The target's weights on ``device`` (on whatever thread calls it)."""
-    if device.type == "cuda":
-        torch.cuda.set_device(device)  # the current device is per thread
-    return load_target(cfg.model, dtype=cfg.dtype, device=device, attn_implementation=cfg.attn_implementation,
-                       revision=cfg.revision)
-
-
-def _compile_head(cfg: ExtractConfig, device: torch.device, backend: str, timing: dict[str, float]):
-    """(vocabulary size, the head's log-sum-exp compiled for it), from the target's config alone
-    (no weights needed); None where the config names no vocabulary size."""
-    from transformers import AutoConfig
-
     t = time.perf_counter()
-    vocab = getattr(AutoConfig.from_pretrained(cfg.model, revision=cfg.revision), "vocab_size", None)
-    if not vocab:
-        return None
-    compiled = compile_logsumexp(vocab, DTYPES[cfg.dtype], device, cfg.lm_head_chunk, backend)
+    runner = TargetRunner(model, spec.layer_ids, spec.topk, cfg.lm_head_chunk, backend)
     timing["head_setup_s"] = round(time.perf_counter() - t, 3)
-    return vocab, compiled
-
-
-def _runner_for(spec: CacheSpec, runner: TargetRunner | None, cfg: ExtractConfig, device: torch.device,
-                timing: dict[str, float]) -> TargetRunner:
-    """``runner`` where it captures the root's layers and top-k; otherwise one that does (keeping
-    the model already loaded)."""
-    if runner is not None and runner.layer_ids == list(spec.layer_ids) and runner.topk == spec.topk:
-        return runner
-    model = None
-    if runner is not None:
-        runner.close()
-        model = runner.model
-    return _target_runner(cfg, device, timing, spec=spec, model=model)
+    return runner
 
 
 LOCK_POLL_S = 2.0
@@ -412,9 +304,10 @@ def _take_lock(task: WorkerTask, report, stop) -> ShardLock:
     return lock
 
 
-def _run_shard(task: WorkerTask, planned: PlannedShard, runner: TargetRunner | None, pad_id: int | None, report,
-               stop, lock: ShardLock, timing: dict[str, float]) -> dict[str, Any]:
-    """Resume and extract one planned, locked shard; returns its final commit record."""
+def _run_shard(task: WorkerTask, planned: PlannedShard, pad_id: int | None, report, stop, lock: ShardLock,
+               timing: dict[str, float]) -> dict[str, Any]:
+    """Resume one planned, locked shard and, where it is not complete, load the target and
+    extract it; returns its final commit record."""
     cfg = task.cfg
     device = torch.device(task.device)
     root = open_root(cfg.out, "r+")
@@ -430,19 +323,14 @@ def _run_shard(task: WorkerTask, planned: PlannedShard, runner: TargetRunner | N
         if not writer.state.complete:
             writer.finish()
         return writer.committed
-    if runner is None:  # the shard was complete when the model load was skipped; another run changed it since
-        runner = _target_runner(cfg, device, timing, spec=spec)
+    runner = _target_runner(cfg, device, spec, timing)
     try:
         return _extract(cfg, planned, writer, device, runner, pad_id=pad_id, report=report, stop=stop,
                         timing=timing)
     finally:
+        runner.close()
         if "loop_s" in timing:  # the loop ran to its end (or a requested stop)
             report("timing", **timing)
-
-
-def _zarr_settings(cfg: ExtractConfig) -> dict[str, Any]:
-    """zarr settings of a shard's writer (``writer_zarr_settings``)."""
-    return writer_zarr_settings(cfg.out, cfg.write_concurrency)
 
 
 def _extract(cfg: ExtractConfig, planned: PlannedShard, writer: ShardWriter, device: torch.device,
@@ -539,7 +427,7 @@ def describe_error(e: BaseException, task: WorkerTask) -> tuple[str, str]:
     return "bug", f"{shard}: unexpected {type(e).__name__}: {e}\n{traceback.format_exc()}"
 
 
-def worker_main(task: WorkerTask, messages, stop, go=None, root_ready=None) -> None:
+def worker_main(task: WorkerTask, messages, stop, go=None) -> None:
     """Entry point of a spawned worker process: run the shard, report how it ended."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent handles Ctrl-C and sets `stop`
     try:
@@ -553,23 +441,12 @@ def worker_main(task: WorkerTask, messages, stop, go=None, root_ready=None) -> N
     def report(kind: str, **fields):
         messages.put((kind, task.shard_id, fields))
 
-    code = 0
     try:
-        record = run_shard(task, report, stop, go, root_ready)
+        record = run_shard(task, report, stop, go)
         report("done", **record)
     except Stopped:
         report("stopped")
     except BaseException as e:  # noqa: BLE001 - classified and reported
         kind, message = describe_error(e, task)
         report("error", category=kind, message=message)
-        code = 1
-    # Everything is committed (or deliberately not); skip the seconds of interpreter
-    # teardown (torch, datasets), but only after the messages reached the parent.
-    messages.close()
-    messages.join_thread()
-    from multiprocessing import util as mp_util
-
-    mp_util._exit_function()  # what a normal exit of a multiprocessing child runs first
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
+        sys.exit(1)

@@ -302,16 +302,19 @@ def _jsonable(x: Any) -> Any:
 
 BLOSC_BLOCKSIZE = 1 << 19
 ZARRS_PIPELINE = "zarrs.ZarrsCodecPipeline"
+WRITE_CONCURRENCY = 32
+"""Chunks zarr's own pipeline encodes and writes at once per shard (its ``async.concurrency``;
+zarr's default is 10; BENCHMARKS_LOG.md), where it writes instead of zarrs (fsspec URLs)."""
 
 
-def writer_zarr_settings(path: str, write_concurrency: int = 32) -> dict[str, Any]:
+def writer_zarr_settings(path: str) -> dict[str, Any]:
     """zarr settings of a shard's writer: the zarrs codec pipeline (Rust, on its own threads,
     without the GIL) for a local folder, which is all zarrs stores to (given an fsspec store
     it warns and falls back to zarr's own pipeline, which a URL gets here without the
-    warning); ``write_concurrency`` chunks in flight where zarr's own pipeline writes; no
+    warning); ``WRITE_CONCURRENCY`` chunks in flight where zarr's own pipeline writes; no
     all-fill-value scan (whole chunks are written)."""
     pipeline = ZARRS_PIPELINE if is_local(path) else ZARR_PIPELINE
-    return {"codec_pipeline.path": pipeline, "async.concurrency": write_concurrency,
+    return {"codec_pipeline.path": pipeline, "async.concurrency": WRITE_CONCURRENCY,
             "array.write_empty_chunks": True}
 
 
