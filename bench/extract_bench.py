@@ -185,7 +185,7 @@ def main():
             elif kind == "timing":
                 events["timing"] = f
 
-        task = WorkerTask(cfg=vcfg, shard_id=0, num_shards=1, device="cuda:0" if cuda else "cpu")
+        task = WorkerTask(cfg=vcfg, spec=vspec, shard_id=0, num_shards=1, device="cuda:0" if cuda else "cpu")
         run_shard(task, report)
         t_extract = time.perf_counter() - events["start"]
         timing = events["timing"]

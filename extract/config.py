@@ -143,16 +143,18 @@ class ExtractConfig:
         if self.device == "cpu" and self.workers < 1:
             raise ValueError("--workers must be at least 1")
         for name in ("topk", "max_length", "min_length", "batch_tokens", "lm_head_chunk", "chunk_tokens",
-                     "queue_depth", "hidden_group_size"):
+                     "queue_depth"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
         if self.commit_seconds < 0:
             raise ValueError(f"commit_seconds must be 0 or more, got {self.commit_seconds}")
         if self.cpu_threads is not None and self.cpu_threads < 1:
             raise ValueError(f"cpu_threads must be at least 1, got {self.cpu_threads}")
-        if self.hidden_codec == "int4" and self.hidden_group_size % 2:
-            raise ValueError(f"--hidden-group-size {self.hidden_group_size}: int4 packs two channels a byte, "
-                             "so its groups must be even")
+        try:
+            self.codec
+        except ValueError as e:
+            raise ValueError(f"--hidden-codec {self.hidden_codec}, --hidden-group-size {self.hidden_group_size}: {e}"
+                             ) from None
         if self.json and not self.plan:
             raise ValueError("--json goes with --plan (a run writes its summary as JSON with --summary-json PATH)")
         if self.min_length > self.max_length:
@@ -178,6 +180,14 @@ class ExtractConfig:
         layers = list(self.layers) if self.layers is not None else default_layer_ids(num_target_layers)
         check_layer_ids(layers, num_target_layers)
         return layers
+
+    @property
+    def codec(self):
+        """The ``HiddenCodec`` of --hidden-codec, --hidden-group-size and --hidden-scale-dtype (ValueError where
+        they cannot work together); imported here, where it is used, since it needs torch."""
+        from dflash.shared.hidden_codecs import HiddenCodec
+
+        return HiddenCodec(self.hidden_codec, self.hidden_group_size, self.hidden_scale_dtype)
 
     @property
     def render_kwargs(self) -> dict[str, Any]:

@@ -116,13 +116,6 @@ class SizeEstimate:
                 "other_per_token": self.other_per_token, "per_token": self.per_token}
 
 
-def run_codec(cfg) -> tuple["HiddenCodec", str]:
-    """(hidden codec, top-k dtype) of an ExtractConfig."""
-    from dflash.shared.hidden_codecs import HiddenCodec
-
-    return HiddenCodec(cfg.hidden_codec, cfg.hidden_group_size, cfg.hidden_scale_dtype), cfg.topk_dtype
-
-
 def size_estimate(num_layers: int, hidden_size: int, topk: int, codec: "HiddenCodec | None" = None,
                   topk_dtype: str = "float32") -> SizeEstimate:
     """Expected bytes per token: each array's encoded bytes times its measured lossless-stage ratio

@@ -82,11 +82,11 @@ def node_layout() -> NodeLayout:
     return NodeLayout(int(os.environ.get("RANK", "0")), int(os.environ["WORLD_SIZE"]))
 
 
-def node_tasks(cfg: ExtractConfig, layout: NodeLayout) -> list[WorkerTask]:
-    """One task per local worker: its global shard, its device, its CPU threads."""
+def node_tasks(cfg: ExtractConfig, spec: CacheSpec, layout: NodeLayout) -> list[WorkerTask]:
+    """One task per local worker: the cache's spec, its global shard, its device, its CPU threads."""
     local = cfg.local_workers
     threads = cfg.cpu_threads or max(1, (os.cpu_count() or 1) // local)
-    return [WorkerTask(cfg=cfg, shard_id=s, num_shards=layout.nodes * local, device=d,
+    return [WorkerTask(cfg=cfg, spec=spec, shard_id=s, num_shards=layout.nodes * local, device=d,
                        cpu_threads=threads if cfg.device == "cpu" else None)
             for s, d in zip(layout.shard_ids(local), cfg.worker_devices)]
 
@@ -101,13 +101,19 @@ def package_version() -> str:
 
 
 def checked_layers(cfg: ExtractConfig, model_config) -> list[int]:
-    """The layers the run stores, with --layers and --topk checked against the target (ExtractFailed naming the flag)."""
+    """The layers the run stores, with --layers, --topk and the codec's groups checked against the target
+    (ExtractFailed naming the flag)."""
     try:
         layers = cfg.layer_ids(model_config.num_hidden_layers)
     except ValueError as e:
         raise ExtractFailed(f"--layers: {e}") from e
     if cfg.topk > model_config.vocab_size:
         raise ExtractFailed(f"--topk {cfg.topk} exceeds the vocabulary size {model_config.vocab_size}")
+    try:
+        cfg.codec.check_hidden_size(model_config.hidden_size)
+    except ValueError as e:
+        raise ExtractFailed(f"--hidden-codec {cfg.hidden_codec}, --hidden-group-size {cfg.hidden_group_size}: {e}"
+                            ) from e
     return layers
 
 
@@ -144,7 +150,7 @@ def build_spec(cfg: ExtractConfig, tokenizer, model_config, ds, num_shards: int)
         located["dataset_resolved_path"] = dataset.pop("resolved_path", None)
     if target.get("weights_hash"):
         located["target_path"] = os.path.abspath(target.pop("name_or_path"))  # training's default --target
-    spec = _spec(
+    spec = CacheSpec(
         layer_ids=layers,
         hidden_size=model_config.hidden_size,
         topk=cfg.topk,
@@ -167,15 +173,6 @@ def build_spec(cfg: ExtractConfig, tokenizer, model_config, ds, num_shards: int)
     if spec.encoded:  # fingerprinted where not lossless, so a lossless cache's fingerprint is as before codecs
         spec.fingerprint["extraction"]["encoding"] = spec.encoding()
     return spec
-
-
-def _spec(**fields) -> CacheSpec:
-    """CacheSpec(**fields), its refusal (e.g. a group size that does not divide D) named by flag."""
-    try:
-        return CacheSpec(**fields)
-    except CacheError as e:
-        raise ExtractFailed(f"{_with_flag_hints(str(e))} (--hidden-codec {fields['hidden_codec']}, "
-                            f"--hidden-group-size {fields['hidden_group_size']})") from e
 
 
 def prepare_root(cfg: ExtractConfig, spec: CacheSpec, layout: NodeLayout) -> zarr.Group:
@@ -344,7 +341,7 @@ def run(cfg: ExtractConfig) -> dict[str, Any]:
     committed = {s: st.commit for s, st in states.items() if st is not None}
     space_check = None if cfg.ignore_free_space else functools.partial(run_space_problem, cfg, spec,
                                                                         committed=committed)
-    counts = _run_workers(node_tasks(cfg, layout), cfg, phases, before_go=space_check)
+    counts = _run_workers(node_tasks(cfg, spec, layout), cfg, phases, before_go=space_check)
 
     summary = summarize(cfg.out, shard_ids)
     phases.mark("summary")
@@ -381,7 +378,8 @@ def load_tokenizer_and_config(cfg: ExtractConfig):
 
 def _prepare(cfg: ExtractConfig, layout: NodeLayout, phases: Phases) -> tuple[zarr.Group, CacheSpec, list[int]]:
     """The parent's set-up: the run's spec (tokenizer, target config, dataset fingerprint), the
-    shard locks probed, the cache root prepared; returns the root, the spec and this node's shard ids."""
+    shard locks probed, the cache root prepared; returns the root, the spec it records (the run's,
+    in an older format's layout where it resumes one) and this node's shard ids."""
     shard_ids = layout.shard_ids(cfg.local_workers)
     num_shards = layout.nodes * cfg.local_workers
     tokenizer, model_config = load_tokenizer_and_config(cfg)
@@ -396,7 +394,7 @@ def _prepare(cfg: ExtractConfig, layout: NodeLayout, phases: Phases) -> tuple[za
     check_shard_locks(cfg, shard_ids)
     root = prepare_root(cfg, spec, layout)
     phases.mark("cache_root")
-    return root, spec, shard_ids
+    return root, CacheSpec.from_dict(root.attrs[ATTRS_KEY]), shard_ids
 
 
 def _check_devices(cfg: ExtractConfig) -> None:

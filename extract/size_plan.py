@@ -16,7 +16,7 @@ from typing import Any
 from dflash.shared.compression import size_text
 
 from .config import ExtractConfig
-from .estimates import SizeEstimate, TimeEstimate, free_bytes, run_codec, size_estimate, time_estimate
+from .estimates import SizeEstimate, TimeEstimate, free_bytes, size_estimate, time_estimate
 
 
 @dataclass
@@ -131,19 +131,14 @@ def plan_run(cfg: ExtractConfig) -> RunPlan:
     num_shards = layout.nodes * cfg.local_workers
     tokenizer, model_config = load_tokenizer_and_config(cfg)
     layers = checked_layers(cfg, model_config)
-    try:
-        codec, topk_dtype = run_codec(cfg)
-        size = size_estimate(len(layers), model_config.hidden_size, cfg.topk, codec, topk_dtype)
-    except ValueError as e:
-        raise ExtractFailed(f"--hidden-codec {cfg.hidden_codec}, --hidden-group-size {cfg.hidden_group_size}: "
-                            f"{e}") from e
+    size = size_estimate(len(layers), model_config.hidden_size, cfg.topk, cfg.codec, cfg.topk_dtype)
     try:
         ds = load_source(cfg.data, cfg.split or "train")
         counts = count_run(cfg, tokenizer, ds, num_shards, progress=cfg.progress)
     except DataError as e:
-        from .worker import WorkerTask, describe_error
+        from .worker import bad_row_message
 
-        raise ExtractFailed(describe_error(e, WorkerTask(cfg, 0, num_shards, "cpu"))[1]) from e
+        raise ExtractFailed(bad_row_message(e, cfg)) from e
     gpus = layout.nodes * len(cfg.gpus) if cfg.device == "cuda" else 1
     return RunPlan(
         data=cfg.data, model=cfg.model, out=cfg.out, counts=counts, layers=layers,

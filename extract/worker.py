@@ -36,7 +36,7 @@ from typing import Any
 import torch
 import zarr
 
-from dflash.shared.cache import (ATTRS_KEY, HIDDEN_SCALE, CacheError, CacheSpec, ShardWriter, encode_hidden,
+from dflash.shared.cache import (HIDDEN_SCALE, CacheError, CacheSpec, ShardWriter, encode_hidden,
                                  encode_topk_logprobs, open_root, to_numpy, writer_zarr_settings)
 from dflash.shared.compile_cache import use_compile_cache
 from dflash.shared.hidden_codecs import check_scales
@@ -57,9 +57,11 @@ written at a sixth of its speed (BENCHMARKS_LOG.md, "writer_bench")."""
 
 @dataclass
 class WorkerTask:
-    """Everything a spawned worker needs (picklable); the cache's layout it reads from the root."""
+    """Everything a spawned worker needs (picklable)."""
 
     cfg: ExtractConfig
+    spec: CacheSpec
+    """The cache's spec as its root records it (an older format is resumed in its own layout)."""
     shard_id: int
     num_shards: int
     device: str
@@ -310,9 +312,8 @@ def _run_shard(task: WorkerTask, planned: PlannedShard, pad_id: int | None, repo
     extract it; returns its final commit record."""
     cfg = task.cfg
     device = torch.device(task.device)
-    root = open_root(cfg.out, "r+")
-    spec = CacheSpec.from_dict(root.attrs[ATTRS_KEY])  # the cache's own layout (an older format resumes in it)
-    writer = ShardWriter(root, task.shard_id, planned.plan, spec, compute=compute_environment(device))
+    writer = ShardWriter(open_root(cfg.out, "r+"), task.shard_id, planned.plan, task.spec,
+                         compute=compute_environment(device))
     writer.guard = lock.check  # no commit record once another process has taken the shard over
     plan = planned.plan
     report("planned", samples=len(plan.source_index), tokens=plan.num_tokens,
@@ -323,7 +324,7 @@ def _run_shard(task: WorkerTask, planned: PlannedShard, pad_id: int | None, repo
         if not writer.state.complete:
             writer.finish()
         return writer.committed
-    runner = _target_runner(cfg, device, spec, timing)
+    runner = _target_runner(cfg, device, task.spec, timing)
     try:
         return _extract(cfg, planned, writer, device, runner, pad_id=pad_id, report=report, stop=stop,
                         timing=timing)
@@ -398,14 +399,19 @@ def _extract(cfg: ExtractConfig, planned: PlannedShard, writer: ShardWriter, dev
     return writer.committed
 
 
+def bad_row_message(e: DataError, cfg: ExtractConfig) -> str:
+    """The error (naming file and row) with the flag that would handle such a row."""
+    hint = "" if cfg.on_bad_row == "skip" else " (--on-bad-row skip counts and skips such rows)"
+    if e.reason == "too_long" and cfg.truncation == "error":
+        hint = " (--truncation right|skip handles long samples)"
+    return f"{e}{hint}"
+
+
 def describe_error(e: BaseException, task: WorkerTask) -> tuple[str, str]:
     """(kind, message) for the parent; see the module docstring for the kinds."""
     shard = f"shard {task.shard_id:05d}"
     if isinstance(e, DataError):
-        hint = "" if task.cfg.on_bad_row == "skip" else " (--on-bad-row skip counts and skips such rows)"
-        if e.reason == "too_long" and task.cfg.truncation == "error":
-            hint = " (--truncation right|skip handles long samples)"
-        return "data", f"{e}{hint}"
+        return "data", bad_row_message(e, task.cfg)
     if isinstance(e, WriterFailed):
         c = e.committed
         cause = e.cause

@@ -77,7 +77,7 @@ def extract_in_process(cfg: ExtractConfig) -> None:
     R.prepare_root(cfg, spec, R.NodeLayout(0, 1))
     threads = torch.get_num_threads()
     try:
-        W.run_shard(W.WorkerTask(cfg=cfg, shard_id=0, num_shards=1, device="cpu", cpu_threads=1),
+        W.run_shard(W.WorkerTask(cfg=cfg, spec=spec, shard_id=0, num_shards=1, device="cpu", cpu_threads=1),
                     lambda *a, **k: None, threading.Event())
     finally:
         torch.set_num_threads(threads)
@@ -333,3 +333,10 @@ def test_lossy_shard_resumed_mid_chunk_equals_an_unbroken_one(tmp_path):
         s = reader.read(i)
         assert torch.equal(s["hidden"], want[off[i]:off[i + 1]])
         assert torch.equal(s["topk_logprobs"], logprobs[off[i]:off[i + 1]].half().float())
+
+
+def test_codec_settings_are_refused_where_the_config_is_validated():
+    """An int4 group size the codec cannot pack is refused by ``ExtractConfig.validate``, naming the flags."""
+    with pytest.raises(ValueError, match=r"--hidden-codec int4, --hidden-group-size 3: .*even for int4"):
+        ExtractConfig(data="d", model="m", out="o", hidden_codec="int4", hidden_group_size=3).validate()
+    ExtractConfig(data="d", model="m", out="o", hidden_codec="int4", hidden_group_size=4).validate()

@@ -58,16 +58,17 @@ def extraction_spec(cfg: ExtractConfig) -> C.CacheSpec:
 @pytest.fixture(scope="module")
 def source(tmp_path_factory, chats_sample_path, tiny_target_dir):
     """A format-1 cache (every array chunked at 32 tokens) of two shards, extracted as a run
-    does (the runner's spec, each shard's worker, here in this process): its root is created
-    in format 1, which the workers then write in that layout."""
+    does (the runner's set-up, each shard's worker, here in this process): its root is created
+    in format 1, and the runner hands the workers that layout to write in."""
     out = tmp_path_factory.mktemp("source") / "src.zarr"
     cfg = ExtractConfig(data=str(chats_sample_path), model=str(tiny_target_dir), out=str(out), **EXTRACT)
-    spec = extraction_spec(cfg)
-    C.create_or_open_cache(str(out), dataclasses.replace(spec, format_version=1, chunks={}))
+    C.create_or_open_cache(str(out), dataclasses.replace(extraction_spec(cfg), format_version=1, chunks={}))
+    _, spec, _ = R._prepare(cfg, R.NodeLayout(0, 1), R.Phases(0.0))
+    assert spec.format_version == 1 and spec.fingerprint == extraction_spec(cfg).fingerprint
     threads = torch.get_num_threads()
     try:
         for shard in (0, 1):
-            W.run_shard(W.WorkerTask(cfg=cfg, shard_id=shard, num_shards=2, device="cpu", cpu_threads=1),
+            W.run_shard(W.WorkerTask(cfg=cfg, spec=spec, shard_id=shard, num_shards=2, device="cpu", cpu_threads=1),
                         lambda *a, **k: None, threading.Event())
     finally:
         torch.set_num_threads(threads)

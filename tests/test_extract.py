@@ -91,7 +91,7 @@ def shard_task(out, dataset, tiny_target_dir, shard, **overrides):
     cfg = ExtractConfig(data=str(dataset[0]), model=str(tiny_target_dir), out=str(out), **{**settings, **overrides})
     spec = run_spec(cfg)
     R.prepare_root(cfg, spec, R.NodeLayout(0, 1))
-    return W.WorkerTask(cfg=cfg, shard_id=shard, num_shards=2, device="cpu", cpu_threads=1)
+    return W.WorkerTask(cfg=cfg, spec=spec, shard_id=shard, num_shards=2, device="cpu", cpu_threads=1)
 
 
 def run_spec(cfg, num_shards=2):
@@ -667,7 +667,7 @@ def test_cuda_worker_matches_hf_on_the_gpu(tmp_path, dataset, tiny_target_dir):
     switch = sys.getswitchinterval()
     timing = {}
     try:
-        W.run_shard(W.WorkerTask(cfg=cfg, shard_id=0, num_shards=1, device="cuda:0"),
+        W.run_shard(W.WorkerTask(cfg=cfg, spec=spec, shard_id=0, num_shards=1, device="cuda:0"),
                     lambda kind, **f: timing.update(f) if kind == "timing" else None, threading.Event())
     finally:
         sys.setswitchinterval(switch)
