@@ -41,7 +41,7 @@ CONCURRENCY ?= 32
 .PHONY: regenerate
 regenerate:  ## replace every assistant turn of DATA with the target's own answers (resumable): DATA= OUT= and ENDPOINT=http://HOST:PORT/v1 [MODEL=served name] [CONCURRENCY=32], or MODEL= [DEVICE=cuda]; [TEMPERATURE=0] [MAX_NEW_TOKENS=1024] [EXTRA_ARGS=...]
 	@test -n "$(DATA)" -a -n "$(OUT)" -a -n "$(ENDPOINT)$(MODEL)" || { echo "usage: make regenerate DATA=... OUT=... ENDPOINT=http://HOST:PORT/v1 [MODEL=...] [CONCURRENCY=32] | MODEL=... [DEVICE=cuda]; [TEMPERATURE=0] [MAX_NEW_TOKENS=1024] [EXTRA_ARGS=...]" >&2; exit 2; }
-	$(PYTHON) -m dflash.extract.regenerate --data "$(DATA)" --out "$(OUT)" --temperature "$(TEMPERATURE)" --max-new-tokens "$(MAX_NEW_TOKENS)" \
+	$(PYTHON) -m dflash.extract.regenerate_cli --data "$(DATA)" --out "$(OUT)" --temperature "$(TEMPERATURE)" --max-new-tokens "$(MAX_NEW_TOKENS)" \
 		$(if $(ENDPOINT),--endpoint "$(ENDPOINT)" --concurrency "$(CONCURRENCY)" $(if $(MODEL),--model "$(MODEL)"),--model "$(MODEL)" --device "$(DEVICE)") $(EXTRA_ARGS)
 
 # ---- stage two: train -------------------------------------------------------------

@@ -158,7 +158,7 @@ def _run_real(out: Path, s: RealSettings, gguf: str | None, echo, stop_after: st
     times["convert"] = stage["seconds"]
     _check_stop("convert", stop_after)
     stage = _stage("[2/5] regenerate", regen, stage, [
-        "dflash.extract.regenerate", "--data", str(out / "data" / "train.jsonl"), "--model", str(target),
+        "dflash.extract.regenerate_cli", "--data", str(out / "data" / "train.jsonl"), "--model", str(target),
         "--out", str(regen), "--device", s.device, "--batch-size", str(s.regen_batch_size),
         "--max-new-tokens", str(s.max_new_tokens), "--max-prompt-tokens", str(s.max_prompt_tokens),
         "--part-size", "2048"], echo)

@@ -1,10 +1,10 @@
 """Regenerate a chat dataset's assistant turns with the target itself: the drafter
 learns the target's own distribution, so the answers it trains on should be the target's.
 
-    python -m dflash.extract.regenerate --data chats.jsonl --model Qwen/Qwen3-8B --out regen/ \\
+    python -m dflash.extract.regenerate_cli --data chats.jsonl --model Qwen/Qwen3-8B --out regen/ \\
         [--temperature 0] [--top-p 1] [--seed 0] [--max-new-tokens 1024] [--batch-size 16]
-    python -m dflash.extract.regenerate [--data chats.jsonl] --self-prompts 10000 --model Qwen/Qwen3-8B --out regen/
-    python -m dflash.extract.regenerate --data chats.jsonl --endpoint http://HOST:8000/v1 --out regen/ \\
+    python -m dflash.extract.regenerate_cli [--data chats.jsonl] --self-prompts 10000 --model Qwen/Qwen3-8B --out regen/
+    python -m dflash.extract.regenerate_cli --data chats.jsonl --endpoint http://HOST:8000/v1 --out regen/ \\
         [--model NAME] [--concurrency 32] [--max-new-tokens 1024] [--template-kwargs JSON]
 
 Two engines give the answers: the target loaded in this process (`--model` alone; the
@@ -702,14 +702,3 @@ def finalize(out: Path, num_parts: int, record: dict, target_fp: dict, source_fp
     log.info("regenerated %d rows (%d turns, %d truncated) -> %s", counts["rows_out"], counts["turns_regenerated"],
              counts["truncated_turns"], out)
     return metadata
-
-
-def main(argv: list[str] | None = None) -> None:
-    """``python -m dflash.extract.regenerate``: the command line of regenerate_cli."""
-    from .regenerate_cli import main as cli_main
-
-    cli_main(argv, prog_name="python -m dflash.extract.regenerate")
-
-
-if __name__ == "__main__":
-    main()

@@ -1,4 +1,4 @@
-"""Command line of regeneration (`dflash-regenerate`, `python -m dflash.extract.regenerate`,
+"""Command line of regeneration (`dflash-regenerate`, `python -m dflash.extract.regenerate_cli`,
 `make regenerate`): the in-process engine (`--model`) or a server (`--endpoint`)."""
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Regeneration through an OpenAI-compatible chat-completions server (vLLM, SGLang,
 `transformers serve`): the same output as the in-process path, at serving-engine speed.
 
-    python -m dflash.extract.regenerate --data chats.jsonl --endpoint http://HOST:8000/v1 --out regen/ \\
+    python -m dflash.extract.regenerate_cli --data chats.jsonl --endpoint http://HOST:8000/v1 --out regen/ \\
         [--model NAME] [--concurrency 32] [--max-new-tokens 1024] [--template-kwargs JSON]
 
 Conversations run in parallel (`--concurrency` in flight), the turns of one conversation
