@@ -35,9 +35,8 @@ questions generated, dropped (truncated, empty, too short, duplicates) and kept.
 Output folder (resumable: rerunning the same command skips finished parts):
 
     OUT/run.json                    settings + fingerprints, written first, checked on resume
-    OUT/parts/part-00000.turns.jsonl  through a server only: the turn journal of an unfinished
-                                    part, every answered turn appended as it comes; replayed
-                                    on resume, deleted once the part is written
+    OUT/parts/part-00000.turns.jsonl  through a server only (regenerate_endpoint): the turn
+                                    journal of an unfinished part
     OUT/parts/part-00000.jsonl      rows of source rows [0, part_size), regenerated
     OUT/parts/part-00000.done.json  the part's counts; its presence marks the part done
     OUT/state.json, dataset_info.json, data-*.arrow
@@ -67,7 +66,6 @@ import math
 import os
 import shutil
 import tempfile
-from collections import Counter
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
@@ -392,34 +390,20 @@ def regenerate_conversations(model, tokenizer, chats: list[Chat], settings: Gene
         batch, pool[:] = pool[:batch_size], pool[batch_size:]
         outputs = generate_batch(model, tokenizer, [text for _, _, text, _ in batch], gen_kwargs, stop_ids, static)
         for (chat, turn, _, _), (tokens, truncated) in zip(batch, outputs):
-            event = {"row": chat.conv.row_index, "turn": turn}
             content = tokenizer.decode(tokens, skip_special_tokens=False)
             if not content.strip():
-                event["cut"] = "empty_generation"
+                chat.cut(turn, "empty_generation", skips)
             elif truncated and settings.drop_truncated:
-                event["cut"] = "truncated"
+                chat.cut(turn, "truncated", skips)
             else:
-                event.update(message=regenerated_message(chat.messages[turn], content), truncated=truncated,
-                             tokens=len(tokens))
-            apply_event(chat, event, skips)
-            ready(chat)
+                chat.answer(turn, regenerated_message(chat.messages[turn], content), truncated, len(tokens))
+                ready(chat)
     return collect_rows(chats, skips)
 
 
 def pad_token_id(tokenizer, stop_ids: list[int]) -> int:
     """The tokenizer's pad token, else the first stop token (padding is masked either way)."""
     return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else stop_ids[0]
-
-
-def apply_event(chat: Chat, event: dict, skips: SkipCounter) -> None:
-    """Apply one answered turn (a journal line) to its chat: the answer, or a cut there."""
-    if event["turn"] != chat.next_turn:
-        raise ValueError(f"turn journal of row {chat.conv.row_index} does not match the source "
-                         f"(turn {event['turn']}, expected {chat.next_turn}); delete that part's journal to redo it")
-    if "cut" in event:
-        chat.cut(event["turn"], event["cut"], skips)
-    else:
-        chat.answer(event["turn"], event["message"], event["truncated"], event["tokens"])
 
 
 # ---------------------------------------------------------------------------- parts and resume
@@ -449,86 +433,6 @@ def part_chats(ds, start: int, stop: int, source: str, on_bad_row: str, skips: S
 def part_paths(out: Path, index: int) -> tuple[Path, Path]:
     base = out / PARTS_DIR / f"part-{index:05d}"
     return base.with_suffix(".jsonl"), base.with_suffix(".done.json")
-
-
-def journal_path(out: Path, part: int) -> Path:
-    return out / PARTS_DIR / f"part-{part:05d}.turns.jsonl"
-
-
-class TurnJournal:
-    """Append-only JSON lines of one part's answered turns: the unit of resume."""
-
-    def __init__(self, path: Path):
-        self.path = path
-        self._file = None
-
-    def read(self) -> list[dict]:
-        """Events written so far; a torn last line (killed mid-write) is dropped."""
-        if not self.path.exists():
-            return []
-        lines = self.path.read_text(encoding="utf-8").splitlines(keepends=True)
-        events = []
-        for number, line in enumerate(lines, 1):
-            try:
-                events.append(json.loads(line))
-            except json.JSONDecodeError as err:
-                if number < len(lines) or line.endswith("\n"):
-                    raise ValueError(f"{self.path} line {number} is not JSON ({err}); delete the file to redo "
-                                     "that part") from err
-                self.path.write_text("".join(lines[:-1]), encoding="utf-8")
-        return events
-
-    def append(self, event: dict) -> None:
-        if self._file is None:
-            self._file = self.path.open("a", encoding="utf-8")
-        self._file.write(json.dumps(event, ensure_ascii=False) + "\n")
-        self._file.flush()  # in the OS's hands: survives a kill of this process
-
-    def close(self) -> None:
-        if self._file is not None:
-            self._file.close()
-            self._file = None
-
-    def remove(self) -> None:
-        self.close()
-        self.path.unlink(missing_ok=True)
-
-
-@dataclass
-class Part:
-    """One part being regenerated: its chats as far as the journal got."""
-
-    index: int
-    rows: int  # source rows (or self-prompt samples) it covers
-    chats: list[Chat]
-    skips: SkipCounter
-    journal: TurnJournal
-    running: int = 0  # conversations in flight (endpoint)
-    models: Counter = field(default_factory=Counter)  # answers per served model (endpoint)
-
-
-def open_part(out: Path, index: int, rows: int, convs: list[Conversation], skips: SkipCounter) -> Part:
-    """Start a part's chats and replay its journal onto them."""
-    chats = [Chat.start(conv, skips) for conv in convs]
-    part = Part(index, rows, chats, skips, TurnJournal(journal_path(out, index)))
-    by_row = {chat.conv.row_index: chat for chat in chats}
-    for event in part.journal.read():
-        chat = by_row.get(event.get("row"))
-        if chat is None:
-            raise ValueError(f"{part.journal.path}: row {event.get('row')} is not a conversation of this part; "
-                             "delete the file to redo the part")
-        apply_event(chat, event, skips)
-        if "model" in event:
-            part.models[event["model"]] += 1
-    return part
-
-
-def finish_part(out: Path, part: Part, extra: dict | None = None) -> None:
-    """Write the part's rows and done record, then drop its journal."""
-    rows, totals = collect_rows(part.chats, part.skips)
-    write_part(out, part.index, rows, {"part": part.index, "rows_in": part.rows, "rows_out": len(rows), **totals,
-                                       "skipped": part.skips.to_dict(), **(extra or {})})
-    part.journal.remove()
 
 
 def _run_record(cfg: RegenConfig, source_fp: dict, target_fp: dict, tokenizer_fp: dict, num_rows: int,
@@ -647,9 +551,10 @@ def regenerate(cfg: RegenConfig, *, model=None, tokenizer=None, overwrite: bool 
             convs, extra = sampler.chats(range(start, stop))
         else:
             convs, extra = part_chats(ds, start, stop, cfg.data, cfg.on_bad_row, skips), {}
-        current = open_part(out, part, stop - start, convs, skips)
-        regenerate_conversations(model, tokenizer, current.chats, cfg.generation, cfg.batch_size, skips, static)
-        finish_part(out, current, extra)
+        chats = [Chat.start(conv, skips) for conv in convs]
+        rows, totals = regenerate_conversations(model, tokenizer, chats, cfg.generation, cfg.batch_size, skips, static)
+        write_part(out, part, rows, {"part": part, "rows_in": stop - start, "rows_out": len(rows), **totals,
+                                     "skipped": skips.to_dict(), **extra})
         written += 1
         bar.update(stop - start)
     bar.close()

@@ -36,15 +36,14 @@ import shutil
 import threading
 from collections import Counter
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
-from dataclasses import asdict
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .data import DataError, SkipCounter, dataset_fingerprint, load_source
+from .data import Conversation, DataError, SkipCounter, dataset_fingerprint, load_source
 from .endpoint import ChatEndpoint, Reply, RequestRejected
-from .regenerate import (FORMAT_VERSION, PARTS_DIR, Chat, GenerationSettings, Part, RegenConfig,
-                         _check_resume, apply_event, finalize, finish_part, open_part, part_chats, part_paths,
-                         regenerated_message)
+from .regenerate import (FORMAT_VERSION, PARTS_DIR, Chat, GenerationSettings, RegenConfig, _check_resume,
+                         collect_rows, finalize, part_chats, part_paths, regenerated_message, write_part)
 
 log = logging.getLogger(__name__)
 
@@ -123,6 +122,100 @@ def turn_event(chat: Chat, turn: int, reply: Reply, settings: GenerationSettings
     return {"row": row, "turn": turn, "message": message, "truncated": truncated,
             "tokens": reply.completion_tokens or 0, "model": reply.model,
             "server_tool_calls": bool(tool_calls)}
+
+
+def apply_event(chat: Chat, event: dict, skips: SkipCounter) -> None:
+    """Apply one answered turn (a journal line) to its chat: the answer, or a cut there."""
+    if event["turn"] != chat.next_turn:
+        raise ValueError(f"turn journal of row {chat.conv.row_index} does not match the source "
+                         f"(turn {event['turn']}, expected {chat.next_turn}); delete that part's journal to redo it")
+    if "cut" in event:
+        chat.cut(event["turn"], event["cut"], skips)
+    else:
+        chat.answer(event["turn"], event["message"], event["truncated"], event["tokens"])
+
+
+# ---------------------------------------------------------------------------- the turn journal
+
+
+def journal_path(out: Path, part: int) -> Path:
+    return out / PARTS_DIR / f"part-{part:05d}.turns.jsonl"
+
+
+class TurnJournal:
+    """Append-only JSON lines of one part's answered turns: the unit of resume."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self._file = None
+
+    def read(self) -> list[dict]:
+        """Events written so far; a torn last line (killed mid-write) is dropped."""
+        if not self.path.exists():
+            return []
+        lines = self.path.read_text(encoding="utf-8").splitlines(keepends=True)
+        events = []
+        for number, line in enumerate(lines, 1):
+            try:
+                events.append(json.loads(line))
+            except json.JSONDecodeError as err:
+                if number < len(lines) or line.endswith("\n"):
+                    raise ValueError(f"{self.path} line {number} is not JSON ({err}); delete the file to redo "
+                                     "that part") from err
+                self.path.write_text("".join(lines[:-1]), encoding="utf-8")
+        return events
+
+    def append(self, event: dict) -> None:
+        if self._file is None:
+            self._file = self.path.open("a", encoding="utf-8")
+        self._file.write(json.dumps(event, ensure_ascii=False) + "\n")
+        self._file.flush()  # in the OS's hands: survives a kill of this process
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+    def remove(self) -> None:
+        self.close()
+        self.path.unlink(missing_ok=True)
+
+
+@dataclass
+class Part:
+    """One part being regenerated: its chats as far as the journal got."""
+
+    index: int
+    rows: int  # source rows it covers
+    chats: list[Chat]
+    skips: SkipCounter
+    journal: TurnJournal
+    running: int = 0  # conversations in flight
+    models: Counter = field(default_factory=Counter)  # answers per served model
+
+
+def open_part(out: Path, index: int, rows: int, convs: list[Conversation], skips: SkipCounter) -> Part:
+    """Start a part's chats and replay its journal onto them."""
+    chats = [Chat.start(conv, skips) for conv in convs]
+    part = Part(index, rows, chats, skips, TurnJournal(journal_path(out, index)))
+    by_row = {chat.conv.row_index: chat for chat in chats}
+    for event in part.journal.read():
+        chat = by_row.get(event.get("row"))
+        if chat is None:
+            raise ValueError(f"{part.journal.path}: row {event.get('row')} is not a conversation of this part; "
+                             "delete the file to redo the part")
+        apply_event(chat, event, skips)
+        if "model" in event:
+            part.models[event["model"]] += 1
+    return part
+
+
+def finish_part(out: Path, part: Part) -> None:
+    """Write the part's rows and done record, then drop its journal."""
+    rows, totals = collect_rows(part.chats, part.skips)
+    write_part(out, part.index, rows, {"part": part.index, "rows_in": part.rows, "rows_out": len(rows), **totals,
+                                       "skipped": part.skips.to_dict(), "served_models": dict(part.models)})
+    part.journal.remove()
 
 
 # ---------------------------------------------------------------------------- the job
@@ -234,7 +327,7 @@ def regenerate_via_endpoint(job: RegenConfig, *, overwrite: bool = False) -> dic
             part.running -= 1
             bar.update(1)
             if part.running == 0:
-                finish_part(out, part, {"served_models": dict(part.models)})
+                finish_part(out, part)
         bar.set_postfix(turns=runner.turns, refresh=False)
 
     try:
@@ -255,7 +348,7 @@ def regenerate_via_endpoint(job: RegenConfig, *, overwrite: bool = False) -> dic
                 inflight[pool.submit(runner.run_chat, part, chat)] = (part, chat)
             part.running -= 1
             if part.running == 0:
-                finish_part(out, part, {"served_models": dict(part.models)})
+                finish_part(out, part)
         while inflight:
             settle(wait(inflight, return_when=FIRST_COMPLETED).done)
     except BaseException as err:

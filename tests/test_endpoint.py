@@ -179,7 +179,7 @@ def test_request_body_carries_tools_kwargs_and_a_per_turn_seed():
 
 
 def test_journal_drops_a_torn_last_line_and_refuses_a_broken_one(tmp_path):
-    journal = regen.TurnJournal(tmp_path / "j.jsonl")
+    journal = rep.TurnJournal(tmp_path / "j.jsonl")
     journal.append({"row": 0, "turn": 1})
     journal.close()
     with journal.path.open("a") as f:
