@@ -10,7 +10,7 @@ states of positions < a. So, per benchmark:
    the target's top-1 at every position (``extract.target.TargetRunner``);
 3. the drafter scores a block at every position of the continuation (training's forward,
    dense attention; ``offline.block_predictor``) and the continuation is walked as decoding
-   walks it (``train.replay.anchor_taus`` + ``walk``, the replay training and
+   walks it (``train.replay.anchor_taus`` + ``walk_blocks``, the replay training and
    ``eval.offline`` run on caches).
 
 Per prompt this gives the block taus real decoding measures: equal in float32 (tested
@@ -30,7 +30,7 @@ import torch
 
 from dflash.train.data import Collate, candidate_anchors
 from dflash.train.model import DFlashDrafter, TargetHead
-from dflash.train.replay import anchor_taus, walk
+from dflash.train.replay import anchor_taus, walk_blocks
 
 from .offline import block_predictor
 from .speculative import check_compatible, device_of, evaluate, mismatch_message, sync_device, tau_histogram
@@ -133,26 +133,11 @@ class _InMemory:
                 for part in cand.split(self.max_anchors)]
 
 
-def walked_block_taus(taus: dict[int, int], spans: list[tuple[int, int]]) -> list[int]:
-    """Each block's tau along ``train.replay.walk``'s walk, in order: its tokens are their
-    sum, its blocks their count (checked by the caller)."""
-    out = []
-    for s, e in spans:
-        done, budget = 0, e - s - 1
-        while done < budget:
-            out.append(min(taus[s + done], budget - done))
-            done += out[-1]
-    return out
-
-
 def score_sample(sample: dict[str, torch.Tensor], predict, device, max_anchors: int = ANCHORS_PER_FORWARD
                  ) -> list[int]:
     """The block taus greedy speculative decoding takes on one replay sample."""
     taus, spans = anchor_taus(_InMemory(sample, max_anchors), 0, predict, Collate(None), 1, False, device)
-    block_taus = walked_block_taus(taus, spans)
-    if (sum(block_taus), len(block_taus)) != walk(taus, spans):
-        raise RuntimeError("walked_block_taus disagrees with train.replay.walk")
-    return block_taus
+    return walk_blocks(taus, spans)
 
 
 # ---------------------------------------------------------------------------- benchmark

@@ -87,11 +87,11 @@ def test_batched_continuations_equal_unbatched_generate(target, prompts, eos):
 
 
 def test_walked_block_taus_follow_the_walk():
-    from dflash.train.replay import walk
+    from dflash.train.replay import walk, walk_blocks
 
     taus = {2: 2, 3: 9, 4: 3, 5: 9, 6: 9, 7: 1, 10: 1, 11: 1}
     spans = [(2, 8), (10, 13)]
-    blocks = rp.walked_block_taus(taus, spans)
+    blocks = walk_blocks(taus, spans)
     assert blocks == [2, 3, 1, 1] and (sum(blocks), len(blocks)) == walk(taus, spans)
 
 

@@ -72,23 +72,28 @@ def turn_spans(loss_mask) -> list[tuple[int, int]]:
     return spans
 
 
-def walk(taus: dict[int, int], spans: list[tuple[int, int]], max_new_tokens: int | None = None) -> tuple[int, int]:
-    """(drafted tokens, blocks) of decoding each turn [s, e) from its first token.
+def walk_blocks(taus: dict[int, int], spans: list[tuple[int, int]], max_new_tokens: int | None = None) -> list[int]:
+    """Each block's tau, in order, of decoding each turn [s, e) from its first token.
 
     ``taus[a]``: tokens a block anchored at ``a`` emits (``metrics.block_taus``). Decoding
     starts its first block at the turn's first token and every later one where the
     previous block ended, so this visits the anchors decoding visits. The turn's first
     token comes from the prefill, so e - s - 1 tokens are drafted, or max_new_tokens - 1
     when decoding stops there first (the last block then counts only what fits, as online)."""
-    tokens = blocks = 0
+    blocks = []
     for s, e in spans:
         budget = e - s - 1 if max_new_tokens is None else min(e - s - 1, max_new_tokens - 1)
         done = 0
         while done < budget:
-            done += min(taus[s + done], budget - done)
-            blocks += 1
-        tokens += budget
-    return tokens, blocks
+            blocks.append(min(taus[s + done], budget - done))
+            done += blocks[-1]
+    return blocks
+
+
+def walk(taus: dict[int, int], spans: list[tuple[int, int]], max_new_tokens: int | None = None) -> tuple[int, int]:
+    """(drafted tokens, blocks) of ``walk_blocks``' walk."""
+    blocks = walk_blocks(taus, spans, max_new_tokens)
+    return sum(blocks), len(blocks)
 
 
 def anchor_taus(dataset: AnchorDataset, index: int, predict: Callable[[dict], torch.Tensor], collate,
