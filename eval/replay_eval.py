@@ -29,11 +29,12 @@ from typing import Any
 import torch
 
 from dflash.train.data import Collate, candidate_anchors
+from dflash.train.export import check_against_target
 from dflash.train.model import DFlashDrafter, TargetHead
 from dflash.train.replay import anchor_taus, walk_blocks
 
 from .offline import block_predictor
-from .speculative import check_compatible, device_of, evaluate, mismatch_message, sync_device, tau_histogram
+from .speculative import device_of, evaluate, mismatch_message, sync_device, tau_histogram
 
 log = logging.getLogger(__name__)
 
@@ -169,7 +170,7 @@ def replay_benchmark(target, drafter: DFlashDrafter, prompts: Sequence[Sequence[
     from dflash.extract.target import TargetRunner
 
     config = drafter.config
-    check_compatible(config, target)
+    check_against_target(config, target)
     device, stops = device_of(target), frozenset(int(t) for t in eos_token_ids)
     drafter = drafter.eval()
     predict = block_predictor(drafter, target_head(target), config.mask_token_id)

@@ -46,7 +46,7 @@ from typing import Any, Protocol
 import torch
 
 from dflash.train import attention
-from dflash.train.export import check_against_target as check_compatible  # the one drafter-vs-target check
+from dflash.train.export import check_against_target
 from dflash.train.model import DFlashDrafter, DrafterConfig
 
 from . import fused_drafter as fused
@@ -83,8 +83,9 @@ class DFlashProposer:
     Incremental by default: every drafter layer's context keys and values depend on their
     own position only, and decoding only ever appends verified positions, so each call
     computes them for the new positions alone and keeps them, through the fused decoding
-    path of ``fused_drafter``; ``reset`` starts a new sequence. ``incremental=False`` recomputes the whole context with the training forward
-    every call (the reference the incremental path is tested against). ``compile_backend``
+    path of ``fused_drafter``; ``reset`` starts a new sequence. ``incremental=False``
+    recomputes the whole context with the training forward every call (the reference the
+    incremental path is tested against). ``compile_backend``
     (incremental only): the block's forward compiled by that ``torch.compile`` backend, with
     the context length dynamic (it grows every block), so one graph serves a whole run.
     """
@@ -100,7 +101,7 @@ class DFlashProposer:
         self.embed = target.get_input_embeddings()
         self.lm_head = target.get_output_embeddings()
         self.incremental = incremental
-        check_compatible(self.config, target)
+        check_against_target(self.config, target)
         self.reset()
 
     def reset(self) -> None:
@@ -353,9 +354,9 @@ class StaticTarget(EagerTarget):
     length back (the next verify overwrites the rejected drafts; the cache's layers count their
     positions in a device tensor that a captured graph advances and, in 5.17, write at that
     count whatever positions are passed, so the crop moves that counter back in place too).
-    With ``capture`` (CUDA) the forwards
-    after the prefill, 1 token (greedy) or B tokens (verify), are compiled with CUDA graphs
-    (``mode="reduce-overhead"``), once per shape; without, the same code runs eager."""
+    With ``capture`` (CUDA) the forwards after the prefill, 1 token (greedy) or B tokens
+    (verify), are compiled with CUDA graphs (``mode="reduce-overhead"``), once per shape;
+    without, the same code runs eager."""
 
     def __init__(self, target, max_length: int, capture: bool = False):
         from transformers import StaticCache
