@@ -56,11 +56,9 @@ def resolve(gguf: str | None) -> Path:
 
 def describe(path: Path) -> dict:
     """Name, size and sha256 of the GGUF: what `gguf_source.json` records."""
-    digest = hashlib.sha256()
     with path.open("rb") as f:
-        while chunk := f.read(1 << 24):
-            digest.update(chunk)
-    return {"name": path.name, "size": path.stat().st_size, "sha256": digest.hexdigest()}
+        digest = hashlib.file_digest(f, "sha256").hexdigest()
+    return {"name": path.name, "size": path.stat().st_size, "sha256": digest}
 
 
 def finished(out: Path) -> dict | None:
