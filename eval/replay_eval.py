@@ -255,12 +255,12 @@ def benchmark_line(name: str, replay: dict[str, Any], sample: dict[str, Any] | N
     row = {"benchmark": name, "prompts": s["prompts"], "new_tokens": s["new_tokens"], "tau": s["tau"],
            "blocks": s["blocks"], "tau_histogram": s["tau_histogram"], "sample_prompts": 0,
            "online_tau": math.nan, "greedy_tokens_per_s": math.nan, "spec_tokens_per_s": math.nan,
-           "speedup": math.nan, "lossless": None, "replay_equal": None}
+           "speedup": math.nan, "lossless": None, "ties": None, "replay_equal": None}
     if sample and sample["per_prompt"]:
         o, rows = sample["overall"], sample["per_prompt"]
         row.update(sample_prompts=len(rows), online_tau=o["tau"], greedy_tokens_per_s=o["greedy_tokens_per_s"],
                    spec_tokens_per_s=o["spec_tokens_per_s"], speedup=o["speedup"],
-                   lossless=sum(r["lossless"] for r in rows),
+                   lossless=sum(r["lossless"] for r in rows), ties=sum(r["tie"] for r in rows),
                    replay_equal=sum(r["tokens_equal"] and r["taus_equal"] for r in rows))
     return row
 
@@ -271,15 +271,15 @@ def format_benchmarks(lines: Sequence[dict[str, Any]]) -> str:
         return "-" if value is None or (isinstance(value, float) and math.isnan(value)) else format(value, spec)
 
     head = (f"{'benchmark':<16} {'prompts':>7} {'tokens':>8} {'tau':>6} {'sample':>6} {'online tau':>10} "
-            f"{'greedy tok/s':>12} {'spec tok/s':>10} {'speedup':>7} {'lossless':>8} {'= replay':>8}")
+            f"{'greedy tok/s':>12} {'spec tok/s':>10} {'speedup':>7} {'lossless':>13} {'= replay':>8}")
     out = [head, "-" * len(head)]
     for r in lines:
         k = r["sample_prompts"]
-        lossless = f"{r['lossless']}/{k}" if k else "-"
+        lossless = (f"{r['lossless']}/{k}" + (f" +{r['ties']} tie" if r.get("ties") else "")) if k else "-"
         equal = f"{r['replay_equal']}/{k}" if k else "-"
         out.append(f"{r['benchmark']:<16} {r['prompts']:>7} {r['new_tokens']:>8} {f(r['tau']):>6} {k:>6} "
                    f"{f(r['online_tau']):>10} {f(r['greedy_tokens_per_s'], '.1f'):>12} "
-                   f"{f(r['spec_tokens_per_s'], '.1f'):>10} {f(r['speedup']):>6}x {lossless:>8} {equal:>8}")
+                   f"{f(r['spec_tokens_per_s'], '.1f'):>10} {f(r['speedup']):>6}x {lossless:>13} {equal:>8}")
     out.append("tau histogram (blocks accepting 1..B tokens, replay):")
     out += [f"  {r['benchmark']:<16} " + " ".join(f"{k}:{n}" for k, n in enumerate(r["tau_histogram"], start=1))
             for r in lines]

@@ -97,3 +97,22 @@ def test_a_run_starts_from_the_target_layers_trains_and_exports(tiny_target_dir,
     assert config.num_hidden_layers == 2
     final = checkpoint.load_weights(checkpoint.resolve(run))
     assert all(torch.equal(loaded.state_dict()[k], final[k]) for k in final)
+
+
+def test_a_llama_target_without_qk_norms_leaves_them_at_identity(tmp_path):
+    """SmolLM2 is a Llama: its layers have no q/k norms, so the drafter's stay at their ones
+    init (identity scaling) while every other weight is the target layer's."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    llama = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=4,
+                                         num_attention_heads=4, num_key_value_heads=2)).eval()
+    llama.save_pretrained(tmp_path / "llama")
+    drafter = drafter_for(tmp_path / "llama", 1)
+    init_from_target_layers(drafter, tmp_path / "llama", [2])
+    layer, theirs = drafter.layers[0], llama.model.layers[2]
+    for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
+        assert torch.equal(getattr(layer.self_attn, name).weight, getattr(theirs.self_attn, name).weight), name
+    assert torch.equal(layer.mlp.down_proj.weight, theirs.mlp.down_proj.weight)
+    assert torch.equal(layer.self_attn.q_norm.weight, torch.ones_like(layer.self_attn.q_norm.weight))
+    assert torch.equal(layer.self_attn.k_norm.weight, torch.ones_like(layer.self_attn.k_norm.weight))

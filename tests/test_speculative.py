@@ -162,6 +162,43 @@ def test_mismatch_raises_lossless_error(target, drafter, prompts, monkeypatch):
     assert result["overall"]["lossless"] is False
 
 
+def test_divergence_at_a_logit_tie_is_counted_not_raised(target, drafter, prompts, monkeypatch):
+    """Two LM-head rows made equal give exact ties: a speculative decode that takes the other
+    tied token at the first of them is counted as a tie; a divergence at a clear margin still raises."""
+    import copy
+
+    tied = copy.deepcopy(target)
+    j = spec.greedy_generate(tied, prompts[0], MAX_NEW).tokens[7]
+    k = (j + 1) % tied.config.vocab_size
+    with torch.no_grad():  # an LM head of its own (the toy's may be tied to the input embedding), row k = row j
+        head = torch.nn.Parameter(tied.get_output_embeddings().weight.clone())
+        head[k] = head[j]
+        tied.get_output_embeddings().weight = head
+    greedy = spec.greedy_generate(tied, prompts[0], MAX_NEW)
+    ties = [i for i, t in enumerate(greedy.ties) if t]
+    assert ties and ties == [i for i, m in enumerate(greedy.margins) if m == 0.0]  # fp32: a tie is exact
+    at, clear = ties[0], next(i for i, t in enumerate(greedy.ties) if not t)
+    plain = spec.evaluate(tied, drafter, prompts[:1], max_new_tokens=MAX_NEW, warmup=False)["per_prompt"][0]
+    assert plain["lossless"] and not plain["tie"]  # both decoders break an exact tie alike (argmax)
+    real = spec.speculative_generate
+
+    def diverging_at(index, token):
+        def run(*args, **kwargs):
+            out = real(*args, **kwargs)
+            out.tokens[index] = token(out.tokens[index])
+            return out
+        return run
+
+    monkeypatch.setattr(spec, "speculative_generate", diverging_at(at, lambda t: j + k - t))  # the other tied token
+    result = spec.evaluate(tied, drafter, prompts[:1], max_new_tokens=MAX_NEW, warmup=False)
+    row = result["per_prompt"][0]
+    assert not row["lossless"] and row["tie"] and f"new token {at} " in row["mismatch"]
+    assert result["overall"]["lossless"] is True and result["overall"]["ties"] == 1
+    monkeypatch.setattr(spec, "speculative_generate",
+                        diverging_at(clear, lambda t: (t + 1) % tied.config.vocab_size))
+    with pytest.raises(spec.LosslessError, match=f"new token {clear} "):
+        spec.evaluate(tied, drafter, prompts[:1], max_new_tokens=MAX_NEW, warmup=False)
+
 def test_crop_cache_keeps_prefix(target, prompts):
     from dflash.eval.speculative import _forward, cache_length, crop_cache
 

@@ -348,13 +348,15 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
         window_hits = torch.zeros(B, dtype=torch.float64, device=device)
         window_count = torch.zeros(B, dtype=torch.float64, device=device)
         window_work = torch.zeros(3, dtype=torch.float64, device=device)
-        window_steps, window_start = 0, time.perf_counter()
+        window_steps, window_start, window_data_s = 0, time.perf_counter(), 0.0
         params = [p for p in drafter.parameters() if p.requires_grad]
         history: list[dict[str, Any]] = []
         last_eval: dict[str, Any] | None = None
         step = start_step
         for step in range(start_step, steps):
+            waited = time.perf_counter()
             micro_batches = [to_device(next(data_iter), device) for _ in range(accum)]
+            window_data_s += time.perf_counter() - waited  # the loader falling behind shows here
             labels_weights = [labels_and_weights(b, spec) for b in micro_batches]
             denominator = _all_reduce(torch.stack([w.sum() for _, w in labels_weights]).sum(), world)
             for m, (batch, lw) in enumerate(zip(micro_batches, labels_weights)):
@@ -393,6 +395,7 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
                     "lr": float(lr_used),
                     "grad_norm": grad_norm.item() if grad_norm is not None else None,
                     "tok_s": block_tok / elapsed, "step_s": elapsed / window_steps,
+                    "data_wait": window_data_s / elapsed,
                     "mfu": flops / elapsed / world / (rt.peak_tflops * 1e12),
                     "peak_mem_gb": metrics.peak_memory_gb(device),
                     "compiles": compile_path.compile_count(),
@@ -402,7 +405,7 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
                 bar.set_postfix(loss=f"{record['loss']:.3f}", acc=f"{record['acc']:.3f}")
                 for t in (window_loss, window_hits, window_count, window_work):
                     t.zero_()
-                window_steps, window_start = 0, time.perf_counter()
+                window_steps, window_start, window_data_s = 0, time.perf_counter(), 0.0
 
             if eval_keys and (done % rt.eval_every == 0 or last):
                 last_eval = evaluate(done)

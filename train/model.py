@@ -511,6 +511,8 @@ def init_from_target_layers(drafter: DFlashDrafter, target_path: str | os.PathLi
     params = dict(drafter.named_parameters())
     by_file: dict[str, list[str]] = {}
     for name, source in sources.items():
+        if source not in name_to_file and name.endswith(("q_norm.weight", "k_norm.weight")):
+            continue  # a Llama-style target has no q/k norms: the drafter's stay at their identity init
         if source not in name_to_file:
             raise KeyError(f"{target_path}: drafter weight {name} needs {source}, which the checkpoint lacks")
         by_file.setdefault(name_to_file[source], []).append(name)
