@@ -101,39 +101,24 @@ def main(**kw) -> None:
     """
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
     cfg = validated(ExtractConfig(**kw))
-    if cfg.plan:
-        _plan(cfg)
-        return
     from .runner import ExtractFailed, format_summary, run
 
-    summary_json = cfg.summary_json
     try:
-        summary = run(cfg)
+        if cfg.plan:  # the report (or --json) on stdout; nothing loaded or written
+            from .size_plan import format_plan, plan_run
+
+            plan = plan_run(cfg)
+            doc = plan.as_dict()
+            click.echo(json.dumps(doc, indent=2) if cfg.json else format_plan(plan, cfg))
+        else:
+            doc = run(cfg)
+            if doc.get("noop"):
+                click.echo(f"{cfg.out}: already complete, nothing to do")
+            click.echo(format_summary(doc))
     except ExtractFailed as e:
         click.echo(f"dflash-extract: error: {e}", err=True)
         sys.exit(1)
-    if summary.get("noop"):
-        click.echo(f"{cfg.out}: already complete, nothing to do")
-    click.echo(format_summary(summary))
-    if summary_json:
-        with open(summary_json, "w") as f:
-            json.dump(summary, f, indent=2, sort_keys=True)
-            f.write("\n")
-
-
-def _plan(cfg: ExtractConfig) -> None:
-    """``--plan``: the report (or ``--json``) on stdout, also written to ``--summary-json`` where given."""
-    from .runner import ExtractFailed
-    from .size_plan import format_plan, plan_run
-
-    try:
-        plan = plan_run(cfg)
-    except ExtractFailed as e:
-        click.echo(f"dflash-extract: error: {e}", err=True)
-        sys.exit(1)
-    doc = plan.as_dict()
-    click.echo(json.dumps(doc, indent=2) if cfg.json else format_plan(plan, cfg))
-    if cfg.summary_json:
+    if cfg.summary_json:  # the plan or the closing summary
         with open(cfg.summary_json, "w") as f:
             json.dump(doc, f, indent=2, sort_keys=True)
             f.write("\n")

@@ -77,7 +77,8 @@ def settings_of(label: str, params: dict) -> tuple[list, set[str]]:
                                 and v is not None})], {"preset", "print_config"}
     if label == "regenerate":
         generation, prompting = take(GenerationSettings, params), take(SelfPromptSettings, params)
-        overwrite, (_, api_key, timeout, retries) = params.pop("overwrite"), (params.pop(k) for k in ENDPOINT_FLAGS)
+        params.pop("overwrite")
+        _, api_key, timeout, retries = (params.pop(k) for k in ENDPOINT_FLAGS)
         endpoint = EndpointConfig("u", api_key, request_timeout=timeout, retries=retries)
         return [generation, prompting, RegenConfig(**params), endpoint], {"overwrite"}
     assert label == "cache convert"
