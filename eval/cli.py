@@ -29,13 +29,12 @@ import logging
 import math
 import re
 import sys
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import click
 
-from dflash.shared.cli_options import CONTEXT_SETTINGS, build, options, reading, usable_device, validated
+from dflash.shared.cli import Command, JsonObject, Maybe, ModelPath, reading, usable_device
 
 log = logging.getLogger("dflash.eval")
 
@@ -138,58 +137,6 @@ def format_report(result: dict[str, Any]) -> str:
 # ---------------------------------------------------------------------------- command
 
 
-@dataclass
-class EvalConfig:
-    """Every flag of ``dflash-eval``: which target, drafter and prompts, how to decode and report."""
-
-    target: str = field(metadata={"exists": "model"})
-    """Target model: HF folder or hub name (from_pretrained)."""
-    drafter: str = field(metadata={"exists": "dir"})
-    """Export folder (config.json) or training run / checkpoint folder (latest checkpoint)."""
-    prompts: list[str] = field(metadata={"multiple": True})
-    """Prompt dataset (anything extract's load_source reads) as DATA or NAME=DATA; repeat for several benchmarks."""
-    mode: Literal["replay", "online"] = "replay"
-    """replay: tau of every prompt from batched greedy continuations, real decoding on a sample; online: real
-    decoding of every prompt."""
-    spec_sample: int = 8
-    """replay: prompts per benchmark decoded speculatively for real (lossless, tau equal, speed); 0 = none."""
-    batch_size: int = 16
-    """replay: prompts per batched generate and target forward."""
-    capture: bool = False
-    """Timed greedy and speculative decoding on a static KV cache; on CUDA the target's decode/verify forwards
-    in CUDA graphs and the drafter's block forward compiled."""
-    split: str = "train"
-    """Dataset split."""
-    max_new_tokens: int = 128
-    """Tokens generated per prompt."""
-    limit: int | None = None
-    """Use the first N prompts."""
-    device: str = "cpu"
-    """cpu, cuda or cuda:N."""
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
-    """Target and drafter dtype; auto = float32 on cpu, bfloat16 on cuda."""
-    template_kwargs: dict[str, Any] = field(default_factory=dict)
-    """JSON for the chat template, e.g. '{"enable_thinking": false}'."""
-    check: bool = True
-    """Fail (exit 1) when speculative output differs from greedy."""
-    warmup: bool = True
-    """Run an untimed warm-up decode first."""
-    json: str | None = None
-    """Write the full report here."""
-
-    def validate(self) -> None:
-        """Raise ValueError naming the first setting that cannot work."""
-        if self.max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be at least 1, got {self.max_new_tokens}")
-        if self.limit is not None and self.limit < 1:
-            raise ValueError(f"limit must be at least 1, got {self.limit}")
-        if self.batch_size < 1 or self.spec_sample < 0:
-            raise ValueError(f"batch_size must be at least 1 and spec_sample 0 or more, got {self.batch_size}, "
-                             f"{self.spec_sample}")
-        if self.mode == "online" and len(self.prompts) > 1:
-            raise ValueError("--mode online takes one --prompts; replay mode (the default) takes several")
-
-
 BENCHMARK_NAME = re.compile(r"[A-Za-z0-9_.-]+")
 
 
@@ -211,15 +158,43 @@ def parse_benchmarks(specs: list[str]) -> list[tuple[str, str]]:
     return out
 
 
-@click.command(context_settings=CONTEXT_SETTINGS)
-@options(EvalConfig)
-def cli(**values):
+@click.command(cls=Command)
+@click.option("--target", type=ModelPath(), required=True, help="Target model: HF folder or hub name "
+              "(from_pretrained).")
+@click.option("--drafter", type=click.Path(exists=True, file_okay=False), required=True, help="Export folder "
+              "(config.json) or training run / checkpoint folder (latest checkpoint).")
+@click.option("--prompts", multiple=True, required=True, help="Prompt dataset (anything extract's load_source reads) "
+              "as DATA or NAME=DATA; repeat for several benchmarks.")
+@click.option("--mode", type=click.Choice(["replay", "online"]), default="replay", help="replay: tau of every prompt "
+              "from batched greedy continuations, real decoding on a sample; online: real decoding of every prompt.")
+@click.option("--spec-sample", type=click.IntRange(min=0), default=8, help="replay: prompts per benchmark decoded "
+              "speculatively for real (lossless, tau equal, speed); 0 = none.")
+@click.option("--batch-size", type=click.IntRange(min=1), default=16, help="replay: prompts per batched generate and "
+              "target forward.")
+@click.option("--capture/--no-capture", default=False, help="Timed greedy and speculative decoding on a static KV "
+              "cache; on CUDA the target's decode/verify forwards in CUDA graphs and the drafter's block forward "
+              "compiled.")
+@click.option("--split", default="train", help="Dataset split.")
+@click.option("--max-new-tokens", type=click.IntRange(min=1), default=128, help="Tokens generated per prompt.")
+@click.option("--limit", type=Maybe(click.IntRange(min=1)), help="Use the first N prompts.")
+@click.option("--device", default="cpu", help="cpu, cuda or cuda:N.")
+@click.option("--dtype", type=click.Choice(["auto", "float32", "bfloat16", "float16"]), default="auto",
+              help="Target and drafter dtype; auto = float32 on cpu, bfloat16 on cuda.")
+@click.option("--template-kwargs", type=JsonObject(), default="{}", help="JSON for the chat template, e.g. "
+              '\'{"enable_thinking": false}\'.')
+@click.option("--check/--no-check", default=True, help="Fail (exit 1) when speculative output differs from greedy.")
+@click.option("--warmup/--no-warmup", default=True, help="Run an untimed warm-up decode first.")
+@click.option("--json", "report_path", type=Maybe(str), help="Write the full report here.")
+def cli(target: str, drafter: str, prompts: tuple[str, ...], mode: str, spec_sample: int, batch_size: int,
+        capture: bool, split: str, max_new_tokens: int, limit: int | None, device: str, dtype: str,
+        template_kwargs: dict, check: bool, warmup: bool, report_path: str | None):
     """Acceptance (tau) of a DFlash drafter per benchmark: replayed over every prompt from the
     target's batched greedy continuations, checked and timed against real speculative decoding
     on a sample (--mode replay), or real speculative vs greedy decoding of every prompt (--mode online)."""
-    cfg = validated(build(EvalConfig, values))
-    usable_device(cfg.device)
-    benchmarks = parse_benchmarks(list(cfg.prompts))
+    if mode == "online" and len(prompts) > 1:
+        raise click.UsageError("--mode online takes one --prompts; replay mode (the default) takes several")
+    usable_device(device)
+    benchmarks = parse_benchmarks(list(prompts))
     import torch
     from transformers import AutoTokenizer
 
@@ -230,40 +205,42 @@ def cli(**values):
     from .speculative import evaluate, load_drafter
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    target, device = cfg.target, cfg.device
-    dtype = cfg.dtype if cfg.dtype != "auto" else ("bfloat16" if device.startswith("cuda") else "float32")
+    dtype = dtype if dtype != "auto" else ("bfloat16" if device.startswith("cuda") else "float32")
     tokenizer = AutoTokenizer.from_pretrained(target)
     prompt_sets = {}
     for name, data in benchmarks:
         with reading(f"--prompts {name}={data}"):
             try:
-                prompt_sets[name] = load_prompts(data, tokenizer, split=cfg.split, limit=cfg.limit,
-                                                 template_kwargs=cfg.template_kwargs or None)
+                prompt_sets[name] = load_prompts(data, tokenizer, split=split, limit=limit,
+                                                 template_kwargs=template_kwargs or None)
             except DataError as err:
                 raise click.ClickException(f"--prompts {name}={data}: {err}") from err
         if not prompt_sets[name]:
             raise click.ClickException(f"no usable prompts in {data}")
     model = load_target(target, dtype=dtype, device=device)
     with reading("--drafter"):
-        draft_model, config = load_drafter(cfg.drafter, device=device, dtype=getattr(torch, dtype))
+        draft_model, config = load_drafter(drafter, device=device, dtype=getattr(torch, dtype))
     eos = stop_token_ids(model, tokenizer)
     click.echo(f"{', '.join(f'{n}: {len(p)}' for n, p in prompt_sets.items())} prompts, block size "
                f"{config.block_size}, layers {config.target_layer_ids}, {device} {dtype}", err=True)
-    if cfg.mode == "online":
-        (name, data), prompts = benchmarks[0], prompt_sets[benchmarks[0][0]]
-        result = evaluate(model, draft_model, prompts, max_new_tokens=cfg.max_new_tokens, eos_token_ids=eos,
-                          check=False, warmup=cfg.warmup, progress=True, capture=cfg.capture)
-        result["settings"].update({"target": target, "drafter": cfg.drafter, "prompts": data, "split": cfg.split})
+    if mode == "online":
+        (name, data), prompt_ids = benchmarks[0], prompt_sets[benchmarks[0][0]]
+        result = evaluate(model, draft_model, prompt_ids, max_new_tokens=max_new_tokens, eos_token_ids=eos,
+                          check=False, warmup=warmup, progress=True, capture=capture)
+        result["settings"].update({"target": target, "drafter": drafter, "prompts": data, "split": split})
         click.echo(format_report(result))
         failed = [r["mismatch"] for r in result["per_prompt"] if not r["lossless"] and not r["tie"]]
         ties = [r["mismatch"] for r in result["per_prompt"] if r["tie"]]
         diverged = []
     else:
-        result, failed, diverged, ties = replay_mode(cfg, model, draft_model, prompt_sets, eos, dtype)
-    if cfg.json:
-        Path(cfg.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(cfg.json).write_text(json.dumps(result, indent=2) + "\n")
-        click.echo(f"report -> {cfg.json}", err=True)
+        settings = {"target": target, "drafter": drafter, "prompts": list(prompts), "split": split, "mode": "replay",
+                    "max_new_tokens": max_new_tokens, "spec_sample": spec_sample, "batch_size": batch_size,
+                    "capture": capture, "device": device, "dtype": dtype}
+        result, failed, diverged, ties = replay_mode(model, draft_model, prompt_sets, eos, settings, warmup=warmup)
+    if report_path:
+        Path(report_path).parent.mkdir(parents=True, exist_ok=True)
+        Path(report_path).write_text(json.dumps(result, indent=2) + "\n")
+        click.echo(f"report -> {report_path}", err=True)
     for message in diverged:
         click.echo(f"{'REPLAY CHECK FAILED' if dtype == 'float32' else 'replay vs online (not float32)'}: "
                    f"{message}", err=True)
@@ -271,30 +248,28 @@ def cli(**values):
         click.echo(f"speculative vs greedy parted at a numerical tie (not a failure): {message}", err=True)
     for message in failed:
         click.echo(f"LOSSLESS CHECK FAILED: {message}", err=True)
-    if cfg.check and (failed or (diverged and dtype == "float32")):
+    if check and (failed or (diverged and dtype == "float32")):
         sys.exit(1)
 
 
-def replay_mode(cfg: EvalConfig, model, drafter, prompt_sets: dict[str, list[list[int]]], eos: list[int],
-                dtype: str) -> tuple[dict[str, Any], list[str], list[str], list[str]]:
-    """Replay every benchmark, decode its sample for real, print the table:
-    (the --json report, lossless failures, replay-vs-online divergences, lossless ties)."""
+def replay_mode(model, drafter, prompt_sets: dict[str, list[list[int]]], eos: list[int], settings: dict[str, Any], *,
+                warmup: bool) -> tuple[dict[str, Any], list[str], list[str], list[str]]:
+    """Replay every benchmark, decode its sample for real, print the table: (the --json report with
+    ``settings``, lossless failures, replay-vs-online divergences, lossless ties)."""
     from .replay_eval import benchmark_line, format_benchmarks, replay_benchmark, spec_sample
 
     report: dict[str, Any] = {"benchmarks": {}, "settings": {
-        "target": cfg.target, "drafter": cfg.drafter, "prompts": list(cfg.prompts), "split": cfg.split,
-        "mode": "replay", "max_new_tokens": cfg.max_new_tokens, "spec_sample": cfg.spec_sample,
-        "batch_size": cfg.batch_size, "capture": cfg.capture, "device": cfg.device, "dtype": dtype,
-        "eos_token_ids": sorted(eos),
+        **settings, "eos_token_ids": sorted(eos),
         "block_size": drafter.config.block_size, "target_layer_ids": list(drafter.config.target_layer_ids)}}
+    max_new_tokens, sample_size, capture = settings["max_new_tokens"], settings["spec_sample"], settings["capture"]
     lines, failed, diverged, ties = [], [], [], []
     for name, prompts in prompt_sets.items():
-        replay = replay_benchmark(model, drafter, prompts, max_new_tokens=cfg.max_new_tokens, eos_token_ids=eos,
-                                  batch_size=cfg.batch_size, progress=True)
+        replay = replay_benchmark(model, drafter, prompts, max_new_tokens=max_new_tokens, eos_token_ids=eos,
+                                  batch_size=settings["batch_size"], progress=True)
         sample = None
-        if cfg.spec_sample:
-            sample = spec_sample(model, drafter, prompts, replay, cfg.spec_sample, max_new_tokens=cfg.max_new_tokens,
-                                 eos_token_ids=eos, warmup=cfg.warmup, progress=True, capture=cfg.capture)
+        if sample_size:
+            sample = spec_sample(model, drafter, prompts, replay, sample_size, max_new_tokens=max_new_tokens,
+                                 eos_token_ids=eos, warmup=warmup, progress=True, capture=capture)
             failed += [f"{name} {r['mismatch']}" for r in sample["per_prompt"] if not r["lossless"] and not r["tie"]]
             ties += [f"{name} {r['mismatch']}" for r in sample["per_prompt"] if r["tie"]]
             diverged += [f"{name} {r['divergence']}" for r in sample["per_prompt"] if r["divergence"]]

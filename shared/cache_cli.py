@@ -10,16 +10,15 @@ from __future__ import annotations
 
 import json
 import sys
-from dataclasses import dataclass, field
 from typing import Any
 
 import click
 
 from dflash.shared import inspect as I
-from dflash.shared.cli_options import CONTEXT_SETTINGS, build, options, validated
 from dflash.shared import verify as V
 from dflash.shared.cache import CacheError
-from dflash.shared.compression import size_text
+from dflash.shared.cli import Group, Maybe, validated
+from dflash.shared.compression import HIDDEN_CODECS, SCALE_DTYPES, TOPK_DTYPES, size_text
 from dflash.shared.convert import ConvertSettings, Interrupted, convert_cache
 from dflash.shared.shard_lock import LockError
 
@@ -58,91 +57,16 @@ def _pct(x: float | None) -> str:
     return "-" if x is None else f"{100 * x:.1f}%"
 
 
-@dataclass
-class InfoOptions:
-    """``dflash-cache info``."""
-
-    cache: str = field(metadata={"argument": True})
-    """The cache: a local path or a zarr/fsspec URL."""
-    json: bool = False
-    """Print one JSON document instead of the report."""
+CACHE = click.argument("cache")
+AS_JSON = click.option("--json/--no-json", "as_json", default=False, help="Print one JSON document instead of the "
+                       "report.")
+PROGRESS = click.option("--progress/--no-progress", default=True, help="Progress bar on stderr.")
 
 
-@dataclass
-class ShowOptions:
-    """``dflash-cache show``."""
-
-    cache: str = field(metadata={"argument": True})
-    """The cache: a local path or a zarr/fsspec URL."""
-    index: int = field(metadata={"argument": True})
-    """Global sample index."""
-    tokenizer: str | None = None
-    """Tokenizer folder to decode with (default: the target path recorded in the cache)."""
-    tokens: int = 32
-    """Rows of the per-token prediction table (-1: all)."""
-    top: int = 3
-    """Target predictions shown per token."""
-    color: bool | None = None
-    """ANSI colour for assistant spans (default: when stdout is a terminal)."""
-    json: bool = False
-    """Print one JSON document instead of the report."""
-
-
-@dataclass
-class VerifyOptions:
-    """``dflash-cache verify``."""
-
-    cache: str = field(metadata={"argument": True})
-    """The cache: a local path or a zarr/fsspec URL."""
-    max_problems: int = 100
-    """Problems listed (all are counted)."""
-    workers: int = 4
-    """Threads reading and checking chunks."""
-    progress: bool = True
-    """Progress bar on stderr."""
-    json: bool = False
-    """Print one JSON document instead of the report."""
-
-
-@dataclass
-class StatsOptions:
-    """``dflash-cache stats``."""
-
-    cache: str = field(metadata={"argument": True})
-    """The cache: a local path or a zarr/fsspec URL."""
-    max_samples: int = 256
-    """Samples drawn for activation/top-k statistics."""
-    seed: int = 0
-    """Seed of that draw."""
-    threshold: float = 100.0
-    """Report the fraction of |x| above this."""
-    against: str | None = None
-    """Cache to measure the hidden states' error against (default: for a converted cache, its recorded source)."""
-    json: bool = False
-    """Print one JSON document instead of the report."""
-
-
-@dataclass
-class ConvertOptions:
-    """``dflash-cache convert``."""
-
-    src: str = field(metadata={"argument": True})
-    """The finished cache to convert: a local path or a zarr/fsspec URL."""
-    dst: str = field(metadata={"argument": True})
-    """The converted cache: created, or resumed where a conversion with the same settings stopped."""
-    settings: ConvertSettings = field(default_factory=ConvertSettings)
-    progress: bool = True
-    """Progress bar on stderr."""
-    json: bool = False
-    """Print one JSON document instead of the report."""
-
-    def validate(self) -> None:
-        self.settings.validate()
-
-
-@click.group(context_settings=CONTEXT_SETTINGS)
+@click.group(cls=Group)
 def main():
-    """Inspect a dflash hidden-state cache (a Zarr v3 store)."""
+    """Inspect a dflash hidden-state cache (a Zarr v3 store): CACHE, SRC and DST are local paths or zarr/fsspec
+    URLs."""
 
 
 # ----------------------------------------------------------------------------- info
@@ -193,12 +117,12 @@ def _converted_lines(record: dict | None) -> list[str]:
 
 
 @main.command()
-@options(InfoOptions)
-def info(**values):
-    """Fingerprint, layout, shard states, counts and size on disk."""
-    opts = InfoOptions(**values)
-    d = _run(I.cache_info, opts.cache)
-    if opts.json:
+@CACHE
+@AS_JSON
+def info(cache: str, as_json: bool):
+    """Fingerprint, layout, shard states, counts and size on disk of CACHE (a local path or a zarr/fsspec URL)."""
+    d = _run(I.cache_info, cache)
+    if as_json:
         return _emit_json(d)
     fp = d["fingerprint"]
     t, tok, ds = fp["target"], fp["tokenizer"], fp["dataset"]
@@ -258,16 +182,21 @@ def _tok_text(text: str | None, tid: int) -> str:
 
 
 @main.command()
-@options(ShowOptions)
-def show(**values):
-    """One sample: text with assistant spans marked, target top-k, hidden-state norms."""
-    opts = ShowOptions(**values)
-    d = _run(I.show_sample, opts.cache, opts.index, tokenizer_path=opts.tokenizer,
-             num_tokens=None if opts.tokens < 0 else opts.tokens, top=opts.top)
-    if opts.json:
+@CACHE
+@click.argument("index", type=int)
+@click.option("--tokenizer", type=Maybe(str), help="Tokenizer folder to decode with (default: the target path "
+              "recorded in the cache).")
+@click.option("--tokens", default=32, help="Rows of the per-token prediction table (-1: all).")
+@click.option("--top", default=3, help="Target predictions shown per token.")
+@click.option("--color/--no-color", default=None, help="ANSI colour for assistant spans (default: when stdout is a "
+              "terminal).")
+@AS_JSON
+def show(cache: str, index: int, tokenizer: str | None, tokens: int, top: int, color: bool | None, as_json: bool):
+    """Sample INDEX (global) of CACHE: text with assistant spans marked, target top-k, hidden-state norms."""
+    d = _run(I.show_sample, cache, index, tokenizer_path=tokenizer, num_tokens=None if tokens < 0 else tokens, top=top)
+    if as_json:
         return _emit_json(d)
-    color = sys.stdout.isatty() if opts.color is None else opts.color
-    top = opts.top
+    color = sys.stdout.isatty() if color is None else color
     tk = d["tokenizer"]
     head = (f"sample {d['index']}  (shard {d['shard_id']:05d} sample {d['local_index']}, source row "
             f"{d['source_index']})  length {d['length']}  assistant tokens {d['assistant_tokens']}")
@@ -303,12 +232,15 @@ def show(**values):
 
 
 @main.command()
-@options(VerifyOptions)
-def verify(**values):
-    """Read every committed chunk and check checksums, values and structure. Exit 1 on any problem."""
-    opts = VerifyOptions(**values)
-    d = _run(V.verify_cache, opts.cache, max_problems=opts.max_problems, progress=opts.progress, workers=opts.workers)
-    if opts.json:
+@CACHE
+@click.option("--max-problems", default=100, help="Problems listed (all are counted).")
+@click.option("--workers", default=4, help="Threads reading and checking chunks.")
+@PROGRESS
+@AS_JSON
+def verify(cache: str, max_problems: int, workers: int, progress: bool, as_json: bool):
+    """Read every committed chunk of CACHE and check checksums, values and structure. Exit 1 on any problem."""
+    d = _run(V.verify_cache, cache, max_problems=max_problems, progress=progress, workers=workers)
+    if as_json:
         _emit_json(d)
     else:
         lines = []
@@ -331,14 +263,17 @@ def verify(**values):
 
 
 @main.command()
-@options(StatsOptions)
-def stats(**values):
-    """Length histogram, assistant fraction, per-layer activation and top-k statistics."""
-    opts = StatsOptions(**values)
-    threshold = opts.threshold
-    d = _run(I.cache_stats, opts.cache, max_samples=opts.max_samples, seed=opts.seed, threshold=threshold,
-             against=opts.against)
-    if opts.json:
+@CACHE
+@click.option("--max-samples", default=256, help="Samples drawn for activation/top-k statistics.")
+@click.option("--seed", default=0, help="Seed of that draw.")
+@click.option("--threshold", default=100.0, help="Report the fraction of |x| above this.")
+@click.option("--against", type=Maybe(str), help="Cache to measure the hidden states' error against (default: for a "
+              "converted cache, its recorded source).")
+@AS_JSON
+def stats(cache: str, max_samples: int, seed: int, threshold: float, against: str | None, as_json: bool):
+    """Length histogram, assistant fraction, per-layer activation and top-k statistics of CACHE."""
+    d = _run(I.cache_stats, cache, max_samples=max_samples, seed=seed, threshold=threshold, against=against)
+    if as_json:
         return _emit_json(d)
     ln = d["lengths"]
     out = [f"{_n(d['samples'])} samples, {_n(d['tokens'])} tokens, assistant {_pct(d['assistant_fraction'])}"]
@@ -389,25 +324,49 @@ def _conversion_error_lines(e: dict | None) -> list[str]:
 
 
 @main.command()
-@options(ConvertOptions)
-def convert(**values):
-    """Re-encode a finished cache into DST (another hidden codec, top-k precision, chunking or zstd level).
+@click.argument("src")
+@click.argument("dst")
+@click.option("--hidden-codec", type=Maybe(click.Choice(HIDDEN_CODECS)), help="Hidden states: 'bf16' lossless, lossy "
+              "'fp8' (e4m3, a scale per token and layer), 'int8' or 'int4' (a scale per --hidden-group-size "
+              "channels); default: the source's.")
+@click.option("--hidden-group-size", type=Maybe(int), help="Channels sharing one scale under int8/int4 (must divide "
+              "the hidden size; even for int4); default: the source's, else 128.")
+@click.option("--hidden-scale-dtype", type=Maybe(click.Choice(SCALE_DTYPES)), help="dtype of the lossy codecs' scales "
+              "(default: the source's, else float16).")
+@click.option("--topk-dtype", type=Maybe(click.Choice(TOPK_DTYPES)), help="Precision of the stored top-k log-probs "
+              "(default: the source's).")
+@click.option("--chunk-tokens", type=Maybe(int), help="Tokens per chunk of the converted hidden states (default: the "
+              "source's); the small arrays are chunked coarsely.")
+@click.option("--compression-level", type=Maybe(int), help="zstd level of the converted cache: 1, 3, 5, ..., 15 "
+              "(default: the source's).")
+@click.option("--read-mib", default=256.0, help="Source data read at once per shard, in MiB of stored arrays (whole "
+              "planned batches; bounds memory).")
+@click.option("--workers", default=1, help="Shards converted at once, one thread each (zarrs already spreads each "
+              "read's and write's chunks over threads).")
+@click.option("--commit-seconds", default=10.0, help="Seconds between commits of a shard (a crash loses at most this "
+              "much work); 0 = after every read.")
+@click.option("--delay-s", default=0.0, hidden=True, help="Sleep after each read (tests only: makes a conversion slow "
+              "enough to interrupt midway).")
+@PROGRESS
+@AS_JSON
+def convert(src: str, dst: str, progress: bool, as_json: bool, **values):
+    """Re-encode the finished cache SRC into DST (another hidden codec, top-k precision, chunking or zstd level).
 
     No target needed. Same samples, plan and checksums as extraction writes; rerun the same
     command after a crash to resume; `stats DST` then shows the error against the source.
     Exit 2 for a source that is not finished or a DST that holds another cache; Ctrl-C commits
     and stops (exit 130).
     """
-    opts = validated(build(ConvertOptions, values))
+    settings = validated(ConvertSettings(**values))
     try:
-        d = _run(convert_cache, opts.src, opts.dst, opts.settings, progress=opts.progress)
+        d = _run(convert_cache, src, dst, settings, progress=progress)
     except Interrupted as e:
         click.echo(f"dflash-cache convert: interrupted: {e}; rerun the same command to resume", err=True)
         sys.exit(EXIT_INTERRUPTED)
-    src, dst = _run(I.cache_info, opts.src), _run(I.cache_info, opts.dst)
+    before, after = _run(I.cache_info, src), _run(I.cache_info, dst)
     for key in ("bytes_on_disk", "bytes_per_token", "compression_ratio", "encoding"):
-        d[key] = {"source": src[key], "destination": dst[key]}
-    if opts.json:
+        d[key] = {"source": before[key], "destination": after[key]}
+    if as_json:
         return _emit_json(d)
     rate = "" if d["tokens_per_s"] is None else f", {d['tokens_per_s']:,.0f} tok/s"
     per_token = lambda info: "-" if info["bytes_per_token"]["hidden_on_disk"] is None else (  # noqa: E731
@@ -417,11 +376,11 @@ def convert(**values):
         f"converted  {d['source']} -> {d['destination']}: {d['shards']} shard(s), {_n(d['samples'])} samples, "
         f"{_n(d['tokens'])} tokens ({_n(d['tokens_converted'])} now, {_n(d['tokens_found_done'])} found done) "
         f"in {d['seconds']:.1f} s{rate}",
-        f"encoding   hidden {src['encoding']['hidden']} -> {dst['encoding']['hidden']}; top-k log-probs "
-        f"{src['encoding']['topk_dtype']} -> {dst['encoding']['topk_dtype']}",
-        f"disk       {size_text(src['bytes_on_disk'])} -> {size_text(dst['bytes_on_disk'])}; hidden states {per_token(src)} "
-        f"-> {per_token(dst)}",
-        f"next       dflash-cache stats {opts.dst}   (the relative L2 error per layer against the source)",
+        f"encoding   hidden {before['encoding']['hidden']} -> {after['encoding']['hidden']}; top-k log-probs "
+        f"{before['encoding']['topk_dtype']} -> {after['encoding']['topk_dtype']}",
+        f"disk       {size_text(before['bytes_on_disk'])} -> {size_text(after['bytes_on_disk'])}; hidden states "
+        f"{per_token(before)} -> {per_token(after)}",
+        f"next       dflash-cache stats {dst}   (the relative L2 error per layer against the source)",
     ]))
 
 

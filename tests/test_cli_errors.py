@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import subprocess
 import sys
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -35,14 +34,6 @@ def drafter(tiny_target_dir, tmp_path_factory) -> Path:
     config = DrafterConfig.from_target_config(AutoConfig.from_pretrained(tiny_target_dir), [0, 2], mask_token_id=3,
                                               block_size=4, num_hidden_layers=1)
     return export_drafter(DFlashDrafter(config), config, tmp_path_factory.mktemp("errors") / "drafter")
-
-
-@dataclass
-class RaiseFlags:
-    """A command that raises the error named."""
-
-    kind: str = "value"
-    """Which error to raise."""
 
 
 def refused(command, args: list[str], *named: str) -> str:
@@ -135,13 +126,13 @@ def test_only_expected_errors_become_one_line(tmp_path):
     """ValueError and OSError (bad input) are one line; any other error keeps its traceback."""
     import click
 
-    from dflash.shared.cli_options import options
+    from dflash.shared.cli import Command
 
     errors = {"value": ValueError("--kind: not good"), "os": FileNotFoundError(2, "No such file", str(tmp_path / "f")),
               "bug": RuntimeError("internal")}
 
-    @click.command()
-    @options(RaiseFlags)
+    @click.command(cls=Command)
+    @click.option("--kind")
     def command(kind):
         raise errors[kind]
 

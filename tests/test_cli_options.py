@@ -1,5 +1,6 @@
-"""Every CLI is generated from its dataclasses: one flag per field and one field per flag,
-defaults in --help equal to the fields' defaults, Literal choices refused at parse time."""
+"""The commands' flags against the settings they fill: one flag per config field and one field per flag,
+the flags' defaults the fields' defaults, --help's defaults typed back the same values, choices refused
+at parse time."""
 
 from __future__ import annotations
 
@@ -10,158 +11,181 @@ import typing
 
 import click
 import pytest
+from click.core import ParameterSource
 from click.testing import CliRunner
 
-from dflash.eval.cli import EvalConfig
 from dflash.eval.cli import cli as eval_cli
 from dflash.extract.cli import main as extract_main
 from dflash.extract.config import ZSTD_LEVELS, ExtractConfig
-from dflash.extract.regenerate_cli import RegenerateOptions
+from dflash.extract.endpoint import EndpointConfig
+from dflash.extract.regenerate import GenerationSettings, RegenConfig
 from dflash.extract.regenerate_cli import cli as regenerate_cli
+from dflash.extract.self_prompts import SelfPromptSettings
 from dflash.shared import cache_cli
-from dflash.shared.cli_options import build
+from dflash.shared.cli import Maybe, take
+from dflash.shared.convert import ConvertSettings
 from dflash.train import config as train_config
 from dflash.train.cli import cli as train_cli
-from dflash.train.config import ExportOptions, RunOptions, TrainConfig
+from dflash.train.config import TrainConfig
 
 
-def leaf_fields(cls: type) -> dict[str, tuple[typing.Any, typing.Any, dict]]:
-    """name -> (annotation, default or MISSING, metadata), nested dataclass fields expanded (a walk of its own)."""
-    hints = typing.get_type_hints(cls)
+def leaf_fields(obj) -> dict[str, tuple[typing.Any, typing.Any]]:
+    """name -> (annotation, value) of dataclass instance ``obj``, nested dataclass fields expanded."""
+    hints = typing.get_type_hints(type(obj))
     out = {}
-    for f in dataclasses.fields(cls):
-        if dataclasses.is_dataclass(hints[f.name]):
-            out.update(leaf_fields(hints[f.name]))
-            continue
-        default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
-        out[f.name] = (hints[f.name], default, dict(f.metadata))
+    for f in dataclasses.fields(obj):
+        value = getattr(obj, f.name)
+        if dataclasses.is_dataclass(value):
+            out.update(leaf_fields(value))
+        else:
+            out[f.name] = (hints[f.name], value)
     return out
 
 
-# (command, its dataclasses, argv that fills every required parameter)
-def commands(tmp_path) -> list[tuple[str, click.Command, tuple[type, ...], list[str]]]:
+def commands(tmp_path) -> list[tuple[str, click.Command, list[str]]]:
+    """(label, command, argv that fills every required parameter)."""
     folder = str(tmp_path)
     return [
-        ("extract", extract_main, (ExtractConfig,), ["--data", "d", "--model", "m", "--out", "o"]),
-        ("regenerate", regenerate_cli, (RegenerateOptions,), ["--data", "d", "--out", "o", "--model", "m"]),
-        ("train run", train_cli.commands["run"], (RunOptions, TrainConfig), []),
-        ("train export", train_cli.commands["export"], (ExportOptions,), [folder, "--out", "o"]),
-        ("eval", eval_cli, (EvalConfig,), ["--target", "t", "--drafter", folder, "--prompts", "p"]),
-        ("cache info", cache_cli.main.commands["info"], (cache_cli.InfoOptions,), ["c"]),
-        ("cache show", cache_cli.main.commands["show"], (cache_cli.ShowOptions,), ["c", "3"]),
-        ("cache verify", cache_cli.main.commands["verify"], (cache_cli.VerifyOptions,), ["c"]),
-        ("cache stats", cache_cli.main.commands["stats"], (cache_cli.StatsOptions,), ["c"]),
+        ("extract", extract_main, ["--data", "d", "--model", "m", "--out", "o"]),
+        ("regenerate", regenerate_cli, ["--data", "d", "--out", "o", "--model", "m"]),
+        ("train run", train_cli.commands["run"], []),
+        ("train export", train_cli.commands["export"], [folder, "--out", "o"]),
+        ("eval", eval_cli, ["--target", "t", "--drafter", folder, "--prompts", "p"]),
+        ("cache info", cache_cli.main.commands["info"], ["c"]),
+        ("cache show", cache_cli.main.commands["show"], ["c", "3"]),
+        ("cache verify", cache_cli.main.commands["verify"], ["c"]),
+        ("cache stats", cache_cli.main.commands["stats"], ["c"]),
+        ("cache convert", cache_cli.main.commands["convert"], ["s", "d"]),
     ]
 
 
-def flag_of(name: str, metadata: dict) -> str:
-    return metadata.get("flag", "--" + name.replace("_", "-"))
+def parse(command: click.Command, argv: list[str]) -> dict[str, typing.Any]:
+    return dict(command.make_context("x", list(argv)).params)
+
+
+ENDPOINT_FLAGS = ("endpoint", "api_key", "request_timeout", "retries")
+
+
+def settings_of(label: str, params: dict) -> tuple[list, set[str]]:
+    """(config objects built from a command's parsed values, the names of its flags that are no config field)."""
+    params = dict(params)
+    if label == "extract":
+        return [ExtractConfig(**params)], set()
+    if label == "train run":
+        cfg = TrainConfig()
+        return [cfg.override(**{k: v for k, v in params.items() if k not in ("preset", "print_config")
+                                and v is not None})], {"preset", "print_config"}
+    if label == "regenerate":
+        generation, prompting = take(GenerationSettings, params), take(SelfPromptSettings, params)
+        params.pop("overwrite")
+        _, api_key, timeout, retries = (params.pop(k) for k in ENDPOINT_FLAGS)
+        endpoint = EndpointConfig("u", api_key, request_timeout=timeout, retries=retries)
+        return [generation, prompting, RegenConfig(**params), endpoint], {"overwrite"}
+    assert label == "cache convert"
+    own = {k: params.pop(k) for k in ("src", "dst", "progress", "as_json")}
+    return [ConvertSettings(**params)], set(own)
+
+
+BUILT = ("extract", "train run", "regenerate", "cache convert")
 
 
 def test_every_field_is_a_flag_and_every_flag_a_field(tmp_path):
-    for label, command, classes, _ in commands(tmp_path):
+    """Each command that fills a config: every field of it has the flag of the same name, of its kind."""
+    for label, command, argv in commands(tmp_path):
+        if label not in BUILT:
+            continue
+        built, own = settings_of(label, parse(command, argv))
         fields = {}
-        for cls in classes:
-            fields.update(leaf_fields(cls))
-        params = {p.name: p for p in command.params if p.name != "help"}
-        assert set(params) == set(fields), (label, set(params) ^ set(fields))
-        for name, (hint, default, metadata) in fields.items():
+        for obj in built:
+            fields.update(leaf_fields(obj))
+        if label == "regenerate":
+            fields = {k: v for k, v in fields.items() if k not in ("url", "retry_wait", "progress")}
+        params = {p.name: p for p in command.params}
+        assert set(params) - own == set(fields), (label, set(params) - own ^ set(fields))
+        for name, (hint, _) in fields.items():
             param = params[name]
-            if metadata.get("argument"):
-                assert isinstance(param, click.Argument), (label, name)
+            if isinstance(param, click.Argument):
                 continue
-            assert flag_of(name, metadata) in param.opts, (label, name, param.opts)
-            if hint is bool or hint == (bool | None):
-                assert param.secondary_opts == ["--no-" + flag_of(name, metadata)[2:]], (label, name)
-            assert param.required == (default is dataclasses.MISSING), (label, name)
-            assert param.hidden == bool(metadata.get("hidden")), (label, name)
+            assert "--" + name.replace("_", "-") in param.opts, (label, name, param.opts)
+            if hint in (bool, bool | None):
+                assert param.secondary_opts == ["--no-" + name.replace("_", "-")], (label, name)
+            inner = param.type.inner if isinstance(param.type, Maybe) else param.type
+            if typing.get_origin(hint) is typing.Literal:
+                assert list(inner.choices) == [str(c) for c in typing.get_args(hint)], (label, name)
 
 
-def test_parsed_defaults_are_the_dataclass_defaults(tmp_path):
-    """Only a few parameters given: the parsed values build the dataclass its own defaults build."""
-    from click.core import ParameterSource
+def test_parsed_defaults_are_the_config_defaults(tmp_path):
+    """Only the required parameters given: the parsed values build the configs their own defaults build."""
+    for label, command, argv in commands(tmp_path):
+        if label not in BUILT:
+            continue
+        built, _ = settings_of(label, parse(command, argv))
+        if label == "extract":
+            assert built == [ExtractConfig("d", "m", "o")]
+        elif label == "train run":
+            assert built == [train_config.dflash_recipe()]
+        elif label == "regenerate":
+            assert built == [GenerationSettings(), SelfPromptSettings(), RegenConfig("d", "m", "o"), EndpointConfig("u")]
+        else:
+            assert built == [ConvertSettings()]
 
-    for label, command, classes, argv in commands(tmp_path):
-        ctx = command.make_context(label, list(argv))
-        typed = {k: v for k, v in ctx.params.items() if ctx.get_parameter_source(k) == ParameterSource.COMMANDLINE}
-        assert len(typed) == sum(not a.startswith("--") for a in argv), label
-        for cls in classes:
-            own = {k: v for k, v in typed.items() if k in {f.name for f in dataclasses.fields(cls)}}
-            assert build(cls, ctx.params) == cls(**own), label
+
+def test_train_run_defaults_are_the_dflash_presets():
+    """What ``dflash-train run --help`` shows is the dflash preset (only given flags override a preset)."""
+    ctx = train_cli.commands["run"].make_context("run", [])
+    shown = {k: v for k, v in ctx.params.items() if v is not None and k not in ("preset", "print_config")}
+    recipe = leaf_fields(train_config.dflash_recipe())
+    assert shown == {k: v for k, (_, v) in recipe.items() if k in shown}
+    assert {k for k, (_, v) in recipe.items() if v not in (None, "")} == set(shown)
 
 
 def _shown_default(param: click.Parameter, ctx: click.Context) -> str | None:
     record = param.get_help_record(ctx)
-    match = re.search(r"\[default: (.*?)(?:; [a-z ]+)?\]$", record[1]) if record else None
+    match = re.search(r"\[default: (.*?)(?:; [^\]]+)?\]$", record[1]) if record else None
     return match.group(1) if match else None
 
 
-def test_help_shows_the_dataclass_defaults(tmp_path):
-    for label, command, classes, argv in commands(tmp_path):
+def test_help_shows_each_default_as_typed_and_every_flag_has_help(tmp_path):
+    for label, command, argv in commands(tmp_path):
         ctx = command.make_context(label, list(argv))
-        fields = {}
-        for cls in classes:
-            fields.update(leaf_fields(cls))
         for param in command.params:
-            if not isinstance(param, click.Option) or param.name == "help" or param.hidden:
+            if not isinstance(param, click.Option) or param.hidden:
                 continue
-            hint, default, metadata = fields[param.name]
-            shown = _shown_default(param, ctx)
-            if default in (None, "", dataclasses.MISSING):
+            assert param.help, (label, param.name)
+            if ctx.get_parameter_source(param.name) is not ParameterSource.DEFAULT:
+                continue  # a required one, given
+            shown, value = _shown_default(param, ctx), ctx.params[param.name]
+            if isinstance(value, bool) and param.secondary_opts:
+                assert shown == (param.opts[0] if value else param.secondary_opts[0])[2:], (label, param.name, shown)
+            elif value in (None, "") or param.required:
                 assert shown is None, (label, param.name, shown)
-            elif isinstance(default, bool):
-                flag = flag_of(param.name, metadata)[2:]
-                assert shown == (flag if default else "no-" + flag), (label, param.name, shown)
-            else:
-                assert shown is not None, (label, param.name)
-                # what --help shows, typed back in, is the field's default
-                assert param.type_cast_value(ctx, shown) == default, (label, param.name, shown, default)
+            else:  # what --help shows, typed back in, is the default
+                assert param.type_cast_value(ctx, shown) == value, (label, param.name, shown, value)
 
 
-def test_help_of_every_command_renders_each_fields_doc(tmp_path):
-    for label, command, classes, _ in commands(tmp_path):
-        text = "".join(CliRunner().invoke(command, ["--help"]).output.split())  # wrapped anywhere
-        for cls in classes:
-            for name, (_, _, metadata) in leaf_fields(cls).items():
-                if not metadata.get("hidden"):
-                    assert "".join(type_doc(cls, name).split()) in text, (label, name)
-
-
-def type_doc(cls: type, name: str) -> str:
-    """The doc string written under field ``name`` in ``cls`` or its nested dataclasses (read with ast)."""
-    import ast
-    import inspect
-    import textwrap
-
-    hints = typing.get_type_hints(cls)
-    for f in dataclasses.fields(cls):
-        if dataclasses.is_dataclass(hints[f.name]):
-            try:
-                return type_doc(hints[f.name], name)
-            except KeyError:
-                continue
-    body = ast.parse(textwrap.dedent(inspect.getsource(cls))).body[0].body
-    for node, doc in zip(body, body[1:]):
-        if isinstance(node, ast.AnnAssign) and node.target.id == name:
-            return doc.value.value
-    raise KeyError(name)
+def test_arguments_are_named_in_the_help(tmp_path):
+    for label, command, _ in commands(tmp_path):
+        text = CliRunner().invoke(command, ["--help"]).output.split("Options:")[0]
+        for param in command.params:
+            if isinstance(param, click.Argument):
+                assert text.count(param.human_readable_name) >= 2, (label, param.name, text)  # usage and the doc
 
 
 def test_a_bad_choice_is_a_usage_error_naming_the_choices(tmp_path):
-    """Every Literal field of every CLI: a value outside it stops at parse time with exit 2 and the list."""
+    """Every choice of every command: a value outside it stops at parse time with exit 2 and the list."""
     checked = 0
-    for label, command, classes, argv in commands(tmp_path):
-        for cls in classes:
-            for name, (hint, _, metadata) in leaf_fields(cls).items():
-                if typing.get_origin(hint) is not typing.Literal:
-                    continue
-                result = CliRunner().invoke(command, [*argv, flag_of(name, metadata), "bogus"])
-                assert result.exit_code == 2, (label, name, result.output)
-                assert "bogus" in result.output and flag_of(name, metadata) in result.output, result.output
-                for choice in typing.get_args(hint):
-                    assert repr(str(choice)) in result.output, (label, name, choice, result.output)
-                checked += 1
-    assert checked >= 12
+    for label, command, argv in commands(tmp_path):
+        for param in command.params:
+            choice = param.type.inner if isinstance(param.type, Maybe) else param.type
+            if not isinstance(choice, click.Choice):
+                continue
+            result = CliRunner().invoke(command, [*argv, param.opts[0], "bogus"])
+            assert result.exit_code == 2, (label, param.name, result.output)
+            assert "bogus" in result.output and param.opts[0] in result.output, result.output
+            for value in choice.choices:
+                assert repr(value) in result.output, (label, param.name, value, result.output)
+            checked += 1
+    assert checked >= 20
 
 
 def test_compile_bf16_is_refused_before_training_and_in_the_config():
@@ -200,8 +224,8 @@ def test_compression_level_is_one_the_codec_runs():
 def test_values_of_each_kind_parse_to_the_field_types(tmp_path, monkeypatch):
     base = ["--data", "d", "--model", "m", "--out", "o"]
 
-    def parsed(*argv, command=extract_main, cls=ExtractConfig, head=base):
-        return build(cls, command.make_context("x", [*head, *argv]).params)
+    def parsed(*argv):
+        return ExtractConfig(**parse(extract_main, [*base, *argv]))
 
     assert parsed("--layers", "1,9, 17").layers == [1, 9, 17]
     assert parsed("--layers", "none").layers is None
@@ -212,21 +236,28 @@ def test_values_of_each_kind_parse_to_the_field_types(tmp_path, monkeypatch):
     assert parsed("--template-kwargs", '{"enable_thinking": false}').template_kwargs == {"enable_thinking": False}
     assert parsed("--cpu-threads", "none").cpu_threads is None and parsed("--cpu-threads", "3").cpu_threads == 3
     assert parsed("--commit-seconds", "2.5").commit_seconds == 2.5
-    with pytest.raises(click.BadParameter, match="'1,x' is not a valid int|'x' is not a valid int"):
+    with pytest.raises(click.BadParameter, match="'x' is not a valid int"):
         parsed("--layers", "1,x")
+    with pytest.raises(click.BadParameter, match="not valid JSON"):
+        parsed("--template-kwargs", "{x")
+    with pytest.raises(click.BadParameter, match="expected a JSON object"):
+        parsed("--template-kwargs", "[1]")
     with pytest.raises(click.BadParameter, match="does not exist"):
         parsed("--chat-template", str(tmp_path / "missing.jinja"))
 
-    show = dict(command=cache_cli.main.commands["show"], cls=cache_cli.ShowOptions, head=["c", "7"])
-    assert parsed(**show).color is None and parsed("--color", **show).color is True
-    assert parsed("--no-color", **show).color is False and parsed(**show).index == 7
+    show = cache_cli.main.commands["show"]
+    assert parse(show, ["c", "7"])["color"] is None and parse(show, ["c", "7", "--color"])["color"] is True
+    assert parse(show, ["c", "7", "--no-color"])["color"] is False and parse(show, ["c", "7"])["index"] == 7
+    convert = parse(cache_cli.main.commands["convert"], ["s", "d", "--hidden-codec", "fp8", "--topk-dtype", "none"])
+    assert convert["hidden_codec"] == "fp8" and convert["topk_dtype"] is None
 
-    regen = dict(command=regenerate_cli, cls=RegenerateOptions, head=["--data", "d", "--out", "o"])
-    got = parsed("--temperature", "0.5", "--max-prompt-tokens", "none", "--drop-truncated", **regen)
-    assert got.generation.temperature == 0.5 and got.generation.max_prompt_tokens is None
-    assert got.generation.drop_truncated is True and got.generation.max_new_tokens == 1024
+    regen = parse(regenerate_cli, ["--data", "d", "--out", "o", "--temperature", "0.5", "--max-prompt-tokens", "none",
+                                   "--drop-truncated"])
+    got = take(GenerationSettings, regen)
+    assert got.temperature == 0.5 and got.max_prompt_tokens is None
+    assert got.drop_truncated is True and got.max_new_tokens == 1024
     monkeypatch.setenv("OPENAI_API_KEY", "secret")
-    assert parsed(**regen).api_key == "secret"
+    assert parse(regenerate_cli, ["--data", "d", "--out", "o"])["api_key"] == "secret"
 
 
 def test_train_flags_override_only_what_is_given_over_the_preset(tmp_path):
@@ -235,7 +266,10 @@ def test_train_flags_override_only_what_is_given_over_the_preset(tmp_path):
     assert out.exit_code == 0, out.output
     want = train_config.tiny().override(lr=1e-2, target_layer_ids=[1, 2], device="auto")
     assert json.loads(out.output) == want.to_dict()
-    assert set(typing.get_args(train_config.PresetName)) == set(train_config.PRESETS)
+    ctx = train_cli.commands["run"].make_context("run", ["--lr", "1e-2"])
+    assert [k for k in ctx.params if ctx.get_parameter_source(k) is ParameterSource.COMMANDLINE] == ["lr"]
+    with pytest.raises(KeyError, match="no field 'drafter'"):
+        TrainConfig().override(drafter=None)
 
 
 def test_usage_errors_from_validate_and_missing_model_or_endpoint(tmp_path):
@@ -245,41 +279,10 @@ def test_usage_errors_from_validate_and_missing_model_or_endpoint(tmp_path):
     assert zero.exit_code == 2 and "topk must be at least 1, got 0" in zero.output
     no_file = CliRunner().invoke(eval_cli, ["--target", "t", "--drafter", str(tmp_path / "nope"), "--prompts", "p"])
     assert no_file.exit_code == 2 and "does not exist" in no_file.output
-
-
-def test_positional_arguments_are_documented_in_the_help():
-    text = CliRunner().invoke(cache_cli.main, ["show", "--help"]).output
-    assert re.search(r"CACHE\s+The cache", text) and re.search(r"INDEX\s+Global sample index", text)
-
-
-@dataclasses.dataclass
-class _Inner:
-    lr: float = 1.0
-    """A nested field."""
-
-
-@dataclasses.dataclass
-class _Clash:
-    inner: _Inner = dataclasses.field(default_factory=_Inner)
-    lr: float = 2.0
-    """The same name as the nested field."""
-
-
-@dataclasses.dataclass
-class _Undocumented:
-    steps: int = 3
-
-
-@dataclasses.dataclass
-class _Unsupported:
-    shape: tuple[int, int] = (1, 2)
-    """No flag type for a tuple."""
-
-
-def test_the_generator_refuses_what_it_cannot_make_a_flag_of():
-    from dflash.shared.cli_options import options
-
-    for cls, message in ((_Clash, "field name 'lr' appears twice"), (_Undocumented, "_Undocumented.steps has no doc"),
-                         (_Unsupported, "no command-line type for the annotation tuple")):
-        with pytest.raises(TypeError, match=message):
-            options(cls)(lambda **values: None)
+    for command, argv, flag in ((eval_cli, ["--target", "t", "--drafter", str(tmp_path), "--prompts", "p"],
+                                 "--max-new-tokens"), (regenerate_cli, ["--data", "d", "--out", "o"], "--batch-size")):
+        result = CliRunner().invoke(command, [*argv, flag, "0"])
+        assert result.exit_code == 2 and flag in result.output and "0 is not in the range" in result.output
+    two = CliRunner().invoke(eval_cli, ["--target", "t", "--drafter", str(tmp_path), "--prompts", "a", "--prompts", "b",
+                                        "--mode", "online"])
+    assert two.exit_code == 2 and "--mode online takes one --prompts" in two.output

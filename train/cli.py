@@ -19,12 +19,11 @@ import typing
 from pathlib import Path
 
 import click
+from click.core import ParameterSource
 
-from dflash.shared.cli_options import (CONTEXT_SETTINGS, given, options, pick, reading, usable_device,
-                                       validated)
+from dflash.shared.cli import CommaList, Group, Maybe, ModelPath, reading, usable_device, validated
 
 from . import config as config_mod
-from .config import ExportOptions, RunOptions, TrainConfig
 
 
 def _setup_logging() -> None:
@@ -46,20 +45,98 @@ def cpu_preset_warning(preset: str, device: str) -> str | None:
             "takes minutes per step on the CPU; for a CPU run use --preset tiny")
 
 
-@click.group(context_settings=CONTEXT_SETTINGS)
+@click.group(cls=Group)
 def cli():
     """Train DFlash drafters from a hidden-state cache."""
 
 
 @cli.command()
-@options(RunOptions, TrainConfig)
+@click.option("--preset", type=click.Choice(list(config_mod.PRESETS)), default="dflash", help="Starting point (the "
+              "defaults shown are the dflash preset's; tiny changes several); flags override its fields.")
+@click.option("--print-config/--no-print-config", default=False, help="Print the resolved config as JSON and exit.")
+@click.option("--cache", help="Path of the hidden-state cache (Zarr) written by dflash-extract.")
+@click.option("--target", type=ModelPath(), help="Target model folder or name (config, tokenizer, embedding, LM "
+              "head); default: the one the cache records.")
+@click.option("--out", help="Run folder: checkpoints/, metrics.jsonl, config.json, tb/.")
+@click.option("--num-draft-layers", default=5, help="Decoder layers of the drafter (each the size of one target "
+              "layer).")
+@click.option("--block-size", default=16, help="B: tokens per draft block (anchor + B-1 masks).")
+@click.option("--target-layer-ids", type=Maybe(CommaList(int)), help="Target layers fed to the drafter (ascending, "
+              "below L-1); None = the layers the cache stores.")
+@click.option("--mask-token-id", type=Maybe(int), help="Embedding row of the MASK token, absent from the cache's "
+              "input_ids; None = the tokenizer's <|MASK|>, else the first padded row, else the first special token "
+              "(not eos/bos/pad or the template's) the cache never holds.")
+@click.option("--gamma", type=Maybe(float), help="Decay of the per-slot loss weight exp(-(k-1)/gamma); None = 7/5/4 "
+              "for B=16/10/8.")
+@click.option("--loss", type=click.Choice(["ce", "kd", "mix"]), default="kd", help="ce | kd | mix: CE on the labels, "
+              "KL from the target's stored top-k (+ tail bucket), or both.")
+@click.option("--kd-weight", default=0.5, help="Weight of the KL term in mix: (1 - kd_weight) * CE + kd_weight * KL.")
+@click.option("--labels", type=click.Choice(["data", "target"]), default="data", help="data | target: the cached "
+              "token, or the target's own top-1 prediction of it, as the label.")
+@click.option("--init-from-target-layers", type=Maybe(CommaList(int)), help="Drafter layer i starts as a copy of "
+              "target layer ids[i] (and its final norm as the target's); None = random.")
+@click.option("--context-buckets", type=CommaList(int), default="1024,2048,3072", help="Context lengths a batch is "
+              "padded to (one compiled graph each); the last is max length.")
+@click.option("--max-anchors", default=512, help="N: anchor blocks per sequence (fewer candidates -> padded, invalid "
+              "blocks).")
+@click.option("--batch-size", default=16, help="Global batch in sequences per optimizer step (all ranks, all "
+              "accumulation steps).")
+@click.option("--micro-batch-size", default=1, help="Sequences per forward pass on one rank; accumulation = batch / "
+              "(micro * world).")
+@click.option("--eval-samples", type=Maybe(int), help="Held-out samples (the dataset's last rows) for eval loss and "
+              "acceptance; None = min(64, a tenth of the cache), at least 1.")
+@click.option("--num-workers", default=2, help="DataLoader worker processes per rank (0 = load in the main process).")
+@click.option("--prefetch-factor", default=4, help="Batches each worker keeps ready.")
+@click.option("--hidden-decode", type=click.Choice(["auto", "loader", "device"]), default="auto",
+              help="Where a lossy cache's hidden states are decoded: in the loader workers, or on the training device "
+              "after the copy (fewer bytes to copy, no CPU decode); 'auto' = device on CUDA. Same values either way.")
+@click.option("--lr", default=6e-4, help="Peak learning rate.")
+@click.option("--min-lr-ratio", default=0.0, help="Learning rate at the end of the cosine, as a fraction of lr.")
+@click.option("--warmup-ratio", default=0.04, help="Fraction of all steps spent in linear warm-up.")
+@click.option("--weight-decay", default=0.0, help="AdamW decoupled weight decay.")
+@click.option("--beta1", default=0.9, help="AdamW beta1.")
+@click.option("--beta2", default=0.95, help="AdamW beta2.")
+@click.option("--grad-clip", default=1.0, help="Max global gradient norm (0 = no clipping).")
+@click.option("--epochs", default=6.0, help="Passes over the training samples (fractional allowed).")
+@click.option("--max-steps", type=Maybe(int), help="Optimizer steps in total; overrides epochs when set (defines the "
+              "schedule).")
+@click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", help="auto | cpu | cuda (auto: "
+              "cuda:LOCAL_RANK when CUDA is there).")
+@click.option("--attention", type=click.Choice(["auto", "flex", "dense", "flex-eager"]), default="auto",
+              help="auto | flex | dense | flex-eager (auto: flex on CUDA, dense SDPA on CPU).")
+@click.option("--compile", type=click.Choice(["auto", "on", "off"]), default="auto", help="auto | on | off: "
+              "torch.compile of the drafter (auto: on for CUDA only).")
+@click.option("--compile-backend", default="inductor", help="torch.compile backend (tests use 'eager' to check guards "
+              "without codegen).")
+@click.option("--compile-cache", type=Maybe(str), help="Compiled graphs kept for runs of the same shapes (None: "
+              "$TORCHINDUCTOR_CACHE_DIR or ~/.cache/dflash/compile).")
+@click.option("--autocast", type=click.Choice(["auto", "bf16", "on", "off"]), default="auto", help="auto | bf16 | on "
+              "| off: bf16 autocast around the forward (on = bf16; auto: bf16 on CUDA).")
+@click.option("--parallel", type=click.Choice(["ddp", "fsdp"]), default="ddp", help="ddp | fsdp: data parallel "
+              "replicas, or FSDP2 fully_shard for big drafters.")
+@click.option("--ce-chunk-size", default=4096, help="Rows per chunk of the LM-head cross-entropy (bounds the logits "
+              "memory).")
+@click.option("--seed", default=0, help="Seeds the drafter init, data order and anchor draws.")
+@click.option("--log-every", default=10, help="Optimizer steps between log lines (also the only steps that call "
+              ".item()).")
+@click.option("--eval-every", default=500, help="Steps between held-out evaluations (and always at the last step).")
+@click.option("--save-every", default=1000, help="Steps between checkpoints (and always at the last step).")
+@click.option("--keep-checkpoints", default=3, help="Newest checkpoints kept (0 = keep all).")
+@click.option("--resume", type=Maybe(str), default="latest", help="Checkpoint folder to resume from, 'latest' (if any "
+              "exists in the run) or None.")
+@click.option("--stop-after", type=Maybe(int), help="Stop after this many steps without it being the last (simulates "
+              "a kill).")
+@click.option("--peak-tflops", default=790.0, help="Device peak for MFU: 790 = bf16 matmul measured on H200 "
+              "(datasheet 989).")
+@click.option("--tensorboard/--no-tensorboard", default=True, help="Also write TensorBoard events when tensorboard is "
+              "importable.")
+@click.option("--progress/--no-progress", default=True, help="Show a tqdm progress bar on rank 0.")
 @click.pass_context
-def run(ctx: click.Context, **values):
+def run(ctx: click.Context, preset: str, print_config: bool, **values):
     """Train (or resume, from RUN/checkpoints/latest) a drafter."""
-    opts = RunOptions(**pick(RunOptions, values))
-    cfg = config_mod.PRESETS[opts.preset]()
-    cfg.override(**pick(TrainConfig, given(ctx, values)))
-    if opts.print_config:
+    cfg = config_mod.PRESETS[preset]()
+    cfg.override(**{k: v for k, v in values.items() if ctx.get_parameter_source(k) is ParameterSource.COMMANDLINE})
+    if print_config:
         click.echo(cfg.to_json())
         return
     for required in ("cache", "out"):
@@ -68,39 +145,43 @@ def run(ctx: click.Context, **values):
     validated(cfg)
     usable_device(cfg.runtime.device)
     _setup_logging()
-    warning = cpu_preset_warning(opts.preset, cfg.runtime.device)
+    warning = cpu_preset_warning(preset, cfg.runtime.device)
     if warning:
         logging.getLogger("dflash.train").warning(warning)
     from .loop import train
 
-    summary = train(cfg)  # a bad cache, target or flag value is one line (cli_options), not a traceback
+    summary = train(cfg)  # a bad cache, target or flag value is one line (shared.cli.Command), not a traceback
     if summary["eval"] is not None:
         click.echo(f"done: step {summary['step']}/{summary['total_steps']}, eval loss {summary['eval']['loss']:.4f}, "
                    f"tau {summary['eval']['tau']:.3f}", err=True)
 
 
 @cli.command()
-@options(ExportOptions)
-def export(**values):
-    """Export a checkpoint of RUN as a DFlashDraftModel folder (SGLang / vLLM format),
-    checked against its target, and print the commands that serve it."""
+@click.argument("run_dir", metavar="RUN", type=click.Path(exists=True, file_okay=False))
+@click.option("--out", required=True, help="Export folder (config.json + model.safetensors).")
+@click.option("--checkpoint", default="latest", help="'latest', a step folder name (step_000100) or a checkpoint path.")
+@click.option("--dtype", type=click.Choice(["bfloat16", "float16", "float32"]), default="bfloat16",
+              help="dtype of the exported weights.")
+@click.option("--target", type=Maybe(ModelPath()), help="Target folder or hub name the export is checked against and "
+              "served with; default: the run's.")
+def export(run_dir: str, out: str, checkpoint: str, dtype: str, target: str | None):
+    """Export a checkpoint of RUN (the training run's folder) as a DFlashDraftModel folder (SGLang / vLLM
+    format), checked against its target, and print the commands that serve it."""
     import json
     import os
 
     import torch
 
-    from . import checkpoint
+    from .checkpoint import load_weights, read_state, resolve
     from .export import check_against_target, export_drafter, serve_commands
     from .model import DFlashDrafter, DrafterConfig
     from .target import load_target_meta, looks_like_path
 
-    opts = validated(ExportOptions(**values))
-    run_dir, target = opts.run, opts.target
     with reading("--checkpoint"):
-        path = checkpoint.resolve(run_dir, opts.checkpoint)
+        path = resolve(run_dir, checkpoint)
     if path is None:
         raise click.ClickException(f"{run_dir} has no complete checkpoint")
-    state = checkpoint.read_state(path)
+    state = read_state(path)
     try:
         dcfg = DrafterConfig.from_dict(state["drafter_config"])
     except ValueError as e:
@@ -118,8 +199,8 @@ def export(**values):
         raise click.ClickException(f"{run_dir} cannot be exported for {target} (--target names another place "
                                    f"of the same target): {e}") from e
     drafter = DFlashDrafter(dcfg)
-    drafter.load_state_dict(checkpoint.load_weights(path), strict=True)
-    out = export_drafter(drafter, dcfg, opts.out, dtype=getattr(torch, opts.dtype))
+    drafter.load_state_dict(load_weights(path), strict=True)
+    out = export_drafter(drafter, dcfg, out, dtype=getattr(torch, dtype))
     click.echo(f"exported {path} (step {state['step']}) -> {out}, checked against {target}")
     commands = serve_commands(out, target, dcfg.block_size)
     click.echo(f"serve with SGLang:\n  {commands['sglang']}\nserve with vLLM:\n  {commands['vllm']}")

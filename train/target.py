@@ -8,7 +8,7 @@ import logging
 import os
 
 from dflash.shared.cache import CacheMismatch, CacheReader, CacheSpec
-from dflash.shared.cli_options import looks_like_path
+from dflash.shared.cli import looks_like_path
 from dflash.shared.layers import check_layer_ids
 
 from .config import TrainConfig
