@@ -334,7 +334,7 @@ def step_eval(out: Path, s: DemoSettings, regen: Path, cache: Path, target: Path
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from dflash.eval.offline import replay_export
+    from dflash.eval.replay_eval import replay_export
     from dflash.eval.speculative import evaluate, load_drafter
     from dflash.eval import toy_tokenizer as toy
     from dflash.shared.cache import CacheReader
@@ -376,7 +376,7 @@ def step_eval(out: Path, s: DemoSettings, regen: Path, cache: Path, target: Path
                                              result["per_prompt"])
     result["overall"]["chats"] = len(samples)
     # the offline estimate of what decoding measures: training's held-out samples, the
-    # cache and the drafter only, blocks where decoding starts them (dflash.eval.offline)
+    # cache and the drafter only, blocks where decoding starts them (replay_eval.replay_export)
     result["offline_replay"] = replay_export(cache, samples, out / "export", target, max_length=s.max_length,
                                              max_new_tokens=s.max_new_tokens)
     path.write_text(json.dumps(result, indent=2) + "\n")

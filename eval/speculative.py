@@ -388,12 +388,17 @@ def speculative_generate(target, proposer: Proposer, prompt_ids: Sequence[int], 
 # ---------------------------------------------------------------------------- evaluation
 
 
+def first_difference(a: Sequence, b: Sequence) -> int:
+    """Where two sequences first differ (the shorter one's length where it is the other's prefix)."""
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
 def mismatch_message(spec: Sequence[int], greedy: Sequence[int], margins: Sequence[float] = (),
                      where: str = "prompt") -> str | None:
     """None when the two token lists are identical, else what differs and where."""
     if list(spec) == list(greedy):
         return None
-    first = next((i for i, (a, b) in enumerate(zip(spec, greedy)) if a != b), min(len(spec), len(greedy)))
+    first = first_difference(spec, greedy)
     margin = f"; greedy top-2 logit margin there {margins[first]:.3g}" if first < len(margins) else ""
     return (
         f"{where}: speculative output differs from greedy at new token {first} "
@@ -484,3 +489,29 @@ def evaluate(target, drafter: DFlashDrafter | Proposer, prompts: Sequence[Sequen
                 "target_layer_ids": list(proposer.target_layer_ids), "device": str(device),
                 "dtype": str(next(target.parameters()).dtype).removeprefix("torch.")}
     return {"overall": overall, "per_prompt": rows, "settings": settings}
+
+
+def fmt(value, spec: str = ".2f") -> str:
+    """``value`` formatted; "-" for a figure not measured (None or NaN)."""
+    return "-" if value is None or (isinstance(value, float) and math.isnan(value)) else format(value, spec)
+
+
+def format_report(result: dict[str, Any]) -> str:
+    """``evaluate``'s per-prompt table, the overall line and the tau histogram."""
+    head = f"{'#':>4} {'prompt':>6} {'new':>5} {'blocks':>6} {'tau':>6} {'tok/fwd':>7} " \
+           f"{'greedy s':>8} {'spec s':>8} {'speedup':>7}  ok"
+    lines = [head, "-" * len(head)]
+    for r in result["per_prompt"]:
+        lines.append(f"{r['index']:>4} {r['prompt_tokens']:>6} {r['new_tokens']:>5} {r['blocks']:>6} {fmt(r['tau']):>6} "
+                     f"{fmt(r['tokens_per_target_forward']):>7} {fmt(r['greedy_seconds']):>8} "
+                     f"{fmt(r['spec_seconds']):>8} {fmt(r['speedup']):>6}x  {'yes' if r['lossless'] else 'NO'}")
+    o = result["overall"]
+    if o.get("prompts"):
+        lines += ["-" * len(head),
+                  f"overall: {o['prompts']} prompts, {o['new_tokens']} tokens, tau {fmt(o['tau'])} over "
+                  f"{o['blocks']} blocks, {fmt(o['tokens_per_target_forward'])} tokens per target forward, "
+                  f"greedy {fmt(o['greedy_seconds'])} s vs speculative {fmt(o['spec_seconds'])} s "
+                  f"= {fmt(o['speedup'])}x, lossless: {'yes' if o['lossless'] else 'NO'}",
+                  "tau histogram (accepted tokens per block): "
+                  + " ".join(f"{k}:{n}" for k, n in enumerate(o["tau_histogram"], start=1))]
+    return "\n".join(lines)
