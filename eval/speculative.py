@@ -502,7 +502,8 @@ def format_report(result: dict[str, Any]) -> str:
            f"{'greedy s':>8} {'spec s':>8} {'speedup':>7}  ok"
     lines = [head, "-" * len(head)]
     for r in result["per_prompt"]:
-        lines.append(f"{r['index']:>4} {r['prompt_tokens']:>6} {r['new_tokens']:>5} {r['blocks']:>6} {fmt(r['tau']):>6} "
+        lines.append(f"{r['index']:>4} {r['prompt_tokens']:>6} {r['new_tokens']:>5} {r['blocks']:>6} "
+                     f"{fmt(r['tau']):>6} "
                      f"{fmt(r['tokens_per_target_forward']):>7} {fmt(r['greedy_seconds']):>8} "
                      f"{fmt(r['spec_seconds']):>8} {fmt(r['speedup']):>6}x  {'yes' if r['lossless'] else 'NO'}")
     o = result["overall"]
