@@ -79,10 +79,11 @@ def build_demo_tokenizer(out_dir: str | Path, chats: Sequence[dict], *, vocab_si
 
 def build_demo_target(out_dir: str | Path, *, train_chats: Sequence[dict], tokenizer,
                       config: DemoTargetConfig | None = None, log: Callable[[str], None] = print,
-                      **overrides: Any) -> DemoTargetBuild:
+                      num_threads: int | None = None, **overrides: Any) -> DemoTargetBuild:
     """Train (or reuse) the demo target in `out_dir`. `tokenizer`: a HF fast tokenizer or its folder,
     whose chat template marks assistant content with `{% generation %}`; `overrides` replace fields
-    of `config`, e.g. `steps=20, hidden_size=32`."""
+    of `config`, e.g. `steps=20, hidden_size=32`; `num_threads`: torch's threads for this build only
+    (speed, not a setting: on a busy 2-core machine 1 thread can be much faster for tiny models)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     config = dataclasses.replace(config or DemoTargetConfig(), **overrides)
@@ -105,10 +106,14 @@ def build_demo_target(out_dir: str | Path, *, train_chats: Sequence[dict], token
     if not examples:
         raise ValueError("no training chats left after tokenization")
     model = _init_model(config, tokenizer)
-    n_params = sum(p.numel() for p in model.parameters())
+    n_params, threads_before = sum(p.numel() for p in model.parameters()), torch.get_num_threads()
+    torch.set_num_threads(num_threads or threads_before)
     log(f"demo target: {n_params / 1e6:.2f}M params, {len(examples)} chats, "
         f"{config.steps} steps x {config.batch_size}, {torch.get_num_threads()} threads")
-    history = train(model, examples, config, pad_id=tokenizer.pad_token_id, log=log)
+    try:
+        history = train(model, examples, config, pad_id=tokenizer.pad_token_id, log=log)
+    finally:
+        torch.set_num_threads(threads_before)
     model.eval()
     model.save_pretrained(out_dir, safe_serialization=True)
     tokenizer.save_pretrained(out_dir)
