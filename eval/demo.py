@@ -366,8 +366,8 @@ def step_eval(out: Path, s: DemoSettings, regen: Path, cache: Path, target: Path
         # a turn cut at max_new_tokens was cached with an <|im_end|> the target never chose
         row["regenerated_match"] = row["tokens"] == want[: s.max_new_tokens]
     result["overall"]["regenerated_match"] = sum(r["regenerated_match"] for r in result["per_prompt"]) / len(prompts)
-    result["per_task"] = per_task_acceptance([last_user_message(tokenizer.decode(p)) for p in prompts],
-                                             result["per_prompt"])
+    asked = [tokenizer.decode(p).rsplit(f"{toy.IM_START}user\n", 1)[-1].split(toy.IM_END, 1)[0] for p in prompts]
+    result["per_task"] = per_task_acceptance(asked, result["per_prompt"])  # by each turn's last user message
     result["overall"]["chats"] = len(samples)
     # the offline estimate of what decoding measures: training's held-out samples, the
     # cache and the drafter only, blocks where decoding starts them (replay_eval.replay_export)
@@ -381,13 +381,6 @@ def step_eval(out: Path, s: DemoSettings, regen: Path, cache: Path, target: Path
          f"{o['regenerated_match']:.0%}; offline replay tau {result['offline_replay']['tau']:.2f} "
          f"({result['seconds']:.1f} s)")
     return result
-
-
-def last_user_message(rendered: str) -> str:
-    """The text of the last user turn of a chat rendered by the demo's template."""
-    from dflash.eval import toy_tokenizer as toy
-
-    return rendered.rsplit(f"{toy.IM_START}user\n", 1)[-1].split(toy.IM_END, 1)[0]
 
 
 def per_task_acceptance(user_prompts: list[str], per_prompt: list[dict]) -> dict[str, dict]:

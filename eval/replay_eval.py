@@ -47,21 +47,10 @@ def replay_export(cache: str | Path, samples: list[int], export: str | Path, tar
     data = AnchorDataset(CacheReader(str(cache)), list(config.target_layer_ids), max_length,
                          max_anchors=max_length, seed=0)
     return replay_decoding(data, samples, block_predictor(drafter, head, config.mask_token_id), Collate(None),
-                  max_new_tokens=max_new_tokens).to_dict()
+                           max_new_tokens=max_new_tokens).to_dict()
 
 
 # ---------------------------------------------------------------------------- target side
-
-
-class _PromptIds:
-    """The tokenizer ``generate_batch`` calls, for prompts that are token ids already: the
-    'text' ``str(i)`` is prompt i, used exactly as given."""
-
-    def __init__(self, prompts: Sequence[Sequence[int]]):
-        self.prompts = prompts
-
-    def __call__(self, text: str, add_special_tokens: bool = False) -> dict[str, list[int]]:
-        return {"input_ids": list(self.prompts[int(text)])}
 
 
 def greedy_continuations(target, prompts: Sequence[Sequence[int]], max_new_tokens: int,
@@ -79,11 +68,15 @@ def greedy_continuations(target, prompts: Sequence[Sequence[int]], max_new_token
     use_static = static if static is not None else device_of(target).type == "cuda"
     decoder = (StaticDecoder(target, batch_size, max_new_tokens, max(len(p) for p in prompts))
                if use_static and prompts else None)
+
+    def tokenize(text: str, add_special_tokens: bool = False) -> dict[str, list[int]]:  # generate_batch's: prompt int(text)
+        return {"input_ids": list(prompts[int(text)])}
+
     order = sorted(range(len(prompts)), key=lambda i: -len(prompts[i]))  # similar lengths share a batch
     out: list[tuple[list[int], bool]] = [([], True)] * len(prompts)
     for start in range(0, len(order), batch_size):
         rows = order[start:start + batch_size]
-        results = generate_batch(target, _PromptIds(prompts), [str(i) for i in rows], gen_kwargs, stops, decoder)
+        results = generate_batch(target, tokenize, [str(i) for i in rows], gen_kwargs, stops, decoder)
         for i, result in zip(rows, results):
             out[i] = result
     return out

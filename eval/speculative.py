@@ -415,12 +415,9 @@ def check_lossless(spec: Sequence[int], greedy: Sequence[int], margins: Sequence
         raise LosslessError(message)
 
 
-def tau_histogram(taus: Iterable[int], block_size: int) -> list[int]:
+def tau_histogram(taus: Sequence[int], block_size: int) -> list[int]:
     """counts[k - 1]: blocks that accepted k tokens."""
-    counts = [0] * block_size
-    for tau in taus:
-        counts[tau - 1] += 1
-    return counts
+    return [list(taus).count(k) for k in range(1, block_size + 1)]
 
 
 def _summary(specs: Sequence[Generation], greedies: Sequence[Generation], block_size: int) -> dict[str, Any]:
