@@ -414,7 +414,8 @@ def plot_curves(records: list[dict], png: Path, online: float | None = None, rep
     fig, (ax_loss, ax_tau) = plt.subplots(1, 2, figsize=(11, 4))
     ax_loss.plot([r["step"] for r in train], [r["loss"] for r in train], label="train loss")
     ax_loss.plot([r["step"] for r in evals], [r["loss"] for r in evals], "o-", label="held-out loss")
-    ax_loss.set_xlabel("step"), ax_loss.set_ylabel("training objective (weighted per slot)"), ax_loss.set_yscale("log"), ax_loss.legend()
+    ax_loss.set_xlabel("step"), ax_loss.set_ylabel("training objective (weighted per slot)")
+    ax_loss.set_yscale("log"), ax_loss.legend()
     ax_tau.plot([r["step"] for r in evals], [r["tau"] for r in evals], "o-", color="C2",
                 label="held-out acceptance length (training's estimate: decoding replay)")
     ax_tau.plot([r["step"] for r in train], [1 + r["acc"] for r in train], color="C3", alpha=0.5,
@@ -451,36 +452,24 @@ def run_demo(out: str | Path, settings: DemoSettings | None = None, echo=click.e
     records = read_metrics(out / "run")
     png = plot_curves(records, out / "training_curves.png", online=result["overall"]["tau"],
                       replay=result["offline_replay"]["tau"])
-    offline = trained["eval"]["tau"] if trained.get("eval") else None
-    o, replayed = result["overall"], result["offline_replay"]
+    ev, o, replayed = trained.get("eval") or {}, result["overall"], result["offline_replay"]
+    offline = ev.get("tau")
     summary = {
-        "out": str(out),
-        "settings": dataclasses.asdict(s),
-        "target": {"path": str(target), "train_seconds": target_record.get("train_seconds"),
-                   "final_loss": target_record.get("final_loss"), "num_params": target_record.get("num_params")},
+        "out": str(out), "settings": dataclasses.asdict(s),
+        "target": {"path": str(target),
+                   **{k: target_record.get(k) for k in ("train_seconds", "final_loss", "num_params")}},
         "cache": cache,
         "training": {"seconds": trained["seconds"], "steps": trained["steps"], "final_eval": trained.get("eval")},
         "regenerate": regen,
-        "acceptance_offline": offline,
-        "acceptance_offline_replay": replayed["tau"],
-        "acceptance_online": o["tau"],
-        "offline_blocks": trained["eval"].get("tau_blocks") if trained.get("eval") else None,
-        "acceptance_offline_uniform": trained["eval"].get("tau_uniform") if trained.get("eval") else None,
-        "replay_blocks": replayed["blocks"],
-        "online_blocks": o.get("blocks"),
-        "heldout_chats": o["chats"],
+        "acceptance_offline": offline, "acceptance_offline_replay": replayed["tau"], "acceptance_online": o["tau"],
+        "offline_blocks": ev.get("tau_blocks"), "acceptance_offline_uniform": ev.get("tau_uniform"),
+        "replay_blocks": replayed["blocks"], "online_blocks": o.get("blocks"), "heldout_chats": o["chats"],
         "regenerated_match": o["regenerated_match"],
         "online_vs_offline_rel_diff": abs(o["tau"] - offline) / offline if offline else None,
         "online_vs_replay_rel_diff": abs(o["tau"] - replayed["tau"]) / replayed["tau"],
-        "lossless": o["lossless"],
-        "speedup": o["speedup"],
-        "tokens_per_target_forward": o["tokens_per_target_forward"],
-        "tau_histogram": o["tau_histogram"],
-        "acceptance_per_task": result["per_task"],
-        "eval_prompts": o["prompts"],
-        "export": str(out / "export"),
-        "training_curves": str(png),
-        "demo_seconds": time.perf_counter() - t0,
+        "lossless": o["lossless"], "speedup": o["speedup"], "tokens_per_target_forward": o["tokens_per_target_forward"],
+        "tau_histogram": o["tau_histogram"], "acceptance_per_task": result["per_task"], "eval_prompts": o["prompts"],
+        "export": str(out / "export"), "training_curves": str(png), "demo_seconds": time.perf_counter() - t0,
     }
     (out / "summary.json").write_text(json.dumps(summary, indent=2, default=str) + "\n")
     echo("[7/7] summary")
