@@ -193,18 +193,16 @@ def benchmark_summaries(result: dict) -> dict[str, dict]:
 
 def benchmark_table(result: dict) -> str:
     """Markdown: one row per benchmark (tau by replay over every prompt, the sampled online tau, speed)."""
+    from .speculative import fmt
+
     rows = ["| benchmark | prompts | tokens | tau (replay) | tau (online sample) | greedy tok/s | speculative tok/s "
             "| speedup |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     for name, b in benchmark_summaries(result).items():
-        rows.append("| {} | {} | {} | {:.2f} | {} | {} | {} | {} |".format(
-            name, b.get("prompts"), b.get("new_tokens"), b.get("tau", float("nan")),
-            _f(b.get("online_tau")), _f(b.get("greedy_tokens_per_s"), ".0f"), _f(b.get("spec_tokens_per_s"), ".0f"),
-            _f(b.get("speedup"), ".2f") + "x" if b.get("speedup") else "-"))
+        speedup = fmt(b.get("speedup"))
+        rows.append(f"| {name} | {b.get('prompts')} | {b.get('new_tokens')} | {fmt(b.get('tau'))} | "
+                    f"{fmt(b.get('online_tau'))} | {fmt(b.get('greedy_tokens_per_s'), '.0f')} | "
+                    f"{fmt(b.get('spec_tokens_per_s'), '.0f')} | {speedup}{'x' if speedup != '-' else ''} |")
     return "\n".join(rows)
-
-
-def _f(value, spec: str = ".2f") -> str:
-    return "-" if value is None else format(value, spec)
 
 
 @click.group()
