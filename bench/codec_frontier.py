@@ -90,7 +90,7 @@ def convert_lossy_cache(lossless: Path, out: Path, mode: dict) -> list[float]:
 def run_mode(base: Path, out: Path, mode: dict, seed: int) -> dict:
     """The lossy cache, then the demo's train + eval steps on it; writes OUT/result.json."""
     from dflash.eval import demo
-    from dflash.eval.offline import replay_export
+    from dflash.eval.replay_eval import replay_export
 
     s = demo.DemoSettings.full(seed)
     lossless = base / "cache.zarr"

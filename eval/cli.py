@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import re
 import sys
 from pathlib import Path
@@ -100,40 +99,6 @@ def load_prompts(spec: str, tokenizer, *, split: str = "train", limit: int | Non
     return prompts
 
 
-# ---------------------------------------------------------------------------- report
-
-
-def _fmt(value, spec: str = ".2f") -> str:
-    if isinstance(value, float) and math.isnan(value):
-        return "-"
-    return format(value, spec)
-
-
-def format_report(result: dict[str, Any]) -> str:
-    """The per-prompt table, the overall line and the tau histogram."""
-    head = f"{'#':>4} {'prompt':>6} {'new':>5} {'blocks':>6} {'tau':>6} {'tok/fwd':>7} " \
-           f"{'greedy s':>8} {'spec s':>8} {'speedup':>7}  ok"
-    lines = [head, "-" * len(head)]
-    for r in result["per_prompt"]:
-        lines.append(
-            f"{r['index']:>4} {r['prompt_tokens']:>6} {r['new_tokens']:>5} {r['blocks']:>6} {_fmt(r['tau']):>6} "
-            f"{_fmt(r['tokens_per_target_forward']):>7} {_fmt(r['greedy_seconds']):>8} "
-            f"{_fmt(r['spec_seconds']):>8} {_fmt(r['speedup']):>6}x  {'yes' if r['lossless'] else 'NO'}"
-        )
-    o = result["overall"]
-    if o.get("prompts"):
-        lines += [
-            "-" * len(head),
-            f"overall: {o['prompts']} prompts, {o['new_tokens']} tokens, tau {_fmt(o['tau'])} over "
-            f"{o['blocks']} blocks, {_fmt(o['tokens_per_target_forward'])} tokens per target forward, "
-            f"greedy {_fmt(o['greedy_seconds'])} s vs speculative {_fmt(o['spec_seconds'])} s "
-            f"= {_fmt(o['speedup'])}x, lossless: {'yes' if o['lossless'] else 'NO'}",
-            "tau histogram (accepted tokens per block): "
-            + " ".join(f"{k}:{n}" for k, n in enumerate(o["tau_histogram"], start=1)),
-        ]
-    return "\n".join(lines)
-
-
 # ---------------------------------------------------------------------------- command
 
 
@@ -202,7 +167,7 @@ def cli(target: str, drafter: str, prompts: tuple[str, ...], mode: str, spec_sam
     from dflash.extract.data import DataError
     from dflash.extract.target import load_target
 
-    from .speculative import evaluate, load_drafter
+    from .speculative import evaluate, format_report, load_drafter
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     dtype = dtype if dtype != "auto" else ("bfloat16" if device.startswith("cuda") else "float32")

@@ -283,11 +283,12 @@ def step_extract(out: Path, s: DemoSettings, regen: Path, target: Path, echo) ->
 
 
 def step_train(out: Path, s: DemoSettings, cache: Path, target: Path, echo) -> dict:
-    from dflash.train import checkpoint
+    import torch
+
+    from dflash.eval.speculative import load_drafter
     from dflash.train.config import tiny
     from dflash.train.export import export_drafter
     from dflash.train.loop import train
-    from dflash.train.model import DFlashDrafter, DrafterConfig
 
     run_dir, export_dir = out / "run", out / "export"
     settings = {"cache": _read(cache)["settings"], "train": s.train_overrides()}
@@ -304,16 +305,9 @@ def step_train(out: Path, s: DemoSettings, cache: Path, target: Path, echo) -> d
     else:
         echo(f"[5/7] train: reusing {run_dir} ({record['steps']} steps, trained in {record['seconds']:.1f} s)")
     if _fresh(export_dir, settings) is None:
-        ckpt = checkpoint.resolve(run_dir, "latest")
-        state = checkpoint.read_state(ckpt)
-        dcfg = DrafterConfig.from_dict(state["drafter_config"])
-        drafter = DFlashDrafter(dcfg)
-        drafter.load_state_dict(checkpoint.load_weights(ckpt), strict=True)
-        import torch
-
-        export_drafter(drafter, dcfg, export_dir, dtype=torch.float32)
+        export_drafter(*load_drafter(run_dir), export_dir, dtype=torch.float32)  # the latest checkpoint
         _write(export_dir, settings)
-        echo(f"      exported {ckpt} -> {export_dir}")
+        echo(f"      exported {run_dir} -> {export_dir}")
     return record
 
 
@@ -334,7 +328,7 @@ def step_eval(out: Path, s: DemoSettings, regen: Path, cache: Path, target: Path
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from dflash.eval.offline import replay_export
+    from dflash.eval.replay_eval import replay_export
     from dflash.eval.speculative import evaluate, load_drafter
     from dflash.eval import toy_tokenizer as toy
     from dflash.shared.cache import CacheReader
@@ -372,11 +366,11 @@ def step_eval(out: Path, s: DemoSettings, regen: Path, cache: Path, target: Path
         # a turn cut at max_new_tokens was cached with an <|im_end|> the target never chose
         row["regenerated_match"] = row["tokens"] == want[: s.max_new_tokens]
     result["overall"]["regenerated_match"] = sum(r["regenerated_match"] for r in result["per_prompt"]) / len(prompts)
-    result["per_task"] = per_task_acceptance([last_user_message(tokenizer.decode(p)) for p in prompts],
-                                             result["per_prompt"])
+    asked = [tokenizer.decode(p).rsplit(f"{toy.IM_START}user\n", 1)[-1].split(toy.IM_END, 1)[0] for p in prompts]
+    result["per_task"] = per_task_acceptance(asked, result["per_prompt"])  # by each turn's last user message
     result["overall"]["chats"] = len(samples)
     # the offline estimate of what decoding measures: training's held-out samples, the
-    # cache and the drafter only, blocks where decoding starts them (dflash.eval.offline)
+    # cache and the drafter only, blocks where decoding starts them (replay_eval.replay_export)
     result["offline_replay"] = replay_export(cache, samples, out / "export", target, max_length=s.max_length,
                                              max_new_tokens=s.max_new_tokens)
     path.write_text(json.dumps(result, indent=2) + "\n")
@@ -387,13 +381,6 @@ def step_eval(out: Path, s: DemoSettings, regen: Path, cache: Path, target: Path
          f"{o['regenerated_match']:.0%}; offline replay tau {result['offline_replay']['tau']:.2f} "
          f"({result['seconds']:.1f} s)")
     return result
-
-
-def last_user_message(rendered: str) -> str:
-    """The text of the last user turn of a chat rendered by the demo's template."""
-    from dflash.eval import toy_tokenizer as toy
-
-    return rendered.rsplit(f"{toy.IM_START}user\n", 1)[-1].split(toy.IM_END, 1)[0]
 
 
 def per_task_acceptance(user_prompts: list[str], per_prompt: list[dict]) -> dict[str, dict]:
@@ -427,7 +414,8 @@ def plot_curves(records: list[dict], png: Path, online: float | None = None, rep
     fig, (ax_loss, ax_tau) = plt.subplots(1, 2, figsize=(11, 4))
     ax_loss.plot([r["step"] for r in train], [r["loss"] for r in train], label="train loss")
     ax_loss.plot([r["step"] for r in evals], [r["loss"] for r in evals], "o-", label="held-out loss")
-    ax_loss.set_xlabel("step"), ax_loss.set_ylabel("training objective (weighted per slot)"), ax_loss.set_yscale("log"), ax_loss.legend()
+    ax_loss.set_xlabel("step"), ax_loss.set_ylabel("training objective (weighted per slot)")
+    ax_loss.set_yscale("log"), ax_loss.legend()
     ax_tau.plot([r["step"] for r in evals], [r["tau"] for r in evals], "o-", color="C2",
                 label="held-out acceptance length (training's estimate: decoding replay)")
     ax_tau.plot([r["step"] for r in train], [1 + r["acc"] for r in train], color="C3", alpha=0.5,
@@ -464,36 +452,24 @@ def run_demo(out: str | Path, settings: DemoSettings | None = None, echo=click.e
     records = read_metrics(out / "run")
     png = plot_curves(records, out / "training_curves.png", online=result["overall"]["tau"],
                       replay=result["offline_replay"]["tau"])
-    offline = trained["eval"]["tau"] if trained.get("eval") else None
-    o, replayed = result["overall"], result["offline_replay"]
+    ev, o, replayed = trained.get("eval") or {}, result["overall"], result["offline_replay"]
+    offline = ev.get("tau")
     summary = {
-        "out": str(out),
-        "settings": dataclasses.asdict(s),
-        "target": {"path": str(target), "train_seconds": target_record.get("train_seconds"),
-                   "final_loss": target_record.get("final_loss"), "num_params": target_record.get("num_params")},
+        "out": str(out), "settings": dataclasses.asdict(s),
+        "target": {"path": str(target),
+                   **{k: target_record.get(k) for k in ("train_seconds", "final_loss", "num_params")}},
         "cache": cache,
         "training": {"seconds": trained["seconds"], "steps": trained["steps"], "final_eval": trained.get("eval")},
         "regenerate": regen,
-        "acceptance_offline": offline,
-        "acceptance_offline_replay": replayed["tau"],
-        "acceptance_online": o["tau"],
-        "offline_blocks": trained["eval"].get("tau_blocks") if trained.get("eval") else None,
-        "acceptance_offline_uniform": trained["eval"].get("tau_uniform") if trained.get("eval") else None,
-        "replay_blocks": replayed["blocks"],
-        "online_blocks": o.get("blocks"),
-        "heldout_chats": o["chats"],
+        "acceptance_offline": offline, "acceptance_offline_replay": replayed["tau"], "acceptance_online": o["tau"],
+        "offline_blocks": ev.get("tau_blocks"), "acceptance_offline_uniform": ev.get("tau_uniform"),
+        "replay_blocks": replayed["blocks"], "online_blocks": o.get("blocks"), "heldout_chats": o["chats"],
         "regenerated_match": o["regenerated_match"],
         "online_vs_offline_rel_diff": abs(o["tau"] - offline) / offline if offline else None,
         "online_vs_replay_rel_diff": abs(o["tau"] - replayed["tau"]) / replayed["tau"],
-        "lossless": o["lossless"],
-        "speedup": o["speedup"],
-        "tokens_per_target_forward": o["tokens_per_target_forward"],
-        "tau_histogram": o["tau_histogram"],
-        "acceptance_per_task": result["per_task"],
-        "eval_prompts": o["prompts"],
-        "export": str(out / "export"),
-        "training_curves": str(png),
-        "demo_seconds": time.perf_counter() - t0,
+        "lossless": o["lossless"], "speedup": o["speedup"], "tokens_per_target_forward": o["tokens_per_target_forward"],
+        "tau_histogram": o["tau_histogram"], "acceptance_per_task": result["per_task"], "eval_prompts": o["prompts"],
+        "export": str(out / "export"), "training_curves": str(png), "demo_seconds": time.perf_counter() - t0,
     }
     (out / "summary.json").write_text(json.dumps(summary, indent=2, default=str) + "\n")
     echo("[7/7] summary")

@@ -54,18 +54,13 @@ def _count_up(rng: random.Random) -> tuple[str, str]:
 def _count_down(rng: random.Random) -> tuple[str, str]:
     stop = rng.randint(0, 60)
     start = stop + rng.randint(3, 12)
-    return (
-        f"Count down from {start} to {stop}.",
-        ", ".join(map(str, range(start, stop - 1, -1))) + ".",
-    )
+    return f"Count down from {start} to {stop}.", ", ".join(map(str, range(start, stop - 1, -1))) + "."
 
 
 def _times_table(rng: random.Random) -> tuple[str, str]:
     n, upto = rng.randint(2, 9), rng.randint(3, 6)
-    return (
-        f"Write the {n} times table up to {upto}.",
-        ", ".join(f"{n} x {k} = {n * k}" for k in range(1, upto + 1)) + ".",
-    )
+    table = ", ".join(f"{n} x {k} = {n * k}" for k in range(1, upto + 1))
+    return f"Write the {n} times table up to {upto}.", table + "."
 
 
 def _repeat(rng: random.Random) -> tuple[str, str]:
@@ -81,10 +76,7 @@ def _spell(rng: random.Random) -> tuple[str, str]:
 def _alphabet(rng: random.Random) -> tuple[str, str]:
     start = rng.randint(0, 20)
     stop = rng.randint(start + 3, min(start + 12, 25))
-    return (
-        f"List the alphabet from {ALPHABET[start]} to {ALPHABET[stop]}.",
-        ", ".join(ALPHABET[start : stop + 1]) + ".",
-    )
+    return f"List the alphabet from {ALPHABET[start]} to {ALPHABET[stop]}.", ", ".join(ALPHABET[start:stop + 1]) + "."
 
 
 def _reverse_list(rng: random.Random) -> tuple[str, str]:
@@ -94,10 +86,8 @@ def _reverse_list(rng: random.Random) -> tuple[str, str]:
 
 def _days(rng: random.Random) -> tuple[str, str]:
     start = rng.randrange(7)
-    return (
-        f"Name the days of the week starting from {DAYS[start]}.",
-        ", ".join(DAYS[(start + k) % 7] for k in range(7)) + ".",
-    )
+    week = ", ".join(DAYS[(start + k) % 7] for k in range(7))
+    return f"Name the days of the week starting from {DAYS[start]}.", week + "."
 
 
 def _months(rng: random.Random) -> tuple[str, str]:
@@ -107,16 +97,8 @@ def _months(rng: random.Random) -> tuple[str, str]:
 
 
 TASKS: dict[str, Task] = {
-    "add": _add,
-    "subtract": _subtract,
-    "count_up": _count_up,
-    "count_down": _count_down,
-    "times_table": _times_table,
-    "repeat": _repeat,
-    "spell": _spell,
-    "alphabet": _alphabet,
-    "reverse_list": _reverse_list,
-    "days": _days,
+    "add": _add, "subtract": _subtract, "count_up": _count_up, "count_down": _count_down, "times_table": _times_table,
+    "repeat": _repeat, "spell": _spell, "alphabet": _alphabet, "reverse_list": _reverse_list, "days": _days,
     "months": _months,
 }
 
@@ -146,27 +128,6 @@ def task_of(prompt: str) -> str:
         if pattern.match(prompt):
             return name
     return "other"
-
-
-def right_answers(source: dict, answered: dict) -> list[tuple[str, bool]]:
-    """(task, right?) for every assistant turn of `answered`, a chat of `source` whose replies
-    another model wrote, turn by turn on its own earlier replies (regeneration): a task's
-    right reply is the source's (a pure function of its prompt), a follow-up's is computed
-    from the reply `answered` gave before it."""
-    prompts = [m["content"] for m in source["messages"] if m["role"] == "user"]
-    wanted = [m["content"] for m in source["messages"] if m["role"] == "assistant"]
-    results, previous, prompt = [], None, None
-    for message in answered["messages"]:
-        if message["role"] == "user":
-            prompt = message["content"]
-        elif message["role"] == "assistant":
-            turn = len(results)
-            if turn >= len(prompts) or prompts[turn] != prompt:
-                raise ValueError(f"answered turn {turn} ({prompt!r}) is not turn {turn} of its source chat")
-            right = FOLLOW_UPS[prompt](previous) if prompt in FOLLOW_UPS else wanted[turn]
-            results.append((task_of(prompt), message["content"] == right))
-            previous = message["content"]
-    return results
 
 
 def generate_chat(rng: random.Random) -> dict:

@@ -132,64 +132,49 @@ def _stage(name: str, path: Path, after: dict, argv: list[str], echo) -> dict:
 STAGES = ("convert", "regenerate", "extract", "train", "eval")
 
 
-class Stopped(Exception):
-    """Raised after the stage ``--stop-after`` names."""
-
-
 def run_real(out: Path, s: RealSettings, gguf: str | None, echo=click.echo, stop_after: str | None = None) -> dict | None:
-    """Steps 1-6 (step 0 where OUT/data is missing); returns and writes OUT/summary.json
-    (None when ``stop_after`` names a stage before the last: a later run goes on from there)."""
-    try:
-        return _run_real(out, s, gguf, echo, stop_after)
-    except Stopped:
-        echo(f"stopped after {stop_after}; rerun to go on")
-        return None
-
-
-def _run_real(out: Path, s: RealSettings, gguf: str | None, echo, stop_after: str | None) -> dict:
+    """Steps 1-6 (step 0 where OUT/data is missing); returns and writes OUT/summary.json, or None
+    after the stage ``stop_after`` names (train: after its export), from which a later run goes on."""
     t0 = time.perf_counter()
     out.mkdir(parents=True, exist_ok=True)
     data = prepare(out / "data", s)
     target, regen, cache, run, export = (out / n for n in ("target", "regen", "cache.zarr", "run", "export"))
-    times = {}
-    stage = data
-    stage = _stage("[1/5] convert", target, stage,
-                   ["dflash.extract.gguf", "--out", str(target)] + (["--gguf", gguf] if gguf else []), echo)
-    times["convert"] = stage["seconds"]
-    _check_stop("convert", stop_after)
-    stage = _stage("[2/5] regenerate", regen, stage, [
-        "dflash.extract.regenerate_cli", "--data", str(out / "data" / "train.jsonl"), "--model", str(target),
-        "--out", str(regen), "--device", s.device, "--batch-size", str(s.regen_batch_size),
-        "--max-new-tokens", str(s.max_new_tokens), "--max-prompt-tokens", str(s.max_prompt_tokens),
-        "--part-size", "4096"], echo)
-    times["regenerate"] = stage["seconds"]
-    _check_stop("regenerate", stop_after)
-    stage = _stage("[3/5] extract", cache, stage, [
-        "dflash.extract.cli", "--data", str(regen), "--model", str(target), "--out", str(cache),
-        *(["--gpus", "0"] if s.device == "cuda" else ["--device", "cpu", "--workers", "1"]),
-        "--max-length", str(max(s.train["context_buckets"])), "--on-bad-row", "skip",
-        "--summary-json", str(out / "extract.json")], echo)
-    times["extract"] = stage["seconds"]
-    _check_stop("extract", stop_after)
+    eval_json = out / "eval.json"
     train_flags = [f"--{k.replace('_', '-')}={','.join(map(str, v)) if isinstance(v, list) else v}"
                    for k, v in s.train.items()]
-    stage = _stage("[4/5] train", run, stage, [
-        "dflash.train.cli", "run", "--preset", s.preset, "--cache", str(cache), "--target", str(target),
-        "--out", str(run), "--no-progress", *train_flags], echo)
-    times["train"] = stage["seconds"]
-    stage = _stage("      export", export, stage, ["dflash.train.cli", "export", str(run), "--out", str(export)], echo)
-    times["export"] = stage["seconds"]
-    _check_stop("train", stop_after)
     benchmarks = {name: str(out / "data" / f"{name}.jsonl") for name in ("mtbench", "humaneval", "sharegpt")}
-    eval_json = out / "eval.json"
-    stage = _stage("[5/5] eval", eval_json.with_suffix(""), stage, [
-        "dflash.eval.cli", "--target", str(target), "--drafter", str(export), "--device", s.device,
-        *[a for name, path in benchmarks.items() for a in ("--prompts", f"{name}={path}")],
-        "--max-new-tokens", str(s.max_new_tokens), "--spec-sample", str(s.spec_sample),
-        "--batch-size", str(s.eval_batch_size), "--json", str(eval_json),
-        *(["--capture"] if s.device == "cuda" else []),
-        *(["--limit", str(s.eval_limit)] if s.eval_limit else [])], echo)
-    times["eval"] = stage["seconds"]
+    stages = [  # (name, label, output, command)
+        ("convert", "[1/5] convert", target,
+         ["dflash.extract.gguf", "--out", str(target)] + (["--gguf", gguf] if gguf else [])),
+        ("regenerate", "[2/5] regenerate", regen, [
+            "dflash.extract.regenerate_cli", "--data", str(out / "data" / "train.jsonl"), "--model", str(target),
+            "--out", str(regen), "--device", s.device, "--batch-size", str(s.regen_batch_size),
+            "--max-new-tokens", str(s.max_new_tokens), "--max-prompt-tokens", str(s.max_prompt_tokens),
+            "--part-size", "4096"]),
+        ("extract", "[3/5] extract", cache, [
+            "dflash.extract.cli", "--data", str(regen), "--model", str(target), "--out", str(cache),
+            *(["--gpus", "0"] if s.device == "cuda" else ["--device", "cpu", "--workers", "1"]),
+            "--max-length", str(max(s.train["context_buckets"])), "--on-bad-row", "skip",
+            "--summary-json", str(out / "extract.json")]),
+        ("train", "[4/5] train", run, [
+            "dflash.train.cli", "run", "--preset", s.preset, "--cache", str(cache), "--target", str(target),
+            "--out", str(run), "--no-progress", *train_flags]),
+        ("export", "      export", export, ["dflash.train.cli", "export", str(run), "--out", str(export)]),
+        ("eval", "[5/5] eval", eval_json.with_suffix(""), [
+            "dflash.eval.cli", "--target", str(target), "--drafter", str(export), "--device", s.device,
+            *[a for name, path in benchmarks.items() for a in ("--prompts", f"{name}={path}")],
+            "--max-new-tokens", str(s.max_new_tokens), "--spec-sample", str(s.spec_sample),
+            "--batch-size", str(s.eval_batch_size), "--json", str(eval_json),
+            *(["--capture"] if s.device == "cuda" else []),
+            *(["--limit", str(s.eval_limit)] if s.eval_limit else [])]),
+    ]
+    times, stage = {}, data
+    for name, label, path, argv in stages:
+        stage = _stage(label, path, stage, argv, echo)
+        times[name] = stage["seconds"]
+        if name == {"train": "export"}.get(stop_after, stop_after):
+            echo(f"stopped after {stop_after}; rerun to go on")
+            return None
     result = json.loads(eval_json.read_text())
     png = plot_curves(read_metrics(run), out / "training_curves.png")
     table = benchmark_table(result)
@@ -203,11 +188,6 @@ def _run_real(out: Path, s: RealSettings, gguf: str | None, echo, stop_after: st
     return summary
 
 
-def _check_stop(stage: str, stop_after: str | None) -> None:
-    if stage == stop_after:
-        raise Stopped(stage)
-
-
 def benchmark_summaries(result: dict) -> dict[str, dict]:
     """dflash-eval's per-benchmark summary lines, by benchmark."""
     return {name: b["summary"] for name, b in (result.get("benchmarks") or {}).items()}
@@ -215,18 +195,16 @@ def benchmark_summaries(result: dict) -> dict[str, dict]:
 
 def benchmark_table(result: dict) -> str:
     """Markdown: one row per benchmark (tau by replay over every prompt, the sampled online tau, speed)."""
+    from .speculative import fmt
+
     rows = ["| benchmark | prompts | tokens | tau (replay) | tau (online sample) | greedy tok/s | speculative tok/s "
             "| speedup |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     for name, b in benchmark_summaries(result).items():
-        rows.append("| {} | {} | {} | {:.2f} | {} | {} | {} | {} |".format(
-            name, b.get("prompts"), b.get("new_tokens"), b.get("tau", float("nan")),
-            _f(b.get("online_tau")), _f(b.get("greedy_tokens_per_s"), ".0f"), _f(b.get("spec_tokens_per_s"), ".0f"),
-            _f(b.get("speedup"), ".2f") + "x" if b.get("speedup") else "-"))
+        speedup = fmt(b.get("speedup"))
+        rows.append(f"| {name} | {b.get('prompts')} | {b.get('new_tokens')} | {fmt(b.get('tau'))} | "
+                    f"{fmt(b.get('online_tau'))} | {fmt(b.get('greedy_tokens_per_s'), '.0f')} | "
+                    f"{fmt(b.get('spec_tokens_per_s'), '.0f')} | {speedup}{'x' if speedup != '-' else ''} |")
     return "\n".join(rows)
-
-
-def _f(value, spec: str = ".2f") -> str:
-    return "-" if value is None else format(value, spec)
 
 
 @click.group()

@@ -1,19 +1,12 @@
-"""A small target LM the demo builds itself: a Qwen3ForCausalLM trained on the CPU, in
-a few minutes, on the synthetic chats of `demo_data`.
+"""A small target LM the demo builds itself: a Qwen3ForCausalLM trained on the CPU, in a few
+minutes, on the synthetic chats of `demo_data`.
 
-The point is not a good language model but a *predictable* one: its greedy replies to
-deterministic tasks are (mostly) right, so a drafter trained on its hidden states has
-something to learn and speculative decoding shows an acceptance length well above 1.
-
-The loss covers assistant tokens only (the `{% generation %}` span, closing
-<|im_end|> included). The user prompts are random draws by construction (numbers,
-words, letters); their loss is irreducible noise that would spend the few minutes of
-CPU capacity on modelling the prompt distribution, which nobody generates. The demo
-only ever decodes assistant replies. `loss_on="all"` is there for comparison.
-
-The output folder is a normal HF model folder (safetensors + tokenizer) plus
-`demo_target.json`, written last, holding the build settings and data fingerprints:
-a later call with the same settings reuses the model, any change rebuilds it.
+Not a good language model but a *predictable* one: its greedy replies to deterministic tasks
+are (mostly) right, so a drafter trained on its hidden states has something to learn. The loss
+covers assistant tokens only (the `{% generation %}` span, closing <|im_end|> included): the
+user prompts are random draws whose loss is noise the demo never generates (`loss_on="all"`
+for comparison). The folder is a normal HF model folder plus `demo_target.json`, written last,
+holding the build settings and data fingerprints: the same settings reuse the model.
 """
 
 from __future__ import annotations
@@ -84,26 +77,14 @@ def build_demo_tokenizer(out_dir: str | Path, chats: Sequence[dict], *, vocab_si
     return tokenizer
 
 
-def build_demo_target(
-    out_dir: str | Path,
-    *,
-    train_chats: Sequence[dict],
-    tokenizer,
-    config: DemoTargetConfig | None = None,
-    log: Callable[[str], None] = print,
-    num_threads: int | None = None,
-    **overrides: Any,
-) -> DemoTargetBuild:
-    """Train (or reuse) the demo target in `out_dir` and return where it is.
-
-    `tokenizer` is a HF fast tokenizer or a folder holding one; its chat template must
-    mark assistant content with `{% generation %}` when `loss_on="assistant"`.
-    `overrides` replace fields of `config`, e.g. `steps=20, hidden_size=32`.
-    `num_threads` sets torch's intra-op threads for the build only (not part of the
-    settings: it changes speed, not the model). On a busy 2-core machine 1 thread can be
-    many times faster for tiny models than 2 fighting other processes.
-    """
-    from transformers import AutoTokenizer
+def build_demo_target(out_dir: str | Path, *, train_chats: Sequence[dict], tokenizer,
+                      config: DemoTargetConfig | None = None, log: Callable[[str], None] = print,
+                      num_threads: int | None = None, **overrides: Any) -> DemoTargetBuild:
+    """Train (or reuse) the demo target in `out_dir`. `tokenizer`: a HF fast tokenizer or its folder,
+    whose chat template marks assistant content with `{% generation %}`; `overrides` replace fields
+    of `config`, e.g. `steps=20, hidden_size=32`; `num_threads`: torch's threads for this build only
+    (speed, not a setting: on a busy 2-core machine 1 thread can be much faster for tiny models)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     config = dataclasses.replace(config or DemoTargetConfig(), **overrides)
     if config.loss_on not in ("assistant", "all"):
@@ -111,13 +92,8 @@ def build_demo_target(
     if isinstance(tokenizer, (str, Path)):
         tokenizer = AutoTokenizer.from_pretrained(tokenizer)
     out_dir = Path(out_dir)
-    settings = {
-        "format": BUILD_FORMAT,
-        "config": dataclasses.asdict(config),
-        "data_hash": _chats_hash(train_chats),
-        "num_chats": len(train_chats),
-        "tokenizer": tokenizer_fingerprint(tokenizer),
-    }
+    settings = {"format": BUILD_FORMAT, "config": dataclasses.asdict(config), "data_hash": _chats_hash(train_chats),
+                "num_chats": len(train_chats), "tokenizer": tokenizer_fingerprint(tokenizer)}
     previous = _read_marker(out_dir)
     if previous is not None and previous.get("settings") == settings:
         log(f"demo target: reusing {out_dir} (trained {previous['train_seconds']:.0f} s, "
@@ -130,34 +106,23 @@ def build_demo_target(
     if not examples:
         raise ValueError("no training chats left after tokenization")
     model = _init_model(config, tokenizer)
-    threads_before = torch.get_num_threads()
-    if num_threads:
-        torch.set_num_threads(num_threads)
-    try:
-        record = _train_and_save(model, examples, config, settings, tokenizer, out_dir, log)
-    finally:
-        torch.set_num_threads(threads_before)
-    return DemoTargetBuild(out_dir, reused=False, record=record)
-
-
-def _train_and_save(model, examples, config, settings, tokenizer, out_dir: Path, log) -> dict:
-    from transformers import AutoModelForCausalLM
-
-    n_params = sum(p.numel() for p in model.parameters())
+    n_params, threads_before = sum(p.numel() for p in model.parameters()), torch.get_num_threads()
+    torch.set_num_threads(num_threads or threads_before)
     log(f"demo target: {n_params / 1e6:.2f}M params, {len(examples)} chats, "
         f"{config.steps} steps x {config.batch_size}, {torch.get_num_threads()} threads")
-    history = train(model, examples, config, pad_id=tokenizer.pad_token_id, log=log)
-
+    try:
+        history = train(model, examples, config, pad_id=tokenizer.pad_token_id, log=log)
+    finally:
+        torch.set_num_threads(threads_before)
     model.eval()
     model.save_pretrained(out_dir, safe_serialization=True)
     tokenizer.save_pretrained(out_dir)
-    reloaded = AutoModelForCausalLM.from_pretrained(out_dir, dtype=torch.float32)
-    _check_same_weights(model, reloaded)
+    _check_same_weights(model, AutoModelForCausalLM.from_pretrained(out_dir, dtype=torch.float32))
     record = {"settings": settings, "num_params": n_params, **history}
     (out_dir / MARKER).write_text(json.dumps(record, indent=2) + "\n")
     log(f"demo target: saved {out_dir} ({history['train_seconds']:.0f} s, "
         f"loss {history['initial_loss']:.3f} -> {history['final_loss']:.4f})")
-    return record
+    return DemoTargetBuild(out_dir, reused=False, record=record)
 
 
 # --- data ---------------------------------------------------------------------------
@@ -167,18 +132,15 @@ def tokenize_chats(tokenizer, chats: Sequence[dict], *, max_length: int, loss_on
     """(input_ids, loss_mask) per chat, the mask 1 on tokens the loss covers."""
     examples = []
     for chat in chats:
-        encoded = tokenizer.apply_chat_template(
-            chat["messages"], tokenize=True, return_dict=True, return_assistant_tokens_mask=True
-        )
+        encoded = tokenizer.apply_chat_template(chat["messages"], tokenize=True, return_dict=True,
+                                                return_assistant_tokens_mask=True)
         ids = list(encoded["input_ids"])
         if len(ids) > max_length:
             continue
         mask = list(encoded["assistant_masks"]) if loss_on == "assistant" else [1] * len(ids)
         if loss_on == "assistant" and not any(mask):
-            raise ValueError(
-                "the chat template gave no assistant tokens: it needs {% generation %} tags "
-                "for loss_on='assistant'"
-            )
+            raise ValueError("the chat template gave no assistant tokens: it needs {% generation %} tags "
+                             "for loss_on='assistant'")
         examples.append((ids, mask))
     return examples
 
@@ -218,19 +180,11 @@ def _init_model(config: DemoTargetConfig, tokenizer):
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     model_config = Qwen3Config(
-        vocab_size=len(tokenizer),
-        hidden_size=config.hidden_size,
-        intermediate_size=config.intermediate_size,
-        num_hidden_layers=config.num_hidden_layers,
-        num_attention_heads=config.num_attention_heads,
-        num_key_value_heads=config.num_key_value_heads,
-        head_dim=config.head_dim,
-        max_position_embeddings=4096,
-        tie_word_embeddings=False,
-        eos_token_id=tokenizer.convert_tokens_to_ids(toy.IM_END),
-        pad_token_id=tokenizer.pad_token_id,
-        bos_token_id=None,
-    )
+        vocab_size=len(tokenizer), hidden_size=config.hidden_size, intermediate_size=config.intermediate_size,
+        num_hidden_layers=config.num_hidden_layers, num_attention_heads=config.num_attention_heads,
+        num_key_value_heads=config.num_key_value_heads, head_dim=config.head_dim, max_position_embeddings=4096,
+        tie_word_embeddings=False, eos_token_id=tokenizer.convert_tokens_to_ids(toy.IM_END),
+        pad_token_id=tokenizer.pad_token_id, bos_token_id=None)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(config.seed)
         model = Qwen3ForCausalLM(model_config)
@@ -261,11 +215,8 @@ def train(model, examples, config: DemoTargetConfig, *, pad_id: int, log: Callab
     """Plain AdamW + cosine loop; returns losses and timing for the build record."""
     decay = [p for p in model.parameters() if p.ndim >= 2]
     no_decay = [p for p in model.parameters() if p.ndim < 2]
-    optimizer = torch.optim.AdamW(
-        [{"params": decay, "weight_decay": config.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-        lr=config.lr,
-        betas=(0.9, 0.95),
-    )
+    optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": config.weight_decay},
+                                   {"params": no_decay, "weight_decay": 0.0}], lr=config.lr, betas=(0.9, 0.95))
     batches = _batches([len(ids) for ids, _ in examples], config.batch_size, random.Random(config.seed))
     model.train()
     losses: list[float] = []
@@ -287,65 +238,8 @@ def train(model, examples, config: DemoTargetConfig, *, pad_id: int, log: Callab
             losses.append(loss.item())
             log(f"  step {step + 1:5d}/{config.steps}  loss {losses[-1]:.4f}  acc {accuracy.item():.3f}  "
                 f"lr {_lr_at(step, config):.2e}  {tokens / (now - start):.0f} tok/s  {now - start:.0f} s")
-    train_seconds = time.perf_counter() - start
-    return {
-        "train_seconds": round(train_seconds, 2),
-        "train_tokens": tokens,
-        "initial_loss": losses[0],
-        "final_loss": losses[-1],
-        "logged_losses": losses,
-    }
-
-
-# --- evaluation ---------------------------------------------------------------------
-
-
-@torch.no_grad()
-def evaluate_greedy(model, tokenizer, chats: Sequence[dict], *, max_new_tokens: int = 96) -> dict[str, float]:
-    """How predictable the target is on held-out chats.
-
-    - `token_accuracy`: teacher-forced top-1 agreement with the reference, over every
-      assistant token (closing <|im_end|> included) of every turn;
-    - `exact_match`: the greedy reply to the LAST user turn (earlier turns given as the
-      reference) equals the reference reply token for token, <|im_end|> included.
-    """
-    model.eval()
-    im_end = tokenizer.convert_tokens_to_ids(toy.IM_END)
-    agree = total = exact = 0
-    for chat in chats:
-        encoded = tokenizer.apply_chat_template(
-            chat["messages"], tokenize=True, return_dict=True, return_assistant_tokens_mask=True
-        )
-        ids = torch.tensor([encoded["input_ids"]])
-        mask = torch.tensor(encoded["assistant_masks"], dtype=torch.bool)
-        predicted = model(input_ids=ids).logits[0, :-1].argmax(-1)
-        target_mask = mask[1:]
-        agree += int((predicted[target_mask] == ids[0, 1:][target_mask]).sum())
-        total += int(target_mask.sum())
-
-        last_start = _last_span_start(mask)
-        reference = ids[0, last_start:][mask[last_start:]].tolist()
-        prompt = ids[:, :last_start]
-        out = model.generate(
-            prompt,
-            attention_mask=torch.ones_like(prompt),
-            max_new_tokens=min(max_new_tokens, len(reference) + 4),
-            do_sample=False,
-            eos_token_id=im_end,
-            pad_token_id=tokenizer.pad_token_id,
-        )
-        exact += int(out[0, last_start:].tolist() == reference)
-    return {"n": len(chats), "token_accuracy": agree / max(1, total), "exact_match": exact / max(1, len(chats))}
-
-
-def _last_span_start(mask: torch.Tensor) -> int:
-    positions = mask.nonzero().flatten().tolist()
-    if not positions:
-        raise ValueError("chat has no assistant tokens")
-    start = positions[-1]
-    while start - 1 >= 0 and bool(mask[start - 1]):
-        start -= 1
-    return start
+    return {"train_seconds": round(time.perf_counter() - start, 2), "train_tokens": tokens,
+            "initial_loss": losses[0], "final_loss": losses[-1], "logged_losses": losses}
 
 
 # --- helpers ------------------------------------------------------------------------

@@ -4,8 +4,7 @@ Decoding runs one block of B tokens at a time, where every kernel call of a smal
 costs more than its arithmetic; so projections that read the same input run as one matmul
 (every layer's context keys and values at once; each layer's q/k/v; gate/up), rope comes
 from a table, and RMSNorm is one call. Same results as ``DFlashDrafter.forward`` with its
-context-KV cache (tested); the CPU demo's proposals take 0.77 ms here against 1.34 ms
-through the training forward (BENCHMARKS.md).
+context-KV cache (tested), a proposal about a third cheaper on the CPU demo (README).
 """
 
 from __future__ import annotations
@@ -63,10 +62,8 @@ class DecodingWeights:
             qkv, qkv_bias = rows(a.q_proj, a.k_proj, a.v_proj)
             qk_norm = torch.cat([a.q_norm.weight.expand(a.n_heads, -1), a.k_norm.weight.expand(a.n_kv_heads, -1)])
             layers.append(DecodingLayer(
-                input_norm=layer.input_layernorm.weight, qkv=qkv, qkv_bias=qkv_bias,
-                qk_norm=qk_norm, o=a.o_proj.weight,
-                o_bias=a.o_proj.bias,
-                post_norm=layer.post_attention_layernorm.weight,
+                input_norm=layer.input_layernorm.weight, qkv=qkv, qkv_bias=qkv_bias, qk_norm=qk_norm,
+                o=a.o_proj.weight, o_bias=a.o_proj.bias, post_norm=layer.post_attention_layernorm.weight,
                 gate_up=rows(layer.mlp.gate_proj, layer.mlp.up_proj)[0], down=layer.mlp.down_proj.weight))
         context_kv, context_kv_bias = rows(*[lin for a in attn for lin in (a.k_proj, a.v_proj)])
         device = drafter.fc.weight.device

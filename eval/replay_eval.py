@@ -1,59 +1,56 @@
 """Acceptance over a whole benchmark in minutes: greedy speculative decoding replayed, not run.
 
-At temperature 0 speculative decoding emits exactly the target's greedy continuation, and a
-block anchored at position a accepts what the drafter proposes from the target's hidden
-states of positions < a. So, per benchmark:
-
-1. every prompt's greedy continuation, batched (``regenerate.generate_batch``; a static KV
-   cache with the decode step captured on CUDA, the plain path on CPU);
-2. one batched target forward over prompt + continuation: the drafter's context layers and
-   the target's top-1 at every position (``extract.target.TargetRunner``);
-3. the drafter scores a block at every position of the continuation (training's forward,
-   dense attention; ``offline.block_predictor``) and the continuation is walked as decoding
-   walks it (``train.replay.anchor_taus`` + ``walk_blocks``, the replay training and
-   ``eval.offline`` run on caches).
-
-Per prompt this gives the block taus real decoding measures: equal in float32 (tested
-against ``speculative.evaluate``), up to near-ties in bfloat16. ``spec_sample`` runs real
-speculative decoding on a few prompts to check exactly that and to time both decoders.
+At temperature 0 speculative decoding emits the target's greedy continuation, and a block
+anchored at position a accepts what the drafter proposes from the target's hidden states of
+positions < a. So per benchmark: every prompt's greedy continuation, batched
+(``regenerate.generate_batch``; static KV cache and captured decode step on CUDA); one
+batched target forward over prompt + continuation for the drafter's context and the target's
+top-1 (``TargetRunner``); a block scored at every position and the continuation walked as
+decoding walks it (``dflash.train.replay``). Per prompt this gives the block taus real decoding
+measures: equal in float32 (tested), up to near-ties in bfloat16. ``spec_sample`` decodes a few
+prompts for real to check exactly that and to time both decoders.
 """
 
 from __future__ import annotations
 
-import logging
 import math
 import time
 from collections.abc import Iterable, Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
 
-from dflash.train.data import Collate, candidate_anchors
+from dflash.train.data import AnchorDataset, Collate, candidate_anchors
 from dflash.train.export import check_against_target
 from dflash.train.model import DFlashDrafter, TargetHead
-from dflash.train.replay import anchor_taus, walk_blocks
+from dflash.train.replay import block_predictor, sample_blocks
+from dflash.train.replay import replay as replay_decoding
 
-from .offline import block_predictor
-from .speculative import device_of, evaluate, mismatch_message, sync_device, tau_histogram
-
-log = logging.getLogger(__name__)
+from .speculative import (device_of, evaluate, first_difference, fmt, load_drafter, mismatch_message, sync_device,
+                          tau_histogram)
 
 ANCHORS_PER_FORWARD = 256
 """Blocks per drafter forward (dense attention: queries = this x B, keys = context + queries)."""
 
 
+def replay_export(cache: str | Path, samples: list[int], export: str | Path, target: str | Path,
+                  max_length: int = 4096, max_new_tokens: int | None = None) -> dict[str, Any]:
+    """Decoding replayed on cache ``samples`` (global indices) by a drafter from an export or run
+    folder with the target's embedding and head, one dense forward per sample (``train.replay``):
+    tau, blocks, tokens, tau_uniform (mean over every assistant anchor), anchors, samples."""
+    from dflash.shared.cache import CacheReader
+    from dflash.train.model import load_target_head
+
+    drafter, config = load_drafter(export, dtype=torch.float32)
+    head = load_target_head(target, "cpu", torch.float32)
+    data = AnchorDataset(CacheReader(str(cache)), list(config.target_layer_ids), max_length,
+                         max_anchors=max_length, seed=0)
+    return replay_decoding(data, samples, block_predictor(drafter, head, config.mask_token_id), Collate(None),
+                           max_new_tokens=max_new_tokens).to_dict()
+
+
 # ---------------------------------------------------------------------------- target side
-
-
-class _PromptIds:
-    """The tokenizer ``generate_batch`` calls, for prompts that are token ids already: the
-    'text' ``str(i)`` is prompt i, used exactly as given."""
-
-    def __init__(self, prompts: Sequence[Sequence[int]]):
-        self.prompts = prompts
-
-    def __call__(self, text: str, add_special_tokens: bool = False) -> dict[str, list[int]]:
-        return {"input_ids": list(self.prompts[int(text)])}
 
 
 def greedy_continuations(target, prompts: Sequence[Sequence[int]], max_new_tokens: int,
@@ -71,11 +68,15 @@ def greedy_continuations(target, prompts: Sequence[Sequence[int]], max_new_token
     use_static = static if static is not None else device_of(target).type == "cuda"
     decoder = (StaticDecoder(target, batch_size, max_new_tokens, max(len(p) for p in prompts))
                if use_static and prompts else None)
+
+    def tokenize(text: str, add_special_tokens: bool = False) -> dict[str, list[int]]:  # generate_batch's: prompt int(text)
+        return {"input_ids": list(prompts[int(text)])}
+
     order = sorted(range(len(prompts)), key=lambda i: -len(prompts[i]))  # similar lengths share a batch
     out: list[tuple[list[int], bool]] = [([], True)] * len(prompts)
     for start in range(0, len(order), batch_size):
         rows = order[start:start + batch_size]
-        results = generate_batch(target, _PromptIds(prompts), [str(i) for i in rows], gen_kwargs, stops, decoder)
+        results = generate_batch(target, tokenize, [str(i) for i in rows], gen_kwargs, stops, decoder)
         for i, result in zip(rows, results):
             out[i] = result
     return out
@@ -93,10 +94,9 @@ def replay_samples(runner, prompts: Sequence[Sequence[int]], continuations: Sequ
     (the continuation), context_hidden (T, n * D), target_top1 (T,), and ``disagreements``:
     positions where the forward's greedy token is not the generated one (0 in float32).
 
-    The stop token is not given back by ``generate_batch``: it is the forward's greedy token
-    after the continuation (its hidden state is never context: decoding stops there); where
-    that token is no stop token (a bf16 near-tie), the smallest stop id stands in, counted as
-    a disagreement."""
+    The stop token is the forward's greedy token after the continuation (``generate_batch``
+    drops it; its hidden state is never context); where that is no stop token (a bf16
+    near-tie), the smallest stop id stands in, counted as a disagreement."""
     sequences = [torch.tensor(list(p) + tokens, dtype=torch.long) for p, (tokens, _) in zip(prompts, continuations)]
     out = runner.forward(*runner.pad_batch(sequences))
     hidden = out.hidden.flatten(1).split([len(s) for s in sequences])  # per prompt (T, n * D)
@@ -117,42 +117,15 @@ def replay_samples(runner, prompts: Sequence[Sequence[int]], continuations: Sequ
     return samples
 
 
-# ---------------------------------------------------------------------------- drafter side
-
-
-class _InMemory:
-    """The part of ``AnchorDataset`` that ``train.replay.anchor_taus`` reads, over one sample
-    held in memory: its candidate anchors in items of at most ``max_anchors`` blocks."""
-
-    def __init__(self, sample: dict[str, torch.Tensor], max_anchors: int):
-        self.sample = {k: v for k, v in sample.items() if isinstance(v, torch.Tensor)}
-        self.max_anchors = max_anchors
-
-    def every_anchor(self, index: int, fixed_shape: bool = False) -> list[dict[str, torch.Tensor]]:
-        cand = candidate_anchors(self.sample["loss_mask"].cpu())
-        return [{**self.sample, "anchors": part, "block_valid": torch.ones(len(part), dtype=torch.bool)}
-                for part in cand.split(self.max_anchors)]
-
-
-def score_sample(sample: dict[str, torch.Tensor], predict, device, max_anchors: int = ANCHORS_PER_FORWARD
-                 ) -> list[int]:
+def score_sample(sample: dict[str, Any], predict, device, max_anchors: int = ANCHORS_PER_FORWARD) -> list[int]:
     """The block taus greedy speculative decoding takes on one replay sample."""
-    taus, spans = anchor_taus(_InMemory(sample, max_anchors), 0, predict, Collate(None), 1, False, device)
-    return walk_blocks(taus, spans)
+    tensors = {k: v for k, v in sample.items() if isinstance(v, torch.Tensor)}
+    items = [{**tensors, "anchors": part, "block_valid": torch.ones(len(part), dtype=torch.bool)}
+             for part in candidate_anchors(tensors["loss_mask"].cpu()).split(max_anchors)]
+    return sample_blocks(items, predict, Collate(None), device)[0]
 
 
 # ---------------------------------------------------------------------------- benchmark
-
-
-def summarize(records: Sequence[dict[str, Any]], block_size: int) -> dict[str, Any]:
-    """Totals of per-prompt replay records: tau = drafted tokens / blocks (bonus included)."""
-    taus = [t for r in records for t in r["block_taus"]]
-    drafted = sum(taus)
-    return {"prompts": len(records), "new_tokens": sum(len(r["tokens"]) for r in records), "drafted_tokens": drafted,
-            "blocks": len(taus), "tau": drafted / len(taus) if taus else math.nan,
-            "tau_histogram": tau_histogram(taus, block_size),
-            "truncated": sum(r["truncated"] for r in records),
-            "disagreements": sum(r["disagreements"] for r in records)}
 
 
 @torch.inference_mode()
@@ -161,9 +134,9 @@ def replay_benchmark(target, drafter: DFlashDrafter, prompts: Sequence[Sequence[
                      max_anchors: int = ANCHORS_PER_FORWARD, progress: bool = False) -> dict[str, Any]:
     """Replay greedy speculative decoding of ``drafter`` on every prompt (token ids).
 
-    Returns {"summary": summarize(...), "per_prompt": [{index, prompt_tokens, tokens (the
-    greedy continuation, stop token included), truncated, block_taus, tau, disagreements}],
-    "seconds": {generate, forward, drafter}}.
+    Returns {"summary", "per_prompt": [{index, prompt_tokens, new_tokens, truncated, blocks,
+    tau, block_taus, disagreements, tokens (the greedy continuation, stop token included)}],
+    "seconds": {generate, forward, drafter}}; summary tau = drafted tokens / blocks.
     """
     from tqdm.auto import tqdm
 
@@ -172,8 +145,7 @@ def replay_benchmark(target, drafter: DFlashDrafter, prompts: Sequence[Sequence[
     config = drafter.config
     check_against_target(config, target)
     device, stops = device_of(target), frozenset(int(t) for t in eos_token_ids)
-    drafter = drafter.eval()
-    predict = block_predictor(drafter, target_head(target), config.mask_token_id)
+    predict = block_predictor(drafter.eval(), target_head(target), config.mask_token_id)
     seconds = {"generate": 0.0, "forward": 0.0, "drafter": 0.0}
 
     def clock(key, start):
@@ -194,31 +166,34 @@ def replay_benchmark(target, drafter: DFlashDrafter, prompts: Sequence[Sequence[
             clock("forward", start)
             start = time.perf_counter()
             for i, sample in zip(rows, samples):
-                block_taus = score_sample(sample, predict, device, max_anchors)
+                taus = score_sample(sample, predict, device, max_anchors)
                 tokens = sample["input_ids"][len(prompts[i]):].tolist()
                 records[i] = {"index": i, "prompt_tokens": len(prompts[i]), "new_tokens": len(tokens),
-                              "truncated": continuations[i][1], "blocks": len(block_taus),
-                              "tau": sum(block_taus) / len(block_taus) if block_taus else math.nan,
-                              "block_taus": block_taus, "disagreements": sample["disagreements"], "tokens": tokens}
+                              "truncated": continuations[i][1], "blocks": len(taus),
+                              "tau": sum(taus) / len(taus) if taus else math.nan,
+                              "block_taus": taus, "disagreements": sample["disagreements"], "tokens": tokens}
             clock("drafter", start)
     finally:
         runner.close()
-    return {"summary": summarize(records, config.block_size), "per_prompt": records, "seconds": seconds}
+    taus = [t for r in records for t in r["block_taus"]]
+    summary = {"prompts": len(records), "new_tokens": sum(r["new_tokens"] for r in records),
+               "drafted_tokens": sum(taus), "blocks": len(taus), "tau": sum(taus) / len(taus) if taus else math.nan,
+               "tau_histogram": tau_histogram(taus, config.block_size),
+               "truncated": sum(r["truncated"] for r in records),
+               "disagreements": sum(r["disagreements"] for r in records)}
+    return {"summary": summary, "per_prompt": records, "seconds": seconds}
 
 
 def sample_indices(n: int, k: int) -> list[int]:
     """``k`` prompt indices spread evenly over ``n`` (all of them when k >= n)."""
-    if k >= n:
-        return list(range(n))
-    return sorted({int(i * n / k) for i in range(k)})
+    return list(range(n)) if k >= n else sorted({int(i * n / k) for i in range(k)})
 
 
 def first_divergence(replay_taus: Sequence[int], online_taus: Sequence[int]) -> str | None:
     """None when the two per-block tau lists are equal, else where they first part."""
     if list(replay_taus) == list(online_taus):
         return None
-    i = next((i for i, (a, b) in enumerate(zip(replay_taus, online_taus)) if a != b),
-             min(len(replay_taus), len(online_taus)))
+    i = first_difference(replay_taus, online_taus)
     return (f"block {i} (after {sum(online_taus[:i])} drafted tokens): replay tau {list(replay_taus[i:i + 5])}..., "
             f"online {list(online_taus[i:i + 5])}...; blocks {len(replay_taus)} vs {len(online_taus)}")
 
@@ -226,20 +201,16 @@ def first_divergence(replay_taus: Sequence[int], online_taus: Sequence[int]) -> 
 def spec_sample(target, drafter: DFlashDrafter, prompts: Sequence[Sequence[int]], replay: dict[str, Any], k: int, *,
                 max_new_tokens: int, eos_token_ids: Iterable[int] = (), warmup: bool = True,
                 progress: bool = False, capture: bool = False) -> dict[str, Any]:
-    """Real speculative and greedy decoding (``speculative.evaluate``) on ``k`` of the prompts,
-    each compared with its replay: the same tokens, the same tau block by block.
-
-    Returns evaluate's dict plus "indices" and, per prompt row, "replay_tau", "tokens_equal",
-    "taus_equal" and "divergence" (None or where tokens / block taus first differ)."""
+    """Real speculative and greedy decoding (``speculative.evaluate``) of ``k`` of the prompts, each
+    compared with its replay: evaluate's dict plus "indices" and, per prompt row, "replay_tau",
+    "tokens_equal", "taus_equal" and "divergence" (None or where tokens / block taus first differ)."""
     indices = sample_indices(len(prompts), k)
     result = evaluate(target, drafter, [prompts[i] for i in indices], max_new_tokens=max_new_tokens,
                       eos_token_ids=eos_token_ids, check=False, warmup=warmup, progress=progress, capture=capture)
     for row, i in zip(result["per_prompt"], indices):
         replayed = replay["per_prompt"][i]
-        row["index"] = i
-        row["replay_tau"] = replayed["tau"]
-        row["tokens_equal"] = row["tokens"] == replayed["tokens"]
-        row["taus_equal"] = row["block_taus"] == replayed["block_taus"]
+        row.update(index=i, replay_tau=replayed["tau"], tokens_equal=row["tokens"] == replayed["tokens"],
+                   taus_equal=row["block_taus"] == replayed["block_taus"])
         row["divergence"] = (mismatch_message(row["tokens"], replayed["tokens"], where=f"prompt {i}: online vs batched")
                              if not row["tokens_equal"] else
                              None if row["taus_equal"] else
@@ -267,9 +238,6 @@ def benchmark_line(name: str, replay: dict[str, Any], sample: dict[str, Any] | N
 
 def format_benchmarks(lines: Sequence[dict[str, Any]]) -> str:
     """The per-benchmark table and each benchmark's tau histogram."""
-    def f(value, spec=".2f"):
-        return "-" if value is None or (isinstance(value, float) and math.isnan(value)) else format(value, spec)
-
     head = (f"{'benchmark':<16} {'prompts':>7} {'tokens':>8} {'tau':>6} {'sample':>6} {'online tau':>10} "
             f"{'greedy tok/s':>12} {'spec tok/s':>10} {'speedup':>7} {'lossless':>13} {'= replay':>8}")
     out = [head, "-" * len(head)]
@@ -277,9 +245,9 @@ def format_benchmarks(lines: Sequence[dict[str, Any]]) -> str:
         k = r["sample_prompts"]
         lossless = (f"{r['lossless']}/{k}" + (f" +{r['ties']} tie" if r.get("ties") else "")) if k else "-"
         equal = f"{r['replay_equal']}/{k}" if k else "-"
-        out.append(f"{r['benchmark']:<16} {r['prompts']:>7} {r['new_tokens']:>8} {f(r['tau']):>6} {k:>6} "
-                   f"{f(r['online_tau']):>10} {f(r['greedy_tokens_per_s'], '.1f'):>12} "
-                   f"{f(r['spec_tokens_per_s'], '.1f'):>10} {f(r['speedup']):>6}x {lossless:>13} {equal:>8}")
+        out.append(f"{r['benchmark']:<16} {r['prompts']:>7} {r['new_tokens']:>8} {fmt(r['tau']):>6} {k:>6} "
+                   f"{fmt(r['online_tau']):>10} {fmt(r['greedy_tokens_per_s'], '.1f'):>12} "
+                   f"{fmt(r['spec_tokens_per_s'], '.1f'):>10} {fmt(r['speedup']):>6}x {lossless:>13} {equal:>8}")
     out.append("tau histogram (blocks accepting 1..B tokens, replay):")
     out += [f"  {r['benchmark']:<16} " + " ".join(f"{k}:{n}" for k, n in enumerate(r["tau_histogram"], start=1))
             for r in lines]

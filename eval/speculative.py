@@ -1,35 +1,18 @@
-"""Online evaluation: real DFlash speculative decoding against the target's own greedy
-decoding, one prompt at a time (batch size 1).
+"""Online evaluation: DFlash speculative decoding against the target's own greedy decoding,
+one prompt at a time, at temperature 0.
 
-Speculative loop (temperature 0):
+With the last accepted token at position p (not yet in the KV cache), the drafter proposes
+positions p+1 .. p+B-1 from the block [last, MASK x (B-1)] and the target's hidden states of
+positions < p; ONE target forward of [last, proposals] verifies them: the longest prefix equal
+to the target's greedy tokens is accepted plus the target's bonus token (tau = accepted + 1
+tokens, fewer where eos or max_new_tokens comes first). The KV cache is cropped to the last
+token and the accepted drafts, whose hidden states join the drafter's context.
 
-    prefill(prompt)              -> KV cache for 0..P-1, chosen layers' hidden states
-                                    for 0..P-1, first token t0 = target argmax
-    repeat, with the last accepted token at position p (not yet in the KV cache):
-      drafter block  = [last, MASK x (B-1)] at positions p..p+B-1, context = target
-                       hidden states of positions < p (fused by the drafter's fc)
-      proposals      = drafter argmax of slots 1..B-1 (slot k guesses position p+k)
-      verify         = ONE target forward of [last, proposals] on the KV cache;
-                       logits row i is the target's greedy token for position p+i+1
-      accept         = the longest prefix of proposals equal to those greedy tokens
-                       (a of them) plus the target's bonus token: tau = a + 1 tokens
-                       emitted, fewer when an eos token or max_new_tokens comes first
-                       (tokens verified past the stop are not output, so not counted)
-      bookkeeping    = crop the KV cache to p + a + 1 entries (last + accepted drafts),
-                       append those positions' hidden states to the drafter context;
-                       the bonus token becomes the next block's anchor
-    until max_new_tokens or an eos token.
-
-Every emitted token is a target argmax computed on exactly the accepted prefix, so the
-output must equal plain greedy decoding token for token; ``evaluate`` checks that and
-raises ``LosslessError`` otherwise. The check is exact only up to floating point: a
-B-token verify forward and a 1-token decode forward need not round identically, so on
-near-ties (bf16 especially) the error reports the greedy top-2 logit margin at the
-divergence to tell a numerical tie from a bookkeeping bug. A divergence at a tie (top two
+Every emitted token is a target argmax on exactly the accepted prefix, so the output must
+equal greedy decoding token for token: ``evaluate`` checks that (``LosslessError``), giving
+the greedy top-2 logit margin at a divergence to tell a numerical tie (a B-token verify and
+a 1-token decode need not round alike) from a bookkeeping bug. A divergence at a tie (top two
 within ``TIE_ULPS`` in the logits' dtype) is counted as one ("tie"), not raised.
-
-``evaluate(target, drafter, prompts, ...) -> dict`` is the whole API a test needs; the
-drafter is a ``DFlashDrafter`` or anything with the ``Proposer`` interface.
 """
 
 from __future__ import annotations
@@ -67,32 +50,25 @@ class LosslessError(RuntimeError):
 
 
 class Proposer(Protocol):
-    """What the speculative loop asks of a drafter."""
+    """What the speculative loop asks of a drafter (an optional ``reset()`` is called before each sequence)."""
 
     block_size: int  # B: anchor + B - 1 proposals per block
     target_layer_ids: list[int]  # target layers whose hidden states form the context
 
     def propose(self, context: torch.Tensor, tokens: Sequence[int], position: int) -> torch.Tensor:
-        """(B - 1,) long proposals for positions position+1 .. position+B-1.
-
-        context: (1, position, n * D) target hidden states of positions < position;
-        tokens: every token so far (prompt + generated), tokens[-1] sits at ``position``.
-        Within one sequence each call's context extends the previous call's; a proposer
-        that keeps state between calls may have a ``reset()``, called before each sequence.
-        """
+        """(B - 1,) proposals for positions position+1 .. position+B-1, from context (1, position, n * D)
+        (the target's hidden states of positions < position, extending the previous call's) and every
+        token so far (tokens[-1] sits at ``position``)."""
 
 
 class DFlashProposer:
     """A DFlashDrafter plus the target's own (frozen) embedding and LM head.
 
-    Incremental by default: every drafter layer's context keys and values depend on their
-    own position only, and decoding only ever appends verified positions, so each call
-    computes them for the new positions alone and keeps them, through the fused decoding
-    path of ``fused_drafter``; ``reset`` starts a new sequence. ``incremental=False``
-    recomputes the whole context with the training forward every call (the reference the
-    incremental path is tested against). ``compile_backend``
-    (incremental only): the block's forward compiled by that ``torch.compile`` backend, with
-    the context length dynamic (it grows every block), so one graph serves a whole run.
+    A drafter layer's context keys and values depend on their own position only and decoding only
+    appends verified positions, so by default they are computed once per position (the fused path
+    of ``fused_drafter``) and kept until ``reset``. ``incremental=False`` recomputes the whole
+    context with the training forward (the reference). ``compile_backend``: the incremental block
+    forward compiled by that backend, the context length dynamic, so one graph serves a run.
     """
 
     def __init__(self, drafter: DFlashDrafter, target, config: DrafterConfig | None = None,
@@ -110,24 +86,19 @@ class DFlashProposer:
         self.reset()
 
     def reset(self) -> None:
-        """Forget the kept context (the next call starts a new sequence) and take the drafter's
-        weights afresh (the fused path holds copies)."""
+        """Forget the kept context and take the drafter's weights afresh (the fused path holds copies)."""
         self._weights = fused.DecodingWeights.of(self.drafter)
         self._keys: torch.Tensor | None = None  # (L, 1, Hkv, capacity, hd), positions < _context_len valid
         self._values: torch.Tensor | None = None
         self._context_len = 0
         self._last_row: torch.Tensor | None = None  # features of the last kept position
 
-    @torch.inference_mode()
     def propose(self, context: torch.Tensor, tokens: Sequence[int], position: int) -> torch.Tensor:
-        return self._block_logits(context, tokens, position).argmax(dim=-1)
+        return self.block_logits(context, tokens, position).argmax(dim=-1)
 
     @torch.inference_mode()
     def block_logits(self, context: torch.Tensor, tokens: Sequence[int], position: int) -> torch.Tensor:
         """(B - 1, V) drafter logits for positions position+1 .. position+B-1 (``propose``'s arguments)."""
-        return self._block_logits(context, tokens, position)
-
-    def _block_logits(self, context: torch.Tensor, tokens: Sequence[int], position: int) -> torch.Tensor:
         B, device = self.block_size, context.device
         if position + B > self.config.max_position_embeddings:
             raise ValueError(f"block at position {position} runs past the drafter's "
@@ -138,57 +109,38 @@ class DFlashProposer:
         if self.incremental:
             hidden = self._block(self.drafter, self._weights, block_embeds, block_positions, self._extend(context))
         else:
-            hidden = self._full_forward(context, block_embeds, block_positions, position)
+            ctx_len = context.shape[1]
+            mask = attention.build_mask("dense", anchors=torch.tensor([[position]], device=device),
+                                        block_valid=torch.ones(1, 1, dtype=torch.bool, device=device),
+                                        ctx_len=torch.tensor([ctx_len], device=device), context_len=ctx_len,
+                                        block_size=B)
+            hidden = self.drafter(context, torch.arange(ctx_len, device=device).unsqueeze(0), block_embeds,
+                                  block_positions, mask)  # (1, B, D)
         return self.lm_head(hidden[0, 1:].to(self.lm_head.weight.dtype))  # (B-1, V)
 
     def _extend(self, context: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Every layer's context keys/values for all of ``context``, (L, 1, Hkv, S, hd) each,
-        computing only positions not kept yet.
-
-        The kept positions are reused only while ``context`` still holds them: a shorter
-        context, or another feature row at the last kept position (a new sequence without
-        ``reset``; that row depends on every earlier token), starts over. They are kept in
-        buffers that grow by doubling, so a call writes only its new positions.
-        """
+        """Every layer's context keys/values, (L, 1, Hkv, S, hd) each, computing only positions not
+        kept yet. Kept positions count while ``context`` still holds them (not shorter, the same
+        features at the last kept position: that row depends on every earlier token); they live in
+        buffers that grow by doubling, so a call writes only its new positions."""
         ctx_len, kept = context.shape[1], self._context_len
         if kept and (ctx_len < kept or not torch.equal(context[0, kept - 1], self._last_row)):
-            kept = self._context_len = 0
+            kept = 0
+        if self._keys is None or self._keys.shape[3] < ctx_len:
+            c = self.config
+            shape = (c.num_hidden_layers, 1, c.num_key_value_heads, max(2 * ctx_len, 256), c.head_dim)
+            grown = [torch.empty(shape, dtype=self._weights.dtype, device=context.device) for _ in range(2)]
+            if self._keys is not None:
+                grown[0][:, :, :, :kept] = self._keys[:, :, :, :kept]
+                grown[1][:, :, :, :kept] = self._values[:, :, :, :kept]
+            self._keys, self._values = grown
         if ctx_len > kept:
             positions = torch.arange(kept, ctx_len, device=context.device).unsqueeze(0)  # (1, new)
             keys, values = fused.context_kv(self.drafter, self._weights, context[:, kept:], positions)
-            if self._keys is None or self._keys.shape[3] < ctx_len:
-                self._grow(keys, max(2 * ctx_len, 256))
-            self._keys[:, :, :, kept:ctx_len] = keys
-            self._values[:, :, :, kept:ctx_len] = values
+            self._keys[:, :, :, kept:ctx_len], self._values[:, :, :, kept:ctx_len] = keys, values
             self._last_row = context[0, ctx_len - 1].clone()
-        elif self._keys is None:  # an empty context: nothing to attend to but the block
-            c = self.config
-            self._grow(torch.empty(c.num_hidden_layers, 1, c.num_key_value_heads, 0, c.head_dim,
-                                   dtype=self._weights.dtype, device=context.device), 256)
         self._context_len = ctx_len
         return self._keys[:, :, :, :ctx_len], self._values[:, :, :, :ctx_len]
-
-    def _grow(self, like: torch.Tensor, capacity: int) -> None:
-        """Buffers of ``capacity`` positions shaped like ``like`` (L, 1, Hkv, *, hd), holding the kept positions."""
-        shape = (*like.shape[:3], capacity, like.shape[4])
-        keys, values = like.new_empty(shape), like.new_empty(shape)
-        if self._keys is not None and self._context_len:
-            keys[:, :, :, :self._context_len] = self._keys[:, :, :, :self._context_len]
-            values[:, :, :, :self._context_len] = self._values[:, :, :, :self._context_len]
-        self._keys, self._values = keys, values
-
-    def _full_forward(self, context, block_embeds, block_positions, position: int) -> torch.Tensor:
-        B, device, ctx_len = self.block_size, context.device, context.shape[1]
-        context_positions = torch.arange(ctx_len, device=device).unsqueeze(0)  # (1, S)
-        mask = attention.build_mask(
-            "dense",
-            anchors=torch.tensor([[position]], device=device),
-            block_valid=torch.ones(1, 1, dtype=torch.bool, device=device),
-            ctx_len=torch.tensor([ctx_len], device=device),
-            context_len=ctx_len,
-            block_size=B,
-        )
-        return self.drafter(context, context_positions, block_embeds, block_positions, mask)  # (1, B, D)
 
 
 def load_drafter(path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype | None = None
@@ -212,64 +164,29 @@ def load_drafter(path: str | Path, device: str | torch.device = "cpu", dtype: to
     config = DrafterConfig.from_dict(state["drafter_config"])
     drafter = DFlashDrafter(config)
     drafter.load_state_dict(checkpoint.load_weights(ckpt), strict=True)
-    drafter = drafter.to(device=device, dtype=dtype) if dtype is not None else drafter.to(device)
     log.info("drafter from checkpoint %s (step %s)", ckpt, state.get("step"))
-    return drafter.eval(), config
+    return drafter.to(device=device, dtype=dtype).eval(), config
 
 
-# ---------------------------------------------------------------------------- KV cache
+# ---------------------------------------------------------------------------- target side
 
 
 def cache_length(cache) -> int:
-    """Number of cached positions (DynamicCache, or a legacy tuple of (k, v) per layer)."""
-    if hasattr(cache, "get_seq_length"):
-        return int(cache.get_seq_length())
-    return int(cache[0][0].shape[-2])
+    """Number of positions in a transformers KV cache."""
+    return int(cache.get_seq_length())
 
 
 def crop_cache(cache, keep: int):
-    """Cut the KV cache down to its first ``keep`` positions and return it.
-
-    ``DynamicCache.crop`` changed meaning across transformers versions: up to early 5.x
-    ``crop(max_length)`` keeps max_length tokens (a negative value removes that many);
-    in 5.2x ``crop(tokens_to_remove)`` accepts only negative values. ``crop(-n)`` with
-    n > 0 means "remove n" in both, and ``crop(0)`` would wipe the old one, so it is
-    never called with 0. The result is checked; on any surprise the layers are sliced
-    by hand (``layers[i].keys`` in 5.x, ``key_cache`` lists before).
-    """
+    """Cut the KV cache down to its first ``keep`` positions and return it. ``crop(-n)`` removes n
+    positions in every supported transformers (``crop(n)`` keeps n in early 5.x, removes n in 5.2x)."""
     current = cache_length(cache)
     if keep > current:
         raise ValueError(f"cannot crop a {current}-position cache to {keep}")
-    if keep == current:
-        return cache
-    if isinstance(cache, tuple):  # legacy format: rebuild
-        return tuple((k[..., :keep, :], v[..., :keep, :]) for k, v in cache)
-    try:
+    if keep < current:
         cache.crop(-(current - keep))
-    except (ValueError, RuntimeError, TypeError, AttributeError) as err:
-        log.debug("DynamicCache.crop(-%d) failed (%s); slicing by hand", current - keep, err)
-    if cache_length(cache) != keep:
-        _slice_cache(cache, keep)
     if cache_length(cache) != keep:
         raise RuntimeError(f"could not crop the KV cache to {keep} (have {cache_length(cache)})")
     return cache
-
-
-def _slice_cache(cache, keep: int) -> None:
-    if hasattr(cache, "layers"):
-        for layer in cache.layers:
-            if getattr(layer, "keys", None) is not None and layer.keys.numel():
-                layer.keys = layer.keys[..., :keep, :]
-                layer.values = layer.values[..., :keep, :]
-    elif hasattr(cache, "key_cache"):
-        for i in range(len(cache.key_cache)):
-            cache.key_cache[i] = cache.key_cache[i][..., :keep, :]
-            cache.value_cache[i] = cache.value_cache[i][..., :keep, :]
-        if hasattr(cache, "_seen_tokens"):
-            cache._seen_tokens = keep
-
-
-# ---------------------------------------------------------------------------- decoding
 
 
 @dataclass
@@ -286,15 +203,12 @@ class Generation:
 
 @functools.lru_cache(maxsize=None)
 def _cache_argument(model_class: type) -> str:
+    """``cache`` (transformers 5.2x) or ``past_key_values`` (5.17 and before), whichever the model takes."""
     return "cache" if "cache" in inspect.signature(model_class.forward).parameters else "past_key_values"
 
 
 def _forward(target, input_ids: torch.Tensor, cache=None, **kwargs):
-    """One target forward with the KV cache -> (output, cache).
-
-    transformers renamed ``past_key_values`` to ``cache`` (argument and output field)
-    around 5.2x; 5.17 knows only the old name. Pick whichever this model accepts.
-    """
+    """One target forward with the KV cache -> (output, cache)."""
     name = _cache_argument(type(target))
     if cache is not None:
         kwargs[name] = cache
@@ -314,10 +228,6 @@ def device_of(model) -> torch.device:
 def sync_device(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-
-
-def _is_stop(token: int, n_new: int, max_new_tokens: int, eos: frozenset[int]) -> bool:
-    return token in eos or n_new >= max_new_tokens
 
 
 def _layer_states(hidden_states, layer_ids: Sequence[int]) -> torch.Tensor:
@@ -355,14 +265,12 @@ class EagerTarget:
 
 
 class StaticTarget(EagerTarget):
-    """``EagerTarget`` on a static KV cache (transformers' ``StaticCache``, one for every prompt):
-    a forward writes at the next positions and attends up to its own, so a crop only moves the
-    length back (the next verify overwrites the rejected drafts; the cache's layers count their
-    positions in a device tensor that a captured graph advances and, in 5.17, write at that
-    count whatever positions are passed, so the crop moves that counter back in place too).
-    With ``capture`` (CUDA) the forwards after the prefill, 1 token (greedy) or B tokens
-    (verify), are compiled with CUDA graphs (``mode="reduce-overhead"``), once per shape;
-    without, the same code runs eager."""
+    """``EagerTarget`` on one static KV cache for every prompt: a forward writes at the next positions
+    and attends up to its own, so a crop only moves the length back (the next verify overwrites the
+    rejected drafts) and, where the cache's layers count positions in a device tensor (transformers
+    5.17+ writes there), that counter too, in place, as a captured graph reads it at its address.
+    With ``capture`` (CUDA) the 1-token (greedy) and B-token (verify) forwards run as CUDA graphs
+    (``mode="reduce-overhead"``), once per shape; the prefill stays eager."""
 
     def __init__(self, target, max_length: int, capture: bool = False):
         from transformers import StaticCache
@@ -407,50 +315,49 @@ class StaticTarget(EagerTarget):
         self._length = keep
 
 
+# ---------------------------------------------------------------------------- decoding
+
+
+def _start(target, max_new_tokens: int, eos_token_ids: Iterable[int], session: EagerTarget | None):
+    """(device, eos set, the session reset, start time) of one decode."""
+    if max_new_tokens < 1:
+        raise ValueError("max_new_tokens must be >= 1")
+    device = device_of(target)
+    session = session or EagerTarget(target)
+    session.reset()
+    sync_device(device)
+    return device, frozenset(int(t) for t in eos_token_ids), session, time.perf_counter()
+
+
 @torch.inference_mode()
 def greedy_generate(target, prompt_ids: Sequence[int], max_new_tokens: int,
                     eos_token_ids: Iterable[int] = (), session: EagerTarget | None = None) -> Generation:
     """Plain greedy decoding with the KV cache, one token per target forward (``session``: the
     target's forwards, default ``EagerTarget``)."""
-    if max_new_tokens < 1:
-        raise ValueError("max_new_tokens must be >= 1")
-    device, eos = device_of(target), frozenset(int(t) for t in eos_token_ids)
-    session = session or EagerTarget(target)
-    session.reset()
-    sync_device(device)
-    start = time.perf_counter()
+    device, eos, session, start = _start(target, max_new_tokens, eos_token_ids, session)
     logits, _ = session.forward(prompt_ids, last_only=True)
-    tokens, margins, ties, forwards = [], [], [], 1
+    tokens, margins, ties = [], [], []
     eps = torch.finfo(logits.dtype).eps
     while True:
         top2 = logits[-1].float().topk(2)
-        token = int(logits[-1].argmax())  # as the verify picks: topk may break an exact tie the other way
-        tokens.append(token)
+        tokens.append(int(logits[-1].argmax()))  # as the verify picks: topk may break an exact tie the other way
         margins.append(float(top2.values[0] - top2.values[1]))
         ties.append(margins[-1] <= TIE_ULPS * eps * abs(float(top2.values[0])))
-        if _is_stop(token, len(tokens), max_new_tokens, eos):
+        if tokens[-1] in eos or len(tokens) >= max_new_tokens:
             break
-        logits, _ = session.forward([token], last_only=True)
-        forwards += 1
+        logits, _ = session.forward(tokens[-1:], last_only=True)
     sync_device(device)
-    return Generation(tokens, forwards, time.perf_counter() - start, margins=margins, ties=ties)
+    return Generation(tokens, len(tokens), time.perf_counter() - start, margins=margins, ties=ties)
 
 
 @torch.inference_mode()
 def speculative_generate(target, proposer: Proposer, prompt_ids: Sequence[int], max_new_tokens: int,
                          eos_token_ids: Iterable[int] = (), session: EagerTarget | None = None) -> Generation:
     """DFlash speculative decoding at temperature 0 (see the module docstring)."""
-    if max_new_tokens < 1:
-        raise ValueError("max_new_tokens must be >= 1")
-    device, eos = device_of(target), frozenset(int(t) for t in eos_token_ids)
-    session = session or EagerTarget(target)
-    session.reset()
+    device, eos, session, start = _start(target, max_new_tokens, eos_token_ids, session)
     sequence = [int(t) for t in prompt_ids]  # prompt, then every emitted token
     n_prompt, B, layer_ids = len(sequence), proposer.block_size, list(proposer.target_layer_ids)
-    sync_device(device)
-    start = time.perf_counter()
     logits, prefill_states = session.forward(sequence, layer_ids, last_only=True)  # states (P, n * D)
-    forwards = 1
     if hasattr(proposer, "reset"):  # a proposer that keeps state between calls starts over
         proposer.reset()
     # Drafter context of positions < p, filled as positions are verified.
@@ -458,7 +365,7 @@ def speculative_generate(target, proposer: Proposer, prompt_ids: Sequence[int], 
     context[0, :n_prompt] = prefill_states
     sequence.append(int(logits[-1].argmax()))
     taus: list[int] = []
-    done = _is_stop(sequence[-1], 1, max_new_tokens, eos)
+    done = sequence[-1] in eos or max_new_tokens <= 1
     while not done:
         p = len(sequence) - 1  # position of the last accepted token, not yet in the cache
         if session.length != p:
@@ -468,7 +375,6 @@ def speculative_generate(target, proposer: Proposer, prompt_ids: Sequence[int], 
             raise ValueError(f"proposer returned shape {tuple(drafts.shape)}, expected ({B - 1},)")
         drafts = [int(t) for t in drafts.tolist()]
         logits, states = session.forward([sequence[-1], *drafts], layer_ids)
-        forwards += 1
         greedy = logits.argmax(dim=-1).tolist()  # the target's tokens for positions p+1 .. p+B
         accepted = 0
         while accepted < B - 1 and drafts[accepted] == greedy[accepted]:
@@ -479,15 +385,20 @@ def speculative_generate(target, proposer: Proposer, prompt_ids: Sequence[int], 
         for token in drafts[:accepted] + [greedy[accepted]]:
             sequence.append(token)
             emitted += 1
-            if _is_stop(token, len(sequence) - n_prompt, max_new_tokens, eos):
+            if token in eos or len(sequence) - n_prompt >= max_new_tokens:
                 done = True
                 break
         taus.append(emitted)
     sync_device(device)
-    return Generation(sequence[n_prompt:], forwards, time.perf_counter() - start, block_taus=taus)
+    return Generation(sequence[n_prompt:], 1 + len(taus), time.perf_counter() - start, block_taus=taus)
 
 
 # ---------------------------------------------------------------------------- evaluation
+
+
+def first_difference(a: Sequence, b: Sequence) -> int:
+    """Where two sequences first differ (the shorter one's length where it is the other's prefix)."""
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
 def mismatch_message(spec: Sequence[int], greedy: Sequence[int], margins: Sequence[float] = (),
@@ -495,7 +406,7 @@ def mismatch_message(spec: Sequence[int], greedy: Sequence[int], margins: Sequen
     """None when the two token lists are identical, else what differs and where."""
     if list(spec) == list(greedy):
         return None
-    first = next((i for i, (a, b) in enumerate(zip(spec, greedy)) if a != b), min(len(spec), len(greedy)))
+    first = first_difference(spec, greedy)
     margin = f"; greedy top-2 logit margin there {margins[first]:.3g}" if first < len(margins) else ""
     return (
         f"{where}: speculative output differs from greedy at new token {first} "
@@ -509,34 +420,39 @@ def diverges_at_tie(spec: Sequence[int], greedy: Sequence[int], ties: Sequence[b
     """Whether the first token where the two decodes part was a numerical tie for greedy decoding:
     its top two logits within ``TIE_ULPS`` of each other in the logits' dtype, so a B-token verify
     and a 1-token decode may round them apart (bf16 ties are common: 8 bits of mantissa)."""
-    first = next((i for i, (a, b) in enumerate(zip(spec, greedy)) if a != b), None)
-    return first is not None and first < len(ties) and ties[first]
+    first = first_difference(spec, greedy)
+    return list(spec) != list(greedy) and first < len(ties) and ties[first]
 
 
 def check_lossless(spec: Sequence[int], greedy: Sequence[int], margins: Sequence[float] = (),
                    where: str = "prompt") -> None:
     """Raise LosslessError unless the two token lists are identical."""
-    message = mismatch_message(spec, greedy, margins, where)
-    if message is not None:
+    if (message := mismatch_message(spec, greedy, margins, where)) is not None:
         raise LosslessError(message)
 
 
-def tau_histogram(taus: Iterable[int], block_size: int) -> list[int]:
-    counts = [0] * block_size  # counts[k - 1]: blocks that accepted k tokens
+def tau_histogram(taus: Sequence[int], block_size: int) -> list[int]:
+    """counts[k - 1]: blocks that accepted k tokens (a tau outside 1..B is a bookkeeping bug: raised)."""
+    counts = [0] * block_size
     for tau in taus:
+        if not 1 <= tau <= block_size:
+            raise ValueError(f"a block emitted {tau} tokens; a block of {block_size} emits 1..{block_size}")
         counts[tau - 1] += 1
     return counts
 
 
-def _summary(new_tokens: int, taus: list[int], spec_fw: int, greedy_fw: int, spec_s: float, greedy_s: float,
-             block_size: int) -> dict[str, Any]:
+def _summary(specs: Sequence[Generation], greedies: Sequence[Generation], block_size: int) -> dict[str, Any]:
+    """The figures of speculative decodes against the greedy decodes of the same prompts."""
+    new_tokens, taus = sum(len(s.tokens) for s in specs), [t for s in specs for t in s.block_taus]
+    spec_s, greedy_s = sum(s.seconds for s in specs), sum(g.seconds for g in greedies)
+    spec_fw = sum(s.target_forwards for s in specs)
     return {
         "new_tokens": new_tokens,
         "blocks": len(taus),
         "tau": sum(taus) / len(taus) if taus else math.nan,
         "tau_histogram": tau_histogram(taus, block_size),
         "target_forwards": spec_fw,
-        "greedy_target_forwards": greedy_fw,
+        "greedy_target_forwards": sum(g.target_forwards for g in greedies),
         "tokens_per_target_forward": new_tokens / spec_fw,
         "spec_seconds": spec_s,
         "greedy_seconds": greedy_s,
@@ -551,39 +467,30 @@ def evaluate(target, drafter: DFlashDrafter | Proposer, prompts: Sequence[Sequen
              warmup: bool = True, progress: bool = False, capture: bool = False) -> dict[str, Any]:
     """Speculative vs greedy decoding of every prompt (lists of token ids).
 
-    Returns {"overall": {...}, "per_prompt": [{...}], "settings": {...}} where each
-    summary holds tau (mean tokens accepted per drafter block, bonus included),
-    tau_histogram (blocks accepting 1..B tokens), tokens_per_target_forward (prefill
-    counted; greedy is 1.0 by construction), both wall-clock times and the speedup
-    (greedy time / speculative time). tau counts the tokens each block emitted, so
-    new_tokens == 1 + sum(block taus) (the first token comes from the prefill), and a
-    block cut by eos or max_new_tokens counts only what it output. This is the quantity
-    training scores per block on cached sequences (``dflash.train.metrics.block_taus``)
-    and walks as decoding walks (``dflash.train.replay``, training's held-out ``tau``). With ``check`` a
-    mismatch raises LosslessError at the first prompt that shows it; without, each row
-    records it ("lossless", "mismatch") and the caller decides. With ``capture`` both decoders
-    run on one ``StaticTarget`` (static KV cache; on CUDA its decode and verify forwards in
-    CUDA graphs) and, on CUDA, the drafter's block forward is compiled (inductor), so launch
-    overhead does not decide the speedup.
+    Returns {"overall", "per_prompt", "settings"}; a summary holds tau (tokens each block emitted,
+    bonus included, so new_tokens == 1 + sum of block taus: what ``dflash.train.replay`` walks),
+    its histogram, tokens per target forward (prefill counted), both decoders' times and the
+    speedup. With ``check`` a mismatch raises LosslessError; without, each row records it
+    ("lossless", "mismatch"). ``capture``: both decoders on one ``StaticTarget`` (on CUDA in CUDA
+    graphs, the drafter's block forward compiled by inductor), so launch overhead does not decide
+    the speedup.
     """
-    backend = "inductor" if capture and device_of(target).type == "cuda" else None
+    from tqdm.auto import tqdm
+
+    device = device_of(target)
+    backend = "inductor" if capture and device.type == "cuda" else None
     proposer = (DFlashProposer(drafter, target, compile_backend=backend) if isinstance(drafter, DFlashDrafter)
                 else drafter)
-    eos = sorted({int(t) for t in eos_token_ids})
-    B = proposer.block_size
+    eos, B = sorted({int(t) for t in eos_token_ids}), proposer.block_size
     session = None
     if capture and prompts:
         max_length = max(len(p) for p in prompts) + max_new_tokens + 2 * B
-        session = StaticTarget(target, max_length, capture=device_of(target).type == "cuda")
+        session = StaticTarget(target, max_length, capture=device.type == "cuda")
     if warmup and prompts:  # first calls pay for allocator growth, kernels, lazy init, graph capture
         for _ in range(2 if session is not None else 1):
             greedy_generate(target, prompts[0], min(4, max_new_tokens), eos, session)
             speculative_generate(target, proposer, prompts[0], min(2 * B, max_new_tokens), eos, session)
-
-    from tqdm.auto import tqdm
-
-    per_prompt, all_taus = [], []
-    totals = dict(new=0, spec_fw=0, greedy_fw=0, spec_s=0.0, greedy_s=0.0)
+    rows, decodes = [], []
     for index, prompt in enumerate(tqdm(prompts, desc="dflash-eval", unit="prompt", disable=not progress)):
         greedy = greedy_generate(target, prompt, max_new_tokens, eos, session)
         spec = speculative_generate(target, proposer, prompt, max_new_tokens, eos, session)
@@ -591,26 +498,41 @@ def evaluate(target, drafter: DFlashDrafter | Proposer, prompts: Sequence[Sequen
         tie = mismatch is not None and diverges_at_tie(spec.tokens, greedy.tokens, greedy.ties)
         if check and mismatch is not None and not tie:
             raise LosslessError(mismatch)
-        n_new = len(spec.tokens)
-        row = {"index": index, "prompt_tokens": len(prompt), "lossless": mismatch is None, "mismatch": mismatch,
-               "tie": tie,
-               **_summary(n_new, spec.block_taus, spec.target_forwards, greedy.target_forwards,
-                          spec.seconds, greedy.seconds, B),
-               "block_taus": spec.block_taus, "tokens": spec.tokens}
-        per_prompt.append(row)
-        all_taus += spec.block_taus
-        totals["new"] += n_new
-        totals["spec_fw"] += spec.target_forwards
-        totals["greedy_fw"] += greedy.target_forwards
-        totals["spec_s"] += spec.seconds
-        totals["greedy_s"] += greedy.seconds
-    overall = {"prompts": len(per_prompt), "lossless": all(r["lossless"] or r["tie"] for r in per_prompt),
-               "ties": sum(r["tie"] for r in per_prompt)}
-    if per_prompt:
-        overall.update(_summary(totals["new"], all_taus, totals["spec_fw"], totals["greedy_fw"],
-                                totals["spec_s"], totals["greedy_s"], B))
-    device = device_of(target)
+        rows.append({"index": index, "prompt_tokens": len(prompt), "lossless": mismatch is None, "mismatch": mismatch,
+                     "tie": tie, **_summary([spec], [greedy], B), "block_taus": spec.block_taus, "tokens": spec.tokens})
+        decodes.append((spec, greedy))
+    overall = {"prompts": len(rows), "lossless": all(r["lossless"] or r["tie"] for r in rows),
+               "ties": sum(r["tie"] for r in rows)}
+    if rows:
+        overall.update(_summary(*zip(*decodes), B))
     settings = {"block_size": B, "max_new_tokens": max_new_tokens, "eos_token_ids": eos, "capture": capture,
                 "target_layer_ids": list(proposer.target_layer_ids), "device": str(device),
                 "dtype": str(next(target.parameters()).dtype).removeprefix("torch.")}
-    return {"overall": overall, "per_prompt": per_prompt, "settings": settings}
+    return {"overall": overall, "per_prompt": rows, "settings": settings}
+
+
+def fmt(value, spec: str = ".2f") -> str:
+    """``value`` formatted; "-" for a figure not measured (None or NaN)."""
+    return "-" if value is None or (isinstance(value, float) and math.isnan(value)) else format(value, spec)
+
+
+def format_report(result: dict[str, Any]) -> str:
+    """``evaluate``'s per-prompt table, the overall line and the tau histogram."""
+    head = f"{'#':>4} {'prompt':>6} {'new':>5} {'blocks':>6} {'tau':>6} {'tok/fwd':>7} " \
+           f"{'greedy s':>8} {'spec s':>8} {'speedup':>7}  ok"
+    lines = [head, "-" * len(head)]
+    for r in result["per_prompt"]:
+        lines.append(f"{r['index']:>4} {r['prompt_tokens']:>6} {r['new_tokens']:>5} {r['blocks']:>6} "
+                     f"{fmt(r['tau']):>6} "
+                     f"{fmt(r['tokens_per_target_forward']):>7} {fmt(r['greedy_seconds']):>8} "
+                     f"{fmt(r['spec_seconds']):>8} {fmt(r['speedup']):>6}x  {'yes' if r['lossless'] else 'NO'}")
+    o = result["overall"]
+    if o.get("prompts"):
+        lines += ["-" * len(head),
+                  f"overall: {o['prompts']} prompts, {o['new_tokens']} tokens, tau {fmt(o['tau'])} over "
+                  f"{o['blocks']} blocks, {fmt(o['tokens_per_target_forward'])} tokens per target forward, "
+                  f"greedy {fmt(o['greedy_seconds'])} s vs speculative {fmt(o['spec_seconds'])} s "
+                  f"= {fmt(o['speedup'])}x, lossless: {'yes' if o['lossless'] else 'NO'}",
+                  "tau histogram (accepted tokens per block): "
+                  + " ".join(f"{k}:{n}" for k, n in enumerate(o["tau_histogram"], start=1))]
+    return "\n".join(lines)

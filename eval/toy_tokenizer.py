@@ -19,16 +19,8 @@ MASK_TOKEN = "<|MASK|>"
 SPECIAL_TOKENS = [END_OF_TEXT, IM_START, IM_END, MASK_TOKEN]
 
 # Stable, plain-prose-heavy modules that exist in every CPython 3.11+.
-DEFAULT_STDLIB_FILES = (
-    "textwrap.py",
-    "string.py",
-    "difflib.py",
-    "argparse.py",
-    "json/decoder.py",
-    "json/encoder.py",
-    "calendar.py",
-    "fractions.py",
-)
+DEFAULT_STDLIB_FILES = ("textwrap.py", "string.py", "difflib.py", "argparse.py", "json/decoder.py",
+                        "json/encoder.py", "calendar.py", "fractions.py")
 
 # ChatML-like template. The @GEN@/@ENDGEN@ markers become `{% generation %}` /
 # `{% endgeneration %}` or nothing. The assistant span covers the content AND the
@@ -67,13 +59,8 @@ def default_corpus() -> list[Path]:
     return [stdlib / name for name in DEFAULT_STDLIB_FILES]
 
 
-def build_tokenizer(
-    out_dir: str | Path,
-    *,
-    vocab_size: int = 512,
-    generation_tags: bool = True,
-    corpus: Sequence[str | Path] | None = None,
-):
+def build_tokenizer(out_dir: str | Path, *, vocab_size: int = 512, generation_tags: bool = True,
+                    corpus: Sequence[str | Path] | None = None):
     """Train a byte-level BPE on local files and save it as a HF fast tokenizer.
 
     `corpus` is a list of text files (default: `default_corpus()`; add e.g.
@@ -93,23 +80,14 @@ def build_tokenizer(
     # No post-processor: offsets stay untrimmed, which the assistant-mask code relies on.
     bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     bpe.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
-        special_tokens=SPECIAL_TOKENS,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
     # Whole files, not lines, so merges across newlines ("\n\n", "\n    ") are learned.
     texts = [p.read_text(encoding="utf-8", errors="replace") for p in files]
     bpe.train_from_iterator(texts, trainer=trainer)
 
-    tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=bpe,
-        eos_token=END_OF_TEXT,
-        pad_token=END_OF_TEXT,
-        extra_special_tokens=[IM_START, IM_END, MASK_TOKEN],
-        model_max_length=1 << 16,
-    )
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token=END_OF_TEXT, pad_token=END_OF_TEXT,
+                                        extra_special_tokens=[IM_START, IM_END, MASK_TOKEN], model_max_length=1 << 16)
     tokenizer.chat_template = chat_template(generation_tags)
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)

@@ -183,8 +183,6 @@ def test_tiny_build_trains_saves_reloads_and_is_reused(tmp_path, demo_tokenizer,
     assert type(model).__name__ == "Qwen3ForCausalLM"
     assert model.config.num_hidden_layers == 2 and model.config.vocab_size == len(demo_tokenizer)
     assert AutoTokenizer.from_pretrained(out).get_vocab() == demo_tokenizer.get_vocab()
-    scores = dt.evaluate_greedy(model, demo_tokenizer, demo_chats[:3], max_new_tokens=8)
-    assert scores["n"] == 3 and 0 <= scores["token_accuracy"] <= 1 and 0 <= scores["exact_match"] <= 1
 
     # Same settings: reused, nothing retrained or rewritten (tokenizer given as a path).
     weights_mtime = (out / "model.safetensors").stat().st_mtime_ns

@@ -231,9 +231,9 @@ def brute_force_decoding(reader, samples, drafter, head, mask_token_id):
 def test_training_and_offline_replay_equal_brute_force_decoding(pattern_cache, tiny_target_dir, tmp_path):
     """Both callers of dflash.train.replay, training's held-out tau (every assistant anchor
     in chunks of max_anchors, padded batches, the compiled-shape eval step) and
-    dflash.eval.offline (all anchors in one forward per sample), give the brute-force
+    dflash.eval.replay_eval.replay_export (all anchors in one forward per sample), give the brute-force
     decoding's tokens and blocks exactly."""
-    from dflash.eval.offline import replay_export
+    from dflash.eval.replay_eval import replay_export
     from dflash.eval.speculative import load_drafter
     from dflash.shared.cache import CacheReader
     from dflash.train.data import Split

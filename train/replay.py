@@ -1,21 +1,14 @@
-"""Speculative decoding replayed on cached samples: the offline estimate of the acceptance
-length that online decoding (``dflash.eval.speculative``) measures, from the cache and the
-drafter alone (no target forward).
+"""Speculative decoding replayed without the target: the acceptance length online decoding
+(``dflash.eval.speculative``) measures, from cached or batched target features and the drafter.
 
-Online decoding starts a turn's first block at the turn's first token and every later
-block where the previous one ended, i.e. right after a rejected (or the bonus) token.
-Where acceptance depends on the position, the mean over uniformly drawn anchors weighs
-every position alike while decoding spends more blocks where blocks are short, so the
-two differ (BENCHMARKS_LOG.md, "The CPU demo"). The replay therefore scores a block at EVERY
-assistant position with training's step and ``metrics.block_taus`` (end-of-turn cap, no
-block on the end-of-turn token), then walks each turn as decoding does: anchor at the
-turn's first token, next anchor = anchor + tau. On data the target regenerated, the walk
-visits the anchors decoding visits and each block's tau is the one decoding gets (up to
-the bf16 rounding of the cached features).
-
-Training's held-out evaluation (``loop.train``, its compiled eval step on fixed shapes)
-and ``dflash.eval.offline`` (any export or run, one dense forward per sample) both call
-``replay``.
+Decoding starts a turn's first block at its first token and every later block where the
+previous one ended, so the mean over uniformly drawn anchors (training's) weighs positions
+unlike decoding where acceptance depends on the position. The replay scores a block at EVERY
+assistant position (``metrics.block_taus``: end-of-turn cap, no block on the end-of-turn
+token) and walks each turn as decoding does: next anchor = anchor + tau. On data the target
+regenerated, each walked block's tau is the one decoding gets (up to the rounding of the
+features). Callers: training's held-out estimate (its compiled eval step), ``replay_export``
+and ``replay_benchmark`` in ``dflash.eval.replay_eval`` (``block_predictor``, dense attention).
 """
 
 from __future__ import annotations
@@ -27,7 +20,7 @@ import torch
 
 from . import metrics
 from .data import AnchorDataset
-from .step import to_device
+from .step import StepSpec, argmax_tokens, drafter_hidden, to_device
 
 
 @dataclass
@@ -75,11 +68,9 @@ def turn_spans(loss_mask) -> list[tuple[int, int]]:
 def walk_blocks(taus: dict[int, int], spans: list[tuple[int, int]], max_new_tokens: int | None = None) -> list[int]:
     """Each block's tau, in order, of decoding each turn [s, e) from its first token.
 
-    ``taus[a]``: tokens a block anchored at ``a`` emits (``metrics.block_taus``). Decoding
-    starts its first block at the turn's first token and every later one where the
-    previous block ended, so this visits the anchors decoding visits. The turn's first
-    token comes from the prefill, so e - s - 1 tokens are drafted, or max_new_tokens - 1
-    when decoding stops there first (the last block then counts only what fits, as online)."""
+    ``taus[a]``: tokens a block anchored at ``a`` emits. The turn's first token comes from the
+    prefill, so e - s - 1 tokens are drafted, or max_new_tokens - 1 when decoding stops there
+    first (the last block then counts only what fits, as online)."""
     blocks = []
     for s, e in spans:
         budget = e - s - 1 if max_new_tokens is None else min(e - s - 1, max_new_tokens - 1)
@@ -96,20 +87,30 @@ def walk(taus: dict[int, int], spans: list[tuple[int, int]], max_new_tokens: int
     return sum(blocks), len(blocks)
 
 
-def anchor_taus(dataset: AnchorDataset, index: int, predict: Callable[[dict], torch.Tensor], collate,
-                group_size: int, fixed_shape: bool, device) -> tuple[dict[int, int], list[tuple[int, int]]]:
-    """(tau of a block at every assistant anchor of sample ``index``, its turn spans).
+def block_predictor(drafter, head, mask_token_id: int, chunk_size: int = 4096):
+    """``predict(batch)``: the drafter's argmax at every slot of every block, (Bsz, N, B), from
+    training's forward with dense attention (no loss computed)."""
+    spec = StepSpec("dense", drafter.config.block_size, mask_token_id, None, chunk_size, None)
 
-    ``predict(batch)``: the drafter's argmax per slot (Bsz, N, B). With ``fixed_shape`` the
-    blocks come in items of ``dataset.max_anchors`` and groups of ``group_size``, topped up
-    with weightless samples (the shapes a compiled eval graph was warmed up on); without,
-    one item holds exactly the sample's anchors."""
-    items = dataset.every_anchor(index, fixed_shape=fixed_shape)
+    def predict(batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        hidden = drafter_hidden(drafter, head, batch, spec)  # (Bsz, N*B, D)
+        return argmax_tokens(head, hidden.flatten(0, 1), chunk_size).view(*batch["anchors"].shape, -1)
+
+    return predict
+
+
+def sample_blocks(items: list[dict], predict: Callable[[dict], torch.Tensor], collate, device, group_size: int = 1,
+                  empty: Callable[[], dict] | None = None, max_new_tokens: int | None = None
+                  ) -> tuple[list[int], dict[int, int]]:
+    """(walked block taus, tau at every anchor) of one sample given as ``items`` that together hold
+    a block at every candidate anchor (``AnchorDataset.every_anchor``). ``predict(batch)``: the
+    drafter's argmax per slot (Bsz, N, B), on ``group_size`` items at a time, the last group topped
+    up with ``empty()`` items when given (the shapes a compiled eval graph was warmed up on)."""
     taus: dict[int, int] = {}
     for start in range(0, len(items), group_size):
         group = items[start:start + group_size]
-        if fixed_shape:
-            group += [dataset.empty_sample() for _ in range(group_size - len(group))]
+        if empty is not None:
+            group += [empty() for _ in range(group_size - len(group))]
         batch = to_device(collate(group), device)
         tau, counted = metrics.block_taus(predict(batch), batch["target_top1"], batch["anchors"],
                                           batch["block_valid"], batch["seq_len"], batch["loss_mask"])
@@ -117,21 +118,22 @@ def anchor_taus(dataset: AnchorDataset, index: int, predict: Callable[[dict], to
             keep = counted[row]
             taus.update(zip(batch["anchors"][row][keep].tolist(), tau[row][keep].tolist()))
     spans = turn_spans(items[0]["loss_mask"].tolist()) if items else []
-    return taus, spans
+    return walk_blocks(taus, spans, max_new_tokens), taus
 
 
 @torch.no_grad()
 def replay(dataset: AnchorDataset, samples: Iterable[int], predict: Callable[[dict], torch.Tensor], collate, *,
            group_size: int = 1, fixed_shape: bool = False, max_new_tokens: int | None = None,
            device: str | torch.device = "cpu") -> Replay:
-    """Replay decoding on ``samples`` (global cache indices) of ``dataset`` (which must read
-    the target's top-1); ``max_new_tokens``: the online decoding's cap per turn (None: each
-    turn to its end). See ``anchor_taus`` for the other arguments."""
+    """Replay decoding on ``samples`` (global cache indices) of ``dataset`` (which must read the
+    target's top-1); with ``fixed_shape``, items of ``dataset.max_anchors`` blocks and groups topped
+    up with empty samples; ``max_new_tokens``: the online cap per turn (None: each turn to its end)."""
     out, device = Replay(), torch.device(device)
+    empty = dataset.empty_sample if fixed_shape else None
     for index in samples:
-        taus, spans = anchor_taus(dataset, int(index), predict, collate, group_size, fixed_shape, device)
-        tokens, blocks = walk(taus, spans, max_new_tokens)
-        out.tokens, out.blocks = out.tokens + tokens, out.blocks + blocks
+        items = dataset.every_anchor(int(index), fixed_shape=fixed_shape)
+        blocks, taus = sample_blocks(items, predict, collate, device, group_size, empty, max_new_tokens)
+        out.tokens, out.blocks = out.tokens + sum(blocks), out.blocks + len(blocks)
         out.anchor_tau_sum += sum(taus.values())
         out.anchors += len(taus)
         out.samples += 1
