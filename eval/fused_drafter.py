@@ -117,10 +117,12 @@ def context_kv(drafter: DFlashDrafter, w: DecodingWeights, context_hidden: torch
 
 
 def block_forward(drafter: DFlashDrafter, w: DecodingWeights, block_embeds: torch.Tensor,
-                  block_positions: torch.Tensor, context_kv: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+                  block_positions: torch.Tensor, context_kv: tuple[torch.Tensor, torch.Tensor],
+                  context_valid: torch.Tensor | None = None) -> torch.Tensor:
     """``forward`` for one decoding block (Bsz, B, D) at positions (Bsz, B) that sees the
     whole context, given as ``context_kv``'s keys and values (L, Bsz, Hkv, S, hd); the same
-    result as ``DFlashDrafter.forward`` given ``context_kv``."""
+    result as ``DFlashDrafter.forward`` given ``context_kv``. ``context_valid`` (S,) bool: only
+    those context positions are seen (fixed-shape buffers that hold more)."""
     c = drafter.config
     eps, n_heads, n_kv, hd = c.rms_norm_eps, c.num_attention_heads, c.num_key_value_heads, c.head_dim
     keys, values = context_kv
@@ -128,6 +130,7 @@ def block_forward(drafter: DFlashDrafter, w: DecodingWeights, block_embeds: torc
     cos, sin = w.rope(block_positions)  # (Bsz, B, hd)
     cos, sin = cos[:, :, None], sin[:, :, None]
     x = block_embeds.to(w.dtype)
+    mask = None if context_valid is None else torch.cat([context_valid, context_valid.new_ones(q_len)])[None]
     for i, layer in enumerate(w.layers):
         qkv = F.linear(_rms_norm(x, layer.input_norm, eps), layer.qkv, layer.qkv_bias)  # (Bsz, B, (H + 2 Hkv) hd)
         qkv = qkv.view(bsz, q_len, n_heads + 2 * n_kv, hd)
@@ -135,7 +138,8 @@ def block_forward(drafter: DFlashDrafter, w: DecodingWeights, block_embeds: torc
         v = qkv[:, :, n_heads + n_kv:].transpose(1, 2)  # (Bsz, Hkv, B, hd)
         k_all = torch.cat([keys[i], qk[:, n_heads:]], dim=2)  # (Bsz, Hkv, S + B, hd)
         v_all = torch.cat([values[i], v], dim=2)
-        out = F.scaled_dot_product_attention(qk[:, :n_heads], k_all, v_all, scale=hd**-0.5, enable_gqa=True)
+        out = F.scaled_dot_product_attention(qk[:, :n_heads], k_all, v_all, attn_mask=mask, scale=hd**-0.5,
+                                             enable_gqa=True)
         x = x + F.linear(out.transpose(1, 2).reshape(bsz, q_len, n_heads * hd), layer.o, layer.o_bias)
         gate, up = F.linear(_rms_norm(x, layer.post_norm, eps), layer.gate_up).chunk(2, dim=-1)
         x = x + F.linear(F.silu(gate) * up, layer.down)

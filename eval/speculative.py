@@ -67,15 +67,13 @@ class DFlashProposer:
     A drafter layer's context keys and values depend on their own position only and decoding only
     appends verified positions, so by default they are computed once per position (the fused path
     of ``fused_drafter``) and kept until ``reset``. ``incremental=False`` recomputes the whole
-    context with the training forward (the reference). ``compile_backend``: the incremental block
-    forward compiled by that backend, the context length dynamic, so one graph serves a run.
+    context with the training forward (the reference). ``StaticProposer`` is the same at fixed
+    shapes, for CUDA graphs.
     """
 
     def __init__(self, drafter: DFlashDrafter, target, config: DrafterConfig | None = None,
-                 incremental: bool = True, compile_backend: str | None = None):
+                 incremental: bool = True):
         self.drafter = drafter.eval()
-        self._block = (torch.compile(fused.block_forward, backend=compile_backend, dynamic=True)
-                       if compile_backend else fused.block_forward)
         self.config = config or drafter.config
         self.block_size = self.config.block_size
         self.target_layer_ids = list(self.config.target_layer_ids)
@@ -107,7 +105,8 @@ class DFlashProposer:
         block_positions = torch.arange(position, position + B, device=device).unsqueeze(0)  # (1, B)
         block_embeds = self.embed(block_ids)  # the target's own module: some scale their embeddings
         if self.incremental:
-            hidden = self._block(self.drafter, self._weights, block_embeds, block_positions, self._extend(context))
+            hidden = fused.block_forward(self.drafter, self._weights, block_embeds, block_positions,
+                                         self._extend(context))
         else:
             ctx_len = context.shape[1]
             mask = attention.build_mask("dense", anchors=torch.tensor([[position]], device=device),
@@ -141,6 +140,76 @@ class DFlashProposer:
             self._last_row = context[0, ctx_len - 1].clone()
         self._context_len = ctx_len
         return self._keys[:, :, :, :ctx_len], self._values[:, :, :, :ctx_len]
+
+
+class StaticProposer(DFlashProposer):
+    """``DFlashProposer`` at fixed shapes, so that on CUDA (``capture``) a block's whole proposal is
+    one CUDA graph: the context keys and values live in buffers of ``capacity`` positions; each
+    block computes those of the B positions from the first new one (positions past the context
+    are masked out, and written again once verified) and attends over the whole buffer under a
+    mask of the valid positions. A prompt's positions (more than B at once) are written eagerly.
+    The drafter's weights are taken once: the graph reads them at their addresses."""
+
+    def __init__(self, drafter: DFlashDrafter, target, capacity: int, capture: bool = False):
+        super().__init__(drafter, target)
+        c, B, device = self.config, self.block_size, drafter.fc.weight.device
+        shape = (c.num_hidden_layers, 1, c.num_key_value_heads, capacity + B, c.head_dim)
+        self._keys, self._values = (torch.zeros(shape, dtype=self._weights.dtype, device=device) for _ in range(2))
+        width = c.num_context_layers * c.hidden_size
+        self._window = torch.zeros(1, B, width, dtype=self._weights.dtype, device=device)  # the new positions' features
+        self._start, self._ctx_len, self._position, self._anchor = (
+            torch.zeros((), dtype=torch.long, device=device) for _ in range(4))
+        self._masks = torch.full((1, B - 1), c.mask_token_id, dtype=torch.long, device=device)
+        self._graph, self._out, self._runs, self._capture = None, None, 0, capture and device.type == "cuda"
+
+    def reset(self) -> None:
+        if not hasattr(self, "_keys"):  # DFlashProposer.__init__'s call: weights once, buffers come next
+            super().reset()
+        self._context_len = 0
+
+    @torch.inference_mode()
+    def block_logits(self, context: torch.Tensor, tokens: Sequence[int], position: int) -> torch.Tensor:
+        B, ctx_len, kept = self.block_size, context.shape[1], self._context_len
+        if ctx_len < kept or ctx_len + B > self._keys.shape[3]:
+            raise ValueError(f"context of {ctx_len} positions after {kept} kept; the buffers hold "
+                             f"{self._keys.shape[3] - B}")
+        if ctx_len - kept > B:  # a prompt: its positions at once, outside the graph
+            positions = torch.arange(kept, ctx_len, device=context.device).unsqueeze(0)
+            keys, values = fused.context_kv(self.drafter, self._weights, context[:, kept:], positions)
+            self._keys[:, :, :, kept:ctx_len], self._values[:, :, :, kept:ctx_len] = keys, values
+            kept = ctx_len
+        self._window[:, :ctx_len - kept] = context[:, kept:ctx_len]
+        self._start.fill_(kept), self._ctx_len.fill_(ctx_len), self._position.fill_(position)
+        self._anchor.fill_(int(tokens[-1]))
+        self._context_len = ctx_len
+        return self._step()
+
+    def _step(self) -> torch.Tensor:
+        if not self._capture:
+            return self._run()
+        self._runs += 1
+        if self._graph is None and self._runs > 3:  # warmed up on the current stream first
+            self._graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(self._graph):
+                self._out = self._run()
+        if self._graph is None:
+            return self._run()
+        self._graph.replay()
+        return self._out.clone()  # the next replay writes there again
+
+    def _run(self) -> torch.Tensor:
+        """(B - 1, V) logits from the static inputs."""
+        B, device = self.block_size, self._keys.device
+        new = self._start + torch.arange(B, device=device)
+        keys, values = fused.context_kv(self.drafter, self._weights, self._window, new.unsqueeze(0))
+        self._keys.index_copy_(3, new, keys)
+        self._values.index_copy_(3, new, values)
+        valid = torch.arange(self._keys.shape[3], device=device) < self._ctx_len
+        block_ids = torch.cat([self._anchor.view(1, 1), self._masks], dim=1)
+        block_positions = (self._position + torch.arange(B, device=device)).unsqueeze(0)
+        hidden = fused.block_forward(self.drafter, self._weights, self.embed(block_ids), block_positions,
+                                     (self._keys, self._values), valid)
+        return self.lm_head(hidden[0, 1:].to(self.lm_head.weight.dtype))
 
 
 def load_drafter(path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype | None = None
@@ -478,14 +547,16 @@ def evaluate(target, drafter: DFlashDrafter | Proposer, prompts: Sequence[Sequen
     from tqdm.auto import tqdm
 
     device = device_of(target)
-    backend = "inductor" if capture and device.type == "cuda" else None
-    proposer = (DFlashProposer(drafter, target, compile_backend=backend) if isinstance(drafter, DFlashDrafter)
-                else drafter)
-    eos, B = sorted({int(t) for t in eos_token_ids}), proposer.block_size
-    session = None
+    proposer, session = drafter, None
     if capture and prompts:
-        max_length = max(len(p) for p in prompts) + max_new_tokens + 2 * B
+        block = drafter.config.block_size if isinstance(drafter, DFlashDrafter) else drafter.block_size
+        max_length = max(len(p) for p in prompts) + max_new_tokens + 2 * block
         session = StaticTarget(target, max_length, capture=device.type == "cuda")
+        if isinstance(drafter, DFlashDrafter):
+            proposer = StaticProposer(drafter, target, max_length, capture=device.type == "cuda")
+    elif isinstance(drafter, DFlashDrafter):
+        proposer = DFlashProposer(drafter, target)
+    eos, B = sorted({int(t) for t in eos_token_ids}), proposer.block_size
     if warmup and prompts:  # first calls pay for allocator growth, kernels, lazy init, graph capture
         for _ in range(2 if session is not None else 1):
             greedy_generate(target, prompts[0], min(4, max_new_tokens), eos, session)
