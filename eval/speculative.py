@@ -188,12 +188,17 @@ class StaticProposer(DFlashProposer):
         if not self._capture:
             return self._run()
         self._runs += 1
-        if self._graph is None and self._runs > 3:  # warmed up on the current stream first
+        if self._graph is None and self._runs <= 3:  # warm-up on a side stream, as capture wants
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                out = self._run()
+            torch.cuda.current_stream().wait_stream(side)
+            return out
+        if self._graph is None:
             self._graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(self._graph):
                 self._out = self._run()
-        if self._graph is None:
-            return self._run()
         self._graph.replay()
         return self._out.clone()  # the next replay writes there again
 
