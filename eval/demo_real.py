@@ -31,6 +31,8 @@ from pathlib import Path
 
 import click
 
+from dflash.train.config import PRESETS
+
 from .demo import _fresh, _read, _write, apply_overrides, plot_curves, read_metrics
 
 
@@ -49,13 +51,12 @@ class RealSettings:
     max_prompt_tokens: int = 1024  # later turns of long chats are cut there (counted)
     regen_batch_size: int = 512
     train: dict = field(default_factory=lambda: dict(
-        num_draft_layers=3, block_size=8, max_steps=800, batch_size=32, micro_batch_size=32, max_anchors=256,
-        context_buckets=[512, 1024, 1536], lr=6e-4, eval_every=400, save_every=800, eval_samples=64, num_workers=6))
+        max_steps=800, eval_every=400, save_every=800, eval_samples=64))
     spec_sample: int = 4  # prompts per benchmark decoded speculatively for real (lossless check, tau match)
     eval_batch_size: int = 128  # prompts per batched greedy generation in the evaluation
     eval_limit: int | None = None  # the first N prompts of each benchmark (None: all)
     device: str = "cuda"  # "cpu" runs the same steps at toy sizes (the test suite's)
-    preset: str = "dflash"  # dflash-train's preset under the train overrides
+    preset: str = "small"  # dflash-train's preset under the train overrides
 
     def with_overrides(self, assignments: list[str]) -> "RealSettings":
         """A copy with ``KEY=VALUE`` assignments applied (``apply_overrides``; ``train.X`` sets one
@@ -154,7 +155,8 @@ def run_real(out: Path, s: RealSettings, gguf: str | None, echo=click.echo, stop
         ("extract", "[3/5] extract", cache, [
             "dflash.extract.cli", "--data", str(regen), "--model", str(target), "--out", str(cache),
             *(["--gpus", "0"] if s.device == "cuda" else ["--device", "cpu", "--workers", "1"]),
-            "--max-length", str(max(s.train["context_buckets"])), "--on-bad-row", "skip",
+            "--max-length", str(max(s.train.get("context_buckets") or PRESETS[s.preset]().data.context_buckets)),
+            "--on-bad-row", "skip",
             "--summary-json", str(out / "extract.json")]),
         ("train", "[4/5] train", run, [
             "dflash.train.cli", "run", "--preset", s.preset, "--cache", str(cache), "--target", str(target),

@@ -1,6 +1,6 @@
 """``dflash-train``: train a drafter from a cache, export a checkpoint.
 
-    dflash-train run --cache C --out RUN [--target T] [--preset dflash|tiny] [--FIELD VALUE ...]
+    dflash-train run --cache C --out RUN [--target T] [--preset dflash|small|tiny] [--FIELD VALUE ...]
     dflash-train --cache C --out RUN ...        (same as ``run``)
     dflash-train export RUN --out DIR [--checkpoint latest|step_000100|PATH] [--dtype bfloat16] [--target T]
 
@@ -52,7 +52,8 @@ def cli():
 
 @cli.command()
 @click.option("--preset", type=click.Choice(list(config_mod.PRESETS)), default="dflash", help="Starting point (the "
-              "defaults shown are the dflash preset's; tiny changes several); flags override its fields.")
+              "defaults shown are the dflash preset's, the recipe for 8B-class targets; small: a small target on "
+              "one GPU (block 8, 3 layers, shorter contexts); tiny: CPU tests); flags override its fields.")
 @click.option("--print-config/--no-print-config", default=False, help="Print the resolved config as JSON and exit.")
 @click.option("--cache", help="Path of the hidden-state cache (Zarr) written by dflash-extract.")
 @click.option("--target", type=ModelPath(), help="Target model folder or name (config, tokenizer, embedding, LM "
