@@ -123,6 +123,24 @@ class RegenConfig:
     self_prompting: SelfPromptSettings = field(default_factory=SelfPromptSettings)
     """Questions the target writes itself (extract/self_prompts.py), answered after the dataset's rows."""
 
+    def validate(self) -> None:
+        """Raise ValueError naming the first setting that cannot work."""
+        self.generation.validate()
+        self.self_prompting.validate()
+        prompts = self.self_prompting.self_prompts
+        if prompts and (self.endpoint is not None or self.model is None):
+            raise ValueError("--self-prompts needs the target in process: give --model, without --endpoint (a chat "
+                             "API cannot continue a bare user header)")
+        if self.endpoint is None and self.model is None:
+            raise ValueError("give --model (in process) or --endpoint (a server)")
+        if self.data is None and not prompts:
+            raise ValueError("give --data (a chat dataset) or --self-prompts N (questions the target writes itself)")
+        for name in ("batch_size", "concurrency", "part_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if self.limit is not None and self.limit < 1:
+            raise ValueError(f"limit must be at least 1, got {self.limit}")
+
 
 # ---------------------------------------------------------------------------- generation
 
@@ -452,15 +470,10 @@ def regenerate(cfg: RegenConfig, *, model=None, tokenizer=None, overwrite: bool 
 
     from dflash.shared.fingerprint import target_fingerprint, tokenizer_fingerprint
 
-    prompting = cfg.self_prompting
-    cfg.generation.validate()
-    prompting.validate()
-    if cfg.part_size < 1 or cfg.batch_size < 1:
-        raise ValueError("part_size and batch_size must be >= 1")
-    if cfg.data is None and not prompting.self_prompts:
-        raise ValueError("nothing to regenerate: give a dataset (--data) or --self-prompts N")
+    cfg.validate()
     if cfg.model is None:
         raise ValueError("regeneration in process needs the target: give --model")
+    prompting = cfg.self_prompting
     ds, num_rows, source_fp = open_source(cfg)
     if tokenizer is None:
         tokenizer = AutoTokenizer.from_pretrained(cfg.model)

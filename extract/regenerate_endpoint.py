@@ -200,13 +200,9 @@ def regenerate_via_endpoint(job: RegenConfig, *, overwrite: bool = False) -> dic
     """Run (or resume) the job through the server; returns the metadata written to regenerate.json."""
     from tqdm.auto import tqdm
 
-    job.generation.validate()
+    job.validate()
     if job.endpoint is None:
         raise ValueError("regeneration through a server needs its URL: give --endpoint")
-    if job.part_size < 1 or job.concurrency < 1:
-        raise ValueError("part_size and concurrency must be >= 1")
-    if job.data is None:
-        raise ValueError("regeneration through a server needs a dataset: give --data")
     client = ChatEndpoint(job.endpoint)
     try:
         model = served_model(client, job.model)
