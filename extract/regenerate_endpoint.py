@@ -100,54 +100,43 @@ def turn_event(chat: Chat, turn: int, reply: Reply, settings: GenerationSettings
             "model": reply.model, "server_tool_calls": bool(tool_calls)}
 
 
-class TurnJournal:
-    """Append-only JSON lines of one part's answered turns: the unit of resume."""
-
-    def __init__(self, path: Path):
-        self.path, self._file = path, None
-
-    def read(self) -> list[dict]:
-        """Events written so far; a torn last line (killed mid-write) is dropped."""
-        lines = self.path.read_text(encoding="utf-8").splitlines(keepends=True) if self.path.exists() else []
-        events = []
-        for number, line in enumerate(lines, 1):
-            try:
-                events.append(json.loads(line))
-            except json.JSONDecodeError as err:
-                if number < len(lines) or line.endswith("\n"):
-                    raise ValueError(f"{self.path} line {number} is not JSON ({err}); delete the file to redo "
-                                     "that part") from err
-                self.path.write_text("".join(lines[:-1]), encoding="utf-8")
-        return events
-
-    def append(self, event: dict) -> None:
-        if self._file is None:
-            self._file = self.path.open("a", encoding="utf-8")
-        self._file.write(json.dumps(event, ensure_ascii=False) + "\n")
-        self._file.flush()  # in the OS's hands: survives a kill of this process
-
-    def close(self) -> None:
-        if self._file is not None:
-            self._file.close()
-            self._file = None
+def read_journal(path: Path) -> list[dict]:
+    """A part's journaled turns (JSON lines); a torn last line (killed mid-write) is cut off the file."""
+    lines = path.read_text(encoding="utf-8").splitlines(keepends=True) if path.exists() else []
+    events = []
+    for number, line in enumerate(lines, 1):
+        try:
+            events.append(json.loads(line))
+        except json.JSONDecodeError as err:
+            if number < len(lines) or line.endswith("\n"):
+                raise ValueError(f"{path} line {number} is not JSON ({err}); delete the file to redo "
+                                 "that part") from err
+            path.write_text("".join(lines[:-1]), encoding="utf-8")
+    return events
 
 
 @dataclass
 class Part:
-    """One part being regenerated: its chats as far as the journal got."""
+    """One part being regenerated: its chats as far as its turn journal got."""
 
     index: int
     rows: int  # source rows it covers
     chats: list[Chat]
     skips: SkipCounter
-    journal: TurnJournal
+    journal: Path
     running: int = 0  # conversations in flight
     models: Counter = field(default_factory=Counter)  # answers per served model
+    file: Any = None  # the journal, once open for appends
 
-    def apply(self, chat: Chat, event: dict) -> None:
-        """One answered turn (a journal line) applied to its chat: the answer, or a cut there."""
+    def apply(self, chat: Chat, event: dict, *, journal: bool = False) -> None:
+        """One answered turn applied to its chat (the answer, or a cut there); with ``journal``,
+        appended to the journal first."""
+        if journal:
+            self.file = self.file or self.journal.open("a", encoding="utf-8")
+            self.file.write(json.dumps(event, ensure_ascii=False) + "\n")
+            self.file.flush()  # in the OS's hands: survives a kill of this process
         if event["turn"] != chat.next_turn:
-            raise ValueError(f"{self.journal.path}: row {chat.conv.row_index} does not match the source (turn "
+            raise ValueError(f"{self.journal}: row {chat.conv.row_index} does not match the source (turn "
                              f"{event['turn']}, expected {chat.next_turn}); delete the file to redo the part")
         if "cut" in event:
             chat.cut(event["turn"], event["cut"], self.skips)
@@ -159,11 +148,11 @@ class Part:
 def open_part(out: Path, index: int, rows: int, convs: list[Conversation], skips: SkipCounter) -> Part:
     """Start a part's chats and replay its journal onto them."""
     part = Part(index, rows, [Chat.start(conv, skips) for conv in convs], skips,
-                TurnJournal(out / PARTS_DIR / f"part-{index:05d}.turns.jsonl"))
+                out / PARTS_DIR / f"part-{index:05d}.turns.jsonl")
     by_row = {chat.conv.row_index: chat for chat in part.chats}
-    for event in part.journal.read():
+    for event in read_journal(part.journal):
         if event.get("row") not in by_row:
-            raise ValueError(f"{part.journal.path}: row {event.get('row')} is not a conversation of this part; "
+            raise ValueError(f"{part.journal}: row {event.get('row')} is not a conversation of this part; "
                              "delete the file to redo the part")
         part.apply(by_row[event["row"]], event)
     return part
@@ -174,8 +163,9 @@ def finish_part(out: Path, part: Part) -> None:
     rows, totals = collect_rows(part.chats, part.skips)
     write_part(out, part.index, rows, {"part": part.index, "rows_in": part.rows, "rows_out": len(rows), **totals,
                                        "skipped": part.skips.to_dict(), "served_models": dict(part.models)})
-    part.journal.close()
-    part.journal.path.unlink(missing_ok=True)
+    if part.file is not None:
+        part.file.close()
+    part.journal.unlink(missing_ok=True)
 
 
 def served_model(client: ChatEndpoint, requested: str | None) -> str:
@@ -230,8 +220,7 @@ def regenerate_via_endpoint(job: RegenConfig, *, overwrite: bool = False) -> dic
                 log.warning("%s row %d turn %d: server rejected the request: %s", chat.conv.source, row, turn, err)
                 event = {"row": row, "turn": turn, "cut": "server_rejected"}
             with lock:
-                part.journal.append(event)
-                part.apply(chat, event)
+                part.apply(chat, event, journal=True)
                 turns["answered"] += "model" in event
 
     num_parts = math.ceil(num_rows / job.part_size)
