@@ -1,28 +1,15 @@
-"""Chat datasets in, normalised conversations out.
+"""Chat datasets in, normalised conversations out (README.md, "Stage one", gives the row format).
 
-Local .json/.jsonl files (a JSON array of rows, or one JSON object per line) are parsed
-with Python's `json` module, so every row is exactly what the file says: HF `datasets`
-reads JSON through Arrow, which gives every row one schema and fills a key that one row's
-message or tool schema lacks with null, which a chat template would then render.
-Parquet/Arrow files, saved datasets and hub names are read through HF `datasets`; there a
-null inside a message or a tool schema cannot be told from an absent key, so null-valued
-keys inside those columns are dropped. Each row becomes a `Conversation`; a row that
-cannot become one raises `DataError` naming the file, the row and the problem. Under the
-"skip" policy bad rows are counted per reason in a `SkipCounter`, never dropped silently.
-
-Row formats, tried in this order (the first present, non-null column wins):
-  * `messages` or `conversations`: a list of messages, each either {"role", "content"}
-    (roles system / user / assistant / tool) or ShareGPT's {"from", "value"} (`from`
-    mapped onto those roles: human -> user, gpt -> assistant, ...; see messages.py);
-    the first message decides which, for the whole list.
-  * `text`: a plain non-empty string, trained on as a whole.
-What a chat template reads is kept, as given: per message `content` (a string, empty
-included, or a list of {"type": "text", "text"} parts; absent or null only on an
-assistant message with `tool_calls` or `reasoning_content`), `reasoning_content`,
-`tool_calls` (JSON-string arguments decoded to an object), `tool_call_id`, `name`; per
-row `tools` (a list of tool schemas, or a JSON string of one) and a top-level `system`
-string (a leading system message; "" means none). Other keys are dropped. A chat needs
-at least one assistant message, otherwise it carries no loss.
+Local .json/.jsonl files (a JSON array of rows, or one JSON object per line) are parsed with
+Python's `json` module, so every row is exactly what the file says: HF `datasets` reads JSON
+through Arrow, which gives all rows one schema and fills a key that one row's message or tool
+schema lacks with null, which a chat template would render. Parquet/Arrow files, saved
+datasets and hub names go through HF `datasets`; there a null inside a message or a tool
+schema cannot be told from an absent key, so those nulls are dropped. Rows are `messages` or
+`conversations` (role/content, or ShareGPT from/value; the first present, non-null column
+wins) or plain `text`; what a chat template reads is kept as given (see messages.py). A row
+that cannot become a `Conversation` raises `DataError` naming the file, the row and the
+problem; under the "skip" policy bad rows are counted per reason in a `SkipCounter`.
 """
 
 from __future__ import annotations
