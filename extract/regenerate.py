@@ -307,7 +307,7 @@ def collect_rows(chats: list[Chat], skips: SkipCounter) -> tuple[list[dict], dic
                                        f"no assistant turn left ({chat.dropped})"))
             continue
         row = {"messages": chat.messages, "source_row": chat.conv.row_index, "truncated_turns": chat.truncated_turns}
-        if getattr(chat.conv, "tools", None):
+        if chat.conv.tools:
             row["tools"] = chat.conv.tools
         rows.append(row)
     kept = [c for c in chats if not c.dropped]

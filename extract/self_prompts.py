@@ -77,14 +77,6 @@ def question_stop_ids(model, tokenizer, end_of_user_turn: str | None,
     return sorted(ids)
 
 
-def normalise(question: str) -> str:
-    """The dedup key: whitespace runs collapsed to one space, ends stripped."""
-    return " ".join(question.split())
-
-
-COUNT_KEYS = ("generated", "truncated", "empty", "too_short", "duplicates", "kept")
-
-
 @dataclass
 class QuestionSampler:
     """Samples questions after ``header`` through ``generate`` (prompts -> [(tokens, truncated)])
@@ -101,14 +93,14 @@ class QuestionSampler:
         """The chats [user: question, assistant: to answer] of samples ``indices`` (the caller
         seeds the RNG), and the part record's additions: the counts and the kept questions'
         dedup keys (read back on a resume)."""
-        counts = dict.fromkeys(COUNT_KEYS, 0)
+        counts = dict.fromkeys(("generated", "truncated", "empty", "too_short", "duplicates", "kept"), 0)
         convs, keys = [], []
         for start in range(0, len(indices), self.batch_size):
             batch = indices[start:start + self.batch_size]
             for index, (tokens, truncated) in zip(batch, self.generate([self.header] * len(batch))):
                 counts["generated"] += 1
                 question = self.tokenizer.decode(tokens, skip_special_tokens=False).strip()
-                key = normalise(question)
+                key = " ".join(question.split())  # the dedup key: whitespace runs collapsed
                 reason = ("truncated" if truncated else "empty" if not key
                           else "too_short" if len(key) < self.settings.question_min_chars
                           else "duplicates" if key in self.seen else "kept")
