@@ -97,7 +97,7 @@ def turn_event(chat: Chat, turn: int, reply: Reply, settings: GenerationSettings
         return {**where, "cut": "truncated"}
     message = regenerated_message(chat.messages[turn], reply.content, reply.reasoning, tool_calls)
     return {**where, "message": message, "truncated": truncated, "tokens": reply.completion_tokens or 0,
-            "model": reply.model, "server_tool_calls": bool(tool_calls)}
+            "model": reply.model}
 
 
 def read_journal(path: Path) -> list[dict]:
