@@ -318,20 +318,16 @@ def collect_rows(chats: list[Chat], skips: SkipCounter) -> tuple[list[dict], dic
 
 
 def _storable(row: dict) -> dict:
-    """``row`` with every tool call's arguments as a JSON string (see the module doc)."""
-    messages = []
-    for message in row["messages"]:
-        if message.get("tool_calls"):
-            calls = []
-            for call in message["tool_calls"]:
-                call = dict(call)
-                function = call.get("function")
-                if isinstance(function, dict) and isinstance(function.get("arguments"), (dict, list)):
-                    call["function"] = {**function, "arguments": json.dumps(function["arguments"], ensure_ascii=False)}
-                calls.append(call)
-            message = {**message, "tool_calls": calls}
-        messages.append(message)
-    return {**row, "messages": messages}
+    """``row`` with every tool call's object arguments as a JSON string (see the module doc)."""
+    def stored(call: dict) -> dict:
+        function = call.get("function")
+        if isinstance(function, dict) and isinstance(function.get("arguments"), (dict, list)):
+            arguments = json.dumps(function["arguments"], ensure_ascii=False)
+            return {**call, "function": {**function, "arguments": arguments}}
+        return call
+
+    return {**row, "messages": [{**m, "tool_calls": [stored(c) for c in m["tool_calls"]]} if m.get("tool_calls") else m
+                                for m in row["messages"]]}
 
 
 def write_part(out: Path, part: int, rows: list[dict], stats: dict) -> None:
