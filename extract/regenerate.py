@@ -1,60 +1,30 @@
-"""Regenerate a chat dataset's assistant turns with the target itself: the drafter
-learns the target's own distribution, so the answers it trains on should be the target's.
+"""Regenerate a chat dataset's assistant turns with the target itself: the drafter learns
+the target's own distribution, so the answers it trains on should be the target's.
 
-    python -m dflash.extract.regenerate_cli --data chats.jsonl --model Qwen/Qwen3-8B --out regen/ \\
-        [--temperature 0] [--top-p 1] [--seed 0] [--max-new-tokens 1024] [--batch-size 16]
-    python -m dflash.extract.regenerate_cli [--data chats.jsonl] --self-prompts 10000 --model Qwen/Qwen3-8B --out regen/
-    python -m dflash.extract.regenerate_cli --data chats.jsonl --endpoint http://HOST:8000/v1 --out regen/ \\
-        [--model NAME] [--concurrency 32] [--max-new-tokens 1024] [--template-kwargs JSON]
+Two engines answer: the target in this process (here; the CPU demo uses it) or an
+OpenAI-compatible server (`regenerate_endpoint`); both write the same output. Turn k of a
+chat is asked with turns < k already regenerated; system, user and tool messages stay; the
+answer replaces the turn's content, reasoning and tool calls. README.md, "Before stage
+one", says what is cut, dropped and counted. `--self-prompts N` (in process) adds rows
+whose question the target writes itself (extract/self_prompts.py), after the dataset's.
 
-Two engines give the answers: the target loaded in this process (`--model` alone; the
-CPU demo uses it) or an OpenAI-compatible server (`--endpoint`; vLLM, SGLang,
-`transformers serve`), see `regenerate_endpoint`. Both write the same output.
+Output folder (rerunning the same command skips finished parts):
 
-Every assistant turn is replaced, turn by turn: turn k is generated from the
-conversation with turns < k ALREADY regenerated, so later turns condition on the
-target's own earlier answers. System, user and tool messages are kept. A regenerated
-assistant message is the target's answer: its content, reasoning and tool calls replace
-the source's (in process the answer's raw text, think block and tool-call markup
-included, is the content; a server returns them apart). The loss covers every token of
-the turn, so the source's own tool calls must not stay beside the target's; the tool
-replies after the turn are kept as context. In process, generation is
-batched with left padding; it stops at the end-of-turn / eos tokens or after
---max-new-tokens (such a turn is "truncated": kept and counted, or dropped with
---drop-truncated). A conversation is cut before a turn whose prompt exceeds
---max-prompt-tokens or whose answer comes out empty; with no assistant turn left it is
-skipped (counted). Plain text rows have no turn to regenerate and are skipped (counted);
-assistant messages that open a chat have no prompt and are removed (counted).
-
-`--self-prompts N` (in process only, with or without --data) adds rows whose question the
-target writes itself (Magpie-style, extract/self_prompts.py), answered like the dataset's
-turns. Their parts come after the dataset's, part_size samples each; their rows have
-source_row = -1 - i (i: the question's sample index) and their part records count the
-questions generated, dropped (truncated, empty, too short, duplicates) and kept.
-
-Output folder (resumable: rerunning the same command skips finished parts):
-
-    OUT/run.json                    settings + fingerprints, written first, checked on resume
-    OUT/parts/part-00000.turns.jsonl  through a server only (regenerate_endpoint): the turn
-                                    journal of an unfinished part
-    OUT/parts/part-00000.jsonl      rows of source rows [0, part_size), regenerated
-    OUT/parts/part-00000.done.json  the part's counts; its presence marks the part done
-    OUT/state.json, dataset_info.json, data-*.arrow
-                                    all parts, in source order, via save_to_disk: the
-                                    dataset ``load_source(OUT)`` (and so ``make extract
-                                    DATA=OUT``) reads; rows are {"messages", "source_row",
-                                    "truncated_turns"}; tool-call arguments are stored as
-                                    JSON strings (Arrow cannot hold free-form objects)
-    OUT/regenerate.json             how it was made: target / tokenizer / source
-                                    fingerprints, generation settings, counts (last)
+    OUT/run.json                      settings + fingerprints, written first, checked on resume
+    OUT/parts/part-00000.turns.jsonl  the turn journal of an unfinished part (server only)
+    OUT/parts/part-00000.jsonl        the part's regenerated rows
+    OUT/parts/part-00000.done.json    the part's counts; its presence marks the part done
+    OUT/state.json, data-*.arrow, ... every part via save_to_disk, read by ``load_source(OUT)``;
+                                      rows {"messages", "source_row", "truncated_turns"}, tool-call
+                                      arguments as JSON strings (Arrow cannot hold free-form objects)
+    OUT/regenerate.json               fingerprints, generation settings, counts (written last)
 
 In process each part reseeds the RNG from (seed, part index) and an unfinished part is
-redone whole, so an interrupted and resumed run gives the same rows as an uninterrupted
-one, sampled or not: batched sampling draws from one generator, so answered turns cannot
-be kept without changing the later ones. A server seeds every request from (seed, row,
-turn) instead, so there the journal keeps each answered turn. The model's own generation_config
-sampling defaults (Qwen3 ships temperature 0.6, top_k 20) are overridden: only the
-settings given here apply.
+redone whole, so a resumed run gives the same rows as an uninterrupted one, sampled or not:
+batched sampling draws from one generator, so answered turns cannot be kept without
+changing the later ones. A server seeds each request from (seed, row, turn) instead, so
+there the journal keeps every answered turn. The model's generation_config sampling
+defaults (Qwen3 ships temperature 0.6, top_k 20) are overridden: only these settings apply.
 """
 
 from __future__ import annotations
@@ -66,6 +36,7 @@ import math
 import os
 import shutil
 import tempfile
+from collections import Counter
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
@@ -151,6 +122,24 @@ class RegenConfig:
     """Show a tqdm bar over source rows."""
     self_prompting: SelfPromptSettings = field(default_factory=SelfPromptSettings)
     """Questions the target writes itself (extract/self_prompts.py), answered after the dataset's rows."""
+
+    def validate(self) -> None:
+        """Raise ValueError naming the first setting that cannot work."""
+        self.generation.validate()
+        self.self_prompting.validate()
+        prompts = self.self_prompting.self_prompts
+        if prompts and (self.endpoint is not None or self.model is None):
+            raise ValueError("--self-prompts needs the target in process: give --model, without --endpoint (a chat "
+                             "API cannot continue a bare user header)")
+        if self.endpoint is None and self.model is None:
+            raise ValueError("give --model (in process) or --endpoint (a server)")
+        if self.data is None and not prompts:
+            raise ValueError("give --data (a chat dataset) or --self-prompts N (questions the target writes itself)")
+        for name in ("batch_size", "concurrency", "part_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if self.limit is not None and self.limit < 1:
+            raise ValueError(f"limit must be at least 1, got {self.limit}")
 
 
 # ---------------------------------------------------------------------------- generation
@@ -318,7 +307,7 @@ def collect_rows(chats: list[Chat], skips: SkipCounter) -> tuple[list[dict], dic
                                        f"no assistant turn left ({chat.dropped})"))
             continue
         row = {"messages": chat.messages, "source_row": chat.conv.row_index, "truncated_turns": chat.truncated_turns}
-        if getattr(chat.conv, "tools", None):
+        if chat.conv.tools:
             row["tools"] = chat.conv.tools
         rows.append(row)
     kept = [c for c in chats if not c.dropped]
@@ -329,20 +318,16 @@ def collect_rows(chats: list[Chat], skips: SkipCounter) -> tuple[list[dict], dic
 
 
 def _storable(row: dict) -> dict:
-    """``row`` with every tool call's arguments as a JSON string (see the module doc)."""
-    messages = []
-    for message in row["messages"]:
-        if message.get("tool_calls"):
-            calls = []
-            for call in message["tool_calls"]:
-                call = dict(call)
-                function = call.get("function")
-                if isinstance(function, dict) and isinstance(function.get("arguments"), (dict, list)):
-                    call["function"] = {**function, "arguments": json.dumps(function["arguments"], ensure_ascii=False)}
-                calls.append(call)
-            message = {**message, "tool_calls": calls}
-        messages.append(message)
-    return {**row, "messages": messages}
+    """``row`` with every tool call's object arguments as a JSON string (see the module doc)."""
+    def stored(call: dict) -> dict:
+        function = call.get("function")
+        if isinstance(function, dict) and isinstance(function.get("arguments"), (dict, list)):
+            arguments = json.dumps(function["arguments"], ensure_ascii=False)
+            return {**call, "function": {**function, "arguments": arguments}}
+        return call
+
+    return {**row, "messages": [{**m, "tool_calls": [stored(c) for c in m["tool_calls"]]} if m.get("tool_calls") else m
+                                for m in row["messages"]]}
 
 
 def write_part(out: Path, part: int, rows: list[dict], stats: dict) -> None:
@@ -421,12 +406,10 @@ def part_chats(ds, start: int, stop: int, source: str, on_bad_row: str, skips: S
     convs = []
     for index in range(start, stop):
         conv = guard(on_bad_row, skips, normalize_row, ds[index], index, source)
-        if conv is None:
-            continue
-        if conv.kind != "chat":
+        if conv is not None and conv.kind != "chat":
             skips.record(DataError("text_row", source, index, "plain text row: no assistant turn to regenerate"))
-            continue
-        convs.append(conv)
+        elif conv is not None:
+            convs.append(conv)
     return convs
 
 
@@ -435,68 +418,59 @@ def part_paths(out: Path, index: int) -> tuple[Path, Path]:
     return base.with_suffix(".jsonl"), base.with_suffix(".done.json")
 
 
-def _run_record(cfg: RegenConfig, source_fp: dict, target_fp: dict, tokenizer_fp: dict, num_rows: int,
-                header: str | None = None) -> dict:
-    """Everything that decides the output rows; a resume must match it exactly."""
-    record = {
-        "format": FORMAT_VERSION,
-        "source": {k: source_fp.get(k) for k in ("source", "split", "revision", "num_rows", "hash_method",
-                                                 "content_hash")},
-        "target": {k: target_fp.get(k) for k in ("name_or_path", "revision", "config_hash", "weights_hash", "dtype")},
-        "tokenizer": tokenizer_fp,
-        "generation": asdict(cfg.generation),
-        "part_size": cfg.part_size,
-        "num_rows": num_rows,
-        "on_bad_row": cfg.on_bad_row,
-    }
-    if cfg.self_prompting.self_prompts:  # absent otherwise, so runs made before it still resume
-        record["self_prompts"] = {**asdict(cfg.self_prompting), "header": header}
-    return record
+def open_source(cfg: RegenConfig) -> tuple[Any, int, dict]:
+    """The source rows (None without --data), how many of them are used, and their fingerprint."""
+    if cfg.data is None:
+        return None, 0, {}
+    ds = load_source(cfg.data, cfg.split)
+    return ds, len(ds) if cfg.limit is None else min(len(ds), cfg.limit), dataset_fingerprint(ds, cfg.data, cfg.split)
 
 
-def _check_resume(out: Path, record: dict) -> None:
-    path = out / RUN_FILE
-    if not path.exists():
-        _write_atomic(path, json.dumps(record, indent=2, sort_keys=True) + "\n")
-        return
-    previous = json.loads(path.read_text())
-    if previous != json.loads(json.dumps(record, sort_keys=True)):
-        diff = sorted(k for k in set(previous) | set(record) if previous.get(k) != json.loads(json.dumps(record)).get(k))
-        raise ValueError(
-            f"{out} was started with different settings or inputs (differs in: {', '.join(diff)}); "
-            "use another --out or --overwrite"
-        )
+def run_record(cfg: RegenConfig, source_fp: dict, num_rows: int, **engine) -> dict:
+    """Everything that decides the output rows, the ``engine``'s own keys included; a resume
+    must match it exactly."""
+    return {"format": FORMAT_VERSION, "part_size": cfg.part_size, "num_rows": num_rows, "on_bad_row": cfg.on_bad_row,
+            "source": {k: source_fp.get(k) for k in ("source", "split", "revision", "num_rows", "hash_method",
+                                                     "content_hash")}, **engine}
 
 
-def regenerate(cfg: RegenConfig, *, model=None, tokenizer=None, overwrite: bool = False,
-               max_parts: int | None = None) -> dict[str, Any] | None:
-    """Run (or resume) the job; returns the metadata once every part is done.
-
-    ``model``/``tokenizer`` may be passed in already loaded (tests, notebooks).
-    ``max_parts`` stops after that many newly written parts (time-boxed jobs), and then
-    returns None because the dataset is not complete yet.
-    """
-    import torch
-    from transformers import AutoTokenizer
-
-    from dflash.shared.fingerprint import target_fingerprint, tokenizer_fingerprint
-
-    cfg.generation.validate()
-    prompting = cfg.self_prompting
-    prompting.validate()
-    if cfg.part_size < 1 or cfg.batch_size < 1:
-        raise ValueError("part_size and batch_size must be >= 1")
-    if cfg.data is None and not prompting.self_prompts:
-        raise ValueError("nothing to regenerate: give a dataset (--data) or --self-prompts N")
-    if cfg.model is None:
-        raise ValueError("regeneration in process needs the target: give --model")
+def start_run(cfg: RegenConfig, record: dict, overwrite: bool) -> Path:
+    """The output folder, emptied first with ``overwrite``; its run record written, or checked
+    against ``record`` when the run resumes."""
     out = Path(cfg.out)
     if overwrite and out.exists():
         shutil.rmtree(out)
     (out / PARTS_DIR).mkdir(parents=True, exist_ok=True)
+    path, record = out / RUN_FILE, json.loads(json.dumps(record))
+    if not path.exists():
+        _write_atomic(path, json.dumps(record, indent=2, sort_keys=True) + "\n")
+        return out
+    previous = json.loads(path.read_text())
+    if previous != record:
+        diff = sorted(k for k in set(previous) | set(record) if previous.get(k) != record.get(k))
+        raise ValueError(f"{out} was started with different settings or inputs (differs in: {', '.join(diff)}); "
+                         "use another --out or --overwrite")
+    return out
 
-    ds = load_source(cfg.data, cfg.split) if cfg.data is not None else None
-    num_rows = 0 if ds is None else len(ds) if cfg.limit is None else min(len(ds), cfg.limit)
+
+def regenerate(cfg: RegenConfig, *, model=None, tokenizer=None, overwrite: bool = False,
+               max_parts: int | None = None) -> dict[str, Any] | None:
+    """Run (or resume) the job in process; returns the metadata once every part is done.
+
+    ``model``/``tokenizer`` may be passed in already loaded (tests, notebooks). ``max_parts``
+    stops after that many newly written parts (time-boxed jobs) and returns None.
+    """
+    import torch
+    from tqdm.auto import tqdm
+    from transformers import AutoTokenizer
+
+    from dflash.shared.fingerprint import target_fingerprint, tokenizer_fingerprint
+
+    cfg.validate()
+    if cfg.model is None:
+        raise ValueError("regeneration in process needs the target: give --model")
+    prompting = cfg.self_prompting
+    ds, num_rows, source_fp = open_source(cfg)
     if tokenizer is None:
         tokenizer = AutoTokenizer.from_pretrained(cfg.model)
     if model is None:
@@ -505,14 +479,14 @@ def regenerate(cfg: RegenConfig, *, model=None, tokenizer=None, overwrite: bool 
         model = load_target(cfg.model, dtype=cfg.generation.dtype, device=cfg.device)
     model_dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
     target_fp = target_fingerprint(cfg.model, model.config.to_dict(), model_dtype)
-    source_fp = dataset_fingerprint(ds, cfg.data, cfg.split) if ds is not None else {}
-    header = end_of_user_turn = None
-    if prompting.self_prompts:
+    record = run_record(cfg, source_fp, num_rows, generation=asdict(cfg.generation),
+                        tokenizer=tokenizer_fingerprint(tokenizer),
+                        target={k: target_fp.get(k) for k in ("name_or_path", "revision", "config_hash",
+                                                              "weights_hash", "dtype")})
+    if prompting.self_prompts:  # absent otherwise, so runs made before it still resume
         header, end_of_user_turn = user_header(tokenizer, cfg.generation.template_kwargs)
-    record = _run_record(cfg, source_fp, target_fp, tokenizer_fingerprint(tokenizer), num_rows, header)
-    _check_resume(out, record)
-
-    from tqdm.auto import tqdm
+        record["self_prompts"] = {**asdict(prompting), "header": header}
+    out = start_run(cfg, record, overwrite)
 
     use_static = cfg.static_cache if cfg.static_cache is not None else model.device.type == "cuda"
     new_tokens = max(cfg.generation.max_new_tokens, prompting.question_max_tokens if prompting.self_prompts else 0)
@@ -520,10 +494,9 @@ def regenerate(cfg: RegenConfig, *, model=None, tokenizer=None, overwrite: bool 
     sampler = None
     if prompting.self_prompts:
         stops = question_stop_ids(model, tokenizer, end_of_user_turn, cfg.generation.template_kwargs)
-        pad_id = pad_token_id(tokenizer, stops)
         question_settings = replace(cfg.generation, temperature=prompting.question_temperature,
                                     top_p=prompting.question_top_p, max_new_tokens=prompting.question_max_tokens)
-        question_kwargs = generation_kwargs(question_settings, stops, pad_id)
+        question_kwargs = generation_kwargs(question_settings, stops, pad_token_id(tokenizer, stops))
         sampler = QuestionSampler(lambda prompts: generate_batch(model, tokenizer, prompts, question_kwargs, stops,
                                                                  static),
                                   tokenizer, header, prompting, cfg.batch_size)
@@ -573,21 +546,17 @@ def finalize(out: Path, num_parts: int, record: dict, target_fp: dict, source_fp
     files = [str(part_paths(out, p)[0]) for p, s in enumerate(stats) if s["rows_out"] > 0]
     if not files:
         raise ValueError("regeneration produced no rows (see the counts in the part records: skipped, and "
-                                   "self_prompts for self-prompted questions)")
+                         "self_prompts for self-prompted questions)")
     for old in out.glob("data-*.arrow"):
         old.unlink()
     scratch = Path(tempfile.mkdtemp(prefix=".finalize-", dir=out))
     try:
-        ds = datasets.load_dataset("json", data_files=files, split="train", cache_dir=str(scratch))
-        ds.save_to_disk(str(out))
+        datasets.load_dataset("json", data_files=files, split="train", cache_dir=str(scratch)).save_to_disk(str(out))
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
-    skipped: dict[str, int] = {}
-    for s in stats:
-        for reason, n in s["skipped"].items():
-            skipped[reason] = skipped.get(reason, 0) + n
-    counts = {key: sum(s[key] for s in stats)
-              for key in ("rows_in", "rows_out", "turns_regenerated", "truncated_turns", "generated_tokens")}
+    counts: dict[str, Any] = {key: sum(s[key] for s in stats) for key in
+                              ("rows_in", "rows_out", "turns_regenerated", "truncated_turns", "generated_tokens")}
+    counts["skipped"] = dict(sorted(sum((Counter(s["skipped"]) for s in stats), Counter()).items()))
     prompted = [s["self_prompts"] for s in stats if "self_prompts" in s]
     if prompted:
         counts["self_prompts"] = {key: sum(p[key] for p in prompted) for key in prompted[0]}
@@ -596,7 +565,7 @@ def finalize(out: Path, num_parts: int, record: dict, target_fp: dict, source_fp
         "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "source_fingerprint": source_fp,
         "target_fingerprint": target_fp,
-        "counts": {**counts, "skipped": dict(sorted(skipped.items()))},
+        "counts": counts,
         "parts": num_parts,
         "versions": {"torch": torch.__version__, "transformers": transformers.__version__,
                      "datasets": datasets.__version__},

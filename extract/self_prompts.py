@@ -1,20 +1,13 @@
-"""Magpie-style self-prompting: the target writes the user turn itself, then answers it,
-so regeneration needs no dataset (``dflash-regenerate --self-prompts N``).
+"""Magpie-style self-prompting (``dflash-regenerate --self-prompts N``): the target writes the
+user turn itself, then answers it, so regeneration needs no dataset.
 
-The user header is found from the chat template itself: a conversation of one user
-message holding a sentinel is rendered (the template's default system prompt, if it adds
-one, stays) and the text before the sentinel is the header. The target continues the
-header until it emits a stop token: those of `chat.stop_token_ids` plus the special token
-the template writes right after a user message (`<|im_end|>`, `<|eot_id|>`, Mistral's
-`[/INST]`). Questions are sampled (diversity: temperature 1.0, top_p 0.95 by default);
-truncated, empty and too short ones are dropped, and exact duplicates (after whitespace
-normalisation) across the whole run. Every drop is counted.
-
-The kept questions become chats [user: question, assistant: ""] whose assistant turn
-`regenerate` answers like a dataset's (same settings, same batching, the run's static
-cache), so the answer is the one the target gives to that question. Their rows carry
-``source_row = -1 - i``, i being the question's sample index in the run: a negative
-source_row marks a self-prompted row.
+The question continues the template's own user header (the text a rendered user message
+starts with, a default system prompt kept) until a stop token: the answer's, plus the special
+token the template writes after a user message (`<|im_end|>`, `<|eot_id|>`, Mistral's
+`[/INST]`). Truncated, empty, too short and duplicate questions (whitespace-normalised,
+across the run) are dropped and counted. A kept question becomes the chat [user: question,
+assistant: ""] that `regenerate` answers like a dataset's, with ``source_row = -1 - i``
+(i: the question's sample index in the run).
 """
 
 from __future__ import annotations
@@ -84,14 +77,6 @@ def question_stop_ids(model, tokenizer, end_of_user_turn: str | None,
     return sorted(ids)
 
 
-def normalise(question: str) -> str:
-    """The dedup key: whitespace runs collapsed to one space, ends stripped."""
-    return " ".join(question.split())
-
-
-COUNT_KEYS = ("generated", "truncated", "empty", "too_short", "duplicates", "kept")
-
-
 @dataclass
 class QuestionSampler:
     """Samples questions after ``header`` through ``generate`` (prompts -> [(tokens, truncated)])
@@ -108,14 +93,14 @@ class QuestionSampler:
         """The chats [user: question, assistant: to answer] of samples ``indices`` (the caller
         seeds the RNG), and the part record's additions: the counts and the kept questions'
         dedup keys (read back on a resume)."""
-        counts = dict.fromkeys(COUNT_KEYS, 0)
+        counts = dict.fromkeys(("generated", "truncated", "empty", "too_short", "duplicates", "kept"), 0)
         convs, keys = [], []
         for start in range(0, len(indices), self.batch_size):
             batch = indices[start:start + self.batch_size]
             for index, (tokens, truncated) in zip(batch, self.generate([self.header] * len(batch))):
                 counts["generated"] += 1
                 question = self.tokenizer.decode(tokens, skip_special_tokens=False).strip()
-                key = normalise(question)
+                key = " ".join(question.split())  # the dedup key: whitespace runs collapsed
                 reason = ("truncated" if truncated else "empty" if not key
                           else "too_short" if len(key) < self.settings.question_min_chars
                           else "duplicates" if key in self.seen else "kept")

@@ -16,10 +16,8 @@ def read_chat_template(path: str) -> str:
         raise ValueError(f"--chat-template {path}: cannot read it: {e}") from None
     if not text.strip():
         raise ValueError(f"--chat-template {path}: the file is empty")
-    try:  # HF's own Jinja environment (it knows the {% generation %} tag)
-        from transformers.utils.chat_template_utils import _compile_jinja_template
-    except ImportError:  # a transformers without it: rows will name a broken template instead
-        return text
+    from transformers.utils.chat_template_utils import _compile_jinja_template  # HF's own Jinja environment
+
     try:
         _compile_jinja_template(text)
     except Exception as e:  # noqa: BLE001 - jinja2's TemplateSyntaxError and friends

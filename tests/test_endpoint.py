@@ -179,16 +179,13 @@ def test_request_body_carries_tools_kwargs_and_a_per_turn_seed():
 
 
 def test_journal_drops_a_torn_last_line_and_refuses_a_broken_one(tmp_path):
-    journal = rep.TurnJournal(tmp_path / "j.jsonl")
-    journal.append({"row": 0, "turn": 1})
-    journal.close()
-    with journal.path.open("a") as f:
-        f.write('{"row": 0, "tu')  # killed mid-write
-    assert journal.read() == [{"row": 0, "turn": 1}]
-    assert journal.path.read_text() == '{"row": 0, "turn": 1}\n'
-    journal.path.write_text('{"row": 0, "tu\n{"row": 1, "turn": 1}\n')
+    path = tmp_path / "j.jsonl"
+    path.write_text('{"row": 0, "turn": 1}\n{"row": 0, "tu')  # killed mid-write
+    assert rep.read_journal(path) == [{"row": 0, "turn": 1}]
+    assert path.read_text() == '{"row": 0, "turn": 1}\n'
+    path.write_text('{"row": 0, "tu\n{"row": 1, "turn": 1}\n')
     with pytest.raises(ValueError, match="line 1 is not JSON"):
-        journal.read()
+        rep.read_journal(path)
 
 
 def test_leading_assistant_messages_are_removed_not_asked(scripted, tmp_path):

@@ -15,7 +15,7 @@ import shutil
 import pytest
 
 from dflash.extract.config import ExtractConfig
-from dflash.extract.json_rows import leading_records
+from dflash.extract.data import leading_records
 from dflash.extract.runner import ExtractFailed, run
 from dflash.shared import cache as C
 
