@@ -108,8 +108,6 @@ class ExtractConfig:
     """Batches in flight between the forward loop and the writer thread (bounds host memory)."""
     cpu_threads: int | None = None
     """torch threads per CPU worker; default: the machine's cores divided by the workers."""
-    compile_cache: str | None = None
-    """Folder of compiled graphs kept between runs (the LM head's, on CUDA; None: $TORCHINDUCTOR_CACHE_DIR or ~/.cache/dflash/compile)."""
     summary_json: str | None = None
     """Also write the closing summary as JSON to this path."""
     progress: bool = True
