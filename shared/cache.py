@@ -66,6 +66,7 @@ LAYER_CONVENTION = (
 TOKEN_FIELDS = ("input_ids", "loss_mask", "hidden", "topk_ids", "topk_logprobs")
 """What a reader asks for (``CacheReader.read``), whatever the encoding."""
 HIDDEN_SCALE = "hidden_scale"
+META_FIELDS = ("offsets", "source_index", "batches")  # the sample-level arrays, written once at creation
 _TOPK_STORED = {"float32": "float32", "float16": "float16", "bfloat16": "uint16"}  # zarr has no bfloat16
 ENCODING_DEFAULTS = {"hidden_codec": "bf16", "hidden_group_size": None, "hidden_scale_dtype": None,
                      "topk_dtype": "float32"}
@@ -582,8 +583,7 @@ class ShardWriter:
                 self.group.create_array(fname, shape=shape, chunks=(min(spec.chunk_rows(fname), T),) + shape[1:],
                                         dtype=dtype, fill_value=0,
                                         compressors=_compressors(np.dtype(dtype).itemsize, spec.compression_level))
-            for fname, values in (("offsets", self._offsets), ("source_index", plan.source_index),
-                                  ("batches", plan.batches)):
+            for fname, values in zip(META_FIELDS, (self._offsets, plan.source_index, plan.batches)):
                 arr = self.group.create_array(fname, shape=values.shape, dtype="int64", fill_value=0,
                                               chunks=(min(SAMPLE_META_CHUNK, max(len(values), 1)),),
                                               compressors=_compressors(8, spec.compression_level))

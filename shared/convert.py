@@ -19,8 +19,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import hashlib
-import json
 import os
 import signal
 import sys
@@ -38,6 +36,7 @@ from dflash.shared.cache import (
     ShardWriter, create_or_open_cache, decode_hidden, decode_topk_logprobs, encode_hidden, encode_topk_logprobs,
     read_shard_state, shard_name, shard_recorded, to_numpy, writer_zarr_settings,
 )
+from dflash.shared.fingerprint import fingerprint_digest
 from dflash.shared.compression import ZSTD_LEVELS, HiddenCodecName, ScaleDtype, TopkDtype, is_local
 from dflash.shared.shard_lock import ShardLock, ShardLocked, live_holders
 
@@ -82,12 +81,6 @@ class ConvertSettings:
             raise ValueError(f"--read-mib must be positive, got {self.read_mib}")
         if self.commit_seconds < 0:
             raise ValueError(f"--commit-seconds must be 0 or more, got {self.commit_seconds}")
-
-
-def fingerprint_digest(fingerprint: dict[str, Any]) -> str:
-    """sha256 of a fingerprint's canonical JSON: names one source cache's content in a line."""
-    text = json.dumps(fingerprint, sort_keys=True, default=str, separators=(",", ":"))
-    return "sha256:" + hashlib.sha256(text.encode()).hexdigest()
 
 
 def _location(path: str) -> str:
