@@ -242,8 +242,11 @@ def diff_dicts(ours: Any, theirs: Any, prefix: str = "") -> list[str]:
             else:
                 out.extend(diff_dicts(ours[key], theirs[key], path))
         return out
-    jsonable = lambda x: json.loads(json.dumps(x, sort_keys=True, default=str))  # noqa: E731
-    return [f"{prefix}: cache has {ours!r}, run has {theirs!r}"] if jsonable(ours) != jsonable(theirs) else []
+    return [f"{prefix}: cache has {ours!r}, run has {theirs!r}"] if _jsonable(ours) != _jsonable(theirs) else []
+
+
+def _jsonable(x: Any) -> Any:
+    return json.loads(json.dumps(x, sort_keys=True, default=str))
 
 
 # ----------------------------------------------------------------------------- storage
