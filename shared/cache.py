@@ -194,7 +194,7 @@ class CacheSpec:
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
-        if not self.encoded:  # a lossless cache's attributes stay those written before codecs existed
+        if not self.encoded:  # a lossless spec writes no encoding fields: its attributes are format 2's
             for k in ENCODING_DEFAULTS:
                 del d[k]
         return d

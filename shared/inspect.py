@@ -67,8 +67,8 @@ def cache_info(path: str, storage_options: dict | None = None, shard_ids: list[i
     spec, root = reader.spec, reader.root
     sizes = _sizes(root, [""] if shard_ids is None else [f"shards/{s:05d}/" for s in shard_ids])
     L, D, k = spec.num_layers, spec.hidden_size, spec.topk
+    # bytes per token of the raw lossless layout (bf16 hidden states, float32 log-probs): what ratios compare to
     row_bytes = {"input_ids": 4, "loss_mask": 1, "hidden": L * D * 2, "topk_ids": 4 * k, "topk_logprobs": 4 * k}
-    """Bytes per token of the raw lossless layout (bf16 hidden states, float32 log-probs): what ratios compare to."""
     stored_row_bytes = {f: int(np.prod(shape[1:], dtype=np.int64)) * np.dtype(dtype).itemsize
                         for f, (shape, dtype) in token_array_shapes(spec, 1).items()}
     by_shard: dict[str, dict[str, int]] = {}  # 'shards/00000' -> its objects' sizes
