@@ -75,8 +75,6 @@ from .config import BAD_ROW_POLICIES, DTYPES, TRUNCATION_POLICIES, ExtractConfig
               "(bounds host memory).")
 @click.option("--cpu-threads", type=Maybe(int), help="torch threads per CPU worker; default: the machine's cores "
               "divided by the workers.")
-@click.option("--compile-cache", type=Maybe(str), help="Folder of compiled graphs kept between runs (the LM head's, "
-              "on CUDA; None: $TORCHINDUCTOR_CACHE_DIR or ~/.cache/dflash/compile).")
 @click.option("--summary-json", type=Maybe(str), help="Also write the closing summary as JSON to this path.")
 @click.option("--progress/--no-progress", default=True, help="Show the progress bar (stderr).")
 @click.option("--wait-for-lock/--no-wait-for-lock", default=False, help="A shard whose lock another run holds: wait "

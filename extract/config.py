@@ -74,7 +74,6 @@ class ExtractConfig:
     commit_seconds: float = 30.0
     queue_depth: int = 2
     cpu_threads: int | None = None
-    compile_cache: str | None = None
     summary_json: str | None = None
     progress: bool = True
     wait_for_lock: bool = False

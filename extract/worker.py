@@ -38,7 +38,6 @@ import zarr
 
 from dflash.shared.cache import (HIDDEN_SCALE, CacheError, CacheSpec, ShardWriter, encode_hidden,
                                  encode_topk_logprobs, open_root, to_numpy, writer_zarr_settings)
-from dflash.shared.compile_cache import use_compile_cache
 from dflash.shared.hidden_codecs import check_scales
 from dflash.shared.shard_lock import LockError, ShardLock, ShardLocked
 
@@ -263,14 +262,12 @@ def _wait(event, stop) -> None:
 def _target_runner(cfg: ExtractConfig, device: torch.device, spec: CacheSpec, timing: dict[str, float]
                    ) -> TargetRunner:
     """The target on ``device`` with its capture hooks for ``spec``'s layers and top-k, and its
-    head (compiled on CUDA, the graphs kept in the compile-cache folder); the seconds into ``timing``."""
+    head (compiled on CUDA); the seconds into ``timing``."""
     t = time.perf_counter()
     model = load_target(cfg.model, dtype=cfg.dtype, device=device, attn_implementation=cfg.attn_implementation,
                         revision=cfg.revision)
     timing["model_load_s"] = round(time.perf_counter() - t, 3)
     backend = head_backend_for(device)
-    if backend is not None:
-        use_compile_cache(cfg.compile_cache)
     t = time.perf_counter()
     runner = TargetRunner(model, spec.layer_ids, spec.topk, cfg.lm_head_chunk, backend)
     timing["head_setup_s"] = round(time.perf_counter() - t, 3)

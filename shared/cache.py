@@ -1,50 +1,36 @@
 """The hidden-state cache: one Zarr v3 store, the contract between extract and train.
 
-Layout (every array flat and token-major, chunked along tokens, compressed with byte
-shuffle + zstd and checksummed with crc32c on every chunk; each array's rows per chunk
-are in ``CacheSpec.chunks``)::
+Every array is flat and token-major, chunked along tokens (rows per chunk in
+``CacheSpec.chunks``), compressed with byte shuffle + zstd and checksummed (crc32c)::
 
     CACHE/                      root attributes: ``dflash_cache`` (see ``CacheSpec``)
       shards/00000/             one group per shard, written by exactly one process
         input_ids      [T]          int32
         loss_mask      [T]          bool   (assistant tokens)
-        hidden         [T, L, D]    uint16 (bf16 bits; logical dtype in the attributes)
-                       [T, L, W]    uint8  (a lossy ``hidden_codec``: its payload, see below)
-        hidden_scale   [T, L, G]    float16 (lossy codecs only: their scales)
+        hidden         [T, L, D]    uint16 (bf16 bits), or [T, L, W] uint8 (a lossy codec's payload)
+        hidden_scale   [T, L, G]    float16 or float32 (lossy codecs only: their scales)
         topk_ids       [T, k]       int32
         topk_logprobs  [T, k]       float32 (or float16, or bf16 bits as uint16: ``topk_dtype``)
         offsets        [N + 1]      int64  (sample i is tokens offsets[i]:offsets[i+1])
         source_index   [N]          int64  (row of sample i in the source dataset)
         batches        [NB + 1]     int64  (sample offsets of the planned batches)
 
-A shard is planned before anything is computed: its samples, their order, lengths and
-batches are fixed when the shard is created, so every array has its final shape from
-the start and ``offsets``/``source_index`` are written once. The writer then appends
-whole batches in plan order. A commit writes every buffered token (the last, partial
-chunk included) and only then records, in the shard's attributes, how many batches,
-samples and tokens are committed. Readers never look past the commit record, so a
-crash (``kill -9`` included) leaves a shard that is valid up to its last commit, and a
-rerun resumes at the next batch, with the same batch composition, giving a cache
-identical to an unbroken run's. A chunk that a commit leaves partial is rewritten whole
-(its committed rows included) by the next write, through zarr's own codec pipeline, which
-replaces the chunk in one step (a local store writes a temporary file and renames it, an
+A shard is planned before anything is computed (samples, order, lengths, batches), so every
+array has its final shape from the start. The writer appends whole batches in plan order. A
+commit writes every buffered token (the partial last chunk included) and only then records,
+in the shard's attributes, how many batches, samples and tokens are committed. Readers never
+look past that record, so a crash (``kill -9`` included) leaves a shard valid up to its last
+commit, and a rerun resumes at the next batch, giving a cache identical to an unbroken run's.
+A chunk that a commit left partial is rewritten whole by the next write through zarr's own
+codec pipeline, which replaces a chunk in one step (a local file is written and renamed; an
 object store's PUT is atomic): a crash leaves the old or the new chunk, both holding the
 committed rows.
 
-Format versions: 1 chunks every token array at ``chunk_tokens`` rows; 2 (written now for
-the lossless default) chunks the hidden states at ``chunk_tokens`` and the small arrays
-coarsely (``chunks``), so that a shard's chunk files are few and not tiny; 3 is 2 with a
-lossy ``hidden_codec`` or a reduced ``topk_dtype`` (the version tells older readers, which
-would misread those arrays, to refuse the cache). All are read alike (readers take each
-array's chunking from its own metadata).
-
-Lossy hidden states (``shared/hidden_codecs.py``): ``hidden`` holds the codec's uint8
-payload (fp8/int8: one byte per channel, int4: two channels per byte) and ``hidden_scale``
-its scales (fp8: one per token and layer; int8/int4: one per group of channels), both
-chunked at ``chunk_tokens`` rows and through the same lossless stage and checksums.
-``CacheReader.read`` decodes them to bf16, so training sees the same tensors whatever the
-codec; ``read(..., decode=False)`` hands payload and scales over for decoding
-elsewhere (on the GPU: ``decode_hidden``).
+Format versions: 1 chunks every token array at ``chunk_tokens`` rows; 2 (the lossless
+default) chunks the small arrays coarsely (``default_chunks``); 3 is 2 with a lossy
+``hidden_codec`` or a reduced ``topk_dtype``, so that older readers refuse it. Readers take
+each array's chunking from its own metadata. ``CacheReader.read`` decodes any encoding to
+bf16 hidden states and float32 log-probs (``shared/hidden_codecs.py``).
 """
 
 from __future__ import annotations
@@ -61,7 +47,7 @@ import torch
 import zarr
 import zarr.codecs as zc
 
-from .compression import HIDDEN_CODECS, TOPK_DTYPES, ZSTD_LEVELS, is_local  # noqa: F401 - ZSTD_LEVELS re-exported
+from .compression import HIDDEN_CODECS, TOPK_DTYPES, is_local
 from .hidden_codecs import EncodedHidden, HiddenCodec
 from .hidden_codecs import decode as decode_codec
 from .hidden_codecs import encode as encode_codec
@@ -69,10 +55,8 @@ from .shard_lock import LOCKS_DIR as LOCKS_GROUP
 from .shard_lock import live_holders
 
 FORMAT_NAME = "dflash-cache"
-FORMAT_VERSION = 2
-"""Written for the lossless default (bf16 hidden states, float32 log-probs)."""
-ENCODED_FORMAT_VERSION = 3
-"""Written where ``hidden_codec`` is lossy or ``topk_dtype`` is not float32."""
+FORMAT_VERSION = 2  # the lossless default (bf16 hidden states, float32 log-probs)
+ENCODED_FORMAT_VERSION = 3  # a lossy hidden_codec or a topk_dtype other than float32
 READABLE_VERSIONS = (1, 2, 3)
 ATTRS_KEY = "dflash_cache"
 LAYER_CONVENTION = (
@@ -82,21 +66,15 @@ LAYER_CONVENTION = (
 TOKEN_FIELDS = ("input_ids", "loss_mask", "hidden", "topk_ids", "topk_logprobs")
 """What a reader asks for (``CacheReader.read``), whatever the encoding."""
 HIDDEN_SCALE = "hidden_scale"
-"""The token array of a lossy hidden codec's scales (``CacheSpec.token_fields``)."""
-_TOPK_STORED = {"float32": "float32", "float16": "float16", "bfloat16": "uint16"}
-"""Stored dtype of ``topk_logprobs`` per ``topk_dtype`` (zarr has no bfloat16: its bits as uint16)."""
+META_FIELDS = ("offsets", "source_index", "batches")  # the sample-level arrays, written once at creation
+_TOPK_STORED = {"float32": "float32", "float16": "float16", "bfloat16": "uint16"}  # zarr has no bfloat16
 ENCODING_DEFAULTS = {"hidden_codec": "bf16", "hidden_group_size": None, "hidden_scale_dtype": None,
                      "topk_dtype": "float32"}
-"""The spec fields of the encoding and their lossless defaults; a spec at these defaults
-writes none of them, so a lossless cache's attributes are those of format 2 before codecs."""
+"""The encoding fields at their lossless defaults; a lossless spec writes none of them."""
 SAMPLE_META_CHUNK = 1 << 16
 ZARR_PIPELINE = "zarr.core.codec_pipeline.BatchedCodecPipeline"
-"""zarr's own codec pipeline (its default): a local store writes each chunk to a temporary
-file and renames it over the old one."""
-SMALL_CHUNK_BYTES = 1 << 20
-"""Raw bytes aimed at per chunk of the small token arrays (format 2)."""
-SMALL_CHUNK_MAX_TOKENS = 1 << 16
-"""Rows per chunk of the small token arrays at most: reading one sample decodes whole chunks."""
+SMALL_CHUNK_BYTES = 1 << 20  # raw bytes aimed at per chunk of the small token arrays (format 2)
+SMALL_CHUNK_MAX_TOKENS = 1 << 16  # reading one sample decodes whole chunks
 
 log = logging.getLogger(__name__)
 
@@ -120,52 +98,37 @@ class CacheSpec:
     layer_ids: list[int]
     """Target layers stored, in ``hidden[:, j]`` order (see ``LAYER_CONVENTION``)."""
     hidden_size: int
-    """D, the target's hidden size."""
     topk: int
     """k, how many target log-probs are stored per position."""
     vocab_size: int
-    """The target's vocabulary (rows of its LM head)."""
     num_target_layers: int
-    """L, decoder layers of the target."""
     max_length: int
-    """Samples longer than this were handled by ``truncation``."""
     truncation: str
-    """Policy for over-long samples: ``right`` keeps the first max_length tokens."""
+    """Policy for samples over max_length: ``right`` keeps the first max_length tokens."""
     chunk_tokens: int = 256
     """Tokens per chunk of the hidden states (format 1: of every token array)."""
     compression_level: int = 1
-    """zstd level inside blosc (blosc clevel c means zstd level 2c-1, so we store c)."""
+    """zstd level (blosc stores clevel c and runs zstd at 2c-1)."""
     fingerprint: dict[str, Any] = field(default_factory=dict)
     """target, tokenizer, dataset and extraction settings; a resume must match exactly."""
     info: dict[str, Any] = field(default_factory=dict)
     """Free-form run information (package version, full config); not compared."""
     hidden_dtype: str = "bfloat16"
-    """Logical dtype of ``hidden``; stored as its raw 16-bit pattern."""
-    stored_dtypes: dict[str, str] = field(
-        default_factory=lambda: {
-            "input_ids": "int32",
-            "loss_mask": "bool",
-            "hidden": "uint16",
-            "topk_ids": "int32",
-            "topk_logprobs": "float32",
-        }
-    )
-    """Physical dtypes of the token arrays."""
+    stored_dtypes: dict[str, str] = field(default_factory=dict)
+    """Physical dtypes of the token arrays (set from the encoding)."""
     layer_convention: str = LAYER_CONVENTION
     format: str = FORMAT_NAME
     format_version: int = FORMAT_VERSION
     chunks: dict[str, int] = field(default_factory=dict)
-    """Rows per chunk of each token array (format 2; default: ``default_chunks``). Empty in
-    format 1, where every token array is chunked at ``chunk_tokens``."""
+    """Rows per chunk of each token array (format 2 and 3; default ``default_chunks``)."""
     hidden_codec: str = "bf16"
-    """How ``hidden`` is stored: 'bf16' (lossless bits) or a lossy ``shared/hidden_codecs.py``
-    mode, 'fp8', 'int8' or 'int4', whose scales are in ``hidden_scale`` (format 3)."""
+    """'bf16' (lossless bits) or a lossy ``hidden_codecs`` mode: 'fp8', 'int8', 'int4' (format 3)."""
     hidden_group_size: int | None = None
     """Channels per scale of the int codecs (None for bf16 and fp8)."""
     hidden_scale_dtype: str | None = None
     """dtype of ``hidden_scale`` ('float16' or 'float32'; None for bf16)."""
     topk_dtype: str = "float32"
-    """Precision of the stored top-k log-probs: 'float32', 'float16' or 'bfloat16' (read back as float32)."""
+    """Stored precision of the top-k log-probs: 'float32', 'float16' or 'bfloat16' (read as float32)."""
 
     def __post_init__(self):
         if self.hidden_codec not in HIDDEN_CODECS:
@@ -176,12 +139,13 @@ class CacheSpec:
         self.hidden_group_size = codec.group_size if codec.grouped else None
         self.hidden_scale_dtype = codec.scale_dtype if codec.lossy else None
         if not self.encoded and self.format_version == ENCODED_FORMAT_VERSION:
-            self.format_version = FORMAT_VERSION  # the lossless layout is format 2
+            self.format_version = FORMAT_VERSION
         if self.encoded:
             if self.format_version == FORMAT_VERSION:  # a new spec: the encoding needs format 3
                 self.format_version = ENCODED_FORMAT_VERSION
             if self.format_version < ENCODED_FORMAT_VERSION:
-                raise CacheError(f"cache spec: format {self.format_version} cannot hold {self.describe_encoding()}")
+                raise CacheError(f"cache spec: format {self.format_version} cannot hold hidden {codec.describe()}, "
+                                 f"top-k log-probs {self.topk_dtype}")
             try:
                 codec.check_hidden_size(self.hidden_size)
             except ValueError as e:
@@ -193,8 +157,8 @@ class CacheSpec:
             raise CacheError(f"cache spec: chunks must name each of {self.token_fields}, got {sorted(self.chunks)}")
 
     def with_encoding(self, **encoding) -> "CacheSpec":
-        """This spec with other encoding fields (keys of ``ENCODING_DEFAULTS``; those not given are
-        kept), in the format and default chunks that encoding is written in (e.g. to convert a cache)."""
+        """This spec with other encoding fields (``ENCODING_DEFAULTS``' keys), in the format and
+        default chunks that encoding is written in."""
         unknown = sorted(set(encoding) - set(ENCODING_DEFAULTS))
         if unknown:
             raise ValueError(f"not encoding fields: {unknown}; expected some of {sorted(ENCODING_DEFAULTS)}")
@@ -203,7 +167,6 @@ class CacheSpec:
 
     @property
     def codec(self) -> HiddenCodec:
-        """The hidden states' codec (mode 'bf16' for the lossless layout)."""
         try:
             return HiddenCodec(self.hidden_codec, self.hidden_group_size or 128, self.hidden_scale_dtype or "float16")
         except ValueError as e:
@@ -216,28 +179,22 @@ class CacheSpec:
 
     @property
     def token_fields(self) -> tuple[str, ...]:
-        """The token arrays stored in each shard: ``TOKEN_FIELDS``, plus ``hidden_scale`` for a lossy codec."""
+        """The token arrays of each shard: ``TOKEN_FIELDS``, plus ``hidden_scale`` for a lossy codec."""
         return TOKEN_FIELDS + ((HIDDEN_SCALE,) if self.hidden_codec != "bf16" else ())
 
     def encoding(self) -> dict[str, Any]:
-        """The encoding fields (``ENCODING_DEFAULTS``' keys) with this spec's values."""
         return {k: getattr(self, k) for k in ENCODING_DEFAULTS}
-
-    def describe_encoding(self) -> str:
-        """One line: the hidden codec and the top-k dtype."""
-        return f"hidden {self.codec.describe()}, top-k log-probs {self.topk_dtype}"
 
     def hidden_bytes_per_token(self) -> int:
         """Stored bytes of one token's hidden states (payload + scales) before the lossless stage."""
         return self.codec.bytes_per_token(self.num_layers, self.hidden_size)
 
     def chunk_rows(self, name: str) -> int:
-        """Rows per chunk of token array ``name`` in a cache of this spec."""
         return int(self.chunks[name]) if self.format_version >= 2 else self.chunk_tokens
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
-        if not self.encoded:  # a lossless cache's attributes stay those written before codecs existed
+        if not self.encoded:  # a lossless spec writes no encoding fields: its attributes are format 2's
             for k in ENCODING_DEFAULTS:
                 del d[k]
         return d
@@ -247,10 +204,8 @@ class CacheSpec:
         if d.get("format") != FORMAT_NAME:
             raise CacheError(f"not a {FORMAT_NAME} store (format={d.get('format')!r})")
         if d.get("format_version") not in READABLE_VERSIONS:
-            raise CacheError(
-                f"cache format version {d.get('format_version')} is not supported "
-                f"(this code reads versions {', '.join(map(str, READABLE_VERSIONS))})"
-            )
+            raise CacheError(f"cache format version {d.get('format_version')} is not supported "
+                             f"(this code reads versions {', '.join(map(str, READABLE_VERSIONS))})")
         names = {f.name for f in dataclasses.fields(cls)}
         return cls(**{k: v for k, v in d.items() if k in names})
 
@@ -260,10 +215,9 @@ class CacheSpec:
 
 
 def default_chunks(spec: CacheSpec) -> dict[str, int]:
-    """Format 2's rows per chunk: the hidden states at ``chunk_tokens``; each small array at
-    the power of two whose raw chunk is closest under ``SMALL_CHUNK_BYTES``, between
-    ``chunk_tokens`` and ``SMALL_CHUNK_MAX_TOKENS`` rows. With 256-token chunks everywhere
-    the small arrays were 1 % of the bytes but 80 % of the chunk writes (BENCHMARKS_LOG.md)."""
+    """Format 2's rows per chunk: the hidden states at ``chunk_tokens``; each small array at the
+    power of two whose raw chunk is closest under ``SMALL_CHUNK_BYTES``, between ``chunk_tokens``
+    and ``SMALL_CHUNK_MAX_TOKENS`` (at 256 everywhere they were 80 % of the chunk writes)."""
     chunks = {}
     for name, (shape, dtype) in token_array_shapes(spec, 1).items():
         if name in ("hidden", HIDDEN_SCALE):
@@ -288,59 +242,39 @@ def diff_dicts(ours: Any, theirs: Any, prefix: str = "") -> list[str]:
             else:
                 out.extend(diff_dicts(ours[key], theirs[key], path))
         return out
-    if _jsonable(ours) != _jsonable(theirs):
-        return [f"{prefix}: cache has {ours!r}, run has {theirs!r}"]
-    return []
+    return [f"{prefix}: cache has {ours!r}, run has {theirs!r}"] if _jsonable(ours) != _jsonable(theirs) else []
 
 
 def _jsonable(x: Any) -> Any:
     return json.loads(json.dumps(x, sort_keys=True, default=str))
 
 
-# ----------------------------------------------------------------------------- codecs
-
-
-BLOSC_BLOCKSIZE = 1 << 19
-ZARRS_PIPELINE = "zarrs.ZarrsCodecPipeline"
-WRITE_CONCURRENCY = 32
-"""Chunks zarr's own pipeline encodes and writes at once per shard (its ``async.concurrency``;
-zarr's default is 10; BENCHMARKS_LOG.md), where it writes instead of zarrs (fsspec URLs)."""
+# ----------------------------------------------------------------------------- storage
 
 
 def writer_zarr_settings(path: str) -> dict[str, Any]:
-    """zarr settings of a shard's writer: the zarrs codec pipeline (Rust, on its own threads,
-    without the GIL) for a local folder, which is all zarrs stores to (given an fsspec store
-    it warns and falls back to zarr's own pipeline, which a URL gets here without the
-    warning); ``WRITE_CONCURRENCY`` chunks in flight where zarr's own pipeline writes; no
-    all-fill-value scan (whole chunks are written)."""
-    pipeline = ZARRS_PIPELINE if is_local(path) else ZARR_PIPELINE
-    return {"codec_pipeline.path": pipeline, "async.concurrency": WRITE_CONCURRENCY,
-            "array.write_empty_chunks": True}
+    """zarr settings of a shard's writer: the zarrs pipeline (Rust, off the GIL) for a local
+    folder, the only store it writes to; zarr's own pipeline with 32 chunks in flight for a URL;
+    no all-fill-value scan (whole chunks are written)."""
+    pipeline = "zarrs.ZarrsCodecPipeline" if is_local(path) else ZARR_PIPELINE
+    return {"codec_pipeline.path": pipeline, "async.concurrency": 32, "array.write_empty_chunks": True}
 
 
 def _compressors(typesize: int, level: int) -> list:
-    """Byte shuffle + zstd inside blosc, then a crc32c checksum of the encoded chunk.
-
-    The blosc block size is set explicitly: its automatic choice (small blocks) lets
-    zstd see the shuffled high and low bytes mixed and costs a fifth of the ratio on
-    bf16 hidden states (1.29 against 1.46; BENCHMARKS_LOG.md).
-    """
-    blosc_level = max(1, (level + 1) // 2)  # blosc clevel c -> zstd level 2c - 1
-    return [
-        zc.BloscCodec(cname="zstd", clevel=blosc_level, shuffle="shuffle", typesize=typesize,
-                      blocksize=BLOSC_BLOCKSIZE),
-        zc.Crc32cCodec(),
-    ]
+    """Byte shuffle + zstd inside blosc, then a crc32c checksum of the encoded chunk. The blosc
+    block size is explicit: its automatic small blocks cost a fifth of the ratio on bf16."""
+    blosc = zc.BloscCodec(cname="zstd", clevel=max(1, (level + 1) // 2), shuffle="shuffle", typesize=typesize,
+                          blocksize=1 << 19)  # blosc clevel c -> zstd level 2c - 1
+    return [blosc, zc.Crc32cCodec()]
 
 
 def token_array_shapes(spec: CacheSpec, tokens: int) -> dict[str, tuple[tuple[int, ...], str]]:
     """Shape and stored dtype of each token array (``spec.token_fields``) for ``tokens`` rows."""
-    k, L, D = spec.topk, spec.num_layers, spec.hidden_size
-    codec = spec.codec
+    k, L, D, codec = spec.topk, spec.num_layers, spec.hidden_size, spec.codec
     shapes = {
         "input_ids": ((tokens,), "int32"),
         "loss_mask": ((tokens,), "bool"),
-        "hidden": ((tokens, L, D), "uint16") if not codec.lossy else ((tokens, L, codec.payload_width(D)), "uint8"),
+        "hidden": ((tokens, L, codec.payload_width(D)), "uint8") if codec.lossy else ((tokens, L, D), "uint16"),
         "topk_ids": ((tokens, k), "int32"),
         "topk_logprobs": ((tokens, k), _TOPK_STORED[spec.topk_dtype]),
     }
@@ -349,53 +283,49 @@ def token_array_shapes(spec: CacheSpec, tokens: int) -> dict[str, tuple[tuple[in
     return shapes
 
 
-# ----------------------------------------------------------------------------- encode / decode
-
-
 def encode_hidden(spec: CacheSpec, hidden: torch.Tensor, validate: bool = True) -> dict[str, torch.Tensor]:
-    """``[T, L, D]`` hidden states -> the stored token arrays ``hidden`` (+ ``hidden_scale``), as
-    tensors on ``hidden``'s device (the extraction worker encodes on the GPU, before the copy):
-    bf16 bits as int16 for the lossless layout, the codec's payload and scales otherwise.
-    ``validate``: see ``hidden_codecs.encode`` (the lossless layout stores whatever it gets)."""
-    codec = spec.codec
-    if not codec.lossy:
+    """``[T, L, D]`` hidden states -> the stored ``hidden`` (+ ``hidden_scale``) as tensors on
+    ``hidden``'s device: bf16 bits as int16, or the codec's payload and scales."""
+    if not spec.codec.lossy:
         return {"hidden": hidden.to(torch.bfloat16).view(torch.int16)}
-    enc = encode_codec(codec, hidden, validate=validate)
+    enc = encode_codec(spec.codec, hidden, validate=validate)
     return {"hidden": enc.payload, HIDDEN_SCALE: enc.scales}
 
 
 def decode_hidden(spec: CacheSpec, stored: dict[str, Any], dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     """The stored ``hidden`` (+ ``hidden_scale``), numpy or tensors of any leading shape, ->
-    hidden states ``[..., L, D]`` in ``dtype``, on the tensors' device. Bitwise the same on
-    the CPU and the GPU (``hidden_codecs``)."""
+    ``[..., L, D]`` in ``dtype`` on their device; bitwise the same on the CPU and the GPU."""
     payload = torch.as_tensor(stored["hidden"])
-    codec = spec.codec
-    if not codec.lossy:
+    if not spec.codec.lossy:
         return payload.view(torch.bfloat16).to(dtype)
-    return decode_codec(codec, EncodedHidden(payload, torch.as_tensor(stored[HIDDEN_SCALE])), dtype)
+    return decode_codec(spec.codec, EncodedHidden(payload, torch.as_tensor(stored[HIDDEN_SCALE])), dtype)
 
 
 def encode_topk_logprobs(spec: CacheSpec, logprobs: torch.Tensor) -> torch.Tensor:
-    """float log-probs ``[T, k]`` -> the stored ``topk_logprobs`` (bf16 as its int16 bits), same device."""
-    if spec.topk_dtype == "float32":
-        return logprobs.float()
-    if spec.topk_dtype == "float16":
-        return logprobs.to(torch.float16)
-    return logprobs.to(torch.bfloat16).view(torch.int16)
+    """float log-probs ``[T, k]`` -> the stored ``topk_logprobs`` (bf16 as its int16 bits)."""
+    if spec.topk_dtype == "bfloat16":
+        return logprobs.to(torch.bfloat16).view(torch.int16)
+    return logprobs.to(getattr(torch, spec.topk_dtype))
 
 
 def decode_topk_logprobs(spec: CacheSpec, stored) -> torch.Tensor:
     """The stored ``topk_logprobs`` (numpy or tensor) -> float32 log-probs."""
     t = torch.as_tensor(stored)
-    if spec.topk_dtype == "bfloat16":
-        return t.view(torch.int16).view(torch.bfloat16).float()
-    return t.float()
+    return (t.view(torch.int16).view(torch.bfloat16) if spec.topk_dtype == "bfloat16" else t).float()
 
 
 def to_numpy(t: torch.Tensor) -> np.ndarray:
     """A host tensor as the numpy array the writer stores (int16 bit patterns as uint16)."""
     a = t.numpy()
     return a.view(np.uint16) if a.dtype == np.int16 else a
+
+
+def bf16_from_bits(bits: np.ndarray) -> torch.Tensor:
+    return torch.from_numpy(np.ascontiguousarray(bits).view(np.int16)).view(torch.bfloat16)
+
+
+def bf16_to_bits(x: torch.Tensor) -> np.ndarray:
+    return x.contiguous().view(torch.int16).cpu().numpy().view(np.uint16)
 
 
 # ----------------------------------------------------------------------------- root
@@ -410,26 +340,37 @@ def open_root(path: str, mode: str = "r", storage_options: dict | None = None) -
         raise CacheError(f"{path}: cannot open as a Zarr v3 cache: {e}") from e
 
 
+def open_spec(path: str, storage_options: dict | None = None) -> tuple[zarr.Group, CacheSpec]:
+    """The cache root (read-only) and its spec; CacheError for a store that is no cache."""
+    root = open_root(path, "r", storage_options)
+    if ATTRS_KEY not in root.attrs:
+        raise CacheError(f"{path}: a Zarr store but not a dflash cache (no '{ATTRS_KEY}' attribute)")
+    return root, CacheSpec.from_dict(root.attrs[ATTRS_KEY])
+
+
+def _new_root(root: zarr.Group, spec: CacheSpec) -> zarr.Group:
+    root.attrs[ATTRS_KEY] = spec.to_dict()
+    root.require_group("shards")
+    root.require_group(LOCKS_GROUP)
+    return root
+
+
 def create_or_open_cache(path: str, spec: CacheSpec, storage_options: dict | None = None, *,
                          replace_uncommitted: bool = False) -> zarr.Group:
     """Create the cache root, or reopen one with the same fingerprint and layout.
 
-    A store holding a cache made with another target, tokenizer, dataset or extraction
-    setting is refused with every difference named, never overwritten, unless
-    ``replace_uncommitted`` is set and none of its shards committed a sample: such a root
-    is what a run that failed before its first commit leaves (a bad row, a wrong flag), and
-    it would otherwise block the corrected rerun at the same path. Its shards are deleted
-    and the root takes the new spec (logged as a warning with the differences).
+    A cache made with another target, tokenizer, dataset or setting is refused with every
+    difference named, never overwritten, unless ``replace_uncommitted`` is set and none of its
+    shards committed a sample (what a run that failed before its first commit leaves, which
+    would otherwise block the corrected rerun): then its shards are deleted and the root takes
+    the new spec, with a warning naming the differences.
     """
     root = zarr.open_group(store=path, mode="a", zarr_format=3, storage_options=storage_options)
     existing = root.attrs.get(ATTRS_KEY)
     if existing is None:
         if len(list(root.keys())) > 0:
             raise CacheError(f"{path}: holds Zarr data that is not a dflash cache; refusing to write there")
-        root.attrs[ATTRS_KEY] = spec.to_dict()
-        root.require_group("shards")
-        root.require_group(LOCKS_GROUP)
-        return root
+        return _new_root(root, spec)
     old = CacheSpec.from_dict(existing)
     if old.format_version < spec.format_version and old.encoding() == spec.encoding():
         # an older layout is resumed in its own layout
@@ -451,10 +392,7 @@ def create_or_open_cache(path: str, spec: CacheSpec, storage_options: dict | Non
     for name in list(root.keys()):  # the shards first: a crash in between leaves a root that is still uncommitted
         if name != LOCKS_GROUP:
             del root[name]
-    root.attrs[ATTRS_KEY] = spec.to_dict()
-    root.require_group("shards")
-    root.require_group(LOCKS_GROUP)
-    return root
+    return _new_root(root, spec)
 
 
 def spec_differences(old: CacheSpec, new: CacheSpec) -> list[str]:
@@ -462,10 +400,7 @@ def spec_differences(old: CacheSpec, new: CacheSpec) -> list[str]:
     compared = ("layer_ids", "hidden_size", "topk", "vocab_size", "num_target_layers", "max_length",
                 "truncation", "chunk_tokens", "compression_level", "hidden_dtype", *ENCODING_DEFAULTS, "fingerprint",
                 "format_version", "chunks")
-    diffs = []
-    for name in compared:
-        diffs += diff_dicts({name: getattr(old, name)}, {name: getattr(new, name)})
-    return diffs
+    return [d for name in compared for d in diff_dicts({name: getattr(old, name)}, {name: getattr(new, name)})]
 
 
 def committed_samples(root: zarr.Group) -> int:
@@ -495,21 +430,16 @@ class ShardCounts:
 
 @dataclass
 class ShardState:
-    """Everything a shard records about itself, stored in its group's attributes.
-
-    This module alone reads and writes those attributes (``read_shard_state``,
-    ``ShardWriter``); everything else gets this dataclass. ``commit`` is the commit point:
-    readers never look past it.
-    """
+    """Everything a shard records about itself in its group's attributes, which only this
+    module reads and writes. ``commit`` is the commit point: readers never look past it."""
 
     plan_digest: str
     """Hash of the plan (rows, lengths, batches, skips); a resume must plan the same."""
     planned: ShardCounts
     """What the shard holds once complete; every array has this final size from the start."""
     commit: ShardCounts
-    """What is committed: written and recorded after its bytes were stored."""
+    """What is committed: recorded after its bytes were stored."""
     complete: bool = False
-    """Every planned batch is committed."""
     skipped: dict[str, int] = field(default_factory=dict)
     """Rows of the shard's slice that were not planned, counted by reason."""
     compute: dict[str, Any] | None = None
@@ -556,17 +486,13 @@ def shard_recorded(group: zarr.Group) -> bool:
 
 def read_shard_states(root: zarr.Group, shard_ids: Iterable[int]) -> dict[int, ShardState | None]:
     """The state of each of these shards, None for a shard not created (or not recorded) yet."""
-    out = {}
-    for s in shard_ids:
-        name = shard_name(s)
-        out[s] = read_shard_state(root[name]) if name in root and shard_recorded(root[name]) else None
-    return out
+    names = {s: shard_name(s) for s in shard_ids}
+    return {s: read_shard_state(root[n]) if n in root and shard_recorded(root[n]) else None for s, n in names.items()}
 
 
 def _record_state(group: zarr.Group, state: ShardState, *keys: str) -> None:
-    """Write these fields of ``state`` into the group's attributes (all of them without ``keys``)
-    in one metadata write: ``group.attrs.update`` writes the group's metadata once per key, so a
-    reader (or a crash) between two of those writes would find a record with fields missing."""
+    """Write these fields of ``state`` (all without ``keys``) in one metadata write:
+    ``attrs.update`` writes once per key, and a crash between two would leave a torn record."""
     attrs = state.to_attrs()
     group.update_attributes({k: attrs[k] for k in keys} if keys else attrs)  # merged with what is there
 
@@ -590,11 +516,10 @@ class ShardPlan:
     def __post_init__(self):
         self.source_index = np.asarray(self.source_index, dtype=np.int64)
         self.lengths = np.asarray(self.lengths, dtype=np.int64)
-        self.batches = np.asarray(self.batches, dtype=np.int64)
+        self.batches = b = np.asarray(self.batches, dtype=np.int64)
         n = len(self.source_index)
         if len(self.lengths) != n:
             raise ValueError("plan: lengths and source_index differ in length")
-        b = self.batches
         if len(b) < 1 or b[0] != 0 or b[-1] != n or np.any(np.diff(b) <= 0):
             raise ValueError("plan: batches must be increasing sample offsets from 0 to N")
         if n and self.lengths.min() <= 0:
@@ -619,26 +544,22 @@ class ShardPlan:
 class ShardWriter:
     """Writes one shard; the only process that ever touches it.
 
-    ``write_batch`` takes whole planned batches in order; full chunks go to the store
-    at once, the partial tail waits in memory until the next ``commit``. Writes go through
-    whatever codec pipeline zarr is configured with, except the rewrite of a chunk that
-    already holds committed rows: that one goes through zarr's own pipeline, whose local
-    writes replace a file in one step (another pipeline may truncate the file, then write
-    it, and a crash in between would lose committed rows).
+    ``write_batch`` takes whole planned batches in order; full chunks go to the store at once,
+    the partial tail waits in memory until the next ``commit``. A chunk that already holds
+    committed rows is rewritten through zarr's own pipeline, whose local writes replace the
+    file in one step (another pipeline may truncate, then write, and a crash in between would
+    lose committed rows).
 
-    ``compute`` describes what computes the shard's values (device, kernels, library
-    versions: ``extract.target.compute_environment``); it is recorded when the shard is
-    created, and a shard with committed samples refuses to resume under another one, since
-    the resumed part would round differently from the part before it.
+    ``compute`` describes what computes the values (device, kernels, versions); it is recorded
+    at creation, and a shard with committed samples refuses to resume under another one, since
+    the resumed part would round differently.
     """
 
     def __init__(self, root: zarr.Group, shard_id: int, plan: ShardPlan, spec: CacheSpec,
                  compute: dict[str, Any] | None = None):
         self.guard: Callable[[], None] | None = None
         """Called before every commit record is written; raising stops the commit (see ``shard_lock``)."""
-        self.spec = spec
-        self.plan = plan
-        self.shard_id = shard_id
+        self.spec, self.plan, self.shard_id = spec, plan, shard_id
         self._offsets = plan.offsets
         name = shard_name(shard_id)
         if name in root and not shard_recorded(root[name]):
@@ -648,12 +569,9 @@ class ShardWriter:
             self.group = root[name]
             self.state = read_shard_state(self.group)
             if self.state.plan_digest != plan.digest():
-                raise CacheError(
-                    f"shard {shard_id:05d} was planned differently (other rows, order or batches); "
-                    "the data, tokenizer or worker count changed since it was written"
-                )
-            commit = self.state.commit
-            recorded = self.state.compute
+                raise CacheError(f"shard {shard_id:05d} was planned differently (other rows, order or batches); "
+                                 "the data, tokenizer or worker count changed since it was written")
+            commit, recorded = self.state.commit, self.state.compute
             finished = commit.batches >= len(plan.batches) - 1  # nothing left to compute
             if compute is not None and recorded != compute and not finished:
                 if commit.tokens and recorded is not None:
@@ -665,45 +583,33 @@ class ShardWriter:
             self.group = root.create_group(name)
             T = max(plan.num_tokens, 1)
             for fname, (shape, dtype) in token_array_shapes(spec, plan.num_tokens).items():
-                typesize = np.dtype(dtype).itemsize
-                self.group.create_array(
-                    fname, shape=shape, chunks=(min(spec.chunk_rows(fname), T),) + shape[1:], dtype=dtype, fill_value=0,
-                    compressors=_compressors(typesize, spec.compression_level),
-                )
-            for fname, values in (("offsets", self._offsets), ("source_index", plan.source_index),
-                                  ("batches", plan.batches)):
-                arr = self.group.create_array(
-                    fname, shape=values.shape, chunks=(min(SAMPLE_META_CHUNK, max(len(values), 1)),),
-                    dtype="int64", fill_value=0, compressors=_compressors(8, spec.compression_level),
-                )
+                self.group.create_array(fname, shape=shape, chunks=(min(spec.chunk_rows(fname), T),) + shape[1:],
+                                        dtype=dtype, fill_value=0,
+                                        compressors=_compressors(np.dtype(dtype).itemsize, spec.compression_level))
+            for fname, values in zip(META_FIELDS, (self._offsets, plan.source_index, plan.batches)):
+                arr = self.group.create_array(fname, shape=values.shape, dtype="int64", fill_value=0,
+                                              chunks=(min(SAMPLE_META_CHUNK, max(len(values), 1)),),
+                                              compressors=_compressors(8, spec.compression_level))
                 if len(values):
                     arr[:] = values
             self.state = ShardState(
                 plan_digest=plan.digest(),
-                planned=ShardCounts(batches=len(plan.batches) - 1, samples=len(plan.source_index),
-                                    tokens=plan.num_tokens),
-                commit=ShardCounts(), complete=False, skipped=dict(plan.skipped), compute=compute)
+                planned=ShardCounts(len(plan.batches) - 1, len(plan.source_index), plan.num_tokens),
+                commit=ShardCounts(), skipped=dict(plan.skipped), compute=compute)
             _record_state(self.group, self.state)
         self.fields = spec.token_fields
-        """The token arrays ``write_batch`` takes (``TOKEN_FIELDS``, plus ``hidden_scale`` for a lossy codec)."""
         self.arrays = {f: self.group[f] for f in self.fields}
         with zarr.config.set({"codec_pipeline.path": ZARR_PIPELINE}):
-            self._atomic_arrays = {f: self.group[f] for f in self.fields}
-        """The same arrays through zarr's own pipeline: for chunks that hold committed rows."""
-        self.chunks = {f: int(a.chunks[0]) for f, a in self.arrays.items()}
-        """Rows per chunk of each array, as stored (a shard keeps the layout it was created with)."""
+            self._atomic_arrays = {f: self.group[f] for f in self.fields}  # for chunks that hold committed rows
+        self.chunks = {f: int(a.chunks[0]) for f, a in self.arrays.items()}  # as stored: a shard keeps its layout
         self.committed = self.state.commit.as_dict()
         self.next_batch = self.state.commit.batches
-        done = self.state.commit.tokens
-        self._end = done
-        """Tokens handed to ``write_batch`` so far (committed or not)."""
+        done = self._end = self.state.commit.tokens  # _end: tokens handed to write_batch so far
+        # per array, the rows from _tail_start[f] (a chunk boundary) to _end not yet written whole
         self._tail: dict[str, list[np.ndarray]] = {f: [] for f in self.fields}
-        """Per array, the rows from ``_tail_start[f]`` (a chunk boundary) to ``_end`` not yet
-        written whole: the head of the chunk that is being filled."""
         self._tail_start = {f: (done // C) * C for f, C in self.chunks.items()}
         for f in self.fields:
-            if self._tail_start[f] < done:
-                # resume inside a chunk: re-read its committed head so the chunk is rewritten whole
+            if self._tail_start[f] < done:  # resume inside a chunk: its committed head is rewritten with it
                 self._tail[f].append(np.asarray(self.arrays[f][self._tail_start[f]:done]))
 
     @property
@@ -714,9 +620,8 @@ class ShardWriter:
         return int(self.plan.batches[batch]), int(self.plan.batches[batch + 1])
 
     def write_batch(self, batch: int, **fields: np.ndarray) -> None:
-        """Append planned batch ``batch`` (token-major arrays of all its samples, concatenated), one
-        array per stored field (``self.fields``) as stored: see ``encode_hidden``,
-        ``encode_topk_logprobs`` and ``to_numpy``."""
+        """Append planned batch ``batch``: one token-major array per stored field (``self.fields``),
+        as stored (see ``encode_hidden``, ``encode_topk_logprobs``, ``to_numpy``)."""
         if batch != self.next_batch:
             raise CacheError(f"shard {self.shard_id:05d}: batch {batch} written out of order (expected {self.next_batch})")
         s0, s1 = self.batch_samples(batch)
@@ -734,13 +639,9 @@ class ShardWriter:
         self._flush(final=False)
 
     def _flush(self, final: bool) -> None:
-        """Write each array's whole chunks (and, when ``final``, its partial last one) from
-        its buffer.
-
-        A buffer always starts on a chunk boundary of its array; after a final flush it
-        keeps the partial chunk it wrote, so the next flush rewrites that chunk whole. Only
-        that first chunk can hold committed rows (those before ``committed["tokens"]``).
-        """
+        """Write each array's whole chunks (and, when ``final``, its partial last one). A buffer
+        starts on a chunk boundary and, after a final flush, keeps the partial chunk it wrote, so
+        the next flush rewrites it whole; only that first chunk can hold committed rows."""
         end, committed = self._end, self.committed["tokens"]
         for f in self.fields:
             C, start = self.chunks[f], self._tail_start[f]
@@ -783,8 +684,7 @@ class ShardWriter:
 
 
 def _compute_mismatch(shard_id: int, name: str, recorded: dict, compute: dict, commit: dict) -> str:
-    keys = sorted(set(recorded) | set(compute))
-    diff = "; ".join(f"{k}: {recorded.get(k)!r} then, {compute.get(k)!r} now" for k in keys
+    diff = "; ".join(f"{k}: {recorded.get(k)!r} then, {compute.get(k)!r} now" for k in sorted(set(recorded) | set(compute))
                      if recorded.get(k) != compute.get(k))
     return (f"shard {shard_id:05d} has {commit['samples']} samples computed elsewhere ({diff}); resuming it here "
             "would mix two numerics in one shard. Rerun it where it was started, or delete the folder "
@@ -794,77 +694,53 @@ def _compute_mismatch(shard_id: int, name: str, recorded: dict, compute: dict, c
 # ----------------------------------------------------------------------------- reader
 
 
-def bf16_from_bits(bits: np.ndarray) -> torch.Tensor:
-    return torch.from_numpy(np.ascontiguousarray(bits).view(np.int16)).view(torch.bfloat16)
-
-
-def bf16_to_bits(x: torch.Tensor) -> np.ndarray:
-    return x.contiguous().view(torch.int16).cpu().numpy().view(np.uint16)
-
-
 @dataclass
 class ShardInfo:
-    shard_id: int
-    planned_samples: int
-    planned_tokens: int
-    samples: int
-    tokens: int
-    complete: bool
-    skipped: dict[str, int]
-    record: ShardState | None = None
-    """The shard's whole recorded state (commit point, plan, what computed it)."""
+    """One shard as a reader sees it."""
 
-    @property
-    def state(self) -> str:
-        if self.complete:
-            return "complete"
-        return "empty" if self.samples == 0 else "partial"
+    shard_id: int
+    record: ShardState
+    """The shard's whole recorded state (commit point, plan, what computed it)."""
+    samples = property(lambda self: self.record.commit.samples)
+    tokens = property(lambda self: self.record.commit.tokens)
+    planned_samples = property(lambda self: self.record.planned.samples)
+    planned_tokens = property(lambda self: self.record.planned.tokens)
+    complete = property(lambda self: self.record.complete)
+    skipped = property(lambda self: self.record.skipped)
+    state = property(lambda self: self.record.status)
 
 
 class CacheReader:
     """Random access by global sample index over the committed samples of every shard.
 
-    Picklable: a DataLoader worker process reopens the store lazily after fork. Opening
-    reads the shards' states and offsets only; every other array is opened when first asked
-    for (``source_index`` included), so a reader of some fields never touches the others.
+    Picklable: a DataLoader worker reopens the store lazily. Opening reads the shards' states
+    and offsets only; every other array is opened when first asked for.
     """
 
     def __init__(self, path: str, storage_options: dict | None = None, shard_ids: Iterable[int] | None = None):
         """``shard_ids``: open only these shards (e.g. one node's, while other nodes write theirs)."""
-        self.path = path
-        self.storage_options = storage_options
-        self._root = None
+        self.path, self.storage_options = path, storage_options
         self._arrays: dict[tuple[int, str], zarr.Array] = {}
-        root = self.root
-        attrs = root.attrs.get(ATTRS_KEY)
-        if attrs is None:
-            raise CacheError(f"{path}: a Zarr store but not a dflash cache (no '{ATTRS_KEY}' attribute)")
-        self.spec = CacheSpec.from_dict(attrs)
+        self._root, self.spec = open_spec(path, storage_options)
         self.shards: list[ShardInfo] = []
-        offsets = []
-        if "shards" in root:
-            wanted = None if shard_ids is None else {f"{s:05d}" for s in shard_ids}
-            names = sorted(root["shards"].group_keys()) if wanted is None else sorted(
-                n for n in wanted if f"shards/{n}" in root)
+        self._offsets = []
+        if "shards" in self.root:
+            names = sorted(self.root["shards"].group_keys()) if shard_ids is None else sorted(
+                n for n in {f"{s:05d}" for s in shard_ids} if f"shards/{n}" in self.root)
             for name in names:
-                if not shard_recorded(root["shards"][name]):
+                if not shard_recorded(self.root["shards"][name]):
                     continue  # being created: nothing in it is committed
-                state = read_shard_state(root["shards"][name])
-                c = state.commit
-                info = ShardInfo(int(name), state.planned.samples, state.planned.tokens, c.samples, c.tokens,
-                                 state.complete, dict(state.skipped), record=state)
-                self.shards.append(info)
+                self.shards.append(ShardInfo(int(name), read_shard_state(self.root["shards"][name])))
+                c = self.shards[-1].record.commit
                 off = (np.asarray(self._array(len(self.shards) - 1, "offsets")[: c.samples + 1]) if c.samples
                        else np.zeros(1, np.int64))
                 if off[-1] != c.tokens:
                     raise CacheError(f"{path}: shard {name}: offsets disagree with its commit record")
-                offsets.append(off)
-        self._offsets = offsets
+                self._offsets.append(off)
         self._sources: list[np.ndarray | None] = [None] * len(self.shards)
         counts = np.array([s.samples for s in self.shards], dtype=np.int64)
         self._starts = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
 
-    # -- plumbing
     @property
     def root(self) -> zarr.Group:
         if self._root is None:
@@ -873,30 +749,24 @@ class CacheReader:
 
     def _array(self, pos: int, name: str) -> zarr.Array:
         """Array ``name`` of the shard at ``pos``, opened on first use and kept open."""
-        key = (pos, name)
-        if key not in self._arrays:
+        if (pos, name) not in self._arrays:
             shard = f"{self.shards[pos].shard_id:05d}"
             try:
-                self._arrays[key] = self.root["shards"][shard][name]
+                self._arrays[pos, name] = self.root["shards"][shard][name]
             except KeyError:
                 raise CacheError(f"{self.path}: shard {shard} has no array {name}") from None
-        return self._arrays[key]
+        return self._arrays[pos, name]
 
     def _source(self, pos: int) -> np.ndarray:
         """The committed part of ``source_index`` of the shard at ``pos`` (read once)."""
         if self._sources[pos] is None:
             n = self.shards[pos].samples
-            self._sources[pos] = (np.asarray(self._array(pos, "source_index")[:n]) if n
-                                  else np.zeros(0, np.int64))
+            self._sources[pos] = np.asarray(self._array(pos, "source_index")[:n]) if n else np.zeros(0, np.int64)
         return self._sources[pos]
 
     def __getstate__(self):
-        state = self.__dict__.copy()
-        state["_root"] = None
-        state["_arrays"] = {}
-        return state
+        return {**self.__dict__, "_root": None, "_arrays": {}}
 
-    # -- sizes
     def __len__(self) -> int:
         return int(self._starts[-1])
 
@@ -922,27 +792,18 @@ class CacheReader:
         return (np.concatenate([self._source(p) for p in range(len(self.shards))]) if self.shards
                 else np.zeros(0, np.int64))
 
-    def token_range(self, index: int) -> tuple[int, int, int]:
-        pos, j = self.locate(index)
-        off = self._offsets[pos]
-        return pos, int(off[j]), int(off[j + 1])
-
-    # -- data
     def read_raw(self, index: int, fields: Iterable[str] = TOKEN_FIELDS) -> dict[str, np.ndarray]:
-        """Stored (numpy) arrays of one sample, as stored (``spec.token_fields``: a lossy
-        ``hidden`` is its payload, ``hidden_scale`` its scales); a corrupted chunk raises
-        CacheError naming it."""
-        pos, t0, t1 = self.token_range(index)
-        shard = self.shards[pos]
+        """One sample's arrays as stored (a lossy ``hidden`` is its payload, ``hidden_scale`` its
+        scales); a corrupted chunk raises CacheError naming it."""
+        pos, j = self.locate(index)
+        t0, t1 = int(self._offsets[pos][j]), int(self._offsets[pos][j + 1])
         out = {}
         for f in fields:
             try:
                 out[f] = np.asarray(self._array(pos, f)[t0:t1])
             except Exception as e:
-                raise CacheError(
-                    f"{self.path}: shard {shard.shard_id:05d} sample {index} (tokens {t0}:{t1}) "
-                    f"array {f}: cannot read: {type(e).__name__}: {e}"
-                ) from e
+                raise CacheError(f"{self.path}: shard {self.shards[pos].shard_id:05d} sample {index} (tokens {t0}:{t1}) "
+                                 f"array {f}: cannot read: {type(e).__name__}: {e}") from e
         return out
 
     def __getitem__(self, index: int) -> dict[str, Any]:
@@ -950,17 +811,15 @@ class CacheReader:
 
     def read(self, index: int, fields: Iterable[str] = TOKEN_FIELDS, decode: bool = True) -> dict[str, Any]:
         """One sample as torch tensors plus its ``source_index``: ``hidden`` (T, L, D) bf16 and
-        ``topk_logprobs`` float32 whatever the cache's encoding. Only the arrays named in
-        ``fields`` are opened and read (training without distillation never touches the top-k
-        arrays). ``decode=False`` on a lossy cache gives ``hidden`` as its uint8 payload
-        (T, L, W) and ``hidden_scale`` (T, L, G), for ``decode_hidden`` to decode elsewhere."""
+        ``topk_logprobs`` float32 whatever the encoding; only the arrays in ``fields`` are read.
+        ``decode=False`` on a lossy cache gives the payload (T, L, W) and ``hidden_scale``
+        (T, L, G), for ``decode_hidden`` to decode elsewhere (on the GPU)."""
         fields = tuple(fields)
         unknown = set(fields) - set(TOKEN_FIELDS)
         if unknown:
             raise ValueError(f"unknown cache fields {sorted(unknown)}; the cache stores {TOKEN_FIELDS}")
         lossy = "hidden" in fields and self.spec.codec.lossy
         raw = self.read_raw(index, fields + ((HIDDEN_SCALE,) if lossy else ()))
-        pos, j = self.locate(index)
         convert = {
             "input_ids": lambda a: torch.from_numpy(a.astype(np.int64)),
             "loss_mask": lambda a: torch.from_numpy(a.astype(bool)),
@@ -975,11 +834,12 @@ class CacheReader:
                 out["hidden"] = decode_hidden(self.spec, raw)  # (T, L, D) bfloat16
             else:
                 out["hidden"], out[HIDDEN_SCALE] = torch.from_numpy(raw["hidden"]), torch.from_numpy(raw[HIDDEN_SCALE])
+        pos, j = self.locate(index)
         return {**out, "source_index": int(self._source(pos)[j])}
 
     def id_counts(self, minlength: int = 0, batch_chunks: int = 16) -> np.ndarray:
-        """Occurrences of every token id in the committed ``input_ids`` (indexed by id, at least
-        ``vocab_size`` and ``minlength`` long): a pass over whole chunks, ``batch_chunks`` at a time."""
+        """Occurrences of every token id in the committed ``input_ids`` (at least ``vocab_size``
+        and ``minlength`` long), read ``batch_chunks`` whole chunks at a time."""
         counts = np.zeros(max(self.spec.vocab_size, minlength), np.int64)
         for pos, shard in enumerate(self.shards):
             array = self._array(pos, "input_ids")
@@ -996,33 +856,22 @@ class CacheReader:
                 counts += found
         return counts
 
-    # -- contract with training
-    def check_compatible(
-        self,
-        *,
-        layer_ids: list[int] | None = None,
-        hidden_size: int | None = None,
-        vocab_size: int | None = None,
-        tokenizer_hash: str | None = None,
-        num_target_layers: int | None = None,
-    ) -> None:
+    def check_compatible(self, *, layer_ids: list[int] | None = None, hidden_size: int | None = None,
+                         vocab_size: int | None = None, tokenizer_hash: str | None = None,
+                         num_target_layers: int | None = None) -> None:
         """Raise CacheMismatch naming every way this cache cannot serve the request."""
         s = self.spec
         problems = []
-        if layer_ids is not None:
-            missing = [i for i in layer_ids if i not in s.layer_ids]
-            if missing:
-                problems.append(f"layers {missing} are not stored (cache has layer ids {s.layer_ids})")
-        if hidden_size is not None and hidden_size != s.hidden_size:
-            problems.append(f"hidden size: cache has {s.hidden_size}, need {hidden_size}")
-        if vocab_size is not None and vocab_size != s.vocab_size:
-            problems.append(f"vocabulary size: cache has {s.vocab_size}, need {vocab_size}")
-        if num_target_layers is not None and num_target_layers != s.num_target_layers:
-            problems.append(f"target layer count: cache has {s.num_target_layers}, need {num_target_layers}")
-        if tokenizer_hash is not None:
-            have = s.fingerprint.get("tokenizer", {}).get("hash")
-            if have != tokenizer_hash:
-                problems.append(f"tokenizer: cache was made with tokenizer hash {have}, need {tokenizer_hash}")
+        missing = [i for i in layer_ids or () if i not in s.layer_ids]
+        if missing:
+            problems.append(f"layers {missing} are not stored (cache has layer ids {s.layer_ids})")
+        for what, need, have in (("hidden size", hidden_size, s.hidden_size), ("vocabulary size", vocab_size, s.vocab_size),
+                                 ("target layer count", num_target_layers, s.num_target_layers)):
+            if need is not None and need != have:
+                problems.append(f"{what}: cache has {have}, need {need}")
+        have = s.fingerprint.get("tokenizer", {}).get("hash")
+        if tokenizer_hash is not None and have != tokenizer_hash:
+            problems.append(f"tokenizer: cache was made with tokenizer hash {have}, need {tokenizer_hash}")
         if len(self) == 0:
             problems.append("the cache holds no committed samples")
         if problems:

@@ -1,31 +1,25 @@
 """``dflash-cache convert``: re-encode a finished cache into another layout, without the target.
 
-The converted cache has the source's plan, shard by shard (the same samples, order, batches,
-source rows and skip counts), written through the same ``ShardWriter`` as extraction, so it
-is chunked, compressed and checksummed like an extracted cache and resumes the same way: a
-rerun after a crash (``kill -9`` included) continues each shard from its last commit, and
-the result is identical to an unbroken run's. What changes is only how the values are
-stored: the current format version with its chunking (``--chunk-tokens``), the zstd level,
-the hidden states' codec (lossy fp8/int8/int4 or lossless bf16) and the top-k log-probs'
-precision. An array whose encoding does not change is copied as stored; one whose encoding
-changes is decoded and encoded again with the cache's own codec functions, as extraction
-encodes. The fingerprint is the source's with the new settings (and, where the source's
-values were lossy and are re-encoded, that encoding under ``decoded_from``: such values are
-not those of a direct conversion of the lossless cache); ``info.converted_from`` records the
-source's path, fingerprint digest and storage settings.
+Each shard keeps the source's plan (samples, order, batches, source rows, skips) and is written
+through extraction's ``ShardWriter``, so it is chunked, checksummed and resumed alike: a rerun
+after a crash continues from the last commit and ends identical to an unbroken run. Only the
+storage changes (format, chunking, zstd level, hidden codec, top-k precision): an array whose
+encoding is unchanged is copied as stored, the others are decoded and encoded again with the
+cache's own codec functions. The fingerprint is the source's with the new settings (values
+re-encoded from a lossy source also name that encoding under ``decoded_from``);
+``info.converted_from`` records the source's path, fingerprint digest and storage.
 """
 
 from __future__ import annotations
 
 import copy
 import dataclasses
-import hashlib
-import json
 import os
 import signal
 import sys
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -34,11 +28,12 @@ import torch
 import zarr
 
 from dflash.shared.cache import (
-    HIDDEN_SCALE, CacheError, CacheMismatch, CacheReader, CacheSpec, ShardPlan,
-    ShardWriter, create_or_open_cache, decode_hidden, decode_topk_logprobs, encode_hidden, encode_topk_logprobs,
-    read_shard_state, shard_name, shard_recorded, to_numpy, writer_zarr_settings,
+    HIDDEN_SCALE, CacheError, CacheMismatch, CacheReader, CacheSpec, ShardPlan, ShardWriter, create_or_open_cache,
+    decode_hidden, decode_topk_logprobs, encode_hidden, encode_topk_logprobs, read_shard_state, shard_name,
+    shard_recorded, to_numpy, writer_zarr_settings,
 )
 from dflash.shared.compression import ZSTD_LEVELS, HiddenCodecName, ScaleDtype, TopkDtype, is_local
+from dflash.shared.fingerprint import fingerprint_digest
 from dflash.shared.shard_lock import ShardLock, ShardLocked, live_holders
 
 
@@ -82,12 +77,6 @@ class ConvertSettings:
             raise ValueError(f"--read-mib must be positive, got {self.read_mib}")
         if self.commit_seconds < 0:
             raise ValueError(f"--commit-seconds must be 0 or more, got {self.commit_seconds}")
-
-
-def fingerprint_digest(fingerprint: dict[str, Any]) -> str:
-    """sha256 of a fingerprint's canonical JSON: names one source cache's content in a line."""
-    text = json.dumps(fingerprint, sort_keys=True, default=str, separators=(",", ":"))
-    return "sha256:" + hashlib.sha256(text.encode()).hexdigest()
 
 
 def _location(path: str) -> str:
@@ -178,12 +167,11 @@ class Interrupted(Exception):
 
 
 class StopFlag:
-    """Set by the first SIGINT while installed (a second one interrupts at once, as usual), so
-    that the conversion stops between two reads, after a commit."""
+    """Set by the first SIGINT while installed, so that the conversion stops between two reads,
+    after a commit; a second SIGINT interrupts at once, as usual."""
 
-    def __init__(self):
-        self.asked = False
-        self._previous = None
+    asked = False
+    _previous = None
 
     def __enter__(self) -> "StopFlag":
         if threading.current_thread() is threading.main_thread():
@@ -201,55 +189,42 @@ class StopFlag:
             signal.signal(signal.SIGINT, self._previous)
 
 
-class NonFiniteRows(ValueError):
-    """Tokens (of the data handed over) whose hidden states the lossy codec cannot encode."""
-
-    def __init__(self, rows: np.ndarray, codec: str):
-        self.rows = rows
-        super().__init__(f"{len(rows)} token(s) hold NaN or Inf hidden states, or magnitudes past the scales' "
-                         f"dtype ({codec}; --hidden-scale-dtype float32 holds larger ones)")
-
-
-class Reencoder:
-    """The stored token arrays of a source shard -> those of the converted one: each array
-    whose encoding is unchanged as it is, the others decoded (hidden states to float32) and
-    encoded again as extraction encodes them."""
-
-    def __init__(self, src: CacheSpec, dst: CacheSpec):
-        self.src, self.dst = src, dst
-        self.copy_hidden = src.codec == dst.codec
-        self.copy_topk = src.topk_dtype == dst.topk_dtype
-
-    def __call__(self, stored: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        out = {f: stored[f] for f in ("input_ids", "loss_mask", "topk_ids")}
-        if self.copy_hidden:
-            out.update({f: stored[f] for f in ("hidden", HIDDEN_SCALE) if f in stored})
-        else:
-            hidden = decode_hidden(self.src, stored, torch.float32)  # (T, L, D)
-            out.update({f: to_numpy(t) for f, t in encode_hidden(self.dst, hidden, validate=False).items()})
-            if HIDDEN_SCALE in out:  # NaN/Inf in, or a scale past its dtype, shows as a non-finite scale
-                scales = out[HIDDEN_SCALE]
-                finite = np.isfinite(scales.reshape(len(scales), -1)).all(axis=1)
-                if not finite.all():
-                    raise NonFiniteRows(np.flatnonzero(~finite), self.dst.codec.describe())
-        if self.copy_topk:
-            out["topk_logprobs"] = stored["topk_logprobs"]
-        else:
-            logprobs = decode_topk_logprobs(self.src, stored["topk_logprobs"])
-            out["topk_logprobs"] = to_numpy(encode_topk_logprobs(self.dst, logprobs))
-        return out
+def _reencode(src: CacheSpec, dst: CacheSpec, stored: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """A source shard's stored token arrays -> the converted shard's: each array whose encoding is
+    unchanged as it is, the others decoded (hidden states to float32) and encoded as extraction does."""
+    out = {f: stored[f] for f in ("input_ids", "loss_mask", "topk_ids")}
+    if src.codec == dst.codec:
+        out.update({f: stored[f] for f in ("hidden", HIDDEN_SCALE) if f in stored})
+    else:
+        hidden = decode_hidden(src, stored, torch.float32)  # (T, L, D)
+        out.update({f: to_numpy(t) for f, t in encode_hidden(dst, hidden, validate=False).items()})
+    out["topk_logprobs"] = stored["topk_logprobs"] if src.topk_dtype == dst.topk_dtype else to_numpy(
+        encode_topk_logprobs(dst, decode_topk_logprobs(src, stored["topk_logprobs"])))
+    return out
 
 
-def _row_bytes(arrays: dict[str, zarr.Array]) -> int:
-    """Stored bytes of one token over every token array."""
-    return sum(int(np.prod(a.shape[1:], dtype=np.int64)) * a.dtype.itemsize for a in arrays.values())
+def _check_scales(src: CacheSpec, dst: CacheSpec, data: dict[str, np.ndarray], plan: ShardPlan, t0: int,
+                  where: str) -> None:
+    """Refuse re-encoded scales that are not finite: NaN/Inf in, or a magnitude past their dtype."""
+    if src.codec == dst.codec or HIDDEN_SCALE not in data:
+        return
+    scales = data[HIDDEN_SCALE]
+    bad = np.flatnonzero(~np.isfinite(scales.reshape(len(scales), -1)).all(axis=1))
+    if len(bad):
+        token = t0 + int(bad[0])
+        sample = int(np.searchsorted(plan.offsets, token, side="right") - 1)
+        raise CacheError(f"{where}: {len(bad)} token(s) hold NaN or Inf hidden states, or magnitudes past the scales' "
+                         f"dtype ({dst.codec.describe()}; --hidden-scale-dtype float32 holds larger ones); the first in "
+                         f"sample {sample} of the shard (source row {int(plan.source_index[sample])}), token "
+                         f"{token - int(plan.offsets[sample])}; dflash-cache verify lists every one")
 
 
-def _convert_shard(src_group: zarr.Group, dst_root: zarr.Group, dst: str, shard_id: int, reencode: Reencoder,
+def _convert_shard(src_group: zarr.Group, dst_root: zarr.Group, dst: str, shard_id: int, specs: tuple,
                    settings: ConvertSettings, advance: Callable[[int], None], say: Callable[[str], None], where: str,
                    stop: StopFlag) -> dict[str, int]:
     """Convert one shard under its lock; returns its token counts (converted now, found done).
-    ``where`` names the source shard in errors; ``stop`` set: commit, then ``Interrupted``."""
+    ``specs``: (source, destination); ``where`` names the source shard in errors."""
+    src_spec, dst_spec = specs
     state = read_shard_state(src_group)
     plan = _source_plan(src_group, state)
     lock = ShardLock(dst, shard_id)
@@ -260,14 +235,15 @@ def _convert_shard(src_group: zarr.Group, dst_root: zarr.Group, dst: str, shard_
     try:
         if previous is not None:
             say(f"shard {shard_id:05d}: took over the lock of {previous.describe()}, which ended without releasing it")
-        writer = ShardWriter(dst_root, shard_id, plan, reencode.dst, compute=state.compute)
+        writer = ShardWriter(dst_root, shard_id, plan, dst_spec, compute=state.compute)
         writer.guard = lock.check
         done = writer.committed["tokens"]
         advance(done)
         if done and not writer.complete:
             say(f"shard {shard_id:05d}: resumed at batch {writer.next_batch:,} of {len(plan.batches) - 1:,}")
-        arrays = {f: src_group[f] for f in reencode.src.token_fields}
-        window = max(1, int(settings.read_mib * (1 << 20) / _row_bytes(arrays)))
+        arrays = {f: src_group[f] for f in src_spec.token_fields}
+        row_bytes = sum(int(np.prod(a.shape[1:], dtype=np.int64)) * a.dtype.itemsize for a in arrays.values())
+        window = max(1, int(settings.read_mib * (1 << 20) / row_bytes))  # tokens read at once
         offsets, batches = plan.offsets, plan.batches
         last_commit = time.monotonic()
         while not writer.complete:
@@ -277,21 +253,14 @@ def _convert_shard(src_group: zarr.Group, dst_root: zarr.Group, dst: str, shard_
             while b1 < len(batches) - 1 and offsets[batches[b1 + 1]] - t0 <= window:
                 b1 += 1
             t1 = int(offsets[batches[b1]])
-            try:
-                data = reencode({f: np.asarray(a[t0:t1]) for f, a in arrays.items()})
-            except NonFiniteRows as e:
-                token = t0 + int(e.rows[0])
-                sample = int(np.searchsorted(offsets, token, side="right") - 1)
-                raise CacheError(f"{where}: {e}; the first in sample {sample} of the shard (source row "
-                                 f"{int(plan.source_index[sample])}), token {token - int(offsets[sample])}; "
-                                 "dflash-cache verify lists every one") from None
+            data = _reencode(src_spec, dst_spec, {f: np.asarray(a[t0:t1]) for f, a in arrays.items()})
+            _check_scales(src_spec, dst_spec, data, plan, t0, where)
             for b in range(b0, b1):
                 s0, s1 = writer.batch_samples(b)
                 a, z = int(offsets[s0]) - t0, int(offsets[s1]) - t0
                 writer.write_batch(b, **{f: v[a:z] for f, v in data.items()})
             advance(t1 - t0)
-            if settings.delay_s:
-                time.sleep(settings.delay_s)
+            time.sleep(settings.delay_s)
             if stop.asked:
                 writer.commit()
                 raise Interrupted(f"shard {shard_id:05d} committed {writer.committed['tokens']:,} of "
@@ -305,29 +274,12 @@ def _convert_shard(src_group: zarr.Group, dst_root: zarr.Group, dst: str, shard_
         lock.release()
 
 
-def _map_shards(fn: Callable[[int], dict[str, int]], shard_ids: list[int], workers: int) -> list[dict[str, int]]:
-    """``fn`` over the shards, ``workers`` at a time; once all have ended, the first error that is
-    not a stop (``Interrupted``, which it causes in the others) is raised."""
-    if workers == 1:
-        return [fn(s) for s in shard_ids]
-    from concurrent.futures import ThreadPoolExecutor
-
-    with ThreadPoolExecutor(workers, thread_name_prefix="convert") as pool:
-        futures = [pool.submit(fn, s) for s in shard_ids]
-        errors = [f.exception() for f in futures]
-    failed = [e for e in errors if e is not None]
-    if failed:
-        raise next((e for e in failed if not isinstance(e, Interrupted)), failed[0])
-    return [f.result() for f in futures]
-
-
 def convert_cache(src: str, dst: str, settings: ConvertSettings | None = None, *, progress: bool = True,
                   say: Callable[[str], None] | None = None) -> dict[str, Any]:
     """Convert cache ``src`` into ``dst`` (created, or resumed where a conversion with the same
-    settings stopped); returns a summary: shards, samples, tokens converted now and found
-    done, seconds. Raises CacheError for a source that is not finished, a ``dst`` holding
-    another cache, or a shard of ``dst`` that another live process is writing; Interrupted
-    after a Ctrl-C, once the shard being converted has committed what it had."""
+    settings stopped); returns a summary. Raises CacheError for a source that is not finished, a
+    ``dst`` holding another cache, or a shard of ``dst`` another live process writes; Interrupted
+    after a Ctrl-C, once the shards being converted have committed what they had."""
     from tqdm import tqdm
 
     settings = settings or ConvertSettings()
@@ -337,7 +289,6 @@ def convert_cache(src: str, dst: str, settings: ConvertSettings | None = None, *
     reader = CacheReader(src)
     _check_source(reader, src)
     spec = converted_spec(reader.spec, settings, src)
-    reencode = Reencoder(reader.spec, spec)
     t_start = time.monotonic()
     try:
         dst_root = create_or_open_cache(dst, spec, replace_uncommitted=True)
@@ -347,7 +298,6 @@ def convert_cache(src: str, dst: str, settings: ConvertSettings | None = None, *
     bar = tqdm(total=reader.num_tokens, unit="tok", unit_scale=True, desc="convert", file=sys.stderr,
                dynamic_ncols=True, disable=not progress)
     say = say or (lambda message: bar.write(f"dflash-cache convert: {message}", file=sys.stderr))
-    totals = {"tokens_converted": 0, "tokens_found_done": 0}
     lock = threading.Lock()
 
     def advance(tokens: int) -> None:
@@ -362,17 +312,25 @@ def convert_cache(src: str, dst: str, settings: ConvertSettings | None = None, *
                 if stop.asked:  # another shard failed or Ctrl-C came: do not start this one
                     return {}
                 try:
-                    return _convert_shard(src_root[shard_name(shard_id)], dst_root, dst, shard_id, reencode,
+                    return _convert_shard(src_root[shard_name(shard_id)], dst_root, dst, shard_id, (reader.spec, spec),
                                           settings, advance, say, where=f"{src} shard {shard_id:05d}", stop=stop)
                 except BaseException:
                     stop.asked = True  # the shards being converted commit and stop
                     raise
 
-            for counts in _map_shards(convert_one, [s.shard_id for s in reader.shards], settings.workers):
-                for k, v in counts.items():
-                    totals[k] += v
+            ids = [s.shard_id for s in reader.shards]
+            if settings.workers == 1:  # in this thread, where a second Ctrl-C stops it at once
+                results = [convert_one(s) for s in ids]
+            else:
+                with ThreadPoolExecutor(settings.workers, thread_name_prefix="convert") as pool:
+                    futures = [pool.submit(convert_one, s) for s in ids]
+                failed = [f.exception() for f in futures if f.exception() is not None]
+                if failed:  # the first error that is not a stop (which it caused in the others)
+                    raise next((e for e in failed if not isinstance(e, Interrupted)), failed[0])
+                results = [f.result() for f in futures]
     finally:
         bar.close()
+    totals = {k: sum(r.get(k, 0) for r in results) for k in ("tokens_converted", "tokens_found_done")}
     seconds = time.monotonic() - t_start
     return {"source": _location(src), "destination": dst, "shards": len(reader.shards), "samples": len(reader),
             "tokens": reader.num_tokens, **totals, "seconds": round(seconds, 3),

@@ -84,3 +84,8 @@ def tokenizer_fingerprint(tokenizer) -> dict[str, Any]:
         "eos_token_id": tokenizer.eos_token_id,
         "pad_token_id": tokenizer.pad_token_id,
     }
+
+
+def fingerprint_digest(fingerprint: dict[str, Any]) -> str:
+    """sha256 of a fingerprint's canonical JSON: names one cache's content in a line."""
+    return "sha256:" + _sha(json.dumps(fingerprint, sort_keys=True, default=str, separators=(",", ":")))

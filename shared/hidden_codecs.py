@@ -1,21 +1,16 @@
 """Codecs for cached hidden states: ``[tokens, layers, D]`` <-> stored bytes (+ scales).
 
 * ``bf16``: lossless, the bf16 bits as they are (the cache's default; nothing to encode).
-* ``fp8``: float8 e4m3 with one scale per (token, layer), the row's absolute maximum over
-  448 (e4m3's largest value): 1 byte per value, a float's relative precision (3 mantissa
-  bits) whatever the row's outliers.
-* ``int8`` / ``int4``: symmetric integers with one scale per group of ``group_size``
-  consecutive channels (absolute maximum over 127 or 7): 1 or 1/2 byte per value. An
-  outlier channel sets the step of its whole group, so the group's other channels lose
-  precision in proportion.
+* ``fp8``: float8 e4m3 with one scale per (token, layer), the row's absolute maximum over 448:
+  1 byte per value, a float's relative precision whatever the row's outliers.
+* ``int8`` / ``int4``: symmetric integers with one scale per group of ``group_size`` channels
+  (absolute maximum over 127 or 7): 1 or 1/2 byte per value; an outlier sets its group's step.
 
-Scales are stored as float16 (or float32), rounded up where rounding would push a value
-past the integer range, so every value's error stays within half a quantisation step.
-int4 packs two values per byte: channel 2i in the low nibble, 2i + 1 in the high one, each
-stored as ``q + 8`` (``q`` in [-7, 7]). The lossless stage (byte shuffle + zstd) runs after
-these, in the cache writer. Encoding and decoding are plain tensor ops that run on any
-device without a host sync; decoding gives bitwise the same values on the CPU and the GPU
-(one exact conversion, one correctly rounded multiply, one rounding to the output dtype).
+Scales are float16 (or float32), rounded up where rounding would push a value past the integer
+range, so every error stays within half a step. int4 packs channel 2i in the low nibble and
+2i + 1 in the high one, each as ``q + 8``. Encoding and decoding are plain tensor ops without a
+host sync; decoding gives bitwise the same values on the CPU and the GPU (one exact conversion,
+one correctly rounded multiply, one rounding to the output dtype).
 """
 
 from __future__ import annotations
@@ -71,12 +66,8 @@ class HiddenCodec:
         return _SCALE_DTYPES[self.scale_dtype]
 
     def describe(self) -> str:
-        """'bf16', 'fp8 (float16 scale per token and layer)', 'int4 (groups of 128, float16 scales)'."""
-        if self.mode == "bf16":
-            return "bf16 (lossless)"
-        if self.mode == "fp8":
-            return f"fp8 e4m3 ({self.scale_dtype} scale per token and layer)"
-        return f"{self.mode} (groups of {self.group_size}, {self.scale_dtype} scales)"
+        return {"bf16": "bf16 (lossless)", "fp8": f"fp8 e4m3 ({self.scale_dtype} scale per token and layer)"}.get(
+            self.mode, f"{self.mode} (groups of {self.group_size}, {self.scale_dtype} scales)")
 
     def check_hidden_size(self, hidden_size: int) -> None:
         """Raise ValueError unless rows of ``hidden_size`` channels split into whole groups."""
@@ -85,20 +76,16 @@ class HiddenCodec:
                              f"{self.group_size}; choose a group size that divides it")
 
     def groups(self, hidden_size: int) -> int:
-        """Scales per (token, layer) row (0 for bf16)."""
-        if self.mode == "bf16":
-            return 0
-        return 1 if self.mode == "fp8" else hidden_size // self.group_size
+        """Scales per (token, layer) row."""
+        return {"bf16": 0, "fp8": 1}.get(self.mode, hidden_size // self.group_size)
 
     def payload_width(self, hidden_size: int) -> int:
         """Payload bytes per (token, layer) row (bf16: 2 per channel)."""
-        if self.mode == "bf16":
-            return 2 * hidden_size
-        return hidden_size // 2 if self.mode == "int4" else hidden_size
+        return {"bf16": 2 * hidden_size, "int4": hidden_size // 2}.get(self.mode, hidden_size)
 
     def hidden_size(self, payload_width: int) -> int:
         """D from the payload bytes per row (the inverse of ``payload_width``)."""
-        return payload_width * 2 if self.mode == "int4" else payload_width // 2 if self.mode == "bf16" else payload_width
+        return {"bf16": payload_width // 2, "int4": payload_width * 2}.get(self.mode, payload_width)
 
     def bytes_per_token(self, num_layers: int, hidden_size: int) -> int:
         """Encoded bytes of one token's hidden states (payload + scales), before the lossless stage."""
@@ -120,7 +107,7 @@ class EncodedHidden:
 
 def _scales(amax: torch.Tensor, qmax: float, dtype: torch.dtype) -> torch.Tensor:
     """amax / qmax in ``dtype``, rounded up where the cast rounded down (so |x| / scale <= qmax);
-    0 for all-zero groups; Inf where it does not fit ``dtype``. No host sync."""
+    0 for all-zero groups; Inf where it does not fit ``dtype``."""
     exact = amax.double() / qmax
     stored = exact.to(dtype)
     bits = torch.int16 if dtype == torch.float16 else torch.int32
@@ -129,12 +116,9 @@ def _scales(amax: torch.Tensor, qmax: float, dtype: torch.dtype) -> torch.Tensor
 
 
 def encode(codec: HiddenCodec, hidden: torch.Tensor, validate: bool = True) -> EncodedHidden:
-    """``[T, L, D]`` float -> payload + scales, on ``hidden``'s device.
-
-    ``validate`` raises ValueError on NaN/Inf input and on scales that overflow their dtype
-    (both show as non-finite scales otherwise); it syncs with the device, so the extraction
-    worker skips it there and checks the scales on the host instead (``check_scales``).
-    """
+    """``[T, L, D]`` float -> payload + scales, on ``hidden``'s device. ``validate`` raises
+    ValueError on NaN/Inf input and on scales that overflow their dtype; it syncs with the device,
+    so extraction skips it and checks the scales on the host (``check_scales``)."""
     if not codec.lossy:
         raise ValueError("the bf16 hidden codec is lossless: the cache stores the bf16 bits, nothing to encode")
     if hidden.dim() != 3:

@@ -23,11 +23,9 @@ from datetime import datetime, timezone
 
 import filelock
 
-LOCKS_DIR = "locks"
-"""Folder of the lock files inside the cache (a Zarr group of its own, so that zarr lists no lock file)."""
+LOCKS_DIR = "locks"  # inside the cache, a Zarr group of its own, so that zarr lists no lock file
 HOST = socket.gethostname()
-ACQUIRE_WAIT_S = 0.1
-"""How long ``acquire`` retries a local lock: a ``probe`` holds it for an instant (and a refusal should be quick)."""
+ACQUIRE_WAIT_S = 0.1  # how long acquire retries a local lock: a probe holds it for an instant
 
 
 @dataclass
@@ -36,8 +34,7 @@ class LockHolder:
 
     host: str
     pid: int
-    since: float
-    """Epoch seconds when the lock was taken."""
+    since: float  # epoch seconds
     token: str
     """Unique per acquisition: tells this holder's record from a successor's."""
 
@@ -48,8 +45,7 @@ class LockHolder:
         return f"host {self.host}, pid {self.pid}, since {since}"
 
 
-UNRECORDED = LockHolder("", 0, 0.0, "")
-"""A holder whose record is not written whole yet."""
+UNRECORDED = LockHolder("", 0, 0.0, "")  # a holder whose record is not written whole yet
 
 
 class LockError(Exception):

@@ -22,15 +22,13 @@ Rules it enforces:
 from __future__ import annotations
 
 import logging
+import os
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterable, TypeVar
 
 import torch
-
-from dflash.shared import compile_cache
-from dflash.shared.compile_cache import CACHE_DIR_ENV, cache_counts, default_compile_cache  # noqa: F401 - re-exported
 
 from . import attention
 from .config import RuntimeConfig
@@ -155,7 +153,42 @@ def compile_then_freeze(run: Callable[[], T]) -> tuple[T, int]:
     return result, compile_count() - before
 
 
+CACHE_DIR_ENV = "TORCHINDUCTOR_CACHE_DIR"
+"""Where inductor keeps its FX graph, AOTAutograd and autotuning caches; read at each lookup."""
+
+
+def default_compile_cache() -> Path:
+    """``$TORCHINDUCTOR_CACHE_DIR`` when set, else ``~/.cache/dflash/compile`` (``$XDG_CACHE_HOME``
+    honoured): a folder that outlives the run, unlike torch's temporary default."""
+    if os.environ.get(CACHE_DIR_ENV):
+        return Path(os.environ[CACHE_DIR_ENV])
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "dflash" / "compile"
+
+
 def use_compile_cache(folder: str | None) -> Path:
-    """Keep torch.compile's persistent caches in ``folder`` (``shared/compile_cache.py``), from the main thread."""
+    """Keep torch.compile's persistent caches in ``folder`` (None: ``default_compile_cache``), so
+    a later run with the same shapes loads its graphs; call before the first compile."""
     require_main_thread("compile.use_compile_cache")
-    return compile_cache.use_compile_cache(folder)
+    path = (Path(folder).expanduser() if folder else default_compile_cache()).resolve()
+    if any(c.isspace() for c in str(path)):
+        raise ValueError(f"compile cache folder {str(path)!r} has a space in its path: inductor's C++ build "
+                         "commands split paths at spaces; choose another folder (--compile-cache)")
+    path.mkdir(parents=True, exist_ok=True)
+    os.environ[CACHE_DIR_ENV] = str(path)
+    import torch._functorch.config as functorch_config
+    import torch._inductor.config as inductor_config
+
+    if not (inductor_config.fx_graph_cache and functorch_config.enable_autograd_cache):
+        log.warning("inductor's FX graph cache or the AOTAutograd cache is disabled (TORCHINDUCTOR_FX_GRAPH_CACHE, "
+                    "TORCHINDUCTOR_AUTOGRAD_CACHE): compiled graphs will not be reused across runs")
+    return path
+
+
+def cache_counts() -> dict[str, int]:
+    """On-disk compile cache lookups of this process so far: hits, misses and bypasses."""
+    from torch._dynamo.utils import counters
+
+    fx, aot = counters["inductor"], counters["aot_autograd"]
+    return {f"{name}_{kind}": int(group[f"{key}_{kind}"]) for name, group, key in
+            (("fx_graph", fx, "fxgraph_cache"), ("aot_autograd", aot, "autograd_cache"))
+            for kind in ("hit", "miss", "bypass")}
