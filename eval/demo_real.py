@@ -166,7 +166,7 @@ def _run_real(out: Path, s: RealSettings, gguf: str | None, echo, stop_after: st
     _check_stop("regenerate", stop_after)
     stage = _stage("[3/5] extract", cache, stage, [
         "dflash.extract.cli", "--data", str(regen), "--model", str(target), "--out", str(cache),
-        *(["--gpus", "0"] if s.device == "cuda" else ["--device", "cpu", "--workers", "1"]),
+        *([] if s.device == "cuda" else ["--device", "cpu"]),
         "--max-length", str(max(s.train["context_buckets"])), "--on-bad-row", "skip",
         "--summary-json", str(out / "extract.json")], echo)
     times["extract"] = stage["seconds"]

@@ -19,8 +19,8 @@ def main(**kw) -> None:
     """Run the target over a chat dataset and write the DFlash hidden-state cache.
 
     Rerunning the same command resumes every shard at its last commit; on a complete
-    cache it is a no-op. Under torchrun (one process per node) each node runs its own
-    workers and shards.
+    cache it is a no-op. Alone it uses one device; under torchrun, one process per GPU
+    (torchrun --nproc-per-node N -m dflash.extract.cli ...), rank 0 printing the summary.
     """
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
     cfg = validated(build(ExtractConfig, kw))
@@ -35,6 +35,8 @@ def main(**kw) -> None:
     except ExtractFailed as e:
         click.echo(f"dflash-extract: error: {e}", err=True)
         sys.exit(1)
+    if summary is None:  # not rank 0
+        return
     if summary.get("noop"):
         click.echo(f"{cfg.out}: already complete, nothing to do")
     click.echo(format_summary(summary))

@@ -18,7 +18,6 @@ Device = Literal["cuda", "cpu"]
 TRUNCATION_POLICIES = get_args(Truncation)
 BAD_ROW_POLICIES = get_args(BadRowPolicy)
 DTYPES = get_args(Dtype)
-DEFAULT_GPUS = (0, 1, 2, 3, 4)
 RESERVED_TEMPLATE_KWARGS = frozenset({
     "conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
     "continue_final_message", "tokenize", "padding", "truncation", "max_length", "return_tensors",
@@ -85,17 +84,12 @@ class ExtractConfig:
     topk_dtype: TopkDtype = "float32"
     """Precision of the stored top-k log-probs (read back as float32)."""
 
-    # -- how it runs (not fingerprinted, except batch_tokens, lm_head_chunk and attn_implementation,
-    #    which change padding or roundings, and the shard count that follows from the workers)
+    # -- how it runs (not fingerprinted, except batch_tokens, lm_head_chunk, attn_implementation,
+    #    which change padding or roundings, and the shard count)
     device: Device = "cuda"
-    """'cuda' (--workers-per-gpu workers per GPU of --gpus) or 'cpu' (--workers processes)."""
-    gpus: list[int] = field(default_factory=lambda: list(DEFAULT_GPUS))
-    """CUDA device indices on this node."""
-    workers_per_gpu: int = 1
-    """Worker processes (each its own model copy, shard and writer) per GPU; one keeps an H200
-    busy (BENCHMARKS_LOG.md)."""
-    workers: int = 1
-    """CPU worker processes (only with --device cpu)."""
+    """'cuda' (cuda:LOCAL_RANK under torchrun, one process per GPU; cuda:0 alone) or 'cpu'."""
+    shards: int | None = None
+    """Shards of the cache: rank r of torchrun's W processes writes shards r, r + W, ...; default: W (1 alone)."""
     batch_tokens: int = 16384
     """Token budget of one forward batch, counting padding (batch size x longest sample)."""
     lm_head_chunk: int = 1024
@@ -107,7 +101,7 @@ class ExtractConfig:
     queue_depth: int = 2
     """Batches in flight between the forward loop and the writer thread (bounds host memory)."""
     cpu_threads: int | None = None
-    """torch threads per CPU worker; default: the machine's cores divided by the workers."""
+    """torch threads of each CPU process; default: the machine's cores divided by torchrun's LOCAL_WORLD_SIZE."""
     compile_cache: str | None = None
     """Folder of compiled graphs kept between runs (the LM head's, on CUDA; None: $TORCHINDUCTOR_CACHE_DIR or ~/.cache/dflash/compile)."""
     summary_json: str | None = None
@@ -123,8 +117,6 @@ class ExtractConfig:
     """With --plan: print the plan as one JSON document instead of the report."""
     ignore_free_space: bool = False
     """Start even where the output's free space is below the estimate of what the run still has to write."""
-    wait_for_root_s: float = 600.0
-    """Multi-node: how long non-zero ranks wait for rank 0 to create the cache root."""
     batch_delay_s: float = field(default=0.0, metadata={"hidden": True})
     """Sleep after each batch (tests only: makes a run slow enough to interrupt midway)."""
 
@@ -134,22 +126,15 @@ class ExtractConfig:
         if self.compression_level not in ZSTD_LEVELS:
             raise ValueError(f"--compression-level {self.compression_level}: the cache's codec (zstd inside blosc) "
                              f"runs at zstd levels {', '.join(map(str, ZSTD_LEVELS))} only")
-        if self.device == "cuda" and not self.gpus:
-            raise ValueError("--gpus is empty")
-        if self.device == "cuda" and len(set(self.gpus)) != len(self.gpus):
-            raise ValueError(f"--gpus lists a device twice: {self.gpus}")
-        if self.workers_per_gpu < 1:
-            raise ValueError(f"workers_per_gpu must be at least 1, got {self.workers_per_gpu}")
-        if self.device == "cpu" and self.workers < 1:
-            raise ValueError("--workers must be at least 1")
         for name in ("topk", "max_length", "min_length", "batch_tokens", "lm_head_chunk", "chunk_tokens",
                      "queue_depth"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
         if self.commit_seconds < 0:
             raise ValueError(f"commit_seconds must be 0 or more, got {self.commit_seconds}")
-        if self.cpu_threads is not None and self.cpu_threads < 1:
-            raise ValueError(f"cpu_threads must be at least 1, got {self.cpu_threads}")
+        for name in ("cpu_threads", "shards"):
+            if getattr(self, name) is not None and getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
         try:
             self.codec
         except ValueError as e:
@@ -193,17 +178,6 @@ class ExtractConfig:
     def render_kwargs(self) -> dict[str, Any]:
         """The keyword arguments of ``extract.chat.render`` that come from these settings."""
         return {"end_of_turn": self.end_of_turn, "template_kwargs": dict(self.template_kwargs)}
-
-    @property
-    def local_workers(self) -> int:
-        return len(self.gpus) * self.workers_per_gpu if self.device == "cuda" else self.workers
-
-    @property
-    def worker_devices(self) -> list[str]:
-        """The device of each local worker, in shard order (a GPU's workers side by side)."""
-        if self.device != "cuda":
-            return ["cpu"] * self.workers
-        return [f"cuda:{g}" for g in self.gpus for _ in range(self.workers_per_gpu)]
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
