@@ -108,7 +108,7 @@ def main():
     from dflash.extract.config import ExtractConfig
     from dflash.extract.data import load_source
     from dflash.extract.plan import plan_shard
-    from dflash.extract.runner import build_spec, node_layout, prepare_root
+    from dflash.extract.runner import build_spec, prepare_root
     from dflash.extract.target import TargetRunner, head_backend_for, load_target
     from dflash.extract.worker import WorkerTask, run_shard
 
@@ -117,7 +117,7 @@ def main():
     cuda = args.device == "cuda"
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     cfg = ExtractConfig(data=str(data), model=str(model_dir), out=str(out), max_length=args.length,
-                        batch_tokens=args.batch_tokens, device=args.device, gpus=[0], progress=False,
+                        batch_tokens=args.batch_tokens, device=args.device, progress=False,
                         dtype="bfloat16" if cuda else "float32")
     cfg.validate()
     tok = AutoTokenizer.from_pretrained(model_dir)
@@ -175,7 +175,7 @@ def main():
         shutil.rmtree(out, ignore_errors=True)
         vcfg = dataclasses.replace(cfg, **overrides)
         vspec = build_spec(vcfg, tok, AutoConfig.from_pretrained(model_dir), ds, 1)  # the codec is in the spec
-        prepare_root(vcfg, vspec, node_layout())
+        prepare_root(vcfg, vspec)
         events = {}
 
         def report(kind, **f):

@@ -11,9 +11,9 @@ import os
 import sys
 
 
-ORDER = ("tokenizer_and_config", "dataset_load", "fingerprint", "cache_root", "spawn", "workers_start", "planning",
-         "writer_start", "forward_loop", "drain_and_exit", "summary")
-"""The runner's phases in the order they follow each other (the summary JSON sorts its keys)."""
+ORDER = ("tokenizer_and_config", "dataset_load", "fingerprint", "cache_root", "planning", "writer_start",
+         "forward_loop", "drain_and_exit", "summary")
+"""Rank 0's phases in the order they follow each other (the summary JSON sorts its keys)."""
 
 
 def main() -> None:
