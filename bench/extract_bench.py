@@ -23,7 +23,6 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from dflash.extract.cpu_time import process_cpu_seconds
 
 
 def build(work: Path, args) -> tuple[Path, Path]:
@@ -181,7 +180,7 @@ def main():
         def report(kind, **f):
             if kind == "started":
                 events["start"] = time.perf_counter()
-                events["cpu0"] = process_cpu_seconds()
+                events["cpu0"] = time.process_time()
             elif kind == "timing":
                 events["timing"] = f
 
@@ -193,7 +192,7 @@ def main():
         # start to the last one's end, elsewhere the loop up to its last batch; the rest of the
         # wall time (the last batch's writes and the final commit) is paid once per shard
         t_steady = timing["gpu_busy"] + timing["gpu_gap"] if cuda else timing["loop_s"] - timing["drain_s"]
-        cores = (process_cpu_seconds() - events["cpu0"]) / t_extract
+        cores = (time.process_time() - events["cpu0"]) / t_extract
         stored = sum(f.stat().st_size for f in out.rglob("*") if f.is_file())
         hidden_stored = sum(f.stat().st_size for name in ("hidden", "hidden_scale")
                             for f in (out / "shards" / "00000" / name).rglob("*") if f.is_file())

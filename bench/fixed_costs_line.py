@@ -32,7 +32,7 @@ def main() -> None:
         "forward_loop_s": seconds.get("forward_loop"),
         "after_last_batch_s": round(t1 - t0 - ends["forward_loop"], 2) if "forward_loop" in ends else None,
         **seconds,
-        "worker": {k: v for k, v in worker.items() if k.endswith("_s") and k != "cpu_threads_s"},
+        "worker": {k: v for k, v in worker.items() if k.endswith("_s")},
     }
     print(json.dumps(line))
 

@@ -40,7 +40,6 @@ from dflash.shared.hidden_codecs import check_scales
 from dflash.shared.shard_lock import LockError, ShardLock, ShardLocked
 
 from .config import ExtractConfig
-from .cpu_time import thread_cpu, thread_cpu_by_name
 from .data import DataError, load_source
 from .plan import PlannedShard, plan_shard, shard_rows
 from .target import TargetRunner, compute_environment, head_backend_for, load_target
@@ -325,7 +324,7 @@ def _extract(cfg: ExtractConfig, planned: PlannedShard, writer: ShardWriter, dev
     pad_id = pad_id if pad_id is not None else 0
     offsets = plan.offsets
     report("started")
-    t_loop, cpu_loop, threads_cpu = time.perf_counter(), time.process_time(), thread_cpu()
+    t_loop, cpu_loop = time.perf_counter(), time.process_time()
 
     thread = WriterThread(writer, planned, depth=cfg.queue_depth, commit_seconds=cfg.commit_seconds, report=report)
     copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
@@ -364,13 +363,10 @@ def _extract(cfg: ExtractConfig, planned: PlannedShard, writer: ShardWriter, dev
             pass
         raise
     t_drain = time.perf_counter()
-    threads_after = thread_cpu()  # while the writer thread is alive
     thread.close(finish=not stopped)
     t_end = time.perf_counter()
-    cpu_main = time.process_time() - cpu_loop
-    timing.update(loop_s=round(t_end - t_loop, 3), cpu_s=round(cpu_main, 3), cpu_main_s=round(cpu_main, 3),
-                  drain_s=round(t_end - t_drain, 3), **{k: round(v, 3) for k, v in thread.seconds.items()},
-                  cpu_threads_s=thread_cpu_by_name(threads_cpu, threads_after))
+    timing.update(loop_s=round(t_end - t_loop, 3), cpu_s=round(time.process_time() - cpu_loop, 3),
+                  drain_s=round(t_end - t_drain, 3), **{k: round(v, 3) for k, v in thread.seconds.items()})
     if copy_stream is not None:
         timing.update({k: round(v, 3) for k, v in thread.gpu.items()})
     if stopped:
