@@ -259,6 +259,9 @@ def run(cfg: ExtractConfig) -> dict[str, Any] | None:
     if group:
         dist.init_process_group("gloo", rank=rank, world_size=world, timeout=MEETING_TIMEOUT)
         signal.signal(signal.SIGTERM, signal.default_int_handler)  # torchrun stopping the run: commit, then stop
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()  # one bar per process would interleave
     try:
         return _run(cfg, rank, world)
     finally:
@@ -268,21 +271,26 @@ def run(cfg: ExtractConfig) -> dict[str, Any] | None:
 
 def _run(cfg: ExtractConfig, rank: int, world: int) -> dict[str, Any] | None:
     t_start, phases = time.monotonic(), Phases(started_at=time.time())
-    ready, error = _attempt(_set_up, cfg, rank, world, phases)
-    _agree(world, error)  # rank 0 has prepared the root
-    tokenizer, ds, spec = ready
+    with Meeting(world):  # once rank 0 has prepared the root
+        tokenizer, ds, spec = _set_up(cfg, rank, world, phases)
     num_shards = cfg.shards or world
     progress, locks = Progress(cfg.progress and rank == 0), []
     try:
-        ready, error = _attempt(_lock_and_plan, cfg, rank, world, spec, tokenizer, ds, progress, locks)
-        sizes = {s: n for sizes in _agree(world, error, ready and ready[3]) for s, n in sizes.items()}
-        states, tasks, planned, _ = ready
+        with Meeting(world) as planning:  # once every rank has locked and planned its shards
+            states, tasks, planned = _lock_and_plan(cfg, rank, world, spec, tokenizer, ds, progress, locks)
+            planning.share = {s: {"tokens": p.plan.num_tokens, "samples": len(p.plan.source_index)}
+                              for s, (p, _) in planned.items()}
         if all(st is not None and st.complete for st in states.values()):
             log.info("%s: shards 0..%d already complete; nothing to do", cfg.out, num_shards - 1)
             summary = summarize(cfg.out, list(range(num_shards))) if rank == 0 else None
             return summary and {**summary, "noop": True, "samples_this_run": 0, "tokens_per_s": None,
                                 "wall_s": time.monotonic() - t_start}
-        _agree(world, _space_problem(cfg, tasks[0].spec, sizes, states) if rank == 0 else None)
+        with Meeting(world):  # once rank 0 has checked the free space for what is left to write
+            if rank == 0 and not cfg.ignore_free_space:
+                sizes = {s: n for share in planning.shared for s, n in share.items()}
+                committed = {s: st.commit for s, st in states.items() if st is not None}
+                if problem := run_space_problem(cfg, tasks[0].spec, sizes, committed):
+                    raise ExtractFailed(problem)
         phases.mark("planning")
         error = _extract_shards(cfg, tasks, planned, locks, tokenizer.pad_token_id, progress)
     finally:
@@ -337,15 +345,14 @@ def _set_up(cfg: ExtractConfig, rank: int, world: int, phases: Phases):
 def _lock_and_plan(cfg: ExtractConfig, rank: int, world: int, spec: CacheSpec, tokenizer, ds, progress: Progress,
                    locks: list):
     """Every shard's state and, where one is not complete, this rank's shards locked (into
-    ``locks``, released by the caller) and planned: (states, tasks, {shard: (plan, timing)},
-    {shard: planned tokens and samples})."""
+    ``locks``, released by the caller) and planned: (states, tasks, {shard: (plan, timing)})."""
     root = prepare_root(cfg, spec, replace=False) if rank else open_root(cfg.out)  # the others check it now
     spec = CacheSpec.from_dict(root.attrs[ATTRS_KEY])  # an older format is resumed in its own layout
     num_shards = cfg.shards or world
     states = read_shard_states(root, list(range(num_shards)))
     tasks, planned = [], {}
     if all(st is not None and st.complete for st in states.values()):
-        return states, tasks, planned, {}
+        return states, tasks, planned
     device = _device(cfg)
     threads = cfg.cpu_threads or max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
     for shard in range(rank, num_shards, world):
@@ -358,8 +365,7 @@ def _lock_and_plan(cfg: ExtractConfig, rank: int, world: int, spec: CacheSpec, t
         except Exception as e:  # noqa: BLE001 - said as the user reads it
             raise ExtractFailed(describe_error(e, task)[1]) from e
         tasks.append(task)
-    return states, tasks, planned, {s: {"tokens": p.plan.num_tokens, "samples": len(p.plan.source_index)}
-                                    for s, (p, _) in planned.items()}
+    return states, tasks, planned
 
 
 def _device(cfg: ExtractConfig) -> str:
@@ -373,19 +379,6 @@ def _device(cfg: ExtractConfig) -> str:
         raise ExtractFailed("--device cuda but no CUDA device is visible (use --device cpu)" if not count else
                             f"LOCAL_RANK {local}: only {count} CUDA devices are visible (start one process per GPU)")
     return f"cuda:{local}"
-
-
-def _space_problem(cfg: ExtractConfig, spec: CacheSpec, sizes: dict, states: dict) -> ExtractFailed | None:
-    """Rank 0's check that ``--out`` has room for what the shards still have to write (where the
-    check itself fails, a warning and no check)."""
-    if cfg.ignore_free_space:
-        return None
-    try:
-        problem = run_space_problem(cfg, spec, sizes, {s: st.commit for s, st in states.items() if st is not None})
-    except Exception as e:  # noqa: BLE001 - a check that fails must not stop the run
-        log.warning("the free-space check failed (%s: %s); starting without it", type(e).__name__, e)
-        return None
-    return ExtractFailed(problem) if problem else None
 
 
 def _extract_shards(cfg: ExtractConfig, tasks: list[WorkerTask], planned: dict, locks: list, pad_id: int | None,
@@ -409,14 +402,6 @@ def _extract_shards(cfg: ExtractConfig, tasks: list[WorkerTask], planned: dict, 
     return None
 
 
-def _attempt(step, *args):
-    """(``step(*args)``, None), or (None, the exception it raised): either way this rank goes on to the next meeting."""
-    try:
-        return step(*args), None
-    except Exception as e:  # noqa: BLE001 - raised again by _agree
-        return None, e
-
-
 def _gather(world: int, mine: Any) -> list[Any]:
     """Every rank's ``mine``, in rank order, once every rank has sent its own."""
     if world == 1:
@@ -426,16 +411,26 @@ def _gather(world: int, mine: Any) -> list[Any]:
     return everyone
 
 
-def _agree(world: int, error: BaseException | None, payload: Any = None) -> list[Any]:
-    """Every rank's ``payload`` once all got here; raises this rank's ``error`` again, or ExtractFailed
-    where another rank failed (that rank reports its own error)."""
-    everyone = _gather(world, (error is not None, payload))
-    if error is not None:
-        raise error
-    failed = [str(r) for r, (bad, _) in enumerate(everyone) if bad]
-    if failed:
-        raise ExtractFailed(f"stopped: rank {', '.join(failed)} failed (see its error)")
-    return [p for _, p in everyone]
+class Meeting:
+    """``with Meeting(world) as m:`` a step that every rank takes, then waits for all of them: an
+    error of the step is raised again once the others know of it, and where another rank's step
+    failed (that rank reports why) ExtractFailed names it. ``m.share``, set in the step, comes
+    back from every rank in ``m.shared``."""
+
+    def __init__(self, world: int):
+        self.world, self.share, self.shared = world, None, []
+
+    def __enter__(self) -> Meeting:
+        return self
+
+    def __exit__(self, kind, error, traceback) -> None:
+        if kind is not None and not issubclass(kind, Exception):
+            return  # Ctrl-C, or torchrun stopping the run: no meeting
+        everyone = _gather(self.world, (error is not None, self.share))
+        failed = [str(r) for r, (bad, _) in enumerate(everyone) if bad]
+        if failed and error is None:
+            raise ExtractFailed(f"stopped: rank {', '.join(failed)} failed (see its error)")
+        self.shared = [share for _, share in everyone]
 
 
 class Progress:

@@ -1,18 +1,19 @@
 """One shard of an extraction on one device (``runner`` runs a process's shards with these).
 
-lock (one writer per shard, ``shared/shard_lock.py``) -> plan -> ShardWriter (resume point) ->
-model load and head -> forward loop on the main thread -> writer thread. The forward loop
+lock (one writer per shard, ``shared/shard_lock.py``) -> plan -> ShardWriter (resume point)
+-> model load and head -> forward loop on the main thread -> writer thread. The forward loop
 copies each batch's outputs device->host into freshly allocated pinned buffers (PyTorch's
-caching host allocator recycles them) with ``non_blocking`` on a side stream (so the copy overlaps the next forward) and
-records a CUDA event; the writer thread waits on that event (blocking events: a waiting
-thread sleeps, where CUDA would spin a core, and the loop sleeps until the previous
-batch is done before it starts the next, since HF's mask code would wait for it anyway),
-hands the arrays to ``ShardWriter.write_batch`` and commits every ``commit_seconds``.
-zarr encodes and stores the chunks through the ``zarrs`` codec pipeline (Rust, on its own
-threads, without the GIL: the forward loop keeps this process's GIL busy, and zarr's own
-pipeline, which needs it, fell behind; BENCHMARKS_LOG.md); stores it does not handle (fsspec
-URLs) fall back to zarr's pipeline. The queue between the loop and the thread is
-bounded, so host memory stays at ``queue_depth`` + 2 batches whatever the speed of the disk.
+caching host allocator recycles them) with ``non_blocking`` on a side stream (so the copy
+overlaps the next forward) and records a CUDA event; the writer thread waits on that event
+(blocking events: a waiting thread sleeps, where CUDA would spin a core, and the loop sleeps
+until the previous batch is done before it starts the next, since HF's mask code would wait
+for it anyway), hands the arrays to ``ShardWriter.write_batch`` and commits every
+``commit_seconds``. zarr encodes and stores the chunks through the ``zarrs`` codec pipeline
+(Rust, on its own threads, without the GIL: the forward loop keeps this process's GIL busy,
+and zarr's own pipeline, which needs it, fell behind; BENCHMARKS_LOG.md); stores it does not
+handle (fsspec URLs) fall back to zarr's pipeline. The queue between the loop and the thread
+is bounded, so host memory stays at ``queue_depth`` + 2 batches whatever the speed of the
+disk.
 
 Errors are classified (``describe_error``): ``data`` (a bad row: message names file and
 row), ``cache`` (a cache that cannot be resumed), ``io`` (the store failed while writing:
@@ -156,8 +157,7 @@ class WriterThread:
                 self.writer.write_batch(batch, input_ids=self.planned.input_ids[t0:t1],
                                         loss_mask=self.planned.loss_mask[t0:t1], **stored)
                 del host, item
-                self.report("progress", samples=s1 - s0, tokens=t1 - t0,
-                            assistant=int(self.planned.loss_mask[t0:t1].sum()))
+                self.report("progress", samples=s1 - s0, tokens=t1 - t0)
                 if time.monotonic() - last_commit >= self.commit_seconds:
                     self.writer.commit()
                     self.report("commit", **self.writer.committed)
