@@ -82,25 +82,16 @@ def checked_layers(cfg: ExtractConfig, model_config) -> list[int]:
 
 def build_spec(cfg: ExtractConfig, tokenizer, model_config, ds, num_shards: int) -> CacheSpec:
     """The root CacheSpec of this run: shapes, fingerprint (compared on reopen) and info."""
-    num_layers = model_config.num_hidden_layers
     layers = checked_layers(cfg, model_config)
     try:
         eot = end_of_turn_id(tokenizer, cfg.end_of_turn, cfg.template_kwargs)
     except ValueError:
         eot = None
     extraction = {f: getattr(cfg, f) for f in FINGERPRINTED}
-    extraction.update({
-        "layers": layers,
-        "layer_convention": "hidden_states[i + 1]",
-        "num_shards": num_shards,
-        "shard_rows": "contiguous",
-        "chat_template": {
-            "mask_method": mask_method(tokenizer),
-            "end_of_turn": cfg.end_of_turn,
-            "end_of_turn_id": eot,
-            "template_kwargs": dict(cfg.template_kwargs),
-        },
-    })
+    extraction.update(layers=layers, layer_convention="hidden_states[i + 1]", num_shards=num_shards,
+                      shard_rows="contiguous", chat_template={
+                          "mask_method": mask_method(tokenizer), "end_of_turn": cfg.end_of_turn,
+                          "end_of_turn_id": eot, "template_kwargs": dict(cfg.template_kwargs)})
     info_cfg = {k: v for k, v in cfg.to_dict().items() if k not in NOT_RECORDED}
     dataset = dataset_fingerprint(ds, cfg.data, cfg.split or "train")
     target = target_fingerprint(cfg.model, model_config.to_dict(), cfg.dtype, revision=cfg.revision)
@@ -114,21 +105,11 @@ def build_spec(cfg: ExtractConfig, tokenizer, model_config, ds, num_shards: int)
     if target.get("weights_hash"):
         located["target_path"] = os.path.abspath(target.pop("name_or_path"))  # training's default --target
     spec = CacheSpec(
-        layer_ids=layers,
-        hidden_size=model_config.hidden_size,
-        topk=cfg.topk,
-        vocab_size=model_config.vocab_size,
-        num_target_layers=num_layers,
-        max_length=cfg.max_length,
-        truncation=cfg.truncation,
-        chunk_tokens=cfg.chunk_tokens,
-        compression_level=cfg.compression_level,
-        fingerprint={
-            "target": target,
-            "tokenizer": tokenizer_fingerprint(tokenizer),
-            "dataset": dataset,
-            "extraction": extraction,
-        },
+        layer_ids=layers, hidden_size=model_config.hidden_size, topk=cfg.topk, vocab_size=model_config.vocab_size,
+        num_target_layers=model_config.num_hidden_layers, max_length=cfg.max_length, truncation=cfg.truncation,
+        chunk_tokens=cfg.chunk_tokens, compression_level=cfg.compression_level,
+        fingerprint={"target": target, "tokenizer": tokenizer_fingerprint(tokenizer), "dataset": dataset,
+                     "extraction": extraction},
         info={"package_version": package_version(), "config": info_cfg, **located},
         hidden_codec=cfg.hidden_codec, hidden_group_size=cfg.hidden_group_size,
         hidden_scale_dtype=cfg.hidden_scale_dtype, topk_dtype=cfg.topk_dtype,
@@ -179,15 +160,8 @@ def summarize(out: str, shard_ids: list[int]) -> dict[str, Any]:
     disk = info["committed_bytes_on_disk"]  # None where the store cannot list its objects
     stored = disk["total"] if disk else None
     return {
-        "out": out,
-        "shards": shard_ids,
-        "complete": info["complete"],
-        "samples": info["samples"],
-        "planned_samples": info["planned_samples"],
-        "skipped": dict(sorted(info["skipped"].items())),
-        "tokens": tokens,
-        "assistant_tokens": info["assistant_tokens"],
-        "bytes_stored": stored,
+        "out": out, "shards": shard_ids, "skipped": dict(sorted(info["skipped"].items())), "bytes_stored": stored,
+        **{k: info[k] for k in ("complete", "samples", "planned_samples", "tokens", "assistant_tokens")},
         "hidden_bytes_raw_bf16": info["raw_bytes"]["hidden"],
         "hidden_bytes_stored": disk["hidden"] if disk else None,
         "hidden_compression": info["compression_ratio"]["hidden"],
