@@ -14,9 +14,10 @@ help:  ## list the targets
 	@grep -E '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-10s %s\n", $$1, $$2}'
 	@echo "  e.g. make extract DATA=chats.jsonl MODEL=Qwen/Qwen3-8B OUT=cache.zarr GPUS=0,1,2,3,4 EXTRA_ARGS='--topk 64'"
 
-extract:  ## build (or resume) the hidden-state cache: DATA= MODEL= OUT= [GPUS=0,1,2,3,4] [EXTRA_ARGS=...]
+extract:  ## build (or resume) the hidden-state cache, one torchrun process per GPU: DATA= MODEL= OUT= [GPUS=0,1,2,3,4] [EXTRA_ARGS=...]
 	@test -n "$(DATA)" -a -n "$(MODEL)" -a -n "$(OUT)" || { echo "usage: make extract DATA=... MODEL=... OUT=... [GPUS=0,1,2,3,4] [EXTRA_ARGS=...]" >&2; exit 2; }
-	$(PYTHON) -m dflash.extract.cli --data "$(DATA)" --model "$(MODEL)" --out "$(OUT)" --gpus "$(GPUS)" $(EXTRA_ARGS)
+	CUDA_VISIBLE_DEVICES=$(GPUS) $(PYTHON) -m torch.distributed.run --standalone --nproc-per-node $(words $(subst $(comma), ,$(GPUS))) \
+		-m dflash.extract.cli --data "$(DATA)" --model "$(MODEL)" --out "$(OUT)" $(EXTRA_ARGS)
 
 # ---- the CPU demo: data, target, cache, drafter, speculative eval ----------------
 .PHONY: demo

@@ -23,7 +23,6 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from dflash.extract.cpu_time import process_cpu_seconds
 
 
 def build(work: Path, args) -> tuple[Path, Path]:
@@ -108,7 +107,7 @@ def main():
     from dflash.extract.config import ExtractConfig
     from dflash.extract.data import load_source
     from dflash.extract.plan import plan_shard
-    from dflash.extract.runner import build_spec, node_layout, prepare_root
+    from dflash.extract.runner import build_spec, prepare_root
     from dflash.extract.target import TargetRunner, head_backend_for, load_target
     from dflash.extract.worker import WorkerTask, run_shard
 
@@ -117,7 +116,7 @@ def main():
     cuda = args.device == "cuda"
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     cfg = ExtractConfig(data=str(data), model=str(model_dir), out=str(out), max_length=args.length,
-                        batch_tokens=args.batch_tokens, device=args.device, gpus=[0], progress=False,
+                        batch_tokens=args.batch_tokens, device=args.device, progress=False,
                         dtype="bfloat16" if cuda else "float32")
     cfg.validate()
     tok = AutoTokenizer.from_pretrained(model_dir)
@@ -175,13 +174,13 @@ def main():
         shutil.rmtree(out, ignore_errors=True)
         vcfg = dataclasses.replace(cfg, **overrides)
         vspec = build_spec(vcfg, tok, AutoConfig.from_pretrained(model_dir), ds, 1)  # the codec is in the spec
-        prepare_root(vcfg, vspec, node_layout())
+        prepare_root(vcfg, vspec)
         events = {}
 
         def report(kind, **f):
             if kind == "started":
                 events["start"] = time.perf_counter()
-                events["cpu0"] = process_cpu_seconds()
+                events["cpu0"] = time.process_time()
             elif kind == "timing":
                 events["timing"] = f
 
@@ -193,7 +192,7 @@ def main():
         # start to the last one's end, elsewhere the loop up to its last batch; the rest of the
         # wall time (the last batch's writes and the final commit) is paid once per shard
         t_steady = timing["gpu_busy"] + timing["gpu_gap"] if cuda else timing["loop_s"] - timing["drain_s"]
-        cores = (process_cpu_seconds() - events["cpu0"]) / t_extract
+        cores = (time.process_time() - events["cpu0"]) / t_extract
         stored = sum(f.stat().st_size for f in out.rglob("*") if f.is_file())
         hidden_stored = sum(f.stat().st_size for name in ("hidden", "hidden_scale")
                             for f in (out / "shards" / "00000" / name).rglob("*") if f.is_file())

@@ -6,8 +6,8 @@
 #   "pyc" runs nothing and turns on a bytecode cache (PYTHONPYCACHEPREFIX=/tmp/pyc) that the next run writes, as a pip
 #   install would have, and the later ones read. BUILD_ARGS="--layers 8": fewer target layers (same width and
 #   vocabulary); SAMPLES (default 256) rows; WORK (default /tmp/xbench) holds target, rows and cache; DEVICE_ARGS
-#   (default --gpus 0). A CPU dry run: BUILD_ARGS="--layers 2 --hidden 64 --intermediate 128 --vocab 512 --device cpu"
-#   DEVICE_ARGS="--device cpu --workers 1" SAMPLES=4. Needs zarr, zarrs, ... importable (carry the wheels); logs to $OUT.
+#   (default none: one process on cuda:0). A CPU dry run: BUILD_ARGS="--layers 2 --hidden 64 --intermediate 128
+#   --vocab 512 --device cpu" DEVICE_ARGS="--device cpu" SAMPLES=4. Needs zarr, zarrs, ... importable (carry the wheels); logs to $OUT.
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 { nproc; nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
@@ -31,7 +31,7 @@ fixed)   # the CLI as a user runs it; imports = the summary's started_at minus t
     path=${PYTHONPATH:-}; [ "$label" = before ] && path=$BEFORE_NS:$path
     t0=$(date +%s.%N)
     PYTHONPATH=$path timeout 200 python3 -m dflash.extract.cli --data "$WORK/rows.jsonl" --model "$WORK/target" \
-        --out "$WORK/cli.zarr" ${DEVICE_ARGS:---gpus 0} --max-length 2048 --batch-tokens 8192 --no-progress \
+        --out "$WORK/cli.zarr" ${DEVICE_ARGS:-} --max-length 2048 --batch-tokens 8192 --no-progress \
         --summary-json "$WORK/summary_$run.json" ${EXTRA:-} 2>&1 | quiet | tail -20
     t1=$(date +%s.%N)
     cat "$WORK/summary_$run.json" | python3 -c "import json,sys; print(json.dumps(json.load(sys.stdin)))" \

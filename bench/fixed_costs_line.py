@@ -11,9 +11,9 @@ import os
 import sys
 
 
-ORDER = ("tokenizer_and_config", "dataset_load", "fingerprint", "cache_root", "spawn", "workers_start", "planning",
-         "writer_start", "forward_loop", "drain_and_exit", "summary")
-"""The runner's phases in the order they follow each other (the summary JSON sorts its keys)."""
+ORDER = ("tokenizer_and_config", "dataset_load", "fingerprint", "cache_root", "planning", "writer_start",
+         "forward_loop", "drain_and_exit", "summary")
+"""Rank 0's phases in the order they follow each other (the summary JSON sorts its keys)."""
 
 
 def main() -> None:
@@ -32,7 +32,7 @@ def main() -> None:
         "forward_loop_s": seconds.get("forward_loop"),
         "after_last_batch_s": round(t1 - t0 - ends["forward_loop"], 2) if "forward_loop" in ends else None,
         **seconds,
-        "worker": {k: v for k, v in worker.items() if k.endswith("_s") and k != "cpu_threads_s"},
+        "worker": {k: v for k, v in worker.items() if k.endswith("_s")},
     }
     print(json.dumps(line))
 

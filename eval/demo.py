@@ -264,7 +264,7 @@ def step_extract(out: Path, s: DemoSettings, regen: Path, target: Path, echo) ->
     if _fresh(cache, settings) is None:
         _write(cache, settings)  # written first: an interrupted extraction resumes in place
     cfg = ExtractConfig(data=str(regen), model=str(target), out=str(cache), device="cpu", layers=list(s.layer_ids),
-                        workers=s.extract_workers, batch_tokens=s.batch_tokens, max_length=s.max_length,
+                        shards=s.extract_workers, batch_tokens=s.batch_tokens, max_length=s.max_length,
                         dtype="float32", commit_seconds=5.0, progress=False,
                         cpu_threads=max(1, usable_cores() // s.extract_workers))
     t0 = time.perf_counter()

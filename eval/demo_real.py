@@ -154,7 +154,7 @@ def run_real(out: Path, s: RealSettings, gguf: str | None, echo=click.echo, stop
             "--part-size", "4096"]),
         ("extract", "[3/5] extract", cache, [
             "dflash.extract.cli", "--data", str(regen), "--model", str(target), "--out", str(cache),
-            *(["--gpus", "0"] if s.device == "cuda" else ["--device", "cpu", "--workers", "1"]),
+            *([] if s.device == "cuda" else ["--device", "cpu"]),
             "--max-length", str(max(s.train.get("context_buckets") or PRESETS[s.preset]().data.context_buckets)),
             "--on-bad-row", "skip",
             "--summary-json", str(out / "extract.json")]),

@@ -57,12 +57,10 @@ from .config import BAD_ROW_POLICIES, DTYPES, TRUNCATION_POLICIES, ExtractConfig
               "codecs' scales; float32 where activations exceed what float16 scales hold.")
 @click.option("--topk-dtype", type=click.Choice(TOPK_DTYPES), default="float32", help="Precision of the stored top-k "
               "log-probs (read back as float32).")
-@click.option("--device", type=click.Choice(["cuda", "cpu"]), default="cuda", help="'cuda' (--workers-per-gpu workers "
-              "per GPU of --gpus) or 'cpu' (--workers processes).")
-@click.option("--gpus", type=CommaList(int), default="0,1,2,3,4", help="CUDA device indices on this node.")
-@click.option("--workers-per-gpu", default=1, help="Worker processes (each its own model copy, shard and writer) per "
-              "GPU; one keeps an H200 busy (BENCHMARKS_LOG.md).")
-@click.option("--workers", default=1, help="CPU worker processes (only with --device cpu).")
+@click.option("--device", type=click.Choice(["cuda", "cpu"]), default="cuda", help="'cuda' (cuda:LOCAL_RANK under "
+              "torchrun, one process per GPU; cuda:0 alone) or 'cpu'.")
+@click.option("--shards", type=Maybe(int), help="Shards of the cache: rank r of torchrun's W processes writes shards "
+              "r, r + W, ...; default: W (1 alone).")
 @click.option("--batch-tokens", default=16384, help="Token budget of one forward batch, counting padding (batch size "
               "x longest sample).")
 @click.option("--lm-head-chunk", default=1024, help="Tokens per LM-head chunk: bounds the fp32 logits buffer to chunk "
@@ -73,8 +71,8 @@ from .config import BAD_ROW_POLICIES, DTYPES, TRUNCATION_POLICIES, ExtractConfig
               "much work); 0 = every batch.")
 @click.option("--queue-depth", default=2, help="Batches in flight between the forward loop and the writer thread "
               "(bounds host memory).")
-@click.option("--cpu-threads", type=Maybe(int), help="torch threads per CPU worker; default: the machine's cores "
-              "divided by the workers.")
+@click.option("--cpu-threads", type=Maybe(int), help="torch threads of each CPU process; default: the machine's "
+              "cores divided by torchrun's LOCAL_WORLD_SIZE.")
 @click.option("--summary-json", type=Maybe(str), help="Also write the closing summary as JSON to this path.")
 @click.option("--progress/--no-progress", default=True, help="Show the progress bar (stderr).")
 @click.option("--wait-for-lock/--no-wait-for-lock", default=False, help="A shard whose lock another run holds: wait "
@@ -86,16 +84,14 @@ from .config import BAD_ROW_POLICIES, DTYPES, TRUNCATION_POLICIES, ExtractConfig
               "the report.")
 @click.option("--ignore-free-space/--no-ignore-free-space", default=False, help="Start even where the output's free "
               "space is below the estimate of what the run still has to write.")
-@click.option("--wait-for-root-s", default=600.0, help="Multi-node: how long non-zero ranks wait for rank 0 to create "
-              "the cache root.")
 @click.option("--batch-delay-s", default=0.0, hidden=True, help="Sleep after each batch (tests only: makes a run slow "
               "enough to interrupt midway).")
 def main(**kw) -> None:
     """Run the target over a chat dataset and write the DFlash hidden-state cache.
 
     Rerunning the same command resumes every shard at its last commit; on a complete
-    cache it is a no-op. Under torchrun (one process per node) each node runs its own
-    workers and shards.
+    cache it is a no-op. Alone it uses one device; under torchrun, one process per GPU
+    (torchrun --nproc-per-node N -m dflash.extract.cli ...), rank 0 printing the summary.
     """
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
     cfg = validated(ExtractConfig(**kw))
@@ -110,6 +106,8 @@ def main(**kw) -> None:
             click.echo(json.dumps(doc, indent=2) if cfg.json else format_plan(plan, cfg))
         else:
             doc = run(cfg)
+            if doc is None:  # not rank 0: rank 0 prints the summary
+                return
             if doc.get("noop"):
                 click.echo(f"{cfg.out}: already complete, nothing to do")
             click.echo(format_summary(doc))

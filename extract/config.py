@@ -18,7 +18,6 @@ Device = Literal["cuda", "cpu"]
 TRUNCATION_POLICIES = get_args(Truncation)
 BAD_ROW_POLICIES = get_args(BadRowPolicy)
 DTYPES = get_args(Dtype)
-DEFAULT_GPUS = (0, 1, 2, 3, 4)
 RESERVED_TEMPLATE_KWARGS = frozenset({
     "conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
     "continue_final_message", "tokenize", "padding", "truncation", "max_length", "return_tensors",
@@ -62,12 +61,10 @@ class ExtractConfig:
     hidden_scale_dtype: ScaleDtype = "float16"
     topk_dtype: TopkDtype = "float32"
 
-    # -- how it runs (not fingerprinted, except batch_tokens, lm_head_chunk and attn_implementation,
-    #    which change padding or roundings, and the shard count that follows from the workers)
+    # -- how it runs (not fingerprinted, except batch_tokens, lm_head_chunk, attn_implementation,
+    #    which change padding or roundings, and the shard count)
     device: Device = "cuda"
-    gpus: list[int] = field(default_factory=lambda: list(DEFAULT_GPUS))
-    workers_per_gpu: int = 1
-    workers: int = 1
+    shards: int | None = None
     batch_tokens: int = 16384
     lm_head_chunk: int = 1024
     attn_implementation: str | None = "sdpa"
@@ -80,7 +77,6 @@ class ExtractConfig:
     plan: bool = False
     json: bool = False
     ignore_free_space: bool = False
-    wait_for_root_s: float = 600.0
     batch_delay_s: float = 0.0  # tests only: a run slow enough to interrupt midway
 
     def validate(self) -> None:
@@ -89,22 +85,15 @@ class ExtractConfig:
         if self.compression_level not in ZSTD_LEVELS:
             raise ValueError(f"--compression-level {self.compression_level}: the cache's codec (zstd inside blosc) "
                              f"runs at zstd levels {', '.join(map(str, ZSTD_LEVELS))} only")
-        if self.device == "cuda" and not self.gpus:
-            raise ValueError("--gpus is empty")
-        if self.device == "cuda" and len(set(self.gpus)) != len(self.gpus):
-            raise ValueError(f"--gpus lists a device twice: {self.gpus}")
-        if self.workers_per_gpu < 1:
-            raise ValueError(f"workers_per_gpu must be at least 1, got {self.workers_per_gpu}")
-        if self.device == "cpu" and self.workers < 1:
-            raise ValueError("--workers must be at least 1")
         for name in ("topk", "max_length", "min_length", "batch_tokens", "lm_head_chunk", "chunk_tokens",
                      "queue_depth"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
         if self.commit_seconds < 0:
             raise ValueError(f"commit_seconds must be 0 or more, got {self.commit_seconds}")
-        if self.cpu_threads is not None and self.cpu_threads < 1:
-            raise ValueError(f"cpu_threads must be at least 1, got {self.cpu_threads}")
+        for name in ("cpu_threads", "shards"):
+            if getattr(self, name) is not None and getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
         try:
             self.codec
         except ValueError as e:
@@ -148,17 +137,6 @@ class ExtractConfig:
     def render_kwargs(self) -> dict[str, Any]:
         """The keyword arguments of ``extract.chat.render`` that come from these settings."""
         return {"end_of_turn": self.end_of_turn, "template_kwargs": dict(self.template_kwargs)}
-
-    @property
-    def local_workers(self) -> int:
-        return len(self.gpus) * self.workers_per_gpu if self.device == "cuda" else self.workers
-
-    @property
-    def worker_devices(self) -> list[str]:
-        """The device of each local worker, in shard order (a GPU's workers side by side)."""
-        if self.device != "cuda":
-            return ["cpu"] * self.workers
-        return [f"cuda:{g}" for g in self.gpus for _ in range(self.workers_per_gpu)]
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -1,47 +1,43 @@
-"""The parent of an extraction run: fingerprint, create the cache root, spawn one worker
-per device, show one progress bar over all of them, and sum up what is on disk.
+"""One process of an extraction run: fingerprint, prepare the cache root, lock and plan this
+process's shards, extract them on its device, and (rank 0) sum up what is on disk.
 
-Across nodes (``torchrun --nproc-per-node 1 --nnodes N dflash-extract ...``) each node
-runs this once; node ``r`` owns global shards ``r * W + 0 .. r * W + W - 1`` for its W
-local workers. Rank 0 creates the cache root; the others wait until it exists (polling
-the store, which works for any URL zarr can open) and then check its fingerprint.
-
-A root that differs from this run's fingerprint is refused, naming each difference, unless
-none of its shards committed a sample: then rank 0 replaces it (a run that failed before its
-first commit must not block the corrected rerun at the same ``--out``), and the other ranks
-wait for the replacement. The local workers are spawned once the root is ready and touch
-the cache only once all of them have planned their slices, so a bad row (under
-``--on-bad-row error``) stops a node before any of its shards commits.
+One plain process uses one device (``--device cuda``: cuda:0; or the CPU). Under torchrun, one
+process per device (``torchrun --nproc-per-node N [--nnodes M ...] -m dflash.extract.cli``):
+rank r of W writes shards r, r + W, ... of ``--shards`` (default W) on cuda:LOCAL_RANK. The
+ranks meet over gloo (on the CPU too) before any of them writes a shard: once rank 0 has
+created, reopened (its fingerprint checked) or replaced the root (a root that differs is
+refused, naming each difference, unless none of its shards committed a sample: a run that
+failed before its first commit must not block the corrected rerun at the same ``--out``); once
+every rank has locked and planned its shards, so that a bad row (under ``--on-bad-row error``)
+in any slice stops the run before any shard commits; once rank 0 has checked the free space.
+At the end rank 0 gathers what each rank did for the summary. A rank that fails reports its own
+error; the others stop with a line naming it.
 """
 
 from __future__ import annotations
 
-import functools
 import logging
-import multiprocessing as mp
 import os
-import queue
+import signal
 import sys
 import time
-from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any
 
+import torch.distributed as dist
 import zarr
 
-from dflash.shared.cache import (
-    ATTRS_KEY, CacheError, CacheMismatch, CacheSpec, committed_samples, create_or_open_cache, read_shard_states,
-)
+from dflash.shared.cache import ATTRS_KEY, CacheError, CacheSpec, create_or_open_cache, open_root, read_shard_states
 from dflash.shared.compression import size_text
 from dflash.shared.fingerprint import target_fingerprint, tokenizer_fingerprint
 from dflash.shared.inspect import cache_info
-from dflash.shared.shard_lock import ShardLock, ShardLocked
 
 from .chat import end_of_turn_id, mask_method
 from .config import ExtractConfig
 from .data import DataError, dataset_fingerprint, load_source
 from .estimates import run_space_problem
 from .tokenizer import load_tokenizer
-from .worker import WorkerTask, worker_main
+from .worker import WorkerTask, describe_error, extract_shard, plan_task, take_lock, use_device
 
 log = logging.getLogger(__name__)
 
@@ -56,39 +52,6 @@ NOT_RECORDED = ("out", "summary_json", "progress", "batch_delay_s", "wait_for_lo
 
 class ExtractFailed(Exception):
     """A run that cannot go on; the message is for the user (no traceback needed)."""
-
-
-@dataclass
-class NodeLayout:
-    rank: int
-    """This node's index (torchrun RANK with one process per node; 0 outside torchrun)."""
-    nodes: int
-    """Number of nodes (torchrun WORLD_SIZE; 1 outside torchrun)."""
-
-    def shard_ids(self, local_workers: int) -> list[int]:
-        """Global shard ids of this node's workers: node ``r`` owns ``r * W .. r * W + W - 1``."""
-        return [self.rank * local_workers + j for j in range(local_workers)]
-
-
-def node_layout() -> NodeLayout:
-    """Read the torchrun environment only where it is set."""
-    if "WORLD_SIZE" not in os.environ:
-        return NodeLayout(0, 1)
-    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    if local_world != 1:
-        raise ExtractFailed(
-            f"LOCAL_WORLD_SIZE={local_world}: run one dflash-extract per node (torchrun --nproc-per-node 1); "
-            "it spawns one worker per GPU itself")
-    return NodeLayout(int(os.environ.get("RANK", "0")), int(os.environ["WORLD_SIZE"]))
-
-
-def node_tasks(cfg: ExtractConfig, spec: CacheSpec, layout: NodeLayout) -> list[WorkerTask]:
-    """One task per local worker: the cache's spec, its global shard, its device, its CPU threads."""
-    local = cfg.local_workers
-    threads = cfg.cpu_threads or max(1, (os.cpu_count() or 1) // local)
-    return [WorkerTask(cfg=cfg, spec=spec, shard_id=s, num_shards=layout.nodes * local, device=d,
-                       cpu_threads=threads if cfg.device == "cpu" else None)
-            for s, d in zip(layout.shard_ids(local), cfg.worker_devices)]
 
 
 def package_version() -> str:
@@ -119,25 +82,16 @@ def checked_layers(cfg: ExtractConfig, model_config) -> list[int]:
 
 def build_spec(cfg: ExtractConfig, tokenizer, model_config, ds, num_shards: int) -> CacheSpec:
     """The root CacheSpec of this run: shapes, fingerprint (compared on reopen) and info."""
-    num_layers = model_config.num_hidden_layers
     layers = checked_layers(cfg, model_config)
     try:
         eot = end_of_turn_id(tokenizer, cfg.end_of_turn, cfg.template_kwargs)
     except ValueError:
         eot = None
     extraction = {f: getattr(cfg, f) for f in FINGERPRINTED}
-    extraction.update({
-        "layers": layers,
-        "layer_convention": "hidden_states[i + 1]",
-        "num_shards": num_shards,
-        "shard_rows": "contiguous",
-        "chat_template": {
-            "mask_method": mask_method(tokenizer),
-            "end_of_turn": cfg.end_of_turn,
-            "end_of_turn_id": eot,
-            "template_kwargs": dict(cfg.template_kwargs),
-        },
-    })
+    extraction.update(layers=layers, layer_convention="hidden_states[i + 1]", num_shards=num_shards,
+                      shard_rows="contiguous", chat_template={
+                          "mask_method": mask_method(tokenizer), "end_of_turn": cfg.end_of_turn,
+                          "end_of_turn_id": eot, "template_kwargs": dict(cfg.template_kwargs)})
     info_cfg = {k: v for k, v in cfg.to_dict().items() if k not in NOT_RECORDED}
     dataset = dataset_fingerprint(ds, cfg.data, cfg.split or "train")
     target = target_fingerprint(cfg.model, model_config.to_dict(), cfg.dtype, revision=cfg.revision)
@@ -151,21 +105,11 @@ def build_spec(cfg: ExtractConfig, tokenizer, model_config, ds, num_shards: int)
     if target.get("weights_hash"):
         located["target_path"] = os.path.abspath(target.pop("name_or_path"))  # training's default --target
     spec = CacheSpec(
-        layer_ids=layers,
-        hidden_size=model_config.hidden_size,
-        topk=cfg.topk,
-        vocab_size=model_config.vocab_size,
-        num_target_layers=num_layers,
-        max_length=cfg.max_length,
-        truncation=cfg.truncation,
-        chunk_tokens=cfg.chunk_tokens,
-        compression_level=cfg.compression_level,
-        fingerprint={
-            "target": target,
-            "tokenizer": tokenizer_fingerprint(tokenizer),
-            "dataset": dataset,
-            "extraction": extraction,
-        },
+        layer_ids=layers, hidden_size=model_config.hidden_size, topk=cfg.topk, vocab_size=model_config.vocab_size,
+        num_target_layers=model_config.num_hidden_layers, max_length=cfg.max_length, truncation=cfg.truncation,
+        chunk_tokens=cfg.chunk_tokens, compression_level=cfg.compression_level,
+        fingerprint={"target": target, "tokenizer": tokenizer_fingerprint(tokenizer), "dataset": dataset,
+                     "extraction": extraction},
         info={"package_version": package_version(), "config": info_cfg, **located},
         hidden_codec=cfg.hidden_codec, hidden_group_size=cfg.hidden_group_size,
         hidden_scale_dtype=cfg.hidden_scale_dtype, topk_dtype=cfg.topk_dtype,
@@ -175,51 +119,13 @@ def build_spec(cfg: ExtractConfig, tokenizer, model_config, ds, num_shards: int)
     return spec
 
 
-def prepare_root(cfg: ExtractConfig, spec: CacheSpec, layout: NodeLayout) -> zarr.Group:
-    """Rank 0 creates, reopens (and checks) or replaces the root; other ranks wait for it, then check."""
-    if layout.rank == 0:
-        try:
-            return create_or_open_cache(cfg.out, spec, replace_uncommitted=True)
-        except CacheError as e:
-            raise ExtractFailed(_with_flag_hints(str(e))) from e
-    deadline = time.monotonic() + cfg.wait_for_root_s
-    mismatch = None
-    while True:
-        try:
-            root = zarr.open_group(store=cfg.out, mode="r", zarr_format=3)
-            ready = root.attrs.get(ATTRS_KEY) is not None and "shards" in root
-        except Exception:  # noqa: BLE001 - not there yet
-            ready = False
-        if ready:
-            try:
-                return create_or_open_cache(cfg.out, spec)
-            except CacheMismatch as e:
-                if committed_samples(root) > 0:
-                    raise ExtractFailed(_with_flag_hints(str(e))) from e
-                mismatch = e  # an uncommitted root of an earlier run: rank 0 replaces it
-            except CacheError as e:
-                raise ExtractFailed(str(e)) from e
-        if time.monotonic() > deadline:
-            what = (f"still holds a root with another fingerprint:\n{mismatch}" if mismatch is not None
-                    else "was not created")
-            raise ExtractFailed(f"rank {layout.rank}: {cfg.out} {what}\nafter {cfg.wait_for_root_s:.0f} s of waiting "
-                                "for rank 0 (did rank 0 fail, or run with other settings?)")
-        time.sleep(1.0)
-
-
-def check_shard_locks(cfg: ExtractConfig, shard_ids: list[int]) -> None:
-    """Refuse at once, naming the holder, where another run holds one of these shards' locks
-    (the workers take the locks themselves; this only saves planning a run that would be
-    refused); under ``wait_for_lock`` only say which shards the workers will wait for."""
-    locks = [ShardLock(cfg.out, s) for s in shard_ids]
-    lines = [str(ShardLocked(lock, h)) for lock in locks if (h := lock.probe()) is not None]
-    if not lines:
-        return
-    if cfg.wait_for_lock:
-        log.warning("%s; its worker waits for it (--wait-for-lock)", "\n".join(lines))
-        return
-    raise ExtractFailed("\n".join(lines) + "\nLet that run finish or stop it, or rerun with --wait-for-lock to "
-                        "wait for it")
+def prepare_root(cfg: ExtractConfig, spec: CacheSpec, replace: bool = True) -> zarr.Group:
+    """Create the cache root, or reopen it once its fingerprint is checked; ``replace`` (rank 0's)
+    replaces one that differs but holds no committed sample. ExtractFailed names each difference."""
+    try:
+        return create_or_open_cache(cfg.out, spec, replace_uncommitted=replace)
+    except CacheError as e:
+        raise ExtractFailed(_with_flag_hints(str(e))) from e
 
 
 FLAG_HINTS = {
@@ -228,6 +134,7 @@ FLAG_HINTS = {
     "fingerprint.extraction.chat_template.end_of_turn": "--end-of-turn",
     "hidden_codec": "--hidden-codec", "hidden_group_size": "--hidden-group-size",
     "hidden_scale_dtype": "--hidden-scale-dtype", "topk_dtype": "--topk-dtype",
+    "fingerprint.extraction.num_shards": "--shards (default: torchrun's WORLD_SIZE, 1 without torchrun)",
 }
 """Fingerprint entries whose name alone does not say which flag sets them."""
 
@@ -253,15 +160,8 @@ def summarize(out: str, shard_ids: list[int]) -> dict[str, Any]:
     disk = info["committed_bytes_on_disk"]  # None where the store cannot list its objects
     stored = disk["total"] if disk else None
     return {
-        "out": out,
-        "shards": shard_ids,
-        "complete": info["complete"],
-        "samples": info["samples"],
-        "planned_samples": info["planned_samples"],
-        "skipped": dict(sorted(info["skipped"].items())),
-        "tokens": tokens,
-        "assistant_tokens": info["assistant_tokens"],
-        "bytes_stored": stored,
+        "out": out, "shards": shard_ids, "skipped": dict(sorted(info["skipped"].items())), "bytes_stored": stored,
+        **{k: info[k] for k in ("complete", "samples", "planned_samples", "tokens", "assistant_tokens")},
         "hidden_bytes_raw_bf16": info["raw_bytes"]["hidden"],
         "hidden_bytes_stored": disk["hidden"] if disk else None,
         "hidden_compression": info["compression_ratio"]["hidden"],
@@ -321,44 +221,225 @@ def _time_lines(timing: list[dict[str, float]]) -> list[str]:
 # ----------------------------------------------------------------------------- run
 
 
-def run(cfg: ExtractConfig) -> dict[str, Any]:
-    """Extract (or resume) this node's shards; returns the summary. Raises ExtractFailed."""
-    t_start = time.monotonic()
-    phases = Phases(started_at=time.time())
+MEETING_TIMEOUT = timedelta(days=7)
+"""How long a rank waits for the others at a meeting; at the last one, for the slowest rank's shards."""
+
+
+def run(cfg: ExtractConfig) -> dict[str, Any] | None:
+    """Extract (or resume) this process's shards; rank 0 returns the summary of the whole cache,
+    the other ranks None. Raises ExtractFailed with this rank's message."""
+    rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+    group = world > 1 and not dist.is_initialized()
+    if group:
+        dist.init_process_group("gloo", rank=rank, world_size=world, timeout=MEETING_TIMEOUT)
+        signal.signal(signal.SIGTERM, signal.default_int_handler)  # torchrun stopping the run: commit, then stop
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()  # one bar per process would interleave
+    try:
+        return _run(cfg, rank, world)
+    finally:
+        if group:
+            dist.destroy_process_group()
+
+
+def _run(cfg: ExtractConfig, rank: int, world: int) -> dict[str, Any] | None:
+    t_start, phases = time.monotonic(), Phases(started_at=time.time())
+    with Meeting(world):  # once rank 0 has prepared the root
+        tokenizer, ds, spec = _set_up(cfg, rank, world, phases)
+    num_shards = cfg.shards or world
+    progress, locks = Progress(cfg.progress and rank == 0), []
+    try:
+        with Meeting(world) as planning:  # once every rank has locked and planned its shards
+            states, tasks, planned = _lock_and_plan(cfg, rank, world, spec, tokenizer, ds, progress, locks)
+            planning.share = {s: {"tokens": p.plan.num_tokens, "samples": len(p.plan.source_index)}
+                              for s, (p, _) in planned.items()}
+        if all(st is not None and st.complete for st in states.values()):
+            log.info("%s: shards 0..%d already complete; nothing to do", cfg.out, num_shards - 1)
+            summary = summarize(cfg.out, list(range(num_shards))) if rank == 0 else None
+            return summary and {**summary, "noop": True, "samples_this_run": 0, "tokens_per_s": None,
+                                "wall_s": time.monotonic() - t_start}
+        with Meeting(world):  # once rank 0 has checked the free space for what is left to write
+            if rank == 0 and not cfg.ignore_free_space:
+                sizes = {s: n for share in planning.shared for s, n in share.items()}
+                committed = {s: st.commit for s, st in states.items() if st is not None}
+                if problem := run_space_problem(cfg, tasks[0].spec, sizes, committed):
+                    raise ExtractFailed(problem)
+        phases.mark("planning")
+        error = _extract_shards(cfg, tasks, planned, locks, tokenizer.pad_token_id, progress)
+    finally:
+        for lock in locks:
+            lock.release()
+        progress.bar.close()
+    done = _gather(world, {"samples": progress.samples, "tokens": progress.tokens, "timing": progress.timing,
+                           "forward_s": progress.last - progress.first if progress.last else 0.0, "error": error})
+    if rank != 0:
+        if error:
+            raise ExtractFailed(error)
+        return None
+    for name, at in (("writer_start", progress.first), ("forward_loop", progress.last)):
+        if at is not None:
+            phases.mark(name, at)
+    phases.mark("drain_and_exit")
+    summary = summarize(cfg.out, list(range(num_shards)))
+    phases.mark("summary")
+    forward_s = max(d["forward_s"] for d in done)
+    summary.update(noop=False, samples_this_run=sum(d["samples"] for d in done), wall_s=time.monotonic() - t_start,
+                   phases=phases.as_dict(), worker_seconds=dict(sorted(t for d in done for t in d["timing"].items())),
+                   tokens_per_s=sum(d["tokens"] for d in done) / forward_s if forward_s > 0 else None)
+    failed = [str(r) for r, d in enumerate(done) if d["error"]]
+    if failed:
+        raise ExtractFailed((error or f"rank {', '.join(failed)} failed (see its error)") + "\n\n"
+                            + format_summary(summary))
+    return summary
+
+
+def _set_up(cfg: ExtractConfig, rank: int, world: int, phases: Phases):
+    """The settings checked, the tokenizer, the dataset and the run's spec (target config,
+    fingerprint); rank 0 also prepares the cache root."""
     try:
         cfg.validate()
     except ValueError as e:
         raise ExtractFailed(str(e)) from e
-    layout = node_layout()
-    root, spec, shard_ids = _prepare(cfg, layout, phases)
-    states = read_shard_states(root, shard_ids)
-    if all(st is not None and st.complete for st in states.values()):
-        summary = summarize(cfg.out, shard_ids)
-        summary.update(noop=True, samples_this_run=0, wall_s=time.monotonic() - t_start, tokens_per_s=None)
-        log.info("%s: shards %s already complete; nothing to do", cfg.out, shard_ids)
-        return summary
-    _check_devices(cfg)
-    committed = {s: st.commit for s, st in states.items() if st is not None}
-    space_check = None if cfg.ignore_free_space else functools.partial(run_space_problem, cfg, spec,
-                                                                        committed=committed)
-    counts = _run_workers(node_tasks(cfg, spec, layout), cfg, phases, before_go=space_check)
+    tokenizer, model_config = load_tokenizer_and_config(cfg)
+    phases.mark("tokenizer_and_config")
+    try:
+        ds = load_source(cfg.data, cfg.split or "train")
+    except DataError as e:
+        raise ExtractFailed(str(e)) from e
+    phases.mark("dataset_load")
+    spec = build_spec(cfg, tokenizer, model_config, ds, cfg.shards or world)
+    phases.mark("fingerprint")
+    if rank == 0:
+        prepare_root(cfg, spec)
+        phases.mark("cache_root")
+    return tokenizer, ds, spec
 
-    summary = summarize(cfg.out, shard_ids)
-    phases.mark("summary")
-    wall = time.monotonic() - t_start
-    summary.update(noop=False, samples_this_run=counts["samples"], wall_s=wall, phases=phases.as_dict(),
-                   tokens_per_s=counts["tokens"] / counts["forward_s"] if counts["forward_s"] > 0 else None,
-                   worker_seconds={f"{s:05d}": t for s, t in sorted(counts["timing"].items())})
-    if counts["errors"]:
-        summary["errors"] = counts["errors"]
-        message = "\n".join(counts["errors"])
-        if counts["categories"] - {"data", "cache", "locked", "space"}:  # lost or stopped midway: show what is safe
-            message += "\n\n" + format_summary(summary)
-        raise ExtractFailed(message)
-    if counts["interrupted"]:
+
+def _lock_and_plan(cfg: ExtractConfig, rank: int, world: int, spec: CacheSpec, tokenizer, ds, progress: Progress,
+                   locks: list):
+    """Every shard's state and, where one is not complete, this rank's shards locked (into
+    ``locks``, released by the caller) and planned: (states, tasks, {shard: (plan, timing)})."""
+    root = prepare_root(cfg, spec, replace=False) if rank else open_root(cfg.out)  # the others check it now
+    spec = CacheSpec.from_dict(root.attrs[ATTRS_KEY])  # an older format is resumed in its own layout
+    num_shards = cfg.shards or world
+    states = read_shard_states(root, list(range(num_shards)))
+    tasks, planned = [], {}
+    if all(st is not None and st.complete for st in states.values()):
+        return states, tasks, planned
+    device = _device(cfg)
+    threads = cfg.cpu_threads or max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    for shard in range(rank, num_shards, world):
+        task = WorkerTask(cfg=cfg, spec=spec, shard_id=shard, num_shards=num_shards, device=device,
+                          cpu_threads=threads if device == "cpu" else None)
+        use_device(task)
+        try:
+            locks.append(take_lock(task, progress.reporter(shard), None))
+            planned[shard] = plan_task(task, tokenizer, ds)
+        except Exception as e:  # noqa: BLE001 - said as the user reads it
+            raise ExtractFailed(describe_error(e, task)[1]) from e
+        tasks.append(task)
+    return states, tasks, planned
+
+
+def _device(cfg: ExtractConfig) -> str:
+    """This process's device: the CPU, or cuda:LOCAL_RANK (ExtractFailed where it is not visible)."""
+    if cfg.device == "cpu":
+        return "cpu"
+    import torch
+
+    local, count = int(os.environ.get("LOCAL_RANK", "0")), torch.cuda.device_count()
+    if local >= count:
+        raise ExtractFailed("--device cuda but no CUDA device is visible (use --device cpu)" if not count else
+                            f"LOCAL_RANK {local}: only {count} CUDA devices are visible (start one process per GPU)")
+    return f"cuda:{local}"
+
+
+def _extract_shards(cfg: ExtractConfig, tasks: list[WorkerTask], planned: dict, locks: list, pad_id: int | None,
+                    progress: Progress) -> str | None:
+    """Extract this rank's planned, locked shards in turn with one loaded target; the error that
+    stopped them, as the user reads it, or None."""
+    runners: list = []
+    try:
+        for task, lock in zip(tasks, locks):
+            plan, timing = planned[task.shard_id]
+            try:
+                extract_shard(task, plan, pad_id, lock, progress.reporter(task.shard_id), None, timing, runners)
+            except Exception as e:  # noqa: BLE001 - said as the user reads it
+                return describe_error(e, task)[1]
+    except KeyboardInterrupt:
         raise ExtractFailed("interrupted; every shard committed what it had. Rerun the same command to resume.\n\n"
-                            + format_summary(summary))
-    return summary
+                            + format_summary(summarize(cfg.out, [t.shard_id for t in tasks]))) from None
+    finally:
+        for runner in runners:
+            runner.close()
+    return None
+
+
+def _gather(world: int, mine: Any) -> list[Any]:
+    """Every rank's ``mine``, in rank order, once every rank has sent its own."""
+    if world == 1:
+        return [mine]
+    everyone = [None] * world
+    dist.all_gather_object(everyone, mine)
+    return everyone
+
+
+class Meeting:
+    """``with Meeting(world) as m:`` a step that every rank takes, then waits for all of them: an
+    error of the step is raised again once the others know of it, and where another rank's step
+    failed (that rank reports why) ExtractFailed names it. ``m.share``, set in the step, comes
+    back from every rank in ``m.shared``."""
+
+    def __init__(self, world: int):
+        self.world, self.share, self.shared = world, None, []
+
+    def __enter__(self) -> Meeting:
+        return self
+
+    def __exit__(self, kind, error, traceback) -> None:
+        if kind is not None and not issubclass(kind, Exception):
+            return  # Ctrl-C, or torchrun stopping the run: no meeting
+        everyone = _gather(self.world, (error is not None, self.share))
+        failed = [str(r) for r, (bad, _) in enumerate(everyone) if bad]
+        if failed and error is None:
+            raise ExtractFailed(f"stopped: rank {', '.join(failed)} failed (see its error)")
+        self.shared = [share for _, share in everyone]
+
+
+class Progress:
+    """This process's ``report(kind, **fields)`` handler: its counts and its shards' timings, warnings
+    on stderr, and the progress bar (rank 0's, over its own shards)."""
+
+    def __init__(self, show: bool):
+        from tqdm import tqdm
+
+        self.bar = tqdm(total=0, unit="sample", dynamic_ncols=True, disable=not show, desc="extract")
+        self.samples = self.tokens = 0
+        self.first = self.last = None
+        """Monotonic times of the first forward loop's start and of the last batch written."""
+        self.timing: dict[str, dict] = {}
+
+    def reporter(self, shard: int):
+        return lambda kind, **fields: self.report(shard, kind, fields)
+
+    def report(self, shard: int, kind: str, f: dict) -> None:
+        if kind == "planned":
+            self.bar.total += f["samples"]
+            self.bar.update(f["done_samples"])
+        elif kind == "started":
+            self.first = self.first or time.monotonic()
+        elif kind == "progress":  # from the writer thread
+            self.last = time.monotonic()
+            self.samples += f["samples"]
+            self.tokens += f["tokens"]
+            self.bar.update(f["samples"])
+            if self.last > self.first:
+                self.bar.set_postfix_str(f"{self.tokens / (self.last - self.first):,.0f} tok/s", refresh=False)
+        elif kind == "timing":  # the steps before the loop, the loop's wall and CPU seconds, the writer's busy/idle split
+            self.timing[f"{shard:05d}"] = f
+        elif kind == "warning":
+            self.bar.write(f"dflash-extract: warning: {f['message']}", file=sys.stderr)
 
 
 def load_tokenizer_and_config(cfg: ExtractConfig):
@@ -374,39 +455,6 @@ def load_tokenizer_and_config(cfg: ExtractConfig):
     except (OSError, ValueError) as e:
         raise ExtractFailed(f"cannot load the target {cfg.model!r}: {e}") from e
     return tokenizer, model_config
-
-
-def _prepare(cfg: ExtractConfig, layout: NodeLayout, phases: Phases) -> tuple[zarr.Group, CacheSpec, list[int]]:
-    """The parent's set-up: the run's spec (tokenizer, target config, dataset fingerprint), the
-    shard locks probed, the cache root prepared; returns the root, the spec it records (the run's,
-    in an older format's layout where it resumes one) and this node's shard ids."""
-    shard_ids = layout.shard_ids(cfg.local_workers)
-    num_shards = layout.nodes * cfg.local_workers
-    tokenizer, model_config = load_tokenizer_and_config(cfg)
-    phases.mark("tokenizer_and_config")
-    try:
-        ds = load_source(cfg.data, cfg.split or "train")
-    except DataError as e:
-        raise ExtractFailed(str(e)) from e
-    phases.mark("dataset_load")
-    spec = build_spec(cfg, tokenizer, model_config, ds, num_shards)
-    phases.mark("fingerprint")
-    check_shard_locks(cfg, shard_ids)
-    root = prepare_root(cfg, spec, layout)
-    phases.mark("cache_root")
-    return root, CacheSpec.from_dict(root.attrs[ATTRS_KEY]), shard_ids
-
-
-def _check_devices(cfg: ExtractConfig) -> None:
-    """The CUDA devices the run names exist."""
-    if cfg.device == "cuda":
-        import torch
-
-        if not torch.cuda.is_available():
-            raise ExtractFailed("--device cuda but no CUDA device is visible (use --device cpu --workers N)")
-        missing = [g for g in cfg.gpus if g >= torch.cuda.device_count()]
-        if missing:
-            raise ExtractFailed(f"--gpus {missing}: only {torch.cuda.device_count()} CUDA devices are visible")
 
 
 class Phases:
@@ -427,139 +475,3 @@ class Phases:
 
     def as_dict(self) -> dict[str, Any]:
         return {"started_at": self.started_at, "seconds": dict(self.seconds)}
-
-
-def _run_workers(tasks: list[WorkerTask], cfg: ExtractConfig, phases: Phases | None = None,
-                 before_go=None) -> dict[str, Any]:
-    """Spawn one worker per task, feed the progress bar, let them write once all have planned,
-    collect how each one ended; marks the spawn, the workers' start (imports, tokenizer),
-    planning, the first batch (model load, head), the forward loop and the end (drain, final
-    commit, exit) in ``phases``. ``before_go(planned)``, given each shard's planned ``tokens``
-    and ``samples`` once all have planned, returns why the workers must not start writing
-    (they are stopped), or None."""
-    from tqdm import tqdm
-
-    phases = phases or Phases(time.time())
-    seen: dict[str, float] = {}
-
-    def first(event: str) -> None:
-        seen.setdefault(event, time.monotonic())
-
-    ctx = mp.get_context("spawn")
-    messages, stop = ctx.Queue(), ctx.Event()
-    go = ctx.Event()  # set once every worker has planned and locked: none writes before all slices are known good
-    procs = {t.shard_id: ctx.Process(target=worker_main, args=(t, messages, stop, go),
-                                     name=f"dflash-extract-{t.shard_id:05d}") for t in tasks}
-    for p in procs.values():
-        p.start()
-    phases.mark("spawn")
-    ended: dict[int, str] = {}
-    errors: list[str] = []
-    categories: set[str] = set()
-    planned: dict[int, dict] = {}
-    ready: dict[int, dict] = {}
-    timing: dict[int, dict] = {}
-    samples = tokens = 0
-    t_first = t_last = None
-    interrupted = False
-    bar = tqdm(total=0, unit="sample", dynamic_ncols=True, disable=not cfg.progress, desc="planning")
-
-    def handle(kind: str, shard: int, f: dict) -> None:
-        nonlocal samples, tokens, t_first, t_last
-        if kind == "planning":
-            first("workers_start")
-        if kind == "plan_ready":
-            ready[shard] = f
-            if len(ready) == len(tasks):
-                problem = None
-                try:
-                    problem = before_go(ready) if before_go is not None else None
-                except Exception as e:  # noqa: BLE001 - a check that fails must not leave the workers waiting
-                    bar.write(f"dflash-extract: warning: the free-space check failed ({type(e).__name__}: {e}); "
-                              "starting without it", file=sys.stderr)
-                if problem is None:
-                    go.set()
-                else:
-                    categories.add("space")
-                    errors.append(problem)
-                    stop.set()
-                first("planning")
-        elif kind == "planned":
-            planned[shard] = f
-            bar.total += f["samples"]
-            bar.update(f["done_samples"])
-            if len(planned) == len(tasks):
-                bar.set_description("extract")
-            else:
-                bar.set_description(f"planning {len(planned)}/{len(tasks)}")
-        elif kind == "started":  # the shard's writer is open: the forward loop begins
-            if t_first is None:
-                t_first = time.monotonic()
-                first("writer_start")
-        elif kind == "progress":
-            t_last = time.monotonic()
-            samples += f["samples"]
-            tokens += f["tokens"]
-            bar.update(f["samples"])
-            elapsed = t_last - (t_first or t_last)
-            if elapsed > 0:
-                bar.set_postfix_str(f"{tokens / elapsed:,.0f} tok/s", refresh=False)
-        elif kind == "timing":  # the steps before the loop, the loop's wall and CPU seconds, the writer's busy/idle split
-            timing[shard] = f
-        elif kind == "warning":
-            bar.write(f"dflash-extract: warning: {f['message']}", file=sys.stderr)
-        elif kind in ("done", "stopped"):
-            ended[shard] = kind
-        elif kind == "error":
-            ended[shard] = "error"
-            categories.add(f["category"])
-            if f["message"] not in errors:
-                errors.append(f["message"])
-            stop.set()
-
-    try:
-        while True:
-            try:
-                handle(*messages.get(timeout=0.5))
-                continue
-            except queue.Empty:
-                pass
-            except KeyboardInterrupt:
-                raise
-            if all(not p.is_alive() for p in procs.values()):
-                break
-            if not go.is_set() and any(not p.is_alive() and s not in ended for s, p in procs.items()):
-                stop.set()  # a worker died while planning: the others must not wait for it
-    except KeyboardInterrupt:
-        interrupted = True
-        stop.set()
-        bar.write("interrupted: workers commit what they have and stop (Ctrl-C again to kill them)")
-        try:
-            for p in procs.values():
-                p.join()
-        except KeyboardInterrupt:
-            for p in procs.values():
-                p.kill()
-    # late messages of processes that already exited
-    while True:
-        try:
-            handle(*messages.get(timeout=0.2))
-        except queue.Empty:
-            break
-    for p in procs.values():
-        p.join()
-    bar.close()
-    for event in ("workers_start", "planning", "writer_start"):  # the steps' ends, in order
-        if event in seen:
-            phases.mark(event, seen[event])
-    if t_last is not None:
-        phases.mark("forward_loop", t_last)
-    phases.mark("drain_and_exit")
-    for shard, p in procs.items():
-        if shard not in ended:
-            categories.add("died")
-            errors.append(f"shard {shard:05d}: worker died with exit code {p.exitcode} (killed? out of host memory?); "
-                          "its last commit is intact: rerun the same command to resume")
-    forward_s = (t_last - t_first) if t_first is not None and t_last is not None else 0.0
-    return {"samples": samples, "tokens": tokens, "forward_s": forward_s, "errors": errors, "categories": categories,
-            "interrupted": interrupted and not errors, "timing": timing}

@@ -9,6 +9,7 @@ estimates (``extract.estimates``).
 
 from __future__ import annotations
 
+import os
 from collections import Counter
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -121,14 +122,13 @@ def plan_run(cfg: ExtractConfig) -> RunPlan:
     """Tokenise and plan ``cfg``'s dataset as the run would and estimate its cost; raises
     ExtractFailed with the run's own message where the run would stop (bad settings, a bad row)."""
     from .data import DataError, load_source
-    from .runner import ExtractFailed, checked_layers, load_tokenizer_and_config, node_layout
+    from .runner import ExtractFailed, checked_layers, load_tokenizer_and_config
 
     try:
         cfg.validate()
     except ValueError as e:
         raise ExtractFailed(str(e)) from e
-    layout = node_layout()
-    num_shards = layout.nodes * cfg.local_workers
+    num_shards = cfg.shards or int(os.environ.get("WORLD_SIZE", "1"))
     tokenizer, model_config = load_tokenizer_and_config(cfg)
     layers = checked_layers(cfg, model_config)
     size = size_estimate(len(layers), model_config.hidden_size, cfg.topk, cfg.codec, cfg.topk_dtype)
@@ -139,7 +139,7 @@ def plan_run(cfg: ExtractConfig) -> RunPlan:
         from .worker import bad_row_message
 
         raise ExtractFailed(bad_row_message(e, cfg)) from e
-    gpus = layout.nodes * len(cfg.gpus) if cfg.device == "cuda" else 1
+    gpus = num_shards if cfg.device == "cuda" else 1  # one per shard, as torchrun runs them
     return RunPlan(
         data=cfg.data, model=cfg.model, out=cfg.out, counts=counts, layers=layers,
         num_target_layers=model_config.num_hidden_layers, hidden_size=model_config.hidden_size, topk=cfg.topk,

@@ -1,31 +1,29 @@
-"""One extraction worker: one process, one device, one shard.
+"""One shard of an extraction on one device (``runner`` runs a process's shards with these).
 
-plan -> lock (one writer per shard, ``shared/shard_lock.py``) -> wait until every worker of
-the node has planned -> ShardWriter (resume point) -> model load and head -> forward loop on
-the main thread -> writer thread. The forward loop copies each batch's outputs device->host
-into freshly allocated pinned buffers (PyTorch's caching host allocator recycles them)
-with ``non_blocking`` on a side stream (so the copy overlaps the next forward) and
-records a CUDA event; the writer thread waits on that event (blocking events: a waiting
-thread sleeps, where CUDA would spin a core, and the loop sleeps until the previous
-batch is done before it starts the next, since HF's mask code would wait for it anyway),
-hands the arrays to ``ShardWriter.write_batch`` and commits every ``commit_seconds``.
-zarr encodes and stores the chunks through the ``zarrs`` codec pipeline (Rust, on its own
-threads, without the GIL: the forward loop keeps this process's GIL busy, and zarr's own
-pipeline, which needs it, fell behind; BENCHMARKS_LOG.md); stores it does not handle (fsspec
-URLs) fall back to zarr's pipeline. The queue between the loop and the thread is
-bounded, so host memory stays at ``queue_depth`` + 2 batches whatever the speed of the disk.
+lock (one writer per shard, ``shared/shard_lock.py``) -> plan -> ShardWriter (resume point)
+-> model load and head -> forward loop on the main thread -> writer thread. The forward loop
+copies each batch's outputs device->host into freshly allocated pinned buffers (PyTorch's
+caching host allocator recycles them) with ``non_blocking`` on a side stream (so the copy
+overlaps the next forward) and records a CUDA event; the writer thread waits on that event
+(blocking events: a waiting thread sleeps, where CUDA would spin a core, and the loop sleeps
+until the previous batch is done before it starts the next, since HF's mask code would wait
+for it anyway), hands the arrays to ``ShardWriter.write_batch`` and commits every
+``commit_seconds``. zarr encodes and stores the chunks through the ``zarrs`` codec pipeline
+(Rust, on its own threads, without the GIL: the forward loop keeps this process's GIL busy,
+and zarr's own pipeline, which needs it, fell behind; BENCHMARKS_LOG.md); stores it does not
+handle (fsspec URLs) fall back to zarr's pipeline. The queue between the loop and the thread
+is bounded, so host memory stays at ``queue_depth`` + 2 batches whatever the speed of the
+disk.
 
-Errors are classified for the parent: ``data`` (a bad row: message names file and row),
-``cache`` (a cache that cannot be resumed), ``io`` (the store failed while writing:
-nothing past the last good commit is recorded, a rerun resumes), ``bug`` (anything
-else, with its traceback). A worker never prints tracebacks for the first three.
+Errors are classified (``describe_error``): ``data`` (a bad row: message names file and
+row), ``cache`` (a cache that cannot be resumed), ``io`` (the store failed while writing:
+nothing past the last good commit is recorded, a rerun resumes), ``locked``, ``oom``, and
+``bug`` (anything else, the only kind shown with its traceback).
 """
 
 from __future__ import annotations
 
-import os
 import queue
-import signal
 import sys
 import threading
 import time
@@ -42,7 +40,6 @@ from dflash.shared.hidden_codecs import check_scales
 from dflash.shared.shard_lock import LockError, ShardLock, ShardLocked
 
 from .config import ExtractConfig
-from .cpu_time import thread_cpu, thread_cpu_by_name
 from .data import DataError, load_source
 from .plan import PlannedShard, plan_shard, shard_rows
 from .target import TargetRunner, compute_environment, head_backend_for, load_target
@@ -56,7 +53,7 @@ written at a sixth of its speed (BENCHMARKS_LOG.md, "writer_bench")."""
 
 @dataclass
 class WorkerTask:
-    """Everything a spawned worker needs (picklable)."""
+    """One shard's job: the run's settings, the cache's spec, which shard of how many, on which device."""
 
     cfg: ExtractConfig
     spec: CacheSpec
@@ -77,7 +74,7 @@ class WriterFailed(Exception):
 
 
 class Stopped(Exception):
-    """The parent asked every worker to stop (another worker failed, or Ctrl-C)."""
+    """The caller's ``stop`` event asked the shard to stop early (what it wrote is committed)."""
 
 
 # ----------------------------------------------------------------------------- writer thread
@@ -159,8 +156,7 @@ class WriterThread:
                 self.writer.write_batch(batch, input_ids=self.planned.input_ids[t0:t1],
                                         loss_mask=self.planned.loss_mask[t0:t1], **stored)
                 del host, item
-                self.report("progress", samples=s1 - s0, tokens=t1 - t0,
-                            assistant=int(self.planned.loss_mask[t0:t1].sum()))
+                self.report("progress", samples=s1 - s0, tokens=t1 - t0)
                 if time.monotonic() - last_commit >= self.commit_seconds:
                     self.writer.commit()
                     self.report("commit", **self.writer.committed)
@@ -206,60 +202,44 @@ def _to_host(out, spec: CacheSpec, device: torch.device, copy_stream=None) -> tu
     return host, event
 
 
-def run_shard(task: WorkerTask, report, stop: threading.Event | Any | None = None,
-              go: threading.Event | Any | None = None) -> dict[str, Any]:
-    """Plan the shard's slice, take its lock (one writer per shard), then resume and extract it
-    (see ``_run_shard``); the lock is released however that ends.
-
-    ``report(kind, **fields)`` receives progress messages; ``stop`` (an Event) asks for a clean
-    early stop: whatever is written gets committed, then ``Stopped``. ``go`` (an Event), where
-    given, is awaited once planned and locked (reported as "plan_ready"), before the shard is
-    touched, so that a bad row in any shard's slice stops the run before another shard has
-    committed anything (see ``runner``).
-    """
-    cfg = task.cfg
+def use_device(task: WorkerTask) -> torch.device:
+    """Set this process up for ``task``'s device: its CPU threads, the GIL switch interval, the CUDA device."""
     if task.cpu_threads:
         torch.set_num_threads(task.cpu_threads)
     sys.setswitchinterval(GIL_SWITCH_S)
     device = torch.device(task.device)
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    t = time.perf_counter()
-    tokenizer = load_tokenizer(cfg)
-    planned = _plan(task, tokenizer, report)
-    timing: dict[str, float] = {"plan_s": round(time.perf_counter() - t, 3)}
-    lock = _take_lock(task, report, stop)
+    return device
+
+
+def run_shard(task: WorkerTask, report, stop: threading.Event | None = None) -> dict[str, Any]:
+    """Take the shard's lock (one writer per shard), plan its slice, then resume and extract it
+    (see ``extract_shard``); the lock is released however that ends.
+
+    ``report(kind, **fields)`` receives progress messages; ``stop`` (an Event) asks for a clean
+    early stop: whatever is written gets committed, then ``Stopped``.
+    """
+    use_device(task)
+    lock = take_lock(task, report, stop)
     try:
-        report("plan_ready", tokens=planned.plan.num_tokens, samples=len(planned.plan.source_index))
-        _wait(go, stop)  # until every worker of the node has planned; stopped if another one failed meanwhile
-        with zarr.config.set(writer_zarr_settings(cfg.out)):  # the shard's write path; other zarr users keep theirs
-            return _run_shard(task, planned, tokenizer.pad_token_id, report, stop, lock, timing)
+        tokenizer = load_tokenizer(task.cfg)
+        planned, timing = plan_task(task, tokenizer, load_source(task.cfg.data, task.cfg.split or "train"))
+        return extract_shard(task, planned, tokenizer.pad_token_id, lock, report, stop, timing)
     finally:
         lock.release()
 
 
-def _plan(task: WorkerTask, tokenizer, report) -> PlannedShard:
-    """Load the dataset and plan the shard's slice."""
-    cfg = task.cfg
-    ds = load_source(cfg.data, cfg.split or "train")
+def plan_task(task: WorkerTask, tokenizer, ds) -> tuple[PlannedShard, dict[str, float]]:
+    """The shard's slice of ``ds``, planned; and the shard's timing, its planning seconds so far."""
+    t = time.perf_counter()
     start, stop_row = shard_rows(len(ds), task.num_shards, task.shard_id)
     rows = ds.select(range(start, stop_row)) if hasattr(ds, "select") else ds[start:stop_row]
-    report("planning", rows=stop_row - start, done=0)
-    return plan_shard(rows, start, cfg.data, tokenizer, cfg,
-                      on_row=lambda done: report("planning", rows=stop_row - start, done=done))
+    planned = plan_shard(rows, start, task.cfg.data, tokenizer, task.cfg)
+    return planned, {"plan_s": round(time.perf_counter() - t, 3)}
 
 
-def _wait(event, stop) -> None:
-    """Until ``event`` is set (at once where None); Stopped where ``stop`` is set or the parent died."""
-    parent = os.getppid()
-    while event is not None and not event.wait(0.2):
-        if (stop is not None and stop.is_set()) or os.getppid() != parent:
-            raise Stopped()
-    if stop is not None and stop.is_set():
-        raise Stopped()
-
-
-def _target_runner(cfg: ExtractConfig, device: torch.device, spec: CacheSpec, timing: dict[str, float]
+def target_runner(cfg: ExtractConfig, device: torch.device, spec: CacheSpec, timing: dict[str, float]
                    ) -> TargetRunner:
     """The target on ``device`` with its capture hooks for ``spec``'s layers and top-k, and its
     head (compiled on CUDA); the seconds into ``timing``."""
@@ -278,7 +258,7 @@ LOCK_POLL_S = 2.0
 """Seconds between attempts to take a shard's lock under ``wait_for_lock``."""
 
 
-def _take_lock(task: WorkerTask, report, stop) -> ShardLock:
+def take_lock(task: WorkerTask, report, stop) -> ShardLock:
     """The shard's lock, held; ShardLocked naming the holder, or with ``wait_for_lock`` wait for it."""
     lock = ShardLock(task.cfg.out, task.shard_id)
     said = None
@@ -292,43 +272,41 @@ def _take_lock(task: WorkerTask, report, stop) -> ShardLock:
             if said != (e.holder and e.holder.token):
                 report("warning", message=f"{e}; waiting for it (--wait-for-lock)")
                 said = e.holder and e.holder.token
-        deadline = time.monotonic() + LOCK_POLL_S
-        while time.monotonic() < deadline:
-            if stop is not None and stop.is_set():
-                raise Stopped()
-            time.sleep(0.2)
+        if (stop or threading.Event()).wait(LOCK_POLL_S):
+            raise Stopped()
     if previous is not None:
         report("warning", message=f"shard {task.shard_id:05d}: took over the lock of {previous.describe()}, "
                                   "which ended without releasing it (killed, or its node was lost)")
     return lock
 
 
-def _run_shard(task: WorkerTask, planned: PlannedShard, pad_id: int | None, report, stop, lock: ShardLock,
-               timing: dict[str, float]) -> dict[str, Any]:
-    """Resume one planned, locked shard and, where it is not complete, load the target and
-    extract it; returns its final commit record."""
-    cfg = task.cfg
+def extract_shard(task: WorkerTask, planned: PlannedShard, pad_id: int | None, lock: ShardLock, report,
+                  stop=None, timing: dict[str, float] | None = None, runners: list | None = None) -> dict[str, Any]:
+    """Resume one planned, locked shard and, where it is not complete, extract it; returns its final
+    commit record. ``runners``, where given, keeps the loaded target for the next shard (the caller closes it)."""
+    cfg, timing = task.cfg, timing if timing is not None else {}
     device = torch.device(task.device)
-    writer = ShardWriter(open_root(cfg.out, "r+"), task.shard_id, planned.plan, task.spec,
-                         compute=compute_environment(device))
-    writer.guard = lock.check  # no commit record once another process has taken the shard over
-    plan = planned.plan
-    report("planned", samples=len(plan.source_index), tokens=plan.num_tokens,
-           assistant=planned.assistant_tokens, skipped=dict(plan.skipped), **{
-               f"done_{k}": v for k, v in writer.committed.items()},
-           done_assistant=int(planned.loss_mask[: writer.committed["tokens"]].sum()))
-    if writer.complete:
-        if not writer.state.complete:
-            writer.finish()
-        return writer.committed
-    runner = _target_runner(cfg, device, task.spec, timing)
-    try:
-        return _extract(cfg, planned, writer, device, runner, pad_id=pad_id, report=report, stop=stop,
-                        timing=timing)
-    finally:
-        runner.close()
-        if "loop_s" in timing:  # the loop ran to its end (or a requested stop)
-            report("timing", **timing)
+    with zarr.config.set(writer_zarr_settings(cfg.out)):  # the shard's write path; other zarr users keep theirs
+        writer = ShardWriter(open_root(cfg.out, "r+"), task.shard_id, planned.plan, task.spec,
+                             compute=compute_environment(device))
+        writer.guard = lock.check  # no commit record once another process has taken the shard over
+        report("planned", samples=len(planned.plan.source_index), done_samples=writer.committed["samples"])
+        if writer.complete:
+            if not writer.state.complete:
+                writer.finish()
+            return writer.committed
+        kept = runners is not None
+        runners = runners if kept else []
+        if not runners:
+            runners.append(target_runner(cfg, device, task.spec, timing))
+        try:
+            return _extract(cfg, planned, writer, device, runners[0], pad_id=pad_id, report=report, stop=stop,
+                            timing=timing)
+        finally:
+            if not kept:
+                runners.pop().close()
+            if "loop_s" in timing:  # the loop ran to its end (or a requested stop)
+                report("timing", **timing)
 
 
 def _extract(cfg: ExtractConfig, planned: PlannedShard, writer: ShardWriter, device: torch.device,
@@ -343,7 +321,7 @@ def _extract(cfg: ExtractConfig, planned: PlannedShard, writer: ShardWriter, dev
     pad_id = pad_id if pad_id is not None else 0
     offsets = plan.offsets
     report("started")
-    t_loop, cpu_loop, threads_cpu = time.perf_counter(), time.process_time(), thread_cpu()
+    t_loop, cpu_loop = time.perf_counter(), time.process_time()
 
     thread = WriterThread(writer, planned, depth=cfg.queue_depth, commit_seconds=cfg.commit_seconds, report=report)
     copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
@@ -382,13 +360,10 @@ def _extract(cfg: ExtractConfig, planned: PlannedShard, writer: ShardWriter, dev
             pass
         raise
     t_drain = time.perf_counter()
-    threads_after = thread_cpu()  # while the writer thread is alive
     thread.close(finish=not stopped)
     t_end = time.perf_counter()
-    cpu_main = time.process_time() - cpu_loop
-    timing.update(loop_s=round(t_end - t_loop, 3), cpu_s=round(cpu_main, 3), cpu_main_s=round(cpu_main, 3),
-                  drain_s=round(t_end - t_drain, 3), **{k: round(v, 3) for k, v in thread.seconds.items()},
-                  cpu_threads_s=thread_cpu_by_name(threads_cpu, threads_after))
+    timing.update(loop_s=round(t_end - t_loop, 3), cpu_s=round(time.process_time() - cpu_loop, 3),
+                  drain_s=round(t_end - t_drain, 3), **{k: round(v, 3) for k, v in thread.seconds.items()})
     if copy_stream is not None:
         timing.update({k: round(v, 3) for k, v in thread.gpu.items()})
     if stopped:
@@ -405,7 +380,7 @@ def bad_row_message(e: DataError, cfg: ExtractConfig) -> str:
 
 
 def describe_error(e: BaseException, task: WorkerTask) -> tuple[str, str]:
-    """(kind, message) for the parent; see the module docstring for the kinds."""
+    """(kind, message) for the user; see the module docstring for the kinds."""
     shard = f"shard {task.shard_id:05d}"
     if isinstance(e, DataError):
         return "data", bad_row_message(e, task.cfg)
@@ -418,9 +393,8 @@ def describe_error(e: BaseException, task: WorkerTask) -> tuple[str, str]:
                       "Fix the cause (disk space, permissions) and rerun the same command to resume.")
     if isinstance(e, ShardLocked):
         return "locked", f"{e}. Let it finish or stop it, or rerun with --wait-for-lock to wait for it"
-    cause = e.cause if isinstance(e, WriterFailed) else e
-    if isinstance(cause, LockError):
-        return "locked", str(cause)
+    if isinstance(e, LockError):
+        return "locked", str(e)
     if isinstance(e, CacheError):
         return "cache", f"{shard}: {e}"
     if isinstance(e, torch.OutOfMemoryError):
@@ -428,28 +402,3 @@ def describe_error(e: BaseException, task: WorkerTask) -> tuple[str, str]:
                        "planned at shard creation: a cache with committed samples keeps its plan, so use a new "
                        "--out; one with none is replaced by the rerun).")
     return "bug", f"{shard}: unexpected {type(e).__name__}: {e}\n{traceback.format_exc()}"
-
-
-def worker_main(task: WorkerTask, messages, stop, go=None) -> None:
-    """Entry point of a spawned worker process: run the shard, report how it ended."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent handles Ctrl-C and sets `stop`
-    try:
-        from transformers.utils import logging as hf_logging
-
-        hf_logging.disable_progress_bar()
-        hf_logging.set_verbosity_error()
-    except Exception:  # noqa: BLE001 - cosmetics only
-        pass
-
-    def report(kind: str, **fields):
-        messages.put((kind, task.shard_id, fields))
-
-    try:
-        record = run_shard(task, report, stop, go)
-        report("done", **record)
-    except Stopped:
-        report("stopped")
-    except BaseException as e:  # noqa: BLE001 - classified and reported
-        kind, message = describe_error(e, task)
-        report("error", category=kind, message=message)
-        sys.exit(1)

@@ -63,7 +63,7 @@ def data_path(tmp_path_factory, chats_sample_path):
 
 
 def config(out, data_path, target_dir, **overrides) -> ExtractConfig:
-    settings = dict(device="cpu", workers=1, layers=LAYERS, topk=TOPK, max_length=96, batch_tokens=400,
+    settings = dict(device="cpu", layers=LAYERS, topk=TOPK, max_length=96, batch_tokens=400,
                     commit_seconds=0, chunk_tokens=64, cpu_threads=1, progress=False, dtype="float32")
     return ExtractConfig(data=str(data_path), model=str(target_dir), out=str(out), **{**settings, **overrides})
 
@@ -74,7 +74,7 @@ def extract_in_process(cfg: ExtractConfig) -> None:
 
     spec = R.build_spec(cfg, load_tokenizer(cfg), AutoConfig.from_pretrained(cfg.model), load_source(cfg.data),
                         num_shards=1)
-    R.prepare_root(cfg, spec, R.NodeLayout(0, 1))
+    R.prepare_root(cfg, spec)
     threads = torch.get_num_threads()
     try:
         W.run_shard(W.WorkerTask(cfg=cfg, spec=spec, shard_id=0, num_shards=1, device="cpu", cpu_threads=1),

@@ -229,7 +229,7 @@ def test_values_of_each_kind_parse_to_the_field_types(tmp_path, monkeypatch):
 
     assert parsed("--layers", "1,9, 17").layers == [1, 9, 17]
     assert parsed("--layers", "none").layers is None
-    assert parsed("--gpus", "").gpus == [] and parsed("--gpus", "3").gpus == [3]
+    assert parsed("--shards", "none").shards is None and parsed("--shards", "3").shards == 3
     assert parsed("--attn-implementation", "none").attn_implementation is None
     assert parsed("--attn-implementation", "eager").attn_implementation == "eager"
     assert parsed("--no-progress").progress is False and parsed("--progress").progress is True

@@ -32,7 +32,7 @@ from dflash.shared.cache_cli import main
 from dflash.shared.convert import fingerprint_digest
 
 LAYERS = [0, 1, 2]
-EXTRACT = dict(device="cpu", workers=2, cpu_threads=1, dtype="float32", layers=LAYERS, topk=16, max_length=96,
+EXTRACT = dict(device="cpu", shards=2, cpu_threads=1, dtype="float32", layers=LAYERS, topk=16, max_length=96,
                batch_tokens=400, chunk_tokens=32, commit_seconds=0, progress=False)
 """A small two-shard extraction; its hidden chunks (32 tokens) are crossed by samples and batches."""
 META_FIELDS = ("offsets", "source_index", "batches")
@@ -58,12 +58,12 @@ def extraction_spec(cfg: ExtractConfig) -> C.CacheSpec:
 @pytest.fixture(scope="module")
 def source(tmp_path_factory, chats_sample_path, tiny_target_dir):
     """A format-1 cache (every array chunked at 32 tokens) of two shards, extracted as a run
-    does (the runner's set-up, each shard's worker, here in this process): its root is created
-    in format 1, and the runner hands the workers that layout to write in."""
+    does (the runner's set-up, each shard, here in this process): its root is created in format 1,
+    and the runner hands the shards that layout to write in."""
     out = tmp_path_factory.mktemp("source") / "src.zarr"
     cfg = ExtractConfig(data=str(chats_sample_path), model=str(tiny_target_dir), out=str(out), **EXTRACT)
     C.create_or_open_cache(str(out), dataclasses.replace(extraction_spec(cfg), format_version=1, chunks={}))
-    _, spec, _ = R._prepare(cfg, R.NodeLayout(0, 1), R.Phases(0.0))
+    spec = C.CacheSpec.from_dict(R.prepare_root(cfg, extraction_spec(cfg)).attrs[C.ATTRS_KEY])
     assert spec.format_version == 1 and spec.fingerprint == extraction_spec(cfg).fingerprint
     threads = torch.get_num_threads()
     try:

@@ -1,5 +1,5 @@
 """Stage one end to end on the CPU: tiny Qwen3 (save_pretrained -> from_pretrained), two
-spawned workers, checked against the HF model's own outputs."""
+processes as torchrun starts them, checked against the HF model's own outputs."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import hashlib
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -20,7 +21,6 @@ import pytest
 import torch
 import zarr
 
-from dflash.extract import cpu_time
 from dflash.extract import runner as R
 from dflash.extract import worker as W
 from dflash.extract.chat import render
@@ -35,7 +35,7 @@ LAYERS = [0, 1, 2]  # of the 4-layer target: every layer a serving engine can ca
 TOPK = 16
 MAX_LENGTH = 96
 # the CLI flags every end-to-end run here shares (the kill test reruns exactly these)
-COMMON = ["--device", "cpu", "--dtype", "float32", "--workers", "2", "--cpu-threads", "1", "--layers", ",".join(map(str, LAYERS)),
+COMMON = ["--device", "cpu", "--dtype", "float32", "--shards", "2", "--cpu-threads", "1", "--layers", ",".join(map(str, LAYERS)),
           "--topk", str(TOPK), "--max-length", str(MAX_LENGTH), "--batch-tokens", "400",
           "--commit-seconds", "0", "--chunk-tokens", "64", "--no-progress"]
 BAD_ROWS = {  # row index -> (row, reason it is skipped)
@@ -46,9 +46,28 @@ BAD_ROWS = {  # row index -> (row, reason it is skipped)
 }
 
 
-def cli(*args, check=True, **kw):
-    proc = subprocess.run([sys.executable, "-m", "dflash.extract.cli", *map(str, args)],
-                          capture_output=True, text=True, **kw)
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+            "-m", "dflash.extract.cli"]
+"""dflash-extract under torchrun, two processes (gloo on the CPU)."""
+
+
+def rank_envs(world: int, **env) -> list[dict[str, str]]:
+    """The environment torchrun gives each of ``world`` processes on one node, with ``env``."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    return [{**os.environ, "RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": str(world),
+             "LOCAL_WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), **env}
+            for r in range(world)]
+
+
+def cli(*args, check=True, world=2, **env):
+    """dflash-extract in ``world`` processes with torchrun's environment, without its agent (whose own
+    report of a failed rank prints a traceback); the ranks' largest exit code, their output joined."""
+    procs = [subprocess.Popen([sys.executable, "-m", "dflash.extract.cli", *map(str, args)], env=e,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for e in rank_envs(world, **env)]
+    outs = [p.communicate(timeout=600) for p in procs]
+    proc = subprocess.CompletedProcess(args, max(p.returncode for p in procs), *map("".join, zip(*outs)))
     if check and proc.returncode != 0:
         raise AssertionError(f"dflash-extract failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
     return proc
@@ -67,13 +86,14 @@ def dataset(tmp_path_factory, chats_sample_path):
 
 @pytest.fixture(scope="module")
 def extracted(tmp_path_factory, dataset, tiny_target_dir):
-    """One unbroken two-worker run with --on-bad-row skip; (cache path, summary JSON)."""
+    """One unbroken run under torchrun, two processes, with --on-bad-row skip; (cache path, summary JSON)."""
     out = tmp_path_factory.mktemp("cache") / "c.zarr"
     summary = out.parent / "summary.json"
     t0 = time.monotonic()
-    proc = cli("--data", dataset[0], "--model", tiny_target_dir, "--out", out, "--on-bad-row", "skip",
-               "--summary-json", summary, *COMMON)
-    print(f"two-worker CLI run: {time.monotonic() - t0:.1f} s\n{proc.stdout}")
+    proc = subprocess.run([*TORCHRUN, "--data", dataset[0], "--model", tiny_target_dir, "--out", out, "--on-bad-row",
+                           "skip", "--summary-json", summary, *COMMON], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    print(f"torchrun, two processes: {time.monotonic() - t0:.1f} s\n{proc.stdout}")
     return out, json.loads(summary.read_text()), proc
 
 
@@ -85,12 +105,12 @@ def shard_arrays(path, shard):
 def shard_task(out, dataset, tiny_target_dir, shard, **overrides):
     """A prepared cache at ``out`` (the two-shard layout of ``extracted``) and the task of one
     of its shards, for runs of ``W.run_shard`` in this process."""
-    settings = dict(device="cpu", workers=2, layers=LAYERS, topk=TOPK, max_length=MAX_LENGTH, batch_tokens=400,
+    settings = dict(device="cpu", shards=2, layers=LAYERS, topk=TOPK, max_length=MAX_LENGTH, batch_tokens=400,
                     commit_seconds=0, chunk_tokens=64, on_bad_row="skip", cpu_threads=1, progress=False,
                     dtype="float32")
     cfg = ExtractConfig(data=str(dataset[0]), model=str(tiny_target_dir), out=str(out), **{**settings, **overrides})
     spec = run_spec(cfg)
-    R.prepare_root(cfg, spec, R.NodeLayout(0, 1))
+    R.prepare_root(cfg, spec)
     return W.WorkerTask(cfg=cfg, spec=spec, shard_id=shard, num_shards=2, device="cpu", cpu_threads=1)
 
 
@@ -105,38 +125,29 @@ def run_spec(cfg, num_shards=2):
 
 
 def kill_run(pid: int) -> None:
-    """``kill -9`` every process of the run's process group (``pid`` leads it) except
-    multiprocessing's resource tracker, which then removes the semaphores the killed run left
-    in /dev/shm, and only those: removing every new ``sem.mp-*`` there also removed those of
-    runs of other test suites on the same machine, whose workers then failed at start."""
-    def group() -> dict[int, bytes]:
-        found = {}
+    """``kill -9`` the process ``pid`` and every process it started (torchrun starts each of its
+    processes in a session of its own), again until none is left."""
+    def tree() -> list[int]:
+        parents = {}
         for stat in glob.glob("/proc/[0-9]*/stat"):
             try:
                 fields = open(stat, "rb").read().rsplit(b")", 1)[1].split()
-                if int(fields[2]) == pid and fields[0] != b"Z":  # process group, not a zombie
-                    found[int(stat.split("/")[2])] = open(stat[:-4] + "cmdline", "rb").read()
+                if fields[0] != b"Z":  # not a zombie
+                    parents[int(stat.split("/")[2])] = int(fields[1])
             except (OSError, IndexError, ValueError):
                 continue  # ended meanwhile
+        found = [pid] if pid in parents else []
+        for p in found:
+            found += [c for c, parent in parents.items() if parent == p]
         return found
 
-    trackers: set[int] = set()
     deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:  # again until none is left: a dying parent may still spawn
-        members = group()
-        trackers |= {p for p, cmd in members.items() if b"resource_tracker" in cmd}
-        others = [p for p in members if p not in trackers]
-        if not others:
-            break
-        for p in others:
+    while (members := tree()) and time.monotonic() < deadline:
+        for p in members:
             try:
                 os.kill(p, signal.SIGKILL)
             except ProcessLookupError:
                 pass
-        time.sleep(0.05)
-    while trackers and time.monotonic() < deadline:  # each exits once every holder of its pipe is gone
-        trackers = {p for p in trackers if os.path.exists(f"/proc/{p}") and
-                    open(f"/proc/{p}/stat", "rb").read().rsplit(b")", 1)[1].split()[0] != b"Z"}
         time.sleep(0.05)
 
 
@@ -354,10 +365,10 @@ def test_summary_says_where_the_loops_time_went(extracted):
 
 
 def test_summary_times_the_start(extracted):
-    """The summary gives the parent's steps up to the spawn and the workers' after it; each worker
-    says how long its planning, model load and head took."""
+    """The summary gives rank 0's steps up to its first batch and after its last; each shard says
+    how long its planning, model load and head took."""
     _, summary, _ = extracted
-    assert {"cache_root", "spawn", "planning", "writer_start", "forward_loop"} <= set(summary["phases"]["seconds"])
+    assert {"cache_root", "planning", "writer_start", "forward_loop"} <= set(summary["phases"]["seconds"])
     for t in summary["worker_seconds"].values():
         assert {"plan_s", "model_load_s", "head_setup_s"} <= set(t), t
 
@@ -428,11 +439,11 @@ def test_bad_row_error_names_file_and_row_and_the_fix_runs_at_the_same_out(tmp_p
 
 
 def test_kill9_then_resume_is_bitwise_identical(tmp_path, extracted, dataset, tiny_target_dir):
-    """Killed mid-run (the whole process group), rerun: equal to the unbroken run."""
+    """Killed mid-run (torchrun and its processes), rerun: equal to the unbroken run."""
     reference, _, _ = extracted
     out = tmp_path / "killed.zarr"
-    args = [sys.executable, "-m", "dflash.extract.cli", "--data", str(dataset[0]), "--model", str(tiny_target_dir),
-            "--out", str(out), "--on-bad-row", "skip", *COMMON]
+    args = [*TORCHRUN, "--data", str(dataset[0]), "--model", str(tiny_target_dir), "--out", str(out),
+            "--on-bad-row", "skip", *COMMON]
     proc = subprocess.Popen(args + ["--batch-delay-s", "0.25"], start_new_session=True,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 60
@@ -526,10 +537,9 @@ def test_a_chunk_zarrs_cannot_store_stops_cleanly_then_resumes(tmp_path, extract
     finally:
         torch.set_num_threads(threads)
     assert_same_shard(reference, out, 0)
-    # where the rerun's time went: before the loop (planning, model load) and in it, per thread
+    # where the rerun's time went: before the loop (planning, model load) and in it
     [t] = timings
     assert t["plan_s"] > 0 and t["model_load_s"] > 0 and t["loop_s"] > 0 and t["cpu_s"] > 0
-    assert all(v >= 0.05 for v in t["cpu_threads_s"].values())  # per thread name (tested on its own below)
 
 
 def test_a_shard_resumes_only_where_it_was_computed(tmp_path, extracted, dataset, tiny_target_dir):
@@ -566,86 +576,30 @@ def test_a_shard_resumes_only_where_it_was_computed(tmp_path, extracted, dataset
     assert_same_shard(reference, out, 0)
 
 
-def test_thread_cpu_is_counted_per_thread_name():
-    """The per-thread CPU of the worker's process: a thread that burns ~0.3 s of CPU shows
-    under its name (against the kernel's own per-thread clock, independent of ours)."""
-    before = cpu_time.thread_cpu()
-    spent, burnt, read = {}, threading.Event(), threading.Event()
-
-    def burn():
-        t0 = time.thread_time()
-        while time.thread_time() - t0 < 0.3:
-            sum(range(1000))
-        spent["s"] = time.thread_time() - t0
-        burnt.set()
-        read.wait()  # alive until its CPU is read
-
-    t = threading.Thread(target=burn, name="burner")
-    t.start()
-    burnt.wait()
-    after = cpu_time.thread_cpu()
-    read.set()
-    t.join()
-    by_name = cpu_time.thread_cpu_by_name(before, after)
-    assert by_name["burner"] == pytest.approx(spent["s"], abs=0.05)
-    assert list(by_name)[0] == "burner"  # largest first: the main thread only waited
-
-
-def test_two_nodes_on_an_fsspec_url_equal_one_node(tmp_path, extracted, dataset, tiny_target_dir):
-    """Two nodes as torchrun starts them (one dflash-extract each, RANK/WORLD_SIZE set, one
-    worker each), writing through fsspec to a file:// URL (zarr's own pipeline: zarrs writes
-    local folders only): the shards equal the one-node two-worker run's."""
+def test_two_processes_on_an_fsspec_url_equal_torchruns(tmp_path, extracted, dataset, tiny_target_dir):
+    """Two processes as torchrun starts them (RANK, WORLD_SIZE, MASTER_ADDR, ... set), writing
+    through fsspec to a file:// URL (zarr's own pipeline: zarrs writes local folders only): the
+    shards equal the torchrun run's."""
     reference, _, _ = extracted
     out = tmp_path / "c.zarr"
-    common = list(COMMON)
-    common[common.index("--workers") + 1] = "1"  # one worker per node: two shards in all, as in the reference
-    env = {**os.environ, "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "1", "FSSPEC_FILE_AUTO_MKDIR": "1"}
-    nodes = [subprocess.Popen([sys.executable, "-m", "dflash.extract.cli", "--data", str(dataset[0]),
-                               "--model", str(tiny_target_dir), "--out", f"file://{out}", "--on-bad-row", "skip",
-                               *common], env={**env, "RANK": str(rank)}, stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True)
-             for rank in (0, 1)]
-    for rank, p in enumerate(nodes):
-        stdout, stderr = p.communicate(timeout=240)
-        assert p.returncode == 0, f"node {rank}:\n{stderr[-3000:]}"
+    cli("--data", dataset[0], "--model", tiny_target_dir, "--out", f"file://{out}", "--on-bad-row", "skip", *COMMON,
+        FSSPEC_FILE_AUTO_MKDIR="1")
     for s in (0, 1):
         assert_same_shard(reference, out, s)
     fingerprints = [zarr.open_group(str(p), mode="r").attrs[C.ATTRS_KEY]["fingerprint"] for p in (reference, out)]
     assert fingerprints[0] == fingerprints[1]
 
 
-def test_other_ranks_wait_while_rank_0_replaces_an_uncommitted_root(tmp_path, extracted, dataset, tiny_target_dir):
-    """Across nodes only rank 0 replaces a root left by a run that committed nothing; another rank
-    that finds it waits for the replacement instead of refusing it. A root with committed samples
-    and another fingerprint stops every rank at once."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    out = tmp_path / "c.zarr"
-    old = shard_task(out, dataset, tiny_target_dir, 0, topk=8)  # a root of other settings, nothing committed
-    C.ShardWriter(C.open_root(str(out), "r+"), 0, C.ShardPlan([0], [3], [0, 1]), run_spec(old.cfg))
-    cfg = dataclasses.replace(old.cfg, topk=TOPK, wait_for_root_s=60.0)
-    spec = run_spec(cfg)
-    with ThreadPoolExecutor(1) as pool:
-        rank1 = pool.submit(R.prepare_root, cfg, spec, R.NodeLayout(1, 2))
-        time.sleep(1.5)
-        assert not rank1.done()  # waiting, not refusing
-        R.prepare_root(cfg, spec, R.NodeLayout(0, 2))
-        root = rank1.result(timeout=30)
-    assert root.attrs[C.ATTRS_KEY]["topk"] == TOPK and list(root["shards"].group_keys()) == []
-    committed, _, _ = extracted
-    t0 = time.monotonic()
-    with pytest.raises(R.ExtractFailed, match="topk: cache has 16, run has 8"):
-        R.prepare_root(dataclasses.replace(cfg, out=str(committed)), run_spec(old.cfg), R.NodeLayout(1, 2))
-    assert time.monotonic() - t0 < 10
-
-
-def test_workers_per_gpu_lay_out_devices_and_shards():
-    cfg = ExtractConfig(data="d", model="m", out="o", gpus=[3, 5], workers_per_gpu=2)
-    cfg.validate()
-    assert cfg.local_workers == 4 and cfg.worker_devices == ["cuda:3", "cuda:3", "cuda:5", "cuda:5"]
-    assert ExtractConfig(data="d", model="m", out="o", device="cpu", workers=3).worker_devices == ["cpu"] * 3
-    with pytest.raises(ValueError, match="workers_per_gpu"):
-        ExtractConfig(data="d", model="m", out="o", workers_per_gpu=0).validate()
+def test_another_shard_count_is_refused_naming_the_flag(extracted, dataset, tiny_target_dir):
+    """A resume with another number of shards (another torchrun WORLD_SIZE, or --shards) is refused,
+    naming --shards, and the cache is left byte-identical."""
+    out, _, _ = extracted
+    before = file_bytes(out)
+    task = shard_task(out, dataset, tiny_target_dir, 0)  # the same settings reopen it
+    cfg = dataclasses.replace(task.cfg, shards=3)
+    with pytest.raises(R.ExtractFailed, match=r"num_shards: cache has 2, run has 3  \[--shards"):
+        R.prepare_root(cfg, run_spec(cfg, num_shards=3))
+    assert file_bytes(out) == before
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -658,12 +612,12 @@ def test_cuda_worker_matches_hf_on_the_gpu(tmp_path, dataset, tiny_target_dir):
     from dflash.extract.data import load_source
 
     out = tmp_path / "c.zarr"
-    cfg = ExtractConfig(data=str(dataset[0]), model=str(tiny_target_dir), out=str(out), device="cuda", gpus=[0],
+    cfg = ExtractConfig(data=str(dataset[0]), model=str(tiny_target_dir), out=str(out), device="cuda",
                         layers=LAYERS, topk=TOPK, max_length=MAX_LENGTH, batch_tokens=400, commit_seconds=0,
                         chunk_tokens=64, on_bad_row="skip", progress=False, dtype="float32", queue_depth=1)
     spec = R.build_spec(cfg, AutoTokenizer.from_pretrained(cfg.model), AutoConfig.from_pretrained(cfg.model),
                         load_source(cfg.data), num_shards=1)
-    R.prepare_root(cfg, spec, R.NodeLayout(0, 1))
+    R.prepare_root(cfg, spec)
     switch = sys.getswitchinterval()
     timing = {}
     try:
@@ -728,7 +682,7 @@ def flagged(tmp_path_factory, chats_sample_path, tiny_target_dir, template_file)
 def flagged_config(chats_sample_path, tiny_target_dir, template_file, out, **changes):
     """The ExtractConfig of the ``flagged`` run (its CLI flags as fields), with ``changes``."""
     cfg = ExtractConfig(data=str(chats_sample_path), model=str(tiny_target_dir), out=str(out), device="cpu",
-                        workers=2, layers=LAYERS, topk=TOPK, max_length=MAX_LENGTH, batch_tokens=400,
+                        shards=2, layers=LAYERS, topk=TOPK, max_length=MAX_LENGTH, batch_tokens=400,
                         commit_seconds=0, chunk_tokens=64, cpu_threads=1, progress=False, dtype="float32",
                         chat_template=str(template_file), template_kwargs=dict(FLAGGED_KWARGS),
                         end_of_turn=FLAGGED_EOT)
@@ -817,11 +771,11 @@ def test_resume_with_another_template_flag_is_refused(flagged, chats_sample_path
     value = {"chat_template": str(other_template), "template_kwargs": {"enable_thinking": True},
              "end_of_turn": "<|im_end|>"}[change]
     same = flagged_config(chats_sample_path, tiny_target_dir, template_file, flagged)
-    R.prepare_root(same, run_spec(same), R.NodeLayout(0, 1))  # unchanged flags: reopens
+    R.prepare_root(same, run_spec(same))  # unchanged flags: reopens
     before = file_bytes(flagged)
     cfg = dataclasses.replace(same, **{change: value})
     with pytest.raises(R.ExtractFailed) as err:
-        R.prepare_root(cfg, run_spec(cfg), R.NodeLayout(0, 1))
+        R.prepare_root(cfg, run_spec(cfg))
     message = str(err.value)
     old, new = (hashlib.sha256(t.encode()).hexdigest() for t in (FLAGGED_TEMPLATE, other_template.read_text()))
     assert "another fingerprint" in message and named.format(old=old, new=new) in message
@@ -864,29 +818,19 @@ def test_template_flags_are_checked_before_any_work(tmp_path, chats_sample_path,
         assert not out.exists()
 
 
-def test_a_worker_touches_the_cache_only_once_every_worker_has_planned(tmp_path, dataset, tiny_target_dir):
-    """Planned, a worker waits for the others (``go``) before it creates its shard; asked to stop
-    while it waits (another slice had a bad row), it leaves no shard behind. Given ``go`` it runs."""
+def test_a_bad_row_in_one_slice_stops_every_process_before_any_shard_exists(tmp_path, chats_sample_path,
+                                                                           tiny_target_dir):
+    """A bad row in shard 1's slice only: its process names file and row, the other one stops
+    too, before either has created its shard."""
+    rows = chats_sample_path.read_text().splitlines()
+    rows[-1] = json.dumps(BAD_ROWS[3][0])
+    data = tmp_path / "late_bad_row.jsonl"
+    data.write_text("\n".join(rows) + "\n")
     out = tmp_path / "c.zarr"
-    task = shard_task(out, dataset, tiny_target_dir, 1)
-    stop, go, messages = threading.Event(), threading.Event(), []
-
-    def report(kind, **f):
-        messages.append(kind)
-        if kind == "plan_ready":
-            threading.Timer(0.5, stop.set).start()
-
-    threads = torch.get_num_threads()
-    try:
-        with pytest.raises(W.Stopped):
-            W.run_shard(task, report, stop, go)
-        assert "plan_ready" in messages and "planned" not in messages
-        assert list(C.open_root(str(out))["shards"].group_keys()) == []
-        go.set()
-        record = W.run_shard(task, lambda *a, **k: None, threading.Event(), go)
-    finally:
-        torch.set_num_threads(threads)
-    assert record["samples"] == C.open_root(str(out))[C.shard_name(1)].attrs["planned"]["samples"]
+    proc = cli("--data", data, "--model", tiny_target_dir, "--out", out, *COMMON, check=False)
+    assert proc.returncode == 1 and f"{data} row {len(rows) - 1}: unknown role 'robot'" in proc.stderr
+    assert "stopped: rank 1 failed" in proc.stderr and "Traceback" not in proc.stderr
+    assert list(C.open_root(str(out))["shards"].group_keys()) == []
 
 
 def test_the_shard_writer_uses_zarrs_for_a_folder_and_zarrs_own_pipeline_for_a_url(tmp_path, tiny_target_dir):
@@ -940,8 +884,8 @@ def test_a_second_run_is_refused_naming_the_holder_and_a_waiting_run_takes_over_
 
     reference, _, _ = extracted
     out = tmp_path / "c.zarr"
-    args = [sys.executable, "-m", "dflash.extract.cli", "--data", str(dataset[0]), "--model", str(tiny_target_dir),
-            "--out", str(out), "--on-bad-row", "skip", *COMMON]
+    args = [*TORCHRUN, "--data", str(dataset[0]), "--model", str(tiny_target_dir), "--out", str(out),
+            "--on-bad-row", "skip", *COMMON]
     first = subprocess.Popen(args + ["--batch-delay-s", "30"], start_new_session=True,  # killed long before it ends
                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     waiting = None

@@ -202,7 +202,7 @@ def extracted(converted, chats_sample_path, tmp_path_factory):
     cache = tmp_path_factory.mktemp("extracted") / "c.zarr"
     result = CliRunner().invoke(extract_main, [
         "--data", str(chats_sample_path), "--model", str(converted), "--out", str(cache), "--device", "cpu",
-        "--dtype", "float32", "--workers", "1", "--cpu-threads", "1", "--topk", "4", "--max-length", "64",
+        "--dtype", "float32", "--cpu-threads", "1", "--topk", "4", "--max-length", "64",
         "--batch-tokens", "400", "--chunk-tokens", "64", "--no-progress"])
     assert result.exit_code == 0, result.output
     return cache

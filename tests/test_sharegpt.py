@@ -30,7 +30,7 @@ EXPECTED_REASONS = {"too_long", "no_assistant_turn"}
 
 
 def _settings(data, model, out, **overrides):
-    return ExtractConfig(data=str(data), model=str(model), out=str(out), device="cpu", workers=1, cpu_threads=1,
+    return ExtractConfig(data=str(data), model=str(model), out=str(out), device="cpu", cpu_threads=1,
                          dtype="float32", layers=[0], topk=4, max_length=MAX_LENGTH, truncation="skip",
                          on_bad_row="skip", batch_tokens=4096, commit_seconds=0, progress=False, **overrides)
 

@@ -36,7 +36,7 @@ def planned_then_extracted(tmp_path_factory, dataset, tiny_target_dir):
     """``--plan --json``, then the real run of the same command: (plan, out, run's stdout)."""
     out = tmp_path_factory.mktemp("cache") / "c.zarr"
     args = ["--data", dataset[0], "--model", tiny_target_dir, "--out", out, *RUN]
-    plan = json.loads(cli(*args, "--plan", "--json").stdout)
+    plan = json.loads(cli(*args, "--plan", "--json", world=1).stdout)
     assert not out.exists(), "--plan wrote to --out"
     proc = cli(*args)
     return plan, out, proc.stdout
