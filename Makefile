@@ -56,7 +56,7 @@ comma := ,
 
 .PHONY: train
 train:  ## train a drafter from a cache: CACHE= OUT= [TARGET=the cache's] [GPUS=5,6,7] [PRESET=dflash] [TRAIN_ARGS=...]
-	@test -n "$(CACHE)" -a -n "$(OUT)" || { echo "usage: make train CACHE=... OUT=... [TARGET=the target the cache records] [GPUS=5,6,7] [PRESET=dflash|tiny] [TRAIN_ARGS='--lr 6e-4 ...']" >&2; exit 2; }
+	@test -n "$(CACHE)" -a -n "$(OUT)" || { echo "usage: make train CACHE=... OUT=... [TARGET=the target the cache records] [GPUS=5,6,7] [PRESET=dflash|small|tiny] [TRAIN_ARGS='--lr 6e-4 ...']" >&2; exit 2; }
 	CUDA_VISIBLE_DEVICES=$(if $(filter command line,$(origin GPUS)),$(GPUS),$(TRAIN_GPUS)) \
 	$(PYTHON) -m torch.distributed.run --standalone --nproc-per-node $(NPROC) -m dflash.train.cli run \
 		--preset "$(PRESET)" --cache "$(CACHE)" $(if $(TARGET),--target "$(TARGET)") --out "$(OUT)" $(TRAIN_ARGS)
