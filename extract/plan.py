@@ -59,6 +59,12 @@ def shard_rows(num_rows: int, num_shards: int, shard_id: int) -> tuple[int, int]
     return shard_id * num_rows // num_shards, (shard_id + 1) * num_rows // num_shards
 
 
+def shard_slice(ds, num_shards: int, shard_id: int):
+    """(the rows shard ``shard_id`` owns, the index of its first row) of a dataset or a list of rows."""
+    start, stop = shard_rows(len(ds), num_shards, shard_id)
+    return (ds.select(range(start, stop)) if hasattr(ds, "select") else ds[start:stop]), start
+
+
 def length_bucketed_batches(lengths: np.ndarray, source_index: np.ndarray, batch_tokens: int
                             ) -> tuple[np.ndarray, np.ndarray]:
     """(order, batches): the write order of the samples and the sample offsets of each batch.

@@ -32,11 +32,10 @@ from dflash.shared.compression import size_text
 from dflash.shared.fingerprint import target_fingerprint, tokenizer_fingerprint
 from dflash.shared.inspect import cache_info
 
-from .chat import end_of_turn_id, mask_method
+from .chat import end_of_turn_id, load_tokenizer, mask_method
 from .config import ExtractConfig
 from .data import DataError, dataset_fingerprint, load_source
-from .estimates import run_space_problem
-from .tokenizer import load_tokenizer
+from .size_plan import run_space_problem
 from .worker import WorkerTask, describe_error, extract_shard, plan_task, take_lock, use_device
 
 log = logging.getLogger(__name__)

@@ -41,9 +41,9 @@ from dflash.shared.shard_lock import LockError, ShardLock, ShardLocked
 
 from .config import ExtractConfig
 from .data import DataError, load_source
-from .plan import PlannedShard, plan_shard, shard_rows
+from .plan import PlannedShard, plan_shard, shard_slice
 from .target import TargetRunner, compute_environment, head_backend_for, load_target
-from .tokenizer import load_tokenizer
+from .chat import load_tokenizer
 
 GIL_SWITCH_S = 0.0005
 """The worker's GIL switch interval (Python's default is 5 ms). The forward loop keeps the
@@ -233,8 +233,7 @@ def run_shard(task: WorkerTask, report, stop: threading.Event | None = None) -> 
 def plan_task(task: WorkerTask, tokenizer, ds) -> tuple[PlannedShard, dict[str, float]]:
     """The shard's slice of ``ds``, planned; and the shard's timing, its planning seconds so far."""
     t = time.perf_counter()
-    start, stop_row = shard_rows(len(ds), task.num_shards, task.shard_id)
-    rows = ds.select(range(start, stop_row)) if hasattr(ds, "select") else ds[start:stop_row]
+    rows, start = shard_slice(ds, task.num_shards, task.shard_id)
     planned = plan_shard(rows, start, task.cfg.data, tokenizer, task.cfg)
     return planned, {"plan_s": round(time.perf_counter() - t, 3)}
 
