@@ -129,16 +129,9 @@ def stop_token_ids(model, tokenizer, end_of_turn: str | None = None,
     return sorted(int(i) for i in ids)
 
 
-def render(
-    tokenizer,
-    conv: Conversation,
-    *,
-    max_length: int,
-    truncation: Truncation = "right",
-    method: MaskMethod = "auto",
-    end_of_turn: str | None = None,
-    template_kwargs: dict[str, Any] | None = None,
-) -> RenderedSample:
+def render(tokenizer, conv: Conversation, *, max_length: int, truncation: Truncation = "right",
+           method: MaskMethod = "auto", end_of_turn: str | None = None,
+           template_kwargs: dict[str, Any] | None = None) -> RenderedSample:
     """Token ids (int32) and assistant loss mask (bool) of one conversation.
 
     truncation: "right" keeps the first `max_length` tokens; "error" raises
@@ -191,12 +184,8 @@ def render(
         input_ids, loss_mask = input_ids[:max_length], loss_mask[:max_length]
     if not loss_mask.any():
         error_class = SkippedSample if num_tokens > max_length else DataError
-        raise error_class(
-            "no_loss_tokens",
-            conv.source,
-            conv.row_index,
-            f"no assistant token in the first {len(input_ids)} of {num_tokens} tokens",
-        )
+        raise error_class("no_loss_tokens", conv.source, conv.row_index,
+                          f"no assistant token in the first {len(input_ids)} of {num_tokens} tokens")
     return RenderedSample(input_ids, loss_mask, num_tokens)
 
 

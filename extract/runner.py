@@ -45,8 +45,8 @@ log = logging.getLogger(__name__)
 # with others would mix two roundings in one cache
 FINGERPRINTED = ("topk", "max_length", "truncation", "min_length", "on_bad_row", "batch_tokens",
                  "chunk_tokens", "compression_level", "attn_implementation", "lm_head_chunk")
-NOT_RECORDED = ("out", "summary_json", "progress", "batch_delay_s", "wait_for_lock", "compile_cache",
-                "plan", "json", "ignore_free_space")
+NOT_RECORDED = ("out", "summary_json", "progress", "batch_delay_s", "wait_for_lock", "plan", "json",
+                "ignore_free_space")
 
 
 class ExtractFailed(Exception):
