@@ -1,17 +1,13 @@
 """One process of an extraction run: fingerprint, prepare the cache root, lock and plan this
 process's shards, extract them on its device, and (rank 0) sum up what is on disk.
 
-One plain process uses one device (``--device cuda``: cuda:0; or the CPU). Under torchrun, one
-process per device (``torchrun --nproc-per-node N [--nnodes M ...] -m dflash.extract.cli``):
+Alone, a process uses one device (cuda:0 or the CPU). Under torchrun (one process per GPU),
 rank r of W writes shards r, r + W, ... of ``--shards`` (default W) on cuda:LOCAL_RANK. The
-ranks meet over gloo (on the CPU too) before any of them writes a shard: once rank 0 has
-created, reopened (its fingerprint checked) or replaced the root (a root that differs is
-refused, naming each difference, unless none of its shards committed a sample: a run that
-failed before its first commit must not block the corrected rerun at the same ``--out``); once
-every rank has locked and planned its shards, so that a bad row (under ``--on-bad-row error``)
-in any slice stops the run before any shard commits; once rank 0 has checked the free space.
-At the end rank 0 gathers what each rank did for the summary. A rank that fails reports its own
-error; the others stop with a line naming it.
+ranks meet over gloo before any shard is written: once rank 0 has created, reopened (its
+fingerprint checked) or replaced the root (a differing root is refused, naming each
+difference, unless it holds no committed sample); once every rank has locked and planned its
+shards, so that a bad row in any slice stops the run before any commit; once rank 0 has
+checked the free space. A rank that fails reports its own error; the others name it.
 """
 
 from __future__ import annotations
