@@ -129,16 +129,9 @@ def stop_token_ids(model, tokenizer, end_of_turn: str | None = None,
     return sorted(int(i) for i in ids)
 
 
-def render(
-    tokenizer,
-    conv: Conversation,
-    *,
-    max_length: int,
-    truncation: Truncation = "right",
-    method: MaskMethod = "auto",
-    end_of_turn: str | None = None,
-    template_kwargs: dict[str, Any] | None = None,
-) -> RenderedSample:
+def render(tokenizer, conv: Conversation, *, max_length: int, truncation: Truncation = "right",
+           method: MaskMethod = "auto", end_of_turn: str | None = None,
+           template_kwargs: dict[str, Any] | None = None) -> RenderedSample:
     """Token ids (int32) and assistant loss mask (bool) of one conversation.
 
     truncation: "right" keeps the first `max_length` tokens; "error" raises
@@ -191,23 +184,59 @@ def render(
         input_ids, loss_mask = input_ids[:max_length], loss_mask[:max_length]
     if not loss_mask.any():
         error_class = SkippedSample if num_tokens > max_length else DataError
-        raise error_class(
-            "no_loss_tokens",
-            conv.source,
-            conv.row_index,
-            f"no assistant token in the first {len(input_ids)} of {num_tokens} tokens",
-        )
+        raise error_class("no_loss_tokens", conv.source, conv.row_index,
+                          f"no assistant token in the first {len(input_ids)} of {num_tokens} tokens")
     return RenderedSample(input_ids, loss_mask, num_tokens)
 
 
 # ---------------------------------------------------------------------------------
 
 
+def read_chat_template(path: str) -> str:
+    """The text of a Jinja chat-template file, checked to compile; ValueError naming the file otherwise."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+    except (OSError, UnicodeDecodeError) as e:
+        raise ValueError(f"--chat-template {path}: cannot read it: {e}") from None
+    if not text.strip():
+        raise ValueError(f"--chat-template {path}: the file is empty")
+    from transformers.utils.chat_template_utils import _compile_jinja_template  # HF's own Jinja environment
+
+    try:
+        _compile_jinja_template(text)
+    except Exception as e:  # noqa: BLE001 - jinja2's TemplateSyntaxError and friends
+        raise ValueError(f"--chat-template {path}: not a valid Jinja template: {type(e).__name__}: {e}") from None
+    return text
+
+
 def _token_id(tokenizer, token: str) -> int:
+    """The id of the end-of-turn ``token``, which must be one entry of the vocabulary; ValueError otherwise."""
     token_id = tokenizer.convert_tokens_to_ids(token)  # not get_vocab(): that copies 150k entries
     if token_id is None or (token_id == tokenizer.unk_token_id and token != tokenizer.unk_token):
-        raise ValueError(f"end-of-turn token {token!r} is not in the vocabulary")
+        pieces = tokenizer.tokenize(token)
+        raise ValueError(f"--end-of-turn {token!r} is not a token of the vocabulary of "
+                         f"{tokenizer.name_or_path} (its text tokenizes as {len(pieces)} tokens: {pieces})")
     return int(token_id)
+
+
+def load_tokenizer(cfg):
+    """The tokenizer of an ExtractConfig with ``--chat-template`` applied and ``--end-of-turn`` checked,
+    loaded this one way wherever stage one renders chats, so that the stored ids come from the
+    template and end-of-turn token the fingerprint records. ValueError naming file, token or tokenizer."""
+    from transformers import AutoTokenizer
+
+    template = read_chat_template(cfg.chat_template) if cfg.chat_template else None
+    name = cfg.tokenizer or cfg.model
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(name, revision=cfg.revision)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"cannot load the tokenizer {name!r}: {e}") from e
+    if template is not None:
+        tokenizer.chat_template = template
+    if cfg.end_of_turn is not None:
+        _token_id(tokenizer, cfg.end_of_turn)
+    return tokenizer
 
 
 def _special_tokens_in(tokenizer, text: str) -> list[str]:

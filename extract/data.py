@@ -95,14 +95,8 @@ def installed_file(package: str, relative: str) -> Path | None:
     return path if path.is_file() else None
 
 
-def load_source(
-    spec: str,
-    split: str = "train",
-    *,
-    revision: str | None = None,
-    data_files: str | list[str] | dict | None = None,
-    cache_dir: str | None = None,
-):
+def load_source(spec: str, split: str = "train", *, revision: str | None = None,
+                data_files: str | list[str] | dict | None = None, cache_dir: str | None = None):
     """Open `spec` as a sequence of rows: `JsonRows` for local JSON, else a `datasets.Dataset`.
 
     `spec` is, in this order: a folder saved by `save_to_disk` (for a DatasetDict,
@@ -134,9 +128,8 @@ def load_source(
             return JsonRows(row for f in files for row in _read_json(f))
         builder = LOCAL_FORMATS[files[0].suffix]
         try:
-            loaded = datasets.load_dataset(
-                builder, data_files={split: [str(f) for f in files]}, split=split, cache_dir=cache_dir
-            )
+            loaded = datasets.load_dataset(builder, data_files={split: [str(f) for f in files]}, split=split,
+                                           cache_dir=cache_dir)
         except Exception as exc:  # noqa: BLE001
             bad, problem = _find_unreadable(builder, files, cache_dir) or (spec, str(exc))
             raise DataError("unreadable", str(bad), None, f"cannot read: {problem}") from exc
@@ -377,13 +370,8 @@ def dataset_fingerprint(ds, spec: str, split: str, revision: str | None = None) 
     cache layout and library version).
     """
     path = Path(spec)
-    info: dict[str, Any] = {
-        "source": spec,
-        "split": split,
-        "revision": revision,
-        "num_rows": len(ds),
-        "datasets_fingerprint": getattr(ds, "_fingerprint", None),
-    }
+    info: dict[str, Any] = {"source": spec, "split": split, "revision": revision, "num_rows": len(ds),
+                            "datasets_fingerprint": getattr(ds, "_fingerprint", None)}
     if path.exists():
         if path.is_dir() and _is_saved_dataset(path):
             files = sorted(Path(f["filename"]) for f in ds.cache_files)
@@ -391,12 +379,9 @@ def dataset_fingerprint(ds, spec: str, split: str, revision: str | None = None) 
         else:
             files = local_data_files(path)
             root = path.resolve() if path.is_dir() else path.resolve().parent
-        info["resolved_path"] = str(path.resolve())
-        info["hash_method"] = "files-sha256"
-        info["content_hash"] = _hash_files(files, root)
+        info.update(resolved_path=str(path.resolve()), hash_method="files-sha256", content_hash=_hash_files(files, root))
     else:
-        info["hash_method"] = "rows-sha256"
-        info["content_hash"] = _hash_rows(ds)
+        info.update(hash_method="rows-sha256", content_hash=_hash_rows(ds))
     return info
 
 

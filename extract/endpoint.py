@@ -149,12 +149,7 @@ def parse_reply(answer: dict[str, Any], base: str = "") -> Reply:
     reasoning = message.get("reasoning_content")
     reasoning = message.get("reasoning") if reasoning is None else reasoning
     usage = answer.get("usage") or {}
-    return Reply(
-        content=message.get("content") or "",
-        reasoning=reasoning or None,
-        tool_calls=message.get("tool_calls") or None,
-        finish_reason=choice.get("finish_reason"),
-        model=answer.get("model"),
-        prompt_tokens=usage.get("prompt_tokens"),
-        completion_tokens=usage.get("completion_tokens"),
-    )
+    return Reply(content=message.get("content") or "", reasoning=reasoning or None,
+                 tool_calls=message.get("tool_calls") or None, finish_reason=choice.get("finish_reason"),
+                 model=answer.get("model"), prompt_tokens=usage.get("prompt_tokens"),
+                 completion_tokens=usage.get("completion_tokens"))

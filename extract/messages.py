@@ -16,20 +16,9 @@ from typing import Any
 Fail = Callable[[str, str], Exception]
 
 ROLES = ("system", "user", "assistant", "tool")
-SHAREGPT_ROLES = {
-    "system": "system",
-    "human": "user",
-    "user": "user",
-    "gpt": "assistant",
-    "assistant": "assistant",
-    "chatgpt": "assistant",
-    "bard": "assistant",
-    "bing": "assistant",
-    "model": "assistant",
-    "tool": "tool",
-    "function": "tool",
-    "observation": "tool",
-}
+SHAREGPT_ROLES = {"system": "system", "human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
+                  "chatgpt": "assistant", "bard": "assistant", "bing": "assistant", "model": "assistant",
+                  "tool": "tool", "function": "tool", "observation": "tool"}
 
 
 def chat_messages(raw: Any, column: str, fail: Fail) -> list[dict[str, Any]]:

@@ -39,8 +39,6 @@ class PlannedShard:
     """(T,) int32: every planned sample's ids, concatenated in plan order."""
     loss_mask: np.ndarray
     """(T,) bool: the matching assistant mask."""
-    skips: SkipCounter
-    """Why rows of the slice were not planned (also in ``plan.skipped``)."""
     truncated: int = 0
     """Planned samples cut to max_length by right truncation."""
 
@@ -57,6 +55,12 @@ class PlannedShard:
 def shard_rows(num_rows: int, num_shards: int, shard_id: int) -> tuple[int, int]:
     """The contiguous row range [start, stop) that shard ``shard_id`` owns."""
     return shard_id * num_rows // num_shards, (shard_id + 1) * num_rows // num_shards
+
+
+def shard_slice(ds, num_shards: int, shard_id: int):
+    """(the rows shard ``shard_id`` owns, the index of its first row) of a dataset or a list of rows."""
+    start, stop = shard_rows(len(ds), num_shards, shard_id)
+    return (ds.select(range(start, stop)) if hasattr(ds, "select") else ds[start:stop]), start
 
 
 def length_bucketed_batches(lengths: np.ndarray, source_index: np.ndarray, batch_tokens: int
@@ -90,35 +94,11 @@ def plan_shard(rows, row_offset: int, source: str, tokenizer, cfg: ExtractConfig
     Raises DataError on the first bad row unless ``cfg.on_bad_row == "skip"``.
     ``on_row(done)`` is called every 256 rows for progress.
     """
-    kept_rows, ids, masks, skips, truncated = tokenise_rows(rows, row_offset, source, tokenizer, cfg, on_row)
-    source_index = np.asarray(kept_rows, dtype=np.int64)
-    lengths = np.asarray([len(x) for x in ids], dtype=np.int64)
-    order, batches = length_bucketed_batches(lengths, source_index, cfg.batch_tokens)
-    plan = ShardPlan(source_index=source_index[order], lengths=lengths[order], batches=batches,
-                     skipped=skips.to_dict())
-    if len(order):
-        input_ids = np.concatenate([ids[i] for i in order]).astype(np.int32, copy=False)
-        loss_mask = np.concatenate([masks[i] for i in order]).astype(bool, copy=False)
-    else:
-        input_ids, loss_mask = np.zeros(0, np.int32), np.zeros(0, bool)
-    return PlannedShard(plan=plan, input_ids=input_ids, loss_mask=loss_mask, skips=skips, truncated=truncated)
-
-
-def tokenise_rows(rows, row_offset: int, source: str, tokenizer, cfg: ExtractConfig,
-                  on_row: Callable[[int], None] | None = None
-                  ) -> tuple[list[int], list[np.ndarray], list[np.ndarray], SkipCounter, int]:
-    """(kept row numbers, their ids, their loss masks, the skips, how many kept samples were
-    truncated) of ``rows``, in row order."""
-    skips = SkipCounter()
-    kept_rows: list[int] = []
-    ids: list[np.ndarray] = []
-    masks: list[np.ndarray] = []
-    truncated = 0
-    render_kwargs = cfg.render_kwargs
+    skips, kept_rows, samples = SkipCounter(), [], []
 
     def one(row: dict, index: int):
         conv = normalize_row(row, index, source)
-        sample = render(tokenizer, conv, max_length=cfg.max_length, truncation=cfg.truncation, **render_kwargs)
+        sample = render(tokenizer, conv, max_length=cfg.max_length, truncation=cfg.truncation, **cfg.render_kwargs)
         if len(sample.input_ids) < cfg.min_length:
             raise SkippedSample("too_short", source, index,
                                 f"{len(sample.input_ids)} tokens < min_length {cfg.min_length}")
@@ -130,11 +110,19 @@ def tokenise_rows(rows, row_offset: int, source: str, tokenizer, cfg: ExtractCon
         sample = guard(cfg.on_bad_row, skips, one, row, index)
         if sample is not None:
             kept_rows.append(index)
-            ids.append(sample.input_ids)
-            masks.append(sample.loss_mask)
-            truncated += sample.truncated
+            samples.append(sample)
         if on_row is not None and done % 256 == 0:
             on_row(done)
     if on_row is not None:
         on_row(done)
-    return kept_rows, ids, masks, skips, truncated
+    source_index = np.asarray(kept_rows, dtype=np.int64)
+    lengths = np.asarray([len(x.input_ids) for x in samples], dtype=np.int64)
+    order, batches = length_bucketed_batches(lengths, source_index, cfg.batch_tokens)
+    plan = ShardPlan(source_index=source_index[order], lengths=lengths[order], batches=batches,
+                     skipped=skips.to_dict())
+    if len(order):
+        input_ids = np.concatenate([samples[i].input_ids for i in order]).astype(np.int32, copy=False)
+        loss_mask = np.concatenate([samples[i].loss_mask for i in order]).astype(bool, copy=False)
+    else:
+        input_ids, loss_mask = np.zeros(0, np.int32), np.zeros(0, bool)
+    return PlannedShard(plan, input_ids, loss_mask, sum(x.truncated for x in samples))

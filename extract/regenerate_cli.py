@@ -74,20 +74,12 @@ def cli(**values):
     generation, prompting = validated(take(GenerationSettings, values)), validated(take(SelfPromptSettings, values))
     url, api_key, timeout, retries, overwrite = (values.pop(k) for k in ("endpoint", "api_key", "request_timeout",
                                                                          "retries", "overwrite"))
-    model = values["model"]
-    if prompting.self_prompts and (url is not None or model is None):
-        raise click.UsageError("--self-prompts needs the target in process: give --model, without --endpoint (a chat "
-                               "API cannot continue a bare user header)")
-    if url is None and model is None:
-        raise click.UsageError("give --model (in process) or --endpoint (a server)")
-    if url is None and looks_like_path(model) and not os.path.isdir(os.path.expanduser(model)):
-        raise click.UsageError(f"--model {model} is not a folder; pass an existing model folder or a hub name")
-    if values["data"] is None and not prompting.self_prompts:
-        raise click.UsageError("give --data (a chat dataset) or --self-prompts N (questions the target writes itself)")
-    if url is None:
-        usable_device(values["device"])
     endpoint = None if url is None else EndpointConfig(url, api_key, request_timeout=timeout, retries=retries)
-    job = RegenConfig(**values, generation=generation, self_prompting=prompting, endpoint=endpoint)
+    job = validated(RegenConfig(**values, generation=generation, self_prompting=prompting, endpoint=endpoint))
+    if url is None and looks_like_path(job.model) and not os.path.isdir(os.path.expanduser(job.model)):
+        raise click.UsageError(f"--model {job.model} is not a folder; pass an existing model folder or a hub name")
+    if url is None:
+        usable_device(job.device)
     try:
         if job.endpoint is not None:
             from .regenerate_endpoint import regenerate_via_endpoint

@@ -1,17 +1,13 @@
 """One process of an extraction run: fingerprint, prepare the cache root, lock and plan this
 process's shards, extract them on its device, and (rank 0) sum up what is on disk.
 
-One plain process uses one device (``--device cuda``: cuda:0; or the CPU). Under torchrun, one
-process per device (``torchrun --nproc-per-node N [--nnodes M ...] -m dflash.extract.cli``):
+Alone, a process uses one device (cuda:0 or the CPU). Under torchrun (one process per GPU),
 rank r of W writes shards r, r + W, ... of ``--shards`` (default W) on cuda:LOCAL_RANK. The
-ranks meet over gloo (on the CPU too) before any of them writes a shard: once rank 0 has
-created, reopened (its fingerprint checked) or replaced the root (a root that differs is
-refused, naming each difference, unless none of its shards committed a sample: a run that
-failed before its first commit must not block the corrected rerun at the same ``--out``); once
-every rank has locked and planned its shards, so that a bad row (under ``--on-bad-row error``)
-in any slice stops the run before any shard commits; once rank 0 has checked the free space.
-At the end rank 0 gathers what each rank did for the summary. A rank that fails reports its own
-error; the others stop with a line naming it.
+ranks meet over gloo before any shard is written: once rank 0 has created, reopened (its
+fingerprint checked) or replaced the root (a differing root is refused, naming each
+difference, unless it holds no committed sample); once every rank has locked and planned its
+shards, so that a bad row in any slice stops the run before any commit; once rank 0 has
+checked the free space. A rank that fails reports its own error; the others name it.
 """
 
 from __future__ import annotations
@@ -32,11 +28,10 @@ from dflash.shared.compression import size_text
 from dflash.shared.fingerprint import target_fingerprint, tokenizer_fingerprint
 from dflash.shared.inspect import cache_info
 
-from .chat import end_of_turn_id, mask_method
+from .chat import end_of_turn_id, load_tokenizer, mask_method
 from .config import ExtractConfig
 from .data import DataError, dataset_fingerprint, load_source
-from .estimates import run_space_problem
-from .tokenizer import load_tokenizer
+from .size_plan import run_space_problem
 from .worker import WorkerTask, describe_error, extract_shard, plan_task, take_lock, use_device
 
 log = logging.getLogger(__name__)
@@ -46,8 +41,8 @@ log = logging.getLogger(__name__)
 # with others would mix two roundings in one cache
 FINGERPRINTED = ("topk", "max_length", "truncation", "min_length", "on_bad_row", "batch_tokens",
                  "chunk_tokens", "compression_level", "attn_implementation", "lm_head_chunk")
-NOT_RECORDED = ("out", "summary_json", "progress", "batch_delay_s", "wait_for_lock", "compile_cache",
-                "plan", "json", "ignore_free_space")
+NOT_RECORDED = ("out", "summary_json", "progress", "batch_delay_s", "wait_for_lock", "plan", "json",
+                "ignore_free_space")
 
 
 class ExtractFailed(Exception):

@@ -1,128 +1,239 @@
-"""``dflash-extract --plan``: what a run would store and cost, before any of it runs.
+"""What an extraction will cost before it runs (``dflash-extract --plan``), and the free-space
+check a real run makes before it writes.
 
-The rows are tokenised and planned shard by shard by the workers' own planning
-(``extract.plan.plan_shard`` on each shard's slice), so the counts (samples, skips by
-reason, truncated samples, tokens, assistant tokens) are the ones the run will record;
-only the target's config is read, never its weights. Bytes on disk and GPU-hours are
-estimates (``extract.estimates``).
+The counts come from the run's own planning (``plan_shard`` on each shard's slice), so they are
+the ones the run will record; only the target's config is read, never its weights. Bytes on
+disk and GPU-hours are estimates: compression ratios measured on one kind of activations, the
+rate on one GPU and shape; the report says so wherever it prints them.
 """
 
 from __future__ import annotations
 
+import logging
+import math
 import os
+import shutil
 from collections import Counter
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
-from dflash.shared.compression import size_text
+from dflash.shared.compression import is_local, size_text
 
 from .config import ExtractConfig
-from .estimates import SizeEstimate, TimeEstimate, free_bytes, size_estimate, time_estimate
+
+log = logging.getLogger(__name__)
+
+HIDDEN_STAGE_RATIO = {"bf16": 28_159 / 40_960, "fp8": 16_780 / 20_490, "int8": 19_548 / 20_800,
+                      "int4": 8_907 / 10_560}
+"""Stored over encoded bytes of the hidden states after the lossless stage (byte shuffle + zstd 1),
+per codec: BENCHMARKS_LOG.md "Lossy hidden-state codecs in the cache (issue 16)" (the real writer on
+a Qwen3-8B-shaped target, layers 1,9,17,25,33)."""
+RATIO_MEASURED_AT = {"fp8": "float16 scales", "int8": "groups of 128, float16 scales",
+                     "int4": "groups of 128, float16 scales"}
+SMALL_ARRAYS_RATIO = (28_350 - 28_159) / (4 + 1 + 4 * 64 + 4 * 64)
+"""Stored over raw bytes of the ids, loss mask and top-k: the same lossless cache's 28,350 B/token
+minus its hidden states, over 517 raw bytes (top-64, float32)."""
+TOPK_DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 
 
-@dataclass
-class PlanCounts:
-    """What planning every shard found, summed over the shards."""
+@dataclass(frozen=True)
+class MeasuredRate:
+    """An extraction rate measured on one GPU: tokens per second from first batch to last commit."""
 
-    rows: int = 0
-    """Rows of the dataset."""
-    shards: int = 0
-    """Shards the rows were planned in (as the run splits them)."""
-    samples: int = 0
-    """Samples the run will store."""
-    skipped: dict[str, int] = field(default_factory=dict)
-    """Rows not stored, by reason (as the cache records them)."""
-    truncated: int = 0
-    """Stored samples cut to --max-length (right truncation)."""
-    tokens: int = 0
-    """Tokens stored."""
-    assistant_tokens: int = 0
-    """Tokens under the loss mask."""
-    padded_tokens: int = 0
-    """Tokens the target computes: each planned batch's size x its longest sample."""
-    longest: int = 0
-    """Longest stored sample, in tokens."""
+    shape: str
+    config: dict[str, Any]
+    """The target's config fields (a Qwen3Config) whose forward cost the rate is scaled from."""
+    sample_tokens: int
+    tokens_per_s: float
+    gpu: str
 
 
-def count_run(cfg: ExtractConfig, tokenizer, ds, num_shards: int, progress: bool = True) -> PlanCounts:
-    """Plan each shard's slice of ``ds`` as its worker will, and sum what the plans hold.
-
-    Raises DataError on the first bad row unless ``cfg.on_bad_row == "skip"``, as the run does.
-    """
-    from tqdm import tqdm
-
-    from .plan import plan_shard, shard_rows
-
-    counts = PlanCounts(rows=len(ds), shards=num_shards)
-    skipped: Counter[str] = Counter()
-    bar = tqdm(total=len(ds), unit="row", desc="planning", dynamic_ncols=True, disable=not progress)
-    try:
-        for shard in range(num_shards):
-            start, stop = shard_rows(len(ds), num_shards, shard)
-            rows = ds.select(range(start, stop)) if hasattr(ds, "select") else ds[start:stop]
-            seen = [0]
-
-            def advance(done: int) -> None:
-                bar.update(done - seen[0])
-                seen[0] = done
-
-            planned = plan_shard(rows, start, cfg.data, tokenizer, cfg, on_row=advance)
-            plan = planned.plan
-            skipped.update(plan.skipped)
-            counts.samples += len(plan.source_index)
-            counts.truncated += planned.truncated
-            counts.tokens += plan.num_tokens
-            counts.assistant_tokens += planned.assistant_tokens
-            sizes = plan.batches[1:] - plan.batches[:-1]
-            counts.padded_tokens += int((sizes * plan.lengths[plan.batches[:-1]]).sum())
-            counts.longest = max(counts.longest, int(plan.lengths.max(initial=0)))
-    finally:
-        bar.close()
-    counts.skipped = dict(sorted(skipped.items()))
-    return counts
+EXTRACTION_RATES = (MeasuredRate(
+    "Qwen3-8B", dict(hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
+                     num_key_value_heads=8, head_dim=128, vocab_size=151936, tie_word_embeddings=False),
+    sample_tokens=2048, tokens_per_s=27_870, gpu="H200"),)
+"""BENCHMARKS_LOG.md "One write path: the writer thread with the zarrs codec pipeline" (400 x 2048
+tokens, layers 1,9,17,25,33, top-64, bf16)."""
 
 
-@dataclass
-class RunPlan:
-    """The plan's report: counts, expected bytes and GPU time."""
+@dataclass(frozen=True)
+class SizeEstimate:
+    """Expected bytes on disk per token of a cache, by part."""
 
-    data: str
-    model: str
-    out: str
-    counts: PlanCounts
-    layers: list[int]
-    num_target_layers: int
-    hidden_size: int
-    topk: int
-    size: SizeEstimate
-    time: TimeEstimate
-    free: tuple[int, str] | None
-    """(free bytes, folder) at --out; None for URLs."""
-    device: str
-    dtype: str
+    codec: Any
+    hidden_raw_bf16: int
+    """Raw bf16 bytes of one token's hidden states (what every ratio is quoted against)."""
+    hidden_encoded: int
+    """Bytes of one token's hidden states before the lossless stage (payload + scales)."""
+    hidden_ratio: float
+    ratio_measured_at: str
+    other_raw: int
+    """Raw bytes of one token's ids, mask and top-k."""
 
     @property
-    def expected_bytes(self) -> int:
-        return self.size.total(self.counts.tokens, self.counts.samples)
+    def hidden_per_token(self) -> float:
+        return self.hidden_encoded * self.hidden_ratio
+
+    @property
+    def other_per_token(self) -> float:
+        return self.other_raw * SMALL_ARRAYS_RATIO
+
+    @property
+    def per_token(self) -> float:
+        return self.hidden_per_token + self.other_per_token
+
+    def total(self, tokens: int, samples: int = 0) -> int:
+        """Bytes of ``tokens`` tokens in ``samples`` samples (offsets and source rows: 16 bytes a sample)."""
+        return int(math.ceil(tokens * self.per_token + 16 * samples))
 
     def as_dict(self) -> dict[str, Any]:
-        return {
-            "plan": True, "data": self.data, "model": self.model, "out": self.out, **asdict(self.counts),
-            "layers": self.layers, "num_target_layers": self.num_target_layers, "hidden_size": self.hidden_size,
-            "topk": self.topk,
-            "bytes": {**self.size.as_dict(), "expected": self.expected_bytes,
-                      "raw_bf16_hidden": self.counts.tokens * self.size.hidden_raw_bf16, "estimate": True},
-            "free_space": None if self.free is None else {"bytes": self.free[0], "at": self.free[1],
-                                                          "enough": self.free[0] >= self.expected_bytes},
-            "time": {**self.time.as_dict(), "estimate": True, "device": self.device, "dtype": self.dtype},
-        }
+        return {"hidden_codec": self.codec.mode, "codec": self.codec.describe(),
+                "hidden_raw_bf16_per_token": self.hidden_raw_bf16, "hidden_encoded_per_token": self.hidden_encoded,
+                "hidden_stage_ratio": self.hidden_ratio, "ratio_measured_at": self.ratio_measured_at,
+                "hidden_per_token": self.hidden_per_token, "other_raw_per_token": self.other_raw,
+                "other_per_token": self.other_per_token, "per_token": self.per_token}
 
 
-def plan_run(cfg: ExtractConfig) -> RunPlan:
-    """Tokenise and plan ``cfg``'s dataset as the run would and estimate its cost; raises
-    ExtractFailed with the run's own message where the run would stop (bad settings, a bad row)."""
+def size_estimate(num_layers: int, hidden_size: int, topk: int, codec=None, topk_dtype: str = "float32"
+                  ) -> SizeEstimate:
+    """Each array's encoded bytes per token times its measured lossless-stage ratio (bf16 without ``codec``)."""
+    from dflash.shared.hidden_codecs import HiddenCodec
+
+    codec = codec or HiddenCodec("bf16")
+    if topk_dtype not in TOPK_DTYPE_BYTES:
+        raise ValueError(f"top-k dtype {topk_dtype!r}: expected one of {sorted(TOPK_DTYPE_BYTES)}")
+    measured_at = codec.mode + (f", {RATIO_MEASURED_AT[codec.mode]}" if codec.mode in RATIO_MEASURED_AT else "")
+    return SizeEstimate(codec, num_layers * hidden_size * 2, codec.bytes_per_token(num_layers, hidden_size),
+                        HIDDEN_STAGE_RATIO[codec.mode], measured_at, 4 + 1 + topk * (4 + TOPK_DTYPE_BYTES[topk_dtype]))
+
+
+def matmul_parameters(model_config) -> int:
+    """Weights of the target's linear layers, LM head included (2 FLOPs each per token), counted on
+    a model built on the meta device: no memory, no weights read."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(model_config)
+    return sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
+
+
+def attention_flops_per_token(model_config, sequence_tokens: int) -> float:
+    """Scores and weighted values of causal attention per token of a ``sequence_tokens`` sequence
+    (each token attends to half of it on average): 2 x 2 x heads x head_dim x tokens / 2 per layer."""
+    c = model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    return 2.0 * c.num_hidden_layers * c.num_attention_heads * head_dim * sequence_tokens
+
+
+@dataclass(frozen=True)
+class TimeEstimate:
+    """GPU time of a run, scaled from a measured rate by forward FLOPs per token."""
+
+    reference: MeasuredRate
+    reference_flops_per_token: float
+    matmul_parameters: int
+    flops_per_token: float
+    tokens_per_s_per_gpu: float
+    gpu_hours: float
+    gpus: int
+
+    @property
+    def wall_hours(self) -> float:
+        return self.gpu_hours / self.gpus
+
+
+def time_estimate(model_config, max_length: int, tokens: int, gpus: int) -> TimeEstimate:
+    """GPU-hours for ``tokens`` forward tokens (padding included) at the rate of the reference whose
+    forward cost is nearest, scaled by FLOPs per token (2 x linear weights + attention) at ``max_length``."""
+    from transformers import Qwen3Config
+
+    params = matmul_parameters(model_config)
+    flops = 2.0 * params + attention_flops_per_token(model_config, max_length)
+
+    def ref_flops(r: MeasuredRate) -> float:
+        c = Qwen3Config(**r.config)
+        return 2.0 * matmul_parameters(c) + attention_flops_per_token(c, r.sample_tokens)
+
+    rate, ref = min(((r, ref_flops(r)) for r in EXTRACTION_RATES), key=lambda r: abs(math.log(r[1] / flops)))
+    per_gpu = rate.tokens_per_s * ref / flops
+    return TimeEstimate(rate, ref, params, flops, per_gpu, tokens / per_gpu / 3600, max(1, gpus))
+
+
+# ----------------------------------------------------------------------------- free space
+
+
+def free_bytes(out: str) -> tuple[int, str] | None:
+    """(free bytes, the nearest existing folder of ``out``) for a local ``out``; None for fsspec URLs."""
+    if not is_local(out):
+        return None
+    where = os.path.abspath(out)
+    while not os.path.exists(where) and os.path.dirname(where) != where:
+        where = os.path.dirname(where)
+    return shutil.disk_usage(where).free, where
+
+
+def run_space_problem(cfg, spec, planned: dict[int, dict[str, int]], committed: dict[int, Any]) -> str | None:
+    """Before a run writes: the message naming both numbers where ``cfg.out`` has less free space than
+    the estimate of what is left (each shard's planned ``tokens``/``samples`` minus its ``committed``
+    counts, so a resumed run needs only the rest), else None. A URL is not checked (logged)."""
+    size = size_estimate(spec.num_layers, spec.hidden_size, spec.topk, spec.codec, spec.topk_dtype)
+    left = {k: sum(max(0, p[k] - getattr(committed.get(s), k, 0)) for s, p in planned.items())
+            for k in ("tokens", "samples")}
+    needed = size.total(left["tokens"], left["samples"])
+    resumed = any(getattr(committed.get(s), "tokens", 0) for s in planned)
+    what = f"{'the rest of ' if resumed else ''}this run ({left['tokens']:,} tokens x {size.per_token:,.0f} B/token)"
+    free = free_bytes(cfg.out)
+    if free is None:
+        log.info("%s: free space not checked (an fsspec URL)", cfg.out)
+        return None
+    available, where = free
+    if available >= needed:
+        log.info("%s: %s free, %s needs about %s (an estimate)", cfg.out, size_text(available), what,
+                 size_text(needed))
+        return None
+    return (f"not enough free space for {cfg.out}: {size_text(available)} ({available:,} B) free at {where}, "
+            f"{what} needs about {size_text(needed)} ({needed:,} B, an estimate from measured compression ratios). "
+            "Free some space, choose another --out, or rerun with --ignore-free-space to start anyway")
+
+
+# ----------------------------------------------------------------------------- the plan
+
+
+def count_run(cfg: ExtractConfig, tokenizer, ds, num_shards: int) -> dict[str, Any]:
+    """Plan each shard's slice of ``ds`` as its process will, and sum what the plans hold: samples,
+    skips by reason, truncated samples, tokens, assistant tokens, padded tokens (each batch's size x
+    its longest sample) and the longest sample. Raises DataError on a bad row as the run does."""
+    from tqdm import tqdm
+
+    from .plan import plan_shard, shard_slice
+
+    counts = Counter(rows=len(ds), shards=num_shards)
+    skipped: Counter[str] = Counter()
+    longest = 0
+    with tqdm(total=len(ds), unit="row", desc="planning", dynamic_ncols=True, disable=not cfg.progress) as bar:
+        for shard in range(num_shards):
+            rows, start = shard_slice(ds, num_shards, shard)
+            planned = plan_shard(rows, start, cfg.data, tokenizer, cfg,
+                                 on_row=lambda done, base=bar.n: bar.update(base + done - bar.n))
+            plan = planned.plan
+            skipped.update(plan.skipped)
+            sizes = plan.batches[1:] - plan.batches[:-1]
+            counts.update(samples=len(plan.source_index), truncated=planned.truncated, tokens=plan.num_tokens,
+                          assistant_tokens=planned.assistant_tokens,
+                          padded_tokens=int((sizes * plan.lengths[plan.batches[:-1]]).sum()))
+            longest = max(longest, int(plan.lengths.max(initial=0)))
+    keys = ("rows", "shards", "samples", "truncated", "tokens", "assistant_tokens", "padded_tokens")
+    return {**{k: counts[k] for k in keys}, "skipped": dict(sorted(skipped.items())), "longest": longest}
+
+
+def plan_run(cfg: ExtractConfig) -> tuple[dict[str, Any], SizeEstimate, TimeEstimate]:
+    """Tokenise and plan ``cfg``'s dataset as the run would and estimate its cost: (the plan as the JSON
+    document prints it, its size and time estimates). Raises ExtractFailed with the run's own message
+    where the run would stop (bad settings, a bad row)."""
     from .data import DataError, load_source
     from .runner import ExtractFailed, checked_layers, load_tokenizer_and_config
+    from .worker import bad_row_message
 
     try:
         cfg.validate()
@@ -133,50 +244,56 @@ def plan_run(cfg: ExtractConfig) -> RunPlan:
     layers = checked_layers(cfg, model_config)
     size = size_estimate(len(layers), model_config.hidden_size, cfg.topk, cfg.codec, cfg.topk_dtype)
     try:
-        ds = load_source(cfg.data, cfg.split or "train")
-        counts = count_run(cfg, tokenizer, ds, num_shards, progress=cfg.progress)
+        counts = count_run(cfg, tokenizer, load_source(cfg.data, cfg.split or "train"), num_shards)
     except DataError as e:
-        from .worker import bad_row_message
-
         raise ExtractFailed(bad_row_message(e, cfg)) from e
     gpus = num_shards if cfg.device == "cuda" else 1  # one per shard, as torchrun runs them
-    return RunPlan(
-        data=cfg.data, model=cfg.model, out=cfg.out, counts=counts, layers=layers,
-        num_target_layers=model_config.num_hidden_layers, hidden_size=model_config.hidden_size, topk=cfg.topk,
-        size=size, time=time_estimate(model_config, cfg.max_length, counts.padded_tokens, gpus),
-        free=free_bytes(cfg.out), device=cfg.device, dtype=cfg.dtype)
+    t = time_estimate(model_config, cfg.max_length, counts["padded_tokens"], gpus)
+    expected, free = size.total(counts["tokens"], counts["samples"]), free_bytes(cfg.out)
+    ref = t.reference
+    doc = {
+        "plan": True, "data": cfg.data, "model": cfg.model, "out": cfg.out, **counts, "layers": layers,
+        "num_target_layers": model_config.num_hidden_layers, "hidden_size": model_config.hidden_size,
+        "topk": cfg.topk,
+        "bytes": {**size.as_dict(), "expected": expected, "raw_bf16_hidden": counts["tokens"] * size.hidden_raw_bf16,
+                  "estimate": True},
+        "free_space": free and {"bytes": free[0], "at": free[1], "enough": free[0] >= expected},
+        "time": {"reference": {"shape": ref.shape, "gpu": ref.gpu, "tokens_per_s": ref.tokens_per_s,
+                               "sample_tokens": ref.sample_tokens, "flops_per_token": t.reference_flops_per_token},
+                 "matmul_parameters": t.matmul_parameters, "flops_per_token": t.flops_per_token,
+                 "tokens_per_s_per_gpu": t.tokens_per_s_per_gpu, "gpu_hours": t.gpu_hours, "gpus": t.gpus,
+                 "wall_hours": t.wall_hours, "estimate": True, "device": cfg.device, "dtype": cfg.dtype},
+    }
+    return doc, size, t
 
 
-def _hours(h: float) -> str:
-    return f"{h * 3600:.0f} s" if h < 1 / 60 else f"{h * 60:.1f} min" if h < 1 else f"{h:,.1f} h"
-
-
-def format_plan(p: RunPlan, cfg: ExtractConfig) -> str:
+def format_plan(doc: dict[str, Any], size: SizeEstimate, t: TimeEstimate, cfg: ExtractConfig) -> str:
     """The plan as a short report; every estimate says it is one and where it comes from."""
-    c, s, t = p.counts, p.size, p.time
-    skipped = ", ".join(f"{k}={v:,}" for k, v in c.skipped.items()) or "none"
-    share = f", {c.assistant_tokens / c.tokens:.1%}" if c.tokens else ""
+    s, ref, expected = size, t.reference, doc["bytes"]["expected"]
+    skipped = ", ".join(f"{k}={v:,}" for k, v in doc["skipped"].items()) or "none"
+    share = f", {doc['assistant_tokens'] / doc['tokens']:.1%}" if doc["tokens"] else ""
+    h = t.wall_hours
+    wall = f"{h * 3600:.0f} s" if h < 1 / 60 else f"{h * 60:.1f} min" if h < 1 else f"{h:,.1f} h"
     lines = [
-        f"plan of dflash-extract (nothing computed, nothing written): {p.data} -> {p.out}",
-        f"  rows             {c.rows:,} in {c.shards} shard{'s' if c.shards != 1 else ''}",
-        f"  samples          {c.samples:,} stored; {sum(c.skipped.values()):,} rows skipped ({skipped}); "
-        f"{c.truncated:,} truncated to --max-length {cfg.max_length}",
-        f"  tokens           {c.tokens:,} ({c.assistant_tokens:,} assistant{share}); longest sample {c.longest:,}; "
-        f"{c.padded_tokens:,} computed with the batches' padding",
-        f"  cache            layers {','.join(map(str, p.layers))} of {p.num_target_layers} (hidden size "
-        f"{p.hidden_size:,}), top-{p.topk} ({cfg.topk_dtype}), hidden {s.codec.describe()}",
-        f"  on disk          about {size_text(p.expected_bytes)} ({s.per_token:,.0f} B/token: hidden states "
+        f"plan of dflash-extract (nothing computed, nothing written): {cfg.data} -> {cfg.out}",
+        f"  rows             {doc['rows']:,} in {doc['shards']} shard{'s' if doc['shards'] != 1 else ''}",
+        f"  samples          {doc['samples']:,} stored; {sum(doc['skipped'].values()):,} rows skipped ({skipped}); "
+        f"{doc['truncated']:,} truncated to --max-length {cfg.max_length}",
+        f"  tokens           {doc['tokens']:,} ({doc['assistant_tokens']:,} assistant{share}); longest sample "
+        f"{doc['longest']:,}; {doc['padded_tokens']:,} computed with the batches' padding",
+        f"  cache            layers {','.join(map(str, doc['layers']))} of {doc['num_target_layers']} (hidden size "
+        f"{doc['hidden_size']:,}), top-{cfg.topk} ({cfg.topk_dtype}), hidden {s.codec.describe()}",
+        f"  on disk          about {size_text(expected)} ({s.per_token:,.0f} B/token: hidden states "
         f"{s.hidden_per_token:,.0f}, the rest {s.other_per_token:,.0f}; raw bf16 hidden states "
         f"{s.hidden_raw_bf16:,} B/token). An estimate: {s.hidden_encoded:,} encoded B/token x {s.hidden_ratio:.3f}, "
         f"the compression measured for {s.ratio_measured_at}",
     ]
-    if p.free is not None:
-        enough = ("enough for the whole run" if p.free[0] >= p.expected_bytes
+    if free := doc["free_space"]:
+        enough = ("enough for the whole run" if free["enough"]
                   else "NOT enough for the whole run: a fresh run would refuse to start")
-        lines.append(f"  free space       {size_text(p.free[0])} at {p.free[1]} ({enough})")
-    ref = t.reference
+        lines.append(f"  free space       {size_text(free['bytes'])} at {free['at']} ({enough})")
     lines.append(
-        f"  GPU time         about {t.gpu_hours:,.3g} {ref.gpu} GPU-hours, {_hours(t.wall_hours)} on {t.gpus} "
+        f"  GPU time         about {t.gpu_hours:,.3g} {ref.gpu} GPU-hours, {wall} on {t.gpus} "
         f"GPU{'s' if t.gpus != 1 else ''} (start-up not included). An estimate: {ref.tokens_per_s:,.0f} tok/s "
         f"measured on one {ref.gpu} for the {ref.shape} shape, scaled by forward FLOPs per token "
         f"(2 x {t.matmul_parameters / 1e9:,.3g} B linear weights + attention at {cfg.max_length:,} tokens: "

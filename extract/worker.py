@@ -1,24 +1,17 @@
 """One shard of an extraction on one device (``runner`` runs a process's shards with these).
 
-lock (one writer per shard, ``shared/shard_lock.py``) -> plan -> ShardWriter (resume point)
--> model load and head -> forward loop on the main thread -> writer thread. The forward loop
-copies each batch's outputs device->host into freshly allocated pinned buffers (PyTorch's
-caching host allocator recycles them) with ``non_blocking`` on a side stream (so the copy
-overlaps the next forward) and records a CUDA event; the writer thread waits on that event
-(blocking events: a waiting thread sleeps, where CUDA would spin a core, and the loop sleeps
-until the previous batch is done before it starts the next, since HF's mask code would wait
-for it anyway), hands the arrays to ``ShardWriter.write_batch`` and commits every
-``commit_seconds``. zarr encodes and stores the chunks through the ``zarrs`` codec pipeline
-(Rust, on its own threads, without the GIL: the forward loop keeps this process's GIL busy,
-and zarr's own pipeline, which needs it, fell behind; BENCHMARKS_LOG.md); stores it does not
-handle (fsspec URLs) fall back to zarr's pipeline. The queue between the loop and the thread
-is bounded, so host memory stays at ``queue_depth`` + 2 batches whatever the speed of the
-disk.
+lock -> plan -> ShardWriter (the resume point) -> target -> forward loop on the main thread ->
+writer thread. Each batch's outputs are encoded on the device and copied to pinned host
+buffers on a side stream (the copy overlaps the next forward); the writer thread waits on the
+copy's blocking CUDA event (it sleeps rather than spins), hands the arrays to
+``ShardWriter.write_batch`` and commits every ``commit_seconds``. zarr encodes and stores the
+chunks through the ``zarrs`` pipeline, which runs without the GIL that the forward loop keeps
+busy (fsspec URLs fall back to zarr's own). The bounded queue keeps host memory at
+``queue_depth`` + 2 batches whatever the disk's speed.
 
-Errors are classified (``describe_error``): ``data`` (a bad row: message names file and
-row), ``cache`` (a cache that cannot be resumed), ``io`` (the store failed while writing:
-nothing past the last good commit is recorded, a rerun resumes), ``locked``, ``oom``, and
-``bug`` (anything else, the only kind shown with its traceback).
+``describe_error`` classifies errors: ``data`` (a bad row, file and row named), ``cache``,
+``io`` (nothing past the last good commit is recorded; a rerun resumes), ``locked``, ``oom``,
+and ``bug`` (the only kind shown with its traceback).
 """
 
 from __future__ import annotations
@@ -41,9 +34,9 @@ from dflash.shared.shard_lock import LockError, ShardLock, ShardLocked
 
 from .config import ExtractConfig
 from .data import DataError, load_source
-from .plan import PlannedShard, plan_shard, shard_rows
+from .plan import PlannedShard, plan_shard, shard_slice
 from .target import TargetRunner, compute_environment, head_backend_for, load_target
-from .tokenizer import load_tokenizer
+from .chat import load_tokenizer
 
 GIL_SWITCH_S = 0.0005
 """The worker's GIL switch interval (Python's default is 5 ms). The forward loop keeps the
@@ -221,20 +214,21 @@ def run_shard(task: WorkerTask, report, stop: threading.Event | None = None) -> 
     early stop: whatever is written gets committed, then ``Stopped``.
     """
     use_device(task)
-    lock = take_lock(task, report, stop)
+    lock, runners = take_lock(task, report, stop), []
     try:
         tokenizer = load_tokenizer(task.cfg)
         planned, timing = plan_task(task, tokenizer, load_source(task.cfg.data, task.cfg.split or "train"))
-        return extract_shard(task, planned, tokenizer.pad_token_id, lock, report, stop, timing)
+        return extract_shard(task, planned, tokenizer.pad_token_id, lock, report, stop, timing, runners)
     finally:
         lock.release()
+        for runner in runners:
+            runner.close()
 
 
 def plan_task(task: WorkerTask, tokenizer, ds) -> tuple[PlannedShard, dict[str, float]]:
     """The shard's slice of ``ds``, planned; and the shard's timing, its planning seconds so far."""
     t = time.perf_counter()
-    start, stop_row = shard_rows(len(ds), task.num_shards, task.shard_id)
-    rows = ds.select(range(start, stop_row)) if hasattr(ds, "select") else ds[start:stop_row]
+    rows, start = shard_slice(ds, task.num_shards, task.shard_id)
     planned = plan_shard(rows, start, task.cfg.data, tokenizer, task.cfg)
     return planned, {"plan_s": round(time.perf_counter() - t, 3)}
 
@@ -281,10 +275,10 @@ def take_lock(task: WorkerTask, report, stop) -> ShardLock:
 
 
 def extract_shard(task: WorkerTask, planned: PlannedShard, pad_id: int | None, lock: ShardLock, report,
-                  stop=None, timing: dict[str, float] | None = None, runners: list | None = None) -> dict[str, Any]:
+                  stop, timing: dict[str, float], runners: list) -> dict[str, Any]:
     """Resume one planned, locked shard and, where it is not complete, extract it; returns its final
-    commit record. ``runners``, where given, keeps the loaded target for the next shard (the caller closes it)."""
-    cfg, timing = task.cfg, timing if timing is not None else {}
+    commit record. ``runners`` keeps the loaded target for the next shard (the caller closes it)."""
+    cfg = task.cfg
     device = torch.device(task.device)
     with zarr.config.set(writer_zarr_settings(cfg.out)):  # the shard's write path; other zarr users keep theirs
         writer = ShardWriter(open_root(cfg.out, "r+"), task.shard_id, planned.plan, task.spec,
@@ -295,23 +289,18 @@ def extract_shard(task: WorkerTask, planned: PlannedShard, pad_id: int | None, l
             if not writer.state.complete:
                 writer.finish()
             return writer.committed
-        kept = runners is not None
-        runners = runners if kept else []
         if not runners:
             runners.append(target_runner(cfg, device, task.spec, timing))
         try:
             return _extract(cfg, planned, writer, device, runners[0], pad_id=pad_id, report=report, stop=stop,
                             timing=timing)
         finally:
-            if not kept:
-                runners.pop().close()
             if "loop_s" in timing:  # the loop ran to its end (or a requested stop)
                 report("timing", **timing)
 
 
 def _extract(cfg: ExtractConfig, planned: PlannedShard, writer: ShardWriter, device: torch.device,
-             runner: TargetRunner, *,
-             pad_id: int | None, report, stop, timing: dict[str, float]) -> dict[str, Any]:
+             runner: TargetRunner, *, pad_id: int | None, report, stop, timing: dict[str, float]) -> dict[str, Any]:
     """The forward loop on this (main) thread, the writer thread behind it; returns the final
     commit and fills ``timing``: wall and CPU seconds of the loop, the seconds from its last
     batch to the final commit (``drain_s``), the writer's busy/idle split and, on CUDA, the

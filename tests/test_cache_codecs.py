@@ -25,7 +25,7 @@ from dflash.extract import runner as R
 from dflash.extract import worker as W
 from dflash.extract.config import ExtractConfig
 from dflash.extract.data import load_source
-from dflash.extract.tokenizer import load_tokenizer
+from dflash.extract.chat import load_tokenizer
 from dflash.shared import cache as C
 from dflash.shared.cache_cli import main as cache_main
 

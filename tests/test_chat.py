@@ -301,7 +301,7 @@ def test_end_of_turn_from_the_template(tiny_tokenizer):
     with pytest.raises(DataError, match=r"no end-of-turn '<\|im_end\|>' after assistant message 2") as info:
         render(tok, conv, max_length=512, end_of_turn="<|im_end|>")
     assert info.value.reason == "mask_not_located"
-    with pytest.raises(ValueError, match="not in the vocabulary"):
+    with pytest.raises(ValueError, match="not a token of the vocabulary"):
         end_of_turn_id(tok, "<|nope|>")
 
 

@@ -28,7 +28,7 @@ from dflash.extract.config import ExtractConfig
 from dflash.extract.data import normalize_row
 from dflash.extract.plan import length_bucketed_batches, shard_rows
 from dflash.extract.target import TargetRunner, compute_environment, load_target
-from dflash.extract.tokenizer import load_tokenizer
+from dflash.extract.chat import load_tokenizer
 from dflash.shared import cache as C
 
 LAYERS = [0, 1, 2]  # of the 4-layer target: every layer a serving engine can capture (not L-1 = 3)

@@ -13,14 +13,14 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from dflash.extract import estimates as E
+from dflash.extract import size_plan as E
 from dflash.extract import runner as R
 from dflash.extract import worker as W
 from dflash.extract.cli import main as extract_main
 from dflash.extract.config import ExtractConfig
 from dflash.extract.data import load_source
 from dflash.extract.plan import plan_shard, shard_rows
-from dflash.extract.tokenizer import load_tokenizer
+from dflash.extract.chat import load_tokenizer
 from dflash.shared import cache as C
 from dflash.shared.cache_cli import main as cache_main
 from test_extract import BAD_ROWS, COMMON, LAYERS, TOPK, cli, dataset, shard_task  # noqa: F401 - dataset: the fixture
