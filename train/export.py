@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import shlex
+from dataclasses import fields
 from pathlib import Path
 
 import torch
@@ -28,6 +29,9 @@ CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
 LAYER_ID_CONVENTION = "id i = output of target decoder layer i = HF hidden_states[i + 1]"
 
+_REQUIRED = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
+             "vocab_size", "num_target_layers", "num_hidden_layers", "block_size", "rms_norm_eps",
+             "max_position_embeddings")
 _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 _NAME_DTYPES = {v: k for k, v in _DTYPE_NAMES.items()}
 
@@ -124,30 +128,14 @@ def config_from_export_dict(data: dict) -> DrafterConfig:
     if eagle is not None and list(eagle) != eagle_layer_ids(dflash.get("target_layer_ids") or []):
         raise ValueError(f"config.json: eagle_aux_hidden_state_layer_ids {eagle} is not dflash_config.target_layer_ids "
                          f"{dflash.get('target_layer_ids')} + 1; a serving engine would read other layers")
-    try:
-        theta = data.get("rope_theta", (data.get("rope_parameters") or {}).get("rope_theta"))
-        return DrafterConfig(
-            hidden_size=int(data["hidden_size"]),
-            intermediate_size=int(data["intermediate_size"]),
-            num_attention_heads=int(data["num_attention_heads"]),
-            num_key_value_heads=int(data["num_key_value_heads"]),
-            head_dim=int(data["head_dim"]),
-            vocab_size=int(data["vocab_size"]),
-            target_layer_ids=list(dflash["target_layer_ids"]),
-            num_target_layers=int(data["num_target_layers"]),
-            mask_token_id=int(dflash["mask_token_id"]),
-            num_hidden_layers=int(data["num_hidden_layers"]),
-            block_size=int(data["block_size"]),
-            rms_norm_eps=float(data["rms_norm_eps"]),
-            rope_theta=float(theta),
-            max_position_embeddings=int(data["max_position_embeddings"]),
-            attention_bias=bool(data.get("attention_bias", False)),
-            initializer_range=float(data.get("initializer_range", 0.02)),
-        )
-    except KeyError as err:
-        raise ValueError(f"config.json lacks {err.args[0]!r}") from err
-    except TypeError as err:  # rope_theta None and friends
-        raise ValueError(f"config.json has an invalid field: {err}") from err
+    missing = [k for k in _REQUIRED if k not in data] + [k for k in ("target_layer_ids", "mask_token_id")
+                                                        if k not in dflash]
+    theta = data.get("rope_theta", (data.get("rope_parameters") or {}).get("rope_theta"))
+    if missing or theta is None:
+        raise ValueError(f"config.json lacks {missing or ['rope_theta']}")
+    values = {f.name: data[f.name] for f in fields(DrafterConfig) if f.name in data}
+    return DrafterConfig(**{**values, "rope_theta": float(theta), "target_layer_ids": dflash["target_layer_ids"],
+                            "mask_token_id": int(dflash["mask_token_id"])})
 
 
 def _unwrap(module: torch.nn.Module) -> torch.nn.Module:

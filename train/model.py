@@ -47,23 +47,16 @@ class DrafterConfig:
     initializer_range: float = 0.02  # std of the normal init of linear weights
 
     def __post_init__(self) -> None:
-        self.target_layer_ids = [int(i) for i in self.target_layer_ids]
-        self.validate()
-
-    def validate(self) -> None:
         """Raise ValueError on inconsistent settings."""
+        self.target_layer_ids = [int(i) for i in self.target_layer_ids]
         if self.num_attention_heads % self.num_key_value_heads != 0:
-            raise ValueError(
-                f"num_attention_heads={self.num_attention_heads} is not a multiple of "
-                f"num_key_value_heads={self.num_key_value_heads}"
-            )
+            raise ValueError(f"num_attention_heads={self.num_attention_heads} is not a multiple of "
+                             f"num_key_value_heads={self.num_key_value_heads}")
         if self.head_dim % 2 != 0:
             raise ValueError(f"head_dim={self.head_dim} must be even for RoPE")
         if not 0 <= self.mask_token_id < self.vocab_size:
-            raise ValueError(
-                f"mask_token_id={self.mask_token_id} is outside the target vocabulary "
-                f"[0, {self.vocab_size})"
-            )
+            raise ValueError(f"mask_token_id={self.mask_token_id} is outside the target vocabulary "
+                             f"[0, {self.vocab_size})")
         check_layer_ids(self.target_layer_ids, self.num_target_layers)  # what serving engines can feed
         if self.block_size < 2:
             raise ValueError(f"block_size={self.block_size} must be at least 2")
@@ -72,18 +65,11 @@ class DrafterConfig:
 
     @property
     def num_context_layers(self) -> int:
-        """How many target layers are concatenated into the context features."""
         return len(self.target_layer_ids)
 
     @classmethod
-    def from_target_config(
-        cls,
-        hf_config: Any,
-        target_layer_ids: list[int],
-        mask_token_id: int,
-        block_size: int = 16,
-        num_hidden_layers: int = 5,
-    ) -> "DrafterConfig":
+    def from_target_config(cls, hf_config: Any, target_layer_ids: list[int], mask_token_id: int,
+                           block_size: int = 16, num_hidden_layers: int = 5) -> "DrafterConfig":
         """Size a drafter after a HF Qwen3-like target config (object or plain dict)."""
         if not isinstance(hf_config, dict):
             if hasattr(hf_config, "get_text_config"):
@@ -134,14 +120,12 @@ class DrafterConfig:
 
 
 def _rope_theta(hf_config: dict) -> float:
-    """RoPE base from either the transformers 4 (rope_theta) or 5 (rope_parameters) layout."""
+    """RoPE base from the transformers 4 (rope_theta) or 5 (rope_parameters) layout."""
     params = hf_config.get("rope_parameters") or hf_config.get("rope_scaling") or {}
     rope_type = params.get("rope_type", params.get("type", "default"))
     if rope_type not in ("default", None):
-        logger.warning(
-            "target uses rope_type=%r; the drafter implements plain RoPE only", rope_type
-        )
-    theta = hf_config.get("rope_theta", params.get("rope_theta"))
+        logger.warning("target uses rope_type=%r; the drafter implements plain RoPE only", rope_type)
+    theta = hf_config.get("rope_theta", params.get("rope_theta"))  # transformers 4 / 5
     return float(theta if theta is not None else 10000.0)
 
 
@@ -279,15 +263,9 @@ class DFlashDrafter(nn.Module):
             elif isinstance(module, RMSNorm):
                 module.weight.fill_(1.0)
 
-    def forward(
-        self,
-        context_hidden: torch.Tensor | None,
-        context_positions: torch.Tensor | None,
-        block_embeds: torch.Tensor,
-        block_positions: torch.Tensor,
-        attn_mask,
-        context_kv: tuple[torch.Tensor, torch.Tensor] | None = None,
-    ) -> torch.Tensor:
+    def forward(self, context_hidden: torch.Tensor | None, context_positions: torch.Tensor | None,
+                block_embeds: torch.Tensor, block_positions: torch.Tensor, attn_mask,
+                context_kv: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """Hidden states of the block tokens after the final norm, (Bsz, Q, D).
 
         context_hidden: (Bsz, S, n * D) cached target layers concatenated on the last
@@ -326,10 +304,8 @@ class DFlashDrafter(nn.Module):
             context_hidden = context_hidden.flatten(2)  # (Bsz, S, n * D)
         feat = context_hidden.shape[-1]
         if feat != self.fc.in_features:
-            raise ValueError(
-                f"context_hidden has {feat} features; expected {self.config.num_context_layers}"
-                f" layers x {self.config.hidden_size} = {self.fc.in_features}"
-            )
+            raise ValueError(f"context_hidden has {feat} features; expected {self.config.num_context_layers}"
+                             f" layers x {self.config.hidden_size} = {self.fc.in_features}")
         if bsz is not None and context_hidden.shape[0] != bsz:
             raise ValueError(f"context_hidden has batch {context_hidden.shape[0]}, the block {bsz}")
         if not torch.is_autocast_enabled(context_hidden.device.type):
@@ -384,10 +360,6 @@ class TargetHead(nn.Module):
     def vocab_size(self) -> int:
         return self.embed_weight.shape[0]
 
-    @property
-    def hidden_size(self) -> int:
-        return self.embed_weight.shape[1]
-
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         return F.embedding(ids, self.embed_weight)
 
@@ -425,11 +397,8 @@ def _tensor_files(target_path: str) -> dict[str, str]:
     return name_to_file
 
 
-def load_target_head(
-    target_path: str | os.PathLike,
-    device: str | torch.device = "cpu",
-    dtype: torch.dtype | None = None,
-) -> TargetHead:
+def load_target_head(target_path: str | os.PathLike, device: str | torch.device = "cpu",
+                     dtype: torch.dtype | None = None) -> TargetHead:
     """Load only the target's embedding and LM head from its safetensors checkpoint.
 
     Opens only the shard(s) holding those tensors (via model.safetensors.index.json when
