@@ -14,6 +14,7 @@ through torchrun (see ``make train``); one process needs nothing.
 from __future__ import annotations
 
 import logging
+import os
 import sys
 import typing
 from pathlib import Path
@@ -24,14 +25,6 @@ from click.core import ParameterSource
 from dflash.shared.cli import CommaList, Group, Maybe, ModelPath, reading, usable_device, validated
 
 from . import config as config_mod
-
-
-def _setup_logging() -> None:
-    import os
-
-    rank = int(os.environ.get("RANK", "0"))
-    logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
 
 def cpu_preset_warning(preset: str, device: str) -> str | None:
@@ -145,7 +138,8 @@ def run(ctx: click.Context, preset: str, print_config: bool, **values):
             raise click.UsageError(f"--{required} is required")
     validated(cfg)
     usable_device(cfg.runtime.device)
-    _setup_logging()
+    logging.basicConfig(level=logging.INFO if os.environ.get("RANK", "0") == "0" else logging.WARNING,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     warning = cpu_preset_warning(preset, cfg.runtime.device)
     if warning:
         logging.getLogger("dflash.train").warning(warning)
@@ -169,7 +163,6 @@ def export(run_dir: str, out: str, checkpoint: str, dtype: str, target: str | No
     """Export a checkpoint of RUN (the training run's folder) as a DFlashDraftModel folder (SGLang / vLLM
     format), checked against its target, and print the commands that serve it."""
     import json
-    import os
 
     import torch
 

@@ -138,26 +138,10 @@ def config_from_export_dict(data: dict) -> DrafterConfig:
                             "mask_token_id": int(dflash["mask_token_id"])})
 
 
-def _unwrap(module: torch.nn.Module) -> torch.nn.Module:
-    """The plain drafter under torch.compile (_orig_mod) or DDP/FSDP-style (.module) wrappers."""
-    while True:
-        if hasattr(module, "_orig_mod"):
-            module = module._orig_mod
-        elif hasattr(module, "module") and isinstance(module.module, torch.nn.Module):
-            module = module.module
-        else:
-            return module
-
-
-def export_drafter(
-    drafter: DFlashDrafter,
-    config: DrafterConfig,
-    out_dir: str | os.PathLike,
-    dtype: torch.dtype | None = None,
-) -> Path:
-    """Write config.json + model.safetensors to ``out_dir``; ``dtype`` casts the weights
-    (default: the drafter's own dtype). Returns the folder."""
-    drafter = _unwrap(drafter)
+def export_drafter(drafter: DFlashDrafter, config: DrafterConfig, out_dir: str | os.PathLike,
+                   dtype: torch.dtype | None = None) -> Path:
+    """Write config.json + model.safetensors of the plain (unwrapped, uncompiled) drafter to
+    ``out_dir``; ``dtype`` casts the weights (default: the drafter's own dtype). Returns the folder."""
     state = drafter.state_dict()
     expected_shapes = _expected_shapes(config)
     _check_names_and_shapes(state, expected_shapes, "drafter state_dict")
@@ -175,11 +159,8 @@ def export_drafter(
     return out
 
 
-def load_exported(
-    path: str | os.PathLike,
-    device: str | torch.device = "cpu",
-    dtype: torch.dtype | None = None,
-) -> tuple[DFlashDrafter, DrafterConfig]:
+def load_exported(path: str | os.PathLike, device: str | torch.device = "cpu", dtype: torch.dtype | None = None
+                  ) -> tuple[DFlashDrafter, DrafterConfig]:
     """Load an exported folder, checking every tensor name and shape against the config."""
     path = Path(path)
     with open(path / CONFIG_NAME) as f:
@@ -205,17 +186,9 @@ def _expected_shapes(config: DrafterConfig) -> dict[str, tuple[int, ...]]:
 def _check_names_and_shapes(tensors: dict, expected: dict, where: str) -> None:
     missing = sorted(set(expected) - set(tensors))
     unexpected = sorted(set(tensors) - set(expected))
-    wrong = sorted(
-        f"{n}: {tuple(tensors[n].shape)} != {expected[n]}"
-        for n in set(expected) & set(tensors)
-        if tuple(tensors[n].shape) != expected[n]
-    )
-    problems = []
-    if missing:
-        problems.append(f"missing {missing}")
-    if unexpected:
-        problems.append(f"unexpected {unexpected}")
-    if wrong:
-        problems.append(f"wrong shapes {wrong}")
+    wrong = sorted(f"{n}: {tuple(tensors[n].shape)} != {expected[n]}" for n in set(expected) & set(tensors)
+                   if tuple(tensors[n].shape) != expected[n])
+    problems = [f"{what} {names}" for what, names in (("missing", missing), ("unexpected", unexpected),
+                                                      ("wrong shapes", wrong)) if names]
     if problems:
         raise ValueError(f"{where} does not match the DFlash export format: " + "; ".join(problems))

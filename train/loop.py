@@ -67,10 +67,9 @@ def init_distributed(device: str = "auto") -> DistInfo:
     dev = torch.device("cuda", local_rank) if use_cuda else torch.device("cpu")
     if use_cuda:
         torch.cuda.set_device(dev)
-    started = False
-    if world > 1 and not dist.is_initialized():
+    started = world > 1 and not dist.is_initialized()
+    if started:
         dist.init_process_group("nccl" if use_cuda else "gloo", rank=rank, world_size=world)
-        started = True
     return DistInfo(rank, world, dev, started)
 
 
@@ -112,7 +111,7 @@ def config_changes(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
 def make_optimizer(params, ocfg: OptimConfig, total: int, fused: bool):
     """AdamW + linear warm-up + cosine to ``min_lr_ratio``."""
     optimizer = torch.optim.AdamW(params, lr=ocfg.lr, betas=(ocfg.beta1, ocfg.beta2),
-                                  weight_decay=ocfg.weight_decay, **({"fused": True} if fused else {}))
+                                  weight_decay=ocfg.weight_decay, fused=fused or None)
     warmup = int(round(ocfg.warmup_ratio * total))
 
     def lr_at(step: int) -> float:
@@ -132,10 +131,8 @@ def wrap_parallel(drafter: torch.nn.Module, cfg: TrainConfig, dist_info: DistInf
         for layer in drafter.layers:
             fully_shard(layer)
         fully_shard(drafter)
-        model = compile_path.compile_model(drafter, choice, graphs_needed)
-        return model, model
     model = compile_path.compile_model(drafter, choice, graphs_needed)
-    if dist_info.world > 1:
+    if dist_info.world > 1 and cfg.runtime.parallel == "ddp":
         from torch.nn.parallel import DistributedDataParallel as DDP
 
         ids = [dist_info.device.index] if dist_info.device.type == "cuda" else None
