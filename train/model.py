@@ -141,18 +141,13 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
         x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(dtype)
+        return self.weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
 
 
 def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin of shape (Bsz, T, head_dim) in float32 for integer positions (Bsz, T).
-
-    Computed on the fly rather than from a buffer: a buffer would be cast by
-    ``model.to(bfloat16)`` and lose precision at large positions.
-    """
+    """cos, sin of shape (Bsz, T, head_dim) in float32 for integer positions (Bsz, T); not a
+    buffer, which ``model.to(bfloat16)`` would cast and so lose precision at large positions."""
     exponent = torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float32) / head_dim
     inv_freq = 1.0 / (theta**exponent)  # (head_dim / 2,)
     freqs = positions.to(torch.float32)[..., None] * inv_freq  # (Bsz, T, head_dim / 2)
@@ -160,16 +155,11 @@ def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[
     return emb.cos(), emb.sin()
 
 
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-
-
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x (Bsz, H, T, hd); cos/sin (Bsz, T, hd)."""
-    cos = cos[:, None].to(x.dtype)
-    sin = sin[:, None].to(x.dtype)
-    return x * cos + rotate_half(x) * sin
+    """x (Bsz, H, T, hd); cos/sin (Bsz, T, hd); rotate_half(x) = (-x2, x1)."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos[:, None].to(x.dtype) + rotated * sin[:, None].to(x.dtype)
 
 
 class DFlashAttention(nn.Module):
@@ -177,12 +167,8 @@ class DFlashAttention(nn.Module):
 
     def __init__(self, config: DrafterConfig):
         super().__init__()
-        self.config = config
-        D, hd = config.hidden_size, config.head_dim
-        self.n_heads = config.num_attention_heads
-        self.n_kv_heads = config.num_key_value_heads
-        self.head_dim = hd
-        bias = config.attention_bias
+        D, hd, bias = config.hidden_size, config.head_dim, config.attention_bias
+        self.n_heads, self.n_kv_heads, self.head_dim = config.num_attention_heads, config.num_key_value_heads, hd
         self.q_proj = nn.Linear(D, self.n_heads * hd, bias=bias)
         self.k_proj = nn.Linear(D, self.n_kv_heads * hd, bias=bias)
         self.v_proj = nn.Linear(D, self.n_kv_heads * hd, bias=bias)
@@ -397,6 +383,20 @@ def _tensor_files(target_path: str) -> dict[str, str]:
     return name_to_file
 
 
+def _read_tensors(target_path: str, name_to_file: dict[str, str], names) -> dict[str, torch.Tensor]:
+    """The named tensors, on the CPU, opening each file that holds any of them once."""
+    from safetensors import safe_open
+
+    by_file: dict[str, list[str]] = {}
+    for name in names:
+        by_file.setdefault(name_to_file[name], []).append(name)
+    out = {}
+    for fname, in_file in by_file.items():
+        with safe_open(os.path.join(target_path, fname), framework="pt", device="cpu") as handle:
+            out.update({name: handle.get_tensor(name) for name in in_file})
+    return out
+
+
 def load_target_head(target_path: str | os.PathLike, device: str | torch.device = "cpu",
                      dtype: torch.dtype | None = None) -> TargetHead:
     """Load only the target's embedding and LM head from its safetensors checkpoint.
@@ -405,8 +405,6 @@ def load_target_head(target_path: str | os.PathLike, device: str | torch.device 
     present). Tied embeddings (``tie_word_embeddings`` or no lm_head tensor) reuse the
     embedding. The full target is never built.
     """
-    from safetensors import safe_open
-
     target_path = os.fspath(target_path)
     config_file = os.path.join(target_path, "config.json")
     config = {}
@@ -424,15 +422,8 @@ def load_target_head(target_path: str | os.PathLike, device: str | torch.device 
     if head_name is None and not tied:
         logger.warning("%s: no lm_head tensor and tie_word_embeddings is false; using the embedding", target_path)
 
-    def load(name):
-        with safe_open(os.path.join(target_path, name_to_file[name]), framework="pt", device="cpu") as handle:
-            tensor = handle.get_tensor(name)
-        if dtype is not None:
-            tensor = tensor.to(dtype)
-        return tensor.to(device)
-
-    embed = load(embed_name)
-    head = load(head_name) if head_name is not None else None
+    tensors = _read_tensors(target_path, name_to_file, [n for n in (embed_name, head_name) if n is not None])
+    embed, head = (tensors[n].to(dtype or tensors[n].dtype).to(device) if n else None for n in (embed_name, head_name))
     if head is not None and head.shape != embed.shape:
         raise ValueError(f"lm_head {tuple(head.shape)} and embedding {tuple(embed.shape)} shapes differ")
     return TargetHead(embed, head).requires_grad_(False)
@@ -450,8 +441,6 @@ def init_from_target_layers(drafter: DFlashDrafter, target_path: str | os.PathLi
     copy starts it from what the target learned about these tokens; ``fc`` and ``hidden_norm`` keep
     their random init.
     """
-    from safetensors import safe_open
-
     target_path = os.fspath(target_path)
     n_layers = drafter.config.num_hidden_layers
     if len(layer_ids) != n_layers:
@@ -478,18 +467,15 @@ def init_from_target_layers(drafter: DFlashDrafter, target_path: str | os.PathLi
     sources["norm.weight"] = norm
 
     params = dict(drafter.named_parameters())
-    by_file: dict[str, list[str]] = {}
-    for name, source in sources.items():
+    for name, source in list(sources.items()):
         if source not in name_to_file and name.endswith(("q_norm.weight", "k_norm.weight")):
-            continue  # a Llama-style target has no q/k norms: the drafter's stay at their identity init
-        if source not in name_to_file:
+            del sources[name]  # a Llama-style target has no q/k norms: the drafter's stay at their identity init
+        elif source not in name_to_file:
             raise KeyError(f"{target_path}: drafter weight {name} needs {source}, which the checkpoint lacks")
-        by_file.setdefault(name_to_file[source], []).append(name)
-    for fname, names in by_file.items():
-        with safe_open(os.path.join(target_path, fname), framework="pt", device="cpu") as handle:
-            for name in names:
-                tensor = handle.get_tensor(sources[name])
-                if tuple(tensor.shape) != tuple(params[name].shape):
-                    raise ValueError(f"{target_path}: {sources[name]} is {tuple(tensor.shape)}, drafter weight "
-                                     f"{name} is {tuple(params[name].shape)}")
-                params[name].copy_(tensor)
+    tensors = _read_tensors(target_path, name_to_file, sources.values())
+    for name, source in sources.items():
+        tensor = tensors[source]
+        if tuple(tensor.shape) != tuple(params[name].shape):
+            raise ValueError(f"{target_path}: {source} is {tuple(tensor.shape)}, drafter weight "
+                             f"{name} is {tuple(params[name].shape)}")
+        params[name].copy_(tensor)
