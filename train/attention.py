@@ -81,9 +81,6 @@ def compiled_flex_attention():
     return _compiled_flex_attention
 
 
-# ---------------------------------------------------------------------------- masks
-
-
 def make_mask_mod(anchors: torch.Tensor, block_valid: torch.Tensor, ctx_len: torch.Tensor, context_len: int,
                   block_size: int) -> MaskMod:
     """The DFlash mask as a flex ``mask_mod(b, h, q_idx, kv_idx) -> bool``.
@@ -197,9 +194,6 @@ def dflash_block_mask(anchors: torch.Tensor, block_valid: torch.Tensor, ctx_len:
     mask_mod = make_mask_mod(anchors, block_valid, ctx_len, context_len, block_size)
     return BlockMask.from_kv_blocks(partial_n, partial_idx, full_n, full_idx, BLOCK_SIZE=FLEX_TILE,
                                     mask_mod=mask_mod, seq_lengths=(q_len, kv_len))
-
-
-# ---------------------------------------------------------------------------- attend
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: BlockMask | torch.Tensor | None,

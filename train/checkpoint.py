@@ -61,9 +61,6 @@ def resolve(run_dir: str | os.PathLike, which: str | None = "latest") -> Path | 
     return path
 
 
-# ---------------------------------------------------------------------------- state
-
-
 def _is_fsdp(model: torch.nn.Module) -> bool:
     return any(type(m).__name__.startswith("FSDP") for m in model.modules())
 
@@ -101,9 +98,6 @@ def _rank_world() -> tuple[int, int]:
 def _barrier() -> None:
     if dist.is_available() and dist.is_initialized():
         dist.barrier()
-
-
-# ---------------------------------------------------------------------------- save / load
 
 
 def save(run_dir: str | os.PathLike, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer,

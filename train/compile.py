@@ -100,15 +100,9 @@ def frozen():
 
 
 def warm_up(steps: Iterable[Callable[[], None]]) -> int:
-    """Run each warm-up step (one per shape and grad mode) on the main thread, then
-    freeze. Returns the number of graphs the warm-up compiled."""
-    attention.require_main_thread("compile.warm_up")
-    before = compile_count()
-    for step in steps:
-        step()
-    compiled = compile_count() - before
-    freeze()
-    return compiled
+    """Run each warm-up step (one per shape and grad mode) on the main thread, then freeze.
+    Returns the number of graphs the warm-up compiled."""
+    return compile_then_freeze(lambda: [step() for step in steps])[1]
 
 
 def compile_then_freeze(run: Callable[[], T]) -> tuple[T, int]:

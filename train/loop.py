@@ -42,9 +42,6 @@ from .target import build_drafter_config, check_cache, load_target_meta, resolve
 log = logging.getLogger("dflash.train")
 
 
-# ---------------------------------------------------------------------------- distributed
-
-
 @dataclass
 class DistInfo:
     rank: int
@@ -77,9 +74,6 @@ def _all_reduce(t: torch.Tensor, world: int) -> torch.Tensor:
     if world > 1:
         dist.all_reduce(t)
     return t
-
-
-# ---------------------------------------------------------------------------- setup helpers
 
 
 def log_held_out(num_samples: int, requested: int | None, held_out: int) -> None:
@@ -154,9 +148,6 @@ def _grad_sync(model, enabled: bool):
             model.set_requires_gradient_sync(True)
     else:
         yield
-
-
-# ---------------------------------------------------------------------------- the loop
 
 
 def train(cfg: TrainConfig) -> dict[str, Any]:

@@ -129,9 +129,6 @@ def _rope_theta(hf_config: dict) -> float:
     return float(theta if theta is not None else 10000.0)
 
 
-# ---------------------------------------------------------------------------- layers
-
-
 class RMSNorm(nn.Module):
     """Qwen3 RMSNorm: normalise in float32, scale in the input dtype."""
 
@@ -320,9 +317,6 @@ def _batched_positions(pos: torch.Tensor, bsz: int, length: int, name: str) -> t
     return pos
 
 
-# ---------------------------------------------------------------------------- target head
-
-
 class TargetHead(nn.Module):
     """The target's frozen input embedding and LM head, and nothing else.
 
@@ -427,9 +421,6 @@ def load_target_head(target_path: str | os.PathLike, device: str | torch.device 
     if head is not None and head.shape != embed.shape:
         raise ValueError(f"lm_head {tuple(head.shape)} and embedding {tuple(embed.shape)} shapes differ")
     return TargetHead(embed, head).requires_grad_(False)
-
-
-# ---------------------------------------------------------------------------- init from the target
 
 
 @torch.no_grad()
