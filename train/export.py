@@ -39,32 +39,20 @@ _NAME_DTYPES = {v: k for k, v in _DTYPE_NAMES.items()}
 def export_config_dict(config: DrafterConfig, dtype: torch.dtype) -> dict:
     """The config.json content for ``config`` with weights stored in ``dtype``."""
     dtype_name = _DTYPE_NAMES[dtype]
+    shapes = {k: v for k, v in config.to_dict().items() if k not in ("target_layer_ids", "mask_token_id")}
     return {
         "architectures": [ARCHITECTURE],
         "model_type": "qwen3",
-        "block_size": config.block_size,
-        "num_target_layers": config.num_target_layers,
         "dflash_config": {
             "mask_token_id": config.mask_token_id,
             "target_layer_ids": list(config.target_layer_ids),
             "target_layer_id_convention": LAYER_ID_CONVENTION,
         },
         "eagle_aux_hidden_state_layer_ids": eagle_layer_ids(config.target_layer_ids),
-        "hidden_size": config.hidden_size,
-        "intermediate_size": config.intermediate_size,
-        "num_hidden_layers": config.num_hidden_layers,
-        "num_attention_heads": config.num_attention_heads,
-        "num_key_value_heads": config.num_key_value_heads,
-        "head_dim": config.head_dim,
-        "rms_norm_eps": config.rms_norm_eps,
-        "rope_theta": config.rope_theta,
+        **shapes,  # block_size, num_target_layers and the Qwen3 fields: the drafter config's own names
         "rope_parameters": {"rope_type": "default", "rope_theta": config.rope_theta},
-        "max_position_embeddings": config.max_position_embeddings,
-        "vocab_size": config.vocab_size,
         "hidden_act": "silu",
-        "attention_bias": config.attention_bias,
         "attention_dropout": 0.0,
-        "initializer_range": config.initializer_range,
         "tie_word_embeddings": False,
         "torch_dtype": dtype_name,
         "dtype": dtype_name,
@@ -133,7 +121,7 @@ def config_from_export_dict(data: dict) -> DrafterConfig:
     theta = data.get("rope_theta", (data.get("rope_parameters") or {}).get("rope_theta"))
     if missing or theta is None:
         raise ValueError(f"config.json lacks {missing or ['rope_theta']}")
-    values = {f.name: data[f.name] for f in fields(DrafterConfig) if f.name in data}
+    values = {f.name: data[f.name] for f in fields(DrafterConfig) if f.name in data}  # export_config_dict's names
     return DrafterConfig(**{**values, "rope_theta": float(theta), "target_layer_ids": dflash["target_layer_ids"],
                             "mask_token_id": int(dflash["mask_token_id"])})
 
