@@ -65,11 +65,9 @@ def _compile_disabled() -> bool:
 
 def _refuse_silent_eager_on_cuda(device: torch.device, what: str) -> None:
     if device.type == "cuda" and _compile_disabled() and not _allow_uncompiled_flex:
-        raise RuntimeError(
-            f"{what}: torch.compile is disabled, so flex would run uncompiled on CUDA and "
-            "materialise the full score matrix. Enable compile, use the dense backend, "
-            "or call dflash.train.attention.allow_uncompiled_flex(True) if you mean it."
-        )
+        raise RuntimeError(f"{what}: torch.compile is disabled, so flex would run uncompiled on CUDA and "
+                           "materialise the full score matrix. Enable compile, use the dense backend, "
+                           "or call dflash.train.attention.allow_uncompiled_flex(True) if you mean it.")
 
 
 def compiled_flex_attention():
@@ -89,14 +87,11 @@ def make_mask_mod(anchors: torch.Tensor, block_valid: torch.Tensor, ctx_len: tor
     real (unpadded) context positions; context_len S is the padded context length.
     """
     if anchors.dim() != 2 or block_valid.shape != anchors.shape:
-        raise ValueError(
-            f"anchors and block_valid must both be (Bsz, N); got {tuple(anchors.shape)} "
-            f"and {tuple(block_valid.shape)}"
-        )
+        raise ValueError(f"anchors and block_valid must both be (Bsz, N); got {tuple(anchors.shape)} "
+                         f"and {tuple(block_valid.shape)}")
     if ctx_len.shape != anchors.shape[:1]:
         raise ValueError(f"ctx_len must be (Bsz,)={tuple(anchors.shape[:1])}, got {tuple(ctx_len.shape)}")
-    S = int(context_len)
-    B = int(block_size)
+    S, B = int(context_len), int(block_size)
     block_valid = block_valid.to(torch.bool)
 
     def mask_mod(b, h, q_idx, kv_idx):

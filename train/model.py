@@ -35,7 +35,7 @@ class DrafterConfig:
     num_key_value_heads: int  # key/value heads per layer (GQA)
     head_dim: int  # width of one attention head
     vocab_size: int  # the target's (padded) vocabulary size
-    target_layer_ids: list[int]  # target layers fused as context, ascending, below L-1; id i = output of decoder layer i = HF hidden_states[i + 1]
+    target_layer_ids: list[int]  # fused as context, ascending, below L-1; i = HF hidden_states[i + 1]
     num_target_layers: int  # number of decoder layers of the target
     mask_token_id: int  # embedding row used for the B - 1 masked block slots
     num_hidden_layers: int = 5  # drafter decoder layers
@@ -77,33 +77,20 @@ class DrafterConfig:
             hf_config = hf_config.to_dict()
         elif isinstance(hf_config.get("text_config"), dict):
             hf_config = hf_config["text_config"]
-        try:
-            hidden = int(hf_config["hidden_size"])
-            heads = int(hf_config["num_attention_heads"])
-            n_layers = int(hf_config["num_hidden_layers"])
-            vocab = int(hf_config["vocab_size"])
-            intermediate = int(hf_config["intermediate_size"])
-        except KeyError as err:
-            raise ValueError(f"target config lacks {err.args[0]!r}") from err
-        head_dim = hf_config.get("head_dim") or hidden // heads
-        return cls(
-            hidden_size=hidden,
-            intermediate_size=intermediate,
-            num_attention_heads=heads,
-            num_key_value_heads=int(hf_config.get("num_key_value_heads") or heads),
-            head_dim=int(head_dim),
-            vocab_size=vocab,
-            target_layer_ids=list(target_layer_ids),
-            num_target_layers=n_layers,
-            mask_token_id=int(mask_token_id),
-            num_hidden_layers=int(num_hidden_layers),
-            block_size=int(block_size),
-            rms_norm_eps=float(hf_config.get("rms_norm_eps", 1e-6)),
-            rope_theta=_rope_theta(hf_config),
-            max_position_embeddings=int(hf_config.get("max_position_embeddings", 40960)),
-            attention_bias=bool(hf_config.get("attention_bias", False)),
-            initializer_range=float(hf_config.get("initializer_range", 0.02)),
-        )
+        missing = [k for k in ("hidden_size", "num_attention_heads", "num_hidden_layers", "vocab_size",
+                               "intermediate_size") if k not in hf_config]
+        if missing:
+            raise ValueError(f"target config lacks {missing[0]!r}")
+        c, heads = hf_config, int(hf_config["num_attention_heads"])
+        return cls(hidden_size=int(c["hidden_size"]), intermediate_size=int(c["intermediate_size"]),
+                   num_attention_heads=heads, num_key_value_heads=int(c.get("num_key_value_heads") or heads),
+                   head_dim=int(c.get("head_dim") or int(c["hidden_size"]) // heads), vocab_size=int(c["vocab_size"]),
+                   target_layer_ids=list(target_layer_ids), num_target_layers=int(c["num_hidden_layers"]),
+                   mask_token_id=int(mask_token_id), num_hidden_layers=int(num_hidden_layers),
+                   block_size=int(block_size), rms_norm_eps=float(c.get("rms_norm_eps", 1e-6)),
+                   rope_theta=_rope_theta(c), max_position_embeddings=int(c.get("max_position_embeddings", 40960)),
+                   attention_bias=bool(c.get("attention_bias", False)),
+                   initializer_range=float(c.get("initializer_range", 0.02)))
 
     def to_dict(self) -> dict:
         """Plain JSON-able dict of all fields."""
