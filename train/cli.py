@@ -17,7 +17,6 @@ import logging
 import os
 import sys
 import typing
-from pathlib import Path
 
 import click
 from click.core import ParameterSource
@@ -162,8 +161,6 @@ def run(ctx: click.Context, preset: str, print_config: bool, **values):
 def export(run_dir: str, out: str, checkpoint: str, dtype: str, target: str | None):
     """Export a checkpoint of RUN (the training run's folder) as a DFlashDraftModel folder (SGLang / vLLM
     format), checked against its target, and print the commands that serve it."""
-    import json
-
     import torch
 
     from .checkpoint import load_weights, read_state, resolve
@@ -180,9 +177,7 @@ def export(run_dir: str, out: str, checkpoint: str, dtype: str, target: str | No
         dcfg = DrafterConfig.from_dict(state["drafter_config"])
     except ValueError as e:
         raise click.ClickException(f"{path}: {e}") from e
-    run_config = Path(run_dir) / "config.json"
-    target = target or (state.get("config") or {}).get("target") or \
-        (json.loads(run_config.read_text()).get("target") if run_config.exists() else None)
+    target = target or (state.get("config") or {}).get("target")  # every checkpoint records the run's config
     if not target:
         raise click.ClickException(f"{run_dir} records no target; pass --target")
     if looks_like_path(target) and not os.path.exists(target):
