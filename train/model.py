@@ -72,9 +72,7 @@ class DrafterConfig:
                            block_size: int = 16, num_hidden_layers: int = 5) -> "DrafterConfig":
         """Size a drafter after a HF Qwen3-like target config (object or plain dict)."""
         if not isinstance(hf_config, dict):
-            if hasattr(hf_config, "get_text_config"):
-                hf_config = hf_config.get_text_config()
-            hf_config = hf_config.to_dict()
+            hf_config = hf_config.get_text_config().to_dict()
         elif isinstance(hf_config.get("text_config"), dict):
             hf_config = hf_config["text_config"]
         missing = [k for k in ("hidden_size", "num_attention_heads", "num_hidden_layers", "vocab_size",
