@@ -70,19 +70,20 @@ def candidate_anchors(loss_mask: torch.Tensor) -> torch.Tensor:
 
 def draw_anchors(loss_mask: torch.Tensor, max_anchors: int, seed: int, epoch: int, index: int
                  ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Up to ``max_anchors`` sorted anchor positions, padded: (anchors (N,), valid (N,)).
-
-    Candidates: ``candidate_anchors``.
-    """
+    """Up to ``max_anchors`` sorted ``candidate_anchors``, drawn by an RNG keyed on (seed, epoch,
+    index), padded: (anchors (N,), valid (N,))."""
     cand = candidate_anchors(loss_mask)
     rng = np.random.default_rng([seed, epoch, index])
     if len(cand) > max_anchors:
         pick = np.sort(rng.choice(len(cand), size=max_anchors, replace=False))
         cand = cand[torch.from_numpy(pick)]
-    anchors = torch.zeros(max_anchors, dtype=torch.long)
-    valid = torch.zeros(max_anchors, dtype=torch.bool)
-    anchors[: len(cand)] = cand
-    valid[: len(cand)] = True
+    return _padded_anchors(cand, max_anchors)
+
+
+def _padded_anchors(cand: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(anchors (n,), valid (n,)): ``cand`` first, then invalid zeros."""
+    anchors, valid = torch.zeros(n, dtype=torch.long), torch.zeros(n, dtype=torch.bool)
+    anchors[: len(cand)], valid[: len(cand)] = cand, True
     return anchors, valid
 
 
@@ -122,12 +123,7 @@ class AnchorDataset(Dataset):
         T = min(len(s["input_ids"]), self.max_length)
         loss_mask = s["loss_mask"][:T]
         anchors, valid = draw_anchors(loss_mask, self.max_anchors, self.seed, int(epoch), int(index))
-        out = {
-            "input_ids": s["input_ids"][:T],
-            "loss_mask": loss_mask,
-            "anchors": anchors,
-            "block_valid": valid,
-        }
+        out = {"input_ids": s["input_ids"][:T], "loss_mask": loss_mask, "anchors": anchors, "block_valid": valid}
         if self.decode_on_device:
             out["context_payload"], out["context_scale"] = self._layers(s["hidden"][:T]), self._layers(
                 s[HIDDEN_SCALE][:T])  # (T, n, W), (T, n, G)
@@ -152,25 +148,15 @@ class AnchorDataset(Dataset):
         sample = self[(EVAL_EPOCH, index)]
         cand = candidate_anchors(sample["loss_mask"])
         per_item = self.max_anchors if fixed_shape else max(len(cand), 1)
-        items = []
-        for start in range(0, len(cand), per_item):
-            part = cand[start:start + per_item]
-            anchors = torch.zeros(per_item, dtype=torch.long)
-            valid = torch.zeros(per_item, dtype=torch.bool)
-            anchors[: len(part)], valid[: len(part)] = part, True
-            items.append({**sample, "anchors": anchors, "block_valid": valid})
-        return items
+        return [{**sample, **dict(zip(("anchors", "block_valid"), _padded_anchors(cand[i:i + per_item], per_item)))}
+                for i in range(0, len(cand), per_item)]
 
     def empty_sample(self) -> dict[str, torch.Tensor]:
         """A one-token sample with no valid block: fills a global batch that does not split
         evenly over ranks; it weighs nothing, so the update is that of the real samples."""
         n, D = len(self.slots), self.reader.spec.hidden_size
-        out = {
-            "input_ids": torch.zeros(1, dtype=torch.long),
-            "loss_mask": torch.zeros(1, dtype=torch.bool),
-            "anchors": torch.zeros(self.max_anchors, dtype=torch.long),
-            "block_valid": torch.zeros(self.max_anchors, dtype=torch.bool),
-        }
+        out = {"input_ids": torch.zeros(1, dtype=torch.long), "loss_mask": torch.zeros(1, dtype=torch.bool)}
+        out["anchors"], out["block_valid"] = _padded_anchors(torch.zeros(0, dtype=torch.long), self.max_anchors)
         if self.decode_on_device:
             c = self.codec
             out["context_payload"] = torch.full((1, n, c.payload_width(D)), c.zero_byte, dtype=torch.uint8)
@@ -288,8 +274,7 @@ def truncate_sample(sample: dict[str, torch.Tensor], length: int) -> dict[str, t
 
     Used by the compile warm-up to give every bucket a real sample of that shape.
     """
-    out = {k: (v[:length] if k in PER_TOKEN_FIELDS else v)
-           for k, v in sample.items()}
+    out = {k: (v[:length] if k in PER_TOKEN_FIELDS else v) for k, v in sample.items()}
     fits = sample["anchors"] <= length - 2
     out["block_valid"] = sample["block_valid"] & fits
     out["anchors"] = torch.where(fits, sample["anchors"], torch.zeros_like(sample["anchors"]))
