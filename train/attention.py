@@ -10,31 +10,27 @@ sees every key of its OWN block (bidirectional inside the block). A padded block
 nothing. The rule is keyed on block identity, never on positions: blocks whose anchors
 are closer than B overlap in position space but must not see each other.
 
-Backends:
+Backends, both from the same ``mask_mod``:
 
-* ``"flex"``: a ``BlockMask`` whose tiles come from the mask's intervals with plain tensor
-  ops (``dflash_block_mask``; no ``create_block_mask``, nothing compiled) and a compiled
-  ``flex_attention`` (the training path on CUDA). On CPU compiled flex forward works,
-  its backward does not.
-* ``"dense"``: a boolean ``(Bsz, 1, Q, S + Q)`` tensor evaluated from the SAME mask_mod,
-  fed to ``F.scaled_dot_product_attention`` (the CPU path: flex has no CPU backward).
+* ``"flex"``: a ``BlockMask`` built from the mask's intervals with plain tensor ops
+  (``dflash_block_mask``) and a compiled ``flex_attention`` (training on CUDA);
+* ``"dense"``: a boolean ``(Bsz, 1, Q, S + Q)`` tensor fed to SDPA (the CPU path: flex
+  has no CPU backward).
 
-The compiled flex_attention is created lazily, at one place, so importing this module
-compiles nothing, and it may only be entered from the main thread (torch.compile is
-not thread-safe).
+The compiled flex_attention is created lazily, at one place, and entered from the main
+thread only (torch.compile is not thread-safe).
 """
 
 from __future__ import annotations
 
 import os
+import threading
 import warnings
 from typing import Callable
 
 import torch
 import torch.nn.functional as F
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
-
-from .main_thread import require_main_thread
 
 FLEX_TILE = 128
 """flex_attention's default tile (BLOCK_SIZE) for queries and keys."""
@@ -45,23 +41,19 @@ _compiled_flex_attention = None
 _allow_uncompiled_flex = False
 
 
-# ---------------------------------------------------------------------------- switches
+def require_main_thread(what: str) -> None:
+    """Raise unless on the main thread: torch.compile is not thread-safe. Inside a graph being
+    traced it does nothing (the eager caller passed it; dynamo cannot trace ``threading``)."""
+    if not torch.compiler.is_compiling() and threading.current_thread() is not threading.main_thread():
+        raise RuntimeError(f"{what} must run on the main thread (called from {threading.current_thread().name!r}): "
+                           "torch.compile is not thread-safe")
 
 
 def allow_uncompiled_flex(allowed: bool = True) -> None:
-    """Let ``attend``/``build_mask`` run flex eagerly instead of compiled.
-
-    Eager flex materialises the full score matrix (tens of GB at training shapes where
-    compiled flex needs well under one), so it is only for tests and debugging, and only
-    when asked for.
-    """
+    """Let ``attend`` run flex eagerly: it materialises the full score matrix (tens of GB at
+    training shapes), so only for tests and debugging, and only when asked for."""
     global _allow_uncompiled_flex
     _allow_uncompiled_flex = bool(allowed)
-
-
-def uncompiled_flex_allowed() -> bool:
-    """Whether ``allow_uncompiled_flex(True)`` is in force."""
-    return _allow_uncompiled_flex
 
 
 def _compile_disabled() -> bool:
@@ -73,11 +65,9 @@ def _compile_disabled() -> bool:
 
 def _refuse_silent_eager_on_cuda(device: torch.device, what: str) -> None:
     if device.type == "cuda" and _compile_disabled() and not _allow_uncompiled_flex:
-        raise RuntimeError(
-            f"{what}: torch.compile is disabled, so flex would run uncompiled on CUDA and "
-            "materialise the full score matrix. Enable compile, use the dense backend, "
-            "or call dflash.train.attention.allow_uncompiled_flex(True) if you mean it."
-        )
+        raise RuntimeError(f"{what}: torch.compile is disabled, so flex would run uncompiled on CUDA and "
+                           "materialise the full score matrix. Enable compile, use the dense backend, "
+                           "or call dflash.train.attention.allow_uncompiled_flex(True) if you mean it.")
 
 
 def compiled_flex_attention():
@@ -89,30 +79,19 @@ def compiled_flex_attention():
     return _compiled_flex_attention
 
 
-# ---------------------------------------------------------------------------- masks
-
-
-def make_mask_mod(
-    anchors: torch.Tensor,
-    block_valid: torch.Tensor,
-    ctx_len: torch.Tensor,
-    context_len: int,
-    block_size: int,
-) -> MaskMod:
+def make_mask_mod(anchors: torch.Tensor, block_valid: torch.Tensor, ctx_len: torch.Tensor, context_len: int,
+                  block_size: int) -> MaskMod:
     """The DFlash mask as a flex ``mask_mod(b, h, q_idx, kv_idx) -> bool``.
 
     anchors (Bsz, N) long, block_valid (Bsz, N) bool, ctx_len (Bsz,) long: the number of
     real (unpadded) context positions; context_len S is the padded context length.
     """
     if anchors.dim() != 2 or block_valid.shape != anchors.shape:
-        raise ValueError(
-            f"anchors and block_valid must both be (Bsz, N); got {tuple(anchors.shape)} "
-            f"and {tuple(block_valid.shape)}"
-        )
+        raise ValueError(f"anchors and block_valid must both be (Bsz, N); got {tuple(anchors.shape)} "
+                         f"and {tuple(block_valid.shape)}")
     if ctx_len.shape != anchors.shape[:1]:
         raise ValueError(f"ctx_len must be (Bsz,)={tuple(anchors.shape[:1])}, got {tuple(ctx_len.shape)}")
-    S = int(context_len)
-    B = int(block_size)
+    S, B = int(context_len), int(block_size)
     block_valid = block_valid.to(torch.bool)
 
     def mask_mod(b, h, q_idx, kv_idx):
@@ -126,39 +105,22 @@ def make_mask_mod(
     return mask_mod
 
 
-def dense_mask(
-    anchors: torch.Tensor,
-    block_valid: torch.Tensor,
-    ctx_len: torch.Tensor,
-    context_len: int,
-    block_size: int,
-) -> torch.Tensor:
-    """The boolean (Bsz, 1, Q, S + Q) mask, evaluated from ``make_mask_mod`` itself.
-
-    Broadcasting index grids through the same mask_mod keeps the dense and flex paths
-    from drifting apart: there is only one definition of who sees whom.
-    """
+def dense_mask(anchors: torch.Tensor, block_valid: torch.Tensor, ctx_len: torch.Tensor, context_len: int,
+               block_size: int) -> torch.Tensor:
+    """The boolean (Bsz, 1, Q, S + Q) mask, evaluated from ``make_mask_mod`` itself over
+    broadcast index grids: one definition of who sees whom for both backends."""
     mask_mod = make_mask_mod(anchors, block_valid, ctx_len, context_len, block_size)
-    bsz, n_blocks = anchors.shape
-    q_len = n_blocks * block_size
-    kv_len = context_len + q_len
-    device = anchors.device
+    bsz, q_len = anchors.shape[0], anchors.shape[1] * block_size
+    kv_len, device = context_len + q_len, anchors.device
     b = torch.arange(bsz, device=device).view(bsz, 1, 1, 1)
     h = torch.zeros(1, 1, 1, 1, dtype=torch.long, device=device)
     q_idx = torch.arange(q_len, device=device).view(1, 1, q_len, 1)
     kv_idx = torch.arange(kv_len, device=device).view(1, 1, 1, kv_len)
-    mask = mask_mod(b, h, q_idx, kv_idx)
-    return mask.expand(bsz, 1, q_len, kv_len)
+    return mask_mod(b, h, q_idx, kv_idx).expand(bsz, 1, q_len, kv_len)
 
 
-def build_mask(
-    kind: str,
-    anchors: torch.Tensor,
-    block_valid: torch.Tensor,
-    ctx_len: torch.Tensor,
-    context_len: int,
-    block_size: int,
-) -> BlockMask | torch.Tensor:
+def build_mask(kind: str, anchors: torch.Tensor, block_valid: torch.Tensor, ctx_len: torch.Tensor, context_len: int,
+               block_size: int) -> BlockMask | torch.Tensor:
     """Build the mask for backend ``kind``: "flex" -> BlockMask, "dense" -> bool tensor."""
     if kind == "dense":
         return dense_mask(anchors, block_valid, ctx_len, context_len, block_size)
@@ -217,13 +179,8 @@ def _kv_blocks(tiles: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def dflash_block_mask(anchors: torch.Tensor, block_valid: torch.Tensor, ctx_len: torch.Tensor,
                       context_len: int, block_size: int) -> BlockMask:
     """The flex ``BlockMask`` of the DFlash mask, built from ``tile_maps`` with plain tensor
-    ops: no ``create_block_mask``, so nothing compiles and no dense (Q, KV) grid exists.
-
-    ``create_block_mask`` evaluates mask_mod on every (q, kv) pair to find the same tiles:
-    compiled, it spends minutes in Triton compilation at Qwen3-8B training shapes
-    (BENCHMARKS_LOG.md), and eagerly it materialises the grid. Partial tiles still apply
-    ``mask_mod`` inside flex, so the attention is exact whatever the tiling says.
-    """
+    ops: unlike ``create_block_mask``, nothing compiles and no dense (Q, KV) grid exists.
+    Partial tiles still apply ``mask_mod`` inside flex, so the attention is exact."""
     q_len = anchors.shape[1] * int(block_size)
     kv_len = int(context_len) + q_len
     any_tile, full_tile = tile_maps(anchors, block_valid, ctx_len, context_len, block_size)
@@ -234,16 +191,8 @@ def dflash_block_mask(anchors: torch.Tensor, block_valid: torch.Tensor, ctx_len:
                                     mask_mod=mask_mod, seq_lengths=(q_len, kv_len))
 
 
-# ---------------------------------------------------------------------------- attend
-
-
-def attend(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    mask: BlockMask | torch.Tensor | None,
-    scale: float,
-) -> torch.Tensor:
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: BlockMask | torch.Tensor | None,
+           scale: float) -> torch.Tensor:
     """Attention with q (Bsz, H, Q, hd), k/v (Bsz, Hkv, KV, hd) -> (Bsz, H, Q, hd).
 
     GQA is handled here (H must be a multiple of Hkv). Query rows that see no key
@@ -264,9 +213,8 @@ def attend(
 
 def _attend_flex(q, k, v, block_mask, scale, enable_gqa):
     if torch.compiler.is_compiling():
-        # Inside the compiled drafter dynamo lowers flex_attention into the drafter's own
-        # graph. Reaching for the lazily created global instead made dynamo guard on it
-        # being None, so the first step after warm-up recompiled.
+        # inside the compiled drafter, dynamo lowers flex into the drafter's graph; the lazy
+        # global would add a guard on it being None, and so a recompile after warm-up
         return flex_attention(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=enable_gqa)
     if _allow_uncompiled_flex:
         with warnings.catch_warnings():

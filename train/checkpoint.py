@@ -4,7 +4,7 @@
       model.safetensors   weights of the uncompiled drafter (export names, fp32 master)
       optimizer.pt        optimizer state
       scheduler.pt        LR scheduler state
-      rng_rank{r}.pt      python / numpy / torch / cuda RNG states of rank r
+      rng_rank{r}.pt      torch / cuda RNG states of rank r (data draws are keyed, never stateful)
       state.json          step, data position, run config, drafter config (written last)
 
 A folder is written as ``step_X.partial`` and renamed when complete, so a kill during a
@@ -17,14 +17,12 @@ from __future__ import annotations
 import json
 import logging
 import os
-import random
 import re
 import shutil
 import time
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 import torch.distributed as dist
 from safetensors.torch import load_file, save_file
@@ -36,10 +34,6 @@ _STEP_DIR = re.compile(r"^step_(\d+)$")
 
 def checkpoint_root(run_dir: str | os.PathLike) -> Path:
     return Path(run_dir) / "checkpoints"
-
-
-def step_dir(run_dir: str | os.PathLike, step: int) -> Path:
-    return checkpoint_root(run_dir) / f"step_{step:06d}"
 
 
 def list_checkpoints(run_dir: str | os.PathLike) -> list[Path]:
@@ -67,50 +61,29 @@ def resolve(run_dir: str | os.PathLike, which: str | None = "latest") -> Path | 
     return path
 
 
-# ---------------------------------------------------------------------------- state
-
-
 def _is_fsdp(model: torch.nn.Module) -> bool:
     return any(type(m).__name__.startswith("FSDP") for m in model.modules())
 
 
-def model_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """Full, unsharded CPU state dict of the (uncompiled, unwrapped) drafter; collective under FSDP."""
+def full_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict[str, torch.Tensor], dict]:
+    """Full, unsharded CPU state dicts of the (uncompiled, unwrapped) drafter and its optimizer;
+    collective under FSDP."""
     if _is_fsdp(model):
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
-        return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    return {k: v.detach().cpu() for k, v in model.state_dict().items()}
-
-
-def optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-    if _is_fsdp(model):
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
-
-        return get_optimizer_state_dict(model, optimizer,
-                                        options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    return optimizer.state_dict()
+        return get_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    return {k: v.detach().cpu() for k, v in model.state_dict().items()}, optimizer.state_dict()
 
 
 def rng_state() -> dict[str, Any]:
-    """RNG states as tensors and plain Python values only (loadable with weights_only)."""
-    kind, keys, pos, has_gauss, gauss = np.random.get_state()
-    state = {
-        "python": random.getstate(),
-        "numpy": {"kind": kind, "keys": torch.from_numpy(keys.astype(np.int64)), "pos": int(pos),
-                  "has_gauss": int(has_gauss), "gauss": float(gauss)},
-        "torch": torch.get_rng_state(),
-    }
+    """torch's RNG states as tensors (loadable with weights_only)."""
+    state = {"torch": torch.get_rng_state()}
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         state["cuda"] = torch.cuda.get_rng_state_all()
     return state
 
 
 def set_rng_state(state: dict[str, Any]) -> None:
-    version, internal, gauss = state["python"]
-    random.setstate((version, tuple(internal), gauss))
-    n = state["numpy"]
-    np.random.set_state((n["kind"], n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"], n["gauss"]))
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
@@ -127,17 +100,13 @@ def _barrier() -> None:
         dist.barrier()
 
 
-# ---------------------------------------------------------------------------- save / load
-
-
 def save(run_dir: str | os.PathLike, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
          scheduler, info: dict[str, Any], keep: int = 0) -> Path:
     """Write checkpoint ``step`` (every rank calls this; rank 0 writes the shared files)."""
     rank, world = _rank_world()
-    final = step_dir(run_dir, step)
+    final = checkpoint_root(run_dir) / f"step_{step:06d}"
     partial = final.with_name(final.name + ".partial")
-    weights = model_state(model)  # collective under FSDP: every rank takes part
-    optim = optimizer_state(model, optimizer)
+    weights, optim = full_state(model, optimizer)  # collective under FSDP: every rank takes part
     if rank == 0:
         if partial.exists():
             shutil.rmtree(partial)
@@ -180,12 +149,10 @@ def load(path: str | os.PathLike, model: torch.nn.Module, optimizer: torch.optim
     weights = load_weights(path)
     optim = torch.load(path / "optimizer.pt", map_location="cpu", weights_only=True)
     if _is_fsdp(model):
-        from torch.distributed.checkpoint.state_dict import (StateDictOptions, set_model_state_dict,
-                                                             set_optimizer_state_dict)
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
 
-        opts = StateDictOptions(full_state_dict=True)
-        set_model_state_dict(model, weights, options=opts)
-        set_optimizer_state_dict(model, optimizer, optim, options=opts)
+        set_state_dict(model, optimizer, model_state_dict=weights, optim_state_dict=optim,
+                       options=StateDictOptions(full_state_dict=True))
     else:
         model.load_state_dict(weights, strict=True)
         optimizer.load_state_dict(optim)

@@ -14,9 +14,9 @@ through torchrun (see ``make train``); one process needs nothing.
 from __future__ import annotations
 
 import logging
+import os
 import sys
 import typing
-from pathlib import Path
 
 import click
 from click.core import ParameterSource
@@ -24,14 +24,6 @@ from click.core import ParameterSource
 from dflash.shared.cli import CommaList, Group, Maybe, ModelPath, reading, usable_device, validated
 
 from . import config as config_mod
-
-
-def _setup_logging() -> None:
-    import os
-
-    rank = int(os.environ.get("RANK", "0"))
-    logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
 
 def cpu_preset_warning(preset: str, device: str) -> str | None:
@@ -145,7 +137,8 @@ def run(ctx: click.Context, preset: str, print_config: bool, **values):
             raise click.UsageError(f"--{required} is required")
     validated(cfg)
     usable_device(cfg.runtime.device)
-    _setup_logging()
+    logging.basicConfig(level=logging.INFO if os.environ.get("RANK", "0") == "0" else logging.WARNING,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     warning = cpu_preset_warning(preset, cfg.runtime.device)
     if warning:
         logging.getLogger("dflash.train").warning(warning)
@@ -168,9 +161,6 @@ def run(ctx: click.Context, preset: str, print_config: bool, **values):
 def export(run_dir: str, out: str, checkpoint: str, dtype: str, target: str | None):
     """Export a checkpoint of RUN (the training run's folder) as a DFlashDraftModel folder (SGLang / vLLM
     format), checked against its target, and print the commands that serve it."""
-    import json
-    import os
-
     import torch
 
     from .checkpoint import load_weights, read_state, resolve
@@ -187,9 +177,7 @@ def export(run_dir: str, out: str, checkpoint: str, dtype: str, target: str | No
         dcfg = DrafterConfig.from_dict(state["drafter_config"])
     except ValueError as e:
         raise click.ClickException(f"{path}: {e}") from e
-    run_config = Path(run_dir) / "config.json"
-    target = target or (state.get("config") or {}).get("target") or \
-        (json.loads(run_config.read_text()).get("target") if run_config.exists() else None)
+    target = target or (state.get("config") or {}).get("target")  # every checkpoint records the run's config
     if not target:
         raise click.ClickException(f"{run_dir} records no target; pass --target")
     if looks_like_path(target) and not os.path.exists(target):

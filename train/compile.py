@@ -1,22 +1,10 @@
-"""The one compile path of training.
-
-Rules it enforces:
-
-* compile, and run compiled code, on the main thread only (torch.compile is not
-  thread-safe);
-* shapes are fixed by the data (context buckets, a fixed number of blocks), so after a
-  warm-up that runs one REAL training step per shape (grad on, same dtypes, shapes and
-  ``requires_grad``), nothing may compile again:
-  ``torch.compiler.set_stance("fail_on_recompile")`` turns any recompile into an error
-  that names the guard that failed, instead of a silent fall-back to eager (= dense); the
-  one expected exception is the first evaluation, which compiles the no-grad graphs of
-  the shapes it meets (``compile_then_freeze``) and freezes again, so that the first
-  training step does not wait for graphs that only evaluations use;
-* on CUDA the uncompiled flex path (which materialises the full score matrix) is
-  refused unless ``--attention flex-eager`` asks for it by name; on the CPU flex has no
-  backward, so training there uses the dense SDPA backend of the same mask function;
-* compiled graphs persist in one folder (``use_compile_cache``), so a later run with the
-  same shapes loads them instead of compiling again.
+"""The one compile path of training: compile and run compiled code on the main thread only;
+after a warm-up of one REAL training step per shape (shapes are fixed by the data: context
+buckets, a fixed number of blocks), ``set_stance("fail_on_recompile")`` turns any recompile
+into an error naming the failed guard instead of a silent fall-back to eager. The first
+evaluation compiles its no-grad graphs (``compile_then_freeze``) and freezes again. On CUDA
+uncompiled flex is refused unless ``--attention flex-eager`` asks for it; compiled graphs
+persist in one folder (``use_compile_cache``) for later runs of the same shapes.
 """
 
 from __future__ import annotations
@@ -32,7 +20,6 @@ import torch
 
 from . import attention
 from .config import RuntimeConfig
-from .main_thread import require_main_thread
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -42,14 +29,10 @@ T = TypeVar("T")
 class CompileChoice:
     """What the runtime config resolves to on this device."""
 
-    attention: str
-    """'flex' (BlockMask + flex_attention) or 'dense' (bool mask + SDPA)."""
-    compile_model: bool
-    """Whether the drafter module goes through torch.compile."""
-    backend: str
-    """torch.compile backend."""
-    eager_flex: bool
-    """flex_attention runs uncompiled (only when asked for by name)."""
+    attention: str  # 'flex' (BlockMask + flex_attention) or 'dense' (bool mask + SDPA)
+    compile_model: bool  # the drafter module goes through torch.compile
+    backend: str  # torch.compile backend
+    eager_flex: bool  # flex_attention runs uncompiled (only when asked for by name)
 
 
 def resolve(runtime: RuntimeConfig, device: torch.device) -> CompileChoice:
@@ -60,8 +43,7 @@ def resolve(runtime: RuntimeConfig, device: torch.device) -> CompileChoice:
     eager_flex = kind == "flex-eager"
     if eager_flex:
         kind = "flex"
-        log.warning("attention flex-eager: flex_attention runs UNCOMPILED and materialises the full score "
-                    "matrix (at 8B shapes 97.8 ms and 28.5 GB where compiled flex takes 2.6 ms and 0.4 GB)")
+        log.warning("attention flex-eager: flex_attention runs UNCOMPILED and materialises the full score matrix")
     if kind == "flex" and not cuda and not eager_flex:
         raise ValueError("attention 'flex' cannot train on the CPU (flex_attention has no CPU backward); "
                          "use --attention dense (the same mask function through SDPA)")
@@ -81,34 +63,24 @@ def compile_count() -> int:
     return int(counters["stats"]["unique_graphs"])
 
 
-def _raise_recompile_limit(graphs_needed: int) -> None:
-    """Let one function hold a graph per (bucket, grad mode) without hitting the limit,
-    whose silent fall-back to eager would otherwise be the dense path."""
-    import torch._dynamo.config as dynamo_config
-
-    dynamo_config.recompile_limit = max(dynamo_config.recompile_limit, graphs_needed)
-
-
 def compile_model(model: torch.nn.Module, choice: CompileChoice, graphs_needed: int) -> torch.nn.Module:
     """``torch.compile`` the drafter (static shapes) when the choice says so; else return it."""
-    require_main_thread("compile_model")
+    attention.require_main_thread("compile_model")
     if not choice.compile_model:
         return model
-    _raise_recompile_limit(graphs_needed)
+    import torch._dynamo.config as dynamo_config
+
+    # a graph per (bucket, grad mode) without reaching the limit, whose fall-back is silent eager
+    dynamo_config.recompile_limit = max(dynamo_config.recompile_limit, graphs_needed)
     compiled = torch.compile(model, backend=choice.backend, dynamic=False)
-    # The compiled module's own hooks run eagerly, before dynamo's frame: every call of the
-    # compiled drafter from another thread raises here instead of tracing concurrently.
-    compiled.register_forward_pre_hook(_main_thread_only)
+    # the compiled module's own hooks run eagerly, before dynamo's frame: a call from another thread raises here
+    compiled.register_forward_pre_hook(lambda _module, _args: attention.require_main_thread("compiled drafter"))
     return compiled
-
-
-def _main_thread_only(module, args) -> None:
-    require_main_thread("the compiled drafter")
 
 
 def freeze() -> None:
     """From now on any (re)compile raises, naming the guard that failed."""
-    require_main_thread("compile.freeze")
+    attention.require_main_thread("compile.freeze")
     torch.compiler.set_stance("fail_on_recompile")
 
 
@@ -128,22 +100,16 @@ def frozen():
 
 
 def warm_up(steps: Iterable[Callable[[], None]]) -> int:
-    """Run each warm-up step (one per shape and grad mode) on the main thread, then
-    freeze. Returns the number of graphs the warm-up compiled."""
-    require_main_thread("compile.warm_up")
-    before = compile_count()
-    for step in steps:
-        step()
-    compiled = compile_count() - before
-    freeze()
-    return compiled
+    """Run each warm-up step (one per shape and grad mode) on the main thread, then freeze.
+    Returns the number of graphs the warm-up compiled."""
+    return compile_then_freeze(lambda: [step() for step in steps])[1]
 
 
 def compile_then_freeze(run: Callable[[], T]) -> tuple[T, int]:
     """Run ``run`` on the main thread with compiling allowed, then freeze again: (its
     result, graphs it compiled). For code whose graphs are compiled once, at its first call
     (the evaluation's no-grad graphs); afterwards a recompile there is an error as anywhere."""
-    require_main_thread("compile.compile_then_freeze")
+    attention.require_main_thread("compile.compile_then_freeze")
     before = compile_count()
     thaw()
     try:
@@ -168,7 +134,7 @@ def default_compile_cache() -> Path:
 def use_compile_cache(folder: str | None) -> Path:
     """Keep torch.compile's persistent caches in ``folder`` (None: ``default_compile_cache``), so
     a later run with the same shapes loads its graphs; call before the first compile."""
-    require_main_thread("compile.use_compile_cache")
+    attention.require_main_thread("compile.use_compile_cache")
     path = (Path(folder).expanduser() if folder else default_compile_cache()).resolve()
     if any(c.isspace() for c in str(path)):
         raise ValueError(f"compile cache folder {str(path)!r} has a space in its path: inductor's C++ build "

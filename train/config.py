@@ -144,39 +144,18 @@ def dflash_recipe() -> TrainConfig:
 
 def tiny() -> TrainConfig:
     """A CPU-sized run for tests and demos: short contexts, few anchors, dense attention."""
-    cfg = TrainConfig()
-    cfg.drafter.num_draft_layers = 2
-    cfg.drafter.block_size = 4
-    cfg.data.context_buckets = [32, 64]
-    cfg.data.max_anchors = 8
-    cfg.data.batch_size = 4
-    cfg.data.micro_batch_size = 2
-    cfg.data.num_workers = 0
-    cfg.optim.lr = 3e-3
-    cfg.optim.epochs = 2
-    cfg.runtime.device = "cpu"
-    cfg.runtime.ce_chunk_size = 64
-    cfg.runtime.log_every = 1
-    cfg.runtime.eval_every = 50
-    cfg.runtime.save_every = 50
-    cfg.runtime.tensorboard = False
-    cfg.runtime.progress = False
-    return cfg
+    return TrainConfig().override(num_draft_layers=2, block_size=4, context_buckets=[32, 64], max_anchors=8,
+                                  batch_size=4, micro_batch_size=2, num_workers=0, lr=3e-3, epochs=2, device="cpu",
+                                  ce_chunk_size=64, log_every=1, eval_every=50, save_every=50, tensorboard=False,
+                                  progress=False)
 
 
 def small() -> TrainConfig:
     """For a small target (SmolLM2-135M-Instruct, width 576, on one GPU; BENCHMARKS.md): block 8
     (a higher held-out tau than 16 at the same steps, at a cheaper step), a 3-layer drafter, 32
     sequences of up to 1536 tokens x 256 blocks per step, 6 loader workers (2 left the step waiting)."""
-    cfg = TrainConfig()
-    cfg.drafter.num_draft_layers = 3
-    cfg.drafter.block_size = 8
-    cfg.data.context_buckets = [512, 1024, 1536]
-    cfg.data.max_anchors = 256
-    cfg.data.batch_size = 32
-    cfg.data.micro_batch_size = 32
-    cfg.data.num_workers = 6
-    return cfg
+    return TrainConfig().override(num_draft_layers=3, block_size=8, context_buckets=[512, 1024, 1536],
+                                  max_anchors=256, batch_size=32, micro_batch_size=32, num_workers=6)
 
 
 PRESETS = {"dflash": dflash_recipe, "small": small, "tiny": tiny}

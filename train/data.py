@@ -26,15 +26,11 @@ from torch.utils.data import DataLoader, Dataset
 from dflash.shared.cache import HIDDEN_SCALE, CacheReader
 from dflash.shared.hidden_codecs import EncodedHidden, HiddenCodec, decode
 
-EVAL_EPOCH = 2**31 - 1
-"""Epoch key of the held-out samples' anchors: fixed, so every eval sees the same blocks."""
+EVAL_EPOCH = 2**31 - 1  # epoch key of the held-out samples' anchors: every eval sees the same blocks
 _ORDER_SALT = 0x5EED
-TARGET_FIELDS = ("target_top1", "topk_ids", "topk_logprobs")
-"""Per-token fields of what the target predicted, present when the dataset was asked for them."""
-ENCODED_FIELDS = ("context_payload", "context_scale")
-"""A lossy cache's context still encoded (``AnchorDataset(decode_on_device=True)``): payload, scales."""
-PER_TOKEN_FIELDS = ("input_ids", "loss_mask", "context_hidden") + ENCODED_FIELDS + TARGET_FIELDS
-"""Fields indexed by token position (padded by ``Collate``, cut by ``truncate_sample``)."""
+TARGET_FIELDS = ("target_top1", "topk_ids", "topk_logprobs")  # what the target predicted, where asked for
+ENCODED_FIELDS = ("context_payload", "context_scale")  # a lossy cache's context still encoded (decode_on_device)
+PER_TOKEN_FIELDS = ("input_ids", "loss_mask", "context_hidden") + ENCODED_FIELDS + TARGET_FIELDS  # padded, cut
 
 
 @dataclass
@@ -45,10 +41,8 @@ class EncodedContext:
     bitwise (``hidden_codecs.decode`` is exact and device-independent). ``pin_memory`` lets the
     DataLoader pin it like a tensor."""
 
-    payload: torch.Tensor
-    """(Bsz, S, n, W) uint8, padded with the codec's zero byte."""
-    scales: torch.Tensor
-    """(Bsz, S, n, G), padded with 0."""
+    payload: torch.Tensor  # (Bsz, S, n, W) uint8, padded with the codec's zero byte
+    scales: torch.Tensor  # (Bsz, S, n, G), padded with 0
     codec: HiddenCodec
 
     @property
@@ -76,19 +70,20 @@ def candidate_anchors(loss_mask: torch.Tensor) -> torch.Tensor:
 
 def draw_anchors(loss_mask: torch.Tensor, max_anchors: int, seed: int, epoch: int, index: int
                  ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Up to ``max_anchors`` sorted anchor positions, padded: (anchors (N,), valid (N,)).
-
-    Candidates: ``candidate_anchors``.
-    """
+    """Up to ``max_anchors`` sorted ``candidate_anchors``, drawn by an RNG keyed on (seed, epoch,
+    index), padded: (anchors (N,), valid (N,))."""
     cand = candidate_anchors(loss_mask)
     rng = np.random.default_rng([seed, epoch, index])
     if len(cand) > max_anchors:
         pick = np.sort(rng.choice(len(cand), size=max_anchors, replace=False))
         cand = cand[torch.from_numpy(pick)]
-    anchors = torch.zeros(max_anchors, dtype=torch.long)
-    valid = torch.zeros(max_anchors, dtype=torch.bool)
-    anchors[: len(cand)] = cand
-    valid[: len(cand)] = True
+    return _padded_anchors(cand, max_anchors)
+
+
+def _padded_anchors(cand: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(anchors (n,), valid (n,)): ``cand`` first, then invalid zeros."""
+    anchors, valid = torch.zeros(n, dtype=torch.long), torch.zeros(n, dtype=torch.bool)
+    anchors[: len(cand)], valid[: len(cand)] = cand, True
     return anchors, valid
 
 
@@ -108,23 +103,14 @@ class AnchorDataset(Dataset):
 
     def __init__(self, reader: CacheReader, layer_ids: list[int], max_length: int, max_anchors: int, seed: int,
                  target_top1: bool = True, topk: bool = False, decode_on_device: bool = False):
-        self.reader = reader
-        self.codec = reader.spec.codec
-        self.decode_on_device = decode_on_device and self.codec.lossy
-        """A lossy cache's samples carry ``context_payload``/``context_scale`` (and ``hidden_codec``)
-        instead of ``context_hidden``; ``Collate`` makes them an ``EncodedContext``, decoded by
-        ``to(device)``. Otherwise the reader decodes in the loader workers."""
-        self.target_top1 = target_top1
-        self.topk = topk
+        self.reader, self.codec = reader, reader.spec.codec
+        self.decode_on_device = decode_on_device and self.codec.lossy  # else the loader workers decode
+        self.target_top1, self.topk = target_top1, topk
         self.fields = ("input_ids", "loss_mask", "hidden") + (("topk_ids",) if target_top1 or topk else ()) \
-            + (("topk_logprobs",) if topk else ())
-        """The cache arrays read for each sample."""
+            + (("topk_logprobs",) if topk else ())  # the cache arrays read for each sample
         self.slots = reader.layer_slots(layer_ids)
-        self._all_slots = self.slots == list(range(reader.spec.num_layers))
-        """The chosen layers are every stored layer, in order: the context is a view, not a copy."""
-        self.max_length = max_length
-        self.max_anchors = max_anchors
-        self.seed = seed
+        self._all_slots = self.slots == list(range(reader.spec.num_layers))  # the context is then a view
+        self.max_length, self.max_anchors, self.seed = max_length, max_anchors, seed
 
     def __len__(self) -> int:
         return len(self.reader)
@@ -137,12 +123,7 @@ class AnchorDataset(Dataset):
         T = min(len(s["input_ids"]), self.max_length)
         loss_mask = s["loss_mask"][:T]
         anchors, valid = draw_anchors(loss_mask, self.max_anchors, self.seed, int(epoch), int(index))
-        out = {
-            "input_ids": s["input_ids"][:T],
-            "loss_mask": loss_mask,
-            "anchors": anchors,
-            "block_valid": valid,
-        }
+        out = {"input_ids": s["input_ids"][:T], "loss_mask": loss_mask, "anchors": anchors, "block_valid": valid}
         if self.decode_on_device:
             out["context_payload"], out["context_scale"] = self._layers(s["hidden"][:T]), self._layers(
                 s[HIDDEN_SCALE][:T])  # (T, n, W), (T, n, G)
@@ -167,25 +148,15 @@ class AnchorDataset(Dataset):
         sample = self[(EVAL_EPOCH, index)]
         cand = candidate_anchors(sample["loss_mask"])
         per_item = self.max_anchors if fixed_shape else max(len(cand), 1)
-        items = []
-        for start in range(0, len(cand), per_item):
-            part = cand[start:start + per_item]
-            anchors = torch.zeros(per_item, dtype=torch.long)
-            valid = torch.zeros(per_item, dtype=torch.bool)
-            anchors[: len(part)], valid[: len(part)] = part, True
-            items.append({**sample, "anchors": anchors, "block_valid": valid})
-        return items
+        return [{**sample, **dict(zip(("anchors", "block_valid"), _padded_anchors(cand[i:i + per_item], per_item)))}
+                for i in range(0, len(cand), per_item)]
 
     def empty_sample(self) -> dict[str, torch.Tensor]:
         """A one-token sample with no valid block: fills a global batch that does not split
         evenly over ranks; it weighs nothing, so the update is that of the real samples."""
         n, D = len(self.slots), self.reader.spec.hidden_size
-        out = {
-            "input_ids": torch.zeros(1, dtype=torch.long),
-            "loss_mask": torch.zeros(1, dtype=torch.bool),
-            "anchors": torch.zeros(self.max_anchors, dtype=torch.long),
-            "block_valid": torch.zeros(self.max_anchors, dtype=torch.bool),
-        }
+        out = {"input_ids": torch.zeros(1, dtype=torch.long), "loss_mask": torch.zeros(1, dtype=torch.bool)}
+        out["anchors"], out["block_valid"] = _padded_anchors(torch.zeros(0, dtype=torch.long), self.max_anchors)
         if self.decode_on_device:
             c = self.codec
             out["context_payload"] = torch.full((1, n, c.payload_width(D)), c.zero_byte, dtype=torch.uint8)
@@ -212,10 +183,8 @@ def bucket_for(length: int, buckets: list[int]) -> int:
 class BucketPlan:
     """The context buckets a run compiles: those its samples' lengths fall into."""
 
-    buckets: list[int]
-    """Buckets some sample falls into, ascending: the only shapes warmed up and batched."""
-    samples: dict[int, int]
-    """Samples per configured bucket (0 for a bucket that is not compiled)."""
+    buckets: list[int]  # buckets some sample falls into, ascending: the only shapes warmed up and batched
+    samples: dict[int, int]  # samples per configured bucket (0 for one that is not compiled)
 
     def describe(self) -> str:
         """One log line: which buckets compile and why the others do not."""
@@ -263,8 +232,7 @@ class Collate:
     """
 
     def __init__(self, buckets: list[int] | None, force_length: int | None = None):
-        self.buckets = list(buckets) if buckets is not None else None
-        """None: no padding beyond the longest sample (uncompiled forwards)."""
+        self.buckets = list(buckets) if buckets is not None else None  # None: pad to the longest sample only
         self.force_length = force_length
 
     def __call__(self, samples: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
@@ -306,18 +274,15 @@ def truncate_sample(sample: dict[str, torch.Tensor], length: int) -> dict[str, t
 
     Used by the compile warm-up to give every bucket a real sample of that shape.
     """
-    out = {k: (v[:length] if k in PER_TOKEN_FIELDS else v)
-           for k, v in sample.items()}
+    out = {k: (v[:length] if k in PER_TOKEN_FIELDS else v) for k, v in sample.items()}
     fits = sample["anchors"] <= length - 2
     out["block_valid"] = sample["block_valid"] & fits
     out["anchors"] = torch.where(fits, sample["anchors"], torch.zeros_like(sample["anchors"]))
     return out
 
 
-DEFAULT_EVAL_SAMPLES = 64
-"""Held-out samples of a large cache when none are asked for."""
-DEFAULT_EVAL_FRACTION = 0.1
-"""Most of a small cache that is held out when none are asked for."""
+DEFAULT_EVAL_SAMPLES = 64  # held-out samples of a large cache when none are asked for
+DEFAULT_EVAL_FRACTION = 0.1  # at most this much of a small cache
 
 
 def held_out_count(num_samples: int, eval_samples: int | None) -> int:
@@ -340,14 +305,9 @@ class Split:
 
     @classmethod
     def of(cls, num_samples: int, eval_samples: int | None, source_index: np.ndarray | None = None) -> "Split":
-        """``source_index`` (num_samples,): each sample's row in the source dataset.
-
-        The cache stores each shard's samples longest first (extract/plan.py), so its
-        last samples are the shortest ones of the last shard: a biased held-out set (on
-        the demo cache under half the average length) that also changes with the
-        number of extraction workers. Selecting by source row gives the same held-out
-        rows for any worker count. Without ``source_index``, the last samples of the cache.
-        """
+        """``source_index`` (num_samples,): each sample's row in the source dataset. The cache stores
+        each shard longest first, so its last samples would be a biased held-out set that changes with
+        the shard count; by source row it is the same for any. Without it, the cache's last samples."""
         n_eval = held_out_count(num_samples, eval_samples)
         idx = np.arange(num_samples, dtype=np.int64)
         if source_index is None:

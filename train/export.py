@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import shlex
+from dataclasses import fields
 from pathlib import Path
 
 import torch
@@ -28,6 +29,9 @@ CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
 LAYER_ID_CONVENTION = "id i = output of target decoder layer i = HF hidden_states[i + 1]"
 
+_REQUIRED = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
+             "vocab_size", "num_target_layers", "num_hidden_layers", "block_size", "rms_norm_eps",
+             "max_position_embeddings")
 _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 _NAME_DTYPES = {v: k for k, v in _DTYPE_NAMES.items()}
 
@@ -35,32 +39,20 @@ _NAME_DTYPES = {v: k for k, v in _DTYPE_NAMES.items()}
 def export_config_dict(config: DrafterConfig, dtype: torch.dtype) -> dict:
     """The config.json content for ``config`` with weights stored in ``dtype``."""
     dtype_name = _DTYPE_NAMES[dtype]
+    shapes = {k: v for k, v in config.to_dict().items() if k not in ("target_layer_ids", "mask_token_id")}
     return {
         "architectures": [ARCHITECTURE],
         "model_type": "qwen3",
-        "block_size": config.block_size,
-        "num_target_layers": config.num_target_layers,
         "dflash_config": {
             "mask_token_id": config.mask_token_id,
             "target_layer_ids": list(config.target_layer_ids),
             "target_layer_id_convention": LAYER_ID_CONVENTION,
         },
         "eagle_aux_hidden_state_layer_ids": eagle_layer_ids(config.target_layer_ids),
-        "hidden_size": config.hidden_size,
-        "intermediate_size": config.intermediate_size,
-        "num_hidden_layers": config.num_hidden_layers,
-        "num_attention_heads": config.num_attention_heads,
-        "num_key_value_heads": config.num_key_value_heads,
-        "head_dim": config.head_dim,
-        "rms_norm_eps": config.rms_norm_eps,
-        "rope_theta": config.rope_theta,
+        **shapes,  # block_size, num_target_layers and the Qwen3 fields: the drafter config's own names
         "rope_parameters": {"rope_type": "default", "rope_theta": config.rope_theta},
-        "max_position_embeddings": config.max_position_embeddings,
-        "vocab_size": config.vocab_size,
         "hidden_act": "silu",
-        "attention_bias": config.attention_bias,
         "attention_dropout": 0.0,
-        "initializer_range": config.initializer_range,
         "tie_word_embeddings": False,
         "torch_dtype": dtype_name,
         "dtype": dtype_name,
@@ -124,52 +116,20 @@ def config_from_export_dict(data: dict) -> DrafterConfig:
     if eagle is not None and list(eagle) != eagle_layer_ids(dflash.get("target_layer_ids") or []):
         raise ValueError(f"config.json: eagle_aux_hidden_state_layer_ids {eagle} is not dflash_config.target_layer_ids "
                          f"{dflash.get('target_layer_ids')} + 1; a serving engine would read other layers")
-    try:
-        theta = data.get("rope_theta", (data.get("rope_parameters") or {}).get("rope_theta"))
-        return DrafterConfig(
-            hidden_size=int(data["hidden_size"]),
-            intermediate_size=int(data["intermediate_size"]),
-            num_attention_heads=int(data["num_attention_heads"]),
-            num_key_value_heads=int(data["num_key_value_heads"]),
-            head_dim=int(data["head_dim"]),
-            vocab_size=int(data["vocab_size"]),
-            target_layer_ids=list(dflash["target_layer_ids"]),
-            num_target_layers=int(data["num_target_layers"]),
-            mask_token_id=int(dflash["mask_token_id"]),
-            num_hidden_layers=int(data["num_hidden_layers"]),
-            block_size=int(data["block_size"]),
-            rms_norm_eps=float(data["rms_norm_eps"]),
-            rope_theta=float(theta),
-            max_position_embeddings=int(data["max_position_embeddings"]),
-            attention_bias=bool(data.get("attention_bias", False)),
-            initializer_range=float(data.get("initializer_range", 0.02)),
-        )
-    except KeyError as err:
-        raise ValueError(f"config.json lacks {err.args[0]!r}") from err
-    except TypeError as err:  # rope_theta None and friends
-        raise ValueError(f"config.json has an invalid field: {err}") from err
+    missing = [k for k in _REQUIRED if k not in data] + [k for k in ("target_layer_ids", "mask_token_id")
+                                                        if k not in dflash]
+    theta = data.get("rope_theta", (data.get("rope_parameters") or {}).get("rope_theta"))
+    if missing or theta is None:
+        raise ValueError(f"config.json lacks {missing or ['rope_theta']}")
+    values = {f.name: data[f.name] for f in fields(DrafterConfig) if f.name in data}  # export_config_dict's names
+    return DrafterConfig(**{**values, "rope_theta": float(theta), "target_layer_ids": dflash["target_layer_ids"],
+                            "mask_token_id": int(dflash["mask_token_id"])})
 
 
-def _unwrap(module: torch.nn.Module) -> torch.nn.Module:
-    """The plain drafter under torch.compile (_orig_mod) or DDP/FSDP-style (.module) wrappers."""
-    while True:
-        if hasattr(module, "_orig_mod"):
-            module = module._orig_mod
-        elif hasattr(module, "module") and isinstance(module.module, torch.nn.Module):
-            module = module.module
-        else:
-            return module
-
-
-def export_drafter(
-    drafter: DFlashDrafter,
-    config: DrafterConfig,
-    out_dir: str | os.PathLike,
-    dtype: torch.dtype | None = None,
-) -> Path:
-    """Write config.json + model.safetensors to ``out_dir``; ``dtype`` casts the weights
-    (default: the drafter's own dtype). Returns the folder."""
-    drafter = _unwrap(drafter)
+def export_drafter(drafter: DFlashDrafter, config: DrafterConfig, out_dir: str | os.PathLike,
+                   dtype: torch.dtype | None = None) -> Path:
+    """Write config.json + model.safetensors of the plain (unwrapped, uncompiled) drafter to
+    ``out_dir``; ``dtype`` casts the weights (default: the drafter's own dtype). Returns the folder."""
     state = drafter.state_dict()
     expected_shapes = _expected_shapes(config)
     _check_names_and_shapes(state, expected_shapes, "drafter state_dict")
@@ -187,11 +147,8 @@ def export_drafter(
     return out
 
 
-def load_exported(
-    path: str | os.PathLike,
-    device: str | torch.device = "cpu",
-    dtype: torch.dtype | None = None,
-) -> tuple[DFlashDrafter, DrafterConfig]:
+def load_exported(path: str | os.PathLike, device: str | torch.device = "cpu", dtype: torch.dtype | None = None
+                  ) -> tuple[DFlashDrafter, DrafterConfig]:
     """Load an exported folder, checking every tensor name and shape against the config."""
     path = Path(path)
     with open(path / CONFIG_NAME) as f:
@@ -217,17 +174,9 @@ def _expected_shapes(config: DrafterConfig) -> dict[str, tuple[int, ...]]:
 def _check_names_and_shapes(tensors: dict, expected: dict, where: str) -> None:
     missing = sorted(set(expected) - set(tensors))
     unexpected = sorted(set(tensors) - set(expected))
-    wrong = sorted(
-        f"{n}: {tuple(tensors[n].shape)} != {expected[n]}"
-        for n in set(expected) & set(tensors)
-        if tuple(tensors[n].shape) != expected[n]
-    )
-    problems = []
-    if missing:
-        problems.append(f"missing {missing}")
-    if unexpected:
-        problems.append(f"unexpected {unexpected}")
-    if wrong:
-        problems.append(f"wrong shapes {wrong}")
+    wrong = sorted(f"{n}: {tuple(tensors[n].shape)} != {expected[n]}" for n in set(expected) & set(tensors)
+                   if tuple(tensors[n].shape) != expected[n])
+    problems = [f"{what} {names}" for what, names in (("missing", missing), ("unexpected", unexpected),
+                                                      ("wrong shapes", wrong)) if names]
     if problems:
         raise ValueError(f"{where} does not match the DFlash export format: " + "; ".join(problems))

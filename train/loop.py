@@ -4,10 +4,8 @@ Setup order matters and is the same on every rank: refuse an incompatible cache 
 anything else, build the drafter from the target's config, load only the target's
 embedding and LM head, wrap (FSDP2 / compile / DDP), restore a checkpoint if there is
 one, warm up every compiled shape with a real step, then freeze compilation (the first
-evaluation compiles its no-grad graphs, then freezes again). File reads and copies to the
-device that the start needs (the target's embedding and head, the warm-up's samples) run
-on one I/O thread while the main thread imports, builds and compiles; the loader's
-worker processes start before the warm-up, so the first batches are ready when it ends.
+evaluation compiles its no-grad graphs, then freezes again). The loader's worker processes
+start before the warm-up, so the first batches are ready when it ends.
 
 Loss normalisation is global: every micro-batch's weighted CE is divided by the weight
 sum of the whole global batch (all ranks, all accumulation steps; known before any
@@ -22,8 +20,7 @@ import logging
 import math
 import os
 import time
-from concurrent.futures import ThreadPoolExecutor
-from contextlib import nullcontext
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -45,17 +42,12 @@ from .target import build_drafter_config, check_cache, load_target_meta, resolve
 log = logging.getLogger("dflash.train")
 
 
-# ---------------------------------------------------------------------------- distributed
-
-
 @dataclass
 class DistInfo:
     rank: int
     world: int
-    local_rank: int
     device: torch.device
-    started_group: bool
-    """True when this call created the process group (and so should destroy it)."""
+    started_group: bool  # this call created the process group (and so destroys it)
 
     @property
     def is_main(self) -> bool:
@@ -63,11 +55,8 @@ class DistInfo:
 
 
 def init_distributed(device: str = "auto") -> DistInfo:
-    """Read the torchrun environment; without it, this is one process and nothing happens.
-
-    With WORLD_SIZE set, joins the process group (nccl on CUDA, gloo on CPU) and picks
-    cuda:LOCAL_RANK.
-    """
+    """Read the torchrun environment; without it, one process and nothing happens. With
+    WORLD_SIZE set, join the process group (nccl on CUDA, gloo on CPU) on cuda:LOCAL_RANK."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
@@ -75,20 +64,16 @@ def init_distributed(device: str = "auto") -> DistInfo:
     dev = torch.device("cuda", local_rank) if use_cuda else torch.device("cpu")
     if use_cuda:
         torch.cuda.set_device(dev)
-    started = False
-    if world > 1 and not dist.is_initialized():
+    started = world > 1 and not dist.is_initialized()
+    if started:
         dist.init_process_group("nccl" if use_cuda else "gloo", rank=rank, world_size=world)
-        started = True
-    return DistInfo(rank, world, local_rank, dev, started)
+    return DistInfo(rank, world, dev, started)
 
 
 def _all_reduce(t: torch.Tensor, world: int) -> torch.Tensor:
     if world > 1:
         dist.all_reduce(t)
     return t
-
-
-# ---------------------------------------------------------------------------- setup helpers
 
 
 def log_held_out(num_samples: int, requested: int | None, held_out: int) -> None:
@@ -120,7 +105,7 @@ def config_changes(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
 def make_optimizer(params, ocfg: OptimConfig, total: int, fused: bool):
     """AdamW + linear warm-up + cosine to ``min_lr_ratio``."""
     optimizer = torch.optim.AdamW(params, lr=ocfg.lr, betas=(ocfg.beta1, ocfg.beta2),
-                                  weight_decay=ocfg.weight_decay, **({"fused": True} if fused else {}))
+                                  weight_decay=ocfg.weight_decay, fused=fused or None)
     warmup = int(round(ocfg.warmup_ratio * total))
 
     def lr_at(step: int) -> float:
@@ -140,10 +125,8 @@ def wrap_parallel(drafter: torch.nn.Module, cfg: TrainConfig, dist_info: DistInf
         for layer in drafter.layers:
             fully_shard(layer)
         fully_shard(drafter)
-        model = compile_path.compile_model(drafter, choice, graphs_needed)
-        return model, model
     model = compile_path.compile_model(drafter, choice, graphs_needed)
-    if dist_info.world > 1:
+    if dist_info.world > 1 and cfg.runtime.parallel == "ddp":
         from torch.nn.parallel import DistributedDataParallel as DDP
 
         ids = [dist_info.device.index] if dist_info.device.type == "cuda" else None
@@ -151,27 +134,20 @@ def wrap_parallel(drafter: torch.nn.Module, cfg: TrainConfig, dist_info: DistInf
     return model, model
 
 
+@contextmanager
 def _grad_sync(model, enabled: bool):
     """DDP ``no_sync`` / FSDP2 ``set_requires_gradient_sync`` for accumulation micro-steps."""
-    if enabled:
-        return nullcontext()
-    if hasattr(model, "no_sync"):
-        return model.no_sync()
-    if hasattr(model, "set_requires_gradient_sync"):
+    if not enabled and hasattr(model, "no_sync"):
+        with model.no_sync():
+            yield
+    elif not enabled and hasattr(model, "set_requires_gradient_sync"):
         model.set_requires_gradient_sync(False)
-
-        class _Restore:
-            def __enter__(self):
-                return None
-
-            def __exit__(self, *exc):
-                model.set_requires_gradient_sync(True)
-
-        return _Restore()
-    return nullcontext()
-
-
-# ---------------------------------------------------------------------------- the loop
+        try:
+            yield
+        finally:
+            model.set_requires_gradient_sync(True)
+    else:
+        yield
 
 
 def train(cfg: TrainConfig) -> dict[str, Any]:
@@ -182,8 +158,6 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     device, rank, world = dist_info.device, dist_info.rank, dist_info.world
     out = Path(cfg.out)
     sink = None
-    # one thread for file reads and host-to-device copies; compiling and compiled calls stay on the main thread
-    io = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dflash-load")
     try:
         # -- the cache must match the target before anything else happens
         reader = CacheReader(cfg.cache)
@@ -193,11 +167,7 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
             else None
         choice = compile_path.resolve(rt, device)
         compiles = choice.compile_model or (choice.attention == "flex" and not choice.eager_flex)
-        # sets the process environment (inductor's cache folder): before the I/O thread starts
         compile_cache = compile_path.use_compile_cache(rt.compile_cache) if compiles else None
-        # the target's embedding and LM head (GBs at 8B shapes) load while the config and tokenizer are checked
-        head_future = io.submit(load_target_head, cfg.target, device,
-                                torch.bfloat16 if autocast_dtype is not None else torch.float32)
         hf_config, tokenizer = load_target_meta(cfg.target)
         dcfg = build_drafter_config(cfg, hf_config, tokenizer, reader)
         check_cache(reader, hf_config, tokenizer, dcfg.target_layer_ids)
@@ -228,12 +198,10 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
         buckets = plan_buckets(reader.lengths(), dcfg_data.context_buckets)
         if dist_info.is_main:
             log.info(buckets.describe())
-        # the warm-up's samples (the first micro-batch of step 0, whatever step the run resumes at), read on the thread
-        warm_keys = GlobalBatchSampler(split.train, G, micro, rank, world, rt.seed, steps).step_batches(0)[0]
-        warm_samples_future = io.submit(lambda: [dataset[k] for k in warm_keys]) if compiles else None
 
         # -- model, target head (frozen, never saved), optimizer
         setup_start = time.perf_counter()
+        head = load_target_head(cfg.target, device, torch.bfloat16 if autocast_dtype is not None else torch.float32)
         torch.manual_seed(rt.seed)
         with torch.device(device):  # initialised where it trains: a CPU init of 8B-sized layers takes seconds
             drafter = DFlashDrafter(dcfg)  # fp32 master weights
@@ -261,9 +229,9 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
                              dcfg_data.num_workers, dcfg_data.prefetch_factor, pin_memory=cuda)
         eval_keys = held_out_batches(split.held_out, micro, rank, world)
         eval_collate = Collate(buckets.buckets)
-        head = head_future.result()
-        warm_samples = warm_samples_future.result() if warm_samples_future is not None else None
-        io.shutdown()  # no thread but the main one when the loader's workers fork
+        # the warm-up's samples: the first micro-batch of step 0, whatever step the run resumes at
+        warm_keys = GlobalBatchSampler(split.train, G, micro, rank, world, rt.seed, steps).step_batches(0)[0]
+        warm_samples = [dataset[k] for k in warm_keys] if compiles else None
         # the workers start now and have the first batches ready when the warm-up ends
         data_iter = iter(loader)
         if dist_info.is_main:
@@ -324,19 +292,14 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
                 count += sup.sum(0).double()
             _all_reduce(sums, world), _all_reduce(hits, world), _all_reduce(count, world)
             s = sums.tolist()
-            walked = replay_held_out()
+            # decoding replayed on the held-out samples through the compiled eval step; every rank replays
+            # every sample (FSDP forwards are collectives), partial groups padded with weightless samples
+            walked = replay.replay(eval_dataset, split.held_out, lambda b: evaluate_batch(eval_model, head, b, spec)[2],
+                                   eval_collate, group_size=micro, fixed_shape=True, device=device)
             return {"kind": "eval", "step": step, "loss": s[0] / max(s[1], 1e-12),
                     "tau": walked.tau, "tau_blocks": walked.blocks,
                     "tau_uniform": s[2] / max(s[3], 1), "blocks": int(s[3]),
                     "acc_per_pos": (hits / count.clamp(min=1)).tolist()}
-
-        def replay_held_out() -> replay.Replay:
-            """Decoding replayed on the held-out samples through the compiled eval step
-            (``replay.py``). Every rank replays every held-out sample (FSDP forwards are
-            collectives); partial batches are padded with weightless samples."""
-            return replay.replay(eval_dataset, split.held_out,
-                                 lambda batch: evaluate_batch(eval_model, head, batch, spec)[2], eval_collate,
-                                 group_size=micro, fixed_shape=True, device=device)
 
         # -- the loop
         from tqdm import tqdm
@@ -430,7 +393,6 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
                 "context_buckets": buckets.buckets, "compile_cache": str(compile_cache) if compile_cache else None,
                 "compile_cache_use": cache_use}
     finally:
-        io.shutdown(wait=False, cancel_futures=True)
         compile_path.thaw()
         if sink is not None:
             sink.close()

@@ -28,15 +28,9 @@ def default_gamma(block_size: int) -> float:
     return _PAPER_GAMMA.get(int(block_size), block_size / 2.0)
 
 
-def block_labels(
-    input_ids: torch.Tensor,
-    loss_mask: torch.Tensor,
-    seq_len: torch.Tensor,
-    anchors: torch.Tensor,
-    block_valid: torch.Tensor,
-    block_size: int,
-    gamma: float | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
+def block_labels(input_ids: torch.Tensor, loss_mask: torch.Tensor, seq_len: torch.Tensor, anchors: torch.Tensor,
+                 block_valid: torch.Tensor, block_size: int, gamma: float | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Labels (Bsz, N, B) long and weights (Bsz, N, B) float32 for every block slot.
 
     input_ids, loss_mask: (Bsz, T); seq_len: (Bsz,) real length of each row;
@@ -162,28 +156,16 @@ class _ChunkedBlockLoss(torch.autograd.Function):
 class BlockLoss:
     """What ``chunked_block_loss`` returns."""
 
-    loss: torch.Tensor
-    """0-d float32: ce_coef * ce + kd_coef * kl (the only differentiable output)."""
-    correct: torch.Tensor
-    """(M,) bool: argmax of the drafter == label (ignored labels never correct)."""
-    ce: torch.Tensor
-    """0-d: sum(w * CE) / denominator."""
-    kl: torch.Tensor
-    """0-d: sum(w * KL over the top-k and tail buckets) / denominator (0 without top-k)."""
+    loss: torch.Tensor  # 0-d float32: ce_coef * ce + kd_coef * kl (the only differentiable output)
+    correct: torch.Tensor  # (M,) bool: argmax of the drafter == label (ignored labels never correct)
+    ce: torch.Tensor  # 0-d: sum(w * CE) / denominator
+    kl: torch.Tensor  # 0-d: sum(w * KL over the top-k and tail buckets) / denominator (0 without top-k)
 
 
-def chunked_block_loss(
-    hidden: torch.Tensor,
-    lm_head_weight: torch.Tensor,
-    labels: torch.Tensor,
-    weights: torch.Tensor,
-    topk_ids: torch.Tensor | None = None,
-    topk_logprobs: torch.Tensor | None = None,
-    ce_coef: float = 1.0,
-    kd_coef: float = 0.0,
-    chunk_size: int = 2048,
-    denominator: float | torch.Tensor | None = None,
-) -> BlockLoss:
+def chunked_block_loss(hidden: torch.Tensor, lm_head_weight: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor,
+                       topk_ids: torch.Tensor | None = None, topk_logprobs: torch.Tensor | None = None,
+                       ce_coef: float = 1.0, kd_coef: float = 0.0, chunk_size: int = 2048,
+                       denominator: float | torch.Tensor | None = None) -> BlockLoss:
     """Weighted CE and/or KL from the target's stored top-k, through the frozen LM head.
 
     hidden (M, D), lm_head_weight (V, D) frozen, labels (M,) long (negative = ignored: such
@@ -197,7 +179,8 @@ def chunked_block_loss(
     denominator gives loss 0 and gradient 0.
     """
     if hidden.dim() != 2 or lm_head_weight.dim() != 2 or hidden.shape[1] != lm_head_weight.shape[1]:
-        raise ValueError(f"hidden (M, D) and lm_head_weight (V, D) expected, got {tuple(hidden.shape)} and {tuple(lm_head_weight.shape)}")
+        raise ValueError(f"hidden (M, D) and lm_head_weight (V, D) expected, got {tuple(hidden.shape)} and "
+                         f"{tuple(lm_head_weight.shape)}")
     if labels.shape != hidden.shape[:1] or weights.shape != hidden.shape[:1]:
         raise ValueError("labels and weights must be (M,) like hidden's rows")
     if chunk_size < 1:

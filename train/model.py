@@ -35,7 +35,7 @@ class DrafterConfig:
     num_key_value_heads: int  # key/value heads per layer (GQA)
     head_dim: int  # width of one attention head
     vocab_size: int  # the target's (padded) vocabulary size
-    target_layer_ids: list[int]  # target layers fused as context, ascending, below L-1; id i = output of decoder layer i = HF hidden_states[i + 1]
+    target_layer_ids: list[int]  # fused as context, ascending, below L-1; i = HF hidden_states[i + 1]
     num_target_layers: int  # number of decoder layers of the target
     mask_token_id: int  # embedding row used for the B - 1 masked block slots
     num_hidden_layers: int = 5  # drafter decoder layers
@@ -47,23 +47,16 @@ class DrafterConfig:
     initializer_range: float = 0.02  # std of the normal init of linear weights
 
     def __post_init__(self) -> None:
-        self.target_layer_ids = [int(i) for i in self.target_layer_ids]
-        self.validate()
-
-    def validate(self) -> None:
         """Raise ValueError on inconsistent settings."""
+        self.target_layer_ids = [int(i) for i in self.target_layer_ids]
         if self.num_attention_heads % self.num_key_value_heads != 0:
-            raise ValueError(
-                f"num_attention_heads={self.num_attention_heads} is not a multiple of "
-                f"num_key_value_heads={self.num_key_value_heads}"
-            )
+            raise ValueError(f"num_attention_heads={self.num_attention_heads} is not a multiple of "
+                             f"num_key_value_heads={self.num_key_value_heads}")
         if self.head_dim % 2 != 0:
             raise ValueError(f"head_dim={self.head_dim} must be even for RoPE")
         if not 0 <= self.mask_token_id < self.vocab_size:
-            raise ValueError(
-                f"mask_token_id={self.mask_token_id} is outside the target vocabulary "
-                f"[0, {self.vocab_size})"
-            )
+            raise ValueError(f"mask_token_id={self.mask_token_id} is outside the target vocabulary "
+                             f"[0, {self.vocab_size})")
         check_layer_ids(self.target_layer_ids, self.num_target_layers)  # what serving engines can feed
         if self.block_size < 2:
             raise ValueError(f"block_size={self.block_size} must be at least 2")
@@ -72,52 +65,30 @@ class DrafterConfig:
 
     @property
     def num_context_layers(self) -> int:
-        """How many target layers are concatenated into the context features."""
         return len(self.target_layer_ids)
 
     @classmethod
-    def from_target_config(
-        cls,
-        hf_config: Any,
-        target_layer_ids: list[int],
-        mask_token_id: int,
-        block_size: int = 16,
-        num_hidden_layers: int = 5,
-    ) -> "DrafterConfig":
+    def from_target_config(cls, hf_config: Any, target_layer_ids: list[int], mask_token_id: int,
+                           block_size: int = 16, num_hidden_layers: int = 5) -> "DrafterConfig":
         """Size a drafter after a HF Qwen3-like target config (object or plain dict)."""
         if not isinstance(hf_config, dict):
-            if hasattr(hf_config, "get_text_config"):
-                hf_config = hf_config.get_text_config()
-            hf_config = hf_config.to_dict()
+            hf_config = hf_config.get_text_config().to_dict()
         elif isinstance(hf_config.get("text_config"), dict):
             hf_config = hf_config["text_config"]
-        try:
-            hidden = int(hf_config["hidden_size"])
-            heads = int(hf_config["num_attention_heads"])
-            n_layers = int(hf_config["num_hidden_layers"])
-            vocab = int(hf_config["vocab_size"])
-            intermediate = int(hf_config["intermediate_size"])
-        except KeyError as err:
-            raise ValueError(f"target config lacks {err.args[0]!r}") from err
-        head_dim = hf_config.get("head_dim") or hidden // heads
-        return cls(
-            hidden_size=hidden,
-            intermediate_size=intermediate,
-            num_attention_heads=heads,
-            num_key_value_heads=int(hf_config.get("num_key_value_heads") or heads),
-            head_dim=int(head_dim),
-            vocab_size=vocab,
-            target_layer_ids=list(target_layer_ids),
-            num_target_layers=n_layers,
-            mask_token_id=int(mask_token_id),
-            num_hidden_layers=int(num_hidden_layers),
-            block_size=int(block_size),
-            rms_norm_eps=float(hf_config.get("rms_norm_eps", 1e-6)),
-            rope_theta=_rope_theta(hf_config),
-            max_position_embeddings=int(hf_config.get("max_position_embeddings", 40960)),
-            attention_bias=bool(hf_config.get("attention_bias", False)),
-            initializer_range=float(hf_config.get("initializer_range", 0.02)),
-        )
+        missing = [k for k in ("hidden_size", "num_attention_heads", "num_hidden_layers", "vocab_size",
+                               "intermediate_size") if k not in hf_config]
+        if missing:
+            raise ValueError(f"target config lacks {missing[0]!r}")
+        c, heads = hf_config, int(hf_config["num_attention_heads"])
+        return cls(hidden_size=int(c["hidden_size"]), intermediate_size=int(c["intermediate_size"]),
+                   num_attention_heads=heads, num_key_value_heads=int(c.get("num_key_value_heads") or heads),
+                   head_dim=int(c.get("head_dim") or int(c["hidden_size"]) // heads), vocab_size=int(c["vocab_size"]),
+                   target_layer_ids=list(target_layer_ids), num_target_layers=int(c["num_hidden_layers"]),
+                   mask_token_id=int(mask_token_id), num_hidden_layers=int(num_hidden_layers),
+                   block_size=int(block_size), rms_norm_eps=float(c.get("rms_norm_eps", 1e-6)),
+                   rope_theta=_rope_theta(c), max_position_embeddings=int(c.get("max_position_embeddings", 40960)),
+                   attention_bias=bool(c.get("attention_bias", False)),
+                   initializer_range=float(c.get("initializer_range", 0.02)))
 
     def to_dict(self) -> dict:
         """Plain JSON-able dict of all fields."""
@@ -134,18 +105,13 @@ class DrafterConfig:
 
 
 def _rope_theta(hf_config: dict) -> float:
-    """RoPE base from either the transformers 4 (rope_theta) or 5 (rope_parameters) layout."""
+    """RoPE base from the transformers 4 (rope_theta) or 5 (rope_parameters) layout."""
     params = hf_config.get("rope_parameters") or hf_config.get("rope_scaling") or {}
     rope_type = params.get("rope_type", params.get("type", "default"))
     if rope_type not in ("default", None):
-        logger.warning(
-            "target uses rope_type=%r; the drafter implements plain RoPE only", rope_type
-        )
-    theta = hf_config.get("rope_theta", params.get("rope_theta"))
+        logger.warning("target uses rope_type=%r; the drafter implements plain RoPE only", rope_type)
+    theta = hf_config.get("rope_theta", params.get("rope_theta"))  # transformers 4 / 5
     return float(theta if theta is not None else 10000.0)
-
-
-# ---------------------------------------------------------------------------- layers
 
 
 class RMSNorm(nn.Module):
@@ -157,18 +123,13 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
         x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(dtype)
+        return self.weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
 
 
 def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin of shape (Bsz, T, head_dim) in float32 for integer positions (Bsz, T).
-
-    Computed on the fly rather than from a buffer: a buffer would be cast by
-    ``model.to(bfloat16)`` and lose precision at large positions.
-    """
+    """cos, sin of shape (Bsz, T, head_dim) in float32 for integer positions (Bsz, T); not a
+    buffer, which ``model.to(bfloat16)`` would cast and so lose precision at large positions."""
     exponent = torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float32) / head_dim
     inv_freq = 1.0 / (theta**exponent)  # (head_dim / 2,)
     freqs = positions.to(torch.float32)[..., None] * inv_freq  # (Bsz, T, head_dim / 2)
@@ -176,16 +137,11 @@ def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[
     return emb.cos(), emb.sin()
 
 
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-
-
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x (Bsz, H, T, hd); cos/sin (Bsz, T, hd)."""
-    cos = cos[:, None].to(x.dtype)
-    sin = sin[:, None].to(x.dtype)
-    return x * cos + rotate_half(x) * sin
+    """x (Bsz, H, T, hd); cos/sin (Bsz, T, hd); rotate_half(x) = (-x2, x1)."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos[:, None].to(x.dtype) + rotated * sin[:, None].to(x.dtype)
 
 
 class DFlashAttention(nn.Module):
@@ -193,12 +149,8 @@ class DFlashAttention(nn.Module):
 
     def __init__(self, config: DrafterConfig):
         super().__init__()
-        self.config = config
-        D, hd = config.hidden_size, config.head_dim
-        self.n_heads = config.num_attention_heads
-        self.n_kv_heads = config.num_key_value_heads
-        self.head_dim = hd
-        bias = config.attention_bias
+        D, hd, bias = config.hidden_size, config.head_dim, config.attention_bias
+        self.n_heads, self.n_kv_heads, self.head_dim = config.num_attention_heads, config.num_key_value_heads, hd
         self.q_proj = nn.Linear(D, self.n_heads * hd, bias=bias)
         self.k_proj = nn.Linear(D, self.n_kv_heads * hd, bias=bias)
         self.v_proj = nn.Linear(D, self.n_kv_heads * hd, bias=bias)
@@ -279,15 +231,9 @@ class DFlashDrafter(nn.Module):
             elif isinstance(module, RMSNorm):
                 module.weight.fill_(1.0)
 
-    def forward(
-        self,
-        context_hidden: torch.Tensor | None,
-        context_positions: torch.Tensor | None,
-        block_embeds: torch.Tensor,
-        block_positions: torch.Tensor,
-        attn_mask,
-        context_kv: tuple[torch.Tensor, torch.Tensor] | None = None,
-    ) -> torch.Tensor:
+    def forward(self, context_hidden: torch.Tensor | None, context_positions: torch.Tensor | None,
+                block_embeds: torch.Tensor, block_positions: torch.Tensor, attn_mask,
+                context_kv: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """Hidden states of the block tokens after the final norm, (Bsz, Q, D).
 
         context_hidden: (Bsz, S, n * D) cached target layers concatenated on the last
@@ -326,10 +272,8 @@ class DFlashDrafter(nn.Module):
             context_hidden = context_hidden.flatten(2)  # (Bsz, S, n * D)
         feat = context_hidden.shape[-1]
         if feat != self.fc.in_features:
-            raise ValueError(
-                f"context_hidden has {feat} features; expected {self.config.num_context_layers}"
-                f" layers x {self.config.hidden_size} = {self.fc.in_features}"
-            )
+            raise ValueError(f"context_hidden has {feat} features; expected {self.config.num_context_layers}"
+                             f" layers x {self.config.hidden_size} = {self.fc.in_features}")
         if bsz is not None and context_hidden.shape[0] != bsz:
             raise ValueError(f"context_hidden has batch {context_hidden.shape[0]}, the block {bsz}")
         if not torch.is_autocast_enabled(context_hidden.device.type):
@@ -358,9 +302,6 @@ def _batched_positions(pos: torch.Tensor, bsz: int, length: int, name: str) -> t
     return pos
 
 
-# ---------------------------------------------------------------------------- target head
-
-
 class TargetHead(nn.Module):
     """The target's frozen input embedding and LM head, and nothing else.
 
@@ -383,10 +324,6 @@ class TargetHead(nn.Module):
     @property
     def vocab_size(self) -> int:
         return self.embed_weight.shape[0]
-
-    @property
-    def hidden_size(self) -> int:
-        return self.embed_weight.shape[1]
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         return F.embedding(ids, self.embed_weight)
@@ -425,19 +362,28 @@ def _tensor_files(target_path: str) -> dict[str, str]:
     return name_to_file
 
 
-def load_target_head(
-    target_path: str | os.PathLike,
-    device: str | torch.device = "cpu",
-    dtype: torch.dtype | None = None,
-) -> TargetHead:
+def _read_tensors(target_path: str, name_to_file: dict[str, str], names) -> dict[str, torch.Tensor]:
+    """The named tensors, on the CPU, opening each file that holds any of them once."""
+    from safetensors import safe_open
+
+    by_file: dict[str, list[str]] = {}
+    for name in names:
+        by_file.setdefault(name_to_file[name], []).append(name)
+    out = {}
+    for fname, in_file in by_file.items():
+        with safe_open(os.path.join(target_path, fname), framework="pt", device="cpu") as handle:
+            out.update({name: handle.get_tensor(name) for name in in_file})
+    return out
+
+
+def load_target_head(target_path: str | os.PathLike, device: str | torch.device = "cpu",
+                     dtype: torch.dtype | None = None) -> TargetHead:
     """Load only the target's embedding and LM head from its safetensors checkpoint.
 
     Opens only the shard(s) holding those tensors (via model.safetensors.index.json when
     present). Tied embeddings (``tie_word_embeddings`` or no lm_head tensor) reuse the
     embedding. The full target is never built.
     """
-    from safetensors import safe_open
-
     target_path = os.fspath(target_path)
     config_file = os.path.join(target_path, "config.json")
     config = {}
@@ -455,21 +401,11 @@ def load_target_head(
     if head_name is None and not tied:
         logger.warning("%s: no lm_head tensor and tie_word_embeddings is false; using the embedding", target_path)
 
-    def load(name):
-        with safe_open(os.path.join(target_path, name_to_file[name]), framework="pt", device="cpu") as handle:
-            tensor = handle.get_tensor(name)
-        if dtype is not None:
-            tensor = tensor.to(dtype)
-        return tensor.to(device)
-
-    embed = load(embed_name)
-    head = load(head_name) if head_name is not None else None
+    tensors = _read_tensors(target_path, name_to_file, [n for n in (embed_name, head_name) if n is not None])
+    embed, head = (tensors[n].to(dtype or tensors[n].dtype).to(device) if n else None for n in (embed_name, head_name))
     if head is not None and head.shape != embed.shape:
         raise ValueError(f"lm_head {tuple(head.shape)} and embedding {tuple(embed.shape)} shapes differ")
     return TargetHead(embed, head).requires_grad_(False)
-
-
-# ---------------------------------------------------------------------------- init from the target
 
 
 @torch.no_grad()
@@ -481,8 +417,6 @@ def init_from_target_layers(drafter: DFlashDrafter, target_path: str | os.PathLi
     copy starts it from what the target learned about these tokens; ``fc`` and ``hidden_norm`` keep
     their random init.
     """
-    from safetensors import safe_open
-
     target_path = os.fspath(target_path)
     n_layers = drafter.config.num_hidden_layers
     if len(layer_ids) != n_layers:
@@ -509,18 +443,15 @@ def init_from_target_layers(drafter: DFlashDrafter, target_path: str | os.PathLi
     sources["norm.weight"] = norm
 
     params = dict(drafter.named_parameters())
-    by_file: dict[str, list[str]] = {}
-    for name, source in sources.items():
+    for name, source in list(sources.items()):
         if source not in name_to_file and name.endswith(("q_norm.weight", "k_norm.weight")):
-            continue  # a Llama-style target has no q/k norms: the drafter's stay at their identity init
-        if source not in name_to_file:
+            del sources[name]  # a Llama-style target has no q/k norms: the drafter's stay at their identity init
+        elif source not in name_to_file:
             raise KeyError(f"{target_path}: drafter weight {name} needs {source}, which the checkpoint lacks")
-        by_file.setdefault(name_to_file[source], []).append(name)
-    for fname, names in by_file.items():
-        with safe_open(os.path.join(target_path, fname), framework="pt", device="cpu") as handle:
-            for name in names:
-                tensor = handle.get_tensor(sources[name])
-                if tuple(tensor.shape) != tuple(params[name].shape):
-                    raise ValueError(f"{target_path}: {sources[name]} is {tuple(tensor.shape)}, drafter weight "
-                                     f"{name} is {tuple(params[name].shape)}")
-                params[name].copy_(tensor)
+    tensors = _read_tensors(target_path, name_to_file, sources.values())
+    for name, source in sources.items():
+        tensor = tensors[source]
+        if tuple(tensor.shape) != tuple(params[name].shape):
+            raise ValueError(f"{target_path}: {source} is {tuple(tensor.shape)}, drafter weight "
+                             f"{name} is {tuple(params[name].shape)}")
+        params[name].copy_(tensor)

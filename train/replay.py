@@ -2,13 +2,11 @@
 (``dflash.eval.speculative``) measures, from cached or batched target features and the drafter.
 
 Decoding starts a turn's first block at its first token and every later block where the
-previous one ended, so the mean over uniformly drawn anchors (training's) weighs positions
-unlike decoding where acceptance depends on the position. The replay scores a block at EVERY
-assistant position (``metrics.block_taus``: end-of-turn cap, no block on the end-of-turn
-token) and walks each turn as decoding does: next anchor = anchor + tau. On data the target
-regenerated, each walked block's tau is the one decoding gets (up to the rounding of the
-features). Callers: training's held-out estimate (its compiled eval step), ``replay_export``
-and ``replay_benchmark`` in ``dflash.eval.replay_eval`` (``block_predictor``, dense attention).
+previous one ended, which uniformly drawn anchors (training's mean) do not weigh alike. The
+replay scores a block at EVERY assistant position (``metrics.block_taus``) and walks each turn
+as decoding does: next anchor = anchor + tau. On data the target regenerated, each walked
+block's tau is the one decoding gets. Callers: training's held-out estimate (its compiled eval
+step) and ``dflash.eval.replay_eval`` (``block_predictor``, dense attention).
 """
 
 from __future__ import annotations
@@ -27,16 +25,11 @@ from .step import StepSpec, argmax_tokens, drafter_hidden, to_device
 class Replay:
     """What a replay counted over its samples."""
 
-    tokens: int = 0
-    """Tokens the walks drafted (every assistant token but each turn's first)."""
-    blocks: int = 0
-    """Blocks (target verifies) the walks took."""
-    anchor_tau_sum: int = 0
-    """tau summed over every scored assistant anchor."""
-    anchors: int = 0
-    """Assistant anchors scored."""
-    samples: int = 0
-    """Samples replayed."""
+    tokens: int = 0  # tokens the walks drafted (every assistant token but each turn's first)
+    blocks: int = 0  # blocks (target verifies) the walks took
+    anchor_tau_sum: int = 0  # tau summed over every scored assistant anchor
+    anchors: int = 0  # assistant anchors scored
+    samples: int = 0  # samples replayed
 
     @property
     def tau(self) -> float:

@@ -27,24 +27,15 @@ from .model import TargetHead
 class StepSpec:
     """What one step needs to know besides the batch."""
 
-    attention: str
-    """'flex' or 'dense' (see compile.resolve)."""
-    block_size: int
-    """B."""
-    mask_token_id: int
-    """Embedding row of the B-1 masked slots."""
-    gamma: float | None
-    """Loss weight decay (None = paper default for B)."""
-    ce_chunk_size: int
-    """Rows per LM-head chunk."""
-    autocast_dtype: torch.dtype | None
-    """bf16 on CUDA; None = no autocast."""
-    loss: str = "ce"
-    """ce | kd | mix (see DrafterSpec.loss)."""
-    kd_weight: float = 0.5
-    """Weight of the KL in mix."""
-    labels: str = "data"
-    """data | target: the cached token or the target's top-1 prediction of it."""
+    attention: str  # 'flex' or 'dense' (see compile.resolve)
+    block_size: int  # B
+    mask_token_id: int  # embedding row of the B-1 masked slots
+    gamma: float | None  # loss weight decay (None = paper default for B)
+    ce_chunk_size: int  # rows per LM-head chunk
+    autocast_dtype: torch.dtype | None  # bf16 on CUDA; None = no autocast
+    loss: str = "ce"  # ce | kd | mix (see DrafterSpec.loss)
+    kd_weight: float = 0.5  # weight of the KL in mix
+    labels: str = "data"  # data | target: the cached token or the target's top-1 prediction of it
 
     @property
     def loss_coefs(self) -> tuple[float, float]:
@@ -58,13 +49,9 @@ class StepSpec:
 
 @dataclass
 class StepOutput:
-    loss: torch.Tensor
-    """0-d: the objective, sum(w * (ce_coef * CE + kd_coef * KL)) / denominator (the global
-    weight sum when one is given)."""
-    weights: torch.Tensor
-    """(Bsz, N, B) float32 label weights."""
-    correct: torch.Tensor
-    """(Bsz, N, B) bool: drafter argmax == label."""
+    loss: torch.Tensor  # 0-d: sum(w * (ce_coef * CE + kd_coef * KL)) / denominator (global weight sum if given)
+    weights: torch.Tensor  # (Bsz, N, B) float32 label weights
+    correct: torch.Tensor  # (Bsz, N, B) bool: drafter argmax == label
 
 
 def to_device(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:

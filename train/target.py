@@ -71,7 +71,7 @@ def load_target_meta(target: str):
 
 def text_config(hf_config):
     """The decoder's config (multimodal configs nest it)."""
-    return hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
+    return hf_config.get_text_config()
 
 
 def tokenizer_mask_id(tokenizer) -> int | None:
