@@ -377,23 +377,23 @@ def per_task_acceptance(user_prompts: list[str], per_prompt: list[dict]) -> dict
 
 
 def read_metrics(run_dir: Path) -> list[dict]:
-    with open(run_dir / "metrics.jsonl") as f:
-        return [json.loads(line) for line in f if line.strip()]
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
 
 
 def plot_curves(records: list[dict], png: Path, online: float | None = None, replay: float | None = None) -> Path:
+    """Training and held-out loss, and the acceptance estimates against the step (online and
+    replayed decoding of the final drafter as markers at the last step)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    train = [r for r in records if r.get("kind") == "train"]
-    evals = [r for r in records if r.get("kind") == "eval"]
+    train, evals = ([r for r in records if r.get("kind") == kind] for kind in ("train", "eval"))
     fig, (ax_loss, ax_tau) = plt.subplots(1, 2, figsize=(11, 4))
     ax_loss.plot([r["step"] for r in train], [r["loss"] for r in train], label="train loss")
     ax_loss.plot([r["step"] for r in evals], [r["loss"] for r in evals], "o-", label="held-out loss")
-    ax_loss.set_xlabel("step"), ax_loss.set_ylabel("training objective (weighted per slot)")
-    ax_loss.set_yscale("log"), ax_loss.legend()
+    ax_loss.set(xlabel="step", ylabel="training objective (weighted per slot)", yscale="log")
+    ax_loss.legend()
     ax_tau.plot([r["step"] for r in evals], [r["tau"] for r in evals], "o-", color="C2",
                 label="held-out acceptance length (training's estimate: decoding replay)")
     ax_tau.plot([r["step"] for r in train], [1 + r["acc"] for r in train], color="C3", alpha=0.5,
@@ -405,8 +405,8 @@ def plot_curves(records: list[dict], png: Path, online: float | None = None, rep
     if online is not None:
         ax_tau.plot([last], [online], "*", color="k", markersize=9, label="online speculative decoding")
     low, high = ax_tau.get_ylim()
-    ax_tau.set_ylim(low, high + 0.45 * (high - low))  # room for the legend above the curves
-    ax_tau.set_xlabel("step"), ax_tau.set_ylabel("tokens"), ax_tau.legend(loc="upper left", fontsize="small")
+    ax_tau.set(xlabel="step", ylabel="tokens", ylim=(low, high + 0.45 * (high - low)))  # room for the legend
+    ax_tau.legend(loc="upper left", fontsize="small")
     fig.suptitle("DFlash drafter training (demo)")
     fig.tight_layout()
     fig.savefig(png, dpi=100)
