@@ -10,7 +10,7 @@ position and the continuation walked as greedy speculative decoding walks it: th
 decoding gets, over a whole benchmark in minutes; then real speculative decoding on
 ``--spec-sample`` prompts per benchmark checks losslessness and that its tau equals the
 replay's prompt by prompt, and times greedy vs speculative decoding (``--capture``: both on a
-static KV cache, with CUDA graphs and a compiled drafter on CUDA). ``--mode online``:
+static KV cache, in CUDA graphs on CUDA, the drafter's proposal too). ``--mode online``:
 real speculative vs greedy decoding of every prompt at batch 1 (one benchmark).
 
 Prompts come from any source ``extract`` reads (``load_source`` + ``normalize_row``):
@@ -137,8 +137,7 @@ def parse_benchmarks(specs: list[str]) -> list[tuple[str, str]]:
 @click.option("--batch-size", type=click.IntRange(min=1), default=16, help="replay: prompts per batched generate and "
               "target forward.")
 @click.option("--capture/--no-capture", default=False, help="Timed greedy and speculative decoding on a static KV "
-              "cache; on CUDA the target's decode/verify forwards in CUDA graphs and the drafter's block forward "
-              "compiled.")
+              "cache; on CUDA the target's decode/verify forwards and the drafter's proposal in CUDA graphs.")
 @click.option("--split", default="train", help="Dataset split.")
 @click.option("--max-new-tokens", type=click.IntRange(min=1), default=128, help="Tokens generated per prompt.")
 @click.option("--limit", type=Maybe(click.IntRange(min=1)), help="Use the first N prompts.")

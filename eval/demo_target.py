@@ -39,9 +39,10 @@ WORDS = ("apple", "river", "stone", "cloud", "tiger", "lemon", "pixel", "ocean",
          "garden", "yellow", "planet")
 SYSTEM_PROMPTS = ("You are a helpful assistant.", "Answer briefly and exactly.")
 PROMPTS = {  # each task's user prompt, its drawn parameters in the braces; `task_of` reads them back
-    "add": "What is {} + {}?", "alphabet": "List the alphabet from {} to {}.", "count_down": "Count down from {} to {}.",
-    "count_up": "Count from {} to {}.", "days": "Name the days of the week starting from {}.",
-    "months": "List the months from {} to {}.", "repeat": "Repeat after me: {}", "reverse_list": "Reverse this list: {}.",
+    "add": "What is {} + {}?", "alphabet": "List the alphabet from {} to {}.",
+    "count_down": "Count down from {} to {}.", "count_up": "Count from {} to {}.",
+    "days": "Name the days of the week starting from {}.", "months": "List the months from {} to {}.",
+    "repeat": "Repeat after me: {}", "reverse_list": "Reverse this list: {}.",
     "spell": "Spell the word '{}' letter by letter.", "subtract": "What is {} - {}?",
     "times_table": "Write the {} times table up to {}.",
     "say_again": "Say that again.", "capitals": "Now in capital letters.",  # the follow-ups
