@@ -10,7 +10,7 @@ position and the continuation walked as greedy speculative decoding walks it: th
 decoding gets, over a whole benchmark in minutes; then real speculative decoding on
 ``--spec-sample`` prompts per benchmark checks losslessness and that its tau equals the
 replay's prompt by prompt, and times greedy vs speculative decoding (``--capture``: both on a
-static KV cache, with CUDA graphs and a compiled drafter on CUDA). ``--mode online``:
+static KV cache, in CUDA graphs on CUDA, the drafter's proposal too). ``--mode online``:
 real speculative vs greedy decoding of every prompt at batch 1 (one benchmark).
 
 Prompts come from any source ``extract`` reads (``load_source`` + ``normalize_row``):
@@ -137,8 +137,7 @@ def parse_benchmarks(specs: list[str]) -> list[tuple[str, str]]:
 @click.option("--batch-size", type=click.IntRange(min=1), default=16, help="replay: prompts per batched generate and "
               "target forward.")
 @click.option("--capture/--no-capture", default=False, help="Timed greedy and speculative decoding on a static KV "
-              "cache; on CUDA the target's decode/verify forwards in CUDA graphs and the drafter's block forward "
-              "compiled.")
+              "cache; on CUDA the target's decode/verify forwards and the drafter's proposal in CUDA graphs.")
 @click.option("--split", default="train", help="Dataset split.")
 @click.option("--max-new-tokens", type=click.IntRange(min=1), default=128, help="Tokens generated per prompt.")
 @click.option("--limit", type=Maybe(click.IntRange(min=1)), help="Use the first N prompts.")
@@ -194,14 +193,15 @@ def cli(target: str, drafter: str, prompts: tuple[str, ...], mode: str, spec_sam
                           check=False, warmup=warmup, progress=True, capture=capture)
         result["settings"].update({"target": target, "drafter": drafter, "prompts": data, "split": split})
         click.echo(format_report(result))
-        failed = [r["mismatch"] for r in result["per_prompt"] if not r["lossless"] and not r["tie"]]
-        ties = [r["mismatch"] for r in result["per_prompt"] if r["tie"]]
-        diverged = []
+        decoded = [("", row) for row in result["per_prompt"]]
     else:
         settings = {"target": target, "drafter": drafter, "prompts": list(prompts), "split": split, "mode": "replay",
                     "max_new_tokens": max_new_tokens, "spec_sample": spec_sample, "batch_size": batch_size,
                     "capture": capture, "device": device, "dtype": dtype}
-        result, failed, diverged, ties = replay_mode(model, draft_model, prompt_sets, eos, settings, warmup=warmup)
+        result, decoded = replay_mode(model, draft_model, prompt_sets, eos, settings, warmup=warmup)
+    failed = [f"{name}{r['mismatch']}" for name, r in decoded if not r["lossless"] and not r["tie"]]
+    ties = [f"{name}{r['mismatch']}" for name, r in decoded if r["tie"]]
+    diverged = [f"{name}{r['divergence']}" for name, r in decoded if r.get("divergence")]
     if report_path:
         Path(report_path).parent.mkdir(parents=True, exist_ok=True)
         Path(report_path).write_text(json.dumps(result, indent=2) + "\n")
@@ -218,16 +218,16 @@ def cli(target: str, drafter: str, prompts: tuple[str, ...], mode: str, spec_sam
 
 
 def replay_mode(model, drafter, prompt_sets: dict[str, list[list[int]]], eos: list[int], settings: dict[str, Any], *,
-                warmup: bool) -> tuple[dict[str, Any], list[str], list[str], list[str]]:
+                warmup: bool) -> tuple[dict[str, Any], list[tuple[str, dict]]]:
     """Replay every benchmark, decode its sample for real, print the table: (the --json report with
-    ``settings``, lossless failures, replay-vs-online divergences, lossless ties)."""
+    ``settings``, ("NAME ", row) of every prompt decoded for real)."""
     from .replay_eval import benchmark_line, format_benchmarks, replay_benchmark, spec_sample
 
     report: dict[str, Any] = {"benchmarks": {}, "settings": {
         **settings, "eos_token_ids": sorted(eos),
         "block_size": drafter.config.block_size, "target_layer_ids": list(drafter.config.target_layer_ids)}}
     max_new_tokens, sample_size, capture = settings["max_new_tokens"], settings["spec_sample"], settings["capture"]
-    lines, failed, diverged, ties = [], [], [], []
+    lines, decoded = [], []
     for name, prompts in prompt_sets.items():
         replay = replay_benchmark(model, drafter, prompts, max_new_tokens=max_new_tokens, eos_token_ids=eos,
                                   batch_size=settings["batch_size"], progress=True)
@@ -235,13 +235,11 @@ def replay_mode(model, drafter, prompt_sets: dict[str, list[list[int]]], eos: li
         if sample_size:
             sample = spec_sample(model, drafter, prompts, replay, sample_size, max_new_tokens=max_new_tokens,
                                  eos_token_ids=eos, warmup=warmup, progress=True, capture=capture)
-            failed += [f"{name} {r['mismatch']}" for r in sample["per_prompt"] if not r["lossless"] and not r["tie"]]
-            ties += [f"{name} {r['mismatch']}" for r in sample["per_prompt"] if r["tie"]]
-            diverged += [f"{name} {r['divergence']}" for r in sample["per_prompt"] if r["divergence"]]
+            decoded += [(f"{name} ", row) for row in sample["per_prompt"]]
         lines.append(benchmark_line(name, replay, sample))
         report["benchmarks"][name] = {"summary": lines[-1], "replay": replay, "sample": sample}
     click.echo(format_benchmarks(lines))
-    return report, failed, diverged, ties
+    return report, decoded
 
 
 def main(argv: list[str] | None = None) -> None:

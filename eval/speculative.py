@@ -546,7 +546,7 @@ def evaluate(target, drafter: DFlashDrafter | Proposer, prompts: Sequence[Sequen
     its histogram, tokens per target forward (prefill counted), both decoders' times and the
     speedup. With ``check`` a mismatch raises LosslessError; without, each row records it
     ("lossless", "mismatch"). ``capture``: both decoders on one ``StaticTarget`` (on CUDA in CUDA
-    graphs, the drafter's block forward compiled by inductor), so launch overhead does not decide
+    graphs, the drafter's proposal too: ``StaticProposer``), so launch overhead does not decide
     the speedup.
     """
     from tqdm.auto import tqdm

@@ -12,10 +12,7 @@ import sysconfig
 from collections.abc import Sequence
 from pathlib import Path
 
-IM_START = "<|im_start|>"
-IM_END = "<|im_end|>"
-END_OF_TEXT = "<|endoftext|>"
-MASK_TOKEN = "<|MASK|>"
+IM_START, IM_END, END_OF_TEXT, MASK_TOKEN = "<|im_start|>", "<|im_end|>", "<|endoftext|>", "<|MASK|>"
 SPECIAL_TOKENS = [END_OF_TEXT, IM_START, IM_END, MASK_TOKEN]
 
 # Stable, plain-prose-heavy modules that exist in every CPython 3.11+.
@@ -60,22 +57,18 @@ def default_corpus() -> list[Path]:
 
 
 def build_tokenizer(out_dir: str | Path, *, vocab_size: int = 512, generation_tags: bool = True,
-                    corpus: Sequence[str | Path] | None = None):
-    """Train a byte-level BPE on local files and save it as a HF fast tokenizer.
-
-    `corpus` is a list of text files (default: `default_corpus()`; add e.g.
-    data/chats_sample.jsonl to get chat-ish merges). Special tokens: <|endoftext|> (pad
-    and eos), <|im_start|>, <|im_end|>, and <|MASK|>, which nothing emits and which the
-    drafter uses as its mask id. Returns the `PreTrainedTokenizerFast`.
-    """
+                    corpus: Sequence[str | Path] | None = None, texts: Sequence[str] = ()):
+    """Train a byte-level BPE on local text and save it as a HF fast tokenizer; returns the
+    ``PreTrainedTokenizerFast``. ``corpus``: text files (default ``default_corpus()``; add e.g.
+    data/chats_sample.jsonl for chat-ish merges), ``texts``: more text. Special tokens:
+    <|endoftext|> (pad and eos), <|im_start|>, <|im_end|>, and <|MASK|>, which nothing emits and
+    which the drafter uses as its mask id."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
     files = [Path(p) for p in (default_corpus() if corpus is None else corpus)]
-    missing = [str(p) for p in files if not p.is_file()]
-    if missing:
+    if missing := [str(p) for p in files if not p.is_file()]:
         raise FileNotFoundError(f"tokenizer corpus files not found: {missing}")
-
     bpe = Tokenizer(models.BPE())
     # No post-processor: offsets stay untrimmed, which the assistant-mask code relies on.
     bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -83,13 +76,11 @@ def build_tokenizer(out_dir: str | Path, *, vocab_size: int = 512, generation_ta
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
     # Whole files, not lines, so merges across newlines ("\n\n", "\n    ") are learned.
-    texts = [p.read_text(encoding="utf-8", errors="replace") for p in files]
-    bpe.train_from_iterator(texts, trainer=trainer)
-
+    bpe.train_from_iterator([p.read_text(encoding="utf-8", errors="replace") for p in files] + list(texts),
+                            trainer=trainer)
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token=END_OF_TEXT, pad_token=END_OF_TEXT,
                                         extra_special_tokens=[IM_START, IM_END, MASK_TOKEN], model_max_length=1 << 16)
     tokenizer.chat_template = chat_template(generation_tags)
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
+    Path(out_dir).mkdir(parents=True, exist_ok=True)
     tokenizer.save_pretrained(out_dir)
     return tokenizer

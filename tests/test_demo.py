@@ -61,7 +61,9 @@ def test_small_demo_end_to_end(small_demo):
 @pytest.mark.parametrize("settings", [demo.DemoSettings.full(), demo.DemoSettings.small()], ids=["full", "small"])
 def test_demo_layer_ids_are_servable(settings):
     """Sorted, distinct and below the last target layer, which serving engines cannot capture."""
-    ids, n_layers = settings.layer_ids, settings.target["num_hidden_layers"]
+    from dflash.eval.demo_target import DemoTargetConfig
+
+    ids, n_layers = settings.layer_ids, DemoTargetConfig(**settings.target).num_hidden_layers
     assert ids == sorted(set(ids)) and 0 <= ids[0] and ids[-1] < n_layers - 1, (ids, n_layers)
     assert settings.train_overrides()["target_layer_ids"] == ids
 
@@ -104,7 +106,7 @@ def test_small_demo_acceptance_per_task(small_demo):
     """Per-task acceptance covers every decoded turn once, under the task its user prompt asks for."""
     import datasets
 
-    from dflash.eval.demo_data import task_of
+    from dflash.eval.demo_target import task_of
 
     out, summary, _, _ = small_demo
     per_task = summary["acceptance_per_task"]
@@ -128,8 +130,20 @@ def test_small_demo_acceptance_per_task(small_demo):
 def test_small_demo_target_trains_on_its_share_of_the_chats(small_demo):
     out, _, _, _ = small_demo
     s = demo.DemoSettings.small()
-    record = json.loads((out / "target" / "demo_target.json").read_text())
-    assert record["settings"]["num_chats"] == s.target_chats < s.n_train
+    record = json.loads((out / "target.demo.json").read_text())
+    assert record["settings"]["chats"] == s.target_chats < s.n_train
+
+
+def test_step_marker_reuses_only_the_same_settings(tmp_path):
+    """A step is reused where its marker holds the same settings; otherwise its output is cleared."""
+    step = tmp_path / "step"
+    step.mkdir()
+    (step / "half_built").write_text("x")
+    assert demo._fresh(step, {"a": 1}) is None and not step.exists()  # no marker: an unfinished step
+    step.mkdir()
+    demo._write(step, {"a": 1, "path": tmp_path}, seconds=2.0)
+    assert demo._fresh(step, {"a": 1, "path": tmp_path})["seconds"] == 2.0 and step.is_dir()
+    assert demo._fresh(step, {"a": 2, "path": tmp_path}) is None and not step.exists() and demo._read(step) is None
 
 
 def test_settings_overrides():

@@ -1,6 +1,6 @@
-"""The demo's synthetic chats and its self-built target LM (dflash.eval.demo_data,
-dflash.eval.demo_target). Replies are checked against an independent recomputation
-(regex parse + stdlib calendar/string), and a tiny target is built, reloaded and reused."""
+"""The demo's synthetic chats and its self-built target LM (dflash.eval.demo_target). Replies
+are checked against an independent recomputation (regex parse + stdlib calendar/string), and a
+tiny target is built and reloaded."""
 
 from __future__ import annotations
 
@@ -13,7 +13,6 @@ from pathlib import Path
 
 import pytest
 
-from dflash.eval import demo_data
 from dflash.eval import demo_target as dt
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -31,7 +30,6 @@ TINY = dict(
     warmup_steps=3,
     log_every=5,
 )
-FAST = dict(num_threads=1, **TINY)  # 1 thread: far faster for tiny dims on a busy machine
 
 
 # --- an independent oracle for every prompt the generator writes ----------------------
@@ -101,13 +99,13 @@ def _check_chat(chat: dict) -> list[str]:
 
 
 def test_generator_is_deterministic_for_a_seed():
-    assert demo_data.generate_chats(60, seed=3) == demo_data.generate_chats(60, seed=3)
-    assert demo_data.generate_chats(60, seed=3) != demo_data.generate_chats(60, seed=4)
-    assert demo_data.generate_chats(60, seed=3)[:20] == demo_data.generate_chats(20, seed=3)
+    assert dt.generate_chats(60, seed=3) == dt.generate_chats(60, seed=3)
+    assert dt.generate_chats(60, seed=3) != dt.generate_chats(60, seed=4)
+    assert dt.generate_chats(60, seed=3)[:20] == dt.generate_chats(20, seed=3)
 
 
 def test_generated_chats_are_valid_and_correct():
-    chats = demo_data.generate_chats(600, seed=1)
+    chats = dt.generate_chats(600, seed=1)
     kinds = Counter(kind for chat in chats for kind in _check_chat(chat))
     # Every task shows up, and there are multi-turn chats and system prompts.
     expected = {"arith", "count_up", "count_down", "times_table", "repeat", "spell", "alphabet",
@@ -120,23 +118,23 @@ def test_generated_chats_are_valid_and_correct():
 def test_task_of_names_the_task_behind_every_prompt():
     """task_of reads back which generator drew a prompt (per-task acceptance depends on it)."""
     rng = random.Random(5)
-    for name, task in demo_data.TASKS.items():
+    for name in dt.TASKS:
         for _ in range(40):
-            prompt, _ = task(rng)
-            assert demo_data.task_of(prompt) == name, prompt
-    assert demo_data.task_of("Say that again.") == "say_again"
-    assert demo_data.task_of("Now in capital letters.") == "capitals"
-    assert set(demo_data.FOLLOW_UPS) == {"Say that again.", "Now in capital letters."}
-    assert demo_data.task_of("What is 3 * 4?") == "other"
-    assert demo_data.task_of("Please count from 1 to 3.") == "other"
+            prompt, _ = dt.ask(name, rng)
+            assert dt.task_of(prompt) == name, prompt
+    assert dt.task_of("Say that again.") == "say_again"
+    assert dt.task_of("Now in capital letters.") == "capitals"
+    assert set(dt.FOLLOW_UPS) == {"Say that again.", "Now in capital letters."}
+    assert dt.task_of("What is 3 * 4?") == "other"
+    assert dt.task_of("Please count from 1 to 3.") == "other"
 
 
 def test_jsonl_round_trip_and_committed_sample(tmp_path):
-    chats = demo_data.generate_chats(30, seed=0)
-    path = demo_data.write_jsonl(chats, tmp_path / "chats.jsonl")
-    assert demo_data.read_jsonl(path) == chats
+    chats = dt.generate_chats(30, seed=0)
+    path = dt.write_jsonl(chats, tmp_path / "chats.jsonl")
+    assert dt.read_jsonl(path) == chats
     # data/demo_chats_sample.jsonl is exactly generate_chats(30, seed=0): regenerate with
-    # `python -m dflash.eval.demo_data` if the generator changes.
+    # `python -m dflash.eval.demo_target` if the generator changes.
     sample = REPO_ROOT / "data" / "demo_chats_sample.jsonl"
     assert [json.loads(line) for line in sample.read_text().splitlines()] == chats
 
@@ -146,7 +144,7 @@ def test_jsonl_round_trip_and_committed_sample(tmp_path):
 
 @pytest.fixture(scope="module")
 def demo_chats():
-    return demo_data.generate_chats(300, seed=0)
+    return dt.generate_chats(300, seed=0)
 
 
 @pytest.fixture(scope="module")
@@ -169,36 +167,22 @@ def test_assistant_loss_needs_generation_tags(tiny_tokenizer_notags, demo_chats)
         dt.tokenize_chats(tiny_tokenizer_notags, demo_chats[:2], max_length=512)
 
 
-def test_tiny_build_trains_saves_reloads_and_is_reused(tmp_path, demo_tokenizer, demo_chats):
+def test_tiny_build_trains_saves_and_reloads(tmp_path, demo_tokenizer, demo_chats):
+    """(Reuse of a built target is the demo's step marker: test_demo.py.)"""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     out = tmp_path / "target"
     lines: list[str] = []
-    build = dt.build_demo_target(out, train_chats=demo_chats, tokenizer=demo_tokenizer, log=lines.append, **FAST)
-    assert not build.reused
-    assert build.record["final_loss"] < build.record["initial_loss"] - 0.5
+    record = dt.build_demo_target(out, demo_chats, demo_tokenizer, dt.DemoTargetConfig(**TINY), log=lines.append,
+                                  num_threads=1)  # 1 thread: far faster for tiny dims on a busy machine
+    assert record["final_loss"] < record["initial_loss"] - 0.5 and record["num_params"] > 0
     assert any("step" in line for line in lines)
-
     model = AutoModelForCausalLM.from_pretrained(out)
     assert type(model).__name__ == "Qwen3ForCausalLM"
     assert model.config.num_hidden_layers == 2 and model.config.vocab_size == len(demo_tokenizer)
     assert AutoTokenizer.from_pretrained(out).get_vocab() == demo_tokenizer.get_vocab()
 
-    # Same settings: reused, nothing retrained or rewritten (tokenizer given as a path).
-    weights_mtime = (out / "model.safetensors").stat().st_mtime_ns
-    again = dt.build_demo_target(out, train_chats=demo_chats, tokenizer=out, log=lines.append, **FAST)
-    assert again.reused and again.record == build.record
-    assert (out / "model.safetensors").stat().st_mtime_ns == weights_mtime
-
-    # Different settings, or different data: rebuilt.
-    changed = dt.build_demo_target(out, train_chats=demo_chats, tokenizer=demo_tokenizer, log=lines.append,
-                                   **{**FAST, "steps": 10})  # fmt: skip
-    assert not changed.reused and changed.record["settings"]["config"]["steps"] == 10
-    other_data = dt.build_demo_target(out, train_chats=demo_chats[:200], tokenizer=demo_tokenizer,
-                                      log=lines.append, **{**FAST, "steps": 10})  # fmt: skip
-    assert not other_data.reused
-
 
 def test_bad_loss_on_is_refused(tmp_path, demo_tokenizer, demo_chats):
     with pytest.raises(ValueError, match="loss_on"):
-        dt.build_demo_target(tmp_path, train_chats=demo_chats, tokenizer=demo_tokenizer, loss_on="user")
+        dt.build_demo_target(tmp_path, demo_chats, demo_tokenizer, dt.DemoTargetConfig(loss_on="user"))
