@@ -140,3 +140,41 @@ class ExtractConfig:
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+
+class ExtractFailed(Exception):
+    """A run that cannot go on; the message is for the user (no traceback needed)."""
+
+
+def checked_layers(cfg: ExtractConfig, model_config) -> list[int]:
+    """The layers the run stores, with --layers, --topk and the codec's groups checked against the target
+    (ExtractFailed naming the flag)."""
+    try:
+        layers = cfg.layer_ids(model_config.num_hidden_layers)
+    except ValueError as e:
+        raise ExtractFailed(f"--layers: {e}") from e
+    if cfg.topk > model_config.vocab_size:
+        raise ExtractFailed(f"--topk {cfg.topk} exceeds the vocabulary size {model_config.vocab_size}")
+    try:
+        cfg.codec.check_hidden_size(model_config.hidden_size)
+    except ValueError as e:
+        raise ExtractFailed(f"--hidden-codec {cfg.hidden_codec}, --hidden-group-size {cfg.hidden_group_size}: {e}"
+                            ) from e
+    return layers
+
+
+def load_tokenizer_and_config(cfg: ExtractConfig):
+    """The run's tokenizer and the target's config (no weights); ExtractFailed naming what failed."""
+    from transformers import AutoConfig
+
+    from .chat import load_tokenizer
+
+    try:
+        tokenizer = load_tokenizer(cfg)
+    except ValueError as e:
+        raise ExtractFailed(str(e)) from e
+    try:
+        model_config = AutoConfig.from_pretrained(cfg.model, revision=cfg.revision)
+    except (OSError, ValueError) as e:
+        raise ExtractFailed(f"cannot load the target {cfg.model!r}: {e}") from e
+    return tokenizer, model_config

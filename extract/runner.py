@@ -28,8 +28,8 @@ from dflash.shared.compression import size_text
 from dflash.shared.fingerprint import target_fingerprint, tokenizer_fingerprint
 from dflash.shared.inspect import cache_info
 
-from .chat import end_of_turn_id, load_tokenizer, mask_method
-from .config import ExtractConfig
+from .chat import end_of_turn_id, mask_method
+from .config import ExtractConfig, ExtractFailed, checked_layers, load_tokenizer_and_config
 from .data import DataError, dataset_fingerprint, load_source
 from .size_plan import run_space_problem
 from .worker import WorkerTask, describe_error, extract_shard, plan_task, take_lock, use_device
@@ -45,10 +45,6 @@ NOT_RECORDED = ("out", "summary_json", "progress", "batch_delay_s", "wait_for_lo
                 "ignore_free_space")
 
 
-class ExtractFailed(Exception):
-    """A run that cannot go on; the message is for the user (no traceback needed)."""
-
-
 def package_version() -> str:
     try:
         from importlib.metadata import version
@@ -58,21 +54,7 @@ def package_version() -> str:
         return "unknown"
 
 
-def checked_layers(cfg: ExtractConfig, model_config) -> list[int]:
-    """The layers the run stores, with --layers, --topk and the codec's groups checked against the target
-    (ExtractFailed naming the flag)."""
-    try:
-        layers = cfg.layer_ids(model_config.num_hidden_layers)
-    except ValueError as e:
-        raise ExtractFailed(f"--layers: {e}") from e
-    if cfg.topk > model_config.vocab_size:
-        raise ExtractFailed(f"--topk {cfg.topk} exceeds the vocabulary size {model_config.vocab_size}")
-    try:
-        cfg.codec.check_hidden_size(model_config.hidden_size)
-    except ValueError as e:
-        raise ExtractFailed(f"--hidden-codec {cfg.hidden_codec}, --hidden-group-size {cfg.hidden_group_size}: {e}"
-                            ) from e
-    return layers
+
 
 
 def build_spec(cfg: ExtractConfig, tokenizer, model_config, ds, num_shards: int) -> CacheSpec:
@@ -435,21 +417,6 @@ class Progress:
             self.timing[f"{shard:05d}"] = f
         elif kind == "warning":
             self.bar.write(f"dflash-extract: warning: {f['message']}", file=sys.stderr)
-
-
-def load_tokenizer_and_config(cfg: ExtractConfig):
-    """The run's tokenizer and the target's config (no weights); ExtractFailed naming what failed."""
-    from transformers import AutoConfig
-
-    try:
-        tokenizer = load_tokenizer(cfg)
-    except ValueError as e:
-        raise ExtractFailed(str(e)) from e
-    try:
-        model_config = AutoConfig.from_pretrained(cfg.model, revision=cfg.revision)
-    except (OSError, ValueError) as e:
-        raise ExtractFailed(f"cannot load the target {cfg.model!r}: {e}") from e
-    return tokenizer, model_config
 
 
 class Phases:

@@ -19,7 +19,7 @@ from typing import Any
 
 from dflash.shared.compression import is_local, size_text
 
-from .config import ExtractConfig
+from .config import ExtractConfig, ExtractFailed, checked_layers, load_tokenizer_and_config
 
 log = logging.getLogger(__name__)
 
@@ -232,7 +232,6 @@ def plan_run(cfg: ExtractConfig) -> tuple[dict[str, Any], SizeEstimate, TimeEsti
     document prints it, its size and time estimates). Raises ExtractFailed with the run's own message
     where the run would stop (bad settings, a bad row)."""
     from .data import DataError, load_source
-    from .runner import ExtractFailed, checked_layers, load_tokenizer_and_config
     from .worker import bad_row_message
 
     try:
