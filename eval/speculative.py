@@ -153,6 +153,9 @@ class StaticProposer(DFlashProposer):
     def __init__(self, drafter: DFlashDrafter, target, capacity: int, capture: bool = False):
         super().__init__(drafter, target)
         c, B, device = self.config, self.block_size, drafter.fc.weight.device
+        if capacity + B > c.max_position_embeddings:
+            raise ValueError(f"{capacity} positions and a block of {B} run past the drafter's "
+                             f"max_position_embeddings={c.max_position_embeddings}")
         shape = (c.num_hidden_layers, 1, c.num_key_value_heads, capacity + B, c.head_dim)
         self._keys, self._values = (torch.zeros(shape, dtype=self._weights.dtype, device=device) for _ in range(2))
         width = c.num_context_layers * c.hidden_size
