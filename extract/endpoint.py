@@ -36,18 +36,14 @@ class RequestRejected(RuntimeError):
 
 @dataclass
 class EndpointConfig:
-    """Where the server is and how hard to try."""
+    """Where the server is and how hard to try (each field's meaning: its flag's help in extract/regenerate_cli.py;
+    ``url`` is --endpoint)."""
 
     url: str
-    """Base URL up to and including /v1, e.g. http://127.0.0.1:8000/v1."""
     api_key: str | None = None
-    """Sent as a bearer token when given."""
     request_timeout: float = 600.0
-    """Seconds for one request (a long answer takes a while)."""
     retries: int = 6
-    """Attempts after the first one, on connection errors / timeouts / 429 / 5xx."""
-    retry_wait: float = 1.0
-    """First backoff in seconds; doubles per retry, capped at 30 s."""
+    retry_wait: float = 1.0  # first backoff in seconds; doubles per retry, capped at 30 s (no flag)
 
 
 @dataclass

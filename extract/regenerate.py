@@ -56,24 +56,17 @@ PARTS_DIR = "parts"
 
 @dataclass
 class GenerationSettings:
-    """How the target answers; everything that changes the generated text."""
+    """How the target answers; everything that changes the generated text (each field's meaning: its
+    flag's help in extract/regenerate_cli.py)."""
 
     temperature: float = 0.0
-    """0 = greedy; above 0, sampling at this temperature."""
     top_p: float = 1.0
-    """Nucleus mass when sampling."""
     seed: int = 0
-    """Base seed; part i samples from seed (seed, i) (per-turn request seeds with --endpoint)."""
     max_new_tokens: int = 1024
-    """Tokens per assistant turn (max_tokens of each request with --endpoint)."""
     max_prompt_tokens: int | None = None
-    """Cut a conversation before a turn whose prompt is longer."""
     drop_truncated: bool = False
-    """Cut a conversation at a turn that hit max_new_tokens (else keep the turn and count it)."""
     template_kwargs: dict[str, Any] = field(default_factory=dict)
-    """JSON for the chat template, e.g. '{"enable_thinking": false}' (chat_template_kwargs with --endpoint)."""
     dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
-    """Target compute dtype (in process only)."""
 
     def validate(self) -> None:
         if self.temperature < 0:

@@ -25,18 +25,14 @@ SOURCE = "self_prompt"
 
 @dataclass
 class SelfPromptSettings:
-    """How the target writes its own questions (--self-prompts)."""
+    """How the target writes its own questions (--self-prompts; each field's meaning: its flag's help in
+    extract/regenerate_cli.py)."""
 
     self_prompts: int = 0
-    """Questions the target writes itself and then answers (Magpie-style; in process only); after --data's rows."""
     question_temperature: float = 1.0
-    """Sampling temperature of the self-prompted questions (0 = greedy: every question the same)."""
     question_top_p: float = 0.95
-    """Nucleus mass of the self-prompted questions."""
     question_max_tokens: int = 256
-    """Tokens per self-prompted question; a question that does not end by then is dropped (counted)."""
     question_min_chars: int = 8
-    """Self-prompted questions shorter than this (whitespace collapsed) are dropped (counted)."""
 
     def validate(self) -> None:
         if self.self_prompts < 0:

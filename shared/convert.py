@@ -20,7 +20,7 @@ import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import numpy as np
@@ -39,28 +39,19 @@ from dflash.shared.shard_lock import ShardLock, ShardLocked, live_holders
 
 @dataclass
 class ConvertSettings:
-    """How the converted cache stores its values (each unset one keeps the source's)."""
+    """How the converted cache stores its values; each unset one keeps the source's (each field's
+    meaning: its flag's help in shared/cache_cli.py)."""
 
     hidden_codec: HiddenCodecName | None = None
-    """Hidden states: 'bf16' lossless, lossy 'fp8' (e4m3, a scale per token and layer), 'int8' or 'int4' (a scale per --hidden-group-size channels); default: the source's."""
     hidden_group_size: int | None = None
-    """Channels sharing one scale under int8/int4 (must divide the hidden size; even for int4); default: the source's, else 128."""
     hidden_scale_dtype: ScaleDtype | None = None
-    """dtype of the lossy codecs' scales (default: the source's, else float16)."""
     topk_dtype: TopkDtype | None = None
-    """Precision of the stored top-k log-probs (default: the source's)."""
     chunk_tokens: int | None = None
-    """Tokens per chunk of the converted hidden states (default: the source's); the small arrays are chunked coarsely."""
     compression_level: int | None = None
-    """zstd level of the converted cache: 1, 3, 5, ..., 15 (default: the source's)."""
     read_mib: float = 256.0
-    """Source data read at once per shard, in MiB of stored arrays (whole planned batches; bounds memory)."""
     workers: int = 1
-    """Shards converted at once, one thread each (zarrs already spreads each read's and write's chunks over threads)."""
     commit_seconds: float = 10.0
-    """Seconds between commits of a shard (a crash loses at most this much work); 0 = after every read."""
-    delay_s: float = field(default=0.0, metadata={"hidden": True})
-    """Sleep after each read (tests only: makes a conversion slow enough to interrupt midway)."""
+    delay_s: float = 0.0  # tests only: a conversion slow enough to interrupt midway
 
     def validate(self) -> None:
         """Raise ValueError naming the first setting that cannot work."""
