@@ -54,9 +54,6 @@ def package_version() -> str:
         return "unknown"
 
 
-
-
-
 def build_spec(cfg: ExtractConfig, tokenizer, model_config, ds, num_shards: int) -> CacheSpec:
     """The root CacheSpec of this run: shapes, fingerprint (compared on reopen) and info."""
     layers = checked_layers(cfg, model_config)
