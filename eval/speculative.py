@@ -134,12 +134,16 @@ class DFlashProposer:
                 grown[1][:, :, :, :kept] = self._values[:, :, :, :kept]
             self._keys, self._values = grown
         if ctx_len > kept:
-            positions = torch.arange(kept, ctx_len, device=context.device).unsqueeze(0)  # (1, new)
-            keys, values = fused.context_kv(self.drafter, self._weights, context[:, kept:], positions)
-            self._keys[:, :, :, kept:ctx_len], self._values[:, :, :, kept:ctx_len] = keys, values
+            self._write_context(context, kept, ctx_len)
             self._last_row = context[0, ctx_len - 1].clone()
         self._context_len = ctx_len
         return self._keys[:, :, :, :ctx_len], self._values[:, :, :, :ctx_len]
+
+    def _write_context(self, context: torch.Tensor, start: int, stop: int) -> None:
+        """Every layer's keys and values of context positions start .. stop-1 into the kept buffers."""
+        positions = torch.arange(start, stop, device=context.device).unsqueeze(0)  # (1, new)
+        keys, values = fused.context_kv(self.drafter, self._weights, context[:, start:stop], positions)
+        self._keys[:, :, :, start:stop], self._values[:, :, :, start:stop] = keys, values
 
 
 class StaticProposer(DFlashProposer):
@@ -152,6 +156,7 @@ class StaticProposer(DFlashProposer):
 
     def __init__(self, drafter: DFlashDrafter, target, capacity: int, capture: bool = False):
         super().__init__(drafter, target)
+        DFlashProposer.reset(self)  # the weights, once (this class's reset keeps them)
         c, B, device = self.config, self.block_size, drafter.fc.weight.device
         if capacity + B > c.max_position_embeddings:
             raise ValueError(f"{capacity} positions and a block of {B} run past the drafter's "
@@ -166,8 +171,6 @@ class StaticProposer(DFlashProposer):
         self._graph, self._out, self._runs, self._capture = None, None, 0, capture and device.type == "cuda"
 
     def reset(self) -> None:
-        if not hasattr(self, "_keys"):  # DFlashProposer.__init__'s call: weights once, buffers come next
-            super().reset()
         self._context_len = 0
 
     @torch.inference_mode()
@@ -177,9 +180,7 @@ class StaticProposer(DFlashProposer):
             raise ValueError(f"context of {ctx_len} positions after {kept} kept; the buffers hold "
                              f"{self._keys.shape[3] - B}")
         if ctx_len - kept > B:  # a prompt: its positions at once, outside the graph
-            positions = torch.arange(kept, ctx_len, device=context.device).unsqueeze(0)
-            keys, values = fused.context_kv(self.drafter, self._weights, context[:, kept:], positions)
-            self._keys[:, :, :, kept:ctx_len], self._values[:, :, :, kept:ctx_len] = keys, values
+            self._write_context(context, kept, ctx_len)
             kept = ctx_len
         self._window[:, :ctx_len - kept] = context[:, kept:ctx_len]
         self._start.fill_(kept), self._ctx_len.fill_(ctx_len), self._position.fill_(position)
@@ -416,10 +417,10 @@ def greedy_generate(target, prompt_ids: Sequence[int], max_new_tokens: int,
     tokens, margins, ties = [], [], []
     eps = torch.finfo(logits.dtype).eps
     while True:
-        top2 = logits[-1].float().topk(2)
+        first, second = logits[-1].float().topk(2).values.tolist()  # one host sync for both
         tokens.append(int(logits[-1].argmax()))  # as the verify picks: topk may break an exact tie the other way
-        margins.append(float(top2.values[0] - top2.values[1]))
-        ties.append(margins[-1] <= TIE_ULPS * eps * abs(float(top2.values[0])))
+        margins.append(first - second)
+        ties.append(margins[-1] <= TIE_ULPS * eps * abs(first))
         if tokens[-1] in eos or len(tokens) >= max_new_tokens:
             break
         logits, _ = session.forward(tokens[-1:], last_only=True)
