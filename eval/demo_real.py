@@ -51,7 +51,7 @@ class RealSettings:
     max_prompt_tokens: int = 1024  # later turns of long chats are cut there (counted)
     regen_batch_size: int = 512
     train: dict = field(default_factory=lambda: dict(
-        max_steps=800, eval_every=400, save_every=800, eval_samples=64))
+        max_steps=800, eval_every=200, save_every=800, eval_samples=64))
     spec_sample: int = 4  # prompts per benchmark decoded speculatively for real (lossless check, tau match)
     eval_batch_size: int = 128  # prompts per batched greedy generation in the evaluation
     eval_limit: int | None = None  # the first N prompts of each benchmark (None: all)

@@ -124,6 +124,13 @@ def test_held_out_split_by_source_row_not_cache_order():
     assert Split.of(10, 3).held_out.tolist() == [7, 8, 9]  # without sources: the cache's last samples
     with pytest.raises(ValueError):
         Split.of(10, 3, source[:5])
+    # a smaller dataset: the first N training rows by source row, whatever the cache order
+    small = Split.of(len(source), 3, source, train_samples=4)
+    assert small.train.tolist() == [i for i in range(10) if source[i] < 4]
+    assert small.held_out.tolist() == split.held_out.tolist()
+    assert Split.of(len(source), 3, source, train_samples=100).train.tolist() == split.train.tolist()
+    with pytest.raises(ValueError):
+        Split.of(10, 3, source, train_samples=0)
 
 
 def test_acceptance_stops_at_the_end_of_the_turn():

@@ -78,6 +78,8 @@ def cli():
               "(micro * world).")
 @click.option("--eval-samples", type=Maybe(int), help="Held-out samples (the dataset's last rows) for eval loss and "
               "acceptance; None = min(64, a tenth of the cache), at least 1.")
+@click.option("--train-samples", type=Maybe(int), help="Train on the dataset's first N rows that are not held out "
+              "(None = all): tau against data size from one cache.")
 @click.option("--num-workers", default=2, help="DataLoader worker processes per rank (0 = load in the main process).")
 @click.option("--prefetch-factor", default=4, help="Batches each worker keeps ready.")
 @click.option("--hidden-decode", type=click.Choice(["auto", "loader", "device"]), default="auto",

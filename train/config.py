@@ -41,6 +41,7 @@ class DataConfig:
     batch_size: int = 16
     micro_batch_size: int = 1
     eval_samples: int | None = None
+    train_samples: int | None = None
     num_workers: int = 2
     prefetch_factor: int = 4
     hidden_decode: Literal["auto", "loader", "device"] = "auto"

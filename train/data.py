@@ -304,21 +304,24 @@ class Split:
     held_out: np.ndarray
 
     @classmethod
-    def of(cls, num_samples: int, eval_samples: int | None, source_index: np.ndarray | None = None) -> "Split":
+    def of(cls, num_samples: int, eval_samples: int | None, source_index: np.ndarray | None = None,
+           train_samples: int | None = None) -> "Split":
         """``source_index`` (num_samples,): each sample's row in the source dataset. The cache stores
         each shard longest first, so its last samples would be a biased held-out set that changes with
-        the shard count; by source row it is the same for any. Without it, the cache's last samples."""
+        the shard count; by source row it is the same for any. Without it, the cache's last samples.
+        ``train_samples`` keeps the first N training samples by source row (a smaller dataset)."""
         n_eval = held_out_count(num_samples, eval_samples)
+        if train_samples is not None and train_samples < 1:
+            raise ValueError(f"train_samples must be 1 or more, got {train_samples}")
         idx = np.arange(num_samples, dtype=np.int64)
-        if source_index is None:
-            return cls(train=idx[: num_samples - n_eval], held_out=idx[num_samples - n_eval:])
-        source_index = np.asarray(source_index, dtype=np.int64)
-        if source_index.shape != (num_samples,):
-            raise ValueError(f"source_index has shape {source_index.shape}, expected ({num_samples},)")
-        by_row = idx[np.argsort(source_index, kind="stable")]
-        held = np.zeros(num_samples, dtype=bool)
-        held[by_row[num_samples - n_eval:]] = True
-        return cls(train=idx[~held], held_out=by_row[num_samples - n_eval:])
+        by_row = idx
+        if source_index is not None:
+            source_index = np.asarray(source_index, dtype=np.int64)
+            if source_index.shape != (num_samples,):
+                raise ValueError(f"source_index has shape {source_index.shape}, expected ({num_samples},)")
+            by_row = idx[np.argsort(source_index, kind="stable")]
+        train = np.sort(by_row[: num_samples - n_eval][:train_samples])
+        return cls(train=train, held_out=by_row[num_samples - n_eval:])
 
 
 class GlobalBatchSampler:

@@ -182,9 +182,10 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
                         rt.ce_chunk_size, autocast_dtype, cfg.drafter.loss, cfg.drafter.kd_weight, cfg.drafter.labels)
 
         # -- data: deterministic order, position = global step
-        split = Split.of(len(reader), dcfg_data.eval_samples, reader.source_indices())
+        split = Split.of(len(reader), dcfg_data.eval_samples, reader.source_indices(), dcfg_data.train_samples)
         if dist_info.is_main:
             log_held_out(len(reader), dcfg_data.eval_samples, len(split.held_out))
+            log.info("training on %d samples", len(split.train))
         G, micro = dcfg_data.batch_size, dcfg_data.micro_batch_size
         steps = total_steps(len(split.train), G, ocfg.epochs, ocfg.max_steps)
         # training reads the top-k arrays only for what its objective needs; eval always
