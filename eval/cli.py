@@ -221,20 +221,25 @@ def replay_mode(model, drafter, prompt_sets: dict[str, list[list[int]]], eos: li
                 warmup: bool) -> tuple[dict[str, Any], list[tuple[str, dict]]]:
     """Replay every benchmark, decode its sample for real, print the table: (the --json report with
     ``settings``, ("NAME ", row) of every prompt decoded for real)."""
-    from .replay_eval import benchmark_line, format_benchmarks, replay_benchmark, spec_sample
+    from .replay_eval import benchmark_line, format_benchmarks, replay_benchmark, sample_indices, spec_sample
+    from .speculative import capture_length, captured_decoders
 
     report: dict[str, Any] = {"benchmarks": {}, "settings": {
         **settings, "eos_token_ids": sorted(eos),
         "block_size": drafter.config.block_size, "target_layer_ids": list(drafter.config.target_layer_ids)}}
     max_new_tokens, sample_size, capture = settings["max_new_tokens"], settings["spec_sample"], settings["capture"]
     lines, decoded = [], []
+    proposer, session = drafter, None
+    if capture and sample_size:  # one captured pair for every benchmark: each compiles once
+        sampled = [p[i] for p in prompt_sets.values() for i in sample_indices(len(p), sample_size)]
+        session, proposer = captured_decoders(model, drafter, capture_length(sampled, max_new_tokens, drafter))
     for name, prompts in prompt_sets.items():
         replay = replay_benchmark(model, drafter, prompts, max_new_tokens=max_new_tokens, eos_token_ids=eos,
                                   batch_size=settings["batch_size"], progress=True)
         sample = None
         if sample_size:
-            sample = spec_sample(model, drafter, prompts, replay, sample_size, max_new_tokens=max_new_tokens,
-                                 eos_token_ids=eos, warmup=warmup, progress=True, capture=capture)
+            sample = spec_sample(model, proposer, prompts, replay, sample_size, max_new_tokens=max_new_tokens,
+                                 eos_token_ids=eos, warmup=warmup, progress=True, capture=capture, session=session)
             decoded += [(f"{name} ", row) for row in sample["per_prompt"]]
         lines.append(benchmark_line(name, replay, sample))
         report["benchmarks"][name] = {"summary": lines[-1], "replay": replay, "sample": sample}

@@ -200,13 +200,14 @@ def first_divergence(replay_taus: Sequence[int], online_taus: Sequence[int]) -> 
 
 def spec_sample(target, drafter: DFlashDrafter, prompts: Sequence[Sequence[int]], replay: dict[str, Any], k: int, *,
                 max_new_tokens: int, eos_token_ids: Iterable[int] = (), warmup: bool = True,
-                progress: bool = False, capture: bool = False) -> dict[str, Any]:
+                progress: bool = False, capture: bool = False, session=None) -> dict[str, Any]:
     """Real speculative and greedy decoding (``speculative.evaluate``) of ``k`` of the prompts, each
-    compared with its replay: evaluate's dict plus "indices" and, per prompt row, "replay_tau",
+    compared with its replay (``drafter`` and ``session``: as ``evaluate`` takes them): evaluate's dict plus "indices" and, per prompt row, "replay_tau",
     "tokens_equal", "taus_equal" and "divergence" (None or where tokens / block taus first differ)."""
     indices = sample_indices(len(prompts), k)
     result = evaluate(target, drafter, [prompts[i] for i in indices], max_new_tokens=max_new_tokens,
-                      eos_token_ids=eos_token_ids, check=False, warmup=warmup, progress=progress, capture=capture)
+                      eos_token_ids=eos_token_ids, check=False, warmup=warmup, progress=progress, capture=capture,
+                      session=session)
     for row, i in zip(result["per_prompt"], indices):
         replayed = replay["per_prompt"][i]
         row.update(index=i, replay_tau=replayed["tau"], tokens_equal=row["tokens"] == replayed["tokens"],

@@ -540,9 +540,24 @@ def _summary(specs: Sequence[Generation], greedies: Sequence[Generation], block_
     }
 
 
+def capture_length(prompts: Sequence[Sequence[int]], max_new_tokens: int, drafter: DFlashDrafter | Proposer) -> int:
+    """Positions a captured session needs for these prompts: the longest, its new tokens, two blocks."""
+    block = drafter.config.block_size if isinstance(drafter, DFlashDrafter) else drafter.block_size
+    return max(len(p) for p in prompts) + max_new_tokens + 2 * block
+
+
+def captured_decoders(target, drafter: DFlashDrafter, max_length: int) -> tuple[StaticTarget, StaticProposer]:
+    """``--capture``'s target session and proposer, of ``max_length`` positions: build them once for
+    every prompt of every call (``evaluate``'s ``session``), since each compiles and captures its
+    graphs once (on an H200 a fresh pair per benchmark cost about 100 s of compiles each)."""
+    cuda = device_of(target).type == "cuda"
+    return StaticTarget(target, max_length, capture=cuda), StaticProposer(drafter, target, max_length, capture=cuda)
+
+
 def evaluate(target, drafter: DFlashDrafter | Proposer, prompts: Sequence[Sequence[int]], *,
              max_new_tokens: int = 128, eos_token_ids: Iterable[int] = (), check: bool = True,
-             warmup: bool = True, progress: bool = False, capture: bool = False) -> dict[str, Any]:
+             warmup: bool = True, progress: bool = False, capture: bool = False,
+             session: StaticTarget | None = None) -> dict[str, Any]:
     """Speculative vs greedy decoding of every prompt (lists of token ids).
 
     Returns {"overall", "per_prompt", "settings"}; a summary holds tau (tokens each block emitted,
@@ -551,18 +566,16 @@ def evaluate(target, drafter: DFlashDrafter | Proposer, prompts: Sequence[Sequen
     speedup. With ``check`` a mismatch raises LosslessError; without, each row records it
     ("lossless", "mismatch"). ``capture``: both decoders on one ``StaticTarget`` (on CUDA in CUDA
     graphs, the drafter's proposal too: ``StaticProposer``), so launch overhead does not decide
-    the speedup.
+    the speedup; ``session`` with ``drafter`` its proposer: those of ``captured_decoders``, reused.
     """
     from tqdm.auto import tqdm
 
     device = device_of(target)
-    proposer, session = drafter, None
-    if capture and prompts:
-        block = drafter.config.block_size if isinstance(drafter, DFlashDrafter) else drafter.block_size
-        max_length = max(len(p) for p in prompts) + max_new_tokens + 2 * block
-        session = StaticTarget(target, max_length, capture=device.type == "cuda")
-        if isinstance(drafter, DFlashDrafter):
-            proposer = StaticProposer(drafter, target, max_length, capture=device.type == "cuda")
+    proposer = drafter
+    if session is None and capture and prompts and isinstance(drafter, DFlashDrafter):
+        session, proposer = captured_decoders(target, drafter, capture_length(prompts, max_new_tokens, drafter))
+    elif session is None and capture and prompts:
+        session = StaticTarget(target, capture_length(prompts, max_new_tokens, drafter), capture=device.type == "cuda")
     elif isinstance(drafter, DFlashDrafter):
         proposer = DFlashProposer(drafter, target)
     eos, B = sorted({int(t) for t in eos_token_ids}), proposer.block_size
