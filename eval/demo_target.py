@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from torch.nn.utils.rnn import pad_sequence
 
 from dflash.eval import toy_tokenizer as toy
+from dflash.eval.benchmarks import write_jsonl
 
 # ---------------------------------------------------------------------------- chats
 
@@ -115,11 +116,6 @@ def generate_chats(n: int, seed: int = 0) -> list[dict]:
             messages += [{"role": "user", "content": prompt}, {"role": "assistant", "content": reply}]
         chats.append({"messages": messages})
     return chats
-
-
-def write_jsonl(rows: Sequence[dict], path: str | Path) -> Path:
-    Path(path).write_text("".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows), encoding="utf-8")
-    return Path(path)
 
 
 def read_jsonl(path: str | Path) -> list[dict]:
