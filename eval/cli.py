@@ -64,17 +64,15 @@ def row_to_messages_or_text(row: dict[str, Any], index: int, source: str) -> tup
 
 
 def load_prompts(spec: str, tokenizer, *, split: str = "train", limit: int | None = None,
-                 template_kwargs: dict | None = None, on_bad_row: str = "skip") -> list[list[int]]:
-    """Token ids of up to ``limit`` prompts from dataset ``spec`` (see the module docstring)."""
+                 template_kwargs: dict | None = None) -> list[list[int]]:
+    """Token ids of up to ``limit`` prompts from dataset ``spec`` (bad rows skipped and counted)."""
     from dflash.extract.data import SkipCounter, guard, load_source
 
-    ds = load_source(spec, split)
-    skips = SkipCounter()
-    prompts: list[list[int]] = []
-    for index, row in enumerate(ds):
+    skips, prompts = SkipCounter(), []
+    for index, row in enumerate(load_source(spec, split)):
         if limit is not None and len(prompts) >= limit:
             break
-        parsed = guard(on_bad_row, skips, row_to_messages_or_text, row, index, spec)
+        parsed = guard("skip", skips, row_to_messages_or_text, row, index, spec)
         if parsed is None:
             continue
         messages, text = parsed

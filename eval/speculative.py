@@ -50,10 +50,8 @@ class DFlashProposer:
     recomputes the whole context with the training forward (the reference).
     """
 
-    def __init__(self, drafter: DFlashDrafter, target, config: DrafterConfig | None = None,
-                 incremental: bool = True):
-        self.drafter = drafter.eval()
-        self.config = config or drafter.config
+    def __init__(self, drafter: DFlashDrafter, target, incremental: bool = True):
+        self.drafter, self.config = drafter.eval(), drafter.config
         self.block_size = self.config.block_size
         self.target_layer_ids = list(self.config.target_layer_ids)
         self.embed = target.get_input_embeddings()
