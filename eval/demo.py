@@ -118,8 +118,6 @@ def apply_overrides(settings, assignments: list[str], dict_fields: tuple[str, ..
     return s
 
 
-# --------------------------------------------------------------------------- step markers
-
 
 def _marker(path: Path) -> Path:
     return path.with_name(path.name + ".demo.json")
@@ -154,8 +152,6 @@ def usable_cores() -> int:
 def _hash_file(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()[:16]
 
-
-# --------------------------------------------------------------------------- the steps
 
 
 def step_data(out: Path, s: DemoSettings, echo) -> Path:

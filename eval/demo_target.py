@@ -26,8 +26,6 @@ from torch.nn.utils.rnn import pad_sequence
 from dflash.eval import toy_tokenizer as toy
 from dflash.eval.benchmarks import write_jsonl
 
-# ---------------------------------------------------------------------------- chats
-
 ALPHABET = string.ascii_uppercase
 DAYS = ("Monday", "Tuesday", "Wednesday", "Thursday", "Friday", "Saturday", "Sunday")
 MONTHS = ("January", "February", "March", "April", "May", "June", "July", "August", "September", "October",
@@ -121,8 +119,6 @@ def generate_chats(n: int, seed: int = 0) -> list[dict]:
 def read_jsonl(path: str | Path) -> list[dict]:
     return [json.loads(line) for line in Path(path).read_text(encoding="utf-8").splitlines() if line.strip()]
 
-
-# ---------------------------------------------------------------------------- the target
 
 
 @dataclass(frozen=True)
