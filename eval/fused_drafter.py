@@ -1,11 +1,7 @@
-"""The drafter's decoding path, fused: the proposer's private fast path.
-
-Decoding runs one block of B tokens at a time, where every kernel call of a small drafter
-costs more than its arithmetic; so projections that read the same input run as one matmul
-(every layer's context keys and values at once; each layer's q/k/v; gate/up), rope comes
-from a table, and RMSNorm is one call. Same results as ``DFlashDrafter.forward`` with its
-context-KV cache (tested), a proposal about a third cheaper on the CPU demo (README).
-"""
+"""The drafter's decoding path, fused: the proposer's private fast path. A decoding block is so
+small that kernel calls cost more than arithmetic, so projections of the same input run as one
+matmul, rope comes from a table and RMSNorm is one call. Same results as ``DFlashDrafter.forward``
+(tested)."""
 
 from __future__ import annotations
 
@@ -21,7 +17,7 @@ from dflash.train.model import DFlashDrafter, rope_cos_sin
 
 @dataclass
 class DecodingLayer:
-    """One drafter layer's weights for decoding: projections of the same input in one matrix."""
+    """One drafter layer's weights, projections of the same input in one matrix."""
 
     input_norm: torch.Tensor  # (D,) input_layernorm
     qkv: torch.Tensor  # ((H + 2 Hkv) hd, D): q_proj, k_proj, v_proj rows
@@ -36,8 +32,7 @@ class DecodingLayer:
 
 @dataclass
 class DecodingWeights:
-    """The drafter's weights regrouped (concatenated copies: take new ones after a change of
-    weights; gradients reach the parameters through them)."""
+    """The drafter's weights regrouped (copies: take new ones after a change of weights)."""
 
     layers: list[DecodingLayer]  # per drafter layer
     context_kv: torch.Tensor  # (L * 2 * Hkv * hd, D): k_proj, v_proj rows of layer 0, then layer 1...
@@ -73,14 +68,13 @@ class DecodingWeights:
                    rope_cos=cos, rope_sin=sin, dtype=drafter.fc.weight.dtype)
 
     def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin (Bsz, T, hd) of integer positions (Bsz, T), in the weights' dtype; the sin
-        carries rotate_half's sign so that ``_rotate`` needs no negation."""
+        """cos, signed sin (Bsz, T, hd) of positions (Bsz, T) in the weights' dtype."""
         return self.rope_cos[positions].to(self.dtype), self.rope_sin[positions].to(self.dtype)
 
 
 @functools.lru_cache(maxsize=8)
 def _rope_table(length: int, head_dim: int, theta: float, device: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """``rope_cos_sin`` of positions 0 .. length-1, the sin's first half negated."""
+    """``rope_cos_sin`` of positions 0 .. length-1, the sin's first half negated (rotate_half's sign)."""
     with torch.inference_mode(False), torch.no_grad():
         cos, sin = rope_cos_sin(torch.arange(length, device=device)[None], head_dim, theta)
         half = head_dim // 2
@@ -93,7 +87,7 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> tor
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
-    """RMSNorm's arithmetic (normalise in float32, scale in the input dtype) in fused calls."""
+    """RMSNorm as the model rounds it: normalise in float32, scale in the input dtype."""
     if x.dtype == torch.float32:
         return torch.rms_norm(x, (x.shape[-1],), weight, eps)
     normed = torch.rms_norm(x.float(), (x.shape[-1],), None, eps).to(x.dtype)
@@ -102,9 +96,8 @@ def _rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch
 
 def context_kv(drafter: DFlashDrafter, w: DecodingWeights, context_hidden: torch.Tensor,
                context_positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Every layer's keys and values, each (L, Bsz, Hkv, S, hd), of context features
-    (Bsz, S, n * D) at positions (Bsz, S): position-wise, so decoding computes them once per
-    new position: ``DFlashDrafter.context_kv`` on the fused weights."""
+    """Every layer's keys and values, each (L, Bsz, Hkv, S, hd), of context features (Bsz, S, n * D)
+    at positions (Bsz, S): ``DFlashDrafter.context_kv`` on the fused weights."""
     c = drafter.config
     eps, n_layers, n_kv, hd = c.rms_norm_eps, c.num_hidden_layers, c.num_key_value_heads, c.head_dim
     ctx = _rms_norm(F.linear(context_hidden.to(w.dtype), drafter.fc.weight), drafter.hidden_norm.weight, eps)
@@ -119,10 +112,9 @@ def context_kv(drafter: DFlashDrafter, w: DecodingWeights, context_hidden: torch
 def block_forward(drafter: DFlashDrafter, w: DecodingWeights, block_embeds: torch.Tensor,
                   block_positions: torch.Tensor, context_kv: tuple[torch.Tensor, torch.Tensor],
                   context_valid: torch.Tensor | None = None) -> torch.Tensor:
-    """``forward`` for one decoding block (Bsz, B, D) at positions (Bsz, B) that sees the
-    whole context, given as ``context_kv``'s keys and values (L, Bsz, Hkv, S, hd); the same
-    result as ``DFlashDrafter.forward`` given ``context_kv``. ``context_valid`` (S,) bool: only
-    those context positions are seen (fixed-shape buffers that hold more)."""
+    """``DFlashDrafter.forward`` for one block (Bsz, B, D) at positions (Bsz, B) seeing the whole
+    context, as ``context_kv``'s (L, Bsz, Hkv, S, hd) keys and values; ``context_valid`` (S,) bool:
+    only those context positions are seen (fixed-shape buffers)."""
     c = drafter.config
     eps, n_heads, n_kv, hd = c.rms_norm_eps, c.num_attention_heads, c.num_key_value_heads, c.head_dim
     keys, values = context_kv

@@ -1,14 +1,11 @@
 """Acceptance over a whole benchmark in minutes: greedy speculative decoding replayed, not run.
 
-At temperature 0 speculative decoding emits the target's greedy continuation, and a block
-anchored at position a accepts what the drafter proposes from the target's hidden states of
-positions < a. So per benchmark: every prompt's greedy continuation, batched
-(``regenerate.generate_batch``; static KV cache and captured decode step on CUDA); one
-batched target forward over prompt + continuation for the drafter's context and the target's
-top-1 (``TargetRunner``); a block scored at every position and the continuation walked as
-decoding walks it (``dflash.train.replay``). Per prompt this gives the block taus real decoding
-measures: equal in float32 (tested), up to near-ties in bfloat16. ``spec_sample`` decodes a few
-prompts for real to check exactly that and to time both decoders.
+At temperature 0 speculative decoding emits the target's greedy continuation, and a block at
+position a accepts what the drafter proposes from the target's hidden states of positions < a.
+So: every prompt's greedy continuation, batched; one batched target forward over prompt +
+continuation (``TargetRunner``); a block scored at every position and the continuation walked
+as decoding walks it (``dflash.train.replay``). The block taus equal real decoding's in float32
+(tested), up to near-ties in bfloat16; ``spec_sample`` decodes a few prompts for real to check it.
 """
 
 from __future__ import annotations
@@ -30,15 +27,13 @@ from dflash.train.replay import replay as replay_decoding
 from .speculative import (device_of, evaluate, first_difference, fmt, load_drafter, mismatch_message, sync_device,
                           tau_histogram)
 
-ANCHORS_PER_FORWARD = 256
-"""Blocks per drafter forward (dense attention: queries = this x B, keys = context + queries)."""
+ANCHORS_PER_FORWARD = 256  # blocks per drafter forward (dense attention: queries = this x B)
 
 
 def replay_export(cache: str | Path, samples: list[int], export: str | Path, target: str | Path,
                   max_length: int = 4096, max_new_tokens: int | None = None) -> dict[str, Any]:
     """Decoding replayed on cache ``samples`` (global indices) by a drafter from an export or run
-    folder with the target's embedding and head, one dense forward per sample (``train.replay``):
-    tau, blocks, tokens, tau_uniform (mean over every assistant anchor), anchors, samples."""
+    folder with the target's embedding and head (``train.replay``'s dict: tau, blocks, ...)."""
     from dflash.shared.cache import CacheReader
     from dflash.train.model import load_target_head
 
@@ -50,14 +45,11 @@ def replay_export(cache: str | Path, samples: list[int], export: str | Path, tar
                            max_new_tokens=max_new_tokens).to_dict()
 
 
-# ---------------------------------------------------------------------------- target side
-
-
 def greedy_continuations(target, prompts: Sequence[Sequence[int]], max_new_tokens: int,
                          eos_token_ids: Iterable[int] = (), batch_size: int = 16, static: bool | None = None
                          ) -> list[tuple[list[int], bool]]:
-    """Per prompt: (greedy tokens before the stop token, truncated?), generated in batches of
-    similar lengths. ``static``: regeneration's static-KV-cache path (None: on for CUDA)."""
+    """Per prompt: (greedy tokens before the stop token, truncated?), in batches of similar lengths.
+    ``static``: regeneration's static-KV-cache path (None: on for CUDA)."""
     from dflash.extract.regenerate import GenerationSettings, StaticDecoder, generate_batch, generation_kwargs
 
     stops = sorted({int(t) for t in eos_token_ids})
@@ -69,7 +61,7 @@ def greedy_continuations(target, prompts: Sequence[Sequence[int]], max_new_token
     decoder = (StaticDecoder(target, batch_size, max_new_tokens, max(len(p) for p in prompts))
                if use_static and prompts else None)
 
-    def tokenize(text: str, add_special_tokens: bool = False) -> dict[str, list[int]]:  # generate_batch's: prompt int(text)
+    def tokenize(text: str, add_special_tokens: bool = False) -> dict[str, list[int]]:  # "i" -> prompt i
         return {"input_ids": list(prompts[int(text)])}
 
     order = sorted(range(len(prompts)), key=lambda i: -len(prompts[i]))  # similar lengths share a batch
@@ -83,20 +75,17 @@ def greedy_continuations(target, prompts: Sequence[Sequence[int]], max_new_token
 
 
 def target_head(target) -> TargetHead:
-    """The loaded target's own embedding and LM head, as training's forward takes them."""
     return TargetHead(target.get_input_embeddings().weight, target.get_output_embeddings().weight)
 
 
 def replay_samples(runner, prompts: Sequence[Sequence[int]], continuations: Sequence[tuple[list[int], bool]],
                    stops: frozenset[int]) -> list[dict[str, Any]]:
-    """One batched target forward over prompt + continuation -> per prompt the sample the
-    replay scores: input_ids (prompt, continuation, stop token when one was hit), loss_mask
-    (the continuation), context_hidden (T, n * D), target_top1 (T,), and ``disagreements``:
-    positions where the forward's greedy token is not the generated one (0 in float32).
-
-    The stop token is the forward's greedy token after the continuation (``generate_batch``
-    drops it; its hidden state is never context); where that is no stop token (a bf16
-    near-tie), the smallest stop id stands in, counted as a disagreement."""
+    """One batched target forward over prompt + continuation -> per prompt the replay's sample:
+    input_ids (prompt, continuation, stop token when one was hit), loss_mask (the continuation),
+    context_hidden (T, n * D), target_top1 (T,), and ``disagreements``: positions where the
+    forward's greedy token is not the generated one (0 in float32). The stop token is the
+    forward's greedy token after the continuation, or where that is none (a bf16 near-tie) the
+    smallest stop id, counted as a disagreement."""
     sequences = [torch.tensor(list(p) + tokens, dtype=torch.long) for p, (tokens, _) in zip(prompts, continuations)]
     out = runner.forward(*runner.pad_batch(sequences))
     hidden = out.hidden.flatten(1).split([len(s) for s in sequences])  # per prompt (T, n * D)
@@ -125,19 +114,13 @@ def score_sample(sample: dict[str, Any], predict, device, max_anchors: int = ANC
     return sample_blocks(items, predict, Collate(None), device)[0]
 
 
-# ---------------------------------------------------------------------------- benchmark
-
-
 @torch.inference_mode()
 def replay_benchmark(target, drafter: DFlashDrafter, prompts: Sequence[Sequence[int]], *, max_new_tokens: int,
                      eos_token_ids: Iterable[int] = (), batch_size: int = 16, static: bool | None = None,
                      max_anchors: int = ANCHORS_PER_FORWARD, progress: bool = False) -> dict[str, Any]:
-    """Replay greedy speculative decoding of ``drafter`` on every prompt (token ids).
-
-    Returns {"summary", "per_prompt": [{index, prompt_tokens, new_tokens, truncated, blocks,
-    tau, block_taus, disagreements, tokens (the greedy continuation, stop token included)}],
-    "seconds": {generate, forward, drafter}}; summary tau = drafted tokens / blocks.
-    """
+    """Greedy speculative decoding of ``drafter`` replayed on every prompt (token ids):
+    {"summary", "per_prompt" (tau, block_taus, tokens: the continuation and stop token, ...),
+    "seconds": {generate, forward, drafter}}."""
     from tqdm.auto import tqdm
 
     from dflash.extract.target import TargetRunner
@@ -184,13 +167,11 @@ def replay_benchmark(target, drafter: DFlashDrafter, prompts: Sequence[Sequence[
     return {"summary": summary, "per_prompt": records, "seconds": seconds}
 
 
-def sample_indices(n: int, k: int) -> list[int]:
-    """``k`` prompt indices spread evenly over ``n`` (all of them when k >= n)."""
+def sample_indices(n: int, k: int) -> list[int]:  # k indices spread evenly over n (all when k >= n)
     return list(range(n)) if k >= n else sorted({int(i * n / k) for i in range(k)})
 
 
 def first_divergence(replay_taus: Sequence[int], online_taus: Sequence[int]) -> str | None:
-    """None when the two per-block tau lists are equal, else where they first part."""
     if list(replay_taus) == list(online_taus):
         return None
     i = first_difference(replay_taus, online_taus)
@@ -201,8 +182,7 @@ def first_divergence(replay_taus: Sequence[int], online_taus: Sequence[int]) -> 
 def spec_sample(target, drafter: DFlashDrafter, prompts: Sequence[Sequence[int]], replay: dict[str, Any], k: int, *,
                 max_new_tokens: int, eos_token_ids: Iterable[int] = (), warmup: bool = True,
                 progress: bool = False, capture: bool = False, session=None) -> dict[str, Any]:
-    """Real speculative and greedy decoding (``speculative.evaluate``) of ``k`` of the prompts, each
-    compared with its replay (``drafter`` and ``session``: as ``evaluate`` takes them): evaluate's dict plus "indices" and, per prompt row, "replay_tau",
+    """``evaluate`` on ``k`` of the prompts, each row compared with its replay: "replay_tau",
     "tokens_equal", "taus_equal" and "divergence" (None or where tokens / block taus first differ)."""
     indices = sample_indices(len(prompts), k)
     result = evaluate(target, drafter, [prompts[i] for i in indices], max_new_tokens=max_new_tokens,
@@ -221,8 +201,8 @@ def spec_sample(target, drafter: DFlashDrafter, prompts: Sequence[Sequence[int]]
 
 
 def benchmark_line(name: str, replay: dict[str, Any], sample: dict[str, Any] | None) -> dict[str, Any]:
-    """One benchmark's row of the report: replay over all prompts, online figures over the sample
-    (lossless: speculative == greedy decoding; replay_equal: its tokens and block taus == the replay's)."""
+    """One benchmark's report row: replay over all prompts, online figures over the sample
+    (replay_equal: tokens and block taus equal to the replay's)."""
     s = replay["summary"]
     row = {"benchmark": name, "prompts": s["prompts"], "new_tokens": s["new_tokens"], "tau": s["tau"],
            "blocks": s["blocks"], "tau_histogram": s["tau_histogram"], "sample_prompts": 0,
@@ -238,7 +218,6 @@ def benchmark_line(name: str, replay: dict[str, Any], sample: dict[str, Any] | N
 
 
 def format_benchmarks(lines: Sequence[dict[str, Any]]) -> str:
-    """The per-benchmark table and each benchmark's tau histogram."""
     head = (f"{'benchmark':<16} {'prompts':>7} {'tokens':>8} {'tau':>6} {'sample':>6} {'online tau':>10} "
             f"{'greedy tok/s':>12} {'spec tok/s':>10} {'speedup':>7} {'lossless':>13} {'= replay':>8}")
     out = [head, "-" * len(head)]

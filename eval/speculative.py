@@ -2,17 +2,14 @@
 one prompt at a time, at temperature 0.
 
 With the last accepted token at position p (not yet in the KV cache), the drafter proposes
-positions p+1 .. p+B-1 from the block [last, MASK x (B-1)] and the target's hidden states of
-positions < p; ONE target forward of [last, proposals] verifies them: the longest prefix equal
-to the target's greedy tokens is accepted plus the target's bonus token (tau = accepted + 1
-tokens, fewer where eos or max_new_tokens comes first). The KV cache is cropped to the last
-token and the accepted drafts, whose hidden states join the drafter's context.
+positions p+1 .. p+B-1 from [last, MASK x (B-1)] and the target's hidden states of positions
+< p; one target forward of [last, proposals] accepts the longest prefix equal to the target's
+greedy tokens plus the target's bonus token (tau = accepted + 1).
 
-Every emitted token is a target argmax on exactly the accepted prefix, so the output must
-equal greedy decoding token for token: ``evaluate`` checks that (``LosslessError``), giving
-the greedy top-2 logit margin at a divergence to tell a numerical tie (a B-token verify and
-a 1-token decode need not round alike) from a bookkeeping bug. A divergence at a tie (top two
-within ``TIE_ULPS`` in the logits' dtype) is counted as one ("tie"), not raised.
+Every emitted token is a target argmax on the accepted prefix, so the output must equal greedy
+decoding token for token: ``evaluate`` checks that (``LosslessError``). A divergence where
+greedy's top two logits are within ``TIE_ULPS`` (a B-token verify and a 1-token decode need
+not round alike) is counted as a tie, not raised.
 """
 
 from __future__ import annotations
@@ -25,7 +22,7 @@ import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 
@@ -37,44 +34,24 @@ from . import fused_drafter as fused
 
 log = logging.getLogger(__name__)
 
-TIE_ULPS = 2
-"""Top-1 and top-2 logits this many units in the last place apart (or closer) are a tie: on the
-H200 in bf16 every sampled prompt's first divergence from greedy had margin 0 (BENCHMARKS.md)."""
+TIE_ULPS = 2  # top-1 and top-2 logits this many units in the last place apart (or closer) are a tie
 
 
 class LosslessError(RuntimeError):
     """Speculative output differs from plain greedy output at temperature 0."""
 
 
-# ---------------------------------------------------------------------------- drafter side
-
-
-class Proposer(Protocol):
-    """What the speculative loop asks of a drafter (an optional ``reset()`` is called before each sequence)."""
-
-    block_size: int  # B: anchor + B - 1 proposals per block
-    target_layer_ids: list[int]  # target layers whose hidden states form the context
-
-    def propose(self, context: torch.Tensor, tokens: Sequence[int], position: int) -> torch.Tensor:
-        """(B - 1,) proposals for positions position+1 .. position+B-1, from context (1, position, n * D)
-        (the target's hidden states of positions < position, extending the previous call's) and every
-        token so far (tokens[-1] sits at ``position``)."""
-
-
 class DFlashProposer:
-    """A DFlashDrafter plus the target's own (frozen) embedding and LM head.
+    """A DFlashDrafter plus the target's own embedding and LM head: the speculative loop's proposer
+    (any object with ``block_size``, ``target_layer_ids``, ``propose`` and an optional ``reset`` is one).
 
-    A drafter layer's context keys and values depend on their own position only and decoding only
-    appends verified positions, so by default they are computed once per position (the fused path
-    of ``fused_drafter``) and kept until ``reset``. ``incremental=False`` recomputes the whole
-    context with the training forward (the reference). ``StaticProposer`` is the same at fixed
-    shapes, for CUDA graphs.
+    Context keys and values depend on their own position only, so by default they are computed
+    once per position (``fused_drafter``) and kept until ``reset``; ``incremental=False``
+    recomputes the whole context with the training forward (the reference).
     """
 
-    def __init__(self, drafter: DFlashDrafter, target, config: DrafterConfig | None = None,
-                 incremental: bool = True):
-        self.drafter = drafter.eval()
-        self.config = config or drafter.config
+    def __init__(self, drafter: DFlashDrafter, target, incremental: bool = True):
+        self.drafter, self.config = drafter.eval(), drafter.config
         self.block_size = self.config.block_size
         self.target_layer_ids = list(self.config.target_layer_ids)
         self.embed = target.get_input_embeddings()
@@ -92,11 +69,13 @@ class DFlashProposer:
         self._last_row: torch.Tensor | None = None  # features of the last kept position
 
     def propose(self, context: torch.Tensor, tokens: Sequence[int], position: int) -> torch.Tensor:
+        """(B - 1,) proposals for positions position+1 .. position+B-1, from context (1, position, n * D)
+        (the target's states of positions < position, extending the last call's) and the tokens so far."""
         return self.block_logits(context, tokens, position).argmax(dim=-1)
 
     @torch.inference_mode()
     def block_logits(self, context: torch.Tensor, tokens: Sequence[int], position: int) -> torch.Tensor:
-        """(B - 1, V) drafter logits for positions position+1 .. position+B-1 (``propose``'s arguments)."""
+        """(B - 1, V) drafter logits (``propose``'s arguments)."""
         B, device = self.block_size, context.device
         if position + B > self.config.max_position_embeddings:
             raise ValueError(f"block at position {position} runs past the drafter's "
@@ -119,9 +98,8 @@ class DFlashProposer:
 
     def _extend(self, context: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Every layer's context keys/values, (L, 1, Hkv, S, hd) each, computing only positions not
-        kept yet. Kept positions count while ``context`` still holds them (not shorter, the same
-        features at the last kept position: that row depends on every earlier token); they live in
-        buffers that grow by doubling, so a call writes only its new positions."""
+        kept yet (kept ones count while ``context`` still ends the same at the last kept position),
+        in buffers that grow by doubling."""
         ctx_len, kept = context.shape[1], self._context_len
         if kept and (ctx_len < kept or not torch.equal(context[0, kept - 1], self._last_row)):
             kept = 0
@@ -140,19 +118,17 @@ class DFlashProposer:
         return self._keys[:, :, :, :ctx_len], self._values[:, :, :, :ctx_len]
 
     def _write_context(self, context: torch.Tensor, start: int, stop: int) -> None:
-        """Every layer's keys and values of context positions start .. stop-1 into the kept buffers."""
         positions = torch.arange(start, stop, device=context.device).unsqueeze(0)  # (1, new)
         keys, values = fused.context_kv(self.drafter, self._weights, context[:, start:stop], positions)
         self._keys[:, :, :, start:stop], self._values[:, :, :, start:stop] = keys, values
 
 
 class StaticProposer(DFlashProposer):
-    """``DFlashProposer`` at fixed shapes, so that on CUDA (``capture``) a block's whole proposal is
-    one CUDA graph: the context keys and values live in buffers of ``capacity`` positions; each
-    block computes those of the B positions from the first new one (positions past the context
-    are masked out, and written again once verified) and attends over the whole buffer under a
-    mask of the valid positions. A prompt's positions (more than B at once) are written eagerly.
-    The drafter's weights are taken once: the graph reads them at their addresses."""
+    """``DFlashProposer`` at fixed shapes, so that on CUDA (``capture``) a block's proposal is one
+    CUDA graph: each block writes the keys and values of the B positions from the first new one
+    into ``capacity``-position buffers (those past the context masked, rewritten once verified)
+    and attends over the whole buffer; a prompt is written eagerly. The weights are taken once:
+    the graph reads them at their addresses."""
 
     def __init__(self, drafter: DFlashDrafter, target, capacity: int, capture: bool = False):
         super().__init__(drafter, target)
@@ -206,8 +182,7 @@ class StaticProposer(DFlashProposer):
         self._graph.replay()
         return self._out.clone()  # the next replay writes there again
 
-    def _run(self) -> torch.Tensor:
-        """(B - 1, V) logits from the static inputs."""
+    def _run(self) -> torch.Tensor:  # (B - 1, V) logits from the static inputs
         B, device = self.block_size, self._keys.device
         new = self._start + torch.arange(B, device=device)
         keys, values = fused.context_kv(self.drafter, self._weights, self._window, new.unsqueeze(0))
@@ -246,17 +221,13 @@ def load_drafter(path: str | Path, device: str | torch.device = "cpu", dtype: to
     return drafter.to(device=device, dtype=dtype).eval(), config
 
 
-# ---------------------------------------------------------------------------- target side
-
-
 def cache_length(cache) -> int:
-    """Number of positions in a transformers KV cache."""
     return int(cache.get_seq_length())
 
 
 def crop_cache(cache, keep: int):
-    """Cut the KV cache down to its first ``keep`` positions and return it. ``crop(-n)`` removes n
-    positions in every supported transformers (``crop(n)`` keeps n in early 5.x, removes n in 5.2x)."""
+    """The KV cache cut to its first ``keep`` positions (``crop(-n)`` removes n in every supported
+    transformers; ``crop(n)`` keeps n in early 5.x, removes n in 5.2x)."""
     current = cache_length(cache)
     if keep > current:
         raise ValueError(f"cannot crop a {current}-position cache to {keep}")
@@ -269,7 +240,7 @@ def crop_cache(cache, keep: int):
 
 @dataclass
 class Generation:
-    """One prompt's decode: the new tokens and what producing them cost."""
+    """One prompt's decode."""
 
     tokens: list[int]  # generated tokens (eos included when it was hit)
     target_forwards: int  # target forward passes, prefill included
@@ -285,8 +256,7 @@ def _cache_argument(model_class: type) -> str:
     return "cache" if "cache" in inspect.signature(model_class.forward).parameters else "past_key_values"
 
 
-def _forward(target, input_ids: torch.Tensor, cache=None, **kwargs):
-    """One target forward with the KV cache -> (output, cache)."""
+def _forward(target, input_ids: torch.Tensor, cache=None, **kwargs):  # -> (output, cache)
     name = _cache_argument(type(target))
     if cache is not None:
         kwargs[name] = cache
@@ -308,14 +278,13 @@ def sync_device(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _layer_states(hidden_states, layer_ids: Sequence[int]) -> torch.Tensor:
-    """(1, T, n * D): HF hidden_states[i + 1] of every chosen layer id i, concatenated."""
+def _layer_states(hidden_states, layer_ids: Sequence[int]) -> torch.Tensor:  # (1, T, n * D)
     return torch.cat([hidden_states[i + 1] for i in layer_ids], dim=-1)
 
 
 class EagerTarget:
-    """The decoding loops' view of the target: forwards that extend one sequence's KV cache
-    (transformers' dynamic cache, eager: the reference path), and ``crop`` to drop rejected drafts."""
+    """The decoding loops' view of the target: forwards extending one sequence's dynamic KV cache
+    (eager: the reference path), and ``crop`` to drop rejected drafts."""
 
     def __init__(self, target):
         self.target, self.device = target, device_of(target)
@@ -326,7 +295,6 @@ class EagerTarget:
 
     @property
     def length(self) -> int:
-        """Positions in the KV cache."""
         return 0 if self.cache is None else cache_length(self.cache)
 
     def forward(self, ids: Sequence[int], layer_ids: Sequence[int] | None = None, last_only: bool = False
@@ -343,12 +311,10 @@ class EagerTarget:
 
 
 class StaticTarget(EagerTarget):
-    """``EagerTarget`` on one static KV cache for every prompt: a forward writes at the next positions
-    and attends up to its own, so a crop only moves the length back (the next verify overwrites the
-    rejected drafts) and, where the cache's layers count positions in a device tensor (transformers
-    5.17+ writes there), that counter too, in place, as a captured graph reads it at its address.
-    With ``capture`` (CUDA) the 1-token (greedy) and B-token (verify) forwards run as CUDA graphs
-    (``mode="reduce-overhead"``), once per shape; the prefill stays eager."""
+    """``EagerTarget`` on one static KV cache for every prompt: a crop only moves the length back
+    (the next verify overwrites the rejected drafts), and the layers' device position counter
+    (transformers 5.17+) in place, as a captured graph reads it at its address. With ``capture``
+    the 1-token and B-token forwards run as CUDA graphs; the prefill stays eager."""
 
     def __init__(self, target, max_length: int, capture: bool = False):
         from transformers import StaticCache
@@ -393,9 +359,6 @@ class StaticTarget(EagerTarget):
         self._length = keep
 
 
-# ---------------------------------------------------------------------------- decoding
-
-
 def _start(target, max_new_tokens: int, eos_token_ids: Iterable[int], session: EagerTarget | None):
     """(device, eos set, the session reset, start time) of one decode."""
     if max_new_tokens < 1:
@@ -410,8 +373,7 @@ def _start(target, max_new_tokens: int, eos_token_ids: Iterable[int], session: E
 @torch.inference_mode()
 def greedy_generate(target, prompt_ids: Sequence[int], max_new_tokens: int,
                     eos_token_ids: Iterable[int] = (), session: EagerTarget | None = None) -> Generation:
-    """Plain greedy decoding with the KV cache, one token per target forward (``session``: the
-    target's forwards, default ``EagerTarget``)."""
+    """Plain greedy decoding, one token per target forward (``session``: default ``EagerTarget``)."""
     device, eos, session, start = _start(target, max_new_tokens, eos_token_ids, session)
     logits, _ = session.forward(prompt_ids, last_only=True)
     tokens, margins, ties = [], [], []
@@ -429,7 +391,7 @@ def greedy_generate(target, prompt_ids: Sequence[int], max_new_tokens: int,
 
 
 @torch.inference_mode()
-def speculative_generate(target, proposer: Proposer, prompt_ids: Sequence[int], max_new_tokens: int,
+def speculative_generate(target, proposer: DFlashProposer, prompt_ids: Sequence[int], max_new_tokens: int,
                          eos_token_ids: Iterable[int] = (), session: EagerTarget | None = None) -> Generation:
     """DFlash speculative decoding at temperature 0 (see the module docstring)."""
     device, eos, session, start = _start(target, max_new_tokens, eos_token_ids, session)
@@ -471,11 +433,8 @@ def speculative_generate(target, proposer: Proposer, prompt_ids: Sequence[int], 
     return Generation(sequence[n_prompt:], 1 + len(taus), time.perf_counter() - start, block_taus=taus)
 
 
-# ---------------------------------------------------------------------------- evaluation
-
-
 def first_difference(a: Sequence, b: Sequence) -> int:
-    """Where two sequences first differ (the shorter one's length where it is the other's prefix)."""
+    """Where two sequences first differ (the shorter one's length where one is the other's prefix)."""
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
@@ -495,9 +454,7 @@ def mismatch_message(spec: Sequence[int], greedy: Sequence[int], margins: Sequen
 
 
 def diverges_at_tie(spec: Sequence[int], greedy: Sequence[int], ties: Sequence[bool]) -> bool:
-    """Whether the first token where the two decodes part was a numerical tie for greedy decoding:
-    its top two logits within ``TIE_ULPS`` of each other in the logits' dtype, so a B-token verify
-    and a 1-token decode may round them apart (bf16 ties are common: 8 bits of mantissa)."""
+    """Whether the two decodes part where greedy's top two logits were within ``TIE_ULPS``."""
     first = first_difference(spec, greedy)
     return list(spec) != list(greedy) and first < len(ties) and ties[first]
 
@@ -520,53 +477,40 @@ def tau_histogram(taus: Sequence[int], block_size: int) -> list[int]:
 
 
 def _summary(specs: Sequence[Generation], greedies: Sequence[Generation], block_size: int) -> dict[str, Any]:
-    """The figures of speculative decodes against the greedy decodes of the same prompts."""
     new_tokens, taus = sum(len(s.tokens) for s in specs), [t for s in specs for t in s.block_taus]
     spec_s, greedy_s = sum(s.seconds for s in specs), sum(g.seconds for g in greedies)
     spec_fw = sum(s.target_forwards for s in specs)
-    return {
-        "new_tokens": new_tokens,
-        "blocks": len(taus),
-        "tau": sum(taus) / len(taus) if taus else math.nan,
-        "tau_histogram": tau_histogram(taus, block_size),
-        "target_forwards": spec_fw,
-        "greedy_target_forwards": sum(g.target_forwards for g in greedies),
-        "tokens_per_target_forward": new_tokens / spec_fw,
-        "spec_seconds": spec_s,
-        "greedy_seconds": greedy_s,
-        "spec_tokens_per_s": new_tokens / spec_s if spec_s > 0 else math.nan,
-        "greedy_tokens_per_s": new_tokens / greedy_s if greedy_s > 0 else math.nan,
-        "speedup": greedy_s / spec_s if spec_s > 0 else math.nan,
-    }
+    return {"new_tokens": new_tokens, "blocks": len(taus), "tau": sum(taus) / len(taus) if taus else math.nan,
+            "tau_histogram": tau_histogram(taus, block_size), "target_forwards": spec_fw,
+            "greedy_target_forwards": sum(g.target_forwards for g in greedies),
+            "tokens_per_target_forward": new_tokens / spec_fw, "spec_seconds": spec_s, "greedy_seconds": greedy_s,
+            "spec_tokens_per_s": new_tokens / spec_s if spec_s > 0 else math.nan,
+            "greedy_tokens_per_s": new_tokens / greedy_s if greedy_s > 0 else math.nan,
+            "speedup": greedy_s / spec_s if spec_s > 0 else math.nan}
 
 
-def capture_length(prompts: Sequence[Sequence[int]], max_new_tokens: int, drafter: DFlashDrafter | Proposer) -> int:
-    """Positions a captured session needs for these prompts: the longest, its new tokens, two blocks."""
+def capture_length(prompts: Sequence[Sequence[int]], max_new_tokens: int, drafter: DFlashDrafter | DFlashProposer) -> int:
+    """Positions a captured session needs: the longest prompt, its new tokens, two blocks."""
     block = drafter.config.block_size if isinstance(drafter, DFlashDrafter) else drafter.block_size
     return max(len(p) for p in prompts) + max_new_tokens + 2 * block
 
 
 def captured_decoders(target, drafter: DFlashDrafter, max_length: int) -> tuple[StaticTarget, StaticProposer]:
-    """``--capture``'s target session and proposer, of ``max_length`` positions: build them once for
-    every prompt of every call (``evaluate``'s ``session``), since each compiles and captures its
-    graphs once (on an H200 a fresh pair per benchmark cost about 100 s of compiles each)."""
+    """``--capture``'s target session and proposer of ``max_length`` positions, built once for
+    every ``evaluate`` call (each compiles and captures its graphs once)."""
     cuda = device_of(target).type == "cuda"
     return StaticTarget(target, max_length, capture=cuda), StaticProposer(drafter, target, max_length, capture=cuda)
 
 
-def evaluate(target, drafter: DFlashDrafter | Proposer, prompts: Sequence[Sequence[int]], *,
+def evaluate(target, drafter: DFlashDrafter | DFlashProposer, prompts: Sequence[Sequence[int]], *,
              max_new_tokens: int = 128, eos_token_ids: Iterable[int] = (), check: bool = True,
              warmup: bool = True, progress: bool = False, capture: bool = False,
              session: StaticTarget | None = None) -> dict[str, Any]:
-    """Speculative vs greedy decoding of every prompt (lists of token ids).
-
-    Returns {"overall", "per_prompt", "settings"}; a summary holds tau (tokens each block emitted,
-    bonus included, so new_tokens == 1 + sum of block taus: what ``dflash.train.replay`` walks),
-    its histogram, tokens per target forward (prefill counted), both decoders' times and the
-    speedup. With ``check`` a mismatch raises LosslessError; without, each row records it
-    ("lossless", "mismatch"). ``capture``: both decoders on one ``StaticTarget`` (on CUDA in CUDA
-    graphs, the drafter's proposal too: ``StaticProposer``), so launch overhead does not decide
-    the speedup; ``session`` with ``drafter`` its proposer: those of ``captured_decoders``, reused.
+    """Speculative vs greedy decoding of every prompt (token ids): {"overall", "per_prompt",
+    "settings"}, tau counting the bonus token (new_tokens == 1 + sum of block taus). ``check``:
+    a mismatch not at a tie raises LosslessError; rows record it either way. ``capture``: both
+    decoders on one ``StaticTarget`` (CUDA graphs on CUDA, the proposal too); ``session`` and
+    ``drafter``: a pair of ``captured_decoders``, reused.
     """
     from tqdm.auto import tqdm
 
@@ -604,13 +548,11 @@ def evaluate(target, drafter: DFlashDrafter | Proposer, prompts: Sequence[Sequen
     return {"overall": overall, "per_prompt": rows, "settings": settings}
 
 
-def fmt(value, spec: str = ".2f") -> str:
-    """``value`` formatted; "-" for a figure not measured (None or NaN)."""
+def fmt(value, spec: str = ".2f") -> str:  # "-" for a figure not measured (None or NaN)
     return "-" if value is None or (isinstance(value, float) and math.isnan(value)) else format(value, spec)
 
 
-def format_report(result: dict[str, Any]) -> str:
-    """``evaluate``'s per-prompt table, the overall line and the tau histogram."""
+def format_report(result: dict[str, Any]) -> str:  # evaluate's per-prompt table, overall line, tau histogram
     head = f"{'#':>4} {'prompt':>6} {'new':>5} {'blocks':>6} {'tau':>6} {'tok/fwd':>7} " \
            f"{'greedy s':>8} {'spec s':>8} {'speedup':>7}  ok"
     lines = [head, "-" * len(head)]

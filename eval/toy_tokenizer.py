@@ -1,10 +1,5 @@
-"""A small byte-level BPE tokenizer with a ChatML template, trained on local text: the CPU
-demo's target and the tests use it instead of a hub download (there is no network at run
-time).
-
-Deterministic for the same inputs; the default corpus is the running interpreter's
-standard library, so two Python versions give two (equally valid) tokenizers.
-"""
+"""A small byte-level BPE tokenizer with a ChatML template, trained on local text (the CPU
+demo and the tests run offline). The default corpus is the interpreter's standard library."""
 
 from __future__ import annotations
 
@@ -15,15 +10,12 @@ from pathlib import Path
 IM_START, IM_END, END_OF_TEXT, MASK_TOKEN = "<|im_start|>", "<|im_end|>", "<|endoftext|>", "<|MASK|>"
 SPECIAL_TOKENS = [END_OF_TEXT, IM_START, IM_END, MASK_TOKEN]
 
-# Stable, plain-prose-heavy modules that exist in every CPython 3.11+.
 DEFAULT_STDLIB_FILES = ("textwrap.py", "string.py", "difflib.py", "argparse.py", "json/decoder.py",
                         "json/encoder.py", "calendar.py", "fractions.py")
 
-# ChatML-like template. The @GEN@/@ENDGEN@ markers become `{% generation %}` /
-# `{% endgeneration %}` or nothing. The assistant span covers the content AND the
-# closing <|im_end|>: the drafter must learn to end its turn. The template rejects
-# unknown roles and a system message that is not first, so tests can exercise
-# "template rejected the row" with otherwise valid data.
+# ChatML; @GEN@/@ENDGEN@ become `{% generation %}` tags or nothing. The assistant span includes
+# the closing <|im_end|> (the drafter learns to end its turn). Unknown roles and a late system
+# message are rejected, so tests can exercise "template rejected the row".
 _CHAT_TEMPLATE = (
     "{%- for message in messages %}"
     "{%- if message['role'] not in ['system', 'user', 'assistant', 'tool'] %}"
@@ -45,24 +37,19 @@ _CHAT_TEMPLATE = (
 
 
 def chat_template(generation_tags: bool = True) -> str:
-    """The toy ChatML template, with or without `{% generation %}` tags."""
     start, end = ("{% generation %}", "{% endgeneration %}") if generation_tags else ("", "")
     return _CHAT_TEMPLATE.replace("@GEN@", start).replace("@ENDGEN@", end)
 
 
 def default_corpus() -> list[Path]:
-    """Source files of the running interpreter's standard library: real, local text."""
-    stdlib = Path(sysconfig.get_paths()["stdlib"])
-    return [stdlib / name for name in DEFAULT_STDLIB_FILES]
+    return [Path(sysconfig.get_paths()["stdlib"]) / name for name in DEFAULT_STDLIB_FILES]
 
 
 def build_tokenizer(out_dir: str | Path, *, vocab_size: int = 512, generation_tags: bool = True,
                     corpus: Sequence[str | Path] | None = None, texts: Sequence[str] = ()):
-    """Train a byte-level BPE on local text and save it as a HF fast tokenizer; returns the
-    ``PreTrainedTokenizerFast``. ``corpus``: text files (default ``default_corpus()``; add e.g.
-    data/chats_sample.jsonl for chat-ish merges), ``texts``: more text. Special tokens:
-    <|endoftext|> (pad and eos), <|im_start|>, <|im_end|>, and <|MASK|>, which nothing emits and
-    which the drafter uses as its mask id."""
+    """Train a byte-level BPE on ``corpus`` files (default ``default_corpus()``) and ``texts``, save
+    it as a HF fast tokenizer and return it. <|endoftext|> is pad and eos; <|MASK|>, which nothing
+    emits, is the drafter's mask id."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
