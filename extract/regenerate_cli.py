@@ -81,12 +81,7 @@ def cli(**values):
     if url is None:
         usable_device(job.device)
     try:
-        if job.endpoint is not None:
-            from .regenerate_endpoint import regenerate_via_endpoint
-
-            metadata = regenerate_via_endpoint(job, overwrite=overwrite)
-        else:
-            metadata = regenerate(job, overwrite=overwrite)
+        metadata = regenerate(job, overwrite=overwrite)
     except EndpointDown as err:
         raise click.ClickException(f"regeneration stopped: {err}") from err
     c = metadata["counts"]

@@ -181,11 +181,11 @@ def test_request_body_carries_tools_kwargs_and_a_per_turn_seed():
 def test_journal_drops_a_torn_last_line_and_refuses_a_broken_one(tmp_path):
     path = tmp_path / "j.jsonl"
     path.write_text('{"row": 0, "turn": 1}\n{"row": 0, "tu')  # killed mid-write
-    assert rep.read_journal(path) == [{"row": 0, "turn": 1}]
+    assert regen.read_journal(path) == [{"row": 0, "turn": 1}]
     assert path.read_text() == '{"row": 0, "turn": 1}\n'
     path.write_text('{"row": 0, "tu\n{"row": 1, "turn": 1}\n')
     with pytest.raises(ValueError, match="line 1 is not JSON"):
-        rep.read_journal(path)
+        regen.read_journal(path)
 
 
 def test_leading_assistant_messages_are_removed_not_asked(scripted, tmp_path):
@@ -199,7 +199,7 @@ def test_leading_assistant_messages_are_removed_not_asked(scripted, tmp_path):
     data.write_text("".join(json.dumps({"messages": m}) + "\n" for m in rows))
     job = regen.RegenConfig(data=str(data), model=None, out=str(tmp_path / "out"),
                             endpoint=EndpointConfig(url=server.url), progress=False)
-    meta = rep.regenerate_via_endpoint(job)
+    meta = regen.regenerate(job)
     assert [body["messages"] for _, body in server.posts()] == [[{"role": "user", "content": "q"}]]
     assert meta["counts"]["skipped"] == {"leading_assistant_removed": 2, "no_assistant_turn": 1}
     import datasets
