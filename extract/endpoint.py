@@ -1,11 +1,7 @@
-"""A small client for an OpenAI-compatible chat-completions server (vLLM, SGLang,
-`transformers serve`), on the standard library so regeneration needs no HTTP package.
-
-Connection errors, timeouts, 429 and 5xx answers are retried with exponential backoff.
-When retries run out the server counts as down (`EndpointDown`, naming the URL and what
-failed), unless it still answers `GET /models`: then the request itself is what the
-server cannot serve, like a 4xx answer (`RequestRejected`), and only that conversation
-is affected.
+"""A client for an OpenAI-compatible chat-completions server, on the standard library so
+regeneration needs no HTTP package. Connection errors, timeouts, 429 and 5xx are retried with
+exponential backoff; when retries run out the server counts as down (`EndpointDown`), unless it
+still answers `GET /models`: then, as for a 4xx, only this request fails (`RequestRejected`).
 """
 
 from __future__ import annotations
@@ -48,21 +44,20 @@ class EndpointConfig:
 
 @dataclass
 class Reply:
-    """One chat completion, reduced to what regeneration keeps."""
+    """One chat completion, reduced to what regeneration keeps (None: not returned)."""
 
-    content: str  # the answer text ("" when the server gave none)
-    reasoning: str | None  # message.reasoning_content or message.reasoning, when returned
-    tool_calls: list[dict[str, Any]] | None  # the answer's tool calls, as the server returned them
+    content: str  # "" when the server gave none
+    reasoning: str | None  # message.reasoning_content or message.reasoning
+    tool_calls: list[dict[str, Any]] | None  # as the server returned them
     finish_reason: str | None  # "stop", "length", "tool_calls", ...
     model: str | None  # the model name the server answered with
-    prompt_tokens: int | None  # usage.prompt_tokens, when reported
-    completion_tokens: int | None  # usage.completion_tokens, when reported
+    prompt_tokens: int | None
+    completion_tokens: int | None
 
 
 @dataclass
 class ChatEndpoint:
-    """Thread-safe: one instance serves every worker thread (each request opens its own
-    connection)."""
+    """Thread-safe: one instance serves every worker thread (each request opens its own connection)."""
 
     config: EndpointConfig
     stop: threading.Event = field(default_factory=threading.Event)  # set to end retries early
@@ -81,15 +76,10 @@ class ChatEndpoint:
         return parse_reply(self._with_retries("POST", "/chat/completions", body, probe=True), self.base)
 
     def _with_retries(self, method: str, path: str, body: dict | None, *, probe: bool) -> dict:
-        cfg = self.config
-        url = self.base + path
-        failures: list[str] = []
-        last_status: int | None = None
-        started = time.monotonic()
+        cfg, url, failures, last_status, started = self.config, self.base + path, [], None, time.monotonic()
         for attempt in range(cfg.retries + 1):
-            if attempt:
-                if self.stop.wait(min(30.0, cfg.retry_wait * 2 ** (attempt - 1))):
-                    break
+            if attempt and self.stop.wait(min(30.0, cfg.retry_wait * 2 ** (attempt - 1))):
+                break
             try:
                 return self._request(method, url, body)
             except urllib.error.HTTPError as err:
@@ -138,12 +128,10 @@ def parse_reply(answer: dict[str, Any], base: str = "") -> Reply:
     """The first choice of a chat-completion answer; reasoning is read from
     `reasoning_content` (vLLM before 0.10, SGLang, transformers) or `reasoning` (vLLM now)."""
     try:
-        choice = answer["choices"][0]
-        message = choice["message"]
+        choice, message = answer["choices"][0], answer["choices"][0]["message"]
     except (KeyError, IndexError, TypeError) as err:
         raise RequestRejected(200, f"{base}: answer without choices[0].message: {str(answer)[:300]}") from err
-    reasoning = message.get("reasoning_content")
-    reasoning = message.get("reasoning") if reasoning is None else reasoning
+    reasoning = message.get("reasoning_content") or message.get("reasoning")
     usage = answer.get("usage") or {}
     return Reply(content=message.get("content") or "", reasoning=reasoning or None,
                  tool_calls=message.get("tool_calls") or None, finish_reason=choice.get("finish_reason"),

@@ -1,13 +1,7 @@
-"""Magpie-style self-prompting (``dflash-regenerate --self-prompts N``): the target writes the
-user turn itself, then answers it, so regeneration needs no dataset.
-
-The question continues the template's own user header (the text a rendered user message
-starts with, a default system prompt kept) until a stop token: the answer's, plus the special
-token the template writes after a user message (`<|im_end|>`, `<|eot_id|>`, Mistral's
-`[/INST]`). Truncated, empty, too short and duplicate questions (whitespace-normalised,
-across the run) are dropped and counted. A kept question becomes the chat [user: question,
-assistant: ""] that `regenerate` answers like a dataset's, with ``source_row = -1 - i``
-(i: the question's sample index in the run).
+"""Magpie-style self-prompting (``dflash-regenerate --self-prompts N``; README.md, "Before stage
+one"): the target writes the user turn itself, continuing the template's own user header until
+the answer's stop tokens or the special token the template writes after a user message
+(`<|im_end|>`, `<|eot_id|>`, Mistral's `[/INST]`), then answers it.
 """
 
 from __future__ import annotations
@@ -19,14 +13,12 @@ from .chat import _as_text, _special_tokens_in, stop_token_ids
 from .data import Conversation
 
 SENTINEL = "dflashSelfPromptSentinel7f3a"
-SOURCE = "self_prompt"
-"""The `source` of a self-prompted chat (errors and skip counts name it)."""
+SOURCE = "self_prompt"  # the `source` of a self-prompted chat (errors and skip counts name it)
 
 
 @dataclass
 class SelfPromptSettings:
-    """How the target writes its own questions (--self-prompts; each field's meaning: its flag's help in
-    extract/regenerate_cli.py)."""
+    """How the target writes its own questions (each field's meaning: its flag's help in regenerate_cli.py)."""
 
     self_prompts: int = 0
     question_temperature: float = 1.0
@@ -75,8 +67,8 @@ def question_stop_ids(model, tokenizer, end_of_user_turn: str | None,
 
 @dataclass
 class QuestionSampler:
-    """Samples questions after ``header`` through ``generate`` (prompts -> [(tokens, truncated)])
-    and keeps the new ones; ``seen`` holds the dedup keys of every question kept in the run."""
+    """Samples questions after ``header`` through ``generate`` (prompts -> [(tokens, truncated)]) and keeps
+    the new ones; ``seen`` holds the dedup keys of every question kept in the run."""
 
     generate: Callable[[list[str]], list[tuple[list[int], bool]]]
     tokenizer: Any
@@ -86,9 +78,9 @@ class QuestionSampler:
     seen: set[str] = field(default_factory=set)
 
     def chats(self, indices: range) -> tuple[list[Conversation], dict]:
-        """The chats [user: question, assistant: to answer] of samples ``indices`` (the caller
-        seeds the RNG), and the part record's additions: the counts and the kept questions'
-        dedup keys (read back on a resume)."""
+        """The chats [user: question, assistant: ""] of samples ``indices`` (source_row -1 - index; the caller
+        seeds the RNG), and the part record's additions: the counts and the kept questions' dedup keys
+        (read back on a resume). Truncated, empty, too short and duplicate questions are dropped, counted."""
         counts = dict.fromkeys(("generated", "truncated", "empty", "too_short", "duplicates", "kept"), 0)
         convs, keys = [], []
         for start in range(0, len(indices), self.batch_size):
