@@ -56,7 +56,7 @@ def instant_server(delay_s: float) -> ThreadingHTTPServer:
 @click.option("--concurrency", default=32, show_default=True)
 @click.option("--delay-ms", default=0.0, show_default=True, help="Server-side delay per request.")
 def main(conversations: int, turns: int, concurrency: int, delay_ms: float) -> None:
-    from dflash.extract.endpoint import EndpointConfig
+    from dflash.extract.regenerate_endpoint import EndpointConfig
     from dflash.extract.regenerate import GenerationSettings, RegenConfig, regenerate
 
     httpd = instant_server(delay_ms / 1000)

@@ -38,7 +38,8 @@ from typing import Any, Literal
 
 from .chat import stop_token_ids
 from .data import Conversation, DataError, SkipCounter, dataset_fingerprint, guard, load_source, normalize_row
-from .endpoint import EndpointConfig
+from .messages import regenerated_message, wire_message
+from .regenerate_endpoint import EndpointConfig, EndpointEngine
 from .self_prompts import QuestionSampler, SelfPromptSettings, question_stop_ids, user_header
 
 log = logging.getLogger(__name__)
@@ -163,19 +164,6 @@ class Chat:
         self.advance(turn)
 
 
-def regenerated_message(source: dict, content: str, reasoning: str | None = None,
-                        tool_calls: list | None = None) -> dict:
-    """The source assistant message with the target's content, reasoning and tool calls in place
-    of its own (the loss covers every token of the turn); other fields (a `name`) kept."""
-    message = {k: v for k, v in source.items() if k not in ("reasoning_content", "tool_calls") and v is not None}
-    message["content"] = content
-    if reasoning:
-        message["reasoning_content"] = reasoning
-    if tool_calls:
-        message["tool_calls"] = tool_calls
-    return message
-
-
 def read_journal(path: Path) -> list[dict]:
     """A part's journaled turns (JSON lines); a torn last line (killed mid-write) is cut off the file."""
     lines = path.read_text(encoding="utf-8").splitlines(keepends=True) if path.exists() else []
@@ -234,23 +222,6 @@ def open_part(out: Path, index: int, rows: int, convs: list[Conversation], skips
                              "delete the file to redo the part")
         part.apply(by_row[event["row"]], event)
     return part
-
-
-def wire_message(message: dict) -> dict:
-    """A message as the chat-completions API takes it and as the output rows store it: no None fields,
-    tool-call arguments as JSON strings (the API's type; Arrow cannot hold free-form objects)."""
-    wire = {k: v for k, v in message.items() if v is not None}
-    if wire.get("tool_calls"):
-        calls = []
-        for call in wire["tool_calls"]:
-            call = {k: v for k, v in call.items() if v is not None}
-            function = call.get("function")
-            if isinstance(function, dict) and not isinstance(function.get("arguments"), str):
-                call["function"] = {**function, "arguments": json.dumps(function.get("arguments") or {},
-                                                                        ensure_ascii=False)}
-            calls.append(call)
-        wire["tool_calls"] = calls
-    return wire
 
 
 def chat_totals(chats: list[Chat]) -> dict[str, int]:
@@ -524,12 +495,7 @@ def regenerate(cfg: RegenConfig, *, model=None, tokenizer=None, overwrite: bool 
     if cfg.data is not None:
         ds = load_source(cfg.data, cfg.split)
         num_rows, source_fp = min(len(ds), cfg.limit or len(ds)), dataset_fingerprint(ds, cfg.data, cfg.split)
-    if cfg.endpoint is None:
-        engine = LocalEngine(cfg, model, tokenizer)
-    else:
-        from .regenerate_endpoint import EndpointEngine
-
-        engine = EndpointEngine(cfg)
+    engine = LocalEngine(cfg, model, tokenizer) if cfg.endpoint is None else EndpointEngine(cfg)
     # everything that decides the output rows: a resume must match it exactly
     record = {"format": FORMAT_VERSION, "part_size": cfg.part_size, "num_rows": num_rows, "on_bad_row": cfg.on_bad_row,
               "source": {k: source_fp.get(k) for k in ("source", "split", "revision", "num_rows", "hash_method",

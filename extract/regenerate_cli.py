@@ -10,7 +10,7 @@ import click
 
 from dflash.shared.cli import Command, JsonObject, Maybe, looks_like_path, take, usable_device, validated
 
-from .endpoint import EndpointConfig, EndpointDown
+from .regenerate_endpoint import EndpointConfig, EndpointDown
 from .regenerate import GenerationSettings, RegenConfig, regenerate
 from .self_prompts import SelfPromptSettings
 

@@ -17,7 +17,7 @@ from click.testing import CliRunner
 from dflash.eval.cli import cli as eval_cli
 from dflash.extract.cli import main as extract_main
 from dflash.extract.config import ZSTD_LEVELS, ExtractConfig
-from dflash.extract.endpoint import EndpointConfig
+from dflash.extract.regenerate_endpoint import EndpointConfig
 from dflash.extract.regenerate import GenerationSettings, RegenConfig
 from dflash.extract.regenerate_cli import cli as regenerate_cli
 from dflash.extract.self_prompts import SelfPromptSettings

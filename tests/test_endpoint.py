@@ -1,4 +1,4 @@
-"""The chat-completions client (dflash.extract.endpoint) against a scripted stdlib HTTP
+"""The chat-completions client (dflash.extract.regenerate_endpoint) against a scripted stdlib HTTP
 server: retries with backoff, rejected requests, a server that is down; and the pieces of
 regenerate_endpoint that turn answers into messages (reasoning, tool calls) and requests."""
 
@@ -14,7 +14,7 @@ import serve_helpers as S
 from dflash.extract import regenerate as regen
 from dflash.extract import regenerate_endpoint as rep
 from dflash.extract.data import Conversation
-from dflash.extract.endpoint import ChatEndpoint, EndpointConfig, EndpointDown, RequestRejected, parse_reply
+from dflash.extract.regenerate_endpoint import ChatEndpoint, EndpointConfig, EndpointDown, RequestRejected, parse_reply
 
 ANSWER = {"model": "m", "choices": [{"index": 0, "finish_reason": "stop",
                                      "message": {"role": "assistant", "content": "hi"}}],

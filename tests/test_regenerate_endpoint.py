@@ -14,7 +14,7 @@ import serve_helpers as S
 
 from dflash.extract import regenerate as regen
 from dflash.extract import regenerate_cli as regen_cli
-from dflash.extract.endpoint import EndpointConfig, EndpointDown
+from dflash.extract.regenerate_endpoint import EndpointConfig, EndpointDown
 
 LIMIT = 5
 MAX_NEW = 6
