@@ -56,7 +56,6 @@ def instant_server(delay_s: float) -> ThreadingHTTPServer:
 @click.option("--concurrency", default=32, show_default=True)
 @click.option("--delay-ms", default=0.0, show_default=True, help="Server-side delay per request.")
 def main(conversations: int, turns: int, concurrency: int, delay_ms: float) -> None:
-    from dflash.extract.regenerate_endpoint import EndpointConfig
     from dflash.extract.regenerate import GenerationSettings, RegenConfig, regenerate
 
     httpd = instant_server(delay_ms / 1000)
@@ -67,7 +66,7 @@ def main(conversations: int, turns: int, concurrency: int, delay_ms: float) -> N
             chat += [{"role": "user", "content": f"Question {k}?"}, {"role": "assistant", "content": "Old answer."}]
         data.write_text("".join(json.dumps({"messages": chat}) + "\n" for _ in range(conversations)))
         job = RegenConfig(data=str(data), model=None, out=str(Path(tmp) / "out"),
-                          generation=GenerationSettings(max_new_tokens=8), endpoint=EndpointConfig(url=f"http://127.0.0.1:{httpd.server_address[1]}/v1"),
+                          generation=GenerationSettings(max_new_tokens=8), endpoint=f"http://127.0.0.1:{httpd.server_address[1]}/v1",
                           concurrency=concurrency, progress=False)
         started = time.perf_counter()
         meta = regenerate(job)

@@ -39,8 +39,8 @@ from typing import Any, Literal
 from .chat import stop_token_ids
 from .data import Conversation, DataError, SkipCounter, dataset_fingerprint, guard, load_source, normalize_row
 from .messages import regenerated_message, wire_message
-from .regenerate_endpoint import EndpointConfig, EndpointEngine
-from .self_prompts import QuestionSampler, SelfPromptSettings, question_stop_ids, user_header
+from .regenerate_endpoint import EndpointEngine
+from .self_prompts import QuestionSampler, question_stop_ids, user_header
 
 log = logging.getLogger(__name__)
 
@@ -84,7 +84,11 @@ class RegenConfig:
     out: str
     split: str = "train"
     generation: GenerationSettings = field(default_factory=GenerationSettings)
-    endpoint: EndpointConfig | None = None  # None: the target in this process
+    endpoint: str | None = None  # the server's base URL; None: the target in this process
+    api_key: str | None = None
+    request_timeout: float = 600.0
+    retries: int = 6
+    retry_wait: float = 1.0  # first backoff in seconds, doubling per retry up to 30 s (no flag)
     concurrency: int = 32
     extra_body: dict[str, Any] = field(default_factory=dict)
     batch_size: int = 16
@@ -94,13 +98,24 @@ class RegenConfig:
     static_cache: bool | None = None
     on_bad_row: str = "skip"
     progress: bool = True  # a tqdm bar over source rows (no flag)
-    self_prompting: SelfPromptSettings = field(default_factory=SelfPromptSettings)
+    self_prompts: int = 0
+    question_temperature: float = 1.0
+    question_top_p: float = 0.95
+    question_max_tokens: int = 256
+    question_min_chars: int = 8
 
     def validate(self) -> None:
         """Raise ValueError naming the first setting that cannot work."""
         self.generation.validate()
-        self.self_prompting.validate()
-        prompts = self.self_prompting.self_prompts
+        prompts = self.self_prompts
+        for name, value, ok, want in (
+                ("self_prompts", prompts, prompts >= 0, "0 or more"),
+                ("question_temperature", self.question_temperature, self.question_temperature >= 0, ">= 0"),
+                ("question_top_p", self.question_top_p, 0 < self.question_top_p <= 1, "in (0, 1]"),
+                ("question_max_tokens", self.question_max_tokens, self.question_max_tokens >= 1, ">= 1"),
+                ("question_min_chars", self.question_min_chars, self.question_min_chars >= 0, "0 or more")):
+            if not ok:
+                raise ValueError(f"{name} must be {want}, got {value}")
         if prompts and (self.endpoint is not None or self.model is None):
             raise ValueError("--self-prompts needs the target in process: give --model, without --endpoint (a chat "
                              "API cannot continue a bare user header)")
@@ -433,22 +448,22 @@ class LocalEngine:
         self.record = {"generation": asdict(cfg.generation), "tokenizer": tokenizer_fingerprint(tokenizer),
                        "target": {k: self.fingerprint.get(k) for k in ("name_or_path", "revision", "config_hash",
                                                                        "weights_hash", "dtype")}}
-        prompting = cfg.self_prompting
         use_static = cfg.static_cache if cfg.static_cache is not None else model.device.type == "cuda"
-        new_tokens = max(cfg.generation.max_new_tokens, prompting.question_max_tokens if prompting.self_prompts else 0)
+        new_tokens = max(cfg.generation.max_new_tokens, cfg.question_max_tokens if cfg.self_prompts else 0)
         self.static = (StaticDecoder(model, cfg.batch_size, new_tokens, cfg.generation.max_prompt_tokens)
                        if use_static else None)
         self.sampler = None
-        if prompting.self_prompts:  # absent from the record otherwise, so runs made before it still resume
+        if cfg.self_prompts:  # absent from the record otherwise, so runs made before it still resume
             header, end_of_user_turn = user_header(tokenizer, cfg.generation.template_kwargs)
-            self.record["self_prompts"] = {**asdict(prompting), "header": header}
+            self.record["self_prompts"] = {"header": header, **{k: getattr(cfg, k) for k in (
+                "self_prompts", "question_temperature", "question_top_p", "question_max_tokens", "question_min_chars")}}
             stops = question_stop_ids(model, tokenizer, end_of_user_turn, cfg.generation.template_kwargs)
-            settings = replace(cfg.generation, temperature=prompting.question_temperature,
-                               top_p=prompting.question_top_p, max_new_tokens=prompting.question_max_tokens)
+            settings = replace(cfg.generation, temperature=cfg.question_temperature, top_p=cfg.question_top_p,
+                               max_new_tokens=cfg.question_max_tokens)
             kwargs = generation_kwargs(settings, stops, pad_token_id(tokenizer, stops))
             self.sampler = QuestionSampler(lambda prompts: generate_batch(model, tokenizer, prompts, kwargs, stops,
                                                                           self.static),
-                                           tokenizer, header, prompting, cfg.batch_size)
+                                           tokenizer, header, cfg.question_min_chars, cfg.batch_size)
 
     def metadata(self, stats: list[dict]) -> dict:
         return {"target_fingerprint": self.fingerprint}
@@ -502,7 +517,7 @@ def regenerate(cfg: RegenConfig, *, model=None, tokenizer=None, overwrite: bool 
                                                        "content_hash")}, **engine.record}
     out = Path(cfg.out)
     start_run(out, record, overwrite)
-    prompts = cfg.self_prompting.self_prompts
+    prompts = cfg.self_prompts
     # the dataset's parts first, then the self-prompt parts (samples [0, prompts) in part_size steps)
     data_parts = math.ceil(num_rows / cfg.part_size)
     num_parts = data_parts + math.ceil(prompts / cfg.part_size)

@@ -48,18 +48,6 @@ class RequestRejected(RuntimeError):
 
 
 @dataclass
-class EndpointConfig:
-    """Where the server is and how hard to try (each field's meaning: its flag's help in extract/regenerate_cli.py;
-    ``url`` is --endpoint)."""
-
-    url: str
-    api_key: str | None = None
-    request_timeout: float = 600.0
-    retries: int = 6
-    retry_wait: float = 1.0  # first backoff in seconds; doubles per retry, capped at 30 s (no flag)
-
-
-@dataclass
 class Reply:
     """One chat completion, reduced to what regeneration keeps (None: not returned)."""
 
@@ -76,12 +64,16 @@ class Reply:
 class ChatEndpoint:
     """Thread-safe: one instance serves every worker thread (each request opens its own connection)."""
 
-    config: EndpointConfig
+    url: str
+    api_key: str | None = None
+    request_timeout: float = 600.0
+    retries: int = 6
+    retry_wait: float = 1.0  # first backoff in seconds; doubles per retry, capped at 30 s
     stop: threading.Event = field(default_factory=threading.Event)  # set to end retries early
 
     @property
     def base(self) -> str:
-        return self.config.url.rstrip("/")
+        return self.url.rstrip("/")
 
     def models(self) -> list[str]:
         """Model ids the server lists under /models."""
@@ -93,9 +85,9 @@ class ChatEndpoint:
         return parse_reply(self._with_retries("POST", "/chat/completions", body, probe=True), self.base)
 
     def _with_retries(self, method: str, path: str, body: dict | None, *, probe: bool) -> dict:
-        cfg, url, failures, last_status, started = self.config, self.base + path, [], None, time.monotonic()
-        for attempt in range(cfg.retries + 1):
-            if attempt and self.stop.wait(min(30.0, cfg.retry_wait * 2 ** (attempt - 1))):
+        url, failures, last_status, started = self.base + path, [], None, time.monotonic()
+        for attempt in range(self.retries + 1):
+            if attempt and self.stop.wait(min(30.0, self.retry_wait * 2 ** (attempt - 1))):
                 break
             try:
                 return self._request(method, url, body)
@@ -130,10 +122,10 @@ class ChatEndpoint:
     def _request(self, method: str, url: str, body: dict | None) -> dict:
         data = None if body is None else json.dumps(body, ensure_ascii=False).encode("utf-8")
         headers = {"Accept": "application/json", **({"Content-Type": "application/json"} if data else {})}
-        if self.config.api_key:
-            headers["Authorization"] = f"Bearer {self.config.api_key}"
+        if self.api_key:
+            headers["Authorization"] = f"Bearer {self.api_key}"
         request = urllib.request.Request(url, data=data, headers=headers, method=method)
-        with urllib.request.urlopen(request, timeout=self.config.request_timeout) as response:
+        with urllib.request.urlopen(request, timeout=self.request_timeout) as response:
             payload = response.read()
         try:
             return json.loads(payload)
@@ -210,7 +202,8 @@ class EndpointEngine:
     sampler = None  # no self-prompting: a chat API cannot continue a bare user header
 
     def __init__(self, cfg: RegenConfig):
-        self.cfg, self.client = cfg, ChatEndpoint(cfg.endpoint)
+        self.cfg, self.client = cfg, ChatEndpoint(cfg.endpoint, cfg.api_key, cfg.request_timeout, cfg.retries,
+                                                 cfg.retry_wait)
         self.model = self.served_model(cfg.model)
         # the URL is not recorded: a restarted server can listen elsewhere
         self.record = {"engine": "endpoint", "target": {"served_model": self.model}, "extra_body": cfg.extra_body,
@@ -241,8 +234,7 @@ class EndpointEngine:
         return {"target_fingerprint": {"endpoint": self.client.base, "served_model": self.model,
                                        "answered_by": dict(served)},
                 "endpoint": {"url": self.client.base, "concurrency": self.cfg.concurrency,
-                             "request_timeout": self.cfg.endpoint.request_timeout,
-                             "retries": self.cfg.endpoint.retries}}
+                             "request_timeout": self.cfg.request_timeout, "retries": self.cfg.retries}}
 
     def run_chat(self, part: Part, chat: Chat, lock: threading.Lock) -> None:
         """Ask the chat's turns in order; each answer is journaled and applied under the lock. A

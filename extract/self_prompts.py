@@ -16,29 +16,6 @@ SENTINEL = "dflashSelfPromptSentinel7f3a"
 SOURCE = "self_prompt"  # the `source` of a self-prompted chat (errors and skip counts name it)
 
 
-@dataclass
-class SelfPromptSettings:
-    """How the target writes its own questions (each field's meaning: its flag's help in regenerate_cli.py)."""
-
-    self_prompts: int = 0
-    question_temperature: float = 1.0
-    question_top_p: float = 0.95
-    question_max_tokens: int = 256
-    question_min_chars: int = 8
-
-    def validate(self) -> None:
-        if self.self_prompts < 0:
-            raise ValueError(f"self_prompts must be 0 or more, got {self.self_prompts}")
-        if self.question_temperature < 0:
-            raise ValueError(f"question_temperature must be >= 0, got {self.question_temperature}")
-        if not 0 < self.question_top_p <= 1:
-            raise ValueError(f"question_top_p must be in (0, 1], got {self.question_top_p}")
-        if self.question_max_tokens < 1:
-            raise ValueError(f"question_max_tokens must be >= 1, got {self.question_max_tokens}")
-        if self.question_min_chars < 0:
-            raise ValueError(f"question_min_chars must be 0 or more, got {self.question_min_chars}")
-
-
 def user_header(tokenizer, template_kwargs: dict[str, Any] | None = None) -> tuple[str, str | None]:
     """The text a first user turn starts with (default system prompt included) and the first
     special token the template writes after the user's text (the end of a user turn), if any.
@@ -73,7 +50,7 @@ class QuestionSampler:
     generate: Callable[[list[str]], list[tuple[list[int], bool]]]
     tokenizer: Any
     header: str
-    settings: SelfPromptSettings
+    min_chars: int  # shorter questions (whitespace collapsed) are dropped
     batch_size: int
     seen: set[str] = field(default_factory=set)
 
@@ -90,7 +67,7 @@ class QuestionSampler:
                 question = self.tokenizer.decode(tokens, skip_special_tokens=False).strip()
                 key = " ".join(question.split())  # the dedup key: whitespace runs collapsed
                 reason = ("truncated" if truncated else "empty" if not key
-                          else "too_short" if len(key) < self.settings.question_min_chars
+                          else "too_short" if len(key) < self.min_chars
                           else "duplicates" if key in self.seen else "kept")
                 counts[reason] += 1
                 if reason == "kept":

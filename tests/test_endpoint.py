@@ -14,7 +14,7 @@ import serve_helpers as S
 from dflash.extract import regenerate as regen
 from dflash.extract import regenerate_endpoint as rep
 from dflash.extract.data import Conversation
-from dflash.extract.regenerate_endpoint import ChatEndpoint, EndpointConfig, EndpointDown, RequestRejected, parse_reply
+from dflash.extract.regenerate_endpoint import ChatEndpoint, EndpointDown, RequestRejected, parse_reply
 
 ANSWER = {"model": "m", "choices": [{"index": 0, "finish_reason": "stop",
                                      "message": {"role": "assistant", "content": "hi"}}],
@@ -73,7 +73,7 @@ def scripted():
 
 
 def _client(url, retries=3):
-    return ChatEndpoint(EndpointConfig(url=url, retries=retries, retry_wait=0.01, request_timeout=10))
+    return ChatEndpoint(url, retries=retries, retry_wait=0.01, request_timeout=10)
 
 
 def test_5xx_and_429_are_retried(scripted):
@@ -198,7 +198,7 @@ def test_leading_assistant_messages_are_removed_not_asked(scripted, tmp_path):
             [{"role": "assistant", "content": "only me"}]]
     data.write_text("".join(json.dumps({"messages": m}) + "\n" for m in rows))
     job = regen.RegenConfig(data=str(data), model=None, out=str(tmp_path / "out"),
-                            endpoint=EndpointConfig(url=server.url), progress=False)
+                            endpoint=server.url, progress=False)
     meta = regen.regenerate(job)
     assert [body["messages"] for _, body in server.posts()] == [[{"role": "user", "content": "q"}]]
     assert meta["counts"]["skipped"] == {"leading_assistant_removed": 2, "no_assistant_turn": 1}

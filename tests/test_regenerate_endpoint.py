@@ -14,7 +14,7 @@ import serve_helpers as S
 
 from dflash.extract import regenerate as regen
 from dflash.extract import regenerate_cli as regen_cli
-from dflash.extract.regenerate_endpoint import EndpointConfig, EndpointDown
+from dflash.extract.regenerate_endpoint import EndpointDown
 
 LIMIT = 5
 MAX_NEW = 6
@@ -39,7 +39,7 @@ def proxy(server):
 def _job(url, data, out, *, concurrency=3, part_size=2, retries=2, **generation):
     settings = regen.GenerationSettings(max_new_tokens=MAX_NEW, **generation)
     return regen.RegenConfig(data=str(data), model=None, out=str(out),
-                             endpoint=EndpointConfig(url=url, retries=retries, retry_wait=0.05),
+                             endpoint=url, retries=retries, retry_wait=0.05,
                              generation=settings, concurrency=concurrency, part_size=part_size, limit=LIMIT,
                              progress=False)
 
