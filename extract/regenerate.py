@@ -65,14 +65,17 @@ class GenerationSettings:
     dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
 
     def validate(self) -> None:
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.max_new_tokens < 1:
-            raise ValueError("max_new_tokens must be >= 1")
-        if self.max_prompt_tokens is not None and self.max_prompt_tokens < 1:
-            raise ValueError(f"max_prompt_tokens must be >= 1, got {self.max_prompt_tokens}")
+        t, p, new, prompt = self.temperature, self.top_p, self.max_new_tokens, self.max_prompt_tokens
+        _require(("temperature", t, t >= 0, ">= 0"), ("top_p", p, 0 < p <= 1, "in (0, 1]"),
+                 ("max_new_tokens", new, new >= 1, ">= 1"),
+                 ("max_prompt_tokens", prompt, prompt is None or prompt >= 1, ">= 1"))
+
+
+def _require(*checks: tuple[str, Any, bool, str]) -> None:
+    """Raise ValueError for the first (name, value, ok, want) that is not ok."""
+    for name, value, ok, want in checks:
+        if not ok:
+            raise ValueError(f"{name} must be {want}, got {value}")
 
 
 @dataclass
@@ -107,15 +110,14 @@ class RegenConfig:
     def validate(self) -> None:
         """Raise ValueError naming the first setting that cannot work."""
         self.generation.validate()
-        prompts = self.self_prompts
-        for name, value, ok, want in (
-                ("self_prompts", prompts, prompts >= 0, "0 or more"),
-                ("question_temperature", self.question_temperature, self.question_temperature >= 0, ">= 0"),
-                ("question_top_p", self.question_top_p, 0 < self.question_top_p <= 1, "in (0, 1]"),
-                ("question_max_tokens", self.question_max_tokens, self.question_max_tokens >= 1, ">= 1"),
-                ("question_min_chars", self.question_min_chars, self.question_min_chars >= 0, "0 or more")):
-            if not ok:
-                raise ValueError(f"{name} must be {want}, got {value}")
+        prompts, t, p = self.self_prompts, self.question_temperature, self.question_top_p
+        _require(("self_prompts", prompts, prompts >= 0, "0 or more"), ("question_temperature", t, t >= 0, ">= 0"),
+                 ("question_top_p", p, 0 < p <= 1, "in (0, 1]"),
+                 ("question_max_tokens", self.question_max_tokens, self.question_max_tokens >= 1, ">= 1"),
+                 ("question_min_chars", self.question_min_chars, self.question_min_chars >= 0, "0 or more"),
+                 *((name, getattr(self, name), getattr(self, name) >= 1, "at least 1")
+                   for name in ("batch_size", "concurrency", "part_size")),
+                 ("limit", self.limit, self.limit is None or self.limit >= 1, "at least 1"))
         if prompts and (self.endpoint is not None or self.model is None):
             raise ValueError("--self-prompts needs the target in process: give --model, without --endpoint (a chat "
                              "API cannot continue a bare user header)")
@@ -123,11 +125,6 @@ class RegenConfig:
             raise ValueError("give --model (in process) or --endpoint (a server)")
         if self.data is None and not prompts:
             raise ValueError("give --data (a chat dataset) or --self-prompts N (questions the target writes itself)")
-        for name in ("batch_size", "concurrency", "part_size"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
-        if self.limit is not None and self.limit < 1:
-            raise ValueError(f"limit must be at least 1, got {self.limit}")
 
 
 # ---------------------------------------------------------------------------- chats and parts
