@@ -5,6 +5,7 @@ What a template reads stays, as the row gives it: per message `content`, `reason
 JSON-string tool-call arguments and a JSON-string `tools` are decoded, since templates
 serialise them as objects (`arguments | tojson`). Each function reports a bad shape through
 `fail(reason, problem)`, which the caller turns into its own error naming file and row.
+Regeneration writes and sends messages through `regenerated_message` and `wire_message`.
 """
 
 from __future__ import annotations

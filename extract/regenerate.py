@@ -1,25 +1,24 @@
 """Regenerate a chat dataset's assistant turns with the target itself, so the drafter trains on
 the target's own answers (README.md, "Before stage one"): turn k of a chat is asked with the
-turns before it already regenerated; the answer replaces the turn's content, reasoning and
-tool calls. One driver, `regenerate`, runs one of two engines over parts of `part_size` rows:
-the target in this process (`LocalEngine`) or an OpenAI-compatible server
-(`regenerate_endpoint.EndpointEngine`). `--self-prompts N` (in process) adds rows whose
-question the target writes itself (extract/self_prompts.py), after the dataset's.
+turns before it already regenerated. One driver, `regenerate`, runs an engine over parts of
+`part_size` rows: the target in this process (`LocalEngine`) or an OpenAI-compatible server
+(`regenerate_endpoint.EndpointEngine`). An engine has `record` (its keys of run.json),
+`sampler` (self-prompting's `QuestionSampler`, or None), `run(parts, finish, bar)` (answer
+every chat of each part, then `finish(part)`) and `metadata(stats)`.
 
     OUT/run.json                      settings + fingerprints, written first, checked on resume
     OUT/parts/part-00000.turns.jsonl  the turn journal of an unfinished part
     OUT/parts/part-00000.jsonl        the part's rows; part-00000.done.json its counts (marks it done)
-    OUT/state.json, data-*.arrow, ... every part via save_to_disk, read by ``load_source(OUT)``; rows
-                                      {"messages", "source_row", "truncated_turns"}, tool-call arguments
-                                      as JSON strings (Arrow cannot hold free-form objects)
+    OUT/state.json, data-*.arrow, ... every part via save_to_disk, read by ``load_source(OUT)``: rows
+                                      {"messages", "source_row", "truncated_turns"}
     OUT/regenerate.json               fingerprints, generation settings, counts (written last)
 
 Resume: the turn journal keeps every answered turn of an unfinished part. A server seeds each
 request from (seed, row, turn), so it journals as it goes. In process, batched sampling draws
 from one generator seeded from (seed, part), so answered turns cannot be kept without changing
-the later ones: it journals nothing and redoes an unfinished part whole, and a resumed run gives
-the uninterrupted run's rows. Only these settings apply: the model's generation_config sampling
-defaults (Qwen3 ships temperature 0.6, top_k 20) are overridden.
+the later ones: it journals nothing and redoes an unfinished part whole, and a resumed run
+gives the uninterrupted run's rows. The model's generation_config sampling defaults (Qwen3:
+temperature 0.6, top_k 20) are overridden: only these settings apply.
 """
 
 from __future__ import annotations

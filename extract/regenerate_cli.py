@@ -72,9 +72,9 @@ def cli(**values):
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     overwrite, generation = values.pop("overwrite"), validated(take(GenerationSettings, values))
     job = validated(RegenConfig(**values, generation=generation))
-    if job.endpoint is None and looks_like_path(job.model) and not os.path.isdir(os.path.expanduser(job.model)):
-        raise click.UsageError(f"--model {job.model} is not a folder; pass an existing model folder or a hub name")
     if job.endpoint is None:
+        if looks_like_path(job.model) and not os.path.isdir(os.path.expanduser(job.model)):
+            raise click.UsageError(f"--model {job.model} is not a folder; pass an existing model folder or a hub name")
         usable_device(job.device)
     try:
         metadata = regenerate(job, overwrite=overwrite)

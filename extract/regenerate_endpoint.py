@@ -1,14 +1,12 @@
 """Regeneration through an OpenAI-compatible chat-completions server (vLLM, SGLang,
-`transformers serve`): the in-process engine's output at serving-engine speed (README.md,
-"Before stage one", says what each request carries and how failures are handled).
+`transformers serve`) at serving-engine speed; README.md, "Before stage one", says what each
+request carries and how failures are handled. `--concurrency` conversations are in flight, the
+turns of one in order, each answered turn journaled as it arrives.
 
-`--concurrency` conversations are in flight, across parts, the turns of one in order. Every
-answered turn is journaled as it arrives, so a rerun after a kill or a server crash asks only
-for the turns not answered yet; a request sampled at temperature > 0 carries a seed drawn
-from (seed, row, turn), so a resumed run asks it the same way. The client is on the standard
-library: connection errors, timeouts, 429 and 5xx are retried with exponential backoff; when
-retries run out the server counts as down (`EndpointDown`), unless it still answers
-`GET /models`: then, as for a 4xx, only this request fails (`RequestRejected`).
+The client is on the standard library: connection errors, timeouts, 429 and 5xx are retried
+with exponential backoff; when retries run out the server counts as down (`EndpointDown`),
+unless it still answers `GET /models`: then, as for a 4xx, only this request fails
+(`RequestRejected`).
 """
 
 from __future__ import annotations
@@ -31,6 +29,8 @@ from .messages import regenerated_message, wire_message
 
 if TYPE_CHECKING:  # annotations only: regenerate.py imports this module
     from .regenerate import Chat, GenerationSettings, Part, RegenConfig
+
+log = logging.getLogger(__name__)
 
 RETRY_STATUS = {408, 429}  # plus every 5xx
 
@@ -146,9 +146,6 @@ def parse_reply(answer: dict[str, Any], base: str = "") -> Reply:
                  tool_calls=message.get("tool_calls") or None, finish_reason=choice.get("finish_reason"),
                  model=answer.get("model"), prompt_tokens=usage.get("prompt_tokens"),
                  completion_tokens=usage.get("completion_tokens"))
-
-
-log = logging.getLogger(__name__)
 
 
 def request_seed(seed: int, row: int, turn: int) -> int:
