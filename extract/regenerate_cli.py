@@ -86,9 +86,7 @@ def cli(**values):
                + (f", self-prompted questions {c['self_prompts']}" if "self_prompts" in c else "") + f" -> {job.out}")
 
 
-def main(argv: list[str] | None = None, prog_name: str | None = None) -> None:
-    cli.main(args=argv, prog_name=prog_name, standalone_mode=True)
-
+main = cli  # the dflash-regenerate entry point
 
 if __name__ == "__main__":
-    main()
+    cli()
