@@ -56,9 +56,7 @@ def instant_server(delay_s: float) -> ThreadingHTTPServer:
 @click.option("--concurrency", default=32, show_default=True)
 @click.option("--delay-ms", default=0.0, show_default=True, help="Server-side delay per request.")
 def main(conversations: int, turns: int, concurrency: int, delay_ms: float) -> None:
-    from dflash.extract.endpoint import EndpointConfig
-    from dflash.extract.regenerate import GenerationSettings, RegenConfig
-    from dflash.extract.regenerate_endpoint import regenerate_via_endpoint
+    from dflash.extract.regenerate import GenerationSettings, RegenConfig, regenerate
 
     httpd = instant_server(delay_ms / 1000)
     with tempfile.TemporaryDirectory() as tmp:
@@ -68,10 +66,10 @@ def main(conversations: int, turns: int, concurrency: int, delay_ms: float) -> N
             chat += [{"role": "user", "content": f"Question {k}?"}, {"role": "assistant", "content": "Old answer."}]
         data.write_text("".join(json.dumps({"messages": chat}) + "\n" for _ in range(conversations)))
         job = RegenConfig(data=str(data), model=None, out=str(Path(tmp) / "out"),
-                          generation=GenerationSettings(max_new_tokens=8), endpoint=EndpointConfig(url=f"http://127.0.0.1:{httpd.server_address[1]}/v1"),
+                          generation=GenerationSettings(max_new_tokens=8), endpoint=f"http://127.0.0.1:{httpd.server_address[1]}/v1",
                           concurrency=concurrency, progress=False)
         started = time.perf_counter()
-        meta = regenerate_via_endpoint(job)
+        meta = regenerate(job)
         seconds = time.perf_counter() - started
     done = meta["counts"]["turns_regenerated"]
     click.echo(f"{done} turns in {seconds:.1f} s: {done / seconds:.0f} turns/s (concurrency {concurrency}, "

@@ -32,7 +32,8 @@ def main() -> None:
     from transformers import AutoTokenizer
 
     from dflash.extract.data import SkipCounter, load_source
-    from dflash.extract.regenerate import Chat, GenerationSettings, StaticDecoder, part_chats, regenerate_conversations
+    from dflash.extract.regenerate import (Chat, GenerationSettings, StaticDecoder, chat_totals, part_chats,
+                                          regenerate_conversations)
     from dflash.extract.target import load_target
 
     tokenizer = AutoTokenizer.from_pretrained(args.model)
@@ -46,7 +47,9 @@ def main() -> None:
         torch.cuda.synchronize() if args.device.startswith("cuda") else None
         t0 = time.perf_counter()
         chats = [Chat.start(c, skips) for c in convs]
-        out, totals = regenerate_conversations(model, tokenizer, chats, settings, batch_size, skips, static)
+        regenerate_conversations(model, tokenizer, chats, settings, batch_size, skips, static)
+        out = [{"source_row": c.conv.row_index, "messages": c.messages} for c in chats if not c.dropped]
+        totals = chat_totals(chats)
         torch.cuda.synchronize() if args.device.startswith("cuda") else None
         seconds = time.perf_counter() - t0
         stats = {"static": static is not None, "rows": len(convs), "batch_size": batch_size, "seconds": round(seconds, 2),

@@ -5,6 +5,7 @@ What a template reads stays, as the row gives it: per message `content`, `reason
 JSON-string tool-call arguments and a JSON-string `tools` are decoded, since templates
 serialise them as objects (`arguments | tojson`). Each function reports a bad shape through
 `fail(reason, problem)`, which the caller turns into its own error naming file and row.
+Regeneration writes and sends messages through `regenerated_message` and `wire_message`.
 """
 
 from __future__ import annotations
@@ -133,3 +134,33 @@ def add_system(messages: list[dict[str, Any]], system: Any, fail: Fail) -> None:
     elif messages[0].get("content") != system:
         raise fail("malformed_row", "both a top-level 'system' and a different first system message: "
                                     "which one the template should see is ambiguous")
+
+
+def regenerated_message(source: dict, content: str, reasoning: str | None = None,
+                        tool_calls: list | None = None) -> dict:
+    """The source assistant message with the target's content, reasoning and tool calls in place
+    of its own (the loss covers every token of the turn); other fields (a `name`) kept."""
+    message = {k: v for k, v in source.items() if k not in ("reasoning_content", "tool_calls") and v is not None}
+    message["content"] = content
+    if reasoning:
+        message["reasoning_content"] = reasoning
+    if tool_calls:
+        message["tool_calls"] = tool_calls
+    return message
+
+
+def wire_message(message: dict) -> dict:
+    """A message as the chat-completions API takes it and as the output rows store it: no None fields,
+    tool-call arguments as JSON strings (the API's type; Arrow cannot hold free-form objects)."""
+    wire = {k: v for k, v in message.items() if v is not None}
+    if wire.get("tool_calls"):
+        calls = []
+        for call in wire["tool_calls"]:
+            call = {k: v for k, v in call.items() if v is not None}
+            function = call.get("function")
+            if isinstance(function, dict) and not isinstance(function.get("arguments"), str):
+                call["function"] = {**function, "arguments": json.dumps(function.get("arguments") or {},
+                                                                        ensure_ascii=False)}
+            calls.append(call)
+        wire["tool_calls"] = calls
+    return wire

@@ -1,30 +1,24 @@
-"""Regenerate a chat dataset's assistant turns with the target itself: the drafter learns
-the target's own distribution, so the answers it trains on should be the target's.
-
-Two engines answer: the target in this process (here; the CPU demo uses it) or an
-OpenAI-compatible server (`regenerate_endpoint`); both write the same output. Turn k of a
-chat is asked with turns < k already regenerated; system, user and tool messages stay; the
-answer replaces the turn's content, reasoning and tool calls. README.md, "Before stage
-one", says what is cut, dropped and counted. `--self-prompts N` (in process) adds rows
-whose question the target writes itself (extract/self_prompts.py), after the dataset's.
-
-Output folder (rerunning the same command skips finished parts):
+"""Regenerate a chat dataset's assistant turns with the target itself, so the drafter trains on
+the target's own answers (README.md, "Before stage one"): turn k of a chat is asked with the
+turns before it already regenerated. One driver, `regenerate`, runs an engine over parts of
+`part_size` rows: the target in this process (`LocalEngine`) or an OpenAI-compatible server
+(`regenerate_endpoint.EndpointEngine`). An engine has `record` (its keys of run.json),
+`sampler` (self-prompting's `QuestionSampler`, or None), `run(parts, finish, bar)` (answer
+every chat of each part, then `finish(part)`) and `metadata(stats)`.
 
     OUT/run.json                      settings + fingerprints, written first, checked on resume
-    OUT/parts/part-00000.turns.jsonl  the turn journal of an unfinished part (server only)
-    OUT/parts/part-00000.jsonl        the part's regenerated rows
-    OUT/parts/part-00000.done.json    the part's counts; its presence marks the part done
-    OUT/state.json, data-*.arrow, ... every part via save_to_disk, read by ``load_source(OUT)``;
-                                      rows {"messages", "source_row", "truncated_turns"}, tool-call
-                                      arguments as JSON strings (Arrow cannot hold free-form objects)
+    OUT/parts/part-00000.turns.jsonl  the turn journal of an unfinished part
+    OUT/parts/part-00000.jsonl        the part's rows; part-00000.done.json its counts (marks it done)
+    OUT/state.json, data-*.arrow, ... every part via save_to_disk, read by ``load_source(OUT)``: rows
+                                      {"messages", "source_row", "truncated_turns"}
     OUT/regenerate.json               fingerprints, generation settings, counts (written last)
 
-In process each part reseeds the RNG from (seed, part index) and an unfinished part is
-redone whole, so a resumed run gives the same rows as an uninterrupted one, sampled or not:
-batched sampling draws from one generator, so answered turns cannot be kept without
-changing the later ones. A server seeds each request from (seed, row, turn) instead, so
-there the journal keeps every answered turn. The model's generation_config sampling
-defaults (Qwen3 ships temperature 0.6, top_k 20) are overridden: only these settings apply.
+Resume: the turn journal keeps every answered turn of an unfinished part. A server seeds each
+request from (seed, row, turn), so it journals as it goes. In process, batched sampling draws
+from one generator seeded from (seed, part), so answered turns cannot be kept without changing
+the later ones: it journals nothing and redoes an unfinished part whole, and a resumed run
+gives the uninterrupted run's rows. The model's generation_config sampling defaults (Qwen3:
+temperature 0.6, top_k 20) are overridden: only these settings apply.
 """
 
 from __future__ import annotations
@@ -43,8 +37,9 @@ from typing import Any, Literal
 
 from .chat import stop_token_ids
 from .data import Conversation, DataError, SkipCounter, dataset_fingerprint, guard, load_source, normalize_row
-from .endpoint import EndpointConfig
-from .self_prompts import QuestionSampler, SelfPromptSettings, question_stop_ids, user_header
+from .messages import regenerated_message, wire_message
+from .regenerate_endpoint import EndpointEngine
+from .self_prompts import QuestionSampler, question_stop_ids, user_header
 
 log = logging.getLogger(__name__)
 
@@ -69,58 +64,59 @@ class GenerationSettings:
     dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
 
     def validate(self) -> None:
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.max_new_tokens < 1:
-            raise ValueError("max_new_tokens must be >= 1")
-        if self.max_prompt_tokens is not None and self.max_prompt_tokens < 1:
-            raise ValueError(f"max_prompt_tokens must be >= 1, got {self.max_prompt_tokens}")
+        t, p, new, prompt = self.temperature, self.top_p, self.max_new_tokens, self.max_prompt_tokens
+        _require(("temperature", t, t >= 0, ">= 0"), ("top_p", p, 0 < p <= 1, "in (0, 1]"),
+                 ("max_new_tokens", new, new >= 1, ">= 1"),
+                 ("max_prompt_tokens", prompt, prompt is None or prompt >= 1, ">= 1"))
+
+
+def _require(*checks: tuple[str, Any, bool, str]) -> None:
+    """Raise ValueError for the first (name, value, ok, want) that is not ok."""
+    for name, value, ok, want in checks:
+        if not ok:
+            raise ValueError(f"{name} must be {want}, got {value}")
 
 
 @dataclass
 class RegenConfig:
-    """One regeneration job."""
+    """One regeneration job (each field's meaning: its flag's help in extract/regenerate_cli.py)."""
 
-    data: str | None
-    """Source dataset spec (anything load_source reads); None: self-prompted rows only."""
-    model: str | None
-    """Target: HF folder or hub name (in process); with ``endpoint``, the served model's name
-    (None: the one model the server lists)."""
+    data: str | None  # None: self-prompted rows only
+    model: str | None  # with ``endpoint``: the served model's name (None: the one model the server lists)
     out: str
-    """Output folder."""
     split: str = "train"
-    """Source split."""
     generation: GenerationSettings = field(default_factory=GenerationSettings)
-    endpoint: EndpointConfig | None = None
-    """The server answering (regenerate_endpoint); None: the target in this process."""
+    endpoint: str | None = None  # the server's base URL; None: the target in this process
+    api_key: str | None = None
+    request_timeout: float = 600.0
+    retries: int = 6
+    retry_wait: float = 1.0  # first backoff in seconds, doubling per retry up to 30 s (no flag)
     concurrency: int = 32
-    """Conversations in flight at once (endpoint)."""
     extra_body: dict[str, Any] = field(default_factory=dict)
-    """Fields merged into every request (endpoint)."""
     batch_size: int = 16
-    """Prompts per generate() call (in process)."""
     part_size: int = 256
-    """Source rows per output part (the resume unit)."""
     limit: int | None = None
-    """Use the first N source rows."""
     device: str = "cpu"
-    """'cpu', 'cuda' or 'cuda:N'."""
     static_cache: bool | None = None
-    """Static KV cache with the decode step compiled into CUDA graphs; None = on for cuda."""
     on_bad_row: str = "skip"
-    """Source rows that do not normalise (and requests a server rejects): "skip" (counted) or "error"."""
-    progress: bool = True
-    """Show a tqdm bar over source rows."""
-    self_prompting: SelfPromptSettings = field(default_factory=SelfPromptSettings)
-    """Questions the target writes itself (extract/self_prompts.py), answered after the dataset's rows."""
+    progress: bool = True  # a tqdm bar over source rows (no flag)
+    self_prompts: int = 0
+    question_temperature: float = 1.0
+    question_top_p: float = 0.95
+    question_max_tokens: int = 256
+    question_min_chars: int = 8
 
     def validate(self) -> None:
         """Raise ValueError naming the first setting that cannot work."""
         self.generation.validate()
-        self.self_prompting.validate()
-        prompts = self.self_prompting.self_prompts
+        prompts, t, p = self.self_prompts, self.question_temperature, self.question_top_p
+        _require(("self_prompts", prompts, prompts >= 0, "0 or more"), ("question_temperature", t, t >= 0, ">= 0"),
+                 ("question_top_p", p, 0 < p <= 1, "in (0, 1]"),
+                 ("question_max_tokens", self.question_max_tokens, self.question_max_tokens >= 1, ">= 1"),
+                 ("question_min_chars", self.question_min_chars, self.question_min_chars >= 0, "0 or more"),
+                 *((name, getattr(self, name), getattr(self, name) >= 1, "at least 1")
+                   for name in ("batch_size", "concurrency", "part_size")),
+                 ("limit", self.limit, self.limit is None or self.limit >= 1, "at least 1"))
         if prompts and (self.endpoint is not None or self.model is None):
             raise ValueError("--self-prompts needs the target in process: give --model, without --endpoint (a chat "
                              "API cannot continue a bare user header)")
@@ -128,106 +124,9 @@ class RegenConfig:
             raise ValueError("give --model (in process) or --endpoint (a server)")
         if self.data is None and not prompts:
             raise ValueError("give --data (a chat dataset) or --self-prompts N (questions the target writes itself)")
-        for name in ("batch_size", "concurrency", "part_size"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
-        if self.limit is not None and self.limit < 1:
-            raise ValueError(f"limit must be at least 1, got {self.limit}")
 
 
-# ---------------------------------------------------------------------------- generation
-
-
-def generation_kwargs(settings: GenerationSettings, stop_ids: list[int], pad_id: int) -> dict[str, Any]:
-    """generate() arguments that leave nothing to the model's generation_config."""
-    kwargs: dict[str, Any] = dict(max_new_tokens=settings.max_new_tokens, eos_token_id=stop_ids, pad_token_id=pad_id,
-                                  num_beams=1, repetition_penalty=1.0, no_repeat_ngram_size=0)
-    if settings.temperature > 0:
-        kwargs.update(do_sample=True, temperature=settings.temperature, top_p=settings.top_p, top_k=0, min_p=0.0,
-                      typical_p=1.0)
-    else:
-        kwargs.update(do_sample=False)
-    return kwargs
-
-
-STATIC_PROMPT_TOKENS = 2048  # the static caches' room for a prompt when --max-prompt-tokens is not set
-STATIC_SMALLEST_ROOM = 256  # rooms double from here up to the prompt cap
-
-
-class StaticDecoder:
-    """Static KV caches of (batch_size, room + max_new_tokens), one per prompt room, for a whole run.
-
-    generate() compiles the decode step of a model whose cache is static and, on CUDA,
-    captures it in CUDA graphs: Python launch overhead would otherwise bound a small
-    target's decoding. Every batch is padded to the same rows and takes the smallest room
-    that holds its prompts; each room's cache is reset in place and reused, so the step is
-    compiled once per room, not once per batch. Rooms double because a decode step reads
-    the whole static cache (its cost grows with the room, not with the prompt). Prompts
-    longer than the largest room fall back to the plain path.
-    """
-
-    def __init__(self, model, batch_size: int, max_new_tokens: int, prompt_tokens: int | None):
-        self.model, self.rows, self.max_new_tokens = model, batch_size, max_new_tokens
-        self.room = prompt_tokens or STATIC_PROMPT_TOKENS
-        self.caches: dict[int, object] = {}
-
-    def cache_for(self, width: int, rows: int):
-        """The reset cache of the smallest room that holds ``width`` prompt tokens, or None."""
-        if width > self.room or rows > self.rows:
-            return None
-        room = STATIC_SMALLEST_ROOM
-        while room < width:
-            room *= 2
-        room = min(room, self.room)
-        if room not in self.caches:
-            from transformers import StaticCache
-
-            self.caches[room] = StaticCache(config=self.model.config, max_cache_len=room + self.max_new_tokens)
-        return self.caches[room]
-
-
-def generate_batch(model, tokenizer, prompts: list[str], gen_kwargs: dict, stop_ids: list[int],
-                   static: StaticDecoder | None = None) -> list[tuple[list[int], bool]]:
-    """Left-padded batched generation: per prompt (tokens before the stop token, truncated?).
-    With ``static`` (where the batch fits it), the batch is padded to its rows with copies of
-    the first prompt and decoded on its cache; padding is masked, so the tokens do not
-    change beyond floating-point rounding."""
-    import torch
-
-    # Padded by hand: setting tokenizer.padding_side would change the tokenizer (and its fingerprint).
-    encoded = [tokenizer(p, add_special_tokens=False)["input_ids"] for p in prompts]
-    width = max(len(ids) for ids in encoded)
-    real_rows = len(encoded)
-    cache = static.cache_for(width, real_rows) if static is not None else None
-    if cache is not None:
-        encoded += [encoded[0]] * (static.rows - real_rows)
-        with torch.inference_mode():
-            cache.reset()
-        gen_kwargs = {**gen_kwargs, "past_key_values": cache}
-    input_ids = torch.full((len(encoded), width), gen_kwargs["pad_token_id"], dtype=torch.long)
-    attention_mask = torch.zeros((len(encoded), width), dtype=torch.long)
-    for row, ids in enumerate(encoded):  # left padding: every prompt ends at the last column
-        input_ids[row, width - len(ids):] = torch.tensor(ids, dtype=torch.long)
-        attention_mask[row, width - len(ids):] = 1
-    device = next(model.parameters()).device
-    with torch.inference_mode():
-        out = model.generate(input_ids=input_ids.to(device), attention_mask=attention_mask.to(device), **gen_kwargs)
-    new = out[:real_rows, width:].tolist()
-    stops = set(stop_ids)
-    results = []
-    for tokens in new:
-        cut = next((i for i, t in enumerate(tokens) if t in stops), None)
-        results.append((tokens, True) if cut is None else (tokens[:cut], False))
-    return results
-
-
-def _render_prompt(tokenizer, conv: Conversation, messages: list[dict], template_kwargs: dict) -> str:
-    try:
-        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, **template_kwargs)
-    except Exception as exc:  # noqa: BLE001 - jinja errors, raise_exception()
-        raise DataError("template_rejected", conv.source, conv.row_index,
-                        f"chat template rejected the prompt: {type(exc).__name__}: {exc}") from exc
-    return text[0] if isinstance(text, list) else text
+# ---------------------------------------------------------------------------- chats and parts
 
 
 @dataclass
@@ -276,115 +175,95 @@ class Chat:
         self.advance(turn)
 
 
-def regenerated_message(source: dict, content: str, reasoning: str | None = None,
-                        tool_calls: list | None = None) -> dict:
-    """The source assistant message with the target's answer in place of the source's:
-    its content, reasoning and tool calls (the source's own are dropped, as the loss covers
-    every token of the turn); other fields (a `name`) kept."""
-    message = {k: v for k, v in source.items() if k not in ("reasoning_content", "tool_calls") and v is not None}
-    message["content"] = content
-    if reasoning:
-        message["reasoning_content"] = reasoning
-    if tool_calls:
-        message["tool_calls"] = tool_calls
-    return message
+def read_journal(path: Path) -> list[dict]:
+    """A part's journaled turns (JSON lines); a torn last line (killed mid-write) is cut off the file."""
+    lines = path.read_text(encoding="utf-8").splitlines(keepends=True) if path.exists() else []
+    events = []
+    for number, line in enumerate(lines, 1):
+        try:
+            events.append(json.loads(line))
+        except json.JSONDecodeError as err:
+            if number < len(lines) or line.endswith("\n"):
+                raise ValueError(f"{path} line {number} is not JSON ({err}); delete the file to redo "
+                                 "that part") from err
+            path.write_text("".join(lines[:-1]), encoding="utf-8")
+    return events
 
 
-def collect_rows(chats: list[Chat], skips: SkipCounter) -> tuple[list[dict], dict[str, int]]:
-    """Output rows of finished chats (dropped ones counted) and their totals."""
+@dataclass
+class Part:
+    """One part being regenerated: its chats as far as its turn journal got."""
+
+    index: int
+    rows: int  # source rows it covers
+    chats: list[Chat]
+    skips: SkipCounter
+    journal: Path
+    record: dict  # more keys for its done record (self-prompting's)
+    running: int = 0  # conversations in flight (endpoint)
+    shown: int = 0  # rows the progress bar counted
+    models: Counter = field(default_factory=Counter)  # answers per served model
+    file: Any = None  # the journal, once open for appends
+
+    def apply(self, chat: Chat, event: dict, *, journal: bool = False) -> None:
+        """One answered turn applied to its chat (the answer, or a cut there); with ``journal``,
+        appended to the journal first."""
+        if journal:
+            self.file = self.file or self.journal.open("a", encoding="utf-8")
+            self.file.write(json.dumps(event, ensure_ascii=False) + "\n")
+            self.file.flush()  # in the OS's hands: survives a kill of this process
+        if event["turn"] != chat.next_turn:
+            raise ValueError(f"{self.journal}: row {chat.conv.row_index} does not match the source (turn "
+                             f"{event['turn']}, expected {chat.next_turn}); delete the file to redo the part")
+        if "cut" in event:
+            chat.cut(event["turn"], event["cut"], self.skips)
+        else:
+            chat.answer(event["turn"], event["message"], event["truncated"], event["tokens"])
+            self.models[event["model"]] += 1
+
+
+def open_part(out: Path, index: int, rows: int, convs: list[Conversation], skips: SkipCounter, record: dict) -> Part:
+    """Start a part's chats and replay its journal onto them."""
+    part = Part(index, rows, [Chat.start(conv, skips) for conv in convs], skips,
+                out / PARTS_DIR / f"part-{index:05d}.turns.jsonl", record)
+    by_row = {chat.conv.row_index: chat for chat in part.chats}
+    for event in read_journal(part.journal):
+        if event.get("row") not in by_row:
+            raise ValueError(f"{part.journal}: row {event.get('row')} is not a conversation of this part; "
+                             "delete the file to redo the part")
+        part.apply(by_row[event["row"]], event)
+    return part
+
+
+def chat_totals(chats: list[Chat]) -> dict[str, int]:
+    kept = [c for c in chats if not c.dropped]
+    return {"turns_regenerated": sum(c.regenerated for c in kept),
+            "truncated_turns": sum(c.truncated_turns for c in kept),
+            "generated_tokens": sum(c.generated_tokens for c in kept)}
+
+
+def finish_part(out: Path, part: Part) -> None:
+    """Write the part's rows, then its done record (which marks it finished), then drop its journal."""
     rows = []
-    for chat in chats:
+    for chat in part.chats:
         if chat.dropped:
             if chat.dropped != "template_rejected":  # already recorded with its message
-                skips.record(DataError(chat.dropped, chat.conv.source, chat.conv.row_index,
-                                       f"no assistant turn left ({chat.dropped})"))
+                part.skips.record(DataError(chat.dropped, chat.conv.source, chat.conv.row_index,
+                                            f"no assistant turn left ({chat.dropped})"))
             continue
-        row = {"messages": chat.messages, "source_row": chat.conv.row_index, "truncated_turns": chat.truncated_turns}
-        if chat.conv.tools:
-            row["tools"] = chat.conv.tools
-        rows.append(row)
-    kept = [c for c in chats if not c.dropped]
-    totals = {"turns_regenerated": sum(c.regenerated for c in kept),
-              "truncated_turns": sum(c.truncated_turns for c in kept),
-              "generated_tokens": sum(c.generated_tokens for c in kept)}
-    return rows, totals
-
-
-def _storable(row: dict) -> dict:
-    """``row`` with every tool call's object arguments as a JSON string (see the module doc)."""
-    def stored(call: dict) -> dict:
-        function = call.get("function")
-        if isinstance(function, dict) and isinstance(function.get("arguments"), (dict, list)):
-            arguments = json.dumps(function["arguments"], ensure_ascii=False)
-            return {**call, "function": {**function, "arguments": arguments}}
-        return call
-
-    return {**row, "messages": [{**m, "tool_calls": [stored(c) for c in m["tool_calls"]]} if m.get("tool_calls") else m
-                                for m in row["messages"]]}
-
-
-def write_part(out: Path, part: int, rows: list[dict], stats: dict) -> None:
-    """Write a finished part's rows, then its done record (which marks it finished)."""
-    data_path, done_path = part_paths(out, part)
-    _write_atomic(data_path, "".join(json.dumps(_storable(r), ensure_ascii=False) + "\n" for r in rows))
+        row = {"messages": [wire_message(m) for m in chat.messages], "source_row": chat.conv.row_index,
+               "truncated_turns": chat.truncated_turns}
+        rows.append({**row, "tools": chat.conv.tools} if chat.conv.tools else row)
+    stats = {"part": part.index, "rows_in": part.rows, "rows_out": len(rows), "skipped": part.skips.to_dict(),
+             **chat_totals(part.chats), **part.record}
+    if part.models:
+        stats["served_models"] = dict(part.models)
+    data_path, done_path = part_paths(out, part.index)
+    _write_atomic(data_path, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
     _write_atomic(done_path, json.dumps(stats, indent=2, sort_keys=True) + "\n")
-
-
-def regenerate_conversations(model, tokenizer, chats: list[Chat], settings: GenerationSettings,
-                             batch_size: int, skips: SkipCounter, static: StaticDecoder | None = None
-                             ) -> tuple[list[dict], dict[str, int]]:
-    """Regenerate every assistant turn of ``chats`` (``Chat.start``); turn k of a chat is
-    answered after its turn k - 1, so it conditions on the regenerated earlier ones.
-
-    Turns whose prompt is ready wait in one pool; each batch takes the longest of them, and
-    a chat's next turn joins the pool as soon as its answer is in. Deep chats (the longest
-    prompts) so go first and later batches stay full, where answering round by round (turn
-    k of every chat together) left the late rounds with a few chats each, padded to a batch."""
-    stop_ids = stop_token_ids(model, tokenizer)
-    gen_kwargs = generation_kwargs(settings, stop_ids, pad_token_id(tokenizer, stop_ids))
-    pool: list[tuple[Chat, int, str, int]] = []  # (chat, turn, prompt, prompt tokens)
-
-    def ready(chat: Chat) -> None:
-        """Put the chat's next turn in the pool, or cut / drop the chat there."""
-        if chat.next_turn is None or chat.dropped:
-            return
-        turn = chat.next_turn
-        try:
-            text = _render_prompt(tokenizer, chat.conv, chat.messages[:turn], settings.template_kwargs)
-        except DataError as err:
-            skips.record(err)
-            chat.dropped, chat.next_turn = err.reason, None
-            return
-        n_tokens = len(tokenizer(text, add_special_tokens=False)["input_ids"])
-        if settings.max_prompt_tokens is not None and n_tokens > settings.max_prompt_tokens:
-            chat.cut(turn, "prompt_too_long", skips)
-            return
-        pool.append((chat, turn, text, n_tokens))
-
-    for chat in chats:
-        ready(chat)
-    while pool:
-        pool.sort(key=lambda item: -item[3])  # similar lengths share a batch: less padding
-        batch, pool[:] = pool[:batch_size], pool[batch_size:]
-        outputs = generate_batch(model, tokenizer, [text for _, _, text, _ in batch], gen_kwargs, stop_ids, static)
-        for (chat, turn, _, _), (tokens, truncated) in zip(batch, outputs):
-            content = tokenizer.decode(tokens, skip_special_tokens=False)
-            if not content.strip():
-                chat.cut(turn, "empty_generation", skips)
-            elif truncated and settings.drop_truncated:
-                chat.cut(turn, "truncated", skips)
-            else:
-                chat.answer(turn, regenerated_message(chat.messages[turn], content), truncated, len(tokens))
-                ready(chat)
-    return collect_rows(chats, skips)
-
-
-def pad_token_id(tokenizer, stop_ids: list[int]) -> int:
-    """The tokenizer's pad token, else the first stop token (padding is masked either way)."""
-    return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else stop_ids[0]
-
-
-# ---------------------------------------------------------------------------- parts and resume
+    if part.file is not None:
+        part.file.close()
+    part.journal.unlink(missing_ok=True)
 
 
 def _write_atomic(path: Path, text: str) -> None:
@@ -411,126 +290,274 @@ def part_paths(out: Path, index: int) -> tuple[Path, Path]:
     return base.with_suffix(".jsonl"), base.with_suffix(".done.json")
 
 
-def open_source(cfg: RegenConfig) -> tuple[Any, int, dict]:
-    """The source rows (None without --data), how many of them are used, and their fingerprint."""
-    if cfg.data is None:
-        return None, 0, {}
-    ds = load_source(cfg.data, cfg.split)
-    return ds, len(ds) if cfg.limit is None else min(len(ds), cfg.limit), dataset_fingerprint(ds, cfg.data, cfg.split)
+# ---------------------------------------------------------------------------- the target in process
 
 
-def run_record(cfg: RegenConfig, source_fp: dict, num_rows: int, **engine) -> dict:
-    """Everything that decides the output rows, the ``engine``'s own keys included; a resume
-    must match it exactly."""
-    return {"format": FORMAT_VERSION, "part_size": cfg.part_size, "num_rows": num_rows, "on_bad_row": cfg.on_bad_row,
-            "source": {k: source_fp.get(k) for k in ("source", "split", "revision", "num_rows", "hash_method",
-                                                     "content_hash")}, **engine}
+def generation_kwargs(settings: GenerationSettings, stop_ids: list[int], pad_id: int) -> dict[str, Any]:
+    """generate() arguments that leave nothing to the model's generation_config."""
+    kwargs: dict[str, Any] = dict(max_new_tokens=settings.max_new_tokens, eos_token_id=stop_ids, pad_token_id=pad_id,
+                                  num_beams=1, repetition_penalty=1.0, no_repeat_ngram_size=0)
+    if settings.temperature > 0:
+        kwargs.update(do_sample=True, temperature=settings.temperature, top_p=settings.top_p, top_k=0, min_p=0.0,
+                      typical_p=1.0)
+    else:
+        kwargs.update(do_sample=False)
+    return kwargs
 
 
-def start_run(cfg: RegenConfig, record: dict, overwrite: bool) -> Path:
+STATIC_PROMPT_TOKENS = 2048  # the static caches' room for a prompt when --max-prompt-tokens is not set
+STATIC_SMALLEST_ROOM = 256  # rooms double from here up to the prompt cap
+
+
+class StaticDecoder:
+    """Static KV caches of (batch_size, room + max_new_tokens), one per prompt room, for a whole run.
+
+    generate() compiles the decode step of a model whose cache is static and, on CUDA, captures
+    it in CUDA graphs (Python launch overhead would otherwise bound a small target's decoding).
+    Every batch is padded to the same rows and takes the smallest room that holds its prompts,
+    whose cache is reset and reused, so the step compiles once per room. Rooms double because a
+    decode step reads the whole cache. Prompts longer than the largest room take the plain path.
+    """
+
+    def __init__(self, model, batch_size: int, max_new_tokens: int, prompt_tokens: int | None):
+        self.model, self.rows, self.max_new_tokens = model, batch_size, max_new_tokens
+        self.room = prompt_tokens or STATIC_PROMPT_TOKENS
+        self.caches: dict[int, object] = {}
+
+    def cache_for(self, width: int, rows: int):
+        """The reset cache of the smallest room that holds ``width`` prompt tokens, or None."""
+        if width > self.room or rows > self.rows:
+            return None
+        room = STATIC_SMALLEST_ROOM
+        while room < width:
+            room *= 2
+        room = min(room, self.room)
+        if room not in self.caches:
+            from transformers import StaticCache
+
+            self.caches[room] = StaticCache(config=self.model.config, max_cache_len=room + self.max_new_tokens)
+        return self.caches[room]
+
+
+def generate_batch(model, tokenizer, prompts: list[str], gen_kwargs: dict, stop_ids: list[int],
+                   static: StaticDecoder | None = None) -> list[tuple[list[int], bool]]:
+    """Left-padded batched generation: per prompt (tokens before the stop token, truncated?).
+    With ``static`` (where the batch fits it), the batch is padded to its rows with copies of
+    the first prompt and decoded on its cache; padding is masked, so the tokens do not
+    change beyond floating-point rounding."""
+    import torch
+
+    # Padded by hand: setting tokenizer.padding_side would change the tokenizer (and its fingerprint).
+    encoded = [tokenizer(p, add_special_tokens=False)["input_ids"] for p in prompts]
+    width = max(len(ids) for ids in encoded)
+    real_rows = len(encoded)
+    cache = static.cache_for(width, real_rows) if static is not None else None
+    if cache is not None:
+        encoded += [encoded[0]] * (static.rows - real_rows)
+        with torch.inference_mode():
+            cache.reset()
+        gen_kwargs = {**gen_kwargs, "past_key_values": cache}
+    input_ids = torch.full((len(encoded), width), gen_kwargs["pad_token_id"], dtype=torch.long)
+    attention_mask = torch.zeros((len(encoded), width), dtype=torch.long)
+    for row, ids in enumerate(encoded):  # left padding: every prompt ends at the last column
+        input_ids[row, width - len(ids):] = torch.tensor(ids, dtype=torch.long)
+        attention_mask[row, width - len(ids):] = 1
+    device = next(model.parameters()).device
+    with torch.inference_mode():
+        out = model.generate(input_ids=input_ids.to(device), attention_mask=attention_mask.to(device), **gen_kwargs)
+    stops = set(stop_ids)
+    results = []
+    for tokens in out[:real_rows, width:].tolist():
+        cut = next((i for i, t in enumerate(tokens) if t in stops), None)
+        results.append((tokens, True) if cut is None else (tokens[:cut], False))
+    return results
+
+
+def pad_token_id(tokenizer, stop_ids: list[int]) -> int:
+    """The tokenizer's pad token, else the first stop token (padding is masked either way)."""
+    return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else stop_ids[0]
+
+
+def regenerate_conversations(model, tokenizer, chats: list[Chat], settings: GenerationSettings, batch_size: int,
+                             skips: SkipCounter, static: StaticDecoder | None = None) -> None:
+    """Regenerate every assistant turn of ``chats`` in place. Turns whose prompt is ready wait in one
+    pool; each batch takes the longest of them, and a chat's next turn joins the pool as soon
+    as its answer is in, so deep chats go first and later batches stay full."""
+    stop_ids = stop_token_ids(model, tokenizer)
+    gen_kwargs = generation_kwargs(settings, stop_ids, pad_token_id(tokenizer, stop_ids))
+    pool: list[tuple[Chat, int, str, int]] = []  # (chat, turn, prompt, prompt tokens)
+
+    def ready(chat: Chat) -> None:
+        """Put the chat's next turn in the pool, or cut / drop the chat there."""
+        if chat.next_turn is None or chat.dropped:
+            return
+        turn = chat.next_turn
+        try:
+            text = tokenizer.apply_chat_template(chat.messages[:turn], add_generation_prompt=True, tokenize=False,
+                                                 **settings.template_kwargs)
+        except Exception as exc:  # noqa: BLE001 - jinja errors, raise_exception()
+            skips.record(DataError("template_rejected", chat.conv.source, chat.conv.row_index,
+                                   f"chat template rejected the prompt: {type(exc).__name__}: {exc}"))
+            chat.dropped, chat.next_turn = "template_rejected", None
+            return
+        text = text[0] if isinstance(text, list) else text
+        n_tokens = len(tokenizer(text, add_special_tokens=False)["input_ids"])
+        if settings.max_prompt_tokens is not None and n_tokens > settings.max_prompt_tokens:
+            chat.cut(turn, "prompt_too_long", skips)
+        else:
+            pool.append((chat, turn, text, n_tokens))
+
+    for chat in chats:
+        ready(chat)
+    while pool:
+        pool.sort(key=lambda item: -item[3])  # similar lengths share a batch: less padding
+        batch, pool[:] = pool[:batch_size], pool[batch_size:]
+        outputs = generate_batch(model, tokenizer, [text for _, _, text, _ in batch], gen_kwargs, stop_ids, static)
+        for (chat, turn, _, _), (tokens, truncated) in zip(batch, outputs):
+            content = tokenizer.decode(tokens, skip_special_tokens=False)
+            if not content.strip():
+                chat.cut(turn, "empty_generation", skips)
+            elif truncated and settings.drop_truncated:
+                chat.cut(turn, "truncated", skips)
+            else:
+                chat.answer(turn, regenerated_message(chat.messages[turn], content), truncated, len(tokens))
+                ready(chat)
+
+
+class LocalEngine:
+    """The target in this process: batched generate(), on static KV caches on CUDA."""
+
+    def __init__(self, cfg: RegenConfig, model=None, tokenizer=None):
+        from transformers import AutoTokenizer
+
+        from dflash.shared.fingerprint import target_fingerprint, tokenizer_fingerprint
+
+        if tokenizer is None:
+            tokenizer = AutoTokenizer.from_pretrained(cfg.model)
+        if model is None:
+            from .target import load_target
+
+            model = load_target(cfg.model, dtype=cfg.generation.dtype, device=cfg.device)
+        self.cfg, self.model, self.tokenizer = cfg, model, tokenizer
+        dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
+        self.fingerprint = target_fingerprint(cfg.model, model.config.to_dict(), dtype)
+        self.record = {"generation": asdict(cfg.generation), "tokenizer": tokenizer_fingerprint(tokenizer),
+                       "target": {k: self.fingerprint.get(k) for k in ("name_or_path", "revision", "config_hash",
+                                                                       "weights_hash", "dtype")}}
+        use_static = cfg.static_cache if cfg.static_cache is not None else model.device.type == "cuda"
+        new_tokens = max(cfg.generation.max_new_tokens, cfg.question_max_tokens if cfg.self_prompts else 0)
+        self.static = (StaticDecoder(model, cfg.batch_size, new_tokens, cfg.generation.max_prompt_tokens)
+                       if use_static else None)
+        self.sampler = None
+        if cfg.self_prompts:  # absent from the record otherwise, so runs made before it still resume
+            header, end_of_user_turn = user_header(tokenizer, cfg.generation.template_kwargs)
+            self.record["self_prompts"] = {"header": header, **{k: getattr(cfg, k) for k in (
+                "self_prompts", "question_temperature", "question_top_p", "question_max_tokens", "question_min_chars")}}
+            stops = question_stop_ids(model, tokenizer, end_of_user_turn, cfg.generation.template_kwargs)
+            settings = replace(cfg.generation, temperature=cfg.question_temperature, top_p=cfg.question_top_p,
+                               max_new_tokens=cfg.question_max_tokens)
+            kwargs = generation_kwargs(settings, stops, pad_token_id(tokenizer, stops))
+            self.sampler = QuestionSampler(lambda prompts: generate_batch(model, tokenizer, prompts, kwargs, stops,
+                                                                          self.static),
+                                           tokenizer, header, cfg.question_min_chars, cfg.batch_size)
+
+    def metadata(self, stats: list[dict]) -> dict:
+        return {"target_fingerprint": self.fingerprint}
+
+    def run(self, parts, finish, bar) -> None:
+        for part in parts:
+            regenerate_conversations(self.model, self.tokenizer, part.chats, self.cfg.generation, self.cfg.batch_size,
+                                     part.skips, self.static)
+            finish(part)
+
+
+# ---------------------------------------------------------------------------- the driver
+
+
+def start_run(out: Path, record: dict, overwrite: bool) -> None:
     """The output folder, emptied first with ``overwrite``; its run record written, or checked
     against ``record`` when the run resumes."""
-    out = Path(cfg.out)
     if overwrite and out.exists():
         shutil.rmtree(out)
     (out / PARTS_DIR).mkdir(parents=True, exist_ok=True)
     path, record = out / RUN_FILE, json.loads(json.dumps(record))
     if not path.exists():
         _write_atomic(path, json.dumps(record, indent=2, sort_keys=True) + "\n")
-        return out
+        return
     previous = json.loads(path.read_text())
     if previous != record:
         diff = sorted(k for k in set(previous) | set(record) if previous.get(k) != record.get(k))
         raise ValueError(f"{out} was started with different settings or inputs (differs in: {', '.join(diff)}); "
                          "use another --out or --overwrite")
-    return out
 
 
 def regenerate(cfg: RegenConfig, *, model=None, tokenizer=None, overwrite: bool = False,
                max_parts: int | None = None) -> dict[str, Any] | None:
-    """Run (or resume) the job in process; returns the metadata once every part is done.
+    """Run (or resume) the job; returns the metadata once every part is done.
 
-    ``model``/``tokenizer`` may be passed in already loaded (tests, notebooks). ``max_parts``
-    stops after that many newly written parts (time-boxed jobs) and returns None.
+    ``model``/``tokenizer`` may be passed in already loaded (in process: tests, notebooks).
+    ``max_parts`` stops after that many newly written parts (time-boxed jobs) and returns None.
     """
     import torch
     from tqdm.auto import tqdm
-    from transformers import AutoTokenizer
-
-    from dflash.shared.fingerprint import target_fingerprint, tokenizer_fingerprint
 
     cfg.validate()
-    if cfg.model is None:
-        raise ValueError("regeneration in process needs the target: give --model")
-    prompting = cfg.self_prompting
-    ds, num_rows, source_fp = open_source(cfg)
-    if tokenizer is None:
-        tokenizer = AutoTokenizer.from_pretrained(cfg.model)
-    if model is None:
-        from .target import load_target
-
-        model = load_target(cfg.model, dtype=cfg.generation.dtype, device=cfg.device)
-    model_dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
-    target_fp = target_fingerprint(cfg.model, model.config.to_dict(), model_dtype)
-    record = run_record(cfg, source_fp, num_rows, generation=asdict(cfg.generation),
-                        tokenizer=tokenizer_fingerprint(tokenizer),
-                        target={k: target_fp.get(k) for k in ("name_or_path", "revision", "config_hash",
-                                                              "weights_hash", "dtype")})
-    if prompting.self_prompts:  # absent otherwise, so runs made before it still resume
-        header, end_of_user_turn = user_header(tokenizer, cfg.generation.template_kwargs)
-        record["self_prompts"] = {**asdict(prompting), "header": header}
-    out = start_run(cfg, record, overwrite)
-
-    use_static = cfg.static_cache if cfg.static_cache is not None else model.device.type == "cuda"
-    new_tokens = max(cfg.generation.max_new_tokens, prompting.question_max_tokens if prompting.self_prompts else 0)
-    static = StaticDecoder(model, cfg.batch_size, new_tokens, cfg.generation.max_prompt_tokens) if use_static else None
-    sampler = None
-    if prompting.self_prompts:
-        stops = question_stop_ids(model, tokenizer, end_of_user_turn, cfg.generation.template_kwargs)
-        question_settings = replace(cfg.generation, temperature=prompting.question_temperature,
-                                    top_p=prompting.question_top_p, max_new_tokens=prompting.question_max_tokens)
-        question_kwargs = generation_kwargs(question_settings, stops, pad_token_id(tokenizer, stops))
-        sampler = QuestionSampler(lambda prompts: generate_batch(model, tokenizer, prompts, question_kwargs, stops,
-                                                                 static),
-                                  tokenizer, header, prompting, cfg.batch_size)
-    # The dataset's parts first, then the self-prompt parts (samples [0, self_prompts) in part_size steps).
+    ds, num_rows, source_fp = None, 0, {}
+    if cfg.data is not None:
+        ds = load_source(cfg.data, cfg.split)
+        num_rows, source_fp = min(len(ds), cfg.limit or len(ds)), dataset_fingerprint(ds, cfg.data, cfg.split)
+    engine = LocalEngine(cfg, model, tokenizer) if cfg.endpoint is None else EndpointEngine(cfg)
+    # everything that decides the output rows: a resume must match it exactly
+    record = {"format": FORMAT_VERSION, "part_size": cfg.part_size, "num_rows": num_rows, "on_bad_row": cfg.on_bad_row,
+              "source": {k: source_fp.get(k) for k in ("source", "split", "revision", "num_rows", "hash_method",
+                                                       "content_hash")}, **engine.record}
+    out = Path(cfg.out)
+    start_run(out, record, overwrite)
+    prompts = cfg.self_prompts
+    # the dataset's parts first, then the self-prompt parts (samples [0, prompts) in part_size steps)
     data_parts = math.ceil(num_rows / cfg.part_size)
-    num_parts = data_parts + math.ceil(prompting.self_prompts / cfg.part_size)
-    written = 0
-    bar = tqdm(total=num_rows + prompting.self_prompts, desc="regenerate", unit="row", disable=not cfg.progress)
-    for part in range(num_parts):
-        prompted = part >= data_parts
-        start = (part - data_parts if prompted else part) * cfg.part_size
-        stop = min(prompting.self_prompts if prompted else num_rows, start + cfg.part_size)
-        _, done_path = part_paths(out, part)
-        if done_path.exists():
-            if prompted:  # its questions count as seen for the dedup of later parts
-                sampler.seen.update(json.loads(done_path.read_text())["questions"])
-            bar.update(stop - start)
-            continue
-        if max_parts is not None and written >= max_parts:
-            bar.close()
-            return None
-        skips = SkipCounter()
-        torch.manual_seed(cfg.generation.seed * 1_000_003 + part)
-        if prompted:
-            convs, extra = sampler.chats(range(start, stop))
-        else:
-            convs, extra = part_chats(ds, start, stop, cfg.data, cfg.on_bad_row, skips), {}
-        chats = [Chat.start(conv, skips) for conv in convs]
-        rows, totals = regenerate_conversations(model, tokenizer, chats, cfg.generation, cfg.batch_size, skips, static)
-        write_part(out, part, rows, {"part": part, "rows_in": stop - start, "rows_out": len(rows), **totals,
-                                     "skipped": skips.to_dict(), **extra})
-        written += 1
-        bar.update(stop - start)
-    bar.close()
-    return finalize(out, num_parts, record, target_fp, source_fp)
+    num_parts = data_parts + math.ceil(prompts / cfg.part_size)
+    bar = tqdm(total=num_rows + prompts, desc="regenerate", unit="row", disable=not cfg.progress)
+    written, stopped = 0, False
+
+    def parts():
+        """The parts not done yet, their chats started, stopping after ``max_parts``."""
+        nonlocal written, stopped
+        for index in range(num_parts):
+            prompted = index >= data_parts
+            start = (index - data_parts if prompted else index) * cfg.part_size
+            stop = min(prompts if prompted else num_rows, start + cfg.part_size)
+            done = part_paths(out, index)[1]
+            if done.exists():
+                if prompted:  # its questions count as seen for the dedup of later parts
+                    engine.sampler.seen.update(json.loads(done.read_text())["questions"])
+                bar.update(stop - start)
+                continue
+            if max_parts is not None and written >= max_parts:
+                stopped = True
+                return
+            written += 1
+            skips = SkipCounter()
+            torch.manual_seed(cfg.generation.seed * 1_000_003 + index)  # in process: the part's sampling
+            if prompted:
+                convs, extra = engine.sampler.chats(range(start, stop))
+            else:
+                convs, extra = part_chats(ds, start, stop, cfg.data, cfg.on_bad_row, skips), {}
+            yield open_part(out, index, stop - start, convs, skips, extra)
+
+    def finish(part: Part) -> None:
+        finish_part(out, part)
+        bar.update(part.rows - part.shown)
+
+    try:
+        engine.run(parts(), finish, bar)
+    finally:
+        bar.close()
+    return None if stopped else finalize(out, num_parts, record, source_fp, engine)
 
 
-def finalize(out: Path, num_parts: int, record: dict, target_fp: dict, source_fp: dict,
-             extra: dict | None = None) -> dict[str, Any]:
-    """Gather every part into one saved dataset under ``out`` and write the metadata
-    (``extra``: more keys for it)."""
+def finalize(out: Path, num_parts: int, record: dict, source_fp: dict, engine) -> dict[str, Any]:
+    """Gather every part into one saved dataset under ``out`` and write the metadata."""
     import datasets
     import torch
     import transformers
@@ -557,13 +584,12 @@ def finalize(out: Path, num_parts: int, record: dict, target_fp: dict, source_fp
         **record,
         "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "source_fingerprint": source_fp,
-        "target_fingerprint": target_fp,
         "counts": counts,
         "parts": num_parts,
         "versions": {"torch": torch.__version__, "transformers": transformers.__version__,
                      "datasets": datasets.__version__},
         "read_with": "dflash.extract.data.load_source(OUT)",
-        **(extra or {}),
+        **engine.metadata(stats),
     }
     _write_atomic(out / METADATA_FILE, json.dumps(metadata, indent=2, sort_keys=True) + "\n")
     log.info("regenerated %d rows (%d turns, %d truncated) -> %s", counts["rows_out"], counts["turns_regenerated"],

@@ -10,9 +10,8 @@ import click
 
 from dflash.shared.cli import Command, JsonObject, Maybe, looks_like_path, take, usable_device, validated
 
-from .endpoint import EndpointConfig, EndpointDown
+from .regenerate_endpoint import EndpointDown
 from .regenerate import GenerationSettings, RegenConfig, regenerate
-from .self_prompts import SelfPromptSettings
 
 
 @click.command(cls=Command)
@@ -71,22 +70,14 @@ def cli(**values):
     """Replace every assistant turn of DATA with the target's own answers (MODEL in process, or the server at
     ENDPOINT), and/or add SELF_PROMPTS questions the target writes and answers itself; write a dataset to OUT."""
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    generation, prompting = validated(take(GenerationSettings, values)), validated(take(SelfPromptSettings, values))
-    url, api_key, timeout, retries, overwrite = (values.pop(k) for k in ("endpoint", "api_key", "request_timeout",
-                                                                         "retries", "overwrite"))
-    endpoint = None if url is None else EndpointConfig(url, api_key, request_timeout=timeout, retries=retries)
-    job = validated(RegenConfig(**values, generation=generation, self_prompting=prompting, endpoint=endpoint))
-    if url is None and looks_like_path(job.model) and not os.path.isdir(os.path.expanduser(job.model)):
-        raise click.UsageError(f"--model {job.model} is not a folder; pass an existing model folder or a hub name")
-    if url is None:
+    overwrite, generation = values.pop("overwrite"), validated(take(GenerationSettings, values))
+    job = validated(RegenConfig(**values, generation=generation))
+    if job.endpoint is None:
+        if looks_like_path(job.model) and not os.path.isdir(os.path.expanduser(job.model)):
+            raise click.UsageError(f"--model {job.model} is not a folder; pass an existing model folder or a hub name")
         usable_device(job.device)
     try:
-        if job.endpoint is not None:
-            from .regenerate_endpoint import regenerate_via_endpoint
-
-            metadata = regenerate_via_endpoint(job, overwrite=overwrite)
-        else:
-            metadata = regenerate(job, overwrite=overwrite)
+        metadata = regenerate(job, overwrite=overwrite)
     except EndpointDown as err:
         raise click.ClickException(f"regeneration stopped: {err}") from err
     c = metadata["counts"]
@@ -95,9 +86,7 @@ def cli(**values):
                + (f", self-prompted questions {c['self_prompts']}" if "self_prompts" in c else "") + f" -> {job.out}")
 
 
-def main(argv: list[str] | None = None, prog_name: str | None = None) -> None:
-    cli.main(args=argv, prog_name=prog_name, standalone_mode=True)
-
+main = cli  # the dflash-regenerate entry point
 
 if __name__ == "__main__":
-    main()
+    cli()

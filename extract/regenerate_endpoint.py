@@ -1,52 +1,151 @@
 """Regeneration through an OpenAI-compatible chat-completions server (vLLM, SGLang,
-`transformers serve`): the in-process engine's output, at serving-engine speed.
+`transformers serve`) at serving-engine speed; README.md, "Before stage one", says what each
+request carries and how failures are handled. `--concurrency` conversations are in flight, the
+turns of one in order, each answered turn journaled as it arrives.
 
-`--concurrency` conversations are in flight, the turns of one in order. Each request
-carries the row's `tools`, the template arguments as `chat_template_kwargs`, `max_tokens`,
-`temperature` and, when sampling, `top_p` and a `seed` drawn from (seed, row, turn), plus
-`--extra-body`. Every answered turn is appended to the part's turn journal as it arrives,
-so a rerun after a kill or a server crash asks only for the turns not answered yet; the
-journal goes once the part's rows and done record are written. A request the server
-rejects while staying up cuts that conversation (counted, `server_rejected`) or, with
-`--on-bad-row error`, stops the run; a server that stays down stops it (`EndpointDown`).
+The client is on the standard library: connection errors, timeouts, 429 and 5xx are retried
+with exponential backoff; when retries run out the server counts as down (`EndpointDown`),
+unless it still answers `GET /models`: then, as for a 4xx, only this request fails
+(`RequestRejected`).
 """
 
 from __future__ import annotations
 
 import hashlib
+import http.client
 import json
 import logging
-import math
 import threading
+import time
+import urllib.error
+import urllib.request
 from collections import Counter
-from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from .data import Conversation, DataError, SkipCounter
-from .endpoint import ChatEndpoint, Reply, RequestRejected
-from .regenerate import (PARTS_DIR, Chat, GenerationSettings, RegenConfig, collect_rows, finalize, open_source,
-                         part_chats, part_paths, regenerated_message, run_record, start_run, write_part)
+from .data import DataError
+from .messages import regenerated_message, wire_message
+
+if TYPE_CHECKING:  # annotations only: regenerate.py imports this module
+    from .regenerate import Chat, GenerationSettings, Part, RegenConfig
 
 log = logging.getLogger(__name__)
 
+RETRY_STATUS = {408, 429}  # plus every 5xx
 
-def wire_message(message: dict) -> dict:
-    """A message as the chat-completions API takes it: no None fields, tool-call
-    arguments as JSON strings (the API's type; servers decode them for the template)."""
-    wire = {k: v for k, v in message.items() if v is not None}
-    if wire.get("tool_calls"):
-        calls = []
-        for call in wire["tool_calls"]:
-            call = {k: v for k, v in call.items() if v is not None}
-            function = call.get("function")
-            if isinstance(function, dict) and not isinstance(function.get("arguments"), str):
-                call["function"] = {**function, "arguments": json.dumps(function.get("arguments") or {},
-                                                                        ensure_ascii=False)}
-            calls.append(call)
-        wire["tool_calls"] = calls
-    return wire
+
+class EndpointDown(RuntimeError):
+    """The server cannot be reached (or keeps failing) after every retry."""
+
+
+class RequestRejected(RuntimeError):
+    """The server answered this one request with an error while staying up."""
+
+    def __init__(self, status: int, detail: str):
+        self.status, self.detail = status, detail
+        super().__init__(f"HTTP {status}: {detail}")
+
+
+@dataclass
+class Reply:
+    """One chat completion, reduced to what regeneration keeps (None: not returned)."""
+
+    content: str  # "" when the server gave none
+    reasoning: str | None  # message.reasoning_content or message.reasoning
+    tool_calls: list[dict[str, Any]] | None  # as the server returned them
+    finish_reason: str | None  # "stop", "length", "tool_calls", ...
+    model: str | None  # the model name the server answered with
+    prompt_tokens: int | None
+    completion_tokens: int | None
+
+
+@dataclass
+class ChatEndpoint:
+    """Thread-safe: one instance serves every worker thread (each request opens its own connection)."""
+
+    url: str
+    api_key: str | None = None
+    request_timeout: float = 600.0
+    retries: int = 6
+    retry_wait: float = 1.0  # first backoff in seconds; doubles per retry, capped at 30 s
+    stop: threading.Event = field(default_factory=threading.Event)  # set to end retries early
+
+    @property
+    def base(self) -> str:
+        return self.url.rstrip("/")
+
+    def models(self) -> list[str]:
+        """Model ids the server lists under /models."""
+        answer = self._with_retries("GET", "/models", None, probe=False)
+        return [m["id"] for m in answer.get("data", []) if isinstance(m, dict) and "id" in m]
+
+    def chat(self, body: dict[str, Any]) -> Reply:
+        """POST /chat/completions (non-streaming) and parse the first choice."""
+        return parse_reply(self._with_retries("POST", "/chat/completions", body, probe=True), self.base)
+
+    def _with_retries(self, method: str, path: str, body: dict | None, *, probe: bool) -> dict:
+        url, failures, last_status, started = self.base + path, [], None, time.monotonic()
+        for attempt in range(self.retries + 1):
+            if attempt and self.stop.wait(min(30.0, self.retry_wait * 2 ** (attempt - 1))):
+                break
+            try:
+                return self._request(method, url, body)
+            except urllib.error.HTTPError as err:
+                try:
+                    detail = (err.read().decode("utf-8", "replace") or str(err.reason)).strip()[:500]
+                except Exception:  # noqa: BLE001
+                    detail = str(err.reason)
+                if err.code not in RETRY_STATUS and err.code < 500:
+                    raise RequestRejected(err.code, f"{method} {url}: {detail}") from err
+                failures.append(f"HTTP {err.code} ({detail})")
+                last_status = err.code
+            except (urllib.error.URLError, http.client.HTTPException, ConnectionError, TimeoutError, OSError) as err:
+                reason = getattr(err, "reason", None) or err
+                failures.append(f"{type(reason).__name__}: {reason}")
+                last_status = None
+        if probe and last_status is not None and self._answers_models():
+            raise RequestRejected(last_status, f"{method} {url}: {failures[-1]} (the server is up; "
+                                               "this request keeps failing)")
+        raise EndpointDown(
+            f"{method} {url} failed {len(failures)} time(s) over {time.monotonic() - started:.0f} s "
+            f"(last: {failures[-1] if failures else 'stopped'}); is the server at {self.base} running? "
+            "Rerun the same command once it is: finished turns are kept.")
+
+    def _answers_models(self) -> bool:
+        try:
+            self._request("GET", self.base + "/models", None)
+            return True
+        except Exception:  # noqa: BLE001 - any failure means "not answering"
+            return False
+
+    def _request(self, method: str, url: str, body: dict | None) -> dict:
+        data = None if body is None else json.dumps(body, ensure_ascii=False).encode("utf-8")
+        headers = {"Accept": "application/json", **({"Content-Type": "application/json"} if data else {})}
+        if self.api_key:
+            headers["Authorization"] = f"Bearer {self.api_key}"
+        request = urllib.request.Request(url, data=data, headers=headers, method=method)
+        with urllib.request.urlopen(request, timeout=self.request_timeout) as response:
+            payload = response.read()
+        try:
+            return json.loads(payload)
+        except json.JSONDecodeError as err:
+            raise http.client.HTTPException(f"not JSON: {payload[:200]!r}") from err
+
+
+def parse_reply(answer: dict[str, Any], base: str = "") -> Reply:
+    """The first choice of a chat-completion answer; reasoning is read from
+    `reasoning_content` (vLLM before 0.10, SGLang, transformers) or `reasoning` (vLLM now)."""
+    try:
+        choice, message = answer["choices"][0], answer["choices"][0]["message"]
+    except (KeyError, IndexError, TypeError) as err:
+        raise RequestRejected(200, f"{base}: answer without choices[0].message: {str(answer)[:300]}") from err
+    reasoning = message.get("reasoning_content") or message.get("reasoning")
+    usage = answer.get("usage") or {}
+    return Reply(content=message.get("content") or "", reasoning=reasoning or None,
+                 tool_calls=message.get("tool_calls") or None, finish_reason=choice.get("finish_reason"),
+                 model=answer.get("model"), prompt_tokens=usage.get("prompt_tokens"),
+                 completion_tokens=usage.get("completion_tokens"))
 
 
 def request_seed(seed: int, row: int, turn: int) -> int:
@@ -69,27 +168,21 @@ def request_body(model: str, history: list[dict], tools: list | None, settings: 
     return {**body, **extra_body}
 
 
-def reply_tool_calls(reply: Reply) -> list[dict] | None:
-    """The server's tool calls in the dataset's shape: arguments decoded to an object
-    (kept as the string the model wrote where that is not JSON)."""
-    calls = []
+def turn_event(chat: Chat, turn: int, reply: Reply, settings: GenerationSettings) -> dict[str, Any]:
+    """What an answer does to the conversation, as a journal line. Tool-call arguments are
+    decoded to an object (kept as the string the model wrote where that is not JSON)."""
+    where = {"row": chat.conv.row_index, "turn": turn}
+    if settings.max_prompt_tokens is not None and (reply.prompt_tokens or 0) > settings.max_prompt_tokens:
+        return {**where, "cut": "prompt_too_long"}
+    tool_calls = []
     for call in reply.tool_calls or []:
         function = dict(call.get("function") or {})
         try:
             function["arguments"] = json.loads(function["arguments"])
         except (KeyError, TypeError, json.JSONDecodeError):
             pass
-        calls.append({**({"id": call["id"]} if call.get("id") else {}), "type": call.get("type", "function"),
-                      "function": function})
-    return calls or None
-
-
-def turn_event(chat: Chat, turn: int, reply: Reply, settings: GenerationSettings) -> dict[str, Any]:
-    """What an answer does to the conversation, as a journal line."""
-    where = {"row": chat.conv.row_index, "turn": turn}
-    if settings.max_prompt_tokens is not None and (reply.prompt_tokens or 0) > settings.max_prompt_tokens:
-        return {**where, "cut": "prompt_too_long"}
-    tool_calls = reply_tool_calls(reply)
+        tool_calls.append({**({"id": call["id"]} if call.get("id") else {}), "type": call.get("type", "function"),
+                           "function": function})
     if not reply.content.strip() and not reply.reasoning and not tool_calls:
         return {**where, "cut": "empty_generation"}
     truncated = reply.finish_reason == "length"
@@ -100,177 +193,95 @@ def turn_event(chat: Chat, turn: int, reply: Reply, settings: GenerationSettings
             "model": reply.model}
 
 
-def read_journal(path: Path) -> list[dict]:
-    """A part's journaled turns (JSON lines); a torn last line (killed mid-write) is cut off the file."""
-    lines = path.read_text(encoding="utf-8").splitlines(keepends=True) if path.exists() else []
-    events = []
-    for number, line in enumerate(lines, 1):
+class EndpointEngine:
+    """The server at ``cfg.endpoint``, asked for the model ``cfg.model`` names."""
+
+    sampler = None  # no self-prompting: a chat API cannot continue a bare user header
+
+    def __init__(self, cfg: RegenConfig):
+        self.cfg, self.client = cfg, ChatEndpoint(cfg.endpoint, cfg.api_key, cfg.request_timeout, cfg.retries,
+                                                 cfg.retry_wait)
+        self.model = self.served_model(cfg.model)
+        # the URL is not recorded: a restarted server can listen elsewhere
+        self.record = {"engine": "endpoint", "target": {"served_model": self.model}, "extra_body": cfg.extra_body,
+                       "generation": {k: v for k, v in asdict(cfg.generation).items() if k != "dtype"}}
+
+    def served_model(self, requested: str | None) -> str:
+        """The only model the server lists, or ``requested``; a name the server does not list is
+        tried with a one-token request first (some servers list their cache, not what they serve)."""
+        client = self.client
         try:
-            events.append(json.loads(line))
-        except json.JSONDecodeError as err:
-            if number < len(lines) or line.endswith("\n"):
-                raise ValueError(f"{path} line {number} is not JSON ({err}); delete the file to redo "
-                                 "that part") from err
-            path.write_text("".join(lines[:-1]), encoding="utf-8")
-    return events
-
-
-@dataclass
-class Part:
-    """One part being regenerated: its chats as far as its turn journal got."""
-
-    index: int
-    rows: int  # source rows it covers
-    chats: list[Chat]
-    skips: SkipCounter
-    journal: Path
-    running: int = 0  # conversations in flight
-    models: Counter = field(default_factory=Counter)  # answers per served model
-    file: Any = None  # the journal, once open for appends
-
-    def apply(self, chat: Chat, event: dict, *, journal: bool = False) -> None:
-        """One answered turn applied to its chat (the answer, or a cut there); with ``journal``,
-        appended to the journal first."""
-        if journal:
-            self.file = self.file or self.journal.open("a", encoding="utf-8")
-            self.file.write(json.dumps(event, ensure_ascii=False) + "\n")
-            self.file.flush()  # in the OS's hands: survives a kill of this process
-        if event["turn"] != chat.next_turn:
-            raise ValueError(f"{self.journal}: row {chat.conv.row_index} does not match the source (turn "
-                             f"{event['turn']}, expected {chat.next_turn}); delete the file to redo the part")
-        if "cut" in event:
-            chat.cut(event["turn"], event["cut"], self.skips)
-        else:
-            chat.answer(event["turn"], event["message"], event["truncated"], event["tokens"])
-            self.models[event["model"]] += 1
-
-
-def open_part(out: Path, index: int, rows: int, convs: list[Conversation], skips: SkipCounter) -> Part:
-    """Start a part's chats and replay its journal onto them."""
-    part = Part(index, rows, [Chat.start(conv, skips) for conv in convs], skips,
-                out / PARTS_DIR / f"part-{index:05d}.turns.jsonl")
-    by_row = {chat.conv.row_index: chat for chat in part.chats}
-    for event in read_journal(part.journal):
-        if event.get("row") not in by_row:
-            raise ValueError(f"{part.journal}: row {event.get('row')} is not a conversation of this part; "
-                             "delete the file to redo the part")
-        part.apply(by_row[event["row"]], event)
-    return part
-
-
-def finish_part(out: Path, part: Part) -> None:
-    """Write the part's rows and done record, then drop its journal."""
-    rows, totals = collect_rows(part.chats, part.skips)
-    write_part(out, part.index, rows, {"part": part.index, "rows_in": part.rows, "rows_out": len(rows), **totals,
-                                       "skipped": part.skips.to_dict(), "served_models": dict(part.models)})
-    if part.file is not None:
-        part.file.close()
-    part.journal.unlink(missing_ok=True)
-
-
-def served_model(client: ChatEndpoint, requested: str | None) -> str:
-    """The model name to request: the only one the server lists, or ``requested``; a name
-    the server does not list is tried with a one-token request first (some servers list
-    their cache rather than what they serve)."""
-    listed = client.models()
-    if requested is None:
-        if len(listed) != 1:
-            raise ValueError(f"{client.base}/models lists {listed or 'no model'}; choose one with --model")
-        return listed[0]
-    if requested not in listed:
-        try:
-            client.chat({"model": requested, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1})
+            listed = client.models()
         except RequestRejected as err:
-            raise ValueError(f"{client.base} does not serve {requested!r} (it lists {listed}; a test "
-                             f"request was answered with {err})") from err
-    return requested
+            raise ValueError(str(err)) from err
+        if requested is None:
+            if len(listed) != 1:
+                raise ValueError(f"{client.base}/models lists {listed or 'no model'}; choose one with --model")
+            return listed[0]
+        if requested not in listed:
+            try:
+                client.chat({"model": requested, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1})
+            except RequestRejected as err:
+                raise ValueError(f"{client.base} does not serve {requested!r} (it lists {listed}; a test "
+                                 f"request was answered with {err})") from err
+        return requested
 
+    def metadata(self, stats: list[dict]) -> dict:
+        served = sum((Counter(s.get("served_models", {})) for s in stats), Counter())
+        return {"target_fingerprint": {"endpoint": self.client.base, "served_model": self.model,
+                                       "answered_by": dict(served)},
+                "endpoint": {"url": self.client.base, "concurrency": self.cfg.concurrency,
+                             "request_timeout": self.cfg.request_timeout, "retries": self.cfg.retries}}
 
-def regenerate_via_endpoint(job: RegenConfig, *, overwrite: bool = False) -> dict[str, Any]:
-    """Run (or resume) the job through the server; returns the metadata written to regenerate.json."""
-    from tqdm.auto import tqdm
-
-    job.validate()
-    if job.endpoint is None:
-        raise ValueError("regeneration through a server needs its URL: give --endpoint")
-    client = ChatEndpoint(job.endpoint)
-    try:
-        model = served_model(client, job.model)
-    except RequestRejected as err:
-        raise ValueError(str(err)) from err
-    ds, num_rows, source_fp = open_source(job)
-    # the URL is not recorded: a restarted server can listen elsewhere
-    record = run_record(job, source_fp, num_rows, engine="endpoint", target={"served_model": model},
-                        generation={k: v for k, v in asdict(job.generation).items() if k != "dtype"},
-                        extra_body=job.extra_body)
-    out = start_run(job, record, overwrite)
-    lock, turns = threading.Lock(), Counter()
-
-    def run_chat(part: Part, chat: Chat) -> None:
-        """Ask the chat's turns in order; each answer is journaled and applied under the lock."""
+    def run_chat(self, part: Part, chat: Chat, lock: threading.Lock) -> None:
+        """Ask the chat's turns in order; each answer is journaled and applied under the lock. A
+        request the server rejects cuts the conversation (counted) or, with --on-bad-row error, stops."""
+        cfg, client = self.cfg, self.client
         while chat.next_turn is not None and not chat.dropped and not client.stop.is_set():
             turn, row = chat.next_turn, chat.conv.row_index
-            body = request_body(model, chat.messages[:turn], chat.conv.tools, job.generation, job.extra_body, row,
-                                turn)
+            body = request_body(self.model, chat.messages[:turn], chat.conv.tools, cfg.generation, cfg.extra_body,
+                                row, turn)
             try:
-                event = turn_event(chat, turn, client.chat(body), job.generation)
+                event = turn_event(chat, turn, client.chat(body), cfg.generation)
             except RequestRejected as err:
-                if job.on_bad_row == "error":
+                if cfg.on_bad_row == "error":
                     raise DataError("server_rejected", chat.conv.source, row, f"turn {turn}: {err}") from err
                 log.warning("%s row %d turn %d: server rejected the request: %s", chat.conv.source, row, turn, err)
                 event = {"row": row, "turn": turn, "cut": "server_rejected"}
             with lock:
                 part.apply(chat, event, journal=True)
-                turns["answered"] += "model" in event
 
-    num_parts = math.ceil(num_rows / job.part_size)
-    bar = tqdm(total=num_rows, desc="regenerate", unit="row", disable=not job.progress)
-    inflight: dict[Future, Part] = {}
-    pool = ThreadPoolExecutor(max_workers=job.concurrency, thread_name_prefix="regenerate")
+    def run(self, parts, finish, bar) -> None:
+        """Keep ``concurrency`` conversations in flight over the parts; finish each part once its
+        last conversation is done."""
+        lock, inflight = threading.Lock(), {}
+        pool = ThreadPoolExecutor(max_workers=self.cfg.concurrency, thread_name_prefix="regenerate")
 
-    def settle(done) -> None:
-        for future in done:
-            part = inflight.pop(future)
-            future.result()  # a failed conversation stops the run here
-            part.running -= 1
-            bar.update(1)
-            if part.running == 0:
-                finish_part(out, part)
-        bar.set_postfix(turns=turns["answered"], refresh=False)
+        def settle(done) -> None:
+            for future in done:
+                part = inflight.pop(future)
+                future.result()  # a failed conversation stops the run here
+                part.running -= 1
+                part.shown += 1
+                bar.update(1)
+                if part.running == 0:
+                    finish(part)
 
-    try:
-        for index in range(num_parts):
-            start, stop = index * job.part_size, min(num_rows, (index + 1) * job.part_size)
-            if part_paths(out, index)[1].exists():
-                bar.update(stop - start)
-                continue
-            skips = SkipCounter()
-            part = open_part(out, index, stop - start, part_chats(ds, start, stop, job.data, job.on_bad_row, skips),
-                             skips)
-            waiting = [c for c in part.chats if c.next_turn is not None and not c.dropped]
-            bar.update(stop - start - len(waiting))
-            part.running = len(waiting) + 1  # +1 until every chat is submitted
-            for chat in waiting:
-                while len(inflight) >= job.concurrency:
-                    settle(wait(inflight, return_when=FIRST_COMPLETED).done)
-                inflight[pool.submit(run_chat, part, chat)] = part
-            part.running -= 1
-            if part.running == 0:
-                finish_part(out, part)
-        while inflight:
-            settle(wait(inflight, return_when=FIRST_COMPLETED).done)
-    except BaseException as err:
-        client.stop.set()  # no new turn starts; answers of requests in flight are still journaled
-        pool.shutdown(wait=not isinstance(err, KeyboardInterrupt), cancel_futures=True)
-        raise
-    finally:
-        bar.close()
-    pool.shutdown()
-    served = Counter()
-    for index in range(num_parts):
-        served.update(json.loads(part_paths(out, index)[1].read_text()).get("served_models", {}))
-    target_fp = {"endpoint": client.base, "served_model": model, "answered_by": dict(served)}
-    return finalize(out, num_parts, record, target_fp, source_fp,
-                    extra={"endpoint": {"url": client.base, "concurrency": job.concurrency,
-                                        "request_timeout": job.endpoint.request_timeout,
-                                        "retries": job.endpoint.retries}})
+        try:
+            for part in parts:
+                waiting = [c for c in part.chats if c.next_turn is not None and not c.dropped]
+                part.running = len(waiting) + 1  # +1 until every chat is submitted
+                for chat in waiting:
+                    while len(inflight) >= self.cfg.concurrency:
+                        settle(wait(inflight, return_when=FIRST_COMPLETED).done)
+                    inflight[pool.submit(self.run_chat, part, chat, lock)] = part
+                part.running -= 1
+                if part.running == 0:
+                    finish(part)
+            while inflight:
+                settle(wait(inflight, return_when=FIRST_COMPLETED).done)
+        except BaseException as err:
+            self.client.stop.set()  # no new turn starts; answers of requests in flight are still journaled
+            pool.shutdown(wait=not isinstance(err, KeyboardInterrupt), cancel_futures=True)
+            raise
+        pool.shutdown()

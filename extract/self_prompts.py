@@ -1,13 +1,7 @@
-"""Magpie-style self-prompting (``dflash-regenerate --self-prompts N``): the target writes the
-user turn itself, then answers it, so regeneration needs no dataset.
-
-The question continues the template's own user header (the text a rendered user message
-starts with, a default system prompt kept) until a stop token: the answer's, plus the special
-token the template writes after a user message (`<|im_end|>`, `<|eot_id|>`, Mistral's
-`[/INST]`). Truncated, empty, too short and duplicate questions (whitespace-normalised,
-across the run) are dropped and counted. A kept question becomes the chat [user: question,
-assistant: ""] that `regenerate` answers like a dataset's, with ``source_row = -1 - i``
-(i: the question's sample index in the run).
+"""Magpie-style self-prompting (``dflash-regenerate --self-prompts N``; README.md, "Before stage
+one"): the target writes the user turn itself, continuing the template's own user header until
+the answer's stop tokens or the special token the template writes after a user message
+(`<|im_end|>`, `<|eot_id|>`, Mistral's `[/INST]`), then answers it.
 """
 
 from __future__ import annotations
@@ -19,32 +13,7 @@ from .chat import _as_text, _special_tokens_in, stop_token_ids
 from .data import Conversation
 
 SENTINEL = "dflashSelfPromptSentinel7f3a"
-SOURCE = "self_prompt"
-"""The `source` of a self-prompted chat (errors and skip counts name it)."""
-
-
-@dataclass
-class SelfPromptSettings:
-    """How the target writes its own questions (--self-prompts; each field's meaning: its flag's help in
-    extract/regenerate_cli.py)."""
-
-    self_prompts: int = 0
-    question_temperature: float = 1.0
-    question_top_p: float = 0.95
-    question_max_tokens: int = 256
-    question_min_chars: int = 8
-
-    def validate(self) -> None:
-        if self.self_prompts < 0:
-            raise ValueError(f"self_prompts must be 0 or more, got {self.self_prompts}")
-        if self.question_temperature < 0:
-            raise ValueError(f"question_temperature must be >= 0, got {self.question_temperature}")
-        if not 0 < self.question_top_p <= 1:
-            raise ValueError(f"question_top_p must be in (0, 1], got {self.question_top_p}")
-        if self.question_max_tokens < 1:
-            raise ValueError(f"question_max_tokens must be >= 1, got {self.question_max_tokens}")
-        if self.question_min_chars < 0:
-            raise ValueError(f"question_min_chars must be 0 or more, got {self.question_min_chars}")
+SOURCE = "self_prompt"  # the `source` of a self-prompted chat (errors and skip counts name it)
 
 
 def user_header(tokenizer, template_kwargs: dict[str, Any] | None = None) -> tuple[str, str | None]:
@@ -75,20 +44,20 @@ def question_stop_ids(model, tokenizer, end_of_user_turn: str | None,
 
 @dataclass
 class QuestionSampler:
-    """Samples questions after ``header`` through ``generate`` (prompts -> [(tokens, truncated)])
-    and keeps the new ones; ``seen`` holds the dedup keys of every question kept in the run."""
+    """Samples questions after ``header`` through ``generate`` (prompts -> [(tokens, truncated)]) and keeps
+    the new ones; ``seen`` holds the dedup keys of every question kept in the run."""
 
     generate: Callable[[list[str]], list[tuple[list[int], bool]]]
     tokenizer: Any
     header: str
-    settings: SelfPromptSettings
+    min_chars: int  # shorter questions (whitespace collapsed) are dropped
     batch_size: int
     seen: set[str] = field(default_factory=set)
 
     def chats(self, indices: range) -> tuple[list[Conversation], dict]:
-        """The chats [user: question, assistant: to answer] of samples ``indices`` (the caller
-        seeds the RNG), and the part record's additions: the counts and the kept questions'
-        dedup keys (read back on a resume)."""
+        """The chats [user: question, assistant: ""] of samples ``indices`` (source_row -1 - index; the caller
+        seeds the RNG), and the part record's additions: the counts and the kept questions' dedup keys
+        (read back on a resume). Truncated, empty, too short and duplicate questions are dropped, counted."""
         counts = dict.fromkeys(("generated", "truncated", "empty", "too_short", "duplicates", "kept"), 0)
         convs, keys = [], []
         for start in range(0, len(indices), self.batch_size):
@@ -98,7 +67,7 @@ class QuestionSampler:
                 question = self.tokenizer.decode(tokens, skip_special_tokens=False).strip()
                 key = " ".join(question.split())  # the dedup key: whitespace runs collapsed
                 reason = ("truncated" if truncated else "empty" if not key
-                          else "too_short" if len(key) < self.settings.question_min_chars
+                          else "too_short" if len(key) < self.min_chars
                           else "duplicates" if key in self.seen else "kept")
                 counts[reason] += 1
                 if reason == "kept":

@@ -1,30 +1,27 @@
 """Where each assistant turn sits in a chat template's full rendering, for templates
 without `{% generation %}` tags.
 
-Re-rendering a prefix of the chat with a generation prompt and diffing is wrong for
-every template that renders history differently from a prompt (thinking templates
-open the prompt with `<think>\\n`, Mistral moves the system prompt into the last user
-turn, Qwen3 drops earlier think blocks), so the turns are found inside the one full
-rendering instead:
+Re-rendering a prefix with a generation prompt and diffing is wrong for every template that
+renders history differently from a prompt (thinking templates open the prompt with
+`<think>\\n`, Mistral moves the system prompt into the last user turn, Qwen3 drops earlier
+think blocks), so the turns are found inside the one full rendering instead:
 
-  * `probe_markers` learns, once per template and template arguments, what opens an
-    assistant turn and what ends it, from renderings of probe chats whose contents are
-    unique sentinel strings: the turn header is the text the template writes both in
-    its generation prompt and between a user message and the assistant content that
-    follows it; the end-of-turn token is the first special token it writes after an
-    assistant message's content. A template without a header (Mistral: the reply
-    follows `[/INST]`) is also probed for what it writes after a tool result.
-  * `locate_turns` walks the full rendering message by message: each user and tool
-    message's text is found in order (verbatim, trimmed or JSON-escaped), each assistant
-    turn runs from the end of the next header to the end of the next end-of-turn token.
-    Whatever the template writes in between (a think block, tool-call markup, tool calls
-    in place of the content) is the turn; a message it cannot place raises TurnNotFound,
-    never a guess.
+  * `probe_markers` learns, once per template and template arguments, from probe chats of
+    unique sentinel strings: the turn header (the text the template writes both in its
+    generation prompt and between a user message and the assistant content after it) and
+    the end-of-turn token (the first special token after an assistant message's content).
+    A template without a header (Mistral: the reply follows `[/INST]`) is also probed for
+    what it writes after a tool result.
+  * `locate_turns` walks the rendering message by message: each user and tool message's
+    text is found in order (verbatim, trimmed or JSON-escaped), each assistant turn runs
+    from the end of the next header through the next end-of-turn token, whatever the
+    template writes in between; a message it cannot place raises TurnNotFound, never a guess.
 """
 
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -94,7 +91,7 @@ def probe_markers(render_text: RenderText, special_tokens_in: Callable[[str], li
     if not all(opening.startswith(user_close) for opening in openings):
         raise TemplateProbeFailed(
             f"the template writes {user_close!r} after a final user message but not before the assistant reply")
-    header = _common_prefix([generation_prompt] + [opening[len(user_close):] for opening in openings])
+    header = os.path.commonprefix([generation_prompt] + [opening[len(user_close):] for opening in openings])
 
     if end_of_turn is None:
         after_reply = full[a1_end:full.index(u2, a1_end)]
@@ -205,9 +202,3 @@ def _ordered_positions(text: str, needles: list[str]) -> list[tuple[int, int]] |
         cursor = at + len(needle)
         out.append((at, cursor))
     return out
-
-
-def _common_prefix(texts: list[str]) -> str:
-    first = min(texts, key=len)
-    n = next((k for k in range(len(first)) if any(t[k] != first[k] for t in texts)), len(first))
-    return first[:n]

@@ -17,10 +17,8 @@ from click.testing import CliRunner
 from dflash.eval.cli import cli as eval_cli
 from dflash.extract.cli import main as extract_main
 from dflash.extract.config import ZSTD_LEVELS, ExtractConfig
-from dflash.extract.endpoint import EndpointConfig
 from dflash.extract.regenerate import GenerationSettings, RegenConfig
 from dflash.extract.regenerate_cli import cli as regenerate_cli
-from dflash.extract.self_prompts import SelfPromptSettings
 from dflash.shared import cache_cli
 from dflash.shared.cli import Maybe, take
 from dflash.shared.convert import ConvertSettings
@@ -63,9 +61,6 @@ def parse(command: click.Command, argv: list[str]) -> dict[str, typing.Any]:
     return dict(command.make_context("x", list(argv)).params)
 
 
-ENDPOINT_FLAGS = ("endpoint", "api_key", "request_timeout", "retries")
-
-
 def settings_of(label: str, params: dict) -> tuple[list, set[str]]:
     """(config objects built from a command's parsed values, the names of its flags that are no config field)."""
     params = dict(params)
@@ -76,11 +71,9 @@ def settings_of(label: str, params: dict) -> tuple[list, set[str]]:
         return [cfg.override(**{k: v for k, v in params.items() if k not in ("preset", "print_config")
                                 and v is not None})], {"preset", "print_config"}
     if label == "regenerate":
-        generation, prompting = take(GenerationSettings, params), take(SelfPromptSettings, params)
+        generation = take(GenerationSettings, params)
         params.pop("overwrite")
-        _, api_key, timeout, retries = (params.pop(k) for k in ENDPOINT_FLAGS)
-        endpoint = EndpointConfig("u", api_key, request_timeout=timeout, retries=retries)
-        return [generation, prompting, RegenConfig(**params), endpoint], {"overwrite"}
+        return [generation, RegenConfig(**params)], {"overwrite"}
     assert label == "cache convert"
     own = {k: params.pop(k) for k in ("src", "dst", "progress", "as_json")}
     return [ConvertSettings(**params)], set(own)
@@ -99,7 +92,7 @@ def test_every_field_is_a_flag_and_every_flag_a_field(tmp_path):
         for obj in built:
             fields.update(leaf_fields(obj))
         if label == "regenerate":
-            fields = {k: v for k, v in fields.items() if k not in ("url", "retry_wait", "progress")}
+            fields = {k: v for k, v in fields.items() if k not in ("retry_wait", "progress")}
         params = {p.name: p for p in command.params}
         assert set(params) - own == set(fields), (label, set(params) - own ^ set(fields))
         for name, (hint, _) in fields.items():
@@ -125,7 +118,7 @@ def test_parsed_defaults_are_the_config_defaults(tmp_path):
         elif label == "train run":
             assert built == [train_config.dflash_recipe()]
         elif label == "regenerate":
-            assert built == [GenerationSettings(), SelfPromptSettings(), RegenConfig("d", "m", "o"), EndpointConfig("u")]
+            assert built == [GenerationSettings(), RegenConfig("d", "m", "o")]
         else:
             assert built == [ConvertSettings()]
 

@@ -1,4 +1,4 @@
-"""The chat-completions client (dflash.extract.endpoint) against a scripted stdlib HTTP
+"""The chat-completions client (dflash.extract.regenerate_endpoint) against a scripted stdlib HTTP
 server: retries with backoff, rejected requests, a server that is down; and the pieces of
 regenerate_endpoint that turn answers into messages (reasoning, tool calls) and requests."""
 
@@ -14,7 +14,7 @@ import serve_helpers as S
 from dflash.extract import regenerate as regen
 from dflash.extract import regenerate_endpoint as rep
 from dflash.extract.data import Conversation
-from dflash.extract.endpoint import ChatEndpoint, EndpointConfig, EndpointDown, RequestRejected, parse_reply
+from dflash.extract.regenerate_endpoint import ChatEndpoint, EndpointDown, RequestRejected, parse_reply
 
 ANSWER = {"model": "m", "choices": [{"index": 0, "finish_reason": "stop",
                                      "message": {"role": "assistant", "content": "hi"}}],
@@ -73,7 +73,7 @@ def scripted():
 
 
 def _client(url, retries=3):
-    return ChatEndpoint(EndpointConfig(url=url, retries=retries, retry_wait=0.01, request_timeout=10))
+    return ChatEndpoint(url, retries=retries, retry_wait=0.01, request_timeout=10)
 
 
 def test_5xx_and_429_are_retried(scripted):
@@ -181,11 +181,11 @@ def test_request_body_carries_tools_kwargs_and_a_per_turn_seed():
 def test_journal_drops_a_torn_last_line_and_refuses_a_broken_one(tmp_path):
     path = tmp_path / "j.jsonl"
     path.write_text('{"row": 0, "turn": 1}\n{"row": 0, "tu')  # killed mid-write
-    assert rep.read_journal(path) == [{"row": 0, "turn": 1}]
+    assert regen.read_journal(path) == [{"row": 0, "turn": 1}]
     assert path.read_text() == '{"row": 0, "turn": 1}\n'
     path.write_text('{"row": 0, "tu\n{"row": 1, "turn": 1}\n')
     with pytest.raises(ValueError, match="line 1 is not JSON"):
-        rep.read_journal(path)
+        regen.read_journal(path)
 
 
 def test_leading_assistant_messages_are_removed_not_asked(scripted, tmp_path):
@@ -198,8 +198,8 @@ def test_leading_assistant_messages_are_removed_not_asked(scripted, tmp_path):
             [{"role": "assistant", "content": "only me"}]]
     data.write_text("".join(json.dumps({"messages": m}) + "\n" for m in rows))
     job = regen.RegenConfig(data=str(data), model=None, out=str(tmp_path / "out"),
-                            endpoint=EndpointConfig(url=server.url), progress=False)
-    meta = rep.regenerate_via_endpoint(job)
+                            endpoint=server.url, progress=False)
+    meta = regen.regenerate(job)
     assert [body["messages"] for _, body in server.posts()] == [[{"role": "user", "content": "q"}]]
     assert meta["counts"]["skipped"] == {"leading_assistant_removed": 2, "no_assistant_turn": 1}
     import datasets

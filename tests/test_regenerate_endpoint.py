@@ -1,4 +1,4 @@
-"""Regeneration through a real `transformers serve` (dflash.extract.regenerate_endpoint):
+"""Regeneration through a real `transformers serve` (dflash.extract.regenerate, EndpointEngine):
 turns equal the server's own answers to hand-written requests, turn by turn; a server
 killed mid-run stops the run with a clear error and the rerun asks only for the turns not
 answered before; template arguments reach the server; metadata names the served model.
@@ -14,8 +14,7 @@ import serve_helpers as S
 
 from dflash.extract import regenerate as regen
 from dflash.extract import regenerate_cli as regen_cli
-from dflash.extract import regenerate_endpoint as rep
-from dflash.extract.endpoint import EndpointConfig, EndpointDown
+from dflash.extract.regenerate_endpoint import EndpointDown
 
 LIMIT = 5
 MAX_NEW = 6
@@ -40,7 +39,7 @@ def proxy(server):
 def _job(url, data, out, *, concurrency=3, part_size=2, retries=2, **generation):
     settings = regen.GenerationSettings(max_new_tokens=MAX_NEW, **generation)
     return regen.RegenConfig(data=str(data), model=None, out=str(out),
-                             endpoint=EndpointConfig(url=url, retries=retries, retry_wait=0.05),
+                             endpoint=url, retries=retries, retry_wait=0.05,
                              generation=settings, concurrency=concurrency, part_size=part_size, limit=LIMIT,
                              progress=False)
 
@@ -59,7 +58,7 @@ def _assistant_turns(rows):
 def straight_run(tmp_path_factory, proxy, chats_sample_path):
     proxy.reset()
     out = tmp_path_factory.mktemp("regen_endpoint") / "straight"
-    meta = rep.regenerate_via_endpoint(_job(proxy.url, chats_sample_path, out))
+    meta = regen.regenerate(_job(proxy.url, chats_sample_path, out))
     return out, meta, proxy.answered
 
 
@@ -113,7 +112,7 @@ def test_killed_server_stops_the_run_and_the_rerun_asks_only_for_missing_turns(s
     proxy.kill_at = 4  # the 4th request kills the server: 3 turns at most get answered
     try:
         with pytest.raises(EndpointDown) as failure:
-            rep.regenerate_via_endpoint(job)
+            regen.regenerate(job)
     finally:
         server.start()
     message = str(failure.value)
@@ -127,7 +126,7 @@ def test_killed_server_stops_the_run_and_the_rerun_asks_only_for_missing_turns(s
     assert not (out / regen.METADATA_FILE).exists()
 
     proxy.reset()
-    meta = rep.regenerate_via_endpoint(job)
+    meta = regen.regenerate(job)
     assert proxy.answered == total - answered  # no answered turn was asked again
     assert _rows(out) == _rows(straight)
     assert meta["target_fingerprint"]["answered_by"] == {str(server.model_dir): total}
@@ -137,7 +136,7 @@ def test_killed_server_stops_the_run_and_the_rerun_asks_only_for_missing_turns(s
 def test_template_kwargs_reach_the_server(proxy, server, chats_sample_path, tmp_path):
     kwargs = {"enable_thinking": False}
     proxy.reset()
-    rep.regenerate_via_endpoint(_job(proxy.url, chats_sample_path, tmp_path / "kw", template_kwargs=kwargs))
+    regen.regenerate(_job(proxy.url, chats_sample_path, tmp_path / "kw", template_kwargs=kwargs))
     assert proxy.bodies and all(b["chat_template_kwargs"] == kwargs for b in proxy.bodies)
     source = json.loads(chats_sample_path.read_text().splitlines()[0])["messages"]
     expected, answers = _reference(server.url, str(server.model_dir), source, chat_template_kwargs=kwargs)
@@ -209,7 +208,7 @@ def test_tools_and_tool_messages_reach_the_server(proxy, tmp_path):
     data.write_text(json.dumps({"messages": messages, "tools": tools}) + "\n")
 
     proxy.reset()
-    rep.regenerate_via_endpoint(_job(proxy.url, data, tmp_path / "out"))
+    regen.regenerate(_job(proxy.url, data, tmp_path / "out"))
     assert len(proxy.bodies) == 2 and all(b["tools"] == tools for b in proxy.bodies)
     first_answer = proxy.bodies[1]["messages"][1]
     assert proxy.bodies[1]["messages"][2] == messages[2]

@@ -17,7 +17,7 @@ from test_templates import (  # noqa: F401 - qwen3, qwen3_extended, qwen3_tokeni
 
 from dflash.extract import regenerate as regen
 from dflash.extract import regenerate_cli as regen_cli
-from dflash.extract.self_prompts import QuestionSampler, SelfPromptSettings, user_header
+from dflash.extract.self_prompts import QuestionSampler, user_header
 
 QUESTION_MAX = 12
 MIN_CHARS = 12
@@ -68,7 +68,7 @@ def test_sampler_drops_and_counts_truncated_empty_short_and_duplicate_questions(
         asked.extend(prompts)
         return [outputs.pop(0) for _ in prompts]
 
-    sampler = QuestionSampler(generate, tiny_tokenizer, "HEADER", SelfPromptSettings(question_min_chars=8), 3)
+    sampler = QuestionSampler(generate, tiny_tokenizer, "HEADER", 8, 3)
     convs, record = sampler.chats(range(10, 17))
     assert asked == ["HEADER"] * 7
     assert [(c.row_index, c.messages) for c in convs] == [
@@ -117,7 +117,7 @@ def _config(out, tiny_target_dir, count, data=None, **prompting):
     return regen.RegenConfig(data=data and str(data), model=str(tiny_target_dir), out=str(out),
                              generation=regen.GenerationSettings(max_new_tokens=MAX_NEW, dtype="float32"),
                              batch_size=4, part_size=4, limit=2, progress=False,
-                             self_prompting=SelfPromptSettings(self_prompts=count, **prompting))
+                             self_prompts=count, **prompting)
 
 
 def _rows(out):
@@ -153,7 +153,7 @@ def sampled_run(tmp_path_factory, ending_target, tokenizer, tiny_target_dir):
 
 def test_questions_are_the_targets_samples_and_answers_its_greedy_answers(sampled_run, ending_target, tokenizer):
     out, meta = sampled_run
-    settings = SelfPromptSettings()
+    settings = regen.RegenConfig(None, None, "")
     expected, seen, reasons = [], set(), []
     for part in range(2):
         for i, question in enumerate(_sampled_questions(ending_target, tokenizer, part, 4, settings)):
@@ -190,7 +190,7 @@ def test_greedy_questions_are_duplicates_dropped_across_a_resumed_run(tmp_path, 
                             model=ending_target, tokenizer=tokenizer)
     assert meta["counts"]["self_prompts"] == {"generated": 10, "truncated": 0, "empty": 0, "too_short": 0,
                                               "duplicates": 9, "kept": 1}
-    (question,) = _sampled_questions(ending_target, tokenizer, 0, 1, SelfPromptSettings(question_temperature=0.0))
+    (question,) = _sampled_questions(ending_target, tokenizer, 0, 1, regen.RegenConfig(None, None, "", question_temperature=0.0))
     assert [r["messages"][0]["content"] for r in _rows(straight)] == [question]
 
     resumed = tmp_path / "resumed"
