@@ -208,11 +208,8 @@ def show_sample(path: str, index: int, *, tokenizer_path: str | None = None, num
     tokens = []
     for t in range(n_show):
         nxt = int(ids[t + 1]) if t + 1 < T else None
-        preds = [{"id": int(raw["topk_ids"][t, j]), "prob": float(np.exp(raw["topk_logprobs"][t, j]))}
-                 for j in range(top)]
-        if tokenizer is not None:
-            for p in preds:
-                p["text"] = _decode(tokenizer, [p["id"]])
+        preds = [{"id": int(raw["topk_ids"][t, j]), "prob": float(np.exp(raw["topk_logprobs"][t, j])),
+                  "text": _decode(tokenizer, [int(raw["topk_ids"][t, j])])} for j in range(top)]
         tokens.append({"pos": t, "id": int(ids[t]), "assistant": bool(mask[t]), "next_id": nxt,
                        "text": _decode(tokenizer, [int(ids[t])]),
                        "next_text": _decode(tokenizer, [nxt]) if nxt is not None else None,

@@ -30,7 +30,6 @@ LOGPROB_TOL = 1e-5  # fp32 log_softmax rounding: "> 0" and "not descending" allo
 @dataclass
 class _Shard:
     sid: int
-    group: zarr.Group
     state: ShardState
     arrays: dict[str, zarr.Array]
     global_start: int
@@ -221,7 +220,7 @@ def verify_cache(path: str, *, max_problems: int = 100, progress: bool = True, w
             else:
                 arrays[f] = g[f]
         start = shards[-1].global_start + shards[-1].state.commit.samples if shards else 0
-        shards.append(_Shard(sid, g, state, arrays, start))
+        shards.append(_Shard(sid, state, arrays, start))
 
     jobs = []  # (shard, array, chunk, committed tokens): every committed chunk of every token array
     for s in shards:
