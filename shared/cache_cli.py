@@ -45,10 +45,8 @@ def _n(x: int | None) -> str:
 
 
 def _short(h: str | None, n: int = 12) -> str:
-    if not h:
-        return "-"
-    h = str(h)
-    return h.split(":", 1)[1][:n] if ":" in h else h[:n]
+    """A hash's first ``n`` hex digits, without its 'sha256:' prefix."""
+    return str(h).split(":", 1)[-1][:n] if h else "-"
 
 
 def _pct(x: float | None) -> str:

@@ -89,10 +89,9 @@ def cache_info(path: str, shard_ids: list[int] | None = None) -> dict[str, Any]:
     raw_hidden = tokens * row_bytes["hidden"]
     missing = sorted(set(shard_ids or ()) - {e["shard_id"] for e in shards})
     assistant = sum(e["assistant_tokens"] for e in shards)
-    skipped: dict[str, int] = {}
+    skipped: dict[str, int] = {}  # rows not planned, by reason, over these shards
     for e in shards:
-        for reason, n in e["skipped"].items():
-            skipped[reason] = skipped.get(reason, 0) + int(n)
+        skipped.update({reason: skipped.get(reason, 0) + int(n) for reason, n in e["skipped"].items()})
     fp = spec.fingerprint
     target, tok, data = fp.get("target", {}), fp.get("tokenizer", {}), fp.get("dataset", {})
     located = spec.info or {}  # where local data and checkpoints lay (recorded, not compared)
