@@ -15,22 +15,19 @@ Every array is flat and token-major, chunked along tokens (rows per chunk in
         source_index   [N]          int64  (row of sample i in the source dataset)
         batches        [NB + 1]     int64  (sample offsets of the planned batches)
 
-A shard is planned before anything is computed (samples, order, lengths, batches), so every
-array has its final shape from the start. The writer appends whole batches in plan order. A
-commit writes every buffered token (the partial last chunk included) and only then records,
-in the shard's attributes, how many batches, samples and tokens are committed. Readers never
-look past that record, so a crash (``kill -9`` included) leaves a shard valid up to its last
-commit, and a rerun resumes at the next batch, giving a cache identical to an unbroken run's.
-A chunk that a commit left partial is rewritten whole by the next write through zarr's own
-codec pipeline, which replaces a chunk in one step (a local file is written and renamed; an
-object store's PUT is atomic): a crash leaves the old or the new chunk, both holding the
-committed rows.
+A shard is planned before anything is computed, so every array has its final shape from the
+start; the writer appends whole batches in plan order. A commit writes every buffered token
+(the partial last chunk included) and only then records, in the shard's attributes, how many
+batches, samples and tokens are committed. Readers never look past that record, so a crash
+(``kill -9`` included) leaves a shard valid up to its last commit, and a rerun resumes at the
+next batch, giving a cache identical to an unbroken run's. A chunk holding committed rows is
+rewritten whole through zarr's own pipeline, which replaces it in one step (a local file is
+renamed into place; an object store's PUT is atomic).
 
 Format versions: 1 chunks every token array at ``chunk_tokens`` rows; 2 (the lossless
 default) chunks the small arrays coarsely (``default_chunks``); 3 is 2 with a lossy
 ``hidden_codec`` or a reduced ``topk_dtype``, so that older readers refuse it. Readers take
-each array's chunking from its own metadata. ``CacheReader.read`` decodes any encoding to
-bf16 hidden states and float32 log-probs (``shared/hidden_codecs.py``).
+each array's chunking from its own metadata.
 """
 
 from __future__ import annotations
@@ -63,14 +60,13 @@ LAYER_CONVENTION = (
     "layer id i = output of decoder layer i (0-based) = HF output_hidden_states[i + 1]; "
     "hidden_states[0] is the embedding output"
 )
-TOKEN_FIELDS = ("input_ids", "loss_mask", "hidden", "topk_ids", "topk_logprobs")
-"""What a reader asks for (``CacheReader.read``), whatever the encoding."""
+TOKEN_FIELDS = ("input_ids", "loss_mask", "hidden", "topk_ids", "topk_logprobs")  # what a reader asks for
 HIDDEN_SCALE = "hidden_scale"
 META_FIELDS = ("offsets", "source_index", "batches")  # the sample-level arrays, written once at creation
 _TOPK_STORED = {"float32": "float32", "float16": "float16", "bfloat16": "uint16"}  # zarr has no bfloat16
+# the encoding fields at their lossless defaults; a lossless spec writes none of them
 ENCODING_DEFAULTS = {"hidden_codec": "bf16", "hidden_group_size": None, "hidden_scale_dtype": None,
                      "topk_dtype": "float32"}
-"""The encoding fields at their lossless defaults; a lossless spec writes none of them."""
 SAMPLE_META_CHUNK = 1 << 16
 ZARR_PIPELINE = "zarr.core.codec_pipeline.BatchedCodecPipeline"
 SMALL_CHUNK_BYTES = 1 << 20  # raw bytes aimed at per chunk of the small token arrays (format 2)
@@ -157,11 +153,7 @@ class CacheSpec:
             raise CacheError(f"cache spec: chunks must name each of {self.token_fields}, got {sorted(self.chunks)}")
 
     def with_encoding(self, **encoding) -> "CacheSpec":
-        """This spec with other encoding fields (``ENCODING_DEFAULTS``' keys), in the format and
-        default chunks that encoding is written in."""
-        unknown = sorted(set(encoding) - set(ENCODING_DEFAULTS))
-        if unknown:
-            raise ValueError(f"not encoding fields: {unknown}; expected some of {sorted(ENCODING_DEFAULTS)}")
+        """This spec with other encoding fields, in the format and default chunks of that encoding."""
         return dataclasses.replace(self, **{**self.encoding(), **encoding}, format_version=FORMAT_VERSION,
                                    chunks={})
 
@@ -217,7 +209,7 @@ class CacheSpec:
 def default_chunks(spec: CacheSpec) -> dict[str, int]:
     """Format 2's rows per chunk: the hidden states at ``chunk_tokens``; each small array at the
     power of two whose raw chunk is closest under ``SMALL_CHUNK_BYTES``, between ``chunk_tokens``
-    and ``SMALL_CHUNK_MAX_TOKENS`` (at 256 everywhere they were 80 % of the chunk writes)."""
+    and ``SMALL_CHUNK_MAX_TOKENS``."""
     chunks = {}
     for name, (shape, dtype) in token_array_shapes(spec, 1).items():
         if name in ("hidden", HIDDEN_SCALE):
@@ -253,9 +245,8 @@ def _jsonable(x: Any) -> Any:
 
 
 def writer_zarr_settings(path: str) -> dict[str, Any]:
-    """zarr settings of a shard's writer: the zarrs pipeline (Rust, off the GIL) for a local
-    folder, the only store it writes to; zarr's own pipeline with 32 chunks in flight for a URL;
-    no all-fill-value scan (whole chunks are written)."""
+    """zarr settings of a shard's writer: the zarrs pipeline (Rust, off the GIL) for a local folder,
+    zarr's own for a URL (zarrs writes only local folders); no all-fill-value scan."""
     pipeline = "zarrs.ZarrsCodecPipeline" if is_local(path) else ZARR_PIPELINE
     return {"codec_pipeline.path": pipeline, "async.concurrency": 32, "array.write_empty_chunks": True}
 
@@ -331,18 +322,18 @@ def bf16_to_bits(x: torch.Tensor) -> np.ndarray:
 # ----------------------------------------------------------------------------- root
 
 
-def open_root(path: str, mode: str = "r", storage_options: dict | None = None) -> zarr.Group:
+def open_root(path: str, mode: str = "r") -> zarr.Group:
     try:
-        return zarr.open_group(store=path, mode=mode, zarr_format=3, storage_options=storage_options)
+        return zarr.open_group(store=path, mode=mode, zarr_format=3)
     except FileNotFoundError as e:
         raise CacheError(f"{path}: no cache there ({e})") from e
     except Exception as e:  # zarr raises several kinds for a missing or foreign store
         raise CacheError(f"{path}: cannot open as a Zarr v3 cache: {e}") from e
 
 
-def open_spec(path: str, storage_options: dict | None = None) -> tuple[zarr.Group, CacheSpec]:
+def open_spec(path: str) -> tuple[zarr.Group, CacheSpec]:
     """The cache root (read-only) and its spec; CacheError for a store that is no cache."""
-    root = open_root(path, "r", storage_options)
+    root = open_root(path)
     if ATTRS_KEY not in root.attrs:
         raise CacheError(f"{path}: a Zarr store but not a dflash cache (no '{ATTRS_KEY}' attribute)")
     return root, CacheSpec.from_dict(root.attrs[ATTRS_KEY])
@@ -357,14 +348,10 @@ def _new_root(root: zarr.Group, spec: CacheSpec) -> zarr.Group:
 
 def create_or_open_cache(path: str, spec: CacheSpec, storage_options: dict | None = None, *,
                          replace_uncommitted: bool = False) -> zarr.Group:
-    """Create the cache root, or reopen one with the same fingerprint and layout.
-
-    A cache made with another target, tokenizer, dataset or setting is refused with every
-    difference named, never overwritten, unless ``replace_uncommitted`` is set and none of its
-    shards committed a sample (what a run that failed before its first commit leaves, which
-    would otherwise block the corrected rerun): then its shards are deleted and the root takes
-    the new spec, with a warning naming the differences.
-    """
+    """Create the cache root, or reopen one with the same fingerprint and layout. A cache made
+    with another target, tokenizer, dataset or setting is refused naming every difference, unless
+    ``replace_uncommitted`` is set and none of its shards committed a sample (a run that failed
+    before its first commit): then it is replaced, with a warning naming the differences."""
     root = zarr.open_group(store=path, mode="a", zarr_format=3, storage_options=storage_options)
     existing = root.attrs.get(ATTRS_KEY)
     if existing is None:
@@ -382,7 +369,7 @@ def create_or_open_cache(path: str, spec: CacheSpec, storage_options: dict | Non
         return root
     if not replace_uncommitted or committed_samples(root) > 0:
         raise CacheMismatch(f"{path} holds a cache with another fingerprint; use another --out or delete it", diffs)
-    writing = live_holders(path, storage_options)
+    writing = live_holders(path)
     if writing:
         raise CacheError(f"{path} holds a cache with another fingerprint, in which no shard committed a sample yet, "
                          "but another run is writing it: " + "; ".join(
@@ -542,23 +529,17 @@ class ShardPlan:
 
 
 class ShardWriter:
-    """Writes one shard; the only process that ever touches it.
+    """Writes one shard; the only process that ever touches it. ``write_batch`` takes whole
+    planned batches in order; full chunks go to the store at once, the partial tail waits in
+    memory until the next ``commit``. A chunk holding committed rows is rewritten through zarr's
+    own pipeline, which replaces a local file in one step (zarrs may truncate, then write).
 
-    ``write_batch`` takes whole planned batches in order; full chunks go to the store at once,
-    the partial tail waits in memory until the next ``commit``. A chunk that already holds
-    committed rows is rewritten through zarr's own pipeline, whose local writes replace the
-    file in one step (another pipeline may truncate, then write, and a crash in between would
-    lose committed rows).
-
-    ``compute`` describes what computes the values (device, kernels, versions); it is recorded
-    at creation, and a shard with committed samples refuses to resume under another one, since
-    the resumed part would round differently.
-    """
+    ``compute`` (device, kernels, versions) is recorded at creation; a shard with committed
+    samples refuses to resume under another one, whose values would round differently."""
 
     def __init__(self, root: zarr.Group, shard_id: int, plan: ShardPlan, spec: CacheSpec,
                  compute: dict[str, Any] | None = None):
-        self.guard: Callable[[], None] | None = None
-        """Called before every commit record is written; raising stops the commit (see ``shard_lock``)."""
+        self.guard: Callable[[], None] | None = None  # called before each commit record; raising stops it
         self.spec, self.plan, self.shard_id = spec, plan, shard_id
         self._offsets = plan.offsets
         name = shard_name(shard_id)
@@ -714,14 +695,13 @@ class CacheReader:
     """Random access by global sample index over the committed samples of every shard.
 
     Picklable: a DataLoader worker reopens the store lazily. Opening reads the shards' states
-    and offsets only; every other array is opened when first asked for.
+    and offsets only. ``shard_ids``: open only these shards (one node's, while others write theirs).
     """
 
-    def __init__(self, path: str, storage_options: dict | None = None, shard_ids: Iterable[int] | None = None):
-        """``shard_ids``: open only these shards (e.g. one node's, while other nodes write theirs)."""
-        self.path, self.storage_options = path, storage_options
+    def __init__(self, path: str, shard_ids: Iterable[int] | None = None):
+        self.path = path
         self._arrays: dict[tuple[int, str], zarr.Array] = {}
-        self._root, self.spec = open_spec(path, storage_options)
+        self._root, self.spec = open_spec(path)
         self.shards: list[ShardInfo] = []
         self._offsets = []
         if "shards" in self.root:
@@ -744,7 +724,7 @@ class CacheReader:
     @property
     def root(self) -> zarr.Group:
         if self._root is None:
-            self._root = open_root(self.path, "r", self.storage_options)
+            self._root = open_root(self.path)
         return self._root
 
     def _array(self, pos: int, name: str) -> zarr.Array:

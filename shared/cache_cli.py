@@ -1,10 +1,8 @@
 """``dflash-cache``: inspect a hidden-state cache (info, show, verify, stats) and convert it.
 
-Every command prints a compact human report, or with ``--json`` one JSON document (the
-dicts from ``dflash.shared.inspect`` and ``dflash.shared.verify``). Exit codes: 0 fine,
-1 ``verify`` found problems, 2 the cache cannot be opened or the request makes no sense
-for it.
-"""
+Every command prints a compact human report, or with ``--json`` one JSON document (the dicts
+of ``shared/inspect.py`` and ``shared/verify.py``). Exit codes: 0 fine, 1 ``verify`` found
+problems, 2 the cache cannot be opened or the request makes no sense for it."""
 
 from __future__ import annotations
 
@@ -47,10 +45,8 @@ def _n(x: int | None) -> str:
 
 
 def _short(h: str | None, n: int = 12) -> str:
-    if not h:
-        return "-"
-    h = str(h)
-    return h.split(":", 1)[1][:n] if ":" in h else h[:n]
+    """A hash's first ``n`` hex digits, without its 'sha256:' prefix."""
+    return str(h).split(":", 1)[-1][:n] if h else "-"
 
 
 def _pct(x: float | None) -> str:
@@ -69,51 +65,12 @@ def main():
     URLs."""
 
 
-# ----------------------------------------------------------------------------- info
-
-
-def _compute_lines(shards: list[dict]) -> list[str]:
-    """One line per distinct compute environment the shards were extracted under."""
-    groups: dict[str, list[int]] = {}
-    for s in shards:
-        c = s.get("compute")
-        key = "unknown" if not c else ", ".join(f"{k} {v}" for k, v in sorted(c.items()))
-        groups.setdefault(key, []).append(s["shard_id"])
-    if not groups:
-        return []
-    lines = [""]
-    for key, ids in groups.items():
-        which = "all shards" if len(groups) == 1 else "shards " + ", ".join(f"{i:05d}" for i in ids)
-        lines.append(f"computed   {key}  ({which})")
-    return lines
-
-
-def _template_line(t: dict) -> str:
-    """The chat template and its settings: where it came from, its arguments, the end of turn."""
-    source = f"from {t['file']}" if t["file"] else "the tokenizer's"
-    eot_id = "-" if t["end_of_turn_id"] is None else t["end_of_turn_id"]
-    eot = f"{t['end_of_turn']!r} (id {eot_id}, --end-of-turn)" if t["end_of_turn"] else f"id {eot_id} (from the template)"
-    return (f"chat       template {_short(t['hash'])} {source}  kwargs {json.dumps(t['template_kwargs'], sort_keys=True)}  "
-            f"end of turn {eot}  mask {t['mask_method'] or '-'}")
-
-
-def _chunks_line(chunks: dict[str, int]) -> str:
-    """Rows per chunk of each token array (format 1: the same for all; format 2: coarse for the small ones)."""
-    return (f"chunks     hidden {chunks['hidden']}, top-k {chunks['topk_ids']}/{chunks['topk_logprobs']}, "
-            f"input ids {chunks['input_ids']}, loss mask {chunks['loss_mask']} tokens")
-
-
-def _converted_lines(record: dict | None) -> list[str]:
-    """Where a converted cache came from: the source's path and fingerprint, and how it stored its values."""
-    lines = []
-    while record:
-        stored = record.get("encoding") or {}
-        lines.append(f"{'converted' if not lines else '  which was':<10} from {record['path']}  fingerprint "
-                     f"{_short(record['fingerprint_digest'])}  (format v{record['format_version']}, hidden "
-                     f"{record.get('hidden', 'bf16 (lossless)')}, top-k log-probs {stored.get('topk_dtype', 'float32')}, "
-                     f"hidden chunks {record['chunk_tokens']}, zstd level {record['compression_level']})")
-        record = record.get("previous")
-    return lines
+def _hidden_per_token(info: dict) -> str:
+    """Hidden-state bytes per token on disk, and their share of raw bf16's."""
+    b = info["bytes_per_token"]
+    if b["hidden_on_disk"] is None:
+        return "-"
+    return f"{b['hidden_on_disk']:,.0f} ({b['hidden_on_disk'] / b['hidden_raw_bf16']:.3f} of raw bf16)"
 
 
 @main.command()
@@ -124,57 +81,61 @@ def info(cache: str, as_json: bool):
     d = _run(I.cache_info, cache)
     if as_json:
         return _emit_json(d)
-    fp = d["fingerprint"]
-    t, tok, ds = fp["target"], fp["tokenizer"], fp["dataset"]
+    fp, b, e, ch = d["fingerprint"], d["bytes_per_token"], d["encoding"], d["chunks"]
+    t, tok, ds, tp = fp["target"], fp["tokenizer"], fp["dataset"], fp["chat_template"]
+    eot_id = "-" if tp["end_of_turn_id"] is None else tp["end_of_turn_id"]
+    eot = f"{tp['end_of_turn']!r} (id {eot_id}, --end-of-turn)" if tp["end_of_turn"] else f"id {eot_id} (from the template)"
+    template = f"from {tp['file']}" if tp["file"] else "the tokenizer's"
     lines = [
         f"cache      {d['path']}  ({d['format']} v{d['format_version']}, "
         f"{'complete' if d['complete'] else 'INCOMPLETE'})",
         f"target     {t['name_or_path']}  rev {t['revision'] or '-'}  dtype {t['dtype'] or '-'}  "
         f"config {_short(t['config_hash'])}  weights {_short(t['weights_hash'])}",
         f"tokenizer  {_short(tok['hash'])}  template {_short(tok['chat_template_hash'])}",
-        _template_line(fp["chat_template"]),
+        f"chat       template {_short(tp['hash'])} {template}  "
+        f"kwargs {json.dumps(tp['template_kwargs'], sort_keys=True)}  end of turn {eot}  mask {tp['mask_method'] or '-'}",
         f"dataset    {ds['name'] or '-'}  split {ds['split'] or '-'}  rows {_n(ds['rows'])}  hash {_short(ds['hash'])}",
         f"layers     {d['layer_ids']} of {d['num_target_layers']}  ({d['layer_convention']})",
         f"hidden     D={d['hidden_size']} {d['hidden_dtype']}  top-k {d['topk']}  vocab {_n(d['vocab_size'])}  "
         f"max length {d['max_length']} (truncation {d['truncation']})",
-        _encoding_line(d),
-        _chunks_line(d["chunks"]),
-        *_converted_lines(d["converted_from"]),
-        "",
-        f"{'shard':>5}  {'state':<8}  {'samples':>17}  {'tokens':>23}  {'assistant':>11}  {'disk':>11}  skipped",
+        f"codec      hidden {e['hidden']}, top-k log-probs {e['topk_dtype']}; hidden bytes/token: raw bf16 "
+        f"{b['hidden_raw_bf16']:,}, encoded {b['hidden_encoded']:,}, on disk {_hidden_per_token(d)}",
+        f"chunks     hidden {ch['hidden']}, top-k {ch['topk_ids']}/{ch['topk_logprobs']}, "
+        f"input ids {ch['input_ids']}, loss mask {ch['loss_mask']} tokens",
     ]
+    record, which = d["converted_from"], "converted"
+    while record:  # where a converted cache came from, newest first
+        lines.append(f"{which:<10} from {record['path']}  fingerprint "
+                     f"{_short(record['fingerprint_digest'])}  (format v{record['format_version']}, hidden "
+                     f"{record.get('hidden', 'bf16 (lossless)')}, top-k log-probs "
+                     f"{(record.get('encoding') or {}).get('topk_dtype', 'float32')}, hidden chunks "
+                     f"{record['chunk_tokens']}, zstd level {record['compression_level']})")
+        record, which = record.get("previous"), "  which was"
+    lines += ["", f"{'shard':>5}  {'state':<8}  {'samples':>17}  {'tokens':>23}  {'assistant':>11}  {'disk':>11}  skipped"]
+    computed: dict[str, list[str]] = {}  # compute environment -> the shards extracted under it
     for s in d["shards"]:
         skipped = ", ".join(f"{k}={v}" for k, v in s["skipped"].items() if v) or "-"
         lines.append(
             f"{s['shard_id']:05d}  {s['state']:<8}  {_n(s['samples']) + '/' + _n(s['planned_samples']):>17}  "
             f"{_n(s['tokens']) + '/' + _n(s['planned_tokens']):>23}  {_n(s['assistant_tokens']):>11}  "
             f"{size_text(s['bytes_on_disk']):>11}  {skipped}")
-    lines += _compute_lines(d["shards"])
+        c = s.get("compute")
+        computed.setdefault(", ".join(f"{k} {v}" for k, v in sorted(c.items())) if c else "unknown", []).append(
+            f"{s['shard_id']:05d}")
+    lines += [""] * bool(computed) + [f"computed   {key}  ({'all shards' if len(computed) == 1 else 'shards ' + ', '.join(ids)})"
+                                      for key, ids in computed.items()]
     lines += [f"writing    shard {s} now: {h['described']}" for s, h in d["writing"].items()]
-    ratio = d["compression_ratio"]
-    fmt_ratio = lambda r: "-" if r is None else f"{r:.2f}x"  # noqa: E731
+    ratio = {k: "-" if r is None else f"{r:.2f}x" for k, r in d["compression_ratio"].items()}
     skipped = ", ".join(f"{k}={v}" for k, v in d["skipped"].items() if v) or "none"
     lines += [
         "",
         f"total      {_n(d['samples'])}/{_n(d['planned_samples'])} samples, {_n(d['tokens'])}/"
         f"{_n(d['planned_tokens'])} tokens, {_n(d['assistant_tokens'])} assistant tokens "
         f"({_pct(d['assistant_fraction'])}); skipped rows: {skipped}",
-        f"disk       {size_text(d['bytes_on_disk'])}; vs raw bf16: hidden {fmt_ratio(ratio['hidden'])}, "
-        f"all arrays {fmt_ratio(ratio['total'])}  (raw {size_text(d['raw_bytes']['total'])})",
+        f"disk       {size_text(d['bytes_on_disk'])}; vs raw bf16: hidden {ratio['hidden']}, "
+        f"all arrays {ratio['total']}  (raw {size_text(d['raw_bytes']['total'])})",
     ]
     click.echo("\n".join(lines))
-
-
-def _encoding_line(d: dict) -> str:
-    """The codec and the hidden states' bytes per token: raw bf16, encoded, and on disk."""
-    b, e = d["bytes_per_token"], d["encoding"]
-    disk = "-" if b["hidden_on_disk"] is None else f"{b['hidden_on_disk']:,.0f}"
-    ratio = "" if b["hidden_on_disk"] is None else f" ({b['hidden_on_disk'] / b['hidden_raw_bf16']:.3f} of raw bf16)"
-    return (f"codec      hidden {e['hidden']}, top-k log-probs {e['topk_dtype']}; hidden bytes/token: raw bf16 "
-            f"{b['hidden_raw_bf16']:,}, encoded {b['hidden_encoded']:,}, on disk {disk}{ratio}")
-
-
-# ----------------------------------------------------------------------------- show
 
 
 def _tok_text(text: str | None, tid: int) -> str:
@@ -198,22 +159,15 @@ def show(cache: str, index: int, tokenizer: str | None, tokens: int, top: int, c
         return _emit_json(d)
     color = sys.stdout.isatty() if color is None else color
     tk = d["tokenizer"]
-    head = (f"sample {d['index']}  (shard {d['shard_id']:05d} sample {d['local_index']}, source row "
-            f"{d['source_index']})  length {d['length']}  assistant tokens {d['assistant_tokens']}")
-    if tk["loaded"]:
-        note = "" if tk["hash_matches_cache"] in (None, True) else "  WARNING: its hash differs from the cache's"
-        tok_line = f"tokenizer {tk['path']}{note}"
-    else:
-        tok_line = f"no tokenizer ({tk['error']}); showing token ids"
-    legend = "assistant tokens in green" if color else "assistant tokens inside [[ ]]"
+    note = "" if tk["hash_matches_cache"] in (None, True) else "  WARNING: its hash differs from the cache's"
     parts = []
     for seg in d["segments"]:
         text = seg["text"] if seg["text"] is not None else " ".join(map(str, seg["ids"])) + " "
-        if seg["assistant"]:
-            parts.append(click.style(text, fg="green", bold=True) if color else f"[[{text}]]")
-        else:
-            parts.append(text)
-    out = [head, tok_line, f"--- text ({legend})", "".join(parts), "---"]
+        parts.append(text if not seg["assistant"] else click.style(text, fg="green", bold=True) if color else f"[[{text}]]")
+    out = [f"sample {d['index']}  (shard {d['shard_id']:05d} sample {d['local_index']}, source row "
+           f"{d['source_index']})  length {d['length']}  assistant tokens {d['assistant_tokens']}",
+           f"tokenizer {tk['path']}{note}" if tk["loaded"] else f"no tokenizer ({tk['error']}); showing token ids",
+           f"--- text (assistant tokens {'in green' if color else 'inside [[ ]]'})", "".join(parts), "---"]
     if d["tokens"]:
         out.append(f"target predictions for the next token, first {d['tokens_shown']} of {d['length']} "
                    f"positions (A = assistant, * = top-1 is the next token)")
@@ -228,9 +182,6 @@ def show(cache: str, index: int, tokenizer: str | None, tokens: int, top: int, c
     click.echo("\n".join(out))
 
 
-# ----------------------------------------------------------------------------- verify
-
-
 @main.command()
 @CACHE
 @click.option("--max-problems", default=100, help="Problems listed (all are counted).")
@@ -243,23 +194,15 @@ def verify(cache: str, max_problems: int, workers: int, progress: bool, as_json:
     if as_json:
         _emit_json(d)
     else:
-        lines = []
-        for s in d["shards"]:
-            lines.append(f"shard {s['shard_id']:05d}  {s['state']:<8}  committed {_n(s['samples'])}/"
-                         f"{_n(s['planned_samples'])} samples, {_n(s['tokens'])}/{_n(s['planned_tokens'])} tokens")
+        lines = [f"shard {s['shard_id']:05d}  {s['state']:<8}  committed {_n(s['samples'])}/{_n(s['planned_samples'])} "
+                 f"samples, {_n(s['tokens'])}/{_n(s['planned_tokens'])} tokens" for s in d["shards"]]
         lines.append(f"read {_n(d['chunks_read'])} chunks: {_n(d['samples'])} samples, {_n(d['tokens'])} tokens")
-        if d["ok"]:
-            lines.append("OK: no problems found")
-        else:
-            lines.append(f"{d['num_problems']} problem(s):")
-            lines += [f"  [{p['check']}] {p['message']}" for p in d["problems"]]
-            if d["problems_left_out"]:
-                lines.append(f"  ... and {d['problems_left_out']} more (raise --max-problems)")
+        lines += ["OK: no problems found"] if d["ok"] else [f"{d['num_problems']} problem(s):"] + [
+            f"  [{p['check']}] {p['message']}" for p in d["problems"]]
+        if d["problems_left_out"]:
+            lines.append(f"  ... and {d['problems_left_out']} more (raise --max-problems)")
         click.echo("\n".join(lines))
     sys.exit(0 if d["ok"] else EXIT_PROBLEMS)
-
-
-# ----------------------------------------------------------------------------- stats
 
 
 @main.command()
@@ -282,45 +225,32 @@ def stats(cache: str, max_samples: int, seed: int, threshold: float, against: st
                    f"p90 {ln['percentiles']['90']:.0f}  p99 {ln['percentiles']['99']:.0f}  max {ln['max']}  "
                    f"(at max length: {ln['at_max_length']})")
         peak = max(b["count"] for b in ln["histogram"])
-        for b in ln["histogram"]:
-            bar = "#" * (round(40 * b["count"] / peak) if b["count"] else 0)
-            out.append(f"  {b['lo']:>6}-{b['hi'] - 1:<6} {b['count']:>9,}  {bar}")
+        out += [f"  {b['lo']:>6}-{b['hi'] - 1:<6} {b['count']:>9,}  {'#' * round(40 * b['count'] / peak)}"
+                for b in ln["histogram"]]
     smp = d["sampled"]
     drawn = "all samples" if smp["indices_all"] else f"seed {smp['seed']}"
     out.append(f"activations over {_n(smp['samples'])} samples ({_n(smp['tokens'])} tokens, {drawn}):")
     out.append(f"  {'layer':>5} {'mean':>10} {'std':>10} {'rms':>10} {'abs max':>10} {'|x|>' + format(threshold, 'g'):>10}")
-    for lay in d["activations"]["layers"]:
-        out.append(f"  {lay['layer_id']:>5} {lay['mean']:>10.4g} {lay['std']:>10.4g} {lay['rms']:>10.4g} "
-                   f"{lay['abs_max']:>10.4g} {_pct(lay['frac_above_threshold']):>10}")
+    out += [f"  {lay['layer_id']:>5} {lay['mean']:>10.4g} {lay['std']:>10.4g} {lay['rms']:>10.4g} "
+            f"{lay['abs_max']:>10.4g} {_pct(lay['frac_above_threshold']):>10}" for lay in d["activations"]["layers"]]
     tk = d["topk"]
     fmt = lambda x: "-" if x is None else f"{x:.3f}"  # noqa: E731
     out.append(f"top-{tk['k']}: mean top-1 prob {fmt(tk['mean_top1_prob'])}, mass in top-k {fmt(tk['mean_topk_mass'])}, "
                f"entropy >= {fmt(tk['mean_entropy_lower_bound'])} nats; top-1 = next token "
                f"{_pct(tk['top1_is_next_token'])} (assistant {_pct(tk['top1_is_next_token_assistant'])})")
-    out += _conversion_error_lines(d["conversion_error"])
+    e = d["conversion_error"]  # a converted cache's error against its source, per layer
+    rel = lambda x: "-" if x is None else f"{x:.3e}"  # noqa: E731
+    if e is not None and e.get("unavailable"):
+        out.append(f"error against the source: {e['unavailable']}")
+    elif e is not None:
+        note = "" if e["source_matches_record"] in (None, True) else "  (NOT the fingerprint it was converted from)"
+        out += [f"error against {e['against']}{note}, over the same {_n(e['tokens'])} tokens:",
+                f"  {'layer':>5} {'rel L2':>10} {'max |err|':>10}"]
+        out += [f"  {lay['layer_id']:>5} {rel(lay['rel_l2']):>10} {lay['max_abs_error']:>10.4g}" for lay in e["layers"]]
+        tk = e["topk_logprobs"]
+        if e["topk_reduced"] or tk["rel_l2"]:
+            out.append(f"  top-k log-probs: rel L2 {rel(tk['rel_l2'])}, max |err| {tk['max_abs_error']:.4g}")
     click.echo("\n".join(out))
-
-
-def _conversion_error_lines(e: dict | None) -> list[str]:
-    """The error of a converted cache's values against its source's, per layer."""
-    if e is None:
-        return []
-    if e.get("unavailable"):
-        return [f"error against the source: {e['unavailable']}"]
-    note = "" if e["source_matches_record"] in (None, True) else "  (NOT the fingerprint it was converted from)"
-    out = [f"error against {e['against']}{note}, over the same {_n(e['tokens'])} tokens:",
-           f"  {'layer':>5} {'rel L2':>10} {'max |err|':>10}"]
-    for lay in e["layers"]:
-        rel = "-" if lay["rel_l2"] is None else f"{lay['rel_l2']:.3e}"
-        out.append(f"  {lay['layer_id']:>5} {rel:>10} {lay['max_abs_error']:>10.4g}")
-    tk = e["topk_logprobs"]
-    if e["topk_reduced"] or tk["rel_l2"]:
-        rel = "-" if tk["rel_l2"] is None else f"{tk['rel_l2']:.3e}"
-        out.append(f"  top-k log-probs: rel L2 {rel}, max |err| {tk['max_abs_error']:.4g}")
-    return out
-
-
-# ----------------------------------------------------------------------------- convert
 
 
 @main.command()
@@ -369,17 +299,14 @@ def convert(src: str, dst: str, progress: bool, as_json: bool, **values):
     if as_json:
         return _emit_json(d)
     rate = "" if d["tokens_per_s"] is None else f", {d['tokens_per_s']:,.0f} tok/s"
-    per_token = lambda info: "-" if info["bytes_per_token"]["hidden_on_disk"] is None else (  # noqa: E731
-        f"{info['bytes_per_token']['hidden_on_disk']:,.0f} B/token "
-        f"({info['bytes_per_token']['hidden_on_disk'] / info['bytes_per_token']['hidden_raw_bf16']:.3f} of raw bf16)")
     click.echo("\n".join([
         f"converted  {d['source']} -> {d['destination']}: {d['shards']} shard(s), {_n(d['samples'])} samples, "
         f"{_n(d['tokens'])} tokens ({_n(d['tokens_converted'])} now, {_n(d['tokens_found_done'])} found done) "
         f"in {d['seconds']:.1f} s{rate}",
         f"encoding   hidden {before['encoding']['hidden']} -> {after['encoding']['hidden']}; top-k log-probs "
         f"{before['encoding']['topk_dtype']} -> {after['encoding']['topk_dtype']}",
-        f"disk       {size_text(before['bytes_on_disk'])} -> {size_text(after['bytes_on_disk'])}; hidden states "
-        f"{per_token(before)} -> {per_token(after)}",
+        f"disk       {size_text(before['bytes_on_disk'])} -> {size_text(after['bytes_on_disk'])}; hidden bytes/token "
+        f"{_hidden_per_token(before)} -> {_hidden_per_token(after)}",
         f"next       dflash-cache stats {dst}   (the relative L2 error per layer against the source)",
     ]))
 

@@ -1,8 +1,6 @@
-"""What every dflash command shares: its click settings, the value types click lacks (comma lists, ``none``,
-JSON objects, model folders), and bad input ending in one line that names what to fix, never a traceback.
-
-Here because extraction, training, evaluation and the cache tool all use it, and they meet only in ``shared/``.
-"""
+"""What every dflash command shares (they meet only in ``shared/``): its click settings, the value types click
+lacks (comma lists, ``none``, JSON objects, model folders), and bad input ending in one line that names what to
+fix, never a traceback."""
 
 from __future__ import annotations
 
@@ -17,23 +15,19 @@ import click
 CONTEXT_SETTINGS = {"help_option_names": ["-h", "--help"], "max_content_width": 120, "show_default": True}
 
 
-def _expected_errors() -> tuple[type[Exception], ...]:
-    """The errors that mean bad input (a missing or unreadable file, a value that cannot work)."""
-    from .cache import CacheError  # on the error path only: it imports torch and zarr
-
-    return (ValueError, OSError, CacheError)
-
-
 @contextlib.contextmanager
 def reading(flag: str | None = None):
-    """Around code that reads ``flag``'s input: an expected error of bad input becomes one line naming the flag
-    (click.BadParameter, exit status 2), or without a flag a click error (exit status 1)."""
+    """Around code that reads ``flag``'s input: an error of bad input (a missing or unreadable file, a value that
+    cannot work) becomes one line naming the flag (click.BadParameter, exit status 2), or without a flag a click
+    error (exit status 1)."""
     try:
         yield
     except click.ClickException:
         raise
     except Exception as e:
-        if not isinstance(e, _expected_errors()):
+        from .cache import CacheError  # on the error path only: it imports torch and zarr
+
+        if not isinstance(e, (ValueError, OSError, CacheError)):
             raise
         message = f"{e.filename}: {e.strerror}" if isinstance(e, OSError) and e.filename and e.strerror else str(e)
         raise (click.BadParameter(message, param_hint=flag) if flag else click.ClickException(message)) from e

@@ -1,14 +1,11 @@
 """``dflash-cache convert``: re-encode a finished cache into another layout, without the target.
 
-Each shard keeps the source's plan (samples, order, batches, source rows, skips) and is written
-through extraction's ``ShardWriter``, so it is chunked, checksummed and resumed alike: a rerun
-after a crash continues from the last commit and ends identical to an unbroken run. Only the
-storage changes (format, chunking, zstd level, hidden codec, top-k precision): an array whose
-encoding is unchanged is copied as stored, the others are decoded and encoded again with the
-cache's own codec functions. The fingerprint is the source's with the new settings (values
-re-encoded from a lossy source also name that encoding under ``decoded_from``);
-``info.converted_from`` records the source's path, fingerprint digest and storage.
-"""
+Each shard keeps the source's plan and is written through extraction's ``ShardWriter``, so it is
+chunked, checksummed and resumed alike. Only the storage changes (format, chunking, zstd level,
+hidden codec, top-k precision): an array whose encoding is unchanged is copied as stored, the
+others are decoded and encoded again. The fingerprint is the source's with the new settings
+(plus ``decoded_from`` for values that went through a lossy encoding); ``info.converted_from``
+records the source's path, fingerprint digest and storage."""
 
 from __future__ import annotations
 
@@ -82,12 +79,10 @@ def converted_spec(src: CacheSpec, settings: ConvertSettings, src_path: str) -> 
     layout = dataclasses.replace(src, chunk_tokens=settings.chunk_tokens or src.chunk_tokens,
                                  compression_level=settings.compression_level or src.compression_level,
                                  fingerprint=copy.deepcopy(src.fingerprint), info=copy.deepcopy(src.info or {}))
-    encoding = dict(
-        hidden_codec=settings.hidden_codec or src.hidden_codec,
-        hidden_group_size=settings.hidden_group_size or src.hidden_group_size or 128,
-        hidden_scale_dtype=settings.hidden_scale_dtype or src.hidden_scale_dtype or "float16",
-        topk_dtype=settings.topk_dtype or src.topk_dtype,
-    )
+    encoding = dict(hidden_codec=settings.hidden_codec or src.hidden_codec,
+                    hidden_group_size=settings.hidden_group_size or src.hidden_group_size or 128,
+                    hidden_scale_dtype=settings.hidden_scale_dtype or src.hidden_scale_dtype or "float16",
+                    topk_dtype=settings.topk_dtype or src.topk_dtype)
     try:
         spec = layout.with_encoding(**encoding)  # the current format: 2 lossless, 3 with an encoding
     except CacheError as e:
@@ -107,34 +102,23 @@ def converted_spec(src: CacheSpec, settings: ConvertSettings, src_path: str) -> 
     if lost:  # the values went through an encoding the new one does not name
         fingerprint["decoded_from"] = list(fingerprint.get("decoded_from", [])) + [src.encoding()]
     spec.info["converted_from"] = {
-        "path": _location(src_path),
-        "fingerprint_digest": fingerprint_digest(src.fingerprint),
-        "format_version": src.format_version,
-        "chunk_tokens": src.chunk_tokens,
-        "compression_level": src.compression_level,
-        "encoding": src.encoding(),
-        "hidden": src.codec.describe(),
-        "previous": (src.info or {}).get("converted_from"),
-    }
+        "path": _location(src_path), "fingerprint_digest": fingerprint_digest(src.fingerprint),
+        "format_version": src.format_version, "chunk_tokens": src.chunk_tokens,
+        "compression_level": src.compression_level, "encoding": src.encoding(), "hidden": src.codec.describe(),
+        "previous": (src.info or {}).get("converted_from")}
     return spec
 
 
 def _check_source(reader: CacheReader, src: str) -> None:
     """Refuse a source that is not finished: a shard being written, created but not recorded,
     partial or empty (its plan would be converted only in part)."""
-    root = reader.root
-    problems = []
-    writing = live_holders(src)
-    for s, h in sorted(writing.items()):
-        problems.append(f"shard {s:05d} is being written now by {h.describe()}")
-    names = sorted(root["shards"].group_keys()) if "shards" in root else []
-    for name in names:
-        if not shard_recorded(root["shards"][name]) and int(name) not in writing:
-            problems.append(f"shard {name} was created but never recorded (its extraction died creating it)")
-    for s in reader.shards:
-        if not s.complete and s.shard_id not in writing:
-            problems.append(f"shard {s.shard_id:05d} is {s.state}: {s.samples:,} of {s.planned_samples:,} samples "
-                            "committed")
+    root, writing = reader.root, live_holders(src)
+    problems = [f"shard {s:05d} is being written now by {h.describe()}" for s, h in sorted(writing.items())]
+    problems += [f"shard {name} was created but never recorded (its extraction died creating it)"
+                 for name in (sorted(root["shards"].group_keys()) if "shards" in root else [])
+                 if not shard_recorded(root["shards"][name]) and int(name) not in writing]
+    problems += [f"shard {s.shard_id:05d} is {s.state}: {s.samples:,} of {s.planned_samples:,} samples committed"
+                 for s in reader.shards if not s.complete and s.shard_id not in writing]
     if problems:
         raise CacheError(f"{src}: only a finished cache can be converted; finish its extraction first (rerun "
                          "dflash-extract with the same flags):\n  - " + "\n  - ".join(problems))
@@ -210,12 +194,11 @@ def _check_scales(src: CacheSpec, dst: CacheSpec, data: dict[str, np.ndarray], p
                          f"{token - int(plan.offsets[sample])}; dflash-cache verify lists every one")
 
 
-def _convert_shard(src_group: zarr.Group, dst_root: zarr.Group, dst: str, shard_id: int, specs: tuple,
-                   settings: ConvertSettings, advance: Callable[[int], None], say: Callable[[str], None], where: str,
-                   stop: StopFlag) -> dict[str, int]:
+def _convert_shard(src_group: zarr.Group, dst_root: zarr.Group, dst: str, shard_id: int, src_spec: CacheSpec,
+                   dst_spec: CacheSpec, settings: ConvertSettings, advance: Callable[[int], None],
+                   say: Callable[[str], None], where: str, stop: StopFlag) -> dict[str, int]:
     """Convert one shard under its lock; returns its token counts (converted now, found done).
-    ``specs``: (source, destination); ``where`` names the source shard in errors."""
-    src_spec, dst_spec = specs
+    ``where`` names the source shard in errors."""
     state = read_shard_state(src_group)
     plan = _source_plan(src_group, state)
     lock = ShardLock(dst, shard_id)
@@ -303,7 +286,7 @@ def convert_cache(src: str, dst: str, settings: ConvertSettings | None = None, *
                 if stop.asked:  # another shard failed or Ctrl-C came: do not start this one
                     return {}
                 try:
-                    return _convert_shard(src_root[shard_name(shard_id)], dst_root, dst, shard_id, (reader.spec, spec),
+                    return _convert_shard(src_root[shard_name(shard_id)], dst_root, dst, shard_id, reader.spec, spec,
                                           settings, advance, say, where=f"{src} shard {shard_id:05d}", stop=stop)
                 except BaseException:
                     stop.asked = True  # the shards being converted commit and stop

@@ -7,8 +7,6 @@ that ``cache_cli`` formats; only committed data is read, in whole chunks.
 from __future__ import annotations
 
 import dataclasses
-import os
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -23,25 +21,22 @@ from dflash.shared.shard_lock import live_holders
 
 def _sizes(root: zarr.Group, prefixes: list[str]) -> dict[str, int] | None:
     """Key -> bytes of every object under ``prefixes``, or None where the store cannot list."""
-    store, out = root.store, {}
-    if isinstance(store, zarr.storage.LocalStore):
-        base = Path(store.root)
-        for prefix in prefixes:
-            for dirpath, _, files in os.walk(base / prefix):
-                for name in files:
-                    try:
-                        out[Path(dirpath, name).relative_to(base).as_posix()] = os.path.getsize(Path(dirpath, name))
-                    except OSError:  # replaced while listing
-                        pass
-        return out
-    try:  # fsspec, memory, zip...: the generic store API, if it can list
-        from zarr.core.sync import sync
+    from zarr.core.sync import sync
 
-        async def listing(prefix):
-            return {key: await store.getsize(key) async for key in store.list_prefix(prefix)}
+    store = root.store
 
+    async def size(key):
+        try:
+            return await store.getsize(key)
+        except FileNotFoundError:  # replaced while listing
+            return 0
+
+    async def listing(prefix):
+        return {key: await size(key) async for key in store.list_prefix(prefix)}
+
+    try:
         return {k: v for p in prefixes for k, v in sync(listing(p)).items()} if store.supports_listing else None
-    except Exception:
+    except Exception:  # a store that cannot list after all
         return None
 
 
@@ -57,13 +52,11 @@ def _assistant_tokens(root: zarr.Group, shard: ShardInfo) -> int:
     return int(np.count_nonzero(root[shard_name(shard.shard_id)]["loss_mask"][:shard.tokens])) if shard.tokens else 0
 
 
-def cache_info(path: str, storage_options: dict | None = None, shard_ids: list[int] | None = None) -> dict[str, Any]:
+def cache_info(path: str, shard_ids: list[int] | None = None) -> dict[str, Any]:
     """Spec, fingerprint, per-shard state and counts, bytes on disk and compression ratios.
-
     ``shard_ids`` limits every count to those shards (an extraction node's own summary); a
-    listed shard not created yet counts as planned nothing and makes the result incomplete.
-    """
-    reader = CacheReader(path, storage_options, shard_ids=shard_ids)
+    listed shard not created yet counts as planned nothing and makes the result incomplete."""
+    reader = CacheReader(path, shard_ids=shard_ids)
     spec, root = reader.spec, reader.root
     sizes = _sizes(root, [""] if shard_ids is None else [f"shards/{s:05d}/" for s in shard_ids])
     L, D, k = spec.num_layers, spec.hidden_size, spec.topk
@@ -96,10 +89,9 @@ def cache_info(path: str, storage_options: dict | None = None, shard_ids: list[i
     raw_hidden = tokens * row_bytes["hidden"]
     missing = sorted(set(shard_ids or ()) - {e["shard_id"] for e in shards})
     assistant = sum(e["assistant_tokens"] for e in shards)
-    skipped: dict[str, int] = {}
+    skipped: dict[str, int] = {}  # rows not planned, by reason, over these shards
     for e in shards:
-        for reason, n in e["skipped"].items():
-            skipped[reason] = skipped.get(reason, 0) + int(n)
+        skipped.update({reason: skipped.get(reason, 0) + int(n) for reason, n in e["skipped"].items()})
     fp = spec.fingerprint
     target, tok, data = fp.get("target", {}), fp.get("tokenizer", {}), fp.get("dataset", {})
     located = spec.info or {}  # where local data and checkpoints lay (recorded, not compared)
@@ -142,7 +134,7 @@ def cache_info(path: str, storage_options: dict | None = None, shard_ids: list[i
         "assistant_tokens": assistant, "assistant_fraction": assistant / tokens if tokens else None,
         "skipped": skipped,
         "writing": {f"{s:05d}": dataclasses.asdict(h) | {"described": h.describe()}
-                    for s, h in sorted(live_holders(path, storage_options).items())
+                    for s, h in sorted(live_holders(path).items())
                     if shard_ids is None or s in shard_ids},
         "bytes_on_disk": sum(sizes.values()) if listed else None,
         "raw_bytes": {"hidden": raw_hidden, "total": raw_total},
@@ -184,10 +176,10 @@ def _read_float(reader: CacheReader, index: int) -> dict[str, np.ndarray]:
 
 
 def show_sample(path: str, index: int, *, tokenizer_path: str | None = None, num_tokens: int | None = 32,
-                top: int = 3, storage_options: dict | None = None) -> dict[str, Any]:
+                top: int = 3) -> dict[str, Any]:
     """One committed sample by global index: text with assistant spans, top predictions, norms.
     The tokenizer is ``tokenizer_path``, else the recorded one; without one, texts are None."""
-    reader = CacheReader(path, storage_options)
+    reader = CacheReader(path)
     pos, local = reader.locate(index)
     raw = _read_float(reader, index)
     fp = reader.spec.fingerprint
@@ -215,11 +207,8 @@ def show_sample(path: str, index: int, *, tokenizer_path: str | None = None, num
     tokens = []
     for t in range(n_show):
         nxt = int(ids[t + 1]) if t + 1 < T else None
-        preds = [{"id": int(raw["topk_ids"][t, j]), "prob": float(np.exp(raw["topk_logprobs"][t, j]))}
-                 for j in range(top)]
-        if tokenizer is not None:
-            for p in preds:
-                p["text"] = _decode(tokenizer, [p["id"]])
+        preds = [{"id": int(raw["topk_ids"][t, j]), "prob": float(np.exp(raw["topk_logprobs"][t, j])),
+                  "text": _decode(tokenizer, [int(raw["topk_ids"][t, j])])} for j in range(top)]
         tokens.append({"pos": t, "id": int(ids[t]), "assistant": bool(mask[t]), "next_id": nxt,
                        "text": _decode(tokenizer, [int(ids[t])]),
                        "next_text": _decode(tokenizer, [nxt]) if nxt is not None else None,
@@ -248,11 +237,11 @@ def length_histogram(lengths: np.ndarray) -> list[dict[str, int]]:
 
 
 def cache_stats(path: str, *, max_samples: int = 256, seed: int = 0, threshold: float = 100.0,
-                against: str | None = None, storage_options: dict | None = None) -> dict[str, Any]:
+                against: str | None = None) -> dict[str, Any]:
     """Lengths and assistant fraction over every committed sample; activation and top-k
     statistics over ``max_samples`` samples drawn without replacement (seeded; all if fewer);
     for a converted cache (or with ``against``), the error of those samples against the source."""
-    reader = CacheReader(path, storage_options)
+    reader = CacheReader(path)
     spec = reader.spec
     lengths = reader.lengths()
     n = len(lengths)
@@ -301,12 +290,11 @@ def cache_stats(path: str, *, max_samples: int = 256, seed: int = 0, threshold: 
         "topk": {"k": spec.topk, "mean_top1_prob": ratio(top1, tk_tokens), "mean_topk_mass": ratio(mass, tk_tokens),
                  "mean_entropy_lower_bound": ratio(entropy, tk_tokens), "top1_is_next_token": ratio(match, match_n),
                  "top1_is_next_token_assistant": ratio(match_a, match_an)},
-        "conversion_error": conversion_error(reader, chosen, against, storage_options),
+        "conversion_error": conversion_error(reader, chosen, against),
     }
 
 
-def conversion_error(reader: CacheReader, indices: np.ndarray, against: str | None = None,
-                     storage_options: dict | None = None) -> dict[str, Any] | None:
+def conversion_error(reader: CacheReader, indices: np.ndarray, against: str | None = None) -> dict[str, Any] | None:
     """Relative L2 error ``||x - x_src|| / ||x_src||`` per layer of the hidden states of samples
     ``indices``, as training reads them, against the cache they were converted from (``against``,
     else the recorded source), with the largest absolute error; the same for the top-k log-probs.
@@ -316,7 +304,7 @@ def conversion_error(reader: CacheReader, indices: np.ndarray, against: str | No
         return None
     where = against or record["path"]
     try:
-        source = CacheReader(where, storage_options)
+        source = CacheReader(where)
     except CacheError as e:
         if against is not None:
             raise

@@ -25,18 +25,16 @@ import filelock
 
 LOCKS_DIR = "locks"  # inside the cache, a Zarr group of its own, so that zarr lists no lock file
 HOST = socket.gethostname()
-ACQUIRE_WAIT_S = 0.1  # how long acquire retries a local lock: a probe holds it for an instant
 
 
 @dataclass
 class LockHolder:
-    """Who holds a shard's lock, as its record says."""
+    """Who holds a shard's lock, as its record says; ``token`` is unique per acquisition."""
 
     host: str
     pid: int
     since: float  # epoch seconds
     token: str
-    """Unique per acquisition: tells this holder's record from a successor's."""
 
     def describe(self) -> str:
         if not self.pid:
@@ -53,12 +51,12 @@ class LockError(Exception):
 
 
 class ShardLocked(LockError):
-    """Another process holds the shard's lock; ``holder`` names it."""
+    """Another process holds the shard's lock; ``holder`` names it (None: released since)."""
 
     def __init__(self, lock: "ShardLock", holder: LockHolder | None):
         self.shard_id, self.holder = lock.shard_id, holder
-        who = (holder or UNRECORDED).describe()  # None: released since, or not recorded yet
-        message = f"shard {lock.shard_id:05d} of {lock.out} is being written by another run: {who}"
+        message = f"shard {lock.shard_id:05d} of {lock.out} is being written by another run: " + (
+            holder or UNRECORDED).describe()
         if lock.fs is not None:
             message += (f". If that run has ended (killed, or its machine lost), its lock file stays on the store: "
                         f"delete {lock.fs.unstrip_protocol(lock.path)} to release the shard")
@@ -71,28 +69,31 @@ class LockLost(LockError):
 
 def _local_path(out: str) -> str | None:
     """The folder of a cache on the local filesystem, None for other URLs."""
-    if "://" not in out:
-        return out
-    return out[len("file://"):] if out.startswith("file://") else None
+    return out.removeprefix("file://") if "://" not in out or out.startswith("file://") else None
+
+
+def _locks_folder(out: str):
+    """(fsspec filesystem or None where local, the folder of the lock files)."""
+    local = _local_path(out)
+    if local is not None:
+        return None, os.path.join(local, LOCKS_DIR)
+    import fsspec
+
+    fs, root = fsspec.core.url_to_fs(out)
+    return fs, f"{root.rstrip('/')}/{LOCKS_DIR}"
 
 
 class ShardLock:
     """The right to write one shard of the cache at ``out``, held by this process."""
 
-    def __init__(self, out: str, shard_id: int, storage_options: dict | None = None):
+    def __init__(self, out: str, shard_id: int):
         self.out, self.shard_id = out, shard_id
         self.record: LockHolder | None = None
-        local = _local_path(out)
-        if local is not None:
-            self.fs = None
-            self.path = os.path.join(local, LOCKS_DIR, f"{shard_id:05d}.lock")
-            self.record_path = self.path.removesuffix(".lock") + ".json"
-            self.os_lock = filelock.FileLock(self.path)
-        else:
-            import fsspec
-
-            self.fs, root = fsspec.core.url_to_fs(out, **(storage_options or {}))
-            self.path = self.record_path = f"{root.rstrip('/')}/{LOCKS_DIR}/{shard_id:05d}.lock"
+        self.fs, folder = _locks_folder(out)
+        self.path = f"{folder}/{shard_id:05d}.lock"
+        # locally the OS lock is on the .lock file and the record beside it; on a store the file is the record
+        self.record_path = self.path.removesuffix(".lock") + ".json" if self.fs is None else self.path
+        self.os_lock = filelock.FileLock(self.path) if self.fs is None else None
 
     def _read(self) -> LockHolder | None:
         """The lock's record: None where there is none, UNRECORDED where it is not written whole yet."""
@@ -131,17 +132,17 @@ class ShardLock:
         """Take the lock or raise ``ShardLocked``; returns the record of a dead holder it replaced, if any."""
         record = LockHolder(HOST, os.getpid(), time.time(), uuid.uuid4().hex)
         data = json.dumps(asdict(record)).encode()
+        previous = None
         if self.fs is None:
             os.makedirs(os.path.dirname(self.path), exist_ok=True)
-            try:
-                self.os_lock.acquire(timeout=ACQUIRE_WAIT_S, poll_interval=0.01)
+            try:  # a short wait: a probe holds the lock for an instant
+                self.os_lock.acquire(timeout=0.1, poll_interval=0.01)
             except filelock.Timeout:
                 raise ShardLocked(self, self._read()) from None
             previous = self._read()
             with open(self.record_path, "wb") as f:
                 f.write(data)
         else:
-            previous = None
             try:  # folders exist only on filesystems that have them (fsspec's local one)
                 self.fs.makedirs(self.path.rsplit("/", 1)[0], exist_ok=True)
             except Exception:  # noqa: BLE001 - object stores: no folders, nothing to make
@@ -169,34 +170,20 @@ class ShardLock:
             return
         try:
             if self._mine():
-                if self.fs is None:
-                    os.remove(self.record_path)
-                else:
-                    self.fs.rm_file(self.path)
+                (os.remove if self.fs is None else self.fs.rm_file)(self.record_path)
         finally:
             self.record = None
             if self.fs is None:
                 self.os_lock.release()
 
 
-def live_holders(out: str, storage_options: dict | None = None) -> dict[int, LockHolder]:
+def live_holders(out: str) -> dict[int, LockHolder]:
     """Every shard of the cache at ``out`` whose lock is held, with its holder."""
-    local = _local_path(out)
+    fs, folder = _locks_folder(out)
     try:
-        if local is not None:
-            names = os.listdir(os.path.join(local, LOCKS_DIR))
-        else:
-            import fsspec
-
-            fs, root = fsspec.core.url_to_fs(out, **(storage_options or {}))
-            names = [p.rstrip("/").rsplit("/", 1)[-1] for p in fs.ls(f"{root.rstrip('/')}/{LOCKS_DIR}", detail=False)]
+        names = os.listdir(folder) if fs is None else [p.rstrip("/").rsplit("/", 1)[-1] for p in fs.ls(folder, detail=False)]
     except FileNotFoundError:
         return {}
-    holders = {}
-    for name in names:
-        stem = name.removesuffix(".lock")
-        if name.endswith(".lock") and stem.isdigit():
-            holder = ShardLock(out, int(stem), storage_options).probe()
-            if holder is not None:
-                holders[int(stem)] = holder
-    return holders
+    holders = {int(n[:-5]): ShardLock(out, int(n[:-5])).probe() for n in names
+               if n.endswith(".lock") and n[:-5].isdigit()}
+    return {s: h for s, h in holders.items() if h is not None}

@@ -10,7 +10,6 @@ refuses a shard whose offsets disagree with its commit record: verify must repor
 from __future__ import annotations
 
 import sys
-from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Iterable
@@ -31,7 +30,6 @@ LOGPROB_TOL = 1e-5  # fp32 log_softmax rounding: "> 0" and "not descending" allo
 @dataclass
 class _Shard:
     sid: int
-    group: zarr.Group
     state: ShardState
     arrays: dict[str, zarr.Array]
     global_start: int
@@ -70,21 +68,6 @@ class _Problems:
         self.items.append({"shard": shard, "array": array, "check": check, "samples": local, "num_samples": num_samples,
                            "global_samples": glob, "tokens": list(tokens) if tokens else None,
                            "message": f"{where}: {message}"})
-
-
-def _bounded_map(fn, items: list, workers: int):
-    """fn over items, results in order, at most 2 * workers in flight (memory stays bounded)."""
-    if workers <= 1:
-        yield from map(fn, items)
-        return
-    with ThreadPoolExecutor(workers) as pool:
-        window: deque = deque()
-        for item in items:
-            window.append(pool.submit(fn, item))
-            if len(window) >= 2 * workers:
-                yield window.popleft().result()
-        while window:
-            yield window.popleft().result()
 
 
 def _check_token_chunk(arr: zarr.Array, name: str, c: int, committed: int, spec: CacheSpec):
@@ -210,11 +193,10 @@ def _check_duplicates(shards: list[_Shard], sources: list[np.ndarray | None], pr
                          f"{', '.join(others)}", samples=[local[i]], of=s)
 
 
-def verify_cache(path: str, *, max_problems: int = 100, progress: bool = True, workers: int = 4,
-                 storage_options: dict | None = None) -> dict[str, Any]:
+def verify_cache(path: str, *, max_problems: int = 100, progress: bool = True, workers: int = 4) -> dict[str, Any]:
     """Read every committed chunk of every array of every shard and check what can be checked.
     Raises CacheError only when the store is no cache."""
-    root, spec = open_spec(path, storage_options)
+    root, spec = open_spec(path)
     problems = _Problems(max_problems)
     shards: list[_Shard] = []
     tails = {f: shape[1:] for f, (shape, _) in token_array_shapes(spec, 0).items()}
@@ -238,7 +220,7 @@ def verify_cache(path: str, *, max_problems: int = 100, progress: bool = True, w
             else:
                 arrays[f] = g[f]
         start = shards[-1].global_start + shards[-1].state.commit.samples if shards else 0
-        shards.append(_Shard(sid, g, state, arrays, start))
+        shards.append(_Shard(sid, state, arrays, start))
 
     jobs = []  # (shard, array, chunk, committed tokens): every committed chunk of every token array
     for s in shards:
@@ -251,9 +233,15 @@ def verify_cache(path: str, *, max_problems: int = 100, progress: bool = True, w
     _check_duplicates(shards, [_check_structure(s, spec, problems, bar) for s in shards], problems)
 
     findings: dict[tuple[int, str, str], dict[str, Any]] = {}  # merged per (shard, array, check) across chunks
-    for (s, f, c, committed), (error, found) in _bounded_map(
-            lambda j: (j, _check_token_chunk(j[0].arrays[j[1]], j[1], j[2], j[3], spec)), jobs, workers):
+    def check(job) -> tuple:
+        s, f, c, committed = job
+        result = _check_token_chunk(s.arrays[f], f, c, committed, spec)
         bar.update(1)
+        return result
+
+    with ThreadPoolExecutor(max(workers, 1)) as pool:  # each result is small: the chunks are not kept
+        results = list(pool.map(check, jobs))
+    for (s, f, c, committed), (error, found) in zip(jobs, results):
         C = s.arrays[f].chunks[0]
         t0, t1 = c * C, min((c + 1) * C, committed)
         if error is not None:
