@@ -350,7 +350,7 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
                     torch.cuda.synchronize(device)
                 elapsed = time.perf_counter() - window_start
                 ctx_tok, block_tok, pairs = window_work.tolist()
-                flops = metrics.step_flops(dcfg, head.vocab_size, ctx_tok, block_tok, pairs)
+                flops = metrics.step_flops(dcfg, head.embed_weight.shape[0], ctx_tok, block_tok, pairs)
                 record = {
                     "kind": "train", "step": done, "epoch": step / sampler.steps_per_epoch,
                     "loss": window_loss.item() / window_steps,
