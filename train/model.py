@@ -287,6 +287,9 @@ class TargetHead(nn.Module):
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         return F.embedding(ids, self.embed_weight)
 
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return F.linear(hidden.to(self.weight.dtype), self.weight)
+
 
 _EMBED_NAMES = ("model.embed_tokens.weight", "embed_tokens.weight", "model.language_model.embed_tokens.weight")
 _LM_HEAD_NAMES = ("lm_head.weight", "model.lm_head.weight")

@@ -53,6 +53,11 @@ class StepOutput:
     weights: torch.Tensor  # (Bsz, N, B) float32 label weights
     correct: torch.Tensor  # (Bsz, N, B) bool: drafter argmax == label
 
+    def per_slot(self) -> torch.Tensor:
+        """(2, B) float64: per block slot, the supervised slots predicted right, and all supervised."""
+        sup = self.weights > 0
+        return torch.stack([(self.correct & sup).flatten(0, -2).sum(0), sup.flatten(0, -2).sum(0)]).double()
+
 
 def to_device(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
     non_blocking = device.type == "cuda"
