@@ -22,7 +22,7 @@ from safetensors.torch import load_file, save_file
 from dflash.shared.layers import check_layer_ids
 
 from .model import DFlashDrafter, DrafterConfig
-from .target import MASK_TOKEN, text_config, tokenizer_mask_id
+from .target import MASK_TOKEN, tokenizer_mask_id
 
 ARCHITECTURE = "DFlashDraftModel"
 CONFIG_NAME = "config.json"
@@ -71,7 +71,7 @@ def check_against_target(config: DrafterConfig, target, tokenizer=None) -> None:
     here): hidden size, vocabulary, layer count and layers, and the MASK row (inside the target's
     vocabulary, and the tokenizer's <|MASK|> where it has one: SGLang refuses anything else)."""
     loaded = hasattr(target, "get_input_embeddings")
-    text = text_config(target.config if loaded else target)
+    text = (target.config if loaded else target).get_text_config()
     vocab = target.get_input_embeddings().weight.shape[0] if loaded else text.vocab_size
     problems = []
     for name, ours, theirs in (("hidden size", config.hidden_size, text.hidden_size),
