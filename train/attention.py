@@ -65,10 +65,8 @@ def dense_mask(anchors: torch.Tensor, block_valid: torch.Tensor, ctx_len: torch.
 def build_mask(kind: str, anchors: torch.Tensor, block_valid: torch.Tensor, ctx_len: torch.Tensor, context_len: int,
                block_size: int) -> BlockMask | torch.Tensor:
     """The mask for backend ``kind``: "flex" -> BlockMask, "dense" -> bool tensor."""
-    if kind not in ("flex", "dense"):
-        raise ValueError(f"unknown attention backend {kind!r}; expected 'flex' or 'dense'")
-    make = dense_mask if kind == "dense" else dflash_block_mask
-    return make(anchors, block_valid, ctx_len, context_len, block_size)
+    return (dense_mask if kind == "dense" else dflash_block_mask)(anchors, block_valid, ctx_len, context_len,
+                                                                   block_size)
 
 
 def tile_maps(anchors: torch.Tensor, block_valid: torch.Tensor, ctx_len: torch.Tensor, context_len: int,
@@ -149,8 +147,6 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: BlockMask | 
         if _compiled_flex_attention is None:
             _compiled_flex_attention = torch.compile(flex_attention)
         return _compiled_flex_attention(q, k, v, block_mask=mask, scale=scale, enable_gqa=gqa)
-    if not (isinstance(mask, torch.Tensor) and mask.dtype == torch.bool):
-        raise TypeError(f"mask must be a flex BlockMask or a bool tensor, got {type(mask).__name__}")
     if gqa:  # an explicit repeat: SDPA's enable_gqa rules out the memory-efficient CUDA kernel
         k, v = (t.repeat_interleave(q.shape[1] // k.shape[1], dim=1) for t in (k, v))
     # Rows that see nothing would softmax over all -inf (NaN on some backends): let them see

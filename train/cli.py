@@ -1,15 +1,6 @@
-"""``dflash-train``: train a drafter from a cache, export a checkpoint.
-
-    dflash-train run --cache C --out RUN [--target T] [--preset dflash|small|tiny] [--FIELD VALUE ...]
-    dflash-train --cache C --out RUN ...        (same as ``run``)
-    dflash-train export RUN --out DIR [--checkpoint latest|step_000100|PATH] [--dtype bfloat16] [--target T]
-
-``--target`` defaults to the target the cache records (``run``) or the run trained for (``export``).
-
-Every field of ``TrainConfig`` is a flag (``--max-anchors 64``, ``--lr 1e-3``,
-``--context-buckets 1024,2048,3072``, ``--target-layer-ids none``). Multi-GPU runs go
-through torchrun (see ``make train``); one process needs nothing.
-"""
+"""``dflash-train run --cache C --out RUN [--FIELD VALUE ...]`` (``run`` may be left out) trains a
+drafter, one flag per ``TrainConfig`` field, multi-GPU through torchrun (``make train``);
+``dflash-train export RUN --out DIR`` exports a checkpoint of it."""
 
 from __future__ import annotations
 

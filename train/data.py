@@ -285,10 +285,7 @@ class Split:
         idx = np.arange(num_samples, dtype=np.int64)
         by_row = idx
         if source_index is not None:
-            source_index = np.asarray(source_index, dtype=np.int64)
-            if source_index.shape != (num_samples,):
-                raise ValueError(f"source_index has shape {source_index.shape}, expected ({num_samples},)")
-            by_row = idx[np.argsort(source_index, kind="stable")]
+            by_row = idx[np.argsort(np.asarray(source_index, dtype=np.int64), kind="stable")]
         train = np.sort(by_row[: num_samples - n_eval][:train_samples])
         return cls(train=train, held_out=by_row[num_samples - n_eval:])
 

@@ -133,10 +133,7 @@ def export_drafter(drafter: DFlashDrafter, config: DrafterConfig, out_dir: str |
     state = drafter.state_dict()
     expected_shapes = _expected_shapes(config)
     _check_names_and_shapes(state, expected_shapes, "drafter state_dict")
-    if dtype is None:
-        dtype = next(iter(state.values())).dtype
-    if dtype not in _DTYPE_NAMES:
-        raise ValueError(f"unsupported export dtype {dtype}; use one of {list(_DTYPE_NAMES)}")
+    dtype = dtype or next(iter(state.values())).dtype
     tensors = {name: t.detach().to("cpu", dtype).contiguous() for name, t in state.items()}
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)

@@ -15,8 +15,7 @@ import logging
 import math
 import os
 import time
-from contextlib import contextmanager
-from dataclasses import dataclass
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -27,9 +26,8 @@ from dflash.shared.cache import CacheReader
 
 from . import checkpoint, compile as compile_path, metrics, replay
 from .config import OptimConfig, TrainConfig
-from .data import (AnchorDataset, Collate, GlobalBatchSampler, Split, held_out_batches, make_loader,
-                   plan_buckets, total_steps, truncate_sample)
-from .data import DEFAULT_EVAL_SAMPLES
+from .data import (DEFAULT_EVAL_SAMPLES, AnchorDataset, Collate, GlobalBatchSampler, Split, held_out_batches,
+                   make_loader, plan_buckets, total_steps, truncate_sample)
 from .model import DFlashDrafter, init_from_target_layers, load_target_head
 from .step import StepSpec, evaluate_batch, forward_loss, labels_and_weights, to_device, work_counts
 from .target import build_drafter_config, check_cache, load_target_meta, resolve_target
@@ -37,17 +35,10 @@ from .target import build_drafter_config, check_cache, load_target_meta, resolve
 log = logging.getLogger("dflash.train")
 
 
-@dataclass
-class DistInfo:
-    rank: int
-    world: int
-    device: torch.device
-    started_group: bool  # this call created the process group (and so destroys it)
-
-
-def init_distributed(device: str = "auto") -> DistInfo:
-    """Read the torchrun environment; without it, one process and nothing happens. With
-    WORLD_SIZE set, join the process group (nccl on CUDA, gloo on CPU) on cuda:LOCAL_RANK."""
+def init_distributed(device: str = "auto") -> tuple[int, int, torch.device, bool]:
+    """(rank, world, device, whether this call started the process group) from the torchrun
+    environment; without it one process and nothing happens. With WORLD_SIZE set, join the process
+    group (nccl on CUDA, gloo on CPU) on cuda:LOCAL_RANK."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
@@ -58,7 +49,7 @@ def init_distributed(device: str = "auto") -> DistInfo:
     started = world > 1 and not dist.is_initialized()
     if started:
         dist.init_process_group("nccl" if use_cuda else "gloo", rank=rank, world_size=world)
-    return DistInfo(rank, world, dev, started)
+    return rank, world, dev, started
 
 
 def _all_reduce(t: torch.Tensor, world: int) -> torch.Tensor:
@@ -107,36 +98,31 @@ def make_optimizer(params, ocfg: OptimConfig, total: int, fused: bool):
     return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lr_at)
 
 
-def wrap_parallel(drafter: torch.nn.Module, cfg: TrainConfig, dist_info: DistInfo, choice, graphs_needed: int):
+def wrap_parallel(drafter: torch.nn.Module, parallel: str, world: int, device: torch.device, choice,
+                  graphs_needed: int):
     """(model for training steps, model for eval forwards). Model code stays single-device."""
-    if cfg.runtime.parallel == "fsdp" and dist_info.world > 1:
+    if parallel == "fsdp" and world > 1:
         from torch.distributed.fsdp import fully_shard
 
         for layer in drafter.layers:
             fully_shard(layer)
         fully_shard(drafter)
     model = compile_path.compile_model(drafter, choice, graphs_needed)
-    if dist_info.world > 1 and cfg.runtime.parallel == "ddp":
+    if world > 1 and parallel == "ddp":
         from torch.nn.parallel import DistributedDataParallel as DDP
 
-        ids = [dist_info.device.index] if dist_info.device.type == "cuda" else None
+        ids = [device.index] if device.type == "cuda" else None
         return DDP(model, device_ids=ids), model
     return model, model
 
 
 @contextmanager
 def _grad_sync(model, enabled: bool):
-    """DDP ``no_sync`` / FSDP2 ``set_requires_gradient_sync`` for accumulation micro-steps."""
-    if not enabled and hasattr(model, "no_sync"):
-        with model.no_sync():
-            yield
-    elif not enabled and hasattr(model, "set_requires_gradient_sync"):
-        model.set_requires_gradient_sync(False)
-        try:
-            yield
-        finally:
-            model.set_requires_gradient_sync(True)
-    else:
+    """DDP ``no_sync`` / FSDP2 ``set_requires_gradient_sync`` for accumulation micro-steps (each step's
+    last micro-step syncs)."""
+    if hasattr(model, "set_requires_gradient_sync"):
+        model.set_requires_gradient_sync(enabled)
+    with model.no_sync() if not enabled and hasattr(model, "no_sync") else nullcontext():
         yield
 
 
@@ -144,8 +130,7 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     """Train (or resume) one run; returns a summary. Every rank calls this."""
     cfg.validate()
     rt, dcfg_data, ocfg = cfg.runtime, cfg.data, cfg.optim
-    dist_info = init_distributed(rt.device)
-    device, rank, world = dist_info.device, dist_info.rank, dist_info.world
+    rank, world, device, started_group = init_distributed(rt.device)
     is_main = rank == 0
     out = Path(cfg.out)
     sink = None
@@ -198,7 +183,7 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
             drafter = DFlashDrafter(dcfg)  # fp32 master weights
             if cfg.drafter.init_from_target_layers is not None:
                 init_from_target_layers(drafter, cfg.target, cfg.drafter.init_from_target_layers)
-        model, eval_model = wrap_parallel(drafter, cfg, dist_info, choice, graphs_needed=2 * len(buckets.buckets) + 2)
+        model, eval_model = wrap_parallel(drafter, rt.parallel, world, device, choice, 2 * len(buckets.buckets) + 2)
         optimizer, scheduler = make_optimizer(drafter.parameters(), ocfg, steps, fused=cuda)
 
         start_step = 0
@@ -374,5 +359,5 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
         compile_path.thaw()
         if sink is not None:
             sink.close()
-        if dist_info.started_group:
+        if started_group:
             dist.destroy_process_group()

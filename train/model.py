@@ -233,7 +233,7 @@ class DFlashDrafter(nn.Module):
         block_rope = rope_cos_sin(block_positions, hd, theta)
         ctx = kv_rope = None
         if context_kv is None:
-            ctx = self.fuse_context(context_hidden, bsz)
+            ctx = self.fuse_context(context_hidden)
             context_positions = _batched(context_positions, bsz)
             kv_rope = rope_cos_sin(torch.cat([context_positions, block_positions], dim=1), hd, theta)
         x = block_embeds
@@ -244,7 +244,7 @@ class DFlashDrafter(nn.Module):
             x = layer(x, ctx, block_rope, kv_rope, attn_mask, ctx_kv)
         return self.norm(x)
 
-    def fuse_context(self, context_hidden: torch.Tensor, bsz: int | None = None) -> torch.Tensor:
+    def fuse_context(self, context_hidden: torch.Tensor) -> torch.Tensor:
         """The target layers' states fused by ``fc`` and normed: what every layer's keys and values
         read, (Bsz, S, D)."""
         if context_hidden.dim() == 4:
@@ -253,8 +253,6 @@ class DFlashDrafter(nn.Module):
         if feat != self.fc.in_features:
             raise ValueError(f"context_hidden has {feat} features; expected {self.config.num_context_layers}"
                              f" layers x {self.config.hidden_size} = {self.fc.in_features}")
-        if bsz is not None and context_hidden.shape[0] != bsz:
-            raise ValueError(f"context_hidden has batch {context_hidden.shape[0]}, the block {bsz}")
         if not torch.is_autocast_enabled(context_hidden.device.type):
             context_hidden = context_hidden.to(self.fc.weight.dtype)
         return self.hidden_norm(self.fc(context_hidden))
