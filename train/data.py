@@ -37,11 +37,6 @@ class EncodedContext:
     scales: torch.Tensor  # (Bsz, S, n, G), padded with 0
     codec: HiddenCodec
 
-    @property
-    def shape(self) -> tuple[int, int, int]:
-        bsz, S, n, W = self.payload.shape
-        return bsz, S, n * self.codec.hidden_size(W)
-
     def pin_memory(self) -> "EncodedContext":
         return EncodedContext(self.payload.pin_memory(), self.scales.pin_memory(), self.codec)
 

@@ -131,16 +131,13 @@ def export_drafter(drafter: DFlashDrafter, config: DrafterConfig, out_dir: str |
     """Write config.json + model.safetensors of the plain (unwrapped, uncompiled) drafter to
     ``out_dir``; ``dtype`` casts the weights (default: the drafter's own dtype). Returns the folder."""
     state = drafter.state_dict()
-    expected_shapes = _expected_shapes(config)
-    _check_names_and_shapes(state, expected_shapes, "drafter state_dict")
+    _check_names_and_shapes(state, config, "drafter state_dict")
     dtype = dtype or next(iter(state.values())).dtype
     tensors = {name: t.detach().to("cpu", dtype).contiguous() for name, t in state.items()}
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(out / WEIGHTS_NAME), metadata={"format": "pt"})
-    with open(out / CONFIG_NAME, "w") as f:
-        json.dump(export_config_dict(config, dtype), f, indent=2)
-        f.write("\n")
+    (out / CONFIG_NAME).write_text(json.dumps(export_config_dict(config, dtype), indent=2) + "\n")
     return out
 
 
@@ -148,11 +145,10 @@ def load_exported(path: str | os.PathLike, device: str | torch.device = "cpu", d
                   ) -> tuple[DFlashDrafter, DrafterConfig]:
     """Load an exported folder, checking every tensor name and shape against the config."""
     path = Path(path)
-    with open(path / CONFIG_NAME) as f:
-        data = json.load(f)
+    data = json.loads((path / CONFIG_NAME).read_text())
     config = config_from_export_dict(data)
     tensors = load_file(str(path / WEIGHTS_NAME))
-    _check_names_and_shapes(tensors, _expected_shapes(config), str(path / WEIGHTS_NAME))
+    _check_names_and_shapes(tensors, config, str(path / WEIGHTS_NAME))
     if dtype is None:
         dtype = _NAME_DTYPES.get(data.get("dtype") or data.get("torch_dtype"), next(iter(tensors.values())).dtype)
     with torch.device("meta"):
@@ -162,13 +158,9 @@ def load_exported(path: str | os.PathLike, device: str | torch.device = "cpu", d
     return drafter, config
 
 
-def _expected_shapes(config: DrafterConfig) -> dict[str, tuple[int, ...]]:
+def _check_names_and_shapes(tensors: dict, config: DrafterConfig, where: str) -> None:
     with torch.device("meta"):
-        reference = DFlashDrafter(config)
-    return {name: tuple(t.shape) for name, t in reference.state_dict().items()}
-
-
-def _check_names_and_shapes(tensors: dict, expected: dict, where: str) -> None:
+        expected = {name: tuple(t.shape) for name, t in DFlashDrafter(config).state_dict().items()}
     missing = sorted(set(expected) - set(tensors))
     unexpected = sorted(set(tensors) - set(expected))
     wrong = sorted(f"{n}: {tuple(tensors[n].shape)} != {expected[n]}" for n in set(expected) & set(tensors)

@@ -229,8 +229,7 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
                 log.info("warm-up compiled %d graphs over %d context buckets in %.1f s; recompiles are now errors",
                          compiled_graphs, len(buckets.buckets), time.perf_counter() - warm_start)
                 log.info("compile cache %s: inductor graphs %d loaded, %d compiled, %d uncacheable; "
-                         "AOTAutograd %d loaded, %d compiled, %d uncacheable", compile_cache,
-                         *(cache_use[f"{g}_{k}"] for g in ("fx_graph", "aot_autograd") for k in ("hit", "miss", "bypass")))
+                         "AOTAutograd %d loaded, %d compiled, %d uncacheable", compile_cache, *cache_use.values())
         compiles_after_warm_up = compile_path.compile_count()
 
         def evaluate(step: int) -> dict[str, Any]:

@@ -85,7 +85,8 @@ class DrafterConfig:
                    target_layer_ids=list(target_layer_ids), num_target_layers=int(c["num_hidden_layers"]),
                    mask_token_id=int(mask_token_id), num_hidden_layers=int(num_hidden_layers),
                    block_size=int(block_size), rms_norm_eps=float(c.get("rms_norm_eps", 1e-6)),
-                   rope_theta=float(theta if theta is not None else 10000.0), max_position_embeddings=int(c.get("max_position_embeddings", 40960)),
+                   rope_theta=float(theta if theta is not None else 10000.0),
+                   max_position_embeddings=int(c.get("max_position_embeddings", 40960)),
                    attention_bias=bool(c.get("attention_bias", False)),
                    initializer_range=float(c.get("initializer_range", 0.02)))
 
