@@ -2,12 +2,10 @@
 
 Queries are N blocks x B slots (query q is in block q // B); keys are [context (S) | blocks (N * B)].
 A query of block b sees context key j iff ``j < anchor[b]`` and ``j < ctx_len``, and every key of
-its OWN block; a padded block sees nothing. The rule is keyed on block identity, never on
-positions: blocks whose anchors are closer than B overlap in position but must not see each other.
-
-Both backends evaluate the same ``mask_mod``: ``"flex"`` through a ``BlockMask`` built from the
-mask's intervals (``dflash_block_mask``) and a compiled ``flex_attention`` (CUDA); ``"dense"``
-as a bool ``(Bsz, 1, Q, S + Q)`` tensor fed to SDPA (the CPU: flex has no CPU backward).
+its OWN block (keyed on block identity, not position: blocks closer than B must not see each
+other); a padded block sees nothing. Both backends evaluate the same ``mask_mod``: "flex" through
+a ``BlockMask`` built from the mask's intervals and a compiled ``flex_attention`` (CUDA), "dense"
+as a bool (Bsz, 1, Q, S + Q) tensor fed to SDPA (the CPU: flex has no CPU backward).
 """
 
 from __future__ import annotations
@@ -71,15 +69,10 @@ def build_mask(kind: str, anchors: torch.Tensor, block_valid: torch.Tensor, ctx_
 
 def tile_maps(anchors: torch.Tensor, block_valid: torch.Tensor, ctx_len: torch.Tensor, context_len: int,
               block_size: int, tile: int = FLEX_TILE) -> tuple[torch.Tensor, torch.Tensor]:
-    """Which (query tile, key tile) pairs hold any visible pair, and which hold only visible
-    pairs: two (Bsz, n_q_tiles, n_kv_tiles) bool maps, computed from the mask's intervals.
-
-    Query row q (block n = q // B) sees the context interval [0, c) with c = min(anchor_n,
-    ctx_len) and its own block's keys [S + nB, S + nB + B), both empty for a padded block.
-    A key tile [k0, k1) then holds a visible key of row q iff one interval meets it, and
-    is fully visible iff one interval covers it. A tile that crosses the end of the keys or
-    of the queries is never called full, so flex evaluates mask_mod there (always exact).
-    """
+    """(any, full): which (query tile, key tile) pairs hold any / only visible pairs, (Bsz, Qt, Kt)
+    bool, from the mask's intervals. Row q of block n sees [0, min(anchor_n, ctx_len)) and its
+    block's [S + nB, S + nB + B) (both empty for a padded block): a key tile holds a visible key
+    iff an interval meets it, and is full iff one covers it. Edge tiles are never full (exact)."""
     bsz, n_blocks = anchors.shape
     B, S = int(block_size), int(context_len)
     q_len = n_blocks * B

@@ -1,16 +1,8 @@
-"""Checkpoints: one folder per step, enough to continue exactly where the run stopped.
-
-    RUN/checkpoints/step_000123/
-      model.safetensors   weights of the uncompiled drafter (export names, fp32 master)
-      optimizer.pt        optimizer state
-      scheduler.pt        LR scheduler state
-      rng_rank{r}.pt      torch / cuda RNG states of rank r (data draws are keyed, never stateful)
-      state.json          step, data position, run config, drafter config (written last)
-
-A folder is written as ``step_X.partial`` and renamed when complete, so a kill during a
-save leaves the previous checkpoint as the latest. Everything loads with
-``weights_only=True``: no pickled code ever runs on resume.
-"""
+"""Checkpoints: one folder per step, RUN/checkpoints/step_000123/, enough to continue exactly
+where the run stopped: model.safetensors (the uncompiled drafter, export names, fp32),
+optimizer.pt, scheduler.pt, rng_rank{r}.pt (torch / cuda RNG of rank r; data draws are keyed),
+state.json (step, data position, configs). Written as ``step_X.partial`` and renamed when
+complete, so a kill during a save leaves the previous one the latest; loaded ``weights_only``."""
 
 from __future__ import annotations
 

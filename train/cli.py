@@ -61,7 +61,7 @@ def cli():
               "padded to (one compiled graph each); the last is max length.")
 @click.option("--max-anchors", default=512, help="N: anchor blocks per sequence (fewer candidates -> invalid blocks).")
 @click.option("--batch-size", default=16, help="Sequences per optimizer step (all ranks and accumulation steps).")
-@click.option("--micro-batch-size", default=1, help="Sequences per forward on one rank (accumulation makes up the batch).")
+@click.option("--micro-batch-size", default=1, help="Sequences per forward on one rank (accumulation fills the batch).")
 @click.option("--eval-samples", type=Maybe(int), help="Held-out samples (the dataset's last rows) for eval loss and "
               "acceptance; None = min(64, a tenth of the cache), at least 1.")
 @click.option("--train-samples", type=Maybe(int), help="Train on the dataset's first N rows that are not held out "

@@ -92,9 +92,6 @@ class AnchorDataset(Dataset):
         self._all_slots = self.slots == list(range(reader.spec.num_layers))  # the context is then a view
         self.max_length, self.max_anchors, self.seed = max_length, max_anchors, seed
 
-    def __len__(self) -> int:
-        return len(self.reader)
-
     def __getitem__(self, key: tuple[int, int]) -> dict[str, torch.Tensor]:
         epoch, index = key
         if index < 0:
@@ -277,10 +274,7 @@ class Split:
         n_eval = held_out_count(num_samples, eval_samples)
         if train_samples is not None and train_samples < 1:
             raise ValueError(f"train_samples must be 1 or more, got {train_samples}")
-        idx = np.arange(num_samples, dtype=np.int64)
-        by_row = idx
-        if source_index is not None:
-            by_row = idx[np.argsort(np.asarray(source_index, dtype=np.int64), kind="stable")]
+        by_row = np.arange(num_samples) if source_index is None else np.argsort(np.asarray(source_index), kind="stable")
         train = np.sort(by_row[: num_samples - n_eval][:train_samples])
         return cls(train=train, held_out=by_row[num_samples - n_eval:])
 
@@ -329,9 +323,6 @@ class GlobalBatchSampler:
     def __iter__(self):
         for step in range(self.start_step, self.total_steps):
             yield from self.step_batches(step)
-
-    def __len__(self) -> int:
-        return max(self.total_steps - self.start_step, 0) * self.accum
 
 
 def total_steps(num_train: int, global_batch: int, epochs: float, max_steps: int | None) -> int:

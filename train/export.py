@@ -1,12 +1,7 @@
-"""Export a drafter in the folder format SGLang and vLLM read, check it against its target,
-print the commands that serve it, and load it back.
-
-    out_dir/config.json        architectures ["DFlashDraftModel"], model_type "qwen3",
-                               block_size, num_target_layers, dflash_config, Qwen3 fields,
-                               eagle_aux_hidden_state_layer_ids (what older vLLM releases read)
-    out_dir/model.safetensors  unprefixed names (fc.weight, layers.0.self_attn.q_proj.weight,
-                               ...), no embedding, no lm_head
-"""
+"""Export a drafter in the folder SGLang and vLLM read (config.json: DFlashDraftModel, Qwen3
+fields, block_size, num_target_layers, dflash_config, eagle_aux_hidden_state_layer_ids for older
+vLLM; model.safetensors: the unprefixed state-dict names, no embedding, no lm_head), check it
+against its target, print the commands that serve it, and load it back."""
 
 from __future__ import annotations
 

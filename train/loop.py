@@ -215,15 +215,13 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
         compiled_graphs, cache_use, eval_compiled_graphs = 0, {}, None
         if compiles:
             def warm(length: int):
-                def run():
-                    fitted = [truncate_sample(x, length) for x in warm_samples]
-                    batch = to_device(Collate(buckets.buckets, force_length=length)(fitted), device)
-                    forward_loss(model, head, batch, spec).loss.backward()
-                    optimizer.zero_grad(set_to_none=True)
-                return run
+                fitted = [truncate_sample(x, length) for x in warm_samples]
+                batch = to_device(Collate(None, force_length=length)(fitted), device)
+                forward_loss(model, head, batch, spec).loss.backward()
+                optimizer.zero_grad(set_to_none=True)
 
             warm_start, counts_before = time.perf_counter(), compile_path.cache_counts()
-            compiled_graphs = compile_path.warm_up(warm(b) for b in buckets.buckets)
+            compiled_graphs = compile_path.warm_up(lambda b=b: warm(b) for b in buckets.buckets)
             cache_use = {k: v - counts_before[k] for k, v in compile_path.cache_counts().items()}
             if is_main:
                 log.info("warm-up compiled %d graphs over %d context buckets in %.1f s; recompiles are now errors",

@@ -85,12 +85,10 @@ def peak_memory_gb(device: torch.device) -> float:
 class MetricsSink:
     """Rank-0 sink for log records: logging line, ``metrics.jsonl``, TensorBoard if importable."""
 
-    def __init__(self, run_dir: str | Path, enabled: bool, tensorboard: bool):
-        self.enabled, self.jsonl, self.tb = enabled, None, None
+    def __init__(self, run_dir: Path, enabled: bool, tensorboard: bool):
+        self.jsonl, self.tb = None, None
         if not enabled:
             return
-        run_dir = Path(run_dir)
-        run_dir.mkdir(parents=True, exist_ok=True)
         self.jsonl = open(run_dir / "metrics.jsonl", "a", buffering=1)
         if tensorboard:
             try:
@@ -101,7 +99,7 @@ class MetricsSink:
                 pass
 
     def write(self, record: dict[str, Any]) -> None:
-        if not self.enabled:
+        if self.jsonl is None:
             return
         self.jsonl.write(json.dumps(record, sort_keys=True) + "\n")
         kind = record.get("kind", "train")
