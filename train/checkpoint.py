@@ -76,8 +76,7 @@ def save(run_dir: str | os.PathLike, step: int, model: torch.nn.Module, optimize
     else:
         weights, optim = {k: v.detach().cpu() for k, v in model.state_dict().items()}, optimizer.state_dict()
     if rank == 0:
-        if partial.exists():
-            shutil.rmtree(partial)
+        shutil.rmtree(partial, ignore_errors=True)
         partial.mkdir(parents=True)
     _barrier()
     rng = {"torch": torch.get_rng_state()}
@@ -92,8 +91,7 @@ def save(run_dir: str | os.PathLike, step: int, model: torch.nn.Module, optimize
     if rank == 0:
         state = {"step": step, "world_size": world, "saved_at": time.time(), **info}
         (partial / "state.json").write_text(json.dumps(state, indent=2, sort_keys=True, default=str))
-        if final.exists():
-            shutil.rmtree(final)
+        shutil.rmtree(final, ignore_errors=True)
         os.replace(partial, final)
         if keep > 0:
             for old in list_checkpoints(run_dir)[:-keep]:

@@ -1,9 +1,6 @@
-"""The one compile path of training. After a warm-up of one REAL training step per shape (the
-data fixes the shapes: context buckets, a fixed number of blocks), ``fail_on_recompile`` turns
-any recompile into an error naming the failed guard instead of a silent fall-back to eager; the
-first evaluation compiles its no-grad graphs (``compile_then_freeze``) and freezes again.
-Compiled graphs persist in one folder (``use_compile_cache``) for later runs of the same shapes.
-"""
+"""The one compile path of training: after a warm-up of one REAL training step per shape,
+``fail_on_recompile`` turns any recompile into an error naming the failed guard instead of a
+silent fall-back to eager. Compiled graphs persist in one folder for later runs of these shapes."""
 
 from __future__ import annotations
 

@@ -1,12 +1,10 @@
-"""Cache samples -> fixed-shape batches, in a deterministic, resumable order.
-
-Fixed shapes keep torch.compile to one graph per bucket: a batch's context is padded to one of
-the ``context_buckets`` some sample falls into (``plan_buckets``), and every sequence carries
+"""Cache samples -> fixed-shape batches, in a deterministic, resumable order. Fixed shapes keep
+torch.compile to one graph per bucket: a batch's context is padded to one of the
+``context_buckets`` some sample falls into (``plan_buckets``), and every sequence carries
 exactly ``max_anchors`` blocks, the unused ones ``block_valid = False``. Everything random is
 keyed, never stateful, so worker processes, restarts and world sizes cannot change it: sample
 ``i``'s anchors in epoch ``e`` come from an RNG seeded with (seed, e, i), epoch ``e``'s order
-from (seed, e), and the data position is the global step (step ``s`` reads global batch ``s``).
-"""
+from (seed, e), and the data position is the global step (step ``s`` reads global batch ``s``)."""
 
 from __future__ import annotations
 
@@ -74,12 +72,10 @@ def _padded_anchors(cand: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Ten
 
 
 class AnchorDataset(Dataset):
-    """Item ``(epoch, index)`` -> one unpadded sequence: ``input_ids`` (T,), ``loss_mask`` (T,),
-    ``context_hidden`` (T, n*D) bf16 (the layers in ``layer_ids`` order), ``anchors`` and
-    ``block_valid`` (N,); with ``target_top1`` the target's greedy prediction of token t+1 at each
-    t (T,); with ``topk`` ``topk_ids`` / ``topk_logprobs`` (T, k). Cache arrays none of these need
-    are never read. With ``decode_on_device`` and a lossy cache, ``context_payload`` (T, n, W) and
-    ``context_scale`` (T, n, G) replace ``context_hidden`` (see ``EncodedContext``)."""
+    """Item ``(epoch, index)`` -> one unpadded sequence: ``input_ids``, ``loss_mask``, ``context_hidden``
+    (T, n*D) bf16, ``anchors``, ``block_valid``, and as asked ``target_top1`` (at t, the target's
+    prediction of t + 1) and ``topk_ids`` / ``topk_logprobs`` (T, k); other cache arrays are never
+    read. ``decode_on_device``: a lossy cache's context stays encoded (``EncodedContext``)."""
 
     def __init__(self, reader: CacheReader, layer_ids: list[int], max_length: int, max_anchors: int, seed: int,
                  target_top1: bool = True, topk: bool = False, decode_on_device: bool = False):
@@ -280,13 +276,10 @@ class Split:
 
 
 class GlobalBatchSampler:
-    """This rank's micro-batches of ``(epoch, index)`` keys, from global step ``start_step``.
-
-    Step ``s`` takes global batch ``s % steps_per_epoch`` of epoch ``s // steps_per_epoch``'s order
-    (a tail that does not fill a batch is dropped), dealt as micro-batch ``m * world + rank`` to
-    accumulation step ``m`` of ``rank``, topped up with weightless slots (index -1) where it does not
-    split evenly. Resuming is starting at another step: nothing else is stateful.
-    """
+    """This rank's micro-batches of ``(epoch, index)`` keys from global step ``start_step``: step ``s``
+    takes batch ``s % steps_per_epoch`` of epoch ``s // steps_per_epoch``'s order, dealt as micro-batch
+    ``m * world + rank`` to accumulation step ``m`` of ``rank``, topped up with weightless slots
+    (index -1) where it does not split evenly. Resuming is starting at another step."""
 
     def __init__(self, train: np.ndarray, global_batch: int, micro_batch: int, rank: int, world: int,
                  seed: int, total_steps: int, start_step: int = 0):

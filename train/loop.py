@@ -1,12 +1,7 @@
-"""The training loop: one plain function, ``train(cfg)``, with an explicit step block.
-
-Setup, the same on every rank: refuse an incompatible cache first, build the drafter from the
-target's config, load only the target's embedding and LM head, wrap (FSDP2 / compile / DDP),
-restore a checkpoint, start the loader's workers, warm up every compiled shape with a real step,
-then freeze compilation. Every micro-batch's weighted loss is divided by the weight sum of the
-whole global batch (known before any forward: weights depend on data only), so one process,
-several and any accumulation split compute the same update.
-"""
+"""The training loop: one plain function, ``train(cfg)``, with an explicit step block. Every
+micro-batch's weighted loss is divided by the weight sum of the whole global batch (known before
+any forward: weights depend on data only), so one process, several and any accumulation split
+compute the same update."""
 
 from __future__ import annotations
 
@@ -172,8 +167,7 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
                                      target_top1=True, topk=spec.needs_topk, decode_on_device=on_device)
         # the cache's offsets give every sample's length: no data is read to choose the shapes
         buckets = plan_buckets(reader.lengths(), dcfg_data.context_buckets)
-        if is_main:
-            log.info(buckets.describe())
+        log.info(buckets.describe())  # info lines: rank 0 only, by the CLI's logging levels
 
         # -- model, target head (frozen, never saved), optimizer
         setup_start = time.perf_counter()
@@ -208,8 +202,7 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
         warm_samples = [dataset[k] for k in warm_keys] if compiles else None
         # the workers start now and have the first batches ready when the warm-up ends
         data_iter = iter(loader)
-        if is_main:
-            log.info("drafter, target head, optimizer and loader ready in %.1f s", time.perf_counter() - setup_start)
+        log.info("drafter, target head, optimizer and loader ready in %.1f s", time.perf_counter() - setup_start)
 
         # -- compile: one real training step per shape, then any recompile is an error
         compiled_graphs, cache_use, eval_compiled_graphs = 0, {}, None
@@ -223,11 +216,10 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
             warm_start, counts_before = time.perf_counter(), compile_path.cache_counts()
             compiled_graphs = compile_path.warm_up(lambda b=b: warm(b) for b in buckets.buckets)
             cache_use = {k: v - counts_before[k] for k, v in compile_path.cache_counts().items()}
-            if is_main:
-                log.info("warm-up compiled %d graphs over %d context buckets in %.1f s; recompiles are now errors",
-                         compiled_graphs, len(buckets.buckets), time.perf_counter() - warm_start)
-                log.info("compile cache %s: inductor graphs %d loaded, %d compiled, %d uncacheable; "
-                         "AOTAutograd %d loaded, %d compiled, %d uncacheable", compile_cache, *cache_use.values())
+            log.info("warm-up compiled %d graphs over %d context buckets in %.1f s; recompiles are now errors",
+                     compiled_graphs, len(buckets.buckets), time.perf_counter() - warm_start)
+            log.info("compile cache %s: inductor graphs %d loaded, %d compiled, %d uncacheable; "
+                     "AOTAutograd %d loaded, %d compiled, %d uncacheable", compile_cache, *cache_use.values())
         compiles_after_warm_up = compile_path.compile_count()
 
         def evaluate(step: int) -> dict[str, Any]:
@@ -237,11 +229,10 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
                 return evaluate_held_out(step)
             eval_start, counts_before = time.perf_counter(), compile_path.cache_counts()
             result, eval_compiled_graphs = compile_path.compile_then_freeze(lambda: evaluate_held_out(step))
-            if is_main:
-                use = {k: v - counts_before[k] for k, v in compile_path.cache_counts().items()}
-                log.info("the first evaluation compiled %d eval graphs (inductor %d loaded, %d compiled) and took "
-                         "%.1f s; recompiles are errors again", eval_compiled_graphs, use["fx_graph_hit"],
-                         use["fx_graph_miss"], time.perf_counter() - eval_start)
+            use = {k: v - counts_before[k] for k, v in compile_path.cache_counts().items()}
+            log.info("the first evaluation compiled %d eval graphs (inductor %d loaded, %d compiled) and took "
+                     "%.1f s; recompiles are errors again", eval_compiled_graphs, use["fx_graph_hit"],
+                     use["fx_graph_miss"], time.perf_counter() - eval_start)
             return result
 
         def evaluate_held_out(step: int) -> dict[str, Any]:

@@ -1,10 +1,7 @@
-"""DFlash labels and a chunked, weighted loss through the frozen target LM head: cross-entropy
-on the labels, KL from the target's distribution stored in the cache (its top-k plus one
-bucket for the rest of the vocabulary), or both.
-
-Slot k of the block anchored at a predicts the token AT a + k (no shift: a shift by one gives
-high train accuracy and useless drafts, so it is tested for); slot 0, the anchor, has no loss.
-"""
+"""DFlash labels and a chunked, weighted loss through the frozen target LM head: cross-entropy on
+the labels, KL from the target's stored top-k (plus one tail bucket), or both. Slot k of the
+block anchored at a predicts the token AT a + k (no shift: a shift by one gives high train
+accuracy and useless drafts, so it is tested for); slot 0, the anchor, has no loss."""
 
 from __future__ import annotations
 
@@ -156,15 +153,13 @@ def chunked_block_loss(hidden: torch.Tensor, lm_head_weight: torch.Tensor, label
                        topk_ids: torch.Tensor | None = None, topk_logprobs: torch.Tensor | None = None,
                        ce_coef: float = 1.0, kd_coef: float = 0.0, chunk_size: int = 2048,
                        denominator: float | torch.Tensor | None = None) -> BlockLoss:
-    """Weighted CE and/or KL from the target's stored top-k, through the frozen LM head.
-
-    hidden (M, D), lm_head_weight (V, D), labels (M,) (negative = ignored, weight 0 whatever
-    ``weights`` says), weights (M,); topk_ids / topk_logprobs (M, k): the target's distribution per
-    row. The KL is between distributions over k + 1 buckets, P = (p_1..p_k, r = 1 - sum p) against
-    Q = (q_t1..q_tk, 1 - sum q_ti), so the tail mass the cache does not itemise is matched as a
-    whole rather than dropped (the full KL when the target's tail is empty, a lower bound
-    otherwise). Logits are float32, one chunk of rows at a time. A zero denominator gives 0.
-    """
+    """Weighted CE and/or KL from the target's stored top-k, through the frozen LM head: hidden (M, D),
+    lm_head_weight (V, D), labels (M,) (negative = ignored, weight 0 whatever ``weights`` says), weights
+    (M,); topk_ids / topk_logprobs (M, k): the target's distribution per row. The KL is between
+    distributions over k + 1 buckets, P = (p_1..p_k, r = 1 - sum p) against Q = (q_t1..q_tk, 1 - sum q_ti),
+    so the tail mass the cache does not itemise is matched as a whole rather than dropped (the full KL when
+    the target's tail is empty, a lower bound otherwise). Logits are float32, one chunk of rows at a time. A
+    zero denominator gives 0."""
     if kd_coef != 0 and (topk_ids is None or topk_logprobs is None):
         raise ValueError("kd_coef > 0 needs the target's topk_ids and topk_logprobs")
     need_grad = torch.is_grad_enabled() and hidden.requires_grad

@@ -24,14 +24,12 @@ def acceptance(pred: torch.Tensor, target_top1: torch.Tensor, anchors: torch.Ten
 
 def block_taus(pred: torch.Tensor, target_top1: torch.Tensor, anchors: torch.Tensor, block_valid: torch.Tensor,
                seq_len: torch.Tensor, loss_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per block: (tau (Bsz, N) long, 0 where not counted; counted (Bsz, N) bool).
-
-    A block accepts the leading slots whose drafter argmax ``pred`` (Bsz, N, B) equals the target's
-    greedy token (``target_top1`` (Bsz, S): at t its prediction of t + 1); tau = accepted + 1 (the
-    bonus token). With ``loss_mask`` a block also stops where its assistant turn ends, as decoding
-    stops at the end-of-turn token, and an anchor on a turn's last token is not counted; None: no
-    turn boundaries. What ``dflash.eval.speculative`` reports per verify on the target's own output.
-    """
+    """Per block: (tau (Bsz, N) long, 0 where not counted; counted (Bsz, N) bool). A block accepts the
+    leading slots whose drafter argmax ``pred`` (Bsz, N, B) equals the target's greedy token
+    (``target_top1`` (Bsz, S): at t its prediction of t + 1); tau = accepted + 1 (the bonus token). With
+    ``loss_mask`` a block also stops where its assistant turn ends, as decoding stops at the end-of-turn
+    token, and an anchor on a turn's last token is not counted; None: no turn boundaries. What
+    ``dflash.eval.speculative`` reports per verify on the target's own output."""
     bsz, n_blocks, B = pred.shape
     S = target_top1.shape[1]
     k = torch.arange(1, B, device=pred.device)

@@ -220,14 +220,12 @@ class DFlashDrafter(nn.Module):
     def forward(self, context_hidden: torch.Tensor | None, context_positions: torch.Tensor | None,
                 block_embeds: torch.Tensor, block_positions: torch.Tensor, attn_mask,
                 context_kv: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
-        """Hidden states of the block tokens after the final norm, (Bsz, Q, D).
-
-        context_hidden (Bsz, S, n * D) or (Bsz, S, n, D): the cached target layers; positions
-        (Bsz, S) or (S,) and (Bsz, Q) or (Q,); block_embeds (Bsz, Q, D): the target's embeddings of
-        [anchor, MASK x (B-1)] per block. attn_mask: from ``attention.build_mask``, or None: every
-        block token sees the whole context and block (decoding one block). context_kv: decoding's
-        cache (``context_kv()``) in place of context_hidden and context_positions (both None).
-        """
+        """Hidden states of the block tokens after the final norm, (Bsz, Q, D). context_hidden
+        (Bsz, S, n * D) or (Bsz, S, n, D): the cached target layers; positions (Bsz, S) or (S,) and
+        (Bsz, Q) or (Q,); block_embeds (Bsz, Q, D): the target's embeddings of [anchor, MASK x (B-1)]
+        per block. attn_mask: from ``attention.build_mask``, or None: every block token sees the whole
+        context and block (decoding one block). context_kv: decoding's cache (``context_kv()``) in
+        place of context_hidden and context_positions (both None)."""
         bsz = block_embeds.shape[0]
         block_positions = _batched(block_positions, bsz)
         hd, theta = self.config.head_dim, self.config.rope_theta

@@ -1,11 +1,9 @@
 """Speculative decoding replayed without the target: the acceptance length online decoding
-(``dflash.eval.speculative``) measures, from cached target features and the drafter.
-
-Decoding starts a turn's first block at its first token and every later one where the previous
-ended, which uniformly drawn anchors do not weigh alike. The replay scores a block at EVERY
-assistant position (``metrics.block_taus``) and walks each turn as decoding does: next anchor =
-anchor + tau. On data the target regenerated, each walked block's tau is the one decoding gets.
-"""
+(``dflash.eval.speculative``) measures, from cached target features and the drafter. Decoding
+starts a turn's first block at its first token and every later one where the previous ended,
+which uniformly drawn anchors do not weigh alike. The replay scores a block at EVERY assistant
+position (``metrics.block_taus``) and walks each turn as decoding does: next anchor = anchor +
+tau. On data the target regenerated, each walked block's tau is the one decoding gets."""
 
 from __future__ import annotations
 
