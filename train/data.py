@@ -199,31 +199,20 @@ class Collate:
     def __call__(self, samples: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
         lengths = [len(s["input_ids"]) for s in samples]
         S = self.force_length or (bucket_for(max(lengths), self.buckets) if self.buckets is not None else max(lengths))
-        n = len(samples)
         first = samples[0]
         encoded = "context_payload" in first
-        # the big tensors: written once (each row's tokens, then its padding), never filled first
-        big = {name: _batch_buffer((n, S) + tuple(first[name].shape[1:]), first[name].dtype)
-               for name in (ENCODED_FIELDS if encoded else ("context_hidden",))}
-        pad = {"context_hidden": 0, "context_scale": 0, "context_payload": first["hidden_codec"].zero_byte
-               if encoded else 0}
-        out = {
-            "input_ids": torch.zeros(n, S, dtype=torch.long),
-            "loss_mask": torch.zeros(n, S, dtype=torch.bool),
-            **big,
-            "seq_len": torch.tensor(lengths, dtype=torch.long),
-            "anchors": torch.stack([s["anchors"] for s in samples]),
-            "block_valid": torch.stack([s["block_valid"] for s in samples]),
-        }
-        for name in TARGET_FIELDS:
-            if name in first:
-                out[name] = torch.zeros((n, S) + tuple(first[name].shape[1:]), dtype=first[name].dtype)
+        out = {"seq_len": torch.tensor(lengths, dtype=torch.long),
+               "anchors": torch.stack([s["anchors"] for s in samples]),
+               "block_valid": torch.stack([s["block_valid"] for s in samples])}
+        big = ENCODED_FIELDS + ("context_hidden",)  # written once (tokens, then padding), never filled first
+        for name in (n for n in PER_TOKEN_FIELDS if n in first):
+            shape = (len(samples), S) + tuple(first[name].shape[1:])
+            out[name] = (_batch_buffer if name in big else torch.zeros)(shape, dtype=first[name].dtype)
         for i, (s, T) in enumerate(zip(samples, lengths)):
-            for name in PER_TOKEN_FIELDS:
-                if name in out:
-                    out[name][i, :T] = s[name]
-            for name, tensor in big.items():
-                tensor[i, T:] = pad[name]
+            for name in (n for n in PER_TOKEN_FIELDS if n in first):
+                out[name][i, :T] = s[name]
+                if name in big:
+                    out[name][i, T:] = first["hidden_codec"].zero_byte if name == "context_payload" else 0
         if encoded:  # decoded by to(device), where the batch lands
             out["context_hidden"] = EncodedContext(out.pop("context_payload"), out.pop("context_scale"),
                                                    first["hidden_codec"])
