@@ -39,9 +39,8 @@ class EncodedContext:
         return EncodedContext(self.payload.pin_memory(), self.scales.pin_memory(), self.codec)
 
     def to(self, device, non_blocking: bool = False) -> torch.Tensor:
-        payload = self.payload.to(device, non_blocking=non_blocking)
-        scales = self.scales.to(device, non_blocking=non_blocking)
-        return decode(self.codec, EncodedHidden(payload, scales)).flatten(2)  # (Bsz, S, n * D) bf16
+        encoded = EncodedHidden(*(t.to(device, non_blocking=non_blocking) for t in (self.payload, self.scales)))
+        return decode(self.codec, encoded).flatten(2)  # (Bsz, S, n * D) bf16
 
 
 def candidate_anchors(loss_mask: torch.Tensor) -> torch.Tensor:

@@ -141,8 +141,6 @@ class _ChunkedBlockLoss(torch.autograd.Function):
 
 @dataclass
 class BlockLoss:
-    """What ``chunked_block_loss`` returns."""
-
     loss: torch.Tensor  # 0-d float32: ce_coef * ce + kd_coef * kl (the only differentiable output)
     correct: torch.Tensor  # (M,) bool: argmax of the drafter == label (ignored labels never correct)
     ce: torch.Tensor  # 0-d: sum(w * CE) / denominator

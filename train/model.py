@@ -385,16 +385,14 @@ def init_from_target_layers(drafter: DFlashDrafter, target_path: str | os.PathLi
         raise KeyError(f"{target_path}: no final norm (model.norm.weight)")
     sources["norm.weight"] = norm
 
-    params = dict(drafter.named_parameters())
     for name, source in list(sources.items()):
         if source not in name_to_file and name.endswith(("q_norm.weight", "k_norm.weight")):
             del sources[name]  # a Llama-style target has no q/k norms: the drafter's stay at their identity init
         elif source not in name_to_file:
             raise KeyError(f"{target_path}: drafter weight {name} needs {source}, which the checkpoint lacks")
-    tensors = _read_tensors(target_path, name_to_file, sources.values())
+    params, tensors = dict(drafter.named_parameters()), _read_tensors(target_path, name_to_file, sources.values())
     for name, source in sources.items():
-        tensor = tensors[source]
-        if tuple(tensor.shape) != tuple(params[name].shape):
-            raise ValueError(f"{target_path}: {source} is {tuple(tensor.shape)}, drafter weight "
+        if tensors[source].shape != params[name].shape:
+            raise ValueError(f"{target_path}: {source} is {tuple(tensors[source].shape)}, drafter weight "
                              f"{name} is {tuple(params[name].shape)}")
-        params[name].copy_(tensor)
+        params[name].copy_(tensors[source])

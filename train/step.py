@@ -19,8 +19,6 @@ from .model import TargetHead
 
 @dataclass
 class StepSpec:
-    """What one step needs to know besides the batch."""
-
     attention: str  # 'flex' or 'dense' (see compile.resolve)
     block_size: int  # B
     mask_token_id: int  # embedding row of the B-1 masked slots

@@ -131,9 +131,8 @@ def check_cache(reader: CacheReader, hf_config, tokenizer, layer_ids: list[int])
 
 
 def drafter_layer_ids(requested: list[int] | None, spec: CacheSpec) -> list[int]:
-    """The layers the drafter fuses: as requested, else every layer the cache stores. A cache
-    whose layers break the serving rules (made before they were checked) is refused with a
-    valid subset to pass instead."""
+    """The layers the drafter fuses: as requested, else every layer the cache stores (refused, with a
+    valid subset to pass, where they break the serving rules)."""
     if requested:
         try:
             check_layer_ids(list(requested), spec.num_target_layers)
