@@ -75,31 +75,22 @@ def tile_maps(anchors: torch.Tensor, block_valid: torch.Tensor, ctx_len: torch.T
     iff an interval meets it, and is full iff one covers it. Edge tiles are never full (exact)."""
     bsz, n_blocks = anchors.shape
     B, S = int(block_size), int(context_len)
-    q_len = n_blocks * B
+    q_len, device, valid = n_blocks * B, anchors.device, block_valid.to(torch.bool)
     kv_len = S + q_len
-    device = anchors.device
-    valid = block_valid.to(torch.bool)
     ctx_end = torch.where(valid, torch.minimum(anchors, ctx_len[:, None]).clamp(0, S), 0)  # (Bsz, N)
-    blk_start = S + torch.arange(n_blocks, device=device) * B  # (N,)
-    blk_start = torch.where(valid, blk_start, kv_len)  # padded blocks see nothing
+    blk_start = torch.where(valid, S + torch.arange(n_blocks, device=device) * B, kv_len)  # padded: see nothing
     blk_end = torch.where(valid, blk_start + B, kv_len)
     # per query row (Bsz, Q, 1), per key tile (1, 1, K)
-    c = ctx_end.repeat_interleave(B, dim=1)[..., None]
-    s0 = blk_start.repeat_interleave(B, dim=1)[..., None]
-    s1 = blk_end.repeat_interleave(B, dim=1)[..., None]
-    n_kv = -(-kv_len // tile)
+    c, s0, s1 = (t.repeat_interleave(B, dim=1)[..., None] for t in (ctx_end, blk_start, blk_end))
+    n_q, n_kv = -(-q_len // tile), -(-kv_len // tile)
     k0 = (torch.arange(n_kv, device=device) * tile).view(1, 1, n_kv)
     k1 = torch.clamp(k0 + tile, max=kv_len)
     any_row = (c > k0) | ((s0 < k1) & (s1 > k0))
     full_row = ((c >= k1) | ((s0 <= k0) & (s1 >= k1))) & (k1 - k0 == tile)
-    n_q = -(-q_len // tile)
-    pad = n_q * tile - q_len
-    if pad:
-        any_row = torch.cat([any_row, any_row.new_zeros(bsz, pad, n_kv)], dim=1)
-        full_row = torch.cat([full_row, full_row.new_zeros(bsz, pad, n_kv)], dim=1)
-    any_tile = any_row.view(bsz, n_q, tile, n_kv).any(dim=2)
-    full_tile = full_row.view(bsz, n_q, tile, n_kv).all(dim=2)
-    return any_tile, full_tile
+    pad = n_q * tile - q_len  # the last query tile's rows past Q see nothing
+    any_row, full_row = (torch.cat([t, t.new_zeros(bsz, pad, n_kv)], dim=1).view(bsz, n_q, tile, n_kv)
+                         for t in (any_row, full_row))
+    return any_row.any(dim=2), full_row.all(dim=2)
 
 
 

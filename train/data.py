@@ -181,8 +181,7 @@ def _batch_buffer(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     does), so handing the batch to the main process moves no bytes."""
     if torch.utils.data.get_worker_info() is None:
         return torch.empty(shape, dtype=dtype)
-    numel = math.prod(shape)
-    storage = torch.UntypedStorage._new_shared(numel * dtype.itemsize)
+    storage = torch.UntypedStorage._new_shared(math.prod(shape) * dtype.itemsize)
     return torch.empty(0, dtype=dtype).set_(storage, 0, shape)
 
 

@@ -38,11 +38,8 @@ def export_config_dict(config: DrafterConfig, dtype: torch.dtype) -> dict:
     return {
         "architectures": [ARCHITECTURE],
         "model_type": "qwen3",
-        "dflash_config": {
-            "mask_token_id": config.mask_token_id,
-            "target_layer_ids": list(config.target_layer_ids),
-            "target_layer_id_convention": LAYER_ID_CONVENTION,
-        },
+        "dflash_config": {"mask_token_id": config.mask_token_id, "target_layer_ids": list(config.target_layer_ids),
+                          "target_layer_id_convention": LAYER_ID_CONVENTION},
         "eagle_aux_hidden_state_layer_ids": eagle_layer_ids(config.target_layer_ids),
         **shapes,  # block_size, num_target_layers and the Qwen3 fields: the drafter config's own names
         "rope_parameters": {"rope_type": "default", "rope_theta": config.rope_theta},
