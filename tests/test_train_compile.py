@@ -1,4 +1,4 @@
-"""The one compile path: warm-up then fail_on_recompile, main-thread only, flex refusals,
+"""The one compile path: warm-up then fail_on_recompile, flex refusals,
 only the context buckets the cache needs, compiled graphs reused by the next process."""
 
 from __future__ import annotations
@@ -8,7 +8,6 @@ import logging
 import os
 import subprocess
 import sys
-import threading
 from pathlib import Path
 
 import numpy as np
@@ -46,43 +45,6 @@ def test_recompile_after_warm_up_is_an_error_naming_the_guard():
         fn(torch.randn(9, requires_grad=True))
     C.thaw()
     fn(torch.randn(9))  # allowed again once thawed
-
-
-def test_compile_refuses_other_threads():
-    errors = []
-
-    def worker():
-        for call in (C.freeze, lambda: C.warm_up([]),
-                     lambda: C.compile_model(torch.nn.Linear(2, 2), C.resolve(RuntimeConfig(compile="on"),
-                                                                             torch.device("cpu")), 4)):
-            try:
-                call()
-            except RuntimeError as e:
-                errors.append(str(e))
-
-    t = threading.Thread(target=worker, name="not-main")
-    t.start()
-    t.join()
-    assert len(errors) == 3 and all("main thread" in e for e in errors)
-
-
-def test_compiled_model_refuses_calls_from_other_threads():
-    choice = C.resolve(RuntimeConfig(compile="on", compile_backend="eager"), torch.device("cpu"))
-    model = C.compile_model(torch.nn.Linear(2, 2), choice, 4)
-    x = torch.randn(3, 2)
-    assert model(x).shape == (3, 2)  # the main thread may call it
-    errors = []
-
-    def worker():
-        try:
-            model(x)
-        except RuntimeError as e:
-            errors.append(str(e))
-
-    t = threading.Thread(target=worker, name="not-main")
-    t.start()
-    t.join()
-    assert len(errors) == 1 and "compiled drafter" in errors[0] and "main thread" in errors[0]
 
 
 def test_compiled_drafter_with_flex_does_not_recompile_after_warm_up(monkeypatch):

@@ -1,16 +1,8 @@
-"""Checkpoints: one folder per step, enough to continue exactly where the run stopped.
-
-    RUN/checkpoints/step_000123/
-      model.safetensors   weights of the uncompiled drafter (export names, fp32 master)
-      optimizer.pt        optimizer state
-      scheduler.pt        LR scheduler state
-      rng_rank{r}.pt      torch / cuda RNG states of rank r (data draws are keyed, never stateful)
-      state.json          step, data position, run config, drafter config (written last)
-
-A folder is written as ``step_X.partial`` and renamed when complete, so a kill during a
-save leaves the previous checkpoint as the latest. Everything loads with
-``weights_only=True``: no pickled code ever runs on resume.
-"""
+"""Checkpoints: one folder per step, RUN/checkpoints/step_000123/, enough to continue exactly
+where the run stopped: model.safetensors (the uncompiled drafter, export names, fp32),
+optimizer.pt, scheduler.pt, rng_rank{r}.pt (torch / cuda RNG of rank r; data draws are keyed),
+state.json (step, data position, configs). Written as ``step_X.partial`` and renamed when
+complete, so a kill during a save leaves the previous one the latest; loaded ``weights_only``."""
 
 from __future__ import annotations
 
@@ -32,13 +24,9 @@ log = logging.getLogger(__name__)
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 
 
-def checkpoint_root(run_dir: str | os.PathLike) -> Path:
-    return Path(run_dir) / "checkpoints"
-
-
 def list_checkpoints(run_dir: str | os.PathLike) -> list[Path]:
     """Complete checkpoint folders of a run, oldest first."""
-    root = checkpoint_root(run_dir)
+    root = Path(run_dir) / "checkpoints"
     if not root.is_dir():
         return []
     found = [(int(m.group(1)), p) for p in root.iterdir()
@@ -55,7 +43,7 @@ def resolve(run_dir: str | os.PathLike, which: str | None = "latest") -> Path | 
         return found[-1] if found else None
     path = Path(which)
     if not path.is_absolute() and not path.exists():
-        path = checkpoint_root(run_dir) / which
+        path = Path(run_dir) / "checkpoints" / which
     if not (path / "state.json").is_file():
         raise FileNotFoundError(f"{path} is not a complete checkpoint (no state.json)")
     return path
@@ -65,38 +53,12 @@ def _is_fsdp(model: torch.nn.Module) -> bool:
     return any(type(m).__name__.startswith("FSDP") for m in model.modules())
 
 
-def full_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict[str, torch.Tensor], dict]:
-    """Full, unsharded CPU state dicts of the (uncompiled, unwrapped) drafter and its optimizer;
-    collective under FSDP."""
-    if _is_fsdp(model):
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
-
-        return get_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    return {k: v.detach().cpu() for k, v in model.state_dict().items()}, optimizer.state_dict()
-
-
-def rng_state() -> dict[str, Any]:
-    """torch's RNG states as tensors (loadable with weights_only)."""
-    state = {"torch": torch.get_rng_state()}
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
-
-
-def set_rng_state(state: dict[str, Any]) -> None:
-    torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
-
-
 def _rank_world() -> tuple[int, int]:
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return 0, 1
+    return (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
 
 
 def _barrier() -> None:
-    if dist.is_available() and dist.is_initialized():
+    if dist.is_initialized():
         dist.barrier()
 
 
@@ -104,15 +66,23 @@ def save(run_dir: str | os.PathLike, step: int, model: torch.nn.Module, optimize
          scheduler, info: dict[str, Any], keep: int = 0) -> Path:
     """Write checkpoint ``step`` (every rank calls this; rank 0 writes the shared files)."""
     rank, world = _rank_world()
-    final = checkpoint_root(run_dir) / f"step_{step:06d}"
+    final = Path(run_dir) / "checkpoints" / f"step_{step:06d}"
     partial = final.with_name(final.name + ".partial")
-    weights, optim = full_state(model, optimizer)  # collective under FSDP: every rank takes part
+    if _is_fsdp(model):  # full, unsharded CPU state dicts: a collective, every rank takes part
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+        weights, optim = get_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True,
+                                                                                   cpu_offload=True))
+    else:
+        weights, optim = {k: v.detach().cpu() for k, v in model.state_dict().items()}, optimizer.state_dict()
     if rank == 0:
-        if partial.exists():
-            shutil.rmtree(partial)
+        shutil.rmtree(partial, ignore_errors=True)
         partial.mkdir(parents=True)
     _barrier()
-    torch.save(rng_state(), partial / f"rng_rank{rank}.pt")
+    rng = {"torch": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        rng["cuda"] = torch.cuda.get_rng_state_all()
+    torch.save(rng, partial / f"rng_rank{rank}.pt")
     if rank == 0:
         save_file({k: v.contiguous() for k, v in weights.items()}, str(partial / "model.safetensors"))
         torch.save(optim, partial / "optimizer.pt")
@@ -121,8 +91,7 @@ def save(run_dir: str | os.PathLike, step: int, model: torch.nn.Module, optimize
     if rank == 0:
         state = {"step": step, "world_size": world, "saved_at": time.time(), **info}
         (partial / "state.json").write_text(json.dumps(state, indent=2, sort_keys=True, default=str))
-        if final.exists():
-            shutil.rmtree(final)
+        shutil.rmtree(final, ignore_errors=True)
         os.replace(partial, final)
         if keep > 0:
             for old in list_checkpoints(run_dir)[:-keep]:
@@ -159,7 +128,10 @@ def load(path: str | os.PathLike, model: torch.nn.Module, optimizer: torch.optim
     scheduler.load_state_dict(torch.load(path / "scheduler.pt", map_location="cpu", weights_only=True))
     rng_file = path / f"rng_rank{rank}.pt"
     if state.get("world_size") == world and rng_file.exists():
-        set_rng_state(torch.load(rng_file, map_location="cpu", weights_only=True))
+        rng = torch.load(rng_file, map_location="cpu", weights_only=True)
+        torch.set_rng_state(rng["torch"])
+        if "cuda" in rng and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all(rng["cuda"])
     else:
         log.warning("resuming on %d ranks from a %s-rank checkpoint: RNG states not restored",
                     world, state.get("world_size"))

@@ -1,15 +1,6 @@
-"""``dflash-train``: train a drafter from a cache, export a checkpoint.
-
-    dflash-train run --cache C --out RUN [--target T] [--preset dflash|small|tiny] [--FIELD VALUE ...]
-    dflash-train --cache C --out RUN ...        (same as ``run``)
-    dflash-train export RUN --out DIR [--checkpoint latest|step_000100|PATH] [--dtype bfloat16] [--target T]
-
-``--target`` defaults to the target the cache records (``run``) or the run trained for (``export``).
-
-Every field of ``TrainConfig`` is a flag (``--max-anchors 64``, ``--lr 1e-3``,
-``--context-buckets 1024,2048,3072``, ``--target-layer-ids none``). Multi-GPU runs go
-through torchrun (see ``make train``); one process needs nothing.
-"""
+"""``dflash-train run --cache C --out RUN [--FIELD VALUE ...]`` (``run`` may be left out) trains a
+drafter, one flag per ``TrainConfig`` field, multi-GPU through torchrun (``make train``);
+``dflash-train export RUN --out DIR`` exports a checkpoint of it."""
 
 from __future__ import annotations
 
@@ -51,31 +42,26 @@ def cli():
 @click.option("--target", type=ModelPath(), help="Target model folder or name (config, tokenizer, embedding, LM "
               "head); default: the one the cache records.")
 @click.option("--out", help="Run folder: checkpoints/, metrics.jsonl, config.json, tb/.")
-@click.option("--num-draft-layers", default=5, help="Decoder layers of the drafter (each the size of one target "
-              "layer).")
+@click.option("--num-draft-layers", default=5, help="Decoder layers of the drafter (each the size of a target layer).")
 @click.option("--block-size", default=16, help="B: tokens per draft block (anchor + B-1 masks).")
 @click.option("--target-layer-ids", type=Maybe(CommaList(int)), help="Target layers fed to the drafter (ascending, "
               "below L-1); None = the layers the cache stores.")
 @click.option("--mask-token-id", type=Maybe(int), help="Embedding row of the MASK token, absent from the cache's "
               "input_ids; None = the tokenizer's <|MASK|>, else the first padded row, else the first special token "
               "(not eos/bos/pad or the template's) the cache never holds.")
-@click.option("--gamma", type=Maybe(float), help="Decay of the per-slot loss weight exp(-(k-1)/gamma); None = 7/5/4 "
-              "for B=16/10/8.")
-@click.option("--loss", type=click.Choice(["ce", "kd", "mix"]), default="kd", help="ce | kd | mix: CE on the labels, "
-              "KL from the target's stored top-k (+ tail bucket), or both.")
+@click.option("--gamma", type=Maybe(float), help="Slot k weighs exp(-(k-1)/gamma); None: 7/5/4 at B=16/10/8.")
+@click.option("--loss", type=click.Choice(["ce", "kd", "mix"]), default="kd", help="CE on the labels, KL from the "
+              "target's stored top-k (+ tail bucket), or both.")
 @click.option("--kd-weight", default=0.5, help="Weight of the KL term in mix: (1 - kd_weight) * CE + kd_weight * KL.")
-@click.option("--labels", type=click.Choice(["data", "target"]), default="data", help="data | target: the cached "
-              "token, or the target's own top-1 prediction of it, as the label.")
+@click.option("--labels", type=click.Choice(["data", "target"]), default="data", help="The label: the cached token, or "
+              "the target's own top-1 prediction of it.")
 @click.option("--init-from-target-layers", type=Maybe(CommaList(int)), help="Drafter layer i starts as a copy of "
               "target layer ids[i] (and its final norm as the target's); None = random.")
 @click.option("--context-buckets", type=CommaList(int), default="1024,2048,3072", help="Context lengths a batch is "
               "padded to (one compiled graph each); the last is max length.")
-@click.option("--max-anchors", default=512, help="N: anchor blocks per sequence (fewer candidates -> padded, invalid "
-              "blocks).")
-@click.option("--batch-size", default=16, help="Global batch in sequences per optimizer step (all ranks, all "
-              "accumulation steps).")
-@click.option("--micro-batch-size", default=1, help="Sequences per forward pass on one rank; accumulation = batch / "
-              "(micro * world).")
+@click.option("--max-anchors", default=512, help="N: anchor blocks per sequence (fewer candidates -> invalid blocks).")
+@click.option("--batch-size", default=16, help="Sequences per optimizer step (all ranks and accumulation steps).")
+@click.option("--micro-batch-size", default=1, help="Sequences per forward on one rank (accumulation fills the batch).")
 @click.option("--eval-samples", type=Maybe(int), help="Held-out samples (the dataset's last rows) for eval loss and "
               "acceptance; None = min(64, a tenth of the cache), at least 1.")
 @click.option("--train-samples", type=Maybe(int), help="Train on the dataset's first N rows that are not held out "
@@ -93,38 +79,29 @@ def cli():
 @click.option("--beta2", default=0.95, help="AdamW beta2.")
 @click.option("--grad-clip", default=1.0, help="Max global gradient norm (0 = no clipping).")
 @click.option("--epochs", default=6.0, help="Passes over the training samples (fractional allowed).")
-@click.option("--max-steps", type=Maybe(int), help="Optimizer steps in total; overrides epochs when set (defines the "
-              "schedule).")
-@click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", help="auto | cpu | cuda (auto: "
-              "cuda:LOCAL_RANK when CUDA is there).")
+@click.option("--max-steps", type=Maybe(int), help="Optimizer steps in total; overrides epochs.")
+@click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto",
+              help="auto: cuda:LOCAL_RANK if CUDA is there.")
 @click.option("--attention", type=click.Choice(["auto", "flex", "dense", "flex-eager"]), default="auto",
-              help="auto | flex | dense | flex-eager (auto: flex on CUDA, dense SDPA on CPU).")
-@click.option("--compile", type=click.Choice(["auto", "on", "off"]), default="auto", help="auto | on | off: "
-              "torch.compile of the drafter (auto: on for CUDA only).")
-@click.option("--compile-backend", default="inductor", help="torch.compile backend (tests use 'eager' to check guards "
-              "without codegen).")
+              help="auto: flex on CUDA, dense SDPA on CPU.")
+@click.option("--compile", type=click.Choice(["auto", "on", "off"]), default="auto", help="torch.compile the drafter "
+              "(auto: on CUDA only).")
+@click.option("--compile-backend", default="inductor", help="torch.compile backend ('eager': guards without codegen).")
 @click.option("--compile-cache", type=Maybe(str), help="Compiled graphs kept for runs of the same shapes (None: "
               "$TORCHINDUCTOR_CACHE_DIR or ~/.cache/dflash/compile).")
-@click.option("--autocast", type=click.Choice(["auto", "bf16", "on", "off"]), default="auto", help="auto | bf16 | on "
-              "| off: bf16 autocast around the forward (on = bf16; auto: bf16 on CUDA).")
-@click.option("--parallel", type=click.Choice(["ddp", "fsdp"]), default="ddp", help="ddp | fsdp: data parallel "
-              "replicas, or FSDP2 fully_shard for big drafters.")
-@click.option("--ce-chunk-size", default=4096, help="Rows per chunk of the LM-head cross-entropy (bounds the logits "
-              "memory).")
+@click.option("--autocast", type=click.Choice(["auto", "bf16", "on", "off"]), default="auto",
+              help="bf16 autocast around the forward (on = bf16; auto: on CUDA).")
+@click.option("--parallel", type=click.Choice(["ddp", "fsdp"]), default="ddp", help="DDP, or FSDP2 for big drafters.")
+@click.option("--ce-chunk-size", default=4096, help="Rows per chunk of the LM-head loss (bounds the logits memory).")
 @click.option("--seed", default=0, help="Seeds the drafter init, data order and anchor draws.")
-@click.option("--log-every", default=10, help="Optimizer steps between log lines (also the only steps that call "
-              ".item()).")
+@click.option("--log-every", default=10, help="Steps between log lines (the only steps that call .item()).")
 @click.option("--eval-every", default=500, help="Steps between held-out evaluations (and always at the last step).")
 @click.option("--save-every", default=1000, help="Steps between checkpoints (and always at the last step).")
 @click.option("--keep-checkpoints", default=3, help="Newest checkpoints kept (0 = keep all).")
-@click.option("--resume", type=Maybe(str), default="latest", help="Checkpoint folder to resume from, 'latest' (if any "
-              "exists in the run) or None.")
-@click.option("--stop-after", type=Maybe(int), help="Stop after this many steps without it being the last (simulates "
-              "a kill).")
-@click.option("--peak-tflops", default=790.0, help="Device peak for MFU: 790 = bf16 matmul measured on H200 "
-              "(datasheet 989).")
-@click.option("--tensorboard/--no-tensorboard", default=True, help="Also write TensorBoard events when tensorboard is "
-              "importable.")
+@click.option("--resume", type=Maybe(str), default="latest", help="Checkpoint folder to resume from, 'latest' or None.")
+@click.option("--stop-after", type=Maybe(int), help="Stop after this many steps, not as the last (simulates a kill).")
+@click.option("--peak-tflops", default=790.0, help="Device peak for MFU (790: bf16 matmul measured on H200).")
+@click.option("--tensorboard/--no-tensorboard", default=True, help="Also write TensorBoard events (if importable).")
 @click.option("--progress/--no-progress", default=True, help="Show a tqdm progress bar on rank 0.")
 @click.pass_context
 def run(ctx: click.Context, preset: str, print_config: bool, **values):

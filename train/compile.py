@@ -1,11 +1,6 @@
-"""The one compile path of training: compile and run compiled code on the main thread only;
-after a warm-up of one REAL training step per shape (shapes are fixed by the data: context
-buckets, a fixed number of blocks), ``set_stance("fail_on_recompile")`` turns any recompile
-into an error naming the failed guard instead of a silent fall-back to eager. The first
-evaluation compiles its no-grad graphs (``compile_then_freeze``) and freezes again. On CUDA
-uncompiled flex is refused unless ``--attention flex-eager`` asks for it; compiled graphs
-persist in one folder (``use_compile_cache``) for later runs of the same shapes.
-"""
+"""The one compile path of training: after a warm-up of one REAL training step per shape,
+``fail_on_recompile`` turns any recompile into an error naming the failed guard instead of a
+silent fall-back to eager. Compiled graphs persist in one folder for later runs of these shapes."""
 
 from __future__ import annotations
 
@@ -23,6 +18,7 @@ from .config import RuntimeConfig
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+CACHE_DIR_ENV = "TORCHINDUCTOR_CACHE_DIR"  # inductor's FX graph, AOTAutograd and autotuning caches
 
 
 @dataclass
@@ -36,28 +32,31 @@ class CompileChoice:
 
 
 def resolve(runtime: RuntimeConfig, device: torch.device) -> CompileChoice:
-    """Turn ``attention`` / ``compile`` settings into a checked choice for ``device``."""
+    """Turn ``attention`` / ``compile`` settings into a checked choice for ``device``; uncompiled
+    flex on CUDA is refused unless ``--attention flex-eager`` names it."""
+    import torch._dynamo.config as dynamo_config
+
     cuda = device.type == "cuda"
-    requested = runtime.attention
-    kind = ("flex" if cuda else "dense") if requested == "auto" else requested
+    kind = ("flex" if cuda else "dense") if runtime.attention == "auto" else runtime.attention
     eager_flex = kind == "flex-eager"
     if eager_flex:
         kind = "flex"
         log.warning("attention flex-eager: flex_attention runs UNCOMPILED and materialises the full score matrix")
-    if kind == "flex" and not cuda and not eager_flex:
+    elif kind == "flex" and not cuda:
         raise ValueError("attention 'flex' cannot train on the CPU (flex_attention has no CPU backward); "
                          "use --attention dense (the same mask function through SDPA)")
-    compile_model = {"auto": cuda, "on": True, "off": False}[runtime.compile]
-    if kind == "flex" and cuda and not eager_flex and attention._compile_disabled():
+    compile_disabled = os.environ.get("TORCHDYNAMO_DISABLE", "") not in ("", "0") or dynamo_config.disable
+    if kind == "flex" and not eager_flex and compile_disabled:
         raise RuntimeError("torch.compile is disabled (TORCHDYNAMO_DISABLE?), so flex_attention would run "
                            "uncompiled on CUDA; enable compile, use --attention dense, or ask for "
                            "--attention flex-eager by name")
     attention.allow_uncompiled_flex(eager_flex)
+    compile_model = {"auto": cuda, "on": True, "off": False}[runtime.compile]
     return CompileChoice(kind, compile_model, runtime.compile_backend, eager_flex)
 
 
 def compile_count() -> int:
-    """Graphs dynamo has compiled in this process so far (torch._dynamo counters)."""
+    """Graphs dynamo has compiled in this process so far."""
     from torch._dynamo.utils import counters
 
     return int(counters["stats"]["unique_graphs"])
@@ -65,33 +64,26 @@ def compile_count() -> int:
 
 def compile_model(model: torch.nn.Module, choice: CompileChoice, graphs_needed: int) -> torch.nn.Module:
     """``torch.compile`` the drafter (static shapes) when the choice says so; else return it."""
-    attention.require_main_thread("compile_model")
     if not choice.compile_model:
         return model
     import torch._dynamo.config as dynamo_config
 
     # a graph per (bucket, grad mode) without reaching the limit, whose fall-back is silent eager
     dynamo_config.recompile_limit = max(dynamo_config.recompile_limit, graphs_needed)
-    compiled = torch.compile(model, backend=choice.backend, dynamic=False)
-    # the compiled module's own hooks run eagerly, before dynamo's frame: a call from another thread raises here
-    compiled.register_forward_pre_hook(lambda _module, _args: attention.require_main_thread("compiled drafter"))
-    return compiled
+    return torch.compile(model, backend=choice.backend, dynamic=False)
 
 
 def freeze() -> None:
     """From now on any (re)compile raises, naming the guard that failed."""
-    attention.require_main_thread("compile.freeze")
     torch.compiler.set_stance("fail_on_recompile")
 
 
 def thaw() -> None:
-    """Back to the default stance (end of a run, tests)."""
     torch.compiler.set_stance("default")
 
 
 @contextmanager
 def frozen():
-    """``freeze()`` for the duration of a block."""
     freeze()
     try:
         yield
@@ -100,16 +92,12 @@ def frozen():
 
 
 def warm_up(steps: Iterable[Callable[[], None]]) -> int:
-    """Run each warm-up step (one per shape and grad mode) on the main thread, then freeze.
-    Returns the number of graphs the warm-up compiled."""
+    """Run each warm-up step (one per shape and grad mode), then freeze; returns the graphs compiled."""
     return compile_then_freeze(lambda: [step() for step in steps])[1]
 
 
 def compile_then_freeze(run: Callable[[], T]) -> tuple[T, int]:
-    """Run ``run`` on the main thread with compiling allowed, then freeze again: (its
-    result, graphs it compiled). For code whose graphs are compiled once, at its first call
-    (the evaluation's no-grad graphs); afterwards a recompile there is an error as anywhere."""
-    attention.require_main_thread("compile.compile_then_freeze")
+    """(``run()``, graphs it compiled), compiling allowed inside it and frozen again after."""
     before = compile_count()
     thaw()
     try:
@@ -117,10 +105,6 @@ def compile_then_freeze(run: Callable[[], T]) -> tuple[T, int]:
     finally:
         freeze()
     return result, compile_count() - before
-
-
-CACHE_DIR_ENV = "TORCHINDUCTOR_CACHE_DIR"
-"""Where inductor keeps its FX graph, AOTAutograd and autotuning caches; read at each lookup."""
 
 
 def default_compile_cache() -> Path:
@@ -132,9 +116,8 @@ def default_compile_cache() -> Path:
 
 
 def use_compile_cache(folder: str | None) -> Path:
-    """Keep torch.compile's persistent caches in ``folder`` (None: ``default_compile_cache``), so
-    a later run with the same shapes loads its graphs; call before the first compile."""
-    attention.require_main_thread("compile.use_compile_cache")
+    """Keep torch.compile's persistent caches in ``folder`` (None: ``default_compile_cache``);
+    call before the first compile."""
     path = (Path(folder).expanduser() if folder else default_compile_cache()).resolve()
     if any(c.isspace() for c in str(path)):
         raise ValueError(f"compile cache folder {str(path)!r} has a space in its path: inductor's C++ build "

@@ -1,11 +1,6 @@
-"""Training configuration: one dataclass per component, presets as plain functions.
-
-``TrainConfig`` holds the paths and one sub-config per component (``DrafterSpec``,
-``DataConfig``, ``OptimConfig``, ``RuntimeConfig``); each function receives only the
-sub-config it needs. Field names are unique across sub-configs: each field is the
-``dflash-train run`` flag of the same name (``--max-anchors 64``), whose help in
-``train/cli.py`` says what it means.
-"""
+"""Training configuration: one dataclass per component, presets as plain functions. Field names
+are unique across sections: each is the ``dflash-train run`` flag of the same name, whose help in
+``train/cli.py`` says what it means."""
 
 from __future__ import annotations
 
@@ -138,8 +133,7 @@ class TrainConfig:
 
 
 def dflash_recipe() -> TrainConfig:
-    """The DFlash recipe: AdamW lr 6e-4, cosine, warm-up 4%, clip 1.0, 6 epochs, max length 3072,
-    512 anchors, B = 16 blocks, global batch 16 sequences, 5 drafter layers."""
+    """The DFlash recipe for 8B-class targets: the defaults."""
     return TrainConfig()
 
 
@@ -152,9 +146,8 @@ def tiny() -> TrainConfig:
 
 
 def small() -> TrainConfig:
-    """For a small target (SmolLM2-135M-Instruct, width 576, on one GPU; BENCHMARKS.md): block 8
-    (a higher held-out tau than 16 at the same steps, at a cheaper step), a 3-layer drafter, 32
-    sequences of up to 1536 tokens x 256 blocks per step, 6 loader workers (2 left the step waiting)."""
+    """For a small target on one GPU (SmolLM2-135M-Instruct; BENCHMARKS.md): block 8 (a higher
+    held-out tau than 16 at a cheaper step), 6 loader workers (2 left the step waiting)."""
     return TrainConfig().override(num_draft_layers=3, block_size=8, context_buckets=[512, 1024, 1536],
                                   max_anchors=256, batch_size=32, micro_batch_size=32, num_workers=6)
 

@@ -1,18 +1,10 @@
-"""Cache samples -> fixed-shape batches, in a deterministic, resumable order.
-
-Shapes are what keep torch.compile to one graph per bucket: the context of
-a batch is padded to one of a few ``context_buckets`` and every sequence carries exactly
-``max_anchors`` blocks, the unused ones marked ``block_valid = False``. Only the buckets
-some sample falls into are used (``plan_buckets``, from the cache's offsets).
-
-Everything random is keyed, never stateful, so worker processes, restarts and world
-sizes cannot change it:
-
-* anchors of sample ``i`` in epoch ``e`` come from a generator seeded with (seed, e, i);
-* the sample order of epoch ``e`` is a permutation seeded with (seed, e);
-* the data position is just the global optimizer step: step ``s`` reads the ``s``-th
-  global batch of that order, split the same way on every rank.
-"""
+"""Cache samples -> fixed-shape batches, in a deterministic, resumable order. Fixed shapes keep
+torch.compile to one graph per bucket: a batch's context is padded to one of the
+``context_buckets`` some sample falls into (``plan_buckets``), and every sequence carries
+exactly ``max_anchors`` blocks, the unused ones ``block_valid = False``. Everything random is
+keyed, never stateful, so worker processes, restarts and world sizes cannot change it: sample
+``i``'s anchors in epoch ``e`` come from an RNG seeded with (seed, e, i), epoch ``e``'s order
+from (seed, e), and the data position is the global step (step ``s`` reads global batch ``s``)."""
 
 from __future__ import annotations
 
@@ -35,33 +27,25 @@ PER_TOKEN_FIELDS = ("input_ids", "loss_mask", "context_hidden") + ENCODED_FIELDS
 
 @dataclass
 class EncodedContext:
-    """A batch's context hidden states as a lossy cache stores them, for decoding where they
-    land: ``to(device)`` copies payload and scales (a quarter to a half of the bf16 bytes) and
-    decodes there, returning the (Bsz, S, n*D) bf16 tensor that ``Collate`` gives otherwise,
-    bitwise (``hidden_codecs.decode`` is exact and device-independent). ``pin_memory`` lets the
-    DataLoader pin it like a tensor."""
+    """A batch's context as a lossy cache stores it: ``to(device)`` copies payload and scales (a
+    quarter to a half of the bf16 bytes) and decodes there to the (Bsz, S, n*D) bf16 tensor that
+    ``Collate`` gives otherwise, bitwise (the decode is exact on any device)."""
 
     payload: torch.Tensor  # (Bsz, S, n, W) uint8, padded with the codec's zero byte
     scales: torch.Tensor  # (Bsz, S, n, G), padded with 0
     codec: HiddenCodec
 
-    @property
-    def shape(self) -> tuple[int, int, int]:
-        bsz, S, n, W = self.payload.shape
-        return bsz, S, n * self.codec.hidden_size(W)
-
     def pin_memory(self) -> "EncodedContext":
         return EncodedContext(self.payload.pin_memory(), self.scales.pin_memory(), self.codec)
 
     def to(self, device, non_blocking: bool = False) -> torch.Tensor:
-        payload = self.payload.to(device, non_blocking=non_blocking)
-        scales = self.scales.to(device, non_blocking=non_blocking)
-        return decode(self.codec, EncodedHidden(payload, scales)).flatten(2)  # (Bsz, S, n * D) bf16
+        encoded = EncodedHidden(*(t.to(device, non_blocking=non_blocking) for t in (self.payload, self.scales)))
+        return decode(self.codec, encoded).flatten(2)  # (Bsz, S, n * D) bf16
 
 
 def candidate_anchors(loss_mask: torch.Tensor) -> torch.Tensor:
-    """Positions a block may start at: assistant tokens at 1 <= a <= T-2 (the anchor needs
-    at least one context position before it and one label after it), ascending."""
+    """Positions a block may start at, ascending: assistant tokens at 1 <= a <= T-2 (one context
+    position before, one label after)."""
     T = loss_mask.shape[0]
     if T < 3:
         return torch.zeros(0, dtype=torch.long)
@@ -70,8 +54,8 @@ def candidate_anchors(loss_mask: torch.Tensor) -> torch.Tensor:
 
 def draw_anchors(loss_mask: torch.Tensor, max_anchors: int, seed: int, epoch: int, index: int
                  ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Up to ``max_anchors`` sorted ``candidate_anchors``, drawn by an RNG keyed on (seed, epoch,
-    index), padded: (anchors (N,), valid (N,))."""
+    """(anchors (N,), valid (N,)): up to ``max_anchors`` sorted ``candidate_anchors``, drawn by an
+    RNG keyed on (seed, epoch, index), padded."""
     cand = candidate_anchors(loss_mask)
     rng = np.random.default_rng([seed, epoch, index])
     if len(cand) > max_anchors:
@@ -81,25 +65,16 @@ def draw_anchors(loss_mask: torch.Tensor, max_anchors: int, seed: int, epoch: in
 
 
 def _padded_anchors(cand: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(anchors (n,), valid (n,)): ``cand`` first, then invalid zeros."""
     anchors, valid = torch.zeros(n, dtype=torch.long), torch.zeros(n, dtype=torch.bool)
     anchors[: len(cand)], valid[: len(cand)] = cand, True
     return anchors, valid
 
 
 class AnchorDataset(Dataset):
-    """Item ``(epoch, index)`` -> one unpadded training sequence with its anchor blocks.
-
-    Returns ``input_ids`` (T,) long, ``loss_mask`` (T,) bool, ``context_hidden``
-    (T, n*D) bf16 (the chosen layers concatenated in ``layer_ids`` order), ``anchors`` (N,)
-    and ``block_valid`` (N,); with ``target_top1`` also ``target_top1`` (T,) long (the
-    target's greedy next token at each position, i.e. its prediction of token t+1: what
-    acceptance is measured against, and the labels of ``labels=target``); with ``topk``
-    also ``topk_ids`` (T, k) long and ``topk_logprobs`` (T, k) float32 (for distillation).
-    The cache arrays that none of these need are never read. With ``decode_on_device`` and a
-    lossy cache, ``context_payload`` (T, n, W) and ``context_scale`` (T, n, G) replace
-    ``context_hidden`` (see ``EncodedContext``).
-    """
+    """Item ``(epoch, index)`` -> one unpadded sequence: ``input_ids``, ``loss_mask``, ``context_hidden``
+    (T, n*D) bf16, ``anchors``, ``block_valid``, and as asked ``target_top1`` (at t, the target's
+    prediction of t + 1) and ``topk_ids`` / ``topk_logprobs`` (T, k); other cache arrays are never
+    read. ``decode_on_device``: a lossy cache's context stays encoded (``EncodedContext``)."""
 
     def __init__(self, reader: CacheReader, layer_ids: list[int], max_length: int, max_anchors: int, seed: int,
                  target_top1: bool = True, topk: bool = False, decode_on_device: bool = False):
@@ -111,9 +86,6 @@ class AnchorDataset(Dataset):
         self.slots = reader.layer_slots(layer_ids)
         self._all_slots = self.slots == list(range(reader.spec.num_layers))  # the context is then a view
         self.max_length, self.max_anchors, self.seed = max_length, max_anchors, seed
-
-    def __len__(self) -> int:
-        return len(self.reader)
 
     def __getitem__(self, key: tuple[int, int]) -> dict[str, torch.Tensor]:
         epoch, index = key
@@ -141,10 +113,9 @@ class AnchorDataset(Dataset):
         return per_layer if self._all_slots else per_layer.index_select(1, torch.tensor(self.slots))
 
     def every_anchor(self, index: int, fixed_shape: bool = True) -> list[dict[str, torch.Tensor]]:
-        """Sample ``index`` as items that together hold a block at EVERY candidate anchor (the
-        decoding replay, ``replay.py``). With ``fixed_shape``, items of ``max_anchors`` blocks,
-        the shapes of ``self[key]``, so the compiled eval graph serves them; without, one item
-        of exactly the candidate anchors (none where there are none)."""
+        """Sample ``index`` as items that together hold a block at EVERY candidate anchor (``replay``):
+        with ``fixed_shape`` items of ``max_anchors`` blocks (the compiled eval graph's shapes),
+        else one item of exactly the candidate anchors."""
         sample = self[(EVAL_EPOCH, index)]
         cand = candidate_anchors(sample["loss_mask"])
         per_item = self.max_anchors if fixed_shape else max(len(cand), 1)
@@ -152,8 +123,7 @@ class AnchorDataset(Dataset):
                 for i in range(0, len(cand), per_item)]
 
     def empty_sample(self) -> dict[str, torch.Tensor]:
-        """A one-token sample with no valid block: fills a global batch that does not split
-        evenly over ranks; it weighs nothing, so the update is that of the real samples."""
+        """A weightless one-token sample with no valid block: fills a batch that does not split evenly."""
         n, D = len(self.slots), self.reader.spec.hidden_size
         out = {"input_ids": torch.zeros(1, dtype=torch.long), "loss_mask": torch.zeros(1, dtype=torch.bool)}
         out["anchors"], out["block_valid"] = _padded_anchors(torch.zeros(0, dtype=torch.long), self.max_anchors)
@@ -187,7 +157,6 @@ class BucketPlan:
     samples: dict[int, int]  # samples per configured bucket (0 for one that is not compiled)
 
     def describe(self) -> str:
-        """One log line: which buckets compile and why the others do not."""
         used = ", ".join(f"{b} ({self.samples[b]} samples)" for b in self.buckets)
         unused = [str(b) for b, n in self.samples.items() if n == 0]
         why = f"; not {', '.join(unused)}: no sample falls into them" if unused else ""
@@ -195,13 +164,9 @@ class BucketPlan:
 
 
 def plan_buckets(lengths: np.ndarray, buckets: list[int]) -> BucketPlan:
-    """Which of ``buckets`` the samples of ``lengths`` (N,) need, each sample's length capped at
-    the largest bucket as the dataset truncates it.
-
-    Collating with only these buckets pads every batch exactly as with all of them: a
-    batch's longest sample picks its bucket, and that sample falls into it. A batch of
-    only weightless filler samples (length 1) takes the smallest compiled bucket.
-    """
+    """Which of ``buckets`` the samples of ``lengths`` (N,) (capped at the largest) fall into.
+    Collating with only these pads every batch as with all of them: a batch's longest sample
+    picks its bucket, and falls into it."""
     lengths = np.minimum(np.asarray(lengths, dtype=np.int64), buckets[-1])
     if len(lengths) == 0:
         raise ValueError("no samples: no context bucket to compile")
@@ -212,57 +177,40 @@ def plan_buckets(lengths: np.ndarray, buckets: list[int]) -> BucketPlan:
 
 
 def _batch_buffer(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """An uninitialised tensor; inside a DataLoader worker, in shared memory already, so
-    handing the batch to the main process moves no bytes (what ``default_collate`` does)."""
+    """An uninitialised tensor, in shared memory inside a DataLoader worker (as ``default_collate``
+    does), so handing the batch to the main process moves no bytes."""
     if torch.utils.data.get_worker_info() is None:
         return torch.empty(shape, dtype=dtype)
-    numel = math.prod(shape)
-    storage = torch.UntypedStorage._new_shared(numel * dtype.itemsize)
+    storage = torch.UntypedStorage._new_shared(math.prod(shape) * dtype.itemsize)
     return torch.empty(0, dtype=dtype).set_(storage, 0, shape)
 
 
 class Collate:
-    """Stack samples, right-padding the context to the smallest bucket that fits them all.
-
-    Batch: ``input_ids`` (Bsz, S), ``loss_mask`` (Bsz, S), ``context_hidden`` (Bsz, S, n*D) (an
-    ``EncodedContext`` for samples that carry it encoded),
-    ``seq_len`` (Bsz,), ``anchors`` / ``block_valid`` (Bsz, N), and where the samples have them
-    ``target_top1`` (Bsz, S), ``topk_ids`` / ``topk_logprobs`` (Bsz, S, k).
-    Padding is zero with ``loss_mask`` False, so padded positions are never labels.
-    """
+    """Stack samples, right-padding per-token fields to the smallest bucket that fits them all
+    (None: the longest sample), with zeros and ``loss_mask`` False; adds ``seq_len`` (Bsz,). An
+    encoded context becomes an ``EncodedContext``."""
 
     def __init__(self, buckets: list[int] | None, force_length: int | None = None):
-        self.buckets = list(buckets) if buckets is not None else None  # None: pad to the longest sample only
+        self.buckets = list(buckets) if buckets is not None else None
         self.force_length = force_length
 
     def __call__(self, samples: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
         lengths = [len(s["input_ids"]) for s in samples]
         S = self.force_length or (bucket_for(max(lengths), self.buckets) if self.buckets is not None else max(lengths))
-        n = len(samples)
         first = samples[0]
         encoded = "context_payload" in first
-        # the big tensors: written once (each row's tokens, then its padding), never filled first
-        big = {name: _batch_buffer((n, S) + tuple(first[name].shape[1:]), first[name].dtype)
-               for name in (ENCODED_FIELDS if encoded else ("context_hidden",))}
-        pad = {"context_hidden": 0, "context_scale": 0, "context_payload": first["hidden_codec"].zero_byte
-               if encoded else 0}
-        out = {
-            "input_ids": torch.zeros(n, S, dtype=torch.long),
-            "loss_mask": torch.zeros(n, S, dtype=torch.bool),
-            **big,
-            "seq_len": torch.tensor(lengths, dtype=torch.long),
-            "anchors": torch.stack([s["anchors"] for s in samples]),
-            "block_valid": torch.stack([s["block_valid"] for s in samples]),
-        }
-        for name in TARGET_FIELDS:
-            if name in first:
-                out[name] = torch.zeros((n, S) + tuple(first[name].shape[1:]), dtype=first[name].dtype)
+        out = {"seq_len": torch.tensor(lengths, dtype=torch.long),
+               "anchors": torch.stack([s["anchors"] for s in samples]),
+               "block_valid": torch.stack([s["block_valid"] for s in samples])}
+        big = ENCODED_FIELDS + ("context_hidden",)  # written once (tokens, then padding), never filled first
+        for name in (n for n in PER_TOKEN_FIELDS if n in first):
+            shape = (len(samples), S) + tuple(first[name].shape[1:])
+            out[name] = (_batch_buffer if name in big else torch.zeros)(shape, dtype=first[name].dtype)
         for i, (s, T) in enumerate(zip(samples, lengths)):
-            for name in PER_TOKEN_FIELDS:
-                if name in out:
-                    out[name][i, :T] = s[name]
-            for name, tensor in big.items():
-                tensor[i, T:] = pad[name]
+            for name in (n for n in PER_TOKEN_FIELDS if n in first):
+                out[name][i, :T] = s[name]
+                if name in big:
+                    out[name][i, T:] = first["hidden_codec"].zero_byte if name == "context_payload" else 0
         if encoded:  # decoded by to(device), where the batch lands
             out["context_hidden"] = EncodedContext(out.pop("context_payload"), out.pop("context_scale"),
                                                    first["hidden_codec"])
@@ -270,10 +218,8 @@ class Collate:
 
 
 def truncate_sample(sample: dict[str, torch.Tensor], length: int) -> dict[str, torch.Tensor]:
-    """The first ``length`` tokens of a sample; blocks whose anchor no longer fits are invalidated.
-
-    Used by the compile warm-up to give every bucket a real sample of that shape.
-    """
+    """The first ``length`` tokens of a sample, blocks whose anchor no longer fits invalidated (the
+    compile warm-up's real sample of each bucket)."""
     out = {k: (v[:length] if k in PER_TOKEN_FIELDS else v) for k, v in sample.items()}
     fits = sample["anchors"] <= length - 2
     out["block_valid"] = sample["block_valid"] & fits
@@ -297,8 +243,7 @@ def held_out_count(num_samples: int, eval_samples: int | None) -> int:
 
 @dataclass
 class Split:
-    """Which cache samples train and which are held out: those of the dataset's last
-    ``held_out_count`` usable rows (by source row, ascending)."""
+    """Which cache samples train and which are held out (the dataset's last rows)."""
 
     train: np.ndarray
     held_out: np.ndarray
@@ -306,34 +251,22 @@ class Split:
     @classmethod
     def of(cls, num_samples: int, eval_samples: int | None, source_index: np.ndarray | None = None,
            train_samples: int | None = None) -> "Split":
-        """``source_index`` (num_samples,): each sample's row in the source dataset. The cache stores
-        each shard longest first, so its last samples would be a biased held-out set that changes with
-        the shard count; by source row it is the same for any. Without it, the cache's last samples.
+        """By ``source_index`` (each sample's source row) when given: the cache stores shards longest
+        first, so its own last samples would be biased and change with the shard count.
         ``train_samples`` keeps the first N training samples by source row (a smaller dataset)."""
         n_eval = held_out_count(num_samples, eval_samples)
         if train_samples is not None and train_samples < 1:
             raise ValueError(f"train_samples must be 1 or more, got {train_samples}")
-        idx = np.arange(num_samples, dtype=np.int64)
-        by_row = idx
-        if source_index is not None:
-            source_index = np.asarray(source_index, dtype=np.int64)
-            if source_index.shape != (num_samples,):
-                raise ValueError(f"source_index has shape {source_index.shape}, expected ({num_samples},)")
-            by_row = idx[np.argsort(source_index, kind="stable")]
+        by_row = np.arange(num_samples) if source_index is None else np.argsort(np.asarray(source_index), kind="stable")
         train = np.sort(by_row[: num_samples - n_eval][:train_samples])
         return cls(train=train, held_out=by_row[num_samples - n_eval:])
 
 
 class GlobalBatchSampler:
-    """This rank's micro-batches of ``(epoch, index)`` keys, from global step ``start_step``.
-
-    Step ``s`` takes global batch ``s % steps_per_epoch`` of epoch ``s // steps_per_epoch``'s
-    order (the tail that does not fill a batch is dropped); its ``world * accum``
-    micro-batches are dealt out as micro-batch ``m * world + rank`` to accumulation step
-    ``m`` of ``rank``. A batch that does not split evenly (16 over 3 GPUs) is topped up
-    with empty, weightless slots (index -1). Resuming is starting at another step:
-    nothing else is stateful.
-    """
+    """This rank's micro-batches of ``(epoch, index)`` keys from global step ``start_step``: step ``s``
+    takes batch ``s % steps_per_epoch`` of epoch ``s // steps_per_epoch``'s order, dealt as micro-batch
+    ``m * world + rank`` to accumulation step ``m`` of ``rank``, topped up with weightless slots
+    (index -1) where it does not split evenly. Resuming is starting at another step."""
 
     def __init__(self, train: np.ndarray, global_batch: int, micro_batch: int, rank: int, world: int,
                  seed: int, total_steps: int, start_step: int = 0):
@@ -371,9 +304,6 @@ class GlobalBatchSampler:
         for step in range(self.start_step, self.total_steps):
             yield from self.step_batches(step)
 
-    def __len__(self) -> int:
-        return max(self.total_steps - self.start_step, 0) * self.accum
-
 
 def total_steps(num_train: int, global_batch: int, epochs: float, max_steps: int | None) -> int:
     """Optimizer steps of the run: ``max_steps`` if given, else ceil(epochs x steps per epoch)."""
@@ -393,8 +323,5 @@ def held_out_batches(held_out: np.ndarray, micro_batch: int, rank: int, world: i
 def make_loader(dataset: AnchorDataset, batches, buckets: list[int], num_workers: int, prefetch_factor: int,
                 pin_memory: bool) -> DataLoader:
     """A DataLoader over explicit micro-batches; workers are processes, never threads."""
-    kwargs = {}
-    if num_workers > 0:
-        kwargs = dict(prefetch_factor=prefetch_factor, persistent_workers=False)
     return DataLoader(dataset, batch_sampler=batches, collate_fn=Collate(buckets), num_workers=num_workers,
-                      pin_memory=pin_memory, **kwargs)
+                      pin_memory=pin_memory, prefetch_factor=prefetch_factor if num_workers > 0 else None)

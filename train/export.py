@@ -1,12 +1,7 @@
-"""Export a drafter in the folder format SGLang and vLLM read, check it against its target,
-print the commands that serve it, and load it back.
-
-    out_dir/config.json        architectures ["DFlashDraftModel"], model_type "qwen3",
-                               block_size, num_target_layers, dflash_config, Qwen3 fields,
-                               eagle_aux_hidden_state_layer_ids (what older vLLM releases read)
-    out_dir/model.safetensors  unprefixed names (fc.weight, layers.0.self_attn.q_proj.weight,
-                               ...), no embedding, no lm_head
-"""
+"""Export a drafter in the folder SGLang and vLLM read (config.json: DFlashDraftModel, Qwen3
+fields, block_size, num_target_layers, dflash_config, eagle_aux_hidden_state_layer_ids for older
+vLLM; model.safetensors: the unprefixed state-dict names, no embedding, no lm_head), check it
+against its target, print the commands that serve it, and load it back."""
 
 from __future__ import annotations
 
@@ -22,7 +17,7 @@ from safetensors.torch import load_file, save_file
 from dflash.shared.layers import check_layer_ids
 
 from .model import DFlashDrafter, DrafterConfig
-from .target import MASK_TOKEN, text_config, tokenizer_mask_id
+from .target import MASK_TOKEN, tokenizer_mask_id
 
 ARCHITECTURE = "DFlashDraftModel"
 CONFIG_NAME = "config.json"
@@ -43,11 +38,8 @@ def export_config_dict(config: DrafterConfig, dtype: torch.dtype) -> dict:
     return {
         "architectures": [ARCHITECTURE],
         "model_type": "qwen3",
-        "dflash_config": {
-            "mask_token_id": config.mask_token_id,
-            "target_layer_ids": list(config.target_layer_ids),
-            "target_layer_id_convention": LAYER_ID_CONVENTION,
-        },
+        "dflash_config": {"mask_token_id": config.mask_token_id, "target_layer_ids": list(config.target_layer_ids),
+                          "target_layer_id_convention": LAYER_ID_CONVENTION},
         "eagle_aux_hidden_state_layer_ids": eagle_layer_ids(config.target_layer_ids),
         **shapes,  # block_size, num_target_layers and the Qwen3 fields: the drafter config's own names
         "rope_parameters": {"rope_type": "default", "rope_theta": config.rope_theta},
@@ -71,7 +63,7 @@ def check_against_target(config: DrafterConfig, target, tokenizer=None) -> None:
     here): hidden size, vocabulary, layer count and layers, and the MASK row (inside the target's
     vocabulary, and the tokenizer's <|MASK|> where it has one: SGLang refuses anything else)."""
     loaded = hasattr(target, "get_input_embeddings")
-    text = text_config(target.config if loaded else target)
+    text = (target.config if loaded else target).get_text_config()
     vocab = target.get_input_embeddings().weight.shape[0] if loaded else text.vocab_size
     problems = []
     for name, ours, theirs in (("hidden size", config.hidden_size, text.hidden_size),
@@ -131,19 +123,13 @@ def export_drafter(drafter: DFlashDrafter, config: DrafterConfig, out_dir: str |
     """Write config.json + model.safetensors of the plain (unwrapped, uncompiled) drafter to
     ``out_dir``; ``dtype`` casts the weights (default: the drafter's own dtype). Returns the folder."""
     state = drafter.state_dict()
-    expected_shapes = _expected_shapes(config)
-    _check_names_and_shapes(state, expected_shapes, "drafter state_dict")
-    if dtype is None:
-        dtype = next(iter(state.values())).dtype
-    if dtype not in _DTYPE_NAMES:
-        raise ValueError(f"unsupported export dtype {dtype}; use one of {list(_DTYPE_NAMES)}")
+    _check_names_and_shapes(state, config, "drafter state_dict")
+    dtype = dtype or next(iter(state.values())).dtype
     tensors = {name: t.detach().to("cpu", dtype).contiguous() for name, t in state.items()}
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(out / WEIGHTS_NAME), metadata={"format": "pt"})
-    with open(out / CONFIG_NAME, "w") as f:
-        json.dump(export_config_dict(config, dtype), f, indent=2)
-        f.write("\n")
+    (out / CONFIG_NAME).write_text(json.dumps(export_config_dict(config, dtype), indent=2) + "\n")
     return out
 
 
@@ -151,11 +137,10 @@ def load_exported(path: str | os.PathLike, device: str | torch.device = "cpu", d
                   ) -> tuple[DFlashDrafter, DrafterConfig]:
     """Load an exported folder, checking every tensor name and shape against the config."""
     path = Path(path)
-    with open(path / CONFIG_NAME) as f:
-        data = json.load(f)
+    data = json.loads((path / CONFIG_NAME).read_text())
     config = config_from_export_dict(data)
     tensors = load_file(str(path / WEIGHTS_NAME))
-    _check_names_and_shapes(tensors, _expected_shapes(config), str(path / WEIGHTS_NAME))
+    _check_names_and_shapes(tensors, config, str(path / WEIGHTS_NAME))
     if dtype is None:
         dtype = _NAME_DTYPES.get(data.get("dtype") or data.get("torch_dtype"), next(iter(tensors.values())).dtype)
     with torch.device("meta"):
@@ -165,13 +150,9 @@ def load_exported(path: str | os.PathLike, device: str | torch.device = "cpu", d
     return drafter, config
 
 
-def _expected_shapes(config: DrafterConfig) -> dict[str, tuple[int, ...]]:
+def _check_names_and_shapes(tensors: dict, config: DrafterConfig, where: str) -> None:
     with torch.device("meta"):
-        reference = DFlashDrafter(config)
-    return {name: tuple(t.shape) for name, t in reference.state_dict().items()}
-
-
-def _check_names_and_shapes(tensors: dict, expected: dict, where: str) -> None:
+        expected = {name: tuple(t.shape) for name, t in DFlashDrafter(config).state_dict().items()}
     missing = sorted(set(expected) - set(tensors))
     unexpected = sorted(set(tensors) - set(expected))
     wrong = sorted(f"{n}: {tuple(tensors[n].shape)} != {expected[n]}" for n in set(expected) & set(tensors)

@@ -1,17 +1,7 @@
-"""The training loop: one plain function, ``train(cfg)``, with an explicit step block.
-
-Setup order matters and is the same on every rank: refuse an incompatible cache before
-anything else, build the drafter from the target's config, load only the target's
-embedding and LM head, wrap (FSDP2 / compile / DDP), restore a checkpoint if there is
-one, warm up every compiled shape with a real step, then freeze compilation (the first
-evaluation compiles its no-grad graphs, then freezes again). The loader's worker processes
-start before the warm-up, so the first batches are ready when it ends.
-
-Loss normalisation is global: every micro-batch's weighted CE is divided by the weight
-sum of the whole global batch (all ranks, all accumulation steps; known before any
-forward because weights depend on data only). So one process, several processes and
-any accumulation split compute the same update.
-"""
+"""The training loop: one plain function, ``train(cfg)``, with an explicit step block. Every
+micro-batch's weighted loss is divided by the weight sum of the whole global batch (known before
+any forward: weights depend on data only), so one process, several and any accumulation split
+compute the same update."""
 
 from __future__ import annotations
 
@@ -20,8 +10,7 @@ import logging
 import math
 import os
 import time
-from contextlib import contextmanager
-from dataclasses import dataclass
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -32,9 +21,8 @@ from dflash.shared.cache import CacheReader
 
 from . import checkpoint, compile as compile_path, metrics, replay
 from .config import OptimConfig, TrainConfig
-from .data import (AnchorDataset, Collate, GlobalBatchSampler, Split, held_out_batches, make_loader,
-                   plan_buckets, total_steps, truncate_sample)
-from .data import DEFAULT_EVAL_SAMPLES
+from .data import (DEFAULT_EVAL_SAMPLES, AnchorDataset, Collate, GlobalBatchSampler, Split, held_out_batches,
+                   make_loader, plan_buckets, total_steps, truncate_sample)
 from .model import DFlashDrafter, init_from_target_layers, load_target_head
 from .step import StepSpec, evaluate_batch, forward_loss, labels_and_weights, to_device, work_counts
 from .target import build_drafter_config, check_cache, load_target_meta, resolve_target
@@ -42,21 +30,10 @@ from .target import build_drafter_config, check_cache, load_target_meta, resolve
 log = logging.getLogger("dflash.train")
 
 
-@dataclass
-class DistInfo:
-    rank: int
-    world: int
-    device: torch.device
-    started_group: bool  # this call created the process group (and so destroys it)
-
-    @property
-    def is_main(self) -> bool:
-        return self.rank == 0
-
-
-def init_distributed(device: str = "auto") -> DistInfo:
-    """Read the torchrun environment; without it, one process and nothing happens. With
-    WORLD_SIZE set, join the process group (nccl on CUDA, gloo on CPU) on cuda:LOCAL_RANK."""
+def init_distributed(device: str = "auto") -> tuple[int, int, torch.device, bool]:
+    """(rank, world, device, whether this call started the process group) from the torchrun
+    environment; without it one process and nothing happens. With WORLD_SIZE set, join the process
+    group (nccl on CUDA, gloo on CPU) on cuda:LOCAL_RANK."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
@@ -67,7 +44,7 @@ def init_distributed(device: str = "auto") -> DistInfo:
     started = world > 1 and not dist.is_initialized()
     if started:
         dist.init_process_group("nccl" if use_cuda else "gloo", rank=rank, world_size=world)
-    return DistInfo(rank, world, dev, started)
+    return rank, world, dev, started
 
 
 def _all_reduce(t: torch.Tensor, world: int) -> torch.Tensor:
@@ -77,7 +54,6 @@ def _all_reduce(t: torch.Tensor, world: int) -> torch.Tensor:
 
 
 def log_held_out(num_samples: int, requested: int | None, held_out: int) -> None:
-    """Say how many samples are held out, and why where it is not what was asked for."""
     if requested is None and held_out < DEFAULT_EVAL_SAMPLES:
         log.info("held out %d of %d samples: the default %d is capped at a tenth of a small cache "
                  "(--eval-samples to choose)", held_out, num_samples, DEFAULT_EVAL_SAMPLES)
@@ -117,36 +93,31 @@ def make_optimizer(params, ocfg: OptimConfig, total: int, fused: bool):
     return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lr_at)
 
 
-def wrap_parallel(drafter: torch.nn.Module, cfg: TrainConfig, dist_info: DistInfo, choice, graphs_needed: int):
+def wrap_parallel(drafter: torch.nn.Module, parallel: str, world: int, device: torch.device, choice,
+                  graphs_needed: int):
     """(model for training steps, model for eval forwards). Model code stays single-device."""
-    if cfg.runtime.parallel == "fsdp" and dist_info.world > 1:
+    if parallel == "fsdp" and world > 1:
         from torch.distributed.fsdp import fully_shard
 
         for layer in drafter.layers:
             fully_shard(layer)
         fully_shard(drafter)
     model = compile_path.compile_model(drafter, choice, graphs_needed)
-    if dist_info.world > 1 and cfg.runtime.parallel == "ddp":
+    if world > 1 and parallel == "ddp":
         from torch.nn.parallel import DistributedDataParallel as DDP
 
-        ids = [dist_info.device.index] if dist_info.device.type == "cuda" else None
+        ids = [device.index] if device.type == "cuda" else None
         return DDP(model, device_ids=ids), model
     return model, model
 
 
 @contextmanager
 def _grad_sync(model, enabled: bool):
-    """DDP ``no_sync`` / FSDP2 ``set_requires_gradient_sync`` for accumulation micro-steps."""
-    if not enabled and hasattr(model, "no_sync"):
-        with model.no_sync():
-            yield
-    elif not enabled and hasattr(model, "set_requires_gradient_sync"):
-        model.set_requires_gradient_sync(False)
-        try:
-            yield
-        finally:
-            model.set_requires_gradient_sync(True)
-    else:
+    """DDP ``no_sync`` / FSDP2 ``set_requires_gradient_sync`` for accumulation micro-steps (each step's
+    last micro-step syncs)."""
+    if hasattr(model, "set_requires_gradient_sync"):
+        model.set_requires_gradient_sync(enabled)
+    with model.no_sync() if not enabled and hasattr(model, "no_sync") else nullcontext():
         yield
 
 
@@ -154,8 +125,8 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     """Train (or resume) one run; returns a summary. Every rank calls this."""
     cfg.validate()
     rt, dcfg_data, ocfg = cfg.runtime, cfg.data, cfg.optim
-    dist_info = init_distributed(rt.device)
-    device, rank, world = dist_info.device, dist_info.rank, dist_info.world
+    rank, world, device, started_group = init_distributed(rt.device)
+    is_main = rank == 0
     out = Path(cfg.out)
     sink = None
     try:
@@ -163,8 +134,7 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
         reader = CacheReader(cfg.cache)
         cfg = dataclasses.replace(cfg, target=resolve_target(cfg.target, reader.spec, cfg.cache))
         cuda = device.type == "cuda"
-        autocast_dtype = torch.bfloat16 if {"auto": cuda, "bf16": True, "on": True, "off": False}[rt.autocast] \
-            else None
+        autocast_dtype = torch.bfloat16 if {"auto": cuda, "bf16": True, "on": True, "off": False}[rt.autocast] else None
         choice = compile_path.resolve(rt, device)
         compiles = choice.compile_model or (choice.attention == "flex" and not choice.eager_flex)
         compile_cache = compile_path.use_compile_cache(rt.compile_cache) if compiles else None
@@ -173,17 +143,17 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
         check_cache(reader, hf_config, tokenizer, dcfg.target_layer_ids)
         # the run's config.json and checkpoints record the MASK row chosen, not "None = choose"
         cfg = dataclasses.replace(cfg, drafter=dataclasses.replace(cfg.drafter, mask_token_id=dcfg.mask_token_id))
-        if dist_info.is_main:
+        if is_main:
             out.mkdir(parents=True, exist_ok=True)
             (out / "config.json").write_text(cfg.to_json())
-        sink = metrics.MetricsSink(out, dist_info.is_main, rt.tensorboard)
+        sink = metrics.MetricsSink(out, is_main, rt.tensorboard)
 
         spec = StepSpec(choice.attention, dcfg.block_size, dcfg.mask_token_id, cfg.drafter.gamma,
                         rt.ce_chunk_size, autocast_dtype, cfg.drafter.loss, cfg.drafter.kd_weight, cfg.drafter.labels)
 
         # -- data: deterministic order, position = global step
         split = Split.of(len(reader), dcfg_data.eval_samples, reader.source_indices(), dcfg_data.train_samples)
-        if dist_info.is_main:
+        if is_main:
             log_held_out(len(reader), dcfg_data.eval_samples, len(split.held_out))
             log.info("training on %d samples", len(split.train))
         G, micro = dcfg_data.batch_size, dcfg_data.micro_batch_size
@@ -197,8 +167,7 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
                                      target_top1=True, topk=spec.needs_topk, decode_on_device=on_device)
         # the cache's offsets give every sample's length: no data is read to choose the shapes
         buckets = plan_buckets(reader.lengths(), dcfg_data.context_buckets)
-        if dist_info.is_main:
-            log.info(buckets.describe())
+        log.info(buckets.describe())  # info lines: rank 0 only, by the CLI's logging levels
 
         # -- model, target head (frozen, never saved), optimizer
         setup_start = time.perf_counter()
@@ -208,8 +177,7 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
             drafter = DFlashDrafter(dcfg)  # fp32 master weights
             if cfg.drafter.init_from_target_layers is not None:
                 init_from_target_layers(drafter, cfg.target, cfg.drafter.init_from_target_layers)
-        graphs_needed = 2 * len(buckets.buckets) + 2
-        model, eval_model = wrap_parallel(drafter, cfg, dist_info, choice, graphs_needed)
+        model, eval_model = wrap_parallel(drafter, rt.parallel, world, device, choice, 2 * len(buckets.buckets) + 2)
         optimizer, scheduler = make_optimizer(drafter.parameters(), ocfg, steps, fused=cuda)
 
         start_step = 0
@@ -217,7 +185,7 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
         if resume_from is not None:
             state = checkpoint.load(resume_from, drafter, optimizer, scheduler)
             start_step = int(state["step"])
-            if dist_info.is_main:
+            if is_main:
                 log.info("resumed from %s at step %d", resume_from, start_step)
                 changed = config_changes(state.get("config", {}), cfg.to_dict())
                 if changed:
@@ -226,8 +194,7 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
 
         sampler = GlobalBatchSampler(split.train, G, micro, rank, world, rt.seed, steps, start_step)
         accum = sampler.accum
-        loader = make_loader(dataset, sampler, buckets.buckets,
-                             dcfg_data.num_workers, dcfg_data.prefetch_factor, pin_memory=cuda)
+        loader = make_loader(dataset, sampler, buckets.buckets, dcfg_data.num_workers, dcfg_data.prefetch_factor, cuda)
         eval_keys = held_out_batches(split.held_out, micro, rank, world)
         eval_collate = Collate(buckets.buckets)
         # the warm-up's samples: the first micro-batch of step 0, whatever step the run resumes at
@@ -235,33 +202,25 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
         warm_samples = [dataset[k] for k in warm_keys] if compiles else None
         # the workers start now and have the first batches ready when the warm-up ends
         data_iter = iter(loader)
-        if dist_info.is_main:
-            log.info("drafter, target head, optimizer and loader ready in %.1f s", time.perf_counter() - setup_start)
+        log.info("drafter, target head, optimizer and loader ready in %.1f s", time.perf_counter() - setup_start)
 
         # -- compile: one real training step per shape, then any recompile is an error
-        compiled_graphs, cache_use = 0, {}
+        compiled_graphs, cache_use, eval_compiled_graphs = 0, {}, None
         if compiles:
             def warm(length: int):
-                def run():
-                    fitted = [truncate_sample(x, length) for x in warm_samples]
-                    batch = to_device(Collate(buckets.buckets, force_length=length)(fitted), device)
-                    forward_loss(model, head, batch, spec).loss.backward()
-                    optimizer.zero_grad(set_to_none=True)
-                return run
+                fitted = [truncate_sample(x, length) for x in warm_samples]
+                batch = to_device(Collate(None, force_length=length)(fitted), device)
+                forward_loss(model, head, batch, spec).loss.backward()
+                optimizer.zero_grad(set_to_none=True)
 
             warm_start, counts_before = time.perf_counter(), compile_path.cache_counts()
-            compiled_graphs = compile_path.warm_up(warm(b) for b in buckets.buckets)
+            compiled_graphs = compile_path.warm_up(lambda b=b: warm(b) for b in buckets.buckets)
             cache_use = {k: v - counts_before[k] for k, v in compile_path.cache_counts().items()}
-            if dist_info.is_main:
-                log.info("warm-up compiled %d graphs over %d context buckets in %.1f s; recompiles are now errors",
-                         compiled_graphs, len(buckets.buckets), time.perf_counter() - warm_start)
-                log.info("compile cache %s: inductor graphs %d loaded, %d compiled, %d uncacheable; "
-                         "AOTAutograd %d loaded, %d compiled, %d uncacheable", compile_cache,
-                         cache_use["fx_graph_hit"], cache_use["fx_graph_miss"], cache_use["fx_graph_bypass"],
-                         cache_use["aot_autograd_hit"], cache_use["aot_autograd_miss"],
-                         cache_use["aot_autograd_bypass"])
+            log.info("warm-up compiled %d graphs over %d context buckets in %.1f s; recompiles are now errors",
+                     compiled_graphs, len(buckets.buckets), time.perf_counter() - warm_start)
+            log.info("compile cache %s: inductor graphs %d loaded, %d compiled, %d uncacheable; "
+                     "AOTAutograd %d loaded, %d compiled, %d uncacheable", compile_cache, *cache_use.values())
         compiles_after_warm_up = compile_path.compile_count()
-        eval_compiled_graphs = None
 
         def evaluate(step: int) -> dict[str, Any]:
             """The held-out evaluation; its first call compiles the no-grad graphs of the shapes it meets."""
@@ -270,29 +229,24 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
                 return evaluate_held_out(step)
             eval_start, counts_before = time.perf_counter(), compile_path.cache_counts()
             result, eval_compiled_graphs = compile_path.compile_then_freeze(lambda: evaluate_held_out(step))
-            if dist_info.is_main:
-                use = {k: v - counts_before[k] for k, v in compile_path.cache_counts().items()}
-                log.info("the first evaluation compiled %d eval graphs (inductor %d loaded, %d compiled) and took "
-                         "%.1f s; recompiles are errors again", eval_compiled_graphs, use["fx_graph_hit"],
-                         use["fx_graph_miss"], time.perf_counter() - eval_start)
+            use = {k: v - counts_before[k] for k, v in compile_path.cache_counts().items()}
+            log.info("the first evaluation compiled %d eval graphs (inductor %d loaded, %d compiled) and took "
+                     "%.1f s; recompiles are errors again", eval_compiled_graphs, use["fx_graph_hit"],
+                     use["fx_graph_miss"], time.perf_counter() - eval_start)
             return result
 
         def evaluate_held_out(step: int) -> dict[str, Any]:
-            B = dcfg.block_size
             sums = torch.zeros(4, dtype=torch.float64, device=device)  # loss*w, w, tau, blocks
-            hits = torch.zeros(B, dtype=torch.float64, device=device)
-            count = torch.zeros(B, dtype=torch.float64, device=device)
+            slots = torch.zeros(2, dcfg.block_size, dtype=torch.float64, device=device)
             for keys in eval_keys:
                 batch = to_device(eval_collate([eval_dataset[k] for k in keys]), device)
                 loss_sum, so, pred = evaluate_batch(eval_model, head, batch, spec)
                 tau, blocks = metrics.acceptance(pred, batch["target_top1"], batch["anchors"],
                                                  batch["block_valid"], batch["seq_len"], batch["loss_mask"])
                 sums += torch.stack([loss_sum.double(), so.weights.sum().double(), tau, blocks])
-                sup = (so.weights > 0).reshape(-1, B)
-                hits += (so.correct.reshape(-1, B) & sup).sum(0).double()
-                count += sup.sum(0).double()
-            _all_reduce(sums, world), _all_reduce(hits, world), _all_reduce(count, world)
-            s = sums.tolist()
+                slots += so.per_slot()
+            s = _all_reduce(sums, world).tolist()
+            _all_reduce(slots, world)
             # decoding replayed on the held-out samples through the compiled eval step; every rank replays
             # every sample (FSDP forwards are collectives), partial groups padded with weightless samples
             walked = replay.replay(eval_dataset, split.held_out, lambda b: evaluate_batch(eval_model, head, b, spec)[2],
@@ -300,17 +254,15 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
             return {"kind": "eval", "step": step, "loss": s[0] / max(s[1], 1e-12),
                     "tau": walked.tau, "tau_blocks": walked.blocks,
                     "tau_uniform": s[2] / max(s[3], 1), "blocks": int(s[3]),
-                    "acc_per_pos": (hits / count.clamp(min=1)).tolist()}
+                    "acc_per_pos": (slots[0] / slots[1].clamp(min=1)).tolist()}
 
         # -- the loop
         from tqdm import tqdm
 
-        bar = tqdm(total=steps, initial=start_step, disable=not (rt.progress and dist_info.is_main),
+        bar = tqdm(total=steps, initial=start_step, disable=not (rt.progress and is_main),
                    desc="train", dynamic_ncols=True)
-        B = dcfg.block_size
         window_loss = torch.zeros((), dtype=torch.float64, device=device)
-        window_hits = torch.zeros(B, dtype=torch.float64, device=device)
-        window_count = torch.zeros(B, dtype=torch.float64, device=device)
+        window_slots = torch.zeros(2, dcfg.block_size, dtype=torch.float64, device=device)  # right, supervised
         window_work = torch.zeros(3, dtype=torch.float64, device=device)
         window_steps, window_start, window_data_s = 0, time.perf_counter(), 0.0
         params = [p for p in drafter.parameters() if p.requires_grad]
@@ -329,10 +281,8 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
                     # DDP / FSDP average gradients over ranks; the loss is already a global mean.
                     (step_out.loss * world).backward()
                 window_loss += step_out.loss.detach().double()
-                sup = (step_out.weights > 0).reshape(-1, B)
-                window_hits += (step_out.correct.reshape(-1, B) & sup).sum(0).double()
-                window_count += sup.sum(0).double()
-                window_work += work_counts(batch, B)
+                window_slots += step_out.per_slot()
+                window_work += work_counts(batch, dcfg.block_size)
             grad_norm = torch.nn.utils.clip_grad_norm_(params, ocfg.grad_clip) if ocfg.grad_clip > 0 else None
             lr_used = optimizer.param_groups[0]["lr"]
             optimizer.step()
@@ -344,18 +294,18 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
             bar.update(1)
 
             if done % rt.log_every == 0 or last:
-                for t in (window_loss, window_hits, window_count, window_work):
+                for t in (window_loss, window_slots, window_work):
                     _all_reduce(t, world)
                 if cuda:
                     torch.cuda.synchronize(device)
                 elapsed = time.perf_counter() - window_start
                 ctx_tok, block_tok, pairs = window_work.tolist()
-                flops = metrics.step_flops(dcfg, head.vocab_size, ctx_tok, block_tok, pairs)
+                flops = metrics.step_flops(dcfg, head.embed_weight.shape[0], ctx_tok, block_tok, pairs)
                 record = {
                     "kind": "train", "step": done, "epoch": step / sampler.steps_per_epoch,
                     "loss": window_loss.item() / window_steps,
-                    "acc_per_pos": (window_hits / window_count.clamp(min=1)).tolist(),
-                    "acc": (window_hits.sum() / window_count.sum().clamp(min=1)).item(),
+                    "acc_per_pos": (window_slots[0] / window_slots[1].clamp(min=1)).tolist(),
+                    "acc": (window_slots[0].sum() / window_slots[1].sum().clamp(min=1)).item(),
                     "lr": float(lr_used),
                     "grad_norm": grad_norm.item() if grad_norm is not None else None,
                     "tok_s": block_tok / elapsed, "step_s": elapsed / window_steps,
@@ -367,7 +317,7 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
                 history.append(record)
                 sink.write(record)
                 bar.set_postfix(loss=f"{record['loss']:.3f}", acc=f"{record['acc']:.3f}")
-                for t in (window_loss, window_hits, window_count, window_work):
+                for t in (window_loss, window_slots, window_work):
                     t.zero_()
                 window_steps, window_start, window_data_s = 0, time.perf_counter(), 0.0
 
@@ -397,5 +347,5 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
         compile_path.thaw()
         if sink is not None:
             sink.close()
-        if dist_info.started_group:
+        if started_group:
             dist.destroy_process_group()

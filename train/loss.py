@@ -1,12 +1,7 @@
-"""DFlash labels and a chunked, weighted loss through the frozen target LM head: cross-entropy
-on the labels, KL from the target's distribution stored in the cache (its top-k plus one
-bucket for the rest of the vocabulary), or both.
-
-Label alignment: block slot k of the block anchored at position a predicts
-the token AT position a + k: same position, no shift. Slot 0 is the anchor itself (given
-as input) and carries no loss. A shift by one gives high train accuracy and useless
-drafts, so it is tested for.
-"""
+"""DFlash labels and a chunked, weighted loss through the frozen target LM head: cross-entropy on
+the labels, KL from the target's stored top-k (plus one tail bucket), or both. Slot k of the
+block anchored at a predicts the token AT a + k (no shift: a shift by one gives high train
+accuracy and useless drafts, so it is tested for); slot 0, the anchor, has no loss."""
 
 from __future__ import annotations
 
@@ -17,27 +12,20 @@ import torch.nn.functional as F
 
 IGNORE_INDEX = -100
 
-_PAPER_GAMMA = {16: 7.0, 10: 5.0, 8: 4.0}
 
 
 def default_gamma(block_size: int) -> float:
-    """Decay of the per-slot weights: the paper's 7 / 5 / 4 for B = 16 / 10 / 8.
-
-    Other block sizes use B / 2 (which reproduces B = 8 and 10; for 16 the paper chose 7).
-    """
-    return _PAPER_GAMMA.get(int(block_size), block_size / 2.0)
+    """Decay of the per-slot weights: the paper's 7 for B = 16, else B / 2 (its 5 and 4 for 10 and 8)."""
+    return 7.0 if block_size == 16 else block_size / 2.0
 
 
 def block_labels(input_ids: torch.Tensor, loss_mask: torch.Tensor, seq_len: torch.Tensor, anchors: torch.Tensor,
                  block_valid: torch.Tensor, block_size: int, gamma: float | None = None
                  ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Labels (Bsz, N, B) long and weights (Bsz, N, B) float32 for every block slot.
-
-    input_ids, loss_mask: (Bsz, T); seq_len: (Bsz,) real length of each row;
-    anchors (Bsz, N) long; block_valid (Bsz, N) bool.
-    label[b, n, k] = input_ids[b, anchors[b, n] + k]; weight exp(-(k - 1) / gamma), and 0
-    at k = 0, past seq_len, where loss_mask is 0 and in invalid blocks (label -100 there).
-    """
+    """Labels (Bsz, N, B) long and weights (Bsz, N, B) float32 of input_ids, loss_mask (Bsz, T),
+    seq_len (Bsz,), anchors, block_valid (Bsz, N): label[b, n, k] = input_ids[b, anchors[b, n] + k],
+    weight exp(-(k - 1) / gamma), and 0 at k = 0, past seq_len, off the loss mask and in invalid
+    blocks (label -100 there)."""
     gamma = default_gamma(block_size) if gamma is None else float(gamma)
     if gamma <= 0:
         raise ValueError(f"gamma must be positive, got {gamma}")
@@ -58,16 +46,15 @@ def block_labels(input_ids: torch.Tensor, loss_mask: torch.Tensor, seq_len: torc
 
 
 def block_target_positions(anchors: torch.Tensor, block_size: int) -> torch.Tensor:
-    """(Bsz, N, B) cache positions whose stored top-k is the target's distribution for each
-    block slot: slot k predicts the token at anchor + k, and the cache stores at position p
-    the target's prediction of token p + 1, so slot k reads position anchor + k - 1."""
+    """(Bsz, N, B) cache positions of each slot's target distribution: slot k predicts the token at
+    anchor + k, and the cache stores at p the target's prediction of token p + 1."""
     slot = torch.arange(block_size, device=anchors.device)
     return anchors[..., None].long() + slot - 1
 
 
 def gather_positions(per_token: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-    """per_token (Bsz, S, ...) at positions (Bsz, N, B) -> (Bsz, N, B, ...), positions clamped
-    into [0, S) (the slots that fall outside carry weight 0)."""
+    """per_token (Bsz, S, ...) at positions (Bsz, N, B) -> (Bsz, N, B, ...), clamped into [0, S)
+    (slots outside carry weight 0)."""
     bsz, S = per_token.shape[:2]
     flat = positions.clamp(0, S - 1).reshape(bsz, -1)
     index = flat.view(bsz, -1, *([1] * (per_token.dim() - 2))).expand(bsz, flat.shape[1], *per_token.shape[2:])
@@ -154,8 +141,6 @@ class _ChunkedBlockLoss(torch.autograd.Function):
 
 @dataclass
 class BlockLoss:
-    """What ``chunked_block_loss`` returns."""
-
     loss: torch.Tensor  # 0-d float32: ce_coef * ce + kd_coef * kl (the only differentiable output)
     correct: torch.Tensor  # (M,) bool: argmax of the drafter == label (ignored labels never correct)
     ce: torch.Tensor  # 0-d: sum(w * CE) / denominator
@@ -166,31 +151,15 @@ def chunked_block_loss(hidden: torch.Tensor, lm_head_weight: torch.Tensor, label
                        topk_ids: torch.Tensor | None = None, topk_logprobs: torch.Tensor | None = None,
                        ce_coef: float = 1.0, kd_coef: float = 0.0, chunk_size: int = 2048,
                        denominator: float | torch.Tensor | None = None) -> BlockLoss:
-    """Weighted CE and/or KL from the target's stored top-k, through the frozen LM head.
-
-    hidden (M, D), lm_head_weight (V, D) frozen, labels (M,) long (negative = ignored: such
-    rows count with weight 0 whatever ``weights`` says), weights (M,); topk_ids (M, k) and
-    topk_logprobs (M, k) the target's distribution for each row. The KL is taken between
-    the coarse distributions over k + 1 buckets, the target's top-k ids and everything else:
-    P = (p_1..p_k, r = 1 - sum p) against Q = (q_t1..q_tk, 1 - sum q_ti), so the tail mass
-    the cache does not itemise is matched as a whole rather than dropped; it equals the
-    full KL when the target's tail is empty and lower-bounds it otherwise. Logits are formed
-    in float32 one chunk of rows at a time (the matmul in the LM head's dtype). A zero
-    denominator gives loss 0 and gradient 0.
-    """
-    if hidden.dim() != 2 or lm_head_weight.dim() != 2 or hidden.shape[1] != lm_head_weight.shape[1]:
-        raise ValueError(f"hidden (M, D) and lm_head_weight (V, D) expected, got {tuple(hidden.shape)} and "
-                         f"{tuple(lm_head_weight.shape)}")
-    if labels.shape != hidden.shape[:1] or weights.shape != hidden.shape[:1]:
-        raise ValueError("labels and weights must be (M,) like hidden's rows")
-    if chunk_size < 1:
-        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
-    if kd_coef != 0:
-        if topk_ids is None or topk_logprobs is None:
-            raise ValueError("kd_coef > 0 needs the target's topk_ids and topk_logprobs")
-        if topk_ids.shape != topk_logprobs.shape or topk_ids.dim() != 2 or topk_ids.shape[0] != hidden.shape[0]:
-            raise ValueError(f"topk_ids and topk_logprobs must both be (M, k) with M = {hidden.shape[0]}, got "
-                             f"{tuple(topk_ids.shape)} and {tuple(topk_logprobs.shape)}")
+    """Weighted CE and/or KL from the target's stored top-k, through the frozen LM head: hidden (M, D),
+    lm_head_weight (V, D), labels (M,) (negative = ignored, weight 0 whatever ``weights`` says), weights
+    (M,); topk_ids / topk_logprobs (M, k): the target's distribution per row. The KL is between
+    distributions over k + 1 buckets, P = (p_1..p_k, r = 1 - sum p) against Q = (q_t1..q_tk, 1 - sum q_ti),
+    so the tail mass the cache does not itemise is matched as a whole rather than dropped (the full KL when
+    the target's tail is empty, a lower bound otherwise). Logits are float32, one chunk of rows at a time. A
+    zero denominator gives 0."""
+    if kd_coef != 0 and (topk_ids is None or topk_logprobs is None):
+        raise ValueError("kd_coef > 0 needs the target's topk_ids and topk_logprobs")
     need_grad = torch.is_grad_enabled() and hidden.requires_grad
     if torch.is_grad_enabled() and lm_head_weight.requires_grad:
         raise ValueError("lm_head_weight requires grad; the target LM head is frozen and gets none here")

@@ -1,16 +1,5 @@
-"""What a log step reports, and where it goes.
-
-* ``block_taus``: offline acceptance length tau of each draft block against the target's
-  greedy tokens stored in the cache (at position t, its prediction of token t + 1). A block
-  accepts the leading slots k = 1..B-1 whose drafter argmax equals it; tau = accepted + 1
-  (the target's bonus token). With the loss mask a block also stops where its assistant turn
-  ends, as decoding stops at the end-of-turn token: tau is capped at the tokens left in the
-  turn, and an anchor on the turn's last token is not counted. This is what
-  ``dflash.eval.speculative`` reports per verify, where the data is the target's own output.
-* ``step_flops``: matmul FLOPs of one forward + backward on the real (unpadded) work; MFU
-  divides their rate by ``peak_tflops``.
-* ``MetricsSink``: rank 0 only; one log line, one JSONL record, TensorBoard if present.
-"""
+"""What a log step reports (offline acceptance ``block_taus``, ``step_flops`` for MFU, peak
+memory), and where it goes (``MetricsSink``: rank 0, a log line, metrics.jsonl, TensorBoard)."""
 
 from __future__ import annotations
 
@@ -35,12 +24,12 @@ def acceptance(pred: torch.Tensor, target_top1: torch.Tensor, anchors: torch.Ten
 
 def block_taus(pred: torch.Tensor, target_top1: torch.Tensor, anchors: torch.Tensor, block_valid: torch.Tensor,
                seq_len: torch.Tensor, loss_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per block: (tau (Bsz, N) long, 0 where not counted; counted (Bsz, N) bool).
-
-    pred (Bsz, N, B) drafter argmax per slot; target_top1 (Bsz, S); anchors, block_valid
-    (Bsz, N); seq_len (Bsz,); loss_mask (Bsz, S) assistant tokens, or None: then a block
-    runs to the end of the sequence and every valid block counts (no turn boundaries).
-    """
+    """Per block: (tau (Bsz, N) long, 0 where not counted; counted (Bsz, N) bool). A block accepts the
+    leading slots whose drafter argmax ``pred`` (Bsz, N, B) equals the target's greedy token
+    (``target_top1`` (Bsz, S): at t its prediction of t + 1); tau = accepted + 1 (the bonus token). With
+    ``loss_mask`` a block also stops where its assistant turn ends, as decoding stops at the end-of-turn
+    token, and an anchor on a turn's last token is not counted; None: no turn boundaries. What
+    ``dflash.eval.speculative`` reports per verify on the target's own output."""
     bsz, n_blocks, B = pred.shape
     S = target_top1.shape[1]
     k = torch.arange(1, B, device=pred.device)
@@ -67,13 +56,9 @@ def block_taus(pred: torch.Tensor, target_top1: torch.Tensor, anchors: torch.Ten
 
 
 def step_flops(dcfg, vocab_size: int, context_tokens: int, block_tokens: int, attn_pairs: int) -> float:
-    """FLOPs of one forward + backward of the drafter on a batch.
-
-    context_tokens: real context positions (sum of seq_len); block_tokens: slots of valid
-    blocks; attn_pairs: (query, key) pairs a valid query may see (its anchor's context
-    plus its own block). Trainable matmuls cost 3x their forward (fwd, grad input, grad
-    weight); the frozen LM head 2x (fwd, grad input). Masked-out work is not counted.
-    """
+    """Matmul FLOPs of one forward + backward on the real (unpadded, unmasked) work: context
+    positions, slots of valid blocks, and (query, key) pairs a valid query sees. Trainable matmuls
+    cost 3x their forward, the frozen LM head 2x (no weight gradient)."""
     D, I, hd = dcfg.hidden_size, dcfg.intermediate_size, dcfg.head_dim
     H, Hkv = dcfg.num_attention_heads, dcfg.num_key_value_heads
     kv_rows = context_tokens + block_tokens
@@ -98,14 +83,10 @@ def peak_memory_gb(device: torch.device) -> float:
 class MetricsSink:
     """Rank-0 sink for log records: logging line, ``metrics.jsonl``, TensorBoard if importable."""
 
-    def __init__(self, run_dir: str | Path, enabled: bool, tensorboard: bool):
-        self.enabled = enabled
-        self.jsonl = None
-        self.tb = None
+    def __init__(self, run_dir: Path, enabled: bool, tensorboard: bool):
+        self.jsonl, self.tb = None, None
         if not enabled:
             return
-        run_dir = Path(run_dir)
-        run_dir.mkdir(parents=True, exist_ok=True)
         self.jsonl = open(run_dir / "metrics.jsonl", "a", buffering=1)
         if tensorboard:
             try:
@@ -113,21 +94,28 @@ class MetricsSink:
 
                 self.tb = SummaryWriter(str(run_dir / "tb"))
             except Exception:  # tensorboard not installed: JSONL is the record
-                self.tb = None
+                pass
 
     def write(self, record: dict[str, Any]) -> None:
-        if not self.enabled:
+        if self.jsonl is None:
             return
         self.jsonl.write(json.dumps(record, sort_keys=True) + "\n")
+        kind = record.get("kind", "train")
         if self.tb is not None:
-            step = record["step"]
             for key, value in record.items():
                 if isinstance(value, (int, float)) and key != "step":
-                    self.tb.add_scalar(f"{record.get('kind', 'train')}/{key}", value, step)
+                    self.tb.add_scalar(f"{kind}/{key}", value, record["step"])
                 elif isinstance(value, list):
                     for i, v in enumerate(value):
-                        self.tb.add_scalar(f"{record.get('kind', 'train')}/{key}/{i}", v, step)
-        log.info(format_line(record))
+                        self.tb.add_scalar(f"{kind}/{key}/{i}", v, record["step"])
+        parts = [f"{kind} step {record['step']}"]
+        for key in ("loss", "acc", "tau", "lr", "grad_norm", "tok_s", "mfu", "peak_mem_gb"):
+            if record.get(key) is not None:
+                v = record[key]
+                parts.append(f"{key} {v:.4g}" if isinstance(v, float) else f"{key} {v}")
+        if "acc_per_pos" in record:
+            parts.append("acc@k " + " ".join(f"{a:.2f}" for a in record["acc_per_pos"][1:]))
+        log.info(" | ".join(parts))
 
     def close(self) -> None:
         if self.jsonl is not None:
@@ -135,14 +123,3 @@ class MetricsSink:
         if self.tb is not None:
             self.tb.close()
 
-
-def format_line(record: dict[str, Any]) -> str:
-    kind = record.get("kind", "train")
-    parts = [f"{kind} step {record['step']}"]
-    for key in ("loss", "acc", "tau", "lr", "grad_norm", "tok_s", "mfu", "peak_mem_gb"):
-        if key in record and record[key] is not None:
-            v = record[key]
-            parts.append(f"{key} {v:.4g}" if isinstance(v, float) else f"{key} {v}")
-    if "acc_per_pos" in record:
-        parts.append("acc@k " + " ".join(f"{a:.2f}" for a in record["acc_per_pos"][1:]))
-    return " | ".join(parts)

@@ -1,10 +1,6 @@
-"""The DFlash drafter: a small Qwen3-style decoder whose keys and values
-are fed, in every layer, with fused target hidden states ("KV injection").
-
-The module holds no embedding and no LM head: both are the target's, frozen, loaded
-separately by ``load_target_head`` and never saved with the drafter. Submodule names
-are chosen so that ``state_dict()`` keys are exactly the export names.
-"""
+"""The DFlash drafter: a small Qwen3-style decoder whose keys and values are fed, in every
+layer, with fused target hidden states ("KV injection"). It holds no embedding and no LM head
+(the target's, frozen: ``load_target_head``); ``state_dict()`` keys are the export names."""
 
 from __future__ import annotations
 
@@ -47,7 +43,6 @@ class DrafterConfig:
     initializer_range: float = 0.02  # std of the normal init of linear weights
 
     def __post_init__(self) -> None:
-        """Raise ValueError on inconsistent settings."""
         self.target_layer_ids = [int(i) for i in self.target_layer_ids]
         if self.num_attention_heads % self.num_key_value_heads != 0:
             raise ValueError(f"num_attention_heads={self.num_attention_heads} is not a multiple of "
@@ -80,38 +75,31 @@ class DrafterConfig:
         if missing:
             raise ValueError(f"target config lacks {missing[0]!r}")
         c, heads = hf_config, int(hf_config["num_attention_heads"])
+        params = c.get("rope_parameters") or c.get("rope_scaling") or {}  # transformers 5 / 4
+        if params.get("rope_type", params.get("type", "default")) not in ("default", None):
+            logger.warning("target uses rope_type=%r; the drafter implements plain RoPE only", params.get("rope_type"))
+        theta = c.get("rope_theta", params.get("rope_theta"))
         return cls(hidden_size=int(c["hidden_size"]), intermediate_size=int(c["intermediate_size"]),
                    num_attention_heads=heads, num_key_value_heads=int(c.get("num_key_value_heads") or heads),
                    head_dim=int(c.get("head_dim") or int(c["hidden_size"]) // heads), vocab_size=int(c["vocab_size"]),
                    target_layer_ids=list(target_layer_ids), num_target_layers=int(c["num_hidden_layers"]),
                    mask_token_id=int(mask_token_id), num_hidden_layers=int(num_hidden_layers),
                    block_size=int(block_size), rms_norm_eps=float(c.get("rms_norm_eps", 1e-6)),
-                   rope_theta=_rope_theta(c), max_position_embeddings=int(c.get("max_position_embeddings", 40960)),
+                   rope_theta=float(theta if theta is not None else 10000.0),
+                   max_position_embeddings=int(c.get("max_position_embeddings", 40960)),
                    attention_bias=bool(c.get("attention_bias", False)),
                    initializer_range=float(c.get("initializer_range", 0.02)))
 
     def to_dict(self) -> dict:
-        """Plain JSON-able dict of all fields."""
         return asdict(self)
 
     @classmethod
     def from_dict(cls, data: dict) -> "DrafterConfig":
         """Inverse of ``to_dict``; unknown keys are an error (catches typos)."""
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(data) - known)
+        unknown = sorted(set(data) - {f.name for f in fields(cls)})
         if unknown:
             raise ValueError(f"unknown DrafterConfig fields: {unknown}")
         return cls(**data)
-
-
-def _rope_theta(hf_config: dict) -> float:
-    """RoPE base from the transformers 4 (rope_theta) or 5 (rope_parameters) layout."""
-    params = hf_config.get("rope_parameters") or hf_config.get("rope_scaling") or {}
-    rope_type = params.get("rope_type", params.get("type", "default"))
-    if rope_type not in ("default", None):
-        logger.warning("target uses rope_type=%r; the drafter implements plain RoPE only", rope_type)
-    theta = hf_config.get("rope_theta", params.get("rope_theta"))  # transformers 4 / 5
-    return float(theta if theta is not None else 10000.0)
 
 
 class RMSNorm(nn.Module):
@@ -172,12 +160,11 @@ class DFlashAttention(nn.Module):
         return self.o_proj(out.transpose(1, 2).reshape(bsz, q_len, self.n_heads * self.head_dim))
 
     def project_kv(self, h, rope) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys (normed, rotated) and values of inputs h (Bsz, T, D): each position on its own,
-        so the context's can be computed once and kept while decoding."""
+        """Keys (normed, rotated) and values of h (Bsz, T, D), position-wise: (Bsz, Hkv, T, hd) each."""
         bsz, length, _ = h.shape
         k = self.k_norm(self.k_proj(h).view(bsz, length, self.n_kv_heads, self.head_dim)).transpose(1, 2)
         v = self.v_proj(h).view(bsz, length, self.n_kv_heads, self.head_dim).transpose(1, 2)
-        return apply_rope(k, *rope), v  # (Bsz, Hkv, T, hd) each
+        return apply_rope(k, *rope), v
 
 
 class SwiGLU(nn.Module):
@@ -222,7 +209,6 @@ class DFlashDrafter(nn.Module):
 
     @torch.no_grad()
     def reset_parameters(self) -> None:
-        """Normal(0, initializer_range) linear weights, zero biases, unit norms."""
         for module in self.modules():
             if isinstance(module, nn.Linear):
                 module.weight.normal_(0.0, self.config.initializer_range)
@@ -234,28 +220,20 @@ class DFlashDrafter(nn.Module):
     def forward(self, context_hidden: torch.Tensor | None, context_positions: torch.Tensor | None,
                 block_embeds: torch.Tensor, block_positions: torch.Tensor, attn_mask,
                 context_kv: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
-        """Hidden states of the block tokens after the final norm, (Bsz, Q, D).
-
-        context_hidden: (Bsz, S, n * D) cached target layers concatenated on the last
-            dim, or (Bsz, S, n, D).
-        context_positions: (Bsz, S) or (S,) integer positions of the context.
-        block_embeds: (Bsz, Q, D) target embeddings of [anchor, MASK x (B-1)] per block.
-        block_positions: (Bsz, Q) or (Q,) integer positions, anchor + slot.
-        attn_mask: from ``attention.build_mask`` (BlockMask or bool (Bsz, 1, Q, S + Q)), or
-            None: every block token sees the whole context and block (decoding one block).
-        context_kv: decoding's cache, in place of context_hidden and context_positions
-            (both None): every layer's context keys and values from ``context_kv``.
-        """
-        if block_embeds.dim() != 3:
-            raise ValueError(f"block_embeds must be (Bsz, Q, D), got {tuple(block_embeds.shape)}")
-        bsz, q_len, _ = block_embeds.shape
-        block_positions = _batched_positions(block_positions, bsz, q_len, "block_positions")
+        """Hidden states of the block tokens after the final norm, (Bsz, Q, D). context_hidden
+        (Bsz, S, n * D) or (Bsz, S, n, D): the cached target layers; positions (Bsz, S) or (S,) and
+        (Bsz, Q) or (Q,); block_embeds (Bsz, Q, D): the target's embeddings of [anchor, MASK x (B-1)]
+        per block. attn_mask: from ``attention.build_mask``, or None: every block token sees the whole
+        context and block (decoding one block). context_kv: decoding's cache (``context_kv()``) in
+        place of context_hidden and context_positions (both None)."""
+        bsz = block_embeds.shape[0]
+        block_positions = _batched(block_positions, bsz)
         hd, theta = self.config.head_dim, self.config.rope_theta
         block_rope = rope_cos_sin(block_positions, hd, theta)
         ctx = kv_rope = None
         if context_kv is None:
-            ctx = self.fuse_context(context_hidden, bsz)
-            context_positions = _batched_positions(context_positions, bsz, ctx.shape[1], "context_positions")
+            ctx = self.fuse_context(context_hidden)
+            context_positions = _batched(context_positions, bsz)
             kv_rope = rope_cos_sin(torch.cat([context_positions, block_positions], dim=1), hd, theta)
         x = block_embeds
         if not torch.is_autocast_enabled(x.device.type):
@@ -265,65 +243,43 @@ class DFlashDrafter(nn.Module):
             x = layer(x, ctx, block_rope, kv_rope, attn_mask, ctx_kv)
         return self.norm(x)
 
-    def fuse_context(self, context_hidden: torch.Tensor, bsz: int | None = None) -> torch.Tensor:
-        """The target layers' states (Bsz, S, n * D) or (Bsz, S, n, D), fused by ``fc`` and
-        normed: what every layer's keys and values read, (Bsz, S, D)."""
+    def fuse_context(self, context_hidden: torch.Tensor) -> torch.Tensor:
+        """The target layers' states fused by ``fc`` and normed: what every layer's keys and values
+        read, (Bsz, S, D)."""
         if context_hidden.dim() == 4:
             context_hidden = context_hidden.flatten(2)  # (Bsz, S, n * D)
         feat = context_hidden.shape[-1]
         if feat != self.fc.in_features:
             raise ValueError(f"context_hidden has {feat} features; expected {self.config.num_context_layers}"
                              f" layers x {self.config.hidden_size} = {self.fc.in_features}")
-        if bsz is not None and context_hidden.shape[0] != bsz:
-            raise ValueError(f"context_hidden has batch {context_hidden.shape[0]}, the block {bsz}")
         if not torch.is_autocast_enabled(context_hidden.device.type):
             context_hidden = context_hidden.to(self.fc.weight.dtype)
         return self.hidden_norm(self.fc(context_hidden))
 
     def context_kv(self, context_hidden: torch.Tensor, context_positions: torch.Tensor
                    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Every layer's keys and values, each (L, Bsz, Hkv, S, hd), of context states
-        (Bsz, S, n * D) at positions (Bsz, S): position-wise, so decoding computes them once
-        per new position and passes them to ``forward`` as ``context_kv``."""
+        """Every layer's keys and values, each (L, Bsz, Hkv, S, hd), of the context: position-wise,
+        so decoding computes them once per new position and passes them to ``forward``."""
         ctx = self.fuse_context(context_hidden)
-        rope = rope_cos_sin(_batched_positions(context_positions, *ctx.shape[:2], "context_positions"),
-                            self.config.head_dim, self.config.rope_theta)
+        rope = rope_cos_sin(_batched(context_positions, ctx.shape[0]), self.config.head_dim, self.config.rope_theta)
         kv = [layer.self_attn.project_kv(ctx, rope) for layer in self.layers]
         return torch.stack([k for k, _ in kv]), torch.stack([v for _, v in kv])
 
 
-def _batched_positions(pos: torch.Tensor, bsz: int, length: int, name: str) -> torch.Tensor:
-    if pos.dim() == 1:
-        pos = pos.unsqueeze(0).expand(bsz, -1)
-    if tuple(pos.shape) != (bsz, length):
-        raise ValueError(f"{name} must be ({bsz}, {length}) or ({length},), got {tuple(pos.shape)}")
-    if pos.is_floating_point():
-        raise ValueError(f"{name} must hold integer positions, got {pos.dtype}")
-    return pos
+def _batched(positions: torch.Tensor, bsz: int) -> torch.Tensor:
+    return positions.unsqueeze(0).expand(bsz, -1) if positions.dim() == 1 else positions
 
 
 class TargetHead(nn.Module):
-    """The target's frozen input embedding and LM head, and nothing else.
-
-    Held as non-persistent buffers: no optimizer sees them and no checkpoint of the
-    drafter picks them up.
-    """
+    """The target's frozen input embedding and LM head, as non-persistent buffers: no optimizer
+    sees them and no checkpoint of the drafter picks them up."""
 
     def __init__(self, embed_weight: torch.Tensor, lm_head_weight: torch.Tensor | None = None):
         super().__init__()
-        self.register_buffer("embed_weight", embed_weight.detach(), persistent=False)
         self.tied = lm_head_weight is None
-        if not self.tied:
-            self.register_buffer("lm_head_weight", lm_head_weight.detach(), persistent=False)
-
-    @property
-    def weight(self) -> torch.Tensor:
-        """LM head weight (V, D); the embedding itself when tied."""
-        return self.embed_weight if self.tied else self.lm_head_weight
-
-    @property
-    def vocab_size(self) -> int:
-        return self.embed_weight.shape[0]
+        self.register_buffer("embed_weight", embed_weight.detach(), persistent=False)
+        # the LM head weight (V, D): the embedding itself when tied
+        self.register_buffer("weight", (embed_weight if self.tied else lm_head_weight).detach(), persistent=False)
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         return F.embedding(ids, self.embed_weight)
@@ -350,8 +306,7 @@ def _tensor_files(target_path: str) -> dict[str, str]:
 
     index_file = os.path.join(target_path, "model.safetensors.index.json")
     if os.path.exists(index_file):
-        with open(index_file) as f:
-            return json.load(f)["weight_map"]
+        return json.load(open(index_file))["weight_map"]
     files = sorted(p for p in os.listdir(target_path) if p.endswith(".safetensors"))
     if not files:
         raise FileNotFoundError(f"no *.safetensors files in {target_path}")
@@ -378,18 +333,11 @@ def _read_tensors(target_path: str, name_to_file: dict[str, str], names) -> dict
 
 def load_target_head(target_path: str | os.PathLike, device: str | torch.device = "cpu",
                      dtype: torch.dtype | None = None) -> TargetHead:
-    """Load only the target's embedding and LM head from its safetensors checkpoint.
-
-    Opens only the shard(s) holding those tensors (via model.safetensors.index.json when
-    present). Tied embeddings (``tie_word_embeddings`` or no lm_head tensor) reuse the
-    embedding. The full target is never built.
-    """
+    """Only the target's embedding and LM head, read from the safetensors files that hold them;
+    tied embeddings (``tie_word_embeddings`` or no lm_head tensor) reuse the embedding."""
     target_path = os.fspath(target_path)
     config_file = os.path.join(target_path, "config.json")
-    config = {}
-    if os.path.exists(config_file):
-        with open(config_file) as f:
-            config = json.load(f)
+    config = json.load(open(config_file)) if os.path.exists(config_file) else {}
     text_config = config.get("text_config") if isinstance(config.get("text_config"), dict) else {}
     tied = bool(config.get("tie_word_embeddings", text_config.get("tie_word_embeddings", False)))
 
@@ -410,13 +358,8 @@ def load_target_head(target_path: str | os.PathLike, device: str | torch.device 
 
 @torch.no_grad()
 def init_from_target_layers(drafter: DFlashDrafter, target_path: str | os.PathLike, layer_ids: list[int]) -> None:
-    """Start drafter layer i as a copy of target decoder layer ``layer_ids[i]``, and the drafter's
-    final norm as the target's (its output feeds the target's LM head, as the target's last layer's does).
-
-    A drafter layer has a target layer's shape (attention, q/k norms, MLP, both layer norms), so a
-    copy starts it from what the target learned about these tokens; ``fc`` and ``hidden_norm`` keep
-    their random init.
-    """
+    """Start drafter layer i as a copy of target decoder layer ``layer_ids[i]`` (the same shapes),
+    and the final norm as the target's (both feed its LM head); ``fc`` and ``hidden_norm`` stay random."""
     target_path = os.fspath(target_path)
     n_layers = drafter.config.num_hidden_layers
     if len(layer_ids) != n_layers:
@@ -442,16 +385,14 @@ def init_from_target_layers(drafter: DFlashDrafter, target_path: str | os.PathLi
         raise KeyError(f"{target_path}: no final norm (model.norm.weight)")
     sources["norm.weight"] = norm
 
-    params = dict(drafter.named_parameters())
     for name, source in list(sources.items()):
         if source not in name_to_file and name.endswith(("q_norm.weight", "k_norm.weight")):
             del sources[name]  # a Llama-style target has no q/k norms: the drafter's stay at their identity init
         elif source not in name_to_file:
             raise KeyError(f"{target_path}: drafter weight {name} needs {source}, which the checkpoint lacks")
-    tensors = _read_tensors(target_path, name_to_file, sources.values())
+    params, tensors = dict(drafter.named_parameters()), _read_tensors(target_path, name_to_file, sources.values())
     for name, source in sources.items():
-        tensor = tensors[source]
-        if tuple(tensor.shape) != tuple(params[name].shape):
-            raise ValueError(f"{target_path}: {source} is {tuple(tensor.shape)}, drafter weight "
+        if tensors[source].shape != params[name].shape:
+            raise ValueError(f"{target_path}: {source} is {tuple(tensors[source].shape)}, drafter weight "
                              f"{name} is {tuple(params[name].shape)}")
-        params[name].copy_(tensor)
+        params[name].copy_(tensors[source])

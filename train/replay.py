@@ -1,13 +1,9 @@
 """Speculative decoding replayed without the target: the acceptance length online decoding
-(``dflash.eval.speculative``) measures, from cached or batched target features and the drafter.
-
-Decoding starts a turn's first block at its first token and every later block where the
-previous one ended, which uniformly drawn anchors (training's mean) do not weigh alike. The
-replay scores a block at EVERY assistant position (``metrics.block_taus``) and walks each turn
-as decoding does: next anchor = anchor + tau. On data the target regenerated, each walked
-block's tau is the one decoding gets. Callers: training's held-out estimate (its compiled eval
-step) and ``dflash.eval.replay_eval`` (``block_predictor``, dense attention).
-"""
+(``dflash.eval.speculative``) measures, from cached target features and the drafter. Decoding
+starts a turn's first block at its first token and every later one where the previous ended,
+which uniformly drawn anchors do not weigh alike. The replay scores a block at EVERY assistant
+position (``metrics.block_taus``) and walks each turn as decoding does: next anchor = anchor +
+tau. On data the target regenerated, each walked block's tau is the one decoding gets."""
 
 from __future__ import annotations
 
@@ -59,11 +55,9 @@ def turn_spans(loss_mask) -> list[tuple[int, int]]:
 
 
 def walk_blocks(taus: dict[int, int], spans: list[tuple[int, int]], max_new_tokens: int | None = None) -> list[int]:
-    """Each block's tau, in order, of decoding each turn [s, e) from its first token.
-
-    ``taus[a]``: tokens a block anchored at ``a`` emits. The turn's first token comes from the
-    prefill, so e - s - 1 tokens are drafted, or max_new_tokens - 1 when decoding stops there
-    first (the last block then counts only what fits, as online)."""
+    """Each block's tau, in order, of decoding each turn [s, e) from its first token; ``taus[a]``:
+    tokens a block anchored at ``a`` emits. The first token comes from the prefill, so e - s - 1
+    tokens are drafted, or max_new_tokens - 1 (the last block counts only what fits, as online)."""
     blocks = []
     for s, e in spans:
         budget = e - s - 1 if max_new_tokens is None else min(e - s - 1, max_new_tokens - 1)
@@ -95,10 +89,9 @@ def block_predictor(drafter, head, mask_token_id: int, chunk_size: int = 4096):
 def sample_blocks(items: list[dict], predict: Callable[[dict], torch.Tensor], collate, device, group_size: int = 1,
                   empty: Callable[[], dict] | None = None, max_new_tokens: int | None = None
                   ) -> tuple[list[int], dict[int, int]]:
-    """(walked block taus, tau at every anchor) of one sample given as ``items`` that together hold
-    a block at every candidate anchor (``AnchorDataset.every_anchor``). ``predict(batch)``: the
-    drafter's argmax per slot (Bsz, N, B), on ``group_size`` items at a time, the last group topped
-    up with ``empty()`` items when given (the shapes a compiled eval graph was warmed up on)."""
+    """(walked block taus, tau at every anchor) of one sample as ``AnchorDataset.every_anchor``
+    items. ``predict(batch)``: the drafter's argmax per slot (Bsz, N, B), on ``group_size`` items at
+    a time, the last group topped up with ``empty()`` items when given (a compiled graph's shapes)."""
     taus: dict[int, int] = {}
     for start in range(0, len(items), group_size):
         group = items[start:start + group_size]
@@ -118,9 +111,9 @@ def sample_blocks(items: list[dict], predict: Callable[[dict], torch.Tensor], co
 def replay(dataset: AnchorDataset, samples: Iterable[int], predict: Callable[[dict], torch.Tensor], collate, *,
            group_size: int = 1, fixed_shape: bool = False, max_new_tokens: int | None = None,
            device: str | torch.device = "cpu") -> Replay:
-    """Replay decoding on ``samples`` (global cache indices) of ``dataset`` (which must read the
-    target's top-1); with ``fixed_shape``, items of ``dataset.max_anchors`` blocks and groups topped
-    up with empty samples; ``max_new_tokens``: the online cap per turn (None: each turn to its end)."""
+    """Replay decoding on ``samples`` (cache indices) of ``dataset`` (reading the target's top-1);
+    ``fixed_shape``: items of ``max_anchors`` blocks, groups topped up with empty samples;
+    ``max_new_tokens``: the online cap per turn (None: each turn to its end)."""
     out, device = Replay(), torch.device(device)
     empty = dataset.empty_sample if fixed_shape else None
     for index in samples:

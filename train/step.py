@@ -1,13 +1,7 @@
-"""One DFlash training (or eval) forward on a batch from ``data.Collate``.
-
-For each sequence: N blocks of B slots. Block n's input is ``[anchor token, MASK x (B-1)]``
-embedded with the target's frozen embedding, slot k at position ``anchor + k``; the
-context is the fused target hidden states at positions ``0..S-1``. The block mask comes
-from ``attention.build_mask`` (keyed on block identity) and is passed into the drafter.
-Slot k is scored against the token at ``anchor + k`` (no shift) through the frozen LM
-head with the chunked, weighted loss of ``loss.py``: cross-entropy on that token (or on
-the target's own prediction of it), KL from the target's top-k stored at ``anchor + k - 1``
-(where the target predicted that token), or a mix.
+"""One DFlash training (or eval) forward on a batch from ``data.Collate``: block n's input is
+``[anchor token, MASK x (B-1)]`` embedded with the target's embedding, slot k at position
+``anchor + k``, over the fused target context at ``0..S-1`` through the mask of
+``attention.build_mask``; slot k is scored against the token at ``anchor + k`` with ``loss.py``.
 """
 
 from __future__ import annotations
@@ -25,8 +19,6 @@ from .model import TargetHead
 
 @dataclass
 class StepSpec:
-    """What one step needs to know besides the batch."""
-
     attention: str  # 'flex' or 'dense' (see compile.resolve)
     block_size: int  # B
     mask_token_id: int  # embedding row of the B-1 masked slots
@@ -53,17 +45,19 @@ class StepOutput:
     weights: torch.Tensor  # (Bsz, N, B) float32 label weights
     correct: torch.Tensor  # (Bsz, N, B) bool: drafter argmax == label
 
+    def per_slot(self) -> torch.Tensor:
+        """(2, B) float64: per block slot, the supervised slots predicted right, and all supervised."""
+        sup = self.weights > 0
+        return torch.stack([(self.correct & sup).flatten(0, -2).sum(0), sup.flatten(0, -2).sum(0)]).double()
+
 
 def to_device(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
-    non_blocking = device.type == "cuda"
-    return {k: v.to(device, non_blocking=non_blocking) for k, v in batch.items()}
+    return {k: v.to(device, non_blocking=device.type == "cuda") for k, v in batch.items()}
 
 
 def labels_and_weights(batch: dict[str, torch.Tensor], spec: StepSpec) -> tuple[torch.Tensor, torch.Tensor]:
-    """(Bsz, N, B) labels and weights; data only, so the global weight sum is known before any forward.
-
-    With ``labels == 'target'`` the label of the token at p is the target's top-1 stored at
-    p - 1 (its prediction of that token); weights still follow the data's loss mask."""
+    """(Bsz, N, B) labels and weights, from data only (the global weight sum is known before any
+    forward). ``labels == 'target'``: the label at p is the target's top-1 stored at p - 1."""
     label_ids = batch["input_ids"]
     if spec.labels == "target":
         if "target_top1" not in batch:
@@ -75,8 +69,8 @@ def labels_and_weights(batch: dict[str, torch.Tensor], spec: StepSpec) -> tuple[
 
 def block_loss(head: TargetHead, hidden: torch.Tensor, batch: dict[str, torch.Tensor], spec: StepSpec,
                labels: torch.Tensor, weights: torch.Tensor, denominator: torch.Tensor | None = None):
-    """``loss.BlockLoss`` of drafter outputs hidden (Bsz, N*B, D) against (Bsz, N, B) labels and
-    weights, with the target's top-k of each slot when the objective has a KL term."""
+    """``loss.BlockLoss`` of hidden (Bsz, N*B, D) against (Bsz, N, B) labels and weights (and each
+    slot's target top-k when the objective has a KL term)."""
     topk_ids = topk_logprobs = None
     if spec.needs_topk:
         if "topk_logprobs" not in batch:

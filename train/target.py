@@ -23,25 +23,17 @@ class TargetNotFound(ValueError):
     """The target a cache records is no longer where it was; the message says what to pass."""
 
 
-def recorded_target(spec: CacheSpec) -> str | None:
-    """The target the cache was extracted from: the absolute folder where extraction found
-    it (a local checkpoint, known by its content), else the name or path it was given."""
-    located = (spec.info or {}).get("target_path")
-    if located:
-        return str(located)
-    name = (spec.fingerprint or {}).get("target", {}).get("name_or_path")
-    return str(name) if name else None
-
-
 def resolve_target(requested: str, spec: CacheSpec, cache_path: str) -> str:
-    """``requested`` when given, else the target the cache records; a recorded local
-    folder that no longer exists is an error naming it and what to pass instead."""
+    """``requested`` when given, else the target the cache records (the absolute folder where
+    extraction found it, else the name or path it was given); a recorded local folder that no
+    longer exists is an error naming it and what to pass instead."""
     if requested:
         return requested
-    recorded = recorded_target(spec)
-    if recorded is None:
+    located = (spec.info or {}).get("target_path")
+    recorded = located or (spec.fingerprint or {}).get("target", {}).get("name_or_path")
+    if not recorded:
         raise TargetNotFound(f"cache {cache_path} records no target; pass --target (the target's folder or hub name)")
-    located = bool((spec.info or {}).get("target_path"))
+    recorded = str(recorded)
     if (located or looks_like_path(recorded)) and not os.path.exists(recorded):
         raise TargetNotFound(
             f"cache {cache_path} was extracted from the target {recorded}, which no longer exists; "
@@ -69,16 +61,9 @@ def load_target_meta(target: str):
     return config, tokenizer
 
 
-def text_config(hf_config):
-    """The decoder's config (multimodal configs nest it)."""
-    return hf_config.get_text_config()
-
-
 def tokenizer_mask_id(tokenizer) -> int | None:
     """The tokenizer's <|MASK|> id, where it has one."""
-    if tokenizer is None:
-        return None
-    vocab = tokenizer.get_vocab()
+    vocab = tokenizer.get_vocab() if tokenizer is not None else {}
     return int(vocab[MASK_TOKEN]) if MASK_TOKEN in vocab else None
 
 
@@ -139,18 +124,15 @@ def check_cache(reader: CacheReader, hf_config, tokenizer, layer_ids: list[int])
     """Refuse (CacheMismatch, every difference named) a cache that cannot train this drafter."""
     from dflash.shared.fingerprint import tokenizer_fingerprint
 
-    text = text_config(hf_config)
-    reader.check_compatible(
-        layer_ids=layer_ids, hidden_size=text.hidden_size, vocab_size=text.vocab_size,
-        tokenizer_hash=tokenizer_fingerprint(tokenizer)["hash"] if tokenizer is not None else None,
-        num_target_layers=text.num_hidden_layers,
-    )
+    text = hf_config.get_text_config()
+    reader.check_compatible(layer_ids=layer_ids, hidden_size=text.hidden_size, vocab_size=text.vocab_size,
+                            tokenizer_hash=tokenizer_fingerprint(tokenizer)["hash"] if tokenizer is not None else None,
+                            num_target_layers=text.num_hidden_layers)
 
 
 def drafter_layer_ids(requested: list[int] | None, spec: CacheSpec) -> list[int]:
-    """The layers the drafter fuses: as requested, else every layer the cache stores. A cache
-    whose layers break the serving rules (made before they were checked) is refused with a
-    valid subset to pass instead."""
+    """The layers the drafter fuses: as requested, else every layer the cache stores (refused, with a
+    valid subset to pass, where they break the serving rules)."""
     if requested:
         try:
             check_layer_ids(list(requested), spec.num_target_layers)
@@ -170,8 +152,7 @@ def drafter_layer_ids(requested: list[int] | None, spec: CacheSpec) -> list[int]
 def build_drafter_config(cfg: TrainConfig, hf_config, tokenizer, reader: CacheReader) -> DrafterConfig:
     """The drafter's shapes from the target, its layers from the flag or the cache, its MASK row
     from the flag, the tokenizer or the cache's unused ids."""
-    text = text_config(hf_config)
     d = cfg.drafter
     layer_ids = drafter_layer_ids(d.target_layer_ids, reader.spec)
-    mask_id = resolve_mask_token(d.mask_token_id, tokenizer, text.vocab_size, reader)
+    mask_id = resolve_mask_token(d.mask_token_id, tokenizer, hf_config.get_text_config().vocab_size, reader)
     return DrafterConfig.from_target_config(hf_config, layer_ids, mask_id, d.block_size, d.num_draft_layers)
