@@ -25,12 +25,9 @@ DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch
 class TargetOutput:
     """What one batch yields, real tokens only, token-major in batch order."""
 
-    hidden: torch.Tensor
-    """(N, len(layer_ids), D) in the model's dtype."""
-    topk_logprobs: torch.Tensor
-    """(N, k) float32, descending."""
-    topk_ids: torch.Tensor
-    """(N, k) int32."""
+    hidden: torch.Tensor  # (N, len(layer_ids), D) in the model's dtype
+    topk_logprobs: torch.Tensor  # (N, k) float32, descending
+    topk_ids: torch.Tensor  # (N, k) int32
 
 
 def load_target(name_or_path: str, *, dtype: str = "bfloat16", device: str | torch.device = "cpu",
@@ -38,10 +35,8 @@ def load_target(name_or_path: str, *, dtype: str = "bfloat16", device: str | tor
     """from_pretrained in `dtype` onto `device`, eval mode, no grad anywhere."""
     from transformers import AutoModelForCausalLM
 
-    kwargs = {"dtype": DTYPES[dtype], "revision": revision}
-    if attn_implementation:
-        kwargs["attn_implementation"] = attn_implementation
-    model = AutoModelForCausalLM.from_pretrained(name_or_path, **kwargs)
+    attention = {"attn_implementation": attn_implementation} if attn_implementation else {}
+    model = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=DTYPES[dtype], revision=revision, **attention)
     model.to(device).eval()
     model.requires_grad_(False)
     return model

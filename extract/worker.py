@@ -253,18 +253,15 @@ def extract_shard(task: WorkerTask, planned: PlannedShard, pad_id: int | None, l
             runners.append(TargetRunner(model, task.spec.layer_ids, task.spec.topk, cfg.lm_head_chunk,
                                         head_backend_for(device)))  # compiles the head on CUDA
             timing["head_setup_s"] = round(time.perf_counter() - t, 3)
-        try:
-            return _extract(cfg, planned, writer, device, runners[0], pad_id, report, stop, timing)
-        finally:
-            if "loop_s" in timing:  # the loop ran to its end (or a requested stop)
-                report("timing", **timing)
+        return _extract(cfg, planned, writer, device, runners[0], pad_id, report, stop, timing)
 
 
 def _extract(cfg: ExtractConfig, planned: PlannedShard, writer: ShardWriter, device: torch.device,
              runner: TargetRunner, pad_id: int | None, report, stop, timing: dict[str, float]) -> dict[str, Any]:
     """The forward loop on this (main) thread, the writer thread behind it; returns the final commit
-    and fills ``timing``: the loop's wall and CPU seconds, ``drain_s`` (last batch to final commit),
-    the writer's busy/idle split and, on CUDA, ``gpu_busy`` and ``gpu_gap``."""
+    and, where the loop ended or was stopped, reports ``timing`` with the loop's wall and CPU seconds,
+    ``drain_s`` (last batch to final commit), the writer's busy/idle split and, on CUDA, ``gpu_busy``
+    and ``gpu_gap``."""
     offsets = planned.plan.offsets
     report("started")
     t_loop, cpu_loop = time.perf_counter(), time.process_time()
@@ -309,6 +306,7 @@ def _extract(cfg: ExtractConfig, planned: PlannedShard, writer: ShardWriter, dev
                   drain_s=round(t_end - t_drain, 3), **{k: round(v, 3) for k, v in thread.seconds.items()})
     if copy_stream is not None:
         timing.update({k: round(v, 3) for k, v in thread.gpu.items()})
+    report("timing", **timing)
     if stopped:
         raise Stopped()
     return writer.committed
