@@ -113,8 +113,7 @@ FLAG_HINTS = {  # fingerprint entries whose name alone does not say which flag s
 
 
 def summarize(out: str, shard_ids: list[int]) -> dict[str, Any]:
-    """What the store holds for these shards (counts, skips, bytes, compression), counted by
-    the same ``cache_info`` that ``dflash-cache info`` prints."""
+    """What the store holds for these shards, counted by the ``cache_info`` that ``dflash-cache info`` prints."""
     info = cache_info(out, shard_ids=shard_ids)
     tokens = info["tokens"]
     disk = info["committed_bytes_on_disk"]  # None where the store cannot list its objects
@@ -254,8 +253,8 @@ def _run(cfg: ExtractConfig, rank: int, world: int) -> dict[str, Any] | None:
 
 def _lock_and_plan(cfg: ExtractConfig, rank: int, world: int, spec: CacheSpec, tokenizer, ds, progress: Progress,
                    locks: list):
-    """Every shard's state and, where one is not complete, this rank's shards locked (into
-    ``locks``, released by the caller) and planned: (states, tasks, {shard: (plan, timing)})."""
+    """Every shard's state and, unless all are complete, this rank's shards locked (into ``locks``,
+    released by the caller) and planned: (states, tasks, {shard: (plan, timing)})."""
     root = prepare_root(cfg, spec, replace=False) if rank else open_root(cfg.out)  # the others check it now
     spec = CacheSpec.from_dict(root.attrs[ATTRS_KEY])  # an older format is resumed in its own layout
     num_shards = cfg.shards or world

@@ -50,7 +50,7 @@ class WorkerTask:
 
 
 class WriterFailed(Exception):
-    """The writer thread hit an error; ``cause`` is the original exception."""
+    """The writer thread hit ``cause``; ``committed`` is the last good commit."""
 
     def __init__(self, cause: BaseException, committed: dict[str, int]):
         self.cause, self.committed = cause, committed
@@ -62,11 +62,8 @@ class Stopped(Exception):
 
 
 class WriterThread:
-    """Owns the ShardWriter from the first batch on: write_batch, periodic commit, finish.
-
-    ``seconds``: the writer writing, the writer waiting for a batch, the forward loop waiting for
-    room in the queue (writer-bound when large); ``gpu`` (CUDA): the GPU's time inside the batches
-    and idle between them."""
+    """Owns the ShardWriter from the first batch on: write_batch, periodic commit, finish. ``seconds``
+    and ``gpu`` say where the time went (the forward loop waiting for room in the queue: writer-bound)."""
 
     def __init__(self, writer: ShardWriter, planned: PlannedShard, depth: int, commit_seconds: float, report):
         self.writer, self.planned, self.commit_seconds, self.report = writer, planned, commit_seconds, report
@@ -143,8 +140,7 @@ class WriterThread:
 
 
 def _mark():
-    """A timing event on the current CUDA stream; blocking, so that a thread waiting for it sleeps
-    instead of spinning a core."""
+    """A timing event on the current CUDA stream; blocking: a thread waiting for it sleeps, not spins."""
     event = torch.cuda.Event(enable_timing=True, blocking=True)
     event.record()
     return event
