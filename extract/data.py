@@ -62,8 +62,7 @@ class Conversation:
 
 
 def installed_file(package: str, relative: str) -> Path | None:
-    """``relative`` inside the installed ``package``, found by its import spec without importing
-    it (data-only packages whose imports pull heavy dependencies); None where either is missing."""
+    """``relative`` inside the installed ``package``, found without importing it; None where either is missing."""
     import importlib.util
 
     spec = importlib.util.find_spec(package)
@@ -120,8 +119,6 @@ def load_source(spec: str, split: str = "train", *, revision: str | None = None,
 class JsonRows(list):
     """Rows of local JSON files, in file order, as `json.loads` gives them; stands in for a
     `datasets.Dataset` (len, rows, slices, `select`). Readers must not mutate the rows."""
-
-    cache_files: list = []  # no Arrow files behind these rows: their JSON files are hashed instead
 
     def select(self, indices) -> JsonRows:
         return JsonRows(self[i] for i in indices)
@@ -227,7 +224,7 @@ def _is_saved_dataset(path: Path) -> bool:
 
 
 def _find_unreadable(builder: str, files: list[Path], cache_dir: str | None) -> tuple[Path, str] | None:
-    """On a failed multi-file load, find the first file that fails on its own (error path only)."""
+    """On a failed multi-file load, the first file that fails on its own."""
     import datasets
 
     for f in files:
