@@ -1,33 +1,20 @@
 """Render a Conversation to token ids plus the assistant loss mask.
 
-The ids are exactly the tokenizer's `apply_chat_template(messages, tools=tools,
-**template_kwargs)` of the conversation (no generation prompt); the mask never changes
-them. The mask is exactly the tokens of each assistant turn as the template renders
-it in the full conversation: from the end of its role header through its end-of-turn
-token (the drafter must learn to stop). Whatever the template writes inside a turn
-(an empty or full think block, tool-call markup, tool calls in place of the content)
-is assistant; what it removes from earlier turns is simply absent. Role headers,
-system/user/tool turns and the separator after end-of-turn are 0.
+The ids are exactly `apply_chat_template(messages, tools=tools, **template_kwargs)` (no
+generation prompt). The mask is exactly the tokens of each assistant turn as the template
+renders it in the full conversation, from the end of its role header through its end-of-turn
+token (the drafter must learn to stop); whatever the template writes inside a turn is
+assistant. Two ways to find those tokens, giving the same mask for the same template:
+"generation_tags" (HF's Jinja renderer gives each `{% generation %}` block's char span) and
+"template_probe" for templates without tags (the turn header and end-of-turn token learned from
+the template's own renderings of probe chats, each turn then found in the rendering:
+extract/turns.py). Char spans map to tokens by overlap, so a BPE merge across a boundary does
+not break the row; each span is then cut after its first end-of-turn token, or extended by the
+end-of-turn token right after it.
 
-Two ways to find those tokens, giving the same mask for the same template:
-  * "generation_tags": templates with `{% generation %}` blocks; HF's Jinja renderer
-    gives each block's char span.
-  * "template_probe": templates without tags (Qwen3's real one). The template's turn
-    header and end-of-turn token are learned from its own renderings of probe chats,
-    and each turn is found inside the full rendering (extract/turns.py); where a turn
-    or a message around it is not where expected, DataError "mask_not_located".
-Char spans map to tokens by overlap, so a BPE merge across the header/content boundary
-does not break the row and both methods agree on it. Each span is then cut after its
-first end-of-turn token, or extended by one token when the token right after it is
-end-of-turn, so where a template puts `{% endgeneration %}` relative to the end of
-turn does not change the mask.
-
-The end-of-turn token is the first special token the template writes after an
-assistant message (Qwen `<|im_end|>`, Llama-3 `<|eot_id|>`, Gemma `<end_of_turn>`),
-not the eos token; an explicit `end_of_turn` token string overrides it.
-
-Plain text rows are tokenized as is (with the tokenizer's own special tokens, e.g.
-BOS) and trained on in full: the mask is all ones.
+The end-of-turn token is the first special token the template writes after an assistant
+message (Qwen `<|im_end|>`, Llama-3 `<|eot_id|>`), not the eos token; `end_of_turn` overrides
+it. Plain text rows are tokenized as is (with BOS and the like) and the mask is all ones.
 """
 
 from __future__ import annotations
@@ -43,7 +30,6 @@ import numpy as np
 from .data import Conversation, DataError, SkippedSample
 from .turns import TemplateProbeFailed, TurnMarkers, TurnNotFound, locate_turns, probe_markers
 
-Truncation = Literal["right", "error", "skip"]
 MaskMethod = Literal["auto", "generation_tags", "template_probe"]
 
 _GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")
@@ -129,23 +115,18 @@ def stop_token_ids(model, tokenizer, end_of_turn: str | None = None,
     return sorted(int(i) for i in ids)
 
 
-def render(tokenizer, conv: Conversation, *, max_length: int, truncation: Truncation = "right",
+def render(tokenizer, conv: Conversation, *, max_length: int, truncation: str = "right",
            method: MaskMethod = "auto", end_of_turn: str | None = None,
            template_kwargs: dict[str, Any] | None = None) -> RenderedSample:
     """Token ids (int32) and assistant loss mask (bool) of one conversation.
 
-    truncation: "right" keeps the first `max_length` tokens; "error" raises
-    DataError("too_long"); "skip" raises SkippedSample("too_long"), which the bad-row
-    policy always counts. A sample left with no loss token after right truncation is a
-    SkippedSample("no_loss_tokens"). `template_kwargs` go to the chat template (e.g.
-    enable_thinking=False). A template that raises gives DataError("template_rejected");
-    turns that cannot be found give DataError("mask_not_located").
+    truncation: "right" keeps the first `max_length` tokens; "error" raises DataError("too_long");
+    "skip" raises SkippedSample("too_long"), always counted. A sample left with no loss token
+    after right truncation is a SkippedSample("no_loss_tokens"). A template that raises gives
+    DataError("template_rejected"); turns that cannot be found DataError("mask_not_located").
     """
-    if max_length < 1:
-        raise ValueError(f"max_length must be >= 1, got {max_length}")
     if truncation not in ("right", "error", "skip"):
         raise ValueError(f"truncation must be 'right', 'error' or 'skip', not {truncation!r}")
-
     if conv.kind == "text":
         ids = _flat_ids(tokenizer(conv.text)["input_ids"])
         mask = [1] * len(ids)
@@ -153,8 +134,6 @@ def render(tokenizer, conv: Conversation, *, max_length: int, truncation: Trunca
         tools = conv.tools
         if method == "auto":
             method = mask_method(tokenizer, tools)
-        if method not in ("generation_tags", "template_probe"):
-            raise ValueError(f"unknown mask method {method!r}")
         kwargs = dict(template_kwargs or {})
         try:
             markers = turn_markers(tokenizer, end_of_turn, kwargs, tools)
@@ -187,9 +166,6 @@ def render(tokenizer, conv: Conversation, *, max_length: int, truncation: Trunca
         raise error_class("no_loss_tokens", conv.source, conv.row_index,
                           f"no assistant token in the first {len(input_ids)} of {num_tokens} tokens")
     return RenderedSample(input_ids, loss_mask, num_tokens)
-
-
-# ---------------------------------------------------------------------------------
 
 
 def read_chat_template(path: str) -> str:
@@ -315,8 +291,7 @@ def _close_spans_at_end_of_turn(ids: list[int], mask: list[int], eot: int) -> li
             continue
         end = t
         while end < n and out[end]:
-            end += 1
-        # run is [t, end)
+            end += 1  # the run is [t, end)
         eot_in_run = next((k for k in range(t, end) if ids[k] == eot), None)
         if eot_in_run is not None:
             out[eot_in_run + 1 : end] = [0] * (end - eot_in_run - 1)

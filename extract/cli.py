@@ -15,22 +15,17 @@ from .config import BAD_ROW_POLICIES, DTYPES, TRUNCATION_POLICIES, ExtractConfig
 
 
 @click.command(cls=Command)
-@click.option("--data", required=True, help="Chat dataset: a .jsonl/.json/.parquet file, a folder, or a `datasets` "
-              "name.")
-@click.option("--model", required=True, help="Target HF causal LM: a local folder or a hub name already in the local "
-              "cache.")
-@click.option("--out", required=True, help="Cache root: a local path or any URL zarr/fsspec can write; rerun to "
-              "resume.")
+@click.option("--data", required=True, help="Chat dataset: .jsonl/.json/.parquet file, folder or `datasets` name.")
+@click.option("--model", required=True, help="Target HF causal LM: a local folder or a hub name in the local cache.")
+@click.option("--out", required=True, help="Cache root: a local path or a URL zarr/fsspec can write; rerun to resume.")
 @click.option("--tokenizer", type=Maybe(str), help="Tokenizer folder or name; default: the model's.")
-@click.option("--split", type=Maybe(str), help="Dataset split for `datasets` sources; default: the only or the "
-              "'train' split.")
+@click.option("--split", type=Maybe(str), help="Dataset split of `datasets` sources; default: 'train'.")
 @click.option("--revision", type=Maybe(str), help="Model revision for hub names (recorded in the fingerprint).")
 @click.option("--chat-template", type=Maybe(click.Path(exists=True, dir_okay=False)), help="Jinja file that replaces "
               "the tokenizer's chat template (its text is fingerprinted, its path recorded).")
 @click.option("--layers", type=Maybe(CommaList(int)), help="Target layer ids to store, e.g. 1,9,17 (id i = HF "
               "hidden_states[i + 1]), ascending, below L-1; default: 5 spread over 1..L-3.")
-@click.option("--topk", default=64, help="Target log-probs stored per position (top-k of log_softmax over the "
-              "vocabulary).")
+@click.option("--topk", default=64, help="Target log-probs stored per position (the top-k of log_softmax).")
 @click.option("--max-length", default=3072, help="Longest sample in tokens; longer ones are handled by --truncation.")
 @click.option("--truncation", type=click.Choice(TRUNCATION_POLICIES), default="right", help="Over-long samples: "
               "'right' keeps the first max_length tokens, 'skip' drops them, 'error' stops.")
@@ -63,8 +58,7 @@ from .config import BAD_ROW_POLICIES, DTYPES, TRUNCATION_POLICIES, ExtractConfig
               "r, r + W, ...; default: W (1 alone).")
 @click.option("--batch-tokens", default=16384, help="Token budget of one forward batch, counting padding (batch size "
               "x longest sample).")
-@click.option("--lm-head-chunk", default=1024, help="Tokens per LM-head chunk: bounds the fp32 logits buffer to chunk "
-              "x vocab.")
+@click.option("--lm-head-chunk", default=1024, help="Tokens per LM-head chunk: bounds the logits to chunk x vocab.")
 @click.option("--attn-implementation", type=Maybe(str), default="sdpa", help="Attention kernel passed to "
               "from_pretrained ('sdpa', 'eager', 'flash_attention_2'; none = HF default).")
 @click.option("--commit-seconds", default=30.0, help="Seconds between commits of a shard (a crash loses at most this "
@@ -80,8 +74,7 @@ from .config import BAD_ROW_POLICIES, DTYPES, TRUNCATION_POLICIES, ExtractConfig
 @click.option("--plan/--no-plan", default=False, help="Only plan: tokenise and count the rows as the run would, "
               "estimate its bytes on disk and GPU-hours, and exit (no target forward, no weights loaded, nothing "
               "written).")
-@click.option("--json/--no-json", default=False, help="With --plan: print the plan as one JSON document instead of "
-              "the report.")
+@click.option("--json/--no-json", default=False, help="With --plan: print the plan as JSON, not the report.")
 @click.option("--ignore-free-space/--no-ignore-free-space", default=False, help="Start even where the output's free "
               "space is below the estimate of what the run still has to write.")
 @click.option("--batch-delay-s", default=0.0, hidden=True, help="Sleep after each batch (tests only: makes a run slow "
@@ -101,8 +94,8 @@ def main(**kw) -> None:
         if cfg.plan:  # the report (or --json) on stdout; nothing loaded or written
             from .size_plan import format_plan, plan_run
 
-            doc, size, hours = plan_run(cfg)
-            click.echo(json.dumps(doc, indent=2) if cfg.json else format_plan(doc, size, hours, cfg))
+            doc, size = plan_run(cfg)
+            click.echo(json.dumps(doc, indent=2) if cfg.json else format_plan(doc, size, cfg))
         else:
             doc = run(cfg)
             if doc is None:  # not rank 0: rank 0 prints the summary

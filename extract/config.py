@@ -18,22 +18,17 @@ Device = Literal["cuda", "cpu"]
 TRUNCATION_POLICIES = get_args(Truncation)
 BAD_ROW_POLICIES = get_args(BadRowPolicy)
 DTYPES = get_args(Dtype)
-RESERVED_TEMPLATE_KWARGS = frozenset({
+RESERVED_TEMPLATE_KWARGS = frozenset({  # arguments of apply_chat_template itself
     "conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
     "continue_final_message", "tokenize", "padding", "truncation", "max_length", "return_tensors",
     "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs",
 })
-"""Arguments of ``apply_chat_template`` itself, which --template-kwargs cannot set."""
 
 
 @dataclass
 class ExtractConfig:
-    """Everything ``dflash-extract`` needs; ``runner.run`` consumes it. Each field is the flag of the same name,
-    whose help in ``extract/cli.py`` says what it means.
-
-    Fields under "what is extracted" go into the cache fingerprint (a resume must match
-    them); the rest only change how fast or where the same bytes are produced.
-    """
+    """Everything ``dflash-extract`` needs; each field is the flag of the same name (its help in
+    ``extract/cli.py``). Fields under "what is extracted" are fingerprinted (a resume must match them)."""
 
     # -- inputs and output
     data: str
@@ -86,14 +81,11 @@ class ExtractConfig:
             raise ValueError(f"--compression-level {self.compression_level}: the cache's codec (zstd inside blosc) "
                              f"runs at zstd levels {', '.join(map(str, ZSTD_LEVELS))} only")
         for name in ("topk", "max_length", "min_length", "batch_tokens", "lm_head_chunk", "chunk_tokens",
-                     "queue_depth"):
-            if getattr(self, name) < 1:
+                     "queue_depth", "cpu_threads", "shards"):
+            if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
         if self.commit_seconds < 0:
             raise ValueError(f"commit_seconds must be 0 or more, got {self.commit_seconds}")
-        for name in ("cpu_threads", "shards"):
-            if getattr(self, name) is not None and getattr(self, name) < 1:
-                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
         try:
             self.codec
         except ValueError as e:
@@ -103,11 +95,8 @@ class ExtractConfig:
             raise ValueError("--json goes with --plan (a run writes its summary as JSON with --summary-json PATH)")
         if self.min_length > self.max_length:
             raise ValueError(f"min_length {self.min_length} exceeds max_length {self.max_length}")
-        self._validate_template_kwargs()
         if self.end_of_turn is not None and not self.end_of_turn:
             raise ValueError("--end-of-turn is empty")
-
-    def _validate_template_kwargs(self) -> None:
         if not isinstance(self.template_kwargs, dict):
             raise ValueError(f"--template-kwargs must be a JSON object, got {type(self.template_kwargs).__name__}")
         reserved = sorted(RESERVED_TEMPLATE_KWARGS & set(self.template_kwargs))
@@ -119,12 +108,6 @@ class ExtractConfig:
         except (TypeError, ValueError) as e:
             raise ValueError(f"--template-kwargs must hold JSON values only (they are fingerprinted): {e}") from None
 
-    def layer_ids(self, num_target_layers: int) -> list[int]:
-        """The target layers this run stores (--layers, or the default spread); ValueError where they cannot work."""
-        layers = list(self.layers) if self.layers is not None else default_layer_ids(num_target_layers)
-        check_layer_ids(layers, num_target_layers)
-        return layers
-
     @property
     def codec(self):
         """The ``HiddenCodec`` of --hidden-codec, --hidden-group-size and --hidden-scale-dtype (ValueError where
@@ -132,11 +115,6 @@ class ExtractConfig:
         from dflash.shared.hidden_codecs import HiddenCodec
 
         return HiddenCodec(self.hidden_codec, self.hidden_group_size, self.hidden_scale_dtype)
-
-    @property
-    def render_kwargs(self) -> dict[str, Any]:
-        """The keyword arguments of ``extract.chat.render`` that come from these settings."""
-        return {"end_of_turn": self.end_of_turn, "template_kwargs": dict(self.template_kwargs)}
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -147,10 +125,12 @@ class ExtractFailed(Exception):
 
 
 def checked_layers(cfg: ExtractConfig, model_config) -> list[int]:
-    """The layers the run stores, with --layers, --topk and the codec's groups checked against the target
-    (ExtractFailed naming the flag)."""
+    """The layers the run stores (--layers, or the default spread), with them, --topk and the codec's
+    groups checked against the target (ExtractFailed naming the flag)."""
+    n = model_config.num_hidden_layers
+    layers = list(cfg.layers) if cfg.layers is not None else default_layer_ids(n)
     try:
-        layers = cfg.layer_ids(model_config.num_hidden_layers)
+        check_layer_ids(layers, n)
     except ValueError as e:
         raise ExtractFailed(f"--layers: {e}") from e
     if cfg.topk > model_config.vocab_size:
@@ -164,12 +144,14 @@ def checked_layers(cfg: ExtractConfig, model_config) -> list[int]:
 
 
 def load_tokenizer_and_config(cfg: ExtractConfig):
-    """The run's tokenizer and the target's config (no weights); ExtractFailed naming what failed."""
+    """The settings checked, the run's tokenizer and the target's config (no weights); ExtractFailed
+    naming what failed."""
     from transformers import AutoConfig
 
     from .chat import load_tokenizer
 
     try:
+        cfg.validate()
         tokenizer = load_tokenizer(cfg)
     except ValueError as e:
         raise ExtractFailed(str(e)) from e

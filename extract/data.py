@@ -1,15 +1,11 @@
 """Chat datasets in, normalised conversations out (README.md, "Stage one", gives the row format).
 
-Local .json/.jsonl files (a JSON array of rows, or one JSON object per line) are parsed with
-Python's `json` module, so every row is exactly what the file says: HF `datasets` reads JSON
-through Arrow, which gives all rows one schema and fills a key that one row's message or tool
-schema lacks with null, which a chat template would render. Parquet/Arrow files, saved
-datasets and hub names go through HF `datasets`; there a null inside a message or a tool
-schema cannot be told from an absent key, so those nulls are dropped. Rows are `messages` or
-`conversations` (role/content, or ShareGPT from/value; the first present, non-null column
-wins) or plain `text`; what a chat template reads is kept as given (see messages.py). A row
-that cannot become a `Conversation` raises `DataError` naming the file, the row and the
-problem; under the "skip" policy bad rows are counted per reason in a `SkipCounter`.
+Local .json/.jsonl files are parsed with Python's `json`, so every row is exactly what the file
+says (Arrow, behind HF `datasets`, would give all rows one schema and fill a key one row lacks
+with null, which a chat template would render). Parquet/Arrow files, saved datasets and hub
+names go through `datasets`, with the nulls inside messages and tool schemas dropped. A row that
+cannot become a `Conversation` raises `DataError` naming the file, the row and the problem;
+under the "skip" policy bad rows are counted per reason in a `SkipCounter`.
 """
 
 from __future__ import annotations
@@ -30,30 +26,20 @@ from .messages import add_system, chat_messages, row_tools
 
 log = logging.getLogger(__name__)
 
-# columns holding messages or tool schemas, whose nested nulls Arrow-backed sources drop
-CHAT_COLUMNS = ("messages", "conversations", "tools")
-# file extension -> `datasets` builder
+CHAT_COLUMNS = ("messages", "conversations", "tools")  # whose nested nulls Arrow-backed sources drop
 LOCAL_FORMATS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".arrow": "arrow"}
 
 OnBadRow = Literal["error", "skip"]
 
 
 class DataError(ValueError):
-    """A source or row that cannot be used. `reason` is a stable code for counting.
-
-    Reason codes: unreadable (file/folder/hub source), missing_columns, malformed_row,
-    malformed_message, malformed_tools, unknown_role, empty_content (an empty `text`
-    row), non_string_content, no_assistant_turn; extract.chat adds template_rejected, mask_not_located,
-    too_long, no_loss_tokens.
-    """
+    """A source or row that cannot be used; `reason` is a stable code for counting (unreadable,
+    missing_columns, malformed_row, unknown_role, ...; extract.chat adds template_rejected,
+    mask_not_located, too_long, no_loss_tokens)."""
 
     def __init__(self, reason: str, source: str, row: int | None, problem: str):
         self.reason, self.source, self.row, self.problem = reason, source, row, problem
-        where = f"{source} row {row}" if row is not None else source
-        super().__init__(f"{where}: {problem}")
-
-    def __reduce__(self):  # pickled whole: a planning process sends it to the worker
-        return type(self), (self.reason, self.source, self.row, self.problem)
+        super().__init__(f"{source if row is None else f'{source} row {row}'}: {problem}")
 
 
 class SkippedSample(DataError):
@@ -63,13 +49,9 @@ class SkippedSample(DataError):
 
 @dataclass
 class Conversation:
-    """One normalised training sample.
-
-    kind "chat": `messages` are exactly what the chat template receives: "role" (in
-    ROLES) plus whichever of content, reasoning_content, tool_calls, tool_call_id and
-    name the row gives (absent keys stay absent). kind "text": `text` is the raw string.
-    `source` and `row_index` locate the row for errors raised later (rendering, truncation).
-    """
+    """One normalised sample: kind "chat" with `messages` exactly as the chat template receives
+    them (absent keys stay absent), or kind "text" with the raw `text`. `source` and `row_index`
+    locate the row for errors raised later (rendering, truncation)."""
 
     kind: Literal["chat", "text"]
     messages: list[dict[str, Any]] | None = None
@@ -79,13 +61,8 @@ class Conversation:
     tools: list[dict[str, Any]] | None = None  # passed to the chat template as tools=
 
 
-# ---------------------------------------------------------------------------------
-# Loading
-
-
 def installed_file(package: str, relative: str) -> Path | None:
-    """``relative`` inside the installed ``package``, found by its import spec without importing
-    it (data-only packages whose imports pull heavy dependencies); None where either is missing."""
+    """``relative`` inside the installed ``package``, found without importing it; None where either is missing."""
     import importlib.util
 
     spec = importlib.util.find_spec(package)
@@ -97,17 +74,13 @@ def installed_file(package: str, relative: str) -> Path | None:
 
 def load_source(spec: str, split: str = "train", *, revision: str | None = None,
                 data_files: str | list[str] | dict | None = None, cache_dir: str | None = None):
-    """Open `spec` as a sequence of rows: `JsonRows` for local JSON, else a `datasets.Dataset`.
+    """Open `spec` as a sequence of rows (`len`, rows, slices, `select`): `JsonRows` for local JSON,
+    else a `datasets.Dataset`.
 
-    `spec` is, in this order: a folder saved by `save_to_disk` (for a DatasetDict,
-    `split` picks the split); a local data file (.json, .jsonl, .parquet, .arrow) or a
-    folder of them (all of one format, searched recursively, concatenated in sorted
-    order); otherwise a hub dataset name, opened with `load_dataset(spec, split=,
-    revision=, data_files=)`. For local files the files ARE the requested split. Both
-    kinds give `len`, row access, slicing and `select`; Arrow-backed rows come with
-    nulls inside the chat columns dropped. Anything that cannot be read raises
-    DataError("unreadable") naming the file and the problem (for JSON, the line,
-    column and character where parsing stopped).
+    `spec` is, in this order: a folder saved by `save_to_disk` (`split` picks a DatasetDict's
+    split); a local data file (.json, .jsonl, .parquet, .arrow) or a folder of them (one format,
+    searched recursively, in sorted order; the files ARE the split); otherwise a hub dataset name.
+    What cannot be read raises DataError("unreadable") naming the file and the problem.
     """
     import datasets
 
@@ -146,8 +119,6 @@ def load_source(spec: str, split: str = "train", *, revision: str | None = None,
 class JsonRows(list):
     """Rows of local JSON files, in file order, as `json.loads` gives them; stands in for a
     `datasets.Dataset` (len, rows, slices, `select`). Readers must not mutate the rows."""
-
-    cache_files: list = []  # no Arrow files behind these rows: their JSON files are hashed instead
 
     def select(self, indices) -> JsonRows:
         return JsonRows(self[i] for i in indices)
@@ -211,12 +182,8 @@ def leading_records(path: str | Path, count: int) -> list[Any]:
 
 
 def _without_nulls(batch: dict[str, list]) -> dict[str, list]:
-    """Drop null-valued keys inside the chat columns of an Arrow-backed batch.
-
-    Arrow gives every struct one schema, so a key that some rows' messages (or tool-call
-    arguments, or tool schemas) lack is null in those rows; a null there cannot be told
-    from an absent key, and absent is what the row most likely meant.
-    """
+    """Drop null-valued keys inside the chat columns of an Arrow-backed batch (Arrow fills a key
+    that some rows lack with null; absent is what the row most likely meant)."""
     return {column: [_drop_nulls(v) for v in values] if column in CHAT_COLUMNS else values
             for column, values in batch.items()}
 
@@ -252,13 +219,12 @@ def local_data_files(path: Path) -> list[Path]:
 
 
 def _is_saved_dataset(path: Path) -> bool:
-    return (path / "dataset_dict.json").is_file() or (
-        (path / "state.json").is_file() and (path / "dataset_info.json").is_file()
-    )
+    return (path / "dataset_dict.json").is_file() or ((path / "state.json").is_file()
+                                                       and (path / "dataset_info.json").is_file())
 
 
 def _find_unreadable(builder: str, files: list[Path], cache_dir: str | None) -> tuple[Path, str] | None:
-    """On a failed multi-file load, find the first file that fails on its own (error path only)."""
+    """On a failed multi-file load, the first file that fails on its own."""
     import datasets
 
     for f in files:
@@ -270,17 +236,9 @@ def _find_unreadable(builder: str, files: list[Path], cache_dir: str | None) -> 
     return None
 
 
-# ---------------------------------------------------------------------------------
-# Row normalisation
-
-
 def normalize_row(row: Any, row_index: int, source: str) -> Conversation:
-    """Turn one dataset row into a Conversation, or raise DataError naming the problem.
-
-    The messages keep exactly what a chat template reads, as the row gives it (see the
-    module docstring); only JSON-string tool-call arguments and a JSON-string `tools`
-    are decoded, since templates serialise them as objects.
-    """
+    """Turn one dataset row into a Conversation, or raise DataError naming the problem. Rows are
+    `messages` or `conversations` (the first present, non-null; see messages.py) or plain `text`."""
 
     def fail(reason: str, problem: str) -> DataError:
         return DataError(reason, source, row_index, problem)
@@ -305,10 +263,6 @@ def normalize_row(row: Any, row_index: int, source: str) -> Conversation:
         raise fail("no_assistant_turn", "no assistant message, so nothing to learn from")
     tools = row_tools(row.get("tools"), fail)
     return Conversation("chat", messages=messages, source=source, row_index=row_index, tools=tools)
-
-
-# ---------------------------------------------------------------------------------
-# Bad-row policy
 
 
 @dataclass
@@ -354,20 +308,10 @@ def guard(on_bad_row: OnBadRow, skips: SkipCounter, fn: Callable, /, *args, **kw
     return None
 
 
-# ---------------------------------------------------------------------------------
-# Fingerprint
-
-
 def dataset_fingerprint(ds, spec: str, split: str, revision: str | None = None) -> dict[str, Any]:
-    """What a cache records about its input, to tell later whether the data changed.
-
-    Local sources hash the bytes of their data files ("files-sha256": sorted relative
-    path, size and content of every file; for a saved dataset, its split's Arrow
-    files), which is cheap and independent of how `datasets` caches them. Hub and other
-    sources hash the rows themselves ("rows-sha256": each row as canonical JSON with
-    sorted keys, in order), which is exact but reads the whole dataset once; the
-    `datasets` fingerprint is recorded too but is not a content hash (it depends on the
-    cache layout and library version).
+    """What a cache records about its input, to tell later whether the data changed: local sources
+    hash their data files ("files-sha256": relative path, size and content of each; a saved
+    dataset's Arrow files), hub sources their rows ("rows-sha256": each as canonical JSON, in order).
     """
     path = Path(spec)
     info: dict[str, Any] = {"source": spec, "split": split, "revision": revision, "num_rows": len(ds),

@@ -1,9 +1,6 @@
-"""Convert a GGUF checkpoint once into a plain HF folder (`dflash-convert-gguf`).
-
-Every stage then loads the folder with plain `from_pretrained` (`--model DIR`, `--target DIR`):
-safetensors weights, config, tokenizer with its chat template, generation config, and
-`gguf_source.json` naming the GGUF it came from. The folder is written beside OUT and renamed
-into place when complete, so a crash leaves no half-written OUT.
+"""Convert a GGUF checkpoint once into a plain HF folder (`dflash-convert-gguf`) that every stage
+loads with `from_pretrained`, plus `gguf_source.json` naming the GGUF. The folder is written beside
+OUT and renamed into place when complete, so a crash leaves no half-written OUT.
 """
 
 from __future__ import annotations
@@ -43,7 +40,7 @@ def smollm2_path() -> Path:
 
 def resolve(gguf: str | None) -> Path:
     """The GGUF file to convert: a path, or `smollm2` / None for the packaged SmolLM2."""
-    if gguf is None or gguf == "smollm2":
+    if gguf in (None, "smollm2"):
         return smollm2_path()
     path = Path(gguf)
     if not path.is_file():
@@ -52,13 +49,6 @@ def resolve(gguf: str | None) -> Path:
         if f.read(4) != b"GGUF":
             raise ConvertError(f"--gguf {gguf}: not a GGUF file (it does not start with the GGUF magic)")
     return path
-
-
-def describe(path: Path) -> dict:
-    """Name, size and sha256 of the GGUF: what `gguf_source.json` records."""
-    with path.open("rb") as f:
-        digest = hashlib.file_digest(f, "sha256").hexdigest()
-    return {"name": path.name, "size": path.stat().st_size, "sha256": digest}
 
 
 def finished(out: Path) -> dict | None:
@@ -70,9 +60,8 @@ def finished(out: Path) -> dict | None:
 
 
 def load(path: Path, dtype: str):
-    """Model and tokenizer straight from the GGUF, dequantized (recent transformers keep GGUF weights
-    packed unless told, and a packed model cannot `save_pretrained`; older 5.x have no GgufConfig and
-    dequantize anyway)."""
+    """Model and tokenizer straight from the GGUF, dequantized (a packed model cannot `save_pretrained`;
+    transformers without GgufConfig dequantize anyway)."""
     import torch
     import transformers
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -95,8 +84,7 @@ def load(path: Path, dtype: str):
     except (ValueError, KeyError, NotImplementedError) as err:
         raise ConvertError(f"{path}: transformers {transformers.__version__} cannot read this GGUF ({err}); "
                            "a newer transformers may (pip install -U transformers)") from err
-    # transformers without GgufConfig (5.17) dequantizes but still marks the model quantized, and then
-    # refuses to save it: the weights are plain tensors by now, so drop the mark.
+    # transformers without GgufConfig still marks the dequantized model quantized, and refuses to save it
     model.hf_quantizer = None
     if getattr(model.config, "quantization_config", None) is not None:
         del model.config.quantization_config
@@ -106,7 +94,9 @@ def load(path: Path, dtype: str):
 def convert(gguf: str | None, out: str | Path, dtype: str = "bfloat16") -> tuple[Path, bool]:
     """Write the HF folder OUT from GGUF; return (OUT, False) where OUT already holds this conversion."""
     path, out = resolve(gguf), Path(out)
-    source = {"gguf": describe(path), "dtype": dtype}
+    with path.open("rb") as f:
+        digest = hashlib.file_digest(f, "sha256").hexdigest()
+    source = {"gguf": {"name": path.name, "size": path.stat().st_size, "sha256": digest}, "dtype": dtype}
     done = finished(out)
     if done is not None:
         if done.get("gguf", {}).get("sha256") == source["gguf"]["sha256"] and done.get("dtype") == dtype:
@@ -145,9 +135,7 @@ def cli(gguf: str | None, out: str, dtype: str) -> None:
     click.echo(f"converted {name} -> {folder}" if converted else f"{folder} already holds {name} ({dtype}): skipped")
 
 
-def main(argv: list[str] | None = None, prog_name: str | None = None) -> None:
-    cli.main(args=argv, prog_name=prog_name, standalone_mode=True)
-
+main = cli  # the console script
 
 if __name__ == "__main__":
-    main()
+    cli()

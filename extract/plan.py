@@ -1,20 +1,12 @@
-"""Plan one shard: tokenise its slice of the dataset and fix its samples and batches.
+"""Plan one shard: tokenise its slice of the dataset and fix its samples and batches, before any
+forward. Deterministic in (dataset, tokenizer, settings, shard count), so a rerun rebuilds the
+same plan and resumes where the commit record says (ShardWriter checks the plan's digest).
 
-Everything here is deterministic in (dataset, tokenizer, settings, shard count), which is
-what lets a rerun rebuild the same plan and resume a shard where its commit record says
-(ShardWriter checks the plan's digest).
-
-* Slice: shard ``s`` of ``S`` owns the contiguous rows ``[s * N // S, (s + 1) * N // S)``.
-* Rows that cannot be used are counted per reason in ``ShardPlan.skipped`` (with
-  ``on_bad_row="skip"``; otherwise the first one stops the run naming file and row).
-  Policy skips are always counted: ``too_long`` (truncation="skip"), ``no_loss_tokens``
-  (right truncation cut every assistant token), ``too_short`` (fewer than
-  ``min_length`` tokens: a DFlash block needs an anchor and at least one token after it,
-  so the default is 2).
-* Order and batches: samples sorted by length, longest first (an out-of-memory batch
-  shows up in the first minute, not after hours), ties by source row; then cut greedily
-  into batches whose padded size, batch size x longest sample, stays within
-  ``batch_tokens``. A sample longer than the budget gets a batch of its own.
+Shard ``s`` of ``S`` owns rows ``[s * N // S, (s + 1) * N // S)``. Bad rows are counted per
+reason in ``ShardPlan.skipped`` (``on_bad_row="skip"``; else the first stops the run); policy
+skips (too_long, no_loss_tokens, too_short: under ``min_length``) always are. Samples go longest
+first (an out-of-memory batch shows in the first minute), ties by source row, cut greedily into
+batches whose padded size (batch size x longest sample) stays within ``batch_tokens``.
 """
 
 from __future__ import annotations
@@ -30,17 +22,15 @@ from .chat import render
 from .config import ExtractConfig
 from .data import SkipCounter, SkippedSample, guard, normalize_row
 
+
 @dataclass
 class PlannedShard:
     """A shard's plan plus the tokens it will feed the target, in plan order."""
 
     plan: ShardPlan
-    input_ids: np.ndarray
-    """(T,) int32: every planned sample's ids, concatenated in plan order."""
-    loss_mask: np.ndarray
-    """(T,) bool: the matching assistant mask."""
-    truncated: int = 0
-    """Planned samples cut to max_length by right truncation."""
+    input_ids: np.ndarray  # (T,) int32: every planned sample's ids, concatenated in plan order
+    loss_mask: np.ndarray  # (T,) bool
+    truncated: int = 0  # samples cut to max_length by right truncation
 
     @property
     def assistant_tokens(self) -> int:
@@ -65,11 +55,8 @@ def shard_slice(ds, num_shards: int, shard_id: int):
 
 def length_bucketed_batches(lengths: np.ndarray, source_index: np.ndarray, batch_tokens: int
                             ) -> tuple[np.ndarray, np.ndarray]:
-    """(order, batches): the write order of the samples and the sample offsets of each batch.
-
-    Longest first, ties by source row; a batch grows while (size + 1) x its longest
-    sample fits in ``batch_tokens`` (padded tokens). Pure function of its inputs.
-    """
+    """(order, batches): the write order of the samples (longest first, ties by source row) and
+    the sample offsets of each batch, which grows while (size + 1) x its longest fits ``batch_tokens``."""
     lengths = np.asarray(lengths, dtype=np.int64)
     order = np.lexsort((np.asarray(source_index, dtype=np.int64), -lengths))
     batches = [0]
@@ -88,17 +75,14 @@ def length_bucketed_batches(lengths: np.ndarray, source_index: np.ndarray, batch
 
 def plan_shard(rows, row_offset: int, source: str, tokenizer, cfg: ExtractConfig,
                on_row: Callable[[int], None] | None = None) -> PlannedShard:
-    """Tokenise ``rows`` (the shard's slice, global row numbers from ``row_offset``) and plan it,
-    rendered with ``cfg``'s end-of-turn token and template arguments.
-
-    Raises DataError on the first bad row unless ``cfg.on_bad_row == "skip"``.
-    ``on_row(done)`` is called every 256 rows for progress.
-    """
+    """Tokenise ``rows`` (the shard's slice, global row numbers from ``row_offset``) and plan it;
+    DataError on the first bad row unless ``cfg.on_bad_row == "skip"``. ``on_row(done)`` every 256 rows."""
     skips, kept_rows, samples = SkipCounter(), [], []
 
     def one(row: dict, index: int):
         conv = normalize_row(row, index, source)
-        sample = render(tokenizer, conv, max_length=cfg.max_length, truncation=cfg.truncation, **cfg.render_kwargs)
+        sample = render(tokenizer, conv, max_length=cfg.max_length, truncation=cfg.truncation,
+                        end_of_turn=cfg.end_of_turn, template_kwargs=dict(cfg.template_kwargs))
         if len(sample.input_ids) < cfg.min_length:
             raise SkippedSample("too_short", source, index,
                                 f"{len(sample.input_ids)} tokens < min_length {cfg.min_length}")

@@ -1,13 +1,10 @@
 """One process of an extraction run: fingerprint, prepare the cache root, lock and plan this
 process's shards, extract them on its device, and (rank 0) sum up what is on disk.
 
-Alone, a process uses one device (cuda:0 or the CPU). Under torchrun (one process per GPU),
-rank r of W writes shards r, r + W, ... of ``--shards`` (default W) on cuda:LOCAL_RANK. The
-ranks meet over gloo before any shard is written: once rank 0 has created, reopened (its
-fingerprint checked) or replaced the root (a differing root is refused, naming each
-difference, unless it holds no committed sample); once every rank has locked and planned its
-shards, so that a bad row in any slice stops the run before any commit; once rank 0 has
-checked the free space. A rank that fails reports its own error; the others name it.
+Under torchrun rank r of W writes shards r, r + W, ... of ``--shards`` (default W) on
+cuda:LOCAL_RANK. The ranks meet over gloo before any shard is written: once rank 0 has created,
+reopened or replaced the root; once every rank has locked and planned its shards (a bad row in
+any slice stops the run before any commit); once rank 0 has checked the free space.
 """
 
 from __future__ import annotations
@@ -36,22 +33,12 @@ from .worker import WorkerTask, describe_error, extract_shard, plan_task, take_l
 
 log = logging.getLogger(__name__)
 
-# what ExtractConfig fields describe the bytes of the cache (the rest is how it was run);
-# the attention kernel and the LM head's chunking change the bf16 roundings, so a resume
-# with others would mix two roundings in one cache
+# the ExtractConfig fields that decide the cache's bytes (the attention kernel and the head's
+# chunking change the bf16 roundings); the rest is how it was run
 FINGERPRINTED = ("topk", "max_length", "truncation", "min_length", "on_bad_row", "batch_tokens",
                  "chunk_tokens", "compression_level", "attn_implementation", "lm_head_chunk")
 NOT_RECORDED = ("out", "summary_json", "progress", "batch_delay_s", "wait_for_lock", "plan", "json",
                 "ignore_free_space")
-
-
-def package_version() -> str:
-    try:
-        from importlib.metadata import version
-
-        return version("dflash-pipeline")
-    except Exception:  # noqa: BLE001 - not installed as a distribution
-        return "unknown"
 
 
 def build_spec(cfg: ExtractConfig, tokenizer, model_config, ds, num_shards: int) -> CacheSpec:
@@ -69,9 +56,8 @@ def build_spec(cfg: ExtractConfig, tokenizer, model_config, ds, num_shards: int)
     info_cfg = {k: v for k, v in cfg.to_dict().items() if k not in NOT_RECORDED}
     dataset = dataset_fingerprint(ds, cfg.data, cfg.split or "train")
     target = target_fingerprint(cfg.model, model_config.to_dict(), cfg.dtype, revision=cfg.revision)
-    # Recorded, not compared: `datasets`' own fingerprint (it depends on its cache layout, not
-    # on the content) and, where the content is hashed, where the files lie: the same data or
-    # checkpoint moved, copied or named by another relative path is the same cache.
+    # recorded, not compared: `datasets`' own fingerprint (not a content hash) and where hashed
+    # files lie (the same data or checkpoint moved or copied is the same cache)
     located = {"datasets_fingerprint": dataset.pop("datasets_fingerprint", None)}
     if dataset.get("hash_method") == "files-sha256":
         located["dataset_source"] = dataset.pop("source")
@@ -84,7 +70,7 @@ def build_spec(cfg: ExtractConfig, tokenizer, model_config, ds, num_shards: int)
         chunk_tokens=cfg.chunk_tokens, compression_level=cfg.compression_level,
         fingerprint={"target": target, "tokenizer": tokenizer_fingerprint(tokenizer), "dataset": dataset,
                      "extraction": extraction},
-        info={"package_version": package_version(), "config": info_cfg, **located},
+        info={"package_version": _package_version(), "config": info_cfg, **located},
         hidden_codec=cfg.hidden_codec, hidden_group_size=cfg.hidden_group_size,
         hidden_scale_dtype=cfg.hidden_scale_dtype, topk_dtype=cfg.topk_dtype,
     )
@@ -93,16 +79,30 @@ def build_spec(cfg: ExtractConfig, tokenizer, model_config, ds, num_shards: int)
     return spec
 
 
+def _package_version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("dflash-pipeline")
+    except PackageNotFoundError:
+        return "unknown"
+
+
 def prepare_root(cfg: ExtractConfig, spec: CacheSpec, replace: bool = True) -> zarr.Group:
     """Create the cache root, or reopen it once its fingerprint is checked; ``replace`` (rank 0's)
     replaces one that differs but holds no committed sample. ExtractFailed names each difference."""
     try:
         return create_or_open_cache(cfg.out, spec, replace_uncommitted=replace)
     except CacheError as e:
-        raise ExtractFailed(_with_flag_hints(str(e))) from e
+        lines = []  # each difference a flag explains followed by that flag
+        for line in str(e).split("\n"):
+            key = line.strip().removeprefix("- ").split(":", 1)[0]
+            hint = next((h for k, h in FLAG_HINTS.items() if key == k or key.startswith(k + ".")), None)
+            lines.append(f"{line}  [{hint}]" if hint else line)
+        raise ExtractFailed("\n".join(lines)) from e
 
 
-FLAG_HINTS = {
+FLAG_HINTS = {  # fingerprint entries whose name alone does not say which flag sets them
     "fingerprint.tokenizer.chat_template_hash": "the chat template (--chat-template, or the tokenizer's own)",
     "fingerprint.extraction.chat_template.template_kwargs": "--template-kwargs",
     "fingerprint.extraction.chat_template.end_of_turn": "--end-of-turn",
@@ -110,25 +110,10 @@ FLAG_HINTS = {
     "hidden_scale_dtype": "--hidden-scale-dtype", "topk_dtype": "--topk-dtype",
     "fingerprint.extraction.num_shards": "--shards (default: torchrun's WORLD_SIZE, 1 without torchrun)",
 }
-"""Fingerprint entries whose name alone does not say which flag sets them."""
-
-
-def _with_flag_hints(message: str) -> str:
-    """``message`` with each difference line that a flag explains followed by that flag."""
-    lines = []
-    for line in message.split("\n"):
-        key = line.strip().removeprefix("- ").split(":", 1)[0]
-        hint = next((h for k, h in FLAG_HINTS.items() if key == k or key.startswith(k + ".")), None)
-        lines.append(f"{line}  [{hint}]" if hint else line)
-    return "\n".join(lines)
-
-
-# ----------------------------------------------------------------------------- summary
 
 
 def summarize(out: str, shard_ids: list[int]) -> dict[str, Any]:
-    """What the store holds for these shards (counts, skips, bytes, compression), counted by
-    the same ``cache_info`` that ``dflash-cache info`` prints."""
+    """What the store holds for these shards, counted by the ``cache_info`` that ``dflash-cache info`` prints."""
     info = cache_info(out, shard_ids=shard_ids)
     tokens = info["tokens"]
     disk = info["committed_bytes_on_disk"]  # None where the store cannot list its objects
@@ -165,38 +150,24 @@ def format_summary(s: dict[str, Any]) -> str:
     if "wall_s" in s:
         rate = f", {s['tokens_per_s']:,.0f} tokens/s" if s.get("tokens_per_s") else ""
         lines.append(f"  wall time        {s['wall_s']:.1f} s{rate}")
-    lines += _time_lines(list((s.get("worker_seconds") or {}).values()))
+    timing = list((s.get("worker_seconds") or {}).values())  # where the workers' time went
+    loop = sum(t["loop_s"] for t in timing)
+    if loop > 0:
+        blocked = sum(t.get("submit_blocked", 0.0) for t in timing)
+        lines.append(f"  forward loops    {loop:.1f} s, {blocked / loop:.0%} of it waiting for the writers" + (
+            f"; GPU busy {sum(t['gpu_busy'] for t in timing) / loop:.0%}" if all("gpu_busy" in t for t in timing)
+            else ""))
+        if blocked > WRITER_BOUND * loop and loop >= 10:  # shorter loops are mostly start-up
+            cores = sum(t["cpu_s"] for t in timing) / loop
+            lines.append(f"  writer-bound: compression and writes could not keep up on {cores:.1f} CPU cores per "
+                         "worker; give each worker more free cores")
     return "\n".join(lines)
 
 
-WRITER_BOUND = 0.1
-"""Share of the forward loops' time spent waiting for the writers above which the summary
-says the run was writer-bound (for loops of 10 s or more: shorter ones are mostly start-up)."""
+WRITER_BOUND = 0.1  # share of the loops' time waiting for the writers above which the run was writer-bound
 
 
-def _time_lines(timing: list[dict[str, float]]) -> list[str]:
-    """Where the workers' time went: the forward loops waiting for the writers (and, on CUDA,
-    the GPUs' busy share), with a hint when the writers were the limit."""
-    loop = sum(t["loop_s"] for t in timing)
-    if loop <= 0:
-        return []
-    blocked = sum(t.get("submit_blocked", 0.0) for t in timing)
-    line = f"  forward loops    {loop:.1f} s, {blocked / loop:.0%} of it waiting for the writers"
-    if all("gpu_busy" in t for t in timing):
-        line += f"; GPU busy {sum(t['gpu_busy'] for t in timing) / loop:.0%}"
-    lines = [line]
-    if blocked > WRITER_BOUND * loop and loop >= 10:
-        cores = sum(t["cpu_s"] for t in timing) / loop
-        lines.append(f"  writer-bound: compression and writes could not keep up on {cores:.1f} CPU cores per "
-                     "worker; give each worker more free cores")
-    return lines
-
-
-# ----------------------------------------------------------------------------- run
-
-
-MEETING_TIMEOUT = timedelta(days=7)
-"""How long a rank waits for the others at a meeting; at the last one, for the slowest rank's shards."""
+MEETING_TIMEOUT = timedelta(days=7)  # at the last meeting, a rank waits for the slowest rank's shards
 
 
 def run(cfg: ExtractConfig) -> dict[str, Any] | None:
@@ -219,9 +190,20 @@ def run(cfg: ExtractConfig) -> dict[str, Any] | None:
 
 def _run(cfg: ExtractConfig, rank: int, world: int) -> dict[str, Any] | None:
     t_start, phases = time.monotonic(), Phases(started_at=time.time())
-    with Meeting(world):  # once rank 0 has prepared the root
-        tokenizer, ds, spec = _set_up(cfg, rank, world, phases)
     num_shards = cfg.shards or world
+    with Meeting(world):  # once rank 0 has prepared the root
+        tokenizer, model_config = load_tokenizer_and_config(cfg)
+        phases.mark("tokenizer_and_config")
+        try:
+            ds = load_source(cfg.data, cfg.split or "train")
+        except DataError as e:
+            raise ExtractFailed(str(e)) from e
+        phases.mark("dataset_load")
+        spec = build_spec(cfg, tokenizer, model_config, ds, num_shards)
+        phases.mark("fingerprint")
+        if rank == 0:
+            prepare_root(cfg, spec)
+            phases.mark("cache_root")
     progress, locks = Progress(cfg.progress and rank == 0), []
     try:
         with Meeting(world) as planning:  # once every rank has locked and planned its shards
@@ -259,7 +241,8 @@ def _run(cfg: ExtractConfig, rank: int, world: int) -> dict[str, Any] | None:
     phases.mark("summary")
     forward_s = max(d["forward_s"] for d in done)
     summary.update(noop=False, samples_this_run=sum(d["samples"] for d in done), wall_s=time.monotonic() - t_start,
-                   phases=phases.as_dict(), worker_seconds=dict(sorted(t for d in done for t in d["timing"].items())),
+                   phases={"started_at": phases.started_at, "seconds": phases.seconds},
+                   worker_seconds=dict(sorted(t for d in done for t in d["timing"].items())),
                    tokens_per_s=sum(d["tokens"] for d in done) / forward_s if forward_s > 0 else None)
     failed = [str(r) for r, d in enumerate(done) if d["error"]]
     if failed:
@@ -268,32 +251,10 @@ def _run(cfg: ExtractConfig, rank: int, world: int) -> dict[str, Any] | None:
     return summary
 
 
-def _set_up(cfg: ExtractConfig, rank: int, world: int, phases: Phases):
-    """The settings checked, the tokenizer, the dataset and the run's spec (target config,
-    fingerprint); rank 0 also prepares the cache root."""
-    try:
-        cfg.validate()
-    except ValueError as e:
-        raise ExtractFailed(str(e)) from e
-    tokenizer, model_config = load_tokenizer_and_config(cfg)
-    phases.mark("tokenizer_and_config")
-    try:
-        ds = load_source(cfg.data, cfg.split or "train")
-    except DataError as e:
-        raise ExtractFailed(str(e)) from e
-    phases.mark("dataset_load")
-    spec = build_spec(cfg, tokenizer, model_config, ds, cfg.shards or world)
-    phases.mark("fingerprint")
-    if rank == 0:
-        prepare_root(cfg, spec)
-        phases.mark("cache_root")
-    return tokenizer, ds, spec
-
-
 def _lock_and_plan(cfg: ExtractConfig, rank: int, world: int, spec: CacheSpec, tokenizer, ds, progress: Progress,
                    locks: list):
-    """Every shard's state and, where one is not complete, this rank's shards locked (into
-    ``locks``, released by the caller) and planned: (states, tasks, {shard: (plan, timing)})."""
+    """Every shard's state and, unless all are complete, this rank's shards locked (into ``locks``,
+    released by the caller) and planned: (states, tasks, {shard: (plan, timing)})."""
     root = prepare_root(cfg, spec, replace=False) if rank else open_root(cfg.out)  # the others check it now
     spec = CacheSpec.from_dict(root.attrs[ATTRS_KEY])  # an older format is resumed in its own layout
     num_shards = cfg.shards or world
@@ -301,11 +262,20 @@ def _lock_and_plan(cfg: ExtractConfig, rank: int, world: int, spec: CacheSpec, t
     tasks, planned = [], {}
     if all(st is not None and st.complete for st in states.values()):
         return states, tasks, planned
-    device = _device(cfg)
-    threads = cfg.cpu_threads or max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    device, threads = "cpu", None
+    if cfg.device == "cpu":
+        threads = cfg.cpu_threads or max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    else:
+        import torch
+
+        local, count = int(os.environ.get("LOCAL_RANK", "0")), torch.cuda.device_count()
+        if local >= count:
+            raise ExtractFailed("--device cuda but no CUDA device is visible (use --device cpu)" if not count else
+                                f"LOCAL_RANK {local}: only {count} CUDA devices are visible (start one process per GPU)")
+        device = f"cuda:{local}"
     for shard in range(rank, num_shards, world):
         task = WorkerTask(cfg=cfg, spec=spec, shard_id=shard, num_shards=num_shards, device=device,
-                          cpu_threads=threads if device == "cpu" else None)
+                          cpu_threads=threads)
         use_device(task)
         try:
             locks.append(take_lock(task, progress.reporter(shard), None))
@@ -314,19 +284,6 @@ def _lock_and_plan(cfg: ExtractConfig, rank: int, world: int, spec: CacheSpec, t
             raise ExtractFailed(describe_error(e, task)[1]) from e
         tasks.append(task)
     return states, tasks, planned
-
-
-def _device(cfg: ExtractConfig) -> str:
-    """This process's device: the CPU, or cuda:LOCAL_RANK (ExtractFailed where it is not visible)."""
-    if cfg.device == "cpu":
-        return "cpu"
-    import torch
-
-    local, count = int(os.environ.get("LOCAL_RANK", "0")), torch.cuda.device_count()
-    if local >= count:
-        raise ExtractFailed("--device cuda but no CUDA device is visible (use --device cpu)" if not count else
-                            f"LOCAL_RANK {local}: only {count} CUDA devices are visible (start one process per GPU)")
-    return f"cuda:{local}"
 
 
 def _extract_shards(cfg: ExtractConfig, tasks: list[WorkerTask], planned: dict, locks: list, pad_id: int | None,
@@ -390,8 +347,7 @@ class Progress:
 
         self.bar = tqdm(total=0, unit="sample", dynamic_ncols=True, disable=not show, desc="extract")
         self.samples = self.tokens = 0
-        self.first = self.last = None
-        """Monotonic times of the first forward loop's start and of the last batch written."""
+        self.first = self.last = None  # monotonic times of the first loop's start and of the last batch written
         self.timing: dict[str, dict] = {}
 
     def reporter(self, shard: int):
@@ -410,27 +366,21 @@ class Progress:
             self.bar.update(f["samples"])
             if self.last > self.first:
                 self.bar.set_postfix_str(f"{self.tokens / (self.last - self.first):,.0f} tok/s", refresh=False)
-        elif kind == "timing":  # the steps before the loop, the loop's wall and CPU seconds, the writer's busy/idle split
+        elif kind == "timing":  # the steps before the loop, the loop's wall and CPU seconds, the writer's split
             self.timing[f"{shard:05d}"] = f
         elif kind == "warning":
             self.bar.write(f"dflash-extract: warning: {f['message']}", file=sys.stderr)
 
 
 class Phases:
-    """Seconds spent in each step of a run, in order (the summary's ``phases``): where the
-    time before the first batch and after the last one goes."""
+    """Seconds spent in each step of a run, in order (the summary's ``phases``), from ``started_at``
+    (epoch seconds when ``run`` began; what came before is imports)."""
 
     def __init__(self, started_at: float):
-        self.started_at = started_at
-        """Wall-clock time (epoch seconds) when ``run`` began; what came before is imports."""
-        self._last = time.monotonic()
-        self.seconds: dict[str, float] = {}
+        self.started_at, self._last, self.seconds = started_at, time.monotonic(), {}
 
     def mark(self, name: str, at: float | None = None) -> None:
         """The step ``name`` ended now (or at monotonic time ``at``)."""
         at = max(self._last, time.monotonic() if at is None else at)
         self.seconds[name] = round(self.seconds.get(name, 0.0) + at - self._last, 3)
         self._last = at
-
-    def as_dict(self) -> dict[str, Any]:
-        return {"started_at": self.started_at, "seconds": dict(self.seconds)}

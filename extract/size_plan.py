@@ -1,10 +1,9 @@
 """What an extraction will cost before it runs (``dflash-extract --plan``), and the free-space
 check a real run makes before it writes.
 
-The counts come from the run's own planning (``plan_shard`` on each shard's slice), so they are
-the ones the run will record; only the target's config is read, never its weights. Bytes on
-disk and GPU-hours are estimates: compression ratios measured on one kind of activations, the
-rate on one GPU and shape; the report says so wherever it prints them.
+The counts come from the run's own planning, so they are the ones the run will record; only the
+target's config is read, never its weights. Bytes on disk and GPU-hours are estimates (ratios and
+a rate measured on one shape), and the report says so wherever it prints them.
 """
 
 from __future__ import annotations
@@ -23,52 +22,34 @@ from .config import ExtractConfig, ExtractFailed, checked_layers, load_tokenizer
 
 log = logging.getLogger(__name__)
 
+# stored over encoded bytes of the hidden states after the lossless stage, per codec, and of the ids,
+# mask and top-k (top-64 float32: 517 raw bytes): BENCHMARKS_LOG.md, issue 16, a Qwen3-8B-shaped cache
 HIDDEN_STAGE_RATIO = {"bf16": 28_159 / 40_960, "fp8": 16_780 / 20_490, "int8": 19_548 / 20_800,
                       "int4": 8_907 / 10_560}
-"""Stored over encoded bytes of the hidden states after the lossless stage (byte shuffle + zstd 1),
-per codec: BENCHMARKS_LOG.md "Lossy hidden-state codecs in the cache (issue 16)" (the real writer on
-a Qwen3-8B-shaped target, layers 1,9,17,25,33)."""
 RATIO_MEASURED_AT = {"fp8": "float16 scales", "int8": "groups of 128, float16 scales",
                      "int4": "groups of 128, float16 scales"}
 SMALL_ARRAYS_RATIO = (28_350 - 28_159) / (4 + 1 + 4 * 64 + 4 * 64)
-"""Stored over raw bytes of the ids, loss mask and top-k: the same lossless cache's 28,350 B/token
-minus its hidden states, over 517 raw bytes (top-64, float32)."""
 TOPK_DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 
 
-@dataclass(frozen=True)
-class MeasuredRate:
-    """An extraction rate measured on one GPU: tokens per second from first batch to last commit."""
-
-    shape: str
-    config: dict[str, Any]
-    """The target's config fields (a Qwen3Config) whose forward cost the rate is scaled from."""
-    sample_tokens: int
-    tokens_per_s: float
-    gpu: str
-
-
-EXTRACTION_RATES = (MeasuredRate(
-    "Qwen3-8B", dict(hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
-                     num_key_value_heads=8, head_dim=128, vocab_size=151936, tie_word_embeddings=False),
-    sample_tokens=2048, tokens_per_s=27_870, gpu="H200"),)
-"""BENCHMARKS_LOG.md "One write path: the writer thread with the zarrs codec pipeline" (400 x 2048
-tokens, layers 1,9,17,25,33, top-64, bf16)."""
+# extraction rates measured on one GPU, first batch to last commit (BENCHMARKS_LOG.md, "One write path"); the
+# config (a Qwen3Config's fields) is the forward cost each is scaled from
+EXTRACTION_RATES = ({"shape": "Qwen3-8B", "gpu": "H200", "sample_tokens": 2048, "tokens_per_s": 27_870, "config": dict(
+    hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8,
+    head_dim=128, vocab_size=151936, tie_word_embeddings=False)},)
 
 
 @dataclass(frozen=True)
 class SizeEstimate:
-    """Expected bytes on disk per token of a cache, by part."""
+    """Expected bytes on disk per token of a cache, by part: the hidden states raw in bf16 (what
+    every ratio is quoted against) and encoded (payload + scales), the ids, mask and top-k raw."""
 
     codec: Any
     hidden_raw_bf16: int
-    """Raw bf16 bytes of one token's hidden states (what every ratio is quoted against)."""
     hidden_encoded: int
-    """Bytes of one token's hidden states before the lossless stage (payload + scales)."""
     hidden_ratio: float
     ratio_measured_at: str
     other_raw: int
-    """Raw bytes of one token's ids, mask and top-k."""
 
     @property
     def hidden_per_token(self) -> float:
@@ -100,8 +81,6 @@ def size_estimate(num_layers: int, hidden_size: int, topk: int, codec=None, topk
     from dflash.shared.hidden_codecs import HiddenCodec
 
     codec = codec or HiddenCodec("bf16")
-    if topk_dtype not in TOPK_DTYPE_BYTES:
-        raise ValueError(f"top-k dtype {topk_dtype!r}: expected one of {sorted(TOPK_DTYPE_BYTES)}")
     measured_at = codec.mode + (f", {RATIO_MEASURED_AT[codec.mode]}" if codec.mode in RATIO_MEASURED_AT else "")
     return SizeEstimate(codec, num_layers * hidden_size * 2, codec.bytes_per_token(num_layers, hidden_size),
                         HIDDEN_STAGE_RATIO[codec.mode], measured_at, 4 + 1 + topk * (4 + TOPK_DTYPE_BYTES[topk_dtype]))
@@ -121,29 +100,12 @@ def matmul_parameters(model_config) -> int:
 def attention_flops_per_token(model_config, sequence_tokens: int) -> float:
     """Scores and weighted values of causal attention per token of a ``sequence_tokens`` sequence
     (each token attends to half of it on average): 2 x 2 x heads x head_dim x tokens / 2 per layer."""
-    c = model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
+    c = model_config.get_text_config()
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
     return 2.0 * c.num_hidden_layers * c.num_attention_heads * head_dim * sequence_tokens
 
 
-@dataclass(frozen=True)
-class TimeEstimate:
-    """GPU time of a run, scaled from a measured rate by forward FLOPs per token."""
-
-    reference: MeasuredRate
-    reference_flops_per_token: float
-    matmul_parameters: int
-    flops_per_token: float
-    tokens_per_s_per_gpu: float
-    gpu_hours: float
-    gpus: int
-
-    @property
-    def wall_hours(self) -> float:
-        return self.gpu_hours / self.gpus
-
-
-def time_estimate(model_config, max_length: int, tokens: int, gpus: int) -> TimeEstimate:
+def time_estimate(model_config, max_length: int, tokens: int, gpus: int) -> dict[str, Any]:
     """GPU-hours for ``tokens`` forward tokens (padding included) at the rate of the reference whose
     forward cost is nearest, scaled by FLOPs per token (2 x linear weights + attention) at ``max_length``."""
     from transformers import Qwen3Config
@@ -151,16 +113,16 @@ def time_estimate(model_config, max_length: int, tokens: int, gpus: int) -> Time
     params = matmul_parameters(model_config)
     flops = 2.0 * params + attention_flops_per_token(model_config, max_length)
 
-    def ref_flops(r: MeasuredRate) -> float:
-        c = Qwen3Config(**r.config)
-        return 2.0 * matmul_parameters(c) + attention_flops_per_token(c, r.sample_tokens)
+    def ref_flops(r: dict) -> float:
+        c = Qwen3Config(**r["config"])
+        return 2.0 * matmul_parameters(c) + attention_flops_per_token(c, r["sample_tokens"])
 
     rate, ref = min(((r, ref_flops(r)) for r in EXTRACTION_RATES), key=lambda r: abs(math.log(r[1] / flops)))
-    per_gpu = rate.tokens_per_s * ref / flops
-    return TimeEstimate(rate, ref, params, flops, per_gpu, tokens / per_gpu / 3600, max(1, gpus))
-
-
-# ----------------------------------------------------------------------------- free space
+    per_gpu, gpus = rate["tokens_per_s"] * ref / flops, max(1, gpus)
+    reference = {k: v for k, v in rate.items() if k != "config"}
+    return {"reference": {**reference, "flops_per_token": ref}, "matmul_parameters": params, "flops_per_token": flops,
+            "tokens_per_s_per_gpu": per_gpu, "gpu_hours": tokens / per_gpu / 3600, "gpus": gpus,
+            "wall_hours": tokens / per_gpu / 3600 / gpus, "estimate": True}
 
 
 def free_bytes(out: str) -> tuple[int, str] | None:
@@ -197,9 +159,6 @@ def run_space_problem(cfg, spec, planned: dict[int, dict[str, int]], committed: 
             "Free some space, choose another --out, or rerun with --ignore-free-space to start anyway")
 
 
-# ----------------------------------------------------------------------------- the plan
-
-
 def count_run(cfg: ExtractConfig, tokenizer, ds, num_shards: int) -> dict[str, Any]:
     """Plan each shard's slice of ``ds`` as its process will, and sum what the plans hold: samples,
     skips by reason, truncated samples, tokens, assistant tokens, padded tokens (each batch's size x
@@ -227,19 +186,15 @@ def count_run(cfg: ExtractConfig, tokenizer, ds, num_shards: int) -> dict[str, A
     return {**{k: counts[k] for k in keys}, "skipped": dict(sorted(skipped.items())), "longest": longest}
 
 
-def plan_run(cfg: ExtractConfig) -> tuple[dict[str, Any], SizeEstimate, TimeEstimate]:
+def plan_run(cfg: ExtractConfig) -> tuple[dict[str, Any], SizeEstimate]:
     """Tokenise and plan ``cfg``'s dataset as the run would and estimate its cost: (the plan as the JSON
-    document prints it, its size and time estimates). Raises ExtractFailed with the run's own message
-    where the run would stop (bad settings, a bad row)."""
+    document prints it, its size estimate). Raises ExtractFailed with the run's own message where the
+    run would stop (bad settings, a bad row)."""
     from .data import DataError, load_source
     from .worker import bad_row_message
 
-    try:
-        cfg.validate()
-    except ValueError as e:
-        raise ExtractFailed(str(e)) from e
-    num_shards = cfg.shards or int(os.environ.get("WORLD_SIZE", "1"))
     tokenizer, model_config = load_tokenizer_and_config(cfg)
+    num_shards = cfg.shards or int(os.environ.get("WORLD_SIZE", "1"))
     layers = checked_layers(cfg, model_config)
     size = size_estimate(len(layers), model_config.hidden_size, cfg.topk, cfg.codec, cfg.topk_dtype)
     try:
@@ -247,9 +202,7 @@ def plan_run(cfg: ExtractConfig) -> tuple[dict[str, Any], SizeEstimate, TimeEsti
     except DataError as e:
         raise ExtractFailed(bad_row_message(e, cfg)) from e
     gpus = num_shards if cfg.device == "cuda" else 1  # one per shard, as torchrun runs them
-    t = time_estimate(model_config, cfg.max_length, counts["padded_tokens"], gpus)
     expected, free = size.total(counts["tokens"], counts["samples"]), free_bytes(cfg.out)
-    ref = t.reference
     doc = {
         "plan": True, "data": cfg.data, "model": cfg.model, "out": cfg.out, **counts, "layers": layers,
         "num_target_layers": model_config.num_hidden_layers, "hidden_size": model_config.hidden_size,
@@ -257,21 +210,19 @@ def plan_run(cfg: ExtractConfig) -> tuple[dict[str, Any], SizeEstimate, TimeEsti
         "bytes": {**size.as_dict(), "expected": expected, "raw_bf16_hidden": counts["tokens"] * size.hidden_raw_bf16,
                   "estimate": True},
         "free_space": free and {"bytes": free[0], "at": free[1], "enough": free[0] >= expected},
-        "time": {"reference": {"shape": ref.shape, "gpu": ref.gpu, "tokens_per_s": ref.tokens_per_s,
-                               "sample_tokens": ref.sample_tokens, "flops_per_token": t.reference_flops_per_token},
-                 "matmul_parameters": t.matmul_parameters, "flops_per_token": t.flops_per_token,
-                 "tokens_per_s_per_gpu": t.tokens_per_s_per_gpu, "gpu_hours": t.gpu_hours, "gpus": t.gpus,
-                 "wall_hours": t.wall_hours, "estimate": True, "device": cfg.device, "dtype": cfg.dtype},
+        "time": {**time_estimate(model_config, cfg.max_length, counts["padded_tokens"], gpus), "device": cfg.device,
+                 "dtype": cfg.dtype},
     }
-    return doc, size, t
+    return doc, size
 
 
-def format_plan(doc: dict[str, Any], size: SizeEstimate, t: TimeEstimate, cfg: ExtractConfig) -> str:
+def format_plan(doc: dict[str, Any], size: SizeEstimate, cfg: ExtractConfig) -> str:
     """The plan as a short report; every estimate says it is one and where it comes from."""
-    s, ref, expected = size, t.reference, doc["bytes"]["expected"]
+    s, t, expected = size, doc["time"], doc["bytes"]["expected"]
+    ref = t["reference"]
     skipped = ", ".join(f"{k}={v:,}" for k, v in doc["skipped"].items()) or "none"
     share = f", {doc['assistant_tokens'] / doc['tokens']:.1%}" if doc["tokens"] else ""
-    h = t.wall_hours
+    h = t["wall_hours"]
     wall = f"{h * 3600:.0f} s" if h < 1 / 60 else f"{h * 60:.1f} min" if h < 1 else f"{h:,.1f} h"
     lines = [
         f"plan of dflash-extract (nothing computed, nothing written): {cfg.data} -> {cfg.out}",
@@ -292,12 +243,12 @@ def format_plan(doc: dict[str, Any], size: SizeEstimate, t: TimeEstimate, cfg: E
                   else "NOT enough for the whole run: a fresh run would refuse to start")
         lines.append(f"  free space       {size_text(free['bytes'])} at {free['at']} ({enough})")
     lines.append(
-        f"  GPU time         about {t.gpu_hours:,.3g} {ref.gpu} GPU-hours, {wall} on {t.gpus} "
-        f"GPU{'s' if t.gpus != 1 else ''} (start-up not included). An estimate: {ref.tokens_per_s:,.0f} tok/s "
-        f"measured on one {ref.gpu} for the {ref.shape} shape, scaled by forward FLOPs per token "
-        f"(2 x {t.matmul_parameters / 1e9:,.3g} B linear weights + attention at {cfg.max_length:,} tokens: "
-        f"{t.flops_per_token / 1e9:,.3g} GFLOP against {t.reference_flops_per_token / 1e9:,.3g}) to "
-        f"{t.tokens_per_s_per_gpu:,.0f} tok/s per GPU")
+        f"  GPU time         about {t['gpu_hours']:,.3g} {ref['gpu']} GPU-hours, {wall} on {t['gpus']} "
+        f"GPU{'s' if t['gpus'] != 1 else ''} (start-up not included). An estimate: {ref['tokens_per_s']:,.0f} tok/s "
+        f"measured on one {ref['gpu']} for the {ref['shape']} shape, scaled by forward FLOPs per token "
+        f"(2 x {t['matmul_parameters'] / 1e9:,.3g} B linear weights + attention at {cfg.max_length:,} tokens: "
+        f"{t['flops_per_token'] / 1e9:,.3g} GFLOP against {ref['flops_per_token'] / 1e9:,.3g}) to "
+        f"{t['tokens_per_s_per_gpu']:,.0f} tok/s per GPU")
     if cfg.device != "cuda" or cfg.dtype != "bfloat16":
         lines.append(f"  note             the rate was measured on a GPU in bf16; this run is --device {cfg.device} "
                      f"--dtype {cfg.dtype}")

@@ -1,21 +1,14 @@
 """The target model in stage one: load it, run a padded batch, keep what the cache stores.
 
-Per real (non-pad) token of a batch this yields the hidden states of the chosen layers
-and the top-k of the target's next-token log-probs. Two memory rules shape the code:
+Per real (non-pad) token this yields the hidden states of the chosen layers and the top-k of
+the next-token log-probs, under two memory rules: hidden states are taken by forward hooks and
+gathered down to the real tokens inside the hook (never every layer's padded (B, T, D) output);
+the LM head runs in chunks of real tokens, ranking each chunk's logits in the model's dtype
+(log_softmax is monotone) and subtracting their fp32 log-sum-exp (one compiled reduction on
+CUDA, with no fp32 copy of the logits), so no (B, T, vocab) tensor ever exists.
 
-* Hidden states are taken with forward hooks on the chosen decoder layers and gathered
-  down to the real tokens inside the hook, so only (tokens, layers, D) is ever kept,
-  never every layer's padded (B, T, D) output as ``output_hidden_states=True`` would.
-* The LM head runs in chunks of real tokens: ``topk`` ranks each chunk's logits in the
-  model's dtype (log_softmax is monotone), and the log-probs at those ids are the fp32
-  logits minus their fp32 log-sum-exp; a full (B, T, vocab) logits tensor never exists.
-  On CUDA the log-sum-exp is one compiled reduction over the bf16 logits, which writes no
-  fp32 copy of them (the saving: BENCHMARKS_LOG.md).
-
-Layer id ``i`` is the output of decoder layer ``i``, i.e. HF ``hidden_states[i + 1]``.
-HF's last entry ``hidden_states[L]`` is taken AFTER the final norm, so id ``L - 1`` is
-read from the backbone's (normed) output rather than from the hook, which keeps the
-convention exact for every id.
+Layer id ``i`` is HF ``hidden_states[i + 1]``; id ``L - 1`` is read from the backbone's output,
+since HF takes its last entry after the final norm.
 """
 
 from __future__ import annotations
@@ -32,12 +25,9 @@ DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch
 class TargetOutput:
     """What one batch yields, real tokens only, token-major in batch order."""
 
-    hidden: torch.Tensor
-    """(N, len(layer_ids), D) in the model's dtype."""
-    topk_logprobs: torch.Tensor
-    """(N, k) float32, descending."""
-    topk_ids: torch.Tensor
-    """(N, k) int32."""
+    hidden: torch.Tensor  # (N, len(layer_ids), D) in the model's dtype
+    topk_logprobs: torch.Tensor  # (N, k) float32, descending
+    topk_ids: torch.Tensor  # (N, k) int32
 
 
 def load_target(name_or_path: str, *, dtype: str = "bfloat16", device: str | torch.device = "cpu",
@@ -45,23 +35,11 @@ def load_target(name_or_path: str, *, dtype: str = "bfloat16", device: str | tor
     """from_pretrained in `dtype` onto `device`, eval mode, no grad anywhere."""
     from transformers import AutoModelForCausalLM
 
-    kwargs = {"dtype": DTYPES[dtype], "revision": revision}
-    if attn_implementation:
-        kwargs["attn_implementation"] = attn_implementation
-    model = AutoModelForCausalLM.from_pretrained(name_or_path, **kwargs)
+    attention = {"attn_implementation": attn_implementation} if attn_implementation else {}
+    model = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=DTYPES[dtype], revision=revision, **attention)
     model.to(device).eval()
     model.requires_grad_(False)
     return model
-
-
-def decoder_parts(model):
-    """(backbone, decoder layers, LM head) of a HF causal LM with the usual layout."""
-    backbone = getattr(model, "model", None)
-    layers = getattr(backbone, "layers", None)
-    head = model.get_output_embeddings()
-    if backbone is None or layers is None or head is None:
-        raise ValueError(f"{type(model).__name__}: expected .model.layers and an LM head (a decoder-only HF model)")
-    return backbone, layers, head
 
 
 def logsumexp_fp32(logits: torch.Tensor) -> torch.Tensor:
@@ -75,28 +53,18 @@ def head_backend_for(device: torch.device | str) -> str | None:
     return "inductor" if torch.device(device).type == "cuda" else None
 
 
-def compile_logsumexp(vocab_size: int, dtype: torch.dtype, device: torch.device | str, rows: int, backend: str):
-    """``logsumexp_fp32`` compiled by ``backend`` for (rows, vocab_size) logits of ``dtype`` on
-    ``device``, run once here, on the caller's thread, with the row count dynamic, so that a
-    batch's shorter last chunk does not compile again (a 1-row chunk does, once: dynamo
-    specialises sizes 0 and 1)."""
-    compiled = torch.compile(logsumexp_fp32, backend=backend)
-    with torch.inference_mode():
-        z = torch.zeros((max(2, rows), vocab_size), dtype=dtype, device=device)
-        torch._dynamo.mark_dynamic(z, 0)
-        compiled(z)
-    return compiled
-
-
 class TargetRunner:
     """Runs padded batches through the target; see the module docstring for the rules."""
 
     def __init__(self, model, layer_ids: list[int], topk: int, lm_head_chunk: int = 1024,
                  head_backend: str | None = None):
         """``head_backend``: a ``torch.compile`` backend for the head's log-sum-exp ('inductor'
-        on CUDA), None for eager; compiled here (``compile_logsumexp``)."""
+        on CUDA), None for eager."""
         self.model = model
-        self.backbone, self.layers, self.lm_head = decoder_parts(model)
+        self.backbone, self.lm_head = getattr(model, "model", None), model.get_output_embeddings()
+        self.layers = getattr(self.backbone, "layers", None)
+        if self.layers is None or self.lm_head is None:
+            raise ValueError(f"{type(model).__name__}: expected .model.layers and an LM head (a decoder-only HF model)")
         self.num_layers = len(self.layers)
         bad = [i for i in layer_ids if not 0 <= i < self.num_layers]
         if bad:
@@ -115,8 +83,13 @@ class TargetRunner:
         self._hooks = [self.layers[i].register_forward_hook(self._hook(slot))
                        for slot, i in enumerate(self.layer_ids) if i != self.num_layers - 1]
         self._logsumexp = logsumexp_fp32
-        if head_backend is not None:
-            self._logsumexp = compile_logsumexp(vocab, self.dtype, self.device, lm_head_chunk, head_backend)
+        if head_backend is not None:  # compiled and run once here with the row count dynamic, so that a
+            # batch's shorter last chunk does not compile again (a 1-row chunk does, once)
+            self._logsumexp = torch.compile(logsumexp_fp32, backend=head_backend)
+            with torch.inference_mode():
+                z = torch.zeros((max(2, lm_head_chunk), vocab), dtype=self.dtype, device=self.device)
+                torch._dynamo.mark_dynamic(z, 0)
+                self._logsumexp(z)
 
     def close(self) -> None:
         for h in self._hooks:
@@ -177,10 +150,9 @@ class TargetRunner:
 
 
 def compute_environment(device: torch.device) -> dict[str, Any]:
-    """What decides the last bits of a shard's values beyond the fingerprint: the device model
-    (kernels, reduction orders; on the CPU the SIMD level torch dispatches to and its thread
-    count), the head's backend, the library versions. Recorded per shard; a shard with
-    committed samples refuses to resume under another (``ShardWriter``)."""
+    """What decides the last bits of a shard's values beyond the fingerprint: the device model (on
+    the CPU its SIMD level and thread count), the head's backend, the library versions. A shard
+    with committed samples refuses to resume under another (``ShardWriter``)."""
     import transformers
 
     if device.type == "cuda":

@@ -1,17 +1,11 @@
 """One shard of an extraction on one device (``runner`` runs a process's shards with these).
 
 lock -> plan -> ShardWriter (the resume point) -> target -> forward loop on the main thread ->
-writer thread. Each batch's outputs are encoded on the device and copied to pinned host
-buffers on a side stream (the copy overlaps the next forward); the writer thread waits on the
-copy's blocking CUDA event (it sleeps rather than spins), hands the arrays to
-``ShardWriter.write_batch`` and commits every ``commit_seconds``. zarr encodes and stores the
-chunks through the ``zarrs`` pipeline, which runs without the GIL that the forward loop keeps
-busy (fsspec URLs fall back to zarr's own). The bounded queue keeps host memory at
-``queue_depth`` + 2 batches whatever the disk's speed.
-
-``describe_error`` classifies errors: ``data`` (a bad row, file and row named), ``cache``,
-``io`` (nothing past the last good commit is recorded; a rerun resumes), ``locked``, ``oom``,
-and ``bug`` (the only kind shown with its traceback).
+writer thread. Each batch's outputs are encoded on the device and copied to pinned host buffers
+on a side stream, overlapping the next forward; the writer thread waits on the copy's blocking
+CUDA event, hands the arrays to ``ShardWriter.write_batch`` (zarr stores them through the
+GIL-free ``zarrs`` pipeline) and commits every ``commit_seconds``. The bounded queue keeps host
+memory at ``queue_depth`` + 2 batches whatever the disk's speed.
 """
 
 from __future__ import annotations
@@ -32,34 +26,31 @@ from dflash.shared.cache import (HIDDEN_SCALE, CacheError, CacheSpec, ShardWrite
 from dflash.shared.hidden_codecs import check_scales
 from dflash.shared.shard_lock import LockError, ShardLock, ShardLocked
 
+from .chat import load_tokenizer
 from .config import ExtractConfig
 from .data import DataError, load_source
 from .plan import PlannedShard, plan_shard, shard_slice
 from .target import TargetRunner, compute_environment, head_backend_for, load_target
-from .chat import load_tokenizer
 
-GIL_SWITCH_S = 0.0005
-"""The worker's GIL switch interval (Python's default is 5 ms). The forward loop keeps the
-GIL busy; at 5 ms the writer thread waits that long at every hand-off and the cache is
-written at a sixth of its speed (BENCHMARKS_LOG.md, "writer_bench")."""
+GIL_SWITCH_S = 0.0005  # at Python's 5 ms the writer thread waits that long at every hand-off (BENCHMARKS_LOG.md)
+LOCK_POLL_S = 2.0  # seconds between attempts to take a shard's lock under --wait-for-lock
 
 
 @dataclass
 class WorkerTask:
-    """One shard's job: the run's settings, the cache's spec, which shard of how many, on which device."""
+    """One shard's job: the run's settings, the cache's spec as its root records it, which shard
+    of how many, on which device ('cpu' or 'cuda:N')."""
 
     cfg: ExtractConfig
     spec: CacheSpec
-    """The cache's spec as its root records it (an older format is resumed in its own layout)."""
     shard_id: int
     num_shards: int
     device: str
-    """'cpu' or 'cuda:N'."""
     cpu_threads: int | None = None
 
 
 class WriterFailed(Exception):
-    """The writer thread hit an error; ``cause`` is the original exception."""
+    """The writer thread hit ``cause``; ``committed`` is the last good commit."""
 
     def __init__(self, cause: BaseException, committed: dict[str, int]):
         self.cause, self.committed = cause, committed
@@ -70,40 +61,31 @@ class Stopped(Exception):
     """The caller's ``stop`` event asked the shard to stop early (what it wrote is committed)."""
 
 
-# ----------------------------------------------------------------------------- writer thread
-
-
 class WriterThread:
-    """Owns the ShardWriter from the first batch on: write_batch, periodic commit, finish."""
+    """Owns the ShardWriter from the first batch on: write_batch, periodic commit, finish. ``seconds``
+    and ``gpu`` say where the time went (the forward loop waiting for room in the queue: writer-bound)."""
 
-    def __init__(self, writer: ShardWriter, planned: PlannedShard, *, depth: int, commit_seconds: float,
-                 report: callable):
-        self.writer, self.planned = writer, planned
-        self.commit_seconds = commit_seconds
-        self.report = report
+    def __init__(self, writer: ShardWriter, planned: PlannedShard, depth: int, commit_seconds: float, report):
+        self.writer, self.planned, self.commit_seconds, self.report = writer, planned, commit_seconds, report
         self.queue: queue.Queue = queue.Queue(maxsize=depth)
         self.error: BaseException | None = None
         self.seconds = {"writer_busy": 0.0, "writer_idle": 0.0, "submit_blocked": 0.0}
-        """Where the time goes: the writer writing, the writer waiting for a batch, the forward
-        loop waiting for room in the queue (writer-bound when large)."""
         self.gpu = {"gpu_busy": 0.0, "gpu_gap": 0.0}
-        """On CUDA, from timing events around each batch's forward: the GPU's time inside the
-        batches, and its idle time between consecutive batches (waiting for the host)."""
         self._last_end = None
         self._thread = threading.Thread(target=self._run, name=f"shard-{writer.shard_id:05d}-writer", daemon=True)
         self._thread.start()
 
     def submit(self, item) -> None:
-        """Queue one batch (or None = finish); blocks while the queue is full; raises if the thread failed."""
+        """Queue one batch (or the end); blocks while the queue is full; raises if the thread failed."""
         t = time.perf_counter()
         while True:
             self.check()
             try:
                 self.queue.put(item, timeout=0.2)
-                self.seconds["submit_blocked"] += time.perf_counter() - t
-                return
+                break
             except queue.Full:
-                continue
+                pass
+        self.seconds["submit_blocked"] += time.perf_counter() - t
 
     def check(self) -> None:
         if self.error is not None:
@@ -114,12 +96,6 @@ class WriterThread:
         self.submit(("end", finish))
         self._thread.join()
         self.check()
-
-    def _clock(self, start, end) -> None:
-        self.gpu["gpu_busy"] += start.elapsed_time(end) / 1000
-        if self._last_end is not None:
-            self.gpu["gpu_gap"] += self._last_end.elapsed_time(start) / 1000
-        self._last_end = end
 
     def _run(self) -> None:
         last_commit = time.monotonic()
@@ -140,7 +116,11 @@ class WriterThread:
                 if event is not None:
                     event.synchronize()  # the device->host copies of this batch have landed
                 if marks is not None:  # recorded before those copies: complete too
-                    self._clock(*marks)
+                    start, end = marks
+                    self.gpu["gpu_busy"] += start.elapsed_time(end) / 1000
+                    if self._last_end is not None:
+                        self.gpu["gpu_gap"] += self._last_end.elapsed_time(start) / 1000
+                    self._last_end = end
                 t0, t1 = self.planned.batch_tokens(batch)
                 s0, s1 = self.writer.batch_samples(batch)
                 stored = {name: to_numpy(t) for name, t in host.items()}  # as the cache stores them
@@ -159,23 +139,17 @@ class WriterThread:
             self.error = e
 
 
-# ----------------------------------------------------------------------------- the worker
-
-
 def _mark():
-    """A timing event on the current CUDA stream (where the forward runs); blocking, so that a
-    thread waiting for it sleeps instead of spinning a core (CUDA's default for one context)."""
+    """A timing event on the current CUDA stream; blocking: a thread waiting for it sleeps, not spins."""
     event = torch.cuda.Event(enable_timing=True, blocking=True)
     event.record()
     return event
 
 
 def _to_host(out, spec: CacheSpec, device: torch.device, copy_stream=None) -> tuple[dict[str, torch.Tensor], Any]:
-    """Device->host copies of one batch's outputs, encoded as the cache stores them (on the
-    device: bf16 bits, or a lossy codec's payload and scales, and the top-k log-probs in their
-    stored dtype, so fewer bytes cross and get compressed): on CUDA into pinned buffers,
-    non_blocking, on ``copy_stream`` so that the next batch's forward runs while they land;
-    the returned event marks their end."""
+    """One batch's outputs encoded on the device as the cache stores them (fewer bytes cross) and,
+    on CUDA, copied non_blocking into pinned buffers on ``copy_stream``, so that the next forward
+    runs while they land; the returned event marks their end."""
     tensors = {
         **encode_hidden(spec, out.hidden, validate=False),  # (N, L, D) bits or (N, L, W) + (N, L, G)
         "topk_ids": out.topk_ids,
@@ -207,12 +181,9 @@ def use_device(task: WorkerTask) -> torch.device:
 
 
 def run_shard(task: WorkerTask, report, stop: threading.Event | None = None) -> dict[str, Any]:
-    """Take the shard's lock (one writer per shard), plan its slice, then resume and extract it
-    (see ``extract_shard``); the lock is released however that ends.
-
-    ``report(kind, **fields)`` receives progress messages; ``stop`` (an Event) asks for a clean
-    early stop: whatever is written gets committed, then ``Stopped``.
-    """
+    """Lock, plan, resume and extract one shard (``extract_shard``), releasing the lock however that
+    ends. ``report(kind, **fields)`` receives progress; a set ``stop`` commits what is written, then
+    raises ``Stopped``."""
     use_device(task)
     lock, runners = take_lock(task, report, stop), []
     try:
@@ -231,25 +202,6 @@ def plan_task(task: WorkerTask, tokenizer, ds) -> tuple[PlannedShard, dict[str, 
     rows, start = shard_slice(ds, task.num_shards, task.shard_id)
     planned = plan_shard(rows, start, task.cfg.data, tokenizer, task.cfg)
     return planned, {"plan_s": round(time.perf_counter() - t, 3)}
-
-
-def target_runner(cfg: ExtractConfig, device: torch.device, spec: CacheSpec, timing: dict[str, float]
-                   ) -> TargetRunner:
-    """The target on ``device`` with its capture hooks for ``spec``'s layers and top-k, and its
-    head (compiled on CUDA); the seconds into ``timing``."""
-    t = time.perf_counter()
-    model = load_target(cfg.model, dtype=cfg.dtype, device=device, attn_implementation=cfg.attn_implementation,
-                        revision=cfg.revision)
-    timing["model_load_s"] = round(time.perf_counter() - t, 3)
-    backend = head_backend_for(device)
-    t = time.perf_counter()
-    runner = TargetRunner(model, spec.layer_ids, spec.topk, cfg.lm_head_chunk, backend)
-    timing["head_setup_s"] = round(time.perf_counter() - t, 3)
-    return runner
-
-
-LOCK_POLL_S = 2.0
-"""Seconds between attempts to take a shard's lock under ``wait_for_lock``."""
 
 
 def take_lock(task: WorkerTask, report, stop) -> ShardLock:
@@ -278,8 +230,7 @@ def extract_shard(task: WorkerTask, planned: PlannedShard, pad_id: int | None, l
                   stop, timing: dict[str, float], runners: list) -> dict[str, Any]:
     """Resume one planned, locked shard and, where it is not complete, extract it; returns its final
     commit record. ``runners`` keeps the loaded target for the next shard (the caller closes it)."""
-    cfg = task.cfg
-    device = torch.device(task.device)
+    cfg, device = task.cfg, torch.device(task.device)
     with zarr.config.set(writer_zarr_settings(cfg.out)):  # the shard's write path; other zarr users keep theirs
         writer = ShardWriter(open_root(cfg.out, "r+"), task.shard_id, planned.plan, task.spec,
                              compute=compute_environment(device))
@@ -290,46 +241,43 @@ def extract_shard(task: WorkerTask, planned: PlannedShard, pad_id: int | None, l
                 writer.finish()
             return writer.committed
         if not runners:
-            runners.append(target_runner(cfg, device, task.spec, timing))
-        try:
-            return _extract(cfg, planned, writer, device, runners[0], pad_id=pad_id, report=report, stop=stop,
-                            timing=timing)
-        finally:
-            if "loop_s" in timing:  # the loop ran to its end (or a requested stop)
-                report("timing", **timing)
+            t = time.perf_counter()
+            model = load_target(cfg.model, dtype=cfg.dtype, device=device,
+                                attn_implementation=cfg.attn_implementation, revision=cfg.revision)
+            timing["model_load_s"] = round(time.perf_counter() - t, 3)
+            t = time.perf_counter()
+            runners.append(TargetRunner(model, task.spec.layer_ids, task.spec.topk, cfg.lm_head_chunk,
+                                        head_backend_for(device)))  # compiles the head on CUDA
+            timing["head_setup_s"] = round(time.perf_counter() - t, 3)
+        return _extract(cfg, planned, writer, device, runners[0], pad_id, report, stop, timing)
 
 
 def _extract(cfg: ExtractConfig, planned: PlannedShard, writer: ShardWriter, device: torch.device,
-             runner: TargetRunner, *, pad_id: int | None, report, stop, timing: dict[str, float]) -> dict[str, Any]:
-    """The forward loop on this (main) thread, the writer thread behind it; returns the final
-    commit and fills ``timing``: wall and CPU seconds of the loop, the seconds from its last
-    batch to the final commit (``drain_s``), the writer's busy/idle split and, on CUDA, the
-    GPU's seconds inside and between batches (``gpu_busy``, ``gpu_gap``)."""
-    plan = planned.plan
-    num_batches = len(plan.batches) - 1
-    pad_id = pad_id if pad_id is not None else 0
-    offsets = plan.offsets
+             runner: TargetRunner, pad_id: int | None, report, stop, timing: dict[str, float]) -> dict[str, Any]:
+    """The forward loop on this (main) thread, the writer thread behind it; returns the final commit
+    and, where the loop ended or was stopped, reports ``timing`` with the loop's wall and CPU seconds,
+    ``drain_s`` (last batch to final commit), the writer's busy/idle split and, on CUDA, ``gpu_busy``
+    and ``gpu_gap``."""
+    offsets = planned.plan.offsets
     report("started")
     t_loop, cpu_loop = time.perf_counter(), time.process_time()
-
-    thread = WriterThread(writer, planned, depth=cfg.queue_depth, commit_seconds=cfg.commit_seconds, report=report)
+    thread = WriterThread(writer, planned, cfg.queue_depth, cfg.commit_seconds, report)
     copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
     marks = None  # (start, end) timing events of the previous batch's forward, on CUDA
     stopped = False
     try:
-        for batch in range(writer.next_batch, num_batches):
+        for batch in range(writer.next_batch, len(planned.plan.batches) - 1):
             if stop is not None and stop.is_set():
                 stopped = True
                 break
             s0, s1 = writer.batch_samples(batch)
             samples = [torch.from_numpy(planned.input_ids[offsets[s]:offsets[s + 1]]).long() for s in range(s0, s1)]
-            ids, mask, index = TargetRunner.pad_batch(samples, pad_id)
+            ids, mask, index = TargetRunner.pad_batch(samples, pad_id if pad_id is not None else 0)
             if device.type == "cuda":
                 ids, mask, index = ids.pin_memory(), mask.pin_memory(), index.pin_memory()
             if marks is not None:
-                # Sleep until the GPU has finished the previous batch: HF's mask code waits for
-                # it inside the forward anyway (a host-GPU sync per batch, BENCHMARKS_LOG.md),
-                # and there CUDA spins a core for the whole wait.
+                # sleep until the GPU has finished the previous batch: HF's mask code waits for it
+                # inside the forward anyway, and there CUDA spins a core for the whole wait
                 marks[1].synchronize()
             start = _mark() if copy_stream is not None else None
             out = runner.forward(ids, mask, index)
@@ -342,8 +290,7 @@ def _extract(cfg: ExtractConfig, planned: PlannedShard, writer: ShardWriter, dev
     except WriterFailed:
         raise
     except BaseException:
-        # the forward loop failed (e.g. out of memory): commit what the writer already has
-        try:
+        try:  # the forward loop failed (e.g. out of memory): commit what the writer already has
             thread.close(finish=False)
         except WriterFailed:
             pass
@@ -355,6 +302,7 @@ def _extract(cfg: ExtractConfig, planned: PlannedShard, writer: ShardWriter, dev
                   drain_s=round(t_end - t_drain, 3), **{k: round(v, 3) for k, v in thread.seconds.items()})
     if copy_stream is not None:
         timing.update({k: round(v, 3) for k, v in thread.gpu.items()})
+    report("timing", **timing)
     if stopped:
         raise Stopped()
     return writer.committed
@@ -369,13 +317,14 @@ def bad_row_message(e: DataError, cfg: ExtractConfig) -> str:
 
 
 def describe_error(e: BaseException, task: WorkerTask) -> tuple[str, str]:
-    """(kind, message) for the user; see the module docstring for the kinds."""
+    """(kind, message) for the user. Kinds: ``data`` (a bad row, file and row named), ``io`` (nothing
+    past the last good commit is recorded; a rerun resumes), ``locked``, ``cache``, ``oom``, and
+    ``bug`` (the only one shown with its traceback)."""
     shard = f"shard {task.shard_id:05d}"
     if isinstance(e, DataError):
         return "data", bad_row_message(e, task.cfg)
     if isinstance(e, WriterFailed):
-        c = e.committed
-        cause = e.cause
+        c, cause = e.committed, e.cause
         what = "I/O error" if isinstance(cause, OSError) else "error"
         return "io", (f"{shard}: {what} while writing {task.cfg.out}: {type(cause).__name__}: {cause}. "
                       f"Committed and intact: {c['batches']} batches, {c['samples']} samples, {c['tokens']} tokens. "
