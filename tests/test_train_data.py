@@ -359,8 +359,6 @@ def test_kd_reads_the_target_distribution_at_anchor_plus_k_minus_1(topk_cache):
 def test_training_reads_the_top_k_only_for_distillation(topk_cache, tiny_target_dir, tmp_path):
     """CE on data labels trains on a cache without top-k log-probs (kd, the default, refuses it); kd and mix with target
     labels train (the loss is the objective: mix sits between its CE and KL)."""
-    from dflash.train.loop import train
-
     copy = tmp_path / "c.zarr"
     shutil.copytree(topk_cache, copy)
     shutil.rmtree(copy / "shards" / "00000" / "topk_logprobs")

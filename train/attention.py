@@ -93,7 +93,6 @@ def tile_maps(anchors: torch.Tensor, block_valid: torch.Tensor, ctx_len: torch.T
     return any_row.any(dim=2), full_row.all(dim=2)
 
 
-
 def dflash_block_mask(anchors: torch.Tensor, block_valid: torch.Tensor, ctx_len: torch.Tensor,
                       context_len: int, block_size: int) -> BlockMask:
     """The flex ``BlockMask`` from ``tile_maps`` with plain tensor ops: unlike ``create_block_mask``,
