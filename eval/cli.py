@@ -1,7 +1,7 @@
 """``dflash-eval``: acceptance of a drafter against its target, per benchmark.
 
     dflash-eval --target MODEL --drafter RUN_OR_EXPORT --prompts [NAME=]DATA [--prompts NAME=DATA ...] \\
-        [--mode replay|online] [--spec-sample 8] [--batch-size 16] [--capture] [--max-new-tokens 128] [--limit N] \\
+        [--mode replay|online] [--spec-sample 8] [--batch-size 16] [--no-capture] [--max-new-tokens 128] [--limit N] \\
         [--device cpu|cuda] [--json out.json] [--no-check] [--no-warmup]
 
 ``--mode replay`` (default, ``replay_eval``): the tau real decoding gets, replayed from
@@ -122,8 +122,9 @@ def parse_benchmarks(specs: list[str]) -> list[tuple[str, str]]:
               "speculatively for real (lossless, tau equal, speed); 0 = none.")
 @click.option("--batch-size", type=click.IntRange(min=1), default=16, help="replay: prompts per batched generate and "
               "target forward.")
-@click.option("--capture/--no-capture", default=False, help="Timed greedy and speculative decoding on a static KV "
-              "cache; on CUDA the target's decode/verify forwards and the drafter's proposal in CUDA graphs.")
+@click.option("--capture/--no-capture", default=None, help="Timed greedy and speculative decoding on a static KV "
+              "cache; on CUDA the target's decode/verify forwards and the drafter's proposal in CUDA graphs "
+              "(default: on for cuda, off for cpu).")
 @click.option("--split", default="train", help="Dataset split.")
 @click.option("--max-new-tokens", type=click.IntRange(min=1), default=128, help="Tokens generated per prompt.")
 @click.option("--limit", type=Maybe(click.IntRange(min=1)), help="Use the first N prompts.")
@@ -136,7 +137,7 @@ def parse_benchmarks(specs: list[str]) -> list[tuple[str, str]]:
 @click.option("--warmup/--no-warmup", default=True, help="Run an untimed warm-up decode first.")
 @click.option("--json", "report_path", type=Maybe(str), help="Write the full report here.")
 def cli(target: str, drafter: str, prompts: tuple[str, ...], mode: str, spec_sample: int, batch_size: int,
-        capture: bool, split: str, max_new_tokens: int, limit: int | None, device: str, dtype: str,
+        capture: bool | None, split: str, max_new_tokens: int, limit: int | None, device: str, dtype: str,
         template_kwargs: dict, check: bool, warmup: bool, report_path: str | None):
     """Acceptance (tau) of a DFlash drafter per benchmark: replayed over every prompt from the
     target's batched greedy continuations, checked and timed against real speculative decoding
@@ -156,6 +157,7 @@ def cli(target: str, drafter: str, prompts: tuple[str, ...], mode: str, spec_sam
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     dtype = dtype if dtype != "auto" else ("bfloat16" if device.startswith("cuda") else "float32")
+    capture = device.startswith("cuda") if capture is None else capture  # uncaptured, launches decide the speed
     tokenizer = AutoTokenizer.from_pretrained(target)
     prompt_sets = {}
     for name, data in benchmarks:
