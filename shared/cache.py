@@ -322,9 +322,14 @@ def bf16_to_bits(x: torch.Tensor) -> np.ndarray:
 # ----------------------------------------------------------------------------- root
 
 
+def _store_options(path: str) -> dict | None:
+    """fsspec's local files make no folders unless asked (``file://`` URLs; object stores need none)."""
+    return {"auto_mkdir": True} if str(path).startswith("file://") else None
+
+
 def open_root(path: str, mode: str = "r") -> zarr.Group:
     try:
-        return zarr.open_group(store=path, mode=mode, zarr_format=3)
+        return zarr.open_group(store=path, mode=mode, zarr_format=3, storage_options=_store_options(path))
     except FileNotFoundError as e:
         raise CacheError(f"{path}: no cache there ({e})") from e
     except Exception as e:  # zarr raises several kinds for a missing or foreign store
@@ -346,13 +351,12 @@ def _new_root(root: zarr.Group, spec: CacheSpec) -> zarr.Group:
     return root
 
 
-def create_or_open_cache(path: str, spec: CacheSpec, storage_options: dict | None = None, *,
-                         replace_uncommitted: bool = False) -> zarr.Group:
+def create_or_open_cache(path: str, spec: CacheSpec, *, replace_uncommitted: bool = False) -> zarr.Group:
     """Create the cache root, or reopen one with the same fingerprint and layout. A cache made
     with another target, tokenizer, dataset or setting is refused naming every difference, unless
     ``replace_uncommitted`` is set and none of its shards committed a sample (a run that failed
     before its first commit): then it is replaced, with a warning naming the differences."""
-    root = zarr.open_group(store=path, mode="a", zarr_format=3, storage_options=storage_options)
+    root = zarr.open_group(store=path, mode="a", zarr_format=3, storage_options=_store_options(path))
     existing = root.attrs.get(ATTRS_KEY)
     if existing is None:
         if len(list(root.keys())) > 0:

@@ -578,12 +578,11 @@ def test_a_shard_resumes_only_where_it_was_computed(tmp_path, extracted, dataset
 
 def test_two_processes_on_an_fsspec_url_equal_torchruns(tmp_path, extracted, dataset, tiny_target_dir):
     """Two processes as torchrun starts them (RANK, WORLD_SIZE, MASTER_ADDR, ... set), writing
-    through fsspec to a file:// URL (zarr's own pipeline: zarrs writes local folders only): the
-    shards equal the torchrun run's."""
+    through fsspec to a file:// URL of a folder that does not exist yet (zarr's own pipeline: zarrs
+    writes local folders only): the shards equal the torchrun run's."""
     reference, _, _ = extracted
     out = tmp_path / "c.zarr"
-    cli("--data", dataset[0], "--model", tiny_target_dir, "--out", f"file://{out}", "--on-bad-row", "skip", *COMMON,
-        FSSPEC_FILE_AUTO_MKDIR="1")
+    cli("--data", dataset[0], "--model", tiny_target_dir, "--out", f"file://{out}", "--on-bad-row", "skip", *COMMON)
     for s in (0, 1):
         assert_same_shard(reference, out, s)
     fingerprints = [zarr.open_group(str(p), mode="r").attrs[C.ATTRS_KEY]["fingerprint"] for p in (reference, out)]
@@ -852,7 +851,7 @@ def test_the_shard_writer_uses_zarrs_for_a_folder_and_zarrs_own_pipeline_for_a_u
         with warnings.catch_warnings():
             warnings.simplefilter("error")  # no fallback warning from zarrs
             with zarr.config.set(C.writer_zarr_settings(cfg.out)):
-                root = C.create_or_open_cache(out, spec, storage_options={"auto_mkdir": True} if "://" in out else None)
+                root = C.create_or_open_cache(out, spec)
                 w = C.ShardWriter(root, 0, plan, spec)
                 assert {type(a.async_array.codec_pipeline).__name__ for a in w.arrays.values()} == {expected}
                 rows = {}
