@@ -323,7 +323,9 @@ class StaticTarget(EagerTarget):
         self.cache = StaticCache(config=target.config, max_cache_len=max_length)
         self.max_length, self._length = max_length, 0
         self._cache_name = _cache_argument(type(target))
-        self._step = torch.compile(self._run, mode="reduce-overhead") if capture else self._run
+        # static shapes: decoding sees only 1 and B new tokens (the prefill runs eager), and automatic
+        # dynamic shapes would compile the 30-layer target once more, with generic kernels
+        self._step = torch.compile(self._run, mode="reduce-overhead", dynamic=False) if capture else self._run
 
     def reset(self) -> None:
         self.cache.reset()
