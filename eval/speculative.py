@@ -324,7 +324,7 @@ class StaticTarget(EagerTarget):
         self.max_length, self._length = max_length, 0
         self._cache_name = _cache_argument(type(target))
         # static shapes: decoding sees only 1 and B new tokens (the prefill runs eager), and automatic
-        # dynamic shapes would compile the 30-layer target once more, with generic kernels
+        # dynamic shapes would compile the whole target once more, with generic kernels
         self._step = torch.compile(self._run, mode="reduce-overhead", dynamic=False) if capture else self._run
 
     def reset(self) -> None:
