@@ -1,19 +1,19 @@
 """``dflash-eval``: acceptance of a drafter against its target, per benchmark.
 
     dflash-eval --target MODEL --drafter RUN_OR_EXPORT --prompts [NAME=]DATA [--prompts NAME=DATA ...] \\
-        [--mode replay|online] [--spec-sample 8] [--batch-size 16] [--no-capture] [--max-new-tokens 128] [--limit N] \\
+        [--spec-sample 8] [--batch-size 16] [--no-capture] [--max-new-tokens 128] [--limit N] \\
         [--device cpu|cuda] [--json out.json] [--no-check] [--no-warmup]
 
-``--mode replay`` (default, ``replay_eval``): the tau real decoding gets, replayed from
-batched greedy continuations over every prompt; then real speculative decoding of
-``--spec-sample`` prompts per benchmark checks losslessness and the replay's taus, and times
-both decoders. ``--mode online``: real speculative vs greedy decoding of every prompt.
+The tau real decoding gets, replayed (``replay_eval``) from batched greedy continuations over
+every prompt; then real speculative decoding of ``--spec-sample`` prompts per benchmark (all of
+them where it is at least their number) checks losslessness and the replay's taus, and times
+both decoders.
 
 Prompts come from any source ``extract`` reads: a chat is cut after its last user turn and
 rendered with the generation prompt; a ``text`` row is a raw prefix; a row with only a
 ``prompt`` or ``question`` string becomes one user turn. The exit status is 1 when any
-speculative output differs from greedy (after writing --json), and in replay mode in float32
-also when an online tau differs from the replay's.
+speculative output differs from greedy (after writing --json), and in float32 also when an
+online tau differs from the replay's.
 """
 
 from __future__ import annotations
@@ -116,12 +116,10 @@ def parse_benchmarks(specs: list[str]) -> list[tuple[str, str]]:
               "(config.json) or training run / checkpoint folder (latest checkpoint).")
 @click.option("--prompts", multiple=True, required=True, help="Prompt dataset (anything extract's load_source reads) "
               "as DATA or NAME=DATA; repeat for several benchmarks.")
-@click.option("--mode", type=click.Choice(["replay", "online"]), default="replay", help="replay: tau of every prompt "
-              "from batched greedy continuations, real decoding on a sample; online: real decoding of every prompt.")
-@click.option("--spec-sample", type=click.IntRange(min=0), default=8, help="replay: prompts per benchmark decoded "
-              "speculatively for real (lossless, tau equal, speed); 0 = none.")
-@click.option("--batch-size", type=click.IntRange(min=1), default=16, help="replay: prompts per batched generate and "
-              "target forward.")
+@click.option("--spec-sample", type=click.IntRange(min=0), default=8, help="Prompts per benchmark decoded "
+              "speculatively for real (lossless, tau equal, speed); 0 = none, at least the prompts = all.")
+@click.option("--batch-size", type=click.IntRange(min=1), default=16, help="Prompts per batched generate and target "
+              "forward.")
 @click.option("--capture/--no-capture", default=None, help="Timed greedy and speculative decoding on a static KV "
               "cache; on CUDA the target's decode/verify forwards and the drafter's proposal in CUDA graphs "
               "(default: on for cuda, off for cpu).")
@@ -136,14 +134,12 @@ def parse_benchmarks(specs: list[str]) -> list[tuple[str, str]]:
 @click.option("--check/--no-check", default=True, help="Fail (exit 1) when speculative output differs from greedy.")
 @click.option("--warmup/--no-warmup", default=True, help="Run an untimed warm-up decode first.")
 @click.option("--json", "report_path", type=Maybe(str), help="Write the full report here.")
-def cli(target: str, drafter: str, prompts: tuple[str, ...], mode: str, spec_sample: int, batch_size: int,
+def cli(target: str, drafter: str, prompts: tuple[str, ...], spec_sample: int, batch_size: int,
         capture: bool | None, split: str, max_new_tokens: int, limit: int | None, device: str, dtype: str,
         template_kwargs: dict, check: bool, warmup: bool, report_path: str | None):
     """Acceptance (tau) of a DFlash drafter per benchmark: replayed over every prompt from the
     target's batched greedy continuations, checked and timed against real speculative decoding
-    on a sample (--mode replay), or real speculative vs greedy decoding of every prompt (--mode online)."""
-    if mode == "online" and len(prompts) > 1:
-        raise click.UsageError("--mode online takes one --prompts; replay mode (the default) takes several")
+    on a sample."""
     usable_device(device)
     benchmarks = parse_benchmarks(list(prompts))
     import torch
@@ -153,7 +149,7 @@ def cli(target: str, drafter: str, prompts: tuple[str, ...], mode: str, spec_sam
     from dflash.extract.data import DataError
     from dflash.extract.target import load_target
 
-    from .speculative import evaluate, format_report, load_drafter
+    from .speculative import load_drafter
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     dtype = dtype if dtype != "auto" else ("bfloat16" if device.startswith("cuda") else "float32")
@@ -175,18 +171,10 @@ def cli(target: str, drafter: str, prompts: tuple[str, ...], mode: str, spec_sam
     eos = stop_token_ids(model, tokenizer)
     click.echo(f"{', '.join(f'{n}: {len(p)}' for n, p in prompt_sets.items())} prompts, block size "
                f"{config.block_size}, layers {config.target_layer_ids}, {device} {dtype}", err=True)
-    if mode == "online":
-        (name, data), prompt_ids = benchmarks[0], prompt_sets[benchmarks[0][0]]
-        result = evaluate(model, draft_model, prompt_ids, max_new_tokens=max_new_tokens, eos_token_ids=eos,
-                          check=False, warmup=warmup, progress=True, capture=capture)
-        result["settings"].update({"target": target, "drafter": drafter, "prompts": data, "split": split})
-        click.echo(format_report(result))
-        decoded = [("", row) for row in result["per_prompt"]]
-    else:
-        settings = {"target": target, "drafter": drafter, "prompts": list(prompts), "split": split, "mode": "replay",
-                    "max_new_tokens": max_new_tokens, "spec_sample": spec_sample, "batch_size": batch_size,
-                    "capture": capture, "device": device, "dtype": dtype}
-        result, decoded = replay_mode(model, draft_model, prompt_sets, eos, settings, warmup=warmup)
+    settings = {"target": target, "drafter": drafter, "prompts": list(prompts), "split": split,
+                "max_new_tokens": max_new_tokens, "spec_sample": spec_sample, "batch_size": batch_size,
+                "capture": capture, "device": device, "dtype": dtype}
+    result, decoded = replay_mode(model, draft_model, prompt_sets, eos, settings, warmup=warmup)
     failed = [f"{name}{r['mismatch']}" for name, r in decoded if not r["lossless"] and not r["tie"]]
     ties = [f"{name}{r['mismatch']}" for name, r in decoded if r["tie"]]
     diverged = [f"{name}{r['divergence']}" for name, r in decoded if r.get("divergence")]

@@ -552,24 +552,3 @@ def evaluate(target, drafter: DFlashDrafter | DFlashProposer, prompts: Sequence[
 
 def fmt(value, spec: str = ".2f") -> str:  # "-" for a figure not measured (None or NaN)
     return "-" if value is None or (isinstance(value, float) and math.isnan(value)) else format(value, spec)
-
-
-def format_report(result: dict[str, Any]) -> str:  # evaluate's per-prompt table, overall line, tau histogram
-    head = f"{'#':>4} {'prompt':>6} {'new':>5} {'blocks':>6} {'tau':>6} {'tok/fwd':>7} " \
-           f"{'greedy s':>8} {'spec s':>8} {'speedup':>7}  ok"
-    lines = [head, "-" * len(head)]
-    for r in result["per_prompt"]:
-        lines.append(f"{r['index']:>4} {r['prompt_tokens']:>6} {r['new_tokens']:>5} {r['blocks']:>6} "
-                     f"{fmt(r['tau']):>6} "
-                     f"{fmt(r['tokens_per_target_forward']):>7} {fmt(r['greedy_seconds']):>8} "
-                     f"{fmt(r['spec_seconds']):>8} {fmt(r['speedup']):>6}x  {'yes' if r['lossless'] else 'NO'}")
-    o = result["overall"]
-    if o.get("prompts"):
-        lines += ["-" * len(head),
-                  f"overall: {o['prompts']} prompts, {o['new_tokens']} tokens, tau {fmt(o['tau'])} over "
-                  f"{o['blocks']} blocks, {fmt(o['tokens_per_target_forward'])} tokens per target forward, "
-                  f"greedy {fmt(o['greedy_seconds'])} s vs speculative {fmt(o['spec_seconds'])} s "
-                  f"= {fmt(o['speedup'])}x, lossless: {'yes' if o['lossless'] else 'NO'}",
-                  "tau histogram (accepted tokens per block): "
-                  + " ".join(f"{k}:{n}" for k, n in enumerate(o["tau_histogram"], start=1))]
-    return "\n".join(lines)

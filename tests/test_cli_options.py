@@ -276,6 +276,3 @@ def test_usage_errors_from_validate_and_missing_model_or_endpoint(tmp_path):
                                  "--max-new-tokens"), (regenerate_cli, ["--data", "d", "--out", "o"], "--batch-size")):
         result = CliRunner().invoke(command, [*argv, flag, "0"])
         assert result.exit_code == 2 and flag in result.output and "0 is not in the range" in result.output
-    two = CliRunner().invoke(eval_cli, ["--target", "t", "--drafter", str(tmp_path), "--prompts", "a", "--prompts", "b",
-                                        "--mode", "online"])
-    assert two.exit_code == 2 and "--mode online takes one --prompts" in two.output
