@@ -1,11 +1,8 @@
-"""Messages of one chat row, kept exactly as a chat template reads them.
-
-What a template reads stays, as the row gives it: per message `content`, `reasoning_content`,
-`tool_calls`, `tool_call_id` and `name`; per row `tools` and a top-level `system`. Only
-JSON-string tool-call arguments and a JSON-string `tools` are decoded, since templates
-serialise them as objects (`arguments | tojson`). Each function reports a bad shape through
-`fail(reason, problem)`, which the caller turns into its own error naming file and row.
-Regeneration writes and sends messages through `regenerated_message` and `wire_message`.
+"""Messages of one chat row, kept exactly as a chat template reads them: per message `content`,
+`reasoning_content`, `tool_calls`, `tool_call_id`, `name`; per row `tools` and a top-level `system`.
+Only JSON-string tool-call arguments and `tools` are decoded (templates write `arguments | tojson`).
+A bad shape is reported through `fail(reason, problem)`, which the caller turns into an error
+naming file and row.
 """
 
 from __future__ import annotations
@@ -81,8 +78,7 @@ def _content(content: Any, where: str, fail: Fail) -> Any:
 
 
 def _tool_calls(calls: Any, where: str, fail: Fail) -> Any:
-    """Tool calls as given, JSON-string arguments decoded to an object (OpenAI nests name and
-    arguments under 'function'; rows that put them on the call itself keep that shape)."""
+    """Tool calls as given, JSON-string arguments decoded (under 'function' as OpenAI nests them, or on the call)."""
     if calls is None:
         return None
     if not isinstance(calls, list):
@@ -138,8 +134,7 @@ def add_system(messages: list[dict[str, Any]], system: Any, fail: Fail) -> None:
 
 def regenerated_message(source: dict, content: str, reasoning: str | None = None,
                         tool_calls: list | None = None) -> dict:
-    """The source assistant message with the target's content, reasoning and tool calls in place
-    of its own (the loss covers every token of the turn); other fields (a `name`) kept."""
+    """The source assistant message with the target's content, reasoning and tool calls in place of its own."""
     message = {k: v for k, v in source.items() if k not in ("reasoning_content", "tool_calls") and v is not None}
     message["content"] = content
     if reasoning:
@@ -150,8 +145,8 @@ def regenerated_message(source: dict, content: str, reasoning: str | None = None
 
 
 def wire_message(message: dict) -> dict:
-    """A message as the chat-completions API takes it and as the output rows store it: no None fields,
-    tool-call arguments as JSON strings (the API's type; Arrow cannot hold free-form objects)."""
+    """A message as the chat-completions API takes it and the output rows store it: no None fields,
+    tool-call arguments as JSON strings (Arrow cannot hold free-form objects)."""
     wire = {k: v for k, v in message.items() if v is not None}
     if wire.get("tool_calls"):
         calls = []

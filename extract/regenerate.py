@@ -1,24 +1,18 @@
 """Regenerate a chat dataset's assistant turns with the target itself, so the drafter trains on
-the target's own answers (README.md, "Before stage one"): turn k of a chat is asked with the
-turns before it already regenerated. One driver, `regenerate`, runs an engine over parts of
-`part_size` rows: the target in this process (`LocalEngine`) or an OpenAI-compatible server
-(`regenerate_endpoint.EndpointEngine`). An engine has `record` (its keys of run.json),
-`sampler` (self-prompting's `QuestionSampler`, or None), `run(parts, finish, bar)` (answer
-every chat of each part, then `finish(part)`) and `metadata(stats)`.
+the target's own answers (README.md, "Before stage one"). One driver, `regenerate`, runs an engine
+over parts of `part_size` rows: the target in this process (`LocalEngine`) or an OpenAI-compatible
+server (`regenerate_endpoint.EndpointEngine`).
 
     OUT/run.json                      settings + fingerprints, written first, checked on resume
-    OUT/parts/part-00000.turns.jsonl  the turn journal of an unfinished part
+    OUT/parts/part-00000.turns.jsonl  the turn journal of an unfinished part (server engine)
     OUT/parts/part-00000.jsonl        the part's rows; part-00000.done.json its counts (marks it done)
-    OUT/state.json, data-*.arrow, ... every part via save_to_disk, read by ``load_source(OUT)``: rows
-                                      {"messages", "source_row", "truncated_turns"}
+    OUT/state.json, data-*.arrow, ... every part, read by ``load_source(OUT)``
     OUT/regenerate.json               fingerprints, generation settings, counts (written last)
 
-Resume: the turn journal keeps every answered turn of an unfinished part. A server seeds each
-request from (seed, row, turn), so it journals as it goes. In process, batched sampling draws
-from one generator seeded from (seed, part), so answered turns cannot be kept without changing
-the later ones: it journals nothing and redoes an unfinished part whole, and a resumed run
-gives the uninterrupted run's rows. The model's generation_config sampling defaults (Qwen3:
-temperature 0.6, top_k 20) are overridden: only these settings apply.
+Resume: a server seeds each request from (seed, row, turn), so its answered turns are journaled
+and kept. In process, a part samples from one generator seeded from (seed, part), so an
+unfinished part is redone whole and a resumed run gives the uninterrupted run's rows. Only these
+settings apply: the model's generation_config sampling defaults are overridden.
 """
 
 from __future__ import annotations
@@ -51,8 +45,7 @@ PARTS_DIR = "parts"
 
 @dataclass
 class GenerationSettings:
-    """How the target answers; everything that changes the generated text (each field's meaning: its
-    flag's help in extract/regenerate_cli.py)."""
+    """How the target answers: everything that changes the generated text (fields: regenerate_cli.py's help)."""
 
     temperature: float = 0.0
     top_p: float = 1.0
@@ -63,23 +56,10 @@ class GenerationSettings:
     template_kwargs: dict[str, Any] = field(default_factory=dict)
     dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
 
-    def validate(self) -> None:
-        t, p, new, prompt = self.temperature, self.top_p, self.max_new_tokens, self.max_prompt_tokens
-        _require(("temperature", t, t >= 0, ">= 0"), ("top_p", p, 0 < p <= 1, "in (0, 1]"),
-                 ("max_new_tokens", new, new >= 1, ">= 1"),
-                 ("max_prompt_tokens", prompt, prompt is None or prompt >= 1, ">= 1"))
-
-
-def _require(*checks: tuple[str, Any, bool, str]) -> None:
-    """Raise ValueError for the first (name, value, ok, want) that is not ok."""
-    for name, value, ok, want in checks:
-        if not ok:
-            raise ValueError(f"{name} must be {want}, got {value}")
-
 
 @dataclass
 class RegenConfig:
-    """One regeneration job (each field's meaning: its flag's help in extract/regenerate_cli.py)."""
+    """One regeneration job (fields: regenerate_cli.py's help)."""
 
     data: str | None  # None: self-prompted rows only
     model: str | None  # with ``endpoint``: the served model's name (None: the one model the server lists)
@@ -108,15 +88,17 @@ class RegenConfig:
 
     def validate(self) -> None:
         """Raise ValueError naming the first setting that cannot work."""
-        self.generation.validate()
-        prompts, t, p = self.self_prompts, self.question_temperature, self.question_top_p
-        _require(("self_prompts", prompts, prompts >= 0, "0 or more"), ("question_temperature", t, t >= 0, ">= 0"),
-                 ("question_top_p", p, 0 < p <= 1, "in (0, 1]"),
-                 ("question_max_tokens", self.question_max_tokens, self.question_max_tokens >= 1, ">= 1"),
-                 ("question_min_chars", self.question_min_chars, self.question_min_chars >= 0, "0 or more"),
-                 *((name, getattr(self, name), getattr(self, name) >= 1, "at least 1")
-                   for name in ("batch_size", "concurrency", "part_size")),
-                 ("limit", self.limit, self.limit is None or self.limit >= 1, "at least 1"))
+        for names, ok, want in (
+                (("temperature", "question_temperature"), lambda v: v >= 0, ">= 0"),
+                (("top_p", "question_top_p"), lambda v: 0 < v <= 1, "in (0, 1]"),
+                (("max_new_tokens", "max_prompt_tokens", "question_max_tokens"), lambda v: v is None or v >= 1, ">= 1"),
+                (("self_prompts", "question_min_chars"), lambda v: v >= 0, "0 or more"),
+                (("batch_size", "concurrency", "part_size", "limit"), lambda v: v is None or v >= 1, "at least 1")):
+            for name in names:
+                value = getattr(self.generation if hasattr(self.generation, name) else self, name)
+                if not ok(value):
+                    raise ValueError(f"{name} must be {want}, got {value}")
+        prompts = self.self_prompts
         if prompts and (self.endpoint is not None or self.model is None):
             raise ValueError("--self-prompts needs the target in process: give --model, without --endpoint (a chat "
                              "API cannot continue a bare user header)")
@@ -141,8 +123,7 @@ class Chat:
 
     @classmethod
     def start(cls, conv: Conversation, counts: SkipCounter) -> Chat:
-        """A chat ready for its first turn. Assistant messages before any other message
-        have no prompt to answer (split ShareGPT chats start so): they are removed, counted."""
+        """A chat ready for its first turn; leading assistant messages (no prompt to answer) removed, counted."""
         messages = [dict(m) for m in conv.messages]
         leading = next((i for i, m in enumerate(messages) if m["role"] != "assistant"), len(messages))
         if leading:
@@ -193,7 +174,6 @@ def read_journal(path: Path) -> list[dict]:
 @dataclass
 class Part:
     """One part being regenerated: its chats as far as its turn journal got."""
-
     index: int
     rows: int  # source rows it covers
     chats: list[Chat]
@@ -206,8 +186,7 @@ class Part:
     file: Any = None  # the journal, once open for appends
 
     def apply(self, chat: Chat, event: dict, *, journal: bool = False) -> None:
-        """One answered turn applied to its chat (the answer, or a cut there); with ``journal``,
-        appended to the journal first."""
+        """One answered turn (or a cut there) applied to its chat; with ``journal``, journaled first."""
         if journal:
             self.file = self.file or self.journal.open("a", encoding="utf-8")
             self.file.write(json.dumps(event, ensure_ascii=False) + "\n")
@@ -273,8 +252,7 @@ def _write_atomic(path: Path, text: str) -> None:
 
 
 def part_chats(ds, start: int, stop: int, source: str, on_bad_row: str, skips: SkipCounter) -> list[Conversation]:
-    """The chats of source rows [start, stop): bad rows and plain text rows (nothing to
-    regenerate) are counted in `skips` (or raise, for bad rows under on_bad_row="error")."""
+    """The chats of source rows [start, stop); bad rows and text rows counted in `skips` (or raised)."""
     convs = []
     for index in range(start, stop):
         conv = guard(on_bad_row, skips, normalize_row, ds[index], index, source)
@@ -310,14 +288,9 @@ STATIC_SMALLEST_ROOM = 256  # rooms double from here up to the prompt cap
 
 
 class StaticDecoder:
-    """Static KV caches of (batch_size, room + max_new_tokens), one per prompt room, for a whole run.
-
-    generate() compiles the decode step of a model whose cache is static and, on CUDA, captures
-    it in CUDA graphs (Python launch overhead would otherwise bound a small target's decoding).
-    Every batch is padded to the same rows and takes the smallest room that holds its prompts,
-    whose cache is reset and reused, so the step compiles once per room. Rooms double because a
-    decode step reads the whole cache. Prompts longer than the largest room take the plain path.
-    """
+    """Static KV caches of (batch_size, room + max_new_tokens), one per prompt room, kept for a run:
+    generate() then compiles the decode step (CUDA graphs on CUDA) once per room. Rooms double (a
+    step reads the whole cache); longer prompts take the plain path."""
 
     def __init__(self, model, batch_size: int, max_new_tokens: int, prompt_tokens: int | None):
         self.model, self.rows, self.max_new_tokens = model, batch_size, max_new_tokens
@@ -341,10 +314,8 @@ class StaticDecoder:
 
 def generate_batch(model, tokenizer, prompts: list[str], gen_kwargs: dict, stop_ids: list[int],
                    static: StaticDecoder | None = None) -> list[tuple[list[int], bool]]:
-    """Left-padded batched generation: per prompt (tokens before the stop token, truncated?).
-    With ``static`` (where the batch fits it), the batch is padded to its rows with copies of
-    the first prompt and decoded on its cache; padding is masked, so the tokens do not
-    change beyond floating-point rounding."""
+    """Left-padded batched generation: per prompt (tokens before the stop token, truncated?). On
+    ``static``'s cache the batch is padded to its rows with copies of the first prompt (masked)."""
     import torch
 
     # Padded by hand: setting tokenizer.padding_side would change the tokenizer (and its fingerprint).
@@ -380,15 +351,13 @@ def pad_token_id(tokenizer, stop_ids: list[int]) -> int:
 
 def regenerate_conversations(model, tokenizer, chats: list[Chat], settings: GenerationSettings, batch_size: int,
                              skips: SkipCounter, static: StaticDecoder | None = None) -> None:
-    """Regenerate every assistant turn of ``chats`` in place. Turns whose prompt is ready wait in one
-    pool; each batch takes the longest of them, and a chat's next turn joins the pool as soon
-    as its answer is in, so deep chats go first and later batches stay full."""
+    """Regenerate every assistant turn of ``chats`` in place. Ready turns wait in one pool, each batch
+    takes the longest, and a chat's next turn joins as soon as its answer is in: batches stay full."""
     stop_ids = stop_token_ids(model, tokenizer)
     gen_kwargs = generation_kwargs(settings, stop_ids, pad_token_id(tokenizer, stop_ids))
     pool: list[tuple[Chat, int, str, int]] = []  # (chat, turn, prompt, prompt tokens)
 
     def ready(chat: Chat) -> None:
-        """Put the chat's next turn in the pool, or cut / drop the chat there."""
         if chat.next_turn is None or chat.dropped:
             return
         turn = chat.next_turn
@@ -475,8 +444,7 @@ class LocalEngine:
 
 
 def start_run(out: Path, record: dict, overwrite: bool) -> None:
-    """The output folder, emptied first with ``overwrite``; its run record written, or checked
-    against ``record`` when the run resumes."""
+    """Make ``out`` (emptied first with ``overwrite``); write its run record, or check it on a resume."""
     if overwrite and out.exists():
         shutil.rmtree(out)
     (out / PARTS_DIR).mkdir(parents=True, exist_ok=True)
@@ -493,11 +461,8 @@ def start_run(out: Path, record: dict, overwrite: bool) -> None:
 
 def regenerate(cfg: RegenConfig, *, model=None, tokenizer=None, overwrite: bool = False,
                max_parts: int | None = None) -> dict[str, Any] | None:
-    """Run (or resume) the job; returns the metadata once every part is done.
-
-    ``model``/``tokenizer`` may be passed in already loaded (in process: tests, notebooks).
-    ``max_parts`` stops after that many newly written parts (time-boxed jobs) and returns None.
-    """
+    """Run (or resume) the job; returns the metadata once every part is done. ``model``/``tokenizer``:
+    already loaded (in process); ``max_parts``: stop after that many new parts, returning None."""
     import torch
     from tqdm.auto import tqdm
 

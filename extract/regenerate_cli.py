@@ -70,7 +70,7 @@ def cli(**values):
     """Replace every assistant turn of DATA with the target's own answers (MODEL in process, or the server at
     ENDPOINT), and/or add SELF_PROMPTS questions the target writes and answers itself; write a dataset to OUT."""
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    overwrite, generation = values.pop("overwrite"), validated(take(GenerationSettings, values))
+    overwrite, generation = values.pop("overwrite"), take(GenerationSettings, values)
     job = validated(RegenConfig(**values, generation=generation))
     if job.endpoint is None:
         if looks_like_path(job.model) and not os.path.isdir(os.path.expanduser(job.model)):

@@ -1,12 +1,8 @@
-"""Regeneration through an OpenAI-compatible chat-completions server (vLLM, SGLang,
-`transformers serve`) at serving-engine speed; README.md, "Before stage one", says what each
-request carries and how failures are handled. `--concurrency` conversations are in flight, the
-turns of one in order, each answered turn journaled as it arrives.
-
-The client is on the standard library: connection errors, timeouts, 429 and 5xx are retried
-with exponential backoff; when retries run out the server counts as down (`EndpointDown`),
-unless it still answers `GET /models`: then, as for a 4xx, only this request fails
-(`RequestRejected`).
+"""Regeneration through an OpenAI-compatible chat-completions server (vLLM, SGLang, `transformers
+serve`; README.md, "Before stage one"): `--concurrency` conversations in flight, the turns of one
+in order, each answered turn journaled as it arrives. Connection errors, timeouts, 429 and 5xx are
+retried with backoff; then the server counts as down (`EndpointDown`) unless it still answers
+`GET /models`: then, as for a 4xx, only this request fails (`RequestRejected`).
 """
 
 from __future__ import annotations
@@ -71,21 +67,15 @@ class ChatEndpoint:
     retry_wait: float = 1.0  # first backoff in seconds; doubles per retry, capped at 30 s
     stop: threading.Event = field(default_factory=threading.Event)  # set to end retries early
 
-    @property
-    def base(self) -> str:
-        return self.url.rstrip("/")
-
-    def models(self) -> list[str]:
-        """Model ids the server lists under /models."""
-        answer = self._with_retries("GET", "/models", None, probe=False)
-        return [m["id"] for m in answer.get("data", []) if isinstance(m, dict) and "id" in m]
+    def __post_init__(self):
+        self.url = self.url.rstrip("/")
 
     def chat(self, body: dict[str, Any]) -> Reply:
         """POST /chat/completions (non-streaming) and parse the first choice."""
-        return parse_reply(self._with_retries("POST", "/chat/completions", body, probe=True), self.base)
+        return parse_reply(self.with_retries("POST", "/chat/completions", body, probe=True), self.url)
 
-    def _with_retries(self, method: str, path: str, body: dict | None, *, probe: bool) -> dict:
-        url, failures, last_status, started = self.base + path, [], None, time.monotonic()
+    def with_retries(self, method: str, path: str, body: dict | None, *, probe: bool) -> dict:
+        url, failures, last_status, started = self.url + path, [], None, time.monotonic()
         for attempt in range(self.retries + 1):
             if attempt and self.stop.wait(min(30.0, self.retry_wait * 2 ** (attempt - 1))):
                 break
@@ -109,15 +99,15 @@ class ChatEndpoint:
                                                "this request keeps failing)")
         raise EndpointDown(
             f"{method} {url} failed {len(failures)} time(s) over {time.monotonic() - started:.0f} s "
-            f"(last: {failures[-1] if failures else 'stopped'}); is the server at {self.base} running? "
+            f"(last: {failures[-1] if failures else 'stopped'}); is the server at {self.url} running? "
             "Rerun the same command once it is: finished turns are kept.")
 
     def _answers_models(self) -> bool:
         try:
-            self._request("GET", self.base + "/models", None)
-            return True
+            self._request("GET", self.url + "/models", None)
         except Exception:  # noqa: BLE001 - any failure means "not answering"
             return False
+        return True
 
     def _request(self, method: str, url: str, body: dict | None) -> dict:
         data = None if body is None else json.dumps(body, ensure_ascii=False).encode("utf-8")
@@ -134,8 +124,7 @@ class ChatEndpoint:
 
 
 def parse_reply(answer: dict[str, Any], base: str = "") -> Reply:
-    """The first choice of a chat-completion answer; reasoning is read from
-    `reasoning_content` (vLLM before 0.10, SGLang, transformers) or `reasoning` (vLLM now)."""
+    """The first choice of a chat-completion answer; reasoning from `reasoning_content` or `reasoning` (vLLM)."""
     try:
         choice, message = answer["choices"][0], answer["choices"][0]["message"]
     except (KeyError, IndexError, TypeError) as err:
@@ -169,8 +158,7 @@ def request_body(model: str, history: list[dict], tools: list | None, settings: 
 
 
 def turn_event(chat: Chat, turn: int, reply: Reply, settings: GenerationSettings) -> dict[str, Any]:
-    """What an answer does to the conversation, as a journal line. Tool-call arguments are
-    decoded to an object (kept as the string the model wrote where that is not JSON)."""
+    """What an answer does to the conversation, as a journal line; tool-call arguments decoded where JSON."""
     where = {"row": chat.conv.row_index, "turn": turn}
     if settings.max_prompt_tokens is not None and (reply.prompt_tokens or 0) > settings.max_prompt_tokens:
         return {**where, "cut": "prompt_too_long"}
@@ -199,43 +187,38 @@ class EndpointEngine:
     sampler = None  # no self-prompting: a chat API cannot continue a bare user header
 
     def __init__(self, cfg: RegenConfig):
-        self.cfg, self.client = cfg, ChatEndpoint(cfg.endpoint, cfg.api_key, cfg.request_timeout, cfg.retries,
-                                                 cfg.retry_wait)
-        self.model = self.served_model(cfg.model)
+        self.cfg = cfg
+        self.client = client = ChatEndpoint(cfg.endpoint, cfg.api_key, cfg.request_timeout, cfg.retries, cfg.retry_wait)
+        # the served model: the only one listed, or --model; a name not listed is tried with a one-token
+        # request (some servers list their cache, not what they serve)
+        try:
+            answer = client.with_retries("GET", "/models", None, probe=False)
+        except RequestRejected as err:
+            raise ValueError(str(err)) from err
+        listed = [m["id"] for m in answer.get("data", []) if isinstance(m, dict) and "id" in m]
+        if cfg.model is None and len(listed) != 1:
+            raise ValueError(f"{client.url}/models lists {listed or 'no model'}; choose one with --model")
+        self.model = listed[0] if cfg.model is None else cfg.model
+        if self.model not in listed:
+            try:
+                client.chat({"model": self.model, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1})
+            except RequestRejected as err:
+                raise ValueError(f"{client.url} does not serve {self.model!r} (it lists {listed}; a test "
+                                 f"request was answered with {err})") from err
         # the URL is not recorded: a restarted server can listen elsewhere
         self.record = {"engine": "endpoint", "target": {"served_model": self.model}, "extra_body": cfg.extra_body,
                        "generation": {k: v for k, v in asdict(cfg.generation).items() if k != "dtype"}}
 
-    def served_model(self, requested: str | None) -> str:
-        """The only model the server lists, or ``requested``; a name the server does not list is
-        tried with a one-token request first (some servers list their cache, not what they serve)."""
-        client = self.client
-        try:
-            listed = client.models()
-        except RequestRejected as err:
-            raise ValueError(str(err)) from err
-        if requested is None:
-            if len(listed) != 1:
-                raise ValueError(f"{client.base}/models lists {listed or 'no model'}; choose one with --model")
-            return listed[0]
-        if requested not in listed:
-            try:
-                client.chat({"model": requested, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1})
-            except RequestRejected as err:
-                raise ValueError(f"{client.base} does not serve {requested!r} (it lists {listed}; a test "
-                                 f"request was answered with {err})") from err
-        return requested
-
     def metadata(self, stats: list[dict]) -> dict:
         served = sum((Counter(s.get("served_models", {})) for s in stats), Counter())
-        return {"target_fingerprint": {"endpoint": self.client.base, "served_model": self.model,
+        return {"target_fingerprint": {"endpoint": self.client.url, "served_model": self.model,
                                        "answered_by": dict(served)},
-                "endpoint": {"url": self.client.base, "concurrency": self.cfg.concurrency,
+                "endpoint": {"url": self.client.url, "concurrency": self.cfg.concurrency,
                              "request_timeout": self.cfg.request_timeout, "retries": self.cfg.retries}}
 
     def run_chat(self, part: Part, chat: Chat, lock: threading.Lock) -> None:
-        """Ask the chat's turns in order; each answer is journaled and applied under the lock. A
-        request the server rejects cuts the conversation (counted) or, with --on-bad-row error, stops."""
+        """Ask the chat's turns in order, journaling each answer under the lock. A rejected request cuts
+        the conversation (counted) or, with --on-bad-row error, stops the run."""
         cfg, client = self.cfg, self.client
         while chat.next_turn is not None and not chat.dropped and not client.stop.is_set():
             turn, row = chat.next_turn, chat.conv.row_index
@@ -252,8 +235,7 @@ class EndpointEngine:
                 part.apply(chat, event, journal=True)
 
     def run(self, parts, finish, bar) -> None:
-        """Keep ``concurrency`` conversations in flight over the parts; finish each part once its
-        last conversation is done."""
+        """Keep ``concurrency`` conversations in flight; finish each part once its last one is done."""
         lock, inflight = threading.Lock(), {}
         pool = ThreadPoolExecutor(max_workers=self.cfg.concurrency, thread_name_prefix="regenerate")
 

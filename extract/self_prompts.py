@@ -1,8 +1,6 @@
-"""Magpie-style self-prompting (``dflash-regenerate --self-prompts N``; README.md, "Before stage
-one"): the target writes the user turn itself, continuing the template's own user header until
-the answer's stop tokens or the special token the template writes after a user message
-(`<|im_end|>`, `<|eot_id|>`, Mistral's `[/INST]`), then answers it.
-"""
+"""Magpie-style self-prompting (``dflash-regenerate --self-prompts N``): the target writes the user
+turn itself, continuing the template's user header until a stop token or the template's end of a
+user turn (`<|im_end|>`, `<|eot_id|>`, `[/INST]`), then answers it."""
 
 from __future__ import annotations
 
@@ -17,9 +15,8 @@ SOURCE = "self_prompt"  # the `source` of a self-prompted chat (errors and skip 
 
 
 def user_header(tokenizer, template_kwargs: dict[str, Any] | None = None) -> tuple[str, str | None]:
-    """The text a first user turn starts with (default system prompt included) and the first
-    special token the template writes after the user's text (the end of a user turn), if any.
-    ValueError when the template does not keep the user's text as given."""
+    """The text a first user turn starts with (default system prompt included) and the first special
+    token after the user's text (the end of a user turn), if any."""
     messages = [{"role": "user", "content": SENTINEL}]
     text = _as_text(tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=False,
                                                   **(template_kwargs or {})))
@@ -44,8 +41,8 @@ def question_stop_ids(model, tokenizer, end_of_user_turn: str | None,
 
 @dataclass
 class QuestionSampler:
-    """Samples questions after ``header`` through ``generate`` (prompts -> [(tokens, truncated)]) and keeps
-    the new ones; ``seen`` holds the dedup keys of every question kept in the run."""
+    """Samples questions after ``header`` through ``generate`` (prompts -> [(tokens, truncated)]);
+    ``seen``: the dedup keys of every question kept in the run."""
 
     generate: Callable[[list[str]], list[tuple[list[int], bool]]]
     tokenizer: Any
@@ -55,9 +52,8 @@ class QuestionSampler:
     seen: set[str] = field(default_factory=set)
 
     def chats(self, indices: range) -> tuple[list[Conversation], dict]:
-        """The chats [user: question, assistant: ""] of samples ``indices`` (source_row -1 - index; the caller
-        seeds the RNG), and the part record's additions: the counts and the kept questions' dedup keys
-        (read back on a resume). Truncated, empty, too short and duplicate questions are dropped, counted."""
+        """The chats [user: question, assistant: ""] of samples ``indices`` (source_row -1 - index), and
+        the part record's counts and kept dedup keys; bad and duplicate questions are dropped, counted."""
         counts = dict.fromkeys(("generated", "truncated", "empty", "too_short", "duplicates", "kept"), 0)
         convs, keys = [], []
         for start in range(0, len(indices), self.batch_size):

@@ -1,21 +1,10 @@
-"""Where each assistant turn sits in a chat template's full rendering, for templates
-without `{% generation %}` tags.
-
-Re-rendering a prefix with a generation prompt and diffing is wrong for every template that
-renders history differently from a prompt (thinking templates open the prompt with
-`<think>\\n`, Mistral moves the system prompt into the last user turn, Qwen3 drops earlier
-think blocks), so the turns are found inside the one full rendering instead:
-
-  * `probe_markers` learns, once per template and template arguments, from probe chats of
-    unique sentinel strings: the turn header (the text the template writes both in its
-    generation prompt and between a user message and the assistant content after it) and
-    the end-of-turn token (the first special token after an assistant message's content).
-    A template without a header (Mistral: the reply follows `[/INST]`) is also probed for
-    what it writes after a tool result.
-  * `locate_turns` walks the rendering message by message: each user and tool message's
-    text is found in order (verbatim, trimmed or JSON-escaped), each assistant turn runs
-    from the end of the next header through the next end-of-turn token, whatever the
-    template writes in between; a message it cannot place raises TurnNotFound, never a guess.
+"""Where each assistant turn sits in a chat template's full rendering, for templates without
+`{% generation %}` tags. Diffing a prefix rendered with a generation prompt is wrong wherever
+history renders differently from a prompt (thinking templates, Mistral's moved system prompt,
+Qwen3's dropped think blocks), so the turns are found inside the one full rendering:
+`probe_markers` learns the turn header and end-of-turn token once per template from probe chats
+of sentinel words, and `locate_turns` walks the rendering message by message, raising
+TurnNotFound for a message it cannot place, never guessing.
 """
 
 from __future__ import annotations
@@ -56,9 +45,8 @@ RenderText = Callable[[list[dict[str, Any]], bool], str]  # (messages, add_gener
 
 def probe_markers(render_text: RenderText, special_tokens_in: Callable[[str], list[str]],
                   end_of_turn: str | None = None) -> TurnMarkers:
-    """Learn the turn markers from probe renderings (`render_text` raising counts as a
-    failed probe). `special_tokens_in(text)` lists the special tokens the tokenizer finds
-    in a text, in order; `end_of_turn` overrides the learned end-of-turn token."""
+    """Learn the turn markers from probe renderings. `special_tokens_in(text)` lists the special
+    tokens in a text, in order; `end_of_turn` overrides the learned end-of-turn token."""
     (u1, u2), (a1, a2) = _PROBE_USER, _PROBE_ASSISTANT
     chat = [{"role": "user", "content": u1}, {"role": "assistant", "content": a1},
             {"role": "user", "content": u2}, {"role": "assistant", "content": a2}]
@@ -83,9 +71,13 @@ def probe_markers(render_text: RenderText, special_tokens_in: Callable[[str], li
         raise TemplateProbeFailed("the template does not render a user message's content verbatim")
     user_close = prompt[prompt.index(u1) + len(u1):]
 
-    positions = _ordered_positions(full, [u1, a1, u2, a2])
-    if positions is None:
-        raise TemplateProbeFailed("the template does not render user and assistant contents verbatim and in order")
+    positions, cursor = [], 0
+    for needle in (u1, a1, u2, a2):
+        at = full.find(needle, cursor)
+        if at < 0:
+            raise TemplateProbeFailed("the template does not render user and assistant contents verbatim and in order")
+        cursor = at + len(needle)
+        positions.append((at, cursor))
     (_, u1_end), (a1_start, a1_end), (_, u2_end), (a2_start, a2_end) = positions
     openings = [full[u1_end:a1_start], full[u2_end:a2_start]]
     if not all(opening.startswith(user_close) for opening in openings):
@@ -107,8 +99,7 @@ def probe_markers(render_text: RenderText, special_tokens_in: Callable[[str], li
 
 
 def _probe_tool_close(render_text: RenderText, opening: list[dict[str, Any]], reply: str) -> str | None:
-    """What a headerless template writes after a tool result, where the next reply starts;
-    None where it refuses the probe or writes something else before a reply."""
+    """What a headerless template writes after a tool result (None: it refuses tools or writes more)."""
     name, result, call_id = _PROBE_TOOL
     chat = opening + [
         {"role": "assistant", "content": "", "tool_calls": [
@@ -126,8 +117,8 @@ def _probe_tool_close(render_text: RenderText, opening: list[dict[str, Any]], re
 
 
 def locate_turns(rendered: str, messages: list[dict[str, Any]], markers: TurnMarkers) -> list[tuple[int, int]]:
-    """Char spans [start, end) of the assistant turns in `rendered`, one per assistant
-    message, each from the end of its header through its end-of-turn token."""
+    """Char spans [start, end) of the assistant turns in `rendered`, each from the end of its header
+    through its end-of-turn token; user and tool texts are checked in order on the way."""
     spans: list[tuple[int, int]] = []
     cursor = 0
     previous_role = None
@@ -191,14 +182,3 @@ def _find_rendered(rendered: str, text: str, cursor: int) -> int | None:
         if at >= 0:
             return at + len(form)
     return None
-
-
-def _ordered_positions(text: str, needles: list[str]) -> list[tuple[int, int]] | None:
-    out, cursor = [], 0
-    for needle in needles:
-        at = text.find(needle, cursor)
-        if at < 0:
-            return None
-        cursor = at + len(needle)
-        out.append((at, cursor))
-    return out
