@@ -174,6 +174,7 @@ def read_journal(path: Path) -> list[dict]:
 @dataclass
 class Part:
     """One part being regenerated: its chats as far as its turn journal got."""
+
     index: int
     rows: int  # source rows it covers
     chats: list[Chat]
@@ -328,11 +329,9 @@ def generate_batch(model, tokenizer, prompts: list[str], gen_kwargs: dict, stop_
         with torch.inference_mode():
             cache.reset()
         gen_kwargs = {**gen_kwargs, "past_key_values": cache}
-    input_ids = torch.full((len(encoded), width), gen_kwargs["pad_token_id"], dtype=torch.long)
-    attention_mask = torch.zeros((len(encoded), width), dtype=torch.long)
-    for row, ids in enumerate(encoded):  # left padding: every prompt ends at the last column
-        input_ids[row, width - len(ids):] = torch.tensor(ids, dtype=torch.long)
-        attention_mask[row, width - len(ids):] = 1
+    # left padding: every prompt ends at the last column
+    input_ids = torch.tensor([[gen_kwargs["pad_token_id"]] * (width - len(ids)) + ids for ids in encoded])
+    attention_mask = torch.tensor([[0] * (width - len(ids)) + [1] * len(ids) for ids in encoded])
     device = next(model.parameters()).device
     with torch.inference_mode():
         out = model.generate(input_ids=input_ids.to(device), attention_mask=attention_mask.to(device), **gen_kwargs)
