@@ -70,7 +70,7 @@ class RegenConfig:
     api_key: str | None = None
     request_timeout: float = 600.0
     retries: int = 6
-    retry_wait: float = 1.0  # first backoff in seconds, doubling per retry up to 30 s (no flag)
+    retry_wait: float = 1.0  # first backoff in seconds (no flag)
     concurrency: int = 32
     extra_body: dict[str, Any] = field(default_factory=dict)
     batch_size: int = 16

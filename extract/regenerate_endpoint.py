@@ -61,10 +61,10 @@ class ChatEndpoint:
     """Thread-safe: one instance serves every worker thread (each request opens its own connection)."""
 
     url: str
+    request_timeout: float
+    retries: int
+    retry_wait: float  # first backoff in seconds; doubles per retry, capped at 30 s
     api_key: str | None = None
-    request_timeout: float = 600.0
-    retries: int = 6
-    retry_wait: float = 1.0  # first backoff in seconds; doubles per retry, capped at 30 s
     stop: threading.Event = field(default_factory=threading.Event)  # set to end retries early
 
     def __post_init__(self):
@@ -188,7 +188,7 @@ class EndpointEngine:
 
     def __init__(self, cfg: RegenConfig):
         self.cfg = cfg
-        self.client = client = ChatEndpoint(cfg.endpoint, cfg.api_key, cfg.request_timeout, cfg.retries, cfg.retry_wait)
+        self.client = client = ChatEndpoint(cfg.endpoint, cfg.request_timeout, cfg.retries, cfg.retry_wait, cfg.api_key)
         # the served model: the only one listed, or --model; a name not listed is tried with a one-token
         # request (some servers list their cache, not what they serve)
         try:
