@@ -165,12 +165,8 @@ class CacheSpec:
     def chunk_rows(self, name: str) -> int:
         return int(self.chunks[name]) if self.format_version >= 2 else self.chunk_tokens
 
-    def to_dict(self) -> dict[str, Any]:
-        d = dataclasses.asdict(self)
-        if not self.encoded:  # a lossless spec writes no encoding fields: its attributes are format 2's
-            for k in ENCODING_DEFAULTS:
-                del d[k]
-        return d
+    def to_dict(self) -> dict[str, Any]:  # a lossless spec writes no encoding fields: its attributes are format 2's
+        return {k: v for k, v in dataclasses.asdict(self).items() if self.encoded or k not in ENCODING_DEFAULTS}
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "CacheSpec":
@@ -678,8 +674,7 @@ class CacheReader:
                     raise CacheError(f"{path}: shard {name}: offsets disagree with its commit record")
                 self._offsets.append(off)
         self._sources: list[np.ndarray | None] = [None] * len(self.shards)
-        counts = np.array([s.samples for s in self.shards], dtype=np.int64)
-        self._starts = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
+        self._starts = np.concatenate([[0], np.cumsum([s.samples for s in self.shards])]).astype(np.int64)
 
     @property
     def root(self) -> zarr.Group:

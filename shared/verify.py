@@ -52,15 +52,15 @@ class _Problems:
         self.total += 1
         if len(self.items) >= self.cap:
             return
-        local = sorted({int(s) for s in samples}) if samples is not None else None
-        num_samples = None if local is None else len(local)
-        local = None if local is None else local[:MAX_LISTED_SAMPLES]
-        glob = None if local is None or of is None else [
-            of.global_start + s if s < of.state.commit.samples else None for s in local]
+        local = num_samples = glob = None
+        if samples is not None:
+            local = sorted({int(s) for s in samples})
+            num_samples, local = len(local), local[:MAX_LISTED_SAMPLES]
+            glob = [of.global_start + s if s < of.state.commit.samples else None for s in local]
         where = f"shard {shard:05d}" if shard is not None else "cache"
         if local:
             shown = ", ".join(map(str, local[:5])) + (f", ... ({num_samples} samples)" if num_samples > 5 else "")
-            where += f" sample {shown} (global {', '.join('-' if g is None else str(g) for g in (glob or [])[:5])})"
+            where += f" sample {shown} (global {', '.join('-' if g is None else str(g) for g in glob[:5])})"
         if array:
             where += f" {array}"
         self.items.append({"shard": shard, "array": array, "check": check, "samples": local, "num_samples": num_samples,
