@@ -15,19 +15,16 @@ Every array is flat and token-major, chunked along tokens (rows per chunk in
         source_index   [N]          int64  (row of sample i in the source dataset)
         batches        [NB + 1]     int64  (sample offsets of the planned batches)
 
-A shard is planned before anything is computed, so every array has its final shape from the
-start; the writer appends whole batches in plan order. A commit writes every buffered token
-(the partial last chunk included) and only then records, in the shard's attributes, how many
-batches, samples and tokens are committed. Readers never look past that record, so a crash
-(``kill -9`` included) leaves a shard valid up to its last commit, and a rerun resumes at the
-next batch, giving a cache identical to an unbroken run's. A chunk holding committed rows is
-rewritten whole through zarr's own pipeline, which replaces it in one step (a local file is
-renamed into place; an object store's PUT is atomic).
+A shard is planned first, so every array has its final shape from the start; the writer
+appends whole batches in plan order. A commit stores every buffered token, then records in the
+shard's attributes how many batches, samples and tokens are committed. Readers never look past
+that record, so a crash (``kill -9`` included) leaves a shard valid up to its last commit, and a
+rerun resumes at the next batch, giving a cache identical to an unbroken run's.
 
-Format versions: 1 chunks every token array at ``chunk_tokens`` rows; 2 (the lossless
-default) chunks the small arrays coarsely (``default_chunks``); 3 is 2 with a lossy
-``hidden_codec`` or a reduced ``topk_dtype``, so that older readers refuse it. Readers take
-each array's chunking from its own metadata.
+Format versions: 1 chunks every token array at ``chunk_tokens`` rows; 2 (the lossless default)
+chunks the small arrays coarsely (``default_chunks``); 3 is 2 with a lossy ``hidden_codec`` or a
+reduced ``topk_dtype``, so that older readers refuse it. Readers take each array's chunking from
+its own metadata.
 """
 
 from __future__ import annotations
@@ -93,40 +90,27 @@ class CacheMismatch(CacheError):
 class CacheSpec:
     """What a cache holds; stored whole in the root attributes under ``dflash_cache``."""
 
-    layer_ids: list[int]
-    """Target layers stored, in ``hidden[:, j]`` order (see ``LAYER_CONVENTION``)."""
+    layer_ids: list[int]  # target layers stored, in hidden[:, j] order (see LAYER_CONVENTION)
     hidden_size: int
-    topk: int
-    """k, how many target log-probs are stored per position."""
+    topk: int  # target log-probs stored per position
     vocab_size: int
     num_target_layers: int
     max_length: int
-    truncation: str
-    """Policy for samples over max_length: ``right`` keeps the first max_length tokens."""
-    chunk_tokens: int = 256
-    """Tokens per chunk of the hidden states (format 1: of every token array)."""
-    compression_level: int = 1
-    """zstd level (blosc stores clevel c and runs zstd at 2c-1)."""
-    fingerprint: dict[str, Any] = field(default_factory=dict)
-    """target, tokenizer, dataset and extraction settings; a resume must match exactly."""
-    info: dict[str, Any] = field(default_factory=dict)
-    """Free-form run information (package version, full config); not compared."""
+    truncation: str  # for samples over max_length: 'right' keeps the first max_length tokens
+    chunk_tokens: int = 256  # tokens per chunk of the hidden states (format 1: of every token array)
+    compression_level: int = 1  # zstd level (blosc stores clevel c and runs zstd at 2c-1)
+    fingerprint: dict[str, Any] = field(default_factory=dict)  # what made the values; a resume must match it
+    info: dict[str, Any] = field(default_factory=dict)  # free-form run information; not compared
     hidden_dtype: str = "bfloat16"
-    stored_dtypes: dict[str, str] = field(default_factory=dict)
-    """Physical dtypes of the token arrays (set from the encoding)."""
+    stored_dtypes: dict[str, str] = field(default_factory=dict)  # of the token arrays (set from the encoding)
     layer_convention: str = LAYER_CONVENTION
     format: str = FORMAT_NAME
     format_version: int = FORMAT_VERSION
-    chunks: dict[str, int] = field(default_factory=dict)
-    """Rows per chunk of each token array (format 2 and 3; default ``default_chunks``)."""
-    hidden_codec: str = "bf16"
-    """'bf16' (lossless bits) or a lossy ``hidden_codecs`` mode: 'fp8', 'int8', 'int4' (format 3)."""
-    hidden_group_size: int | None = None
-    """Channels per scale of the int codecs (None for bf16 and fp8)."""
-    hidden_scale_dtype: str | None = None
-    """dtype of ``hidden_scale`` ('float16' or 'float32'; None for bf16)."""
-    topk_dtype: str = "float32"
-    """Stored precision of the top-k log-probs: 'float32', 'float16' or 'bfloat16' (read as float32)."""
+    chunks: dict[str, int] = field(default_factory=dict)  # rows per chunk of each token array (format 2 and 3)
+    hidden_codec: str = "bf16"  # 'bf16' (lossless bits) or a lossy hidden_codecs mode: 'fp8', 'int8', 'int4'
+    hidden_group_size: int | None = None  # channels per scale of the int codecs
+    hidden_scale_dtype: str | None = None  # dtype of hidden_scale (lossy codecs only)
+    topk_dtype: str = "float32"  # of the stored top-k log-probs: 'float32', 'float16' or 'bfloat16'
 
     def __post_init__(self):
         if self.hidden_codec not in HIDDEN_CODECS:
@@ -136,11 +120,9 @@ class CacheSpec:
         codec = self.codec  # normalised: the fields that do not apply to the mode are None
         self.hidden_group_size = codec.group_size if codec.grouped else None
         self.hidden_scale_dtype = codec.scale_dtype if codec.lossy else None
-        if not self.encoded and self.format_version == ENCODED_FORMAT_VERSION:
-            self.format_version = FORMAT_VERSION
+        if self.format_version in (FORMAT_VERSION, ENCODED_FORMAT_VERSION):  # the current format of this encoding
+            self.format_version = ENCODED_FORMAT_VERSION if self.encoded else FORMAT_VERSION
         if self.encoded:
-            if self.format_version == FORMAT_VERSION:  # a new spec: the encoding needs format 3
-                self.format_version = ENCODED_FORMAT_VERSION
             if self.format_version < ENCODED_FORMAT_VERSION:
                 raise CacheError(f"cache spec: format {self.format_version} cannot hold hidden {codec.describe()}, "
                                  f"top-k log-probs {self.topk_dtype}")
@@ -167,31 +149,24 @@ class CacheSpec:
             raise CacheError(f"cache spec: {e}") from None
 
     @property
-    def encoded(self) -> bool:
-        """Whether any array is stored other than in the lossless layout (format 3)."""
+    def encoded(self) -> bool:  # stored other than in the lossless layout (format 3)
         return self.hidden_codec != "bf16" or self.topk_dtype != "float32"
 
     @property
-    def token_fields(self) -> tuple[str, ...]:
-        """The token arrays of each shard: ``TOKEN_FIELDS``, plus ``hidden_scale`` for a lossy codec."""
+    def token_fields(self) -> tuple[str, ...]:  # the token arrays of each shard
         return TOKEN_FIELDS + ((HIDDEN_SCALE,) if self.hidden_codec != "bf16" else ())
 
     def encoding(self) -> dict[str, Any]:
         return {k: getattr(self, k) for k in ENCODING_DEFAULTS}
 
-    def hidden_bytes_per_token(self) -> int:
-        """Stored bytes of one token's hidden states (payload + scales) before the lossless stage."""
+    def hidden_bytes_per_token(self) -> int:  # payload + scales, before zstd
         return self.codec.bytes_per_token(self.num_layers, self.hidden_size)
 
     def chunk_rows(self, name: str) -> int:
         return int(self.chunks[name]) if self.format_version >= 2 else self.chunk_tokens
 
-    def to_dict(self) -> dict[str, Any]:
-        d = dataclasses.asdict(self)
-        if not self.encoded:  # a lossless spec writes no encoding fields: its attributes are format 2's
-            for k in ENCODING_DEFAULTS:
-                del d[k]
-        return d
+    def to_dict(self) -> dict[str, Any]:  # a lossless spec writes no encoding fields: its attributes are format 2's
+        return {k: v for k, v in dataclasses.asdict(self).items() if self.encoded or k not in ENCODING_DEFAULTS}
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "CacheSpec":
@@ -236,11 +211,8 @@ def diff_dicts(ours: Any, theirs: Any, prefix: str = "") -> list[str]:
             else:
                 out.extend(diff_dicts(ours[key], theirs[key], path))
         return out
-    return [f"{prefix}: cache has {ours!r}, run has {theirs!r}"] if _jsonable(ours) != _jsonable(theirs) else []
-
-
-def _jsonable(x: Any) -> Any:
-    return json.loads(json.dumps(x, sort_keys=True, default=str))
+    plain = lambda x: json.loads(json.dumps(x, default=str))  # noqa: E731  (1 == 1.0, a tuple == its list)
+    return [] if plain(ours) == plain(theirs) else [f"{prefix}: cache has {ours!r}, run has {theirs!r}"]
 
 
 # ----------------------------------------------------------------------------- storage
@@ -370,8 +342,7 @@ def create_or_open_cache(path: str, spec: CacheSpec, *, replace_uncommitted: boo
         spec = dataclasses.replace(spec, format_version=old.format_version, chunks=dict(old.chunks))
     diffs = spec_differences(old, spec)
     if not diffs:
-        if LOCKS_GROUP not in root:  # a cache made before shards had locks
-            root.require_group(LOCKS_GROUP)
+        root.require_group(LOCKS_GROUP)  # a cache made before shards had locks has none
         return root
     if not replace_uncommitted or committed_samples(root) > 0:
         raise CacheMismatch(f"{path} holds a cache with another fingerprint; use another --out or delete it", diffs)
@@ -423,27 +394,19 @@ class ShardCounts:
 
 @dataclass
 class ShardState:
-    """Everything a shard records about itself in its group's attributes, which only this
-    module reads and writes. ``commit`` is the commit point: readers never look past it."""
+    """What a shard records about itself in its group's attributes (only this module reads and
+    writes them). ``commit`` is the commit point: readers never look past it."""
 
-    plan_digest: str
-    """Hash of the plan (rows, lengths, batches, skips); a resume must plan the same."""
-    planned: ShardCounts
-    """What the shard holds once complete; every array has this final size from the start."""
-    commit: ShardCounts
-    """What is committed: recorded after its bytes were stored."""
+    plan_digest: str  # of the plan (rows, lengths, batches, skips); a resume must plan the same
+    planned: ShardCounts  # what the shard holds once complete: every array's size from the start
+    commit: ShardCounts  # recorded after its bytes were stored
     complete: bool = False
-    skipped: dict[str, int] = field(default_factory=dict)
-    """Rows of the shard's slice that were not planned, counted by reason."""
-    compute: dict[str, Any] | None = None
-    """What computed the shard's values (device, kernels, versions); a resume must match it."""
+    skipped: dict[str, int] = field(default_factory=dict)  # rows of the shard's slice not planned, by reason
+    compute: dict[str, Any] | None = None  # what computed the values (device, kernels, versions); a resume matches it
 
     @property
     def status(self) -> str:
-        """'complete', 'partial' (some samples committed) or 'empty'."""
-        if self.complete:
-            return "complete"
-        return "empty" if self.commit.samples == 0 else "partial"
+        return "complete" if self.complete else "partial" if self.commit.samples else "empty"
 
     def to_attrs(self) -> dict[str, Any]:
         return {"plan_digest": self.plan_digest, "planned": self.planned.as_dict(), "skipped": dict(self.skipped),
@@ -497,14 +460,10 @@ def _record_state(group: zarr.Group, state: ShardState, *keys: str) -> None:
 class ShardPlan:
     """The samples of one shard, in write order, fixed before any forward pass."""
 
-    source_index: np.ndarray
-    """(N,) int64: row of each sample in the source dataset."""
-    lengths: np.ndarray
-    """(N,) int64: tokens of each sample (after truncation)."""
-    batches: np.ndarray
-    """(NB + 1,) int64: sample offsets where each planned batch starts; last = N."""
-    skipped: dict[str, int] = field(default_factory=dict)
-    """Rows of this shard's slice that were not planned, counted by reason."""
+    source_index: np.ndarray  # (N,) row of each sample in the source dataset
+    lengths: np.ndarray  # (N,) tokens of each sample (after truncation)
+    batches: np.ndarray  # (NB + 1,) sample offsets where each planned batch starts; last = N
+    skipped: dict[str, int] = field(default_factory=dict)  # rows of this shard's slice not planned, by reason
 
     def __post_init__(self):
         self.source_index = np.asarray(self.source_index, dtype=np.int64)
@@ -539,9 +498,8 @@ class ShardWriter:
     planned batches in order; full chunks go to the store at once, the partial tail waits in
     memory until the next ``commit``. A chunk holding committed rows is rewritten through zarr's
     own pipeline, which replaces a local file in one step (zarrs may truncate, then write).
-
-    ``compute`` (device, kernels, versions) is recorded at creation; a shard with committed
-    samples refuses to resume under another one, whose values would round differently."""
+    ``compute`` is recorded at creation; a shard with committed samples refuses to resume under
+    another one, whose values would round differently."""
 
     def __init__(self, root: zarr.Group, shard_id: int, plan: ShardPlan, spec: CacheSpec,
                  compute: dict[str, Any] | None = None):
@@ -562,7 +520,12 @@ class ShardWriter:
             finished = commit.batches >= len(plan.batches) - 1  # nothing left to compute
             if compute is not None and recorded != compute and not finished:
                 if commit.tokens and recorded is not None:
-                    raise CacheError(_compute_mismatch(shard_id, name, recorded, compute, commit.as_dict()))
+                    diff = "; ".join(f"{k}: {recorded.get(k)!r} then, {compute.get(k)!r} now"
+                                     for k in sorted(set(recorded) | set(compute)) if recorded.get(k) != compute.get(k))
+                    raise CacheError(f"shard {shard_id:05d} has {commit.samples} samples computed elsewhere ({diff}); "
+                                     "resuming it here would mix two numerics in one shard. Rerun it where it was "
+                                     f"started, or delete the folder {name} of the cache and rerun to redo that shard "
+                                     "from the start")
                 if not commit.tokens:  # nothing computed yet: the shard is this run's
                     self.state.compute = compute
                     _record_state(self.group, self.state, "compute")
@@ -592,12 +555,10 @@ class ShardWriter:
         self.committed = self.state.commit.as_dict()
         self.next_batch = self.state.commit.batches
         done = self._end = self.state.commit.tokens  # _end: tokens handed to write_batch so far
-        # per array, the rows from _tail_start[f] (a chunk boundary) to _end not yet written whole
-        self._tail: dict[str, list[np.ndarray]] = {f: [] for f in self.fields}
+        # per array, the rows from _tail_start[f] (a chunk boundary) to _end not yet written whole; a resume
+        # inside a chunk reads back its committed head, to rewrite it with the chunk
         self._tail_start = {f: (done // C) * C for f, C in self.chunks.items()}
-        for f in self.fields:
-            if self._tail_start[f] < done:  # resume inside a chunk: its committed head is rewritten with it
-                self._tail[f].append(np.asarray(self.arrays[f][self._tail_start[f]:done]))
+        self._tail = {f: [np.asarray(self.arrays[f][t:done])] if t < done else [] for f, t in self._tail_start.items()}
 
     @property
     def complete(self) -> bool:
@@ -627,8 +588,8 @@ class ShardWriter:
 
     def _flush(self, final: bool) -> None:
         """Write each array's whole chunks (and, when ``final``, its partial last one). A buffer
-        starts on a chunk boundary and, after a final flush, keeps the partial chunk it wrote, so
-        the next flush rewrites it whole; only that first chunk can hold committed rows."""
+        starts on a chunk boundary and keeps the partial chunk a final flush wrote, so the next
+        flush rewrites it whole; only that first chunk can hold committed rows."""
         end, committed = self._end, self.committed["tokens"]
         for f in self.fields:
             C, start = self.chunks[f], self._tail_start[f]
@@ -670,14 +631,6 @@ class ShardWriter:
             _record_state(self.group, self.state, "complete")
 
 
-def _compute_mismatch(shard_id: int, name: str, recorded: dict, compute: dict, commit: dict) -> str:
-    diff = "; ".join(f"{k}: {recorded.get(k)!r} then, {compute.get(k)!r} now" for k in sorted(set(recorded) | set(compute))
-                     if recorded.get(k) != compute.get(k))
-    return (f"shard {shard_id:05d} has {commit['samples']} samples computed elsewhere ({diff}); resuming it here "
-            "would mix two numerics in one shard. Rerun it where it was started, or delete the folder "
-            f"{name} of the cache and rerun to redo that shard from the start")
-
-
 # ----------------------------------------------------------------------------- reader
 
 
@@ -687,7 +640,6 @@ class ShardInfo:
 
     shard_id: int
     record: ShardState
-    """The shard's whole recorded state (commit point, plan, what computed it)."""
     samples = property(lambda self: self.record.commit.samples)
     tokens = property(lambda self: self.record.commit.tokens)
     planned_samples = property(lambda self: self.record.planned.samples)
@@ -698,11 +650,9 @@ class ShardInfo:
 
 
 class CacheReader:
-    """Random access by global sample index over the committed samples of every shard.
-
-    Picklable: a DataLoader worker reopens the store lazily. Opening reads the shards' states
-    and offsets only. ``shard_ids``: open only these shards (one node's, while others write theirs).
-    """
+    """Random access by global sample index over the committed samples of every shard (or of
+    ``shard_ids`` only: one node's, while others write theirs). Opening reads the shards' states
+    and offsets only. Picklable: a DataLoader worker reopens the store lazily."""
 
     def __init__(self, path: str, shard_ids: Iterable[int] | None = None):
         self.path = path
@@ -724,8 +674,7 @@ class CacheReader:
                     raise CacheError(f"{path}: shard {name}: offsets disagree with its commit record")
                 self._offsets.append(off)
         self._sources: list[np.ndarray | None] = [None] * len(self.shards)
-        counts = np.array([s.samples for s in self.shards], dtype=np.int64)
-        self._starts = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
+        self._starts = np.concatenate([[0], np.cumsum([s.samples for s in self.shards])]).astype(np.int64)
 
     @property
     def root(self) -> zarr.Group:
@@ -733,8 +682,7 @@ class CacheReader:
             self._root = open_root(self.path)
         return self._root
 
-    def _array(self, pos: int, name: str) -> zarr.Array:
-        """Array ``name`` of the shard at ``pos``, opened on first use and kept open."""
+    def _array(self, pos: int, name: str) -> zarr.Array:  # opened on first use and kept open
         if (pos, name) not in self._arrays:
             shard = f"{self.shards[pos].shard_id:05d}"
             try:
@@ -743,8 +691,7 @@ class CacheReader:
                 raise CacheError(f"{self.path}: shard {shard} has no array {name}") from None
         return self._arrays[pos, name]
 
-    def _source(self, pos: int) -> np.ndarray:
-        """The committed part of ``source_index`` of the shard at ``pos`` (read once)."""
+    def _source(self, pos: int) -> np.ndarray:  # the committed source_index of the shard at pos, read once
         if self._sources[pos] is None:
             n = self.shards[pos].samples
             self._sources[pos] = np.asarray(self._array(pos, "source_index")[:n]) if n else np.zeros(0, np.int64)
@@ -797,36 +744,26 @@ class CacheReader:
             out[f] = np.asarray(got)
         return out
 
-    def __getitem__(self, index: int) -> dict[str, Any]:
-        return self.read(index)
-
     def read(self, index: int, fields: Iterable[str] = TOKEN_FIELDS, decode: bool = True) -> dict[str, Any]:
-        """One sample as torch tensors plus its ``source_index``: ``hidden`` (T, L, D) bf16 and
-        ``topk_logprobs`` float32 whatever the encoding; only the arrays in ``fields`` are read.
-        ``decode=False`` on a lossy cache gives the payload (T, L, W) and ``hidden_scale``
-        (T, L, G), for ``decode_hidden`` to decode elsewhere (on the GPU)."""
+        """The arrays in ``fields`` of one sample as tensors, plus its ``source_index``: ``hidden``
+        (T, L, D) bf16 and ``topk_logprobs`` float32 whatever the encoding. ``decode=False`` on a
+        lossy cache gives the payload and ``hidden_scale``, for ``decode_hidden`` on the GPU."""
         fields = tuple(fields)
         unknown = set(fields) - set(TOKEN_FIELDS)
         if unknown:
             raise ValueError(f"unknown cache fields {sorted(unknown)}; the cache stores {TOKEN_FIELDS}")
         lossy = "hidden" in fields and self.spec.codec.lossy
         raw = self.read_raw(index, fields + ((HIDDEN_SCALE,) if lossy else ()))
-        convert = {
-            "input_ids": lambda a: torch.from_numpy(a.astype(np.int64)),
-            "loss_mask": lambda a: torch.from_numpy(a.astype(bool)),
-            "topk_ids": lambda a: torch.from_numpy(a.astype(np.int64)),
-            "topk_logprobs": lambda a: decode_topk_logprobs(self.spec, a),
-        }
-        out = {f: convert[f](raw[f]) for f in fields if f != "hidden"}
-        if "hidden" in fields:
-            if not lossy:
-                out["hidden"] = bf16_from_bits(raw["hidden"])  # (T, L, D) bfloat16
-            elif decode:
-                out["hidden"] = decode_hidden(self.spec, raw)  # (T, L, D) bfloat16
-            else:
-                out["hidden"], out[HIDDEN_SCALE] = torch.from_numpy(raw["hidden"]), torch.from_numpy(raw[HIDDEN_SCALE])
+        out = {f: decode_topk_logprobs(self.spec, raw[f]) if f == "topk_logprobs"
+               else torch.from_numpy(raw[f].astype(bool if f == "loss_mask" else np.int64)) for f in fields if f != "hidden"}
+        if "hidden" in fields and lossy and not decode:
+            out["hidden"], out[HIDDEN_SCALE] = torch.from_numpy(raw["hidden"]), torch.from_numpy(raw[HIDDEN_SCALE])
+        elif "hidden" in fields:  # (T, L, D) bfloat16
+            out["hidden"] = decode_hidden(self.spec, raw) if lossy else bf16_from_bits(raw["hidden"])
         pos, j = self.locate(index)
         return {**out, "source_index": int(self._source(pos)[j])}
+
+    __getitem__ = read
 
     def id_counts(self, minlength: int = 0, batch_chunks: int = 16) -> np.ndarray:
         """Occurrences of every token id in the committed ``input_ids`` (at least ``vocab_size``

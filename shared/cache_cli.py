@@ -49,8 +49,8 @@ def _short(h: str | None, n: int = 12) -> str:
     return str(h).split(":", 1)[-1][:n] if h else "-"
 
 
-def _pct(x: float | None) -> str:
-    return "-" if x is None else f"{100 * x:.1f}%"
+def _fmt(x: float | None, spec: str = ".1%") -> str:
+    return "-" if x is None else format(x, spec)
 
 
 CACHE = click.argument("cache")
@@ -131,7 +131,7 @@ def info(cache: str, as_json: bool):
         "",
         f"total      {_n(d['samples'])}/{_n(d['planned_samples'])} samples, {_n(d['tokens'])}/"
         f"{_n(d['planned_tokens'])} tokens, {_n(d['assistant_tokens'])} assistant tokens "
-        f"({_pct(d['assistant_fraction'])}); skipped rows: {skipped}",
+        f"({_fmt(d['assistant_fraction'])}); skipped rows: {skipped}",
         f"disk       {size_text(d['bytes_on_disk'])}; vs raw bf16: hidden {ratio['hidden']}, "
         f"all arrays {ratio['total']}  (raw {size_text(d['raw_bytes']['total'])})",
     ]
@@ -219,7 +219,7 @@ def stats(cache: str, max_samples: int, seed: int, threshold: float, against: st
     if as_json:
         return _emit_json(d)
     ln = d["lengths"]
-    out = [f"{_n(d['samples'])} samples, {_n(d['tokens'])} tokens, assistant {_pct(d['assistant_fraction'])}"]
+    out = [f"{_n(d['samples'])} samples, {_n(d['tokens'])} tokens, assistant {_fmt(d['assistant_fraction'])}"]
     if ln["histogram"]:
         out.append(f"length: min {ln['min']}  mean {ln['mean']:.1f}  p50 {ln['percentiles']['50']:.0f}  "
                    f"p90 {ln['percentiles']['90']:.0f}  p99 {ln['percentiles']['99']:.0f}  max {ln['max']}  "
@@ -232,24 +232,23 @@ def stats(cache: str, max_samples: int, seed: int, threshold: float, against: st
     out.append(f"activations over {_n(smp['samples'])} samples ({_n(smp['tokens'])} tokens, {drawn}):")
     out.append(f"  {'layer':>5} {'mean':>10} {'std':>10} {'rms':>10} {'abs max':>10} {'|x|>' + format(threshold, 'g'):>10}")
     out += [f"  {lay['layer_id']:>5} {lay['mean']:>10.4g} {lay['std']:>10.4g} {lay['rms']:>10.4g} "
-            f"{lay['abs_max']:>10.4g} {_pct(lay['frac_above_threshold']):>10}" for lay in d["activations"]["layers"]]
+            f"{lay['abs_max']:>10.4g} {_fmt(lay['frac_above_threshold']):>10}" for lay in d["activations"]["layers"]]
     tk = d["topk"]
-    fmt = lambda x: "-" if x is None else f"{x:.3f}"  # noqa: E731
-    out.append(f"top-{tk['k']}: mean top-1 prob {fmt(tk['mean_top1_prob'])}, mass in top-k {fmt(tk['mean_topk_mass'])}, "
-               f"entropy >= {fmt(tk['mean_entropy_lower_bound'])} nats; top-1 = next token "
-               f"{_pct(tk['top1_is_next_token'])} (assistant {_pct(tk['top1_is_next_token_assistant'])})")
+    out.append(f"top-{tk['k']}: mean top-1 prob {_fmt(tk['mean_top1_prob'], '.3f')}, mass in top-k "
+               f"{_fmt(tk['mean_topk_mass'], '.3f')}, entropy >= {_fmt(tk['mean_entropy_lower_bound'], '.3f')} nats; "
+               f"top-1 = next token {_fmt(tk['top1_is_next_token'])} (assistant {_fmt(tk['top1_is_next_token_assistant'])})")
     e = d["conversion_error"]  # a converted cache's error against its source, per layer
-    rel = lambda x: "-" if x is None else f"{x:.3e}"  # noqa: E731
     if e is not None and e.get("unavailable"):
         out.append(f"error against the source: {e['unavailable']}")
     elif e is not None:
         note = "" if e["source_matches_record"] in (None, True) else "  (NOT the fingerprint it was converted from)"
         out += [f"error against {e['against']}{note}, over the same {_n(e['tokens'])} tokens:",
                 f"  {'layer':>5} {'rel L2':>10} {'max |err|':>10}"]
-        out += [f"  {lay['layer_id']:>5} {rel(lay['rel_l2']):>10} {lay['max_abs_error']:>10.4g}" for lay in e["layers"]]
+        out += [f"  {lay['layer_id']:>5} {_fmt(lay['rel_l2'], '.3e'):>10} {lay['max_abs_error']:>10.4g}"
+                for lay in e["layers"]]
         tk = e["topk_logprobs"]
         if e["topk_reduced"] or tk["rel_l2"]:
-            out.append(f"  top-k log-probs: rel L2 {rel(tk['rel_l2'])}, max |err| {tk['max_abs_error']:.4g}")
+            out.append(f"  top-k log-probs: rel L2 {_fmt(tk['rel_l2'], '.3e')}, max |err| {tk['max_abs_error']:.4g}")
     click.echo("\n".join(out))
 
 

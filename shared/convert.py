@@ -1,11 +1,8 @@
 """``dflash-cache convert``: re-encode a finished cache into another layout, without the target.
 
 Each shard keeps the source's plan and is written through extraction's ``ShardWriter``, so it is
-chunked, checksummed and resumed alike. Only the storage changes (format, chunking, zstd level,
-hidden codec, top-k precision): an array whose encoding is unchanged is copied as stored, the
-others are decoded and encoded again. The fingerprint is the source's with the new settings
-(plus ``decoded_from`` for values that went through a lossy encoding); ``info.converted_from``
-records the source's path, fingerprint digest and storage."""
+chunked, checksummed and resumed alike. Only the storage changes: an array whose encoding is
+unchanged is copied as stored, the others are decoded and encoded again."""
 
 from __future__ import annotations
 
@@ -55,12 +52,10 @@ class ConvertSettings:
         if self.compression_level is not None and self.compression_level not in ZSTD_LEVELS:
             raise ValueError(f"--compression-level {self.compression_level}: the cache's codec (zstd inside blosc) "
                              f"runs at zstd levels {', '.join(map(str, ZSTD_LEVELS))} only")
-        if self.hidden_group_size is not None and self.hidden_group_size < 1:
-            raise ValueError(f"--hidden-group-size must be at least 1, got {self.hidden_group_size}")
-        if self.chunk_tokens is not None and self.chunk_tokens < 1:
-            raise ValueError(f"--chunk-tokens must be at least 1, got {self.chunk_tokens}")
-        if self.workers < 1:
-            raise ValueError(f"--workers must be at least 1, got {self.workers}")
+        for flag, value in (("--hidden-group-size", self.hidden_group_size), ("--chunk-tokens", self.chunk_tokens),
+                            ("--workers", self.workers)):
+            if value is not None and value < 1:
+                raise ValueError(f"{flag} must be at least 1, got {value}")
         if self.read_mib <= 0:
             raise ValueError(f"--read-mib must be positive, got {self.read_mib}")
         if self.commit_seconds < 0:
@@ -164,27 +159,21 @@ class StopFlag:
             signal.signal(signal.SIGINT, self._previous)
 
 
-def _reencode(src: CacheSpec, dst: CacheSpec, stored: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """A source shard's stored token arrays -> the converted shard's: each array whose encoding is
-    unchanged as it is, the others decoded (hidden states to float32) and encoded as extraction does."""
+def _reencode(src: CacheSpec, dst: CacheSpec, stored: dict[str, np.ndarray], plan: ShardPlan, t0: int,
+              where: str) -> dict[str, np.ndarray]:
+    """The stored token arrays of a source shard from token ``t0`` -> the converted shard's: each
+    array whose encoding is unchanged as it is, the others decoded (hidden states to float32) and
+    encoded as extraction does. Refuses new scales that are not finite (NaN/Inf in, or a
+    magnitude past their dtype); ``where`` names the source shard."""
     out = {f: stored[f] for f in ("input_ids", "loss_mask", "topk_ids")}
-    if src.codec == dst.codec:
-        out.update({f: stored[f] for f in ("hidden", HIDDEN_SCALE) if f in stored})
-    else:
-        hidden = decode_hidden(src, stored, torch.float32)  # (T, L, D)
-        out.update({f: to_numpy(t) for f, t in encode_hidden(dst, hidden, validate=False).items()})
     out["topk_logprobs"] = stored["topk_logprobs"] if src.topk_dtype == dst.topk_dtype else to_numpy(
         encode_topk_logprobs(dst, decode_topk_logprobs(src, stored["topk_logprobs"])))
-    return out
-
-
-def _check_scales(src: CacheSpec, dst: CacheSpec, data: dict[str, np.ndarray], plan: ShardPlan, t0: int,
-                  where: str) -> None:
-    """Refuse re-encoded scales that are not finite: NaN/Inf in, or a magnitude past their dtype."""
-    if src.codec == dst.codec or HIDDEN_SCALE not in data:
-        return
-    scales = data[HIDDEN_SCALE]
-    bad = np.flatnonzero(~np.isfinite(scales.reshape(len(scales), -1)).all(axis=1))
+    if src.codec == dst.codec:
+        return out | {f: stored[f] for f in ("hidden", HIDDEN_SCALE) if f in stored}
+    hidden = decode_hidden(src, stored, torch.float32)  # (T, L, D)
+    out.update({f: to_numpy(t) for f, t in encode_hidden(dst, hidden, validate=False).items()})
+    scales = out.get(HIDDEN_SCALE)  # a lossy codec's
+    bad = [] if scales is None else np.flatnonzero(~np.isfinite(scales.reshape(len(scales), -1)).all(axis=1))
     if len(bad):
         token = t0 + int(bad[0])
         sample = int(np.searchsorted(plan.offsets, token, side="right") - 1)
@@ -192,6 +181,7 @@ def _check_scales(src: CacheSpec, dst: CacheSpec, data: dict[str, np.ndarray], p
                          f"dtype ({dst.codec.describe()}; --hidden-scale-dtype float32 holds larger ones); the first in "
                          f"sample {sample} of the shard (source row {int(plan.source_index[sample])}), token "
                          f"{token - int(plan.offsets[sample])}; dflash-cache verify lists every one")
+    return out
 
 
 def _convert_shard(src_group: zarr.Group, dst_root: zarr.Group, dst: str, shard_id: int, src_spec: CacheSpec,
@@ -227,8 +217,7 @@ def _convert_shard(src_group: zarr.Group, dst_root: zarr.Group, dst: str, shard_
             while b1 < len(batches) - 1 and offsets[batches[b1 + 1]] - t0 <= window:
                 b1 += 1
             t1 = int(offsets[batches[b1]])
-            data = _reencode(src_spec, dst_spec, {f: np.asarray(a[t0:t1]) for f, a in arrays.items()})
-            _check_scales(src_spec, dst_spec, data, plan, t0, where)
+            data = _reencode(src_spec, dst_spec, {f: np.asarray(a[t0:t1]) for f, a in arrays.items()}, plan, t0, where)
             for b in range(b0, b1):
                 s0, s1 = writer.batch_samples(b)
                 a, z = int(offsets[s0]) - t0, int(offsets[s1]) - t0

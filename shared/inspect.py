@@ -12,6 +12,7 @@ from typing import Any
 import numpy as np
 import torch
 import zarr
+from zarr.core.sync import sync
 
 from dflash.shared.cache import (HIDDEN_SCALE, META_FIELDS, CacheError, CacheReader, ShardInfo, decode_hidden,
                                  decode_topk_logprobs, shard_name, token_array_shapes)
@@ -21,8 +22,6 @@ from dflash.shared.shard_lock import live_holders
 
 def _sizes(root: zarr.Group, prefixes: list[str]) -> dict[str, int] | None:
     """Key -> bytes of every object under ``prefixes``, or None where the store cannot list."""
-    from zarr.core.sync import sync
-
     store = root.store
 
     async def size(key):
@@ -195,13 +194,9 @@ def show_sample(path: str, index: int, *, tokenizer_path: str | None = None, num
 
     ids, mask = raw["input_ids"].astype(np.int64), raw["loss_mask"].astype(bool)
     T = len(ids)
-    segments, start = [], 0
-    for t in range(1, T + 1):
-        if t == T or mask[t] != mask[start]:
-            seg_ids = ids[start:t].tolist()
-            segments.append({"assistant": bool(mask[start]), "start": start, "end": t, "ids": seg_ids,
-                             "text": _decode(tokenizer, seg_ids)})
-            start = t
+    cuts = [0, *(np.flatnonzero(mask[1:] != mask[:-1]) + 1).tolist(), T]  # where the mask changes
+    segments = [{"assistant": bool(mask[a]), "start": a, "end": b, "ids": ids[a:b].tolist(),
+                 "text": _decode(tokenizer, ids[a:b].tolist())} for a, b in zip(cuts, cuts[1:]) if a < b]
     n_show = T if num_tokens is None else min(T, max(num_tokens, 0))
     top = min(top, raw["topk_ids"].shape[1])
     tokens = []

@@ -32,10 +32,8 @@ class _Shard:
     sid: int
     state: ShardState
     arrays: dict[str, zarr.Array]
-    global_start: int
-    """Global index of its first sample (shards before it, by their commit records)."""
-    mapping: np.ndarray | None = None
-    """Its committed offsets made monotone, to find the sample of a token (None: unreadable)."""
+    global_start: int  # global index of its first sample (by the commit records of the shards before it)
+    mapping: np.ndarray | None = None  # its committed offsets made monotone, to find a token's sample
 
     def samples_of(self, tokens):
         m = self.mapping
@@ -54,15 +52,15 @@ class _Problems:
         self.total += 1
         if len(self.items) >= self.cap:
             return
-        local = sorted({int(s) for s in samples}) if samples is not None else None
-        num_samples = None if local is None else len(local)
-        local = None if local is None else local[:MAX_LISTED_SAMPLES]
-        glob = None if local is None or of is None else [
-            of.global_start + s if s < of.state.commit.samples else None for s in local]
+        local = num_samples = glob = None
+        if samples is not None:
+            local = sorted({int(s) for s in samples})
+            num_samples, local = len(local), local[:MAX_LISTED_SAMPLES]
+            glob = [of.global_start + s if s < of.state.commit.samples else None for s in local]
         where = f"shard {shard:05d}" if shard is not None else "cache"
         if local:
             shown = ", ".join(map(str, local[:5])) + (f", ... ({num_samples} samples)" if num_samples > 5 else "")
-            where += f" sample {shown} (global {', '.join('-' if g is None else str(g) for g in (glob or [])[:5])})"
+            where += f" sample {shown} (global {', '.join('-' if g is None else str(g) for g in glob[:5])})"
         if array:
             where += f" {array}"
         self.items.append({"shard": shard, "array": array, "check": check, "samples": local, "num_samples": num_samples,
@@ -79,6 +77,11 @@ def _check_token_chunk(arr: zarr.Array, name: str, c: int, committed: int, spec:
     except Exception as e:  # crc32c mismatch, truncated or garbled blosc frame, missing key...
         return f"{type(e).__name__}: {e}", []
     found = []
+
+    def flag(check, rows, facts):  # rows: the chunk's tokens that fail the check; facts: what to report
+        if rows.any():
+            found.append((check, t0 + np.flatnonzero(rows), facts()))
+
     bad = None
     if name == "hidden" and spec.hidden_codec == "bf16":
         bad, check = (data & BF16_EXP_MASK) == BF16_EXP_MASK, "nan_inf"  # (n, L, D)
@@ -88,25 +91,18 @@ def _check_token_chunk(arr: zarr.Array, name: str, c: int, committed: int, spec:
         bad, check = ~np.isfinite(data) | (data < 0), "bad_scale"  # (n, L, G)
     elif name == "topk_logprobs":
         data = decode_topk_logprobs(spec, data).numpy()
-        rows = ~np.isfinite(data).all(axis=1)
-        if rows.any():
-            found.append(("nan_inf", t0 + np.flatnonzero(rows), {"values": int((~np.isfinite(data)).sum())}))
         with np.errstate(invalid="ignore"):
-            rows = (data > LOGPROB_TOL).any(axis=1)
-            if rows.any():
-                found.append(("positive", t0 + np.flatnonzero(rows), {"max": float(np.nanmax(data))}))
-            rows = (np.diff(data, axis=1) > LOGPROB_TOL).any(axis=1)
-            if rows.any():
-                found.append(("not_descending", t0 + np.flatnonzero(rows), {}))
+            flag("nan_inf", ~np.isfinite(data).all(axis=1), lambda: {"values": int((~np.isfinite(data)).sum())})
+            flag("positive", (data > LOGPROB_TOL).any(axis=1), lambda: {"max": float(np.nanmax(data))})
+            flag("not_descending", (np.diff(data, axis=1) > LOGPROB_TOL).any(axis=1), dict)
     elif name in ("input_ids", "topk_ids"):
         wrong = (data < 0) | (data >= spec.vocab_size)
-        rows = wrong.reshape(len(data), -1).any(axis=1)
-        if rows.any():
-            found.append(("out_of_vocab", t0 + np.flatnonzero(rows), {"ids": set(np.unique(data[wrong])[:5].tolist())}))
-    if bad is not None and bad.any():
+        flag("out_of_vocab", wrong.reshape(len(data), -1).any(axis=1),
+             lambda: {"ids": set(np.unique(data[wrong])[:5].tolist())})
+    if bad is not None:
         per_layer = bad.any(axis=2)  # (n, L)
-        layers = {spec.layer_ids[j] for j in np.flatnonzero(per_layer.any(axis=0))}
-        found.append((check, t0 + np.flatnonzero(per_layer.any(axis=1)), {"values": int(bad.sum()), "layers": layers}))
+        flag(check, per_layer.any(axis=1), lambda: {
+            "values": int(bad.sum()), "layers": {spec.layer_ids[j] for j in np.flatnonzero(per_layer.any(axis=0))}})
     return None, found
 
 
