@@ -406,17 +406,12 @@ def speculative_generate(target, proposer: DFlashProposer, prompt_ids: Sequence[
         drafts = [int(t) for t in drafts.tolist()]
         logits, states = session.forward([sequence[-1], *drafts], layer_ids)
         greedy = logits.argmax(dim=-1).tolist()  # the target's tokens for positions p+1 .. p+B
-        accepted = 0
-        while accepted < B - 1 and drafts[accepted] == greedy[accepted]:
-            accepted += 1
+        accepted = first_difference(drafts, greedy[:B - 1])
         context[0, p:p + accepted + 1] = states[:accepted + 1]
         session.crop(p + accepted + 1)
-        emitted = 0
-        for token in drafts[:accepted] + [greedy[accepted]]:
+        for emitted, token in enumerate(drafts[:accepted] + [greedy[accepted]], start=1):
             sequence.append(token)
-            emitted += 1
-            if token in eos or len(sequence) - n_prompt >= max_new_tokens:
-                done = True
+            if done := token in eos or len(sequence) - n_prompt >= max_new_tokens:
                 break
         taus.append(emitted)
     sync_device(device)
