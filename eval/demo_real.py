@@ -30,6 +30,7 @@ import click
 
 from dflash.train.config import PRESETS
 
+from .benchmarks import write_jsonl
 from .demo import _fresh, _read, _write, apply_overrides, plot_curves, read_metrics
 
 
@@ -72,9 +73,8 @@ def sharegpt_split(train: Path, heldout: Path, conversations: int, n_heldout: in
               and r["conversations"][0].get("from") == "human" and r["conversations"][0].get("value", "").strip()
               and all(m.get("value", "").isascii() for m in r["conversations"])]
     held, rest = usable[len(usable) - n_heldout:], usable[: len(usable) - n_heldout][:conversations]
-    train.write_text("".join(json.dumps({"conversations": r["conversations"]}) + "\n" for r in rest))
-    heldout.write_text("".join(json.dumps({"messages": [{"role": "user", "content": r["conversations"][0]["value"]}]})
-                               + "\n" for r in held))
+    write_jsonl([{"conversations": r["conversations"]} for r in rest], train)
+    write_jsonl([{"messages": [{"role": "user", "content": r["conversations"][0]["value"]}]} for r in held], heldout)
     return {"sharegpt_records": len(records), "usable": len(usable), "train_conversations": len(rest),
             "train_assistant_turns": sum(m["from"] != "human" for r in rest for m in r["conversations"]),
             "sharegpt_heldout": len(held)}
@@ -82,7 +82,7 @@ def sharegpt_split(train: Path, heldout: Path, conversations: int, n_heldout: in
 
 def prepare(data: Path, s: RealSettings) -> dict:
     """ShareGPT chats for regeneration and the three benchmarks' prompts, as JSONL."""
-    from .benchmarks import humaneval, mt_bench, write_jsonl
+    from .benchmarks import humaneval, mt_bench
 
     settings = {"conversations": s.conversations, "heldout": s.heldout}
     if (record := _fresh(data, settings)) is not None:
