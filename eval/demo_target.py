@@ -120,7 +120,6 @@ def read_jsonl(path: str | Path) -> list[dict]:
     return [json.loads(line) for line in Path(path).read_text(encoding="utf-8").splitlines() if line.strip()]
 
 
-
 @dataclass(frozen=True)
 class DemoTargetConfig:
     """Model shape and training recipe of the demo target (the defaults are ``make demo``'s)."""
@@ -173,8 +172,7 @@ def tokenize_chats(tokenizer, chats: Sequence[dict], *, max_length: int, loss_on
 def build_demo_target(out_dir: str | Path, train_chats: Sequence[dict], tokenizer, config: DemoTargetConfig, *,
                       log: Callable[[str], None] = print, num_threads: int | None = None) -> dict[str, Any]:
     """Train the demo target and save it as an HF model folder; returns its build record.
-    ``tokenizer``: a HF fast tokenizer or its folder (template with ``{% generation %}``);
-    ``num_threads``: torch's threads for this build only (speed, not a setting)."""
+    ``tokenizer``: a HF fast tokenizer or its folder; ``num_threads``: torch's, for this build only."""
     from transformers import AutoTokenizer, Qwen3Config, Qwen3ForCausalLM
 
     if isinstance(tokenizer, (str, Path)):
@@ -208,8 +206,7 @@ def build_demo_target(out_dir: str | Path, train_chats: Sequence[dict], tokenize
 
 
 def _batches(lengths: Sequence[int], batch_size: int, r: random.Random) -> Iterator[list[int]]:
-    """Endless batches of indices: each epoch shuffled, then grouped by length in windows of 16
-    batches (little padding)."""
+    """Endless batches of indices: each epoch shuffled, grouped by length in windows of 16 batches."""
     order, window = list(range(len(lengths))), batch_size * 16
     while True:
         r.shuffle(order)

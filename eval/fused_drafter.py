@@ -1,7 +1,6 @@
-"""The drafter's decoding path, fused: the proposer's private fast path. A decoding block is so
-small that kernel calls cost more than arithmetic, so projections of the same input run as one
-matmul, rope comes from a table and RMSNorm is one call. Same results as ``DFlashDrafter.forward``
-(tested)."""
+"""The proposer's private fast path: a decoding block is so small that kernel calls cost more than
+arithmetic, so projections of one input are one matmul, rope a table, RMSNorm one call. Same
+results as ``DFlashDrafter.forward`` (tested)."""
 
 from __future__ import annotations
 
@@ -74,7 +73,7 @@ class DecodingWeights:
 
 @functools.lru_cache(maxsize=8)
 def _rope_table(length: int, head_dim: int, theta: float, device: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """``rope_cos_sin`` of positions 0 .. length-1, the sin's first half negated (rotate_half's sign)."""
+    """``rope_cos_sin`` of positions 0 .. length-1, the sin's first half negated (see ``_rotate``)."""
     with torch.inference_mode(False), torch.no_grad():
         cos, sin = rope_cos_sin(torch.arange(length, device=device)[None], head_dim, theta)
         half = head_dim // 2
@@ -96,8 +95,8 @@ def _rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch
 
 def context_kv(drafter: DFlashDrafter, w: DecodingWeights, context_hidden: torch.Tensor,
                context_positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Every layer's keys and values, each (L, Bsz, Hkv, S, hd), of context features (Bsz, S, n * D)
-    at positions (Bsz, S): ``DFlashDrafter.context_kv`` on the fused weights."""
+    """``DFlashDrafter.context_kv``: every layer's keys and values (L, Bsz, Hkv, S, hd) of context
+    features (Bsz, S, n * D) at positions (Bsz, S)."""
     c = drafter.config
     eps, n_layers, n_kv, hd = c.rms_norm_eps, c.num_hidden_layers, c.num_key_value_heads, c.head_dim
     ctx = _rms_norm(F.linear(context_hidden.to(w.dtype), drafter.fc.weight), drafter.hidden_norm.weight, eps)
@@ -112,9 +111,8 @@ def context_kv(drafter: DFlashDrafter, w: DecodingWeights, context_hidden: torch
 def block_forward(drafter: DFlashDrafter, w: DecodingWeights, block_embeds: torch.Tensor,
                   block_positions: torch.Tensor, context_kv: tuple[torch.Tensor, torch.Tensor],
                   context_valid: torch.Tensor | None = None) -> torch.Tensor:
-    """``DFlashDrafter.forward`` for one block (Bsz, B, D) at positions (Bsz, B) seeing the whole
-    context, as ``context_kv``'s (L, Bsz, Hkv, S, hd) keys and values; ``context_valid`` (S,) bool:
-    only those context positions are seen (fixed-shape buffers)."""
+    """``DFlashDrafter.forward`` for one block (Bsz, B, D) at positions (Bsz, B) over the whole context
+    (``context_kv``'s keys and values); ``context_valid`` (S,): only those positions are seen."""
     c = drafter.config
     eps, n_heads, n_kv, hd = c.rms_norm_eps, c.num_attention_heads, c.num_key_value_heads, c.head_dim
     keys, values = context_kv

@@ -1,11 +1,10 @@
 """Acceptance over a whole benchmark in minutes: greedy speculative decoding replayed, not run.
 
 At temperature 0 speculative decoding emits the target's greedy continuation, and a block at
-position a accepts what the drafter proposes from the target's hidden states of positions < a.
-So: every prompt's greedy continuation, batched; one batched target forward over prompt +
-continuation (``TargetRunner``); a block scored at every position and the continuation walked
-as decoding walks it (``dflash.train.replay``). The block taus equal real decoding's in float32
-(tested), up to near-ties in bfloat16; ``spec_sample`` decodes a few prompts for real to check it.
+position a accepts what the drafter proposes from the target's states of positions < a. So:
+batched greedy continuations, one batched target forward over prompt + continuation, and the
+continuation walked as decoding walks it (``dflash.train.replay``). The taus equal real
+decoding's in float32 (tested); ``spec_sample`` decodes a few prompts for real to check it.
 """
 
 from __future__ import annotations
@@ -32,8 +31,8 @@ ANCHORS_PER_FORWARD = 256  # blocks per drafter forward (dense attention: querie
 
 def replay_export(cache: str | Path, samples: list[int], export: str | Path, target: str | Path,
                   max_length: int = 4096, max_new_tokens: int | None = None) -> dict[str, Any]:
-    """Decoding replayed on cache ``samples`` (global indices) by a drafter from an export or run
-    folder with the target's embedding and head (``train.replay``'s dict: tau, blocks, ...)."""
+    """Decoding replayed on cache ``samples`` by a drafter from an export or run folder
+    (``train.replay``'s dict: tau, blocks, ...)."""
     from dflash.shared.cache import CacheReader
     from dflash.train.model import load_target_head
 
@@ -48,8 +47,8 @@ def replay_export(cache: str | Path, samples: list[int], export: str | Path, tar
 def greedy_continuations(target, prompts: Sequence[Sequence[int]], max_new_tokens: int,
                          eos_token_ids: Iterable[int] = (), batch_size: int = 16, static: bool | None = None
                          ) -> list[tuple[list[int], bool]]:
-    """Per prompt: (greedy tokens before the stop token, truncated?), in batches of similar lengths.
-    ``static``: regeneration's static-KV-cache path (None: on for CUDA)."""
+    """Per prompt: (greedy tokens before the stop token, truncated?), batched by length.
+    ``static``: regeneration's static KV cache (None: on CUDA)."""
     from dflash.extract.regenerate import GenerationSettings, StaticDecoder, generate_batch, generation_kwargs
 
     stops = sorted({int(t) for t in eos_token_ids})
@@ -74,18 +73,16 @@ def greedy_continuations(target, prompts: Sequence[Sequence[int]], max_new_token
     return out
 
 
-def target_head(target) -> TargetHead:
+def target_head(target) -> TargetHead:  # the target's embedding and LM head, for the drafter
     return TargetHead(target.get_input_embeddings().weight, target.get_output_embeddings().weight)
 
 
 def replay_samples(runner, prompts: Sequence[Sequence[int]], continuations: Sequence[tuple[list[int], bool]],
                    stops: frozenset[int]) -> list[dict[str, Any]]:
-    """One batched target forward over prompt + continuation -> per prompt the replay's sample:
-    input_ids (prompt, continuation, stop token when one was hit), loss_mask (the continuation),
-    context_hidden (T, n * D), target_top1 (T,), and ``disagreements``: positions where the
-    forward's greedy token is not the generated one (0 in float32). The stop token is the
-    forward's greedy token after the continuation, or where that is none (a bf16 near-tie) the
-    smallest stop id, counted as a disagreement."""
+    """One batched target forward over prompt + continuation -> per prompt the replay's sample
+    (input_ids with the stop token when one was hit, loss_mask, context_hidden, target_top1) and
+    ``disagreements``: positions where the forward's greedy token is not the generated one (0 in
+    float32; a stop the forward does not pick, a bf16 near-tie, becomes the smallest stop id)."""
     sequences = [torch.tensor(list(p) + tokens, dtype=torch.long) for p, (tokens, _) in zip(prompts, continuations)]
     out = runner.forward(*runner.pad_batch(sequences))
     hidden = out.hidden.flatten(1).split([len(s) for s in sequences])  # per prompt (T, n * D)
@@ -118,8 +115,7 @@ def score_sample(sample: dict[str, Any], predict, device, max_anchors: int = ANC
 def replay_benchmark(target, drafter: DFlashDrafter, prompts: Sequence[Sequence[int]], *, max_new_tokens: int,
                      eos_token_ids: Iterable[int] = (), batch_size: int = 16, static: bool | None = None,
                      max_anchors: int = ANCHORS_PER_FORWARD, progress: bool = False) -> dict[str, Any]:
-    """Greedy speculative decoding of ``drafter`` replayed on every prompt (token ids):
-    {"summary", "per_prompt" (tau, block_taus, tokens: the continuation and stop token, ...),
+    """Greedy speculative decoding replayed on every prompt (token ids): {"summary", "per_prompt",
     "seconds": {generate, forward, drafter}}."""
     from tqdm.auto import tqdm
 
@@ -182,8 +178,8 @@ def first_divergence(replay_taus: Sequence[int], online_taus: Sequence[int]) -> 
 def spec_sample(target, drafter: DFlashDrafter, prompts: Sequence[Sequence[int]], replay: dict[str, Any], k: int, *,
                 max_new_tokens: int, eos_token_ids: Iterable[int] = (), warmup: bool = True,
                 progress: bool = False, capture: bool = False, session=None) -> dict[str, Any]:
-    """``evaluate`` on ``k`` of the prompts, each row compared with its replay: "replay_tau",
-    "tokens_equal", "taus_equal" and "divergence" (None or where tokens / block taus first differ)."""
+    """``evaluate`` on ``k`` of the prompts, each row compared with its replay ("replay_tau",
+    "tokens_equal", "taus_equal", "divergence": None or where tokens / taus first differ)."""
     indices = sample_indices(len(prompts), k)
     result = evaluate(target, drafter, [prompts[i] for i in indices], max_new_tokens=max_new_tokens,
                       eos_token_ids=eos_token_ids, check=False, warmup=warmup, progress=progress, capture=capture,
@@ -192,17 +188,15 @@ def spec_sample(target, drafter: DFlashDrafter, prompts: Sequence[Sequence[int]]
         replayed = replay["per_prompt"][i]
         row.update(index=i, replay_tau=replayed["tau"], tokens_equal=row["tokens"] == replayed["tokens"],
                    taus_equal=row["block_taus"] == replayed["block_taus"])
+        taus = first_divergence(replayed["block_taus"], row["block_taus"])
         row["divergence"] = (mismatch_message(row["tokens"], replayed["tokens"], where=f"prompt {i}: online vs batched")
-                             if not row["tokens_equal"] else
-                             None if row["taus_equal"] else
-                             f"prompt {i}: " + first_divergence(replayed["block_taus"], row["block_taus"]))
+                             or (taus and f"prompt {i}: {taus}"))
     result["indices"] = indices
     return result
 
 
 def benchmark_line(name: str, replay: dict[str, Any], sample: dict[str, Any] | None) -> dict[str, Any]:
-    """One benchmark's report row: replay over all prompts, online figures over the sample
-    (replay_equal: tokens and block taus equal to the replay's)."""
+    """One benchmark's report row: replay over all prompts, online figures over the sample."""
     s = replay["summary"]
     row = {"benchmark": name, "prompts": s["prompts"], "new_tokens": s["new_tokens"], "tau": s["tau"],
            "blocks": s["blocks"], "tau_histogram": s["tau_histogram"], "sample_prompts": 0,

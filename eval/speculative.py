@@ -1,15 +1,12 @@
-"""Online evaluation: DFlash speculative decoding against the target's own greedy decoding,
-one prompt at a time, at temperature 0.
+"""DFlash speculative decoding against the target's own greedy decoding, one prompt at a time,
+at temperature 0.
 
 With the last accepted token at position p (not yet in the KV cache), the drafter proposes
-positions p+1 .. p+B-1 from [last, MASK x (B-1)] and the target's hidden states of positions
-< p; one target forward of [last, proposals] accepts the longest prefix equal to the target's
-greedy tokens plus the target's bonus token (tau = accepted + 1).
-
-Every emitted token is a target argmax on the accepted prefix, so the output must equal greedy
-decoding token for token: ``evaluate`` checks that (``LosslessError``). A divergence where
-greedy's top two logits are within ``TIE_ULPS`` (a B-token verify and a 1-token decode need
-not round alike) is counted as a tie, not raised.
+p+1 .. p+B-1 from [last, MASK x (B-1)] and the target's states of positions < p; one target
+forward of [last, proposals] accepts the longest prefix equal to its greedy tokens plus its
+bonus token (tau = accepted + 1). The output must equal greedy decoding token for token
+(``LosslessError``), except where greedy's top two logits are within ``TIE_ULPS`` (a B-token
+verify and a 1-token decode need not round alike): a tie, counted.
 """
 
 from __future__ import annotations
@@ -42,13 +39,10 @@ class LosslessError(RuntimeError):
 
 
 class DFlashProposer:
-    """A DFlashDrafter plus the target's own embedding and LM head: the speculative loop's proposer
+    """A DFlashDrafter with the target's embedding and LM head: the speculative loop's proposer
     (any object with ``block_size``, ``target_layer_ids``, ``propose`` and an optional ``reset`` is one).
-
-    Context keys and values depend on their own position only, so by default they are computed
-    once per position (``fused_drafter``) and kept until ``reset``; ``incremental=False``
-    recomputes the whole context with the training forward (the reference).
-    """
+    Context keys/values are computed once per position (``fused_drafter``) and kept until ``reset``;
+    ``incremental=False`` recomputes the context with the training forward (the reference)."""
 
     def __init__(self, drafter: DFlashDrafter, target, incremental: bool = True):
         self.drafter, self.config = drafter.eval(), drafter.config
@@ -97,9 +91,8 @@ class DFlashProposer:
         return self.lm_head(hidden[0, 1:].to(self.lm_head.weight.dtype))  # (B-1, V)
 
     def _extend(self, context: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Every layer's context keys/values, (L, 1, Hkv, S, hd) each, computing only positions not
-        kept yet (kept ones count while ``context`` still ends the same at the last kept position),
-        in buffers that grow by doubling."""
+        """Every layer's context keys/values (L, 1, Hkv, S, hd), computing only positions not kept yet
+        (while ``context`` still matches at the last kept position), in buffers grown by doubling."""
         ctx_len, kept = context.shape[1], self._context_len
         if kept and (ctx_len < kept or not torch.equal(context[0, kept - 1], self._last_row)):
             kept = 0
@@ -124,11 +117,10 @@ class DFlashProposer:
 
 
 class StaticProposer(DFlashProposer):
-    """``DFlashProposer`` at fixed shapes, so that on CUDA (``capture``) a block's proposal is one
-    CUDA graph: each block writes the keys and values of the B positions from the first new one
-    into ``capacity``-position buffers (those past the context masked, rewritten once verified)
-    and attends over the whole buffer; a prompt is written eagerly. The weights are taken once:
-    the graph reads them at their addresses."""
+    """``DFlashProposer`` at fixed shapes, so that on CUDA (``capture``) a proposal is one CUDA graph:
+    a block writes the keys/values of B positions from the first new one into fixed buffers (those
+    past the context masked) and attends over all of them; a prompt is written eagerly. The weights
+    are taken once: the graph reads them at their addresses."""
 
     def __init__(self, drafter: DFlashDrafter, target, capacity: int, capture: bool = False):
         super().__init__(drafter, target)
@@ -226,8 +218,7 @@ def cache_length(cache) -> int:
 
 
 def crop_cache(cache, keep: int):
-    """The KV cache cut to its first ``keep`` positions (``crop(-n)`` removes n in every supported
-    transformers; ``crop(n)`` keeps n in early 5.x, removes n in 5.2x)."""
+    """The KV cache cut to its first ``keep`` positions (``crop(-n)`` removes n in every transformers)."""
     current = cache_length(cache)
     if keep > current:
         raise ValueError(f"cannot crop a {current}-position cache to {keep}")
@@ -251,8 +242,7 @@ class Generation:
 
 
 @functools.lru_cache(maxsize=None)
-def _cache_argument(model_class: type) -> str:
-    """``cache`` (transformers 5.2x) or ``past_key_values`` (5.17 and before), whichever the model takes."""
+def _cache_argument(model_class: type) -> str:  # "cache" (transformers 5.2x) or "past_key_values"
     return "cache" if "cache" in inspect.signature(model_class.forward).parameters else "past_key_values"
 
 
@@ -283,8 +273,8 @@ def _layer_states(hidden_states, layer_ids: Sequence[int]) -> torch.Tensor:  # (
 
 
 class EagerTarget:
-    """The decoding loops' view of the target: forwards extending one sequence's dynamic KV cache
-    (eager: the reference path), and ``crop`` to drop rejected drafts."""
+    """The decoding loops' target: forwards extending one dynamic KV cache (the reference), ``crop``
+    to drop rejected drafts."""
 
     def __init__(self, target):
         self.target, self.device = target, device_of(target)
@@ -311,10 +301,9 @@ class EagerTarget:
 
 
 class StaticTarget(EagerTarget):
-    """``EagerTarget`` on one static KV cache for every prompt: a crop only moves the length back
-    (the next verify overwrites the rejected drafts), and the layers' device position counter
-    (transformers 5.17+) in place, as a captured graph reads it at its address. With ``capture``
-    the 1-token and B-token forwards run as CUDA graphs; the prefill stays eager."""
+    """``EagerTarget`` on one static KV cache: a crop moves the length back (and the layers' position
+    counter, in place: a captured graph reads it at its address). ``capture``: the 1-token and
+    B-token forwards as CUDA graphs; the prefill stays eager."""
 
     def __init__(self, target, max_length: int, capture: bool = False):
         from transformers import StaticCache
@@ -323,8 +312,7 @@ class StaticTarget(EagerTarget):
         self.cache = StaticCache(config=target.config, max_cache_len=max_length)
         self.max_length, self._length = max_length, 0
         self._cache_name = _cache_argument(type(target))
-        # static shapes: decoding sees only 1 and B new tokens (the prefill runs eager), and automatic
-        # dynamic shapes would compile the whole target once more, with generic kernels
+        # static shapes: only 1 and B new tokens come here; dynamic ones would recompile the target
         self._step = torch.compile(self._run, mode="reduce-overhead", dynamic=False) if capture else self._run
 
     def reset(self) -> None:
@@ -362,7 +350,7 @@ class StaticTarget(EagerTarget):
 
 
 def _start(target, max_new_tokens: int, eos_token_ids: Iterable[int], session: EagerTarget | None):
-    """(device, eos set, the session reset, start time) of one decode."""
+    """(device, eos set, session reset, start time) of one decode."""
     if max_new_tokens < 1:
         raise ValueError("max_new_tokens must be >= 1")
     device = device_of(target)
@@ -418,17 +406,12 @@ def speculative_generate(target, proposer: DFlashProposer, prompt_ids: Sequence[
         drafts = [int(t) for t in drafts.tolist()]
         logits, states = session.forward([sequence[-1], *drafts], layer_ids)
         greedy = logits.argmax(dim=-1).tolist()  # the target's tokens for positions p+1 .. p+B
-        accepted = 0
-        while accepted < B - 1 and drafts[accepted] == greedy[accepted]:
-            accepted += 1
+        accepted = first_difference(drafts, greedy[:B - 1])
         context[0, p:p + accepted + 1] = states[:accepted + 1]
         session.crop(p + accepted + 1)
-        emitted = 0
-        for token in drafts[:accepted] + [greedy[accepted]]:
+        for emitted, token in enumerate(drafts[:accepted] + [greedy[accepted]], start=1):
             sequence.append(token)
-            emitted += 1
-            if token in eos or len(sequence) - n_prompt >= max_new_tokens:
-                done = True
+            if done := token in eos or len(sequence) - n_prompt >= max_new_tokens:
                 break
         taus.append(emitted)
     sync_device(device)
@@ -453,12 +436,6 @@ def mismatch_message(spec: Sequence[int], greedy: Sequence[int], margins: Sequen
         f"lengths {len(spec)} vs {len(greedy)}{margin}). A margin near 0 is a numerical tie between a "
         "B-token verify and a 1-token decode (try float32); a clear margin means a decoding bug."
     )
-
-
-def diverges_at_tie(spec: Sequence[int], greedy: Sequence[int], ties: Sequence[bool]) -> bool:
-    """Whether the two decodes part where greedy's top two logits were within ``TIE_ULPS``."""
-    first = first_difference(spec, greedy)
-    return list(spec) != list(greedy) and first < len(ties) and ties[first]
 
 
 def check_lossless(spec: Sequence[int], greedy: Sequence[int], margins: Sequence[float] = (),
@@ -498,8 +475,7 @@ def capture_length(prompts: Sequence[Sequence[int]], max_new_tokens: int, drafte
 
 
 def captured_decoders(target, drafter: DFlashDrafter, max_length: int) -> tuple[StaticTarget, StaticProposer]:
-    """``--capture``'s target session and proposer of ``max_length`` positions, built once for
-    every ``evaluate`` call (each compiles and captures its graphs once)."""
+    """``--capture``'s target session and proposer, built once for every ``evaluate`` (each compiles once)."""
     cuda = device_of(target).type == "cuda"
     return StaticTarget(target, max_length, capture=cuda), StaticProposer(drafter, target, max_length, capture=cuda)
 
@@ -508,12 +484,9 @@ def evaluate(target, drafter: DFlashDrafter | DFlashProposer, prompts: Sequence[
              max_new_tokens: int = 128, eos_token_ids: Iterable[int] = (), check: bool = True,
              warmup: bool = True, progress: bool = False, capture: bool = False,
              session: StaticTarget | None = None) -> dict[str, Any]:
-    """Speculative vs greedy decoding of every prompt (token ids): {"overall", "per_prompt",
-    "settings"}, tau counting the bonus token (new_tokens == 1 + sum of block taus). ``check``:
-    a mismatch not at a tie raises LosslessError; rows record it either way. ``capture``: both
-    decoders on one ``StaticTarget`` (CUDA graphs on CUDA, the proposal too); ``session`` and
-    ``drafter``: a pair of ``captured_decoders``, reused.
-    """
+    """Speculative vs greedy decoding of every prompt (token ids): {"overall", "per_prompt", "settings"}.
+    ``check``: a mismatch not at a tie raises LosslessError (rows record it either way). ``capture``:
+    both decoders on one ``StaticTarget``; ``session`` and ``drafter``: ``captured_decoders``, reused."""
     from tqdm.auto import tqdm
 
     device = device_of(target)
@@ -534,7 +507,8 @@ def evaluate(target, drafter: DFlashDrafter | DFlashProposer, prompts: Sequence[
         greedy = greedy_generate(target, prompt, max_new_tokens, eos, session)
         spec = speculative_generate(target, proposer, prompt, max_new_tokens, eos, session)
         mismatch = mismatch_message(spec.tokens, greedy.tokens, greedy.margins, where=f"prompt {index}")
-        tie = mismatch is not None and diverges_at_tie(spec.tokens, greedy.tokens, greedy.ties)
+        first = first_difference(spec.tokens, greedy.tokens)  # a tie: greedy's top two within TIE_ULPS there
+        tie = mismatch is not None and first < len(greedy.ties) and greedy.ties[first]
         if check and mismatch is not None and not tie:
             raise LosslessError(mismatch)
         rows.append({"index": index, "prompt_tokens": len(prompt), "lossless": mismatch is None, "mismatch": mismatch,
