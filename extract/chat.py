@@ -1,20 +1,15 @@
 """Render a Conversation to token ids plus the assistant loss mask.
 
-The ids are exactly `apply_chat_template(messages, tools=tools, **template_kwargs)` (no
-generation prompt). The mask is exactly the tokens of each assistant turn as the template
-renders it in the full conversation, from the end of its role header through its end-of-turn
-token (the drafter must learn to stop); whatever the template writes inside a turn is
-assistant. Two ways to find those tokens, giving the same mask for the same template:
-"generation_tags" (HF's Jinja renderer gives each `{% generation %}` block's char span) and
-"template_probe" for templates without tags (the turn header and end-of-turn token learned from
-the template's own renderings of probe chats, each turn then found in the rendering:
-extract/turns.py). Char spans map to tokens by overlap, so a BPE merge across a boundary does
-not break the row; each span is then cut after its first end-of-turn token, or extended by the
-end-of-turn token right after it.
-
-The end-of-turn token is the first special token the template writes after an assistant
-message (Qwen `<|im_end|>`, Llama-3 `<|eot_id|>`), not the eos token; `end_of_turn` overrides
-it. Plain text rows are tokenized as is (with BOS and the like) and the mask is all ones.
+The ids are exactly `apply_chat_template(messages, tools=tools, **template_kwargs)` (no generation
+prompt). The mask is each assistant turn as the template renders it, from the end of its role
+header through its end-of-turn token (the drafter must learn to stop), found one of two ways that
+agree: "generation_tags" (the char span of each `{% generation %}` block) or "template_probe" (the
+turn header and end-of-turn token learned from the template's renderings of probe chats, each turn
+then found in the rendering: turns.py). Char spans map to tokens by overlap, so a BPE merge across
+a boundary does not break the row; each span is then cut after its first end-of-turn token, or
+extended by the one right after it. The end-of-turn token is the first special token the template
+writes after an assistant message (Qwen `<|im_end|>`), not eos; `end_of_turn` overrides it. Plain
+text rows are tokenized as is and the mask is all ones.
 """
 
 from __future__ import annotations
@@ -65,9 +60,8 @@ def mask_method(tokenizer, tools: list[dict[str, Any]] | None = None) -> str:
 
 def turn_markers(tokenizer, end_of_turn: str | None = None, template_kwargs: dict[str, Any] | None = None,
                  tools: list[dict[str, Any]] | None = None) -> TurnMarkers:
-    """The template's assistant header and end-of-turn token, learned from its own
-    renderings once per tokenizer, template, template arguments and override.
-    Raises TemplateProbeFailed (a ValueError) naming what the template did instead."""
+    """The template's assistant header and end-of-turn token, learned from its own renderings once
+    per tokenizer, template, arguments and override; TemplateProbeFailed (a ValueError) otherwise."""
     kwargs = dict(template_kwargs or {})
     template = tokenizer.get_chat_template(tools=tools)
     key = (template, json.dumps(kwargs, sort_keys=True, default=str), end_of_turn)
@@ -90,9 +84,8 @@ def turn_markers(tokenizer, end_of_turn: str | None = None, template_kwargs: dic
 
 
 def end_of_turn_id(tokenizer, end_of_turn: str | None = None, template_kwargs: dict[str, Any] | None = None) -> int:
-    """Token id that ends an assistant turn: `end_of_turn` if given, else the first
-    special token the chat template writes after an assistant message. ValueError when
-    neither gives a token of the vocabulary."""
+    """Token id that ends an assistant turn (`end_of_turn`, else the template's); ValueError when
+    that is no token of the vocabulary."""
     if end_of_turn is not None:
         return _token_id(tokenizer, end_of_turn)
     return _token_id(tokenizer, turn_markers(tokenizer, template_kwargs=template_kwargs).end_of_turn)
@@ -100,8 +93,7 @@ def end_of_turn_id(tokenizer, end_of_turn: str | None = None, template_kwargs: d
 
 def stop_token_ids(model, tokenizer, end_of_turn: str | None = None,
                    template_kwargs: dict[str, Any] | None = None) -> list[int]:
-    """Where generation stops: the generation config's eos ids, the tokenizer's eos and
-    the template's end-of-turn token."""
+    """Where generation stops: the generation config's and tokenizer's eos, the end-of-turn token."""
     ids: set[int] = set()
     eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
     if eos is not None:
@@ -118,13 +110,10 @@ def stop_token_ids(model, tokenizer, end_of_turn: str | None = None,
 def render(tokenizer, conv: Conversation, *, max_length: int, truncation: str = "right",
            method: MaskMethod = "auto", end_of_turn: str | None = None,
            template_kwargs: dict[str, Any] | None = None) -> RenderedSample:
-    """Token ids (int32) and assistant loss mask (bool) of one conversation.
-
-    truncation: "right" keeps the first `max_length` tokens; "error" raises DataError("too_long");
-    "skip" raises SkippedSample("too_long"), always counted. A sample left with no loss token
-    after right truncation is a SkippedSample("no_loss_tokens"). A template that raises gives
-    DataError("template_rejected"); turns that cannot be found DataError("mask_not_located").
-    """
+    """Token ids (int32) and assistant loss mask (bool) of one conversation. truncation "right" keeps
+    the first `max_length` tokens, "error" raises DataError("too_long"), "skip" SkippedSample; no loss
+    token left after truncation is SkippedSample("no_loss_tokens"). DataError("template_rejected" or
+    "mask_not_located") where the template raises or its turns cannot be found."""
     if truncation not in ("right", "error", "skip"):
         raise ValueError(f"truncation must be 'right', 'error' or 'skip', not {truncation!r}")
     if conv.kind == "text":
@@ -197,9 +186,8 @@ def _token_id(tokenizer, token: str) -> int:
 
 
 def load_tokenizer(cfg):
-    """The tokenizer of an ExtractConfig with ``--chat-template`` applied and ``--end-of-turn`` checked,
-    loaded this one way wherever stage one renders chats, so that the stored ids come from the
-    template and end-of-turn token the fingerprint records. ValueError naming file, token or tokenizer."""
+    """The tokenizer of an ExtractConfig with ``--chat-template`` applied and ``--end-of-turn`` checked:
+    the one way stage one loads it, so the stored ids match the fingerprint. ValueError naming the cause."""
     from transformers import AutoTokenizer
 
     template = read_chat_template(cfg.chat_template) if cfg.chat_template else None
@@ -238,9 +226,9 @@ def _flat_ids(ids) -> list[int]:
 
 
 def _rendering(tokenizer, conv: Conversation, kwargs: dict, tags: bool) -> tuple[str, list | None]:
-    """The conversation as its template renders it and, with ``tags``, the char spans of the
-    `{% generation %}` blocks from HF's own Jinja renderer (mapped to tokens here, not by
-    `return_assistant_tokens_mask`, whose char-to-token mapping changed between transformers versions)."""
+    """The conversation as its template renders it and, with ``tags``, the char spans of its
+    `{% generation %}` blocks from HF's Jinja renderer (mapped to tokens here: HF's own mapping
+    changed between transformers versions)."""
     from transformers.utils.chat_template_utils import render_jinja_template
 
     try:
@@ -283,20 +271,16 @@ def _overlap_mask(offsets: list[tuple[int, int]], spans) -> list[int]:
 
 def _close_spans_at_end_of_turn(ids: list[int], mask: list[int], eot: int) -> list[int]:
     """Each run of 1s ends with (and includes) its first end-of-turn token."""
-    out = list(mask)
-    t, n = 0, len(ids)
+    out, t, n = list(mask), 0, len(ids)
     while t < n:
-        if not out[t]:
-            t += 1
-            continue
         end = t
         while end < n and out[end]:
-            end += 1  # the run is [t, end)
+            end += 1  # a run [t, end) of 1s, empty where out[t] is 0
         eot_in_run = next((k for k in range(t, end) if ids[k] == eot), None)
         if eot_in_run is not None:
             out[eot_in_run + 1 : end] = [0] * (end - eot_in_run - 1)
-        elif end < n and ids[end] == eot:
+        elif end > t and end < n and ids[end] == eot:
             out[end] = 1
             end += 1
-        t = end
+        t = max(end, t + 1)
     return out

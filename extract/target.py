@@ -1,11 +1,8 @@
-"""The target model in stage one: load it, run a padded batch, keep what the cache stores.
-
-Per real (non-pad) token this yields the hidden states of the chosen layers and the top-k of
-the next-token log-probs, under two memory rules: hidden states are taken by forward hooks and
-gathered down to the real tokens inside the hook (never every layer's padded (B, T, D) output);
-the LM head runs in chunks of real tokens, ranking each chunk's logits in the model's dtype
-(log_softmax is monotone) and subtracting their fp32 log-sum-exp (one compiled reduction on
-CUDA, with no fp32 copy of the logits), so no (B, T, vocab) tensor ever exists.
+"""The target model in stage one: per real (non-pad) token of a padded batch, the hidden states
+of the chosen layers and the top-k next-token log-probs. Hidden states are gathered down to the
+real tokens inside forward hooks (never every layer's padded (B, T, D) output); the LM head runs
+in chunks of real tokens, ranking logits in the model's dtype (log_softmax is monotone) minus
+their fp32 log-sum-exp (compiled on CUDA), so no (B, T, vocab) tensor ever exists.
 
 Layer id ``i`` is HF ``hidden_states[i + 1]``; id ``L - 1`` is read from the backbone's output,
 since HF takes its last entry after the final norm.
@@ -42,24 +39,22 @@ def load_target(name_or_path: str, *, dtype: str = "bfloat16", device: str | tor
     return model
 
 
-def logsumexp_fp32(logits: torch.Tensor) -> torch.Tensor:
-    """(rows, vocab) logits in any dtype -> (rows,) fp32 log-sum-exp over the vocabulary."""
+def logsumexp_fp32(logits: torch.Tensor) -> torch.Tensor:  # (rows, vocab) any dtype -> (rows,) fp32
     return torch.logsumexp(logits.float(), dim=-1)
 
 
 def head_backend_for(device: torch.device | str) -> str | None:
-    """How the head's log-sum-exp runs on ``device``: compiled by inductor on CUDA, eager elsewhere
-    (there the fp32 copy costs less than a compile at every worker start)."""
+    """The head's log-sum-exp is compiled by inductor on CUDA, eager elsewhere (where the fp32 copy
+    costs less than a compile at every start)."""
     return "inductor" if torch.device(device).type == "cuda" else None
 
 
 class TargetRunner:
-    """Runs padded batches through the target; see the module docstring for the rules."""
+    """Runs padded batches through the target; ``head_backend``: a ``torch.compile`` backend for the
+    head's log-sum-exp, None for eager."""
 
     def __init__(self, model, layer_ids: list[int], topk: int, lm_head_chunk: int = 1024,
                  head_backend: str | None = None):
-        """``head_backend``: a ``torch.compile`` backend for the head's log-sum-exp ('inductor'
-        on CUDA), None for eager."""
         self.model = model
         self.backbone, self.lm_head = getattr(model, "model", None), model.get_output_embeddings()
         self.layers = getattr(self.backbone, "layers", None)
@@ -72,13 +67,10 @@ class TargetRunner:
         vocab = self.lm_head.weight.shape[0]
         if not 1 <= topk <= vocab:
             raise ValueError(f"topk {topk} must be between 1 and the vocabulary size {vocab}")
-        self.layer_ids = list(layer_ids)
-        self.topk = topk
-        self.lm_head_chunk = lm_head_chunk
+        self.layer_ids, self.topk, self.lm_head_chunk = list(layer_ids), topk, lm_head_chunk
         self.hidden_size = model.config.hidden_size
-        self.device = next(model.parameters()).device
-        self.dtype = next(model.parameters()).dtype
-        self._gather_index: torch.Tensor | None = None
+        self.device, self.dtype = next(model.parameters()).device, next(model.parameters()).dtype
+        self._gather_index: torch.Tensor | None = None  # set during our forwards only
         self._out: torch.Tensor | None = None
         self._hooks = [self.layers[i].register_forward_hook(self._hook(slot))
                        for slot, i in enumerate(self.layer_ids) if i != self.num_layers - 1]
@@ -106,11 +98,8 @@ class TargetRunner:
 
     @staticmethod
     def pad_batch(samples: list[torch.Tensor], pad_id: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Right-pad 1-D id tensors: (input_ids (B, T), attention_mask (B, T), gather index (N,)).
-
-        The gather index lists the flat (b * T + t) positions of the real tokens in
-        batch order, which is exactly the token-major order the cache stores.
-        """
+        """Right-pad 1-D id tensors: (input_ids (B, T), attention_mask (B, T), gather index (N,)), the
+        index listing the real tokens' flat (b * T + t) positions: the token-major order the cache stores."""
         lengths = [len(s) for s in samples]
         T = max(lengths)
         ids = torch.full((len(samples), T), pad_id, dtype=torch.long)
@@ -150,9 +139,8 @@ class TargetRunner:
 
 
 def compute_environment(device: torch.device) -> dict[str, Any]:
-    """What decides the last bits of a shard's values beyond the fingerprint: the device model (on
-    the CPU its SIMD level and thread count), the head's backend, the library versions. A shard
-    with committed samples refuses to resume under another (``ShardWriter``)."""
+    """What decides the last bits of a shard's values beyond the fingerprint (device model, CPU SIMD
+    level and threads, head backend, library versions); ``ShardWriter`` resumes only under the same."""
     import transformers
 
     if device.type == "cuda":

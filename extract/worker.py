@@ -1,15 +1,13 @@
-"""One shard of an extraction on one device (``runner`` runs a process's shards with these).
-
-lock -> plan -> ShardWriter (the resume point) -> target -> forward loop on the main thread ->
-writer thread. Each batch's outputs are encoded on the device and copied to pinned host buffers
-on a side stream, overlapping the next forward; the writer thread waits on the copy's blocking
-CUDA event, hands the arrays to ``ShardWriter.write_batch`` (zarr stores them through the
-GIL-free ``zarrs`` pipeline) and commits every ``commit_seconds``. The bounded queue keeps host
-memory at ``queue_depth`` + 2 batches whatever the disk's speed.
+"""One shard of an extraction on one device: lock -> plan -> ShardWriter (the resume point) ->
+forward loop on the main thread -> writer thread. Each batch's outputs are encoded on the device
+and copied to pinned host buffers on a side stream while the next forward runs; the writer thread
+writes them and commits every ``commit_seconds``. The bounded queue keeps host memory at
+``queue_depth`` + 2 batches whatever the disk's speed.
 """
 
 from __future__ import annotations
 
+import contextlib
 import queue
 import sys
 import threading
@@ -38,8 +36,7 @@ LOCK_POLL_S = 2.0  # seconds between attempts to take a shard's lock under --wai
 
 @dataclass
 class WorkerTask:
-    """One shard's job: the run's settings, the cache's spec as its root records it, which shard
-    of how many, on which device ('cpu' or 'cuda:N')."""
+    """One shard's job: the run's settings, the spec its root records, which shard, on which device."""
 
     cfg: ExtractConfig
     spec: CacheSpec
@@ -63,7 +60,7 @@ class Stopped(Exception):
 
 class WriterThread:
     """Owns the ShardWriter from the first batch on: write_batch, periodic commit, finish. ``seconds``
-    and ``gpu`` say where the time went (the forward loop waiting for room in the queue: writer-bound)."""
+    and ``gpu`` say where the time went (``submit_blocked``: the loop waiting for the writer)."""
 
     def __init__(self, writer: ShardWriter, planned: PlannedShard, depth: int, commit_seconds: float, report):
         self.writer, self.planned, self.commit_seconds, self.report = writer, planned, commit_seconds, report
@@ -147,9 +144,8 @@ def _mark():
 
 
 def _to_host(out, spec: CacheSpec, device: torch.device, copy_stream=None) -> tuple[dict[str, torch.Tensor], Any]:
-    """One batch's outputs encoded on the device as the cache stores them (fewer bytes cross) and,
-    on CUDA, copied non_blocking into pinned buffers on ``copy_stream``, so that the next forward
-    runs while they land; the returned event marks their end."""
+    """One batch's outputs encoded on the device (fewer bytes cross) and, on CUDA, copied into pinned
+    buffers on ``copy_stream`` while the next forward runs; the returned event marks their end."""
     tensors = {
         **encode_hidden(spec, out.hidden, validate=False),  # (N, L, D) bits or (N, L, W) + (N, L, G)
         "topk_ids": out.topk_ids,
@@ -169,21 +165,18 @@ def _to_host(out, spec: CacheSpec, device: torch.device, copy_stream=None) -> tu
     return host, event
 
 
-def use_device(task: WorkerTask) -> torch.device:
-    """Set this process up for ``task``'s device: its CPU threads, the GIL switch interval, the CUDA device."""
+def use_device(task: WorkerTask) -> None:
+    """Set this process up for ``task``: its CPU threads, the GIL switch interval, the CUDA device."""
     if task.cpu_threads:
         torch.set_num_threads(task.cpu_threads)
     sys.setswitchinterval(GIL_SWITCH_S)
-    device = torch.device(task.device)
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    return device
+    if task.device.startswith("cuda"):
+        torch.cuda.set_device(task.device)
 
 
 def run_shard(task: WorkerTask, report, stop: threading.Event | None = None) -> dict[str, Any]:
-    """Lock, plan, resume and extract one shard (``extract_shard``), releasing the lock however that
-    ends. ``report(kind, **fields)`` receives progress; a set ``stop`` commits what is written, then
-    raises ``Stopped``."""
+    """Lock, plan and extract one shard, releasing the lock however that ends. ``report(kind, **fields)``
+    receives progress; a set ``stop`` commits what is written, then raises ``Stopped``."""
     use_device(task)
     lock, runners = take_lock(task, report, stop), []
     try:
@@ -197,7 +190,7 @@ def run_shard(task: WorkerTask, report, stop: threading.Event | None = None) -> 
 
 
 def plan_task(task: WorkerTask, tokenizer, ds) -> tuple[PlannedShard, dict[str, float]]:
-    """The shard's slice of ``ds``, planned; and the shard's timing, its planning seconds so far."""
+    """(the shard's slice of ``ds`` planned, the shard's timing so far: its planning seconds)."""
     t = time.perf_counter()
     rows, start = shard_slice(ds, task.num_shards, task.shard_id)
     planned = plan_shard(rows, start, task.cfg.data, tokenizer, task.cfg)
@@ -228,8 +221,8 @@ def take_lock(task: WorkerTask, report, stop) -> ShardLock:
 
 def extract_shard(task: WorkerTask, planned: PlannedShard, pad_id: int | None, lock: ShardLock, report,
                   stop, timing: dict[str, float], runners: list) -> dict[str, Any]:
-    """Resume one planned, locked shard and, where it is not complete, extract it; returns its final
-    commit record. ``runners`` keeps the loaded target for the next shard (the caller closes it)."""
+    """Resume one planned, locked shard and extract what is left; returns its final commit record.
+    ``runners`` keeps the loaded target for the next shard (the caller closes it)."""
     cfg, device = task.cfg, torch.device(task.device)
     with zarr.config.set(writer_zarr_settings(cfg.out)):  # the shard's write path; other zarr users keep theirs
         writer = ShardWriter(open_root(cfg.out, "r+"), task.shard_id, planned.plan, task.spec,
@@ -254,10 +247,9 @@ def extract_shard(task: WorkerTask, planned: PlannedShard, pad_id: int | None, l
 
 def _extract(cfg: ExtractConfig, planned: PlannedShard, writer: ShardWriter, device: torch.device,
              runner: TargetRunner, pad_id: int | None, report, stop, timing: dict[str, float]) -> dict[str, Any]:
-    """The forward loop on this (main) thread, the writer thread behind it; returns the final commit
-    and, where the loop ended or was stopped, reports ``timing`` with the loop's wall and CPU seconds,
-    ``drain_s`` (last batch to final commit), the writer's busy/idle split and, on CUDA, ``gpu_busy``
-    and ``gpu_gap``."""
+    """The forward loop on this thread, the writer thread behind it; returns the final commit and
+    reports ``timing``: loop wall and CPU seconds, drain (last batch to final commit), the writer's
+    busy/idle split and, on CUDA, the GPU's busy and gap seconds."""
     offsets = planned.plan.offsets
     report("started")
     t_loop, cpu_loop = time.perf_counter(), time.process_time()
@@ -287,13 +279,10 @@ def _extract(cfg: ExtractConfig, planned: PlannedShard, writer: ShardWriter, dev
             thread.submit(("batch", batch, event, host, marks))
             if cfg.batch_delay_s:
                 time.sleep(cfg.batch_delay_s)
-    except WriterFailed:
-        raise
-    except BaseException:
-        try:  # the forward loop failed (e.g. out of memory): commit what the writer already has
-            thread.close(finish=False)
-        except WriterFailed:
-            pass
+    except BaseException as e:
+        if not isinstance(e, WriterFailed):  # the forward loop failed (e.g. out of memory): commit what is written
+            with contextlib.suppress(WriterFailed):
+                thread.close(finish=False)
         raise
     t_drain = time.perf_counter()
     thread.close(finish=not stopped)
@@ -317,9 +306,8 @@ def bad_row_message(e: DataError, cfg: ExtractConfig) -> str:
 
 
 def describe_error(e: BaseException, task: WorkerTask) -> tuple[str, str]:
-    """(kind, message) for the user. Kinds: ``data`` (a bad row, file and row named), ``io`` (nothing
-    past the last good commit is recorded; a rerun resumes), ``locked``, ``cache``, ``oom``, and
-    ``bug`` (the only one shown with its traceback)."""
+    """(kind, message) for the user: ``data`` (file and row named), ``io`` (a rerun resumes from the
+    last good commit), ``locked``, ``cache``, ``oom``, or ``bug`` (the only one with its traceback)."""
     shard = f"shard {task.shard_id:05d}"
     if isinstance(e, DataError):
         return "data", bad_row_message(e, task.cfg)

@@ -153,10 +153,10 @@ def test_forward_flops_per_token_match_torchs_flop_counter(tiny_target_dir):
     linear = f1 / s1 - square * s1
     assert 2 * E.matmul_parameters(config) == pytest.approx(linear, rel=1e-9)
     assert E.attention_flops_per_token(config, s2) == pytest.approx(square * s2 / 2, rel=1e-9)
-    reference = E.EXTRACTION_RATES[0]
+    reference = E.REFERENCE
     from transformers import Qwen3Config
 
-    same = E.time_estimate(Qwen3Config(**reference["config"]), reference["sample_tokens"], 10**6, gpus=4)
+    same = E.time_estimate(Qwen3Config(**E.REFERENCE_CONFIG), reference["sample_tokens"], 10**6, gpus=4)
     assert same["tokens_per_s_per_gpu"] == pytest.approx(reference["tokens_per_s"])
     assert same["wall_hours"] == pytest.approx(10**6 / reference["tokens_per_s"] / 3600 / 4)
 
