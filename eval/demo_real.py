@@ -153,7 +153,6 @@ def run_real(out: Path, s: RealSettings, gguf: str | None, echo=click.echo, stop
             *[a for name, path in benchmarks.items() for a in ("--prompts", f"{name}={path}")],
             "--max-new-tokens", str(s.max_new_tokens), "--spec-sample", str(s.spec_sample),
             "--batch-size", str(s.eval_batch_size), "--json", str(eval_json),
-            *(["--capture"] if s.device == "cuda" else []),
             *(["--limit", str(s.eval_limit)] if s.eval_limit else [])]),
     ]
     times, stage = {}, data
