@@ -145,13 +145,9 @@ class CacheSpec:
         except ValueError as e:
             raise CacheError(f"cache spec: {e}") from None
 
-    @property
-    def encoded(self) -> bool:  # stored other than in the lossless layout (format 3)
-        return self.hidden_codec != "bf16" or self.topk_dtype != "float32"
-
-    @property
-    def token_fields(self) -> tuple[str, ...]:  # the token arrays of each shard
-        return TOKEN_FIELDS + ((HIDDEN_SCALE,) if self.hidden_codec != "bf16" else ())
+    encoded = property(lambda self: self.hidden_codec != "bf16" or self.topk_dtype != "float32")  # format 3
+    token_fields = property(lambda self: TOKEN_FIELDS + ((HIDDEN_SCALE,) if self.hidden_codec != "bf16" else ()))
+    num_layers = property(lambda self: len(self.layer_ids))
 
     def encoding(self) -> dict[str, Any]:
         return {k: getattr(self, k) for k in ENCODING_DEFAULTS}
@@ -175,23 +171,15 @@ class CacheSpec:
         names = {f.name for f in dataclasses.fields(cls)}
         return cls(**{k: v for k, v in d.items() if k in names})
 
-    @property
-    def num_layers(self) -> int:
-        return len(self.layer_ids)
-
 
 def default_chunks(spec: CacheSpec) -> dict[str, int]:
     """Format 2's rows per chunk: the hidden states at ``chunk_tokens``; each small array at the power of two whose
     raw chunk is closest under ``SMALL_CHUNK_BYTES``, within [``chunk_tokens``, ``SMALL_CHUNK_MAX_TOKENS``]."""
-    chunks = {}
-    for name, (shape, dtype) in token_array_shapes(spec, 1).items():
-        if name in ("hidden", HIDDEN_SCALE):
-            chunks[name] = spec.chunk_tokens
-            continue
-        row_bytes = int(np.prod(shape[1:])) * np.dtype(dtype).itemsize
-        rows = 1 << max(0, (SMALL_CHUNK_BYTES // row_bytes).bit_length() - 1)
-        chunks[name] = max(spec.chunk_tokens, min(rows, SMALL_CHUNK_MAX_TOKENS))
-    return chunks
+    def rows(shape, dtype) -> int:
+        return 1 << max(0, (SMALL_CHUNK_BYTES // (int(np.prod(shape[1:])) * np.dtype(dtype).itemsize)).bit_length() - 1)
+    return {name: spec.chunk_tokens if name in ("hidden", HIDDEN_SCALE) else
+            max(spec.chunk_tokens, min(rows(shape, dtype), SMALL_CHUNK_MAX_TOKENS))
+            for name, (shape, dtype) in token_array_shapes(spec, 1).items()}
 
 
 def diff_dicts(ours: Any, theirs: Any, prefix: str = "") -> list[str]:

@@ -1,8 +1,5 @@
-"""``dflash-cache``: inspect a hidden-state cache (info, show, verify, stats) and convert it.
-
-Every command prints a compact human report, or with ``--json`` one JSON document (the dicts
-of ``shared/inspect.py`` and ``shared/verify.py``). Exit codes: 0 fine, 1 ``verify`` found
-problems, 2 the cache cannot be opened or the request makes no sense for it."""
+"""``dflash-cache``: inspect a hidden-state cache (info, show, verify, stats) and convert it. Each command prints a
+report, or with ``--json`` one JSON document. Exit codes: 0 fine, 1 ``verify`` found problems, 2 bad cache or request."""
 
 from __future__ import annotations
 
@@ -44,9 +41,8 @@ def _n(x: int | None) -> str:
     return "?" if x is None else f"{x:,}"
 
 
-def _short(h: str | None, n: int = 12) -> str:
-    """A hash's first ``n`` hex digits, without its 'sha256:' prefix."""
-    return str(h).split(":", 1)[-1][:n] if h else "-"
+def _short(h: str | None) -> str:  # a hash's first 12 hex digits, without its 'sha256:' prefix
+    return str(h).split(":", 1)[-1][:12] if h else "-"
 
 
 def _fmt(x: float | None, spec: str = ".1%") -> str:
@@ -65,8 +61,7 @@ def main():
     URLs."""
 
 
-def _hidden_per_token(info: dict) -> str:
-    """Hidden-state bytes per token on disk, and their share of raw bf16's."""
+def _hidden_per_token(info: dict) -> str:  # hidden-state bytes per token on disk, and their share of raw bf16's
     b = info["bytes_per_token"]
     if b["hidden_on_disk"] is None:
         return "-"

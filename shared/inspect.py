@@ -1,8 +1,5 @@
-"""Look inside a hidden-state cache: what it holds (``cache_info``), one sample
-(``show_sample``), its statistics (``cache_stats``) and a converted cache's error against
-its source (``conversion_error``). Every function returns plain, JSON-serialisable dicts
-that ``cache_cli`` formats; only committed data is read, in whole chunks.
-"""
+"""Look inside a hidden-state cache: what it holds, one sample, its statistics and a converted cache's error against
+its source, each as a JSON-serialisable dict that ``cache_cli`` formats; only committed data is read."""
 
 from __future__ import annotations
 
@@ -52,9 +49,8 @@ def _assistant_tokens(root: zarr.Group, shard: ShardInfo) -> int:
 
 
 def cache_info(path: str, shard_ids: list[int] | None = None) -> dict[str, Any]:
-    """Spec, fingerprint, per-shard state and counts, bytes on disk and compression ratios.
-    ``shard_ids`` limits every count to those shards (an extraction node's own summary); a
-    listed shard not created yet counts as planned nothing and makes the result incomplete."""
+    """Spec, fingerprint, per-shard state and counts, bytes on disk and compression ratios, over ``shard_ids`` only
+    where given (a shard of them not created yet makes the result incomplete)."""
     reader = CacheReader(path, shard_ids=shard_ids)
     spec, root = reader.spec, reader.root
     sizes = _sizes(root, [""] if shard_ids is None else [f"shards/{s:05d}/" for s in shard_ids])
@@ -176,8 +172,7 @@ def _read_float(reader: CacheReader, index: int) -> dict[str, np.ndarray]:
 
 def show_sample(path: str, index: int, *, tokenizer_path: str | None = None, num_tokens: int | None = 32,
                 top: int = 3) -> dict[str, Any]:
-    """One committed sample by global index: text with assistant spans, top predictions, norms.
-    The tokenizer is ``tokenizer_path``, else the recorded one; without one, texts are None."""
+    """One committed sample: text with assistant spans, top predictions, norms; texts are None without a tokenizer."""
     reader = CacheReader(path)
     pos, local = reader.locate(index)
     raw = _read_float(reader, index)
@@ -233,9 +228,8 @@ def length_histogram(lengths: np.ndarray) -> list[dict[str, int]]:
 
 def cache_stats(path: str, *, max_samples: int = 256, seed: int = 0, threshold: float = 100.0,
                 against: str | None = None) -> dict[str, Any]:
-    """Lengths and assistant fraction over every committed sample; activation and top-k
-    statistics over ``max_samples`` samples drawn without replacement (seeded; all if fewer);
-    for a converted cache (or with ``against``), the error of those samples against the source."""
+    """Lengths and assistant fraction over every committed sample; activation, top-k statistics and the error against
+    a source over ``max_samples`` samples drawn without replacement (seeded; all if fewer)."""
     reader = CacheReader(path)
     spec = reader.spec
     lengths = reader.lengths()
@@ -243,28 +237,22 @@ def cache_stats(path: str, *, max_samples: int = 256, seed: int = 0, threshold: 
     assistant = sum(_assistant_tokens(reader.root, s) for s in reader.shards)
     chosen = np.arange(n) if n <= max_samples else np.sort(
         np.random.default_rng(seed).choice(n, size=max_samples, replace=False))
-    L = spec.num_layers
-    s1, s2, absmax, over = np.zeros(L), np.zeros(L), np.zeros(L), np.zeros(L, dtype=np.int64)
-    values_per_layer, top1, mass, entropy, tk_tokens = 0, 0.0, 0.0, 0.0, 0
-    match, match_n, match_a, match_an = 0, 0, 0, 0
+    s1, s2, over, absmax = np.zeros((4, spec.num_layers))  # per layer: sums of x and x^2, |x| > threshold, max |x|
+    sums = np.zeros(9)  # values per layer; top-1 prob, top-k mass, entropy, tokens; top-1 = next (assistant) hits/n
     for i in chosen:
         raw = _read_float(reader, int(i))
         x = raw["hidden"].astype(np.float64)  # (T, L, D)
-        s1 += x.sum(axis=(0, 2))
-        s2 += (x * x).sum(axis=(0, 2))
-        absmax = np.maximum(absmax, np.abs(x).max(axis=(0, 2)))
-        over += (np.abs(x) > threshold).sum(axis=(0, 2))
-        values_per_layer += x.shape[0] * x.shape[2]
+        s1, s2 = s1 + x.sum(axis=(0, 2)), s2 + (x * x).sum(axis=(0, 2))
+        absmax, over = np.maximum(absmax, np.abs(x).max(axis=(0, 2))), over + (np.abs(x) > threshold).sum(axis=(0, 2))
         p = np.exp(raw["topk_logprobs"].astype(np.float64))  # (T, k)
         rest = np.clip(1.0 - p.sum(axis=1), 0.0, 1.0)
         with np.errstate(divide="ignore", invalid="ignore"):
             h = -np.where(p > 0, p * np.log(p), 0.0).sum(axis=1) - np.where(rest > 0, rest * np.log(rest), 0.0)
-        top1, mass, entropy, tk_tokens = top1 + p[:, 0].sum(), mass + p.sum(), entropy + h.sum(), tk_tokens + len(p)
         hit = raw["topk_ids"][:-1, 0] == raw["input_ids"][1:]
         nxt_assistant = raw["loss_mask"][1:].astype(bool)
-        match, match_n = match + int(hit.sum()), match_n + len(hit)
-        match_a, match_an = match_a + int(hit[nxt_assistant].sum()), match_an + int(nxt_assistant.sum())
-    cnt = max(values_per_layer, 1)
+        sums += [x.shape[0] * x.shape[2], p[:, 0].sum(), p.sum(), h.sum(), len(p), hit.sum(), len(hit),
+                 hit[nxt_assistant].sum(), nxt_assistant.sum()]
+    cnt, top1, mass, entropy, tk_tokens, match, match_n, match_a, match_an = max(sums[0], 1), *sums[1:]
     layers = [{"layer_id": lid, "mean": s1[j] / cnt, "std": float(np.sqrt(max(s2[j] / cnt - (s1[j] / cnt) ** 2, 0.0))),
                "rms": float(np.sqrt(s2[j] / cnt)), "abs_max": float(absmax[j]), "frac_above_threshold": float(over[j] / cnt)}
               for j, lid in enumerate(spec.layer_ids)]
@@ -290,10 +278,8 @@ def cache_stats(path: str, *, max_samples: int = 256, seed: int = 0, threshold: 
 
 
 def conversion_error(reader: CacheReader, indices: np.ndarray, against: str | None = None) -> dict[str, Any] | None:
-    """Relative L2 error ``||x - x_src|| / ||x_src||`` per layer of the hidden states of samples
-    ``indices``, as training reads them, against the cache they were converted from (``against``,
-    else the recorded source), with the largest absolute error; the same for the top-k log-probs.
-    None without a source; a recorded source that cannot be opened is reported, a given one raises."""
+    """Relative L2 and largest absolute error per layer of the hidden states (and of the top-k log-probs) of samples
+    ``indices``, as training reads them, against ``against`` or the recorded source; None without one."""
     record = (reader.spec.info or {}).get("converted_from")
     if against is None and not record:
         return None
@@ -320,8 +306,7 @@ def conversion_error(reader: CacheReader, indices: np.ndarray, against: str | No
         raise CacheError(f"{where} does not store layers {missing} of {reader.path}")
     slots = [source.spec.layer_ids.index(lid) for lid in reader.spec.layer_ids]
     fields = ("input_ids", "hidden", "topk_ids", "topk_logprobs")
-    L = reader.spec.num_layers
-    err2, ref2, worst = np.zeros(L), np.zeros(L), np.zeros(L)
+    err2, ref2, worst = np.zeros((3, reader.spec.num_layers))
     tk_err2 = tk_ref2 = tk_worst = 0.0
     tokens = 0
     for i in indices:
