@@ -366,9 +366,7 @@ class ShardCounts:
     batches: int = 0
     samples: int = 0
     tokens: int = 0
-
-    def as_dict(self) -> dict[str, int]:
-        return dataclasses.asdict(self)
+    as_dict = dataclasses.asdict
 
 
 @dataclass
@@ -382,9 +380,7 @@ class ShardState:
     skipped: dict[str, int] = field(default_factory=dict)  # rows of the shard's slice not planned, by reason
     compute: dict[str, Any] | None = None  # what computed the values (device, kernels, versions); a resume matches it
 
-    @property
-    def status(self) -> str:
-        return "complete" if self.complete else "partial" if self.commit.samples else "empty"
+    status = property(lambda self: "complete" if self.complete else "partial" if self.commit.samples else "empty")
 
     def to_attrs(self) -> dict[str, Any]:
         return {"plan_digest": self.plan_digest, "planned": self.planned.as_dict(), "skipped": dict(self.skipped),
@@ -453,20 +449,12 @@ class ShardPlan:
         if n and self.lengths.min() <= 0:
             raise ValueError("plan: every sample needs at least one token")
 
-    @property
-    def offsets(self) -> np.ndarray:
-        return np.concatenate([[0], np.cumsum(self.lengths)]).astype(np.int64)
-
-    @property
-    def num_tokens(self) -> int:
-        return int(self.lengths.sum())
+    offsets = property(lambda self: np.concatenate([[0], np.cumsum(self.lengths)]).astype(np.int64))
+    num_tokens = property(lambda self: int(self.lengths.sum()))
 
     def digest(self) -> str:
-        h = hashlib.sha256()
-        for a in (self.source_index, self.lengths, self.batches):
-            h.update(np.ascontiguousarray(a).tobytes())
-        h.update(json.dumps(self.skipped, sort_keys=True).encode())
-        return h.hexdigest()
+        arrays = b"".join(np.ascontiguousarray(a).tobytes() for a in (self.source_index, self.lengths, self.batches))
+        return hashlib.sha256(arrays + json.dumps(self.skipped, sort_keys=True).encode()).hexdigest()
 
 
 class ShardWriter:

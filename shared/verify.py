@@ -31,8 +31,7 @@ class _Shard:
     mapping: np.ndarray | None = None  # its committed offsets made monotone, to find a token's sample
 
     def samples_of(self, tokens):
-        m = self.mapping
-        return np.clip(np.searchsorted(m, tokens, side="right") - 1, 0, max(len(m) - 2, 0))
+        return np.clip(np.searchsorted(self.mapping, tokens, side="right") - 1, 0, max(len(self.mapping) - 2, 0))
 
 
 class _Problems:
@@ -64,10 +63,9 @@ class _Problems:
 
 def _check_token_chunk(arr: zarr.Array, name: str, c: int, committed: int, spec: CacheSpec):
     """Read chunk c whole, check its committed part; returns (error, [(check, bad tokens, facts)])."""
-    C = arr.chunks[0]
-    t0 = c * C
+    t0 = c * arr.chunks[0]
     try:
-        data = np.asarray(arr[t0:min(t0 + C, arr.shape[0])])[: committed - t0]
+        data = np.asarray(arr[t0:min(t0 + arr.chunks[0], arr.shape[0])])[: committed - t0]
     except Exception as e:  # crc32c mismatch, truncated or garbled blosc frame, missing key...
         return f"{type(e).__name__}: {e}", []
     found = []
@@ -76,13 +74,12 @@ def _check_token_chunk(arr: zarr.Array, name: str, c: int, committed: int, spec:
         if rows.any():
             found.append((check, t0 + np.flatnonzero(rows), facts()))
 
-    bad = None
-    if name == "hidden" and spec.hidden_codec == "bf16":
-        bad, check = (data & BF16_EXP_MASK) == BF16_EXP_MASK, "nan_inf"  # (n, L, D)
-    elif name == "hidden" and spec.hidden_codec == "fp8":
-        bad, check = (data & 0x7F) == FP8_NAN_BITS, "nan_inf"  # (n, L, D): int payloads have no NaN
-    elif name == HIDDEN_SCALE:
-        bad, check = ~np.isfinite(data) | (data < 0), "bad_scale"  # (n, L, G)
+    if name == HIDDEN_SCALE or name == "hidden" and spec.hidden_codec in ("bf16", "fp8"):  # int payloads have no NaN
+        bad = (~np.isfinite(data) | (data < 0) if name == HIDDEN_SCALE  # (n, L, D) or (n, L, G)
+               else (data & BF16_EXP_MASK) == BF16_EXP_MASK if spec.hidden_codec == "bf16" else (data & 0x7F) == FP8_NAN_BITS)
+        per_layer = bad.any(axis=2)  # (n, L)
+        flag("bad_scale" if name == HIDDEN_SCALE else "nan_inf", per_layer.any(axis=1), lambda: {
+            "values": int(bad.sum()), "layers": {spec.layer_ids[j] for j in np.flatnonzero(per_layer.any(axis=0))}})
     elif name == "topk_logprobs":
         data = decode_topk_logprobs(spec, data).numpy()
         with np.errstate(invalid="ignore"):
@@ -93,10 +90,6 @@ def _check_token_chunk(arr: zarr.Array, name: str, c: int, committed: int, spec:
         wrong = (data < 0) | (data >= spec.vocab_size)
         flag("out_of_vocab", wrong.reshape(len(data), -1).any(axis=1),
              lambda: {"ids": set(np.unique(data[wrong])[:5].tolist())})
-    if bad is not None:
-        per_layer = bad.any(axis=2)  # (n, L)
-        flag(check, per_layer.any(axis=1), lambda: {
-            "values": int(bad.sum()), "layers": {spec.layer_ids[j] for j in np.flatnonzero(per_layer.any(axis=0))}})
     return None, found
 
 
