@@ -522,9 +522,7 @@ class ShardWriter:
         self._tail_start = {f: (done // C) * C for f, C in self.chunks.items()}
         self._tail = {f: [np.asarray(self.arrays[f][t:done])] if t < done else [] for f, t in self._tail_start.items()}
 
-    @property
-    def complete(self) -> bool:
-        return self.next_batch >= len(self.plan.batches) - 1
+    complete = property(lambda self: self.next_batch >= len(self.plan.batches) - 1)
 
     def batch_samples(self, batch: int) -> tuple[int, int]:
         return int(self.plan.batches[batch]), int(self.plan.batches[batch + 1])
@@ -662,13 +660,8 @@ class CacheReader:
     def __len__(self) -> int:
         return int(self._starts[-1])
 
-    @property
-    def num_tokens(self) -> int:
-        return int(sum(s.tokens for s in self.shards))
-
-    @property
-    def complete(self) -> bool:
-        return bool(self.shards) and all(s.complete for s in self.shards)
+    num_tokens = property(lambda self: int(sum(s.tokens for s in self.shards)))
+    complete = property(lambda self: bool(self.shards) and all(s.complete for s in self.shards))
 
     def locate(self, index: int) -> tuple[int, int]:
         """Global sample index -> (position in self.shards, local sample index)."""
@@ -681,8 +674,7 @@ class CacheReader:
         return np.concatenate([np.diff(o) for o in self._offsets]) if self._offsets else np.zeros(0, np.int64)
 
     def source_indices(self) -> np.ndarray:
-        return (np.concatenate([self._source(p) for p in range(len(self.shards))]) if self.shards
-                else np.zeros(0, np.int64))
+        return np.concatenate([np.zeros(0, np.int64), *(self._source(p) for p in range(len(self.shards)))])
 
     def read_raw(self, index: int, fields: Iterable[str] = TOKEN_FIELDS) -> dict[str, np.ndarray]:
         """One sample's arrays as stored; a corrupted chunk raises CacheError naming it."""
@@ -734,30 +726,23 @@ class CacheReader:
                 except Exception as e:
                     raise CacheError(f"{self.path}: shard {shard.shard_id:05d} input_ids tokens {t0}:{t0 + step}: "
                                      f"cannot read: {type(e).__name__}: {e}") from e
-                found = np.bincount(ids, minlength=len(counts))
-                if len(found) > len(counts):
-                    counts = np.pad(counts, (0, len(found) - len(counts)))
-                counts += found
+                found = np.bincount(ids, minlength=len(counts))  # longer where an id is past the vocabulary
+                counts = found + np.pad(counts, (0, len(found) - len(counts)))
         return counts
 
     def check_compatible(self, *, layer_ids: list[int] | None = None, hidden_size: int | None = None,
                          vocab_size: int | None = None, tokenizer_hash: str | None = None,
                          num_target_layers: int | None = None) -> None:
         """Raise CacheMismatch naming every way this cache cannot serve the request."""
-        s = self.spec
-        problems = []
+        s, have = self.spec, self.spec.fingerprint.get("tokenizer", {}).get("hash")
         missing = [i for i in layer_ids or () if i not in s.layer_ids]
-        if missing:
-            problems.append(f"layers {missing} are not stored (cache has layer ids {s.layer_ids})")
-        for what, need, have in (("hidden size", hidden_size, s.hidden_size), ("vocabulary size", vocab_size, s.vocab_size),
-                                 ("target layer count", num_target_layers, s.num_target_layers)):
-            if need is not None and need != have:
-                problems.append(f"{what}: cache has {have}, need {need}")
-        have = s.fingerprint.get("tokenizer", {}).get("hash")
-        if tokenizer_hash is not None and have != tokenizer_hash:
-            problems.append(f"tokenizer: cache was made with tokenizer hash {have}, need {tokenizer_hash}")
-        if len(self) == 0:
-            problems.append("the cache holds no committed samples")
+        problems = [f"layers {missing} are not stored (cache has layer ids {s.layer_ids})"] * bool(missing)
+        problems += [f"{what}: cache has {had}, need {need}" for what, need, had in (
+            ("hidden size", hidden_size, s.hidden_size), ("vocabulary size", vocab_size, s.vocab_size),
+            ("target layer count", num_target_layers, s.num_target_layers)) if need is not None and need != had]
+        problems += [f"tokenizer: cache was made with tokenizer hash {have}, need {tokenizer_hash}"] * (
+            tokenizer_hash is not None and have != tokenizer_hash)
+        problems += ["the cache holds no committed samples"] * (len(self) == 0)
         if problems:
             raise CacheMismatch(f"cache {self.path} is incompatible", problems)
 

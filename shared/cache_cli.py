@@ -123,8 +123,7 @@ def info(cache: str, as_json: bool):
     ratio = {k: "-" if r is None else f"{r:.2f}x" for k, r in d["compression_ratio"].items()}
     skipped = ", ".join(f"{k}={v}" for k, v in d["skipped"].items() if v) or "none"
     lines += [
-        "",
-        f"total      {_n(d['samples'])}/{_n(d['planned_samples'])} samples, {_n(d['tokens'])}/"
+        "", f"total      {_n(d['samples'])}/{_n(d['planned_samples'])} samples, {_n(d['tokens'])}/"
         f"{_n(d['planned_tokens'])} tokens, {_n(d['assistant_tokens'])} assistant tokens "
         f"({_fmt(d['assistant_fraction'])}); skipped rows: {skipped}",
         f"disk       {size_text(d['bytes_on_disk'])}; vs raw bf16: hidden {ratio['hidden']}, "
@@ -155,18 +154,16 @@ def show(cache: str, index: int, tokenizer: str | None, tokens: int, top: int, c
     color = sys.stdout.isatty() if color is None else color
     tk = d["tokenizer"]
     note = "" if tk["hash_matches_cache"] in (None, True) else "  WARNING: its hash differs from the cache's"
-    parts = []
-    for seg in d["segments"]:
-        text = seg["text"] if seg["text"] is not None else " ".join(map(str, seg["ids"])) + " "
-        parts.append(text if not seg["assistant"] else click.style(text, fg="green", bold=True) if color else f"[[{text}]]")
+    texts = [(g["text"] if g["text"] is not None else " ".join(map(str, g["ids"])) + " ", g["assistant"])
+             for g in d["segments"]]
+    parts = [t if not a else click.style(t, fg="green", bold=True) if color else f"[[{t}]]" for t, a in texts]
     out = [f"sample {d['index']}  (shard {d['shard_id']:05d} sample {d['local_index']}, source row "
            f"{d['source_index']})  length {d['length']}  assistant tokens {d['assistant_tokens']}",
            f"tokenizer {tk['path']}{note}" if tk["loaded"] else f"no tokenizer ({tk['error']}); showing token ids",
            f"--- text (assistant tokens {'in green' if color else 'inside [[ ]]'})", "".join(parts), "---"]
     if d["tokens"]:
-        out.append(f"target predictions for the next token, first {d['tokens_shown']} of {d['length']} "
-                   f"positions (A = assistant, * = top-1 is the next token)")
-        out.append(f"{'pos':>5} A  {'token':<18} {'next':<18} top-{top}")
+        out += [f"target predictions for the next token, first {d['tokens_shown']} of {d['length']} positions "
+                f"(A = assistant, * = top-1 is the next token)", f"{'pos':>5} A  {'token':<18} {'next':<18} top-{top}"]
         for t in d["tokens"]:
             nxt = "-" if t["next_id"] is None else _tok_text(t["next_text"], t["next_id"])
             preds = "  ".join(f"{_tok_text(p.get('text'), p['id'])} {p['prob']:.3f}" for p in t["top"])
@@ -194,8 +191,7 @@ def verify(cache: str, max_problems: int, workers: int, progress: bool, as_json:
         lines.append(f"read {_n(d['chunks_read'])} chunks: {_n(d['samples'])} samples, {_n(d['tokens'])} tokens")
         lines += ["OK: no problems found"] if d["ok"] else [f"{d['num_problems']} problem(s):"] + [
             f"  [{p['check']}] {p['message']}" for p in d["problems"]]
-        if d["problems_left_out"]:
-            lines.append(f"  ... and {d['problems_left_out']} more (raise --max-problems)")
+        lines += [f"  ... and {d['problems_left_out']} more (raise --max-problems)"] * bool(d["problems_left_out"])
         click.echo("\n".join(lines))
     sys.exit(0 if d["ok"] else EXIT_PROBLEMS)
 
@@ -224,8 +220,8 @@ def stats(cache: str, max_samples: int, seed: int, threshold: float, against: st
                 for b in ln["histogram"]]
     smp = d["sampled"]
     drawn = "all samples" if smp["indices_all"] else f"seed {smp['seed']}"
-    out.append(f"activations over {_n(smp['samples'])} samples ({_n(smp['tokens'])} tokens, {drawn}):")
-    out.append(f"  {'layer':>5} {'mean':>10} {'std':>10} {'rms':>10} {'abs max':>10} {'|x|>' + format(threshold, 'g'):>10}")
+    out += [f"activations over {_n(smp['samples'])} samples ({_n(smp['tokens'])} tokens, {drawn}):",
+            f"  {'layer':>5} {'mean':>10} {'std':>10} {'rms':>10} {'abs max':>10} {'|x|>' + format(threshold, 'g'):>10}"]
     out += [f"  {lay['layer_id']:>5} {lay['mean']:>10.4g} {lay['std']:>10.4g} {lay['rms']:>10.4g} "
             f"{lay['abs_max']:>10.4g} {_fmt(lay['frac_above_threshold']):>10}" for lay in d["activations"]["layers"]]
     tk = d["topk"]

@@ -3,6 +3,7 @@ its source, each as a JSON-serialisable dict that ``cache_cli`` formats; only co
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from typing import Any
 
@@ -13,7 +14,7 @@ from zarr.core.sync import sync
 
 from dflash.shared.cache import (HIDDEN_SCALE, META_FIELDS, CacheError, CacheReader, ShardInfo, decode_hidden,
                                  decode_topk_logprobs, shard_name, token_array_shapes)
-from dflash.shared.fingerprint import fingerprint_digest
+from dflash.shared.fingerprint import fingerprint_digest, tokenizer_fingerprint
 from dflash.shared.shard_lock import live_holders
 
 
@@ -21,14 +22,12 @@ def _sizes(root: zarr.Group, prefixes: list[str]) -> dict[str, int] | None:
     """Key -> bytes of every object under ``prefixes``, or None where the store cannot list."""
     store = root.store
 
-    async def size(key):
-        try:
-            return await store.getsize(key)
-        except FileNotFoundError:  # replaced while listing
-            return 0
-
     async def listing(prefix):
-        return {key: await size(key) async for key in store.list_prefix(prefix)}
+        sizes = {}
+        async for key in store.list_prefix(prefix):
+            with contextlib.suppress(FileNotFoundError):  # replaced while listing
+                sizes[key] = await store.getsize(key)
+        return sizes
 
     try:
         return {k: v for p in prefixes for k, v in sync(listing(p)).items()} if store.supports_listing else None
@@ -145,7 +144,6 @@ def _load_tokenizer(candidates: list[str | None]) -> tuple[Any, str | None, str 
     for cand in filter(None, candidates):
         try:
             from transformers import AutoTokenizer
-
             return AutoTokenizer.from_pretrained(cand, local_files_only=True), cand, None
         except Exception as e:  # missing files, no network, foreign format
             error = f"{cand}: {type(e).__name__}: {e}"
@@ -183,8 +181,6 @@ def show_sample(path: str, index: int, *, tokenizer_path: str | None = None, num
     tokenizer, tok_path, tok_error = _load_tokenizer(candidates)
     hash_matches = None
     if tokenizer is not None and fp.get("tokenizer", {}).get("hash"):
-        from dflash.shared.fingerprint import tokenizer_fingerprint
-
         hash_matches = tokenizer_fingerprint(tokenizer)["hash"] == fp["tokenizer"]["hash"]
 
     ids, mask = raw["input_ids"].astype(np.int64), raw["loss_mask"].astype(bool)
