@@ -41,6 +41,14 @@ def _n(x: int | None) -> str:
     return "?" if x is None else f"{x:,}"
 
 
+def _of(d: dict, key: str) -> str:  # 'committed/planned' of a count
+    return f"{_n(d[key])}/{_n(d['planned_' + key])}"
+
+
+def _skipped(counts: dict[str, int], none: str) -> str:
+    return ", ".join(f"{k}={v}" for k, v in counts.items() if v) or none
+
+
 def _short(h: str | None) -> str:  # a hash's first 12 hex digits, without its 'sha256:' prefix
     return str(h).split(":", 1)[-1][:12] if h else "-"
 
@@ -109,11 +117,8 @@ def info(cache: str, as_json: bool):
     lines += ["", f"{'shard':>5}  {'state':<8}  {'samples':>17}  {'tokens':>23}  {'assistant':>11}  {'disk':>11}  skipped"]
     computed: dict[str, list[str]] = {}  # compute environment -> the shards extracted under it
     for s in d["shards"]:
-        skipped = ", ".join(f"{k}={v}" for k, v in s["skipped"].items() if v) or "-"
-        lines.append(
-            f"{s['shard_id']:05d}  {s['state']:<8}  {_n(s['samples']) + '/' + _n(s['planned_samples']):>17}  "
-            f"{_n(s['tokens']) + '/' + _n(s['planned_tokens']):>23}  {_n(s['assistant_tokens']):>11}  "
-            f"{size_text(s['bytes_on_disk']):>11}  {skipped}")
+        lines.append(f"{s['shard_id']:05d}  {s['state']:<8}  {_of(s, 'samples'):>17}  {_of(s, 'tokens'):>23}  "
+                     f"{_n(s['assistant_tokens']):>11}  {size_text(s['bytes_on_disk']):>11}  {_skipped(s['skipped'], '-')}")
         c = s.get("compute")
         computed.setdefault(", ".join(f"{k} {v}" for k, v in sorted(c.items())) if c else "unknown", []).append(
             f"{s['shard_id']:05d}")
@@ -121,11 +126,9 @@ def info(cache: str, as_json: bool):
                                       for key, ids in computed.items()]
     lines += [f"writing    shard {s} now: {h['described']}" for s, h in d["writing"].items()]
     ratio = {k: "-" if r is None else f"{r:.2f}x" for k, r in d["compression_ratio"].items()}
-    skipped = ", ".join(f"{k}={v}" for k, v in d["skipped"].items() if v) or "none"
     lines += [
-        "", f"total      {_n(d['samples'])}/{_n(d['planned_samples'])} samples, {_n(d['tokens'])}/"
-        f"{_n(d['planned_tokens'])} tokens, {_n(d['assistant_tokens'])} assistant tokens "
-        f"({_fmt(d['assistant_fraction'])}); skipped rows: {skipped}",
+        "", f"total      {_of(d, 'samples')} samples, {_of(d, 'tokens')} tokens, {_n(d['assistant_tokens'])} assistant "
+        f"tokens ({_fmt(d['assistant_fraction'])}); skipped rows: {_skipped(d['skipped'], 'none')}",
         f"disk       {size_text(d['bytes_on_disk'])}; vs raw bf16: hidden {ratio['hidden']}, "
         f"all arrays {ratio['total']}  (raw {size_text(d['raw_bytes']['total'])})",
     ]
@@ -186,8 +189,8 @@ def verify(cache: str, max_problems: int, workers: int, progress: bool, as_json:
     if as_json:
         _emit_json(d)
     else:
-        lines = [f"shard {s['shard_id']:05d}  {s['state']:<8}  committed {_n(s['samples'])}/{_n(s['planned_samples'])} "
-                 f"samples, {_n(s['tokens'])}/{_n(s['planned_tokens'])} tokens" for s in d["shards"]]
+        lines = [f"shard {s['shard_id']:05d}  {s['state']:<8}  committed {_of(s, 'samples')} samples, {_of(s, 'tokens')} "
+                 "tokens" for s in d["shards"]]
         lines.append(f"read {_n(d['chunks_read'])} chunks: {_n(d['samples'])} samples, {_n(d['tokens'])} tokens")
         lines += ["OK: no problems found"] if d["ok"] else [f"{d['num_problems']} problem(s):"] + [
             f"  [{p['check']}] {p['message']}" for p in d["problems"]]

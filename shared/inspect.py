@@ -69,14 +69,12 @@ def cache_info(path: str, shard_ids: list[int] | None = None) -> dict[str, Any]:
         entry = {"shard_id": s.shard_id, "state": s.state, "samples": s.samples, "planned_samples": s.planned_samples,
                  "tokens": s.tokens, "planned_tokens": s.planned_tokens, "batches": s.record.commit.batches,
                  "planned_batches": s.record.planned.batches, "assistant_tokens": _assistant_tokens(root, s),
-                 "skipped": dict(s.skipped), "bytes_on_disk": None, "compute": s.record.compute}
+                 "skipped": dict(s.skipped), "bytes_on_disk": None if sizes is None else sum(own.values()),
+                 "compute": s.record.compute}
         if sizes is not None:
-            entry["bytes_on_disk"] = sum(own.values())
-            for f in spec.token_fields:
-                committed = _chunk_bytes(own, f"{key}/{f}", -(-s.tokens // g[f].chunks[0]))
-                disk_total += committed
-                disk_hidden += committed if f in ("hidden", HIDDEN_SCALE) else 0
-            disk_total += sum(_chunk_bytes(own, f"{key}/{f}") for f in META_FIELDS)
+            committed = {f: _chunk_bytes(own, f"{key}/{f}", -(-s.tokens // g[f].chunks[0])) for f in spec.token_fields}
+            disk_hidden += committed["hidden"] + committed.get(HIDDEN_SCALE, 0)
+            disk_total += sum(committed.values()) + sum(_chunk_bytes(own, f"{key}/{f}") for f in META_FIELDS)
         raw_total += s.tokens * sum(row_bytes.values()) + 8 * sum(g[f].shape[0] for f in META_FIELDS)
         shards.append(entry)
     tokens = sum(e["tokens"] for e in shards)

@@ -67,7 +67,6 @@ def _locks_folder(out: str):
     if "://" not in out or out.startswith("file://"):
         return None, os.path.join(out.removeprefix("file://"), LOCKS_DIR)
     import fsspec
-
     fs, root = fsspec.core.url_to_fs(out)
     return fs, f"{root.rstrip('/')}/{LOCKS_DIR}"
 
@@ -105,13 +104,11 @@ class ShardLock:
             return self._read()
         if not os.path.exists(self.path):
             return None
-        other = filelock.FileLock(self.path)
         try:
-            other.acquire(timeout=0)
+            with filelock.FileLock(self.path).acquire(timeout=0):
+                return None
         except filelock.Timeout:
             return self._read() or UNRECORDED
-        other.release()
-        return None
 
     def acquire(self) -> LockHolder | None:
         """Take the lock or raise ``ShardLocked``; returns the record of a dead holder it replaced, if any."""
