@@ -15,16 +15,13 @@ Every array is flat and token-major, chunked along tokens (rows per chunk in
         source_index   [N]          int64  (row of sample i in the source dataset)
         batches        [NB + 1]     int64  (sample offsets of the planned batches)
 
-A shard is planned first, so every array has its final shape from the start; the writer
-appends whole batches in plan order. A commit stores every buffered token, then records in the
-shard's attributes how many batches, samples and tokens are committed. Readers never look past
-that record, so a crash (``kill -9`` included) leaves a shard valid up to its last commit, and a
-rerun resumes at the next batch, giving a cache identical to an unbroken run's.
+A shard is planned first (every array has its final shape); the writer appends whole batches in plan order. A
+commit stores every buffered token, then records the committed counts in the shard's attributes; readers never look
+past that record, so a crash leaves a shard valid up to its last commit and a rerun resumes byte-identically.
 
-Format versions: 1 chunks every token array at ``chunk_tokens`` rows; 2 (the lossless default)
-chunks the small arrays coarsely (``default_chunks``); 3 is 2 with a lossy ``hidden_codec`` or a
-reduced ``topk_dtype``, so that older readers refuse it. Readers take each array's chunking from
-its own metadata.
+Format versions: 1 chunks every token array at ``chunk_tokens`` rows; 2 (the lossless default) chunks the small
+arrays coarsely (``default_chunks``); 3 is 2 with a lossy ``hidden_codec`` or a reduced ``topk_dtype``, so that older
+readers refuse it. Readers take each array's chunking from its own metadata.
 """
 
 from __future__ import annotations
@@ -148,13 +145,9 @@ class CacheSpec:
         except ValueError as e:
             raise CacheError(f"cache spec: {e}") from None
 
-    @property
-    def encoded(self) -> bool:  # stored other than in the lossless layout (format 3)
-        return self.hidden_codec != "bf16" or self.topk_dtype != "float32"
-
-    @property
-    def token_fields(self) -> tuple[str, ...]:  # the token arrays of each shard
-        return TOKEN_FIELDS + ((HIDDEN_SCALE,) if self.hidden_codec != "bf16" else ())
+    encoded = property(lambda self: self.hidden_codec != "bf16" or self.topk_dtype != "float32")  # format 3
+    token_fields = property(lambda self: TOKEN_FIELDS + ((HIDDEN_SCALE,) if self.hidden_codec != "bf16" else ()))
+    num_layers = property(lambda self: len(self.layer_ids))
 
     def encoding(self) -> dict[str, Any]:
         return {k: getattr(self, k) for k in ENCODING_DEFAULTS}
@@ -178,24 +171,15 @@ class CacheSpec:
         names = {f.name for f in dataclasses.fields(cls)}
         return cls(**{k: v for k, v in d.items() if k in names})
 
-    @property
-    def num_layers(self) -> int:
-        return len(self.layer_ids)
-
 
 def default_chunks(spec: CacheSpec) -> dict[str, int]:
-    """Format 2's rows per chunk: the hidden states at ``chunk_tokens``; each small array at the
-    power of two whose raw chunk is closest under ``SMALL_CHUNK_BYTES``, between ``chunk_tokens``
-    and ``SMALL_CHUNK_MAX_TOKENS``."""
-    chunks = {}
-    for name, (shape, dtype) in token_array_shapes(spec, 1).items():
-        if name in ("hidden", HIDDEN_SCALE):
-            chunks[name] = spec.chunk_tokens
-            continue
-        row_bytes = int(np.prod(shape[1:])) * np.dtype(dtype).itemsize
-        rows = 1 << max(0, (SMALL_CHUNK_BYTES // row_bytes).bit_length() - 1)
-        chunks[name] = max(spec.chunk_tokens, min(rows, SMALL_CHUNK_MAX_TOKENS))
-    return chunks
+    """Format 2's rows per chunk: the hidden states at ``chunk_tokens``; each small array at the power of two whose
+    raw chunk is closest under ``SMALL_CHUNK_BYTES``, within [``chunk_tokens``, ``SMALL_CHUNK_MAX_TOKENS``]."""
+    def rows(shape, dtype) -> int:
+        return 1 << max(0, (SMALL_CHUNK_BYTES // (int(np.prod(shape[1:])) * np.dtype(dtype).itemsize)).bit_length() - 1)
+    return {name: spec.chunk_tokens if name in ("hidden", HIDDEN_SCALE) else
+            max(spec.chunk_tokens, min(rows(shape, dtype), SMALL_CHUNK_MAX_TOKENS))
+            for name, (shape, dtype) in token_array_shapes(spec, 1).items()}
 
 
 def diff_dicts(ours: Any, theirs: Any, prefix: str = "") -> list[str]:
@@ -219,15 +203,14 @@ def diff_dicts(ours: Any, theirs: Any, prefix: str = "") -> list[str]:
 
 
 def writer_zarr_settings(path: str) -> dict[str, Any]:
-    """zarr settings of a shard's writer: the zarrs pipeline (Rust, off the GIL) for a local folder,
-    zarr's own for a URL (zarrs writes only local folders); no all-fill-value scan."""
+    """A shard writer's zarr settings: the zarrs pipeline (off the GIL) for a local folder, zarr's own for a URL."""
     pipeline = "zarrs.ZarrsCodecPipeline" if is_local(path) else ZARR_PIPELINE
     return {"codec_pipeline.path": pipeline, "async.concurrency": 32, "array.write_empty_chunks": True}
 
 
 def _compressors(typesize: int, level: int) -> list:
-    """Byte shuffle + zstd inside blosc, then a crc32c checksum of the encoded chunk. The blosc
-    block size is explicit: its automatic small blocks cost a fifth of the ratio on bf16."""
+    """Byte shuffle + zstd inside blosc (explicit block size: the automatic one costs a fifth of the ratio on
+    bf16), then a crc32c checksum of the encoded chunk."""
     blosc = zc.BloscCodec(cname="zstd", clevel=max(1, (level + 1) // 2), shuffle="shuffle", typesize=typesize,
                           blocksize=1 << 19)  # blosc clevel c -> zstd level 2c - 1
     return [blosc, zc.Crc32cCodec()]
@@ -249,8 +232,7 @@ def token_array_shapes(spec: CacheSpec, tokens: int) -> dict[str, tuple[tuple[in
 
 
 def encode_hidden(spec: CacheSpec, hidden: torch.Tensor, validate: bool = True) -> dict[str, torch.Tensor]:
-    """``[T, L, D]`` hidden states -> the stored ``hidden`` (+ ``hidden_scale``) as tensors on
-    ``hidden``'s device: bf16 bits as int16, or the codec's payload and scales."""
+    """``[T, L, D]`` hidden states -> the stored ``hidden`` (+ ``hidden_scale``) tensors, on ``hidden``'s device."""
     if not spec.codec.lossy:
         return {"hidden": hidden.to(torch.bfloat16).view(torch.int16)}
     enc = encode_codec(spec.codec, hidden, validate=validate)
@@ -258,8 +240,7 @@ def encode_hidden(spec: CacheSpec, hidden: torch.Tensor, validate: bool = True) 
 
 
 def decode_hidden(spec: CacheSpec, stored: dict[str, Any], dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
-    """The stored ``hidden`` (+ ``hidden_scale``), numpy or tensors of any leading shape, ->
-    ``[..., L, D]`` in ``dtype`` on their device; bitwise the same on the CPU and the GPU."""
+    """The stored ``hidden`` (+ ``hidden_scale``) -> ``[..., L, D]`` in ``dtype``; bitwise the same on CPU and GPU."""
     payload = torch.as_tensor(stored["hidden"])
     if not spec.codec.lossy:
         return payload.view(torch.bfloat16).to(dtype)
@@ -296,14 +277,14 @@ def bf16_to_bits(x: torch.Tensor) -> np.ndarray:
 # ----------------------------------------------------------------------------- root
 
 
-def _store_options(path: str) -> dict | None:
-    """fsspec's local files make no folders unless asked (``file://`` URLs; object stores need none)."""
-    return {"auto_mkdir": True} if str(path).startswith("file://") else None
+def _open_group(path: str, mode: str) -> zarr.Group:  # fsspec's local files make no folders unless asked
+    options = {"auto_mkdir": True} if str(path).startswith("file://") else None
+    return zarr.open_group(store=path, mode=mode, zarr_format=3, storage_options=options)
 
 
 def open_root(path: str, mode: str = "r") -> zarr.Group:
     try:
-        return zarr.open_group(store=path, mode=mode, zarr_format=3, storage_options=_store_options(path))
+        return _open_group(path, mode)
     except FileNotFoundError as e:
         raise CacheError(f"{path}: no cache there ({e})") from e
     except Exception as e:  # zarr raises several kinds for a missing or foreign store
@@ -326,11 +307,9 @@ def _new_root(root: zarr.Group, spec: CacheSpec) -> zarr.Group:
 
 
 def create_or_open_cache(path: str, spec: CacheSpec, *, replace_uncommitted: bool = False) -> zarr.Group:
-    """Create the cache root, or reopen one with the same fingerprint and layout. A cache made
-    with another target, tokenizer, dataset or setting is refused naming every difference, unless
-    ``replace_uncommitted`` is set and none of its shards committed a sample (a run that failed
-    before its first commit): then it is replaced, with a warning naming the differences."""
-    root = zarr.open_group(store=path, mode="a", zarr_format=3, storage_options=_store_options(path))
+    """Create the cache root, or reopen one with the same fingerprint and layout; another is refused naming every
+    difference, or with ``replace_uncommitted`` and no committed sample, replaced with a warning."""
+    root = _open_group(path, "a")
     existing = root.attrs.get(ATTRS_KEY)
     if existing is None:
         if len(list(root.keys())) > 0:
@@ -387,15 +366,12 @@ class ShardCounts:
     batches: int = 0
     samples: int = 0
     tokens: int = 0
-
-    def as_dict(self) -> dict[str, int]:
-        return dataclasses.asdict(self)
+    as_dict = dataclasses.asdict
 
 
 @dataclass
 class ShardState:
-    """What a shard records about itself in its group's attributes (only this module reads and
-    writes them). ``commit`` is the commit point: readers never look past it."""
+    """What a shard records in its group's attributes; ``commit`` is the commit point readers never look past."""
 
     plan_digest: str  # of the plan (rows, lengths, batches, skips); a resume must plan the same
     planned: ShardCounts  # what the shard holds once complete: every array's size from the start
@@ -404,9 +380,7 @@ class ShardState:
     skipped: dict[str, int] = field(default_factory=dict)  # rows of the shard's slice not planned, by reason
     compute: dict[str, Any] | None = None  # what computed the values (device, kernels, versions); a resume matches it
 
-    @property
-    def status(self) -> str:
-        return "complete" if self.complete else "partial" if self.commit.samples else "empty"
+    status = property(lambda self: "complete" if self.complete else "partial" if self.commit.samples else "empty")
 
     def to_attrs(self) -> dict[str, Any]:
         return {"plan_digest": self.plan_digest, "planned": self.planned.as_dict(), "skipped": dict(self.skipped),
@@ -435,8 +409,7 @@ def read_shard_state(group: zarr.Group) -> ShardState:
 
 
 def shard_recorded(group: zarr.Group) -> bool:
-    """Whether a shard group records a state: ``ShardWriter`` creates the arrays first and the
-    state last, so a group without one is being created (or its creator died doing so)."""
+    """Whether a shard group records a state (``ShardWriter`` writes it last: a group without one is being created)."""
     return bool(group.attrs.asdict())
 
 
@@ -447,8 +420,7 @@ def read_shard_states(root: zarr.Group, shard_ids: Iterable[int]) -> dict[int, S
 
 
 def _record_state(group: zarr.Group, state: ShardState, *keys: str) -> None:
-    """Write these fields of ``state`` (all without ``keys``) in one metadata write:
-    ``attrs.update`` writes once per key, and a crash between two would leave a torn record."""
+    """Write these fields of ``state`` (all without ``keys``) in one metadata write, never a torn record."""
     attrs = state.to_attrs()
     group.update_attributes({k: attrs[k] for k in keys} if keys else attrs)  # merged with what is there
 
@@ -477,29 +449,19 @@ class ShardPlan:
         if n and self.lengths.min() <= 0:
             raise ValueError("plan: every sample needs at least one token")
 
-    @property
-    def offsets(self) -> np.ndarray:
-        return np.concatenate([[0], np.cumsum(self.lengths)]).astype(np.int64)
-
-    @property
-    def num_tokens(self) -> int:
-        return int(self.lengths.sum())
+    offsets = property(lambda self: np.concatenate([[0], np.cumsum(self.lengths)]).astype(np.int64))
+    num_tokens = property(lambda self: int(self.lengths.sum()))
 
     def digest(self) -> str:
-        h = hashlib.sha256()
-        for a in (self.source_index, self.lengths, self.batches):
-            h.update(np.ascontiguousarray(a).tobytes())
-        h.update(json.dumps(self.skipped, sort_keys=True).encode())
-        return h.hexdigest()
+        arrays = b"".join(np.ascontiguousarray(a).tobytes() for a in (self.source_index, self.lengths, self.batches))
+        return hashlib.sha256(arrays + json.dumps(self.skipped, sort_keys=True).encode()).hexdigest()
 
 
 class ShardWriter:
-    """Writes one shard; the only process that ever touches it. ``write_batch`` takes whole
-    planned batches in order; full chunks go to the store at once, the partial tail waits in
-    memory until the next ``commit``. A chunk holding committed rows is rewritten through zarr's
-    own pipeline, which replaces a local file in one step (zarrs may truncate, then write).
-    ``compute`` is recorded at creation; a shard with committed samples refuses to resume under
-    another one, whose values would round differently."""
+    """Writes one shard, in whole planned batches in order: full chunks go to the store at once, the partial tail
+    waits for the next ``commit``. A chunk holding committed rows is rewritten through zarr's own pipeline, which
+    replaces a local file in one step (zarrs may truncate, then write). A shard with committed samples refuses to
+    resume under another ``compute``, whose values would round differently."""
 
     def __init__(self, root: zarr.Group, shard_id: int, plan: ShardPlan, spec: CacheSpec,
                  compute: dict[str, Any] | None = None):
@@ -560,16 +522,13 @@ class ShardWriter:
         self._tail_start = {f: (done // C) * C for f, C in self.chunks.items()}
         self._tail = {f: [np.asarray(self.arrays[f][t:done])] if t < done else [] for f, t in self._tail_start.items()}
 
-    @property
-    def complete(self) -> bool:
-        return self.next_batch >= len(self.plan.batches) - 1
+    complete = property(lambda self: self.next_batch >= len(self.plan.batches) - 1)
 
     def batch_samples(self, batch: int) -> tuple[int, int]:
         return int(self.plan.batches[batch]), int(self.plan.batches[batch + 1])
 
     def write_batch(self, batch: int, **fields: np.ndarray) -> None:
-        """Append planned batch ``batch``: one token-major array per stored field (``self.fields``),
-        as stored (see ``encode_hidden``, ``encode_topk_logprobs``, ``to_numpy``)."""
+        """Append planned batch ``batch``: one token-major array per stored field, as stored."""
         if batch != self.next_batch:
             raise CacheError(f"shard {self.shard_id:05d}: batch {batch} written out of order (expected {self.next_batch})")
         s0, s1 = self.batch_samples(batch)
@@ -587,9 +546,8 @@ class ShardWriter:
         self._flush(final=False)
 
     def _flush(self, final: bool) -> None:
-        """Write each array's whole chunks (and, when ``final``, its partial last one). A buffer
-        starts on a chunk boundary and keeps the partial chunk a final flush wrote, so the next
-        flush rewrites it whole; only that first chunk can hold committed rows."""
+        """Write each array's whole chunks (and, when ``final``, its partial last one). A buffer starts on a chunk
+        boundary and keeps the partial chunk a final flush wrote, to rewrite it whole; only it can hold committed rows."""
         end, committed = self._end, self.committed["tokens"]
         for f in self.fields:
             C, start = self.chunks[f], self._tail_start[f]
@@ -650,9 +608,8 @@ class ShardInfo:
 
 
 class CacheReader:
-    """Random access by global sample index over the committed samples of every shard (or of
-    ``shard_ids`` only: one node's, while others write theirs). Opening reads the shards' states
-    and offsets only. Picklable: a DataLoader worker reopens the store lazily."""
+    """Random access by global sample index over the committed samples of every shard (or of ``shard_ids``). Opening
+    reads the shards' states and offsets only; picklable (a DataLoader worker reopens the store lazily)."""
 
     def __init__(self, path: str, shard_ids: Iterable[int] | None = None):
         self.path = path
@@ -703,13 +660,8 @@ class CacheReader:
     def __len__(self) -> int:
         return int(self._starts[-1])
 
-    @property
-    def num_tokens(self) -> int:
-        return int(sum(s.tokens for s in self.shards))
-
-    @property
-    def complete(self) -> bool:
-        return bool(self.shards) and all(s.complete for s in self.shards)
+    num_tokens = property(lambda self: int(sum(s.tokens for s in self.shards)))
+    complete = property(lambda self: bool(self.shards) and all(s.complete for s in self.shards))
 
     def locate(self, index: int) -> tuple[int, int]:
         """Global sample index -> (position in self.shards, local sample index)."""
@@ -722,12 +674,10 @@ class CacheReader:
         return np.concatenate([np.diff(o) for o in self._offsets]) if self._offsets else np.zeros(0, np.int64)
 
     def source_indices(self) -> np.ndarray:
-        return (np.concatenate([self._source(p) for p in range(len(self.shards))]) if self.shards
-                else np.zeros(0, np.int64))
+        return np.concatenate([np.zeros(0, np.int64), *(self._source(p) for p in range(len(self.shards)))])
 
     def read_raw(self, index: int, fields: Iterable[str] = TOKEN_FIELDS) -> dict[str, np.ndarray]:
-        """One sample's arrays as stored (a lossy ``hidden`` is its payload, ``hidden_scale`` its
-        scales); a corrupted chunk raises CacheError naming it."""
+        """One sample's arrays as stored; a corrupted chunk raises CacheError naming it."""
         pos, j = self.locate(index)
         t0, t1 = int(self._offsets[pos][j]), int(self._offsets[pos][j + 1])
         fields = tuple(fields)
@@ -745,9 +695,8 @@ class CacheReader:
         return out
 
     def read(self, index: int, fields: Iterable[str] = TOKEN_FIELDS, decode: bool = True) -> dict[str, Any]:
-        """The arrays in ``fields`` of one sample as tensors, plus its ``source_index``: ``hidden``
-        (T, L, D) bf16 and ``topk_logprobs`` float32 whatever the encoding. ``decode=False`` on a
-        lossy cache gives the payload and ``hidden_scale``, for ``decode_hidden`` on the GPU."""
+        """One sample's ``fields`` as tensors (``hidden`` (T, L, D) bf16, ``topk_logprobs`` float32) and its
+        ``source_index``; ``decode=False`` keeps a lossy payload and ``hidden_scale``, for ``decode_hidden`` on the GPU."""
         fields = tuple(fields)
         unknown = set(fields) - set(TOKEN_FIELDS)
         if unknown:
@@ -766,8 +715,7 @@ class CacheReader:
     __getitem__ = read
 
     def id_counts(self, minlength: int = 0, batch_chunks: int = 16) -> np.ndarray:
-        """Occurrences of every token id in the committed ``input_ids`` (at least ``vocab_size``
-        and ``minlength`` long), read ``batch_chunks`` whole chunks at a time."""
+        """Occurrences of every token id in the committed ``input_ids``, read ``batch_chunks`` chunks at a time."""
         counts = np.zeros(max(self.spec.vocab_size, minlength), np.int64)
         for pos, shard in enumerate(self.shards):
             array = self._array(pos, "input_ids")
@@ -778,30 +726,23 @@ class CacheReader:
                 except Exception as e:
                     raise CacheError(f"{self.path}: shard {shard.shard_id:05d} input_ids tokens {t0}:{t0 + step}: "
                                      f"cannot read: {type(e).__name__}: {e}") from e
-                found = np.bincount(ids, minlength=len(counts))
-                if len(found) > len(counts):
-                    counts = np.pad(counts, (0, len(found) - len(counts)))
-                counts += found
+                found = np.bincount(ids, minlength=len(counts))  # longer where an id is past the vocabulary
+                counts = found + np.pad(counts, (0, len(found) - len(counts)))
         return counts
 
     def check_compatible(self, *, layer_ids: list[int] | None = None, hidden_size: int | None = None,
                          vocab_size: int | None = None, tokenizer_hash: str | None = None,
                          num_target_layers: int | None = None) -> None:
         """Raise CacheMismatch naming every way this cache cannot serve the request."""
-        s = self.spec
-        problems = []
+        s, have = self.spec, self.spec.fingerprint.get("tokenizer", {}).get("hash")
         missing = [i for i in layer_ids or () if i not in s.layer_ids]
-        if missing:
-            problems.append(f"layers {missing} are not stored (cache has layer ids {s.layer_ids})")
-        for what, need, have in (("hidden size", hidden_size, s.hidden_size), ("vocabulary size", vocab_size, s.vocab_size),
-                                 ("target layer count", num_target_layers, s.num_target_layers)):
-            if need is not None and need != have:
-                problems.append(f"{what}: cache has {have}, need {need}")
-        have = s.fingerprint.get("tokenizer", {}).get("hash")
-        if tokenizer_hash is not None and have != tokenizer_hash:
-            problems.append(f"tokenizer: cache was made with tokenizer hash {have}, need {tokenizer_hash}")
-        if len(self) == 0:
-            problems.append("the cache holds no committed samples")
+        problems = [f"layers {missing} are not stored (cache has layer ids {s.layer_ids})"] * bool(missing)
+        problems += [f"{what}: cache has {had}, need {need}" for what, need, had in (
+            ("hidden size", hidden_size, s.hidden_size), ("vocabulary size", vocab_size, s.vocab_size),
+            ("target layer count", num_target_layers, s.num_target_layers)) if need is not None and need != had]
+        problems += [f"tokenizer: cache was made with tokenizer hash {have}, need {tokenizer_hash}"] * (
+            tokenizer_hash is not None and have != tokenizer_hash)
+        problems += ["the cache holds no committed samples"] * (len(self) == 0)
         if problems:
             raise CacheMismatch(f"cache {self.path} is incompatible", problems)
 

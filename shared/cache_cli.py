@@ -1,8 +1,5 @@
-"""``dflash-cache``: inspect a hidden-state cache (info, show, verify, stats) and convert it.
-
-Every command prints a compact human report, or with ``--json`` one JSON document (the dicts
-of ``shared/inspect.py`` and ``shared/verify.py``). Exit codes: 0 fine, 1 ``verify`` found
-problems, 2 the cache cannot be opened or the request makes no sense for it."""
+"""``dflash-cache``: inspect a hidden-state cache (info, show, verify, stats) and convert it. Each command prints a
+report, or with ``--json`` one JSON document. Exit codes: 0 fine, 1 ``verify`` found problems, 2 bad cache or request."""
 
 from __future__ import annotations
 
@@ -44,9 +41,16 @@ def _n(x: int | None) -> str:
     return "?" if x is None else f"{x:,}"
 
 
-def _short(h: str | None, n: int = 12) -> str:
-    """A hash's first ``n`` hex digits, without its 'sha256:' prefix."""
-    return str(h).split(":", 1)[-1][:n] if h else "-"
+def _of(d: dict, key: str) -> str:  # 'committed/planned' of a count
+    return f"{_n(d[key])}/{_n(d['planned_' + key])}"
+
+
+def _skipped(counts: dict[str, int], none: str) -> str:
+    return ", ".join(f"{k}={v}" for k, v in counts.items() if v) or none
+
+
+def _short(h: str | None) -> str:  # a hash's first 12 hex digits, without its 'sha256:' prefix
+    return str(h).split(":", 1)[-1][:12] if h else "-"
 
 
 def _fmt(x: float | None, spec: str = ".1%") -> str:
@@ -65,8 +69,7 @@ def main():
     URLs."""
 
 
-def _hidden_per_token(info: dict) -> str:
-    """Hidden-state bytes per token on disk, and their share of raw bf16's."""
+def _hidden_per_token(info: dict) -> str:  # hidden-state bytes per token on disk, and their share of raw bf16's
     b = info["bytes_per_token"]
     if b["hidden_on_disk"] is None:
         return "-"
@@ -114,11 +117,8 @@ def info(cache: str, as_json: bool):
     lines += ["", f"{'shard':>5}  {'state':<8}  {'samples':>17}  {'tokens':>23}  {'assistant':>11}  {'disk':>11}  skipped"]
     computed: dict[str, list[str]] = {}  # compute environment -> the shards extracted under it
     for s in d["shards"]:
-        skipped = ", ".join(f"{k}={v}" for k, v in s["skipped"].items() if v) or "-"
-        lines.append(
-            f"{s['shard_id']:05d}  {s['state']:<8}  {_n(s['samples']) + '/' + _n(s['planned_samples']):>17}  "
-            f"{_n(s['tokens']) + '/' + _n(s['planned_tokens']):>23}  {_n(s['assistant_tokens']):>11}  "
-            f"{size_text(s['bytes_on_disk']):>11}  {skipped}")
+        lines.append(f"{s['shard_id']:05d}  {s['state']:<8}  {_of(s, 'samples'):>17}  {_of(s, 'tokens'):>23}  "
+                     f"{_n(s['assistant_tokens']):>11}  {size_text(s['bytes_on_disk']):>11}  {_skipped(s['skipped'], '-')}")
         c = s.get("compute")
         computed.setdefault(", ".join(f"{k} {v}" for k, v in sorted(c.items())) if c else "unknown", []).append(
             f"{s['shard_id']:05d}")
@@ -126,12 +126,9 @@ def info(cache: str, as_json: bool):
                                       for key, ids in computed.items()]
     lines += [f"writing    shard {s} now: {h['described']}" for s, h in d["writing"].items()]
     ratio = {k: "-" if r is None else f"{r:.2f}x" for k, r in d["compression_ratio"].items()}
-    skipped = ", ".join(f"{k}={v}" for k, v in d["skipped"].items() if v) or "none"
     lines += [
-        "",
-        f"total      {_n(d['samples'])}/{_n(d['planned_samples'])} samples, {_n(d['tokens'])}/"
-        f"{_n(d['planned_tokens'])} tokens, {_n(d['assistant_tokens'])} assistant tokens "
-        f"({_fmt(d['assistant_fraction'])}); skipped rows: {skipped}",
+        "", f"total      {_of(d, 'samples')} samples, {_of(d, 'tokens')} tokens, {_n(d['assistant_tokens'])} assistant "
+        f"tokens ({_fmt(d['assistant_fraction'])}); skipped rows: {_skipped(d['skipped'], 'none')}",
         f"disk       {size_text(d['bytes_on_disk'])}; vs raw bf16: hidden {ratio['hidden']}, "
         f"all arrays {ratio['total']}  (raw {size_text(d['raw_bytes']['total'])})",
     ]
@@ -160,18 +157,16 @@ def show(cache: str, index: int, tokenizer: str | None, tokens: int, top: int, c
     color = sys.stdout.isatty() if color is None else color
     tk = d["tokenizer"]
     note = "" if tk["hash_matches_cache"] in (None, True) else "  WARNING: its hash differs from the cache's"
-    parts = []
-    for seg in d["segments"]:
-        text = seg["text"] if seg["text"] is not None else " ".join(map(str, seg["ids"])) + " "
-        parts.append(text if not seg["assistant"] else click.style(text, fg="green", bold=True) if color else f"[[{text}]]")
+    texts = [(g["text"] if g["text"] is not None else " ".join(map(str, g["ids"])) + " ", g["assistant"])
+             for g in d["segments"]]
+    parts = [t if not a else click.style(t, fg="green", bold=True) if color else f"[[{t}]]" for t, a in texts]
     out = [f"sample {d['index']}  (shard {d['shard_id']:05d} sample {d['local_index']}, source row "
            f"{d['source_index']})  length {d['length']}  assistant tokens {d['assistant_tokens']}",
            f"tokenizer {tk['path']}{note}" if tk["loaded"] else f"no tokenizer ({tk['error']}); showing token ids",
            f"--- text (assistant tokens {'in green' if color else 'inside [[ ]]'})", "".join(parts), "---"]
     if d["tokens"]:
-        out.append(f"target predictions for the next token, first {d['tokens_shown']} of {d['length']} "
-                   f"positions (A = assistant, * = top-1 is the next token)")
-        out.append(f"{'pos':>5} A  {'token':<18} {'next':<18} top-{top}")
+        out += [f"target predictions for the next token, first {d['tokens_shown']} of {d['length']} positions "
+                f"(A = assistant, * = top-1 is the next token)", f"{'pos':>5} A  {'token':<18} {'next':<18} top-{top}"]
         for t in d["tokens"]:
             nxt = "-" if t["next_id"] is None else _tok_text(t["next_text"], t["next_id"])
             preds = "  ".join(f"{_tok_text(p.get('text'), p['id'])} {p['prob']:.3f}" for p in t["top"])
@@ -194,13 +189,12 @@ def verify(cache: str, max_problems: int, workers: int, progress: bool, as_json:
     if as_json:
         _emit_json(d)
     else:
-        lines = [f"shard {s['shard_id']:05d}  {s['state']:<8}  committed {_n(s['samples'])}/{_n(s['planned_samples'])} "
-                 f"samples, {_n(s['tokens'])}/{_n(s['planned_tokens'])} tokens" for s in d["shards"]]
+        lines = [f"shard {s['shard_id']:05d}  {s['state']:<8}  committed {_of(s, 'samples')} samples, {_of(s, 'tokens')} "
+                 "tokens" for s in d["shards"]]
         lines.append(f"read {_n(d['chunks_read'])} chunks: {_n(d['samples'])} samples, {_n(d['tokens'])} tokens")
         lines += ["OK: no problems found"] if d["ok"] else [f"{d['num_problems']} problem(s):"] + [
             f"  [{p['check']}] {p['message']}" for p in d["problems"]]
-        if d["problems_left_out"]:
-            lines.append(f"  ... and {d['problems_left_out']} more (raise --max-problems)")
+        lines += [f"  ... and {d['problems_left_out']} more (raise --max-problems)"] * bool(d["problems_left_out"])
         click.echo("\n".join(lines))
     sys.exit(0 if d["ok"] else EXIT_PROBLEMS)
 
@@ -229,8 +223,8 @@ def stats(cache: str, max_samples: int, seed: int, threshold: float, against: st
                 for b in ln["histogram"]]
     smp = d["sampled"]
     drawn = "all samples" if smp["indices_all"] else f"seed {smp['seed']}"
-    out.append(f"activations over {_n(smp['samples'])} samples ({_n(smp['tokens'])} tokens, {drawn}):")
-    out.append(f"  {'layer':>5} {'mean':>10} {'std':>10} {'rms':>10} {'abs max':>10} {'|x|>' + format(threshold, 'g'):>10}")
+    out += [f"activations over {_n(smp['samples'])} samples ({_n(smp['tokens'])} tokens, {drawn}):",
+            f"  {'layer':>5} {'mean':>10} {'std':>10} {'rms':>10} {'abs max':>10} {'|x|>' + format(threshold, 'g'):>10}"]
     out += [f"  {lay['layer_id']:>5} {lay['mean']:>10.4g} {lay['std']:>10.4g} {lay['rms']:>10.4g} "
             f"{lay['abs_max']:>10.4g} {_fmt(lay['frac_above_threshold']):>10}" for lay in d["activations"]["layers"]]
     tk = d["topk"]

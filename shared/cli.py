@@ -1,6 +1,5 @@
-"""What every dflash command shares (they meet only in ``shared/``): its click settings, the value types click
-lacks (comma lists, ``none``, JSON objects, model folders), and bad input ending in one line that names what to
-fix, never a traceback."""
+"""What every dflash command shares: click settings, the value types click lacks (comma lists, ``none``, JSON
+objects, model folders), and bad input ending in one line that names what to fix, never a traceback."""
 
 from __future__ import annotations
 
@@ -17,9 +16,8 @@ CONTEXT_SETTINGS = {"help_option_names": ["-h", "--help"], "max_content_width": 
 
 @contextlib.contextmanager
 def reading(flag: str | None = None):
-    """Around code that reads ``flag``'s input: an error of bad input (a missing or unreadable file, a value that
-    cannot work) becomes one line naming the flag (click.BadParameter, exit status 2), or without a flag a click
-    error (exit status 1)."""
+    """Around code that reads ``flag``'s input: bad input (a missing file, a value that cannot work) becomes one line
+    naming the flag (click.BadParameter, exit status 2), or without a flag a click error (exit status 1)."""
     try:
         yield
     except click.ClickException:
@@ -34,8 +32,7 @@ def reading(flag: str | None = None):
 
 
 class Command(click.Command):
-    """A dflash command: ``-h`` for help, defaults shown, help up to 120 columns, and the expected errors of bad
-    input shown as one line with exit status 1 (any other error keeps its traceback)."""
+    """A dflash command: ``-h``, defaults shown, 120 columns, bad input as one line with exit status 1."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **{"context_settings": CONTEXT_SETTINGS, **kwargs})
@@ -120,8 +117,7 @@ def looks_like_path(name: str) -> bool:
 
 
 class ModelPath(click.ParamType):
-    """A model folder or hub name; one that looks like a local path must be an existing folder
-    (else transformers reports a malformed hub id, naming neither the flag nor the fix)."""
+    """A model folder or hub name; one that looks like a local path must be an existing folder."""
 
     name = "text"
 
@@ -132,8 +128,7 @@ class ModelPath(click.ParamType):
 
 
 def usable_device(device: str, flag: str = "--device") -> str:
-    """``device`` ('auto', 'cpu', 'cuda' or 'cuda:N') where this machine has it, else a
-    click.BadParameter naming the flag (torch would fail later with an assertion)."""
+    """``device`` ('auto', 'cpu', 'cuda' or 'cuda:N') where this machine has it, else click.BadParameter."""
     kind, _, index = device.partition(":")
     if device == "auto" or kind == "cpu":
         return device
@@ -149,8 +144,7 @@ def usable_device(device: str, flag: str = "--device") -> str:
 
 
 def check_choices(obj) -> None:
-    """Raise ValueError naming the first ``Literal`` field of dataclass ``obj`` (nested ones included) that holds
-    another value: a setting made in code, not through a command's choices."""
+    """Raise ValueError naming the first ``Literal`` field of dataclass ``obj`` (nested too) holding another value."""
     hints = typing.get_type_hints(type(obj))
     for f in dataclasses.fields(obj):
         value, hint = getattr(obj, f.name), hints[f.name]

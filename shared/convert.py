@@ -1,8 +1,6 @@
-"""``dflash-cache convert``: re-encode a finished cache into another layout, without the target.
-
-Each shard keeps the source's plan and is written through extraction's ``ShardWriter``, so it is
-chunked, checksummed and resumed alike. Only the storage changes: an array whose encoding is
-unchanged is copied as stored, the others are decoded and encoded again."""
+"""``dflash-cache convert``: re-encode a finished cache into another layout, without the target. Each shard keeps
+the source's plan and is written through extraction's ``ShardWriter``; an array whose encoding is unchanged is copied
+as stored, the others are decoded and encoded again."""
 
 from __future__ import annotations
 
@@ -33,8 +31,7 @@ from dflash.shared.shard_lock import ShardLock, ShardLocked, live_holders
 
 @dataclass
 class ConvertSettings:
-    """How the converted cache stores its values; each unset one keeps the source's (each field's
-    meaning: its flag's help in shared/cache_cli.py)."""
+    """How the converted cache stores its values (unset: the source's); each field's help is its flag's."""
 
     hidden_codec: HiddenCodecName | None = None
     hidden_group_size: int | None = None
@@ -62,15 +59,13 @@ class ConvertSettings:
             raise ValueError(f"--commit-seconds must be 0 or more, got {self.commit_seconds}")
 
 
-def _location(path: str) -> str:
-    """A local path made absolute (a URL as given): where a later ``stats`` finds the source."""
+def _location(path: str) -> str:  # a local path made absolute: where a later ``stats`` finds the source
     return os.path.abspath(path) if is_local(path) else path
 
 
 def converted_spec(src: CacheSpec, settings: ConvertSettings, src_path: str) -> CacheSpec:
-    """The spec of ``src`` converted with ``settings``: the current format, the new storage
-    settings, in the fingerprint too (where the source's records them), and the source's
-    location, fingerprint digest and storage in ``info.converted_from``."""
+    """The spec of ``src`` converted with ``settings`` (in the fingerprint too), recording the source in
+    ``info.converted_from``."""
     layout = dataclasses.replace(src, chunk_tokens=settings.chunk_tokens or src.chunk_tokens,
                                  compression_level=settings.compression_level or src.compression_level,
                                  fingerprint=copy.deepcopy(src.fingerprint), info=copy.deepcopy(src.info or {}))
@@ -86,15 +81,12 @@ def converted_spec(src: CacheSpec, settings: ConvertSettings, src_path: str) -> 
     fingerprint = spec.fingerprint
     extraction = fingerprint.get("extraction")
     if isinstance(extraction, dict):
-        for key in ("chunk_tokens", "compression_level"):
-            if key in extraction:
-                extraction[key] = getattr(spec, key)
+        extraction.update({k: getattr(spec, k) for k in ("chunk_tokens", "compression_level") if k in extraction})
         extraction.pop("encoding", None)
         if spec.encoded:  # as extraction records it: a lossless cache's fingerprint has no encoding
             extraction["encoding"] = spec.encoding()
-    lost = (src.codec.lossy and src.codec != spec.codec) or (
-        src.topk_dtype != "float32" and src.topk_dtype != spec.topk_dtype)
-    if lost:  # the values went through an encoding the new one does not name
+    if (src.codec.lossy and src.codec != spec.codec) or src.topk_dtype not in ("float32", spec.topk_dtype):
+        # the values went through an encoding the new one does not name
         fingerprint["decoded_from"] = list(fingerprint.get("decoded_from", [])) + [src.encoding()]
     spec.info["converted_from"] = {
         "path": _location(src_path), "fingerprint_digest": fingerprint_digest(src.fingerprint),
@@ -105,8 +97,7 @@ def converted_spec(src: CacheSpec, settings: ConvertSettings, src_path: str) -> 
 
 
 def _check_source(reader: CacheReader, src: str) -> None:
-    """Refuse a source that is not finished: a shard being written, created but not recorded,
-    partial or empty (its plan would be converted only in part)."""
+    """Refuse a source with a shard being written, created but not recorded, partial or empty."""
     root, writing = reader.root, live_holders(src)
     problems = [f"shard {s:05d} is being written now by {h.describe()}" for s, h in sorted(writing.items())]
     problems += [f"shard {name} was created but never recorded (its extraction died creating it)"
@@ -137,8 +128,7 @@ class Interrupted(Exception):
 
 
 class StopFlag:
-    """Set by the first SIGINT while installed, so that the conversion stops between two reads,
-    after a commit; a second SIGINT interrupts at once, as usual."""
+    """Set by the first SIGINT, so that the conversion commits and stops between two reads; a second interrupts."""
 
     asked = False
     _previous = None
@@ -161,10 +151,8 @@ class StopFlag:
 
 def _reencode(src: CacheSpec, dst: CacheSpec, stored: dict[str, np.ndarray], plan: ShardPlan, t0: int,
               where: str) -> dict[str, np.ndarray]:
-    """The stored token arrays of a source shard from token ``t0`` -> the converted shard's: each
-    array whose encoding is unchanged as it is, the others decoded (hidden states to float32) and
-    encoded as extraction does. Refuses new scales that are not finite (NaN/Inf in, or a
-    magnitude past their dtype); ``where`` names the source shard."""
+    """A source shard's stored token arrays from token ``t0`` -> the converted shard's, refusing new scales that are
+    not finite; ``where`` names the source shard."""
     out = {f: stored[f] for f in ("input_ids", "loss_mask", "topk_ids")}
     out["topk_logprobs"] = stored["topk_logprobs"] if src.topk_dtype == dst.topk_dtype else to_numpy(
         encode_topk_logprobs(dst, decode_topk_logprobs(src, stored["topk_logprobs"])))
@@ -187,8 +175,7 @@ def _reencode(src: CacheSpec, dst: CacheSpec, stored: dict[str, np.ndarray], pla
 def _convert_shard(src_group: zarr.Group, dst_root: zarr.Group, dst: str, shard_id: int, src_spec: CacheSpec,
                    dst_spec: CacheSpec, settings: ConvertSettings, advance: Callable[[int], None],
                    say: Callable[[str], None], where: str, stop: StopFlag) -> dict[str, int]:
-    """Convert one shard under its lock; returns its token counts (converted now, found done).
-    ``where`` names the source shard in errors."""
+    """Convert one shard under its lock; returns its token counts (converted now, found done)."""
     state = read_shard_state(src_group)
     plan = _source_plan(src_group, state)
     lock = ShardLock(dst, shard_id)
@@ -208,20 +195,16 @@ def _convert_shard(src_group: zarr.Group, dst_root: zarr.Group, dst: str, shard_
         arrays = {f: src_group[f] for f in src_spec.token_fields}
         row_bytes = sum(int(np.prod(a.shape[1:], dtype=np.int64)) * a.dtype.itemsize for a in arrays.values())
         window = max(1, int(settings.read_mib * (1 << 20) / row_bytes))  # tokens read at once
-        offsets, batches = plan.offsets, plan.batches
+        bounds = plan.offsets[plan.batches]  # each batch's first token
         last_commit = time.monotonic()
         while not writer.complete:
             b0 = writer.next_batch
-            t0 = int(offsets[batches[b0]])
-            b1 = b0 + 1  # whole batches up to the window's size (one at least)
-            while b1 < len(batches) - 1 and offsets[batches[b1 + 1]] - t0 <= window:
-                b1 += 1
-            t1 = int(offsets[batches[b1]])
+            t0 = int(bounds[b0])  # whole batches up to the window's size (one at least)
+            b1 = max(b0 + 1, int(np.searchsorted(bounds, t0 + window, side="right")) - 1)
+            t1 = int(bounds[b1])
             data = _reencode(src_spec, dst_spec, {f: np.asarray(a[t0:t1]) for f, a in arrays.items()}, plan, t0, where)
             for b in range(b0, b1):
-                s0, s1 = writer.batch_samples(b)
-                a, z = int(offsets[s0]) - t0, int(offsets[s1]) - t0
-                writer.write_batch(b, **{f: v[a:z] for f, v in data.items()})
+                writer.write_batch(b, **{f: v[bounds[b] - t0:bounds[b + 1] - t0] for f, v in data.items()})
             advance(t1 - t0)
             time.sleep(settings.delay_s)
             if stop.asked:
@@ -239,10 +222,8 @@ def _convert_shard(src_group: zarr.Group, dst_root: zarr.Group, dst: str, shard_
 
 def convert_cache(src: str, dst: str, settings: ConvertSettings | None = None, *, progress: bool = True,
                   say: Callable[[str], None] | None = None) -> dict[str, Any]:
-    """Convert cache ``src`` into ``dst`` (created, or resumed where a conversion with the same
-    settings stopped); returns a summary. Raises CacheError for a source that is not finished, a
-    ``dst`` holding another cache, or a shard of ``dst`` another live process writes; Interrupted
-    after a Ctrl-C, once the shards being converted have committed what they had."""
+    """Convert cache ``src`` into ``dst`` (created, or resumed); returns a summary. Raises CacheError for a source
+    that is not finished or a ``dst`` holding another cache or written by another process; Interrupted after Ctrl-C."""
     from tqdm import tqdm
 
     settings = settings or ConvertSettings()

@@ -1,10 +1,5 @@
-"""Fingerprints of the target and tokenizer: what a cache was made from.
-
-Extraction records them in the cache; training recomputes them from the target it is
-given and refuses a cache that does not match. Hashing full weights would cost minutes
-on an 8B model, so the weight fingerprint covers each safetensors file's header (every
-tensor's name, dtype, shape and byte range), its size, and its first and last MiB.
-"""
+"""Fingerprints of the target and tokenizer: what a cache was made from, which training checks. Hashing full weights
+would cost minutes, so a safetensors file's digest covers its size, header and first and last MiB."""
 
 from __future__ import annotations
 

@@ -1,16 +1,10 @@
 """Codecs for cached hidden states: ``[tokens, layers, D]`` <-> stored bytes (+ scales).
 
-* ``bf16``: lossless, the bf16 bits as they are (the cache's default; nothing to encode).
-* ``fp8``: float8 e4m3 with one scale per (token, layer), the row's absolute maximum over 448:
-  1 byte per value, a float's relative precision whatever the row's outliers.
-* ``int8`` / ``int4``: symmetric integers with one scale per group of ``group_size`` channels
-  (absolute maximum over 127 or 7): 1 or 1/2 byte per value; an outlier sets its group's step.
-
-Scales are float16 (or float32), rounded up where rounding would push a value past the integer
-range, so every error stays within half a step. int4 packs channel 2i in the low nibble and
-2i + 1 in the high one, each as ``q + 8``. Encoding and decoding are plain tensor ops without a
-host sync; decoding gives bitwise the same values on the CPU and the GPU (one exact conversion,
-one correctly rounded multiply, one rounding to the output dtype).
+``bf16``: the bf16 bits (lossless). ``fp8``: e4m3 with a scale per (token, layer), the row's absolute maximum over
+448. ``int8`` / ``int4``: symmetric integers with a scale per ``group_size`` channels (absolute maximum over 127 or 7).
+Scales are rounded up where rounding would push a value past the range, so every error stays within half a step. int4
+packs channel 2i in the low nibble, 2i + 1 in the high one, each as ``q + 8``. Decoding is bitwise the same on the CPU
+and the GPU (one exact conversion, one correctly rounded multiply, one rounding to the output dtype).
 """
 
 from __future__ import annotations
@@ -31,12 +25,9 @@ _SCALE_DTYPES = {name: getattr(torch, name) for name in SCALE_DTYPES}
 class HiddenCodec:
     """How hidden states are stored: losslessly as bf16, or quantised before the lossless stage."""
 
-    mode: str = "fp8"
-    """'bf16' (lossless), 'fp8' (e4m3, a scale per token and layer), 'int8' or 'int4' (a scale per channel group)."""
-    group_size: int = 128
-    """Channels sharing one scale in the int modes (must divide the hidden size; even for int4)."""
-    scale_dtype: str = "float16"
-    """dtype the scales are stored in: 'float16' or 'float32'."""
+    mode: str = "fp8"  # 'bf16' (lossless), 'fp8', 'int8' or 'int4'
+    group_size: int = 128  # channels sharing one scale in the int modes (must divide the hidden size; even for int4)
+    scale_dtype: str = "float16"  # of the stored scales: 'float16' or 'float32'
 
     def __post_init__(self):
         if self.mode not in HIDDEN_CODECS:
@@ -52,13 +43,11 @@ class HiddenCodec:
         return self.mode != "bf16"
 
     @property
-    def grouped(self) -> bool:
-        """Whether ``group_size`` matters (the int modes)."""
+    def grouped(self) -> bool:  # whether group_size matters (the int modes)
         return self.mode in _QMAX
 
     @property
-    def zero_byte(self) -> int:
-        """The payload byte that decodes to 0 with any scale (int4 stores q + 8 per nibble)."""
+    def zero_byte(self) -> int:  # the payload byte that decodes to 0 with any scale
         return 0x88 if self.mode == "int4" else 0
 
     @property
@@ -75,16 +64,13 @@ class HiddenCodec:
             raise ValueError(f"hidden size {hidden_size} is not a multiple of the {self.mode} group size "
                              f"{self.group_size}; choose a group size that divides it")
 
-    def groups(self, hidden_size: int) -> int:
-        """Scales per (token, layer) row."""
+    def groups(self, hidden_size: int) -> int:  # scales per (token, layer) row
         return {"bf16": 0, "fp8": 1}.get(self.mode, hidden_size // self.group_size)
 
-    def payload_width(self, hidden_size: int) -> int:
-        """Payload bytes per (token, layer) row (bf16: 2 per channel)."""
+    def payload_width(self, hidden_size: int) -> int:  # payload bytes per (token, layer) row
         return {"bf16": 2 * hidden_size, "int4": hidden_size // 2}.get(self.mode, hidden_size)
 
-    def hidden_size(self, payload_width: int) -> int:
-        """D from the payload bytes per row (the inverse of ``payload_width``)."""
+    def hidden_size(self, payload_width: int) -> int:  # the inverse of payload_width
         return {"bf16": payload_width // 2, "int4": payload_width * 2}.get(self.mode, payload_width)
 
     def bytes_per_token(self, num_layers: int, hidden_size: int) -> int:
@@ -106,8 +92,7 @@ class EncodedHidden:
 
 
 def _scales(amax: torch.Tensor, qmax: float, dtype: torch.dtype) -> torch.Tensor:
-    """amax / qmax in ``dtype``, rounded up where the cast rounded down (so |x| / scale <= qmax);
-    0 for all-zero groups; Inf where it does not fit ``dtype``."""
+    """amax / qmax in ``dtype``, rounded up where the cast rounded down (so |x| / scale <= qmax)."""
     exact = amax.double() / qmax
     stored = exact.to(dtype)
     bits = torch.int16 if dtype == torch.float16 else torch.int32
@@ -116,9 +101,8 @@ def _scales(amax: torch.Tensor, qmax: float, dtype: torch.dtype) -> torch.Tensor
 
 
 def encode(codec: HiddenCodec, hidden: torch.Tensor, validate: bool = True) -> EncodedHidden:
-    """``[T, L, D]`` float -> payload + scales, on ``hidden``'s device. ``validate`` raises
-    ValueError on NaN/Inf input and on scales that overflow their dtype; it syncs with the device,
-    so extraction skips it and checks the scales on the host (``check_scales``)."""
+    """``[T, L, D]`` float -> payload + scales. ``validate`` raises ValueError on NaN/Inf input and overflowing
+    scales; it syncs with the device, so extraction skips it and checks the scales on the host (``check_scales``)."""
     if not codec.lossy:
         raise ValueError("the bf16 hidden codec is lossless: the cache stores the bf16 bits, nothing to encode")
     if hidden.dim() != 3:
@@ -154,8 +138,7 @@ def encode(codec: HiddenCodec, hidden: torch.Tensor, validate: bool = True) -> E
 
 
 def check_scales(codec: HiddenCodec, scales) -> None:
-    """Raise ValueError where a scale is not finite: the input held NaN/Inf, or a magnitude
-    past what ``codec.scale_dtype`` can hold. Takes a tensor or a numpy array."""
+    """Raise ValueError where a scale (tensor or numpy) is not finite: NaN/Inf input, or a magnitude past its dtype."""
     finite = torch.isfinite(torch.as_tensor(scales))
     if not bool(finite.all()):
         raise ValueError(f"{int((~finite).sum())} non-finite {codec.mode} scales: the hidden states hold NaN or "
@@ -163,8 +146,7 @@ def check_scales(codec: HiddenCodec, scales) -> None:
 
 
 def decode(codec: HiddenCodec, encoded: EncodedHidden, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
-    """payload + scales -> ``[..., L, D]`` in ``dtype`` (bf16, as training reads the cache), on
-    the payload's device; any leading dims (``[T]`` or ``[B, S]``) are kept."""
+    """payload + scales of any leading dims -> ``[..., L, D]`` in ``dtype``, on the payload's device."""
     if not codec.lossy:
         raise ValueError("the bf16 hidden codec is lossless: nothing to decode")
     payload, scales = encoded.payload, encoded.scales

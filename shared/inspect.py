@@ -1,11 +1,9 @@
-"""Look inside a hidden-state cache: what it holds (``cache_info``), one sample
-(``show_sample``), its statistics (``cache_stats``) and a converted cache's error against
-its source (``conversion_error``). Every function returns plain, JSON-serialisable dicts
-that ``cache_cli`` formats; only committed data is read, in whole chunks.
-"""
+"""Look inside a hidden-state cache: what it holds, one sample, its statistics and a converted cache's error against
+its source, each as a JSON-serialisable dict that ``cache_cli`` formats; only committed data is read."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from typing import Any
 
@@ -16,7 +14,7 @@ from zarr.core.sync import sync
 
 from dflash.shared.cache import (HIDDEN_SCALE, META_FIELDS, CacheError, CacheReader, ShardInfo, decode_hidden,
                                  decode_topk_logprobs, shard_name, token_array_shapes)
-from dflash.shared.fingerprint import fingerprint_digest
+from dflash.shared.fingerprint import fingerprint_digest, tokenizer_fingerprint
 from dflash.shared.shard_lock import live_holders
 
 
@@ -24,14 +22,12 @@ def _sizes(root: zarr.Group, prefixes: list[str]) -> dict[str, int] | None:
     """Key -> bytes of every object under ``prefixes``, or None where the store cannot list."""
     store = root.store
 
-    async def size(key):
-        try:
-            return await store.getsize(key)
-        except FileNotFoundError:  # replaced while listing
-            return 0
-
     async def listing(prefix):
-        return {key: await size(key) async for key in store.list_prefix(prefix)}
+        sizes = {}
+        async for key in store.list_prefix(prefix):
+            with contextlib.suppress(FileNotFoundError):  # replaced while listing
+                sizes[key] = await store.getsize(key)
+        return sizes
 
     try:
         return {k: v for p in prefixes for k, v in sync(listing(p)).items()} if store.supports_listing else None
@@ -52,9 +48,8 @@ def _assistant_tokens(root: zarr.Group, shard: ShardInfo) -> int:
 
 
 def cache_info(path: str, shard_ids: list[int] | None = None) -> dict[str, Any]:
-    """Spec, fingerprint, per-shard state and counts, bytes on disk and compression ratios.
-    ``shard_ids`` limits every count to those shards (an extraction node's own summary); a
-    listed shard not created yet counts as planned nothing and makes the result incomplete."""
+    """Spec, fingerprint, per-shard state and counts, bytes on disk and compression ratios, over ``shard_ids`` only
+    where given (a shard of them not created yet makes the result incomplete)."""
     reader = CacheReader(path, shard_ids=shard_ids)
     spec, root = reader.spec, reader.root
     sizes = _sizes(root, [""] if shard_ids is None else [f"shards/{s:05d}/" for s in shard_ids])
@@ -74,14 +69,12 @@ def cache_info(path: str, shard_ids: list[int] | None = None) -> dict[str, Any]:
         entry = {"shard_id": s.shard_id, "state": s.state, "samples": s.samples, "planned_samples": s.planned_samples,
                  "tokens": s.tokens, "planned_tokens": s.planned_tokens, "batches": s.record.commit.batches,
                  "planned_batches": s.record.planned.batches, "assistant_tokens": _assistant_tokens(root, s),
-                 "skipped": dict(s.skipped), "bytes_on_disk": None, "compute": s.record.compute}
+                 "skipped": dict(s.skipped), "bytes_on_disk": None if sizes is None else sum(own.values()),
+                 "compute": s.record.compute}
         if sizes is not None:
-            entry["bytes_on_disk"] = sum(own.values())
-            for f in spec.token_fields:
-                committed = _chunk_bytes(own, f"{key}/{f}", -(-s.tokens // g[f].chunks[0]))
-                disk_total += committed
-                disk_hidden += committed if f in ("hidden", HIDDEN_SCALE) else 0
-            disk_total += sum(_chunk_bytes(own, f"{key}/{f}") for f in META_FIELDS)
+            committed = {f: _chunk_bytes(own, f"{key}/{f}", -(-s.tokens // g[f].chunks[0])) for f in spec.token_fields}
+            disk_hidden += committed["hidden"] + committed.get(HIDDEN_SCALE, 0)
+            disk_total += sum(committed.values()) + sum(_chunk_bytes(own, f"{key}/{f}") for f in META_FIELDS)
         raw_total += s.tokens * sum(row_bytes.values()) + 8 * sum(g[f].shape[0] for f in META_FIELDS)
         shards.append(entry)
     tokens = sum(e["tokens"] for e in shards)
@@ -149,7 +142,6 @@ def _load_tokenizer(candidates: list[str | None]) -> tuple[Any, str | None, str 
     for cand in filter(None, candidates):
         try:
             from transformers import AutoTokenizer
-
             return AutoTokenizer.from_pretrained(cand, local_files_only=True), cand, None
         except Exception as e:  # missing files, no network, foreign format
             error = f"{cand}: {type(e).__name__}: {e}"
@@ -176,8 +168,7 @@ def _read_float(reader: CacheReader, index: int) -> dict[str, np.ndarray]:
 
 def show_sample(path: str, index: int, *, tokenizer_path: str | None = None, num_tokens: int | None = 32,
                 top: int = 3) -> dict[str, Any]:
-    """One committed sample by global index: text with assistant spans, top predictions, norms.
-    The tokenizer is ``tokenizer_path``, else the recorded one; without one, texts are None."""
+    """One committed sample: text with assistant spans, top predictions, norms; texts are None without a tokenizer."""
     reader = CacheReader(path)
     pos, local = reader.locate(index)
     raw = _read_float(reader, index)
@@ -188,8 +179,6 @@ def show_sample(path: str, index: int, *, tokenizer_path: str | None = None, num
     tokenizer, tok_path, tok_error = _load_tokenizer(candidates)
     hash_matches = None
     if tokenizer is not None and fp.get("tokenizer", {}).get("hash"):
-        from dflash.shared.fingerprint import tokenizer_fingerprint
-
         hash_matches = tokenizer_fingerprint(tokenizer)["hash"] == fp["tokenizer"]["hash"]
 
     ids, mask = raw["input_ids"].astype(np.int64), raw["loss_mask"].astype(bool)
@@ -233,9 +222,8 @@ def length_histogram(lengths: np.ndarray) -> list[dict[str, int]]:
 
 def cache_stats(path: str, *, max_samples: int = 256, seed: int = 0, threshold: float = 100.0,
                 against: str | None = None) -> dict[str, Any]:
-    """Lengths and assistant fraction over every committed sample; activation and top-k
-    statistics over ``max_samples`` samples drawn without replacement (seeded; all if fewer);
-    for a converted cache (or with ``against``), the error of those samples against the source."""
+    """Lengths and assistant fraction over every committed sample; activation, top-k statistics and the error against
+    a source over ``max_samples`` samples drawn without replacement (seeded; all if fewer)."""
     reader = CacheReader(path)
     spec = reader.spec
     lengths = reader.lengths()
@@ -243,28 +231,22 @@ def cache_stats(path: str, *, max_samples: int = 256, seed: int = 0, threshold: 
     assistant = sum(_assistant_tokens(reader.root, s) for s in reader.shards)
     chosen = np.arange(n) if n <= max_samples else np.sort(
         np.random.default_rng(seed).choice(n, size=max_samples, replace=False))
-    L = spec.num_layers
-    s1, s2, absmax, over = np.zeros(L), np.zeros(L), np.zeros(L), np.zeros(L, dtype=np.int64)
-    values_per_layer, top1, mass, entropy, tk_tokens = 0, 0.0, 0.0, 0.0, 0
-    match, match_n, match_a, match_an = 0, 0, 0, 0
+    s1, s2, over, absmax = np.zeros((4, spec.num_layers))  # per layer: sums of x and x^2, |x| > threshold, max |x|
+    sums = np.zeros(9)  # values per layer; top-1 prob, top-k mass, entropy, tokens; top-1 = next (assistant) hits/n
     for i in chosen:
         raw = _read_float(reader, int(i))
         x = raw["hidden"].astype(np.float64)  # (T, L, D)
-        s1 += x.sum(axis=(0, 2))
-        s2 += (x * x).sum(axis=(0, 2))
-        absmax = np.maximum(absmax, np.abs(x).max(axis=(0, 2)))
-        over += (np.abs(x) > threshold).sum(axis=(0, 2))
-        values_per_layer += x.shape[0] * x.shape[2]
+        s1, s2 = s1 + x.sum(axis=(0, 2)), s2 + (x * x).sum(axis=(0, 2))
+        absmax, over = np.maximum(absmax, np.abs(x).max(axis=(0, 2))), over + (np.abs(x) > threshold).sum(axis=(0, 2))
         p = np.exp(raw["topk_logprobs"].astype(np.float64))  # (T, k)
         rest = np.clip(1.0 - p.sum(axis=1), 0.0, 1.0)
         with np.errstate(divide="ignore", invalid="ignore"):
             h = -np.where(p > 0, p * np.log(p), 0.0).sum(axis=1) - np.where(rest > 0, rest * np.log(rest), 0.0)
-        top1, mass, entropy, tk_tokens = top1 + p[:, 0].sum(), mass + p.sum(), entropy + h.sum(), tk_tokens + len(p)
         hit = raw["topk_ids"][:-1, 0] == raw["input_ids"][1:]
         nxt_assistant = raw["loss_mask"][1:].astype(bool)
-        match, match_n = match + int(hit.sum()), match_n + len(hit)
-        match_a, match_an = match_a + int(hit[nxt_assistant].sum()), match_an + int(nxt_assistant.sum())
-    cnt = max(values_per_layer, 1)
+        sums += [x.shape[0] * x.shape[2], p[:, 0].sum(), p.sum(), h.sum(), len(p), hit.sum(), len(hit),
+                 hit[nxt_assistant].sum(), nxt_assistant.sum()]
+    cnt, top1, mass, entropy, tk_tokens, match, match_n, match_a, match_an = max(sums[0], 1), *sums[1:]
     layers = [{"layer_id": lid, "mean": s1[j] / cnt, "std": float(np.sqrt(max(s2[j] / cnt - (s1[j] / cnt) ** 2, 0.0))),
                "rms": float(np.sqrt(s2[j] / cnt)), "abs_max": float(absmax[j]), "frac_above_threshold": float(over[j] / cnt)}
               for j, lid in enumerate(spec.layer_ids)]
@@ -290,10 +272,8 @@ def cache_stats(path: str, *, max_samples: int = 256, seed: int = 0, threshold: 
 
 
 def conversion_error(reader: CacheReader, indices: np.ndarray, against: str | None = None) -> dict[str, Any] | None:
-    """Relative L2 error ``||x - x_src|| / ||x_src||`` per layer of the hidden states of samples
-    ``indices``, as training reads them, against the cache they were converted from (``against``,
-    else the recorded source), with the largest absolute error; the same for the top-k log-probs.
-    None without a source; a recorded source that cannot be opened is reported, a given one raises."""
+    """Relative L2 and largest absolute error per layer of the hidden states (and of the top-k log-probs) of samples
+    ``indices``, as training reads them, against ``against`` or the recorded source; None without one."""
     record = (reader.spec.info or {}).get("converted_from")
     if against is None and not record:
         return None
@@ -320,8 +300,7 @@ def conversion_error(reader: CacheReader, indices: np.ndarray, against: str | No
         raise CacheError(f"{where} does not store layers {missing} of {reader.path}")
     slots = [source.spec.layer_ids.index(lid) for lid in reader.spec.layer_ids]
     fields = ("input_ids", "hidden", "topk_ids", "topk_logprobs")
-    L = reader.spec.num_layers
-    err2, ref2, worst = np.zeros(L), np.zeros(L), np.zeros(L)
+    err2, ref2, worst = np.zeros((3, reader.spec.num_layers))
     tk_err2 = tk_ref2 = tk_worst = 0.0
     tokens = 0
     for i in indices:

@@ -1,18 +1,14 @@
 """One writer per shard: a lock file per shard, ``CACHE/locks/NNNNN.lock``.
 
-* Local folders (plain paths and ``file://`` URLs): an OS lock on the file (``filelock``),
-  which dies with its process (``kill -9`` included), so a rerun takes the shard at once.
-  ``NNNNN.json`` beside it names the holder; one left behind names a holder that died.
-* Other fsspec URLs (object stores): the lock file is created only if absent and names the
-  holder; a clean release removes it. One left by a run that died stays until the user
-  deletes it: the refusal names the file.
-
-The holder checks before every commit record that the record is still its own (``check``),
-so a lock file deleted by hand under a live run stops that run rather than letting two write.
+Local folders: an OS lock on the file (``filelock``), which dies with its process, and ``NNNNN.json`` beside it
+naming the holder. Other fsspec URLs: the lock file, created only if absent, names the holder; one left by a dead run
+stays until the user deletes it (the refusal names it). Before every commit record the holder ``check``s the record is
+still its own, so a lock file deleted under a live run stops that run rather than letting two write.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import socket
@@ -20,6 +16,7 @@ import time
 import uuid
 from dataclasses import asdict, dataclass
 from datetime import datetime, timezone
+from pathlib import Path
 
 import filelock
 
@@ -55,30 +52,21 @@ class ShardLocked(LockError):
 
     def __init__(self, lock: "ShardLock", holder: LockHolder | None):
         self.shard_id, self.holder = lock.shard_id, holder
-        message = f"shard {lock.shard_id:05d} of {lock.out} is being written by another run: " + (
-            holder or UNRECORDED).describe()
-        if lock.fs is not None:
-            message += (f". If that run has ended (killed, or its machine lost), its lock file stays on the store: "
-                        f"delete {lock.fs.unstrip_protocol(lock.path)} to release the shard")
-        super().__init__(message)
+        super().__init__(f"shard {lock.shard_id:05d} of {lock.out} is being written by another run: "
+                         + (holder or UNRECORDED).describe() + ("" if lock.fs is None else
+                         f". If that run has ended (killed, or its machine lost), its lock file stays on the store: "
+                         f"delete {lock.fs.unstrip_protocol(lock.path)} to release the shard"))
 
 
 class LockLost(LockError):
     """This process no longer holds the lock of the shard it writes."""
 
 
-def _local_path(out: str) -> str | None:
-    """The folder of a cache on the local filesystem, None for other URLs."""
-    return out.removeprefix("file://") if "://" not in out or out.startswith("file://") else None
-
-
 def _locks_folder(out: str):
     """(fsspec filesystem or None where local, the folder of the lock files)."""
-    local = _local_path(out)
-    if local is not None:
-        return None, os.path.join(local, LOCKS_DIR)
+    if "://" not in out or out.startswith("file://"):
+        return None, os.path.join(out.removeprefix("file://"), LOCKS_DIR)
     import fsspec
-
     fs, root = fsspec.core.url_to_fs(out)
     return fs, f"{root.rstrip('/')}/{LOCKS_DIR}"
 
@@ -98,11 +86,7 @@ class ShardLock:
     def _read(self) -> LockHolder | None:
         """The lock's record: None where there is none, UNRECORDED where it is not written whole yet."""
         try:
-            if self.fs is None:
-                with open(self.record_path, "rb") as f:
-                    data = f.read()
-            else:
-                data = self.fs.cat_file(self.path)
+            data = Path(self.record_path).read_bytes() if self.fs is None else self.fs.cat_file(self.path)
         except FileNotFoundError:
             return None
         try:
@@ -120,13 +104,11 @@ class ShardLock:
             return self._read()
         if not os.path.exists(self.path):
             return None
-        other = filelock.FileLock(self.path)
         try:
-            other.acquire(timeout=0)
+            with filelock.FileLock(self.path).acquire(timeout=0):
+                return None
         except filelock.Timeout:
             return self._read() or UNRECORDED
-        other.release()
-        return None
 
     def acquire(self) -> LockHolder | None:
         """Take the lock or raise ``ShardLocked``; returns the record of a dead holder it replaced, if any."""
@@ -140,13 +122,10 @@ class ShardLock:
             except filelock.Timeout:
                 raise ShardLocked(self, self._read()) from None
             previous = self._read()
-            with open(self.record_path, "wb") as f:
-                f.write(data)
+            Path(self.record_path).write_bytes(data)
         else:
-            try:  # folders exist only on filesystems that have them (fsspec's local one)
+            with contextlib.suppress(Exception):  # object stores have no folders to make
                 self.fs.makedirs(self.path.rsplit("/", 1)[0], exist_ok=True)
-            except Exception:  # noqa: BLE001 - object stores: no folders, nothing to make
-                pass
             try:
                 if self.fs.exists(self.path):  # where a store ignores "xb", check-then-create at least
                     raise FileExistsError(self.path)

@@ -1,11 +1,6 @@
-"""``dflash-cache verify``: read every committed chunk of a cache and report each problem.
-
-Checksums (crc32c of every chunk, through zarr), NaN/Inf (in bf16 bits, fp8 payloads and the
-lossy codecs' scales, which must also not be negative), offsets, batches and the plan digest
-against the commit records, top-k log-prob sanity and id ranges. Every problem names shard,
-array, chunk and samples. It reads the arrays directly, not through ``CacheReader``, which
-refuses a shard whose offsets disagree with its commit record: verify must report that.
-"""
+"""``dflash-cache verify``: read every committed chunk of a cache and report each problem by shard, array, chunk
+and samples. It reads the arrays directly: ``CacheReader`` refuses a shard whose offsets disagree with its commit
+record, which verify must report."""
 
 from __future__ import annotations
 
@@ -36,8 +31,7 @@ class _Shard:
     mapping: np.ndarray | None = None  # its committed offsets made monotone, to find a token's sample
 
     def samples_of(self, tokens):
-        m = self.mapping
-        return np.clip(np.searchsorted(m, tokens, side="right") - 1, 0, max(len(m) - 2, 0))
+        return np.clip(np.searchsorted(self.mapping, tokens, side="right") - 1, 0, max(len(self.mapping) - 2, 0))
 
 
 class _Problems:
@@ -61,8 +55,7 @@ class _Problems:
         if local:
             shown = ", ".join(map(str, local[:5])) + (f", ... ({num_samples} samples)" if num_samples > 5 else "")
             where += f" sample {shown} (global {', '.join('-' if g is None else str(g) for g in glob[:5])})"
-        if array:
-            where += f" {array}"
+        where += f" {array}" if array else ""
         self.items.append({"shard": shard, "array": array, "check": check, "samples": local, "num_samples": num_samples,
                            "global_samples": glob, "tokens": list(tokens) if tokens else None,
                            "message": f"{where}: {message}"})
@@ -70,10 +63,9 @@ class _Problems:
 
 def _check_token_chunk(arr: zarr.Array, name: str, c: int, committed: int, spec: CacheSpec):
     """Read chunk c whole, check its committed part; returns (error, [(check, bad tokens, facts)])."""
-    C = arr.chunks[0]
-    t0 = c * C
+    t0 = c * arr.chunks[0]
     try:
-        data = np.asarray(arr[t0:min(t0 + C, arr.shape[0])])[: committed - t0]
+        data = np.asarray(arr[t0:min(t0 + arr.chunks[0], arr.shape[0])])[: committed - t0]
     except Exception as e:  # crc32c mismatch, truncated or garbled blosc frame, missing key...
         return f"{type(e).__name__}: {e}", []
     found = []
@@ -82,13 +74,12 @@ def _check_token_chunk(arr: zarr.Array, name: str, c: int, committed: int, spec:
         if rows.any():
             found.append((check, t0 + np.flatnonzero(rows), facts()))
 
-    bad = None
-    if name == "hidden" and spec.hidden_codec == "bf16":
-        bad, check = (data & BF16_EXP_MASK) == BF16_EXP_MASK, "nan_inf"  # (n, L, D)
-    elif name == "hidden" and spec.hidden_codec == "fp8":
-        bad, check = (data & 0x7F) == FP8_NAN_BITS, "nan_inf"  # (n, L, D): int payloads have no NaN
-    elif name == HIDDEN_SCALE:
-        bad, check = ~np.isfinite(data) | (data < 0), "bad_scale"  # (n, L, G)
+    if name == HIDDEN_SCALE or name == "hidden" and spec.hidden_codec in ("bf16", "fp8"):  # int payloads have no NaN
+        bad = (~np.isfinite(data) | (data < 0) if name == HIDDEN_SCALE  # (n, L, D) or (n, L, G)
+               else (data & BF16_EXP_MASK) == BF16_EXP_MASK if spec.hidden_codec == "bf16" else (data & 0x7F) == FP8_NAN_BITS)
+        per_layer = bad.any(axis=2)  # (n, L)
+        flag("bad_scale" if name == HIDDEN_SCALE else "nan_inf", per_layer.any(axis=1), lambda: {
+            "values": int(bad.sum()), "layers": {spec.layer_ids[j] for j in np.flatnonzero(per_layer.any(axis=0))}})
     elif name == "topk_logprobs":
         data = decode_topk_logprobs(spec, data).numpy()
         with np.errstate(invalid="ignore"):
@@ -99,10 +90,6 @@ def _check_token_chunk(arr: zarr.Array, name: str, c: int, committed: int, spec:
         wrong = (data < 0) | (data >= spec.vocab_size)
         flag("out_of_vocab", wrong.reshape(len(data), -1).any(axis=1),
              lambda: {"ids": set(np.unique(data[wrong])[:5].tolist())})
-    if bad is not None:
-        per_layer = bad.any(axis=2)  # (n, L)
-        flag(check, per_layer.any(axis=1), lambda: {
-            "values": int(bad.sum()), "layers": {spec.layer_ids[j] for j in np.flatnonzero(per_layer.any(axis=0))}})
     return None, found
 
 
@@ -228,34 +215,28 @@ def verify_cache(path: str, *, max_problems: int = 100, progress: bool = True, w
                leave=False)
     _check_duplicates(shards, [_check_structure(s, spec, problems, bar) for s in shards], problems)
 
-    findings: dict[tuple[int, str, str], dict[str, Any]] = {}  # merged per (shard, array, check) across chunks
     def check(job) -> tuple:
-        s, f, c, committed = job
-        result = _check_token_chunk(s.arrays[f], f, c, committed, spec)
+        result = _check_token_chunk(job[0].arrays[job[1]], job[1], job[2], job[3], spec)
         bar.update(1)
         return result
 
+    findings: dict[tuple[int, str, str], dict[str, Any]] = {}  # merged per (shard, array, check) across chunks
     with ThreadPoolExecutor(max(workers, 1)) as pool:  # each result is small: the chunks are not kept
-        results = list(pool.map(check, jobs))
-    for (s, f, c, committed), (error, found) in zip(jobs, results):
-        C = s.arrays[f].chunks[0]
-        t0, t1 = c * C, min((c + 1) * C, committed)
-        if error is not None:
-            samples = None if s.mapping is None else range(int(s.samples_of(t0)), int(s.samples_of(t1 - 1)) + 1)
-            problems.add(s.sid, f, "undecodable", f"chunk {c} (tokens {t0}:{t1}) cannot be decoded: {error}",
-                         samples=samples, of=s, tokens=(t0, t1))
-        for check, toks, facts in found:
-            a = findings.setdefault((s.sid, f, check), {"shard": s, "tokens": 0, "first": int(toks[0]), "samples": set(),
-                                                        "values": 0, "layers": set(), "ids": set(), "max": -np.inf})
-            a["tokens"] += len(toks)
-            a["last"] = int(toks[-1]) + 1
-            a["samples"].update([] if s.mapping is None else s.samples_of(toks).tolist())
-            a["values"] += facts.get("values", 0)
-            a["layers"] |= facts.get("layers", set())
-            a["ids"] |= facts.get("ids", set())
-            a["max"] = max(a["max"], facts.get("max", -np.inf))
+        for (s, f, c, committed), (error, found) in zip(jobs, pool.map(check, jobs)):
+            t0, t1 = c * s.arrays[f].chunks[0], min((c + 1) * s.arrays[f].chunks[0], committed)
+            if error is not None:
+                samples = None if s.mapping is None else range(int(s.samples_of(t0)), int(s.samples_of(t1 - 1)) + 1)
+                problems.add(s.sid, f, "undecodable", f"chunk {c} (tokens {t0}:{t1}) cannot be decoded: {error}",
+                             samples=samples, of=s, tokens=(t0, t1))
+            for check, toks, facts in found:
+                a = findings.setdefault((s.sid, f, check), {"shard": s, "toks": [], "values": 0, "layers": set(),
+                                                            "ids": set(), "max": -np.inf})
+                a["toks"].append(toks)
+                for k, v in facts.items():
+                    a[k] = a[k] | v if isinstance(v, set) else max(a[k], v) if k == "max" else a[k] + v
     bar.close()
     for (sid, f, check), a in findings.items():
+        s, toks = a["shard"], np.concatenate(a["toks"])
         what = {
             ("hidden", "nan_inf"): f"{a['values']} NaN/Inf values (layers {sorted(a['layers'])})",
             (HIDDEN_SCALE, "bad_scale"): f"{a['values']} scales NaN, Inf or negative (layers {sorted(a['layers'])})",
@@ -263,9 +244,9 @@ def verify_cache(path: str, *, max_problems: int = 100, progress: bool = True, w
             ("topk_logprobs", "positive"): f"log-probs > 0 (max {a['max']:.4g})",
             ("topk_logprobs", "not_descending"): "top-k log-probs not descending",
         }.get((f, check), f"ids outside [0, {spec.vocab_size}), e.g. {sorted(a['ids'])[:5]}")
-        s = a["shard"]
-        problems.add(sid, f, check, f"{what} at {a['tokens']} token(s), first token {a['first']}",
-                     samples=a["samples"] if s.mapping is not None else None, of=s, tokens=(a["first"], a["last"]))
+        problems.add(sid, f, check, f"{what} at {len(toks)} token(s), first token {int(toks[0])}",
+                     samples=s.samples_of(toks).tolist() if s.mapping is not None else None, of=s,
+                     tokens=(int(toks[0]), int(toks[-1]) + 1))
 
     summary = [{"shard_id": s.sid, "state": s.state.status, "samples": s.state.commit.samples,
                 "planned_samples": s.state.planned.samples, "tokens": s.state.commit.tokens,
