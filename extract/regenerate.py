@@ -2,14 +2,11 @@
 target's own answers (README.md, "Before stage one"). `regenerate` runs an engine over parts of
 `part_size` rows: the target in this process (`LocalEngine`) or a server (`regenerate_endpoint`).
 
-    OUT/run.json                      settings + fingerprints, written first, checked on resume
-    OUT/parts/part-00000.turns.jsonl  the turn journal of an unfinished part (server engine)
-    OUT/parts/part-00000.jsonl        the part's rows; part-00000.done.json its counts (marks it done)
-    OUT/state.json, data-*.arrow, ... every part, read by ``load_source(OUT)``
-    OUT/regenerate.json               fingerprints, generation settings, counts (written last)
-
-A server seeds each request from (seed, row, turn), so its answered turns are journaled and kept; in
-process a part samples from one generator seeded from (seed, part), so an unfinished part is redone whole.
+OUT holds run.json (settings and fingerprints, checked on resume), parts/part-N.jsonl and part-N.done.json
+(a finished part), parts/part-N.turns.jsonl (the answers journaled so far by an unfinished part, server
+engine), the saved dataset ``load_source(OUT)`` reads, and regenerate.json (counts, written last).
+A server seeds each request from (seed, row, turn), so its journaled turns are kept; in process a part
+samples from one generator seeded from (seed, part), so an unfinished part is redone whole.
 """
 
 from __future__ import annotations
@@ -111,7 +108,7 @@ class RegenConfig:
 class Chat:
     conv: Conversation
     messages: list[dict]
-    next_turn: int | None  # index of the next assistant message to regenerate
+    answered: int = 0  # the messages before this index are done
     truncated_turns: int = 0
     regenerated: int = 0
     generated_tokens: int = 0
@@ -124,19 +121,20 @@ class Chat:
         leading = next((i for i, m in enumerate(messages) if m["role"] != "assistant"), len(messages))
         if leading:
             counts.counts["leading_assistant_removed"] += 1
-        chat = cls(conv, messages[leading:], None)
-        chat.advance(-1)
+        chat = cls(conv, messages[leading:])
         if chat.next_turn is None:
             chat.dropped = "no_assistant_turn"
         return chat
 
-    def advance(self, after: int) -> None:
-        self.next_turn = next((i for i in range(after + 1, len(self.messages))
-                               if self.messages[i]["role"] == "assistant"), None)
+    @property
+    def next_turn(self) -> int | None:
+        """The index of the next assistant message to regenerate; None when done or dropped."""
+        return None if self.dropped else next((i for i in range(self.answered, len(self.messages))
+                                               if self.messages[i]["role"] == "assistant"), None)
 
     def cut(self, turn: int, reason: str, counts: SkipCounter) -> None:
         """Keep messages before ``turn``; drop the row if no assistant turn survives."""
-        self.messages, self.next_turn = self.messages[:turn], None
+        self.messages = self.messages[:turn]
         if not any(m["role"] == "assistant" for m in self.messages):
             self.dropped = reason
         else:
@@ -144,11 +142,10 @@ class Chat:
 
     def answer(self, turn: int, message: dict, truncated: bool, tokens: int) -> None:
         """Put the regenerated ``message`` in place of turn ``turn`` and move on."""
-        self.messages[turn] = message
+        self.messages[turn], self.answered = message, turn + 1
         self.truncated_turns += int(truncated)
         self.regenerated += 1
         self.generated_tokens += tokens
-        self.advance(turn)
 
 
 def read_journal(path: Path) -> list[dict]:
@@ -344,16 +341,16 @@ def regenerate_conversations(model, tokenizer, chats: list[Chat], settings: Gene
     pool: list[tuple[Chat, int, str, int]] = []  # (chat, turn, prompt, prompt tokens)
 
     def ready(chat: Chat) -> None:
-        if chat.next_turn is None or chat.dropped:
-            return
         turn = chat.next_turn
+        if turn is None:
+            return
         try:
             text = tokenizer.apply_chat_template(chat.messages[:turn], add_generation_prompt=True, tokenize=False,
                                                  **settings.template_kwargs)
         except Exception as exc:  # noqa: BLE001 - jinja errors, raise_exception()
             skips.record(DataError("template_rejected", chat.conv.source, chat.conv.row_index,
                                    f"chat template rejected the prompt: {type(exc).__name__}: {exc}"))
-            chat.dropped, chat.next_turn = "template_rejected", None
+            chat.dropped = "template_rejected"
             return
         text = text[0] if isinstance(text, list) else text
         n_tokens = len(tokenizer(text, add_special_tokens=False)["input_ids"])
@@ -401,7 +398,6 @@ class LocalEngine:
         use_static = cfg.static_cache if cfg.static_cache is not None else model.device.type == "cuda"
         new_tokens = max(gen.max_new_tokens, cfg.question_max_tokens if cfg.self_prompts else 0)
         self.static = StaticDecoder(model, cfg.batch_size, new_tokens, gen.max_prompt_tokens) if use_static else None
-        self.sampler = None
         if cfg.self_prompts:  # absent from the record otherwise, so runs made before it still resume
             header, end_of_user_turn = user_header(tokenizer, gen.template_kwargs)
             self.record["self_prompts"] = {"header": header, **{k: getattr(cfg, k) for k in (

@@ -35,7 +35,7 @@ class RequestRejected(RuntimeError):
     """The server answered this one request with an error while staying up."""
 
     def __init__(self, status: int, detail: str):
-        self.status, self.detail = status, detail
+        self.status = status
         super().__init__(f"HTTP {status}: {detail}")
 
 
@@ -93,10 +93,9 @@ class ChatEndpoint:
         if probe and last_status is not None and self._answers_models():
             raise RequestRejected(last_status, f"{method} {url}: {failures[-1]} (the server is up; "
                                                "this request keeps failing)")
-        raise EndpointDown(
-            f"{method} {url} failed {len(failures)} time(s) over {time.monotonic() - started:.0f} s "
-            f"(last: {failures[-1] if failures else 'stopped'}); is the server at {self.url} running? "
-            "Rerun the same command once it is: finished turns are kept.")
+        raise EndpointDown(f"{method} {url} failed {len(failures)} time(s) over {time.monotonic() - started:.0f} s "
+                           f"(last: {failures[-1] if failures else 'stopped'}); is the server at {self.url} running? "
+                           "Rerun the same command once it is: finished turns are kept.")
 
     def _answers_models(self) -> bool:
         try:
@@ -138,15 +137,11 @@ def request_seed(seed: int, row: int, turn: int) -> int:
 def request_body(model: str, history: list[dict], tools: list | None, settings: GenerationSettings,
                  extra_body: dict, row: int, turn: int) -> dict[str, Any]:
     """The chat-completions request for the turn that follows ``history``."""
-    body: dict[str, Any] = {"model": model, "messages": [wire_message(m) for m in history],
-                            "max_tokens": settings.max_new_tokens, "temperature": settings.temperature,
-                            "stream": False}
-    if settings.temperature > 0:
-        body.update(top_p=settings.top_p, seed=request_seed(settings.seed, row, turn))
-    if tools:
-        body["tools"] = tools
-    if settings.template_kwargs:
-        body["chat_template_kwargs"] = settings.template_kwargs
+    sampling = {"top_p": settings.top_p, "seed": request_seed(settings.seed, row, turn)}
+    body = {"model": model, "messages": [wire_message(m) for m in history], "max_tokens": settings.max_new_tokens,
+            "temperature": settings.temperature, "stream": False, **(sampling if settings.temperature > 0 else {}),
+            **({"tools": tools} if tools else {}),
+            **({"chat_template_kwargs": settings.template_kwargs} if settings.template_kwargs else {})}
     return {**body, **extra_body}
 
 
@@ -177,8 +172,6 @@ def turn_event(chat: Chat, turn: int, reply: Reply, settings: GenerationSettings
 class EndpointEngine:
     """The server at ``cfg.endpoint``, asked for the model ``cfg.model`` names."""
 
-    sampler = None  # no self-prompting: a chat API cannot continue a bare user header
-
     def __init__(self, cfg: RegenConfig):
         self.cfg = cfg
         self.client = client = ChatEndpoint(cfg.endpoint, cfg.request_timeout, cfg.retries, cfg.retry_wait, cfg.api_key)
@@ -190,7 +183,7 @@ class EndpointEngine:
         if cfg.model is None and len(listed) != 1:
             raise ValueError(f"{client.url}/models lists {listed or 'no model'}; choose one with --model")
         self.model = listed[0] if cfg.model is None else cfg.model
-        if self.model not in listed:  # tried with a one-token request: some servers list their cache, not what they serve
+        if self.model not in listed:  # a one-token request: some servers list their cache, not what they serve
             try:
                 client.chat({"model": self.model, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1})
             except RequestRejected as err:
@@ -211,7 +204,7 @@ class EndpointEngine:
         """Ask the chat's turns in order, journaling each answer under the lock. A rejected request cuts
         the conversation (counted) or, with --on-bad-row error, stops the run."""
         cfg, client = self.cfg, self.client
-        while chat.next_turn is not None and not chat.dropped and not client.stop.is_set():
+        while chat.next_turn is not None and not client.stop.is_set():
             turn, row = chat.next_turn, chat.conv.row_index
             body = request_body(self.model, chat.messages[:turn], chat.conv.tools, cfg.generation, cfg.extra_body,
                                 row, turn)
@@ -241,7 +234,7 @@ class EndpointEngine:
         try:
             for part in parts:
                 queued.append((part, [pool.submit(self.run_chat, part, chat, lock) for chat in part.chats
-                                      if chat.next_turn is not None and not chat.dropped]))
+                                      if chat.next_turn is not None]))
                 if len(queued) == 2:
                     settle(*queued.pop(0))
             for part, futures in queued:
