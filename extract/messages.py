@@ -1,8 +1,7 @@
 """Messages of one chat row, kept exactly as a chat template reads them: per message `content`,
 `reasoning_content`, `tool_calls`, `tool_call_id`, `name`; per row `tools` and a top-level `system`.
-Only JSON-string tool-call arguments and `tools` are decoded (templates write `arguments | tojson`).
-A bad shape is reported through `fail(reason, problem)`, which the caller turns into an error
-naming file and row.
+Only JSON-string tool-call arguments and `tools` are decoded (templates write `arguments | tojson`);
+a bad shape is reported through `fail(reason, problem)`, which the caller turns into an error naming file and row.
 """
 
 from __future__ import annotations
@@ -26,11 +25,9 @@ def chat_messages(raw: Any, column: str, fail: Fail) -> list[dict[str, Any]]:
     if not raw:
         raise fail("no_assistant_turn", f"'{column}' is empty, so nothing to learn from")
     first = raw[0] if isinstance(raw[0], dict) else {}
-    if "role" not in first and "from" in first:
-        role_key, content_key, role_map = "from", "value", SHAREGPT_ROLES
-    else:
-        role_key, content_key, role_map = "role", "content", None
-    return [_message(msg, i, role_key, content_key, role_map, fail) for i, msg in enumerate(raw)]
+    sharegpt = "role" not in first and "from" in first
+    return [_message(msg, i, *(("from", "value", SHAREGPT_ROLES) if sharegpt else ("role", "content", None)), fail)
+            for i, msg in enumerate(raw)]
 
 
 def _message(msg: Any, i: int, role_key: str, content_key: str, role_map: dict[str, str] | None,
@@ -55,65 +52,60 @@ def _message(msg: Any, i: int, role_key: str, content_key: str, role_map: dict[s
             out[key] = msg[key]
     if "tool_calls" in msg:
         out["tool_calls"] = _tool_calls(msg["tool_calls"], where, fail)
-    if out.get("content") is None:
-        if mapped != "assistant":
-            raise fail("malformed_message", f"{where} has no '{content_key}' (absent or null)")
-        if not out.get("tool_calls") and out.get("reasoning_content") is None:
-            raise fail("malformed_message", f"{where} has no '{content_key}', 'tool_calls' or 'reasoning_content'")
+    if out.get("content") is None and mapped != "assistant":
+        raise fail("malformed_message", f"{where} has no '{content_key}' (absent or null)")
+    if out.get("content") is None and not out.get("tool_calls") and out.get("reasoning_content") is None:
+        raise fail("malformed_message", f"{where} has no '{content_key}', 'tool_calls' or 'reasoning_content'")
     return out
 
 
 def _content(content: Any, where: str, fail: Fail) -> Any:
     """A string (empty allowed: the template renders it) or a list of text parts, as given; None kept."""
-    if content is None or isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        for j, part in enumerate(content):
-            if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)):
-                kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-                raise fail("non_string_content", f"{where} content part {j} is {kind!r}, not a text part "
-                                                 "({'type': 'text', 'text': str})")
-        return content
-    raise fail("non_string_content", f"{where} content is {type(content).__name__}, not a string or text parts")
+    if not isinstance(content, list):
+        if content is None or isinstance(content, str):
+            return content
+        raise fail("non_string_content", f"{where} content is {type(content).__name__}, not a string or text parts")
+    for j, part in enumerate(content):
+        if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)):
+            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+            raise fail("non_string_content", f"{where} content part {j} is {kind!r}, not a text part "
+                                             "({'type': 'text', 'text': str})")
+    return content
 
 
 def _tool_calls(calls: Any, where: str, fail: Fail) -> Any:
     """Tool calls as given, JSON-string arguments decoded (under 'function' as OpenAI nests them, or on the call)."""
-    if calls is None:
-        return None
-    if not isinstance(calls, list):
+    if calls is not None and not isinstance(calls, list):
         raise fail("malformed_message", f"{where} 'tool_calls' is {type(calls).__name__}, not a list")
     out = []
-    for j, call in enumerate(calls):
+    for j, call in enumerate(calls or []):
         nested = isinstance(call, dict) and isinstance(call.get("function"), dict)
         function = call["function"] if nested else call
         if not isinstance(function, dict) or not isinstance(function.get("name"), str):
             raise fail("malformed_message", f"{where} tool call {j} needs a 'name' string "
                                             "(in 'function' or on the call)")
         if "arguments" in function:
-            function = {**function, "arguments": _arguments(function["arguments"], f"{where} tool call {j}", fail)}
+            arguments = _json(function["arguments"], "malformed_message", f"{where} tool call {j} arguments are",
+                              fail)
+            if not isinstance(arguments, dict):
+                raise fail("malformed_message", f"{where} tool call {j} arguments are {type(arguments).__name__}, "
+                                                "not a JSON object")
+            function = {**function, "arguments": arguments}
         out.append({**call, "function": function} if nested else function)
-    return out
+    return None if calls is None else out
 
 
-def _arguments(arguments: Any, where: str, fail: Fail) -> Any:
-    if isinstance(arguments, str):
-        try:
-            arguments = json.loads(arguments)
-        except json.JSONDecodeError as exc:
-            raise fail("malformed_message", f"{where} arguments are not valid JSON ({exc})") from exc
-    if not isinstance(arguments, dict):
-        raise fail("malformed_message", f"{where} arguments are {type(arguments).__name__}, not a JSON object")
-    return arguments
+def _json(value: Any, reason: str, what: str, fail: Fail) -> Any:
+    """``value`` decoded if it is a string, else as given."""
+    try:
+        return json.loads(value) if isinstance(value, str) else value
+    except json.JSONDecodeError as exc:
+        raise fail(reason, f"{what} not valid JSON ({exc})") from exc
 
 
 def row_tools(tools: Any, fail: Fail) -> list[dict[str, Any]] | None:
     """The row's tool schemas (a list of objects, or a JSON string of one), or None."""
-    if isinstance(tools, str):
-        try:
-            tools = json.loads(tools)
-        except json.JSONDecodeError as exc:
-            raise fail("malformed_tools", f"'tools' is a string but not valid JSON ({exc})") from exc
+    tools = _json(tools, "malformed_tools", "'tools' is a string but", fail)
     if tools is not None and not (isinstance(tools, list) and all(isinstance(t, dict) for t in tools)):
         raise fail("malformed_tools", f"'tools' must be a list of tool schemas (objects), got {type(tools).__name__}")
     return tools
@@ -136,12 +128,8 @@ def regenerated_message(source: dict, content: str, reasoning: str | None = None
                         tool_calls: list | None = None) -> dict:
     """The source assistant message with the target's content, reasoning and tool calls in place of its own."""
     message = {k: v for k, v in source.items() if k not in ("reasoning_content", "tool_calls") and v is not None}
-    message["content"] = content
-    if reasoning:
-        message["reasoning_content"] = reasoning
-    if tool_calls:
-        message["tool_calls"] = tool_calls
-    return message
+    return {**message, "content": content, **({"reasoning_content": reasoning} if reasoning else {}),
+            **({"tool_calls": tool_calls} if tool_calls else {})}
 
 
 def wire_message(message: dict) -> dict:
@@ -149,13 +137,11 @@ def wire_message(message: dict) -> dict:
     tool-call arguments as JSON strings (Arrow cannot hold free-form objects)."""
     wire = {k: v for k, v in message.items() if v is not None}
     if wire.get("tool_calls"):
-        calls = []
-        for call in wire["tool_calls"]:
-            call = {k: v for k, v in call.items() if v is not None}
+        calls = [{k: v for k, v in call.items() if v is not None} for call in wire["tool_calls"]]
+        for call in calls:
             function = call.get("function")
             if isinstance(function, dict) and not isinstance(function.get("arguments"), str):
                 call["function"] = {**function, "arguments": json.dumps(function.get("arguments") or {},
                                                                         ensure_ascii=False)}
-            calls.append(call)
         wire["tool_calls"] = calls
     return wire

@@ -1,18 +1,12 @@
-"""Regenerate a chat dataset's assistant turns with the target itself, so the drafter trains on
-the target's own answers (README.md, "Before stage one"). One driver, `regenerate`, runs an engine
-over parts of `part_size` rows: the target in this process (`LocalEngine`) or an OpenAI-compatible
-server (`regenerate_endpoint.EndpointEngine`).
+"""Regenerate a chat dataset's assistant turns with the target itself, so the drafter trains on the
+target's own answers (README.md, "Before stage one"). `regenerate` runs an engine over parts of
+`part_size` rows: the target in this process (`LocalEngine`) or a server (`regenerate_endpoint`).
 
-    OUT/run.json                      settings + fingerprints, written first, checked on resume
-    OUT/parts/part-00000.turns.jsonl  the turn journal of an unfinished part (server engine)
-    OUT/parts/part-00000.jsonl        the part's rows; part-00000.done.json its counts (marks it done)
-    OUT/state.json, data-*.arrow, ... every part, read by ``load_source(OUT)``
-    OUT/regenerate.json               fingerprints, generation settings, counts (written last)
-
-Resume: a server seeds each request from (seed, row, turn), so its answered turns are journaled
-and kept. In process, a part samples from one generator seeded from (seed, part), so an
-unfinished part is redone whole and a resumed run gives the uninterrupted run's rows. Only these
-settings apply: the model's generation_config sampling defaults are overridden.
+OUT holds run.json (settings and fingerprints, checked on resume), parts/part-N.jsonl and part-N.done.json
+(a finished part), parts/part-N.turns.jsonl (the answers journaled so far by an unfinished part, server
+engine), the saved dataset ``load_source(OUT)`` reads, and regenerate.json (counts, written last).
+A server seeds each request from (seed, row, turn), so its journaled turns are kept; in process a part
+samples from one generator seeded from (seed, part), so an unfinished part is redone whole.
 """
 
 from __future__ import annotations
@@ -98,13 +92,12 @@ class RegenConfig:
                 value = getattr(self.generation if hasattr(self.generation, name) else self, name)
                 if not ok(value):
                     raise ValueError(f"{name} must be {want}, got {value}")
-        prompts = self.self_prompts
-        if prompts and (self.endpoint is not None or self.model is None):
+        if self.self_prompts and (self.endpoint is not None or self.model is None):
             raise ValueError("--self-prompts needs the target in process: give --model, without --endpoint (a chat "
                              "API cannot continue a bare user header)")
         if self.endpoint is None and self.model is None:
             raise ValueError("give --model (in process) or --endpoint (a server)")
-        if self.data is None and not prompts:
+        if self.data is None and not self.self_prompts:
             raise ValueError("give --data (a chat dataset) or --self-prompts N (questions the target writes itself)")
 
 
@@ -115,7 +108,7 @@ class RegenConfig:
 class Chat:
     conv: Conversation
     messages: list[dict]
-    next_turn: int | None  # index of the next assistant message to regenerate
+    answered: int = 0  # the messages before this index are done
     truncated_turns: int = 0
     regenerated: int = 0
     generated_tokens: int = 0
@@ -128,20 +121,20 @@ class Chat:
         leading = next((i for i, m in enumerate(messages) if m["role"] != "assistant"), len(messages))
         if leading:
             counts.counts["leading_assistant_removed"] += 1
-        chat = cls(conv, messages[leading:], None)
-        chat.advance(-1)
+        chat = cls(conv, messages[leading:])
         if chat.next_turn is None:
             chat.dropped = "no_assistant_turn"
         return chat
 
-    def advance(self, after: int) -> None:
-        self.next_turn = next((i for i in range(after + 1, len(self.messages))
-                               if self.messages[i]["role"] == "assistant"), None)
+    @property
+    def next_turn(self) -> int | None:
+        """The index of the next assistant message to regenerate; None when done or dropped."""
+        return None if self.dropped else next((i for i in range(self.answered, len(self.messages))
+                                               if self.messages[i]["role"] == "assistant"), None)
 
     def cut(self, turn: int, reason: str, counts: SkipCounter) -> None:
         """Keep messages before ``turn``; drop the row if no assistant turn survives."""
         self.messages = self.messages[:turn]
-        self.next_turn = None
         if not any(m["role"] == "assistant" for m in self.messages):
             self.dropped = reason
         else:
@@ -149,11 +142,10 @@ class Chat:
 
     def answer(self, turn: int, message: dict, truncated: bool, tokens: int) -> None:
         """Put the regenerated ``message`` in place of turn ``turn`` and move on."""
-        self.messages[turn] = message
+        self.messages[turn], self.answered = message, turn + 1
         self.truncated_turns += int(truncated)
         self.regenerated += 1
         self.generated_tokens += tokens
-        self.advance(turn)
 
 
 def read_journal(path: Path) -> list[dict]:
@@ -181,7 +173,6 @@ class Part:
     skips: SkipCounter
     journal: Path
     record: dict  # more keys for its done record (self-prompting's)
-    running: int = 0  # conversations in flight (endpoint)
     shown: int = 0  # rows the progress bar counted
     models: Counter = field(default_factory=Counter)  # answers per served model
     file: Any = None  # the journal, once open for appends
@@ -235,9 +226,7 @@ def finish_part(out: Path, part: Part) -> None:
                "truncated_turns": chat.truncated_turns}
         rows.append({**row, "tools": chat.conv.tools} if chat.conv.tools else row)
     stats = {"part": part.index, "rows_in": part.rows, "rows_out": len(rows), "skipped": part.skips.to_dict(),
-             **chat_totals(part.chats), **part.record}
-    if part.models:
-        stats["served_models"] = dict(part.models)
+             **chat_totals(part.chats), **part.record, **({"served_models": dict(part.models)} if part.models else {})}
     data_path, done_path = part_paths(out, part.index)
     _write_atomic(data_path, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
     _write_atomic(done_path, json.dumps(stats, indent=2, sort_keys=True) + "\n")
@@ -275,12 +264,10 @@ def part_paths(out: Path, index: int) -> tuple[Path, Path]:
 def generation_kwargs(settings: GenerationSettings, stop_ids: list[int], pad_id: int) -> dict[str, Any]:
     """generate() arguments that leave nothing to the model's generation_config."""
     kwargs: dict[str, Any] = dict(max_new_tokens=settings.max_new_tokens, eos_token_id=stop_ids, pad_token_id=pad_id,
-                                  num_beams=1, repetition_penalty=1.0, no_repeat_ngram_size=0)
+                                  num_beams=1, repetition_penalty=1.0, no_repeat_ngram_size=0, do_sample=False)
     if settings.temperature > 0:
         kwargs.update(do_sample=True, temperature=settings.temperature, top_p=settings.top_p, top_k=0, min_p=0.0,
                       typical_p=1.0)
-    else:
-        kwargs.update(do_sample=False)
     return kwargs
 
 
@@ -289,9 +276,8 @@ STATIC_SMALLEST_ROOM = 256  # rooms double from here up to the prompt cap
 
 
 class StaticDecoder:
-    """Static KV caches of (batch_size, room + max_new_tokens), one per prompt room, kept for a run:
-    generate() then compiles the decode step (CUDA graphs on CUDA) once per room. Rooms double (a
-    step reads the whole cache); longer prompts take the plain path."""
+    """Static KV caches of (batch_size, room + max_new_tokens), one per doubling prompt room, kept for the
+    run, so generate() compiles the decode step (CUDA graphs on CUDA) once per room."""
 
     def __init__(self, model, batch_size: int, max_new_tokens: int, prompt_tokens: int | None):
         self.model, self.rows, self.max_new_tokens = model, batch_size, max_new_tokens
@@ -321,31 +307,29 @@ def generate_batch(model, tokenizer, prompts: list[str], gen_kwargs: dict, stop_
 
     # Padded by hand: setting tokenizer.padding_side would change the tokenizer (and its fingerprint).
     encoded = [tokenizer(p, add_special_tokens=False)["input_ids"] for p in prompts]
-    width = max(len(ids) for ids in encoded)
-    real_rows = len(encoded)
+    width, real_rows = max(len(ids) for ids in encoded), len(encoded)
     cache = static.cache_for(width, real_rows) if static is not None else None
     if cache is not None:
         encoded += [encoded[0]] * (static.rows - real_rows)
         with torch.inference_mode():
             cache.reset()
         gen_kwargs = {**gen_kwargs, "past_key_values": cache}
-    # left padding: every prompt ends at the last column
     input_ids = torch.tensor([[gen_kwargs["pad_token_id"]] * (width - len(ids)) + ids for ids in encoded])
     attention_mask = torch.tensor([[0] * (width - len(ids)) + [1] * len(ids) for ids in encoded])
     device = next(model.parameters()).device
     with torch.inference_mode():
         out = model.generate(input_ids=input_ids.to(device), attention_mask=attention_mask.to(device), **gen_kwargs)
-    stops = set(stop_ids)
     results = []
     for tokens in out[:real_rows, width:].tolist():
-        cut = next((i for i, t in enumerate(tokens) if t in stops), None)
+        cut = next((i for i, t in enumerate(tokens) if t in stop_ids), None)
         results.append((tokens, True) if cut is None else (tokens[:cut], False))
     return results
 
 
-def pad_token_id(tokenizer, stop_ids: list[int]) -> int:
-    """The tokenizer's pad token, else the first stop token (padding is masked either way)."""
-    return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else stop_ids[0]
+def _kwargs(tokenizer, settings: GenerationSettings, stop_ids: list[int]) -> dict[str, Any]:
+    """generation_kwargs, padding with the tokenizer's pad token, else the first stop token (masked either way)."""
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else stop_ids[0]
+    return generation_kwargs(settings, stop_ids, pad)
 
 
 def regenerate_conversations(model, tokenizer, chats: list[Chat], settings: GenerationSettings, batch_size: int,
@@ -353,20 +337,20 @@ def regenerate_conversations(model, tokenizer, chats: list[Chat], settings: Gene
     """Regenerate every assistant turn of ``chats`` in place. Ready turns wait in one pool, each batch
     takes the longest, and a chat's next turn joins as soon as its answer is in: batches stay full."""
     stop_ids = stop_token_ids(model, tokenizer)
-    gen_kwargs = generation_kwargs(settings, stop_ids, pad_token_id(tokenizer, stop_ids))
+    gen_kwargs = _kwargs(tokenizer, settings, stop_ids)
     pool: list[tuple[Chat, int, str, int]] = []  # (chat, turn, prompt, prompt tokens)
 
     def ready(chat: Chat) -> None:
-        if chat.next_turn is None or chat.dropped:
-            return
         turn = chat.next_turn
+        if turn is None:
+            return
         try:
             text = tokenizer.apply_chat_template(chat.messages[:turn], add_generation_prompt=True, tokenize=False,
                                                  **settings.template_kwargs)
         except Exception as exc:  # noqa: BLE001 - jinja errors, raise_exception()
             skips.record(DataError("template_rejected", chat.conv.source, chat.conv.row_index,
                                    f"chat template rejected the prompt: {type(exc).__name__}: {exc}"))
-            chat.dropped, chat.next_turn = "template_rejected", None
+            chat.dropped = "template_rejected"
             return
         text = text[0] if isinstance(text, list) else text
         n_tokens = len(tokenizer(text, add_special_tokens=False)["input_ids"])
@@ -400,31 +384,27 @@ class LocalEngine:
 
         from dflash.shared.fingerprint import target_fingerprint, tokenizer_fingerprint
 
-        if tokenizer is None:
-            tokenizer = AutoTokenizer.from_pretrained(cfg.model)
-        if model is None:
-            from .target import load_target
+        from .target import load_target
 
-            model = load_target(cfg.model, dtype=cfg.generation.dtype, device=cfg.device)
+        gen = cfg.generation
+        tokenizer = AutoTokenizer.from_pretrained(cfg.model) if tokenizer is None else tokenizer
+        model = load_target(cfg.model, dtype=gen.dtype, device=cfg.device) if model is None else model
         self.cfg, self.model, self.tokenizer = cfg, model, tokenizer
         dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
         self.fingerprint = target_fingerprint(cfg.model, model.config.to_dict(), dtype)
-        self.record = {"generation": asdict(cfg.generation), "tokenizer": tokenizer_fingerprint(tokenizer),
+        self.record = {"generation": asdict(gen), "tokenizer": tokenizer_fingerprint(tokenizer),
                        "target": {k: self.fingerprint.get(k) for k in ("name_or_path", "revision", "config_hash",
                                                                        "weights_hash", "dtype")}}
         use_static = cfg.static_cache if cfg.static_cache is not None else model.device.type == "cuda"
-        new_tokens = max(cfg.generation.max_new_tokens, cfg.question_max_tokens if cfg.self_prompts else 0)
-        self.static = (StaticDecoder(model, cfg.batch_size, new_tokens, cfg.generation.max_prompt_tokens)
-                       if use_static else None)
-        self.sampler = None
+        new_tokens = max(gen.max_new_tokens, cfg.question_max_tokens if cfg.self_prompts else 0)
+        self.static = StaticDecoder(model, cfg.batch_size, new_tokens, gen.max_prompt_tokens) if use_static else None
         if cfg.self_prompts:  # absent from the record otherwise, so runs made before it still resume
-            header, end_of_user_turn = user_header(tokenizer, cfg.generation.template_kwargs)
+            header, end_of_user_turn = user_header(tokenizer, gen.template_kwargs)
             self.record["self_prompts"] = {"header": header, **{k: getattr(cfg, k) for k in (
                 "self_prompts", "question_temperature", "question_top_p", "question_max_tokens", "question_min_chars")}}
-            stops = question_stop_ids(model, tokenizer, end_of_user_turn, cfg.generation.template_kwargs)
-            settings = replace(cfg.generation, temperature=cfg.question_temperature, top_p=cfg.question_top_p,
-                               max_new_tokens=cfg.question_max_tokens)
-            kwargs = generation_kwargs(settings, stops, pad_token_id(tokenizer, stops))
+            stops = question_stop_ids(model, tokenizer, end_of_user_turn, gen.template_kwargs)
+            kwargs = _kwargs(tokenizer, replace(gen, temperature=cfg.question_temperature, top_p=cfg.question_top_p,
+                                                max_new_tokens=cfg.question_max_tokens), stops)
             self.sampler = QuestionSampler(lambda prompts: generate_batch(model, tokenizer, prompts, kwargs, stops,
                                                                           self.static),
                                            tokenizer, header, cfg.question_min_chars, cfg.batch_size)
@@ -449,8 +429,7 @@ def start_run(out: Path, record: dict, overwrite: bool) -> None:
     (out / PARTS_DIR).mkdir(parents=True, exist_ok=True)
     path, record = out / RUN_FILE, json.loads(json.dumps(record))
     if not path.exists():
-        _write_atomic(path, json.dumps(record, indent=2, sort_keys=True) + "\n")
-        return
+        return _write_atomic(path, json.dumps(record, indent=2, sort_keys=True) + "\n")
     previous = json.loads(path.read_text())
     if previous != record:
         diff = sorted(k for k in set(previous) | set(record) if previous.get(k) != record.get(k))
@@ -475,12 +454,11 @@ def regenerate(cfg: RegenConfig, *, model=None, tokenizer=None, overwrite: bool 
     record = {"format": FORMAT_VERSION, "part_size": cfg.part_size, "num_rows": num_rows, "on_bad_row": cfg.on_bad_row,
               "source": {k: source_fp.get(k) for k in ("source", "split", "revision", "num_rows", "hash_method",
                                                        "content_hash")}, **engine.record}
-    out = Path(cfg.out)
+    out, prompts, size = Path(cfg.out), cfg.self_prompts, cfg.part_size
     start_run(out, record, overwrite)
-    prompts = cfg.self_prompts
     # the dataset's parts first, then the self-prompt parts (samples [0, prompts) in part_size steps)
-    data_parts = math.ceil(num_rows / cfg.part_size)
-    num_parts = data_parts + math.ceil(prompts / cfg.part_size)
+    data_parts = math.ceil(num_rows / size)
+    num_parts = data_parts + math.ceil(prompts / size)
     bar = tqdm(total=num_rows + prompts, desc="regenerate", unit="row", disable=not cfg.progress)
     written, stopped = 0, False
 
@@ -489,8 +467,8 @@ def regenerate(cfg: RegenConfig, *, model=None, tokenizer=None, overwrite: bool 
         nonlocal written, stopped
         for index in range(num_parts):
             prompted = index >= data_parts
-            start = (index - data_parts if prompted else index) * cfg.part_size
-            stop = min(prompts if prompted else num_rows, start + cfg.part_size)
+            start = (index - data_parts if prompted else index) * size
+            stop = min(prompts if prompted else num_rows, start + size)
             done = part_paths(out, index)[1]
             if done.exists():
                 if prompted:  # its questions count as seen for the dedup of later parts
@@ -533,28 +511,19 @@ def finalize(out: Path, num_parts: int, record: dict, source_fp: dict, engine) -
                          "self_prompts for self-prompted questions)")
     for old in out.glob("data-*.arrow"):
         old.unlink()
-    scratch = Path(tempfile.mkdtemp(prefix=".finalize-", dir=out))
-    try:
-        datasets.load_dataset("json", data_files=files, split="train", cache_dir=str(scratch)).save_to_disk(str(out))
-    finally:
-        shutil.rmtree(scratch, ignore_errors=True)
+    with tempfile.TemporaryDirectory(prefix=".finalize-", dir=out, ignore_cleanup_errors=True) as scratch:
+        datasets.load_dataset("json", data_files=files, split="train", cache_dir=scratch).save_to_disk(str(out))
     counts: dict[str, Any] = {key: sum(s[key] for s in stats) for key in
                               ("rows_in", "rows_out", "turns_regenerated", "truncated_turns", "generated_tokens")}
     counts["skipped"] = dict(sorted(sum((Counter(s["skipped"]) for s in stats), Counter()).items()))
     prompted = [s["self_prompts"] for s in stats if "self_prompts" in s]
     if prompted:
         counts["self_prompts"] = {key: sum(p[key] for p in prompted) for key in prompted[0]}
-    metadata = {
-        **record,
-        "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "source_fingerprint": source_fp,
-        "counts": counts,
-        "parts": num_parts,
-        "versions": {"torch": torch.__version__, "transformers": transformers.__version__,
-                     "datasets": datasets.__version__},
-        "read_with": "dflash.extract.data.load_source(OUT)",
-        **engine.metadata(stats),
-    }
+    metadata = {**record, "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                "source_fingerprint": source_fp, "counts": counts, "parts": num_parts,
+                "versions": {"torch": torch.__version__, "transformers": transformers.__version__,
+                             "datasets": datasets.__version__},
+                "read_with": "dflash.extract.data.load_source(OUT)", **engine.metadata(stats)}
     _write_atomic(out / METADATA_FILE, json.dumps(metadata, indent=2, sort_keys=True) + "\n")
     log.info("regenerated %d rows (%d turns, %d truncated) -> %s", counts["rows_out"], counts["turns_regenerated"],
              counts["truncated_turns"], out)

@@ -1,9 +1,7 @@
-"""Regeneration through an OpenAI-compatible chat-completions server (vLLM, SGLang, `transformers
-serve`; README.md, "Before stage one"): `--concurrency` conversations in flight, the turns of one
-in order, each answered turn journaled as it arrives. Connection errors, timeouts, 429 and 5xx are
-retried with backoff; then the server counts as down (`EndpointDown`) unless it still answers
-`GET /models`: then, as for a 4xx, only this request fails (`RequestRejected`).
-"""
+"""Regeneration through an OpenAI-compatible chat-completions server (vLLM, SGLang, `transformers serve`):
+`--concurrency` conversations in flight, the turns of one in order, each answer journaled as it arrives.
+Connection errors, timeouts, 408, 429 and 5xx are retried with backoff; then the server counts as down
+(`EndpointDown`) unless it still answers `GET /models`: then, as for a 4xx, only this request fails."""
 
 from __future__ import annotations
 
@@ -16,7 +14,7 @@ import time
 import urllib.error
 import urllib.request
 from collections import Counter
-from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -28,8 +26,6 @@ if TYPE_CHECKING:  # annotations only: regenerate.py imports this module
 
 log = logging.getLogger(__name__)
 
-RETRY_STATUS = {408, 429}  # plus every 5xx
-
 
 class EndpointDown(RuntimeError):
     """The server cannot be reached (or keeps failing) after every retry."""
@@ -39,19 +35,19 @@ class RequestRejected(RuntimeError):
     """The server answered this one request with an error while staying up."""
 
     def __init__(self, status: int, detail: str):
-        self.status, self.detail = status, detail
+        self.status = status
         super().__init__(f"HTTP {status}: {detail}")
 
 
 @dataclass
 class Reply:
-    """One chat completion, reduced to what regeneration keeps (None: not returned)."""
+    """The first choice of a chat completion, reduced to what regeneration keeps (None: not returned)."""
 
-    content: str  # "" when the server gave none
-    reasoning: str | None  # message.reasoning_content or message.reasoning
-    tool_calls: list[dict[str, Any]] | None  # as the server returned them
-    finish_reason: str | None  # "stop", "length", "tool_calls", ...
-    model: str | None  # the model name the server answered with
+    content: str
+    reasoning: str | None
+    tool_calls: list[dict[str, Any]] | None
+    finish_reason: str | None
+    model: str | None
     prompt_tokens: int | None
     completion_tokens: int | None
 
@@ -86,21 +82,20 @@ class ChatEndpoint:
                     detail = (err.read().decode("utf-8", "replace") or str(err.reason)).strip()[:500]
                 except Exception:  # noqa: BLE001
                     detail = str(err.reason)
-                if err.code not in RETRY_STATUS and err.code < 500:
+                if err.code not in (408, 429) and err.code < 500:
                     raise RequestRejected(err.code, f"{method} {url}: {detail}") from err
                 failures.append(f"HTTP {err.code} ({detail})")
                 last_status = err.code
-            except (urllib.error.URLError, http.client.HTTPException, ConnectionError, TimeoutError, OSError) as err:
+            except (urllib.error.URLError, http.client.HTTPException, OSError) as err:
                 reason = getattr(err, "reason", None) or err
                 failures.append(f"{type(reason).__name__}: {reason}")
                 last_status = None
         if probe and last_status is not None and self._answers_models():
             raise RequestRejected(last_status, f"{method} {url}: {failures[-1]} (the server is up; "
                                                "this request keeps failing)")
-        raise EndpointDown(
-            f"{method} {url} failed {len(failures)} time(s) over {time.monotonic() - started:.0f} s "
-            f"(last: {failures[-1] if failures else 'stopped'}); is the server at {self.url} running? "
-            "Rerun the same command once it is: finished turns are kept.")
+        raise EndpointDown(f"{method} {url} failed {len(failures)} time(s) over {time.monotonic() - started:.0f} s "
+                           f"(last: {failures[-1] if failures else 'stopped'}); is the server at {self.url} running? "
+                           "Rerun the same command once it is: finished turns are kept.")
 
     def _answers_models(self) -> bool:
         try:
@@ -111,9 +106,8 @@ class ChatEndpoint:
 
     def _request(self, method: str, url: str, body: dict | None) -> dict:
         data = None if body is None else json.dumps(body, ensure_ascii=False).encode("utf-8")
-        headers = {"Accept": "application/json", **({"Content-Type": "application/json"} if data else {})}
-        if self.api_key:
-            headers["Authorization"] = f"Bearer {self.api_key}"
+        headers = {"Accept": "application/json", **({"Content-Type": "application/json"} if data else {}),
+                   **({"Authorization": f"Bearer {self.api_key}"} if self.api_key else {})}
         request = urllib.request.Request(url, data=data, headers=headers, method=method)
         with urllib.request.urlopen(request, timeout=self.request_timeout) as response:
             payload = response.read()
@@ -129,12 +123,10 @@ def parse_reply(answer: dict[str, Any], base: str = "") -> Reply:
         choice, message = answer["choices"][0], answer["choices"][0]["message"]
     except (KeyError, IndexError, TypeError) as err:
         raise RequestRejected(200, f"{base}: answer without choices[0].message: {str(answer)[:300]}") from err
-    reasoning = message.get("reasoning_content") or message.get("reasoning")
     usage = answer.get("usage") or {}
-    return Reply(content=message.get("content") or "", reasoning=reasoning or None,
-                 tool_calls=message.get("tool_calls") or None, finish_reason=choice.get("finish_reason"),
-                 model=answer.get("model"), prompt_tokens=usage.get("prompt_tokens"),
-                 completion_tokens=usage.get("completion_tokens"))
+    return Reply(message.get("content") or "", message.get("reasoning_content") or message.get("reasoning") or None,
+                 message.get("tool_calls") or None, choice.get("finish_reason"), answer.get("model"),
+                 usage.get("prompt_tokens"), usage.get("completion_tokens"))
 
 
 def request_seed(seed: int, row: int, turn: int) -> int:
@@ -145,15 +137,11 @@ def request_seed(seed: int, row: int, turn: int) -> int:
 def request_body(model: str, history: list[dict], tools: list | None, settings: GenerationSettings,
                  extra_body: dict, row: int, turn: int) -> dict[str, Any]:
     """The chat-completions request for the turn that follows ``history``."""
-    body: dict[str, Any] = {"model": model, "messages": [wire_message(m) for m in history],
-                            "max_tokens": settings.max_new_tokens, "temperature": settings.temperature,
-                            "stream": False}
-    if settings.temperature > 0:
-        body.update(top_p=settings.top_p, seed=request_seed(settings.seed, row, turn))
-    if tools:
-        body["tools"] = tools
-    if settings.template_kwargs:
-        body["chat_template_kwargs"] = settings.template_kwargs
+    sampling = {"top_p": settings.top_p, "seed": request_seed(settings.seed, row, turn)}
+    body = {"model": model, "messages": [wire_message(m) for m in history], "max_tokens": settings.max_new_tokens,
+            "temperature": settings.temperature, "stream": False, **(sampling if settings.temperature > 0 else {}),
+            **({"tools": tools} if tools else {}),
+            **({"chat_template_kwargs": settings.template_kwargs} if settings.template_kwargs else {})}
     return {**body, **extra_body}
 
 
@@ -184,13 +172,9 @@ def turn_event(chat: Chat, turn: int, reply: Reply, settings: GenerationSettings
 class EndpointEngine:
     """The server at ``cfg.endpoint``, asked for the model ``cfg.model`` names."""
 
-    sampler = None  # no self-prompting: a chat API cannot continue a bare user header
-
     def __init__(self, cfg: RegenConfig):
         self.cfg = cfg
         self.client = client = ChatEndpoint(cfg.endpoint, cfg.request_timeout, cfg.retries, cfg.retry_wait, cfg.api_key)
-        # the served model: the only one listed, or --model; a name not listed is tried with a one-token
-        # request (some servers list their cache, not what they serve)
         try:
             answer = client.with_retries("GET", "/models", None, probe=False)
         except RequestRejected as err:
@@ -199,7 +183,7 @@ class EndpointEngine:
         if cfg.model is None and len(listed) != 1:
             raise ValueError(f"{client.url}/models lists {listed or 'no model'}; choose one with --model")
         self.model = listed[0] if cfg.model is None else cfg.model
-        if self.model not in listed:
+        if self.model not in listed:  # a one-token request: some servers list their cache, not what they serve
             try:
                 client.chat({"model": self.model, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1})
             except RequestRejected as err:
@@ -220,7 +204,7 @@ class EndpointEngine:
         """Ask the chat's turns in order, journaling each answer under the lock. A rejected request cuts
         the conversation (counted) or, with --on-bad-row error, stops the run."""
         cfg, client = self.cfg, self.client
-        while chat.next_turn is not None and not chat.dropped and not client.stop.is_set():
+        while chat.next_turn is not None and not client.stop.is_set():
             turn, row = chat.next_turn, chat.conv.row_index
             body = request_body(self.model, chat.messages[:turn], chat.conv.tools, cfg.generation, cfg.extra_body,
                                 row, turn)
@@ -235,33 +219,26 @@ class EndpointEngine:
                 part.apply(chat, event, journal=True)
 
     def run(self, parts, finish, bar) -> None:
-        """Keep ``concurrency`` conversations in flight; finish each part once its last one is done."""
-        lock, inflight = threading.Lock(), {}
+        """``concurrency`` conversations in flight, the next part's queued behind the current one's; each part
+        finished once its conversations are."""
+        lock, queued = threading.Lock(), []
         pool = ThreadPoolExecutor(max_workers=self.cfg.concurrency, thread_name_prefix="regenerate")
 
-        def settle(done) -> None:
-            for future in done:
-                part = inflight.pop(future)
+        def settle(part, futures) -> None:
+            for future in as_completed(futures):
                 future.result()  # a failed conversation stops the run here
-                part.running -= 1
                 part.shown += 1
                 bar.update(1)
-                if part.running == 0:
-                    finish(part)
+            finish(part)
 
         try:
             for part in parts:
-                waiting = [c for c in part.chats if c.next_turn is not None and not c.dropped]
-                part.running = len(waiting) + 1  # +1 until every chat is submitted
-                for chat in waiting:
-                    while len(inflight) >= self.cfg.concurrency:
-                        settle(wait(inflight, return_when=FIRST_COMPLETED).done)
-                    inflight[pool.submit(self.run_chat, part, chat, lock)] = part
-                part.running -= 1
-                if part.running == 0:
-                    finish(part)
-            while inflight:
-                settle(wait(inflight, return_when=FIRST_COMPLETED).done)
+                queued.append((part, [pool.submit(self.run_chat, part, chat, lock) for chat in part.chats
+                                      if chat.next_turn is not None]))
+                if len(queued) == 2:
+                    settle(*queued.pop(0))
+            for part, futures in queued:
+                settle(part, futures)
         except BaseException as err:
             self.client.stop.set()  # no new turn starts; answers of requests in flight are still journaled
             pool.shutdown(wait=not isinstance(err, KeyboardInterrupt), cancel_futures=True)

@@ -1,6 +1,5 @@
-"""Magpie-style self-prompting (``dflash-regenerate --self-prompts N``): the target writes the user
-turn itself, continuing the template's user header until a stop token or the template's end of a
-user turn (`<|im_end|>`, `<|eot_id|>`, `[/INST]`), then answers it."""
+"""Magpie-style self-prompting (``dflash-regenerate --self-prompts N``): the target writes the user turn
+itself, continuing the template's user header until a stop token or the end of a user turn, then answers it."""
 
 from __future__ import annotations
 
@@ -16,10 +15,9 @@ SOURCE = "self_prompt"  # the `source` of a self-prompted chat (errors and skip 
 
 def user_header(tokenizer, template_kwargs: dict[str, Any] | None = None) -> tuple[str, str | None]:
     """The text a first user turn starts with (default system prompt included) and the first special
-    token after the user's text (the end of a user turn), if any."""
-    messages = [{"role": "user", "content": SENTINEL}]
-    text = _as_text(tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=False,
-                                                  **(template_kwargs or {})))
+    token after the user's text (the end of a user turn: `<|im_end|>`, `<|eot_id|>`, `[/INST]`), if any."""
+    text = _as_text(tokenizer.apply_chat_template([{"role": "user", "content": SENTINEL}], tokenize=False,
+                                                  add_generation_prompt=False, **(template_kwargs or {})))
     if text.count(SENTINEL) != 1:
         raise ValueError(f"the chat template does not write a user message's text once and unchanged (found "
                          f"{text.count(SENTINEL)} times in {text!r}): --self-prompts cannot find its user header")
@@ -34,9 +32,7 @@ def question_stop_ids(model, tokenizer, end_of_user_turn: str | None,
                       template_kwargs: dict[str, Any] | None = None) -> list[int]:
     """Where a question ends: the answer's stop tokens plus the template's end of a user turn."""
     ids = set(stop_token_ids(model, tokenizer, template_kwargs=template_kwargs))
-    if end_of_user_turn is not None:
-        ids.add(int(tokenizer.convert_tokens_to_ids(end_of_user_turn)))
-    return sorted(ids)
+    return sorted(ids if end_of_user_turn is None else ids | {int(tokenizer.convert_tokens_to_ids(end_of_user_turn))})
 
 
 @dataclass
@@ -62,9 +58,8 @@ class QuestionSampler:
                 counts["generated"] += 1
                 question = self.tokenizer.decode(tokens, skip_special_tokens=False).strip()
                 key = " ".join(question.split())  # the dedup key: whitespace runs collapsed
-                reason = ("truncated" if truncated else "empty" if not key
-                          else "too_short" if len(key) < self.min_chars
-                          else "duplicates" if key in self.seen else "kept")
+                reason = ("truncated" if truncated else "empty" if not key else "too_short"
+                          if len(key) < self.min_chars else "duplicates" if key in self.seen else "kept")
                 counts[reason] += 1
                 if reason == "kept":
                     self.seen.add(key)

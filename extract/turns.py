@@ -1,10 +1,7 @@
 """Where each assistant turn sits in a chat template's full rendering, for templates without
-`{% generation %}` tags. Diffing a prefix rendered with a generation prompt is wrong wherever
-history renders differently from a prompt (thinking templates, Mistral's moved system prompt,
-Qwen3's dropped think blocks), so the turns are found inside the one full rendering:
-`probe_markers` learns the turn header and end-of-turn token once per template from probe chats
-of sentinel words, and `locate_turns` walks the rendering message by message, raising
-TurnNotFound for a message it cannot place, never guessing.
+`{% generation %}` tags: history can render differently from a prompt (thinking templates, Mistral's
+moved system prompt), so `probe_markers` learns the turn header and end-of-turn token once per template
+from probe chats, and `locate_turns` walks the one full rendering, raising TurnNotFound, never guessing.
 """
 
 from __future__ import annotations
@@ -45,17 +42,15 @@ RenderText = Callable[[list[dict[str, Any]], bool], str]  # (messages, add_gener
 
 def probe_markers(render_text: RenderText, special_tokens_in: Callable[[str], list[str]],
                   end_of_turn: str | None = None) -> TurnMarkers:
-    """Learn the turn markers from probe renderings. `special_tokens_in(text)` lists the special
-    tokens in a text, in order; `end_of_turn` overrides the learned end-of-turn token."""
+    """Learn the turn markers from probe renderings; `special_tokens_in(text)` lists a text's special
+    tokens in order, `end_of_turn` overrides the learned end-of-turn token."""
     (u1, u2), (a1, a2) = _PROBE_USER, _PROBE_ASSISTANT
     chat = [{"role": "user", "content": u1}, {"role": "assistant", "content": a1},
             {"role": "user", "content": u2}, {"role": "assistant", "content": a2}]
-    # some templates require a system message first: probe with one when the plain chat is refused
-    for lead in ([], [{"role": "system", "content": _PROBE_SYSTEM}]):
+    for lead in ([], [{"role": "system", "content": _PROBE_SYSTEM}]):  # some templates require a system message
         try:
-            full = render_text(lead + chat, False)
-            prompt = render_text(lead + chat[:1], False)
-            prompt_with_generation = render_text(lead + chat[:1], True)
+            full, prompt, with_generation = (render_text(lead + chat, False), render_text(lead + chat[:1], False),
+                                             render_text(lead + chat[:1], True))
             break
         except Exception as exc:  # noqa: BLE001 - jinja errors, raise_exception(), ...
             refusal = exc
@@ -64,35 +59,31 @@ def probe_markers(render_text: RenderText, special_tokens_in: Callable[[str], li
             f"the template rejected the probe chats (user/assistant, with and without a system message first): "
             f"{type(refusal).__name__}: {refusal}") from refusal
 
-    if not prompt_with_generation.startswith(prompt):
+    if not with_generation.startswith(prompt):
         raise TemplateProbeFailed("the template's generation prompt does not extend the rendered prompt")
-    generation_prompt = prompt_with_generation[len(prompt):]
     if u1 not in prompt:
         raise TemplateProbeFailed("the template does not render a user message's content verbatim")
     user_close = prompt[prompt.index(u1) + len(u1):]
-
-    positions, cursor = [], 0
+    ends, cursor = [], 0
     for needle in (u1, a1, u2, a2):
         at = full.find(needle, cursor)
         if at < 0:
             raise TemplateProbeFailed("the template does not render user and assistant contents verbatim and in order")
         cursor = at + len(needle)
-        positions.append((at, cursor))
-    (_, u1_end), (a1_start, a1_end), (_, u2_end), (a2_start, a2_end) = positions
-    openings = [full[u1_end:a1_start], full[u2_end:a2_start]]
+        ends.append(cursor)
+    openings = [full[ends[0]:ends[1] - len(a1)], full[ends[2]:ends[3] - len(a2)]]
     if not all(opening.startswith(user_close) for opening in openings):
         raise TemplateProbeFailed(
             f"the template writes {user_close!r} after a final user message but not before the assistant reply")
-    header = os.path.commonprefix([generation_prompt] + [opening[len(user_close):] for opening in openings])
-
+    header = os.path.commonprefix([with_generation[len(prompt):]] + [o[len(user_close):] for o in openings])
     if end_of_turn is None:
-        after_reply = full[a1_end:full.index(u2, a1_end)]
+        after_reply = full[ends[1]:full.index(u2, ends[1])]
         found = special_tokens_in(after_reply)
         if not found:
             raise TemplateProbeFailed(
                 f"the template writes no special token after an assistant message ({after_reply!r}); pass end_of_turn")
         end_of_turn = found[0]
-        if end_of_turn not in full[a2_end:]:
+        if end_of_turn not in full[ends[3]:]:
             raise TemplateProbeFailed(f"the template does not close its last assistant turn with {end_of_turn!r}")
     tool_close = None if header else _probe_tool_close(render_text, lead + chat[:1], a2)
     return TurnMarkers(header=header, user_close=user_close, end_of_turn=end_of_turn, tool_close=tool_close)
@@ -101,14 +92,11 @@ def probe_markers(render_text: RenderText, special_tokens_in: Callable[[str], li
 def _probe_tool_close(render_text: RenderText, opening: list[dict[str, Any]], reply: str) -> str | None:
     """What a headerless template writes after a tool result (None: it refuses tools or writes more)."""
     name, result, call_id = _PROBE_TOOL
-    chat = opening + [
-        {"role": "assistant", "content": "", "tool_calls": [
-            {"id": call_id, "type": "function", "function": {"name": name, "arguments": {}}}]},
-        {"role": "tool", "tool_call_id": call_id, "name": name, "content": result},
-    ]
+    chat = opening + [{"role": "assistant", "content": "", "tool_calls": [
+                          {"id": call_id, "type": "function", "function": {"name": name, "arguments": {}}}]},
+                      {"role": "tool", "tool_call_id": call_id, "name": name, "content": result}]
     try:
-        prompt = render_text(chat, False)
-        full = render_text(chat + [{"role": "assistant", "content": reply}], False)
+        prompt, full = render_text(chat, False), render_text(chat + [{"role": "assistant", "content": reply}], False)
     except Exception:  # noqa: BLE001 - a template without tool support
         return None
     if prompt.count(result) != 1 or not full.startswith(prompt) or reply not in full[len(prompt):]:
@@ -119,9 +107,7 @@ def _probe_tool_close(render_text: RenderText, opening: list[dict[str, Any]], re
 def locate_turns(rendered: str, messages: list[dict[str, Any]], markers: TurnMarkers) -> list[tuple[int, int]]:
     """Char spans [start, end) of the assistant turns in `rendered`, each from the end of its header
     through its end-of-turn token; user and tool texts are checked in order on the way."""
-    spans: list[tuple[int, int]] = []
-    cursor = 0
-    previous_role = None
+    spans, cursor, previous_role = [], 0, None
     for index, message in enumerate(messages):
         role = message.get("role")
         if role == "assistant":
@@ -131,15 +117,17 @@ def locate_turns(rendered: str, messages: list[dict[str, Any]], markers: TurnMar
                 raise TurnNotFound(f"no end-of-turn {markers.end_of_turn!r} after assistant message {index}")
             cursor = eot_at + len(markers.end_of_turn)
             spans.append((start, cursor))
-        elif role in ("user", "tool"):
-            for text in _texts(message.get("content")):
+        elif role in ("user", "tool"):  # system messages are not checked: templates move (Mistral) or drop them
+            content = message.get("content")
+            parts = [{"text": content}] if isinstance(content, str) else content if isinstance(content, list) else []
+            texts = [p["text"].strip() for p in parts if isinstance(p, dict) and isinstance(p.get("text"), str)]
+            for text in filter(None, texts):  # trimmed, as templates often trim
                 found = _find_rendered(rendered, text, cursor)
                 if found is None:
                     raise TurnNotFound(
                         f"{role} message {index}'s content ({text[:40]!r}) is not rendered after char {cursor} "
                         "(the template changes it, or an earlier turn was not closed where expected)")
                 cursor = found
-        # system messages are not checked: templates move them (Mistral) or drop them
         previous_role = role
     return spans
 
@@ -150,8 +138,7 @@ def _turn_start(rendered: str, cursor: int, previous_role: str | None, markers: 
         if at < 0:
             raise TurnNotFound(f"no assistant header {markers.header!r} for assistant message {index}")
         return at + len(markers.header)
-    # no header: the reply follows the previous turn's closing text directly
-    close = {"user": markers.user_close, "tool": markers.tool_close}.get(previous_role)
+    close = {"user": markers.user_close, "tool": markers.tool_close}.get(previous_role)  # no header: after the close
     if close:
         at = rendered.find(close, cursor)
         if at < 0:
@@ -162,17 +149,6 @@ def _turn_start(rendered: str, cursor: int, previous_role: str | None, markers: 
     after = f"a {previous_role} message" if previous_role else "the start of the chat"
     raise TurnNotFound(f"the template writes no assistant header and nothing known after {after}, "
                        f"so assistant message {index} cannot be placed")
-
-
-def _texts(content: Any) -> list[str]:
-    """The text a user or tool message contributes, trimmed (templates often trim)."""
-    if isinstance(content, str):
-        parts = [content]
-    elif isinstance(content, list):
-        parts = [p.get("text") for p in content if isinstance(p, dict) and isinstance(p.get("text"), str)]
-    else:
-        parts = []
-    return [p.strip() for p in parts if p.strip()]
 
 
 def _find_rendered(rendered: str, text: str, cursor: int) -> int | None:
