@@ -1,10 +1,8 @@
 """Acceptance over a whole benchmark in minutes: greedy speculative decoding replayed, not run.
 
-At temperature 0 speculative decoding emits the target's greedy continuation, and a block at
-position a accepts what the drafter proposes from the target's states of positions < a. So:
-batched greedy continuations, one batched target forward over prompt + continuation, and the
-continuation walked as decoding walks it (``dflash.train.replay``). The taus equal real
-decoding's in float32 (tested); ``spec_sample`` decodes a few prompts for real to check it.
+At temperature 0 speculative decoding emits the target's greedy continuation, so: batched greedy
+continuations, one batched target forward over them, and each walked as decoding walks it
+(``dflash.train.replay``). ``spec_sample`` decodes a few prompts for real to check the taus.
 """
 
 from __future__ import annotations
@@ -31,8 +29,7 @@ ANCHORS_PER_FORWARD = 256  # blocks per drafter forward (dense attention: querie
 
 def replay_export(cache: str | Path, samples: list[int], export: str | Path, target: str | Path,
                   max_length: int = 4096, max_new_tokens: int | None = None) -> dict[str, Any]:
-    """Decoding replayed on cache ``samples`` by a drafter from an export or run folder
-    (``train.replay``'s dict: tau, blocks, ...)."""
+    """Decoding replayed on cache ``samples`` by a drafter from an export or run folder (``train.replay``'s dict)."""
     from dflash.shared.cache import CacheReader
     from dflash.train.model import load_target_head
 
@@ -47,18 +44,16 @@ def replay_export(cache: str | Path, samples: list[int], export: str | Path, tar
 def greedy_continuations(target, prompts: Sequence[Sequence[int]], max_new_tokens: int,
                          eos_token_ids: Iterable[int] = (), batch_size: int = 16, static: bool | None = None
                          ) -> list[tuple[list[int], bool]]:
-    """Per prompt: (greedy tokens before the stop token, truncated?), batched by length.
-    ``static``: regeneration's static KV cache (None: on CUDA)."""
+    """Per prompt: (greedy tokens before the stop token, truncated?); ``static``: regeneration's
+    static KV cache (None: on CUDA)."""
     from dflash.extract.regenerate import GenerationSettings, StaticDecoder, generate_batch, generation_kwargs
 
     stops = sorted({int(t) for t in eos_token_ids})
-    gen_kwargs = generation_kwargs(GenerationSettings(max_new_tokens=max_new_tokens), stops,
-                                   stops[0] if stops else 0)
-    if not stops:  # no stop token: decode max_new_tokens (generate() refuses an empty eos list)
+    gen_kwargs = generation_kwargs(GenerationSettings(max_new_tokens=max_new_tokens), stops, stops[0] if stops else 0)
+    if not stops:  # generate() refuses an empty eos list
         gen_kwargs["eos_token_id"] = None
-    use_static = static if static is not None else device_of(target).type == "cuda"
-    decoder = (StaticDecoder(target, batch_size, max_new_tokens, max(len(p) for p in prompts))
-               if use_static and prompts else None)
+    static = device_of(target).type == "cuda" if static is None else static
+    decoder = StaticDecoder(target, batch_size, max_new_tokens, max(map(len, prompts))) if static and prompts else None
 
     def tokenize(text: str, add_special_tokens: bool = False) -> dict[str, list[int]]:  # "i" -> prompt i
         return {"input_ids": list(prompts[int(text)])}
@@ -79,10 +74,8 @@ def target_head(target) -> TargetHead:  # the target's embedding and LM head, fo
 
 def replay_samples(runner, prompts: Sequence[Sequence[int]], continuations: Sequence[tuple[list[int], bool]],
                    stops: frozenset[int]) -> list[dict[str, Any]]:
-    """One batched target forward over prompt + continuation -> per prompt the replay's sample
-    (input_ids with the stop token when one was hit, loss_mask, context_hidden, target_top1) and
-    ``disagreements``: positions where the forward's greedy token is not the generated one (0 in
-    float32; a stop the forward does not pick, a bf16 near-tie, becomes the smallest stop id)."""
+    """One batched target forward over prompt + continuation -> per prompt the replay's sample, and
+    ``disagreements``: positions where the forward's greedy token is not the generated one (0 in float32)."""
     sequences = [torch.tensor(list(p) + tokens, dtype=torch.long) for p, (tokens, _) in zip(prompts, continuations)]
     out = runner.forward(*runner.pad_batch(sequences))
     hidden = out.hidden.flatten(1).split([len(s) for s in sequences])  # per prompt (T, n * D)
@@ -91,7 +84,7 @@ def replay_samples(runner, prompts: Sequence[Sequence[int]], continuations: Sequ
     for prompt, (tokens, truncated), ids, h, t1 in zip(prompts, continuations, sequences, hidden, top1):
         ids, P = ids.to(t1.device), len(prompt)
         if not truncated:
-            stop = int(t1[-1])
+            stop = int(t1[-1])  # a stop the forward does not pick (a bf16 near-tie): the smallest stop id
             ids = torch.cat([ids, ids.new_tensor([stop if stop in stops else min(stops)])])
             h = torch.cat([h, h.new_zeros(1, h.shape[1])])
             t1 = torch.cat([t1, t1[-1:]])
@@ -115,8 +108,7 @@ def score_sample(sample: dict[str, Any], predict, device, max_anchors: int = ANC
 def replay_benchmark(target, drafter: DFlashDrafter, prompts: Sequence[Sequence[int]], *, max_new_tokens: int,
                      eos_token_ids: Iterable[int] = (), batch_size: int = 16, static: bool | None = None,
                      max_anchors: int = ANCHORS_PER_FORWARD, progress: bool = False) -> dict[str, Any]:
-    """Greedy speculative decoding replayed on every prompt (token ids): {"summary", "per_prompt",
-    "seconds": {generate, forward, drafter}}."""
+    """Greedy speculative decoding replayed on every prompt: {"summary", "per_prompt", "seconds"}."""
     from tqdm.auto import tqdm
 
     from dflash.extract.target import TargetRunner
@@ -178,8 +170,8 @@ def first_divergence(replay_taus: Sequence[int], online_taus: Sequence[int]) -> 
 def spec_sample(target, drafter: DFlashDrafter, prompts: Sequence[Sequence[int]], replay: dict[str, Any], k: int, *,
                 max_new_tokens: int, eos_token_ids: Iterable[int] = (), warmup: bool = True,
                 progress: bool = False, capture: bool = False, session=None) -> dict[str, Any]:
-    """``evaluate`` on ``k`` of the prompts, each row compared with its replay ("replay_tau",
-    "tokens_equal", "taus_equal", "divergence": None or where tokens / taus first differ)."""
+    """``evaluate`` on ``k`` of the prompts, each row compared with its replay ("divergence": None or
+    where tokens or taus first differ)."""
     indices = sample_indices(len(prompts), k)
     result = evaluate(target, drafter, [prompts[i] for i in indices], max_new_tokens=max_new_tokens,
                       eos_token_ids=eos_token_ids, check=False, warmup=warmup, progress=progress, capture=capture,
