@@ -237,7 +237,8 @@ def _cache_argument(model_class: type) -> str:  # "cache" (transformers 5.2x) or
 def _forward(target, input_ids: torch.Tensor, cache=None, **kwargs):  # -> (output, cache)
     name = _cache_argument(type(target))
     out = target(input_ids=input_ids, use_cache=True, **({name: cache} if cache is not None else {}), **kwargs)
-    new_cache = next((c for c in (getattr(out, n, None) for n in (name, "past_key_values", "cache")) if c is not None), None)
+    caches = (getattr(out, n, None) for n in (name, "past_key_values", "cache"))
+    new_cache = next((c for c in caches if c is not None), None)
     if new_cache is None:
         raise RuntimeError(f"{type(target).__name__} returned no KV cache")
     return out, new_cache
