@@ -180,13 +180,11 @@ def cli(target: str, drafter: str, prompts: tuple[str, ...], spec_sample: int, b
         Path(report_path).parent.mkdir(parents=True, exist_ok=True)
         Path(report_path).write_text(json.dumps(report, indent=2) + "\n")
         click.echo(f"report -> {report_path}", err=True)
-    for message in diverged:
-        click.echo(f"{'REPLAY CHECK FAILED' if dtype == 'float32' else 'replay vs online (not float32)'}: "
-                   f"{message}", err=True)
-    for message in ties:
-        click.echo(f"speculative vs greedy parted at a numerical tie (not a failure): {message}", err=True)
-    for message in failed:
-        click.echo(f"LOSSLESS CHECK FAILED: {message}", err=True)
+    for label, messages in (("REPLAY CHECK FAILED" if dtype == "float32" else "replay vs online (not float32)",
+                             diverged), ("speculative vs greedy parted at a numerical tie (not a failure)", ties),
+                            ("LOSSLESS CHECK FAILED", failed)):
+        for message in messages:
+            click.echo(f"{label}: {message}", err=True)
     if check and (failed or (diverged and dtype == "float32")):
         sys.exit(1)
 

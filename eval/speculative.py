@@ -429,12 +429,9 @@ def check_lossless(spec: Sequence[int], greedy: Sequence[int], margins: Sequence
 
 def tau_histogram(taus: Sequence[int], block_size: int) -> list[int]:
     """counts[k - 1]: blocks that accepted k tokens (a tau outside 1..B is a bookkeeping bug: raised)."""
-    counts = [0] * block_size
-    for tau in taus:
-        if not 1 <= tau <= block_size:
-            raise ValueError(f"a block emitted {tau} tokens; a block of {block_size} emits 1..{block_size}")
-        counts[tau - 1] += 1
-    return counts
+    if bad := [tau for tau in taus if not 1 <= tau <= block_size]:
+        raise ValueError(f"a block emitted {bad[0]} tokens; a block of {block_size} emits 1..{block_size}")
+    return [list(taus).count(k) for k in range(1, block_size + 1)]
 
 
 def _summary(specs: Sequence[Generation], greedies: Sequence[Generation], block_size: int) -> dict[str, Any]:
