@@ -131,7 +131,7 @@ def cli(target: str, drafter: str, prompts: tuple[str, ...], spec_sample: int, b
     from dflash.extract.target import load_target
 
     from . import replay_eval as rp
-    from .speculative import capture_length, captured_decoders, load_drafter
+    from .speculative import captured_decoders, load_drafter
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     dtype = dtype if dtype != "auto" else ("bfloat16" if device.startswith("cuda") else "float32")
@@ -161,7 +161,7 @@ def cli(target: str, drafter: str, prompts: tuple[str, ...], spec_sample: int, b
     lines, decoded, proposer, session = [], [], draft_model, None  # decoded: ("NAME ", row) per real decode
     if capture and spec_sample:  # one captured pair for every benchmark: each compiles once
         sampled = [p[i] for p in prompt_sets.values() for i in rp.sample_indices(len(p), spec_sample)]
-        session, proposer = captured_decoders(model, draft_model, capture_length(sampled, max_new_tokens, draft_model))
+        session, proposer = captured_decoders(model, draft_model, sampled, max_new_tokens)
     for name, ids in prompt_sets.items():
         replay = rp.replay_benchmark(model, draft_model, ids, max_new_tokens=max_new_tokens, eos_token_ids=eos,
                                      batch_size=batch_size, progress=True)

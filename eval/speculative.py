@@ -447,16 +447,12 @@ def _summary(specs: Sequence[Generation], greedies: Sequence[Generation], block_
             "speedup": greedy_s / spec_s if spec_s > 0 else math.nan}
 
 
-def capture_length(prompts: Sequence[Sequence[int]], max_new_tokens: int, drafter: DFlashDrafter | DFlashProposer) -> int:
-    """Positions a captured session needs: the longest prompt, its new tokens, two blocks."""
+def captured_decoders(target, drafter: DFlashDrafter | DFlashProposer, prompts: Sequence[Sequence[int]],
+                      max_new_tokens: int) -> tuple[StaticTarget, DFlashProposer]:
+    """``--capture``'s target session and proposer (a ready proposer kept) for these prompts, built once
+    for every ``evaluate``: room for the longest prompt, its new tokens and two blocks."""
     block = drafter.config.block_size if isinstance(drafter, DFlashDrafter) else drafter.block_size
-    return max(len(p) for p in prompts) + max_new_tokens + 2 * block
-
-
-def captured_decoders(target, drafter: DFlashDrafter | DFlashProposer, max_length: int
-                      ) -> tuple[StaticTarget, DFlashProposer]:
-    """``--capture``'s target session and proposer (a ready proposer kept), built once for every ``evaluate``."""
-    cuda = device_of(target).type == "cuda"
+    max_length, cuda = max(len(p) for p in prompts) + max_new_tokens + 2 * block, device_of(target).type == "cuda"
     if isinstance(drafter, DFlashDrafter):
         drafter = StaticProposer(drafter, target, max_length, capture=cuda)
     return StaticTarget(target, max_length, capture=cuda), drafter
@@ -473,7 +469,7 @@ def evaluate(target, drafter: DFlashDrafter | DFlashProposer, prompts: Sequence[
 
     device, proposer = device_of(target), drafter
     if session is None and capture and prompts:
-        session, proposer = captured_decoders(target, drafter, capture_length(prompts, max_new_tokens, drafter))
+        session, proposer = captured_decoders(target, drafter, prompts, max_new_tokens)
     if isinstance(proposer, DFlashDrafter):
         proposer = DFlashProposer(drafter, target)
     eos, B = sorted({int(t) for t in eos_token_ids}), proposer.block_size
