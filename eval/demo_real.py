@@ -145,8 +145,10 @@ def run_real(out: Path, s: RealSettings, gguf: str | None, echo=click.echo, stop
             return None
     result = json.loads(eval_json.read_text())
     png = plot_curves(run, out / "training_curves.png")
+    from .replay_eval import format_benchmarks
+
     per_benchmark = {name: b["summary"] for name, b in (result.get("benchmarks") or {}).items()}
-    table = benchmark_table(per_benchmark)
+    table = format_benchmarks(per_benchmark.values(), markdown=True)
     (out / "table.md").write_text(table + "\n")
     summary = {"settings": dataclasses.asdict(s), "data": data, "stage_seconds": times,
                "benchmarks": per_benchmark, "regenerate": json.loads((regen / "regenerate.json").read_text())
@@ -155,20 +157,6 @@ def run_real(out: Path, s: RealSettings, gguf: str | None, echo=click.echo, stop
     echo(table)
     echo("stage seconds: " + ", ".join(f"{k} {v:.0f}" for k, v in times.items()))
     return summary
-
-
-def benchmark_table(benchmarks: dict[str, dict]) -> str:
-    """Markdown: one row per benchmark (dflash-eval's summary lines)."""
-    from .speculative import fmt
-
-    rows = ["| benchmark | prompts | tokens | tau (replay) | tau (online sample) | greedy tok/s | speculative tok/s "
-            "| speedup |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
-    for name, b in benchmarks.items():
-        speedup = fmt(b.get("speedup"))
-        rows.append(f"| {name} | {b.get('prompts')} | {b.get('new_tokens')} | {fmt(b.get('tau'))} | "
-                    f"{fmt(b.get('online_tau'))} | {fmt(b.get('greedy_tokens_per_s'), '.0f')} | "
-                    f"{fmt(b.get('spec_tokens_per_s'), '.0f')} | {speedup}{'x' if speedup != '-' else ''} |")
-    return "\n".join(rows)
 
 
 @click.group()

@@ -203,7 +203,19 @@ def benchmark_line(name: str, replay: dict[str, Any], sample: dict[str, Any] | N
     return row
 
 
-def format_benchmarks(lines: Sequence[dict[str, Any]]) -> str:
+def format_benchmarks(lines: Iterable[dict[str, Any]], markdown: bool = False) -> str:
+    """``benchmark_line`` rows as dflash-eval prints them (with the sample's checks and the replay's tau
+    histograms), or as ``make demo-real``'s markdown table."""
+    lines = list(lines)
+    if markdown:
+        out = ["| benchmark | prompts | tokens | tau (replay) | tau (online sample) | greedy tok/s | speculative tok/s "
+               "| speedup |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+        for r in lines:
+            speedup = fmt(r["speedup"])
+            out.append(f"| {r['benchmark']} | {r['prompts']} | {r['new_tokens']} | {fmt(r['tau'])} | "
+                       f"{fmt(r['online_tau'])} | {fmt(r['greedy_tokens_per_s'], '.0f')} | "
+                       f"{fmt(r['spec_tokens_per_s'], '.0f')} | {speedup}{'x' if speedup != '-' else ''} |")
+        return "\n".join(out)
     head = (f"{'benchmark':<16} {'prompts':>7} {'tokens':>8} {'tau':>6} {'sample':>6} {'online tau':>10} "
             f"{'greedy tok/s':>12} {'spec tok/s':>10} {'speedup':>7} {'lossless':>13} {'= replay':>8}")
     out = [head, "-" * len(head)]
