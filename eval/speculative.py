@@ -42,8 +42,7 @@ class DFlashProposer:
         self.drafter, self.config = drafter.eval(), drafter.config
         self.block_size = self.config.block_size
         self.target_layer_ids = list(self.config.target_layer_ids)
-        self.embed = target.get_input_embeddings()
-        self.lm_head = target.get_output_embeddings()
+        self.embed, self.lm_head = target.get_input_embeddings(), target.get_output_embeddings()
         self.incremental = incremental
         check_against_target(self.config, target)
         self.reset()
