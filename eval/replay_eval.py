@@ -21,7 +21,7 @@ from dflash.train.model import DFlashDrafter, TargetHead
 from dflash.train.replay import block_predictor, sample_blocks
 from dflash.train.replay import replay as replay_decoding
 
-from .speculative import (device_of, evaluate, first_difference, fmt, load_drafter, mismatch_message, sync_device,
+from .speculative import (device_of, evaluate, first_difference, load_drafter, mismatch_message, sync_device,
                           tau_histogram)
 
 ANCHORS_PER_FORWARD = 256  # blocks per drafter forward (dense attention: queries = this x B)
@@ -106,8 +106,7 @@ def score_sample(sample: dict[str, Any], predict, device, max_anchors: int = ANC
 
 @torch.inference_mode()
 def replay_benchmark(target, drafter: DFlashDrafter, prompts: Sequence[Sequence[int]], *, max_new_tokens: int,
-                     eos_token_ids: Iterable[int] = (), batch_size: int = 16, static: bool | None = None,
-                     max_anchors: int = ANCHORS_PER_FORWARD, progress: bool = False) -> dict[str, Any]:
+                     eos_token_ids: Iterable[int] = (), batch_size: int = 16, progress: bool = False) -> dict[str, Any]:
     """Greedy speculative decoding replayed on every prompt: {"summary", "per_prompt", "seconds"}."""
     from tqdm.auto import tqdm
 
@@ -124,7 +123,7 @@ def replay_benchmark(target, drafter: DFlashDrafter, prompts: Sequence[Sequence[
         seconds[key] += time.perf_counter() - start
 
     start = time.perf_counter()
-    continuations = greedy_continuations(target, prompts, max_new_tokens, stops, batch_size, static)
+    continuations = greedy_continuations(target, prompts, max_new_tokens, stops, batch_size)
     clock("generate", start)
     runner = TargetRunner(target, list(config.target_layer_ids), topk=1)
     records: list[dict[str, Any]] = [{}] * len(prompts)
@@ -137,7 +136,7 @@ def replay_benchmark(target, drafter: DFlashDrafter, prompts: Sequence[Sequence[
             clock("forward", start)
             start = time.perf_counter()
             for i, sample in zip(rows, samples):
-                taus = score_sample(sample, predict, device, max_anchors)
+                taus = score_sample(sample, predict, device)
                 tokens = sample["input_ids"][len(prompts[i]):].tolist()
                 records[i] = {"index": i, "prompt_tokens": len(prompts[i]), "new_tokens": len(tokens),
                               "truncated": continuations[i][1], "blocks": len(taus),
@@ -201,6 +200,10 @@ def benchmark_line(name: str, replay: dict[str, Any], sample: dict[str, Any] | N
                    lossless=sum(r["lossless"] for r in rows), ties=sum(r["tie"] for r in rows),
                    replay_equal=sum(r["tokens_equal"] and r["taus_equal"] for r in rows))
     return row
+
+
+def fmt(value, spec: str = ".2f") -> str:  # "-" for a figure not measured (None or NaN)
+    return "-" if value is None or (isinstance(value, float) and math.isnan(value)) else format(value, spec)
 
 
 def format_benchmarks(lines: Iterable[dict[str, Any]], markdown: bool = False) -> str:

@@ -496,7 +496,3 @@ def evaluate(target, drafter: DFlashDrafter | DFlashProposer, prompts: Sequence[
                 "target_layer_ids": list(proposer.target_layer_ids), "device": str(device),
                 "dtype": str(next(target.parameters()).dtype).removeprefix("torch.")}
     return {"overall": overall, "per_prompt": rows, "settings": settings}
-
-
-def fmt(value, spec: str = ".2f") -> str:  # "-" for a figure not measured (None or NaN)
-    return "-" if value is None or (isinstance(value, float) and math.isnan(value)) else format(value, spec)
