@@ -7,6 +7,7 @@ continuations, one batched target forward over them, and each walked as decoding
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from collections.abc import Iterable, Sequence
@@ -118,33 +119,30 @@ def replay_benchmark(target, drafter: DFlashDrafter, prompts: Sequence[Sequence[
     predict = block_predictor(drafter.eval(), target_head(target), config.mask_token_id)
     seconds = {"generate": 0.0, "forward": 0.0, "drafter": 0.0}
 
-    def clock(key, start):
+    @contextlib.contextmanager
+    def clock(key):
+        start = time.perf_counter()
+        yield
         sync_device(device)
         seconds[key] += time.perf_counter() - start
 
-    start = time.perf_counter()
-    continuations = greedy_continuations(target, prompts, max_new_tokens, stops, batch_size)
-    clock("generate", start)
-    runner = TargetRunner(target, list(config.target_layer_ids), topk=1)
+    with clock("generate"):
+        continuations = greedy_continuations(target, prompts, max_new_tokens, stops, batch_size)
     records: list[dict[str, Any]] = [{}] * len(prompts)
     order = sorted(range(len(prompts)), key=lambda i: -len(prompts[i]) - len(continuations[i][0]))
-    try:
+    with contextlib.closing(TargetRunner(target, list(config.target_layer_ids), topk=1)) as runner:
         for first in tqdm(range(0, len(order), batch_size), desc="replay", unit="batch", disable=not progress):
             rows = order[first:first + batch_size]
-            start = time.perf_counter()
-            samples = replay_samples(runner, [prompts[i] for i in rows], [continuations[i] for i in rows], stops)
-            clock("forward", start)
-            start = time.perf_counter()
-            for i, sample in zip(rows, samples):
-                taus = score_sample(sample, predict, device)
-                tokens = sample["input_ids"][len(prompts[i]):].tolist()
-                records[i] = {"index": i, "prompt_tokens": len(prompts[i]), "new_tokens": len(tokens),
-                              "truncated": continuations[i][1], "blocks": len(taus),
-                              "tau": sum(taus) / len(taus) if taus else math.nan,
-                              "block_taus": taus, "disagreements": sample["disagreements"], "tokens": tokens}
-            clock("drafter", start)
-    finally:
-        runner.close()
+            with clock("forward"):
+                samples = replay_samples(runner, [prompts[i] for i in rows], [continuations[i] for i in rows], stops)
+            with clock("drafter"):
+                for i, sample in zip(rows, samples):
+                    taus = score_sample(sample, predict, device)
+                    tokens = sample["input_ids"][len(prompts[i]):].tolist()
+                    records[i] = {"index": i, "prompt_tokens": len(prompts[i]), "new_tokens": len(tokens),
+                                  "truncated": continuations[i][1], "blocks": len(taus),
+                                  "tau": sum(taus) / len(taus) if taus else math.nan,
+                                  "block_taus": taus, "disagreements": sample["disagreements"], "tokens": tokens}
     taus = [t for r in records for t in r["block_taus"]]
     summary = {"prompts": len(records), "new_tokens": sum(r["new_tokens"] for r in records),
                "drafted_tokens": sum(taus), "blocks": len(taus), "tau": sum(taus) / len(taus) if taus else math.nan,
