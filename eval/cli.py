@@ -1,9 +1,6 @@
-"""``dflash-eval``: acceptance of a drafter against its target, per benchmark.
-
-The tau real decoding gets, replayed (``replay_eval``) over every prompt; then real speculative
-decoding of ``--spec-sample`` prompts per benchmark checks losslessness and the replay's taus,
-and times both decoders. The exit status is 1 when any speculative output differs from greedy
-(after writing --json), and in float32 also when an online tau differs from the replay's.
+"""``dflash-eval``: a drafter's acceptance per benchmark, replayed over every prompt (``replay_eval``),
+then checked (lossless, the replay's taus) and timed by real speculative decoding of a sample.
+Exit status 1 when a speculative output differs from greedy, or in float32 a tau from the replay's.
 """
 
 from __future__ import annotations
@@ -25,8 +22,8 @@ PROMPT_COLUMNS = ("prompt", "question")
 
 
 def row_to_messages_or_text(row: dict[str, Any], index: int, source: str) -> tuple[list[dict] | None, str | None]:
-    """(messages up to and including the last user turn, None), or (None, text) for a ``text`` row;
-    a row with only a ``prompt`` or ``question`` string is one user turn."""
+    """(messages up to the last user turn, None), or (None, text) for a ``text`` row; a row with only
+    a ``prompt`` or ``question`` string is one user turn."""
     from dflash.extract.data import DataError, normalize_row
 
     if all(row.get(c) is None for c in ("messages", "conversations", "text")):
@@ -38,14 +35,12 @@ def row_to_messages_or_text(row: dict[str, Any], index: int, source: str) -> tup
     except DataError as err:
         if err.reason != "no_assistant_turn":
             raise
-        # a prompt set has no answers: normalise it as if it had one
-        patched = dict(row)
+        # a prompt set has no answers: normalise it as if it had one, in the list's own shape
         column = "messages" if row.get("messages") is not None else "conversations"
         first = row[column][0] if row[column] else {}
-        sharegpt = isinstance(first, dict) and "from" in first and "role" not in first  # the list's own shape
+        sharegpt = isinstance(first, dict) and "from" in first and "role" not in first
         answer = {"from": "gpt", "value": "."} if sharegpt else {"role": "assistant", "content": "."}
-        patched[column] = list(row[column]) + [answer]
-        conv = normalize_row(patched, index, source)
+        conv = normalize_row({**row, column: [*row[column], answer]}, index, source)
     if conv.kind == "text":
         return None, conv.text
     users = [i for i, m in enumerate(conv.messages) if m["role"] == "user"]
@@ -67,13 +62,10 @@ def load_prompts(spec: str, tokenizer, *, split: str = "train", limit: int | Non
         if parsed is None:
             continue
         messages, text = parsed
-        if text is None:
+        if messages is not None:
             text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False,
                                                  **(template_kwargs or {}))
-            ids = tokenizer(text, add_special_tokens=False)["input_ids"]
-        else:
-            ids = tokenizer(text)["input_ids"]
-        prompts.append([int(t) for t in ids])
+        prompts.append([int(t) for t in tokenizer(text, add_special_tokens=messages is None)["input_ids"]])
     if skips.total:
         log.warning("prompts: %s", skips.summary())
     return prompts
@@ -87,8 +79,7 @@ def parse_benchmarks(specs: list[str]) -> list[tuple[str, str]]:
     out: list[tuple[str, str]] = []
     for spec in specs:
         name, sep, data = spec.partition("=")
-        named = bool(sep) and (not name or BENCHMARK_NAME.fullmatch(name) is not None)
-        if not named:  # a dataset alone, maybe with '=' or '/' in its path
+        if not (sep and (not name or BENCHMARK_NAME.fullmatch(name))):  # a dataset alone, maybe with '=' or '/' in it
             name, data = Path(spec.rstrip("/")).stem or spec, spec
         if not name or not data:
             raise click.BadParameter(f"{spec!r}: give NAME=DATA (e.g. mtbench=mt_bench.jsonl) or a dataset",
@@ -140,7 +131,7 @@ def cli(target: str, drafter: str, prompts: tuple[str, ...], spec_sample: int, b
     from dflash.extract.target import load_target
 
     from . import replay_eval as rp
-    from .speculative import capture_length, captured_decoders, load_drafter
+    from .speculative import captured_decoders, load_drafter
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     dtype = dtype if dtype != "auto" else ("bfloat16" if device.startswith("cuda") else "float32")
@@ -170,7 +161,7 @@ def cli(target: str, drafter: str, prompts: tuple[str, ...], spec_sample: int, b
     lines, decoded, proposer, session = [], [], draft_model, None  # decoded: ("NAME ", row) per real decode
     if capture and spec_sample:  # one captured pair for every benchmark: each compiles once
         sampled = [p[i] for p in prompt_sets.values() for i in rp.sample_indices(len(p), spec_sample)]
-        session, proposer = captured_decoders(model, draft_model, capture_length(sampled, max_new_tokens, draft_model))
+        session, proposer = captured_decoders(model, draft_model, sampled, max_new_tokens)
     for name, ids in prompt_sets.items():
         replay = rp.replay_benchmark(model, draft_model, ids, max_new_tokens=max_new_tokens, eos_token_ids=eos,
                                      batch_size=batch_size, progress=True)
@@ -189,13 +180,11 @@ def cli(target: str, drafter: str, prompts: tuple[str, ...], spec_sample: int, b
         Path(report_path).parent.mkdir(parents=True, exist_ok=True)
         Path(report_path).write_text(json.dumps(report, indent=2) + "\n")
         click.echo(f"report -> {report_path}", err=True)
-    for message in diverged:
-        click.echo(f"{'REPLAY CHECK FAILED' if dtype == 'float32' else 'replay vs online (not float32)'}: "
-                   f"{message}", err=True)
-    for message in ties:
-        click.echo(f"speculative vs greedy parted at a numerical tie (not a failure): {message}", err=True)
-    for message in failed:
-        click.echo(f"LOSSLESS CHECK FAILED: {message}", err=True)
+    for label, messages in (("REPLAY CHECK FAILED" if dtype == "float32" else "replay vs online (not float32)",
+                             diverged), ("speculative vs greedy parted at a numerical tie (not a failure)", ties),
+                            ("LOSSLESS CHECK FAILED", failed)):
+        for message in messages:
+            click.echo(f"{label}: {message}", err=True)
     if check and (failed or (diverged and dtype == "float32")):
         sys.exit(1)
 

@@ -1,9 +1,6 @@
-"""What the CPU demo builds before the pipeline runs: synthetic chats of deterministic tasks,
-and a small target LM (a Qwen3ForCausalLM) trained on them on the CPU in minutes.
-
-Every assistant reply is a pure function of the conversation so far (arithmetic, counting,
-copying, ...), so the target's greedy continuations are learnable by a drafter. The target's
-loss covers assistant tokens only: the user prompts are random draws the demo never generates.
+"""The CPU demo's synthetic chats, each reply a pure function of the chat so far (arithmetic,
+counting, copying, ...), and a small Qwen3 target trained on them on the CPU in minutes (loss on
+assistant tokens only: the prompts are random draws the demo never generates).
 """
 
 from __future__ import annotations
@@ -44,7 +41,6 @@ PROMPTS = {  # each task's user prompt, its drawn parameters in the braces; `tas
     "say_again": "Say that again.", "capitals": "Now in capital letters.",  # the follow-ups
 }
 TASKS = sorted(set(PROMPTS) - {"say_again", "capitals"})
-# follow-ups depend on the previous reply: the model reads its own earlier answer
 FOLLOW_UPS: dict[str, Callable[[str], str]] = {"Say that again.": lambda previous: previous,
                                                "Now in capital letters.": str.upper}
 _PATTERNS = {name: re.compile(re.escape(p).replace(r"\{\}", "(.+)")) for name, p in PROMPTS.items()}
@@ -98,8 +94,8 @@ def task_of(prompt: str) -> str:
 
 
 def generate_chats(n: int, seed: int = 0) -> list[dict]:
-    """``n`` chats in ``messages`` format: an optional system prompt, then 1-3 turns, some of them
-    follow-ups. The same for the same ``(n, seed)``, and ``generate_chats(n, s)[:m] == generate_chats(m, s)``."""
+    """``n`` chats: an optional system prompt, then 1-3 turns, some of them follow-ups of the previous
+    reply; ``generate_chats(n, s)[:m] == generate_chats(m, s)``."""
     r, chats = random.Random(seed), []
     for _ in range(n):
         messages: list[dict] = []
@@ -171,8 +167,7 @@ def tokenize_chats(tokenizer, chats: Sequence[dict], *, max_length: int, loss_on
 
 def build_demo_target(out_dir: str | Path, train_chats: Sequence[dict], tokenizer, config: DemoTargetConfig, *,
                       log: Callable[[str], None] = print, num_threads: int | None = None) -> dict[str, Any]:
-    """Train the demo target and save it as an HF model folder; returns its build record.
-    ``tokenizer``: a HF fast tokenizer or its folder; ``num_threads``: torch's, for this build only."""
+    """Train the demo target and save it as an HF model folder; returns its build record."""
     from transformers import AutoTokenizer, Qwen3Config, Qwen3ForCausalLM
 
     if isinstance(tokenizer, (str, Path)):
@@ -206,7 +201,7 @@ def build_demo_target(out_dir: str | Path, train_chats: Sequence[dict], tokenize
 
 
 def _batches(lengths: Sequence[int], batch_size: int, r: random.Random) -> Iterator[list[int]]:
-    """Endless batches of indices: each epoch shuffled, grouped by length in windows of 16 batches."""
+    """Endless batches of indices, each epoch shuffled, grouped by length in windows of 16 batches."""
     order, window = list(range(len(lengths))), batch_size * 16
     while True:
         r.shuffle(order)

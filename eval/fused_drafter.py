@@ -1,6 +1,5 @@
 """The proposer's private fast path: a decoding block is so small that kernel calls cost more than
-arithmetic, so projections of one input are one matmul, rope a table, RMSNorm one call. Same
-results as ``DFlashDrafter.forward`` (tested)."""
+arithmetic, so projections of one input are one matmul, rope a table, RMSNorm one call."""
 
 from __future__ import annotations
 
@@ -66,8 +65,7 @@ class DecodingWeights:
                    context_k_norm=torch.stack([a.k_norm.weight for a in attn])[:, None],
                    rope_cos=cos, rope_sin=sin, dtype=drafter.fc.weight.dtype)
 
-    def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, signed sin (Bsz, T, hd) of positions (Bsz, T) in the weights' dtype."""
+    def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # (Bsz, T, hd) each
         return self.rope_cos[positions].to(self.dtype), self.rope_sin[positions].to(self.dtype)
 
 
@@ -95,8 +93,7 @@ def _rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch
 
 def context_kv(drafter: DFlashDrafter, w: DecodingWeights, context_hidden: torch.Tensor,
                context_positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``DFlashDrafter.context_kv``: every layer's keys and values (L, Bsz, Hkv, S, hd) of context
-    features (Bsz, S, n * D) at positions (Bsz, S)."""
+    """``DFlashDrafter.context_kv``: every layer's keys and values (L, Bsz, Hkv, S, hd)."""
     c = drafter.config
     eps, n_layers, n_kv, hd = c.rms_norm_eps, c.num_hidden_layers, c.num_key_value_heads, c.head_dim
     ctx = _rms_norm(F.linear(context_hidden.to(w.dtype), drafter.fc.weight), drafter.hidden_norm.weight, eps)
@@ -111,8 +108,8 @@ def context_kv(drafter: DFlashDrafter, w: DecodingWeights, context_hidden: torch
 def block_forward(drafter: DFlashDrafter, w: DecodingWeights, block_embeds: torch.Tensor,
                   block_positions: torch.Tensor, context_kv: tuple[torch.Tensor, torch.Tensor],
                   context_valid: torch.Tensor | None = None) -> torch.Tensor:
-    """``DFlashDrafter.forward`` for one block (Bsz, B, D) at positions (Bsz, B) over the whole context
-    (``context_kv``'s keys and values); ``context_valid`` (S,): only those positions are seen."""
+    """``DFlashDrafter.forward`` for one block (Bsz, B, D) over ``context_kv``'s keys and values;
+    ``context_valid`` (S,): only those positions are seen."""
     c = drafter.config
     eps, n_heads, n_kv, hd = c.rms_norm_eps, c.num_attention_heads, c.num_key_value_heads, c.head_dim
     keys, values = context_kv
@@ -124,7 +121,8 @@ def block_forward(drafter: DFlashDrafter, w: DecodingWeights, block_embeds: torc
     for i, layer in enumerate(w.layers):
         qkv = F.linear(_rms_norm(x, layer.input_norm, eps), layer.qkv, layer.qkv_bias)  # (Bsz, B, (H + 2 Hkv) hd)
         qkv = qkv.view(bsz, q_len, n_heads + 2 * n_kv, hd)
-        qk = _rotate(_rms_norm(qkv[:, :, :n_heads + n_kv], None, eps) * layer.qk_norm, cos, sin).transpose(1, 2)  # (Bsz, H + Hkv, B, hd)
+        qk = _rotate(_rms_norm(qkv[:, :, :n_heads + n_kv], None, eps) * layer.qk_norm, cos, sin)
+        qk = qk.transpose(1, 2)  # (Bsz, H + Hkv, B, hd)
         v = qkv[:, :, n_heads + n_kv:].transpose(1, 2)  # (Bsz, Hkv, B, hd)
         k_all = torch.cat([keys[i], qk[:, n_heads:]], dim=2)  # (Bsz, Hkv, S + B, hd)
         v_all = torch.cat([values[i], v], dim=2)

@@ -1,14 +1,13 @@
 """Acceptance over a whole benchmark in minutes: greedy speculative decoding replayed, not run.
 
-At temperature 0 speculative decoding emits the target's greedy continuation, and a block at
-position a accepts what the drafter proposes from the target's states of positions < a. So:
-batched greedy continuations, one batched target forward over prompt + continuation, and the
-continuation walked as decoding walks it (``dflash.train.replay``). The taus equal real
-decoding's in float32 (tested); ``spec_sample`` decodes a few prompts for real to check it.
+At temperature 0 speculative decoding emits the target's greedy continuation, so: batched greedy
+continuations, one batched target forward over them, and each walked as decoding walks it
+(``dflash.train.replay``). ``spec_sample`` decodes a few prompts for real to check the taus.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from collections.abc import Iterable, Sequence
@@ -23,7 +22,7 @@ from dflash.train.model import DFlashDrafter, TargetHead
 from dflash.train.replay import block_predictor, sample_blocks
 from dflash.train.replay import replay as replay_decoding
 
-from .speculative import (device_of, evaluate, first_difference, fmt, load_drafter, mismatch_message, sync_device,
+from .speculative import (device_of, evaluate, first_difference, load_drafter, mismatch_message, sync_device,
                           tau_histogram)
 
 ANCHORS_PER_FORWARD = 256  # blocks per drafter forward (dense attention: queries = this x B)
@@ -31,8 +30,7 @@ ANCHORS_PER_FORWARD = 256  # blocks per drafter forward (dense attention: querie
 
 def replay_export(cache: str | Path, samples: list[int], export: str | Path, target: str | Path,
                   max_length: int = 4096, max_new_tokens: int | None = None) -> dict[str, Any]:
-    """Decoding replayed on cache ``samples`` by a drafter from an export or run folder
-    (``train.replay``'s dict: tau, blocks, ...)."""
+    """Decoding replayed on cache ``samples`` by a drafter from an export or run folder (``train.replay``'s dict)."""
     from dflash.shared.cache import CacheReader
     from dflash.train.model import load_target_head
 
@@ -47,18 +45,16 @@ def replay_export(cache: str | Path, samples: list[int], export: str | Path, tar
 def greedy_continuations(target, prompts: Sequence[Sequence[int]], max_new_tokens: int,
                          eos_token_ids: Iterable[int] = (), batch_size: int = 16, static: bool | None = None
                          ) -> list[tuple[list[int], bool]]:
-    """Per prompt: (greedy tokens before the stop token, truncated?), batched by length.
-    ``static``: regeneration's static KV cache (None: on CUDA)."""
+    """Per prompt: (greedy tokens before the stop token, truncated?); ``static``: regeneration's
+    static KV cache (None: on CUDA)."""
     from dflash.extract.regenerate import GenerationSettings, StaticDecoder, generate_batch, generation_kwargs
 
     stops = sorted({int(t) for t in eos_token_ids})
-    gen_kwargs = generation_kwargs(GenerationSettings(max_new_tokens=max_new_tokens), stops,
-                                   stops[0] if stops else 0)
-    if not stops:  # no stop token: decode max_new_tokens (generate() refuses an empty eos list)
+    gen_kwargs = generation_kwargs(GenerationSettings(max_new_tokens=max_new_tokens), stops, stops[0] if stops else 0)
+    if not stops:  # generate() refuses an empty eos list
         gen_kwargs["eos_token_id"] = None
-    use_static = static if static is not None else device_of(target).type == "cuda"
-    decoder = (StaticDecoder(target, batch_size, max_new_tokens, max(len(p) for p in prompts))
-               if use_static and prompts else None)
+    static = device_of(target).type == "cuda" if static is None else static
+    decoder = StaticDecoder(target, batch_size, max_new_tokens, max(map(len, prompts))) if static and prompts else None
 
     def tokenize(text: str, add_special_tokens: bool = False) -> dict[str, list[int]]:  # "i" -> prompt i
         return {"input_ids": list(prompts[int(text)])}
@@ -79,10 +75,8 @@ def target_head(target) -> TargetHead:  # the target's embedding and LM head, fo
 
 def replay_samples(runner, prompts: Sequence[Sequence[int]], continuations: Sequence[tuple[list[int], bool]],
                    stops: frozenset[int]) -> list[dict[str, Any]]:
-    """One batched target forward over prompt + continuation -> per prompt the replay's sample
-    (input_ids with the stop token when one was hit, loss_mask, context_hidden, target_top1) and
-    ``disagreements``: positions where the forward's greedy token is not the generated one (0 in
-    float32; a stop the forward does not pick, a bf16 near-tie, becomes the smallest stop id)."""
+    """One batched target forward over prompt + continuation -> per prompt the replay's sample, and
+    ``disagreements``: positions where the forward's greedy token is not the generated one (0 in float32)."""
     sequences = [torch.tensor(list(p) + tokens, dtype=torch.long) for p, (tokens, _) in zip(prompts, continuations)]
     out = runner.forward(*runner.pad_batch(sequences))
     hidden = out.hidden.flatten(1).split([len(s) for s in sequences])  # per prompt (T, n * D)
@@ -91,7 +85,7 @@ def replay_samples(runner, prompts: Sequence[Sequence[int]], continuations: Sequ
     for prompt, (tokens, truncated), ids, h, t1 in zip(prompts, continuations, sequences, hidden, top1):
         ids, P = ids.to(t1.device), len(prompt)
         if not truncated:
-            stop = int(t1[-1])
+            stop = int(t1[-1])  # a stop the forward does not pick (a bf16 near-tie): the smallest stop id
             ids = torch.cat([ids, ids.new_tensor([stop if stop in stops else min(stops)])])
             h = torch.cat([h, h.new_zeros(1, h.shape[1])])
             t1 = torch.cat([t1, t1[-1:]])
@@ -113,10 +107,8 @@ def score_sample(sample: dict[str, Any], predict, device, max_anchors: int = ANC
 
 @torch.inference_mode()
 def replay_benchmark(target, drafter: DFlashDrafter, prompts: Sequence[Sequence[int]], *, max_new_tokens: int,
-                     eos_token_ids: Iterable[int] = (), batch_size: int = 16, static: bool | None = None,
-                     max_anchors: int = ANCHORS_PER_FORWARD, progress: bool = False) -> dict[str, Any]:
-    """Greedy speculative decoding replayed on every prompt (token ids): {"summary", "per_prompt",
-    "seconds": {generate, forward, drafter}}."""
+                     eos_token_ids: Iterable[int] = (), batch_size: int = 16, progress: bool = False) -> dict[str, Any]:
+    """Greedy speculative decoding replayed on every prompt: {"summary", "per_prompt", "seconds"}."""
     from tqdm.auto import tqdm
 
     from dflash.extract.target import TargetRunner
@@ -127,33 +119,30 @@ def replay_benchmark(target, drafter: DFlashDrafter, prompts: Sequence[Sequence[
     predict = block_predictor(drafter.eval(), target_head(target), config.mask_token_id)
     seconds = {"generate": 0.0, "forward": 0.0, "drafter": 0.0}
 
-    def clock(key, start):
+    @contextlib.contextmanager
+    def clock(key):
+        start = time.perf_counter()
+        yield
         sync_device(device)
         seconds[key] += time.perf_counter() - start
 
-    start = time.perf_counter()
-    continuations = greedy_continuations(target, prompts, max_new_tokens, stops, batch_size, static)
-    clock("generate", start)
-    runner = TargetRunner(target, list(config.target_layer_ids), topk=1)
+    with clock("generate"):
+        continuations = greedy_continuations(target, prompts, max_new_tokens, stops, batch_size)
     records: list[dict[str, Any]] = [{}] * len(prompts)
     order = sorted(range(len(prompts)), key=lambda i: -len(prompts[i]) - len(continuations[i][0]))
-    try:
+    with contextlib.closing(TargetRunner(target, list(config.target_layer_ids), topk=1)) as runner:
         for first in tqdm(range(0, len(order), batch_size), desc="replay", unit="batch", disable=not progress):
             rows = order[first:first + batch_size]
-            start = time.perf_counter()
-            samples = replay_samples(runner, [prompts[i] for i in rows], [continuations[i] for i in rows], stops)
-            clock("forward", start)
-            start = time.perf_counter()
-            for i, sample in zip(rows, samples):
-                taus = score_sample(sample, predict, device, max_anchors)
-                tokens = sample["input_ids"][len(prompts[i]):].tolist()
-                records[i] = {"index": i, "prompt_tokens": len(prompts[i]), "new_tokens": len(tokens),
-                              "truncated": continuations[i][1], "blocks": len(taus),
-                              "tau": sum(taus) / len(taus) if taus else math.nan,
-                              "block_taus": taus, "disagreements": sample["disagreements"], "tokens": tokens}
-            clock("drafter", start)
-    finally:
-        runner.close()
+            with clock("forward"):
+                samples = replay_samples(runner, [prompts[i] for i in rows], [continuations[i] for i in rows], stops)
+            with clock("drafter"):
+                for i, sample in zip(rows, samples):
+                    taus = score_sample(sample, predict, device)
+                    tokens = sample["input_ids"][len(prompts[i]):].tolist()
+                    records[i] = {"index": i, "prompt_tokens": len(prompts[i]), "new_tokens": len(tokens),
+                                  "truncated": continuations[i][1], "blocks": len(taus),
+                                  "tau": sum(taus) / len(taus) if taus else math.nan,
+                                  "block_taus": taus, "disagreements": sample["disagreements"], "tokens": tokens}
     taus = [t for r in records for t in r["block_taus"]]
     summary = {"prompts": len(records), "new_tokens": sum(r["new_tokens"] for r in records),
                "drafted_tokens": sum(taus), "blocks": len(taus), "tau": sum(taus) / len(taus) if taus else math.nan,
@@ -178,8 +167,8 @@ def first_divergence(replay_taus: Sequence[int], online_taus: Sequence[int]) -> 
 def spec_sample(target, drafter: DFlashDrafter, prompts: Sequence[Sequence[int]], replay: dict[str, Any], k: int, *,
                 max_new_tokens: int, eos_token_ids: Iterable[int] = (), warmup: bool = True,
                 progress: bool = False, capture: bool = False, session=None) -> dict[str, Any]:
-    """``evaluate`` on ``k`` of the prompts, each row compared with its replay ("replay_tau",
-    "tokens_equal", "taus_equal", "divergence": None or where tokens / taus first differ)."""
+    """``evaluate`` on ``k`` of the prompts, each row compared with its replay ("divergence": None or
+    where tokens or taus first differ)."""
     indices = sample_indices(len(prompts), k)
     result = evaluate(target, drafter, [prompts[i] for i in indices], max_new_tokens=max_new_tokens,
                       eos_token_ids=eos_token_ids, check=False, warmup=warmup, progress=progress, capture=capture,
@@ -211,7 +200,23 @@ def benchmark_line(name: str, replay: dict[str, Any], sample: dict[str, Any] | N
     return row
 
 
-def format_benchmarks(lines: Sequence[dict[str, Any]]) -> str:
+def fmt(value, spec: str = ".2f") -> str:  # "-" for a figure not measured (None or NaN)
+    return "-" if value is None or (isinstance(value, float) and math.isnan(value)) else format(value, spec)
+
+
+def format_benchmarks(lines: Iterable[dict[str, Any]], markdown: bool = False) -> str:
+    """``benchmark_line`` rows as dflash-eval prints them (with the sample's checks and the replay's tau
+    histograms), or as ``make demo-real``'s markdown table."""
+    lines = list(lines)
+    if markdown:
+        out = ["| benchmark | prompts | tokens | tau (replay) | tau (online sample) | greedy tok/s | speculative tok/s "
+               "| speedup |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+        for r in lines:
+            speedup = fmt(r["speedup"])
+            out.append(f"| {r['benchmark']} | {r['prompts']} | {r['new_tokens']} | {fmt(r['tau'])} | "
+                       f"{fmt(r['online_tau'])} | {fmt(r['greedy_tokens_per_s'], '.0f')} | "
+                       f"{fmt(r['spec_tokens_per_s'], '.0f')} | {speedup}{'x' if speedup != '-' else ''} |")
+        return "\n".join(out)
     head = (f"{'benchmark':<16} {'prompts':>7} {'tokens':>8} {'tau':>6} {'sample':>6} {'online tau':>10} "
             f"{'greedy tok/s':>12} {'spec tok/s':>10} {'speedup':>7} {'lossless':>13} {'= replay':>8}")
     out = [head, "-" * len(head)]

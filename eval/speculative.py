@@ -1,12 +1,8 @@
-"""DFlash speculative decoding against the target's own greedy decoding, one prompt at a time,
-at temperature 0.
+"""DFlash speculative decoding at temperature 0, one prompt at a time, checked against greedy decoding.
 
-With the last accepted token at position p (not yet in the KV cache), the drafter proposes
-p+1 .. p+B-1 from [last, MASK x (B-1)] and the target's states of positions < p; one target
-forward of [last, proposals] accepts the longest prefix equal to its greedy tokens plus its
-bonus token (tau = accepted + 1). The output must equal greedy decoding token for token
-(``LosslessError``), except where greedy's top two logits are within ``TIE_ULPS`` (a B-token
-verify and a 1-token decode need not round alike): a tie, counted.
+The drafter proposes p+1 .. p+B-1 from [last, MASK x (B-1)] and the target's states before p; one
+target forward accepts the longest prefix equal to its greedy tokens plus a bonus token. The output
+must equal greedy's (``LosslessError``) except at a tie of greedy's top two logits (``TIE_ULPS``).
 """
 
 from __future__ import annotations
@@ -39,23 +35,20 @@ class LosslessError(RuntimeError):
 
 
 class DFlashProposer:
-    """A DFlashDrafter with the target's embedding and LM head: the speculative loop's proposer
-    (any object with ``block_size``, ``target_layer_ids``, ``propose`` and an optional ``reset`` is one).
-    Context keys/values are computed once per position (``fused_drafter``) and kept until ``reset``;
-    ``incremental=False`` recomputes the context with the training forward (the reference)."""
+    """A DFlashDrafter with the target's embedding and LM head, keeping its context keys/values
+    until ``reset``; ``incremental=False`` recomputes them with the training forward (the reference)."""
 
     def __init__(self, drafter: DFlashDrafter, target, incremental: bool = True):
         self.drafter, self.config = drafter.eval(), drafter.config
         self.block_size = self.config.block_size
         self.target_layer_ids = list(self.config.target_layer_ids)
-        self.embed = target.get_input_embeddings()
-        self.lm_head = target.get_output_embeddings()
+        self.embed, self.lm_head = target.get_input_embeddings(), target.get_output_embeddings()
         self.incremental = incremental
         check_against_target(self.config, target)
         self.reset()
 
     def reset(self) -> None:
-        """Forget the kept context and take the drafter's weights afresh (the fused path holds copies)."""
+        """Forget the kept context; take the drafter's weights afresh (the fused path holds copies)."""
         self._weights = fused.DecodingWeights.of(self.drafter)
         self._keys: torch.Tensor | None = None  # (L, 1, Hkv, capacity, hd), positions < _context_len valid
         self._values: torch.Tensor | None = None
@@ -63,8 +56,7 @@ class DFlashProposer:
         self._last_row: torch.Tensor | None = None  # features of the last kept position
 
     def propose(self, context: torch.Tensor, tokens: Sequence[int], position: int) -> torch.Tensor:
-        """(B - 1,) proposals for positions position+1 .. position+B-1, from context (1, position, n * D)
-        (the target's states of positions < position, extending the last call's) and the tokens so far."""
+        """(B - 1,) proposals after ``position`` from context (1, position, n * D) and the tokens so far."""
         return self.block_logits(context, tokens, position).argmax(dim=-1)
 
     @torch.inference_mode()
@@ -91,8 +83,7 @@ class DFlashProposer:
         return self.lm_head(hidden[0, 1:].to(self.lm_head.weight.dtype))  # (B-1, V)
 
     def _extend(self, context: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Every layer's context keys/values (L, 1, Hkv, S, hd), computing only positions not kept yet
-        (while ``context`` still matches at the last kept position), in buffers grown by doubling."""
+        """Every layer's context keys/values (L, 1, Hkv, S, hd), computing only positions not kept yet."""
         ctx_len, kept = context.shape[1], self._context_len
         if kept and (ctx_len < kept or not torch.equal(context[0, kept - 1], self._last_row)):
             kept = 0
@@ -117,10 +108,8 @@ class DFlashProposer:
 
 
 class StaticProposer(DFlashProposer):
-    """``DFlashProposer`` at fixed shapes, so that on CUDA (``capture``) a proposal is one CUDA graph:
-    a block writes the keys/values of B positions from the first new one into fixed buffers (those
-    past the context masked) and attends over all of them; a prompt is written eagerly. The weights
-    are taken once: the graph reads them at their addresses."""
+    """``DFlashProposer`` at fixed shapes, so that on CUDA (``capture``) a proposal is one CUDA graph;
+    the weights are taken once, as the graph reads them at their addresses."""
 
     def __init__(self, drafter: DFlashDrafter, target, capacity: int, capture: bool = False):
         super().__init__(drafter, target)
@@ -194,8 +183,7 @@ def load_drafter(path: str | Path, device: str | torch.device = "cpu", dtype: to
     from dflash.train import checkpoint
     from dflash.train.export import CONFIG_NAME, load_exported
 
-    path = Path(path)
-    # a run folder holds a config.json too (the training config): look for checkpoints first
+    path = Path(path)  # a run folder holds a config.json too: checkpoints first
     ckpt = path if (path / "state.json").is_file() and (path / "model.safetensors").is_file() \
         else checkpoint.resolve(path, "latest")
     if ckpt is None and (path / CONFIG_NAME).is_file():
@@ -218,7 +206,6 @@ def cache_length(cache) -> int:
 
 
 def crop_cache(cache, keep: int):
-    """The KV cache cut to its first ``keep`` positions (``crop(-n)`` removes n in every transformers)."""
     current = cache_length(cache)
     if keep > current:
         raise ValueError(f"cannot crop a {current}-position cache to {keep}")
@@ -248,12 +235,9 @@ def _cache_argument(model_class: type) -> str:  # "cache" (transformers 5.2x) or
 
 def _forward(target, input_ids: torch.Tensor, cache=None, **kwargs):  # -> (output, cache)
     name = _cache_argument(type(target))
-    if cache is not None:
-        kwargs[name] = cache
-    out = target(input_ids=input_ids, use_cache=True, **kwargs)
-    new_cache = getattr(out, name, None)
-    if new_cache is None:
-        new_cache = getattr(out, "past_key_values", None) if name == "cache" else getattr(out, "cache", None)
+    out = target(input_ids=input_ids, use_cache=True, **({name: cache} if cache is not None else {}), **kwargs)
+    caches = (getattr(out, n, None) for n in (name, "past_key_values", "cache"))
+    new_cache = next((c for c in caches if c is not None), None)
     if new_cache is None:
         raise RuntimeError(f"{type(target).__name__} returned no KV cache")
     return out, new_cache
@@ -273,8 +257,7 @@ def _layer_states(hidden_states, layer_ids: Sequence[int]) -> torch.Tensor:  # (
 
 
 class EagerTarget:
-    """The decoding loops' target: forwards extending one dynamic KV cache (the reference), ``crop``
-    to drop rejected drafts."""
+    """The decoding loops' target on one dynamic KV cache (the reference); ``crop`` drops rejected drafts."""
 
     def __init__(self, target):
         self.target, self.device = target, device_of(target)
@@ -301,9 +284,8 @@ class EagerTarget:
 
 
 class StaticTarget(EagerTarget):
-    """``EagerTarget`` on one static KV cache: a crop moves the length back (and the layers' position
-    counter, in place: a captured graph reads it at its address). ``capture``: the 1-token and
-    B-token forwards as CUDA graphs; the prefill stays eager."""
+    """``EagerTarget`` on one static KV cache; ``capture``: the 1-token and B-token forwards as CUDA
+    graphs (the prefill stays eager)."""
 
     def __init__(self, target, max_length: int, capture: bool = False):
         from transformers import StaticCache
@@ -312,7 +294,6 @@ class StaticTarget(EagerTarget):
         self.cache = StaticCache(config=target.config, max_cache_len=max_length)
         self.max_length, self._length = max_length, 0
         self._cache_name = _cache_argument(type(target))
-        # static shapes: only 1 and B new tokens come here; dynamic ones would recompile the target
         self._step = torch.compile(self._run, mode="reduce-overhead", dynamic=False) if capture else self._run
 
     def reset(self) -> None:
@@ -447,12 +428,9 @@ def check_lossless(spec: Sequence[int], greedy: Sequence[int], margins: Sequence
 
 def tau_histogram(taus: Sequence[int], block_size: int) -> list[int]:
     """counts[k - 1]: blocks that accepted k tokens (a tau outside 1..B is a bookkeeping bug: raised)."""
-    counts = [0] * block_size
-    for tau in taus:
-        if not 1 <= tau <= block_size:
-            raise ValueError(f"a block emitted {tau} tokens; a block of {block_size} emits 1..{block_size}")
-        counts[tau - 1] += 1
-    return counts
+    if bad := [tau for tau in taus if not 1 <= tau <= block_size]:
+        raise ValueError(f"a block emitted {bad[0]} tokens; a block of {block_size} emits 1..{block_size}")
+    return [list(taus).count(k) for k in range(1, block_size + 1)]
 
 
 def _summary(specs: Sequence[Generation], greedies: Sequence[Generation], block_size: int) -> dict[str, Any]:
@@ -468,34 +446,30 @@ def _summary(specs: Sequence[Generation], greedies: Sequence[Generation], block_
             "speedup": greedy_s / spec_s if spec_s > 0 else math.nan}
 
 
-def capture_length(prompts: Sequence[Sequence[int]], max_new_tokens: int, drafter: DFlashDrafter | DFlashProposer) -> int:
-    """Positions a captured session needs: the longest prompt, its new tokens, two blocks."""
+def captured_decoders(target, drafter: DFlashDrafter | DFlashProposer, prompts: Sequence[Sequence[int]],
+                      max_new_tokens: int) -> tuple[StaticTarget, DFlashProposer]:
+    """``--capture``'s target session and proposer (a ready proposer kept) for these prompts, built once
+    for every ``evaluate``: room for the longest prompt, its new tokens and two blocks."""
     block = drafter.config.block_size if isinstance(drafter, DFlashDrafter) else drafter.block_size
-    return max(len(p) for p in prompts) + max_new_tokens + 2 * block
-
-
-def captured_decoders(target, drafter: DFlashDrafter, max_length: int) -> tuple[StaticTarget, StaticProposer]:
-    """``--capture``'s target session and proposer, built once for every ``evaluate`` (each compiles once)."""
-    cuda = device_of(target).type == "cuda"
-    return StaticTarget(target, max_length, capture=cuda), StaticProposer(drafter, target, max_length, capture=cuda)
+    max_length, cuda = max(len(p) for p in prompts) + max_new_tokens + 2 * block, device_of(target).type == "cuda"
+    if isinstance(drafter, DFlashDrafter):
+        drafter = StaticProposer(drafter, target, max_length, capture=cuda)
+    return StaticTarget(target, max_length, capture=cuda), drafter
 
 
 def evaluate(target, drafter: DFlashDrafter | DFlashProposer, prompts: Sequence[Sequence[int]], *,
              max_new_tokens: int = 128, eos_token_ids: Iterable[int] = (), check: bool = True,
              warmup: bool = True, progress: bool = False, capture: bool = False,
              session: StaticTarget | None = None) -> dict[str, Any]:
-    """Speculative vs greedy decoding of every prompt (token ids): {"overall", "per_prompt", "settings"}.
-    ``check``: a mismatch not at a tie raises LosslessError (rows record it either way). ``capture``:
-    both decoders on one ``StaticTarget``; ``session`` and ``drafter``: ``captured_decoders``, reused."""
+    """Speculative vs greedy decoding of every prompt: {"overall", "per_prompt", "settings"}; ``check``:
+    a mismatch not at a tie raises LosslessError. ``capture``: both decoders on one ``StaticTarget``
+    (``session`` and ``drafter`` from ``captured_decoders`` are reused)."""
     from tqdm.auto import tqdm
 
-    device = device_of(target)
-    proposer = drafter
-    if session is None and capture and prompts and isinstance(drafter, DFlashDrafter):
-        session, proposer = captured_decoders(target, drafter, capture_length(prompts, max_new_tokens, drafter))
-    elif session is None and capture and prompts:
-        session = StaticTarget(target, capture_length(prompts, max_new_tokens, drafter), capture=device.type == "cuda")
-    elif isinstance(drafter, DFlashDrafter):
+    device, proposer = device_of(target), drafter
+    if session is None and capture and prompts:
+        session, proposer = captured_decoders(target, drafter, prompts, max_new_tokens)
+    if isinstance(proposer, DFlashDrafter):
         proposer = DFlashProposer(drafter, target)
     eos, B = sorted({int(t) for t in eos_token_ids}), proposer.block_size
     if warmup and prompts:  # first calls pay for allocator growth, kernels, lazy init, graph capture
@@ -522,7 +496,3 @@ def evaluate(target, drafter: DFlashDrafter | DFlashProposer, prompts: Sequence[
                 "target_layer_ids": list(proposer.target_layer_ids), "device": str(device),
                 "dtype": str(next(target.parameters()).dtype).removeprefix("torch.")}
     return {"overall": overall, "per_prompt": rows, "settings": settings}
-
-
-def fmt(value, spec: str = ".2f") -> str:  # "-" for a figure not measured (None or NaN)
-    return "-" if value is None or (isinstance(value, float) and math.isnan(value)) else format(value, spec)
