@@ -1,12 +1,6 @@
-"""DFlash training attention: one mask function, two backends.
-
-Queries are N blocks x B slots (query q is in block q // B); keys are [context (S) | blocks (N * B)].
-A query of block b sees context key j iff ``j < anchor[b]`` and ``j < ctx_len``, and every key of
-its OWN block (keyed on block identity, not position: blocks closer than B must not see each
-other); a padded block sees nothing. Both backends evaluate the same ``mask_mod``: "flex" through
-a ``BlockMask`` built from the mask's intervals and a compiled ``flex_attention`` (CUDA), "dense"
-as a bool (Bsz, 1, Q, S + Q) tensor fed to SDPA (the CPU: flex has no CPU backward).
-"""
+"""DFlash training attention: one ``mask_mod``, two backends (flex from the mask's intervals, dense SDPA).
+Query q of block q // B sees context key j < min(anchor, ctx_len) and its own block's keys (by block
+identity, not position); a padded block sees nothing."""
 
 from __future__ import annotations
 
@@ -23,16 +17,14 @@ _allow_uncompiled_flex = False
 
 
 def allow_uncompiled_flex(allowed: bool = True) -> None:
-    """Let ``attend`` run flex eagerly: it materialises the full score matrix (tens of GB at
-    training shapes), so only for tests and debugging, and only when asked for."""
+    """Let ``attend`` run flex eagerly (the full score matrix: tests and debugging only)."""
     global _allow_uncompiled_flex
     _allow_uncompiled_flex = bool(allowed)
 
 
 def make_mask_mod(anchors: torch.Tensor, block_valid: torch.Tensor, ctx_len: torch.Tensor, context_len: int,
                   block_size: int):
-    """The DFlash mask as a flex ``mask_mod(b, h, q_idx, kv_idx) -> bool``: anchors (Bsz, N),
-    block_valid (Bsz, N), ctx_len (Bsz,) real context positions; context_len S is the padded one."""
+    """The DFlash flex ``mask_mod``; ctx_len (Bsz,): real context lengths, context_len S: padded."""
     S, B = int(context_len), int(block_size)
     block_valid = block_valid.to(torch.bool)
 
@@ -69,10 +61,8 @@ def build_mask(kind: str, anchors: torch.Tensor, block_valid: torch.Tensor, ctx_
 
 def tile_maps(anchors: torch.Tensor, block_valid: torch.Tensor, ctx_len: torch.Tensor, context_len: int,
               block_size: int, tile: int = FLEX_TILE) -> tuple[torch.Tensor, torch.Tensor]:
-    """(any, full): which (query tile, key tile) pairs hold any / only visible pairs, (Bsz, Qt, Kt)
-    bool, from the mask's intervals. Row q of block n sees [0, min(anchor_n, ctx_len)) and its
-    block's [S + nB, S + nB + B) (both empty for a padded block): a key tile holds a visible key
-    iff an interval meets it, and is full iff one covers it. Edge tiles are never full (exact)."""
+    """(any, full) (Bsz, Qt, Kt): tile pairs with any / only visible pairs, from each row's intervals
+    [0, min(anchor, ctx_len)) and [S + nB, S + nB + B); edge tiles are never full."""
     bsz, n_blocks = anchors.shape
     B, S = int(block_size), int(context_len)
     q_len, device, valid = n_blocks * B, anchors.device, block_valid.to(torch.bool)
@@ -95,8 +85,7 @@ def tile_maps(anchors: torch.Tensor, block_valid: torch.Tensor, ctx_len: torch.T
 
 def dflash_block_mask(anchors: torch.Tensor, block_valid: torch.Tensor, ctx_len: torch.Tensor,
                       context_len: int, block_size: int) -> BlockMask:
-    """The flex ``BlockMask`` from ``tile_maps`` with plain tensor ops: unlike ``create_block_mask``,
-    nothing compiles and no dense (Q, KV) grid exists. Partial tiles apply ``mask_mod``: exact."""
+    """The flex ``BlockMask`` from ``tile_maps``: no compile, no dense grid; partial tiles apply ``mask_mod``."""
     q_len = anchors.shape[1] * int(block_size)
     any_tile, full_tile = tile_maps(anchors, block_valid, ctx_len, context_len, block_size)
 
@@ -111,15 +100,13 @@ def dflash_block_mask(anchors: torch.Tensor, block_valid: torch.Tensor, ctx_len:
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: BlockMask | torch.Tensor | None,
            scale: float) -> torch.Tensor:
-    """q (Bsz, H, Q, hd), k/v (Bsz, Hkv, KV, hd) -> (Bsz, H, Q, hd), GQA included. Query rows that
-    see no key (padded blocks) return exactly zero on both backends. ``mask`` None: every query
-    sees every key (one decoding block over its whole context)."""
+    """q (Bsz, H, Q, hd), k/v (Bsz, Hkv, KV, hd) -> (Bsz, H, Q, hd); rows that see no key give exactly 0;
+    ``mask`` None: every query sees every key."""
     gqa = q.shape[1] != k.shape[1]
     if mask is None:
         return F.scaled_dot_product_attention(q, k, v, scale=scale, enable_gqa=gqa)
     if isinstance(mask, BlockMask):
-        # flex returns 0 for rows with no visible key. Inside the compiled drafter dynamo lowers flex
-        # into the graph (the lazy global would add a guard, and so a recompile after warm-up).
+        # inside the compiled drafter dynamo lowers flex into the graph (a global would add a guard)
         if torch.compiler.is_compiling():
             return flex_attention(q, k, v, block_mask=mask, scale=scale, enable_gqa=gqa)
         if _allow_uncompiled_flex:
@@ -132,8 +119,7 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: BlockMask | 
         return _compiled_flex_attention(q, k, v, block_mask=mask, scale=scale, enable_gqa=gqa)
     if gqa:  # an explicit repeat: SDPA's enable_gqa rules out the memory-efficient CUDA kernel
         k, v = (t.repeat_interleave(q.shape[1] // k.shape[1], dim=1) for t in (k, v))
-    # Rows that see nothing would softmax over all -inf (NaN on some backends): let them see
-    # everything, then zero their output, which also zeroes their gradient.
+    # rows that see nothing (NaN softmax) see everything, then are zeroed, gradient included
     row_sees_any = mask.any(dim=-1, keepdim=True)  # (Bsz, 1, Q, 1)
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask | ~row_sees_any, scale=scale)
     return out * row_sees_any.to(out.dtype)

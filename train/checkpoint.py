@@ -1,8 +1,5 @@
-"""Checkpoints: one folder per step, RUN/checkpoints/step_000123/, enough to continue exactly
-where the run stopped: model.safetensors (the uncompiled drafter, export names, fp32),
-optimizer.pt, scheduler.pt, rng_rank{r}.pt (torch / cuda RNG of rank r; data draws are keyed),
-state.json (step, data position, configs). Written as ``step_X.partial`` and renamed when
-complete, so a kill during a save leaves the previous one the latest; loaded ``weights_only``."""
+"""Checkpoints, RUN/checkpoints/step_000123/: model.safetensors (export names), optimizer.pt,
+scheduler.pt, rng_rank{r}.pt, state.json; written as ``.partial`` and renamed, for a bitwise resume."""
 
 from __future__ import annotations
 

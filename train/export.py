@@ -1,7 +1,5 @@
-"""Export a drafter in the folder SGLang and vLLM read (config.json: DFlashDraftModel, Qwen3
-fields, block_size, num_target_layers, dflash_config, eagle_aux_hidden_state_layer_ids for older
-vLLM; model.safetensors: the unprefixed state-dict names, no embedding, no lm_head), check it
-against its target, print the commands that serve it, and load it back."""
+"""Export a drafter as the folder SGLang and vLLM read (config.json of a DFlashDraftModel +
+model.safetensors under the state-dict names), check it against its target, serve and load it."""
 
 from __future__ import annotations
 
@@ -27,13 +25,12 @@ LAYER_ID_CONVENTION = "id i = output of target decoder layer i = HF hidden_state
 _REQUIRED = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
              "vocab_size", "num_target_layers", "num_hidden_layers", "block_size", "rms_norm_eps",
              "max_position_embeddings")
-_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
-_NAME_DTYPES = {v: k for k, v in _DTYPE_NAMES.items()}
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def export_config_dict(config: DrafterConfig, dtype: torch.dtype) -> dict:
     """The config.json content for ``config`` with weights stored in ``dtype``."""
-    dtype_name = _DTYPE_NAMES[dtype]
+    dtype_name = str(dtype).removeprefix("torch.")
     shapes = {k: v for k, v in config.to_dict().items() if k not in ("target_layer_ids", "mask_token_id")}
     return {
         "architectures": [ARCHITECTURE],
@@ -52,16 +49,13 @@ def export_config_dict(config: DrafterConfig, dtype: torch.dtype) -> dict:
 
 
 def eagle_layer_ids(target_layer_ids: list[int]) -> list[int]:
-    """The same layers in vLLM's capture-point numbering (input of decoder layer i + 1), which
-    its releases before DFlash support read from ``eagle_aux_hidden_state_layer_ids``."""
+    """The same layers in the numbering of older vLLM's ``eagle_aux_hidden_state_layer_ids``."""
     return [int(i) + 1 for i in target_layer_ids]
 
 
 def check_against_target(config: DrafterConfig, target, tokenizer=None) -> None:
-    """Raise ValueError naming every way the drafter does not fit ``target`` (an HF config, or a
-    loaded model whose embedding rows are then the vocabulary; export and evaluation both check
-    here): hidden size, vocabulary, layer count and layers, and the MASK row (inside the target's
-    vocabulary, and the tokenizer's <|MASK|> where it has one: SGLang refuses anything else)."""
+    """Raise ValueError naming every way the drafter does not fit ``target`` (an HF config or a loaded
+    model): sizes, layers, and the MASK row (the tokenizer's <|MASK|> where it has one, as SGLang asks)."""
     loaded = hasattr(target, "get_input_embeddings")
     text = (target.config if loaded else target).get_text_config()
     vocab = target.get_input_embeddings().weight.shape[0] if loaded else text.vocab_size
@@ -85,8 +79,7 @@ def check_against_target(config: DrafterConfig, target, tokenizer=None) -> None:
 
 
 def serve_commands(export_dir: str | os.PathLike, target: str, block_size: int) -> dict[str, str]:
-    """Shell command lines that serve ``target`` with the exported drafter: SGLang reads the
-    block size from the config (and the flag), vLLM drafts ``num_speculative_tokens`` = B - 1."""
+    """Shell command lines that serve ``target`` with the exported drafter in SGLang and vLLM."""
     draft = str(Path(export_dir).resolve())
     vllm_spec = json.dumps({"method": "dflash", "model": draft, "num_speculative_tokens": block_size - 1})
     return {
@@ -120,8 +113,7 @@ def config_from_export_dict(data: dict) -> DrafterConfig:
 
 def export_drafter(drafter: DFlashDrafter, config: DrafterConfig, out_dir: str | os.PathLike,
                    dtype: torch.dtype | None = None) -> Path:
-    """Write config.json + model.safetensors of the plain (unwrapped, uncompiled) drafter to
-    ``out_dir``; ``dtype`` casts the weights (default: the drafter's own dtype). Returns the folder."""
+    """Write config.json + model.safetensors of the plain drafter (cast to ``dtype``) to ``out_dir``."""
     state = drafter.state_dict()
     _check_names_and_shapes(state, config, "drafter state_dict")
     dtype = dtype or next(iter(state.values())).dtype
@@ -142,7 +134,7 @@ def load_exported(path: str | os.PathLike, device: str | torch.device = "cpu", d
     tensors = load_file(str(path / WEIGHTS_NAME))
     _check_names_and_shapes(tensors, config, str(path / WEIGHTS_NAME))
     if dtype is None:
-        dtype = _NAME_DTYPES.get(data.get("dtype") or data.get("torch_dtype"), next(iter(tensors.values())).dtype)
+        dtype = _DTYPES.get(data.get("dtype") or data.get("torch_dtype"), next(iter(tensors.values())).dtype)
     with torch.device("meta"):
         drafter = DFlashDrafter(config)
     drafter = drafter.to_empty(device=device).to(dtype)

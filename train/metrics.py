@@ -1,5 +1,4 @@
-"""What a log step reports (offline acceptance ``block_taus``, ``step_flops`` for MFU, peak
-memory), and where it goes (``MetricsSink``: rank 0, a log line, metrics.jsonl, TensorBoard)."""
+"""What a log step reports (acceptance, FLOPs for MFU, peak memory) and where (``MetricsSink``)."""
 
 from __future__ import annotations
 
@@ -24,12 +23,8 @@ def acceptance(pred: torch.Tensor, target_top1: torch.Tensor, anchors: torch.Ten
 
 def block_taus(pred: torch.Tensor, target_top1: torch.Tensor, anchors: torch.Tensor, block_valid: torch.Tensor,
                seq_len: torch.Tensor, loss_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per block: (tau (Bsz, N) long, 0 where not counted; counted (Bsz, N) bool). A block accepts the
-    leading slots whose drafter argmax ``pred`` (Bsz, N, B) equals the target's greedy token
-    (``target_top1`` (Bsz, S): at t its prediction of t + 1); tau = accepted + 1 (the bonus token). With
-    ``loss_mask`` a block also stops where its assistant turn ends, as decoding stops at the end-of-turn
-    token, and an anchor on a turn's last token is not counted; None: no turn boundaries. What
-    ``dflash.eval.speculative`` reports per verify on the target's own output."""
+    """Per block (tau (Bsz, N), 0 where not counted; counted): 1 + the leading slots whose argmax
+    ``pred`` (Bsz, N, B) equals ``target_top1`` (Bsz, S); with ``loss_mask`` a block stops at its turn's end."""
     bsz, n_blocks, B = pred.shape
     S = target_top1.shape[1]
     k = torch.arange(1, B, device=pred.device)
@@ -39,8 +34,7 @@ def block_taus(pred: torch.Tensor, target_top1: torch.Tensor, anchors: torch.Ten
     want = torch.gather(target_top1, 1, src).view(bsz, n_blocks, B - 1)
     counted = block_valid.bool()
     if loss_mask is not None:
-        # Positions a+1 .. a+B still inside the anchor's turn (a leading run): slot k
-        # counts only there, and the block emits at most `left` tokens (a+B: the bonus).
+        # positions a+1 .. a+B still inside the anchor's turn: the block emits at most `left` tokens
         reach = anchors[:, :, None] + torch.arange(1, B + 1, device=pred.device)  # (Bsz, N, B)
         in_turn = torch.gather(loss_mask.bool(), 1, reach.clamp(max=S - 1).flatten(1)).view(bsz, n_blocks, B)
         in_turn = (in_turn & (reach < seq_len[:, None, None])).long().cumprod(dim=-1)
@@ -56,9 +50,7 @@ def block_taus(pred: torch.Tensor, target_top1: torch.Tensor, anchors: torch.Ten
 
 
 def step_flops(dcfg, vocab_size: int, context_tokens: int, block_tokens: int, attn_pairs: int) -> float:
-    """Matmul FLOPs of one forward + backward on the real (unpadded, unmasked) work: context
-    positions, slots of valid blocks, and (query, key) pairs a valid query sees. Trainable matmuls
-    cost 3x their forward, the frozen LM head 2x (no weight gradient)."""
+    """Matmul FLOPs of forward + backward on the real work (trainable 3x forward, frozen LM head 2x)."""
     D, I, hd = dcfg.hidden_size, dcfg.intermediate_size, dcfg.head_dim
     H, Hkv = dcfg.num_attention_heads, dcfg.num_key_value_heads
     kv_rows = context_tokens + block_tokens

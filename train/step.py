@@ -1,8 +1,5 @@
-"""One DFlash training (or eval) forward on a batch from ``data.Collate``: block n's input is
-``[anchor token, MASK x (B-1)]`` embedded with the target's embedding, slot k at position
-``anchor + k``, over the fused target context at ``0..S-1`` through the mask of
-``attention.build_mask``; slot k is scored against the token at ``anchor + k`` with ``loss.py``.
-"""
+"""One DFlash training (or eval) forward on a ``data.Collate`` batch: each block's [anchor, MASK x
+(B-1)] embedded, slot k at position anchor + k over the target context, scored by ``loss.py``."""
 
 from __future__ import annotations
 
@@ -56,8 +53,7 @@ def to_device(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str,
 
 
 def labels_and_weights(batch: dict[str, torch.Tensor], spec: StepSpec) -> tuple[torch.Tensor, torch.Tensor]:
-    """(Bsz, N, B) labels and weights, from data only (the global weight sum is known before any
-    forward). ``labels == 'target'``: the label at p is the target's top-1 stored at p - 1."""
+    """(Bsz, N, B) labels and weights, from data only; ``labels == 'target'``: the target's top-1."""
     label_ids = batch["input_ids"]
     if spec.labels == "target":
         if "target_top1" not in batch:
@@ -69,8 +65,7 @@ def labels_and_weights(batch: dict[str, torch.Tensor], spec: StepSpec) -> tuple[
 
 def block_loss(head: TargetHead, hidden: torch.Tensor, batch: dict[str, torch.Tensor], spec: StepSpec,
                labels: torch.Tensor, weights: torch.Tensor, denominator: torch.Tensor | None = None):
-    """``loss.BlockLoss`` of hidden (Bsz, N*B, D) against (Bsz, N, B) labels and weights (and each
-    slot's target top-k when the objective has a KL term)."""
+    """``loss.BlockLoss`` of hidden (Bsz, N*B, D) against (Bsz, N, B) labels, weights (and top-k)."""
     topk_ids = topk_logprobs = None
     if spec.needs_topk:
         if "topk_logprobs" not in batch:
