@@ -51,9 +51,8 @@ def draw_anchors(loss_mask: torch.Tensor, max_anchors: int, seed: int, epoch: in
     """(anchors (N,), valid (N,)): up to ``max_anchors`` sorted candidates drawn by an RNG keyed on
     (seed, epoch, index), padded."""
     cand = candidate_anchors(loss_mask)
-    rng = np.random.default_rng([seed, epoch, index])
     if len(cand) > max_anchors:
-        pick = np.sort(rng.choice(len(cand), size=max_anchors, replace=False))
+        pick = np.sort(np.random.default_rng([seed, epoch, index]).choice(len(cand), size=max_anchors, replace=False))
         cand = cand[torch.from_numpy(pick)]
     return _padded_anchors(cand, max_anchors)
 
@@ -80,10 +79,9 @@ class AnchorDataset(Dataset):
         self.max_length, self.max_anchors, self.seed = max_length, max_anchors, seed
 
     def __getitem__(self, key: tuple[int, int]) -> dict[str, torch.Tensor]:
+        """Index -1: ``empty_sample``."""
         epoch, index = key
-        if index < 0:
-            return self.empty_sample()
-        s = self.reader.read(int(index), self.fields, decode=not self.decode_on_device)
+        s = self.reader.read(int(index), self.fields, decode=not self.decode_on_device) if index >= 0 else self._empty()
         T = min(len(s["input_ids"]), self.max_length)
         loss_mask = s["loss_mask"][:T]
         anchors, valid = draw_anchors(loss_mask, self.max_anchors, self.seed, int(epoch), int(index))
@@ -115,22 +113,19 @@ class AnchorDataset(Dataset):
 
     def empty_sample(self) -> dict[str, torch.Tensor]:
         """A weightless one-token sample with no valid block: fills a batch that does not split evenly."""
-        n, D = len(self.slots), self.reader.spec.hidden_size
-        out = {"input_ids": torch.zeros(1, dtype=torch.long), "loss_mask": torch.zeros(1, dtype=torch.bool)}
-        out["anchors"], out["block_valid"] = _padded_anchors(torch.zeros(0, dtype=torch.long), self.max_anchors)
+        return self[(0, -1)]
+
+    def _empty(self) -> dict[str, torch.Tensor]:
+        """All-zero cache arrays of one token (the codec's zero byte for an encoded context)."""
+        spec, c = self.reader.spec, self.codec
+        L, D, k = spec.num_layers, spec.hidden_size, spec.topk or 1
+        raw = {"input_ids": torch.zeros(1, dtype=torch.long), "loss_mask": torch.zeros(1, dtype=torch.bool),
+               "topk_ids": torch.zeros(1, k, dtype=torch.long), "topk_logprobs": torch.zeros(1, k),
+               "hidden": torch.zeros(1, L, D, dtype=torch.bfloat16)}
         if self.decode_on_device:
-            c = self.codec
-            out["context_payload"] = torch.full((1, n, c.payload_width(D)), c.zero_byte, dtype=torch.uint8)
-            out["context_scale"] = torch.zeros(1, n, c.groups(D), dtype=c.torch_scale_dtype)
-            out["hidden_codec"] = c
-        else:
-            out["context_hidden"] = torch.zeros(1, n * D, dtype=torch.bfloat16)
-        if self.target_top1:
-            out["target_top1"] = torch.zeros(1, dtype=torch.long)
-        if self.topk:
-            k = self.reader.spec.topk
-            out["topk_ids"], out["topk_logprobs"] = torch.zeros(1, k, dtype=torch.long), torch.zeros(1, k)
-        return out
+            raw["hidden"] = torch.full((1, L, c.payload_width(D)), c.zero_byte, dtype=torch.uint8)
+            raw[HIDDEN_SCALE] = torch.zeros(1, L, c.groups(D), dtype=c.torch_scale_dtype)
+        return raw
 
 
 def bucket_for(length: int, buckets: list[int]) -> int:

@@ -23,7 +23,7 @@ from .data import (DEFAULT_EVAL_SAMPLES, AnchorDataset, Collate, GlobalBatchSamp
                    make_loader, plan_buckets, total_steps, truncate_sample)
 from .model import DFlashDrafter, init_from_target_layers, load_target_head
 from .step import StepSpec, evaluate_batch, forward_loss, labels_and_weights, to_device, work_counts
-from .target import build_drafter_config, check_cache, load_target_meta, resolve_target
+from .target import build_drafter_config, load_target_meta, resolve_target
 
 log = logging.getLogger("dflash.train")
 
@@ -120,9 +120,7 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     cfg.validate()
     rt, dcfg_data, ocfg = cfg.runtime, cfg.data, cfg.optim
     rank, world, device, started_group = init_distributed(rt.device)
-    is_main = rank == 0
-    out = Path(cfg.out)
-    sink = None
+    is_main, out, sink = rank == 0, Path(cfg.out), None
     try:
         reader = CacheReader(cfg.cache)
         cfg = dataclasses.replace(cfg, target=resolve_target(cfg.target, reader.spec, cfg.cache))
@@ -133,7 +131,6 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
         compile_cache = compile_path.use_compile_cache(rt.compile_cache) if compiles else None
         hf_config, tokenizer = load_target_meta(cfg.target)
         dcfg = build_drafter_config(cfg, hf_config, tokenizer, reader)
-        check_cache(reader, hf_config, tokenizer, dcfg.target_layer_ids)
         cfg = dataclasses.replace(cfg, drafter=dataclasses.replace(cfg.drafter, mask_token_id=dcfg.mask_token_id))
         if is_main:
             out.mkdir(parents=True, exist_ok=True)
@@ -165,15 +162,13 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
         model, eval_model = wrap_parallel(drafter, rt.parallel, world, device, choice, 2 * len(buckets.buckets) + 2)
         optimizer, scheduler = make_optimizer(drafter.parameters(), ocfg, steps, fused=cuda)
 
-        start_step = 0
-        resume_from = checkpoint.resolve(out, rt.resume)
+        start_step, resume_from = 0, checkpoint.resolve(out, rt.resume)
         if resume_from is not None:
             state = checkpoint.load(resume_from, drafter, optimizer, scheduler)
             start_step = int(state["step"])
             if is_main:
                 log.info("resumed from %s at step %d", resume_from, start_step)
-                changed = config_changes(state.get("config", {}), cfg.to_dict())
-                if changed:
+                if changed := config_changes(state.get("config", {}), cfg.to_dict()):
                     log.warning("resuming with settings that differ from the checkpoint's; the run will not "
                                 "be the one it would have been:\n  - %s", "\n  - ".join(changed))
 
@@ -228,28 +223,23 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
                                                  batch["block_valid"], batch["seq_len"], batch["loss_mask"])
                 sums += torch.stack([loss_sum.double(), so.weights.sum().double(), tau, blocks])
                 slots += so.per_slot()
-            s = _all_reduce(sums, world).tolist()
-            _all_reduce(slots, world)
+            s, _ = _all_reduce(sums, world).tolist(), _all_reduce(slots, world)
             # every rank replays every sample (FSDP forwards are collectives)
             walked = replay.replay(eval_dataset, split.held_out, lambda b: evaluate_batch(eval_model, head, b, spec)[2],
                                    eval_collate, group_size=micro, fixed_shape=True, device=device)
-            return {"kind": "eval", "step": step, "loss": s[0] / max(s[1], 1e-12),
-                    "tau": walked.tau, "tau_blocks": walked.blocks,
-                    "tau_uniform": s[2] / max(s[3], 1), "blocks": int(s[3]),
+            return {"kind": "eval", "step": step, "loss": s[0] / max(s[1], 1e-12), "tau": walked.tau,
+                    "tau_blocks": walked.blocks, "tau_uniform": s[2] / max(s[3], 1), "blocks": int(s[3]),
                     "acc_per_pos": (slots[0] / slots[1].clamp(min=1)).tolist()}
 
         from tqdm import tqdm
 
-        bar = tqdm(total=steps, initial=start_step, disable=not (rt.progress and is_main),
-                   desc="train", dynamic_ncols=True)
+        bar = tqdm(total=steps, initial=start_step, disable=not (rt.progress and is_main), desc="train", dynamic_ncols=True)
         window_loss = torch.zeros((), dtype=torch.float64, device=device)
         window_slots = torch.zeros(2, dcfg.block_size, dtype=torch.float64, device=device)  # right, supervised
         window_work = torch.zeros(3, dtype=torch.float64, device=device)
         window_steps, window_start, window_data_s = 0, time.perf_counter(), 0.0
         params = [p for p in drafter.parameters() if p.requires_grad]
-        history: list[dict[str, Any]] = []
-        last_eval: dict[str, Any] | None = None
-        step = start_step
+        history, last_eval, step = [], None, start_step
         for step in range(start_step, steps):
             waited = time.perf_counter()
             micro_batches = [to_device(next(data_iter), device) for _ in range(accum)]
@@ -268,11 +258,9 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
             optimizer.step()
             scheduler.step()
             optimizer.zero_grad(set_to_none=True)
-            window_steps += 1
-            done = step + 1
+            window_steps, done = window_steps + 1, step + 1
             last = done == steps
             bar.update(1)
-
             if done % rt.log_every == 0 or last:
                 for t in (window_loss, window_slots, window_work):
                     _all_reduce(t, world)
@@ -281,39 +269,30 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
                 elapsed = time.perf_counter() - window_start
                 ctx_tok, block_tok, pairs = window_work.tolist()
                 flops = metrics.step_flops(dcfg, head.embed_weight.shape[0], ctx_tok, block_tok, pairs)
-                record = {
-                    "kind": "train", "step": done, "epoch": step / sampler.steps_per_epoch,
-                    "loss": window_loss.item() / window_steps,
-                    "acc_per_pos": (window_slots[0] / window_slots[1].clamp(min=1)).tolist(),
-                    "acc": (window_slots[0].sum() / window_slots[1].sum().clamp(min=1)).item(),
-                    "lr": float(lr_used),
-                    "grad_norm": grad_norm.item() if grad_norm is not None else None,
-                    "tok_s": block_tok / elapsed, "step_s": elapsed / window_steps,
-                    "data_wait": window_data_s / elapsed,
-                    "mfu": flops / elapsed / world / (rt.peak_tflops * 1e12),
-                    "peak_mem_gb": metrics.peak_memory_gb(device),
-                    "compiles": compile_path.compile_count(),
-                }
+                record = {"kind": "train", "step": done, "epoch": step / sampler.steps_per_epoch,
+                          "loss": window_loss.item() / window_steps,
+                          "acc_per_pos": (window_slots[0] / window_slots[1].clamp(min=1)).tolist(),
+                          "acc": (window_slots[0].sum() / window_slots[1].sum().clamp(min=1)).item(),
+                          "lr": float(lr_used), "grad_norm": grad_norm.item() if grad_norm is not None else None,
+                          "tok_s": block_tok / elapsed, "step_s": elapsed / window_steps,
+                          "data_wait": window_data_s / elapsed, "mfu": flops / elapsed / world / (rt.peak_tflops * 1e12),
+                          "peak_mem_gb": metrics.peak_memory_gb(device), "compiles": compile_path.compile_count()}
                 history.append(record)
                 sink.write(record)
                 bar.set_postfix(loss=f"{record['loss']:.3f}", acc=f"{record['acc']:.3f}")
                 for t in (window_loss, window_slots, window_work):
                     t.zero_()
                 window_steps, window_start, window_data_s = 0, time.perf_counter(), 0.0
-
             if eval_keys and (done % rt.eval_every == 0 or last):
-                last_eval = evaluate(done)
-                history.append(last_eval)
+                history.append(last_eval := evaluate(done))
                 sink.write(last_eval)
                 window_start = time.perf_counter()
-
             if done % rt.save_every == 0 or last:
                 info = {"data_position": {"global_step": done, "epoch": done // sampler.steps_per_epoch,
                                           "step_in_epoch": done % sampler.steps_per_epoch},
                         "total_steps": steps, "config": cfg.to_dict(), "drafter_config": dcfg.to_dict()}
                 checkpoint.save(out, done, drafter, optimizer, scheduler, info, rt.keep_checkpoints)
                 window_start = time.perf_counter()
-
             if rt.stop_after is not None and done >= rt.stop_after and not last:
                 break
         bar.close()

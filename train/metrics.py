@@ -41,9 +41,7 @@ def block_taus(pred: torch.Tensor, target_top1: torch.Tensor, anchors: torch.Ten
         left = in_turn.sum(dim=-1)  # (Bsz, N): tokens of the turn after the anchor, at most B
         inside = inside & in_turn[:, :, :-1].bool()
         counted = counted & (left > 0)
-    hit = (pred[:, :, 1:] == want) & inside
-    accepted = hit.long().cumprod(dim=-1).sum(dim=-1)  # (Bsz, N): leading run of hits
-    tau = accepted + 1
+    tau = ((pred[:, :, 1:] == want) & inside).long().cumprod(dim=-1).sum(dim=-1) + 1  # leading run of hits + 1
     if loss_mask is not None:
         tau = torch.minimum(tau, left)
     return tau * counted, counted
@@ -51,17 +49,15 @@ def block_taus(pred: torch.Tensor, target_top1: torch.Tensor, anchors: torch.Ten
 
 def step_flops(dcfg, vocab_size: int, context_tokens: int, block_tokens: int, attn_pairs: int) -> float:
     """Matmul FLOPs of forward + backward on the real work (trainable 3x forward, frozen LM head 2x)."""
-    D, I, hd = dcfg.hidden_size, dcfg.intermediate_size, dcfg.head_dim
-    H, Hkv = dcfg.num_attention_heads, dcfg.num_key_value_heads
+    D, I, hd, H, Hkv = (dcfg.hidden_size, dcfg.intermediate_size, dcfg.head_dim, dcfg.num_attention_heads,
+                        dcfg.num_key_value_heads)
     kv_rows = context_tokens + block_tokens
     per_layer = (2 * block_tokens * D * H * hd * 2  # q_proj, o_proj
                  + 2 * kv_rows * D * Hkv * hd * 2  # k_proj, v_proj over [ctx; block]
                  + 2 * block_tokens * D * I * 3  # SwiGLU
                  + 2 * attn_pairs * H * hd * 2)  # QK^T and PV
     fc = 2 * context_tokens * dcfg.num_context_layers * D * D
-    trainable = dcfg.num_hidden_layers * per_layer + fc
-    lm_head = 2 * block_tokens * D * vocab_size
-    return 3.0 * trainable + 2.0 * lm_head
+    return 3.0 * (dcfg.num_hidden_layers * per_layer + fc) + 2.0 * (2 * block_tokens * D * vocab_size)
 
 
 def peak_memory_gb(device: torch.device) -> float:
@@ -76,11 +72,9 @@ class MetricsSink:
     """Rank-0 sink for log records: logging line, ``metrics.jsonl``, TensorBoard if importable."""
 
     def __init__(self, run_dir: Path, enabled: bool, tensorboard: bool):
-        self.jsonl, self.tb = None, None
-        if not enabled:
-            return
-        self.jsonl = open(run_dir / "metrics.jsonl", "a", buffering=1)
-        if tensorboard:
+        self.jsonl = open(run_dir / "metrics.jsonl", "a", buffering=1) if enabled else None
+        self.tb = None
+        if enabled and tensorboard:
             try:
                 from torch.utils.tensorboard import SummaryWriter
 
@@ -92,26 +86,23 @@ class MetricsSink:
         if self.jsonl is None:
             return
         self.jsonl.write(json.dumps(record, sort_keys=True) + "\n")
-        kind = record.get("kind", "train")
-        if self.tb is not None:
-            for key, value in record.items():
-                if isinstance(value, (int, float)) and key != "step":
-                    self.tb.add_scalar(f"{kind}/{key}", value, record["step"])
-                elif isinstance(value, list):
-                    for i, v in enumerate(value):
-                        self.tb.add_scalar(f"{kind}/{key}/{i}", v, record["step"])
-        parts = [f"{kind} step {record['step']}"]
-        for key in ("loss", "acc", "tau", "lr", "grad_norm", "tok_s", "mfu", "peak_mem_gb"):
-            if record.get(key) is not None:
-                v = record[key]
-                parts.append(f"{key} {v:.4g}" if isinstance(v, float) else f"{key} {v}")
+        kind, step = record.get("kind", "train"), record["step"]
+        for key, value in record.items() if self.tb is not None else ():
+            if isinstance(value, (int, float)) and key != "step":
+                self.tb.add_scalar(f"{kind}/{key}", value, step)
+            elif isinstance(value, list):
+                for i, v in enumerate(value):
+                    self.tb.add_scalar(f"{kind}/{key}/{i}", v, step)
+        parts = [f"{kind} step {step}"] + [
+            f"{key} {v:.4g}" if isinstance(v, float) else f"{key} {v}"
+            for key in ("loss", "acc", "tau", "lr", "grad_norm", "tok_s", "mfu", "peak_mem_gb")
+            if (v := record.get(key)) is not None]
         if "acc_per_pos" in record:
             parts.append("acc@k " + " ".join(f"{a:.2f}" for a in record["acc_per_pos"][1:]))
         log.info(" | ".join(parts))
 
     def close(self) -> None:
-        if self.jsonl is not None:
-            self.jsonl.close()
-        if self.tb is not None:
-            self.tb.close()
+        for f in (self.jsonl, self.tb):
+            if f is not None:
+                f.close()
 

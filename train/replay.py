@@ -39,14 +39,9 @@ class Replay:
 
 def turn_spans(loss_mask) -> list[tuple[int, int]]:
     """[start, stop) of every run of assistant tokens (one per turn, end-of-turn token included)."""
-    spans, start = [], None
-    for t, m in enumerate(list(map(bool, loss_mask)) + [False]):
-        if m and start is None:
-            start = t
-        elif not m and start is not None:
-            spans.append((start, t))
-            start = None
-    return spans
+    flags = [False, *map(bool, loss_mask), False]
+    edges = [t for t in range(1, len(flags)) if flags[t] != flags[t - 1]]
+    return [(edges[i] - 1, edges[i + 1] - 1) for i in range(0, len(edges), 2)]
 
 
 def walk_blocks(taus: dict[int, int], spans: list[tuple[int, int]], max_new_tokens: int | None = None) -> list[int]:
@@ -54,8 +49,7 @@ def walk_blocks(taus: dict[int, int], spans: list[tuple[int, int]], max_new_toke
     at most max_new_tokens - 1); ``taus[a]``: tokens a block anchored at ``a`` emits."""
     blocks = []
     for s, e in spans:
-        budget = e - s - 1 if max_new_tokens is None else min(e - s - 1, max_new_tokens - 1)
-        done = 0
+        budget, done = e - s - 1 if max_new_tokens is None else min(e - s - 1, max_new_tokens - 1), 0
         while done < budget:
             blocks.append(min(taus[s + done], budget - done))
             done += blocks[-1]
@@ -92,8 +86,7 @@ def sample_blocks(items: list[dict], predict: Callable[[dict], torch.Tensor], co
         batch = to_device(collate(group), device)
         tau, counted = metrics.block_taus(predict(batch), batch["target_top1"], batch["anchors"],
                                           batch["block_valid"], batch["seq_len"], batch["loss_mask"])
-        for row in range(len(group)):
-            keep = counted[row]
+        for row, keep in enumerate(counted):
             taus.update(zip(batch["anchors"][row][keep].tolist(), tau[row][keep].tolist()))
     spans = turn_spans(items[0]["loss_mask"].tolist()) if items else []
     return walk_blocks(taus, spans, max_new_tokens), taus
@@ -110,8 +103,6 @@ def replay(dataset: AnchorDataset, samples: Iterable[int], predict: Callable[[di
     for index in samples:
         items = dataset.every_anchor(int(index), fixed_shape=fixed_shape)
         blocks, taus = sample_blocks(items, predict, collate, device, group_size, empty, max_new_tokens)
-        out.tokens, out.blocks = out.tokens + sum(blocks), out.blocks + len(blocks)
-        out.anchor_tau_sum += sum(taus.values())
-        out.anchors += len(taus)
-        out.samples += 1
+        out.tokens, out.blocks, out.samples = out.tokens + sum(blocks), out.blocks + len(blocks), out.samples + 1
+        out.anchor_tau_sum, out.anchors = out.anchor_tau_sum + sum(taus.values()), out.anchors + len(taus)
     return out

@@ -28,8 +28,7 @@ def resolve_target(requested: str, spec: CacheSpec, cache_path: str) -> str:
     if requested:
         return requested
     located = (spec.info or {}).get("target_path")
-    recorded = located or (spec.fingerprint or {}).get("target", {}).get("name_or_path")
-    if not recorded:
+    if not (recorded := located or (spec.fingerprint or {}).get("target", {}).get("name_or_path")):
         raise TargetNotFound(f"cache {cache_path} records no target; pass --target (the target's folder or hub name)")
     recorded = str(recorded)
     if (located or looks_like_path(recorded)) and not os.path.exists(recorded):
@@ -116,16 +115,6 @@ def resolve_mask_token(requested: int | None, tokenizer, vocab_size: int, reader
     return chosen
 
 
-def check_cache(reader: CacheReader, hf_config, tokenizer, layer_ids: list[int]) -> None:
-    """Refuse (CacheMismatch, every difference named) a cache that cannot train this drafter."""
-    from dflash.shared.fingerprint import tokenizer_fingerprint
-
-    text = hf_config.get_text_config()
-    reader.check_compatible(layer_ids=layer_ids, hidden_size=text.hidden_size, vocab_size=text.vocab_size,
-                            tokenizer_hash=tokenizer_fingerprint(tokenizer)["hash"] if tokenizer is not None else None,
-                            num_target_layers=text.num_hidden_layers)
-
-
 def drafter_layer_ids(requested: list[int] | None, spec: CacheSpec) -> list[int]:
     """The layers the drafter fuses: as requested, else every layer the cache stores (checked)."""
     if requested:
@@ -145,8 +134,15 @@ def drafter_layer_ids(requested: list[int] | None, spec: CacheSpec) -> list[int]
 
 
 def build_drafter_config(cfg: TrainConfig, hf_config, tokenizer, reader: CacheReader) -> DrafterConfig:
-    """The drafter's shapes from the target, its layers and MASK row from the flags or the cache."""
-    d = cfg.drafter
+    """The drafter's shapes from the target, its layers and MASK row from the flags or the cache; a cache
+    that cannot train it is refused (CacheMismatch, every difference named)."""
+    from dflash.shared.fingerprint import tokenizer_fingerprint
+
+    d, text = cfg.drafter, hf_config.get_text_config()
     layer_ids = drafter_layer_ids(d.target_layer_ids, reader.spec)
-    mask_id = resolve_mask_token(d.mask_token_id, tokenizer, hf_config.get_text_config().vocab_size, reader)
-    return DrafterConfig.from_target_config(hf_config, layer_ids, mask_id, d.block_size, d.num_draft_layers)
+    mask_id = resolve_mask_token(d.mask_token_id, tokenizer, text.vocab_size, reader)
+    dcfg = DrafterConfig.from_target_config(hf_config, layer_ids, mask_id, d.block_size, d.num_draft_layers)
+    reader.check_compatible(layer_ids=dcfg.target_layer_ids, hidden_size=text.hidden_size,
+                            vocab_size=text.vocab_size, num_target_layers=text.num_hidden_layers,
+                            tokenizer_hash=tokenizer_fingerprint(tokenizer)["hash"] if tokenizer is not None else None)
+    return dcfg
