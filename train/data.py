@@ -129,9 +129,8 @@ class AnchorDataset(Dataset):
 
 
 def bucket_for(length: int, buckets: list[int]) -> int:
-    for b in buckets:
-        if length <= b:
-            return b
+    if length <= buckets[-1]:
+        return next(b for b in buckets if length <= b)
     raise ValueError(f"length {length} exceeds the largest context bucket {buckets[-1]}")
 
 
@@ -156,8 +155,7 @@ def plan_buckets(lengths: np.ndarray, buckets: list[int]) -> BucketPlan:
     if len(lengths) == 0:
         raise ValueError("no samples: no context bucket to compile")
     which = np.searchsorted(np.asarray(buckets), lengths, side="left")  # first bucket >= length, as bucket_for
-    counts = np.bincount(which, minlength=len(buckets))
-    samples = {b: int(n) for b, n in zip(buckets, counts)}
+    samples = {b: int(n) for b, n in zip(buckets, np.bincount(which, minlength=len(buckets)))}
     return BucketPlan([b for b in buckets if samples[b] > 0], samples)
 
 
@@ -174,27 +172,24 @@ class Collate:
     the longest sample); adds ``seq_len`` (Bsz,)."""
 
     def __init__(self, buckets: list[int] | None, force_length: int | None = None):
-        self.buckets = list(buckets) if buckets is not None else None
-        self.force_length = force_length
+        self.buckets, self.force_length = list(buckets) if buckets is not None else None, force_length
 
     def __call__(self, samples: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
         lengths = [len(s["input_ids"]) for s in samples]
         S = self.force_length or (bucket_for(max(lengths), self.buckets) if self.buckets is not None else max(lengths))
         first = samples[0]
-        encoded = "context_payload" in first
         out = {"seq_len": torch.tensor(lengths, dtype=torch.long),
                "anchors": torch.stack([s["anchors"] for s in samples]),
                "block_valid": torch.stack([s["block_valid"] for s in samples])}
-        big = ENCODED_FIELDS + ("context_hidden",)  # written once (tokens, then padding), never filled first
         for name in (n for n in PER_TOKEN_FIELDS if n in first):
-            shape = (len(samples), S) + tuple(first[name].shape[1:])
-            out[name] = (_batch_buffer if name in big else torch.zeros)(shape, dtype=first[name].dtype)
-        for i, (s, T) in enumerate(zip(samples, lengths)):
-            for name in (n for n in PER_TOKEN_FIELDS if n in first):
-                out[name][i, :T] = s[name]
-                if name in big:
-                    out[name][i, T:] = first["hidden_codec"].zero_byte if name == "context_payload" else 0
-        if encoded:  # decoded by to(device), where the batch lands
+            big = name in ENCODED_FIELDS + ("context_hidden",)  # written once (tokens, then padding)
+            shape = (len(samples), S, *first[name].shape[1:])
+            out[name] = buf = (_batch_buffer if big else torch.zeros)(shape, dtype=first[name].dtype)
+            for i, (s, T) in enumerate(zip(samples, lengths)):
+                buf[i, :T] = s[name]
+                if big:
+                    buf[i, T:] = first["hidden_codec"].zero_byte if name == "context_payload" else 0
+        if "context_payload" in first:  # decoded by to(device), where the batch lands
             out["context_hidden"] = EncodedContext(out.pop("context_payload"), out.pop("context_scale"),
                                                    first["hidden_codec"])
         return out
@@ -204,8 +199,7 @@ def truncate_sample(sample: dict[str, torch.Tensor], length: int) -> dict[str, t
     """The first ``length`` tokens of a sample, blocks that no longer fit invalidated (for the warm-up)."""
     out = {k: (v[:length] if k in PER_TOKEN_FIELDS else v) for k, v in sample.items()}
     fits = sample["anchors"] <= length - 2
-    out["block_valid"] = sample["block_valid"] & fits
-    out["anchors"] = torch.where(fits, sample["anchors"], torch.zeros_like(sample["anchors"]))
+    out["block_valid"], out["anchors"] = sample["block_valid"] & fits, torch.where(fits, sample["anchors"], 0)
     return out
 
 

@@ -64,19 +64,16 @@ class _ChunkedBlockLoss(torch.autograd.Function):
         n_rows = hidden.shape[0]
         kd = topk_ids is not None and kd_coef != 0
         w = torch.where(labels >= 0, weights.to(torch.float32), torch.zeros((), device=weights.device))
-        if denominator is None:
-            denominator = w.sum()
-        denominator = torch.as_tensor(denominator, dtype=torch.float32, device=hidden.device)
+        denominator = torch.as_tensor(w.sum() if denominator is None else denominator, dtype=torch.float32,
+                                      device=hidden.device)
         safe_denominator = torch.where(denominator > 0, denominator, torch.ones_like(denominator))
-        ce_total = torch.zeros((), dtype=torch.float32, device=hidden.device)
-        kd_total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        ce_total = kd_total = torch.zeros((), dtype=torch.float32, device=hidden.device)
         correct = torch.zeros(n_rows, dtype=torch.bool, device=hidden.device)
         grad_hidden = torch.zeros_like(hidden) if need_grad else None
         for start in range(0, n_rows, chunk_size):
             stop = min(start + chunk_size, n_rows)
             logits = F.linear(hidden[start:stop].to(weight.dtype), weight).float()  # (c, V)
-            label = labels[start:stop]
-            w_chunk = w[start:stop]
+            label, w_chunk = labels[start:stop], w[start:stop]
             safe_label = label.clamp(min=0)
             lse = torch.logsumexp(logits, dim=-1)  # (c,)
             label_logit = logits.gather(1, safe_label[:, None]).squeeze(1)
@@ -109,13 +106,10 @@ class _ChunkedBlockLoss(torch.autograd.Function):
                 grad_logits.scatter_add_(1, safe_label[:, None], (-ce_coef * scale)[:, None])
                 grad_hidden[start:stop] = (grad_logits.to(weight.dtype) @ weight).to(hidden.dtype)
             del logits
-        positive = denominator > 0
-        ce = torch.where(positive, ce_total / safe_denominator, torch.zeros_like(ce_total))
-        kl = torch.where(positive, kd_total / safe_denominator, torch.zeros_like(kd_total))
-        loss = ce_coef * ce + kd_coef * kl
+        ce, kl = (torch.where(denominator > 0, t / safe_denominator, torch.zeros_like(t)) for t in (ce_total, kd_total))
         ctx.save_for_backward(grad_hidden if need_grad else torch.zeros(0))
         ctx.mark_non_differentiable(correct, ce, kl)
-        return loss, correct, ce, kl
+        return ce_coef * ce + kd_coef * kl, correct, ce, kl
 
     @staticmethod
     def backward(ctx, grad_loss, grad_correct, grad_ce, grad_kl):
