@@ -4,6 +4,7 @@ sample i's anchors in epoch e from (seed, e, i), epoch e's order from (seed, e);
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -248,29 +249,22 @@ class GlobalBatchSampler:
         self.global_batch, self.micro, self.rank, self.world = global_batch, micro_batch, rank, world
         self.accum = -(-global_batch // (micro_batch * world))  # ceil
         self.seed, self.total_steps, self.start_step = seed, total_steps, start_step
-        self._order_epoch, self._order = -1, None
 
     @property
     def steps_per_epoch(self) -> int:
         return len(self.train) // self.global_batch
 
+    @functools.lru_cache(maxsize=1)
     def order(self, epoch: int) -> np.ndarray:
-        if epoch != self._order_epoch:
-            rng = np.random.default_rng([self.seed, epoch, _ORDER_SALT])
-            self._order, self._order_epoch = self.train[rng.permutation(len(self.train))], epoch
-        return self._order
+        return self.train[np.random.default_rng([self.seed, epoch, _ORDER_SALT]).permutation(len(self.train))]
 
     def step_batches(self, step: int) -> list[list[tuple[int, int]]]:
         """The ``accum`` micro-batches this rank reads at global step ``step``."""
         epoch, k = divmod(step, self.steps_per_epoch)
         batch = self.order(epoch)[k * self.global_batch:(k + 1) * self.global_batch]
-        slots = self.accum * self.world * self.micro
-        batch = np.concatenate([batch, np.full(slots - len(batch), -1, dtype=batch.dtype)])
-        out = []
-        for m in range(self.accum):
-            j = (m * self.world + self.rank) * self.micro
-            out.append([(epoch, int(i)) for i in batch[j:j + self.micro]])
-        return out
+        batch = np.pad(batch, (0, self.accum * self.world * self.micro - len(batch)), constant_values=-1)
+        starts = ((m * self.world + self.rank) * self.micro for m in range(self.accum))
+        return [[(epoch, int(i)) for i in batch[j:j + self.micro]] for j in starts]
 
     def __iter__(self):
         for step in range(self.start_step, self.total_steps):

@@ -233,10 +233,10 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
 
         from tqdm import tqdm
 
-        bar = tqdm(total=steps, initial=start_step, disable=not (rt.progress and is_main), desc="train", dynamic_ncols=True)
-        window_loss = torch.zeros((), dtype=torch.float64, device=device)
-        window_slots = torch.zeros(2, dcfg.block_size, dtype=torch.float64, device=device)  # right, supervised
-        window_work = torch.zeros(3, dtype=torch.float64, device=device)
+        bar = tqdm(total=steps, initial=start_step, disable=not (rt.progress and is_main), desc="train",
+                   dynamic_ncols=True)
+        # loss, context tokens, block tokens, attention pairs, then per slot: predicted right, supervised
+        window = torch.zeros(4 + 2 * dcfg.block_size, dtype=torch.float64, device=device)
         window_steps, window_start, window_data_s = 0, time.perf_counter(), 0.0
         params = [p for p in drafter.parameters() if p.requires_grad]
         history, last_eval, step = [], None, start_step
@@ -250,9 +250,8 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
                 with _grad_sync(model, enabled=m == accum - 1):
                     step_out = forward_loss(model, head, batch, spec, denominator, lw)
                     (step_out.loss * world).backward()  # DDP / FSDP average; the loss is a global mean
-                window_loss += step_out.loss.detach().double()
-                window_slots += step_out.per_slot()
-                window_work += work_counts(batch, dcfg.block_size)
+                window += torch.cat([step_out.loss.detach().double()[None], work_counts(batch, dcfg.block_size),
+                                     step_out.per_slot().flatten()])
             grad_norm = torch.nn.utils.clip_grad_norm_(params, ocfg.grad_clip) if ocfg.grad_clip > 0 else None
             lr_used = optimizer.param_groups[0]["lr"]
             optimizer.step()
@@ -262,26 +261,24 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
             last = done == steps
             bar.update(1)
             if done % rt.log_every == 0 or last:
-                for t in (window_loss, window_slots, window_work):
-                    _all_reduce(t, world)
+                _all_reduce(window, world)
                 if cuda:
                     torch.cuda.synchronize(device)
                 elapsed = time.perf_counter() - window_start
-                ctx_tok, block_tok, pairs = window_work.tolist()
-                flops = metrics.step_flops(dcfg, head.embed_weight.shape[0], ctx_tok, block_tok, pairs)
+                loss_sum, ctx_tok, block_tok, pairs = window[:4].tolist()
+                slots = window[4:].view(2, -1)
+                flops = metrics.step_flops(dcfg, head.embed_weight.shape[0], ctx_tok, block_tok, pairs) / elapsed / world
                 record = {"kind": "train", "step": done, "epoch": step / sampler.steps_per_epoch,
-                          "loss": window_loss.item() / window_steps,
-                          "acc_per_pos": (window_slots[0] / window_slots[1].clamp(min=1)).tolist(),
-                          "acc": (window_slots[0].sum() / window_slots[1].sum().clamp(min=1)).item(),
+                          "loss": loss_sum / window_steps, "acc_per_pos": (slots[0] / slots[1].clamp(min=1)).tolist(),
+                          "acc": (slots[0].sum() / slots[1].sum().clamp(min=1)).item(),
                           "lr": float(lr_used), "grad_norm": grad_norm.item() if grad_norm is not None else None,
                           "tok_s": block_tok / elapsed, "step_s": elapsed / window_steps,
-                          "data_wait": window_data_s / elapsed, "mfu": flops / elapsed / world / (rt.peak_tflops * 1e12),
+                          "data_wait": window_data_s / elapsed, "mfu": flops / (rt.peak_tflops * 1e12),
                           "peak_mem_gb": metrics.peak_memory_gb(device), "compiles": compile_path.compile_count()}
                 history.append(record)
                 sink.write(record)
                 bar.set_postfix(loss=f"{record['loss']:.3f}", acc=f"{record['acc']:.3f}")
-                for t in (window_loss, window_slots, window_work):
-                    t.zero_()
+                window.zero_()
                 window_steps, window_start, window_data_s = 0, time.perf_counter(), 0.0
             if eval_keys and (done % rt.eval_every == 0 or last):
                 history.append(last_eval := evaluate(done))

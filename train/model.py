@@ -318,15 +318,12 @@ def load_target_head(target_path: str | os.PathLike, device: str | torch.device 
     config = json.load(open(config_file)) if os.path.exists(config_file) else {}
     text_config = config.get("text_config") if isinstance(config.get("text_config"), dict) else {}
     tied = bool(config.get("tie_word_embeddings", text_config.get("tie_word_embeddings", False)))
-
     name_to_file = _tensor_files(target_path)
-    embed_name = _find_name(name_to_file, _EMBED_NAMES, "embed_tokens.weight")
-    if embed_name is None:
+    if (embed_name := _find_name(name_to_file, _EMBED_NAMES, "embed_tokens.weight")) is None:
         raise KeyError(f"no input embedding (embed_tokens.weight) found in {target_path}")
     head_name = None if tied else _find_name(name_to_file, _LM_HEAD_NAMES, "lm_head.weight")
     if head_name is None and not tied:
         logger.warning("%s: no lm_head tensor and tie_word_embeddings is false; using the embedding", target_path)
-
     tensors = _read_tensors(target_path, name_to_file, [n for n in (embed_name, head_name) if n is not None])
     embed, head = (tensors[n].to(dtype or tensors[n].dtype).to(device) if n else None for n in (embed_name, head_name))
     if head is not None and head.shape != embed.shape:
@@ -337,31 +334,27 @@ def load_target_head(target_path: str | os.PathLike, device: str | torch.device 
 @torch.no_grad()
 def init_from_target_layers(drafter: DFlashDrafter, target_path: str | os.PathLike, layer_ids: list[int]) -> None:
     """Copy target decoder layer ``layer_ids[i]`` into drafter layer i and the target's final norm."""
-    target_path = os.fspath(target_path)
-    n_layers = drafter.config.num_hidden_layers
+    target_path, n_layers = os.fspath(target_path), drafter.config.num_hidden_layers
     if len(layer_ids) != n_layers:
         raise ValueError(f"init_from_target_layers has {len(layer_ids)} ids {list(layer_ids)}, but the drafter has "
                          f"{n_layers} layers: give one target layer per drafter layer")
     n_target = drafter.config.num_target_layers
-    bad = [j for j in layer_ids if not 0 <= int(j) < n_target]
-    if bad:
+    if bad := [j for j in layer_ids if not 0 <= int(j) < n_target]:
         raise ValueError(f"init_from_target_layers {list(layer_ids)}: ids {bad} are not layers of the target "
                          f"{target_path} (it has {n_target}: 0..{n_target - 1})")
     name_to_file = _tensor_files(target_path)
     sources: dict[str, str] = {}  # drafter state name -> target tensor name
     for i, j in enumerate(layer_ids):
         q_name = f"layers.{int(j)}.self_attn.q_proj.weight"
-        anchor = _find_name(name_to_file, (f"model.{q_name}", f"model.language_model.{q_name}"), f".{q_name}")
-        if anchor is None:
+        if (anchor := _find_name(name_to_file, (f"model.{q_name}", f"model.language_model.{q_name}"),
+                                 f".{q_name}")) is None:
             raise KeyError(f"{target_path}: no tensor for decoder layer {j} (layers.{j}.self_attn.q_proj.weight)")
         prefix = anchor[: -len("self_attn.q_proj.weight")]
-        for name, _ in drafter.layers[i].named_parameters():
-            sources[f"layers.{i}.{name}"] = prefix + name
+        sources.update({f"layers.{i}.{name}": prefix + name for name, _ in drafter.layers[i].named_parameters()})
     norm = _find_name(name_to_file, ("model.norm.weight", "model.language_model.norm.weight"), ".norm.weight")
     if norm is None:
         raise KeyError(f"{target_path}: no final norm (model.norm.weight)")
     sources["norm.weight"] = norm
-
     for name, source in list(sources.items()):
         if source not in name_to_file and name.endswith(("q_norm.weight", "k_norm.weight")):
             del sources[name]  # a Llama-style target has no q/k norms: the drafter's stay at their identity init

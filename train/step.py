@@ -7,7 +7,6 @@ from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from . import attention
 from .loss import block_labels, block_target_positions, chunked_block_loss, gather_positions
@@ -72,20 +71,18 @@ def block_loss(head: TargetHead, hidden: torch.Tensor, batch: dict[str, torch.Te
             raise ValueError(f"loss={spec.loss!r} needs the batch's top-k (AnchorDataset(topk=True))")
         positions = block_target_positions(batch["anchors"], spec.block_size)  # (Bsz, N, B)
         k = batch["topk_ids"].shape[-1]
-        topk_ids = gather_positions(batch["topk_ids"], positions).reshape(-1, k)
-        topk_logprobs = gather_positions(batch["topk_logprobs"], positions).reshape(-1, k)
-    ce_coef, kd_coef = spec.loss_coefs
+        topk_ids, topk_logprobs = (gather_positions(batch[f"topk_{n}"], positions).reshape(-1, k)
+                                   for n in ("ids", "logprobs"))
     return chunked_block_loss(hidden.reshape(-1, hidden.shape[-1]), head.weight, labels.reshape(-1),
-                              weights.reshape(-1), topk_ids, topk_logprobs, ce_coef, kd_coef,
-                              spec.ce_chunk_size, denominator)
+                              weights.reshape(-1), topk_ids, topk_logprobs, *spec.loss_coefs, spec.ce_chunk_size,
+                              denominator)
 
 
 def block_inputs(head: TargetHead, batch: dict[str, torch.Tensor], spec: StepSpec
                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """Embeddings (Bsz, N*B, D) of [anchor, MASK x (B-1)] per block and their positions (Bsz, N*B)."""
-    anchors = batch["anchors"]  # (Bsz, N)
+    anchors, B = batch["anchors"], spec.block_size  # (Bsz, N)
     bsz, n_blocks = anchors.shape
-    B = spec.block_size
     ids = torch.full((bsz, n_blocks, B), spec.mask_token_id, dtype=torch.long, device=anchors.device)
     ids[:, :, 0] = torch.gather(batch["input_ids"], 1, anchors)
     positions = anchors[:, :, None] + torch.arange(B, device=anchors.device)  # (Bsz, N, B)
@@ -116,11 +113,7 @@ def forward_loss(model, head: TargetHead, batch: dict[str, torch.Tensor], spec: 
 
 def argmax_tokens(head: TargetHead, hidden: torch.Tensor, chunk_size: int) -> torch.Tensor:
     """Greedy token of each row of hidden (M, D) through the LM head, chunked: (M,) long."""
-    out = torch.empty(hidden.shape[0], dtype=torch.long, device=hidden.device)
-    for start in range(0, hidden.shape[0], chunk_size):
-        stop = start + chunk_size
-        out[start:stop] = F.linear(hidden[start:stop].to(head.weight.dtype), head.weight).argmax(-1)
-    return out
+    return torch.cat([head.logits(hidden[i:i + chunk_size]).argmax(-1) for i in range(0, len(hidden), chunk_size)])
 
 
 @torch.no_grad()
@@ -136,7 +129,6 @@ def evaluate_batch(model, head: TargetHead, batch: dict[str, torch.Tensor], spec
 
 def work_counts(batch: dict[str, torch.Tensor], block_size: int) -> torch.Tensor:
     """(context tokens, valid block tokens, visible attention pairs) of a batch, as a (3,) tensor."""
-    valid = batch["block_valid"]
-    seen_ctx = torch.minimum(batch["anchors"], batch["seq_len"][:, None])
+    valid, seen_ctx = batch["block_valid"], torch.minimum(batch["anchors"], batch["seq_len"][:, None])
     pairs = ((seen_ctx + block_size) * valid).sum() * block_size
     return torch.stack([batch["seq_len"].sum(), valid.sum() * block_size, pairs]).double()
