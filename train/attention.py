@@ -4,6 +4,7 @@ identity, not position); a padded block sees nothing."""
 
 from __future__ import annotations
 
+import functools
 import warnings
 
 import torch
@@ -12,8 +13,12 @@ from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
 FLEX_TILE = 128  # flex_attention's default tile (BLOCK_SIZE) for queries and keys
 
-_compiled_flex_attention = None
 _allow_uncompiled_flex = False
+
+
+@functools.cache
+def _compiled_flex_attention():
+    return torch.compile(flex_attention)
 
 
 def allow_uncompiled_flex(allowed: bool = True) -> None:
@@ -45,10 +50,8 @@ def dense_mask(anchors: torch.Tensor, block_valid: torch.Tensor, ctx_len: torch.
     mask_mod = make_mask_mod(anchors, block_valid, ctx_len, context_len, block_size)
     bsz, q_len = anchors.shape[0], anchors.shape[1] * block_size
     kv_len, device = context_len + q_len, anchors.device
-    b = torch.arange(bsz, device=device).view(bsz, 1, 1, 1)
-    h = torch.zeros(1, 1, 1, 1, dtype=torch.long, device=device)
-    q_idx = torch.arange(q_len, device=device).view(1, 1, q_len, 1)
-    kv_idx = torch.arange(kv_len, device=device).view(1, 1, 1, kv_len)
+    b, h, q_idx, kv_idx = (torch.arange(n, device=device).view([n if d == i else 1 for d in range(4)])
+                           for i, n in enumerate((bsz, 1, q_len, kv_len)))
     return mask_mod(b, h, q_idx, kv_idx).expand(bsz, 1, q_len, kv_len)
 
 
@@ -109,14 +112,10 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: BlockMask | 
         # inside the compiled drafter dynamo lowers flex into the graph (a global would add a guard)
         if torch.compiler.is_compiling():
             return flex_attention(q, k, v, block_mask=mask, scale=scale, enable_gqa=gqa)
-        if _allow_uncompiled_flex:
-            with warnings.catch_warnings():  # the "called without torch.compile()" warning is the point
-                warnings.simplefilter("ignore", UserWarning)
+        if _allow_uncompiled_flex:  # the "called without torch.compile()" warning is the point
+            with warnings.catch_warnings(action="ignore", category=UserWarning):
                 return flex_attention(q, k, v, block_mask=mask, scale=scale, enable_gqa=gqa)
-        global _compiled_flex_attention
-        if _compiled_flex_attention is None:
-            _compiled_flex_attention = torch.compile(flex_attention)
-        return _compiled_flex_attention(q, k, v, block_mask=mask, scale=scale, enable_gqa=gqa)
+        return _compiled_flex_attention()(q, k, v, block_mask=mask, scale=scale, enable_gqa=gqa)
     if gqa:  # an explicit repeat: SDPA's enable_gqa rules out the memory-efficient CUDA kernel
         k, v = (t.repeat_interleave(q.shape[1] // k.shape[1], dim=1) for t in (k, v))
     # rows that see nothing (NaN softmax) see everything, then are zeroed, gradient included
