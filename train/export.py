@@ -94,8 +94,7 @@ def config_from_export_dict(data: dict) -> DrafterConfig:
     """DrafterConfig from an exported config.json, with clear errors on missing fields."""
     if ARCHITECTURE not in (data.get("architectures") or []):
         raise ValueError(f"config.json architectures={data.get('architectures')!r}; expected [{ARCHITECTURE!r}]")
-    dflash = data.get("dflash_config")
-    if not isinstance(dflash, dict):
+    if not isinstance(dflash := data.get("dflash_config"), dict):
         raise ValueError("config.json lacks the dflash_config section")
     eagle = data.get("eagle_aux_hidden_state_layer_ids")
     if eagle is not None and list(eagle) != eagle_layer_ids(dflash.get("target_layer_ids") or []):
@@ -103,8 +102,7 @@ def config_from_export_dict(data: dict) -> DrafterConfig:
                          f"{dflash.get('target_layer_ids')} + 1; a serving engine would read other layers")
     missing = [k for k in _REQUIRED if k not in data] + [k for k in ("target_layer_ids", "mask_token_id")
                                                         if k not in dflash]
-    theta = data.get("rope_theta", (data.get("rope_parameters") or {}).get("rope_theta"))
-    if missing or theta is None:
+    if missing or (theta := data.get("rope_theta", (data.get("rope_parameters") or {}).get("rope_theta"))) is None:
         raise ValueError(f"config.json lacks {missing or ['rope_theta']}")
     values = {f.name: data[f.name] for f in fields(DrafterConfig) if f.name in data}  # export_config_dict's names
     return DrafterConfig(**{**values, "rope_theta": float(theta), "target_layer_ids": dflash["target_layer_ids"],
@@ -118,8 +116,7 @@ def export_drafter(drafter: DFlashDrafter, config: DrafterConfig, out_dir: str |
     _check_names_and_shapes(state, config, "drafter state_dict")
     dtype = dtype or next(iter(state.values())).dtype
     tensors = {name: t.detach().to("cpu", dtype).contiguous() for name, t in state.items()}
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
+    (out := Path(out_dir)).mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(out / WEIGHTS_NAME), metadata={"format": "pt"})
     (out / CONFIG_NAME).write_text(json.dumps(export_config_dict(config, dtype), indent=2) + "\n")
     return out
@@ -128,16 +125,13 @@ def export_drafter(drafter: DFlashDrafter, config: DrafterConfig, out_dir: str |
 def load_exported(path: str | os.PathLike, device: str | torch.device = "cpu", dtype: torch.dtype | None = None
                   ) -> tuple[DFlashDrafter, DrafterConfig]:
     """Load an exported folder, checking every tensor name and shape against the config."""
-    path = Path(path)
-    data = json.loads((path / CONFIG_NAME).read_text())
-    config = config_from_export_dict(data)
-    tensors = load_file(str(path / WEIGHTS_NAME))
-    _check_names_and_shapes(tensors, config, str(path / WEIGHTS_NAME))
+    data = json.loads((Path(path) / CONFIG_NAME).read_text())
+    config, tensors = config_from_export_dict(data), load_file(str(Path(path) / WEIGHTS_NAME))
+    _check_names_and_shapes(tensors, config, str(Path(path) / WEIGHTS_NAME))
     if dtype is None:
         dtype = _DTYPES.get(data.get("dtype") or data.get("torch_dtype"), next(iter(tensors.values())).dtype)
     with torch.device("meta"):
-        drafter = DFlashDrafter(config)
-    drafter = drafter.to_empty(device=device).to(dtype)
+        drafter = DFlashDrafter(config).to_empty(device=device).to(dtype)
     drafter.load_state_dict({k: v.to(dtype) for k, v in tensors.items()}, strict=True)
     return drafter, config
 
@@ -145,8 +139,7 @@ def load_exported(path: str | os.PathLike, device: str | torch.device = "cpu", d
 def _check_names_and_shapes(tensors: dict, config: DrafterConfig, where: str) -> None:
     with torch.device("meta"):
         expected = {name: tuple(t.shape) for name, t in DFlashDrafter(config).state_dict().items()}
-    missing = sorted(set(expected) - set(tensors))
-    unexpected = sorted(set(tensors) - set(expected))
+    missing, unexpected = sorted(set(expected) - set(tensors)), sorted(set(tensors) - set(expected))
     wrong = sorted(f"{n}: {tuple(tensors[n].shape)} != {expected[n]}" for n in set(expected) & set(tensors)
                    if tuple(tensors[n].shape) != expected[n])
     problems = [f"{what} {names}" for what, names in (("missing", missing), ("unexpected", unexpected),

@@ -265,9 +265,9 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
                 if cuda:
                     torch.cuda.synchronize(device)
                 elapsed = time.perf_counter() - window_start
-                loss_sum, ctx_tok, block_tok, pairs = window[:4].tolist()
-                slots = window[4:].view(2, -1)
-                flops = metrics.step_flops(dcfg, head.embed_weight.shape[0], ctx_tok, block_tok, pairs) / elapsed / world
+                (loss_sum, ctx_tok, block_tok, pairs), slots = window[:4].tolist(), window[4:].view(2, -1)
+                flops = metrics.step_flops(dcfg, head.embed_weight.shape[0], ctx_tok, block_tok, pairs)
+                flops = flops / elapsed / world
                 record = {"kind": "train", "step": done, "epoch": step / sampler.steps_per_epoch,
                           "loss": loss_sum / window_steps, "acc_per_pos": (slots[0] / slots[1].clamp(min=1)).tolist(),
                           "acc": (slots[0].sum() / slots[1].sum().clamp(min=1)).item(),
