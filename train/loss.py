@@ -39,20 +39,6 @@ def block_labels(input_ids: torch.Tensor, loss_mask: torch.Tensor, seq_len: torc
     return labels, weights
 
 
-def block_target_positions(anchors: torch.Tensor, block_size: int) -> torch.Tensor:
-    """(Bsz, N, B) cache positions of each slot's target distribution (stored at p: that of token p + 1)."""
-    slot = torch.arange(block_size, device=anchors.device)
-    return anchors[..., None].long() + slot - 1
-
-
-def gather_positions(per_token: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-    """per_token (Bsz, S, ...) at positions (Bsz, N, B), clamped into [0, S) -> (Bsz, N, B, ...)."""
-    bsz, S = per_token.shape[:2]
-    flat = positions.clamp(0, S - 1).reshape(bsz, -1)
-    index = flat.view(bsz, -1, *([1] * (per_token.dim() - 2))).expand(bsz, flat.shape[1], *per_token.shape[2:])
-    return per_token.gather(1, index).view(*positions.shape, *per_token.shape[2:])
-
-
 class _ChunkedBlockLoss(torch.autograd.Function):
     """Forward computes, chunk by chunk, the loss and its (M, D) gradient, so no (M, V) logits live.
     With q = softmax(z), target top-k p_i, tail mass r and tail softmax s: dCE/dz = q - onehot(label),

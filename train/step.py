@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from . import attention
-from .loss import block_labels, block_target_positions, chunked_block_loss, gather_positions
+from .loss import block_labels, chunked_block_loss
 from .model import TargetHead
 
 
@@ -69,10 +69,11 @@ def block_loss(head: TargetHead, hidden: torch.Tensor, batch: dict[str, torch.Te
     if spec.needs_topk:
         if "topk_logprobs" not in batch:
             raise ValueError(f"loss={spec.loss!r} needs the batch's top-k (AnchorDataset(topk=True))")
-        positions = block_target_positions(batch["anchors"], spec.block_size)  # (Bsz, N, B)
-        k = batch["topk_ids"].shape[-1]
-        topk_ids, topk_logprobs = (gather_positions(batch[f"topk_{n}"], positions).reshape(-1, k)
-                                   for n in ("ids", "logprobs"))
+        S, k = batch["topk_ids"].shape[1:]
+        # slot k predicts the token at anchor + k, whose target distribution the cache stores at anchor + k - 1
+        pos = batch["anchors"][..., None].long() + torch.arange(spec.block_size, device=batch["anchors"].device) - 1
+        index = pos.clamp(0, S - 1).flatten(1)[..., None].expand(-1, -1, k)  # (Bsz, N*B, k)
+        topk_ids, topk_logprobs = (batch[n].gather(1, index).reshape(-1, k) for n in ("topk_ids", "topk_logprobs"))
     return chunked_block_loss(hidden.reshape(-1, hidden.shape[-1]), head.weight, labels.reshape(-1),
                               weights.reshape(-1), topk_ids, topk_logprobs, *spec.loss_coefs, spec.ce_chunk_size,
                               denominator)
