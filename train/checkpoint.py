@@ -23,10 +23,7 @@ _STEP_DIR = re.compile(r"^step_(\d+)$")
 
 def list_checkpoints(run_dir: str | os.PathLike) -> list[Path]:
     """Complete checkpoint folders of a run, oldest first."""
-    root = Path(run_dir) / "checkpoints"
-    if not root.is_dir():
-        return []
-    found = [(int(m.group(1)), p) for p in root.iterdir()
+    found = [(int(m.group(1)), p) for p in (Path(run_dir) / "checkpoints").glob("step_*")
              if (m := _STEP_DIR.match(p.name)) and (p / "state.json").is_file()]
     return [p for _, p in sorted(found)]
 
@@ -109,10 +106,8 @@ def load_weights(path: str | os.PathLike) -> dict[str, torch.Tensor]:
 def load(path: str | os.PathLike, model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler
          ) -> dict[str, Any]:
     """Restore weights, optimizer, scheduler and this rank's RNG; return state.json."""
-    path = Path(path)
-    rank, world = _rank_world()
-    state = read_state(path)
-    weights = load_weights(path)
+    path, (rank, world) = Path(path), _rank_world()
+    state, weights = read_state(path), load_weights(path)
     optim = torch.load(path / "optimizer.pt", map_location="cpu", weights_only=True)
     if _is_fsdp(model):
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict

@@ -25,10 +25,8 @@ def block_taus(pred: torch.Tensor, target_top1: torch.Tensor, anchors: torch.Ten
                seq_len: torch.Tensor, loss_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Per block (tau (Bsz, N), 0 where not counted; counted): 1 + the leading slots whose argmax
     ``pred`` (Bsz, N, B) equals ``target_top1`` (Bsz, S); with ``loss_mask`` a block stops at its turn's end."""
-    bsz, n_blocks, B = pred.shape
-    S = target_top1.shape[1]
-    k = torch.arange(1, B, device=pred.device)
-    pos = anchors[:, :, None] + k  # (Bsz, N, B-1): predicted positions
+    (bsz, n_blocks, B), S = pred.shape, target_top1.shape[1]
+    pos = anchors[:, :, None] + torch.arange(1, B, device=pred.device)  # (Bsz, N, B-1): predicted positions
     inside = pos < seq_len[:, None, None]
     src = (pos - 1).clamp(max=S - 1).flatten(1)  # (Bsz, N*(B-1))
     want = torch.gather(target_top1, 1, src).view(bsz, n_blocks, B - 1)
@@ -42,8 +40,7 @@ def block_taus(pred: torch.Tensor, target_top1: torch.Tensor, anchors: torch.Ten
         inside = inside & in_turn[:, :, :-1].bool()
         counted = counted & (left > 0)
     tau = ((pred[:, :, 1:] == want) & inside).long().cumprod(dim=-1).sum(dim=-1) + 1  # leading run of hits + 1
-    if loss_mask is not None:
-        tau = torch.minimum(tau, left)
+    tau = tau if loss_mask is None else torch.minimum(tau, left)
     return tau * counted, counted
 
 
