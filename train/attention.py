@@ -37,8 +37,7 @@ def make_mask_mod(anchors: torch.Tensor, block_valid: torch.Tensor, ctx_len: tor
         block = q_idx // B
         is_ctx = kv_idx < S
         sees_ctx = is_ctx & (kv_idx < anchors[b, block]) & (kv_idx < ctx_len[b])
-        # kv - S is negative for context keys; ~is_ctx keeps them out of the block test.
-        sees_own_block = (~is_ctx) & ((kv_idx - S) // B == block)
+        sees_own_block = (~is_ctx) & ((kv_idx - S) // B == block)  # ~is_ctx: kv - S < 0 is no block
         return block_valid[b, block] & (sees_ctx | sees_own_block)
 
     return mask_mod

@@ -36,8 +36,7 @@ def init_distributed(device: str = "auto") -> tuple[int, int, torch.device, bool
     dev = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if use_cuda else torch.device("cpu")
     if use_cuda:
         torch.cuda.set_device(dev)
-    started = world > 1 and not dist.is_initialized()
-    if started:
+    if started := world > 1 and not dist.is_initialized():
         dist.init_process_group("nccl" if use_cuda else "gloo", rank=rank, world_size=world)
     return rank, world, dev, started
 
@@ -101,8 +100,7 @@ def wrap_parallel(drafter: torch.nn.Module, parallel: str, world: int, device: t
     if world > 1 and parallel == "ddp":
         from torch.nn.parallel import DistributedDataParallel as DDP
 
-        ids = [device.index] if device.type == "cuda" else None
-        return DDP(model, device_ids=ids), model
+        return DDP(model, device_ids=[device.index] if device.type == "cuda" else None), model
     return model, model
 
 
