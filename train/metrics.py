@@ -61,8 +61,7 @@ def peak_memory_gb(device: torch.device) -> float:
     """Peak allocated device memory (CUDA) or peak resident set size (CPU), in GB."""
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 1e9
-    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return rss / (1e9 if sys.platform == "darwin" else 1e6)
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / (1e9 if sys.platform == "darwin" else 1e6)
 
 
 class MetricsSink:

@@ -92,8 +92,7 @@ class DrafterConfig:
     @classmethod
     def from_dict(cls, data: dict) -> "DrafterConfig":
         """Inverse of ``to_dict``; unknown keys are an error (catches typos)."""
-        unknown = sorted(set(data) - {f.name for f in fields(cls)})
-        if unknown:
+        if unknown := sorted(set(data) - {f.name for f in fields(cls)}):
             raise ValueError(f"unknown DrafterConfig fields: {unknown}")
         return cls(**data)
 
@@ -289,8 +288,7 @@ def _tensor_files(target_path: str) -> dict[str, str]:
     index_file = os.path.join(target_path, "model.safetensors.index.json")
     if os.path.exists(index_file):
         return json.load(open(index_file))["weight_map"]
-    files = sorted(p for p in os.listdir(target_path) if p.endswith(".safetensors"))
-    if not files:
+    if not (files := sorted(p for p in os.listdir(target_path) if p.endswith(".safetensors"))):
         raise FileNotFoundError(f"no *.safetensors files in {target_path}")
     name_to_file = {}
     for fname in files:
