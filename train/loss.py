@@ -124,8 +124,7 @@ def chunked_block_loss(hidden: torch.Tensor, lm_head_weight: torch.Tensor, label
     if torch.is_grad_enabled() and lm_head_weight.requires_grad:
         raise ValueError("lm_head_weight requires grad; the target LM head is frozen and gets none here")
     with torch.autocast(device_type=hidden.device.type, enabled=False):
-        loss, correct, ce, kl = _ChunkedBlockLoss.apply(
+        return BlockLoss(*_ChunkedBlockLoss.apply(
             hidden, lm_head_weight, labels, weights, topk_ids if kd_coef != 0 else None,
             topk_logprobs if kd_coef != 0 else None, float(ce_coef), float(kd_coef), int(chunk_size),
-            denominator, need_grad)
-    return BlockLoss(loss, correct, ce, kl)
+            denominator, need_grad))
