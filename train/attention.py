@@ -1,15 +1,10 @@
-"""DFlash training attention: one mask function, two backends.
-
-Queries are N blocks x B slots (query q is in block q // B); keys are [context (S) | blocks (N * B)].
-A query of block b sees context key j iff ``j < anchor[b]`` and ``j < ctx_len``, and every key of
-its OWN block (keyed on block identity, not position: blocks closer than B must not see each
-other); a padded block sees nothing. Both backends evaluate the same ``mask_mod``: "flex" through
-a ``BlockMask`` built from the mask's intervals and a compiled ``flex_attention`` (CUDA), "dense"
-as a bool (Bsz, 1, Q, S + Q) tensor fed to SDPA (the CPU: flex has no CPU backward).
-"""
+"""DFlash training attention: one ``mask_mod``, two backends (flex from the mask's intervals, dense SDPA).
+Query q of block q // B sees context key j < min(anchor, ctx_len) and its own block's keys (by block
+identity, not position); a padded block sees nothing."""
 
 from __future__ import annotations
 
+import functools
 import warnings
 
 import torch
@@ -18,21 +13,23 @@ from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
 FLEX_TILE = 128  # flex_attention's default tile (BLOCK_SIZE) for queries and keys
 
-_compiled_flex_attention = None
 _allow_uncompiled_flex = False
 
 
+@functools.cache
+def _compiled_flex_attention():
+    return torch.compile(flex_attention)
+
+
 def allow_uncompiled_flex(allowed: bool = True) -> None:
-    """Let ``attend`` run flex eagerly: it materialises the full score matrix (tens of GB at
-    training shapes), so only for tests and debugging, and only when asked for."""
+    """Let ``attend`` run flex eagerly (the full score matrix: tests and debugging only)."""
     global _allow_uncompiled_flex
     _allow_uncompiled_flex = bool(allowed)
 
 
 def make_mask_mod(anchors: torch.Tensor, block_valid: torch.Tensor, ctx_len: torch.Tensor, context_len: int,
                   block_size: int):
-    """The DFlash mask as a flex ``mask_mod(b, h, q_idx, kv_idx) -> bool``: anchors (Bsz, N),
-    block_valid (Bsz, N), ctx_len (Bsz,) real context positions; context_len S is the padded one."""
+    """The DFlash flex ``mask_mod``; ctx_len (Bsz,): real context lengths, context_len S: padded."""
     S, B = int(context_len), int(block_size)
     block_valid = block_valid.to(torch.bool)
 
@@ -40,8 +37,7 @@ def make_mask_mod(anchors: torch.Tensor, block_valid: torch.Tensor, ctx_len: tor
         block = q_idx // B
         is_ctx = kv_idx < S
         sees_ctx = is_ctx & (kv_idx < anchors[b, block]) & (kv_idx < ctx_len[b])
-        # kv - S is negative for context keys; ~is_ctx keeps them out of the block test.
-        sees_own_block = (~is_ctx) & ((kv_idx - S) // B == block)
+        sees_own_block = (~is_ctx) & ((kv_idx - S) // B == block)  # ~is_ctx: kv - S < 0 is no block
         return block_valid[b, block] & (sees_ctx | sees_own_block)
 
     return mask_mod
@@ -53,10 +49,8 @@ def dense_mask(anchors: torch.Tensor, block_valid: torch.Tensor, ctx_len: torch.
     mask_mod = make_mask_mod(anchors, block_valid, ctx_len, context_len, block_size)
     bsz, q_len = anchors.shape[0], anchors.shape[1] * block_size
     kv_len, device = context_len + q_len, anchors.device
-    b = torch.arange(bsz, device=device).view(bsz, 1, 1, 1)
-    h = torch.zeros(1, 1, 1, 1, dtype=torch.long, device=device)
-    q_idx = torch.arange(q_len, device=device).view(1, 1, q_len, 1)
-    kv_idx = torch.arange(kv_len, device=device).view(1, 1, 1, kv_len)
+    b, h, q_idx, kv_idx = (torch.arange(n, device=device).view([n if d == i else 1 for d in range(4)])
+                           for i, n in enumerate((bsz, 1, q_len, kv_len)))
     return mask_mod(b, h, q_idx, kv_idx).expand(bsz, 1, q_len, kv_len)
 
 
@@ -69,10 +63,8 @@ def build_mask(kind: str, anchors: torch.Tensor, block_valid: torch.Tensor, ctx_
 
 def tile_maps(anchors: torch.Tensor, block_valid: torch.Tensor, ctx_len: torch.Tensor, context_len: int,
               block_size: int, tile: int = FLEX_TILE) -> tuple[torch.Tensor, torch.Tensor]:
-    """(any, full): which (query tile, key tile) pairs hold any / only visible pairs, (Bsz, Qt, Kt)
-    bool, from the mask's intervals. Row q of block n sees [0, min(anchor_n, ctx_len)) and its
-    block's [S + nB, S + nB + B) (both empty for a padded block): a key tile holds a visible key
-    iff an interval meets it, and is full iff one covers it. Edge tiles are never full (exact)."""
+    """(any, full) (Bsz, Qt, Kt): tile pairs with any / only visible pairs, from each row's intervals
+    [0, min(anchor, ctx_len)) and [S + nB, S + nB + B); edge tiles are never full."""
     bsz, n_blocks = anchors.shape
     B, S = int(block_size), int(context_len)
     q_len, device, valid = n_blocks * B, anchors.device, block_valid.to(torch.bool)
@@ -95,8 +87,7 @@ def tile_maps(anchors: torch.Tensor, block_valid: torch.Tensor, ctx_len: torch.T
 
 def dflash_block_mask(anchors: torch.Tensor, block_valid: torch.Tensor, ctx_len: torch.Tensor,
                       context_len: int, block_size: int) -> BlockMask:
-    """The flex ``BlockMask`` from ``tile_maps`` with plain tensor ops: unlike ``create_block_mask``,
-    nothing compiles and no dense (Q, KV) grid exists. Partial tiles apply ``mask_mod``: exact."""
+    """The flex ``BlockMask`` from ``tile_maps``: no compile, no dense grid; partial tiles apply ``mask_mod``."""
     q_len = anchors.shape[1] * int(block_size)
     any_tile, full_tile = tile_maps(anchors, block_valid, ctx_len, context_len, block_size)
 
@@ -111,29 +102,22 @@ def dflash_block_mask(anchors: torch.Tensor, block_valid: torch.Tensor, ctx_len:
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: BlockMask | torch.Tensor | None,
            scale: float) -> torch.Tensor:
-    """q (Bsz, H, Q, hd), k/v (Bsz, Hkv, KV, hd) -> (Bsz, H, Q, hd), GQA included. Query rows that
-    see no key (padded blocks) return exactly zero on both backends. ``mask`` None: every query
-    sees every key (one decoding block over its whole context)."""
+    """q (Bsz, H, Q, hd), k/v (Bsz, Hkv, KV, hd) -> (Bsz, H, Q, hd); rows that see no key give exactly 0;
+    ``mask`` None: every query sees every key."""
     gqa = q.shape[1] != k.shape[1]
     if mask is None:
         return F.scaled_dot_product_attention(q, k, v, scale=scale, enable_gqa=gqa)
     if isinstance(mask, BlockMask):
-        # flex returns 0 for rows with no visible key. Inside the compiled drafter dynamo lowers flex
-        # into the graph (the lazy global would add a guard, and so a recompile after warm-up).
+        # inside the compiled drafter dynamo lowers flex into the graph (a global would add a guard)
         if torch.compiler.is_compiling():
             return flex_attention(q, k, v, block_mask=mask, scale=scale, enable_gqa=gqa)
-        if _allow_uncompiled_flex:
-            with warnings.catch_warnings():  # the "called without torch.compile()" warning is the point
-                warnings.simplefilter("ignore", UserWarning)
+        if _allow_uncompiled_flex:  # the "called without torch.compile()" warning is the point
+            with warnings.catch_warnings(action="ignore", category=UserWarning):
                 return flex_attention(q, k, v, block_mask=mask, scale=scale, enable_gqa=gqa)
-        global _compiled_flex_attention
-        if _compiled_flex_attention is None:
-            _compiled_flex_attention = torch.compile(flex_attention)
-        return _compiled_flex_attention(q, k, v, block_mask=mask, scale=scale, enable_gqa=gqa)
+        return _compiled_flex_attention()(q, k, v, block_mask=mask, scale=scale, enable_gqa=gqa)
     if gqa:  # an explicit repeat: SDPA's enable_gqa rules out the memory-efficient CUDA kernel
         k, v = (t.repeat_interleave(q.shape[1] // k.shape[1], dim=1) for t in (k, v))
-    # Rows that see nothing would softmax over all -inf (NaN on some backends): let them see
-    # everything, then zero their output, which also zeroes their gradient.
+    # rows that see nothing (NaN softmax) see everything, then are zeroed, gradient included
     row_sees_any = mask.any(dim=-1, keepdim=True)  # (Bsz, 1, Q, 1)
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask | ~row_sees_any, scale=scale)
     return out * row_sees_any.to(out.dtype)

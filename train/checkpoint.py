@@ -1,8 +1,5 @@
-"""Checkpoints: one folder per step, RUN/checkpoints/step_000123/, enough to continue exactly
-where the run stopped: model.safetensors (the uncompiled drafter, export names, fp32),
-optimizer.pt, scheduler.pt, rng_rank{r}.pt (torch / cuda RNG of rank r; data draws are keyed),
-state.json (step, data position, configs). Written as ``step_X.partial`` and renamed when
-complete, so a kill during a save leaves the previous one the latest; loaded ``weights_only``."""
+"""Checkpoints, RUN/checkpoints/step_000123/: model.safetensors (export names), optimizer.pt,
+scheduler.pt, rng_rank{r}.pt, state.json; written as ``.partial`` and renamed, for a bitwise resume."""
 
 from __future__ import annotations
 
@@ -26,10 +23,7 @@ _STEP_DIR = re.compile(r"^step_(\d+)$")
 
 def list_checkpoints(run_dir: str | os.PathLike) -> list[Path]:
     """Complete checkpoint folders of a run, oldest first."""
-    root = Path(run_dir) / "checkpoints"
-    if not root.is_dir():
-        return []
-    found = [(int(m.group(1)), p) for p in root.iterdir()
+    found = [(int(m.group(1)), p) for p in (Path(run_dir) / "checkpoints").glob("step_*")
              if (m := _STEP_DIR.match(p.name)) and (p / "state.json").is_file()]
     return [p for _, p in sorted(found)]
 
@@ -112,10 +106,8 @@ def load_weights(path: str | os.PathLike) -> dict[str, torch.Tensor]:
 def load(path: str | os.PathLike, model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler
          ) -> dict[str, Any]:
     """Restore weights, optimizer, scheduler and this rank's RNG; return state.json."""
-    path = Path(path)
-    rank, world = _rank_world()
-    state = read_state(path)
-    weights = load_weights(path)
+    path, (rank, world) = Path(path), _rank_world()
+    state, weights = read_state(path), load_weights(path)
     optim = torch.load(path / "optimizer.pt", map_location="cpu", weights_only=True)
     if _is_fsdp(model):
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict

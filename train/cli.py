@@ -1,6 +1,5 @@
-"""``dflash-train run --cache C --out RUN [--FIELD VALUE ...]`` (``run`` may be left out) trains a
-drafter, one flag per ``TrainConfig`` field, multi-GPU through torchrun (``make train``);
-``dflash-train export RUN --out DIR`` exports a checkpoint of it."""
+"""``dflash-train [run] --cache C --out RUN [--FIELD VALUE ...]`` trains a drafter (one flag per
+``TrainConfig`` field; torchrun for several GPUs); ``dflash-train export RUN --out DIR`` exports it."""
 
 from __future__ import annotations
 
@@ -21,8 +20,7 @@ def cpu_preset_warning(preset: str, device: str) -> str | None:
     """The warning for a run of the full-size recipe on the CPU (minutes per step there), else None."""
     import torch
 
-    on_cpu = device == "cpu" or (device == "auto" and not torch.cuda.is_available())
-    if preset != "dflash" or not on_cpu:
+    if preset != "dflash" or not (device == "cpu" or (device == "auto" and not torch.cuda.is_available())):
         return None
     return ("the dflash preset (a drafter as wide as the target, 3072-token contexts, 512 blocks per sequence) "
             "takes minutes per step on the CPU; for a CPU run use --preset tiny")
@@ -118,8 +116,7 @@ def run(ctx: click.Context, preset: str, print_config: bool, **values):
     usable_device(cfg.runtime.device)
     logging.basicConfig(level=logging.INFO if os.environ.get("RANK", "0") == "0" else logging.WARNING,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    warning = cpu_preset_warning(preset, cfg.runtime.device)
-    if warning:
+    if warning := cpu_preset_warning(preset, cfg.runtime.device):
         logging.getLogger("dflash.train").warning(warning)
     from .loop import train
 
@@ -156,8 +153,7 @@ def export(run_dir: str, out: str, checkpoint: str, dtype: str, target: str | No
         dcfg = DrafterConfig.from_dict(state["drafter_config"])
     except ValueError as e:
         raise click.ClickException(f"{path}: {e}") from e
-    target = target or (state.get("config") or {}).get("target")  # every checkpoint records the run's config
-    if not target:
+    if not (target := target or (state.get("config") or {}).get("target")):
         raise click.ClickException(f"{run_dir} records no target; pass --target")
     if looks_like_path(target) and not os.path.exists(target):
         raise click.ClickException(f"the run's target {target} no longer exists; pass --target with its folder")

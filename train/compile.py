@@ -1,6 +1,5 @@
-"""The one compile path of training: after a warm-up of one REAL training step per shape,
-``fail_on_recompile`` turns any recompile into an error naming the failed guard instead of a
-silent fall-back to eager. Compiled graphs persist in one folder for later runs of these shapes."""
+"""Training's one compile path: a warm-up of one real step per shape, then ``fail_on_recompile`` makes
+any recompile an error naming its guard. Compiled graphs persist in one folder across runs."""
 
 from __future__ import annotations
 
@@ -32,8 +31,7 @@ class CompileChoice:
 
 
 def resolve(runtime: RuntimeConfig, device: torch.device) -> CompileChoice:
-    """Turn ``attention`` / ``compile`` settings into a checked choice for ``device``; uncompiled
-    flex on CUDA is refused unless ``--attention flex-eager`` names it."""
+    """The checked choice of ``attention`` / ``compile`` for ``device`` (uncompiled flex only by name)."""
     import torch._dynamo.config as dynamo_config
 
     cuda = device.type == "cuda"
@@ -68,14 +66,9 @@ def compile_model(model: torch.nn.Module, choice: CompileChoice, graphs_needed: 
         return model
     import torch._dynamo.config as dynamo_config
 
-    # a graph per (bucket, grad mode) without reaching the limit, whose fall-back is silent eager
+    # a graph per (bucket, grad mode) below the limit, whose fall-back is silent eager
     dynamo_config.recompile_limit = max(dynamo_config.recompile_limit, graphs_needed)
     return torch.compile(model, backend=choice.backend, dynamic=False)
-
-
-def freeze() -> None:
-    """From now on any (re)compile raises, naming the guard that failed."""
-    torch.compiler.set_stance("fail_on_recompile")
 
 
 def thaw() -> None:
@@ -84,7 +77,8 @@ def thaw() -> None:
 
 @contextmanager
 def frozen():
-    freeze()
+    """Any (re)compile inside raises, naming the guard that failed."""
+    torch.compiler.set_stance("fail_on_recompile")
     try:
         yield
     finally:
@@ -103,21 +97,19 @@ def compile_then_freeze(run: Callable[[], T]) -> tuple[T, int]:
     try:
         result = run()
     finally:
-        freeze()
+        torch.compiler.set_stance("fail_on_recompile")
     return result, compile_count() - before
 
 
 def default_compile_cache() -> Path:
-    """``$TORCHINDUCTOR_CACHE_DIR`` when set, else ``~/.cache/dflash/compile`` (``$XDG_CACHE_HOME``
-    honoured): a folder that outlives the run, unlike torch's temporary default."""
+    """``$TORCHINDUCTOR_CACHE_DIR``, else ``~/.cache/dflash/compile`` (honouring ``$XDG_CACHE_HOME``)."""
     if os.environ.get(CACHE_DIR_ENV):
         return Path(os.environ[CACHE_DIR_ENV])
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "dflash" / "compile"
 
 
 def use_compile_cache(folder: str | None) -> Path:
-    """Keep torch.compile's persistent caches in ``folder`` (None: ``default_compile_cache``);
-    call before the first compile."""
+    """Keep torch.compile's persistent caches in ``folder`` (None: the default); before any compile."""
     path = (Path(folder).expanduser() if folder else default_compile_cache()).resolve()
     if any(c.isspace() for c in str(path)):
         raise ValueError(f"compile cache folder {str(path)!r} has a space in its path: inductor's C++ build "

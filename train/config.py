@@ -1,6 +1,5 @@
-"""Training configuration: one dataclass per component, presets as plain functions. Field names
-are unique across sections: each is the ``dflash-train run`` flag of the same name, whose help in
-``train/cli.py`` says what it means."""
+"""Training configuration: one dataclass per component, presets as plain functions. Each field is the
+``dflash-train run`` flag of the same name (unique across sections), documented by its help."""
 
 from __future__ import annotations
 
@@ -146,8 +145,7 @@ def tiny() -> TrainConfig:
 
 
 def small() -> TrainConfig:
-    """For a small target on one GPU (SmolLM2-135M-Instruct; BENCHMARKS.md): block 8 (a higher
-    held-out tau than 16 at a cheaper step), 6 loader workers (2 left the step waiting)."""
+    """For a small target on one GPU (SmolLM2-135M-Instruct; BENCHMARKS.md)."""
     return TrainConfig().override(num_draft_layers=3, block_size=8, context_buckets=[512, 1024, 1536],
                                   max_anchors=256, batch_size=32, micro_batch_size=32, num_workers=6)
 

@@ -1,13 +1,10 @@
-"""Cache samples -> fixed-shape batches, in a deterministic, resumable order. Fixed shapes keep
-torch.compile to one graph per bucket: a batch's context is padded to one of the
-``context_buckets`` some sample falls into (``plan_buckets``), and every sequence carries
-exactly ``max_anchors`` blocks, the unused ones ``block_valid = False``. Everything random is
-keyed, never stateful, so worker processes, restarts and world sizes cannot change it: sample
-``i``'s anchors in epoch ``e`` come from an RNG seeded with (seed, e, i), epoch ``e``'s order
-from (seed, e), and the data position is the global step (step ``s`` reads global batch ``s``)."""
+"""Cache samples -> fixed-shape batches (context padded to a bucket, ``max_anchors`` blocks each: one
+compiled graph per bucket) in a deterministic, resumable order. Randomness is keyed, never stateful:
+sample i's anchors in epoch e from (seed, e, i), epoch e's order from (seed, e); step s reads batch s."""
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -27,9 +24,8 @@ PER_TOKEN_FIELDS = ("input_ids", "loss_mask", "context_hidden") + ENCODED_FIELDS
 
 @dataclass
 class EncodedContext:
-    """A batch's context as a lossy cache stores it: ``to(device)`` copies payload and scales (a
-    quarter to a half of the bf16 bytes) and decodes there to the (Bsz, S, n*D) bf16 tensor that
-    ``Collate`` gives otherwise, bitwise (the decode is exact on any device)."""
+    """A batch's context still encoded: ``to(device)`` copies the fewer bytes and decodes there, bitwise
+    the (Bsz, S, n*D) bf16 tensor ``Collate`` gives otherwise."""
 
     payload: torch.Tensor  # (Bsz, S, n, W) uint8, padded with the codec's zero byte
     scales: torch.Tensor  # (Bsz, S, n, G), padded with 0
@@ -44,8 +40,7 @@ class EncodedContext:
 
 
 def candidate_anchors(loss_mask: torch.Tensor) -> torch.Tensor:
-    """Positions a block may start at, ascending: assistant tokens at 1 <= a <= T-2 (one context
-    position before, one label after)."""
+    """Positions a block may start at, ascending: assistant tokens at 1 <= a <= T-2."""
     T = loss_mask.shape[0]
     if T < 3:
         return torch.zeros(0, dtype=torch.long)
@@ -54,12 +49,11 @@ def candidate_anchors(loss_mask: torch.Tensor) -> torch.Tensor:
 
 def draw_anchors(loss_mask: torch.Tensor, max_anchors: int, seed: int, epoch: int, index: int
                  ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(anchors (N,), valid (N,)): up to ``max_anchors`` sorted ``candidate_anchors``, drawn by an
-    RNG keyed on (seed, epoch, index), padded."""
+    """(anchors (N,), valid (N,)): up to ``max_anchors`` sorted candidates drawn by an RNG keyed on
+    (seed, epoch, index), padded."""
     cand = candidate_anchors(loss_mask)
-    rng = np.random.default_rng([seed, epoch, index])
     if len(cand) > max_anchors:
-        pick = np.sort(rng.choice(len(cand), size=max_anchors, replace=False))
+        pick = np.sort(np.random.default_rng([seed, epoch, index]).choice(len(cand), size=max_anchors, replace=False))
         cand = cand[torch.from_numpy(pick)]
     return _padded_anchors(cand, max_anchors)
 
@@ -71,10 +65,8 @@ def _padded_anchors(cand: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Ten
 
 
 class AnchorDataset(Dataset):
-    """Item ``(epoch, index)`` -> one unpadded sequence: ``input_ids``, ``loss_mask``, ``context_hidden``
-    (T, n*D) bf16, ``anchors``, ``block_valid``, and as asked ``target_top1`` (at t, the target's
-    prediction of t + 1) and ``topk_ids`` / ``topk_logprobs`` (T, k); other cache arrays are never
-    read. ``decode_on_device``: a lossy cache's context stays encoded (``EncodedContext``)."""
+    """Item ``(epoch, index)`` -> one unpadded sequence: input_ids, loss_mask, context_hidden (T, n*D),
+    anchors, block_valid and, as asked, target_top1 (at t: its prediction of t + 1), topk_ids/logprobs."""
 
     def __init__(self, reader: CacheReader, layer_ids: list[int], max_length: int, max_anchors: int, seed: int,
                  target_top1: bool = True, topk: bool = False, decode_on_device: bool = False):
@@ -88,10 +80,9 @@ class AnchorDataset(Dataset):
         self.max_length, self.max_anchors, self.seed = max_length, max_anchors, seed
 
     def __getitem__(self, key: tuple[int, int]) -> dict[str, torch.Tensor]:
+        """Index -1: ``empty_sample``."""
         epoch, index = key
-        if index < 0:
-            return self.empty_sample()
-        s = self.reader.read(int(index), self.fields, decode=not self.decode_on_device)
+        s = self.reader.read(int(index), self.fields, decode=not self.decode_on_device) if index >= 0 else self._empty()
         T = min(len(s["input_ids"]), self.max_length)
         loss_mask = s["loss_mask"][:T]
         anchors, valid = draw_anchors(loss_mask, self.max_anchors, self.seed, int(epoch), int(index))
@@ -113,9 +104,8 @@ class AnchorDataset(Dataset):
         return per_layer if self._all_slots else per_layer.index_select(1, torch.tensor(self.slots))
 
     def every_anchor(self, index: int, fixed_shape: bool = True) -> list[dict[str, torch.Tensor]]:
-        """Sample ``index`` as items that together hold a block at EVERY candidate anchor (``replay``):
-        with ``fixed_shape`` items of ``max_anchors`` blocks (the compiled eval graph's shapes),
-        else one item of exactly the candidate anchors."""
+        """Sample ``index`` as items that together hold a block at every candidate anchor: of
+        ``max_anchors`` blocks each with ``fixed_shape`` (compiled shapes), else one item."""
         sample = self[(EVAL_EPOCH, index)]
         cand = candidate_anchors(sample["loss_mask"])
         per_item = self.max_anchors if fixed_shape else max(len(cand), 1)
@@ -124,28 +114,24 @@ class AnchorDataset(Dataset):
 
     def empty_sample(self) -> dict[str, torch.Tensor]:
         """A weightless one-token sample with no valid block: fills a batch that does not split evenly."""
-        n, D = len(self.slots), self.reader.spec.hidden_size
-        out = {"input_ids": torch.zeros(1, dtype=torch.long), "loss_mask": torch.zeros(1, dtype=torch.bool)}
-        out["anchors"], out["block_valid"] = _padded_anchors(torch.zeros(0, dtype=torch.long), self.max_anchors)
+        return self[(0, -1)]
+
+    def _empty(self) -> dict[str, torch.Tensor]:
+        """All-zero cache arrays of one token (the codec's zero byte for an encoded context)."""
+        spec, c = self.reader.spec, self.codec
+        L, D, k = spec.num_layers, spec.hidden_size, spec.topk or 1
+        raw = {"input_ids": torch.zeros(1, dtype=torch.long), "loss_mask": torch.zeros(1, dtype=torch.bool),
+               "topk_ids": torch.zeros(1, k, dtype=torch.long), "topk_logprobs": torch.zeros(1, k),
+               "hidden": torch.zeros(1, L, D, dtype=torch.bfloat16)}
         if self.decode_on_device:
-            c = self.codec
-            out["context_payload"] = torch.full((1, n, c.payload_width(D)), c.zero_byte, dtype=torch.uint8)
-            out["context_scale"] = torch.zeros(1, n, c.groups(D), dtype=c.torch_scale_dtype)
-            out["hidden_codec"] = c
-        else:
-            out["context_hidden"] = torch.zeros(1, n * D, dtype=torch.bfloat16)
-        if self.target_top1:
-            out["target_top1"] = torch.zeros(1, dtype=torch.long)
-        if self.topk:
-            k = self.reader.spec.topk
-            out["topk_ids"], out["topk_logprobs"] = torch.zeros(1, k, dtype=torch.long), torch.zeros(1, k)
-        return out
+            raw["hidden"] = torch.full((1, L, c.payload_width(D)), c.zero_byte, dtype=torch.uint8)
+            raw[HIDDEN_SCALE] = torch.zeros(1, L, c.groups(D), dtype=c.torch_scale_dtype)
+        return raw
 
 
 def bucket_for(length: int, buckets: list[int]) -> int:
-    for b in buckets:
-        if length <= b:
-            return b
+    if length <= buckets[-1]:
+        return next(b for b in buckets if length <= b)
     raise ValueError(f"length {length} exceeds the largest context bucket {buckets[-1]}")
 
 
@@ -164,21 +150,18 @@ class BucketPlan:
 
 
 def plan_buckets(lengths: np.ndarray, buckets: list[int]) -> BucketPlan:
-    """Which of ``buckets`` the samples of ``lengths`` (N,) (capped at the largest) fall into.
-    Collating with only these pads every batch as with all of them: a batch's longest sample
-    picks its bucket, and falls into it."""
+    """Which of ``buckets`` the samples of ``lengths`` (capped at the largest) fall into: the only
+    ones a batch can be padded to."""
     lengths = np.minimum(np.asarray(lengths, dtype=np.int64), buckets[-1])
     if len(lengths) == 0:
         raise ValueError("no samples: no context bucket to compile")
     which = np.searchsorted(np.asarray(buckets), lengths, side="left")  # first bucket >= length, as bucket_for
-    counts = np.bincount(which, minlength=len(buckets))
-    samples = {b: int(n) for b, n in zip(buckets, counts)}
+    samples = {b: int(n) for b, n in zip(buckets, np.bincount(which, minlength=len(buckets)))}
     return BucketPlan([b for b in buckets if samples[b] > 0], samples)
 
 
 def _batch_buffer(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """An uninitialised tensor, in shared memory inside a DataLoader worker (as ``default_collate``
-    does), so handing the batch to the main process moves no bytes."""
+    """An uninitialised tensor, in shared memory inside a loader worker (as ``default_collate``)."""
     if torch.utils.data.get_worker_info() is None:
         return torch.empty(shape, dtype=dtype)
     storage = torch.UntypedStorage._new_shared(math.prod(shape) * dtype.itemsize)
@@ -186,44 +169,38 @@ def _batch_buffer(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
 
 
 class Collate:
-    """Stack samples, right-padding per-token fields to the smallest bucket that fits them all
-    (None: the longest sample), with zeros and ``loss_mask`` False; adds ``seq_len`` (Bsz,). An
-    encoded context becomes an ``EncodedContext``."""
+    """Stack samples, zero-padding per-token fields to the smallest bucket that fits them all (None:
+    the longest sample); adds ``seq_len`` (Bsz,)."""
 
     def __init__(self, buckets: list[int] | None, force_length: int | None = None):
-        self.buckets = list(buckets) if buckets is not None else None
-        self.force_length = force_length
+        self.buckets, self.force_length = list(buckets) if buckets is not None else None, force_length
 
     def __call__(self, samples: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
         lengths = [len(s["input_ids"]) for s in samples]
         S = self.force_length or (bucket_for(max(lengths), self.buckets) if self.buckets is not None else max(lengths))
         first = samples[0]
-        encoded = "context_payload" in first
         out = {"seq_len": torch.tensor(lengths, dtype=torch.long),
                "anchors": torch.stack([s["anchors"] for s in samples]),
                "block_valid": torch.stack([s["block_valid"] for s in samples])}
-        big = ENCODED_FIELDS + ("context_hidden",)  # written once (tokens, then padding), never filled first
         for name in (n for n in PER_TOKEN_FIELDS if n in first):
-            shape = (len(samples), S) + tuple(first[name].shape[1:])
-            out[name] = (_batch_buffer if name in big else torch.zeros)(shape, dtype=first[name].dtype)
-        for i, (s, T) in enumerate(zip(samples, lengths)):
-            for name in (n for n in PER_TOKEN_FIELDS if n in first):
-                out[name][i, :T] = s[name]
-                if name in big:
-                    out[name][i, T:] = first["hidden_codec"].zero_byte if name == "context_payload" else 0
-        if encoded:  # decoded by to(device), where the batch lands
+            big = name in ENCODED_FIELDS + ("context_hidden",)  # written once (tokens, then padding)
+            shape = (len(samples), S, *first[name].shape[1:])
+            out[name] = buf = (_batch_buffer if big else torch.zeros)(shape, dtype=first[name].dtype)
+            for i, (s, T) in enumerate(zip(samples, lengths)):
+                buf[i, :T] = s[name]
+                if big:
+                    buf[i, T:] = first["hidden_codec"].zero_byte if name == "context_payload" else 0
+        if "context_payload" in first:  # decoded by to(device), where the batch lands
             out["context_hidden"] = EncodedContext(out.pop("context_payload"), out.pop("context_scale"),
                                                    first["hidden_codec"])
         return out
 
 
 def truncate_sample(sample: dict[str, torch.Tensor], length: int) -> dict[str, torch.Tensor]:
-    """The first ``length`` tokens of a sample, blocks whose anchor no longer fits invalidated (the
-    compile warm-up's real sample of each bucket)."""
+    """The first ``length`` tokens of a sample, blocks that no longer fit invalidated (for the warm-up)."""
     out = {k: (v[:length] if k in PER_TOKEN_FIELDS else v) for k, v in sample.items()}
     fits = sample["anchors"] <= length - 2
-    out["block_valid"] = sample["block_valid"] & fits
-    out["anchors"] = torch.where(fits, sample["anchors"], torch.zeros_like(sample["anchors"]))
+    out["block_valid"], out["anchors"] = sample["block_valid"] & fits, torch.where(fits, sample["anchors"], 0)
     return out
 
 
@@ -232,8 +209,7 @@ DEFAULT_EVAL_FRACTION = 0.1  # at most this much of a small cache
 
 
 def held_out_count(num_samples: int, eval_samples: int | None) -> int:
-    """How many samples to hold out: ``eval_samples`` as asked, else min(64, a tenth of the
-    cache) and at least 1; always leaving at least one sample to train on."""
+    """``eval_samples``, else min(64, a tenth of the cache) and at least 1; one always left to train on."""
     if eval_samples is None:
         eval_samples = max(1, min(DEFAULT_EVAL_SAMPLES, int(num_samples * DEFAULT_EVAL_FRACTION)))
     if eval_samples < 0:
@@ -251,9 +227,8 @@ class Split:
     @classmethod
     def of(cls, num_samples: int, eval_samples: int | None, source_index: np.ndarray | None = None,
            train_samples: int | None = None) -> "Split":
-        """By ``source_index`` (each sample's source row) when given: the cache stores shards longest
-        first, so its own last samples would be biased and change with the shard count.
-        ``train_samples`` keeps the first N training samples by source row (a smaller dataset)."""
+        """By ``source_index`` (source rows) when given, not cache order (longest first, by shard);
+        ``train_samples`` keeps the first N training samples by source row."""
         n_eval = held_out_count(num_samples, eval_samples)
         if train_samples is not None and train_samples < 1:
             raise ValueError(f"train_samples must be 1 or more, got {train_samples}")
@@ -263,10 +238,8 @@ class Split:
 
 
 class GlobalBatchSampler:
-    """This rank's micro-batches of ``(epoch, index)`` keys from global step ``start_step``: step ``s``
-    takes batch ``s % steps_per_epoch`` of epoch ``s // steps_per_epoch``'s order, dealt as micro-batch
-    ``m * world + rank`` to accumulation step ``m`` of ``rank``, topped up with weightless slots
-    (index -1) where it does not split evenly. Resuming is starting at another step."""
+    """This rank's micro-batches of ``(epoch, index)`` keys from ``start_step``: micro-batch ``m * world
+    + rank`` of global batch s to accumulation step m, padded with weightless slots (index -1)."""
 
     def __init__(self, train: np.ndarray, global_batch: int, micro_batch: int, rank: int, world: int,
                  seed: int, total_steps: int, start_step: int = 0):
@@ -276,29 +249,22 @@ class GlobalBatchSampler:
         self.global_batch, self.micro, self.rank, self.world = global_batch, micro_batch, rank, world
         self.accum = -(-global_batch // (micro_batch * world))  # ceil
         self.seed, self.total_steps, self.start_step = seed, total_steps, start_step
-        self._order_epoch, self._order = -1, None
 
     @property
     def steps_per_epoch(self) -> int:
         return len(self.train) // self.global_batch
 
+    @functools.lru_cache(maxsize=1)
     def order(self, epoch: int) -> np.ndarray:
-        if epoch != self._order_epoch:
-            rng = np.random.default_rng([self.seed, epoch, _ORDER_SALT])
-            self._order, self._order_epoch = self.train[rng.permutation(len(self.train))], epoch
-        return self._order
+        return self.train[np.random.default_rng([self.seed, epoch, _ORDER_SALT]).permutation(len(self.train))]
 
     def step_batches(self, step: int) -> list[list[tuple[int, int]]]:
         """The ``accum`` micro-batches this rank reads at global step ``step``."""
         epoch, k = divmod(step, self.steps_per_epoch)
         batch = self.order(epoch)[k * self.global_batch:(k + 1) * self.global_batch]
-        slots = self.accum * self.world * self.micro
-        batch = np.concatenate([batch, np.full(slots - len(batch), -1, dtype=batch.dtype)])
-        out = []
-        for m in range(self.accum):
-            j = (m * self.world + self.rank) * self.micro
-            out.append([(epoch, int(i)) for i in batch[j:j + self.micro]])
-        return out
+        batch = np.pad(batch, (0, self.accum * self.world * self.micro - len(batch)), constant_values=-1)
+        starts = ((m * self.world + self.rank) * self.micro for m in range(self.accum))
+        return [[(epoch, int(i)) for i in batch[j:j + self.micro]] for j in starts]
 
     def __iter__(self):
         for step in range(self.start_step, self.total_steps):
@@ -313,8 +279,7 @@ def total_steps(num_train: int, global_batch: int, epochs: float, max_steps: int
 
 
 def held_out_batches(held_out: np.ndarray, micro_batch: int, rank: int, world: int) -> list[list[tuple[int, int]]]:
-    """This rank's full held-out micro-batches (fixed anchors), dealt round-robin; every rank
-    gets the same count (FSDP forwards are collectives)."""
+    """This rank's full held-out micro-batches, round-robin; every rank gets as many (FSDP collectives)."""
     full = (len(held_out) // micro_batch) // world * world
     batches = [[(EVAL_EPOCH, int(i)) for i in held_out[b * micro_batch:(b + 1) * micro_batch]] for b in range(full)]
     return batches[rank::world]
@@ -322,6 +287,6 @@ def held_out_batches(held_out: np.ndarray, micro_batch: int, rank: int, world: i
 
 def make_loader(dataset: AnchorDataset, batches, buckets: list[int], num_workers: int, prefetch_factor: int,
                 pin_memory: bool) -> DataLoader:
-    """A DataLoader over explicit micro-batches; workers are processes, never threads."""
+    """A DataLoader over explicit micro-batches."""
     return DataLoader(dataset, batch_sampler=batches, collate_fn=Collate(buckets), num_workers=num_workers,
                       pin_memory=pin_memory, prefetch_factor=prefetch_factor if num_workers > 0 else None)

@@ -1,7 +1,5 @@
-"""Export a drafter in the folder SGLang and vLLM read (config.json: DFlashDraftModel, Qwen3
-fields, block_size, num_target_layers, dflash_config, eagle_aux_hidden_state_layer_ids for older
-vLLM; model.safetensors: the unprefixed state-dict names, no embedding, no lm_head), check it
-against its target, print the commands that serve it, and load it back."""
+"""Export a drafter as the folder SGLang and vLLM read (config.json of a DFlashDraftModel +
+model.safetensors under the state-dict names), check it against its target, serve and load it."""
 
 from __future__ import annotations
 
@@ -27,13 +25,12 @@ LAYER_ID_CONVENTION = "id i = output of target decoder layer i = HF hidden_state
 _REQUIRED = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
              "vocab_size", "num_target_layers", "num_hidden_layers", "block_size", "rms_norm_eps",
              "max_position_embeddings")
-_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
-_NAME_DTYPES = {v: k for k, v in _DTYPE_NAMES.items()}
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def export_config_dict(config: DrafterConfig, dtype: torch.dtype) -> dict:
     """The config.json content for ``config`` with weights stored in ``dtype``."""
-    dtype_name = _DTYPE_NAMES[dtype]
+    dtype_name = str(dtype).removeprefix("torch.")
     shapes = {k: v for k, v in config.to_dict().items() if k not in ("target_layer_ids", "mask_token_id")}
     return {
         "architectures": [ARCHITECTURE],
@@ -52,16 +49,13 @@ def export_config_dict(config: DrafterConfig, dtype: torch.dtype) -> dict:
 
 
 def eagle_layer_ids(target_layer_ids: list[int]) -> list[int]:
-    """The same layers in vLLM's capture-point numbering (input of decoder layer i + 1), which
-    its releases before DFlash support read from ``eagle_aux_hidden_state_layer_ids``."""
+    """The same layers in the numbering of older vLLM's ``eagle_aux_hidden_state_layer_ids``."""
     return [int(i) + 1 for i in target_layer_ids]
 
 
 def check_against_target(config: DrafterConfig, target, tokenizer=None) -> None:
-    """Raise ValueError naming every way the drafter does not fit ``target`` (an HF config, or a
-    loaded model whose embedding rows are then the vocabulary; export and evaluation both check
-    here): hidden size, vocabulary, layer count and layers, and the MASK row (inside the target's
-    vocabulary, and the tokenizer's <|MASK|> where it has one: SGLang refuses anything else)."""
+    """Raise ValueError naming every way the drafter does not fit ``target`` (an HF config or a loaded
+    model): sizes, layers, and the MASK row (the tokenizer's <|MASK|> where it has one, as SGLang asks)."""
     loaded = hasattr(target, "get_input_embeddings")
     text = (target.config if loaded else target).get_text_config()
     vocab = target.get_input_embeddings().weight.shape[0] if loaded else text.vocab_size
@@ -85,8 +79,7 @@ def check_against_target(config: DrafterConfig, target, tokenizer=None) -> None:
 
 
 def serve_commands(export_dir: str | os.PathLike, target: str, block_size: int) -> dict[str, str]:
-    """Shell command lines that serve ``target`` with the exported drafter: SGLang reads the
-    block size from the config (and the flag), vLLM drafts ``num_speculative_tokens`` = B - 1."""
+    """Shell command lines that serve ``target`` with the exported drafter in SGLang and vLLM."""
     draft = str(Path(export_dir).resolve())
     vllm_spec = json.dumps({"method": "dflash", "model": draft, "num_speculative_tokens": block_size - 1})
     return {
@@ -101,8 +94,7 @@ def config_from_export_dict(data: dict) -> DrafterConfig:
     """DrafterConfig from an exported config.json, with clear errors on missing fields."""
     if ARCHITECTURE not in (data.get("architectures") or []):
         raise ValueError(f"config.json architectures={data.get('architectures')!r}; expected [{ARCHITECTURE!r}]")
-    dflash = data.get("dflash_config")
-    if not isinstance(dflash, dict):
+    if not isinstance(dflash := data.get("dflash_config"), dict):
         raise ValueError("config.json lacks the dflash_config section")
     eagle = data.get("eagle_aux_hidden_state_layer_ids")
     if eagle is not None and list(eagle) != eagle_layer_ids(dflash.get("target_layer_ids") or []):
@@ -110,8 +102,7 @@ def config_from_export_dict(data: dict) -> DrafterConfig:
                          f"{dflash.get('target_layer_ids')} + 1; a serving engine would read other layers")
     missing = [k for k in _REQUIRED if k not in data] + [k for k in ("target_layer_ids", "mask_token_id")
                                                         if k not in dflash]
-    theta = data.get("rope_theta", (data.get("rope_parameters") or {}).get("rope_theta"))
-    if missing or theta is None:
+    if missing or (theta := data.get("rope_theta", (data.get("rope_parameters") or {}).get("rope_theta"))) is None:
         raise ValueError(f"config.json lacks {missing or ['rope_theta']}")
     values = {f.name: data[f.name] for f in fields(DrafterConfig) if f.name in data}  # export_config_dict's names
     return DrafterConfig(**{**values, "rope_theta": float(theta), "target_layer_ids": dflash["target_layer_ids"],
@@ -120,14 +111,12 @@ def config_from_export_dict(data: dict) -> DrafterConfig:
 
 def export_drafter(drafter: DFlashDrafter, config: DrafterConfig, out_dir: str | os.PathLike,
                    dtype: torch.dtype | None = None) -> Path:
-    """Write config.json + model.safetensors of the plain (unwrapped, uncompiled) drafter to
-    ``out_dir``; ``dtype`` casts the weights (default: the drafter's own dtype). Returns the folder."""
+    """Write config.json + model.safetensors of the plain drafter (cast to ``dtype``) to ``out_dir``."""
     state = drafter.state_dict()
     _check_names_and_shapes(state, config, "drafter state_dict")
     dtype = dtype or next(iter(state.values())).dtype
     tensors = {name: t.detach().to("cpu", dtype).contiguous() for name, t in state.items()}
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
+    (out := Path(out_dir)).mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(out / WEIGHTS_NAME), metadata={"format": "pt"})
     (out / CONFIG_NAME).write_text(json.dumps(export_config_dict(config, dtype), indent=2) + "\n")
     return out
@@ -136,16 +125,13 @@ def export_drafter(drafter: DFlashDrafter, config: DrafterConfig, out_dir: str |
 def load_exported(path: str | os.PathLike, device: str | torch.device = "cpu", dtype: torch.dtype | None = None
                   ) -> tuple[DFlashDrafter, DrafterConfig]:
     """Load an exported folder, checking every tensor name and shape against the config."""
-    path = Path(path)
-    data = json.loads((path / CONFIG_NAME).read_text())
-    config = config_from_export_dict(data)
-    tensors = load_file(str(path / WEIGHTS_NAME))
-    _check_names_and_shapes(tensors, config, str(path / WEIGHTS_NAME))
+    data = json.loads((Path(path) / CONFIG_NAME).read_text())
+    config, tensors = config_from_export_dict(data), load_file(str(Path(path) / WEIGHTS_NAME))
+    _check_names_and_shapes(tensors, config, str(Path(path) / WEIGHTS_NAME))
     if dtype is None:
-        dtype = _NAME_DTYPES.get(data.get("dtype") or data.get("torch_dtype"), next(iter(tensors.values())).dtype)
+        dtype = _DTYPES.get(data.get("dtype") or data.get("torch_dtype"), next(iter(tensors.values())).dtype)
     with torch.device("meta"):
-        drafter = DFlashDrafter(config)
-    drafter = drafter.to_empty(device=device).to(dtype)
+        drafter = DFlashDrafter(config).to_empty(device=device).to(dtype)
     drafter.load_state_dict({k: v.to(dtype) for k, v in tensors.items()}, strict=True)
     return drafter, config
 
@@ -153,8 +139,7 @@ def load_exported(path: str | os.PathLike, device: str | torch.device = "cpu", d
 def _check_names_and_shapes(tensors: dict, config: DrafterConfig, where: str) -> None:
     with torch.device("meta"):
         expected = {name: tuple(t.shape) for name, t in DFlashDrafter(config).state_dict().items()}
-    missing = sorted(set(expected) - set(tensors))
-    unexpected = sorted(set(tensors) - set(expected))
+    missing, unexpected = sorted(set(expected) - set(tensors)), sorted(set(tensors) - set(expected))
     wrong = sorted(f"{n}: {tuple(tensors[n].shape)} != {expected[n]}" for n in set(expected) & set(tensors)
                    if tuple(tensors[n].shape) != expected[n])
     problems = [f"{what} {names}" for what, names in (("missing", missing), ("unexpected", unexpected),

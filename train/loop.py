@@ -1,7 +1,5 @@
-"""The training loop: one plain function, ``train(cfg)``, with an explicit step block. Every
-micro-batch's weighted loss is divided by the weight sum of the whole global batch (known before
-any forward: weights depend on data only), so one process, several and any accumulation split
-compute the same update."""
+"""The training loop, ``train(cfg)``. Each micro-batch's loss is divided by the global batch's weight
+sum (known from the data before any forward), so any world size or accumulation gives the same update."""
 
 from __future__ import annotations
 
@@ -25,24 +23,20 @@ from .data import (DEFAULT_EVAL_SAMPLES, AnchorDataset, Collate, GlobalBatchSamp
                    make_loader, plan_buckets, total_steps, truncate_sample)
 from .model import DFlashDrafter, init_from_target_layers, load_target_head
 from .step import StepSpec, evaluate_batch, forward_loss, labels_and_weights, to_device, work_counts
-from .target import build_drafter_config, check_cache, load_target_meta, resolve_target
+from .target import build_drafter_config, load_target_meta, resolve_target
 
 log = logging.getLogger("dflash.train")
 
 
 def init_distributed(device: str = "auto") -> tuple[int, int, torch.device, bool]:
     """(rank, world, device, whether this call started the process group) from the torchrun
-    environment; without it one process and nothing happens. With WORLD_SIZE set, join the process
-    group (nccl on CUDA, gloo on CPU) on cuda:LOCAL_RANK."""
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    rank = int(os.environ.get("RANK", "0"))
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    environment (nccl on CUDA, gloo on CPU); outside torchrun one process and nothing happens."""
+    world, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
     use_cuda = torch.cuda.is_available() if device == "auto" else device.startswith("cuda")
-    dev = torch.device("cuda", local_rank) if use_cuda else torch.device("cpu")
+    dev = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if use_cuda else torch.device("cpu")
     if use_cuda:
         torch.cuda.set_device(dev)
-    started = world > 1 and not dist.is_initialized()
-    if started:
+    if started := world > 1 and not dist.is_initialized():
         dist.init_process_group("nccl" if use_cuda else "gloo", rank=rank, world_size=world)
     return rank, world, dev, started
 
@@ -106,15 +100,13 @@ def wrap_parallel(drafter: torch.nn.Module, parallel: str, world: int, device: t
     if world > 1 and parallel == "ddp":
         from torch.nn.parallel import DistributedDataParallel as DDP
 
-        ids = [device.index] if device.type == "cuda" else None
-        return DDP(model, device_ids=ids), model
+        return DDP(model, device_ids=[device.index] if device.type == "cuda" else None), model
     return model, model
 
 
 @contextmanager
 def _grad_sync(model, enabled: bool):
-    """DDP ``no_sync`` / FSDP2 ``set_requires_gradient_sync`` for accumulation micro-steps (each step's
-    last micro-step syncs)."""
+    """DDP ``no_sync`` / FSDP2 ``set_requires_gradient_sync``: only a step's last micro-step syncs."""
     if hasattr(model, "set_requires_gradient_sync"):
         model.set_requires_gradient_sync(enabled)
     with model.no_sync() if not enabled and hasattr(model, "no_sync") else nullcontext():
@@ -126,11 +118,8 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     cfg.validate()
     rt, dcfg_data, ocfg = cfg.runtime, cfg.data, cfg.optim
     rank, world, device, started_group = init_distributed(rt.device)
-    is_main = rank == 0
-    out = Path(cfg.out)
-    sink = None
+    is_main, out, sink = rank == 0, Path(cfg.out), None
     try:
-        # -- the cache must match the target before anything else happens
         reader = CacheReader(cfg.cache)
         cfg = dataclasses.replace(cfg, target=resolve_target(cfg.target, reader.spec, cfg.cache))
         cuda = device.type == "cuda"
@@ -140,8 +129,6 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
         compile_cache = compile_path.use_compile_cache(rt.compile_cache) if compiles else None
         hf_config, tokenizer = load_target_meta(cfg.target)
         dcfg = build_drafter_config(cfg, hf_config, tokenizer, reader)
-        check_cache(reader, hf_config, tokenizer, dcfg.target_layer_ids)
-        # the run's config.json and checkpoints record the MASK row chosen, not "None = choose"
         cfg = dataclasses.replace(cfg, drafter=dataclasses.replace(cfg.drafter, mask_token_id=dcfg.mask_token_id))
         if is_main:
             out.mkdir(parents=True, exist_ok=True)
@@ -151,44 +138,35 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
         spec = StepSpec(choice.attention, dcfg.block_size, dcfg.mask_token_id, cfg.drafter.gamma,
                         rt.ce_chunk_size, autocast_dtype, cfg.drafter.loss, cfg.drafter.kd_weight, cfg.drafter.labels)
 
-        # -- data: deterministic order, position = global step
         split = Split.of(len(reader), dcfg_data.eval_samples, reader.source_indices(), dcfg_data.train_samples)
         if is_main:
             log_held_out(len(reader), dcfg_data.eval_samples, len(split.held_out))
             log.info("training on %d samples", len(split.train))
         G, micro = dcfg_data.batch_size, dcfg_data.micro_batch_size
         steps = total_steps(len(split.train), G, ocfg.epochs, ocfg.max_steps)
-        # training reads the top-k arrays only for what its objective needs; eval always
-        # needs the target's top-1 (acceptance is measured against it)
         on_device = dcfg_data.hidden_decode == "device" or (dcfg_data.hidden_decode == "auto" and cuda)
-        dataset = AnchorDataset(reader, dcfg.target_layer_ids, cfg.max_length, dcfg_data.max_anchors, rt.seed,
-                                target_top1=spec.labels == "target", topk=spec.needs_topk, decode_on_device=on_device)
-        eval_dataset = AnchorDataset(reader, dcfg.target_layer_ids, cfg.max_length, dcfg_data.max_anchors, rt.seed,
-                                     target_top1=True, topk=spec.needs_topk, decode_on_device=on_device)
-        # the cache's offsets give every sample's length: no data is read to choose the shapes
+        dataset, eval_dataset = (AnchorDataset(reader, dcfg.target_layer_ids, cfg.max_length, dcfg_data.max_anchors,
+                                               rt.seed, top1, spec.needs_topk, on_device)
+                                 for top1 in (spec.labels == "target", True))  # eval's acceptance needs the top-1
         buckets = plan_buckets(reader.lengths(), dcfg_data.context_buckets)
-        log.info(buckets.describe())  # info lines: rank 0 only, by the CLI's logging levels
-
-        # -- model, target head (frozen, never saved), optimizer
+        log.info(buckets.describe())
         setup_start = time.perf_counter()
         head = load_target_head(cfg.target, device, torch.bfloat16 if autocast_dtype is not None else torch.float32)
         torch.manual_seed(rt.seed)
-        with torch.device(device):  # initialised where it trains: a CPU init of 8B-sized layers takes seconds
+        with torch.device(device):  # a CPU init of 8B-sized layers takes seconds
             drafter = DFlashDrafter(dcfg)  # fp32 master weights
             if cfg.drafter.init_from_target_layers is not None:
                 init_from_target_layers(drafter, cfg.target, cfg.drafter.init_from_target_layers)
         model, eval_model = wrap_parallel(drafter, rt.parallel, world, device, choice, 2 * len(buckets.buckets) + 2)
         optimizer, scheduler = make_optimizer(drafter.parameters(), ocfg, steps, fused=cuda)
 
-        start_step = 0
-        resume_from = checkpoint.resolve(out, rt.resume)
+        start_step, resume_from = 0, checkpoint.resolve(out, rt.resume)
         if resume_from is not None:
             state = checkpoint.load(resume_from, drafter, optimizer, scheduler)
             start_step = int(state["step"])
             if is_main:
                 log.info("resumed from %s at step %d", resume_from, start_step)
-                changed = config_changes(state.get("config", {}), cfg.to_dict())
-                if changed:
+                if changed := config_changes(state.get("config", {}), cfg.to_dict()):
                     log.warning("resuming with settings that differ from the checkpoint's; the run will not "
                                 "be the one it would have been:\n  - %s", "\n  - ".join(changed))
 
@@ -197,14 +175,12 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
         loader = make_loader(dataset, sampler, buckets.buckets, dcfg_data.num_workers, dcfg_data.prefetch_factor, cuda)
         eval_keys = held_out_batches(split.held_out, micro, rank, world)
         eval_collate = Collate(buckets.buckets)
-        # the warm-up's samples: the first micro-batch of step 0, whatever step the run resumes at
+        # the warm-up's samples: step 0's first micro-batch, whatever step the run resumes at
         warm_keys = GlobalBatchSampler(split.train, G, micro, rank, world, rt.seed, steps).step_batches(0)[0]
         warm_samples = [dataset[k] for k in warm_keys] if compiles else None
-        # the workers start now and have the first batches ready when the warm-up ends
-        data_iter = iter(loader)
+        data_iter = iter(loader)  # the workers load while the warm-up compiles
         log.info("drafter, target head, optimizer and loader ready in %.1f s", time.perf_counter() - setup_start)
 
-        # -- compile: one real training step per shape, then any recompile is an error
         compiled_graphs, cache_use, eval_compiled_graphs = 0, {}, None
         if compiles:
             def warm(length: int):
@@ -223,7 +199,7 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
         compiles_after_warm_up = compile_path.compile_count()
 
         def evaluate(step: int) -> dict[str, Any]:
-            """The held-out evaluation; its first call compiles the no-grad graphs of the shapes it meets."""
+            """The held-out evaluation; its first call compiles the no-grad graphs."""
             nonlocal eval_compiled_graphs
             if not compiles or eval_compiled_graphs is not None:
                 return evaluate_held_out(step)
@@ -245,95 +221,73 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
                                                  batch["block_valid"], batch["seq_len"], batch["loss_mask"])
                 sums += torch.stack([loss_sum.double(), so.weights.sum().double(), tau, blocks])
                 slots += so.per_slot()
-            s = _all_reduce(sums, world).tolist()
-            _all_reduce(slots, world)
-            # decoding replayed on the held-out samples through the compiled eval step; every rank replays
-            # every sample (FSDP forwards are collectives), partial groups padded with weightless samples
+            s, _ = _all_reduce(sums, world).tolist(), _all_reduce(slots, world)
+            # every rank replays every sample (FSDP forwards are collectives)
             walked = replay.replay(eval_dataset, split.held_out, lambda b: evaluate_batch(eval_model, head, b, spec)[2],
                                    eval_collate, group_size=micro, fixed_shape=True, device=device)
-            return {"kind": "eval", "step": step, "loss": s[0] / max(s[1], 1e-12),
-                    "tau": walked.tau, "tau_blocks": walked.blocks,
-                    "tau_uniform": s[2] / max(s[3], 1), "blocks": int(s[3]),
+            return {"kind": "eval", "step": step, "loss": s[0] / max(s[1], 1e-12), "tau": walked.tau,
+                    "tau_blocks": walked.blocks, "tau_uniform": s[2] / max(s[3], 1), "blocks": int(s[3]),
                     "acc_per_pos": (slots[0] / slots[1].clamp(min=1)).tolist()}
 
-        # -- the loop
         from tqdm import tqdm
 
-        bar = tqdm(total=steps, initial=start_step, disable=not (rt.progress and is_main),
-                   desc="train", dynamic_ncols=True)
-        window_loss = torch.zeros((), dtype=torch.float64, device=device)
-        window_slots = torch.zeros(2, dcfg.block_size, dtype=torch.float64, device=device)  # right, supervised
-        window_work = torch.zeros(3, dtype=torch.float64, device=device)
+        bar = tqdm(total=steps, initial=start_step, disable=not (rt.progress and is_main), desc="train",
+                   dynamic_ncols=True)
+        # loss, context tokens, block tokens, attention pairs, then per slot: predicted right, supervised
+        window = torch.zeros(4 + 2 * dcfg.block_size, dtype=torch.float64, device=device)
         window_steps, window_start, window_data_s = 0, time.perf_counter(), 0.0
         params = [p for p in drafter.parameters() if p.requires_grad]
-        history: list[dict[str, Any]] = []
-        last_eval: dict[str, Any] | None = None
-        step = start_step
+        history, last_eval, step = [], None, start_step
         for step in range(start_step, steps):
             waited = time.perf_counter()
             micro_batches = [to_device(next(data_iter), device) for _ in range(accum)]
-            window_data_s += time.perf_counter() - waited  # the loader falling behind shows here
+            window_data_s += time.perf_counter() - waited
             labels_weights = [labels_and_weights(b, spec) for b in micro_batches]
             denominator = _all_reduce(torch.stack([w.sum() for _, w in labels_weights]).sum(), world)
             for m, (batch, lw) in enumerate(zip(micro_batches, labels_weights)):
                 with _grad_sync(model, enabled=m == accum - 1):
                     step_out = forward_loss(model, head, batch, spec, denominator, lw)
-                    # DDP / FSDP average gradients over ranks; the loss is already a global mean.
-                    (step_out.loss * world).backward()
-                window_loss += step_out.loss.detach().double()
-                window_slots += step_out.per_slot()
-                window_work += work_counts(batch, dcfg.block_size)
+                    (step_out.loss * world).backward()  # DDP / FSDP average; the loss is a global mean
+                window += torch.cat([step_out.loss.detach().double()[None], work_counts(batch, dcfg.block_size),
+                                     step_out.per_slot().flatten()])
             grad_norm = torch.nn.utils.clip_grad_norm_(params, ocfg.grad_clip) if ocfg.grad_clip > 0 else None
             lr_used = optimizer.param_groups[0]["lr"]
             optimizer.step()
             scheduler.step()
             optimizer.zero_grad(set_to_none=True)
-            window_steps += 1
-            done = step + 1
+            window_steps, done = window_steps + 1, step + 1
             last = done == steps
             bar.update(1)
-
             if done % rt.log_every == 0 or last:
-                for t in (window_loss, window_slots, window_work):
-                    _all_reduce(t, world)
+                _all_reduce(window, world)
                 if cuda:
                     torch.cuda.synchronize(device)
                 elapsed = time.perf_counter() - window_start
-                ctx_tok, block_tok, pairs = window_work.tolist()
+                (loss_sum, ctx_tok, block_tok, pairs), slots = window[:4].tolist(), window[4:].view(2, -1)
                 flops = metrics.step_flops(dcfg, head.embed_weight.shape[0], ctx_tok, block_tok, pairs)
-                record = {
-                    "kind": "train", "step": done, "epoch": step / sampler.steps_per_epoch,
-                    "loss": window_loss.item() / window_steps,
-                    "acc_per_pos": (window_slots[0] / window_slots[1].clamp(min=1)).tolist(),
-                    "acc": (window_slots[0].sum() / window_slots[1].sum().clamp(min=1)).item(),
-                    "lr": float(lr_used),
-                    "grad_norm": grad_norm.item() if grad_norm is not None else None,
-                    "tok_s": block_tok / elapsed, "step_s": elapsed / window_steps,
-                    "data_wait": window_data_s / elapsed,
-                    "mfu": flops / elapsed / world / (rt.peak_tflops * 1e12),
-                    "peak_mem_gb": metrics.peak_memory_gb(device),
-                    "compiles": compile_path.compile_count(),
-                }
+                flops = flops / elapsed / world
+                record = {"kind": "train", "step": done, "epoch": step / sampler.steps_per_epoch,
+                          "loss": loss_sum / window_steps, "acc_per_pos": (slots[0] / slots[1].clamp(min=1)).tolist(),
+                          "acc": (slots[0].sum() / slots[1].sum().clamp(min=1)).item(),
+                          "lr": float(lr_used), "grad_norm": grad_norm.item() if grad_norm is not None else None,
+                          "tok_s": block_tok / elapsed, "step_s": elapsed / window_steps,
+                          "data_wait": window_data_s / elapsed, "mfu": flops / (rt.peak_tflops * 1e12),
+                          "peak_mem_gb": metrics.peak_memory_gb(device), "compiles": compile_path.compile_count()}
                 history.append(record)
                 sink.write(record)
                 bar.set_postfix(loss=f"{record['loss']:.3f}", acc=f"{record['acc']:.3f}")
-                for t in (window_loss, window_slots, window_work):
-                    t.zero_()
+                window.zero_()
                 window_steps, window_start, window_data_s = 0, time.perf_counter(), 0.0
-
             if eval_keys and (done % rt.eval_every == 0 or last):
-                last_eval = evaluate(done)
-                history.append(last_eval)
+                history.append(last_eval := evaluate(done))
                 sink.write(last_eval)
                 window_start = time.perf_counter()
-
             if done % rt.save_every == 0 or last:
                 info = {"data_position": {"global_step": done, "epoch": done // sampler.steps_per_epoch,
                                           "step_in_epoch": done % sampler.steps_per_epoch},
                         "total_steps": steps, "config": cfg.to_dict(), "drafter_config": dcfg.to_dict()}
                 checkpoint.save(out, done, drafter, optimizer, scheduler, info, rt.keep_checkpoints)
                 window_start = time.perf_counter()
-
             if rt.stop_after is not None and done >= rt.stop_after and not last:
                 break
         bar.close()

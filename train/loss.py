@@ -1,7 +1,5 @@
-"""DFlash labels and a chunked, weighted loss through the frozen target LM head: cross-entropy on
-the labels, KL from the target's stored top-k (plus one tail bucket), or both. Slot k of the
-block anchored at a predicts the token AT a + k (no shift: a shift by one gives high train
-accuracy and useless drafts, so it is tested for); slot 0, the anchor, has no loss."""
+"""DFlash labels and a chunked, weighted loss through the frozen target LM head (CE, KL from the
+stored top-k, or both). Slot k of the block anchored at a predicts the token AT a + k (no shift)."""
 
 from __future__ import annotations
 
@@ -12,8 +10,6 @@ import torch.nn.functional as F
 
 IGNORE_INDEX = -100
 
-
-
 def default_gamma(block_size: int) -> float:
     """Decay of the per-slot weights: the paper's 7 for B = 16, else B / 2 (its 5 and 4 for 10 and 8)."""
     return 7.0 if block_size == 16 else block_size / 2.0
@@ -22,10 +18,8 @@ def default_gamma(block_size: int) -> float:
 def block_labels(input_ids: torch.Tensor, loss_mask: torch.Tensor, seq_len: torch.Tensor, anchors: torch.Tensor,
                  block_valid: torch.Tensor, block_size: int, gamma: float | None = None
                  ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Labels (Bsz, N, B) long and weights (Bsz, N, B) float32 of input_ids, loss_mask (Bsz, T),
-    seq_len (Bsz,), anchors, block_valid (Bsz, N): label[b, n, k] = input_ids[b, anchors[b, n] + k],
-    weight exp(-(k - 1) / gamma), and 0 at k = 0, past seq_len, off the loss mask and in invalid
-    blocks (label -100 there)."""
+    """(Bsz, N, B) labels input_ids[b, anchors[b, n] + k] and weights exp(-(k - 1) / gamma); weight 0
+    and label -100 at k = 0, past seq_len, off the loss mask and in invalid blocks."""
     gamma = default_gamma(block_size) if gamma is None else float(gamma)
     if gamma <= 0:
         raise ValueError(f"gamma must be positive, got {gamma}")
@@ -45,59 +39,32 @@ def block_labels(input_ids: torch.Tensor, loss_mask: torch.Tensor, seq_len: torc
     return labels, weights
 
 
-def block_target_positions(anchors: torch.Tensor, block_size: int) -> torch.Tensor:
-    """(Bsz, N, B) cache positions of each slot's target distribution: slot k predicts the token at
-    anchor + k, and the cache stores at p the target's prediction of token p + 1."""
-    slot = torch.arange(block_size, device=anchors.device)
-    return anchors[..., None].long() + slot - 1
-
-
-def gather_positions(per_token: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-    """per_token (Bsz, S, ...) at positions (Bsz, N, B) -> (Bsz, N, B, ...), clamped into [0, S)
-    (slots outside carry weight 0)."""
-    bsz, S = per_token.shape[:2]
-    flat = positions.clamp(0, S - 1).reshape(bsz, -1)
-    index = flat.view(bsz, -1, *([1] * (per_token.dim() - 2))).expand(bsz, flat.shape[1], *per_token.shape[2:])
-    return per_token.gather(1, index).view(*positions.shape, *per_token.shape[2:])
-
-
 class _ChunkedBlockLoss(torch.autograd.Function):
-    """Forward computes, chunk by chunk, the loss AND d(loss)/d(hidden); only that
-    (M, D) gradient is kept, so no (M, V) logits tensor ever lives in memory.
-
-    Per row: ``ce_coef * CE(label) + kd_coef * KL(target || drafter)`` over the top-k
-    buckets plus one tail bucket (see ``chunked_block_loss``). With logits z, q = softmax(z),
-    top-k target probabilities p_i, tail mass r and tail softmax s (q over the ids outside
-    the top-k, renormalised): dCE/dz = q - onehot(label) and
-    dKL/dz = (sum p + r) q - sum_i p_i onehot(t_i) - r s, formed in one (c, V) buffer.
-    """
+    """Forward computes, chunk by chunk, the loss and its (M, D) gradient, so no (M, V) logits live.
+    With q = softmax(z), target top-k p_i, tail mass r and tail softmax s: dCE/dz = q - onehot(label),
+    dKL/dz = (sum p + r) q - sum_i p_i onehot(t_i) - r s."""
 
     @staticmethod
     def forward(ctx, hidden, weight, labels, weights, topk_ids, topk_logprobs, ce_coef, kd_coef, chunk_size,
                 denominator, need_grad):
         n_rows = hidden.shape[0]
         kd = topk_ids is not None and kd_coef != 0
-        # Ignored labels (< 0) never count, whatever weight they were given.
         w = torch.where(labels >= 0, weights.to(torch.float32), torch.zeros((), device=weights.device))
-        if denominator is None:
-            denominator = w.sum()
-        denominator = torch.as_tensor(denominator, dtype=torch.float32, device=hidden.device)
+        denominator = torch.as_tensor(w.sum() if denominator is None else denominator, dtype=torch.float32,
+                                      device=hidden.device)
         safe_denominator = torch.where(denominator > 0, denominator, torch.ones_like(denominator))
-        ce_total = torch.zeros((), dtype=torch.float32, device=hidden.device)
-        kd_total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        ce_total = kd_total = torch.zeros((), dtype=torch.float32, device=hidden.device)
         correct = torch.zeros(n_rows, dtype=torch.bool, device=hidden.device)
         grad_hidden = torch.zeros_like(hidden) if need_grad else None
         for start in range(0, n_rows, chunk_size):
             stop = min(start + chunk_size, n_rows)
             logits = F.linear(hidden[start:stop].to(weight.dtype), weight).float()  # (c, V)
-            label = labels[start:stop]
-            w_chunk = w[start:stop]
+            label, w_chunk = labels[start:stop], w[start:stop]
             safe_label = label.clamp(min=0)
             lse = torch.logsumexp(logits, dim=-1)  # (c,)
             label_logit = logits.gather(1, safe_label[:, None]).squeeze(1)
             ce_total = ce_total + (w_chunk * (lse - label_logit)).sum()
             correct[start:stop] = (logits.argmax(dim=-1) == label) & (label >= 0)
-            # Rows of the tail buffer: q / (tail mass) over the ids outside the top-k.
             tail_lse, tail_coef = lse, ce_coef * torch.ones_like(lse)
             if kd:
                 ids = topk_ids[start:stop].long()  # (c, k)
@@ -125,13 +92,10 @@ class _ChunkedBlockLoss(torch.autograd.Function):
                 grad_logits.scatter_add_(1, safe_label[:, None], (-ce_coef * scale)[:, None])
                 grad_hidden[start:stop] = (grad_logits.to(weight.dtype) @ weight).to(hidden.dtype)
             del logits
-        positive = denominator > 0
-        ce = torch.where(positive, ce_total / safe_denominator, torch.zeros_like(ce_total))
-        kl = torch.where(positive, kd_total / safe_denominator, torch.zeros_like(kd_total))
-        loss = ce_coef * ce + kd_coef * kl
+        ce, kl = (torch.where(denominator > 0, t / safe_denominator, torch.zeros_like(t)) for t in (ce_total, kd_total))
         ctx.save_for_backward(grad_hidden if need_grad else torch.zeros(0))
         ctx.mark_non_differentiable(correct, ce, kl)
-        return loss, correct, ce, kl
+        return ce_coef * ce + kd_coef * kl, correct, ce, kl
 
     @staticmethod
     def backward(ctx, grad_loss, grad_correct, grad_ce, grad_kl):
@@ -151,21 +115,16 @@ def chunked_block_loss(hidden: torch.Tensor, lm_head_weight: torch.Tensor, label
                        topk_ids: torch.Tensor | None = None, topk_logprobs: torch.Tensor | None = None,
                        ce_coef: float = 1.0, kd_coef: float = 0.0, chunk_size: int = 2048,
                        denominator: float | torch.Tensor | None = None) -> BlockLoss:
-    """Weighted CE and/or KL from the target's stored top-k, through the frozen LM head: hidden (M, D),
-    lm_head_weight (V, D), labels (M,) (negative = ignored, weight 0 whatever ``weights`` says), weights
-    (M,); topk_ids / topk_logprobs (M, k): the target's distribution per row. The KL is between
-    distributions over k + 1 buckets, P = (p_1..p_k, r = 1 - sum p) against Q = (q_t1..q_tk, 1 - sum q_ti),
-    so the tail mass the cache does not itemise is matched as a whole rather than dropped (the full KL when
-    the target's tail is empty, a lower bound otherwise). Logits are float32, one chunk of rows at a time. A
-    zero denominator gives 0."""
+    """Weighted CE on labels (M,) (negative: ignored) and/or KL from the target's top-k (M, k) of hidden
+    (M, D) through lm_head_weight (V, D). The KL is over k + 1 buckets (the top-k and the tail mass), so
+    the tail the cache does not itemise is matched as a whole; float32 logits, one chunk at a time."""
     if kd_coef != 0 and (topk_ids is None or topk_logprobs is None):
         raise ValueError("kd_coef > 0 needs the target's topk_ids and topk_logprobs")
     need_grad = torch.is_grad_enabled() and hidden.requires_grad
     if torch.is_grad_enabled() and lm_head_weight.requires_grad:
         raise ValueError("lm_head_weight requires grad; the target LM head is frozen and gets none here")
     with torch.autocast(device_type=hidden.device.type, enabled=False):
-        loss, correct, ce, kl = _ChunkedBlockLoss.apply(
+        return BlockLoss(*_ChunkedBlockLoss.apply(
             hidden, lm_head_weight, labels, weights, topk_ids if kd_coef != 0 else None,
             topk_logprobs if kd_coef != 0 else None, float(ce_coef), float(kd_coef), int(chunk_size),
-            denominator, need_grad)
-    return BlockLoss(loss, correct, ce, kl)
+            denominator, need_grad))

@@ -1,5 +1,4 @@
-"""What a log step reports (offline acceptance ``block_taus``, ``step_flops`` for MFU, peak
-memory), and where it goes (``MetricsSink``: rank 0, a log line, metrics.jsonl, TensorBoard)."""
+"""What a log step reports (acceptance, FLOPs for MFU, peak memory) and where (``MetricsSink``)."""
 
 from __future__ import annotations
 
@@ -24,71 +23,54 @@ def acceptance(pred: torch.Tensor, target_top1: torch.Tensor, anchors: torch.Ten
 
 def block_taus(pred: torch.Tensor, target_top1: torch.Tensor, anchors: torch.Tensor, block_valid: torch.Tensor,
                seq_len: torch.Tensor, loss_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per block: (tau (Bsz, N) long, 0 where not counted; counted (Bsz, N) bool). A block accepts the
-    leading slots whose drafter argmax ``pred`` (Bsz, N, B) equals the target's greedy token
-    (``target_top1`` (Bsz, S): at t its prediction of t + 1); tau = accepted + 1 (the bonus token). With
-    ``loss_mask`` a block also stops where its assistant turn ends, as decoding stops at the end-of-turn
-    token, and an anchor on a turn's last token is not counted; None: no turn boundaries. What
-    ``dflash.eval.speculative`` reports per verify on the target's own output."""
-    bsz, n_blocks, B = pred.shape
-    S = target_top1.shape[1]
-    k = torch.arange(1, B, device=pred.device)
-    pos = anchors[:, :, None] + k  # (Bsz, N, B-1): predicted positions
+    """Per block (tau (Bsz, N), 0 where not counted; counted): 1 + the leading slots whose argmax
+    ``pred`` (Bsz, N, B) equals ``target_top1`` (Bsz, S); with ``loss_mask`` a block stops at its turn's end."""
+    (bsz, n_blocks, B), S = pred.shape, target_top1.shape[1]
+    pos = anchors[:, :, None] + torch.arange(1, B, device=pred.device)  # (Bsz, N, B-1): predicted positions
     inside = pos < seq_len[:, None, None]
     src = (pos - 1).clamp(max=S - 1).flatten(1)  # (Bsz, N*(B-1))
     want = torch.gather(target_top1, 1, src).view(bsz, n_blocks, B - 1)
     counted = block_valid.bool()
     if loss_mask is not None:
-        # Positions a+1 .. a+B still inside the anchor's turn (a leading run): slot k
-        # counts only there, and the block emits at most `left` tokens (a+B: the bonus).
+        # positions a+1 .. a+B still inside the anchor's turn: the block emits at most `left` tokens
         reach = anchors[:, :, None] + torch.arange(1, B + 1, device=pred.device)  # (Bsz, N, B)
         in_turn = torch.gather(loss_mask.bool(), 1, reach.clamp(max=S - 1).flatten(1)).view(bsz, n_blocks, B)
         in_turn = (in_turn & (reach < seq_len[:, None, None])).long().cumprod(dim=-1)
         left = in_turn.sum(dim=-1)  # (Bsz, N): tokens of the turn after the anchor, at most B
         inside = inside & in_turn[:, :, :-1].bool()
         counted = counted & (left > 0)
-    hit = (pred[:, :, 1:] == want) & inside
-    accepted = hit.long().cumprod(dim=-1).sum(dim=-1)  # (Bsz, N): leading run of hits
-    tau = accepted + 1
-    if loss_mask is not None:
-        tau = torch.minimum(tau, left)
+    tau = ((pred[:, :, 1:] == want) & inside).long().cumprod(dim=-1).sum(dim=-1) + 1  # leading run of hits + 1
+    tau = tau if loss_mask is None else torch.minimum(tau, left)
     return tau * counted, counted
 
 
 def step_flops(dcfg, vocab_size: int, context_tokens: int, block_tokens: int, attn_pairs: int) -> float:
-    """Matmul FLOPs of one forward + backward on the real (unpadded, unmasked) work: context
-    positions, slots of valid blocks, and (query, key) pairs a valid query sees. Trainable matmuls
-    cost 3x their forward, the frozen LM head 2x (no weight gradient)."""
-    D, I, hd = dcfg.hidden_size, dcfg.intermediate_size, dcfg.head_dim
-    H, Hkv = dcfg.num_attention_heads, dcfg.num_key_value_heads
+    """Matmul FLOPs of forward + backward on the real work (trainable 3x forward, frozen LM head 2x)."""
+    D, I, hd, H, Hkv = (dcfg.hidden_size, dcfg.intermediate_size, dcfg.head_dim, dcfg.num_attention_heads,
+                        dcfg.num_key_value_heads)
     kv_rows = context_tokens + block_tokens
     per_layer = (2 * block_tokens * D * H * hd * 2  # q_proj, o_proj
                  + 2 * kv_rows * D * Hkv * hd * 2  # k_proj, v_proj over [ctx; block]
                  + 2 * block_tokens * D * I * 3  # SwiGLU
                  + 2 * attn_pairs * H * hd * 2)  # QK^T and PV
     fc = 2 * context_tokens * dcfg.num_context_layers * D * D
-    trainable = dcfg.num_hidden_layers * per_layer + fc
-    lm_head = 2 * block_tokens * D * vocab_size
-    return 3.0 * trainable + 2.0 * lm_head
+    return 3.0 * (dcfg.num_hidden_layers * per_layer + fc) + 2.0 * (2 * block_tokens * D * vocab_size)
 
 
 def peak_memory_gb(device: torch.device) -> float:
     """Peak allocated device memory (CUDA) or peak resident set size (CPU), in GB."""
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 1e9
-    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return rss / (1e9 if sys.platform == "darwin" else 1e6)
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / (1e9 if sys.platform == "darwin" else 1e6)
 
 
 class MetricsSink:
     """Rank-0 sink for log records: logging line, ``metrics.jsonl``, TensorBoard if importable."""
 
     def __init__(self, run_dir: Path, enabled: bool, tensorboard: bool):
-        self.jsonl, self.tb = None, None
-        if not enabled:
-            return
-        self.jsonl = open(run_dir / "metrics.jsonl", "a", buffering=1)
-        if tensorboard:
+        self.jsonl = open(run_dir / "metrics.jsonl", "a", buffering=1) if enabled else None
+        self.tb = None
+        if enabled and tensorboard:
             try:
                 from torch.utils.tensorboard import SummaryWriter
 
@@ -100,26 +82,23 @@ class MetricsSink:
         if self.jsonl is None:
             return
         self.jsonl.write(json.dumps(record, sort_keys=True) + "\n")
-        kind = record.get("kind", "train")
-        if self.tb is not None:
-            for key, value in record.items():
-                if isinstance(value, (int, float)) and key != "step":
-                    self.tb.add_scalar(f"{kind}/{key}", value, record["step"])
-                elif isinstance(value, list):
-                    for i, v in enumerate(value):
-                        self.tb.add_scalar(f"{kind}/{key}/{i}", v, record["step"])
-        parts = [f"{kind} step {record['step']}"]
-        for key in ("loss", "acc", "tau", "lr", "grad_norm", "tok_s", "mfu", "peak_mem_gb"):
-            if record.get(key) is not None:
-                v = record[key]
-                parts.append(f"{key} {v:.4g}" if isinstance(v, float) else f"{key} {v}")
+        kind, step = record.get("kind", "train"), record["step"]
+        for key, value in record.items() if self.tb is not None else ():
+            if isinstance(value, (int, float)) and key != "step":
+                self.tb.add_scalar(f"{kind}/{key}", value, step)
+            elif isinstance(value, list):
+                for i, v in enumerate(value):
+                    self.tb.add_scalar(f"{kind}/{key}/{i}", v, step)
+        parts = [f"{kind} step {step}"] + [
+            f"{key} {v:.4g}" if isinstance(v, float) else f"{key} {v}"
+            for key in ("loss", "acc", "tau", "lr", "grad_norm", "tok_s", "mfu", "peak_mem_gb")
+            if (v := record.get(key)) is not None]
         if "acc_per_pos" in record:
             parts.append("acc@k " + " ".join(f"{a:.2f}" for a in record["acc_per_pos"][1:]))
         log.info(" | ".join(parts))
 
     def close(self) -> None:
-        if self.jsonl is not None:
-            self.jsonl.close()
-        if self.tb is not None:
-            self.tb.close()
+        for f in (self.jsonl, self.tb):
+            if f is not None:
+                f.close()
 

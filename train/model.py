@@ -1,6 +1,5 @@
-"""The DFlash drafter: a small Qwen3-style decoder whose keys and values are fed, in every
-layer, with fused target hidden states ("KV injection"). It holds no embedding and no LM head
-(the target's, frozen: ``load_target_head``); ``state_dict()`` keys are the export names."""
+"""The DFlash drafter: a small Qwen3-style decoder whose keys and values also read fused target
+hidden states; no embedding or LM head of its own. ``state_dict()`` keys are the export names."""
 
 from __future__ import annotations
 
@@ -44,10 +43,10 @@ class DrafterConfig:
 
     def __post_init__(self) -> None:
         self.target_layer_ids = [int(i) for i in self.target_layer_ids]
-        if self.num_attention_heads % self.num_key_value_heads != 0:
+        if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError(f"num_attention_heads={self.num_attention_heads} is not a multiple of "
                              f"num_key_value_heads={self.num_key_value_heads}")
-        if self.head_dim % 2 != 0:
+        if self.head_dim % 2:
             raise ValueError(f"head_dim={self.head_dim} must be even for RoPE")
         if not 0 <= self.mask_token_id < self.vocab_size:
             raise ValueError(f"mask_token_id={self.mask_token_id} is outside the target vocabulary "
@@ -66,15 +65,12 @@ class DrafterConfig:
     def from_target_config(cls, hf_config: Any, target_layer_ids: list[int], mask_token_id: int,
                            block_size: int = 16, num_hidden_layers: int = 5) -> "DrafterConfig":
         """Size a drafter after a HF Qwen3-like target config (object or plain dict)."""
-        if not isinstance(hf_config, dict):
-            hf_config = hf_config.get_text_config().to_dict()
-        elif isinstance(hf_config.get("text_config"), dict):
-            hf_config = hf_config["text_config"]
-        missing = [k for k in ("hidden_size", "num_attention_heads", "num_hidden_layers", "vocab_size",
-                               "intermediate_size") if k not in hf_config]
-        if missing:
-            raise ValueError(f"target config lacks {missing[0]!r}")
-        c, heads = hf_config, int(hf_config["num_attention_heads"])
+        c = hf_config if isinstance(hf_config, dict) else hf_config.get_text_config().to_dict()
+        c = c["text_config"] if isinstance(c.get("text_config"), dict) else c
+        for k in ("hidden_size", "num_attention_heads", "num_hidden_layers", "vocab_size", "intermediate_size"):
+            if k not in c:
+                raise ValueError(f"target config lacks {k!r}")
+        heads = int(c["num_attention_heads"])
         params = c.get("rope_parameters") or c.get("rope_scaling") or {}  # transformers 5 / 4
         if params.get("rope_type", params.get("type", "default")) not in ("default", None):
             logger.warning("target uses rope_type=%r; the drafter implements plain RoPE only", params.get("rope_type"))
@@ -96,8 +92,7 @@ class DrafterConfig:
     @classmethod
     def from_dict(cls, data: dict) -> "DrafterConfig":
         """Inverse of ``to_dict``; unknown keys are an error (catches typos)."""
-        unknown = sorted(set(data) - {f.name for f in fields(cls)})
-        if unknown:
+        if unknown := sorted(set(data) - {f.name for f in fields(cls)}):
             raise ValueError(f"unknown DrafterConfig fields: {unknown}")
         return cls(**data)
 
@@ -116,8 +111,7 @@ class RMSNorm(nn.Module):
 
 
 def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin of shape (Bsz, T, head_dim) in float32 for integer positions (Bsz, T); not a
-    buffer, which ``model.to(bfloat16)`` would cast and so lose precision at large positions."""
+    """float32 cos, sin (Bsz, T, head_dim) of positions (Bsz, T); computed, not a buffer a bf16 cast would blur."""
     exponent = torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float32) / head_dim
     inv_freq = 1.0 / (theta**exponent)  # (head_dim / 2,)
     freqs = positions.to(torch.float32)[..., None] * inv_freq  # (Bsz, T, head_dim / 2)
@@ -188,8 +182,7 @@ class DFlashDecoderLayer(nn.Module):
         self.mlp = SwiGLU(config)
 
     def forward(self, x, ctx, block_rope, kv_rope, attn_mask, ctx_kv=None):
-        # ctx is already normed by the drafter's hidden_norm; only the block stream
-        # goes through input_layernorm (as in the public DFlash implementation).
+        # ctx was normed by the drafter's hidden_norm; only the block stream goes through input_layernorm
         x = x + self.self_attn(self.input_layernorm(x), ctx, block_rope, kv_rope, attn_mask, ctx_kv)
         return x + self.mlp(self.post_attention_layernorm(x))
 
@@ -220,12 +213,8 @@ class DFlashDrafter(nn.Module):
     def forward(self, context_hidden: torch.Tensor | None, context_positions: torch.Tensor | None,
                 block_embeds: torch.Tensor, block_positions: torch.Tensor, attn_mask,
                 context_kv: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
-        """Hidden states of the block tokens after the final norm, (Bsz, Q, D). context_hidden
-        (Bsz, S, n * D) or (Bsz, S, n, D): the cached target layers; positions (Bsz, S) or (S,) and
-        (Bsz, Q) or (Q,); block_embeds (Bsz, Q, D): the target's embeddings of [anchor, MASK x (B-1)]
-        per block. attn_mask: from ``attention.build_mask``, or None: every block token sees the whole
-        context and block (decoding one block). context_kv: decoding's cache (``context_kv()``) in
-        place of context_hidden and context_positions (both None)."""
+        """Final-normed block hidden states (Bsz, Q, D) from context_hidden (Bsz, S, n*D or n, D) and the
+        block embeddings (Bsz, Q, D); attn_mask None: all keys visible; context_kv: decoding's cache instead."""
         bsz = block_embeds.shape[0]
         block_positions = _batched(block_positions, bsz)
         hd, theta = self.config.head_dim, self.config.rope_theta
@@ -244,8 +233,7 @@ class DFlashDrafter(nn.Module):
         return self.norm(x)
 
     def fuse_context(self, context_hidden: torch.Tensor) -> torch.Tensor:
-        """The target layers' states fused by ``fc`` and normed: what every layer's keys and values
-        read, (Bsz, S, D)."""
+        """The target layers' states fused by ``fc`` and normed, (Bsz, S, D)."""
         if context_hidden.dim() == 4:
             context_hidden = context_hidden.flatten(2)  # (Bsz, S, n * D)
         feat = context_hidden.shape[-1]
@@ -258,8 +246,7 @@ class DFlashDrafter(nn.Module):
 
     def context_kv(self, context_hidden: torch.Tensor, context_positions: torch.Tensor
                    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Every layer's keys and values, each (L, Bsz, Hkv, S, hd), of the context: position-wise,
-        so decoding computes them once per new position and passes them to ``forward``."""
+        """Every layer's context keys and values, each (L, Bsz, Hkv, S, hd), for decoding to cache."""
         ctx = self.fuse_context(context_hidden)
         rope = rope_cos_sin(_batched(context_positions, ctx.shape[0]), self.config.head_dim, self.config.rope_theta)
         kv = [layer.self_attn.project_kv(ctx, rope) for layer in self.layers]
@@ -271,14 +258,12 @@ def _batched(positions: torch.Tensor, bsz: int) -> torch.Tensor:
 
 
 class TargetHead(nn.Module):
-    """The target's frozen input embedding and LM head, as non-persistent buffers: no optimizer
-    sees them and no checkpoint of the drafter picks them up."""
+    """The target's frozen embedding and LM head as non-persistent buffers (never optimized or saved)."""
 
     def __init__(self, embed_weight: torch.Tensor, lm_head_weight: torch.Tensor | None = None):
         super().__init__()
         self.tied = lm_head_weight is None
         self.register_buffer("embed_weight", embed_weight.detach(), persistent=False)
-        # the LM head weight (V, D): the embedding itself when tied
         self.register_buffer("weight", (embed_weight if self.tied else lm_head_weight).detach(), persistent=False)
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
@@ -293,11 +278,7 @@ _LM_HEAD_NAMES = ("lm_head.weight", "model.lm_head.weight")
 
 
 def _find_name(names, preferred, suffix):
-    for name in preferred:
-        if name in names:
-            return name
-    matches = sorted(n for n in names if n.endswith(suffix))
-    return matches[0] if matches else None
+    return next((n for n in preferred if n in names), min((n for n in names if n.endswith(suffix)), default=None))
 
 
 def _tensor_files(target_path: str) -> dict[str, str]:
@@ -307,13 +288,12 @@ def _tensor_files(target_path: str) -> dict[str, str]:
     index_file = os.path.join(target_path, "model.safetensors.index.json")
     if os.path.exists(index_file):
         return json.load(open(index_file))["weight_map"]
-    files = sorted(p for p in os.listdir(target_path) if p.endswith(".safetensors"))
-    if not files:
+    if not (files := sorted(p for p in os.listdir(target_path) if p.endswith(".safetensors"))):
         raise FileNotFoundError(f"no *.safetensors files in {target_path}")
     name_to_file = {}
     for fname in files:
         with safe_open(os.path.join(target_path, fname), framework="pt") as handle:
-            name_to_file.update({k: fname for k in handle.keys()})
+            name_to_file.update(dict.fromkeys(handle.keys(), fname))
     return name_to_file
 
 
@@ -321,34 +301,27 @@ def _read_tensors(target_path: str, name_to_file: dict[str, str], names) -> dict
     """The named tensors, on the CPU, opening each file that holds any of them once."""
     from safetensors import safe_open
 
-    by_file: dict[str, list[str]] = {}
-    for name in names:
-        by_file.setdefault(name_to_file[name], []).append(name)
     out = {}
-    for fname, in_file in by_file.items():
+    for fname in {name_to_file[n] for n in names}:
         with safe_open(os.path.join(target_path, fname), framework="pt", device="cpu") as handle:
-            out.update({name: handle.get_tensor(name) for name in in_file})
+            out.update({n: handle.get_tensor(n) for n in names if name_to_file[n] == fname})
     return out
 
 
 def load_target_head(target_path: str | os.PathLike, device: str | torch.device = "cpu",
                      dtype: torch.dtype | None = None) -> TargetHead:
-    """Only the target's embedding and LM head, read from the safetensors files that hold them;
-    tied embeddings (``tie_word_embeddings`` or no lm_head tensor) reuse the embedding."""
+    """Only the target's embedding and LM head (the embedding when tied or absent) from its safetensors."""
     target_path = os.fspath(target_path)
     config_file = os.path.join(target_path, "config.json")
     config = json.load(open(config_file)) if os.path.exists(config_file) else {}
     text_config = config.get("text_config") if isinstance(config.get("text_config"), dict) else {}
     tied = bool(config.get("tie_word_embeddings", text_config.get("tie_word_embeddings", False)))
-
     name_to_file = _tensor_files(target_path)
-    embed_name = _find_name(name_to_file, _EMBED_NAMES, "embed_tokens.weight")
-    if embed_name is None:
+    if (embed_name := _find_name(name_to_file, _EMBED_NAMES, "embed_tokens.weight")) is None:
         raise KeyError(f"no input embedding (embed_tokens.weight) found in {target_path}")
     head_name = None if tied else _find_name(name_to_file, _LM_HEAD_NAMES, "lm_head.weight")
     if head_name is None and not tied:
         logger.warning("%s: no lm_head tensor and tie_word_embeddings is false; using the embedding", target_path)
-
     tensors = _read_tensors(target_path, name_to_file, [n for n in (embed_name, head_name) if n is not None])
     embed, head = (tensors[n].to(dtype or tensors[n].dtype).to(device) if n else None for n in (embed_name, head_name))
     if head is not None and head.shape != embed.shape:
@@ -358,33 +331,28 @@ def load_target_head(target_path: str | os.PathLike, device: str | torch.device 
 
 @torch.no_grad()
 def init_from_target_layers(drafter: DFlashDrafter, target_path: str | os.PathLike, layer_ids: list[int]) -> None:
-    """Start drafter layer i as a copy of target decoder layer ``layer_ids[i]`` (the same shapes),
-    and the final norm as the target's (both feed its LM head); ``fc`` and ``hidden_norm`` stay random."""
-    target_path = os.fspath(target_path)
-    n_layers = drafter.config.num_hidden_layers
+    """Copy target decoder layer ``layer_ids[i]`` into drafter layer i and the target's final norm."""
+    target_path, n_layers = os.fspath(target_path), drafter.config.num_hidden_layers
     if len(layer_ids) != n_layers:
         raise ValueError(f"init_from_target_layers has {len(layer_ids)} ids {list(layer_ids)}, but the drafter has "
                          f"{n_layers} layers: give one target layer per drafter layer")
     n_target = drafter.config.num_target_layers
-    bad = [j for j in layer_ids if not 0 <= int(j) < n_target]
-    if bad:
+    if bad := [j for j in layer_ids if not 0 <= int(j) < n_target]:
         raise ValueError(f"init_from_target_layers {list(layer_ids)}: ids {bad} are not layers of the target "
                          f"{target_path} (it has {n_target}: 0..{n_target - 1})")
     name_to_file = _tensor_files(target_path)
     sources: dict[str, str] = {}  # drafter state name -> target tensor name
     for i, j in enumerate(layer_ids):
         q_name = f"layers.{int(j)}.self_attn.q_proj.weight"
-        anchor = _find_name(name_to_file, (f"model.{q_name}", f"model.language_model.{q_name}"), f".{q_name}")
-        if anchor is None:
+        if (anchor := _find_name(name_to_file, (f"model.{q_name}", f"model.language_model.{q_name}"),
+                                 f".{q_name}")) is None:
             raise KeyError(f"{target_path}: no tensor for decoder layer {j} (layers.{j}.self_attn.q_proj.weight)")
         prefix = anchor[: -len("self_attn.q_proj.weight")]
-        for name, _ in drafter.layers[i].named_parameters():
-            sources[f"layers.{i}.{name}"] = prefix + name
+        sources.update({f"layers.{i}.{name}": prefix + name for name, _ in drafter.layers[i].named_parameters()})
     norm = _find_name(name_to_file, ("model.norm.weight", "model.language_model.norm.weight"), ".norm.weight")
     if norm is None:
         raise KeyError(f"{target_path}: no final norm (model.norm.weight)")
     sources["norm.weight"] = norm
-
     for name, source in list(sources.items()):
         if source not in name_to_file and name.endswith(("q_norm.weight", "k_norm.weight")):
             del sources[name]  # a Llama-style target has no q/k norms: the drafter's stay at their identity init

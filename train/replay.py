@@ -1,9 +1,5 @@
-"""Speculative decoding replayed without the target: the acceptance length online decoding
-(``dflash.eval.speculative``) measures, from cached target features and the drafter. Decoding
-starts a turn's first block at its first token and every later one where the previous ended,
-which uniformly drawn anchors do not weigh alike. The replay scores a block at EVERY assistant
-position (``metrics.block_taus``) and walks each turn as decoding does: next anchor = anchor +
-tau. On data the target regenerated, each walked block's tau is the one decoding gets."""
+"""Speculative decoding replayed from cached target features: a block scored at every assistant
+position, each turn walked as decoding walks it (next anchor = anchor + tau)."""
 
 from __future__ import annotations
 
@@ -20,7 +16,6 @@ from .step import StepSpec, argmax_tokens, drafter_hidden, to_device
 @dataclass
 class Replay:
     """What a replay counted over its samples."""
-
     tokens: int = 0  # tokens the walks drafted (every assistant token but each turn's first)
     blocks: int = 0  # blocks (target verifies) the walks took
     anchor_tau_sum: int = 0  # tau summed over every scored assistant anchor
@@ -44,24 +39,17 @@ class Replay:
 
 def turn_spans(loss_mask) -> list[tuple[int, int]]:
     """[start, stop) of every run of assistant tokens (one per turn, end-of-turn token included)."""
-    spans, start = [], None
-    for t, m in enumerate(list(map(bool, loss_mask)) + [False]):
-        if m and start is None:
-            start = t
-        elif not m and start is not None:
-            spans.append((start, t))
-            start = None
-    return spans
+    flags = [False, *map(bool, loss_mask), False]
+    edges = [t for t in range(1, len(flags)) if flags[t] != flags[t - 1]]
+    return [(edges[i] - 1, edges[i + 1] - 1) for i in range(0, len(edges), 2)]
 
 
 def walk_blocks(taus: dict[int, int], spans: list[tuple[int, int]], max_new_tokens: int | None = None) -> list[int]:
-    """Each block's tau, in order, of decoding each turn [s, e) from its first token; ``taus[a]``:
-    tokens a block anchored at ``a`` emits. The first token comes from the prefill, so e - s - 1
-    tokens are drafted, or max_new_tokens - 1 (the last block counts only what fits, as online)."""
+    """Each block's tau, in order, decoding each turn [s, e) from its first token (drafting e - s - 1,
+    at most max_new_tokens - 1); ``taus[a]``: tokens a block anchored at ``a`` emits."""
     blocks = []
     for s, e in spans:
-        budget = e - s - 1 if max_new_tokens is None else min(e - s - 1, max_new_tokens - 1)
-        done = 0
+        budget, done = e - s - 1 if max_new_tokens is None else min(e - s - 1, max_new_tokens - 1), 0
         while done < budget:
             blocks.append(min(taus[s + done], budget - done))
             done += blocks[-1]
@@ -75,8 +63,7 @@ def walk(taus: dict[int, int], spans: list[tuple[int, int]], max_new_tokens: int
 
 
 def block_predictor(drafter, head, mask_token_id: int, chunk_size: int = 4096):
-    """``predict(batch)``: the drafter's argmax at every slot of every block, (Bsz, N, B), from
-    training's forward with dense attention (no loss computed)."""
+    """``predict(batch)``: the drafter's argmax (Bsz, N, B) by training's forward, dense attention."""
     spec = StepSpec("dense", drafter.config.block_size, mask_token_id, None, chunk_size, None)
 
     def predict(batch: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -89,9 +76,8 @@ def block_predictor(drafter, head, mask_token_id: int, chunk_size: int = 4096):
 def sample_blocks(items: list[dict], predict: Callable[[dict], torch.Tensor], collate, device, group_size: int = 1,
                   empty: Callable[[], dict] | None = None, max_new_tokens: int | None = None
                   ) -> tuple[list[int], dict[int, int]]:
-    """(walked block taus, tau at every anchor) of one sample as ``AnchorDataset.every_anchor``
-    items. ``predict(batch)``: the drafter's argmax per slot (Bsz, N, B), on ``group_size`` items at
-    a time, the last group topped up with ``empty()`` items when given (a compiled graph's shapes)."""
+    """(walked block taus, tau at every anchor) of one sample's ``every_anchor`` items, ``group_size``
+    at a time, the last group topped up with ``empty()`` items when given."""
     taus: dict[int, int] = {}
     for start in range(0, len(items), group_size):
         group = items[start:start + group_size]
@@ -100,8 +86,7 @@ def sample_blocks(items: list[dict], predict: Callable[[dict], torch.Tensor], co
         batch = to_device(collate(group), device)
         tau, counted = metrics.block_taus(predict(batch), batch["target_top1"], batch["anchors"],
                                           batch["block_valid"], batch["seq_len"], batch["loss_mask"])
-        for row in range(len(group)):
-            keep = counted[row]
+        for row, keep in enumerate(counted):
             taus.update(zip(batch["anchors"][row][keep].tolist(), tau[row][keep].tolist()))
     spans = turn_spans(items[0]["loss_mask"].tolist()) if items else []
     return walk_blocks(taus, spans, max_new_tokens), taus
@@ -111,16 +96,13 @@ def sample_blocks(items: list[dict], predict: Callable[[dict], torch.Tensor], co
 def replay(dataset: AnchorDataset, samples: Iterable[int], predict: Callable[[dict], torch.Tensor], collate, *,
            group_size: int = 1, fixed_shape: bool = False, max_new_tokens: int | None = None,
            device: str | torch.device = "cpu") -> Replay:
-    """Replay decoding on ``samples`` (cache indices) of ``dataset`` (reading the target's top-1);
-    ``fixed_shape``: items of ``max_anchors`` blocks, groups topped up with empty samples;
-    ``max_new_tokens``: the online cap per turn (None: each turn to its end)."""
+    """Replay decoding on ``samples`` (cache indices) of ``dataset``; ``fixed_shape``: compiled shapes;
+    ``max_new_tokens``: the online cap per turn."""
     out, device = Replay(), torch.device(device)
     empty = dataset.empty_sample if fixed_shape else None
     for index in samples:
         items = dataset.every_anchor(int(index), fixed_shape=fixed_shape)
         blocks, taus = sample_blocks(items, predict, collate, device, group_size, empty, max_new_tokens)
-        out.tokens, out.blocks = out.tokens + sum(blocks), out.blocks + len(blocks)
-        out.anchor_tau_sum += sum(taus.values())
-        out.anchors += len(taus)
-        out.samples += 1
+        out.tokens, out.blocks, out.samples = out.tokens + sum(blocks), out.blocks + len(blocks), out.samples + 1
+        out.anchor_tau_sum, out.anchors = out.anchor_tau_sum + sum(taus.values()), out.anchors + len(taus)
     return out

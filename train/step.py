@@ -1,8 +1,5 @@
-"""One DFlash training (or eval) forward on a batch from ``data.Collate``: block n's input is
-``[anchor token, MASK x (B-1)]`` embedded with the target's embedding, slot k at position
-``anchor + k``, over the fused target context at ``0..S-1`` through the mask of
-``attention.build_mask``; slot k is scored against the token at ``anchor + k`` with ``loss.py``.
-"""
+"""One DFlash training (or eval) forward on a ``data.Collate`` batch: each block's [anchor, MASK x
+(B-1)] embedded, slot k at position anchor + k over the target context, scored by ``loss.py``."""
 
 from __future__ import annotations
 
@@ -10,10 +7,9 @@ from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from . import attention
-from .loss import block_labels, block_target_positions, chunked_block_loss, gather_positions
+from .loss import block_labels, chunked_block_loss
 from .model import TargetHead
 
 
@@ -56,8 +52,7 @@ def to_device(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str,
 
 
 def labels_and_weights(batch: dict[str, torch.Tensor], spec: StepSpec) -> tuple[torch.Tensor, torch.Tensor]:
-    """(Bsz, N, B) labels and weights, from data only (the global weight sum is known before any
-    forward). ``labels == 'target'``: the label at p is the target's top-1 stored at p - 1."""
+    """(Bsz, N, B) labels and weights, from data only; ``labels == 'target'``: the target's top-1."""
     label_ids = batch["input_ids"]
     if spec.labels == "target":
         if "target_top1" not in batch:
@@ -69,28 +64,26 @@ def labels_and_weights(batch: dict[str, torch.Tensor], spec: StepSpec) -> tuple[
 
 def block_loss(head: TargetHead, hidden: torch.Tensor, batch: dict[str, torch.Tensor], spec: StepSpec,
                labels: torch.Tensor, weights: torch.Tensor, denominator: torch.Tensor | None = None):
-    """``loss.BlockLoss`` of hidden (Bsz, N*B, D) against (Bsz, N, B) labels and weights (and each
-    slot's target top-k when the objective has a KL term)."""
+    """``loss.BlockLoss`` of hidden (Bsz, N*B, D) against (Bsz, N, B) labels, weights (and top-k)."""
     topk_ids = topk_logprobs = None
     if spec.needs_topk:
         if "topk_logprobs" not in batch:
             raise ValueError(f"loss={spec.loss!r} needs the batch's top-k (AnchorDataset(topk=True))")
-        positions = block_target_positions(batch["anchors"], spec.block_size)  # (Bsz, N, B)
-        k = batch["topk_ids"].shape[-1]
-        topk_ids = gather_positions(batch["topk_ids"], positions).reshape(-1, k)
-        topk_logprobs = gather_positions(batch["topk_logprobs"], positions).reshape(-1, k)
-    ce_coef, kd_coef = spec.loss_coefs
+        S, k = batch["topk_ids"].shape[1:]
+        # slot k predicts the token at anchor + k, whose target distribution the cache stores at anchor + k - 1
+        pos = batch["anchors"][..., None].long() + torch.arange(spec.block_size, device=batch["anchors"].device) - 1
+        index = pos.clamp(0, S - 1).flatten(1)[..., None].expand(-1, -1, k)  # (Bsz, N*B, k)
+        topk_ids, topk_logprobs = (batch[n].gather(1, index).reshape(-1, k) for n in ("topk_ids", "topk_logprobs"))
     return chunked_block_loss(hidden.reshape(-1, hidden.shape[-1]), head.weight, labels.reshape(-1),
-                              weights.reshape(-1), topk_ids, topk_logprobs, ce_coef, kd_coef,
-                              spec.ce_chunk_size, denominator)
+                              weights.reshape(-1), topk_ids, topk_logprobs, *spec.loss_coefs, spec.ce_chunk_size,
+                              denominator)
 
 
 def block_inputs(head: TargetHead, batch: dict[str, torch.Tensor], spec: StepSpec
                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """Embeddings (Bsz, N*B, D) of [anchor, MASK x (B-1)] per block and their positions (Bsz, N*B)."""
-    anchors = batch["anchors"]  # (Bsz, N)
+    anchors, B = batch["anchors"], spec.block_size  # (Bsz, N)
     bsz, n_blocks = anchors.shape
-    B = spec.block_size
     ids = torch.full((bsz, n_blocks, B), spec.mask_token_id, dtype=torch.long, device=anchors.device)
     ids[:, :, 0] = torch.gather(batch["input_ids"], 1, anchors)
     positions = anchors[:, :, None] + torch.arange(B, device=anchors.device)  # (Bsz, N, B)
@@ -121,11 +114,7 @@ def forward_loss(model, head: TargetHead, batch: dict[str, torch.Tensor], spec: 
 
 def argmax_tokens(head: TargetHead, hidden: torch.Tensor, chunk_size: int) -> torch.Tensor:
     """Greedy token of each row of hidden (M, D) through the LM head, chunked: (M,) long."""
-    out = torch.empty(hidden.shape[0], dtype=torch.long, device=hidden.device)
-    for start in range(0, hidden.shape[0], chunk_size):
-        stop = start + chunk_size
-        out[start:stop] = F.linear(hidden[start:stop].to(head.weight.dtype), head.weight).argmax(-1)
-    return out
+    return torch.cat([head.logits(hidden[i:i + chunk_size]).argmax(-1) for i in range(0, len(hidden), chunk_size)])
 
 
 @torch.no_grad()
@@ -141,7 +130,6 @@ def evaluate_batch(model, head: TargetHead, batch: dict[str, torch.Tensor], spec
 
 def work_counts(batch: dict[str, torch.Tensor], block_size: int) -> torch.Tensor:
     """(context tokens, valid block tokens, visible attention pairs) of a batch, as a (3,) tensor."""
-    valid = batch["block_valid"]
-    seen_ctx = torch.minimum(batch["anchors"], batch["seq_len"][:, None])
+    valid, seen_ctx = batch["block_valid"], torch.minimum(batch["anchors"], batch["seq_len"][:, None])
     pairs = ((seen_ctx + block_size) * valid).sum() * block_size
     return torch.stack([batch["seq_len"].sum(), valid.sum() * block_size, pairs]).double()

@@ -1,6 +1,5 @@
-"""The target a run trains for, and what follows from it and from the cache: where the
-target is (the flag, else what the cache records), its config and tokenizer, the layers
-the drafter fuses (by default those the cache stores) and the MASK token's row."""
+"""The run's target (the flag, else what the cache records), its config and tokenizer, and what
+follows for the drafter: the layers it fuses and the MASK token's row."""
 
 from __future__ import annotations
 
@@ -24,14 +23,12 @@ class TargetNotFound(ValueError):
 
 
 def resolve_target(requested: str, spec: CacheSpec, cache_path: str) -> str:
-    """``requested`` when given, else the target the cache records (the absolute folder where
-    extraction found it, else the name or path it was given); a recorded local folder that no
-    longer exists is an error naming it and what to pass instead."""
+    """``requested``, else the target the cache records (the folder extraction found, else the name it
+    was given); a recorded folder that no longer exists is an error saying what to pass."""
     if requested:
         return requested
     located = (spec.info or {}).get("target_path")
-    recorded = located or (spec.fingerprint or {}).get("target", {}).get("name_or_path")
-    if not recorded:
+    if not (recorded := located or (spec.fingerprint or {}).get("target", {}).get("name_or_path")):
         raise TargetNotFound(f"cache {cache_path} records no target; pass --target (the target's folder or hub name)")
     recorded = str(recorded)
     if (located or looks_like_path(recorded)) and not os.path.exists(recorded):
@@ -50,7 +47,6 @@ def load_target_meta(target: str):
     config = AutoConfig.from_pretrained(target)
     files = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")
     if os.path.isdir(target) and not any(os.path.exists(os.path.join(target, f)) for f in files):
-        # transformers 5 builds an empty tokenizer from such a folder; its hash would mean nothing
         log.warning("%s holds no tokenizer: the cache's tokenizer cannot be checked", target)
         return config, None
     try:
@@ -68,8 +64,8 @@ def tokenizer_mask_id(tokenizer) -> int | None:
 
 
 def mask_candidates(tokenizer) -> list[int]:
-    """The tokenizer's special tokens that may become the MASK row, by id: none that chat data
-    holds (eos, bos, pad, unk, and every token the chat template writes, such as <|im_end|>)."""
+    """The tokenizer's special tokens that chat data never holds (not eos, bos, pad, unk or any token
+    the chat template writes), by id: candidates for the MASK row."""
     if tokenizer is None:
         return []
     template = tokenizer.chat_template or ""
@@ -80,9 +76,8 @@ def mask_candidates(tokenizer) -> list[int]:
 
 
 def resolve_mask_token(requested: int | None, tokenizer, vocab_size: int, reader: CacheReader) -> int:
-    """An existing embedding row that no input holds: --mask-token-id (refused where the cache's
-    input_ids contain it), else the tokenizer's <|MASK|>, else the first padded row, else the first
-    special token (``mask_candidates``) that never occurs in the cache's input_ids."""
+    """An embedding row no input holds: --mask-token-id (refused if the cache holds it), else the
+    tokenizer's <|MASK|>, else the first padded row, else the first free ``mask_candidates``."""
     tokenizer_mask = tokenizer_mask_id(tokenizer)
     padded = len(tokenizer) if tokenizer is not None and len(tokenizer) < vocab_size else None
     if requested is None and tokenizer_mask is not None:
@@ -120,19 +115,8 @@ def resolve_mask_token(requested: int | None, tokenizer, vocab_size: int, reader
     return chosen
 
 
-def check_cache(reader: CacheReader, hf_config, tokenizer, layer_ids: list[int]) -> None:
-    """Refuse (CacheMismatch, every difference named) a cache that cannot train this drafter."""
-    from dflash.shared.fingerprint import tokenizer_fingerprint
-
-    text = hf_config.get_text_config()
-    reader.check_compatible(layer_ids=layer_ids, hidden_size=text.hidden_size, vocab_size=text.vocab_size,
-                            tokenizer_hash=tokenizer_fingerprint(tokenizer)["hash"] if tokenizer is not None else None,
-                            num_target_layers=text.num_hidden_layers)
-
-
 def drafter_layer_ids(requested: list[int] | None, spec: CacheSpec) -> list[int]:
-    """The layers the drafter fuses: as requested, else every layer the cache stores (refused, with a
-    valid subset to pass, where they break the serving rules)."""
+    """The layers the drafter fuses: as requested, else every layer the cache stores (checked)."""
     if requested:
         try:
             check_layer_ids(list(requested), spec.num_target_layers)
@@ -150,9 +134,15 @@ def drafter_layer_ids(requested: list[int] | None, spec: CacheSpec) -> list[int]
 
 
 def build_drafter_config(cfg: TrainConfig, hf_config, tokenizer, reader: CacheReader) -> DrafterConfig:
-    """The drafter's shapes from the target, its layers from the flag or the cache, its MASK row
-    from the flag, the tokenizer or the cache's unused ids."""
-    d = cfg.drafter
+    """The drafter's shapes from the target, its layers and MASK row from the flags or the cache; a cache
+    that cannot train it is refused (CacheMismatch, every difference named)."""
+    from dflash.shared.fingerprint import tokenizer_fingerprint
+
+    d, text = cfg.drafter, hf_config.get_text_config()
     layer_ids = drafter_layer_ids(d.target_layer_ids, reader.spec)
-    mask_id = resolve_mask_token(d.mask_token_id, tokenizer, hf_config.get_text_config().vocab_size, reader)
-    return DrafterConfig.from_target_config(hf_config, layer_ids, mask_id, d.block_size, d.num_draft_layers)
+    mask_id = resolve_mask_token(d.mask_token_id, tokenizer, text.vocab_size, reader)
+    dcfg = DrafterConfig.from_target_config(hf_config, layer_ids, mask_id, d.block_size, d.num_draft_layers)
+    reader.check_compatible(layer_ids=dcfg.target_layer_ids, hidden_size=text.hidden_size,
+                            vocab_size=text.vocab_size, num_target_layers=text.num_hidden_layers,
+                            tokenizer_hash=tokenizer_fingerprint(tokenizer)["hash"] if tokenizer is not None else None)
+    return dcfg
