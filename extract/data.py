@@ -1,11 +1,7 @@
 """Chat datasets in, normalised conversations out (README.md, "Stage one", gives the row format).
-
-Local .json/.jsonl files are parsed with Python's `json`, so every row is exactly what the file
-says (Arrow would give all rows one schema, filling a key one row lacks with null, which a chat
-template would render). Parquet/Arrow files, saved datasets and hub names go through `datasets`,
-with the nulls inside messages and tool schemas dropped. A bad row raises `DataError` naming the
-file, the row and the problem, or under the "skip" policy is counted in a `SkipCounter`.
-"""
+Local .json/.jsonl files are read with Python's `json`, so each row is exactly what the file says
+(Arrow would give every row one schema, null-filled); other sources go through `datasets`, nulls
+inside the chat columns dropped. A bad row raises `DataError` naming file, row and problem."""
 
 from __future__ import annotations
 
@@ -15,7 +11,7 @@ import logging
 import re
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
@@ -257,12 +253,11 @@ def normalize_row(row: Any, row_index: int, source: str) -> Conversation:
     return Conversation("chat", messages=messages, source=source, row_index=row_index, tools=tools)
 
 
-@dataclass
 class SkipCounter:
     """Skipped rows per reason code, plus the first message seen for each reason."""
 
-    counts: Counter = field(default_factory=Counter)
-    first_message: dict[str, str] = field(default_factory=dict)
+    def __init__(self):
+        self.counts, self.first_message = Counter(), {}
 
     def record(self, error: DataError) -> None:
         if error.reason not in self.first_message:
@@ -336,9 +331,7 @@ def _hash_rows(ds, batch_size: int = 1024) -> str:
     digest = hashlib.sha256()
     for start in range(0, len(ds), batch_size):
         batch = ds[start : start + batch_size]  # dict of columns
-        columns = sorted(batch)
-        for values in zip(*(batch[c] for c in columns)):
-            row = dict(zip(columns, values))
-            digest.update(json.dumps(row, sort_keys=True, ensure_ascii=False, default=str).encode())
+        for values in zip(*batch.values()):
+            digest.update(json.dumps(dict(zip(batch, values)), sort_keys=True, ensure_ascii=False, default=str).encode())
             digest.update(b"\n")
     return "sha256:" + digest.hexdigest()

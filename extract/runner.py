@@ -6,6 +6,7 @@ any slice stops the run before any commit); once rank 0 has checked the free spa
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
@@ -182,7 +183,7 @@ def run(cfg: ExtractConfig) -> dict[str, Any] | None:
 def _run(cfg: ExtractConfig, rank: int, world: int) -> dict[str, Any] | None:
     t_start, phases = time.monotonic(), Phases(started_at=time.time())
     num_shards = cfg.shards or world
-    with Meeting(world):  # once rank 0 has prepared the root
+    with meeting(world):  # once rank 0 has prepared the root
         tokenizer, model_config = load_tokenizer_and_config(cfg)
         phases.mark("tokenizer_and_config")
         try:
@@ -197,18 +198,18 @@ def _run(cfg: ExtractConfig, rank: int, world: int) -> dict[str, Any] | None:
             phases.mark("cache_root")
     progress, locks = Progress(cfg.progress and rank == 0), []
     try:
-        with Meeting(world) as planning:  # once every rank has locked and planned its shards
+        with meeting(world) as planning:  # once every rank has locked and planned its shards
             states, tasks, planned = _lock_and_plan(cfg, rank, world, spec, tokenizer, ds, progress, locks)
-            planning.share = {s: {"tokens": p.plan.num_tokens, "samples": len(p.plan.source_index)}
-                              for s, (p, _) in planned.items()}
+            planning["share"] = {s: {"tokens": p.plan.num_tokens, "samples": len(p.plan.source_index)}
+                                 for s, (p, _) in planned.items()}
         if all(st is not None and st.complete for st in states.values()):
             log.info("%s: shards 0..%d already complete; nothing to do", cfg.out, num_shards - 1)
             summary = summarize(cfg.out, list(range(num_shards))) if rank == 0 else None
             return summary and {**summary, "noop": True, "samples_this_run": 0, "tokens_per_s": None,
                                 "wall_s": time.monotonic() - t_start}
-        with Meeting(world):  # once rank 0 has checked the free space for what is left to write
+        with meeting(world):  # once rank 0 has checked the free space for what is left to write
             if rank == 0 and not cfg.ignore_free_space:
-                sizes = {s: n for share in planning.shared for s, n in share.items()}
+                sizes = {s: n for share in planning["shared"] for s, n in share.items()}
                 committed = {s: st.commit for s, st in states.items() if st is not None}
                 if problem := run_space_problem(cfg, tasks[0].spec, sizes, committed):
                     raise ExtractFailed(problem)
@@ -307,25 +308,21 @@ def _gather(world: int, mine: Any) -> list[Any]:
     return everyone
 
 
-class Meeting:
-    """``with Meeting(world) as m:`` a step every rank takes, then waits for all: a rank whose step
-    failed raises its own error, the others ExtractFailed naming it. ``m.share``, set in the step,
-    comes back from every rank in ``m.shared``."""
-
-    def __init__(self, world: int):
-        self.world, self.share, self.shared = world, None, []
-
-    def __enter__(self) -> Meeting:
-        return self
-
-    def __exit__(self, kind, error, traceback) -> None:
-        if kind is not None and not issubclass(kind, Exception):
-            return  # Ctrl-C, or torchrun stopping the run: no meeting
-        everyone = _gather(self.world, (error is not None, self.share))
-        failed = [str(r) for r, (bad, _) in enumerate(everyone) if bad]
-        if failed and error is None:
-            raise ExtractFailed(f"stopped: rank {', '.join(failed)} failed (see its error)")
-        self.shared = [share for _, share in everyone]
+@contextlib.contextmanager
+def meeting(world: int):
+    """``with meeting(world) as m:`` a step every rank takes, then waits for all: a rank whose step failed
+    raises its own error, the others ExtractFailed naming it. ``m["share"]``, set in the step, comes back
+    from every rank in ``m["shared"]``. Ctrl-C or torchrun stopping the run skips the meeting."""
+    m = {"share": None}
+    try:
+        yield m
+    except Exception:
+        _gather(world, (True, None))
+        raise
+    everyone = _gather(world, (False, m["share"]))
+    if failed := [str(r) for r, (bad, _) in enumerate(everyone) if bad]:
+        raise ExtractFailed(f"stopped: rank {', '.join(failed)} failed (see its error)")
+    m["shared"] = [share for _, share in everyone]
 
 
 class Progress:

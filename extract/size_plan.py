@@ -1,7 +1,5 @@
-"""What an extraction will cost before it runs (``dflash-extract --plan``), and the free-space
-check a run makes before it writes. The counts come from the run's own planning (only the target's
-config is read); bytes and GPU-hours are estimates from measured ratios and rate, and say so.
-"""
+"""What an extraction will cost (``dflash-extract --plan``: the run's own planning, then bytes and
+GPU-hours estimated from measured ratios and rate), and the free-space check before a run writes."""
 
 from __future__ import annotations
 
@@ -47,17 +45,9 @@ class SizeEstimate:
     ratio_measured_at: str
     other_raw: int
 
-    @property
-    def hidden_per_token(self) -> float:
-        return self.hidden_encoded * self.hidden_ratio
-
-    @property
-    def other_per_token(self) -> float:
-        return self.other_raw * SMALL_ARRAYS_RATIO
-
-    @property
-    def per_token(self) -> float:
-        return self.hidden_per_token + self.other_per_token
+    hidden_per_token = property(lambda self: self.hidden_encoded * self.hidden_ratio)
+    other_per_token = property(lambda self: self.other_raw * SMALL_ARRAYS_RATIO)
+    per_token = property(lambda self: self.hidden_per_token + self.other_per_token)
 
     def total(self, tokens: int, samples: int = 0) -> int:
         """Bytes of ``tokens`` tokens in ``samples`` samples (offsets and source rows: 16 bytes a sample)."""

@@ -1,12 +1,6 @@
-"""The target model in stage one: per real (non-pad) token of a padded batch, the hidden states
-of the chosen layers and the top-k next-token log-probs. Hidden states are gathered down to the
-real tokens inside forward hooks (never every layer's padded (B, T, D) output); the LM head runs
-in chunks of real tokens, ranking logits in the model's dtype (log_softmax is monotone) minus
-their fp32 log-sum-exp (compiled on CUDA), so no (B, T, vocab) tensor ever exists.
-
-Layer id ``i`` is HF ``hidden_states[i + 1]``; id ``L - 1`` is read from the backbone's output,
-since HF takes its last entry after the final norm.
-"""
+"""The target in stage one: per real token of a padded batch, the chosen layers' hidden states
+(gathered in forward hooks) and the top-k log-probs (the LM head in chunks: no (B, T, vocab)
+tensor). Layer id ``i`` is HF ``hidden_states[i + 1]``; id ``L - 1`` comes after the final norm."""
 
 from __future__ import annotations
 
@@ -14,9 +8,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-
-DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
-
 
 @dataclass
 class TargetOutput:
@@ -33,7 +24,7 @@ def load_target(name_or_path: str, *, dtype: str = "bfloat16", device: str | tor
     from transformers import AutoModelForCausalLM
 
     attention = {"attn_implementation": attn_implementation} if attn_implementation else {}
-    model = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=DTYPES[dtype], revision=revision, **attention)
+    model = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=getattr(torch, dtype), revision=revision, **attention)
     model.to(device).eval()
     model.requires_grad_(False)
     return model
@@ -100,15 +91,9 @@ class TargetRunner:
     def pad_batch(samples: list[torch.Tensor], pad_id: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Right-pad 1-D id tensors: (input_ids (B, T), attention_mask (B, T), gather index (N,)), the
         index listing the real tokens' flat (b * T + t) positions: the token-major order the cache stores."""
-        lengths = [len(s) for s in samples]
-        T = max(lengths)
-        ids = torch.full((len(samples), T), pad_id, dtype=torch.long)
-        mask = torch.zeros((len(samples), T), dtype=torch.long)
-        for b, s in enumerate(samples):
-            ids[b, : len(s)] = s
-            mask[b, : len(s)] = 1
-        index = torch.cat([torch.arange(n, dtype=torch.long) + b * T for b, n in enumerate(lengths)])
-        return ids, mask, index
+        ids = torch.nn.utils.rnn.pad_sequence(samples, batch_first=True, padding_value=pad_id).long()
+        mask = (torch.arange(ids.shape[1]) < torch.tensor([len(s) for s in samples])[:, None]).long()
+        return ids, mask, mask.flatten().nonzero().squeeze(1)
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, gather_index: torch.Tensor) -> TargetOutput:
