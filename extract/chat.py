@@ -107,12 +107,11 @@ def render(tokenizer, conv: Conversation, *, max_length: int, truncation: str = 
         ids = _flat_ids(tokenizer(conv.text)["input_ids"])
         mask = [1] * len(ids)
     else:
-        tools = conv.tools
         if method == "auto":
-            method = mask_method(tokenizer, tools)
+            method = mask_method(tokenizer, conv.tools)
         kwargs = dict(template_kwargs or {})
         try:
-            markers = turn_markers(tokenizer, end_of_turn, kwargs, tools)
+            markers = turn_markers(tokenizer, end_of_turn, kwargs, conv.tools)
         except TemplateProbeFailed as exc:
             if method != "generation_tags":
                 raise DataError("mask_not_located", conv.source, conv.row_index,
@@ -124,8 +123,8 @@ def render(tokenizer, conv: Conversation, *, max_length: int, truncation: str = 
                 spans = locate_turns(text, conv.messages, markers)
             except TurnNotFound as exc:
                 raise DataError("mask_not_located", conv.source, conv.row_index, str(exc)) from exc
-        ids, offsets = _tokenize_with_offsets(tokenizer, text)
-        mask = _overlap_mask(offsets, spans)
+        enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+        ids, mask = _flat_ids(enc["input_ids"]), _overlap_mask(enc["offset_mapping"], spans)
         if markers is not None:
             mask = _close_spans_at_end_of_turn(ids, mask, _token_id(tokenizer, markers.end_of_turn))
 
@@ -229,11 +228,6 @@ def _rendering(tokenizer, conv: Conversation, kwargs: dict, tags: bool) -> tuple
         raise DataError("template_rejected", conv.source, conv.row_index,
                         f"chat template rejected the conversation: {type(exc).__name__}: {exc}") from exc
     return (rendered[0], spans[0]) if tags else (_as_text(rendered), None)
-
-
-def _tokenize_with_offsets(tokenizer, text: str) -> tuple[list[int], list[tuple[int, int]]]:
-    enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
-    return _flat_ids(enc["input_ids"]), [(int(a), int(b)) for a, b in enc["offset_mapping"]]
 
 
 def _overlap_mask(offsets: list[tuple[int, int]], spans) -> list[int]:

@@ -99,8 +99,7 @@ class ExtractConfig:
             raise ValueError("--end-of-turn is empty")
         if not isinstance(self.template_kwargs, dict):
             raise ValueError(f"--template-kwargs must be a JSON object, got {type(self.template_kwargs).__name__}")
-        reserved = sorted(RESERVED_TEMPLATE_KWARGS & set(self.template_kwargs))
-        if reserved:
+        if reserved := sorted(RESERVED_TEMPLATE_KWARGS & set(self.template_kwargs)):
             raise ValueError(f"--template-kwargs cannot set {reserved}: stage one sets those arguments of "
                              "apply_chat_template itself")
         try:

@@ -196,12 +196,10 @@ def local_data_files(path: Path) -> list[Path]:
         if f.suffix not in LOCAL_FORMATS:
             raise DataError("unreadable", str(f), None, f"unsupported file type {f.suffix!r}")
         try:
-            with open(f, "rb") as handle:
-                handle.read(1)
+            open(f, "rb").close()
         except OSError as exc:
             raise DataError("unreadable", str(f), None, f"cannot open: {exc.strerror or exc}") from exc
-    builders = {LOCAL_FORMATS[f.suffix] for f in files}
-    if len(builders) > 1:
+    if len(builders := {LOCAL_FORMATS[f.suffix] for f in files}) > 1:
         raise DataError("unreadable", str(path), None, f"mixed file formats {sorted(builders)} in one source")
     return files
 
@@ -268,7 +266,7 @@ class SkipCounter:
 
     @property
     def total(self) -> int:
-        return sum(self.counts.values())
+        return self.counts.total()
 
     def to_dict(self) -> dict[str, int]:
         return dict(sorted(self.counts.items()))
@@ -286,10 +284,8 @@ def guard(on_bad_row: OnBadRow, skips: SkipCounter, fn: Callable, /, *args, **kw
         raise ValueError(f"on_bad_row must be 'error' or 'skip', not {on_bad_row!r}")
     try:
         return fn(*args, **kwargs)
-    except SkippedSample as err:
-        skips.record(err)
     except DataError as err:
-        if on_bad_row == "error":
+        if on_bad_row == "error" and not isinstance(err, SkippedSample):
             raise
         skips.record(err)
     return None

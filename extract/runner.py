@@ -1,8 +1,6 @@
-"""One process of an extraction run. Under torchrun rank r of W extracts shards r, r + W, ... of
-``--shards`` (default W) on cuda:LOCAL_RANK. The ranks meet over gloo before any shard is written:
-once rank 0 has prepared the root; once every rank has locked and planned its shards (a bad row in
-any slice stops the run before any commit); once rank 0 has checked the free space.
-"""
+"""One process of an extraction run: under torchrun rank r of W extracts shards r, r + W, ... on
+cuda:LOCAL_RANK. The ranks meet over gloo before any shard is written: after rank 0 prepares the root,
+after every rank locks and plans its shards (a bad row anywhere stops the run), after the space check."""
 
 from __future__ import annotations
 
@@ -236,8 +234,7 @@ def _run(cfg: ExtractConfig, rank: int, world: int) -> dict[str, Any] | None:
                    phases={"started_at": phases.started_at, "seconds": phases.seconds},
                    worker_seconds=dict(sorted(t for d in done for t in d["timing"].items())),
                    tokens_per_s=sum(d["tokens"] for d in done) / forward_s if forward_s > 0 else None)
-    failed = [str(r) for r, d in enumerate(done) if d["error"]]
-    if failed:
+    if failed := [str(r) for r, d in enumerate(done) if d["error"]]:
         raise ExtractFailed((error or f"rank {', '.join(failed)} failed (see its error)") + "\n\n"
                             + format_summary(summary))
     return summary

@@ -160,8 +160,7 @@ def count_run(cfg: ExtractConfig, tokenizer, ds, num_shards: int) -> dict[str, A
                           assistant_tokens=planned.assistant_tokens,
                           padded_tokens=int((sizes * plan.lengths[plan.batches[:-1]]).sum()))
             longest = max(longest, int(plan.lengths.max(initial=0)))
-    keys = ("rows", "shards", "samples", "truncated", "tokens", "assistant_tokens", "padded_tokens")
-    return {**{k: counts[k] for k in keys}, "skipped": dict(sorted(skipped.items())), "longest": longest}
+    return {**counts, "skipped": dict(sorted(skipped.items())), "longest": longest}
 
 
 def plan_run(cfg: ExtractConfig) -> tuple[dict[str, Any], SizeEstimate]:
