@@ -104,7 +104,7 @@ def render(tokenizer, conv: Conversation, *, max_length: int, truncation: str = 
     if truncation not in ("right", "error", "skip"):
         raise ValueError(f"truncation must be 'right', 'error' or 'skip', not {truncation!r}")
     if conv.kind == "text":
-        ids = _flat_ids(tokenizer(conv.text)["input_ids"])
+        ids = tokenizer(conv.text)["input_ids"]
         mask = [1] * len(ids)
     else:
         if method == "auto":
@@ -124,7 +124,7 @@ def render(tokenizer, conv: Conversation, *, max_length: int, truncation: str = 
             except TurnNotFound as exc:
                 raise DataError("mask_not_located", conv.source, conv.row_index, str(exc)) from exc
         enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
-        ids, mask = _flat_ids(enc["input_ids"]), _overlap_mask(enc["offset_mapping"], spans)
+        ids, mask = enc["input_ids"], _overlap_mask(enc["offset_mapping"], spans)
         if markers is not None:
             mask = _close_spans_at_end_of_turn(ids, mask, _token_id(tokenizer, markers.end_of_turn))
 
@@ -190,7 +190,7 @@ def load_tokenizer(cfg):
 def _special_tokens_in(tokenizer, text: str) -> list[str]:
     """The added (special) tokens the tokenizer finds in `text`, in order."""
     added = set(tokenizer.all_special_ids) | set(getattr(tokenizer, "added_tokens_decoder", {}))
-    ids = _flat_ids(tokenizer(text, add_special_tokens=False)["input_ids"])
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
     return tokenizer.convert_ids_to_tokens([i for i in ids if i in added])
 
 
@@ -198,15 +198,6 @@ def _as_text(rendered) -> str:
     if isinstance(rendered, list):  # some versions wrap single renderings
         (rendered,) = rendered
     return rendered
-
-
-def _flat_ids(ids) -> list[int]:
-    """input_ids as a flat list, whatever container this transformers version returns."""
-    if hasattr(ids, "tolist"):
-        ids = ids.tolist()
-    if ids and isinstance(ids[0], list):
-        (ids,) = ids
-    return [int(i) for i in ids]
 
 
 def _rendering(tokenizer, conv: Conversation, kwargs: dict, tags: bool) -> tuple[str, list | None]:

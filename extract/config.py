@@ -109,8 +109,7 @@ class ExtractConfig:
 
     @property
     def codec(self):
-        """The ``HiddenCodec`` of --hidden-codec, --hidden-group-size and --hidden-scale-dtype (ValueError where
-        they cannot work together); imported here, where it is used, since it needs torch."""
+        """The ``HiddenCodec`` of the --hidden-* flags (ValueError where they cannot work together); needs torch."""
         from dflash.shared.hidden_codecs import HiddenCodec
 
         return HiddenCodec(self.hidden_codec, self.hidden_group_size, self.hidden_scale_dtype)

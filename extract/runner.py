@@ -248,10 +248,9 @@ def _lock_and_plan(cfg: ExtractConfig, rank: int, world: int, spec: CacheSpec, t
     spec = CacheSpec.from_dict(root.attrs[ATTRS_KEY])  # an older format is resumed in its own layout
     num_shards = cfg.shards or world
     states = read_shard_states(root, list(range(num_shards)))
-    tasks, planned = [], {}
     if all(st is not None and st.complete for st in states.values()):
-        return states, tasks, planned
-    device, threads = "cpu", None
+        return states, [], {}
+    tasks, planned, device, threads = [], {}, "cpu", None
     if cfg.device == "cpu":
         threads = cfg.cpu_threads or max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
     else:

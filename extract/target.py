@@ -52,8 +52,7 @@ class TargetRunner:
         if self.layers is None or self.lm_head is None:
             raise ValueError(f"{type(model).__name__}: expected .model.layers and an LM head (a decoder-only HF model)")
         self.num_layers = len(self.layers)
-        bad = [i for i in layer_ids if not 0 <= i < self.num_layers]
-        if bad:
+        if bad := [i for i in layer_ids if not 0 <= i < self.num_layers]:
             raise ValueError(f"layer ids {bad} out of range: the target has {self.num_layers} layers (ids 0..{self.num_layers - 1})")
         vocab = self.lm_head.weight.shape[0]
         if not 1 <= topk <= vocab:
@@ -61,8 +60,7 @@ class TargetRunner:
         self.layer_ids, self.topk, self.lm_head_chunk = list(layer_ids), topk, lm_head_chunk
         self.hidden_size = model.config.hidden_size
         self.device, self.dtype = next(model.parameters()).device, next(model.parameters()).dtype
-        self._gather_index: torch.Tensor | None = None  # set during our forwards only
-        self._out: torch.Tensor | None = None
+        self._gather_index = self._out = None  # set during our forwards only
         self._hooks = [self.layers[i].register_forward_hook(self._hook(slot))
                        for slot, i in enumerate(self.layer_ids) if i != self.num_layers - 1]
         self._logsumexp = logsumexp_fp32
@@ -128,9 +126,7 @@ def compute_environment(device: torch.device) -> dict[str, Any]:
     level and threads, head backend, library versions); ``ShardWriter`` resumes only under the same."""
     import transformers
 
-    if device.type == "cuda":
-        name = torch.cuda.get_device_name(device)
-    else:
-        name = f"cpu {torch.backends.cpu.get_cpu_capability()} x{torch.get_num_threads()} threads"
+    name = (torch.cuda.get_device_name(device) if device.type == "cuda"
+            else f"cpu {torch.backends.cpu.get_cpu_capability()} x{torch.get_num_threads()} threads")
     return {"device": name, "head": head_backend_for(device) or "eager", "torch": torch.__version__,
             "transformers": transformers.__version__}

@@ -127,10 +127,10 @@ class WriterThread:
             self.error = e
 
 
-def _mark():
-    """A timing event on the current CUDA stream; blocking: a thread waiting for it sleeps, not spins."""
-    event = torch.cuda.Event(enable_timing=True, blocking=True)
-    event.record()
+def _mark(stream=None, timing: bool = True):
+    """An event recorded on ``stream`` (the current one); blocking: a thread waiting for it sleeps, not spins."""
+    event = torch.cuda.Event(enable_timing=timing, blocking=True)
+    event.record(stream)
     return event
 
 
@@ -151,9 +151,7 @@ def _to_host(out, spec: CacheSpec, device: torch.device, copy_stream=None) -> tu
             host[name] = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
             host[name].copy_(t, non_blocking=True)
             t.record_stream(copy_stream)  # the compute stream reuses t's memory only after the copy
-    event = torch.cuda.Event(blocking=True)  # the writer thread sleeps on it, not spins
-    event.record(copy_stream)
-    return host, event
+    return host, _mark(copy_stream, timing=False)
 
 
 def use_device(task: WorkerTask) -> None:
@@ -190,8 +188,7 @@ def plan_task(task: WorkerTask, tokenizer, ds) -> tuple[PlannedShard, dict[str, 
 
 def take_lock(task: WorkerTask, report, stop) -> ShardLock:
     """The shard's lock, held; ShardLocked naming the holder, or with ``wait_for_lock`` wait for it."""
-    lock = ShardLock(task.cfg.out, task.shard_id)
-    said = None
+    lock, said = ShardLock(task.cfg.out, task.shard_id), None
     while True:
         try:
             previous = lock.acquire()
