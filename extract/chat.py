@@ -97,10 +97,8 @@ def stop_token_ids(model, tokenizer, end_of_turn: str | None = None,
 def render(tokenizer, conv: Conversation, *, max_length: int, truncation: str = "right",
            method: MaskMethod = "auto", end_of_turn: str | None = None,
            template_kwargs: dict[str, Any] | None = None) -> RenderedSample:
-    """Token ids (int32) and assistant loss mask (bool) of one conversation. truncation "right" keeps
-    the first `max_length` tokens, "error" raises DataError("too_long"), "skip" SkippedSample; no loss
-    token left after truncation is SkippedSample("no_loss_tokens"). DataError("template_rejected" or
-    "mask_not_located") where the template raises or its turns cannot be found."""
+    """Token ids (int32) and assistant loss mask (bool) of one conversation; over `max_length`, truncation
+    "right" cuts, "error" raises DataError("too_long"), "skip" SkippedSample. DataError names a bad row."""
     if truncation not in ("right", "error", "skip"):
         raise ValueError(f"truncation must be 'right', 'error' or 'skip', not {truncation!r}")
     if conv.kind == "text":
@@ -201,9 +199,8 @@ def _as_text(rendered) -> str:
 
 
 def _rendering(tokenizer, conv: Conversation, kwargs: dict, tags: bool) -> tuple[str, list | None]:
-    """The conversation as its template renders it and, with ``tags``, the char spans of its
-    `{% generation %}` blocks from HF's Jinja renderer (mapped to tokens here: HF's own mapping
-    changed between transformers versions)."""
+    """The conversation as its template renders it and, with ``tags``, the char spans of its `{% generation %}`
+    blocks (mapped to tokens here: HF's own mapping changed between transformers versions)."""
     from transformers.utils.chat_template_utils import render_jinja_template
 
     try:

@@ -56,8 +56,7 @@ class ExtractConfig:
     hidden_scale_dtype: ScaleDtype = "float16"
     topk_dtype: TopkDtype = "float32"
 
-    # -- how it runs (not fingerprinted, except batch_tokens, lm_head_chunk, attn_implementation,
-    #    which change padding or roundings, and the shard count)
+    # -- how it runs (not fingerprinted, but for the shard count and runner.FINGERPRINTED: padding, roundings)
     device: Device = "cuda"
     shards: int | None = None
     batch_tokens: int = 16384

@@ -66,10 +66,8 @@ def installed_file(package: str, relative: str) -> Path | None:
 
 def load_source(spec: str, split: str = "train", *, revision: str | None = None,
                 data_files: str | list[str] | dict | None = None, cache_dir: str | None = None):
-    """Open `spec` as a sequence of rows (`len`, rows, slices, `select`): `JsonRows` for local JSON,
-    else a `datasets.Dataset`. `spec` is, in this order: a folder saved by `save_to_disk`; a local
-    data file (.json, .jsonl, .parquet, .arrow) or a folder of them (one format, found recursively,
-    sorted; the files ARE the split); else a hub name. DataError("unreadable") names what fails."""
+    """`spec` as rows (`JsonRows` for local JSON, else a `datasets.Dataset`): a `save_to_disk` folder, a data
+    file or a folder of one format (the files are the split), else a hub name; DataError names what fails."""
     import datasets
 
     path = Path(spec)
@@ -116,8 +114,7 @@ LAYOUT_HINT = "a .json/.jsonl file holds a JSON array of rows or one JSON object
 
 
 def _read_json(path: Path) -> list[Any]:
-    """The rows of one .json/.jsonl file; DataError("unreadable") naming the file and where parsing
-    stopped in it."""
+    """The rows of one .json/.jsonl file; DataError naming the file and where parsing stopped."""
     try:
         text = path.read_bytes().decode("utf-8-sig")
     except UnicodeDecodeError as exc:
@@ -278,8 +275,7 @@ class SkipCounter:
 
 
 def guard(on_bad_row: OnBadRow, skips: SkipCounter, fn: Callable, /, *args, **kwargs):
-    """fn(*args, **kwargs), or None with a DataError counted in `skips` ("skip"; a SkippedSample
-    always is)."""
+    """fn(*args, **kwargs), or None with its DataError counted in `skips` (under "skip"; a SkippedSample always)."""
     if on_bad_row not in ("error", "skip"):
         raise ValueError(f"on_bad_row must be 'error' or 'skip', not {on_bad_row!r}")
     try:
@@ -292,9 +288,8 @@ def guard(on_bad_row: OnBadRow, skips: SkipCounter, fn: Callable, /, *args, **kw
 
 
 def dataset_fingerprint(ds, spec: str, split: str, revision: str | None = None) -> dict[str, Any]:
-    """What a cache records to tell later whether its input changed: local sources hash their files
-    ("files-sha256": relative path, size and content; a saved dataset's Arrow files), hub sources
-    their rows ("rows-sha256": each as canonical JSON, in order)."""
+    """What tells later whether the input changed: local sources hash their files (relative path, size,
+    content), hub sources their rows (each as canonical JSON, in order)."""
     path = Path(spec)
     info: dict[str, Any] = {"source": spec, "split": split, "revision": revision, "num_rows": len(ds),
                             "datasets_fingerprint": getattr(ds, "_fingerprint", None)}

@@ -306,9 +306,8 @@ def _gather(world: int, mine: Any) -> list[Any]:
 
 @contextlib.contextmanager
 def meeting(world: int):
-    """``with meeting(world) as m:`` a step every rank takes, then waits for all: a rank whose step failed
-    raises its own error, the others ExtractFailed naming it. ``m["share"]``, set in the step, comes back
-    from every rank in ``m["shared"]``. Ctrl-C or torchrun stopping the run skips the meeting."""
+    """A step every rank takes, then waits for all (a failed rank raises its error, the others ExtractFailed
+    naming it); ``m["share"]`` set in the step comes back from every rank in ``m["shared"]``."""
     m = {"share": None}
     try:
         yield m

@@ -17,9 +17,8 @@ from .config import ExtractConfig, ExtractFailed, checked_layers, load_tokenizer
 
 log = logging.getLogger(__name__)
 
-# stored over encoded bytes after the lossless stage, and what it was measured at, of the hidden states
-# per codec and of the ids, mask and top-k (top-64 float32: 517 raw bytes): BENCHMARKS_LOG.md, issue 16,
-# a Qwen3-8B-shaped cache
+# stored over encoded bytes after the lossless stage (and what it was measured at) of the hidden states per
+# codec and of the ids, mask and top-k: BENCHMARKS_LOG.md, issue 16, a Qwen3-8B-shaped cache
 HIDDEN_STAGE_RATIO = {"bf16": (28_159 / 40_960, "bf16"), "fp8": (16_780 / 20_490, "fp8, float16 scales"),
                       "int8": (19_548 / 20_800, "int8, groups of 128, float16 scales"),
                       "int4": (8_907 / 10_560, "int4, groups of 128, float16 scales")}

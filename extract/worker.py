@@ -209,9 +209,8 @@ def take_lock(task: WorkerTask, report, stop) -> ShardLock:
 
 def extract_shard(task: WorkerTask, planned: PlannedShard, pad_id: int | None, lock: ShardLock, report,
                   stop, timing: dict[str, float], runners: list) -> dict[str, Any]:
-    """Resume one planned, locked shard and extract what is left: the forward loop on this thread, the
-    writer thread behind it. Returns the final commit; reports ``timing`` (loop, drain, writer and GPU
-    seconds). ``runners`` keeps the loaded target for the next shard (the caller closes it)."""
+    """Resume one planned, locked shard: the forward loop here, the writer thread behind it; the final commit.
+    ``runners`` keeps the loaded target for the next shard (the caller closes it)."""
     cfg, device = task.cfg, torch.device(task.device)
     with zarr.config.set(writer_zarr_settings(cfg.out)):  # the shard's write path; other zarr users keep theirs
         writer = ShardWriter(open_root(cfg.out, "r+"), task.shard_id, planned.plan, task.spec,
