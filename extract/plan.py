@@ -23,10 +23,6 @@ class PlannedShard:
     loss_mask: np.ndarray  # (T,) bool
     truncated: int = 0  # samples cut to max_length by right truncation
 
-    @property
-    def assistant_tokens(self) -> int:
-        return int(self.loss_mask.sum())
-
     def batch_tokens(self, batch: int) -> tuple[int, int]:
         """Token range [t0, t1) of planned batch ``batch``."""
         off = self.plan.offsets

@@ -156,7 +156,7 @@ def count_run(cfg: ExtractConfig, tokenizer, ds, num_shards: int) -> dict[str, A
             skipped.update(plan.skipped)
             sizes = plan.batches[1:] - plan.batches[:-1]
             counts.update(samples=len(plan.source_index), truncated=planned.truncated, tokens=plan.num_tokens,
-                          assistant_tokens=planned.assistant_tokens,
+                          assistant_tokens=int(planned.loss_mask.sum()),
                           padded_tokens=int((sizes * plan.lengths[plan.batches[:-1]]).sum()))
             longest = max(longest, int(plan.lengths.max(initial=0)))
     return {**counts, "skipped": dict(sorted(skipped.items())), "longest": longest}
