@@ -1,23 +1,16 @@
-"""Render a Conversation to token ids plus the assistant loss mask.
-
-The ids are exactly `apply_chat_template(messages, tools=tools, **template_kwargs)` (no generation
-prompt). The mask is each assistant turn as the template renders it, from the end of its role
-header through its end-of-turn token (the drafter must learn to stop), found one of two ways that
-agree: "generation_tags" (the char span of each `{% generation %}` block) or "template_probe" (the
-turn header and end-of-turn token learned from the template's renderings of probe chats, each turn
-then found in the rendering: turns.py). Char spans map to tokens by overlap, so a BPE merge across
-a boundary does not break the row; each span is then cut after its first end-of-turn token, or
-extended by the one right after it. The end-of-turn token is the first special token the template
-writes after an assistant message (Qwen `<|im_end|>`), not eos; `end_of_turn` overrides it. Plain
-text rows are tokenized as is and the mask is all ones.
-"""
+"""Render a Conversation to token ids (exactly ``apply_chat_template``, no generation prompt) and the
+assistant loss mask: each assistant turn from the end of its header through its end-of-turn token,
+found by "generation_tags" (``{% generation %}`` spans) or "template_probe" (markers learned from
+probe chats: turns.py). Char spans map to tokens by overlap; plain text rows get an all-ones mask."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import weakref
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Literal
 
 import numpy as np
@@ -94,38 +87,29 @@ def end_of_turn_id(tokenizer, end_of_turn: str | None = None, template_kwargs: d
 def stop_token_ids(model, tokenizer, end_of_turn: str | None = None,
                    template_kwargs: dict[str, Any] | None = None) -> list[int]:
     """Where generation stops: the generation config's and tokenizer's eos, the end-of-turn token."""
-    ids: set[int] = set()
     eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
-    if eos is not None:
-        ids.update([eos] if isinstance(eos, int) else eos)
-    if tokenizer.eos_token_id is not None:
-        ids.add(tokenizer.eos_token_id)
-    try:
+    ids = {*([eos] if isinstance(eos, int) else eos or []), tokenizer.eos_token_id}
+    with contextlib.suppress(ValueError):
         ids.add(end_of_turn_id(tokenizer, end_of_turn, template_kwargs))
-    except ValueError:
-        pass
-    return sorted(int(i) for i in ids)
+    return sorted(int(i) for i in ids if i is not None)
 
 
 def render(tokenizer, conv: Conversation, *, max_length: int, truncation: str = "right",
            method: MaskMethod = "auto", end_of_turn: str | None = None,
            template_kwargs: dict[str, Any] | None = None) -> RenderedSample:
-    """Token ids (int32) and assistant loss mask (bool) of one conversation. truncation "right" keeps
-    the first `max_length` tokens, "error" raises DataError("too_long"), "skip" SkippedSample; no loss
-    token left after truncation is SkippedSample("no_loss_tokens"). DataError("template_rejected" or
-    "mask_not_located") where the template raises or its turns cannot be found."""
+    """Token ids (int32) and assistant loss mask (bool) of one conversation; over `max_length`, truncation
+    "right" cuts, "error" raises DataError("too_long"), "skip" SkippedSample. DataError names a bad row."""
     if truncation not in ("right", "error", "skip"):
         raise ValueError(f"truncation must be 'right', 'error' or 'skip', not {truncation!r}")
     if conv.kind == "text":
-        ids = _flat_ids(tokenizer(conv.text)["input_ids"])
+        ids = tokenizer(conv.text)["input_ids"]
         mask = [1] * len(ids)
     else:
-        tools = conv.tools
         if method == "auto":
-            method = mask_method(tokenizer, tools)
+            method = mask_method(tokenizer, conv.tools)
         kwargs = dict(template_kwargs or {})
         try:
-            markers = turn_markers(tokenizer, end_of_turn, kwargs, tools)
+            markers = turn_markers(tokenizer, end_of_turn, kwargs, conv.tools)
         except TemplateProbeFailed as exc:
             if method != "generation_tags":
                 raise DataError("mask_not_located", conv.source, conv.row_index,
@@ -137,13 +121,12 @@ def render(tokenizer, conv: Conversation, *, max_length: int, truncation: str = 
                 spans = locate_turns(text, conv.messages, markers)
             except TurnNotFound as exc:
                 raise DataError("mask_not_located", conv.source, conv.row_index, str(exc)) from exc
-        ids, offsets = _tokenize_with_offsets(tokenizer, text)
-        mask = _overlap_mask(offsets, spans)
+        enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+        ids, mask = enc["input_ids"], _overlap_mask(enc["offset_mapping"], spans)
         if markers is not None:
             mask = _close_spans_at_end_of_turn(ids, mask, _token_id(tokenizer, markers.end_of_turn))
 
-    input_ids = np.asarray(ids, dtype=np.int32)
-    loss_mask = np.asarray(mask, dtype=bool)
+    input_ids, loss_mask = np.asarray(ids, dtype=np.int32), np.asarray(mask, dtype=bool)
     num_tokens = len(input_ids)
     if num_tokens > max_length:
         if truncation != "right":
@@ -160,8 +143,7 @@ def render(tokenizer, conv: Conversation, *, max_length: int, truncation: str = 
 def read_chat_template(path: str) -> str:
     """The text of a Jinja chat-template file, checked to compile; ValueError naming the file otherwise."""
     try:
-        with open(path, encoding="utf-8") as f:
-            text = f.read()
+        text = Path(path).read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as e:
         raise ValueError(f"--chat-template {path}: cannot read it: {e}") from None
     if not text.strip():
@@ -206,7 +188,7 @@ def load_tokenizer(cfg):
 def _special_tokens_in(tokenizer, text: str) -> list[str]:
     """The added (special) tokens the tokenizer finds in `text`, in order."""
     added = set(tokenizer.all_special_ids) | set(getattr(tokenizer, "added_tokens_decoder", {}))
-    ids = _flat_ids(tokenizer(text, add_special_tokens=False)["input_ids"])
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
     return tokenizer.convert_ids_to_tokens([i for i in ids if i in added])
 
 
@@ -216,19 +198,9 @@ def _as_text(rendered) -> str:
     return rendered
 
 
-def _flat_ids(ids) -> list[int]:
-    """input_ids as a flat list, whatever container this transformers version returns."""
-    if hasattr(ids, "tolist"):
-        ids = ids.tolist()
-    if ids and isinstance(ids[0], list):
-        (ids,) = ids
-    return [int(i) for i in ids]
-
-
 def _rendering(tokenizer, conv: Conversation, kwargs: dict, tags: bool) -> tuple[str, list | None]:
-    """The conversation as its template renders it and, with ``tags``, the char spans of its
-    `{% generation %}` blocks from HF's Jinja renderer (mapped to tokens here: HF's own mapping
-    changed between transformers versions)."""
+    """The conversation as its template renders it and, with ``tags``, the char spans of its `{% generation %}`
+    blocks (mapped to tokens here: HF's own mapping changed between transformers versions)."""
     from transformers.utils.chat_template_utils import render_jinja_template
 
     try:
@@ -244,14 +216,6 @@ def _rendering(tokenizer, conv: Conversation, kwargs: dict, tags: bool) -> tuple
         raise DataError("template_rejected", conv.source, conv.row_index,
                         f"chat template rejected the conversation: {type(exc).__name__}: {exc}") from exc
     return (rendered[0], spans[0]) if tags else (_as_text(rendered), None)
-
-
-def _tokenize_with_offsets(tokenizer, text: str) -> tuple[list[int], list[tuple[int, int]]]:
-    enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
-    offsets = enc["offset_mapping"]
-    if hasattr(offsets, "tolist"):
-        offsets = offsets.tolist()
-    return _flat_ids(enc["input_ids"]), [(int(a), int(b)) for a, b in offsets]
 
 
 def _overlap_mask(offsets: list[tuple[int, int]], spans) -> list[int]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import sys
+from pathlib import Path
 
 import click
 
@@ -107,9 +108,7 @@ def main(**kw) -> None:
         click.echo(f"dflash-extract: error: {e}", err=True)
         sys.exit(1)
     if cfg.summary_json:  # the plan or the closing summary
-        with open(cfg.summary_json, "w") as f:
-            json.dump(doc, f, indent=2, sort_keys=True)
-            f.write("\n")
+        Path(cfg.summary_json).write_text(json.dumps(doc, indent=2, sort_keys=True) + "\n")
 
 
 if __name__ == "__main__":

@@ -56,8 +56,7 @@ class ExtractConfig:
     hidden_scale_dtype: ScaleDtype = "float16"
     topk_dtype: TopkDtype = "float32"
 
-    # -- how it runs (not fingerprinted, except batch_tokens, lm_head_chunk, attn_implementation,
-    #    which change padding or roundings, and the shard count)
+    # -- how it runs (not fingerprinted, but for the shard count and runner.FINGERPRINTED: padding, roundings)
     device: Device = "cuda"
     shards: int | None = None
     batch_tokens: int = 16384
@@ -99,8 +98,7 @@ class ExtractConfig:
             raise ValueError("--end-of-turn is empty")
         if not isinstance(self.template_kwargs, dict):
             raise ValueError(f"--template-kwargs must be a JSON object, got {type(self.template_kwargs).__name__}")
-        reserved = sorted(RESERVED_TEMPLATE_KWARGS & set(self.template_kwargs))
-        if reserved:
+        if reserved := sorted(RESERVED_TEMPLATE_KWARGS & set(self.template_kwargs)):
             raise ValueError(f"--template-kwargs cannot set {reserved}: stage one sets those arguments of "
                              "apply_chat_template itself")
         try:
@@ -110,8 +108,7 @@ class ExtractConfig:
 
     @property
     def codec(self):
-        """The ``HiddenCodec`` of --hidden-codec, --hidden-group-size and --hidden-scale-dtype (ValueError where
-        they cannot work together); imported here, where it is used, since it needs torch."""
+        """The ``HiddenCodec`` of the --hidden-* flags (ValueError where they cannot work together); needs torch."""
         from dflash.shared.hidden_codecs import HiddenCodec
 
         return HiddenCodec(self.hidden_codec, self.hidden_group_size, self.hidden_scale_dtype)

@@ -1,11 +1,7 @@
 """Chat datasets in, normalised conversations out (README.md, "Stage one", gives the row format).
-
-Local .json/.jsonl files are parsed with Python's `json`, so every row is exactly what the file
-says (Arrow would give all rows one schema, filling a key one row lacks with null, which a chat
-template would render). Parquet/Arrow files, saved datasets and hub names go through `datasets`,
-with the nulls inside messages and tool schemas dropped. A bad row raises `DataError` naming the
-file, the row and the problem, or under the "skip" policy is counted in a `SkipCounter`.
-"""
+Local .json/.jsonl files are read with Python's `json`, so each row is exactly what the file says
+(Arrow would give every row one schema, null-filled); other sources go through `datasets`, nulls
+inside the chat columns dropped. A bad row raises `DataError` naming file, row and problem."""
 
 from __future__ import annotations
 
@@ -15,7 +11,7 @@ import logging
 import re
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
@@ -70,10 +66,8 @@ def installed_file(package: str, relative: str) -> Path | None:
 
 def load_source(spec: str, split: str = "train", *, revision: str | None = None,
                 data_files: str | list[str] | dict | None = None, cache_dir: str | None = None):
-    """Open `spec` as a sequence of rows (`len`, rows, slices, `select`): `JsonRows` for local JSON,
-    else a `datasets.Dataset`. `spec` is, in this order: a folder saved by `save_to_disk`; a local
-    data file (.json, .jsonl, .parquet, .arrow) or a folder of them (one format, found recursively,
-    sorted; the files ARE the split); else a hub name. DataError("unreadable") names what fails."""
+    """`spec` as rows (`JsonRows` for local JSON, else a `datasets.Dataset`): a `save_to_disk` folder, a data
+    file or a folder of one format (the files are the split), else a hub name; DataError names what fails."""
     import datasets
 
     path = Path(spec)
@@ -120,8 +114,7 @@ LAYOUT_HINT = "a .json/.jsonl file holds a JSON array of rows or one JSON object
 
 
 def _read_json(path: Path) -> list[Any]:
-    """The rows of one .json/.jsonl file; DataError("unreadable") naming the file and where parsing
-    stopped in it."""
+    """The rows of one .json/.jsonl file; DataError naming the file and where parsing stopped."""
     try:
         text = path.read_bytes().decode("utf-8-sig")
     except UnicodeDecodeError as exc:
@@ -200,12 +193,10 @@ def local_data_files(path: Path) -> list[Path]:
         if f.suffix not in LOCAL_FORMATS:
             raise DataError("unreadable", str(f), None, f"unsupported file type {f.suffix!r}")
         try:
-            with open(f, "rb") as handle:
-                handle.read(1)
+            open(f, "rb").close()
         except OSError as exc:
             raise DataError("unreadable", str(f), None, f"cannot open: {exc.strerror or exc}") from exc
-    builders = {LOCAL_FORMATS[f.suffix] for f in files}
-    if len(builders) > 1:
+    if len(builders := {LOCAL_FORMATS[f.suffix] for f in files}) > 1:
         raise DataError("unreadable", str(path), None, f"mixed file formats {sorted(builders)} in one source")
     return files
 
@@ -257,12 +248,11 @@ def normalize_row(row: Any, row_index: int, source: str) -> Conversation:
     return Conversation("chat", messages=messages, source=source, row_index=row_index, tools=tools)
 
 
-@dataclass
 class SkipCounter:
     """Skipped rows per reason code, plus the first message seen for each reason."""
 
-    counts: Counter = field(default_factory=Counter)
-    first_message: dict[str, str] = field(default_factory=dict)
+    def __init__(self):
+        self.counts, self.first_message = Counter(), {}
 
     def record(self, error: DataError) -> None:
         if error.reason not in self.first_message:
@@ -273,7 +263,7 @@ class SkipCounter:
 
     @property
     def total(self) -> int:
-        return sum(self.counts.values())
+        return self.counts.total()
 
     def to_dict(self) -> dict[str, int]:
         return dict(sorted(self.counts.items()))
@@ -285,25 +275,21 @@ class SkipCounter:
 
 
 def guard(on_bad_row: OnBadRow, skips: SkipCounter, fn: Callable, /, *args, **kwargs):
-    """fn(*args, **kwargs), or None with a DataError counted in `skips` ("skip"; a SkippedSample
-    always is)."""
+    """fn(*args, **kwargs), or None with its DataError counted in `skips` (under "skip"; a SkippedSample always)."""
     if on_bad_row not in ("error", "skip"):
         raise ValueError(f"on_bad_row must be 'error' or 'skip', not {on_bad_row!r}")
     try:
         return fn(*args, **kwargs)
-    except SkippedSample as err:
-        skips.record(err)
     except DataError as err:
-        if on_bad_row == "error":
+        if on_bad_row == "error" and not isinstance(err, SkippedSample):
             raise
         skips.record(err)
     return None
 
 
 def dataset_fingerprint(ds, spec: str, split: str, revision: str | None = None) -> dict[str, Any]:
-    """What a cache records to tell later whether its input changed: local sources hash their files
-    ("files-sha256": relative path, size and content; a saved dataset's Arrow files), hub sources
-    their rows ("rows-sha256": each as canonical JSON, in order)."""
+    """What tells later whether the input changed: local sources hash their files (relative path, size,
+    content), hub sources their rows (each as canonical JSON, in order)."""
     path = Path(spec)
     info: dict[str, Any] = {"source": spec, "split": split, "revision": revision, "num_rows": len(ds),
                             "datasets_fingerprint": getattr(ds, "_fingerprint", None)}
@@ -336,9 +322,7 @@ def _hash_rows(ds, batch_size: int = 1024) -> str:
     digest = hashlib.sha256()
     for start in range(0, len(ds), batch_size):
         batch = ds[start : start + batch_size]  # dict of columns
-        columns = sorted(batch)
-        for values in zip(*(batch[c] for c in columns)):
-            row = dict(zip(columns, values))
-            digest.update(json.dumps(row, sort_keys=True, ensure_ascii=False, default=str).encode())
+        for values in zip(*batch.values()):
+            digest.update(json.dumps(dict(zip(batch, values)), sort_keys=True, ensure_ascii=False, default=str).encode())
             digest.update(b"\n")
     return "sha256:" + digest.hexdigest()

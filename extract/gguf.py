@@ -1,7 +1,5 @@
-"""Convert a GGUF checkpoint once into a plain HF folder (`dflash-convert-gguf`) that every stage
-loads with `from_pretrained`, plus `gguf_source.json` naming the GGUF. The folder is written beside
-OUT and renamed into place when complete, so a crash leaves no half-written OUT.
-"""
+"""Convert a GGUF checkpoint once into a plain HF folder (`dflash-convert-gguf`) plus `gguf_source.json`
+naming the GGUF; written beside OUT and renamed into place, so a crash leaves no half-written OUT."""
 
 from __future__ import annotations
 
@@ -95,8 +93,7 @@ def convert(gguf: str | None, out: str | Path, dtype: str = "bfloat16") -> tuple
     with path.open("rb") as f:
         digest = hashlib.file_digest(f, "sha256").hexdigest()
     source = {"gguf": {"name": path.name, "size": path.stat().st_size, "sha256": digest}, "dtype": dtype}
-    done = finished(out)
-    if done is not None:
+    if (done := finished(out)) is not None:
         if done.get("gguf", {}).get("sha256") == source["gguf"]["sha256"] and done.get("dtype") == dtype:
             return out, False
         raise ConvertError(f"{out} holds a conversion of {done.get('gguf', {}).get('name')} "

@@ -1,11 +1,6 @@
-"""Plan one shard before any forward: tokenise its slice of the dataset, fix its samples and
-batches. Deterministic in (dataset, tokenizer, settings, shard count), so a rerun rebuilds the same
-plan and resumes where the commit record says (ShardWriter checks the plan's digest).
-
-Skipped rows are counted per reason in ``ShardPlan.skipped``. Samples go longest first (an
-out-of-memory batch shows in the first minute), ties by source row, cut greedily into batches
-whose padded size (batch size x longest sample) stays within ``batch_tokens``.
-"""
+"""Plan one shard before any forward: tokenise its rows, fix its samples and batches. Deterministic,
+so a rerun rebuilds the same plan (ShardWriter checks its digest). Samples go longest first (an
+out-of-memory batch shows at once), ties by source row, cut greedily within ``batch_tokens`` padded."""
 
 from __future__ import annotations
 
@@ -27,10 +22,6 @@ class PlannedShard:
     input_ids: np.ndarray  # (T,) int32: every planned sample's ids, concatenated in plan order
     loss_mask: np.ndarray  # (T,) bool
     truncated: int = 0  # samples cut to max_length by right truncation
-
-    @property
-    def assistant_tokens(self) -> int:
-        return int(self.loss_mask.sum())
 
     def batch_tokens(self, batch: int) -> tuple[int, int]:
         """Token range [t0, t1) of planned batch ``batch``."""
@@ -54,14 +45,11 @@ def length_bucketed_batches(lengths: np.ndarray, source_index: np.ndarray, batch
     """(order, batches): the samples' write order and each batch's sample offsets."""
     lengths = np.asarray(lengths, dtype=np.int64)
     order = np.lexsort((np.asarray(source_index, dtype=np.int64), -lengths))
-    batches = [0]
-    longest = 0
+    batches, longest = [0], 0
     for pos, sample in enumerate(order):
-        size = pos - batches[-1]
-        if size and (size + 1) * longest > batch_tokens:
+        if pos > batches[-1] and (pos - batches[-1] + 1) * longest > batch_tokens:
             batches.append(pos)
-            size = 0
-        if size == 0:
+        if pos == batches[-1]:
             longest = int(lengths[sample])  # sorted descending: the first is the longest
     if len(order):
         batches.append(len(order))
@@ -99,9 +87,6 @@ def plan_shard(rows, row_offset: int, source: str, tokenizer, cfg: ExtractConfig
     order, batches = length_bucketed_batches(lengths, source_index, cfg.batch_tokens)
     plan = ShardPlan(source_index=source_index[order], lengths=lengths[order], batches=batches,
                      skipped=skips.to_dict())
-    if len(order):
-        input_ids = np.concatenate([samples[i].input_ids for i in order]).astype(np.int32, copy=False)
-        loss_mask = np.concatenate([samples[i].loss_mask for i in order]).astype(bool, copy=False)
-    else:
-        input_ids, loss_mask = np.zeros(0, np.int32), np.zeros(0, bool)
+    input_ids = np.concatenate([np.zeros(0, np.int32)] + [samples[i].input_ids for i in order])  # (T,) int32
+    loss_mask = np.concatenate([np.zeros(0, bool)] + [samples[i].loss_mask for i in order])
     return PlannedShard(plan, input_ids, loss_mask, sum(x.truncated for x in samples))

@@ -1,11 +1,10 @@
-"""One process of an extraction run. Under torchrun rank r of W extracts shards r, r + W, ... of
-``--shards`` (default W) on cuda:LOCAL_RANK. The ranks meet over gloo before any shard is written:
-once rank 0 has prepared the root; once every rank has locked and planned its shards (a bad row in
-any slice stops the run before any commit); once rank 0 has checked the free space.
-"""
+"""One process of an extraction run: under torchrun rank r of W extracts shards r, r + W, ... on
+cuda:LOCAL_RANK. The ranks meet over gloo before any shard is written: after rank 0 prepares the root,
+after every rank locks and plans its shards (a bad row anywhere stops the run), after the space check."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
@@ -182,7 +181,7 @@ def run(cfg: ExtractConfig) -> dict[str, Any] | None:
 def _run(cfg: ExtractConfig, rank: int, world: int) -> dict[str, Any] | None:
     t_start, phases = time.monotonic(), Phases(started_at=time.time())
     num_shards = cfg.shards or world
-    with Meeting(world):  # once rank 0 has prepared the root
+    with meeting(world):  # once rank 0 has prepared the root
         tokenizer, model_config = load_tokenizer_and_config(cfg)
         phases.mark("tokenizer_and_config")
         try:
@@ -197,18 +196,18 @@ def _run(cfg: ExtractConfig, rank: int, world: int) -> dict[str, Any] | None:
             phases.mark("cache_root")
     progress, locks = Progress(cfg.progress and rank == 0), []
     try:
-        with Meeting(world) as planning:  # once every rank has locked and planned its shards
+        with meeting(world) as planning:  # once every rank has locked and planned its shards
             states, tasks, planned = _lock_and_plan(cfg, rank, world, spec, tokenizer, ds, progress, locks)
-            planning.share = {s: {"tokens": p.plan.num_tokens, "samples": len(p.plan.source_index)}
-                              for s, (p, _) in planned.items()}
+            planning["share"] = {s: {"tokens": p.plan.num_tokens, "samples": len(p.plan.source_index)}
+                                 for s, (p, _) in planned.items()}
         if all(st is not None and st.complete for st in states.values()):
             log.info("%s: shards 0..%d already complete; nothing to do", cfg.out, num_shards - 1)
             summary = summarize(cfg.out, list(range(num_shards))) if rank == 0 else None
             return summary and {**summary, "noop": True, "samples_this_run": 0, "tokens_per_s": None,
                                 "wall_s": time.monotonic() - t_start}
-        with Meeting(world):  # once rank 0 has checked the free space for what is left to write
+        with meeting(world):  # once rank 0 has checked the free space for what is left to write
             if rank == 0 and not cfg.ignore_free_space:
-                sizes = {s: n for share in planning.shared for s, n in share.items()}
+                sizes = {s: n for share in planning["shared"] for s, n in share.items()}
                 committed = {s: st.commit for s, st in states.items() if st is not None}
                 if problem := run_space_problem(cfg, tasks[0].spec, sizes, committed):
                     raise ExtractFailed(problem)
@@ -235,8 +234,7 @@ def _run(cfg: ExtractConfig, rank: int, world: int) -> dict[str, Any] | None:
                    phases={"started_at": phases.started_at, "seconds": phases.seconds},
                    worker_seconds=dict(sorted(t for d in done for t in d["timing"].items())),
                    tokens_per_s=sum(d["tokens"] for d in done) / forward_s if forward_s > 0 else None)
-    failed = [str(r) for r, d in enumerate(done) if d["error"]]
-    if failed:
+    if failed := [str(r) for r, d in enumerate(done) if d["error"]]:
         raise ExtractFailed((error or f"rank {', '.join(failed)} failed (see its error)") + "\n\n"
                             + format_summary(summary))
     return summary
@@ -250,10 +248,9 @@ def _lock_and_plan(cfg: ExtractConfig, rank: int, world: int, spec: CacheSpec, t
     spec = CacheSpec.from_dict(root.attrs[ATTRS_KEY])  # an older format is resumed in its own layout
     num_shards = cfg.shards or world
     states = read_shard_states(root, list(range(num_shards)))
-    tasks, planned = [], {}
     if all(st is not None and st.complete for st in states.values()):
-        return states, tasks, planned
-    device, threads = "cpu", None
+        return states, [], {}
+    tasks, planned, device, threads = [], {}, "cpu", None
     if cfg.device == "cpu":
         threads = cfg.cpu_threads or max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
     else:
@@ -307,25 +304,20 @@ def _gather(world: int, mine: Any) -> list[Any]:
     return everyone
 
 
-class Meeting:
-    """``with Meeting(world) as m:`` a step every rank takes, then waits for all: a rank whose step
-    failed raises its own error, the others ExtractFailed naming it. ``m.share``, set in the step,
-    comes back from every rank in ``m.shared``."""
-
-    def __init__(self, world: int):
-        self.world, self.share, self.shared = world, None, []
-
-    def __enter__(self) -> Meeting:
-        return self
-
-    def __exit__(self, kind, error, traceback) -> None:
-        if kind is not None and not issubclass(kind, Exception):
-            return  # Ctrl-C, or torchrun stopping the run: no meeting
-        everyone = _gather(self.world, (error is not None, self.share))
-        failed = [str(r) for r, (bad, _) in enumerate(everyone) if bad]
-        if failed and error is None:
-            raise ExtractFailed(f"stopped: rank {', '.join(failed)} failed (see its error)")
-        self.shared = [share for _, share in everyone]
+@contextlib.contextmanager
+def meeting(world: int):
+    """A step every rank takes, then waits for all (a failed rank raises its error, the others ExtractFailed
+    naming it); ``m["share"]`` set in the step comes back from every rank in ``m["shared"]``."""
+    m = {"share": None}
+    try:
+        yield m
+    except Exception:
+        _gather(world, (True, None))
+        raise
+    everyone = _gather(world, (False, m["share"]))
+    if failed := [str(r) for r, (bad, _) in enumerate(everyone) if bad]:
+        raise ExtractFailed(f"stopped: rank {', '.join(failed)} failed (see its error)")
+    m["shared"] = [share for _, share in everyone]
 
 
 class Progress:

@@ -1,7 +1,5 @@
-"""What an extraction will cost before it runs (``dflash-extract --plan``), and the free-space
-check a run makes before it writes. The counts come from the run's own planning (only the target's
-config is read); bytes and GPU-hours are estimates from measured ratios and rate, and say so.
-"""
+"""What an extraction will cost (``dflash-extract --plan``: the run's own planning, then bytes and
+GPU-hours estimated from measured ratios and rate), and the free-space check before a run writes."""
 
 from __future__ import annotations
 
@@ -19,9 +17,8 @@ from .config import ExtractConfig, ExtractFailed, checked_layers, load_tokenizer
 
 log = logging.getLogger(__name__)
 
-# stored over encoded bytes after the lossless stage, and what it was measured at, of the hidden states
-# per codec and of the ids, mask and top-k (top-64 float32: 517 raw bytes): BENCHMARKS_LOG.md, issue 16,
-# a Qwen3-8B-shaped cache
+# stored over encoded bytes after the lossless stage (and what it was measured at) of the hidden states per
+# codec and of the ids, mask and top-k: BENCHMARKS_LOG.md, issue 16, a Qwen3-8B-shaped cache
 HIDDEN_STAGE_RATIO = {"bf16": (28_159 / 40_960, "bf16"), "fp8": (16_780 / 20_490, "fp8, float16 scales"),
                       "int8": (19_548 / 20_800, "int8, groups of 128, float16 scales"),
                       "int4": (8_907 / 10_560, "int4, groups of 128, float16 scales")}
@@ -47,17 +44,9 @@ class SizeEstimate:
     ratio_measured_at: str
     other_raw: int
 
-    @property
-    def hidden_per_token(self) -> float:
-        return self.hidden_encoded * self.hidden_ratio
-
-    @property
-    def other_per_token(self) -> float:
-        return self.other_raw * SMALL_ARRAYS_RATIO
-
-    @property
-    def per_token(self) -> float:
-        return self.hidden_per_token + self.other_per_token
+    hidden_per_token = property(lambda self: self.hidden_encoded * self.hidden_ratio)
+    other_per_token = property(lambda self: self.other_raw * SMALL_ARRAYS_RATIO)
+    per_token = property(lambda self: self.hidden_per_token + self.other_per_token)
 
     def total(self, tokens: int, samples: int = 0) -> int:
         """Bytes of ``tokens`` tokens in ``samples`` samples (offsets and source rows: 16 bytes a sample)."""
@@ -167,11 +156,10 @@ def count_run(cfg: ExtractConfig, tokenizer, ds, num_shards: int) -> dict[str, A
             skipped.update(plan.skipped)
             sizes = plan.batches[1:] - plan.batches[:-1]
             counts.update(samples=len(plan.source_index), truncated=planned.truncated, tokens=plan.num_tokens,
-                          assistant_tokens=planned.assistant_tokens,
+                          assistant_tokens=int(planned.loss_mask.sum()),
                           padded_tokens=int((sizes * plan.lengths[plan.batches[:-1]]).sum()))
             longest = max(longest, int(plan.lengths.max(initial=0)))
-    keys = ("rows", "shards", "samples", "truncated", "tokens", "assistant_tokens", "padded_tokens")
-    return {**{k: counts[k] for k in keys}, "skipped": dict(sorted(skipped.items())), "longest": longest}
+    return {**counts, "skipped": dict(sorted(skipped.items())), "longest": longest}
 
 
 def plan_run(cfg: ExtractConfig) -> tuple[dict[str, Any], SizeEstimate]:

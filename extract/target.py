@@ -1,12 +1,6 @@
-"""The target model in stage one: per real (non-pad) token of a padded batch, the hidden states
-of the chosen layers and the top-k next-token log-probs. Hidden states are gathered down to the
-real tokens inside forward hooks (never every layer's padded (B, T, D) output); the LM head runs
-in chunks of real tokens, ranking logits in the model's dtype (log_softmax is monotone) minus
-their fp32 log-sum-exp (compiled on CUDA), so no (B, T, vocab) tensor ever exists.
-
-Layer id ``i`` is HF ``hidden_states[i + 1]``; id ``L - 1`` is read from the backbone's output,
-since HF takes its last entry after the final norm.
-"""
+"""The target in stage one: per real token of a padded batch, the chosen layers' hidden states
+(gathered in forward hooks) and the top-k log-probs (the LM head in chunks: no (B, T, vocab)
+tensor). Layer id ``i`` is HF ``hidden_states[i + 1]``; id ``L - 1`` comes after the final norm."""
 
 from __future__ import annotations
 
@@ -14,9 +8,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-
-DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
-
 
 @dataclass
 class TargetOutput:
@@ -33,7 +24,7 @@ def load_target(name_or_path: str, *, dtype: str = "bfloat16", device: str | tor
     from transformers import AutoModelForCausalLM
 
     attention = {"attn_implementation": attn_implementation} if attn_implementation else {}
-    model = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=DTYPES[dtype], revision=revision, **attention)
+    model = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=getattr(torch, dtype), revision=revision, **attention)
     model.to(device).eval()
     model.requires_grad_(False)
     return model
@@ -61,8 +52,7 @@ class TargetRunner:
         if self.layers is None or self.lm_head is None:
             raise ValueError(f"{type(model).__name__}: expected .model.layers and an LM head (a decoder-only HF model)")
         self.num_layers = len(self.layers)
-        bad = [i for i in layer_ids if not 0 <= i < self.num_layers]
-        if bad:
+        if bad := [i for i in layer_ids if not 0 <= i < self.num_layers]:
             raise ValueError(f"layer ids {bad} out of range: the target has {self.num_layers} layers (ids 0..{self.num_layers - 1})")
         vocab = self.lm_head.weight.shape[0]
         if not 1 <= topk <= vocab:
@@ -70,8 +60,7 @@ class TargetRunner:
         self.layer_ids, self.topk, self.lm_head_chunk = list(layer_ids), topk, lm_head_chunk
         self.hidden_size = model.config.hidden_size
         self.device, self.dtype = next(model.parameters()).device, next(model.parameters()).dtype
-        self._gather_index: torch.Tensor | None = None  # set during our forwards only
-        self._out: torch.Tensor | None = None
+        self._gather_index = self._out = None  # set during our forwards only
         self._hooks = [self.layers[i].register_forward_hook(self._hook(slot))
                        for slot, i in enumerate(self.layer_ids) if i != self.num_layers - 1]
         self._logsumexp = logsumexp_fp32
@@ -100,15 +89,9 @@ class TargetRunner:
     def pad_batch(samples: list[torch.Tensor], pad_id: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Right-pad 1-D id tensors: (input_ids (B, T), attention_mask (B, T), gather index (N,)), the
         index listing the real tokens' flat (b * T + t) positions: the token-major order the cache stores."""
-        lengths = [len(s) for s in samples]
-        T = max(lengths)
-        ids = torch.full((len(samples), T), pad_id, dtype=torch.long)
-        mask = torch.zeros((len(samples), T), dtype=torch.long)
-        for b, s in enumerate(samples):
-            ids[b, : len(s)] = s
-            mask[b, : len(s)] = 1
-        index = torch.cat([torch.arange(n, dtype=torch.long) + b * T for b, n in enumerate(lengths)])
-        return ids, mask, index
+        ids = torch.nn.utils.rnn.pad_sequence(samples, batch_first=True, padding_value=pad_id).long()
+        mask = (torch.arange(ids.shape[1]) < torch.tensor([len(s) for s in samples])[:, None]).long()
+        return ids, mask, mask.flatten().nonzero().squeeze(1)
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, gather_index: torch.Tensor) -> TargetOutput:
@@ -143,9 +126,7 @@ def compute_environment(device: torch.device) -> dict[str, Any]:
     level and threads, head backend, library versions); ``ShardWriter`` resumes only under the same."""
     import transformers
 
-    if device.type == "cuda":
-        name = torch.cuda.get_device_name(device)
-    else:
-        name = f"cpu {torch.backends.cpu.get_cpu_capability()} x{torch.get_num_threads()} threads"
+    name = (torch.cuda.get_device_name(device) if device.type == "cuda"
+            else f"cpu {torch.backends.cpu.get_cpu_capability()} x{torch.get_num_threads()} threads")
     return {"device": name, "head": head_backend_for(device) or "eager", "torch": torch.__version__,
             "transformers": transformers.__version__}

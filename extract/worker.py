@@ -1,9 +1,6 @@
-"""One shard of an extraction on one device: lock -> plan -> ShardWriter (the resume point) ->
-forward loop on the main thread -> writer thread. Each batch's outputs are encoded on the device
-and copied to pinned host buffers on a side stream while the next forward runs; the writer thread
-writes them and commits every ``commit_seconds``. The bounded queue keeps host memory at
-``queue_depth`` + 2 batches whatever the disk's speed.
-"""
+"""One shard on one device: lock -> plan -> ShardWriter (the resume point) -> forward loop -> writer
+thread, which writes each batch (encoded on the device, copied to pinned memory on a side stream)
+and commits every ``commit_seconds``; the bounded queue caps host memory at ``queue_depth`` + 2 batches."""
 
 from __future__ import annotations
 
@@ -77,11 +74,9 @@ class WriterThread:
         t = time.perf_counter()
         while True:
             self.check()
-            try:
+            with contextlib.suppress(queue.Full):
                 self.queue.put(item, timeout=0.2)
                 break
-            except queue.Full:
-                pass
         self.seconds["submit_blocked"] += time.perf_counter() - t
 
     def check(self) -> None:
@@ -103,21 +98,17 @@ class WriterThread:
                 t_got = time.perf_counter()
                 self.seconds["writer_idle"] += t_got - t
                 if item[0] == "end":
-                    if item[1] and self.writer.complete:
-                        self.writer.finish()
-                    else:
-                        self.writer.commit()
+                    self.writer.finish() if item[1] and self.writer.complete else self.writer.commit()
                     self.report("commit", **self.writer.committed)
                     return
                 _, batch, event, host, marks = item
                 if event is not None:
                     event.synchronize()  # the device->host copies of this batch have landed
                 if marks is not None:  # recorded before those copies: complete too
-                    start, end = marks
-                    self.gpu["gpu_busy"] += start.elapsed_time(end) / 1000
+                    self.gpu["gpu_busy"] += marks[0].elapsed_time(marks[1]) / 1000
                     if self._last_end is not None:
-                        self.gpu["gpu_gap"] += self._last_end.elapsed_time(start) / 1000
-                    self._last_end = end
+                        self.gpu["gpu_gap"] += self._last_end.elapsed_time(marks[0]) / 1000
+                    self._last_end = marks[1]
                 t0, t1 = self.planned.batch_tokens(batch)
                 s0, s1 = self.writer.batch_samples(batch)
                 stored = {name: to_numpy(t) for name, t in host.items()}  # as the cache stores them
@@ -136,10 +127,10 @@ class WriterThread:
             self.error = e
 
 
-def _mark():
-    """A timing event on the current CUDA stream; blocking: a thread waiting for it sleeps, not spins."""
-    event = torch.cuda.Event(enable_timing=True, blocking=True)
-    event.record()
+def _mark(stream=None, timing: bool = True):
+    """An event recorded on ``stream`` (the current one); blocking: a thread waiting for it sleeps, not spins."""
+    event = torch.cuda.Event(enable_timing=timing, blocking=True)
+    event.record(stream)
     return event
 
 
@@ -160,9 +151,7 @@ def _to_host(out, spec: CacheSpec, device: torch.device, copy_stream=None) -> tu
             host[name] = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
             host[name].copy_(t, non_blocking=True)
             t.record_stream(copy_stream)  # the compute stream reuses t's memory only after the copy
-    event = torch.cuda.Event(blocking=True)  # the writer thread sleeps on it, not spins
-    event.record(copy_stream)
-    return host, event
+    return host, _mark(copy_stream, timing=False)
 
 
 def use_device(task: WorkerTask) -> None:
@@ -199,8 +188,7 @@ def plan_task(task: WorkerTask, tokenizer, ds) -> tuple[PlannedShard, dict[str, 
 
 def take_lock(task: WorkerTask, report, stop) -> ShardLock:
     """The shard's lock, held; ShardLocked naming the holder, or with ``wait_for_lock`` wait for it."""
-    lock = ShardLock(task.cfg.out, task.shard_id)
-    said = None
+    lock, said = ShardLock(task.cfg.out, task.shard_id), None
     while True:
         try:
             previous = lock.acquire()
@@ -221,7 +209,7 @@ def take_lock(task: WorkerTask, report, stop) -> ShardLock:
 
 def extract_shard(task: WorkerTask, planned: PlannedShard, pad_id: int | None, lock: ShardLock, report,
                   stop, timing: dict[str, float], runners: list) -> dict[str, Any]:
-    """Resume one planned, locked shard and extract what is left; returns its final commit record.
+    """Resume one planned, locked shard: the forward loop here, the writer thread behind it; the final commit.
     ``runners`` keeps the loaded target for the next shard (the caller closes it)."""
     cfg, device = task.cfg, torch.device(task.device)
     with zarr.config.set(writer_zarr_settings(cfg.out)):  # the shard's write path; other zarr users keep theirs
@@ -242,51 +230,41 @@ def extract_shard(task: WorkerTask, planned: PlannedShard, pad_id: int | None, l
             runners.append(TargetRunner(model, task.spec.layer_ids, task.spec.topk, cfg.lm_head_chunk,
                                         head_backend_for(device)))  # compiles the head on CUDA
             timing["head_setup_s"] = round(time.perf_counter() - t, 3)
-        return _extract(cfg, planned, writer, device, runners[0], pad_id, report, stop, timing)
-
-
-def _extract(cfg: ExtractConfig, planned: PlannedShard, writer: ShardWriter, device: torch.device,
-             runner: TargetRunner, pad_id: int | None, report, stop, timing: dict[str, float]) -> dict[str, Any]:
-    """The forward loop on this thread, the writer thread behind it; returns the final commit and
-    reports ``timing``: loop wall and CPU seconds, drain (last batch to final commit), the writer's
-    busy/idle split and, on CUDA, the GPU's busy and gap seconds."""
-    offsets = planned.plan.offsets
-    report("started")
-    t_loop, cpu_loop = time.perf_counter(), time.process_time()
-    thread = WriterThread(writer, planned, cfg.queue_depth, cfg.commit_seconds, report)
-    copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
-    marks = None  # (start, end) timing events of the previous batch's forward, on CUDA
-    stopped = False
-    try:
-        for batch in range(writer.next_batch, len(planned.plan.batches) - 1):
-            if stop is not None and stop.is_set():
-                stopped = True
-                break
-            s0, s1 = writer.batch_samples(batch)
-            samples = [torch.from_numpy(planned.input_ids[offsets[s]:offsets[s + 1]]).long() for s in range(s0, s1)]
-            ids, mask, index = TargetRunner.pad_batch(samples, pad_id if pad_id is not None else 0)
-            if device.type == "cuda":
-                ids, mask, index = ids.pin_memory(), mask.pin_memory(), index.pin_memory()
-            if marks is not None:
-                # sleep until the GPU has finished the previous batch: HF's mask code waits for it
-                # inside the forward anyway, and there CUDA spins a core for the whole wait
-                marks[1].synchronize()
-            start = _mark() if copy_stream is not None else None
-            out = runner.forward(ids, mask, index)
-            marks = (start, _mark()) if start is not None else None
-            host, event = _to_host(out, writer.spec, device, copy_stream)
-            del out
-            thread.submit(("batch", batch, event, host, marks))
-            if cfg.batch_delay_s:
-                time.sleep(cfg.batch_delay_s)
-    except BaseException as e:
-        if not isinstance(e, WriterFailed):  # the forward loop failed (e.g. out of memory): commit what is written
-            with contextlib.suppress(WriterFailed):
-                thread.close(finish=False)
-        raise
-    t_drain = time.perf_counter()
-    thread.close(finish=not stopped)
-    t_end = time.perf_counter()
+        offsets = planned.plan.offsets
+        report("started")
+        t_loop, cpu_loop = time.perf_counter(), time.process_time()
+        thread = WriterThread(writer, planned, cfg.queue_depth, cfg.commit_seconds, report)
+        copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        marks, stopped = None, False  # marks: (start, end) timing events of the previous batch's forward, on CUDA
+        try:
+            for batch in range(writer.next_batch, len(planned.plan.batches) - 1):
+                if stopped := stop is not None and stop.is_set():
+                    break
+                s0, s1 = writer.batch_samples(batch)
+                samples = [torch.from_numpy(planned.input_ids[offsets[s]:offsets[s + 1]]).long() for s in range(s0, s1)]
+                ids, mask, index = TargetRunner.pad_batch(samples, pad_id or 0)
+                if copy_stream is not None:
+                    ids, mask, index = ids.pin_memory(), mask.pin_memory(), index.pin_memory()
+                if marks is not None:
+                    # sleep until the GPU has finished the previous batch: HF's mask code waits for it
+                    # inside the forward anyway, and there CUDA spins a core for the whole wait
+                    marks[1].synchronize()
+                start = _mark() if copy_stream is not None else None
+                out = runners[0].forward(ids, mask, index)
+                marks = (start, _mark()) if start is not None else None
+                host, event = _to_host(out, writer.spec, device, copy_stream)
+                del out
+                thread.submit(("batch", batch, event, host, marks))
+                if cfg.batch_delay_s:
+                    time.sleep(cfg.batch_delay_s)
+        except BaseException as e:
+            if not isinstance(e, WriterFailed):  # the forward loop failed (e.g. out of memory): commit what is written
+                with contextlib.suppress(WriterFailed):
+                    thread.close(finish=False)
+            raise
+        t_drain = time.perf_counter()
+        thread.close(finish=not stopped)
+        t_end = time.perf_counter()
     timing.update(loop_s=round(t_end - t_loop, 3), cpu_s=round(time.process_time() - cpu_loop, 3),
                   drain_s=round(t_end - t_drain, 3), **{k: round(v, 3) for k, v in thread.seconds.items()})
     if copy_stream is not None:
