@@ -332,10 +332,18 @@ def _kwargs(tokenizer, settings: GenerationSettings, stop_ids: list[int]) -> dic
     return generation_kwargs(settings, stop_ids, pad)
 
 
+def batch_priority(item: tuple[Chat, int, str, int]) -> tuple[int, int]:
+    """Which ready (chat, turn, prompt, prompt tokens) runs first: the chat with the most turns left, then the
+    longest prompt. A chat's turns run one batch after another, so the deepest chats set how many batches
+    there are; started first, they keep the last batches full (BENCHMARKS.md, "Regeneration on the GPU")."""
+    chat, turn, _, prompt_tokens = item
+    return -sum(m["role"] == "assistant" for m in chat.messages[turn:]), -prompt_tokens
+
+
 def regenerate_conversations(model, tokenizer, chats: list[Chat], settings: GenerationSettings, batch_size: int,
                              skips: SkipCounter, static: StaticDecoder | None = None) -> None:
-    """Regenerate every assistant turn of ``chats`` in place. Ready turns wait in one pool, each batch
-    takes the longest, and a chat's next turn joins as soon as its answer is in: batches stay full."""
+    """Regenerate every assistant turn of ``chats`` in place. Ready turns wait in one pool, each batch takes
+    the first by ``batch_priority``, and a chat's next turn joins as soon as its answer is in."""
     stop_ids = stop_token_ids(model, tokenizer)
     gen_kwargs = _kwargs(tokenizer, settings, stop_ids)
     pool: list[tuple[Chat, int, str, int]] = []  # (chat, turn, prompt, prompt tokens)
@@ -362,7 +370,7 @@ def regenerate_conversations(model, tokenizer, chats: list[Chat], settings: Gene
     for chat in chats:
         ready(chat)
     while pool:
-        pool.sort(key=lambda item: -item[3])  # similar lengths share a batch: less padding
+        pool.sort(key=batch_priority)
         batch, pool[:] = pool[:batch_size], pool[batch_size:]
         outputs = generate_batch(model, tokenizer, [text for _, _, text, _ in batch], gen_kwargs, stop_ids, static)
         for (chat, turn, _, _), (tokens, truncated) in zip(batch, outputs):
