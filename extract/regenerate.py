@@ -150,16 +150,19 @@ class Chat:
 
 def read_journal(path: Path) -> list[dict]:
     """A part's journaled turns (JSON lines); a torn last line (killed mid-write) is cut off the file."""
-    lines = path.read_text(encoding="utf-8").splitlines(keepends=True) if path.exists() else []
+    text = path.read_text(encoding="utf-8") if path.exists() else ""
+    lines = text.split("\n")  # not splitlines(): an answer's JSON string may hold U+2028 and such, unescaped
     events = []
     for number, line in enumerate(lines, 1):
+        if not line:
+            continue
         try:
             events.append(json.loads(line))
         except json.JSONDecodeError as err:
-            if number < len(lines) or line.endswith("\n"):
+            if number < len(lines):
                 raise ValueError(f"{path} line {number} is not JSON ({err}); delete the file to redo "
                                  "that part") from err
-            path.write_text("".join(lines[:-1]), encoding="utf-8")
+            path.write_text(text[: len(text) - len(line)], encoding="utf-8")
     return events
 
 

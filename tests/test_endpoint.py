@@ -186,6 +186,9 @@ def test_journal_drops_a_torn_last_line_and_refuses_a_broken_one(tmp_path):
     path.write_text('{"row": 0, "tu\n{"row": 1, "turn": 1}\n')
     with pytest.raises(ValueError, match="line 1 is not JSON"):
         regen.read_journal(path)
+    answer = {"row": 2, "turn": 1, "message": {"role": "assistant", "content": "one\u2028two\x85three\u2029"}}
+    path.write_text(json.dumps(answer, ensure_ascii=False) + "\n", encoding="utf-8")  # as Part.apply journals
+    assert regen.read_journal(path) == [answer]  # line breaks other than \n are inside a JSON string
 
 
 def test_leading_assistant_messages_are_removed_not_asked(scripted, tmp_path):

