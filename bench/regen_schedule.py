@@ -18,7 +18,7 @@ from dflash.extract.data import SkipCounter, normalize_row
 out, tokenizer, sizes = Path(sys.argv[1]), AutoTokenizer.from_pretrained(sys.argv[2]), map(int, sys.argv[3:])
 settings = regen.GenerationSettings(**json.loads((out / regen.RUN_FILE).read_text())["generation"])
 rows = [json.loads(line) for part in sorted((out / regen.PARTS_DIR).glob("part-*[0-9].jsonl"))
-        for line in part.read_text().splitlines()]
+        for line in part.read_text(encoding="utf-8").split("\n") if line]
 convs = [normalize_row(row, i, str(out)) for i, row in enumerate(rows)]
 answers, askers = {}, {}  # each recorded turn's prompt -> its answer's tokens (None: two answers); -> its chats
 for index, conv in enumerate(convs):
