@@ -15,14 +15,15 @@ hidden states and the CPU cores kept busy. ``--codecs`` runs the worker once per
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import shutil
+import statistics
 import time
 from pathlib import Path
 
 import numpy as np
 import torch
-
 
 
 def build(work: Path, args) -> tuple[Path, Path]:
@@ -60,8 +61,6 @@ def build(work: Path, args) -> tuple[Path, Path]:
 
 def codec_summary(results: list[dict]) -> dict:
     """Per codec: medians over its repeats, and its throughput against the lossless (bf16) runs'."""
-    import statistics
-
     by = {}
     for r in results:
         by.setdefault(r["worker_settings"], []).append(r)
@@ -102,7 +101,7 @@ def main():
         print(json.dumps({"model": str(model_dir), "data": str(data)}), flush=True)
         return
 
-    from transformers import AutoTokenizer
+    from transformers import AutoConfig, AutoTokenizer
 
     from dflash.extract.config import ExtractConfig
     from dflash.extract.data import load_source
@@ -128,7 +127,6 @@ def main():
 
     # ---- 1. forward only, same batches
     model = load_target(str(model_dir), dtype=cfg.dtype, device=args.device)
-    from transformers import AutoConfig
     spec = build_spec(cfg, tok, AutoConfig.from_pretrained(model_dir), ds, 1)
     t = time.perf_counter()
     runner = TargetRunner(model, spec.layer_ids, spec.topk, cfg.lm_head_chunk, head_backend_for(args.device))
@@ -140,15 +138,14 @@ def main():
         samples = [torch.from_numpy(planned.input_ids[off[s]:off[s + 1]]).long() for s in range(s0, s1)]
         batches.append(TargetRunner.pad_batch(samples, tok.pad_token_id or 0))
 
-    def timed(fn, reps=1):
+    def timed(fn):
         fn(batches[0])  # warm-up
         sync()
         t = time.perf_counter()
-        for _ in range(reps):
-            for bt in batches:
-                fn(bt)
+        for bt in batches:
+            fn(bt)
         sync()
-        return (time.perf_counter() - t) / reps
+        return time.perf_counter() - t
 
     with torch.inference_mode():
         refs = args.references.split(",")
@@ -157,13 +154,11 @@ def main():
         t_hf = timed(lambda bt: model(input_ids=bt[0].to(args.device), attention_mask=bt[1].to(args.device),
                                       use_cache=False).logits) if "hf" in refs else float("nan")
     runner.close()
-    del model, runner
+    model = runner = None  # frees the target for the worker (not del: the lambdas above name both)
     if cuda:
         torch.cuda.empty_cache()
 
     # ---- 2. the real worker (the default settings, or one variant per --codecs entry), same batches
-    import dataclasses
-
     hidden_raw = n_tok * len(spec.layer_ids) * spec.hidden_size * 2
     variants = [("default", {})]
     if args.codecs:
