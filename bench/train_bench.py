@@ -84,7 +84,7 @@ def run(kind: str, S: int, args, cfg: DrafterConfig, head: TargetHead) -> dict:
            "block_tok_s": round(block / med), "mfu_vs_790": round(flops / med / 790e12, 3),
            "peak_mem_gb": round(torch.cuda.max_memory_allocated() / 1e9, 2),
            "graphs_at_warmup": warm_graphs, "recompiles_after": recompiles, "warmup_s": round(t_warm, 1)}
-    del cmodel, model, opt, batches
+    cmodel = model = opt = batches = None  # frees their memory before the cache is emptied (not del: step names them)
     torch._dynamo.reset()
     torch.cuda.empty_cache()
     return res
