@@ -55,19 +55,17 @@ def run_once(args, out: Path, name: str, log_dir: Path, old: bool = False) -> di
         at.update({k: round(now, 1) for k, pattern in marks.items() if k not in at and re.search(pattern, line)})
     rc = proc.wait()
     total_s = time.perf_counter() - t0
-    (log_dir / f"log_{name}.txt").write_text("\n".join(lines) + "\n")
     text = "\n".join(lines)
+    (log_dir / f"log_{name}.txt").write_text(text + "\n")
     warm = re.search(r"warm-up compiled (\d+) graphs over (\d+) context buckets in ([\d.]+) s", text)
     cache = re.search(r"inductor graphs (\d+) loaded, (\d+) compiled, (\d+) uncacheable; "
                       r"AOTAutograd (\d+) loaded, (\d+) compiled, (\d+) uncacheable", text)
     buckets = re.search(r"context buckets compiled: (.*)", text)
     first_eval = re.search(r"the first evaluation compiled (\d+) eval graphs .* took ([\d.]+) s", text)
-    rows, evals = [], []
     metrics_file = run_dir / "metrics.jsonl"
-    if metrics_file.exists():
-        records = list(map(json.loads, metrics_file.read_text().splitlines()))
-        rows = [r for r in records if r["kind"] == "train"]
-        evals = [r for r in records if r["kind"] == "eval"]
+    records = list(map(json.loads, metrics_file.read_text().splitlines())) if metrics_file.exists() else []
+    rows = [r for r in records if r["kind"] == "train"]
+    evals = [r for r in records if r["kind"] == "eval"]
     steady = rows[1:]
     return {
         "run": name, "rc": rc, **{f"spawn_to_{k}_s": at.get(k) for k in marks},
