@@ -46,8 +46,6 @@ def main(out: str, rounds: int, threads: int, max_new_tokens: int, clock: str) -
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from dflash.eval import speculative
-    from dflash.eval.speculative import DFlashProposer, check_lossless, greedy_generate, load_drafter, \
-        speculative_generate
     from dflash.eval.toy_tokenizer import IM_END
 
     torch.set_num_threads(threads)
@@ -55,11 +53,11 @@ def main(out: str, rounds: int, threads: int, max_new_tokens: int, clock: str) -
     prompts = heldout_prompts(out)
     target = AutoModelForCausalLM.from_pretrained(out / "target", dtype=torch.float32).eval()
     eos = [AutoTokenizer.from_pretrained(out / "target").convert_tokens_to_ids(IM_END)]
-    drafter, _ = load_drafter(out / "export", dtype=torch.float32)
+    drafter, _ = speculative.load_drafter(out / "export", dtype=torch.float32)
     now = time.perf_counter if clock == "wall" else time.process_time
-    parts = TimedParts(DFlashProposer(drafter, target), speculative, now)
-    greedy_generate(target, prompts[0], 4, eos)  # warm-up
-    speculative_generate(target, parts, prompts[0], 16, eos)
+    parts = TimedParts(speculative.DFlashProposer(drafter, target), speculative, now)
+    speculative.greedy_generate(target, prompts[0], 4, eos)  # warm-up
+    speculative.speculative_generate(target, parts, prompts[0], 16, eos)
     ratios, per_block, per_token, shares = [], [], [], []
     for _ in range(rounds):
         parts.clear()
@@ -67,14 +65,14 @@ def main(out: str, rounds: int, threads: int, max_new_tokens: int, clock: str) -
         tokens = blocks = 0
         for prompt in prompts:
             start = now()
-            greedy = greedy_generate(target, prompt, max_new_tokens, eos)
+            greedy = speculative.greedy_generate(target, prompt, max_new_tokens, eos)
             greedy_s += now() - start
             tokens += len(greedy.tokens)
             start = now()
             with parts.timing():
-                spec = speculative_generate(target, parts, prompt, max_new_tokens, eos)
+                spec = speculative.speculative_generate(target, parts, prompt, max_new_tokens, eos)
             spec_s += now() - start
-            check_lossless(spec.tokens, greedy.tokens, greedy.margins)
+            speculative.check_lossless(spec.tokens, greedy.tokens, greedy.margins)
             blocks += len(spec.block_taus)
         per_token.append(greedy_s / tokens * 1e3)
         step = greedy_s / tokens
