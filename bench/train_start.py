@@ -27,7 +27,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from train_loop import fake_cache, fake_target  # noqa: E402
+from train_loop import add_target_args, fake_cache, fake_target  # noqa: E402
 
 
 def run_once(args, out: Path, name: str, log_dir: Path, old: bool = False) -> dict:
@@ -92,12 +92,7 @@ def main():
     p.add_argument("--results", default=None, help="folder for the logs and results.json (default: --out)")
     p.add_argument("--compile-cache", default=None, help="default: OUT/compile_cache")
     p.add_argument("--runs", default="cold,warm,warm", help="comma list of cold|warm")
-    p.add_argument("--hidden", type=int, default=4096)
-    p.add_argument("--intermediate", type=int, default=12288)
-    p.add_argument("--heads", type=int, default=32)
-    p.add_argument("--kv-heads", type=int, default=8)
-    p.add_argument("--vocab", type=int, default=151936)
-    p.add_argument("--ctx", type=int, default=3072)
+    add_target_args(p)
     p.add_argument("--min-ctx", type=int, default=2900)
     p.add_argument("--buckets", default="1024,2048,3072")
     p.add_argument("--anchors", type=int, default=512)
