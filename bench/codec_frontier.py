@@ -8,11 +8,9 @@ own randomness). ``MODE,topk=bfloat16`` also stores the top-k log-probs at that 
 Per seed, ``OUT/base_sS`` is a whole CPU demo (``python -m dflash.eval.demo --seed S``), built
 once. Per (mode, seed), ``OUT/MODE_sS`` holds the lossy cache made from it by ``dflash-cache
 convert``, the demo's own training, export and evaluation steps on it (settings untouched),
-and ``result.json``: bytes per token of the hidden states and of the whole cache, the relative
-L2 error per layer (``dflash-cache stats``), training's offline estimate, the offline replay on
-the lossy and on the lossless cache (the features online decoding sees), online acceptance
-and speed. Every job runs pinned to one core with one thread, ``--jobs`` at once. Writes
-``OUT/frontier.json`` and prints a markdown table (the mean and each seed's value).
+and ``result.json`` (``run_mode``'s row; the replay on the lossless cache gives the features
+online decoding sees). Every job runs pinned to one core with one thread, ``--jobs`` at once.
+Writes ``OUT/frontier.json`` and prints a markdown table (the mean and each seed's value).
 """
 
 from __future__ import annotations
@@ -59,7 +57,6 @@ def parse_mode(text: str) -> dict:
 
 
 def sizes(cache: Path, tokens: int, raw_hidden: int) -> dict:
-    """Bytes per token of the hidden arrays and of the whole cache on disk, and each over raw bf16."""
     hidden = sum(f.stat().st_size for f in (cache / "shards").glob("*/hidden*/**/*") if f.is_file())
     whole = sum(f.stat().st_size for f in cache.rglob("*") if f.is_file())
     return {"hidden_bytes_per_token": hidden / tokens, "hidden_of_raw_bf16": hidden / raw_hidden,

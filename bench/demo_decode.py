@@ -90,8 +90,7 @@ def main(out: str, rounds: int, threads: int, max_new_tokens: int, clock: str) -
 
 
 class TimedParts:
-    """A proposer wrapper that also times the target forwards of ``speculative`` (prefill and
-    verify apart) and its own proposals; the rest of a decode is the loop."""
+    """A proposer that also times ``speculative``'s target forwards (prefill, verify) and its own proposals."""
 
     def __init__(self, proposer, speculative, now):
         self.proposer, self.block_size, self.now = proposer, proposer.block_size, now
@@ -127,7 +126,6 @@ class TimedParts:
         return drafts
 
     def seconds(self, total: float) -> dict[str, float]:
-        """Each part's seconds since ``clear``, and the loop's: ``total`` less the parts."""
         return {**self._times, "loop": total - sum(self._times.values())}
 
 

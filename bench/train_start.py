@@ -5,9 +5,7 @@ so every start checks it) and a random cache (``bench/train_loop.py``), then run
 run`` as one process per entry of ``--runs``: ``cold`` empties the compile cache folder first,
 ``warm`` keeps what the runs before left; ``old-cold`` / ``old-warm`` run the ``dflash`` package
 found at ``--old-path`` (put first on PYTHONPATH) on the same cache and folder: before and after
-in one call. Per process: seconds from spawn to the log lines of the start's phases and of step
-1, the warm-up's seconds and graphs, the compile cache's hits, every step's loss and compile
-count, the first evaluation (``--eval-every``), and the median step time after the first.
+in one call. Per process, the figures ``run_once`` reads from its log lines and metrics.jsonl.
 
     python bench/train_start.py --out /tmp/ts --runs cold,old-warm,warm --steps 3 --samples 6 --eval-every 2 \
         --old-path /tmp/old_ns
