@@ -31,8 +31,7 @@ LOSSLESS = "bf16"
 
 
 def parse_mode(text: str) -> dict:
-    """``fp8`` | ``int8:G`` | ``int4:G`` | ``bf16:K``, optionally ``,topk=DTYPE`` ->
-    {"mode", "group_size", "name", "seed_offset", "topk_dtype", "spec"}."""
+    """``fp8`` | ``int8:G`` | ``int4:G`` | ``bf16:K``, optionally ``,topk=DTYPE``, as the dict a job runs from."""
     codec, *extras = text.split(",")
     topk = None
     for extra in extras:
@@ -173,13 +172,12 @@ def run_jobs(jobs: list[list[str]], out: Path, cores: list[int]) -> None:
 def summarise(rows: list[dict]) -> list[str]:
     """Markdown table: one line per mode, the mean over seeds and each seed's value."""
     by_mode: dict[str, list[dict]] = {}
-    for r in rows:
-        by_mode.setdefault(r["mode"], []).append(r)
-    base = {r["seed"]: r for r in by_mode.get(LOSSLESS, [])}
     lossless_runs: dict[int, list[float]] = {}  # the demo's drafter and the reseeded controls, per data seed
     for r in rows:
+        by_mode.setdefault(r["mode"], []).append(r)
         if r["path"] in ("demo", "control"):
             lossless_runs.setdefault(r["seed"], []).append(r["acceptance_online"])
+    base = {r["seed"]: r for r in by_mode.get(LOSSLESS, [])}
     lossless_mean = np.mean([np.mean(v) for v in lossless_runs.values()]) if lossless_runs else float("nan")
     each = lambda rs, key, fmt: " / ".join(fmt.format(r[key]) for r in rs)  # noqa: E731
     mean = lambda rs, key: np.mean([r[key] for r in rs])  # noqa: E731

@@ -174,8 +174,7 @@ def main():
 
         def report(kind, **f):
             if kind == "started":
-                events["start"] = time.perf_counter()
-                events["cpu0"] = time.process_time()
+                events.update(start=time.perf_counter(), cpu0=time.process_time())
             elif kind == "timing":
                 events["timing"] = f
 

@@ -10,7 +10,6 @@ import json
 import os
 import sys
 
-
 ORDER = ("tokenizer_and_config", "dataset_load", "fingerprint", "cache_root", "planning", "writer_start",
          "forward_loop", "drain_and_exit", "summary")
 """Rank 0's phases in the order they follow each other (the summary JSON sorts its keys)."""
