@@ -13,8 +13,6 @@ online decoding sees). Every job runs pinned to one core with one thread, ``--jo
 Writes ``OUT/frontier.json`` and prints a markdown table (the mean and each seed's value).
 """
 
-from __future__ import annotations
-
 import argparse
 import json
 import os

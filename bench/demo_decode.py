@@ -7,8 +7,6 @@ this process's CPU time (leaves out waiting for a core on a shared machine).
     python bench/demo_decode.py --out demo_out [--rounds 3] [--threads 1] [--clock cpu]
 """
 
-from __future__ import annotations
-
 import contextlib
 import json
 import statistics

@@ -12,8 +12,6 @@ hidden states and the CPU cores kept busy. ``--codecs`` runs the worker once per
     python bench/extract_bench.py --samples 100 --length 2048 --repeat 2 --codecs bf16,fp8,int8,int4 --references runner
 """
 
-from __future__ import annotations
-
 import argparse
 import dataclasses
 import json

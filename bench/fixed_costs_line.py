@@ -4,8 +4,6 @@ before the first batch and after the last, from the run's summary JSON and the s
     T0=... T1=... RUN=1 LABEL=after BYTECODE=none python bench/fixed_costs_line.py SUMMARY_JSON
 """
 
-from __future__ import annotations
-
 import json
 import os
 import sys

@@ -8,8 +8,6 @@ room it meets, the second is timed). Every assistant turn of a row is answered.
         --batch-size 512 --max-new-tokens 256 --max-prompt-tokens 1024 [--json out.json]
 """
 
-from __future__ import annotations
-
 import argparse
 import json
 import time

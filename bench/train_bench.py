@@ -10,8 +10,6 @@ peak; ``--peak`` measures the device's), peak memory, and the compiles after war
     python bench/train_bench.py --ctx 2048,4096,8192,16384 --attention flex --steps 2
 """
 
-from __future__ import annotations
-
 import argparse
 import json
 import statistics

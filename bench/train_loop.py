@@ -11,8 +11,6 @@ in the workers and on the GPU (the copy and decode timed apart; CPU = GPU decode
         --loader-only 0.161 --hidden-codecs bf16,fp8,int8,int4
 """
 
-from __future__ import annotations
-
 import argparse
 import json
 import logging

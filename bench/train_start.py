@@ -11,8 +11,6 @@ in one call. Per process, the figures ``run_once`` reads from its log lines and 
         --old-path /tmp/old_ns
 """
 
-from __future__ import annotations
-
 import argparse
 import json
 import os
