@@ -168,7 +168,6 @@ def run_jobs(jobs: list[list[str]], out: Path, cores: list[int]) -> None:
 
 
 def summarise(rows: list[dict]) -> list[str]:
-    """Markdown table: one line per mode, the mean over seeds and each seed's value."""
     by_mode: dict[str, list[dict]] = {}
     lossless_runs: dict[int, list[float]] = {}  # the demo's drafter and the reseeded controls, per data seed
     for r in rows:

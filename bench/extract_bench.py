@@ -4,8 +4,7 @@ Builds a Qwen3-8B-shaped target with random weights (bf16) and `--samples` text 
 exactly `--length` tokens, then on one GPU: (1) the planned batches through ``TargetRunner``
 (forward + capture + top-k: the reference of every ratio) and HF's causal-LM forward,
 nothing copied or written; (2) ``run_shard``, the real worker, from the first batch to the
-last commit. Reports tokens/s, the ratios, bytes on disk per token against raw bf16 of the
-hidden states and the CPU cores kept busy. ``--codecs`` runs the worker once per hidden codec
+last commit, a JSON line per run. ``--codecs`` runs the worker once per hidden codec
 (interleaved, ``--repeat`` times), then each codec's medians and its rate against bf16's.
 
     python bench/extract_bench.py --samples 400 --length 2048 --batch-tokens 8192 --references runner --repeat 3

@@ -2,9 +2,8 @@
 
 Synthetic batches of the loader's shape (one sequence of `--ctx` context tokens, `--anchors`
 blocks of B=16, 5 target layers of D=4096), the real step code (train/step.py), fp32 master
-weights + bf16 autocast, fused AdamW. Per attention backend and context length: median step,
-block tokens/s, MFU (train/metrics.step_flops over 790 TFLOP/s, the H200's measured bf16 matmul
-peak; ``--peak`` measures the device's), peak memory, and the compiles after warm-up.
+weights + bf16 autocast, fused AdamW. MFU: train/metrics.step_flops over 790 TFLOP/s, the H200's
+measured bf16 matmul peak (``--peak`` measures the device's).
 
     python bench/train_bench.py --ctx 3072 --attention flex,dense --steps 6
     python bench/train_bench.py --ctx 2048,4096,8192,16384 --attention flex --steps 2

@@ -115,7 +115,6 @@ def loader_rate(cfg, workers: int, n_batches: int, decode_on_device: bool = Fals
 
 
 def decode_cpu_equals_cuda(cache: str) -> bool | None:
-    """One sample's hidden states decoded on the CPU and on the GPU: bitwise equal?"""
     from dflash.shared.cache import HIDDEN_SCALE, CacheReader, decode_hidden
 
     reader = CacheReader(cache)
