@@ -8,14 +8,10 @@ own randomness). ``MODE,topk=bfloat16`` also stores the top-k log-probs at that 
 Per seed, ``OUT/base_sS`` is a whole CPU demo (``python -m dflash.eval.demo --seed S``), built
 once. Per (mode, seed), ``OUT/MODE_sS`` holds the lossy cache made from it by ``dflash-cache
 convert``, the demo's own training, export and evaluation steps on it (settings untouched),
-and ``result.json``: bytes per token of the hidden states and of the whole cache, the relative
-L2 error per layer (``dflash-cache stats``), training's offline estimate, the offline replay on
-the lossy and on the lossless cache (the features online decoding sees), online acceptance
-and speed. Every job runs pinned to one core with one thread, ``--jobs`` at once. Writes
-``OUT/frontier.json`` and prints a markdown table (the mean and each seed's value).
+and ``result.json`` (``run_mode``'s row; the replay on the lossless cache gives the features
+online decoding sees). Every job runs pinned to one core with one thread, ``--jobs`` at once.
+Writes ``OUT/frontier.json`` and prints a markdown table (the mean and each seed's value).
 """
-
-from __future__ import annotations
 
 import argparse
 import json
@@ -33,8 +29,7 @@ LOSSLESS = "bf16"
 
 
 def parse_mode(text: str) -> dict:
-    """``fp8`` | ``int8:G`` | ``int4:G`` | ``bf16:K``, optionally ``,topk=DTYPE`` ->
-    {"mode", "group_size", "name", "seed_offset", "topk_dtype", "spec"}."""
+    """``fp8`` | ``int8:G`` | ``int4:G`` | ``bf16:K``, optionally ``,topk=DTYPE``, as the dict a job runs from."""
     codec, *extras = text.split(",")
     topk = None
     for extra in extras:
@@ -58,14 +53,7 @@ def parse_mode(text: str) -> dict:
     return {**base, "group_size": int(group), "name": f"{mode}g{group}{suffix}"}
 
 
-def reader(cache: Path):
-    from dflash.shared.cache import CacheReader
-
-    return CacheReader(str(cache))
-
-
 def sizes(cache: Path, tokens: int, raw_hidden: int) -> dict:
-    """Bytes per token of the hidden arrays and of the whole cache on disk, and each over raw bf16."""
     hidden = sum(f.stat().st_size for f in (cache / "shards").glob("*/hidden*/**/*") if f.is_file())
     whole = sum(f.stat().st_size for f in cache.rglob("*") if f.is_file())
     return {"hidden_bytes_per_token": hidden / tokens, "hidden_of_raw_bf16": hidden / raw_hidden,
@@ -73,8 +61,7 @@ def sizes(cache: Path, tokens: int, raw_hidden: int) -> dict:
 
 
 def convert_lossy_cache(lossless: Path, out: Path, mode: dict) -> list[float]:
-    """``dflash-cache convert``; returns the relative L2 error per layer that ``dflash-cache
-    stats`` reports for the converted cache over all its samples."""
+    """``dflash-cache convert``, then ``dflash-cache stats``' relative L2 error per layer over all samples."""
     cli = [sys.executable, "-m", "dflash.shared.cache_cli"]
     cmd = cli + ["convert", str(lossless), str(out), "--hidden-codec", mode["mode"], "--no-progress"]
     if mode["group_size"]:
@@ -91,6 +78,7 @@ def run_mode(base: Path, out: Path, mode: dict, seed: int) -> dict:
     """The lossy cache, then the demo's train + eval steps on it; writes OUT/result.json."""
     from dflash.eval import demo
     from dflash.eval.replay_eval import replay_export
+    from dflash.shared.cache import CacheReader
 
     s = demo.DemoSettings.full(seed)
     lossless = base / "cache.zarr"
@@ -120,7 +108,7 @@ def run_mode(base: Path, out: Path, mode: dict, seed: int) -> dict:
     result = demo.step_eval(out, s, base / "regen", cache, target, echo)
     replay_lossless = replay_export(lossless, demo.heldout_samples(lossless, s), out / "export", target,
                                     max_length=s.max_length, max_new_tokens=s.max_new_tokens)["tau"]
-    r = reader(lossless)
+    r = CacheReader(str(lossless))
     raw_hidden = r.num_tokens * len(s.layer_ids) * r.spec.hidden_size * 2
     o = result["overall"]
     row = {
@@ -141,10 +129,11 @@ def run_mode(base: Path, out: Path, mode: dict, seed: int) -> dict:
 def base_row(base: Path, seed: int) -> dict:
     """The lossless demo's own figures, in the same row format."""
     from dflash.eval import demo
+    from dflash.shared.cache import CacheReader
 
     summary = json.loads((base / "summary.json").read_text())
     lossless = base / "cache.zarr"
-    r, n_layers = reader(lossless), len(demo.DemoSettings.full(seed).layer_ids)
+    r, n_layers = CacheReader(str(lossless)), len(demo.DemoSettings.full(seed).layer_ids)
     return {"mode": LOSSLESS, "seed": seed, "path": "demo", "tokens": r.num_tokens,
             **sizes(lossless, r.num_tokens, r.num_tokens * n_layers * r.spec.hidden_size * 2),
             "rel_l2_per_layer": [0.0] * n_layers,
@@ -157,8 +146,7 @@ def base_row(base: Path, seed: int) -> dict:
 
 
 def run_jobs(jobs: list[list[str]], out: Path, cores: list[int]) -> None:
-    """Run ``jobs`` (each [name, *command]) as processes, each pinned to a free core of ``cores``
-    with one thread, as many at once as there are cores; a failed job is reported, not raised."""
+    """Each job ([name, *command]) a process on a free core of ``cores``, one thread; a failure is reported."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
     free = queue.Queue()
     for core in cores:
@@ -180,15 +168,13 @@ def run_jobs(jobs: list[list[str]], out: Path, cores: list[int]) -> None:
 
 
 def summarise(rows: list[dict]) -> list[str]:
-    """Markdown table: one line per mode, the mean over seeds and each seed's value."""
     by_mode: dict[str, list[dict]] = {}
-    for r in rows:
-        by_mode.setdefault(r["mode"], []).append(r)
-    base = {r["seed"]: r for r in by_mode.get(LOSSLESS, [])}
     lossless_runs: dict[int, list[float]] = {}  # the demo's drafter and the reseeded controls, per data seed
     for r in rows:
+        by_mode.setdefault(r["mode"], []).append(r)
         if r["path"] in ("demo", "control"):
             lossless_runs.setdefault(r["seed"], []).append(r["acceptance_online"])
+    base = {r["seed"]: r for r in by_mode.get(LOSSLESS, [])}
     lossless_mean = np.mean([np.mean(v) for v in lossless_runs.values()]) if lossless_runs else float("nan")
     each = lambda rs, key, fmt: " / ".join(fmt.format(r[key]) for r in rs)  # noqa: E731
     mean = lambda rs, key: np.mean([r[key] for r in rs])  # noqa: E731

@@ -84,11 +84,10 @@ def main() -> None:
             with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
                 generate(a.new)
             print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=12, max_name_column_width=70))
-    if len(tokens) > 1:
-        first, *rest = tokens.values()
-        for name, other in zip(list(tokens)[1:], rest):
-            same = (other == first).all(dim=1).float().mean().item()
-            print(f"{name}: rows equal to {list(tokens)[0]}'s tokens: {same:.3f}")
+    first, *others = tokens
+    for name in others:
+        same = (tokens[name] == tokens[first]).all(dim=1).float().mean().item()
+        print(f"{name}: rows equal to {first}'s tokens: {same:.3f}")
 
 
 if __name__ == "__main__":

@@ -7,8 +7,6 @@ this process's CPU time (leaves out waiting for a core on a shared machine).
     python bench/demo_decode.py --out demo_out [--rounds 3] [--threads 1] [--clock cpu]
 """
 
-from __future__ import annotations
-
 import contextlib
 import json
 import statistics
@@ -46,8 +44,6 @@ def main(out: str, rounds: int, threads: int, max_new_tokens: int, clock: str) -
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from dflash.eval import speculative
-    from dflash.eval.speculative import DFlashProposer, check_lossless, greedy_generate, load_drafter, \
-        speculative_generate
     from dflash.eval.toy_tokenizer import IM_END
 
     torch.set_num_threads(threads)
@@ -55,11 +51,11 @@ def main(out: str, rounds: int, threads: int, max_new_tokens: int, clock: str) -
     prompts = heldout_prompts(out)
     target = AutoModelForCausalLM.from_pretrained(out / "target", dtype=torch.float32).eval()
     eos = [AutoTokenizer.from_pretrained(out / "target").convert_tokens_to_ids(IM_END)]
-    drafter, _ = load_drafter(out / "export", dtype=torch.float32)
+    drafter, _ = speculative.load_drafter(out / "export", dtype=torch.float32)
     now = time.perf_counter if clock == "wall" else time.process_time
-    parts = TimedParts(DFlashProposer(drafter, target), speculative, now)
-    greedy_generate(target, prompts[0], 4, eos)  # warm-up
-    speculative_generate(target, parts, prompts[0], 16, eos)
+    parts = TimedParts(speculative.DFlashProposer(drafter, target), speculative, now)
+    speculative.greedy_generate(target, prompts[0], 4, eos)  # warm-up
+    speculative.speculative_generate(target, parts, prompts[0], 16, eos)
     ratios, per_block, per_token, shares = [], [], [], []
     for _ in range(rounds):
         parts.clear()
@@ -67,14 +63,14 @@ def main(out: str, rounds: int, threads: int, max_new_tokens: int, clock: str) -
         tokens = blocks = 0
         for prompt in prompts:
             start = now()
-            greedy = greedy_generate(target, prompt, max_new_tokens, eos)
+            greedy = speculative.greedy_generate(target, prompt, max_new_tokens, eos)
             greedy_s += now() - start
             tokens += len(greedy.tokens)
             start = now()
             with parts.timing():
-                spec = speculative_generate(target, parts, prompt, max_new_tokens, eos)
+                spec = speculative.speculative_generate(target, parts, prompt, max_new_tokens, eos)
             spec_s += now() - start
-            check_lossless(spec.tokens, greedy.tokens, greedy.margins)
+            speculative.check_lossless(spec.tokens, greedy.tokens, greedy.margins)
             blocks += len(spec.block_taus)
         per_token.append(greedy_s / tokens * 1e3)
         step = greedy_s / tokens
@@ -92,8 +88,7 @@ def main(out: str, rounds: int, threads: int, max_new_tokens: int, clock: str) -
 
 
 class TimedParts:
-    """A proposer wrapper that also times the target forwards of ``speculative`` (prefill and
-    verify apart) and its own proposals; the rest of a decode is the loop."""
+    """A proposer that also times ``speculative``'s target forwards (prefill, verify) and its own proposals."""
 
     def __init__(self, proposer, speculative, now):
         self.proposer, self.block_size, self.now = proposer, proposer.block_size, now
@@ -129,7 +124,6 @@ class TimedParts:
         return drafts
 
     def seconds(self, total: float) -> dict[str, float]:
-        """Each part's seconds since ``clear``, and the loop's: ``total`` less the parts."""
         return {**self._times, "loop": total - sum(self._times.values())}
 
 

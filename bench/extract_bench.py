@@ -4,25 +4,23 @@ Builds a Qwen3-8B-shaped target with random weights (bf16) and `--samples` text 
 exactly `--length` tokens, then on one GPU: (1) the planned batches through ``TargetRunner``
 (forward + capture + top-k: the reference of every ratio) and HF's causal-LM forward,
 nothing copied or written; (2) ``run_shard``, the real worker, from the first batch to the
-last commit. Reports tokens/s, the ratios, bytes on disk per token against raw bf16 of the
-hidden states and the CPU cores kept busy. ``--codecs`` runs the worker once per hidden codec
+last commit, a JSON line per run. ``--codecs`` runs the worker once per hidden codec
 (interleaved, ``--repeat`` times), then each codec's medians and its rate against bf16's.
 
     python bench/extract_bench.py --samples 400 --length 2048 --batch-tokens 8192 --references runner --repeat 3
     python bench/extract_bench.py --samples 100 --length 2048 --repeat 2 --codecs bf16,fp8,int8,int4 --references runner
 """
 
-from __future__ import annotations
-
 import argparse
+import dataclasses
 import json
 import shutil
+import statistics
 import time
 from pathlib import Path
 
 import numpy as np
 import torch
-
 
 
 def build(work: Path, args) -> tuple[Path, Path]:
@@ -60,8 +58,6 @@ def build(work: Path, args) -> tuple[Path, Path]:
 
 def codec_summary(results: list[dict]) -> dict:
     """Per codec: medians over its repeats, and its throughput against the lossless (bf16) runs'."""
-    import statistics
-
     by = {}
     for r in results:
         by.setdefault(r["worker_settings"], []).append(r)
@@ -102,7 +98,7 @@ def main():
         print(json.dumps({"model": str(model_dir), "data": str(data)}), flush=True)
         return
 
-    from transformers import AutoTokenizer
+    from transformers import AutoConfig, AutoTokenizer
 
     from dflash.extract.config import ExtractConfig
     from dflash.extract.data import load_source
@@ -128,7 +124,6 @@ def main():
 
     # ---- 1. forward only, same batches
     model = load_target(str(model_dir), dtype=cfg.dtype, device=args.device)
-    from transformers import AutoConfig
     spec = build_spec(cfg, tok, AutoConfig.from_pretrained(model_dir), ds, 1)
     t = time.perf_counter()
     runner = TargetRunner(model, spec.layer_ids, spec.topk, cfg.lm_head_chunk, head_backend_for(args.device))
@@ -140,15 +135,14 @@ def main():
         samples = [torch.from_numpy(planned.input_ids[off[s]:off[s + 1]]).long() for s in range(s0, s1)]
         batches.append(TargetRunner.pad_batch(samples, tok.pad_token_id or 0))
 
-    def timed(fn, reps=1):
+    def timed(fn):
         fn(batches[0])  # warm-up
         sync()
         t = time.perf_counter()
-        for _ in range(reps):
-            for bt in batches:
-                fn(bt)
+        for bt in batches:
+            fn(bt)
         sync()
-        return (time.perf_counter() - t) / reps
+        return time.perf_counter() - t
 
     with torch.inference_mode():
         refs = args.references.split(",")
@@ -157,13 +151,11 @@ def main():
         t_hf = timed(lambda bt: model(input_ids=bt[0].to(args.device), attention_mask=bt[1].to(args.device),
                                       use_cache=False).logits) if "hf" in refs else float("nan")
     runner.close()
-    del model, runner
+    model = runner = None  # frees the target for the worker (not del: the lambdas above name both)
     if cuda:
         torch.cuda.empty_cache()
 
     # ---- 2. the real worker (the default settings, or one variant per --codecs entry), same batches
-    import dataclasses
-
     hidden_raw = n_tok * len(spec.layer_ids) * spec.hidden_size * 2
     variants = [("default", {})]
     if args.codecs:
@@ -179,8 +171,7 @@ def main():
 
         def report(kind, **f):
             if kind == "started":
-                events["start"] = time.perf_counter()
-                events["cpu0"] = time.process_time()
+                events.update(start=time.perf_counter(), cpu0=time.process_time())
             elif kind == "timing":
                 events["timing"] = f
 

@@ -4,12 +4,9 @@ before the first batch and after the last, from the run's summary JSON and the s
     T0=... T1=... RUN=1 LABEL=after BYTECODE=none python bench/fixed_costs_line.py SUMMARY_JSON
 """
 
-from __future__ import annotations
-
 import json
 import os
 import sys
-
 
 ORDER = ("tokenizer_and_config", "dataset_load", "fingerprint", "cache_root", "planning", "writer_start",
          "forward_loop", "drain_and_exit", "summary")

@@ -6,8 +6,6 @@ time per --codecs entry. No model is loaded, nothing is written to --out.
     python bench/plan_bench.py --records 3000 --codecs bf16,int4
 """
 
-from __future__ import annotations
-
 import argparse
 import importlib.util
 import json

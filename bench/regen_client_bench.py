@@ -4,8 +4,6 @@ every chat completion at once (after an optional delay standing in for the engin
     python bench/regen_client_bench.py --conversations 2000 --concurrency 32 [--delay-ms 0]
 """
 
-from __future__ import annotations
-
 import json
 import tempfile
 import threading

@@ -8,8 +8,6 @@ room it meets, the second is timed). Every assistant turn of a row is answered.
         --batch-size 512 --max-new-tokens 256 --max-prompt-tokens 1024 [--json out.json]
 """
 
-from __future__ import annotations
-
 import argparse
 import json
 import time
@@ -58,9 +56,8 @@ def main() -> None:
         print(json.dumps(stats), flush=True)
         return out, stats
 
-    results = []
     plain_rows, plain = run(args.plain_rows, args.batch_size[0], None)
-    results.append({**plain, "label": "plain"})
+    results = [{**plain, "label": "plain"}]
     for batch_size in args.batch_size:
         decoder = StaticDecoder(model, batch_size, settings.max_new_tokens, settings.max_prompt_tokens)
         # Warm-up (compile + graph capture of every room these rows need), reported apart.

@@ -2,15 +2,12 @@
 
 Synthetic batches of the loader's shape (one sequence of `--ctx` context tokens, `--anchors`
 blocks of B=16, 5 target layers of D=4096), the real step code (train/step.py), fp32 master
-weights + bf16 autocast, fused AdamW. Per attention backend and context length: median step,
-block tokens/s, MFU (train/metrics.step_flops over 790 TFLOP/s, the H200's measured bf16 matmul
-peak; ``--peak`` measures the device's), peak memory, and the compiles after warm-up.
+weights + bf16 autocast, fused AdamW. MFU: train/metrics.step_flops over 790 TFLOP/s, the H200's
+measured bf16 matmul peak (``--peak`` measures the device's).
 
     python bench/train_bench.py --ctx 3072 --attention flex,dense --steps 6
     python bench/train_bench.py --ctx 2048,4096,8192,16384 --attention flex --steps 2
 """
-
-from __future__ import annotations
 
 import argparse
 import json
@@ -84,7 +81,7 @@ def run(kind: str, S: int, args, cfg: DrafterConfig, head: TargetHead) -> dict:
            "block_tok_s": round(block / med), "mfu_vs_790": round(flops / med / 790e12, 3),
            "peak_mem_gb": round(torch.cuda.max_memory_allocated() / 1e9, 2),
            "graphs_at_warmup": warm_graphs, "recompiles_after": recompiles, "warmup_s": round(t_warm, 1)}
-    del cmodel, model, opt, batches
+    cmodel = model = opt = batches = None  # frees their memory before the cache is emptied (not del: step names them)
     torch._dynamo.reset()
     torch.cuda.empty_cache()
     return res

@@ -11,8 +11,6 @@ in the workers and on the GPU (the copy and decode timed apart; CPU = GPU decode
         --loader-only 0.161 --hidden-codecs bf16,fp8,int8,int4
 """
 
-from __future__ import annotations
-
 import argparse
 import json
 import logging
@@ -23,6 +21,13 @@ from pathlib import Path
 
 import numpy as np
 import torch
+
+
+def add_target_args(p: argparse.ArgumentParser) -> None:
+    """The fake target's shape flags (Qwen3-8B's by default) and --ctx, shared with train_start.py."""
+    for flag, default in (("--hidden", 4096), ("--intermediate", 12288), ("--heads", 32), ("--kv-heads", 8),
+                          ("--vocab", 151936), ("--ctx", 3072)):
+        p.add_argument(flag, type=int, default=default)
 
 
 def fake_target(path: Path, hidden: int, layers: int, vocab: int, intermediate: int, heads: int, kv_heads: int):
@@ -68,9 +73,8 @@ def cpu_seconds(who) -> float:
 
 
 def loader_rate(cfg, workers: int, n_batches: int, decode_on_device: bool = False) -> dict:
-    """Micro-batches/s of the training DataLoader alone, and the CPU cores it kept busy; with
-    ``decode_on_device`` (a lossy cache) the batches hold payload + scales, and the copy to the
-    GPU with its decode is timed apart (``device_decode_ms``, per micro-batch, synchronised)."""
+    """Micro-batches/s of the training DataLoader alone, the CPU cores it kept busy, and ``to_device_ms``: a
+    micro-batch's copy to the GPU (with ``decode_on_device``, a lossy cache's payload + scales, and its decode)."""
     from dflash.shared.cache import CacheReader
     from dflash.train.data import AnchorDataset, GlobalBatchSampler, Split, make_loader
     from dflash.train.step import to_device
@@ -111,7 +115,6 @@ def loader_rate(cfg, workers: int, n_batches: int, decode_on_device: bool = Fals
 
 
 def decode_cpu_equals_cuda(cache: str) -> bool | None:
-    """One sample's hidden states decoded on the CPU and on the GPU: bitwise equal?"""
     from dflash.shared.cache import HIDDEN_SCALE, CacheReader, decode_hidden
 
     reader = CacheReader(cache)
@@ -126,12 +129,7 @@ def decode_cpu_equals_cuda(cache: str) -> bool | None:
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--out", default="/tmp/dflash_bench")
-    p.add_argument("--hidden", type=int, default=4096)
-    p.add_argument("--intermediate", type=int, default=12288)
-    p.add_argument("--heads", type=int, default=32)
-    p.add_argument("--kv-heads", type=int, default=8)
-    p.add_argument("--vocab", type=int, default=151936)
-    p.add_argument("--ctx", type=int, default=3072)
+    add_target_args(p)
     p.add_argument("--min-ctx", type=int, default=None, help="variable lengths in [min-ctx, ctx]")
     p.add_argument("--loader-workers", default="4", help="e.g. 1,2,4: a timing per number of workers")
     p.add_argument("--loader-only", type=float, required=True, metavar="STEP_S",

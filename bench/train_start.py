@@ -5,15 +5,11 @@ so every start checks it) and a random cache (``bench/train_loop.py``), then run
 run`` as one process per entry of ``--runs``: ``cold`` empties the compile cache folder first,
 ``warm`` keeps what the runs before left; ``old-cold`` / ``old-warm`` run the ``dflash`` package
 found at ``--old-path`` (put first on PYTHONPATH) on the same cache and folder: before and after
-in one call. Per process: seconds from spawn to the log lines of the start's phases and of step
-1, the warm-up's seconds and graphs, the compile cache's hits, every step's loss and compile
-count, the first evaluation (``--eval-every``), and the median step time after the first.
+in one call. Per process, the figures ``run_once`` reads from its log lines and metrics.jsonl.
 
     python bench/train_start.py --out /tmp/ts --runs cold,old-warm,warm --steps 3 --samples 6 --eval-every 2 \
         --old-path /tmp/old_ns
 """
-
-from __future__ import annotations
 
 import argparse
 import json
@@ -27,7 +23,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from train_loop import fake_cache, fake_target  # noqa: E402
+from train_loop import add_target_args, fake_cache, fake_target  # noqa: E402
 
 
 def run_once(args, out: Path, name: str, log_dir: Path, old: bool = False) -> dict:
@@ -55,19 +51,17 @@ def run_once(args, out: Path, name: str, log_dir: Path, old: bool = False) -> di
         at.update({k: round(now, 1) for k, pattern in marks.items() if k not in at and re.search(pattern, line)})
     rc = proc.wait()
     total_s = time.perf_counter() - t0
-    (log_dir / f"log_{name}.txt").write_text("\n".join(lines) + "\n")
     text = "\n".join(lines)
+    (log_dir / f"log_{name}.txt").write_text(text + "\n")
     warm = re.search(r"warm-up compiled (\d+) graphs over (\d+) context buckets in ([\d.]+) s", text)
     cache = re.search(r"inductor graphs (\d+) loaded, (\d+) compiled, (\d+) uncacheable; "
                       r"AOTAutograd (\d+) loaded, (\d+) compiled, (\d+) uncacheable", text)
     buckets = re.search(r"context buckets compiled: (.*)", text)
     first_eval = re.search(r"the first evaluation compiled (\d+) eval graphs .* took ([\d.]+) s", text)
-    rows, evals = [], []
     metrics_file = run_dir / "metrics.jsonl"
-    if metrics_file.exists():
-        records = list(map(json.loads, metrics_file.read_text().splitlines()))
-        rows = [r for r in records if r["kind"] == "train"]
-        evals = [r for r in records if r["kind"] == "eval"]
+    records = list(map(json.loads, metrics_file.read_text().splitlines())) if metrics_file.exists() else []
+    rows = [r for r in records if r["kind"] == "train"]
+    evals = [r for r in records if r["kind"] == "eval"]
     steady = rows[1:]
     return {
         "run": name, "rc": rc, **{f"spawn_to_{k}_s": at.get(k) for k in marks},
@@ -94,12 +88,7 @@ def main():
     p.add_argument("--results", default=None, help="folder for the logs and results.json (default: --out)")
     p.add_argument("--compile-cache", default=None, help="default: OUT/compile_cache")
     p.add_argument("--runs", default="cold,warm,warm", help="comma list of cold|warm")
-    p.add_argument("--hidden", type=int, default=4096)
-    p.add_argument("--intermediate", type=int, default=12288)
-    p.add_argument("--heads", type=int, default=32)
-    p.add_argument("--kv-heads", type=int, default=8)
-    p.add_argument("--vocab", type=int, default=151936)
-    p.add_argument("--ctx", type=int, default=3072)
+    add_target_args(p)
     p.add_argument("--min-ctx", type=int, default=2900)
     p.add_argument("--buckets", default="1024,2048,3072")
     p.add_argument("--anchors", type=int, default=512)
