@@ -18,6 +18,7 @@ import math
 import os
 import shutil
 import tempfile
+import time
 from collections import Counter
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -344,31 +345,34 @@ def batch_priority(item: tuple[Chat, int, str, int]) -> tuple[int, int]:
 
 
 def regenerate_conversations(model, tokenizer, chats: list[Chat], settings: GenerationSettings, batch_size: int,
-                             skips: SkipCounter, static: StaticDecoder | None = None) -> None:
+                             skips: SkipCounter, static: StaticDecoder | None = None, done=None) -> None:
     """Regenerate every assistant turn of ``chats`` in place. Ready turns wait in one pool, each batch takes
-    the first by ``batch_priority``, and a chat's next turn joins as soon as its answer is in."""
+    the first by ``batch_priority``, and a chat's next turn joins as soon as its answer is in; ``done(chat)``
+    hears of each chat with no turn left."""
     stop_ids = stop_token_ids(model, tokenizer)
     gen_kwargs = _kwargs(tokenizer, settings, stop_ids)
     pool: list[tuple[Chat, int, str, int]] = []  # (chat, turn, prompt, prompt tokens)
 
     def ready(chat: Chat) -> None:
+        """The chat's next turn into the pool, or, with none left, the chat to ``done``."""
         turn = chat.next_turn
-        if turn is None:
-            return
-        try:
-            text = tokenizer.apply_chat_template(chat.messages[:turn], add_generation_prompt=True, tokenize=False,
-                                                 **settings.template_kwargs)
-        except Exception as exc:  # noqa: BLE001 - jinja errors, raise_exception()
-            skips.record(DataError("template_rejected", chat.conv.source, chat.conv.row_index,
-                                   f"chat template rejected the prompt: {type(exc).__name__}: {exc}"))
-            chat.dropped = "template_rejected"
-            return
-        text = text[0] if isinstance(text, list) else text
-        n_tokens = len(tokenizer(text, add_special_tokens=False)["input_ids"])
-        if settings.max_prompt_tokens is not None and n_tokens > settings.max_prompt_tokens:
-            chat.cut(turn, "prompt_too_long", skips)
-        else:
-            pool.append((chat, turn, text, n_tokens))
+        if turn is not None:
+            try:
+                text = tokenizer.apply_chat_template(chat.messages[:turn], add_generation_prompt=True,
+                                                     tokenize=False, **settings.template_kwargs)
+            except Exception as exc:  # noqa: BLE001 - jinja errors, raise_exception()
+                skips.record(DataError("template_rejected", chat.conv.source, chat.conv.row_index,
+                                       f"chat template rejected the prompt: {type(exc).__name__}: {exc}"))
+                chat.dropped = "template_rejected"
+            else:
+                text = text[0] if isinstance(text, list) else text
+                n_tokens = len(tokenizer(text, add_special_tokens=False)["input_ids"])
+                if settings.max_prompt_tokens is None or n_tokens <= settings.max_prompt_tokens:
+                    pool.append((chat, turn, text, n_tokens))
+                    return
+                chat.cut(turn, "prompt_too_long", skips)
+        if done is not None:
+            done(chat)
 
     for chat in chats:
         ready(chat)
@@ -384,7 +388,7 @@ def regenerate_conversations(model, tokenizer, chats: list[Chat], settings: Gene
                 chat.cut(turn, "truncated", skips)
             else:
                 chat.answer(turn, regenerated_message(chat.messages[turn], content), truncated, len(tokens))
-                ready(chat)
+            ready(chat)
 
 
 class LocalEngine:
@@ -423,10 +427,10 @@ class LocalEngine:
     def metadata(self, stats: list[dict]) -> dict:
         return {"target_fingerprint": self.fingerprint}
 
-    def run(self, parts, finish, bar) -> None:
+    def run(self, parts, finish, progress) -> None:
         for part in parts:
             regenerate_conversations(self.model, self.tokenizer, part.chats, self.cfg.generation, self.cfg.batch_size,
-                                     part.skips, self.static)
+                                     part.skips, self.static, done=lambda chat, part=part: progress(part, chat))
             finish(part)
 
 
@@ -502,8 +506,18 @@ def regenerate(cfg: RegenConfig, *, model=None, tokenizer=None, overwrite: bool 
         finish_part(out, part)
         bar.update(part.rows - part.shown)
 
+    generated, started = 0, time.monotonic()
+
+    def progress(part: Part, chat: Chat) -> None:
+        """A chat of ``part`` is done: one row more on the bar, and the tokens generated per second so far."""
+        nonlocal generated
+        generated += chat.generated_tokens
+        part.shown += 1
+        bar.set_postfix_str(f"{generated / max(time.monotonic() - started, 1e-9):,.0f} tok/s", refresh=False)
+        bar.update(1)
+
     try:
-        engine.run(parts(), finish, bar)
+        engine.run(parts(), finish, progress)
     finally:
         bar.close()
     return None if stopped else finalize(out, num_parts, record, source_fp, engine)

@@ -218,7 +218,7 @@ class EndpointEngine:
             with lock:
                 part.apply(chat, event, journal=True)
 
-    def run(self, parts, finish, bar) -> None:
+    def run(self, parts, finish, progress) -> None:
         """``concurrency`` conversations in flight, the next part's queued behind the current one's; each part
         finished once its conversations are."""
         lock, queued = threading.Lock(), []
@@ -227,14 +227,13 @@ class EndpointEngine:
         def settle(part, futures) -> None:
             for future in as_completed(futures):
                 future.result()  # a failed conversation stops the run here
-                part.shown += 1
-                bar.update(1)
+                progress(part, futures[future])
             finish(part)
 
         try:
             for part in parts:
-                queued.append((part, [pool.submit(self.run_chat, part, chat, lock) for chat in part.chats
-                                      if chat.next_turn is not None]))
+                queued.append((part, {pool.submit(self.run_chat, part, chat, lock): chat for chat in part.chats
+                                      if chat.next_turn is not None}))
                 if len(queued) == 2:
                     settle(*queued.pop(0))
             for part, futures in queued:

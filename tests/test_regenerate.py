@@ -218,7 +218,7 @@ def test_the_deepest_chat_starts_first_so_batches_stay_full(target, tokenizer, m
     """A chat's turns run one batch after another. One 3-turn chat with short prompts beside three 1-turn chats
     with long ones, 2 rows a batch: starting the deep chat first takes 3 batches (6 turns / 2 = its 3 turns in
     a row, the lower bound); taking the longest prompts first, as before, would take 4. Each chat's answers
-    equal the unbatched reference either way."""
+    equal the unbatched reference either way, and each chat is reported done right after its last batch."""
     from dflash.extract.data import SkipCounter, normalize_row
 
     deep = [m for i in range(3) for m in ({"role": "user", "content": f"Hi {i}"}, {"role": "assistant", "content": "x"})]
@@ -231,7 +231,11 @@ def test_the_deepest_chat_starts_first_so_batches_stay_full(target, tokenizer, m
     monkeypatch.setattr(regen, "generate_batch", lambda model, tok, prompts, *a: batches.append(len(prompts)) or
                         real(model, tok, prompts, *a))
     settings = regen.GenerationSettings(max_new_tokens=MAX_NEW, dtype="float32")
-    regen.regenerate_conversations(target, tokenizer, chats, settings, 2, skips)
+    done = []  # each chat once, as soon as its last turn is answered (the progress bar's rows)
+    regen.regenerate_conversations(target, tokenizer, chats, settings, 2, skips,
+                                   done=lambda chat: done.append((chat, chat.next_turn, len(batches))))
     assert batches == [2, 2, 2], batches
+    assert [(c.conv.row_index, turn) for c, turn, _ in done] == [(3, None), (2, None), (1, None), (0, None)]
+    assert [after for *_, after in done] == [1, 2, 3, 3]  # the longest 1-turn chat first, each after its batch
     for chat, row in zip(chats, rows):
         assert chat.messages == _reference(target, tokenizer, row["messages"])
