@@ -1,11 +1,13 @@
 """How many decode steps in-process regeneration's batching takes on real chats, on the CPU without a model:
 `regenerate_conversations` replays a dflash-regenerate OUT (its run.json and finished parts), each turn answered
 with its recorded answer, so a batch lasts as long as its longest answer (plus the stop token, up to
-max_new_tokens). Prints, per batch order: batches, decode steps, and the share of row-steps that make a token.
+max_new_tokens). Prints, per batch order (and part size, part=N; default one part): batches, decode steps, and
+the share of row-steps that make a token.
 
-    python bench/regen_schedule.py OUT TARGET_DIR 512 1024
+    python bench/regen_schedule.py OUT TARGET_DIR 512 1024 [part=256 part=2048]
 """
 
+import itertools
 import json
 import sys
 from pathlib import Path
@@ -15,7 +17,9 @@ from transformers import AutoTokenizer
 from dflash.extract import regenerate as regen
 from dflash.extract.data import SkipCounter, normalize_row
 
-out, tokenizer, sizes = Path(sys.argv[1]), AutoTokenizer.from_pretrained(sys.argv[2]), map(int, sys.argv[3:])
+out, tokenizer = Path(sys.argv[1]), AutoTokenizer.from_pretrained(sys.argv[2])
+sizes = [int(a) for a in sys.argv[3:] if a.isdigit()]
+part_sizes = [int(a.removeprefix("part=")) for a in sys.argv[3:] if a.startswith("part=")] or [None]
 settings = regen.GenerationSettings(**json.loads((out / regen.RUN_FILE).read_text())["generation"])
 rows = [json.loads(line) for part in sorted((out / regen.PARTS_DIR).glob("part-*[0-9].jsonl"))
         for line in part.read_text(encoding="utf-8").split("\n") if line]
@@ -38,13 +42,15 @@ batches = []  # (rows, decode steps)
 regen.generate_batch = lambda model, tok, prompts, *rest: batches.append((len(prompts), max(map(steps_of, prompts)))) \
     or [(answers[p], len(answers[p]) >= settings.max_new_tokens) for p in prompts]
 orders = {"most turns left, then longest prompt": regen.batch_priority, "longest prompt (before)": lambda i: -i[3]}
-for batch_size in sizes:
-    for name, order in orders.items():
-        regen.batch_priority = order
-        batches.clear()
-        chats = [regen.Chat.start(conv, SkipCounter()) for i, conv in enumerate(convs) if i not in left_out]
-        regen.regenerate_conversations(None, tokenizer, chats, settings, batch_size, SkipCounter())
-        steps = sum(s for _, s in batches)
-        print(json.dumps({"batch_size": batch_size, "order": name, "turns": sum(r for r, _ in batches),
-                          "batches": len(batches), "decode_steps": steps,
-                          "rows_busy": round(useful / (steps * batch_size), 3)}), flush=True)
+for batch_size, part, (name, order) in itertools.product(sizes, part_sizes, orders.items()):
+    regen.batch_priority = order
+    batches.clear()
+    chats = [regen.Chat.start(conv, SkipCounter()) for i, conv in enumerate(convs) if i not in left_out]
+    for start in range(0, len(chats), part or len(chats)):  # a part's chats go through the pool alone
+        regen.regenerate_conversations(None, tokenizer, chats[start:start + (part or len(chats))], settings,
+                                       batch_size, SkipCounter())
+    steps = sum(s for _, s in batches)
+    print(json.dumps({"batch_size": batch_size, "part_size": part or len(chats), "order": name,
+                      "turns": sum(r for r, _ in batches),
+                      "batches": len(batches), "decode_steps": steps,
+                      "rows_busy": round(useful / (steps * batch_size), 3)}), flush=True)

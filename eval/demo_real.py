@@ -136,7 +136,7 @@ def run_real(out: Path, s: RealSettings, gguf: str | None, echo=click.echo, stop
             "dflash.extract.regenerate_cli", "--data", str(out / "data" / "train.jsonl"), "--model", str(target),
             "--out", str(regen), "--device", s.device, "--batch-size", str(s.regen_batch_size),
             "--max-new-tokens", str(s.max_new_tokens), "--max-prompt-tokens", str(s.max_prompt_tokens),
-            "--part-size", "4096"]),
+            "--part-size", str(max(s.conversations, 1))]),  # one part: no tail of small batches between parts
         ("extract", "[3/5] extract", cache, [
             "dflash.extract.cli", "--data", str(regen), "--model", str(target), "--out", str(cache),
             *([] if s.device == "cuda" else ["--device", "cpu"]),

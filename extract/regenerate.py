@@ -34,6 +34,10 @@ log = logging.getLogger(__name__)
 
 FORMAT_VERSION = 1
 RUN_FILE = "run.json"
+# source rows per part by default: through a server the turn journal keeps every answer, so parts can be small; in
+# process an unfinished part is redone whole, and each part ends in a tail of small batches (a chat's turns run one
+# batch after another), which costs 1.5x the decode steps at 2,048 rows and 5.9x at 256 (BENCHMARKS.md)
+PART_SIZE = {"endpoint": 256, "in process": 4096}
 METADATA_FILE = "regenerate.json"
 PARTS_DIR = "parts"
 
@@ -69,7 +73,7 @@ class RegenConfig:
     concurrency: int = 32
     extra_body: dict[str, Any] = field(default_factory=dict)
     batch_size: int = 16
-    part_size: int = 256
+    part_size: int | None = None  # None: PART_SIZE[engine]
     limit: int | None = None
     device: str = "cpu"
     static_cache: bool | None = None
@@ -466,10 +470,11 @@ def regenerate(cfg: RegenConfig, *, model=None, tokenizer=None, overwrite: bool 
         num_rows, source_fp = min(len(ds), cfg.limit or len(ds)), dataset_fingerprint(ds, cfg.data, cfg.split)
     engine = LocalEngine(cfg, model, tokenizer) if cfg.endpoint is None else EndpointEngine(cfg)
     # everything that decides the output rows: a resume must match it exactly
-    record = {"format": FORMAT_VERSION, "part_size": cfg.part_size, "num_rows": num_rows, "on_bad_row": cfg.on_bad_row,
+    size = cfg.part_size or PART_SIZE["endpoint" if cfg.endpoint else "in process"]
+    record = {"format": FORMAT_VERSION, "part_size": size, "num_rows": num_rows, "on_bad_row": cfg.on_bad_row,
               "source": {k: source_fp.get(k) for k in ("source", "split", "revision", "num_rows", "hash_method",
                                                        "content_hash")}, **engine.record}
-    out, prompts, size = Path(cfg.out), cfg.self_prompts, cfg.part_size
+    out, prompts = Path(cfg.out), cfg.self_prompts
     start_run(out, record, overwrite)
     # the dataset's parts first, then the self-prompt parts (samples [0, prompts) in part_size steps)
     data_parts = math.ceil(num_rows / size)

@@ -57,8 +57,9 @@ from .regenerate import GenerationSettings, RegenConfig, regenerate
               "-1}' (--endpoint).")
 @click.option("--api-key", type=Maybe(str), envvar="OPENAI_API_KEY", show_envvar=True, help="Bearer token "
               "(--endpoint).")
-@click.option("--part-size", type=click.IntRange(min=1), default=256, help="Source rows per output part (the resume "
-              "unit).")
+@click.option("--part-size", type=Maybe(click.IntRange(min=1)), help="Source rows per output part (the resume unit); "
+              "default: 256 through --endpoint, 4096 in process (its batches stay full across a part, and an "
+              "unfinished part is redone whole).")
 @click.option("--limit", type=Maybe(click.IntRange(min=1)), help="Use the first N source rows.")
 @click.option("--device", default="cpu", help="cpu, cuda or cuda:N (in process only).")
 @click.option("--static-cache/--no-static-cache", default=None, help="Static KV cache, decode step compiled into CUDA "

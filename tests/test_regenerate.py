@@ -239,3 +239,15 @@ def test_the_deepest_chat_starts_first_so_batches_stay_full(target, tokenizer, m
     assert [after for *_, after in done] == [1, 2, 3, 3]  # the longest 1-turn chat first, each after its batch
     for chat, row in zip(chats, rows):
         assert chat.messages == _reference(target, tokenizer, row["messages"])
+
+
+def test_part_size_defaults_to_one_per_engine(tmp_path, target, tokenizer, tiny_target_dir, chats_sample_path):
+    """In process a part is 4,096 rows by default (an unfinished part is redone whole, and each part ends in a tail
+    of small batches); the run records the size it used, so a resume with another is refused by name."""
+    cfg = _config(chats_sample_path, tiny_target_dir, tmp_path / "default")
+    cfg.part_size, cfg.limit = None, 2
+    meta = regen.regenerate(cfg, model=target, tokenizer=tokenizer)
+    assert meta["part_size"] == regen.PART_SIZE["in process"] == 4096 and meta["parts"] == 1
+    cfg.part_size = 1
+    with pytest.raises(ValueError, match="part_size"):
+        regen.regenerate(cfg, model=target, tokenizer=tokenizer)
