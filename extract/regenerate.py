@@ -36,7 +36,7 @@ FORMAT_VERSION = 1
 RUN_FILE = "run.json"
 # source rows per part by default: through a server the turn journal keeps every answer, so parts can be small; in
 # process an unfinished part is redone whole, and each part ends in a tail of small batches (a chat's turns run one
-# batch after another), which costs 1.5x the decode steps at 2,048 rows and 5.9x at 256 (BENCHMARKS.md)
+# batch after another), which small parts pay again and again (BENCHMARKS.md, "Regeneration on the GPU")
 PART_SIZE = {"endpoint": 256, "in process": 4096}
 METADATA_FILE = "regenerate.json"
 PARTS_DIR = "parts"
