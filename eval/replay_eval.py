@@ -26,6 +26,7 @@ from .speculative import (device_of, evaluate, first_difference, load_drafter, m
                           tau_histogram)
 
 ANCHORS_PER_FORWARD = 256  # blocks per drafter forward (dense attention: queries = this x B)
+REPEAT_TOKENS = 8  # a block starts in a verbatim repeat where the next this many tokens appeared earlier
 
 
 def replay_export(cache: str | Path, samples: list[int], export: str | Path, target: str | Path,
@@ -148,8 +149,24 @@ def replay_benchmark(target, drafter: DFlashDrafter, prompts: Sequence[Sequence[
                "drafted_tokens": sum(taus), "blocks": len(taus), "tau": sum(taus) / len(taus) if taus else math.nan,
                "tau_histogram": tau_histogram(taus, config.block_size),
                "truncated": sum(r["truncated"] for r in records),
-               "disagreements": sum(r["disagreements"] for r in records)}
+               "disagreements": sum(r["disagreements"] for r in records), **repeat_split(records)}
     return {"summary": summary, "per_prompt": records, "seconds": seconds}
+
+
+def repeat_split(records: Iterable[dict[str, Any]], n: int = REPEAT_TOKENS) -> dict[str, Any]:
+    """Mean tau of the blocks that start in a verbatim repeat (the next ``n`` tokens appeared earlier in the
+    continuation: a drafter that copies takes all of it) and of the others: how much of a low tau is copying."""
+    taus: dict[bool, list[int]] = {True: [], False: []}
+    for r in records:
+        tokens, seen, repeats, position = r["tokens"], set(), [], 0
+        for i in range(len(tokens) - n + 1):
+            repeats.append(tuple(tokens[i:i + n]) in seen)
+            seen.add(tuple(tokens[i:i + n]))
+        for tau in r["block_taus"]:
+            taus[position < len(repeats) and repeats[position]].append(tau)
+            position += tau
+    mean = lambda values: sum(values) / len(values) if values else math.nan  # noqa: E731
+    return {"tau_in_repeats": mean(taus[True]), "blocks_in_repeats": len(taus[True]), "tau_elsewhere": mean(taus[False])}
 
 
 def sample_indices(n: int, k: int) -> list[int]:  # k indices spread evenly over n (all when k >= n)
@@ -189,6 +206,7 @@ def benchmark_line(name: str, replay: dict[str, Any], sample: dict[str, Any] | N
     s = replay["summary"]
     row = {"benchmark": name, "prompts": s["prompts"], "new_tokens": s["new_tokens"], "tau": s["tau"],
            "blocks": s["blocks"], "tau_histogram": s["tau_histogram"], "sample_prompts": 0,
+           **{k: s[k] for k in ("tau_in_repeats", "blocks_in_repeats", "tau_elsewhere")},
            "online_tau": math.nan, "greedy_tokens_per_s": math.nan, "spec_tokens_per_s": math.nan,
            "speedup": math.nan, "lossless": None, "ties": None, "replay_equal": None}
     if sample and sample["per_prompt"]:
@@ -227,6 +245,9 @@ def format_benchmarks(lines: Iterable[dict[str, Any]], markdown: bool = False) -
         out.append(f"{r['benchmark']:<16} {r['prompts']:>7} {r['new_tokens']:>8} {fmt(r['tau']):>6} {k:>6} "
                    f"{fmt(r['online_tau']):>10} {fmt(r['greedy_tokens_per_s'], '.1f'):>12} "
                    f"{fmt(r['spec_tokens_per_s'], '.1f'):>10} {fmt(r['speedup']):>6}x {lossless:>13} {equal:>8}")
+    out.append(f"tau in verbatim repeats (the next {REPEAT_TOKENS} tokens seen before) / elsewhere, replay:")
+    out += [f"  {r['benchmark']:<16} {fmt(r['tau_in_repeats'])} ({r['blocks_in_repeats']} blocks) / "
+            f"{fmt(r['tau_elsewhere'])}" for r in lines]
     out.append("tau histogram (blocks accepting 1..B tokens, replay):")
     out += [f"  {r['benchmark']:<16} " + " ".join(f"{k}:{n}" for k, n in enumerate(r["tau_histogram"], start=1))
             for r in lines]

@@ -244,3 +244,32 @@ def test_static_proposer_proposes_alike(target, drafter, prompts):
         assert len(eager_logits) == len(logits) > 1
         for x, y in zip(eager_logits, logits):
             torch.testing.assert_close(y, x, rtol=1e-5, atol=1e-5)
+
+
+def test_repeat_split_counts_the_blocks_that_start_in_a_verbatim_repeat():
+    """Checked against a direct search: a block starts in a repeat where the 8 tokens from its first position
+    occur at an earlier start in the continuation."""
+    import random
+
+    rng = random.Random(0)
+    records = []
+    for _ in range(5):
+        loop = [rng.randrange(50) for _ in range(rng.randrange(3, 12))]
+        tokens = [rng.randrange(50) for _ in range(rng.randrange(0, 30))] + loop * rng.randrange(1, 6)
+        taus, left = [], len(tokens)
+        while left > 0:
+            taus.append(min(left, rng.randrange(1, 9)))
+            left -= taus[-1]
+        records.append({"tokens": tokens, "block_taus": taus})
+    inside, outside = [], []
+    for r in records:
+        t, position = r["tokens"], 0
+        for tau in r["block_taus"]:
+            window = t[position:position + 8]
+            earlier = len(window) == 8 and any(t[j:j + 8] == window for j in range(position))
+            (inside if earlier else outside).append(tau)
+            position += tau
+    split = rp.repeat_split(records)
+    assert inside and outside and split["blocks_in_repeats"] == len(inside)
+    assert split["tau_in_repeats"] == pytest.approx(sum(inside) / len(inside))
+    assert split["tau_elsewhere"] == pytest.approx(sum(outside) / len(outside))
