@@ -15,9 +15,8 @@ import torch
 
 from .compression import HIDDEN_CODECS, SCALE_DTYPES
 
-_QMAX = {"int8": 127, "int4": 7}
 _FP8 = torch.float8_e4m3fn
-_FP8_MAX = float(torch.finfo(_FP8).max)  # 448
+_QMAX = {"fp8": float(torch.finfo(_FP8).max), "int8": 127, "int4": 7}  # fp8: 448
 _SCALE_DTYPES = {name: getattr(torch, name) for name in SCALE_DTYPES}
 
 
@@ -34,25 +33,14 @@ class HiddenCodec:
             raise ValueError(f"hidden codec mode {self.mode!r}: expected one of {HIDDEN_CODECS}")
         if self.scale_dtype not in _SCALE_DTYPES:
             raise ValueError(f"hidden codec scale_dtype {self.scale_dtype!r}: expected one of {sorted(_SCALE_DTYPES)}")
-        if self.mode in _QMAX and (self.group_size < 1 or (self.mode == "int4" and self.group_size % 2)):
+        if self.grouped and (self.group_size < 1 or (self.mode == "int4" and self.group_size % 2)):
             raise ValueError(f"hidden codec group_size {self.group_size}: must be positive"
                              + (" and even for int4 (two values per byte)" if self.mode == "int4" else ""))
 
-    @property
-    def lossy(self) -> bool:
-        return self.mode != "bf16"
-
-    @property
-    def grouped(self) -> bool:  # whether group_size matters (the int modes)
-        return self.mode in _QMAX
-
-    @property
-    def zero_byte(self) -> int:  # the payload byte that decodes to 0 with any scale
-        return 0x88 if self.mode == "int4" else 0
-
-    @property
-    def torch_scale_dtype(self) -> torch.dtype:
-        return _SCALE_DTYPES[self.scale_dtype]
+    lossy = property(lambda self: self.mode != "bf16")
+    grouped = property(lambda self: self.mode in ("int8", "int4"))  # whether group_size matters
+    zero_byte = property(lambda self: 0x88 if self.mode == "int4" else 0)  # the payload byte that decodes to 0
+    torch_scale_dtype = property(lambda self: _SCALE_DTYPES[self.scale_dtype])
 
     def describe(self) -> str:
         return {"bf16": "bf16 (lossless)", "fp8": f"fp8 e4m3 ({self.scale_dtype} scale per token and layer)"}.get(
@@ -70,14 +58,11 @@ class HiddenCodec:
     def payload_width(self, hidden_size: int) -> int:  # payload bytes per (token, layer) row
         return {"bf16": 2 * hidden_size, "int4": hidden_size // 2}.get(self.mode, hidden_size)
 
-    def hidden_size(self, payload_width: int) -> int:  # the inverse of payload_width
-        return {"bf16": payload_width // 2, "int4": payload_width * 2}.get(self.mode, payload_width)
-
     def bytes_per_token(self, num_layers: int, hidden_size: int) -> int:
         """Encoded bytes of one token's hidden states (payload + scales), before the lossless stage."""
         self.check_hidden_size(hidden_size)
-        scale_bytes = _SCALE_DTYPES[self.scale_dtype].itemsize
-        return num_layers * (self.payload_width(hidden_size) + self.groups(hidden_size) * scale_bytes)
+        scales = self.groups(hidden_size) * self.torch_scale_dtype.itemsize
+        return num_layers * (self.payload_width(hidden_size) + scales)
 
 
 @dataclass
@@ -114,27 +99,21 @@ def encode(codec: HiddenCodec, hidden: torch.Tensor, validate: bool = True) -> E
     x = hidden.float()
     if validate and not torch.isfinite(x).all():
         raise ValueError("hidden states hold NaN or Inf; a lossy codec cannot encode them")
-    sdtype = codec.torch_scale_dtype
+    G, qmax = codec.groups(D), _QMAX[codec.mode]
+    grouped = x.view(T, L, G, D // G)  # fp8: one group of D
+    scales = _scales(grouped.abs().amax(dim=-1), qmax, codec.torch_scale_dtype)  # (T, L, G)
+    scaled = grouped / torch.where(scales == 0, torch.ones_like(scales), scales).float()[..., None]
     if codec.mode == "fp8":
-        scales = _scales(x.abs().amax(dim=-1, keepdim=True), _FP8_MAX, sdtype)  # (T, L, 1)
-        safe = torch.where(scales == 0, torch.ones_like(scales), scales).float()
-        q = (x / safe).clamp(-_FP8_MAX, _FP8_MAX).to(_FP8)
-        encoded = EncodedHidden(q.view(torch.uint8), scales)
+        q = scaled.clamp(-qmax, qmax).to(_FP8).view(T, L, D)
     else:
-        qmax = _QMAX[codec.mode]
-        G = codec.groups(D)
-        grouped = x.view(T, L, G, codec.group_size)  # (T, L, G, group)
-        scales = _scales(grouped.abs().amax(dim=-1), qmax, sdtype)  # (T, L, G)
-        safe = torch.where(scales == 0, torch.ones_like(scales), scales).float()
-        q = torch.round(grouped / safe[..., None]).clamp(-qmax, qmax).to(torch.int8).view(T, L, D)
-        if codec.mode == "int8":
-            encoded = EncodedHidden(q.view(torch.uint8), scales)
-        else:
-            nibbles = (q + 8).to(torch.uint8).view(T, L, D // 2, 2)  # 1..15
-            encoded = EncodedHidden(nibbles[..., 0] | (nibbles[..., 1] << 4), scales)
+        q = torch.round(scaled).clamp(-qmax, qmax).to(torch.int8).view(T, L, D)
+    payload = q.view(torch.uint8)
+    if codec.mode == "int4":
+        nibbles = (q.view(T, L, D // 2, 2) + 8).to(torch.uint8)  # 1..15
+        payload = nibbles[..., 0] | (nibbles[..., 1] << 4)
     if validate:
-        check_scales(codec, encoded.scales)
-    return encoded
+        check_scales(codec, scales)
+    return EncodedHidden(payload, scales)
 
 
 def check_scales(codec: HiddenCodec, scales) -> None:
@@ -153,16 +132,13 @@ def decode(codec: HiddenCodec, encoded: EncodedHidden, dtype: torch.dtype = torc
     if payload.dtype != torch.uint8 or payload.dim() < 3:
         raise ValueError(f"payload must be uint8 [..., L, bytes], got {payload.dtype} {tuple(payload.shape)}")
     *lead, L, width = payload.shape
-    D = codec.hidden_size(width)
-    if tuple(scales.shape) != (*lead, L, codec.groups(D)):
-        raise ValueError(f"scales have shape {tuple(scales.shape)}, expected {(*lead, L, codec.groups(D))} "
-                         f"for {codec.mode} with D {D}")
-    s = scales.float()
-    if codec.mode == "fp8":
-        return (payload.view(_FP8).float() * s).to(dtype)
-    if codec.mode == "int8":
-        q = payload.view(torch.int8).float()
-    else:
-        q = torch.stack([payload & 0x0F, payload >> 4], dim=-1).view(*lead, L, D).to(torch.int8).float() - 8
+    D = 2 * width if codec.mode == "int4" else width
     G = codec.groups(D)
-    return (q.view(*lead, L, G, codec.group_size) * s[..., None]).view(*lead, L, D).to(dtype)
+    if tuple(scales.shape) != (*lead, L, G):
+        raise ValueError(f"scales have shape {tuple(scales.shape)}, expected {(*lead, L, G)} "
+                         f"for {codec.mode} with D {D}")
+    if codec.mode == "int4":
+        q = torch.stack([payload & 0x0F, payload >> 4], dim=-1).view(*lead, L, D).to(torch.int8).float() - 8
+    else:
+        q = payload.view(_FP8 if codec.mode == "fp8" else torch.int8).float()
+    return (q.view(*lead, L, G, D // G) * scales.float()[..., None]).view(*lead, L, D).to(dtype)
