@@ -24,29 +24,19 @@ def config_hash(config_dict: dict[str, Any]) -> str:
 
 
 def _safetensors_file_digest(path: Path) -> str:
-    h = hashlib.sha256()
+    """sha256 of the file's size, header, first and last MiB of tensor data."""
     size = path.stat().st_size
-    h.update(str(size).encode())
     with path.open("rb") as f:
         (header_len,) = struct.unpack("<Q", f.read(8))
-        h.update(f.read(header_len))
-        f.seek(8 + header_len)
-        h.update(f.read(_EDGE))
+        header, head = f.read(header_len), f.read(_EDGE)
         f.seek(max(8 + header_len, size - _EDGE))
-        h.update(f.read(_EDGE))
-    return h.hexdigest()
+        return _sha(str(size).encode() + header + head + f.read(_EDGE))
 
 
 def weights_hash(model_dir: str | os.PathLike) -> str | None:
     """Digest of the safetensors files of a local checkpoint; None where there are none."""
     files = sorted(Path(model_dir).glob("*.safetensors"))
-    if not files:
-        return None
-    h = hashlib.sha256()
-    for f in files:
-        h.update(f.name.encode())
-        h.update(_safetensors_file_digest(f).encode())
-    return h.hexdigest()
+    return _sha("".join(f.name + _safetensors_file_digest(f) for f in files)) if files else None
 
 
 def target_fingerprint(name_or_path: str, config_dict: dict[str, Any], dtype: str,
@@ -64,11 +54,8 @@ def target_fingerprint(name_or_path: str, config_dict: dict[str, Any], dtype: st
 
 def tokenizer_fingerprint(tokenizer) -> dict[str, Any]:
     """Hash of the tokenizer's vocabulary and rules, and of its chat template, apart."""
-    backend = getattr(tokenizer, "backend_tokenizer", None)
-    if backend is not None:
-        body = backend.to_str()
-    else:  # slow tokenizers: the vocabulary is what defines them
-        body = json.dumps(sorted(tokenizer.get_vocab().items()))
+    backend = getattr(tokenizer, "backend_tokenizer", None)  # slow tokenizers: the vocabulary is what defines them
+    body = backend.to_str() if backend is not None else json.dumps(sorted(tokenizer.get_vocab().items()))
     special = json.dumps({k: str(v) for k, v in sorted(tokenizer.special_tokens_map.items())}, sort_keys=True)
     template = tokenizer.chat_template if isinstance(getattr(tokenizer, "chat_template", None), str) else \
         json.dumps(getattr(tokenizer, "chat_template", None), sort_keys=True, default=str)
