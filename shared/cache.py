@@ -152,9 +152,6 @@ class CacheSpec:
     def encoding(self) -> dict[str, Any]:
         return {k: getattr(self, k) for k in ENCODING_DEFAULTS}
 
-    def hidden_bytes_per_token(self) -> int:  # payload + scales, before zstd
-        return self.codec.bytes_per_token(self.num_layers, self.hidden_size)
-
     def chunk_rows(self, name: str) -> int:
         return int(self.chunks[name]) if self.format_version >= 2 else self.chunk_tokens
 
@@ -195,8 +192,8 @@ def diff_dicts(ours: Any, theirs: Any, prefix: str = "") -> list[str]:
             else:
                 out.extend(diff_dicts(ours[key], theirs[key], path))
         return out
-    plain = lambda x: json.loads(json.dumps(x, default=str))  # noqa: E731  (1 == 1.0, a tuple == its list)
-    return [] if plain(ours) == plain(theirs) else [f"{prefix}: cache has {ours!r}, run has {theirs!r}"]
+    plain = [json.loads(json.dumps(x, default=str)) for x in (ours, theirs)]  # 1 == 1.0, a tuple == its list
+    return [] if plain[0] == plain[1] else [f"{prefix}: cache has {ours!r}, run has {theirs!r}"]
 
 
 # ----------------------------------------------------------------------------- storage
@@ -241,10 +238,10 @@ def encode_hidden(spec: CacheSpec, hidden: torch.Tensor, validate: bool = True) 
 
 def decode_hidden(spec: CacheSpec, stored: dict[str, Any], dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     """The stored ``hidden`` (+ ``hidden_scale``) -> ``[..., L, D]`` in ``dtype``; bitwise the same on CPU and GPU."""
-    payload = torch.as_tensor(stored["hidden"])
     if not spec.codec.lossy:
-        return payload.view(torch.bfloat16).to(dtype)
-    return decode_codec(spec.codec, EncodedHidden(payload, torch.as_tensor(stored[HIDDEN_SCALE])), dtype)
+        return bf16_from_bits(stored["hidden"]).to(dtype)
+    encoded = EncodedHidden(torch.as_tensor(stored["hidden"]), torch.as_tensor(stored[HIDDEN_SCALE]))
+    return decode_codec(spec.codec, encoded, dtype)
 
 
 def encode_topk_logprobs(spec: CacheSpec, logprobs: torch.Tensor) -> torch.Tensor:
@@ -256,8 +253,7 @@ def encode_topk_logprobs(spec: CacheSpec, logprobs: torch.Tensor) -> torch.Tenso
 
 def decode_topk_logprobs(spec: CacheSpec, stored) -> torch.Tensor:
     """The stored ``topk_logprobs`` (numpy or tensor) -> float32 log-probs."""
-    t = torch.as_tensor(stored)
-    return (t.view(torch.int16).view(torch.bfloat16) if spec.topk_dtype == "bfloat16" else t).float()
+    return (bf16_from_bits(stored) if spec.topk_dtype == "bfloat16" else torch.as_tensor(stored)).float()
 
 
 def to_numpy(t: torch.Tensor) -> np.ndarray:
@@ -266,8 +262,8 @@ def to_numpy(t: torch.Tensor) -> np.ndarray:
     return a.view(np.uint16) if a.dtype == np.int16 else a
 
 
-def bf16_from_bits(bits: np.ndarray) -> torch.Tensor:
-    return torch.from_numpy(np.ascontiguousarray(bits).view(np.int16)).view(torch.bfloat16)
+def bf16_from_bits(bits) -> torch.Tensor:  # uint16 numpy, or an int16/uint16 tensor on any device
+    return torch.as_tensor(bits).view(torch.bfloat16)
 
 
 def bf16_to_bits(x: torch.Tensor) -> np.ndarray:
@@ -348,11 +344,7 @@ def spec_differences(old: CacheSpec, new: CacheSpec) -> list[str]:
 
 def committed_samples(root: zarr.Group) -> int:
     """Samples committed by all shards of a cache root (0 where it has none yet)."""
-    if "shards" not in root:
-        return 0
-    shards = root["shards"]
-    return sum(read_shard_state(shards[name]).commit.samples for name in shards.group_keys()
-               if shard_recorded(shards[name]))
+    return sum(state.commit.samples for state in read_shard_states(root).values() if state)
 
 
 def shard_name(shard_id: int) -> str:
@@ -413,8 +405,11 @@ def shard_recorded(group: zarr.Group) -> bool:
     return bool(group.attrs.asdict())
 
 
-def read_shard_states(root: zarr.Group, shard_ids: Iterable[int]) -> dict[int, ShardState | None]:
-    """The state of each of these shards, None for a shard not created (or not recorded) yet."""
+def read_shard_states(root: zarr.Group, shard_ids: Iterable[int] | None = None) -> dict[int, ShardState | None]:
+    """The state of each of these shards (default: every one created), None for a shard not created (or not
+    recorded) yet."""
+    if shard_ids is None:
+        shard_ids = [int(name) for name in root["shards"].group_keys()] if "shards" in root else []
     names = {s: shard_name(s) for s in shard_ids}
     return {s: read_shard_state(root[n]) if n in root and shard_recorded(root[n]) else None for s, n in names.items()}
 
@@ -617,19 +612,16 @@ class CacheReader:
         self._root, self.spec = open_spec(path)
         self.shards: list[ShardInfo] = []
         self._offsets = []
-        if "shards" in self.root:
-            names = sorted(self.root["shards"].group_keys()) if shard_ids is None else sorted(
-                n for n in {f"{s:05d}" for s in shard_ids} if f"shards/{n}" in self.root)
-            for name in names:
-                if not shard_recorded(self.root["shards"][name]):
-                    continue  # being created: nothing in it is committed
-                self.shards.append(ShardInfo(int(name), read_shard_state(self.root["shards"][name])))
-                c = self.shards[-1].record.commit
-                off = (np.asarray(self._array(len(self.shards) - 1, "offsets")[: c.samples + 1]) if c.samples
-                       else np.zeros(1, np.int64))
-                if off[-1] != c.tokens:
-                    raise CacheError(f"{path}: shard {name}: offsets disagree with its commit record")
-                self._offsets.append(off)
+        for sid, state in sorted(read_shard_states(self.root, shard_ids).items()):
+            if state is None:
+                continue  # not created, or being created: nothing in it is committed
+            self.shards.append(ShardInfo(sid, state))
+            c = state.commit
+            off = (np.asarray(self._array(len(self.shards) - 1, "offsets")[: c.samples + 1]) if c.samples
+                   else np.zeros(1, np.int64))
+            if off[-1] != c.tokens:
+                raise CacheError(f"{path}: shard {sid:05d}: offsets disagree with its commit record")
+            self._offsets.append(off)
         self._sources: list[np.ndarray | None] = [None] * len(self.shards)
         self._starts = np.concatenate([[0], np.cumsum([s.samples for s in self.shards])]).astype(np.int64)
 
@@ -708,7 +700,7 @@ class CacheReader:
         if "hidden" in fields and lossy and not decode:
             out["hidden"], out[HIDDEN_SCALE] = torch.from_numpy(raw["hidden"]), torch.from_numpy(raw[HIDDEN_SCALE])
         elif "hidden" in fields:  # (T, L, D) bfloat16
-            out["hidden"] = decode_hidden(self.spec, raw) if lossy else bf16_from_bits(raw["hidden"])
+            out["hidden"] = decode_hidden(self.spec, raw)
         pos, j = self.locate(index)
         return {**out, "source_index": int(self._source(pos)[j])}
 

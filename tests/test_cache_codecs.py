@@ -269,7 +269,7 @@ def test_spec_encoding_fields_format_and_round_trip():
     assert int4.chunks["hidden_scale"] == int4.chunks["hidden"] == int4.chunk_tokens
     assert C.token_array_shapes(int4, 10)["hidden"] == ((10, 2, 128), "uint8")
     assert C.token_array_shapes(int4, 10)["hidden_scale"] == ((10, 2, 4), "float16")
-    assert int4.hidden_bytes_per_token() == 2 * (128 + 4 * 2)
+    assert int4.codec.bytes_per_token(int4.num_layers, int4.hidden_size) == 2 * (128 + 4 * 2)
     assert C.CacheSpec.from_dict(int4.to_dict()) == int4
     fp8 = int4.with_encoding(hidden_codec="fp8", topk_dtype="float32")
     assert fp8.hidden_group_size is None and fp8.hidden_scale_dtype == "float16"  # fields that do not apply: None
