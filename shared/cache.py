@@ -41,21 +41,17 @@ import zarr.codecs as zc
 from zarr.core.sync import sync as zarr_sync
 
 from .compression import HIDDEN_CODECS, TOPK_DTYPES, is_local
+from . import hidden_codecs
 from .hidden_codecs import EncodedHidden, HiddenCodec
-from .hidden_codecs import decode as decode_codec
-from .hidden_codecs import encode as encode_codec
-from .shard_lock import LOCKS_DIR as LOCKS_GROUP
-from .shard_lock import live_holders
+from .shard_lock import LOCKS_DIR as LOCKS_GROUP, live_holders
 
 FORMAT_NAME = "dflash-cache"
 FORMAT_VERSION = 2  # the lossless default (bf16 hidden states, float32 log-probs)
 ENCODED_FORMAT_VERSION = 3  # a lossy hidden_codec or a topk_dtype other than float32
 READABLE_VERSIONS = (1, 2, 3)
 ATTRS_KEY = "dflash_cache"
-LAYER_CONVENTION = (
-    "layer id i = output of decoder layer i (0-based) = HF output_hidden_states[i + 1]; "
-    "hidden_states[0] is the embedding output"
-)
+LAYER_CONVENTION = ("layer id i = output of decoder layer i (0-based) = HF output_hidden_states[i + 1]; "
+                    "hidden_states[0] is the embedding output")
 TOKEN_FIELDS = ("input_ids", "loss_mask", "hidden", "topk_ids", "topk_logprobs")  # what a reader asks for
 HIDDEN_SCALE = "hidden_scale"
 META_FIELDS = ("offsets", "source_index", "batches")  # the sample-level arrays, written once at creation
@@ -196,9 +192,6 @@ def diff_dicts(ours: Any, theirs: Any, prefix: str = "") -> list[str]:
     return [] if plain[0] == plain[1] else [f"{prefix}: cache has {ours!r}, run has {theirs!r}"]
 
 
-# ----------------------------------------------------------------------------- storage
-
-
 def writer_zarr_settings(path: str) -> dict[str, Any]:
     """A shard writer's zarr settings: the zarrs pipeline (off the GIL) for a local folder, zarr's own for a URL."""
     pipeline = "zarrs.ZarrsCodecPipeline" if is_local(path) else ZARR_PIPELINE
@@ -232,7 +225,7 @@ def encode_hidden(spec: CacheSpec, hidden: torch.Tensor, validate: bool = True) 
     """``[T, L, D]`` hidden states -> the stored ``hidden`` (+ ``hidden_scale``) tensors, on ``hidden``'s device."""
     if not spec.codec.lossy:
         return {"hidden": hidden.to(torch.bfloat16).view(torch.int16)}
-    enc = encode_codec(spec.codec, hidden, validate=validate)
+    enc = hidden_codecs.encode(spec.codec, hidden, validate=validate)
     return {"hidden": enc.payload, HIDDEN_SCALE: enc.scales}
 
 
@@ -241,7 +234,7 @@ def decode_hidden(spec: CacheSpec, stored: dict[str, Any], dtype: torch.dtype = 
     if not spec.codec.lossy:
         return bf16_from_bits(stored["hidden"]).to(dtype)
     encoded = EncodedHidden(torch.as_tensor(stored["hidden"]), torch.as_tensor(stored[HIDDEN_SCALE]))
-    return decode_codec(spec.codec, encoded, dtype)
+    return hidden_codecs.decode(spec.codec, encoded, dtype)
 
 
 def encode_topk_logprobs(spec: CacheSpec, logprobs: torch.Tensor) -> torch.Tensor:
@@ -268,9 +261,6 @@ def bf16_from_bits(bits) -> torch.Tensor:  # uint16 numpy, or an int16/uint16 te
 
 def bf16_to_bits(x: torch.Tensor) -> np.ndarray:
     return x.contiguous().view(torch.int16).cpu().numpy().view(np.uint16)
-
-
-# ----------------------------------------------------------------------------- root
 
 
 def _open_group(path: str, mode: str) -> zarr.Group:  # fsspec's local files make no folders unless asked
@@ -384,8 +374,7 @@ class ShardState:
         try:
             counts = {key: ShardCounts(**{k: int(attrs[key][k]) for k in ("batches", "samples", "tokens")})
                       for key in ("planned", "commit")}
-            return cls(plan_digest=str(attrs["plan_digest"]), planned=counts["planned"], commit=counts["commit"],
-                       complete=bool(attrs.get("complete", False)),
+            return cls(plan_digest=str(attrs["plan_digest"]), **counts, complete=bool(attrs.get("complete", False)),
                        skipped={str(k): int(v) for k, v in (attrs.get("skipped") or {}).items()},
                        compute=attrs.get("compute"))
         except (KeyError, TypeError, ValueError, AttributeError) as e:
@@ -406,8 +395,7 @@ def shard_recorded(group: zarr.Group) -> bool:
 
 
 def read_shard_states(root: zarr.Group, shard_ids: Iterable[int] | None = None) -> dict[int, ShardState | None]:
-    """The state of each of these shards (default: every one created), None for a shard not created (or not
-    recorded) yet."""
+    """The state of each of these shards (default: all), None for a shard not created (or not recorded) yet."""
     if shard_ids is None:
         shard_ids = [int(name) for name in root["shards"].group_keys()] if "shards" in root else []
     names = {s: shard_name(s) for s in shard_ids}
@@ -418,9 +406,6 @@ def _record_state(group: zarr.Group, state: ShardState, *keys: str) -> None:
     """Write these fields of ``state`` (all without ``keys``) in one metadata write, never a torn record."""
     attrs = state.to_attrs()
     group.update_attributes({k: attrs[k] for k in keys} if keys else attrs)  # merged with what is there
-
-
-# ----------------------------------------------------------------------------- writer
 
 
 @dataclass
@@ -582,9 +567,6 @@ class ShardWriter:
         if not self.state.complete:
             self.state.complete = True
             _record_state(self.group, self.state, "complete")
-
-
-# ----------------------------------------------------------------------------- reader
 
 
 @dataclass

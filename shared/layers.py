@@ -6,11 +6,9 @@ from __future__ import annotations
 
 DEFAULT_COUNT = 5  # target layers fused by the DFlash recipe
 
-SERVING_REASON = (
-    "serving engines capture layer id i as the input of decoder layer i + 1, so the last layer (id L-1) "
-    "cannot be captured, and they concatenate the captured layers in ascending order, so unsorted ids would "
-    "be served in another order than the drafter was trained on"
-)
+SERVING_REASON = ("serving engines capture layer id i as the input of decoder layer i + 1, so the last layer (id L-1) "
+                  "cannot be captured, and they concatenate the captured layers in ascending order, so unsorted ids "
+                  "would be served in another order than the drafter was trained on")
 
 
 def default_layer_ids(num_layers: int, count: int = DEFAULT_COUNT) -> list[int]:

@@ -61,13 +61,16 @@ class _Problems:
                            "message": f"{where}: {message}"})
 
 
-def _check_token_chunk(arr: zarr.Array, name: str, c: int, committed: int, spec: CacheSpec):
+def _check_token_chunk(s: _Shard, name: str, c: int, committed: int, spec: CacheSpec, bar):
     """Read chunk c whole, check its committed part; returns (error, [(check, bad tokens, facts)])."""
+    arr = s.arrays[name]
     t0 = c * arr.chunks[0]
     try:
         data = np.asarray(arr[t0:min(t0 + arr.chunks[0], arr.shape[0])])[: committed - t0]
     except Exception as e:  # crc32c mismatch, truncated or garbled blosc frame, missing key...
         return f"{type(e).__name__}: {e}", []
+    finally:
+        bar.update(1)
     found = []
 
     def flag(check, rows, facts):  # rows: the chunk's tokens that fail the check; facts: what to report
@@ -215,14 +218,10 @@ def verify_cache(path: str, *, max_problems: int = 100, progress: bool = True, w
                leave=False)
     _check_duplicates(shards, [_check_structure(s, spec, problems, bar) for s in shards], problems)
 
-    def check(job) -> tuple:
-        result = _check_token_chunk(job[0].arrays[job[1]], job[1], job[2], job[3], spec)
-        bar.update(1)
-        return result
-
     findings: dict[tuple[int, str, str], dict[str, Any]] = {}  # merged per (shard, array, check) across chunks
     with ThreadPoolExecutor(max(workers, 1)) as pool:  # each result is small: the chunks are not kept
-        for (s, f, c, committed), (error, found) in zip(jobs, pool.map(check, jobs)):
+        results = pool.map(lambda job: _check_token_chunk(*job, spec, bar), jobs)
+        for (s, f, c, committed), (error, found) in zip(jobs, results):
             t0, t1 = c * s.arrays[f].chunks[0], min((c + 1) * s.arrays[f].chunks[0], committed)
             if error is not None:
                 samples = None if s.mapping is None else range(int(s.samples_of(t0)), int(s.samples_of(t1 - 1)) + 1)
