@@ -1,7 +1,7 @@
 """The hidden-state cache: one Zarr v3 store, the contract between extract and train.
 
-Every array is flat and token-major, chunked along tokens (rows per chunk in
-``CacheSpec.chunks``), compressed with byte shuffle + zstd and checksummed (crc32c)::
+Every array is flat and token-major, chunked along tokens (rows per chunk in ``CacheSpec.chunks``), compressed with
+byte shuffle + zstd and checksummed (crc32c)::
 
     CACHE/                      root attributes: ``dflash_cache`` (see ``CacheSpec``)
       shards/00000/             one group per shard, written by exactly one process
