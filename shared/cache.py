@@ -115,14 +115,13 @@ class CacheSpec:
         self.hidden_scale_dtype = codec.scale_dtype if codec.lossy else None
         if self.format_version in (FORMAT_VERSION, ENCODED_FORMAT_VERSION):  # the current format of this encoding
             self.format_version = ENCODED_FORMAT_VERSION if self.encoded else FORMAT_VERSION
-        if self.encoded:
-            if self.format_version < ENCODED_FORMAT_VERSION:
-                raise CacheError(f"cache spec: format {self.format_version} cannot hold hidden {codec.describe()}, "
-                                 f"top-k log-probs {self.topk_dtype}")
-            try:
-                codec.check_hidden_size(self.hidden_size)
-            except ValueError as e:
-                raise CacheError(f"cache spec: {e}") from None
+        if self.encoded and self.format_version < ENCODED_FORMAT_VERSION:
+            raise CacheError(f"cache spec: format {self.format_version} cannot hold hidden {codec.describe()}, "
+                             f"top-k log-probs {self.topk_dtype}")
+        try:
+            codec.check_hidden_size(self.hidden_size)  # whole groups (only the int codecs have them)
+        except ValueError as e:
+            raise CacheError(f"cache spec: {e}") from None
         self.stored_dtypes = {f: dtype for f, (_, dtype) in token_array_shapes(self, 1).items()}
         if self.format_version >= 2 and not self.chunks:
             self.chunks = default_chunks(self)
