@@ -185,7 +185,6 @@ def verify_cache(path: str, *, max_problems: int = 100, progress: bool = True, w
     root, spec = open_spec(path)
     problems = _Problems(max_problems)
     shards: list[_Shard] = []
-    tails = {f: shape[1:] for f, (shape, _) in token_array_shapes(spec, 0).items()}
     for name in sorted(root["shards"].group_keys()) if "shards" in root else []:
         if not name.isdigit():
             problems.add(None, None, "structure", f"unexpected group shards/{name}")
@@ -196,9 +195,9 @@ def verify_cache(path: str, *, max_problems: int = 100, progress: bool = True, w
         except CacheError as e:
             problems.add(sid, None, "structure", str(e))
             continue
-        arrays = {}
+        arrays, shapes = {}, token_array_shapes(spec, state.planned.tokens)
         for f in spec.token_fields + META_FIELDS:
-            want = (state.planned.tokens,) + tails[f] if f in tails else None
+            want = shapes[f][0] if f in shapes else None
             if f not in g:
                 problems.add(sid, f, "structure", "array missing")
             elif want is not None and tuple(g[f].shape) != want:
