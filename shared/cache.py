@@ -40,8 +40,8 @@ import zarr
 import zarr.codecs as zc
 from zarr.core.sync import sync as zarr_sync
 
-from .compression import HIDDEN_CODECS, TOPK_DTYPES, is_local
 from . import hidden_codecs
+from .compression import HIDDEN_CODECS, TOPK_DTYPES, is_local
 from .hidden_codecs import EncodedHidden, HiddenCodec
 from .shard_lock import LOCKS_DIR as LOCKS_GROUP, live_holders
 
