@@ -71,29 +71,24 @@ def _check_token_chunk(s: _Shard, name: str, c: int, committed: int, spec: Cache
         return f"{type(e).__name__}: {e}", []
     finally:
         bar.update(1)
-    found = []
-
-    def flag(check, rows, facts):  # rows: the chunk's tokens that fail the check; facts: what to report
-        if rows.any():
-            found.append((check, t0 + np.flatnonzero(rows), facts()))
-
+    checks = []  # (check, the chunk's rows that fail it, what to report: computed only where a row fails)
     if name == HIDDEN_SCALE or name == "hidden" and spec.hidden_codec in ("bf16", "fp8"):  # int payloads have no NaN
         bad = (~np.isfinite(data) | (data < 0) if name == HIDDEN_SCALE  # (n, L, D) or (n, L, G)
                else (data & BF16_EXP_MASK) == BF16_EXP_MASK if spec.hidden_codec == "bf16" else (data & 0x7F) == FP8_NAN_BITS)
         per_layer = bad.any(axis=2)  # (n, L)
-        flag("bad_scale" if name == HIDDEN_SCALE else "nan_inf", per_layer.any(axis=1), lambda: {
-            "values": int(bad.sum()), "layers": {spec.layer_ids[j] for j in np.flatnonzero(per_layer.any(axis=0))}})
+        checks.append(("bad_scale" if name == HIDDEN_SCALE else "nan_inf", per_layer.any(axis=1), lambda: {
+            "values": int(bad.sum()), "layers": {spec.layer_ids[j] for j in np.flatnonzero(per_layer.any(axis=0))}}))
     elif name == "topk_logprobs":
         data = decode_topk_logprobs(spec, data).numpy()
         with np.errstate(invalid="ignore"):
-            flag("nan_inf", ~np.isfinite(data).all(axis=1), lambda: {"values": int((~np.isfinite(data)).sum())})
-            flag("positive", (data > LOGPROB_TOL).any(axis=1), lambda: {"max": float(np.nanmax(data))})
-            flag("not_descending", (np.diff(data, axis=1) > LOGPROB_TOL).any(axis=1), dict)
+            checks += [("nan_inf", ~np.isfinite(data).all(axis=1), lambda: {"values": int((~np.isfinite(data)).sum())}),
+                       ("positive", (data > LOGPROB_TOL).any(axis=1), lambda: {"max": float(np.nanmax(data))}),
+                       ("not_descending", (np.diff(data, axis=1) > LOGPROB_TOL).any(axis=1), dict)]
     elif name in ("input_ids", "topk_ids"):
         wrong = (data < 0) | (data >= spec.vocab_size)
-        flag("out_of_vocab", wrong.reshape(len(data), -1).any(axis=1),
-             lambda: {"ids": set(np.unique(data[wrong])[:5].tolist())})
-    return None, found
+        checks.append(("out_of_vocab", wrong.reshape(len(data), -1).any(axis=1),
+                       lambda: {"ids": set(np.unique(data[wrong])[:5].tolist())}))
+    return None, [(check, t0 + np.flatnonzero(rows), facts()) for check, rows, facts in checks if rows.any()]
 
 
 def _read_meta(s: _Shard, name: str, problems: _Problems, bar) -> np.ndarray | None:
