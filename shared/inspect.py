@@ -177,9 +177,8 @@ def show_sample(path: str, index: int, *, tokenizer_path: str | None = None, num
         fp.get("tokenizer", {}).get("name_or_path"), fp.get("target", {}).get("name_or_path"),
         (reader.spec.info or {}).get("target_path")]
     tokenizer, tok_path, tok_error = _load_tokenizer(candidates)
-    hash_matches = None
-    if tokenizer is not None and fp.get("tokenizer", {}).get("hash"):
-        hash_matches = tokenizer_fingerprint(tokenizer)["hash"] == fp["tokenizer"]["hash"]
+    recorded = fp.get("tokenizer", {}).get("hash")
+    hash_matches = tokenizer_fingerprint(tokenizer)["hash"] == recorded if tokenizer is not None and recorded else None
 
     ids, mask = raw["input_ids"].astype(np.int64), raw["loss_mask"].astype(bool)
     T = len(ids)
@@ -287,12 +286,10 @@ def conversion_error(reader: CacheReader, indices: np.ndarray, against: str | No
     if not reader.complete:
         return {"against": where, "unavailable": f"{reader.path} is not complete (a conversion that stopped midway? "
                                                   "rerun it to finish)"}
-    what = [("samples", len(reader), len(source))]
-    if len(reader) == len(source):
-        what += [("source rows", reader.source_indices(), source.source_indices()),
-                 ("sample lengths", reader.lengths(), source.lengths())]
-    for name, ours, theirs in what:
-        if not np.array_equal(ours, theirs):
+    for name, ours, theirs in (("samples", len(reader), len(source)),
+                               ("source rows", reader.source_indices(), source.source_indices()),
+                               ("sample lengths", reader.lengths(), source.lengths())):
+        if not np.array_equal(ours, theirs):  # (arrays of other lengths differ)
             raise CacheError(f"{source.path} does not hold the samples of {reader.path} ({name} differ): it is not "
                              "the cache it was converted from")
     missing = [lid for lid in reader.spec.layer_ids if lid not in source.spec.layer_ids]
