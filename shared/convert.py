@@ -113,17 +113,6 @@ def _check_source(reader: CacheReader, src: str) -> None:
         raise CacheError(f"{src}: the cache holds no shards; nothing to convert")
 
 
-def _source_plan(group: zarr.Group, state) -> ShardPlan:
-    """The plan a source shard was written with, read back from its arrays."""
-    offsets = np.asarray(group["offsets"][:])
-    plan = ShardPlan(source_index=np.asarray(group["source_index"][:]), lengths=np.diff(offsets),
-                     batches=np.asarray(group["batches"][:]), skipped=dict(state.skipped))
-    if plan.digest() != state.plan_digest:
-        raise CacheError(f"{group.path}: its offsets, source rows or batches do not match its recorded plan digest; "
-                         "run dflash-cache verify on the source")
-    return plan
-
-
 class Interrupted(Exception):
     """A stop was asked for (Ctrl-C): the shard being converted committed what it had."""
 
@@ -169,12 +158,16 @@ def _reencode(src: CacheSpec, dst: CacheSpec, stored: dict[str, np.ndarray], pla
     return out
 
 
-def _convert_shard(src: str, src_group: zarr.Group, dst: str, dst_root: zarr.Group, shard_id: int, src_spec: CacheSpec,
-                   dst_spec: CacheSpec, settings: ConvertSettings, advance: Callable[[int], None],
-                   say: Callable[[str], None], stop: threading.Event) -> dict[str, int]:
+def _convert_shard(src: str, src_group: zarr.Group, dst: str, dst_root: zarr.Group, shard_id: int,
+                   src_spec: CacheSpec, dst_spec: CacheSpec, settings: ConvertSettings,
+                   advance: Callable[[int], None], say: Callable[[str], None], stop: threading.Event) -> dict[str, int]:
     """Convert one shard under its lock; returns its token counts (converted now, found done)."""
     state = read_shard_state(src_group)
-    plan = _source_plan(src_group, state)
+    plan = ShardPlan(source_index=np.asarray(src_group["source_index"][:]), lengths=np.diff(src_group["offsets"][:]),
+                     batches=np.asarray(src_group["batches"][:]), skipped=dict(state.skipped))  # as written
+    if plan.digest() != state.plan_digest:
+        raise CacheError(f"{src_group.path}: its offsets, source rows or batches do not match its recorded plan "
+                         "digest; run dflash-cache verify on the source")
     lock = ShardLock(dst, shard_id)
     try:
         previous = lock.acquire()
@@ -218,13 +211,11 @@ def _convert_shard(src: str, src_group: zarr.Group, dst: str, dst_root: zarr.Gro
         lock.release()
 
 
-def convert_cache(src: str, dst: str, settings: ConvertSettings | None = None, *, progress: bool = True) -> dict[str, Any]:
-    """Convert cache ``src`` into ``dst`` (created, or resumed); returns a summary. Raises CacheError for a source
-    that is not finished or a ``dst`` holding another cache or written by another process; Interrupted after Ctrl-C."""
+def convert_cache(src: str, dst: str, settings: ConvertSettings, *, progress: bool = True) -> dict[str, Any]:
+    """Convert cache ``src`` into ``dst`` (created, or resumed) with validated ``settings``; returns a summary. Raises
+    CacheError for an unfinished source or a ``dst`` holding another cache or being written; Interrupted on Ctrl-C."""
     from tqdm import tqdm
 
-    settings = settings or ConvertSettings()
-    settings.validate()
     if _location(src).rstrip("/") == _location(dst).rstrip("/"):
         raise CacheError(f"{dst}: the destination is the source; convert into another path")
     reader = CacheReader(src)
