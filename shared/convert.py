@@ -126,13 +126,11 @@ def _stop_on_ctrl_c(stop: threading.Event):
                          "(Ctrl-C again stops at once)\n")
         signal.signal(signal.SIGINT, previous)
 
-    in_main = threading.current_thread() is threading.main_thread()  # where signal handlers can be set
-    previous = signal.signal(signal.SIGINT, handle) if in_main else None
+    previous = signal.signal(signal.SIGINT, handle)  # (Python sets signal handlers in the main thread only)
     try:
         yield
     finally:
-        if in_main:
-            signal.signal(signal.SIGINT, previous)
+        signal.signal(signal.SIGINT, previous)
 
 
 def _reencode(src: CacheSpec, dst: CacheSpec, stored: dict[str, np.ndarray], plan: ShardPlan, t0: int,

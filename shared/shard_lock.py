@@ -153,10 +153,6 @@ class ShardLock:
 def live_holders(out: str) -> dict[int, LockHolder]:
     """Every shard of the cache at ``out`` whose lock is held, with its holder."""
     fs, folder = _locks_folder(out)
-    try:
-        names = [p.rstrip("/").rsplit("/", 1)[-1] for p in fs.ls(folder, detail=False)]
-    except FileNotFoundError:
-        return {}
-    holders = {int(n[:-5]): ShardLock(out, int(n[:-5])).probe() for n in names
-               if n.endswith(".lock") and n[:-5].isdigit()}
+    names = [path.rsplit("/", 1)[-1].removesuffix(".lock") for path in fs.glob(f"{folder}/*.lock")]
+    holders = {int(n): ShardLock(out, int(n)).probe() for n in names if n.isdigit()}
     return {s: h for s, h in holders.items() if h is not None}
