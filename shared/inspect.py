@@ -299,7 +299,6 @@ def conversion_error(reader: CacheReader, indices: np.ndarray, against: str | No
     fields = ("input_ids", "hidden", "topk_ids", "topk_logprobs")
     err2, ref2, worst = np.zeros((3, reader.spec.num_layers))
     tk_err2 = tk_ref2 = tk_worst = 0.0
-    tokens = 0
     for i in indices:
         ours, theirs = reader.read(int(i), fields), source.read(int(i), fields)
         if not (torch.equal(ours["input_ids"], theirs["input_ids"]) and torch.equal(ours["topk_ids"], theirs["topk_ids"])):
@@ -313,13 +312,12 @@ def conversion_error(reader: CacheReader, indices: np.ndarray, against: str | No
         tk_err2 += float(((p - q) ** 2).sum())
         tk_ref2 += float((q * q).sum())
         tk_worst = max(tk_worst, float((p - q).abs().max())) if p.numel() else tk_worst
-        tokens += len(x)
     rel = lambda e, r: float(np.sqrt(e / r)) if r > 0 else None  # noqa: E731
     return {
         "against": where, "recorded_source": record["path"] if record else None,
         "source_matches_record": None if not record else record["fingerprint_digest"] == fingerprint_digest(
             source.spec.fingerprint),
-        "samples": len(indices), "tokens": tokens,
+        "samples": len(indices), "tokens": int(reader.lengths()[indices].sum()),
         "layers": [{"layer_id": lid, "rel_l2": rel(err2[j], ref2[j]), "max_abs_error": float(worst[j])}
                    for j, lid in enumerate(reader.spec.layer_ids)],
         "topk_logprobs": {"rel_l2": rel(tk_err2, tk_ref2), "max_abs_error": tk_worst},
