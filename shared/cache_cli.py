@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import sys
-from typing import Any
 
 import click
 
@@ -17,23 +16,19 @@ from dflash.shared.compression import HIDDEN_CODECS, SCALE_DTYPES, TOPK_DTYPES, 
 from dflash.shared.convert import ConvertSettings, Interrupted, convert_cache
 from dflash.shared.shard_lock import LockError
 
-EXIT_PROBLEMS = 1
-EXIT_ERROR = 2
-EXIT_INTERRUPTED = 130
-
 
 class CacheCliError(click.ClickException):
-    exit_code = EXIT_ERROR
+    exit_code = 2  # a bad cache or request
 
 
-def _run(fn, *args, **kwargs) -> dict[str, Any]:
+def _run(fn, *args, **kwargs) -> dict:
     try:
         return fn(*args, **kwargs)
     except (CacheError, LockError, IndexError) as e:
         raise CacheCliError(str(e)) from e
 
 
-def _emit_json(doc: dict[str, Any]) -> None:
+def _emit_json(doc: dict) -> None:
     click.echo(json.dumps(doc, indent=2, default=str, allow_nan=True))
 
 
@@ -70,10 +65,8 @@ def main():
 
 
 def _hidden_per_token(info: dict) -> str:  # hidden-state bytes per token on disk, and their share of raw bf16's
-    b = info["bytes_per_token"]
-    if b["hidden_on_disk"] is None:
-        return "-"
-    return f"{b['hidden_on_disk']:,.0f} ({b['hidden_on_disk'] / b['hidden_raw_bf16']:.3f} of raw bf16)"
+    on_disk, raw = info["bytes_per_token"]["hidden_on_disk"], info["bytes_per_token"]["hidden_raw_bf16"]
+    return "-" if on_disk is None else f"{on_disk:,.0f} ({on_disk / raw:.3f} of raw bf16)"
 
 
 @main.command()
@@ -196,7 +189,7 @@ def verify(cache: str, max_problems: int, workers: int, progress: bool, as_json:
             f"  [{p['check']}] {p['message']}" for p in d["problems"]]
         lines += [f"  ... and {d['problems_left_out']} more (raise --max-problems)"] * bool(d["problems_left_out"])
         click.echo("\n".join(lines))
-    sys.exit(0 if d["ok"] else EXIT_PROBLEMS)
+    sys.exit(0 if d["ok"] else 1)
 
 
 @main.command()
@@ -285,7 +278,7 @@ def convert(src: str, dst: str, progress: bool, as_json: bool, **values):
         d = _run(convert_cache, src, dst, settings, progress=progress)
     except Interrupted as e:
         click.echo(f"dflash-cache convert: interrupted: {e}; rerun the same command to resume", err=True)
-        sys.exit(EXIT_INTERRUPTED)
+        sys.exit(130)  # as a shell reports a process stopped by SIGINT
     before, after = _run(I.cache_info, src), _run(I.cache_info, dst)
     for key in ("bytes_on_disk", "bytes_per_token", "compression_ratio", "encoding"):
         d[key] = {"source": before[key], "destination": after[key]}

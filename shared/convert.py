@@ -4,6 +4,7 @@ as stored, the others are decoded and encoded again."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import os
@@ -112,41 +113,24 @@ def _check_source(reader: CacheReader, src: str) -> None:
         raise CacheError(f"{src}: the cache holds no shards; nothing to convert")
 
 
-def _source_plan(group: zarr.Group, state) -> ShardPlan:
-    """The plan a source shard was written with, read back from its arrays."""
-    offsets = np.asarray(group["offsets"][:])
-    plan = ShardPlan(source_index=np.asarray(group["source_index"][:]), lengths=np.diff(offsets),
-                     batches=np.asarray(group["batches"][:]), skipped=dict(state.skipped))
-    if plan.digest() != state.plan_digest:
-        raise CacheError(f"{group.path}: its offsets, source rows or batches do not match its recorded plan digest; "
-                         "run dflash-cache verify on the source")
-    return plan
-
-
 class Interrupted(Exception):
     """A stop was asked for (Ctrl-C): the shard being converted committed what it had."""
 
 
-class StopFlag:
-    """Set by the first SIGINT, so that the conversion commits and stops between two reads; a second interrupts."""
-
-    asked = False
-    _previous = None
-
-    def __enter__(self) -> "StopFlag":
-        if threading.current_thread() is threading.main_thread():
-            self._previous = signal.signal(signal.SIGINT, self._handle)
-        return self
-
-    def _handle(self, signum, frame) -> None:
-        self.asked = True
+@contextlib.contextmanager
+def _stop_on_ctrl_c(stop: threading.Event):
+    """The first Ctrl-C sets ``stop``: each shard commits and stops between two reads; a second interrupts."""
+    def handle(signum, frame):
+        stop.set()
         sys.stderr.write("\ndflash-cache convert: stopping after the current read, once it is committed "
                          "(Ctrl-C again stops at once)\n")
-        signal.signal(signal.SIGINT, self._previous or signal.default_int_handler)
+        signal.signal(signal.SIGINT, previous)
 
-    def __exit__(self, *exc) -> None:
-        if self._previous is not None:
-            signal.signal(signal.SIGINT, self._previous)
+    previous = signal.signal(signal.SIGINT, handle)  # (Python sets signal handlers in the main thread only)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 def _reencode(src: CacheSpec, dst: CacheSpec, stored: dict[str, np.ndarray], plan: ShardPlan, t0: int,
@@ -172,12 +156,16 @@ def _reencode(src: CacheSpec, dst: CacheSpec, stored: dict[str, np.ndarray], pla
     return out
 
 
-def _convert_shard(src_group: zarr.Group, dst_root: zarr.Group, dst: str, shard_id: int, src_spec: CacheSpec,
-                   dst_spec: CacheSpec, settings: ConvertSettings, advance: Callable[[int], None],
-                   say: Callable[[str], None], where: str, stop: StopFlag) -> dict[str, int]:
+def _convert_shard(src: str, src_group: zarr.Group, dst: str, dst_root: zarr.Group, shard_id: int,
+                   src_spec: CacheSpec, dst_spec: CacheSpec, settings: ConvertSettings,
+                   advance: Callable[[int], None], say: Callable[[str], None], stop: threading.Event) -> dict[str, int]:
     """Convert one shard under its lock; returns its token counts (converted now, found done)."""
     state = read_shard_state(src_group)
-    plan = _source_plan(src_group, state)
+    plan = ShardPlan(source_index=np.asarray(src_group["source_index"][:]), lengths=np.diff(src_group["offsets"][:]),
+                     batches=np.asarray(src_group["batches"][:]), skipped=dict(state.skipped))  # as written
+    if plan.digest() != state.plan_digest:
+        raise CacheError(f"{src_group.path}: its offsets, source rows or batches do not match its recorded plan "
+                         "digest; run dflash-cache verify on the source")
     lock = ShardLock(dst, shard_id)
     try:
         previous = lock.acquire()
@@ -202,12 +190,13 @@ def _convert_shard(src_group: zarr.Group, dst_root: zarr.Group, dst: str, shard_
             t0 = int(bounds[b0])  # whole batches up to the window's size (one at least)
             b1 = max(b0 + 1, int(np.searchsorted(bounds, t0 + window, side="right")) - 1)
             t1 = int(bounds[b1])
-            data = _reencode(src_spec, dst_spec, {f: np.asarray(a[t0:t1]) for f, a in arrays.items()}, plan, t0, where)
+            data = _reencode(src_spec, dst_spec, {f: np.asarray(a[t0:t1]) for f, a in arrays.items()}, plan, t0,
+                             where=f"{src} shard {shard_id:05d}")
             for b in range(b0, b1):
                 writer.write_batch(b, **{f: v[bounds[b] - t0:bounds[b + 1] - t0] for f, v in data.items()})
             advance(t1 - t0)
             time.sleep(settings.delay_s)
-            if stop.asked:
+            if stop.is_set():
                 writer.commit()
                 raise Interrupted(f"shard {shard_id:05d} committed {writer.committed['tokens']:,} of "
                                   f"{plan.num_tokens:,} tokens")
@@ -220,14 +209,11 @@ def _convert_shard(src_group: zarr.Group, dst_root: zarr.Group, dst: str, shard_
         lock.release()
 
 
-def convert_cache(src: str, dst: str, settings: ConvertSettings | None = None, *, progress: bool = True,
-                  say: Callable[[str], None] | None = None) -> dict[str, Any]:
-    """Convert cache ``src`` into ``dst`` (created, or resumed); returns a summary. Raises CacheError for a source
-    that is not finished or a ``dst`` holding another cache or written by another process; Interrupted after Ctrl-C."""
+def convert_cache(src: str, dst: str, settings: ConvertSettings, *, progress: bool = True) -> dict[str, Any]:
+    """Convert cache ``src`` into ``dst`` (created, or resumed) with validated ``settings``; returns a summary. Raises
+    CacheError for an unfinished source or a ``dst`` holding another cache or being written; Interrupted on Ctrl-C."""
     from tqdm import tqdm
 
-    settings = settings or ConvertSettings()
-    settings.validate()
     if _location(src).rstrip("/") == _location(dst).rstrip("/"):
         raise CacheError(f"{dst}: the destination is the source; convert into another path")
     reader = CacheReader(src)
@@ -241,39 +227,38 @@ def convert_cache(src: str, dst: str, settings: ConvertSettings | None = None, *
                             "destination or delete it", e.differences) from None
     bar = tqdm(total=reader.num_tokens, unit="tok", unit_scale=True, desc="convert", file=sys.stderr,
                dynamic_ncols=True, disable=not progress)
-    say = say or (lambda message: bar.write(f"dflash-cache convert: {message}", file=sys.stderr))
-    lock = threading.Lock()
+    stop, lock = threading.Event(), threading.Lock()
 
     def advance(tokens: int) -> None:
         with lock:
             bar.update(tokens)
 
-    try:
-        with zarr.config.set(writer_zarr_settings(dst)), StopFlag() as stop:
-            src_root = zarr.open_group(store=src, mode="r", zarr_format=3)
+    def say(message: str) -> None:
+        bar.write(f"dflash-cache convert: {message}", file=sys.stderr)
 
-            def convert_one(shard_id: int) -> dict[str, int]:
-                if stop.asked:  # another shard failed or Ctrl-C came: do not start this one
-                    return {}
-                try:
-                    return _convert_shard(src_root[shard_name(shard_id)], dst_root, dst, shard_id, reader.spec, spec,
-                                          settings, advance, say, where=f"{src} shard {shard_id:05d}", stop=stop)
-                except BaseException:
-                    stop.asked = True  # the shards being converted commit and stop
-                    raise
+    with zarr.config.set(writer_zarr_settings(dst)), _stop_on_ctrl_c(stop), bar:
+        src_root = zarr.open_group(store=src, mode="r", zarr_format=3)
 
-            ids = [s.shard_id for s in reader.shards]
-            if settings.workers == 1:  # in this thread, where a second Ctrl-C stops it at once
-                results = [convert_one(s) for s in ids]
-            else:
-                with ThreadPoolExecutor(settings.workers, thread_name_prefix="convert") as pool:
-                    futures = [pool.submit(convert_one, s) for s in ids]
-                failed = [f.exception() for f in futures if f.exception() is not None]
-                if failed:  # the first error that is not a stop (which it caused in the others)
-                    raise next((e for e in failed if not isinstance(e, Interrupted)), failed[0])
-                results = [f.result() for f in futures]
-    finally:
-        bar.close()
+        def convert_one(shard_id: int) -> dict[str, int]:
+            if stop.is_set():  # another shard failed or Ctrl-C came: do not start this one
+                return {}
+            try:
+                return _convert_shard(src, src_root[shard_name(shard_id)], dst, dst_root, shard_id, reader.spec, spec,
+                                      settings, advance, say, stop)
+            except BaseException:
+                stop.set()  # the shards being converted commit and stop
+                raise
+
+        ids = [s.shard_id for s in reader.shards]
+        if settings.workers == 1:  # in this thread, where a second Ctrl-C stops it at once
+            results = [convert_one(s) for s in ids]
+        else:
+            with ThreadPoolExecutor(settings.workers, thread_name_prefix="convert") as pool:
+                futures = [pool.submit(convert_one, s) for s in ids]
+            failed = [f.exception() for f in futures if f.exception() is not None]
+            if failed:  # the first error that is not a stop (which it caused in the others)
+                raise next((e for e in failed if not isinstance(e, Interrupted)), failed[0])
+            results = [f.result() for f in futures]
     totals = {k: sum(r.get(k, 0) for r in results) for k in ("tokens_converted", "tokens_found_done")}
     seconds = time.monotonic() - t_start
     return {"source": _location(src), "destination": dst, "shards": len(reader.shards), "samples": len(reader),

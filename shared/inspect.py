@@ -177,9 +177,8 @@ def show_sample(path: str, index: int, *, tokenizer_path: str | None = None, num
         fp.get("tokenizer", {}).get("name_or_path"), fp.get("target", {}).get("name_or_path"),
         (reader.spec.info or {}).get("target_path")]
     tokenizer, tok_path, tok_error = _load_tokenizer(candidates)
-    hash_matches = None
-    if tokenizer is not None and fp.get("tokenizer", {}).get("hash"):
-        hash_matches = tokenizer_fingerprint(tokenizer)["hash"] == fp["tokenizer"]["hash"]
+    recorded = fp.get("tokenizer", {}).get("hash")
+    hash_matches = tokenizer_fingerprint(tokenizer)["hash"] == recorded if tokenizer is not None and recorded else None
 
     ids, mask = raw["input_ids"].astype(np.int64), raw["loss_mask"].astype(bool)
     T = len(ids)
@@ -287,12 +286,10 @@ def conversion_error(reader: CacheReader, indices: np.ndarray, against: str | No
     if not reader.complete:
         return {"against": where, "unavailable": f"{reader.path} is not complete (a conversion that stopped midway? "
                                                   "rerun it to finish)"}
-    what = [("samples", len(reader), len(source))]
-    if len(reader) == len(source):
-        what += [("source rows", reader.source_indices(), source.source_indices()),
-                 ("sample lengths", reader.lengths(), source.lengths())]
-    for name, ours, theirs in what:
-        if not np.array_equal(ours, theirs):
+    for name, ours, theirs in (("samples", len(reader), len(source)),
+                               ("source rows", reader.source_indices(), source.source_indices()),
+                               ("sample lengths", reader.lengths(), source.lengths())):
+        if not np.array_equal(ours, theirs):  # (arrays of other lengths differ)
             raise CacheError(f"{source.path} does not hold the samples of {reader.path} ({name} differ): it is not "
                              "the cache it was converted from")
     missing = [lid for lid in reader.spec.layer_ids if lid not in source.spec.layer_ids]
@@ -302,7 +299,6 @@ def conversion_error(reader: CacheReader, indices: np.ndarray, against: str | No
     fields = ("input_ids", "hidden", "topk_ids", "topk_logprobs")
     err2, ref2, worst = np.zeros((3, reader.spec.num_layers))
     tk_err2 = tk_ref2 = tk_worst = 0.0
-    tokens = 0
     for i in indices:
         ours, theirs = reader.read(int(i), fields), source.read(int(i), fields)
         if not (torch.equal(ours["input_ids"], theirs["input_ids"]) and torch.equal(ours["topk_ids"], theirs["topk_ids"])):
@@ -316,13 +312,12 @@ def conversion_error(reader: CacheReader, indices: np.ndarray, against: str | No
         tk_err2 += float(((p - q) ** 2).sum())
         tk_ref2 += float((q * q).sum())
         tk_worst = max(tk_worst, float((p - q).abs().max())) if p.numel() else tk_worst
-        tokens += len(x)
     rel = lambda e, r: float(np.sqrt(e / r)) if r > 0 else None  # noqa: E731
     return {
         "against": where, "recorded_source": record["path"] if record else None,
         "source_matches_record": None if not record else record["fingerprint_digest"] == fingerprint_digest(
             source.spec.fingerprint),
-        "samples": len(indices), "tokens": tokens,
+        "samples": len(indices), "tokens": int(reader.lengths()[indices].sum()),
         "layers": [{"layer_id": lid, "rel_l2": rel(err2[j], ref2[j]), "max_abs_error": float(worst[j])}
                    for j, lid in enumerate(reader.spec.layer_ids)],
         "topk_logprobs": {"rel_l2": rel(tk_err2, tk_ref2), "max_abs_error": tk_worst},

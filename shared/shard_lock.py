@@ -1,10 +1,7 @@
-"""One writer per shard: a lock file per shard, ``CACHE/locks/NNNNN.lock``.
-
-Local folders: an OS lock on the file (``filelock``), which dies with its process, and ``NNNNN.json`` beside it
-naming the holder. Other fsspec URLs: the lock file, created only if absent, names the holder; one left by a dead run
-stays until the user deletes it (the refusal names it). Before every commit record the holder ``check``s the record is
-still its own, so a lock file deleted under a live run stops that run rather than letting two write.
-"""
+"""One writer per shard, through ``CACHE/locks/NNNNN.lock``: locally an OS lock (``filelock``, dies with its
+process) with ``NNNNN.json`` beside it naming the holder; on other fsspec URLs the file itself, created only if absent,
+names the holder and outlives a dead run until deleted. Before each commit record the holder ``check``s the record is
+still its own, so a lock file deleted under a live run stops that run rather than letting two write."""
 
 from __future__ import annotations
 
@@ -16,7 +13,6 @@ import time
 import uuid
 from dataclasses import asdict, dataclass
 from datetime import datetime, timezone
-from pathlib import Path
 
 import filelock
 
@@ -53,7 +49,7 @@ class ShardLocked(LockError):
     def __init__(self, lock: "ShardLock", holder: LockHolder | None):
         self.shard_id, self.holder = lock.shard_id, holder
         super().__init__(f"shard {lock.shard_id:05d} of {lock.out} is being written by another run: "
-                         + (holder or UNRECORDED).describe() + ("" if lock.fs is None else
+                         + (holder or UNRECORDED).describe() + ("" if lock.local else
                          f". If that run has ended (killed, or its machine lost), its lock file stays on the store: "
                          f"delete {lock.fs.unstrip_protocol(lock.path)} to release the shard"))
 
@@ -63,10 +59,9 @@ class LockLost(LockError):
 
 
 def _locks_folder(out: str):
-    """(fsspec filesystem or None where local, the folder of the lock files)."""
-    if "://" not in out or out.startswith("file://"):
-        return None, os.path.join(out.removeprefix("file://"), LOCKS_DIR)
+    """(fsspec filesystem, the folder of the lock files) of the cache at ``out``."""
     import fsspec
+
     fs, root = fsspec.core.url_to_fs(out)
     return fs, f"{root.rstrip('/')}/{LOCKS_DIR}"
 
@@ -77,16 +72,17 @@ class ShardLock:
     def __init__(self, out: str, shard_id: int):
         self.out, self.shard_id = out, shard_id
         self.record: LockHolder | None = None
+        self.local = "://" not in out or out.startswith("file://")
         self.fs, folder = _locks_folder(out)
         self.path = f"{folder}/{shard_id:05d}.lock"
         # locally the OS lock is on the .lock file and the record beside it; on a store the file is the record
-        self.record_path = self.path.removesuffix(".lock") + ".json" if self.fs is None else self.path
-        self.os_lock = filelock.FileLock(self.path) if self.fs is None else None
+        self.record_path = self.path.removesuffix(".lock") + ".json" if self.local else self.path
+        self.os_lock = filelock.FileLock(self.path) if self.local else None
 
     def _read(self) -> LockHolder | None:
         """The lock's record: None where there is none, UNRECORDED where it is not written whole yet."""
         try:
-            data = Path(self.record_path).read_bytes() if self.fs is None else self.fs.cat_file(self.path)
+            data = self.fs.cat_file(self.record_path)
         except FileNotFoundError:
             return None
         try:
@@ -95,14 +91,13 @@ class ShardLock:
             return UNRECORDED
 
     def _mine(self) -> bool:
-        current = self._read()
-        return self.record is not None and current is not None and current.token == self.record.token
+        return self.record is not None and getattr(self._read(), "token", None) == self.record.token
 
     def probe(self) -> LockHolder | None:
         """The holder of the lock, if any (locally: only a live one); takes nothing."""
-        if self.fs is not None:
+        if not self.local:
             return self._read()
-        if not os.path.exists(self.path):
+        if not self.fs.exists(self.path):
             return None
         try:
             with filelock.FileLock(self.path).acquire(timeout=0):
@@ -114,18 +109,17 @@ class ShardLock:
         """Take the lock or raise ``ShardLocked``; returns the record of a dead holder it replaced, if any."""
         record = LockHolder(HOST, os.getpid(), time.time(), uuid.uuid4().hex)
         data = json.dumps(asdict(record)).encode()
+        with contextlib.suppress(Exception):  # object stores have no folders to make
+            self.fs.makedirs(self.path.rsplit("/", 1)[0], exist_ok=True)
         previous = None
-        if self.fs is None:
-            os.makedirs(os.path.dirname(self.path), exist_ok=True)
+        if self.local:
             try:  # a short wait: a probe holds the lock for an instant
                 self.os_lock.acquire(timeout=0.1, poll_interval=0.01)
             except filelock.Timeout:
                 raise ShardLocked(self, self._read()) from None
             previous = self._read()
-            Path(self.record_path).write_bytes(data)
+            self.fs.pipe_file(self.record_path, data)
         else:
-            with contextlib.suppress(Exception):  # object stores have no folders to make
-                self.fs.makedirs(self.path.rsplit("/", 1)[0], exist_ok=True)
             try:
                 if self.fs.exists(self.path):  # where a store ignores "xb", check-then-create at least
                     raise FileExistsError(self.path)
@@ -149,20 +143,16 @@ class ShardLock:
             return
         try:
             if self._mine():
-                (os.remove if self.fs is None else self.fs.rm_file)(self.record_path)
+                self.fs.rm_file(self.record_path)
         finally:
             self.record = None
-            if self.fs is None:
+            if self.local:
                 self.os_lock.release()
 
 
 def live_holders(out: str) -> dict[int, LockHolder]:
     """Every shard of the cache at ``out`` whose lock is held, with its holder."""
     fs, folder = _locks_folder(out)
-    try:
-        names = os.listdir(folder) if fs is None else [p.rstrip("/").rsplit("/", 1)[-1] for p in fs.ls(folder, detail=False)]
-    except FileNotFoundError:
-        return {}
-    holders = {int(n[:-5]): ShardLock(out, int(n[:-5])).probe() for n in names
-               if n.endswith(".lock") and n[:-5].isdigit()}
+    names = [path.rsplit("/", 1)[-1].removesuffix(".lock") for path in fs.glob(f"{folder}/*.lock")]
+    holders = {int(n): ShardLock(out, int(n)).probe() for n in names if n.isdigit()}
     return {s: h for s, h in holders.items() if h is not None}
