@@ -78,8 +78,6 @@ from .config import BAD_ROW_POLICIES, DTYPES, TRUNCATION_POLICIES, ExtractConfig
 @click.option("--json/--no-json", default=False, help="With --plan: print the plan as JSON, not the report.")
 @click.option("--ignore-free-space/--no-ignore-free-space", default=False, help="Start even where the output's free "
               "space is below the estimate of what the run still has to write.")
-@click.option("--batch-delay-s", default=0.0, hidden=True, help="Sleep after each batch (tests only: makes a run slow "
-              "enough to interrupt midway).")
 def main(**kw) -> None:
     """Run the target over a chat dataset and write the DFlash hidden-state cache.
 

@@ -71,7 +71,6 @@ class ExtractConfig:
     plan: bool = False
     json: bool = False
     ignore_free_space: bool = False
-    batch_delay_s: float = 0.0  # tests only: a run slow enough to interrupt midway
 
     def validate(self) -> None:
         """Raise ValueError naming the first setting that cannot work."""

@@ -25,7 +25,8 @@ from .chat import end_of_turn_id, mask_method
 from .config import ExtractConfig, ExtractFailed, checked_layers, load_tokenizer_and_config
 from .data import DataError, dataset_fingerprint, load_source
 from .size_plan import run_space_problem
-from .worker import WorkerTask, describe_error, extract_shard, plan_task, take_lock, use_device
+from .plan import plan_shard, shard_slice
+from .worker import WorkerTask, describe_error, extract_shard, take_lock, use_device
 
 log = logging.getLogger(__name__)
 
@@ -33,8 +34,7 @@ log = logging.getLogger(__name__)
 # chunking change the bf16 roundings); the rest is how it was run
 FINGERPRINTED = ("topk", "max_length", "truncation", "min_length", "on_bad_row", "batch_tokens",
                  "chunk_tokens", "compression_level", "attn_implementation", "lm_head_chunk")
-NOT_RECORDED = ("out", "summary_json", "progress", "batch_delay_s", "wait_for_lock", "plan", "json",
-                "ignore_free_space")
+NOT_RECORDED = ("out", "summary_json", "progress", "wait_for_lock", "plan", "json", "ignore_free_space")
 
 
 def build_spec(cfg: ExtractConfig, tokenizer, model_config, ds, num_shards: int) -> CacheSpec:
@@ -242,7 +242,7 @@ def _run(cfg: ExtractConfig, rank: int, world: int) -> dict[str, Any] | None:
 
 def _lock_and_plan(cfg: ExtractConfig, rank: int, world: int, spec: CacheSpec, tokenizer, ds, progress: Progress,
                    locks: list):
-    """(every shard's state, this rank's tasks, {shard: (plan, timing)}), its shards locked into
+    """(every shard's state, this rank's tasks, {shard: (plan, its seconds)}), its shards locked into
     ``locks`` (the caller releases them) and planned unless every shard is complete."""
     root = prepare_root(cfg, spec, replace=False) if rank else open_root(cfg.out)  # the others check it now
     spec = CacheSpec.from_dict(root.attrs[ATTRS_KEY])  # an older format is resumed in its own layout
@@ -266,10 +266,12 @@ def _lock_and_plan(cfg: ExtractConfig, rank: int, world: int, spec: CacheSpec, t
                           cpu_threads=threads)
         use_device(task)
         try:
-            locks.append(take_lock(task, progress.reporter(shard), None))
-            planned[shard] = plan_task(task, tokenizer, ds)
+            locks.append(take_lock(task, progress.reporter(shard)))
+            t = time.perf_counter()
+            plan = plan_shard(*shard_slice(ds, num_shards, shard), cfg.data, tokenizer, cfg)
+            planned[shard] = plan, round(time.perf_counter() - t, 3)
         except Exception as e:  # noqa: BLE001 - said as the user reads it
-            raise ExtractFailed(describe_error(e, task)[1]) from e
+            raise ExtractFailed(describe_error(e, task)) from e
         tasks.append(task)
     return states, tasks, planned
 
@@ -281,11 +283,13 @@ def _extract_shards(cfg: ExtractConfig, tasks: list[WorkerTask], planned: dict, 
     runners: list = []
     try:
         for task, lock in zip(tasks, locks):
-            plan, timing = planned[task.shard_id]
+            plan, plan_s = planned[task.shard_id]
             try:
-                extract_shard(task, plan, pad_id, lock, progress.reporter(task.shard_id), None, timing, runners)
+                timing = extract_shard(task, plan, pad_id, lock, progress.reporter(task.shard_id), runners)
             except Exception as e:  # noqa: BLE001 - said as the user reads it
-                return describe_error(e, task)[1]
+                return describe_error(e, task)
+            if timing is not None:  # None: already complete, no loop to time
+                progress.timing[f"{task.shard_id:05d}"] = {"plan_s": plan_s, **timing}
     except KeyboardInterrupt:
         raise ExtractFailed("interrupted; every shard committed what it had. Rerun the same command to resume.\n\n"
                             + format_summary(summarize(cfg.out, [t.shard_id for t in tasks]))) from None
@@ -330,7 +334,7 @@ class Progress:
         self.bar = tqdm(total=0, unit="sample", dynamic_ncols=True, disable=not show, desc="extract")
         self.samples = self.tokens = 0
         self.first = self.last = None  # monotonic times of the first loop's start and of the last batch written
-        self.timing: dict[str, dict] = {}
+        self.timing: dict[str, dict] = {}  # each shard's seconds: planning, model load, head, loop
 
     def reporter(self, shard: int):
         return lambda kind, **fields: self.report(shard, kind, fields)
@@ -348,8 +352,6 @@ class Progress:
             self.bar.update(f["samples"])
             if self.last > self.first:
                 self.bar.set_postfix_str(f"{self.tokens / (self.last - self.first):,.0f} tok/s", refresh=False)
-        elif kind == "timing":  # the steps before the loop, the loop's wall and CPU seconds, the writer's split
-            self.timing[f"{shard:05d}"] = f
         elif kind == "warning":
             self.bar.write(f"dflash-extract: warning: {f['message']}", file=sys.stderr)
 

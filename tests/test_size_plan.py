@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import threading
 from collections import namedtuple
 
 import pytest
@@ -15,7 +14,6 @@ from click.testing import CliRunner
 
 from dflash.extract import size_plan as E
 from dflash.extract import runner as R
-from dflash.extract import worker as W
 from dflash.extract.cli import main as extract_main
 from dflash.extract.config import ExtractConfig
 from dflash.extract.data import load_source
@@ -23,7 +21,7 @@ from dflash.extract.plan import plan_shard, shard_rows
 from dflash.extract.chat import load_tokenizer
 from dflash.shared import cache as C
 from dflash.shared.cache_cli import main as cache_main
-from test_extract import BAD_ROWS, COMMON, LAYERS, TOPK, cli, dataset, shard_task  # noqa: F401 - dataset: the fixture
+from test_extract import BAD_ROWS, COMMON, LAYERS, TOPK, cli, dataset, run_shard, shard_task  # noqa: F401 - dataset: the fixture
 
 MAX_LENGTH = 64  # short enough that right truncation cuts some of the sample chats
 RUN = [*COMMON, "--max-length", str(MAX_LENGTH), "--on-bad-row", "skip"]  # the later --max-length wins
@@ -170,7 +168,7 @@ def test_a_run_refuses_to_start_below_the_space_it_still_needs(tmp_path, dataset
     task = shard_task(out, dataset, tiny_target_dir, 0, max_length=MAX_LENGTH)
     threads = torch.get_num_threads()
     try:
-        W.run_shard(task, lambda *a, **k: None, threading.Event())
+        run_shard(task)
     finally:
         torch.set_num_threads(threads)
     cfg = task.cfg
