@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import json
 from dataclasses import dataclass, field
 from typing import Any, Literal, get_args
@@ -111,9 +110,6 @@ class ExtractConfig:
         from dflash.shared.hidden_codecs import HiddenCodec
 
         return HiddenCodec(self.hidden_codec, self.hidden_group_size, self.hidden_scale_dtype)
-
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
 
 
 class ExtractFailed(Exception):

@@ -5,6 +5,7 @@ after every rank locks and plans its shards (a bad row anywhere stops the run), 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import os
 import signal
@@ -55,7 +56,7 @@ def build_spec(cfg: ExtractConfig, tokenizer, model_config, ds, num_shards: int)
                       shard_rows="contiguous", chat_template={
                           "mask_method": mask_method(tokenizer), "end_of_turn": cfg.end_of_turn,
                           "end_of_turn_id": eot, "template_kwargs": dict(cfg.template_kwargs)})
-    info_cfg = {k: v for k, v in cfg.to_dict().items() if k not in NOT_RECORDED}
+    info_cfg = {k: v for k, v in dataclasses.asdict(cfg).items() if k not in NOT_RECORDED}
     dataset = dataset_fingerprint(ds, cfg.data, cfg.split or "train")
     target = target_fingerprint(cfg.model, model_config.to_dict(), cfg.dtype, revision=cfg.revision)
     # recorded, not compared: `datasets`' own fingerprint (not a content hash) and where hashed
@@ -262,11 +263,10 @@ def _lock_and_plan(cfg: ExtractConfig, rank: int, world: int, spec: CacheSpec, t
                                 f"LOCAL_RANK {local}: only {count} CUDA devices are visible (start one process per GPU)")
         device = f"cuda:{local}"
     for shard in range(rank, num_shards, world):
-        task = WorkerTask(cfg=cfg, spec=spec, shard_id=shard, num_shards=num_shards, device=device,
-                          cpu_threads=threads)
+        task = WorkerTask(cfg=cfg, spec=spec, shard_id=shard, device=device, cpu_threads=threads)
         use_device(task)
         try:
-            locks.append(take_lock(task, progress.reporter(shard)))
+            locks.append(take_lock(task, progress.report))
             t = time.perf_counter()
             plan = plan_shard(*shard_slice(ds, num_shards, shard), cfg.data, tokenizer, cfg)
             planned[shard] = plan, round(time.perf_counter() - t, 3)
@@ -285,7 +285,7 @@ def _extract_shards(cfg: ExtractConfig, tasks: list[WorkerTask], planned: dict, 
         for task, lock in zip(tasks, locks):
             plan, plan_s = planned[task.shard_id]
             try:
-                timing = extract_shard(task, plan, pad_id, lock, progress.reporter(task.shard_id), runners)
+                timing = extract_shard(task, plan, pad_id, lock, progress.report, runners)
             except Exception as e:  # noqa: BLE001 - said as the user reads it
                 return describe_error(e, task)
             if timing is not None:  # None: already complete, no loop to time
@@ -336,10 +336,7 @@ class Progress:
         self.first = self.last = None  # monotonic times of the first loop's start and of the last batch written
         self.timing: dict[str, dict] = {}  # each shard's seconds: planning, model load, head, loop
 
-    def reporter(self, shard: int):
-        return lambda kind, **fields: self.report(shard, kind, fields)
-
-    def report(self, shard: int, kind: str, f: dict) -> None:
+    def report(self, kind: str, **f) -> None:
         if kind == "planned":
             self.bar.total += f["samples"]
             self.bar.update(f["done_samples"])

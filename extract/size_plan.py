@@ -109,7 +109,7 @@ def free_bytes(out: str) -> tuple[int, str] | None:
     if not is_local(out):
         return None
     where = os.path.abspath(out)
-    while not os.path.exists(where) and os.path.dirname(where) != where:
+    while not os.path.exists(where):
         where = os.path.dirname(where)
     return shutil.disk_usage(where).free, where
 
@@ -117,17 +117,17 @@ def free_bytes(out: str) -> tuple[int, str] | None:
 def run_space_problem(cfg, spec, planned: dict[int, dict[str, int]], committed: dict[int, Any]) -> str | None:
     """The message naming both numbers where ``cfg.out`` has less free space than what is left to write
     (each shard's planned ``tokens``/``samples`` minus its ``committed``), else None; URLs are not checked."""
+    free = free_bytes(cfg.out)
+    if free is None:
+        log.info("%s: free space not checked (an fsspec URL)", cfg.out)
+        return None
+    available, where = free
     size = size_estimate(spec.num_layers, spec.hidden_size, spec.topk, spec.codec, spec.topk_dtype)
     left = {k: sum(max(0, p[k] - getattr(committed.get(s), k, 0)) for s, p in planned.items())
             for k in ("tokens", "samples")}
     needed = size.total(left["tokens"], left["samples"])
     resumed = any(getattr(committed.get(s), "tokens", 0) for s in planned)
     what = f"{'the rest of ' if resumed else ''}this run ({left['tokens']:,} tokens x {size.per_token:,.0f} B/token)"
-    free = free_bytes(cfg.out)
-    if free is None:
-        log.info("%s: free space not checked (an fsspec URL)", cfg.out)
-        return None
-    available, where = free
     if available >= needed:
         log.info("%s: %s free, %s needs about %s (an estimate)", cfg.out, size_text(available), what,
                  size_text(needed))
@@ -144,13 +144,10 @@ def count_run(cfg: ExtractConfig, tokenizer, ds, num_shards: int) -> dict[str, A
 
     from .plan import plan_shard, shard_slice
 
-    counts = Counter(rows=len(ds), shards=num_shards)
-    skipped: Counter[str] = Counter()
-    longest = 0
+    counts, skipped, longest = Counter(rows=len(ds), shards=num_shards), Counter(), 0
     with tqdm(total=len(ds), unit="row", desc="planning", dynamic_ncols=True, disable=not cfg.progress) as bar:
         for shard in range(num_shards):
-            rows, start = shard_slice(ds, num_shards, shard)
-            planned = plan_shard(rows, start, cfg.data, tokenizer, cfg,
+            planned = plan_shard(*shard_slice(ds, num_shards, shard), cfg.data, tokenizer, cfg,
                                  on_row=lambda done, base=bar.n: bar.update(base + done - bar.n))
             plan = planned.plan
             skipped.update(plan.skipped)

@@ -36,7 +36,6 @@ class WorkerTask:
     cfg: ExtractConfig
     spec: CacheSpec
     shard_id: int
-    num_shards: int
     device: str
     cpu_threads: int | None = None
 

@@ -115,7 +115,7 @@ def shard_task(out, dataset, tiny_target_dir, shard, **overrides):
     cfg = ExtractConfig(data=str(dataset[0]), model=str(tiny_target_dir), out=str(out), **{**settings, **overrides})
     spec = run_spec(cfg)
     R.prepare_root(cfg, spec)
-    return W.WorkerTask(cfg=cfg, spec=spec, shard_id=shard, num_shards=2, device="cpu", cpu_threads=1)
+    return W.WorkerTask(cfg=cfg, spec=spec, shard_id=shard, device="cpu", cpu_threads=1)
 
 
 def run_shard(task, report=lambda *a, **k: None):
@@ -129,8 +129,8 @@ def run_shard(task, report=lambda *a, **k: None):
     try:
         t = time.perf_counter()
         tokenizer = load_tokenizer(task.cfg)
-        planned = plan_shard(*shard_slice(load_source(task.cfg.data), task.num_shards, task.shard_id), task.cfg.data,
-                             tokenizer, task.cfg)
+        rows, start = shard_slice(load_source(task.cfg.data), task.cfg.shards or 1, task.shard_id)
+        planned = plan_shard(rows, start, task.cfg.data, tokenizer, task.cfg)
         plan_s = time.perf_counter() - t
         return {"plan_s": plan_s, **W.extract_shard(task, planned, tokenizer.pad_token_id, lock, report, runners)}
     finally:
@@ -645,7 +645,7 @@ def test_cuda_worker_matches_hf_on_the_gpu(tmp_path, dataset, tiny_target_dir):
     R.prepare_root(cfg, spec)
     switch = sys.getswitchinterval()
     try:
-        timing = run_shard(W.WorkerTask(cfg=cfg, spec=spec, shard_id=0, num_shards=1, device="cuda:0"))
+        timing = run_shard(W.WorkerTask(cfg=cfg, spec=spec, shard_id=0, device="cuda:0"))
     finally:
         sys.setswitchinterval(switch)
     # the GPU's seconds inside and between batches fit in the loop's wall time

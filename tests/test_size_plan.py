@@ -4,6 +4,7 @@ refuses to start (or resumes) by the space it still needs."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 from collections import namedtuple
@@ -15,7 +16,6 @@ from click.testing import CliRunner
 from dflash.extract import size_plan as E
 from dflash.extract import runner as R
 from dflash.extract.cli import main as extract_main
-from dflash.extract.config import ExtractConfig
 from dflash.extract.data import load_source
 from dflash.extract.plan import plan_shard, shard_rows
 from dflash.extract.chat import load_tokenizer
@@ -197,12 +197,12 @@ def test_a_run_refuses_to_start_below_the_space_it_still_needs(tmp_path, dataset
     assert E.run_space_problem(cfg, spec, planned, committed) is None  # exactly enough for the rest
     assert "needs about" in E.run_space_problem(cfg, spec, planned, {})  # not for a fresh run
     with caplog.at_level("INFO"):
-        url = ExtractConfig(**{**cfg.to_dict(), "out": "file://" + str(out)})
+        url = dataclasses.replace(cfg, out="file://" + str(out))
         assert E.run_space_problem(url, spec, planned, {}) is None
     assert "free space not checked" in caplog.text
 
     monkeypatch.setattr(shutil, "disk_usage", lambda path: DiskUsage(10**12, 10**12, 0))
-    summary = R.run(ExtractConfig(**{**cfg.to_dict(), "ignore_free_space": True}))
+    summary = R.run(dataclasses.replace(cfg, ignore_free_space=True))
     assert summary["complete"] and summary["samples"] == planned[0]["samples"] + planned[1]["samples"]
 
 
