@@ -93,8 +93,8 @@ def main(**kw) -> None:
         if cfg.plan:  # the report (or --json) on stdout; nothing loaded or written
             from .size_plan import format_plan, plan_run
 
-            doc, size = plan_run(cfg)
-            click.echo(json.dumps(doc, indent=2) if cfg.json else format_plan(doc, size, cfg))
+            doc = plan_run(cfg)
+            click.echo(json.dumps(doc, indent=2) if cfg.json else format_plan(doc, cfg))
         else:
             doc = run(cfg)
             if doc is None:  # not rank 0: rank 0 prints the summary

@@ -119,15 +119,15 @@ def test_bytes_per_token_from_the_codec_and_the_measured_ratios():
     measured = {"bf16": 28_350, "fp8": 16_970, "int8": 19_739, "int4": 9_098}
     for mode, per_token in measured.items():
         estimate = E.size_estimate(5, 4096, 64, H.HiddenCodec(mode))
-        assert estimate.per_token == pytest.approx(per_token, abs=1.5), mode
-        assert estimate.hidden_raw_bf16 == 40_960
+        assert estimate["per_token"] == pytest.approx(per_token, abs=1.5), mode
+        assert estimate["hidden_raw_bf16_per_token"] == 40_960
     hidden = torch.randn(8, 3, 256, dtype=torch.bfloat16)
     for codec in (H.HiddenCodec("fp8"), H.HiddenCodec("int8", 128), H.HiddenCodec("int4", 32),
                   H.HiddenCodec("int8", 64, "float32")):
         estimate = E.size_estimate(3, 256, 16, codec)
-        assert estimate.hidden_encoded * 8 == H.encode(codec, hidden).nbytes(), codec
-        assert estimate.per_token < E.size_estimate(3, 256, 16).per_token
-    assert E.size_estimate(3, 256, 16, topk_dtype="float16").other_raw == 4 + 1 + 16 * 6
+        assert estimate["hidden_encoded_per_token"] * 8 == H.encode(codec, hidden).nbytes(), codec
+        assert estimate["per_token"] < E.size_estimate(3, 256, 16)["per_token"]
+    assert E.size_estimate(3, 256, 16, topk_dtype="float16")["other_raw_per_token"] == 4 + 1 + 16 * 6
 
 
 def test_forward_flops_per_token_match_torchs_flop_counter(tiny_target_dir):
@@ -180,8 +180,9 @@ def test_a_run_refuses_to_start_below_the_space_it_still_needs(tmp_path, dataset
         planned[s] = {"tokens": p.num_tokens, "samples": len(p.source_index)}
     spec = C.CacheSpec.from_dict(C.open_root(str(out)).attrs[C.ATTRS_KEY])
     size = E.size_estimate(len(LAYERS), spec.hidden_size, TOPK)
-    rest = size.total(planned[1]["tokens"], planned[1]["samples"])
-    fresh = size.total(planned[0]["tokens"] + planned[1]["tokens"], planned[0]["samples"] + planned[1]["samples"])
+    rest = E.total_bytes(size, planned[1]["tokens"], planned[1]["samples"])
+    fresh = E.total_bytes(size, planned[0]["tokens"] + planned[1]["tokens"],
+                          planned[0]["samples"] + planned[1]["samples"])
     assert fresh > rest
 
     monkeypatch.setattr(shutil, "disk_usage", lambda path: DiskUsage(10**12, 10**12 - rest + 1, rest - 1))
