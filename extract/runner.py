@@ -14,6 +14,7 @@ import time
 from datetime import timedelta
 from typing import Any
 
+import torch
 import torch.distributed as dist
 import zarr
 
@@ -27,7 +28,7 @@ from .config import ExtractConfig, ExtractFailed, checked_layers, load_tokenizer
 from .data import DataError, dataset_fingerprint, load_source
 from .size_plan import run_space_problem
 from .plan import plan_shard, shard_slice
-from .worker import WorkerTask, describe_error, extract_shard, take_lock, use_device
+from .worker import WorkerTask, describe_error, extract_shard, take_lock
 
 log = logging.getLogger(__name__)
 
@@ -159,6 +160,7 @@ def format_summary(s: dict[str, Any]) -> str:
 
 
 MEETING_TIMEOUT = timedelta(days=7)  # at the last meeting, a rank waits for the slowest rank's shards
+GIL_SWITCH_S = 0.0005  # at Python's 5 ms the writer thread waits that long at every hand-off (BENCHMARKS_LOG.md)
 
 
 def run(cfg: ExtractConfig) -> dict[str, Any] | None:
@@ -251,20 +253,9 @@ def _lock_and_plan(cfg: ExtractConfig, rank: int, world: int, spec: CacheSpec, t
     states = read_shard_states(root, list(range(num_shards)))
     if all(st is not None and st.complete for st in states.values()):
         return states, [], {}
-    tasks, planned, device, threads = [], {}, "cpu", None
-    if cfg.device == "cpu":
-        threads = cfg.cpu_threads or max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
-    else:
-        import torch
-
-        local, count = int(os.environ.get("LOCAL_RANK", "0")), torch.cuda.device_count()
-        if local >= count:
-            raise ExtractFailed("--device cuda but no CUDA device is visible (use --device cpu)" if not count else
-                                f"LOCAL_RANK {local}: only {count} CUDA devices are visible (start one process per GPU)")
-        device = f"cuda:{local}"
+    device, tasks, planned = use_device(cfg), [], {}
     for shard in range(rank, num_shards, world):
-        task = WorkerTask(cfg=cfg, spec=spec, shard_id=shard, device=device, cpu_threads=threads)
-        use_device(task)
+        task = WorkerTask(cfg=cfg, spec=spec, shard_id=shard, device=device)
         try:
             locks.append(take_lock(task, progress.report))
             t = time.perf_counter()
@@ -274,6 +265,22 @@ def _lock_and_plan(cfg: ExtractConfig, rank: int, world: int, spec: CacheSpec, t
             raise ExtractFailed(describe_error(e, task)) from e
         tasks.append(task)
     return states, tasks, planned
+
+
+def use_device(cfg: ExtractConfig) -> str:
+    """Set this process up: its torch threads on the CPU (the cores shared by torchrun's local processes),
+    the GIL switch interval, cuda:LOCAL_RANK as its CUDA device; that device."""
+    sys.setswitchinterval(GIL_SWITCH_S)
+    if cfg.device == "cpu":
+        local_processes = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        torch.set_num_threads(cfg.cpu_threads or max(1, (os.cpu_count() or 1) // local_processes))
+        return "cpu"
+    local, count = int(os.environ.get("LOCAL_RANK", "0")), torch.cuda.device_count()
+    if local >= count:
+        raise ExtractFailed("--device cuda but no CUDA device is visible (use --device cpu)" if not count else
+                            f"LOCAL_RANK {local}: only {count} CUDA devices are visible (start one process per GPU)")
+    torch.cuda.set_device(local)
+    return f"cuda:{local}"
 
 
 def _extract_shards(cfg: ExtractConfig, tasks: list[WorkerTask], planned: dict, locks: list, pad_id: int | None,

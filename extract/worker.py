@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import contextlib
 import queue
-import sys
 import threading
 import time
 import traceback
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import zarr
@@ -25,7 +25,6 @@ from .data import DataError
 from .plan import PlannedShard
 from .target import TargetRunner, compute_environment, head_backend_for, load_target
 
-GIL_SWITCH_S = 0.0005  # at Python's 5 ms the writer thread waits that long at every hand-off (BENCHMARKS_LOG.md)
 LOCK_POLL_S = 2.0  # seconds between attempts to take a shard's lock under --wait-for-lock
 
 
@@ -37,7 +36,6 @@ class WorkerTask:
     spec: CacheSpec
     shard_id: int
     device: str
-    cpu_threads: int | None = None
 
 
 class WriterFailed(Exception):
@@ -118,9 +116,9 @@ def _mark(stream=None, timing: bool = True):
     return event
 
 
-def _to_host(out, spec: CacheSpec, device: torch.device, copy_stream=None):
-    """(one batch's outputs encoded on the device, where fewer bytes cross, and on CUDA copied into pinned
-    buffers on ``copy_stream`` while the next forward runs; the event that marks the copies' end)."""
+def _to_host(out, spec: CacheSpec, device: torch.device, copy_stream=None) -> tuple[dict[str, torch.Tensor], Any]:
+    """One batch's outputs encoded on the device (fewer bytes cross) and, on CUDA, copied into pinned
+    buffers on ``copy_stream`` while the next forward runs; the returned event marks their end."""
     tensors = {
         **encode_hidden(spec, out.hidden, validate=False),  # (N, L, D) bits or (N, L, W) + (N, L, G)
         "topk_ids": out.topk_ids,
@@ -136,15 +134,6 @@ def _to_host(out, spec: CacheSpec, device: torch.device, copy_stream=None):
             host[name].copy_(t, non_blocking=True)
             t.record_stream(copy_stream)  # the compute stream reuses t's memory only after the copy
     return host, _mark(copy_stream, timing=False)
-
-
-def use_device(task: WorkerTask) -> None:
-    """Set this process up for ``task``: its CPU threads, the GIL switch interval, the CUDA device."""
-    if task.cpu_threads:
-        torch.set_num_threads(task.cpu_threads)
-    sys.setswitchinterval(GIL_SWITCH_S)
-    if task.device.startswith("cuda"):
-        torch.cuda.set_device(task.device)
 
 
 def take_lock(task: WorkerTask, report) -> ShardLock:

@@ -115,7 +115,7 @@ def shard_task(out, dataset, tiny_target_dir, shard, **overrides):
     cfg = ExtractConfig(data=str(dataset[0]), model=str(tiny_target_dir), out=str(out), **{**settings, **overrides})
     spec = run_spec(cfg)
     R.prepare_root(cfg, spec)
-    return W.WorkerTask(cfg=cfg, spec=spec, shard_id=shard, device="cpu", cpu_threads=1)
+    return W.WorkerTask(cfg=cfg, spec=spec, shard_id=shard, device="cpu")
 
 
 def run_shard(task, report=lambda *a, **k: None):
@@ -124,7 +124,7 @@ def run_shard(task, report=lambda *a, **k: None):
     from dflash.extract.data import load_source
     from dflash.extract.plan import plan_shard, shard_slice
 
-    W.use_device(task)
+    R.use_device(task.cfg)
     lock, runners = W.take_lock(task, report), []
     try:
         t = time.perf_counter()
@@ -591,7 +591,7 @@ def test_a_shard_resumes_only_where_it_was_computed(tmp_path, extracted, dataset
         torch.set_num_threads(1)
         assert attrs["compute"] == compute_environment(torch.device("cpu"))
         assert attrs["compute"]["device"].endswith("x1 threads") and attrs["compute"]["torch"] == torch.__version__
-        other = dataclasses.replace(task, cpu_threads=2)
+        other = dataclasses.replace(task, cfg=dataclasses.replace(task.cfg, cpu_threads=2))
         with pytest.raises(C.CacheError) as err:
             run_shard(other)
         message = W.describe_error(err.value, other)
