@@ -930,8 +930,8 @@ def test_a_second_run_is_refused_naming_the_holder_and_a_waiting_run_takes_over_
         for s, h in holders.items():
             assert f"writing    shard {s:05d} now: host {h.host}, pid {h.pid}, since" in info.output, info.output
 
-        waiting = subprocess.Popen([*TORCHRUN, *flags, "--wait-for-lock"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                   text=True)  # started beside the second, to save time
+        waiting = subprocess.Popen([*TORCHRUN, *flags, "--wait-for-lock"], stdout=subprocess.PIPE,
+                                   stderr=subprocess.PIPE, text=True)  # started beside the second, to save time
         second = cli("--data", dataset[0], "--model", tiny_target_dir, "--out", out, "--on-bad-row", "skip",
                      *COMMON, check=False)
         assert first.poll() is None, "the first run ended before the second started: nothing was tested"

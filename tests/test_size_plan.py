@@ -21,7 +21,8 @@ from dflash.extract.plan import plan_shard, shard_rows
 from dflash.extract.chat import load_tokenizer
 from dflash.shared import cache as C
 from dflash.shared.cache_cli import main as cache_main
-from test_extract import BAD_ROWS, COMMON, LAYERS, TOPK, cli, dataset, run_shard, shard_task  # noqa: F401 - dataset: the fixture
+from test_extract import (BAD_ROWS, COMMON, LAYERS, TOPK, cli, dataset,  # noqa: F401 - dataset: the fixture
+                          run_shard, shard_task)
 
 MAX_LENGTH = 64  # short enough that right truncation cuts some of the sample chats
 RUN = [*COMMON, "--max-length", str(MAX_LENGTH), "--on-bad-row", "skip"]  # the later --max-length wins
