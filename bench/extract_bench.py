@@ -3,8 +3,8 @@
 Builds a Qwen3-8B-shaped target with random weights (bf16) and `--samples` text rows of
 exactly `--length` tokens, then on one GPU: (1) the planned batches through ``TargetRunner``
 (forward + capture + top-k: the reference of every ratio) and HF's causal-LM forward,
-nothing copied or written; (2) ``run_shard``, the real worker, from the first batch to the
-last commit, a JSON line per run. ``--codecs`` runs the worker once per hidden codec
+nothing copied or written; (2) ``runner.run``, the real extraction, its forward loop from the first
+batch to the last commit, a JSON line per run. ``--codecs`` runs the worker once per hidden codec
 (interleaved, ``--repeat`` times), then each codec's medians and its rate against bf16's.
 
     python bench/extract_bench.py --samples 400 --length 2048 --batch-tokens 8192 --references runner --repeat 3
@@ -103,9 +103,9 @@ def main():
     from dflash.extract.config import ExtractConfig
     from dflash.extract.data import load_source
     from dflash.extract.plan import plan_shard
-    from dflash.extract.runner import build_spec, prepare_root
+    from dflash.extract.runner import build_spec, run
+    from dflash.shared.cache import CacheReader
     from dflash.extract.target import TargetRunner, head_backend_for, load_target
-    from dflash.extract.worker import WorkerTask, run_shard
 
     out = work / "cache.zarr"
     shutil.rmtree(out, ignore_errors=True)
@@ -165,36 +165,24 @@ def main():
     for name, overrides in [v for _ in range(args.repeat) for v in variants]:  # interleaved: drift hits all alike
         shutil.rmtree(out, ignore_errors=True)
         vcfg = dataclasses.replace(cfg, **overrides)
-        vspec = build_spec(vcfg, tok, AutoConfig.from_pretrained(model_dir), ds, 1)  # the codec is in the spec
-        prepare_root(vcfg, vspec)
-        events = {}
-
-        def report(kind, **f):
-            if kind == "started":
-                events.update(start=time.perf_counter(), cpu0=time.process_time())
-            elif kind == "timing":
-                events["timing"] = f
-
-        task = WorkerTask(cfg=vcfg, spec=vspec, shard_id=0, num_shards=1, device="cuda:0" if cuda else "cpu")
-        run_shard(task, report)
-        t_extract = time.perf_counter() - events["start"]
-        timing = events["timing"]
+        timing = run(vcfg)["worker_seconds"]["00000"]
+        t_extract = timing["loop_s"]  # the forward loop, first batch to last commit
         # steady state, what a long run approaches: on CUDA the GPU's span from the first batch's
-        # start to the last one's end, elsewhere the loop up to its last batch; the rest of the
-        # wall time (the last batch's writes and the final commit) is paid once per shard
-        t_steady = timing["gpu_busy"] + timing["gpu_gap"] if cuda else timing["loop_s"] - timing["drain_s"]
-        cores = (time.process_time() - events["cpu0"]) / t_extract
+        # start to the last one's end (the rest, the last batch's writes and the final commit, is
+        # paid once per shard); elsewhere the whole loop
+        t_steady = timing["gpu_busy"] + timing["gpu_gap"] if cuda else t_extract
+        cores = timing["cpu_s"] / t_extract
         stored = sum(f.stat().st_size for f in out.rglob("*") if f.is_file())
         hidden_stored = sum(f.stat().st_size for name in ("hidden", "hidden_scale")
                             for f in (out / "shards" / "00000" / name).rglob("*") if f.is_file())
         result = {
-            "worker_settings": name, "commit_seconds": vcfg.commit_seconds, "encoding": vspec.encoding(),
+            "worker_settings": name, "commit_seconds": vcfg.commit_seconds,
+            "encoding": CacheReader(str(out)).spec.encoding(),
             "samples": len(plan.source_index), "tokens": n_tok, "batch_tokens": args.batch_tokens,
             "forward_capture_topk_tok_s": round(n_tok / t_runner),
             "extract_tok_s": round(n_tok / t_extract),
             "extract_vs_forward_capture_topk": round(t_runner / t_extract, 3),
             "steady_vs_forward_capture_topk": round(t_runner / t_steady, 3),
-            "once_per_shard_s": {"drain": timing["drain_s"], "after_loop": round(t_extract - timing["loop_s"], 3)},
             "hf_causal_lm_forward_tok_s": n_tok / t_hf, "extract_vs_hf_causal_lm_forward": round(t_hf / t_extract, 3),
             "cpu_cores_busy": round(cores, 2), "head_backend": head_backend_for(args.device),
             "head_compile_s": round(t_head_compile, 2),

@@ -78,8 +78,6 @@ from .config import BAD_ROW_POLICIES, DTYPES, TRUNCATION_POLICIES, ExtractConfig
 @click.option("--json/--no-json", default=False, help="With --plan: print the plan as JSON, not the report.")
 @click.option("--ignore-free-space/--no-ignore-free-space", default=False, help="Start even where the output's free "
               "space is below the estimate of what the run still has to write.")
-@click.option("--batch-delay-s", default=0.0, hidden=True, help="Sleep after each batch (tests only: makes a run slow "
-              "enough to interrupt midway).")
 def main(**kw) -> None:
     """Run the target over a chat dataset and write the DFlash hidden-state cache.
 
@@ -95,8 +93,8 @@ def main(**kw) -> None:
         if cfg.plan:  # the report (or --json) on stdout; nothing loaded or written
             from .size_plan import format_plan, plan_run
 
-            doc, size = plan_run(cfg)
-            click.echo(json.dumps(doc, indent=2) if cfg.json else format_plan(doc, size, cfg))
+            doc = plan_run(cfg)
+            click.echo(json.dumps(doc, indent=2) if cfg.json else format_plan(doc, cfg))
         else:
             doc = run(cfg)
             if doc is None:  # not rank 0: rank 0 prints the summary

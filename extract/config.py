@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import json
 from dataclasses import dataclass, field
 from typing import Any, Literal, get_args
@@ -71,7 +70,6 @@ class ExtractConfig:
     plan: bool = False
     json: bool = False
     ignore_free_space: bool = False
-    batch_delay_s: float = 0.0  # tests only: a run slow enough to interrupt midway
 
     def validate(self) -> None:
         """Raise ValueError naming the first setting that cannot work."""
@@ -112,9 +110,6 @@ class ExtractConfig:
         from dflash.shared.hidden_codecs import HiddenCodec
 
         return HiddenCodec(self.hidden_codec, self.hidden_group_size, self.hidden_scale_dtype)
-
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
 
 
 class ExtractFailed(Exception):

@@ -71,17 +71,14 @@ def plan_shard(rows, row_offset: int, source: str, tokenizer, cfg: ExtractConfig
                                 f"{len(sample.input_ids)} tokens < min_length {cfg.min_length}")
         return sample
 
-    done = 0
-    for done, row in enumerate(rows, start=1):
-        index = row_offset + done - 1
-        sample = guard(cfg.on_bad_row, skips, one, row, index)
-        if sample is not None:
+    for index, row in enumerate(rows, start=row_offset):
+        if (sample := guard(cfg.on_bad_row, skips, one, row, index)) is not None:
             kept_rows.append(index)
             samples.append(sample)
-        if on_row is not None and done % 256 == 0:
-            on_row(done)
+        if on_row is not None and (index - row_offset + 1) % 256 == 0:
+            on_row(index - row_offset + 1)
     if on_row is not None:
-        on_row(done)
+        on_row(len(rows))
     source_index = np.asarray(kept_rows, dtype=np.int64)
     lengths = np.asarray([len(x.input_ids) for x in samples], dtype=np.int64)
     order, batches = length_bucketed_batches(lengths, source_index, cfg.batch_tokens)

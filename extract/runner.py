@@ -5,6 +5,7 @@ after every rank locks and plans its shards (a bad row anywhere stops the run), 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import os
 import signal
@@ -13,6 +14,7 @@ import time
 from datetime import timedelta
 from typing import Any
 
+import torch
 import torch.distributed as dist
 import zarr
 
@@ -25,7 +27,8 @@ from .chat import end_of_turn_id, mask_method
 from .config import ExtractConfig, ExtractFailed, checked_layers, load_tokenizer_and_config
 from .data import DataError, dataset_fingerprint, load_source
 from .size_plan import run_space_problem
-from .worker import WorkerTask, describe_error, extract_shard, plan_task, take_lock, use_device
+from .plan import plan_shard, shard_slice
+from .worker import WorkerTask, describe_error, extract_shard, take_lock
 
 log = logging.getLogger(__name__)
 
@@ -33,8 +36,7 @@ log = logging.getLogger(__name__)
 # chunking change the bf16 roundings); the rest is how it was run
 FINGERPRINTED = ("topk", "max_length", "truncation", "min_length", "on_bad_row", "batch_tokens",
                  "chunk_tokens", "compression_level", "attn_implementation", "lm_head_chunk")
-NOT_RECORDED = ("out", "summary_json", "progress", "batch_delay_s", "wait_for_lock", "plan", "json",
-                "ignore_free_space")
+NOT_RECORDED = ("out", "summary_json", "progress", "wait_for_lock", "plan", "json", "ignore_free_space")
 
 
 def build_spec(cfg: ExtractConfig, tokenizer, model_config, ds, num_shards: int) -> CacheSpec:
@@ -55,7 +57,7 @@ def build_spec(cfg: ExtractConfig, tokenizer, model_config, ds, num_shards: int)
                       shard_rows="contiguous", chat_template={
                           "mask_method": mask_method(tokenizer), "end_of_turn": cfg.end_of_turn,
                           "end_of_turn_id": eot, "template_kwargs": dict(cfg.template_kwargs)})
-    info_cfg = {k: v for k, v in cfg.to_dict().items() if k not in NOT_RECORDED}
+    info_cfg = {k: v for k, v in dataclasses.asdict(cfg).items() if k not in NOT_RECORDED}
     dataset = dataset_fingerprint(ds, cfg.data, cfg.split or "train")
     target = target_fingerprint(cfg.model, model_config.to_dict(), cfg.dtype, revision=cfg.revision)
     # recorded, not compared: `datasets`' own fingerprint (not a content hash) and where hashed
@@ -158,6 +160,7 @@ def format_summary(s: dict[str, Any]) -> str:
 
 
 MEETING_TIMEOUT = timedelta(days=7)  # at the last meeting, a rank waits for the slowest rank's shards
+GIL_SWITCH_S = 0.0005  # at Python's 5 ms the writer thread waits that long at every hand-off (BENCHMARKS_LOG.md)
 
 
 def run(cfg: ExtractConfig) -> dict[str, Any] | None:
@@ -242,7 +245,7 @@ def _run(cfg: ExtractConfig, rank: int, world: int) -> dict[str, Any] | None:
 
 def _lock_and_plan(cfg: ExtractConfig, rank: int, world: int, spec: CacheSpec, tokenizer, ds, progress: Progress,
                    locks: list):
-    """(every shard's state, this rank's tasks, {shard: (plan, timing)}), its shards locked into
+    """(every shard's state, this rank's tasks, {shard: (plan, its seconds)}), its shards locked into
     ``locks`` (the caller releases them) and planned unless every shard is complete."""
     root = prepare_root(cfg, spec, replace=False) if rank else open_root(cfg.out)  # the others check it now
     spec = CacheSpec.from_dict(root.attrs[ATTRS_KEY])  # an older format is resumed in its own layout
@@ -250,28 +253,34 @@ def _lock_and_plan(cfg: ExtractConfig, rank: int, world: int, spec: CacheSpec, t
     states = read_shard_states(root, list(range(num_shards)))
     if all(st is not None and st.complete for st in states.values()):
         return states, [], {}
-    tasks, planned, device, threads = [], {}, "cpu", None
-    if cfg.device == "cpu":
-        threads = cfg.cpu_threads or max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
-    else:
-        import torch
-
-        local, count = int(os.environ.get("LOCAL_RANK", "0")), torch.cuda.device_count()
-        if local >= count:
-            raise ExtractFailed("--device cuda but no CUDA device is visible (use --device cpu)" if not count else
-                                f"LOCAL_RANK {local}: only {count} CUDA devices are visible (start one process per GPU)")
-        device = f"cuda:{local}"
+    device, tasks, planned = use_device(cfg), [], {}
     for shard in range(rank, num_shards, world):
-        task = WorkerTask(cfg=cfg, spec=spec, shard_id=shard, num_shards=num_shards, device=device,
-                          cpu_threads=threads)
-        use_device(task)
+        task = WorkerTask(cfg=cfg, spec=spec, shard_id=shard, device=device)
         try:
-            locks.append(take_lock(task, progress.reporter(shard), None))
-            planned[shard] = plan_task(task, tokenizer, ds)
+            locks.append(take_lock(task, progress.report))
+            t = time.perf_counter()
+            plan = plan_shard(*shard_slice(ds, num_shards, shard), cfg.data, tokenizer, cfg)
+            planned[shard] = plan, round(time.perf_counter() - t, 3)
         except Exception as e:  # noqa: BLE001 - said as the user reads it
-            raise ExtractFailed(describe_error(e, task)[1]) from e
+            raise ExtractFailed(describe_error(e, task)) from e
         tasks.append(task)
     return states, tasks, planned
+
+
+def use_device(cfg: ExtractConfig) -> str:
+    """Set this process up: its torch threads on the CPU (the cores shared by torchrun's local processes),
+    the GIL switch interval, cuda:LOCAL_RANK as its CUDA device; that device."""
+    sys.setswitchinterval(GIL_SWITCH_S)
+    if cfg.device == "cpu":
+        local_processes = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        torch.set_num_threads(cfg.cpu_threads or max(1, (os.cpu_count() or 1) // local_processes))
+        return "cpu"
+    local, count = int(os.environ.get("LOCAL_RANK", "0")), torch.cuda.device_count()
+    if local >= count:
+        raise ExtractFailed("--device cuda but no CUDA device is visible (use --device cpu)" if not count else
+                            f"LOCAL_RANK {local}: only {count} CUDA devices are visible (start one process per GPU)")
+    torch.cuda.set_device(local)
+    return f"cuda:{local}"
 
 
 def _extract_shards(cfg: ExtractConfig, tasks: list[WorkerTask], planned: dict, locks: list, pad_id: int | None,
@@ -281,11 +290,13 @@ def _extract_shards(cfg: ExtractConfig, tasks: list[WorkerTask], planned: dict, 
     runners: list = []
     try:
         for task, lock in zip(tasks, locks):
-            plan, timing = planned[task.shard_id]
+            plan, plan_s = planned[task.shard_id]
             try:
-                extract_shard(task, plan, pad_id, lock, progress.reporter(task.shard_id), None, timing, runners)
+                timing = extract_shard(task, plan, pad_id, lock, progress.report, runners)
             except Exception as e:  # noqa: BLE001 - said as the user reads it
-                return describe_error(e, task)[1]
+                return describe_error(e, task)
+            if timing is not None:  # None: already complete, no loop to time
+                progress.timing[f"{task.shard_id:05d}"] = {"plan_s": plan_s, **timing}
     except KeyboardInterrupt:
         raise ExtractFailed("interrupted; every shard committed what it had. Rerun the same command to resume.\n\n"
                             + format_summary(summarize(cfg.out, [t.shard_id for t in tasks]))) from None
@@ -330,12 +341,9 @@ class Progress:
         self.bar = tqdm(total=0, unit="sample", dynamic_ncols=True, disable=not show, desc="extract")
         self.samples = self.tokens = 0
         self.first = self.last = None  # monotonic times of the first loop's start and of the last batch written
-        self.timing: dict[str, dict] = {}
+        self.timing: dict[str, dict] = {}  # each shard's seconds: planning, model load, head, loop
 
-    def reporter(self, shard: int):
-        return lambda kind, **fields: self.report(shard, kind, fields)
-
-    def report(self, shard: int, kind: str, f: dict) -> None:
+    def report(self, kind: str, **f) -> None:
         if kind == "planned":
             self.bar.total += f["samples"]
             self.bar.update(f["done_samples"])
@@ -348,8 +356,6 @@ class Progress:
             self.bar.update(f["samples"])
             if self.last > self.first:
                 self.bar.set_postfix_str(f"{self.tokens / (self.last - self.first):,.0f} tok/s", refresh=False)
-        elif kind == "timing":  # the steps before the loop, the loop's wall and CPU seconds, the writer's split
-            self.timing[f"{shard:05d}"] = f
         elif kind == "warning":
             self.bar.write(f"dflash-extract: warning: {f['message']}", file=sys.stderr)
 

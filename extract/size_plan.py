@@ -8,7 +8,6 @@ import math
 import os
 import shutil
 from collections import Counter
-from dataclasses import dataclass
 from typing import Any
 
 from dflash.shared.compression import is_local, size_text
@@ -32,42 +31,26 @@ REFERENCE_CONFIG = dict(hidden_size=4096, intermediate_size=12288, num_hidden_la
                         num_key_value_heads=8, head_dim=128, vocab_size=151936, tie_word_embeddings=False)
 
 
-@dataclass(frozen=True)
-class SizeEstimate:
-    """Expected bytes on disk per token by part: hidden states raw in bf16 (what ratios are quoted
-    against) and encoded (payload + scales); the ids, mask and top-k raw."""
-
-    codec: Any
-    hidden_raw_bf16: int
-    hidden_encoded: int
-    hidden_ratio: float
-    ratio_measured_at: str
-    other_raw: int
-
-    hidden_per_token = property(lambda self: self.hidden_encoded * self.hidden_ratio)
-    other_per_token = property(lambda self: self.other_raw * SMALL_ARRAYS_RATIO)
-    per_token = property(lambda self: self.hidden_per_token + self.other_per_token)
-
-    def total(self, tokens: int, samples: int = 0) -> int:
-        """Bytes of ``tokens`` tokens in ``samples`` samples (offsets and source rows: 16 bytes a sample)."""
-        return int(math.ceil(tokens * self.per_token + 16 * samples))
-
-    def as_dict(self) -> dict[str, Any]:
-        return {"hidden_codec": self.codec.mode, "codec": self.codec.describe(),
-                "hidden_raw_bf16_per_token": self.hidden_raw_bf16, "hidden_encoded_per_token": self.hidden_encoded,
-                "hidden_stage_ratio": self.hidden_ratio, "ratio_measured_at": self.ratio_measured_at,
-                "hidden_per_token": self.hidden_per_token, "other_raw_per_token": self.other_raw,
-                "other_per_token": self.other_per_token, "per_token": self.per_token}
-
-
 def size_estimate(num_layers: int, hidden_size: int, topk: int, codec=None, topk_dtype: str = "float32"
-                  ) -> SizeEstimate:
-    """Each array's encoded bytes per token times its measured lossless-stage ratio (bf16 without ``codec``)."""
+                  ) -> dict[str, Any]:
+    """Expected bytes on disk per token, as ``--plan --json`` prints them: each array's encoded bytes (bf16 without
+    ``codec``) times its measured lossless-stage ratio; the hidden states also raw in bf16, what ratios compare to."""
     from dflash.shared.hidden_codecs import HiddenCodec
 
     codec = codec or HiddenCodec("bf16")
-    return SizeEstimate(codec, num_layers * hidden_size * 2, codec.bytes_per_token(num_layers, hidden_size),
-                        *HIDDEN_STAGE_RATIO[codec.mode], 4 + 1 + topk * (4 + TOPK_DTYPE_BYTES[topk_dtype]))
+    ratio, measured_at = HIDDEN_STAGE_RATIO[codec.mode]
+    encoded = codec.bytes_per_token(num_layers, hidden_size)
+    other = 4 + 1 + topk * (4 + TOPK_DTYPE_BYTES[topk_dtype])  # ids, mask, top-k ids and log-probs
+    return {"hidden_codec": codec.mode, "codec": codec.describe(),
+            "hidden_raw_bf16_per_token": num_layers * hidden_size * 2, "hidden_encoded_per_token": encoded,
+            "hidden_stage_ratio": ratio, "ratio_measured_at": measured_at, "hidden_per_token": encoded * ratio,
+            "other_raw_per_token": other, "other_per_token": other * SMALL_ARRAYS_RATIO,
+            "per_token": encoded * ratio + other * SMALL_ARRAYS_RATIO}
+
+
+def total_bytes(size: dict[str, Any], tokens: int, samples: int) -> int:
+    """Bytes of ``tokens`` tokens in ``samples`` samples (offsets and source rows: 16 bytes a sample)."""
+    return int(math.ceil(tokens * size["per_token"] + 16 * samples))
 
 
 def matmul_parameters(model_config) -> int:
@@ -109,7 +92,7 @@ def free_bytes(out: str) -> tuple[int, str] | None:
     if not is_local(out):
         return None
     where = os.path.abspath(out)
-    while not os.path.exists(where) and os.path.dirname(where) != where:
+    while not os.path.exists(where):
         where = os.path.dirname(where)
     return shutil.disk_usage(where).free, where
 
@@ -117,17 +100,17 @@ def free_bytes(out: str) -> tuple[int, str] | None:
 def run_space_problem(cfg, spec, planned: dict[int, dict[str, int]], committed: dict[int, Any]) -> str | None:
     """The message naming both numbers where ``cfg.out`` has less free space than what is left to write
     (each shard's planned ``tokens``/``samples`` minus its ``committed``), else None; URLs are not checked."""
-    size = size_estimate(spec.num_layers, spec.hidden_size, spec.topk, spec.codec, spec.topk_dtype)
-    left = {k: sum(max(0, p[k] - getattr(committed.get(s), k, 0)) for s, p in planned.items())
-            for k in ("tokens", "samples")}
-    needed = size.total(left["tokens"], left["samples"])
-    resumed = any(getattr(committed.get(s), "tokens", 0) for s in planned)
-    what = f"{'the rest of ' if resumed else ''}this run ({left['tokens']:,} tokens x {size.per_token:,.0f} B/token)"
     free = free_bytes(cfg.out)
     if free is None:
         log.info("%s: free space not checked (an fsspec URL)", cfg.out)
         return None
     available, where = free
+    size = size_estimate(spec.num_layers, spec.hidden_size, spec.topk, spec.codec, spec.topk_dtype)
+    left = {k: sum(max(0, p[k] - getattr(committed.get(s), k, 0)) for s, p in planned.items())
+            for k in ("tokens", "samples")}
+    needed = total_bytes(size, left["tokens"], left["samples"])
+    resumed = any(getattr(committed.get(s), "tokens", 0) for s in planned)
+    what = f"{'the rest of ' if resumed else ''}this run ({left['tokens']:,} tokens x {size['per_token']:,.0f} B/token)"
     if available >= needed:
         log.info("%s: %s free, %s needs about %s (an estimate)", cfg.out, size_text(available), what,
                  size_text(needed))
@@ -144,13 +127,10 @@ def count_run(cfg: ExtractConfig, tokenizer, ds, num_shards: int) -> dict[str, A
 
     from .plan import plan_shard, shard_slice
 
-    counts = Counter(rows=len(ds), shards=num_shards)
-    skipped: Counter[str] = Counter()
-    longest = 0
+    counts, skipped, longest = Counter(rows=len(ds), shards=num_shards), Counter(), 0
     with tqdm(total=len(ds), unit="row", desc="planning", dynamic_ncols=True, disable=not cfg.progress) as bar:
         for shard in range(num_shards):
-            rows, start = shard_slice(ds, num_shards, shard)
-            planned = plan_shard(rows, start, cfg.data, tokenizer, cfg,
+            planned = plan_shard(*shard_slice(ds, num_shards, shard), cfg.data, tokenizer, cfg,
                                  on_row=lambda done, base=bar.n: bar.update(base + done - bar.n))
             plan = planned.plan
             skipped.update(plan.skipped)
@@ -162,9 +142,9 @@ def count_run(cfg: ExtractConfig, tokenizer, ds, num_shards: int) -> dict[str, A
     return {**counts, "skipped": dict(sorted(skipped.items())), "longest": longest}
 
 
-def plan_run(cfg: ExtractConfig) -> tuple[dict[str, Any], SizeEstimate]:
-    """(the plan as ``--json`` prints it, its size estimate); ExtractFailed with the run's own message
-    where the run would stop (bad settings, a bad row)."""
+def plan_run(cfg: ExtractConfig) -> dict[str, Any]:
+    """The plan as ``--json`` prints it; ExtractFailed with the run's own message where the run would
+    stop (bad settings, a bad row)."""
     from .data import DataError, load_source
     from .worker import bad_row_message
 
@@ -177,23 +157,23 @@ def plan_run(cfg: ExtractConfig) -> tuple[dict[str, Any], SizeEstimate]:
     except DataError as e:
         raise ExtractFailed(bad_row_message(e, cfg)) from e
     gpus = num_shards if cfg.device == "cuda" else 1  # one per shard, as torchrun runs them
-    expected, free = size.total(counts["tokens"], counts["samples"]), free_bytes(cfg.out)
+    expected, free = total_bytes(size, counts["tokens"], counts["samples"]), free_bytes(cfg.out)
     doc = {
         "plan": True, "data": cfg.data, "model": cfg.model, "out": cfg.out, **counts, "layers": layers,
         "num_target_layers": model_config.num_hidden_layers, "hidden_size": model_config.hidden_size,
         "topk": cfg.topk,
-        "bytes": {**size.as_dict(), "expected": expected, "raw_bf16_hidden": counts["tokens"] * size.hidden_raw_bf16,
+        "bytes": {**size, "expected": expected, "raw_bf16_hidden": counts["tokens"] * size["hidden_raw_bf16_per_token"],
                   "estimate": True},
         "free_space": free and {"bytes": free[0], "at": free[1], "enough": free[0] >= expected},
         "time": {**time_estimate(model_config, cfg.max_length, counts["padded_tokens"], gpus), "device": cfg.device,
                  "dtype": cfg.dtype},
     }
-    return doc, size
+    return doc
 
 
-def format_plan(doc: dict[str, Any], size: SizeEstimate, cfg: ExtractConfig) -> str:
+def format_plan(doc: dict[str, Any], cfg: ExtractConfig) -> str:
     """The plan as a short report; every estimate says it is one and where it comes from."""
-    s, t, expected = size, doc["time"], doc["bytes"]["expected"]
+    s, t, expected = doc["bytes"], doc["time"], doc["bytes"]["expected"]
     ref = t["reference"]
     skipped = ", ".join(f"{k}={v:,}" for k, v in doc["skipped"].items()) or "none"
     share = f", {doc['assistant_tokens'] / doc['tokens']:.1%}" if doc["tokens"] else ""
@@ -207,11 +187,11 @@ def format_plan(doc: dict[str, Any], size: SizeEstimate, cfg: ExtractConfig) -> 
         f"  tokens           {doc['tokens']:,} ({doc['assistant_tokens']:,} assistant{share}); longest sample "
         f"{doc['longest']:,}; {doc['padded_tokens']:,} computed with the batches' padding",
         f"  cache            layers {','.join(map(str, doc['layers']))} of {doc['num_target_layers']} (hidden size "
-        f"{doc['hidden_size']:,}), top-{cfg.topk} ({cfg.topk_dtype}), hidden {s.codec.describe()}",
-        f"  on disk          about {size_text(expected)} ({s.per_token:,.0f} B/token: hidden states "
-        f"{s.hidden_per_token:,.0f}, the rest {s.other_per_token:,.0f}; raw bf16 hidden states "
-        f"{s.hidden_raw_bf16:,} B/token). An estimate: {s.hidden_encoded:,} encoded B/token x {s.hidden_ratio:.3f}, "
-        f"the compression measured for {s.ratio_measured_at}",
+        f"{doc['hidden_size']:,}), top-{cfg.topk} ({cfg.topk_dtype}), hidden {s['codec']}",
+        f"  on disk          about {size_text(expected)} ({s['per_token']:,.0f} B/token: hidden states "
+        f"{s['hidden_per_token']:,.0f}, the rest {s['other_per_token']:,.0f}; raw bf16 hidden states "
+        f"{s['hidden_raw_bf16_per_token']:,} B/token). An estimate: {s['hidden_encoded_per_token']:,} encoded "
+        f"B/token x {s['hidden_stage_ratio']:.3f}, the compression measured for {s['ratio_measured_at']}",
     ]
     if free := doc["free_space"]:
         enough = ("enough for the whole run" if free["enough"]

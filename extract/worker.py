@@ -1,12 +1,11 @@
-"""One shard on one device: lock -> plan -> ShardWriter (the resume point) -> forward loop -> writer
-thread, which writes each batch (encoded on the device, copied to pinned memory on a side stream)
-and commits every ``commit_seconds``; the bounded queue caps host memory at ``queue_depth`` + 2 batches."""
+"""One shard on one device: lock -> ShardWriter (the resume point) -> forward loop -> writer thread,
+which writes each batch (encoded on the device, copied to pinned memory on a side stream) and
+commits every ``commit_seconds``; the bounded queue caps host memory at ``queue_depth`` + 2 batches."""
 
 from __future__ import annotations
 
 import contextlib
 import queue
-import sys
 import threading
 import time
 import traceback
@@ -21,13 +20,11 @@ from dflash.shared.cache import (HIDDEN_SCALE, CacheError, CacheSpec, ShardWrite
 from dflash.shared.hidden_codecs import check_scales
 from dflash.shared.shard_lock import LockError, ShardLock, ShardLocked
 
-from .chat import load_tokenizer
 from .config import ExtractConfig
-from .data import DataError, load_source
-from .plan import PlannedShard, plan_shard, shard_slice
+from .data import DataError
+from .plan import PlannedShard
 from .target import TargetRunner, compute_environment, head_backend_for, load_target
 
-GIL_SWITCH_S = 0.0005  # at Python's 5 ms the writer thread waits that long at every hand-off (BENCHMARKS_LOG.md)
 LOCK_POLL_S = 2.0  # seconds between attempts to take a shard's lock under --wait-for-lock
 
 
@@ -38,9 +35,7 @@ class WorkerTask:
     cfg: ExtractConfig
     spec: CacheSpec
     shard_id: int
-    num_shards: int
     device: str
-    cpu_threads: int | None = None
 
 
 class WriterFailed(Exception):
@@ -51,57 +46,45 @@ class WriterFailed(Exception):
         super().__init__(f"{type(cause).__name__}: {cause}")
 
 
-class Stopped(Exception):
-    """The caller's ``stop`` event asked the shard to stop early (what it wrote is committed)."""
-
-
 class WriterThread:
-    """Owns the ShardWriter from the first batch on: write_batch, periodic commit, finish. ``seconds``
-    and ``gpu`` say where the time went (``submit_blocked``: the loop waiting for the writer)."""
+    """Owns the ShardWriter from the first batch on: write_batch, periodic commit, finish. ``blocked``:
+    the loop's seconds waiting for it; ``gpu``: the GPU's seconds in and between the batches."""
 
     def __init__(self, writer: ShardWriter, planned: PlannedShard, depth: int, commit_seconds: float, report):
         self.writer, self.planned, self.commit_seconds, self.report = writer, planned, commit_seconds, report
         self.queue: queue.Queue = queue.Queue(maxsize=depth)
         self.error: BaseException | None = None
-        self.seconds = {"writer_busy": 0.0, "writer_idle": 0.0, "submit_blocked": 0.0}
+        self.blocked = 0.0
         self.gpu = {"gpu_busy": 0.0, "gpu_gap": 0.0}
         self._last_end = None
         self._thread = threading.Thread(target=self._run, name=f"shard-{writer.shard_id:05d}-writer", daemon=True)
         self._thread.start()
 
     def submit(self, item) -> None:
-        """Queue one batch (or the end); blocks while the queue is full; raises if the thread failed."""
+        """Queue one batch (None: the end); blocks while the queue is full; raises if the thread failed."""
         t = time.perf_counter()
         while True:
             self.check()
             with contextlib.suppress(queue.Full):
                 self.queue.put(item, timeout=0.2)
                 break
-        self.seconds["submit_blocked"] += time.perf_counter() - t
+        self.blocked += time.perf_counter() - t
 
     def check(self) -> None:
         if self.error is not None:
             raise WriterFailed(self.error, self.writer.committed)
 
-    def close(self, finish: bool) -> None:
-        """Drain the queue, then finish the shard (or only commit what is written)."""
-        self.submit(("end", finish))
+    def close(self) -> None:
+        """Drain the queue, then finish the shard (or, where batches are left, commit what is written)."""
+        self.submit(None)
         self._thread.join()
         self.check()
 
     def _run(self) -> None:
         last_commit = time.monotonic()
         try:
-            while True:
-                t = time.perf_counter()
-                item = self.queue.get()
-                t_got = time.perf_counter()
-                self.seconds["writer_idle"] += t_got - t
-                if item[0] == "end":
-                    self.writer.finish() if item[1] and self.writer.complete else self.writer.commit()
-                    self.report("commit", **self.writer.committed)
-                    return
-                _, batch, event, host, marks = item
+            while (item := self.queue.get()) is not None:
+                batch, event, host, marks = item
                 if event is not None:
                     event.synchronize()  # the device->host copies of this batch have landed
                 if marks is not None:  # recorded before those copies: complete too
@@ -120,9 +103,8 @@ class WriterThread:
                 self.report("progress", samples=s1 - s0, tokens=t1 - t0)
                 if time.monotonic() - last_commit >= self.commit_seconds:
                     self.writer.commit()
-                    self.report("commit", **self.writer.committed)
                     last_commit = time.monotonic()
-                self.seconds["writer_busy"] += time.perf_counter() - t_got
+            self.writer.finish() if self.writer.complete else self.writer.commit()
         except BaseException as e:  # noqa: BLE001 - handed to the main thread; nothing more is committed
             self.error = e
 
@@ -154,39 +136,7 @@ def _to_host(out, spec: CacheSpec, device: torch.device, copy_stream=None) -> tu
     return host, _mark(copy_stream, timing=False)
 
 
-def use_device(task: WorkerTask) -> None:
-    """Set this process up for ``task``: its CPU threads, the GIL switch interval, the CUDA device."""
-    if task.cpu_threads:
-        torch.set_num_threads(task.cpu_threads)
-    sys.setswitchinterval(GIL_SWITCH_S)
-    if task.device.startswith("cuda"):
-        torch.cuda.set_device(task.device)
-
-
-def run_shard(task: WorkerTask, report, stop: threading.Event | None = None) -> dict[str, Any]:
-    """Lock, plan and extract one shard, releasing the lock however that ends. ``report(kind, **fields)``
-    receives progress; a set ``stop`` commits what is written, then raises ``Stopped``."""
-    use_device(task)
-    lock, runners = take_lock(task, report, stop), []
-    try:
-        tokenizer = load_tokenizer(task.cfg)
-        planned, timing = plan_task(task, tokenizer, load_source(task.cfg.data, task.cfg.split or "train"))
-        return extract_shard(task, planned, tokenizer.pad_token_id, lock, report, stop, timing, runners)
-    finally:
-        lock.release()
-        for runner in runners:
-            runner.close()
-
-
-def plan_task(task: WorkerTask, tokenizer, ds) -> tuple[PlannedShard, dict[str, float]]:
-    """(the shard's slice of ``ds`` planned, the shard's timing so far: its planning seconds)."""
-    t = time.perf_counter()
-    rows, start = shard_slice(ds, task.num_shards, task.shard_id)
-    planned = plan_shard(rows, start, task.cfg.data, tokenizer, task.cfg)
-    return planned, {"plan_s": round(time.perf_counter() - t, 3)}
-
-
-def take_lock(task: WorkerTask, report, stop) -> ShardLock:
+def take_lock(task: WorkerTask, report) -> ShardLock:
     """The shard's lock, held; ShardLocked naming the holder, or with ``wait_for_lock`` wait for it."""
     lock, said = ShardLock(task.cfg.out, task.shard_id), None
     while True:
@@ -199,8 +149,7 @@ def take_lock(task: WorkerTask, report, stop) -> ShardLock:
             if said != (e.holder and e.holder.token):
                 report("warning", message=f"{e}; waiting for it (--wait-for-lock)")
                 said = e.holder and e.holder.token
-        if (stop or threading.Event()).wait(LOCK_POLL_S):
-            raise Stopped()
+        time.sleep(LOCK_POLL_S)
     if previous is not None:
         report("warning", message=f"shard {task.shard_id:05d}: took over the lock of {previous.describe()}, "
                                   "which ended without releasing it (killed, or its node was lost)")
@@ -208,10 +157,10 @@ def take_lock(task: WorkerTask, report, stop) -> ShardLock:
 
 
 def extract_shard(task: WorkerTask, planned: PlannedShard, pad_id: int | None, lock: ShardLock, report,
-                  stop, timing: dict[str, float], runners: list) -> dict[str, Any]:
-    """Resume one planned, locked shard: the forward loop here, the writer thread behind it; the final commit.
-    ``runners`` keeps the loaded target for the next shard (the caller closes it)."""
-    cfg, device = task.cfg, torch.device(task.device)
+                  runners: list) -> dict[str, float] | None:
+    """Resume one planned, locked shard: the forward loop here, the writer thread behind it; its seconds,
+    None where it was complete. ``runners`` keeps the loaded target for the next shard (the caller closes it)."""
+    cfg, device, timing = task.cfg, torch.device(task.device), {}
     with zarr.config.set(writer_zarr_settings(cfg.out)):  # the shard's write path; other zarr users keep theirs
         writer = ShardWriter(open_root(cfg.out, "r+"), task.shard_id, planned.plan, task.spec,
                              compute=compute_environment(device))
@@ -220,7 +169,7 @@ def extract_shard(task: WorkerTask, planned: PlannedShard, pad_id: int | None, l
         if writer.complete:
             if not writer.state.complete:
                 writer.finish()
-            return writer.committed
+            return None
         if not runners:
             t = time.perf_counter()
             model = load_target(cfg.model, dtype=cfg.dtype, device=device,
@@ -235,11 +184,9 @@ def extract_shard(task: WorkerTask, planned: PlannedShard, pad_id: int | None, l
         t_loop, cpu_loop = time.perf_counter(), time.process_time()
         thread = WriterThread(writer, planned, cfg.queue_depth, cfg.commit_seconds, report)
         copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
-        marks, stopped = None, False  # marks: (start, end) timing events of the previous batch's forward, on CUDA
+        marks = None  # (start, end) timing events of the previous batch's forward, on CUDA
         try:
             for batch in range(writer.next_batch, len(planned.plan.batches) - 1):
-                if stopped := stop is not None and stop.is_set():
-                    break
                 s0, s1 = writer.batch_samples(batch)
                 samples = [torch.from_numpy(planned.input_ids[offsets[s]:offsets[s + 1]]).long() for s in range(s0, s1)]
                 ids, mask, index = TargetRunner.pad_batch(samples, pad_id or 0)
@@ -254,25 +201,18 @@ def extract_shard(task: WorkerTask, planned: PlannedShard, pad_id: int | None, l
                 marks = (start, _mark()) if start is not None else None
                 host, event = _to_host(out, writer.spec, device, copy_stream)
                 del out
-                thread.submit(("batch", batch, event, host, marks))
-                if cfg.batch_delay_s:
-                    time.sleep(cfg.batch_delay_s)
+                thread.submit((batch, event, host, marks))
         except BaseException as e:
             if not isinstance(e, WriterFailed):  # the forward loop failed (e.g. out of memory): commit what is written
                 with contextlib.suppress(WriterFailed):
-                    thread.close(finish=False)
+                    thread.close()
             raise
-        t_drain = time.perf_counter()
-        thread.close(finish=not stopped)
-        t_end = time.perf_counter()
-    timing.update(loop_s=round(t_end - t_loop, 3), cpu_s=round(time.process_time() - cpu_loop, 3),
-                  drain_s=round(t_end - t_drain, 3), **{k: round(v, 3) for k, v in thread.seconds.items()})
+        thread.close()
+    timing.update(loop_s=round(time.perf_counter() - t_loop, 3), cpu_s=round(time.process_time() - cpu_loop, 3),
+                  submit_blocked=round(thread.blocked, 3))
     if copy_stream is not None:
         timing.update({k: round(v, 3) for k, v in thread.gpu.items()})
-    report("timing", **timing)
-    if stopped:
-        raise Stopped()
-    return writer.committed
+    return timing
 
 
 def bad_row_message(e: DataError, cfg: ExtractConfig) -> str:
@@ -283,26 +223,26 @@ def bad_row_message(e: DataError, cfg: ExtractConfig) -> str:
     return f"{e}{hint}"
 
 
-def describe_error(e: BaseException, task: WorkerTask) -> tuple[str, str]:
-    """(kind, message) for the user: ``data`` (file and row named), ``io`` (a rerun resumes from the
-    last good commit), ``locked``, ``cache``, ``oom``, or ``bug`` (the only one with its traceback)."""
+def describe_error(e: BaseException, task: WorkerTask) -> str:
+    """The message for the user: a bad row's file and row, an I/O error's last good commit (a rerun
+    resumes from it), the lock's holder, the cache's problem, out of memory, or a bug with its traceback."""
     shard = f"shard {task.shard_id:05d}"
     if isinstance(e, DataError):
-        return "data", bad_row_message(e, task.cfg)
+        return bad_row_message(e, task.cfg)
     if isinstance(e, WriterFailed):
         c, cause = e.committed, e.cause
         what = "I/O error" if isinstance(cause, OSError) else "error"
-        return "io", (f"{shard}: {what} while writing {task.cfg.out}: {type(cause).__name__}: {cause}. "
-                      f"Committed and intact: {c['batches']} batches, {c['samples']} samples, {c['tokens']} tokens. "
-                      "Fix the cause (disk space, permissions) and rerun the same command to resume.")
+        return (f"{shard}: {what} while writing {task.cfg.out}: {type(cause).__name__}: {cause}. "
+                f"Committed and intact: {c['batches']} batches, {c['samples']} samples, {c['tokens']} tokens. "
+                "Fix the cause (disk space, permissions) and rerun the same command to resume.")
     if isinstance(e, ShardLocked):
-        return "locked", f"{e}. Let it finish or stop it, or rerun with --wait-for-lock to wait for it"
+        return f"{e}. Let it finish or stop it, or rerun with --wait-for-lock to wait for it"
     if isinstance(e, LockError):
-        return "locked", str(e)
+        return str(e)
     if isinstance(e, CacheError):
-        return "cache", f"{shard}: {e}"
+        return f"{shard}: {e}"
     if isinstance(e, torch.OutOfMemoryError):
-        return "oom", (f"{shard}: out of memory on {task.device}: {e}. Lower --batch-tokens (batches are "
-                       "planned at shard creation: a cache with committed samples keeps its plan, so use a new "
-                       "--out; one with none is replaced by the rerun).")
-    return "bug", f"{shard}: unexpected {type(e).__name__}: {e}\n{traceback.format_exc()}"
+        return (f"{shard}: out of memory on {task.device}: {e}. Lower --batch-tokens (batches are planned at "
+                "shard creation: a cache with committed samples keeps its plan, so use a new --out; one with none "
+                "is replaced by the rerun).")
+    return f"{shard}: unexpected {type(e).__name__}: {e}\n{traceback.format_exc()}"

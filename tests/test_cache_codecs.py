@@ -14,7 +14,6 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import threading
 
 import numpy as np
 import pytest
@@ -22,10 +21,7 @@ import torch
 from click.testing import CliRunner
 
 from dflash.extract import runner as R
-from dflash.extract import worker as W
 from dflash.extract.config import ExtractConfig
-from dflash.extract.data import load_source
-from dflash.extract.chat import load_tokenizer
 from dflash.shared import cache as C
 from dflash.shared.cache_cli import main as cache_main
 
@@ -69,16 +65,10 @@ def config(out, data_path, target_dir, **overrides) -> ExtractConfig:
 
 
 def extract_in_process(cfg: ExtractConfig) -> None:
-    """The runner's spec and root, then the one shard's worker, in this process."""
-    from transformers import AutoConfig
-
-    spec = R.build_spec(cfg, load_tokenizer(cfg), AutoConfig.from_pretrained(cfg.model), load_source(cfg.data),
-                        num_shards=1)
-    R.prepare_root(cfg, spec)
+    """One run of ``cfg`` (one shard) in this process."""
     threads = torch.get_num_threads()
     try:
-        W.run_shard(W.WorkerTask(cfg=cfg, spec=spec, shard_id=0, num_shards=1, device="cpu", cpu_threads=1),
-                    lambda *a, **k: None, threading.Event())
+        R.run(cfg)
     finally:
         torch.set_num_threads(threads)
 

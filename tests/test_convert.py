@@ -12,7 +12,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -23,7 +22,6 @@ import zarr
 from click.testing import CliRunner
 
 from dflash.extract import runner as R
-from dflash.extract import worker as W
 from dflash.extract.config import ExtractConfig
 from dflash.extract.data import load_source
 from dflash.extract.chat import load_tokenizer
@@ -67,9 +65,7 @@ def source(tmp_path_factory, chats_sample_path, tiny_target_dir):
     assert spec.format_version == 1 and spec.fingerprint == extraction_spec(cfg).fingerprint
     threads = torch.get_num_threads()
     try:
-        for shard in (0, 1):
-            W.run_shard(W.WorkerTask(cfg=cfg, spec=spec, shard_id=shard, num_shards=2, device="cpu", cpu_threads=1),
-                        lambda *a, **k: None, threading.Event())
+        R.run(cfg)  # both shards in turn
     finally:
         torch.set_num_threads(threads)
     reader = C.CacheReader(str(out))

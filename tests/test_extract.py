@@ -13,7 +13,6 @@ import signal
 import socket
 import subprocess
 import sys
-import threading
 import time
 
 import numpy as np
@@ -49,6 +48,11 @@ BAD_ROWS = {  # row index -> (row, reason it is skipped)
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
             "-m", "dflash.extract.cli"]
 """dflash-extract under torchrun, two processes (gloo on the CPU)."""
+
+
+def slow_torchrun(delay_s: float) -> list[str]:
+    """TORCHRUN with a sleep of ``delay_s`` before each batch (``slow_extract.py``): a run to stop midway."""
+    return [*TORCHRUN[:-2], os.path.join(os.path.dirname(__file__), "slow_extract.py"), str(delay_s)]
 
 
 def rank_envs(world: int, **env) -> list[dict[str, str]]:
@@ -104,14 +108,35 @@ def shard_arrays(path, shard):
 
 def shard_task(out, dataset, tiny_target_dir, shard, **overrides):
     """A prepared cache at ``out`` (the two-shard layout of ``extracted``) and the task of one
-    of its shards, for runs of ``W.run_shard`` in this process."""
+    of its shards, for runs of ``run_shard`` in this process."""
     settings = dict(device="cpu", shards=2, layers=LAYERS, topk=TOPK, max_length=MAX_LENGTH, batch_tokens=400,
                     commit_seconds=0, chunk_tokens=64, on_bad_row="skip", cpu_threads=1, progress=False,
                     dtype="float32")
     cfg = ExtractConfig(data=str(dataset[0]), model=str(tiny_target_dir), out=str(out), **{**settings, **overrides})
     spec = run_spec(cfg)
     R.prepare_root(cfg, spec)
-    return W.WorkerTask(cfg=cfg, spec=spec, shard_id=shard, num_shards=2, device="cpu", cpu_threads=1)
+    return W.WorkerTask(cfg=cfg, spec=spec, shard_id=shard, device="cpu")
+
+
+def run_shard(task, report=lambda *a, **k: None):
+    """Lock, plan and extract one shard in this process as a rank does, its lock released however that
+    ends; the shard's seconds (planning, then extract_shard's)."""
+    from dflash.extract.data import load_source
+    from dflash.extract.plan import plan_shard, shard_slice
+
+    R.use_device(task.cfg)
+    lock, runners = W.take_lock(task, report), []
+    try:
+        t = time.perf_counter()
+        tokenizer = load_tokenizer(task.cfg)
+        rows, start = shard_slice(load_source(task.cfg.data), task.cfg.shards or 1, task.shard_id)
+        planned = plan_shard(rows, start, task.cfg.data, tokenizer, task.cfg)
+        plan_s = time.perf_counter() - t
+        return {"plan_s": plan_s, **W.extract_shard(task, planned, tokenizer.pad_token_id, lock, report, runners)}
+    finally:
+        lock.release()
+        for runner in runners:
+            runner.close()
 
 
 def run_spec(cfg, num_shards=2):
@@ -442,9 +467,9 @@ def test_kill9_then_resume_is_bitwise_identical(tmp_path, extracted, dataset, ti
     """Killed mid-run (torchrun and its processes), rerun: equal to the unbroken run."""
     reference, _, _ = extracted
     out = tmp_path / "killed.zarr"
-    args = [*TORCHRUN, "--data", str(dataset[0]), "--model", str(tiny_target_dir), "--out", str(out),
-            "--on-bad-row", "skip", *COMMON]
-    proc = subprocess.Popen(args + ["--batch-delay-s", "0.25"], start_new_session=True,
+    flags = ["--data", str(dataset[0]), "--model", str(tiny_target_dir), "--out", str(out), "--on-bad-row", "skip",
+             *COMMON]
+    proc = subprocess.Popen([*slow_torchrun(0.25), *flags], start_new_session=True,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 60
     try:
@@ -464,7 +489,7 @@ def test_kill9_then_resume_is_bitwise_identical(tmp_path, extracted, dataset, ti
         proc.wait()
     states = [C.open_root(str(out))[C.shard_name(s)].attrs.asdict() for s in (0, 1)]
     assert not all(a["complete"] for a in states), "the run finished before the kill: nothing was tested"
-    rerun = subprocess.run(args, capture_output=True, text=True)
+    rerun = subprocess.run([*TORCHRUN, *flags], capture_output=True, text=True)
     assert rerun.returncode == 0, rerun.stderr[-3000:]
     assert "complete" in rerun.stdout
     for s in (0, 1):
@@ -496,14 +521,14 @@ def test_io_error_stops_cleanly_then_resumes(tmp_path, extracted, dataset, tiny_
     threads = torch.get_num_threads()
     try:
         with pytest.raises(W.WriterFailed) as err:
-            W.run_shard(task, lambda *a, **k: None, threading.Event())
-        kind, message = W.describe_error(err.value, task)
+            run_shard(task)
+        message = W.describe_error(err.value, task)
         monkeypatch.undo()
-        assert kind == "io" and "No space left on device" in message and "rerun the same command to resume" in message
+        assert "No space left on device" in message and "rerun the same command to resume" in message
         attrs = C.open_root(str(out))[C.shard_name(0)].attrs.asdict()
         assert attrs["commit"] == commits[1] and not attrs["complete"]  # nothing beyond the last good batch
         assert C.CacheReader(str(out)).shards[0].samples == commits[1]["samples"]
-        W.run_shard(task, lambda *a, **k: None, threading.Event())  # the rerun resumes
+        run_shard(task)  # the rerun resumes
     finally:
         torch.set_num_threads(threads)
     assert_same_shard(reference, out, 0)
@@ -525,52 +550,53 @@ def test_a_chunk_zarrs_cannot_store_stops_cleanly_then_resumes(tmp_path, extract
                 blocker.parent.mkdir(parents=True, exist_ok=True)
                 blocker.write_text("")  # a file where the chunk's folder goes
         with pytest.raises(W.WriterFailed) as err:
-            W.run_shard(task, report, threading.Event())
-        kind, message = W.describe_error(err.value, task)
-        assert kind == "io" and "not a directory" in message.lower() and "rerun the same command to resume" in message
+            run_shard(task, report)
+        message = W.describe_error(err.value, task)
+        assert "not a directory" in message.lower() and "rerun the same command to resume" in message
         attrs = C.open_root(str(out))[C.shard_name(0)].attrs.asdict()
         assert attrs["commit"]["tokens"] <= bad_chunk * 64 and not attrs["complete"]
         blocker.unlink()
-        timings = []
-        W.run_shard(task, lambda kind, **f: timings.append(f) if kind == "timing" else None,
-                    threading.Event())  # the rerun resumes
+        t = run_shard(task)  # the rerun resumes
     finally:
         torch.set_num_threads(threads)
     assert_same_shard(reference, out, 0)
     # where the rerun's time went: before the loop (planning, model load) and in it
-    [t] = timings
     assert t["plan_s"] > 0 and t["model_load_s"] > 0 and t["loop_s"] > 0 and t["cpu_s"] > 0
 
 
-def test_a_shard_resumes_only_where_it_was_computed(tmp_path, extracted, dataset, tiny_target_dir):
-    """The worker records what computed the shard; stopped after its first commit, the shard
-    refuses to resume under another compute environment (here another CPU thread count,
-    which changes CPU kernels' reduction order), naming the difference, and resumes under
-    the same one to the unbroken shard."""
+def test_a_shard_resumes_only_where_it_was_computed(tmp_path, extracted, dataset, tiny_target_dir, monkeypatch):
+    """The worker records what computed the shard; stopped after its first batches (Ctrl-C, or
+    torchrun's SIGTERM: commit what is written), the shard refuses to resume under another compute
+    environment (here another CPU thread count, which changes CPU kernels' reduction order),
+    naming the difference, and resumes under the same one to the unbroken shard."""
     reference, _, _ = extracted
     out = tmp_path / "c.zarr"
-    task = shard_task(out, dataset, tiny_target_dir, 0, batch_delay_s=0.3)  # slow enough to stop midway
-    stop = threading.Event()
+    task = shard_task(out, dataset, tiny_target_dir, 0)
+    forward, calls = TargetRunner.forward, []
 
-    def report(kind, **f):
-        if kind == "commit" and f["tokens"]:
-            stop.set()
+    def forward_then_stop(self, *args):
+        calls.append(1)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return forward(self, *args)
 
     threads = torch.get_num_threads()
     try:
-        with pytest.raises(W.Stopped):
-            W.run_shard(task, report, stop)
+        monkeypatch.setattr(TargetRunner, "forward", forward_then_stop)
+        with pytest.raises(KeyboardInterrupt):
+            run_shard(task)
+        monkeypatch.undo()
         attrs = C.open_root(str(out))[C.shard_name(0)].attrs.asdict()
         assert 0 < attrs["commit"]["samples"] < attrs["planned"]["samples"]
         torch.set_num_threads(1)
         assert attrs["compute"] == compute_environment(torch.device("cpu"))
         assert attrs["compute"]["device"].endswith("x1 threads") and attrs["compute"]["torch"] == torch.__version__
-        other = dataclasses.replace(task, cpu_threads=2)
+        other = dataclasses.replace(task, cfg=dataclasses.replace(task.cfg, cpu_threads=2))
         with pytest.raises(C.CacheError) as err:
-            W.run_shard(other, lambda *a, **k: None, threading.Event())
-        kind, message = W.describe_error(err.value, other)
-        assert kind == "cache" and "x1 threads' then" in message and "x2 threads' now" in message
-        W.run_shard(task, lambda *a, **k: None, threading.Event())  # where it was started: resumes
+            run_shard(other)
+        message = W.describe_error(err.value, other)
+        assert message.startswith("shard 00000: ") and "x1 threads' then" in message and "x2 threads' now" in message
+        run_shard(task)  # where it was started: resumes
     finally:
         torch.set_num_threads(threads)
     assert_same_shard(reference, out, 0)
@@ -618,10 +644,8 @@ def test_cuda_worker_matches_hf_on_the_gpu(tmp_path, dataset, tiny_target_dir):
                         load_source(cfg.data), num_shards=1)
     R.prepare_root(cfg, spec)
     switch = sys.getswitchinterval()
-    timing = {}
     try:
-        W.run_shard(W.WorkerTask(cfg=cfg, spec=spec, shard_id=0, num_shards=1, device="cuda:0"),
-                    lambda kind, **f: timing.update(f) if kind == "timing" else None, threading.Event())
+        timing = run_shard(W.WorkerTask(cfg=cfg, spec=spec, shard_id=0, device="cuda:0"))
     finally:
         sys.setswitchinterval(switch)
     # the GPU's seconds inside and between batches fit in the loop's wall time
@@ -883,9 +907,9 @@ def test_a_second_run_is_refused_naming_the_holder_and_a_waiting_run_takes_over_
 
     reference, _, _ = extracted
     out = tmp_path / "c.zarr"
-    args = [*TORCHRUN, "--data", str(dataset[0]), "--model", str(tiny_target_dir), "--out", str(out),
-            "--on-bad-row", "skip", *COMMON]
-    first = subprocess.Popen(args + ["--batch-delay-s", "30"], start_new_session=True,  # killed long before it ends
+    flags = ["--data", str(dataset[0]), "--model", str(tiny_target_dir), "--out", str(out), "--on-bad-row", "skip",
+             *COMMON]
+    first = subprocess.Popen([*slow_torchrun(30), *flags], start_new_session=True,  # killed long before it ends
                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     waiting = None
     try:
@@ -906,8 +930,8 @@ def test_a_second_run_is_refused_naming_the_holder_and_a_waiting_run_takes_over_
         for s, h in holders.items():
             assert f"writing    shard {s:05d} now: host {h.host}, pid {h.pid}, since" in info.output, info.output
 
-        waiting = subprocess.Popen(args + ["--wait-for-lock"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                   text=True)  # started beside the second, to save time
+        waiting = subprocess.Popen([*TORCHRUN, *flags, "--wait-for-lock"], stdout=subprocess.PIPE,
+                                   stderr=subprocess.PIPE, text=True)  # started beside the second, to save time
         second = cli("--data", dataset[0], "--model", tiny_target_dir, "--out", out, "--on-bad-row", "skip",
                      *COMMON, check=False)
         assert first.poll() is None, "the first run ended before the second started: nothing was tested"

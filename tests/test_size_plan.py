@@ -4,9 +4,9 @@ refuses to start (or resumes) by the space it still needs."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
-import threading
 from collections import namedtuple
 
 import pytest
@@ -15,15 +15,14 @@ from click.testing import CliRunner
 
 from dflash.extract import size_plan as E
 from dflash.extract import runner as R
-from dflash.extract import worker as W
 from dflash.extract.cli import main as extract_main
-from dflash.extract.config import ExtractConfig
 from dflash.extract.data import load_source
 from dflash.extract.plan import plan_shard, shard_rows
 from dflash.extract.chat import load_tokenizer
 from dflash.shared import cache as C
 from dflash.shared.cache_cli import main as cache_main
-from test_extract import BAD_ROWS, COMMON, LAYERS, TOPK, cli, dataset, shard_task  # noqa: F401 - dataset: the fixture
+from test_extract import (BAD_ROWS, COMMON, LAYERS, TOPK, cli, dataset,  # noqa: F401 - dataset: the fixture
+                          run_shard, shard_task)
 
 MAX_LENGTH = 64  # short enough that right truncation cuts some of the sample chats
 RUN = [*COMMON, "--max-length", str(MAX_LENGTH), "--on-bad-row", "skip"]  # the later --max-length wins
@@ -121,15 +120,15 @@ def test_bytes_per_token_from_the_codec_and_the_measured_ratios():
     measured = {"bf16": 28_350, "fp8": 16_970, "int8": 19_739, "int4": 9_098}
     for mode, per_token in measured.items():
         estimate = E.size_estimate(5, 4096, 64, H.HiddenCodec(mode))
-        assert estimate.per_token == pytest.approx(per_token, abs=1.5), mode
-        assert estimate.hidden_raw_bf16 == 40_960
+        assert estimate["per_token"] == pytest.approx(per_token, abs=1.5), mode
+        assert estimate["hidden_raw_bf16_per_token"] == 40_960
     hidden = torch.randn(8, 3, 256, dtype=torch.bfloat16)
     for codec in (H.HiddenCodec("fp8"), H.HiddenCodec("int8", 128), H.HiddenCodec("int4", 32),
                   H.HiddenCodec("int8", 64, "float32")):
         estimate = E.size_estimate(3, 256, 16, codec)
-        assert estimate.hidden_encoded * 8 == H.encode(codec, hidden).nbytes(), codec
-        assert estimate.per_token < E.size_estimate(3, 256, 16).per_token
-    assert E.size_estimate(3, 256, 16, topk_dtype="float16").other_raw == 4 + 1 + 16 * 6
+        assert estimate["hidden_encoded_per_token"] * 8 == H.encode(codec, hidden).nbytes(), codec
+        assert estimate["per_token"] < E.size_estimate(3, 256, 16)["per_token"]
+    assert E.size_estimate(3, 256, 16, topk_dtype="float16")["other_raw_per_token"] == 4 + 1 + 16 * 6
 
 
 def test_forward_flops_per_token_match_torchs_flop_counter(tiny_target_dir):
@@ -170,7 +169,7 @@ def test_a_run_refuses_to_start_below_the_space_it_still_needs(tmp_path, dataset
     task = shard_task(out, dataset, tiny_target_dir, 0, max_length=MAX_LENGTH)
     threads = torch.get_num_threads()
     try:
-        W.run_shard(task, lambda *a, **k: None, threading.Event())
+        run_shard(task)
     finally:
         torch.set_num_threads(threads)
     cfg = task.cfg
@@ -182,8 +181,9 @@ def test_a_run_refuses_to_start_below_the_space_it_still_needs(tmp_path, dataset
         planned[s] = {"tokens": p.num_tokens, "samples": len(p.source_index)}
     spec = C.CacheSpec.from_dict(C.open_root(str(out)).attrs[C.ATTRS_KEY])
     size = E.size_estimate(len(LAYERS), spec.hidden_size, TOPK)
-    rest = size.total(planned[1]["tokens"], planned[1]["samples"])
-    fresh = size.total(planned[0]["tokens"] + planned[1]["tokens"], planned[0]["samples"] + planned[1]["samples"])
+    rest = E.total_bytes(size, planned[1]["tokens"], planned[1]["samples"])
+    fresh = E.total_bytes(size, planned[0]["tokens"] + planned[1]["tokens"],
+                          planned[0]["samples"] + planned[1]["samples"])
     assert fresh > rest
 
     monkeypatch.setattr(shutil, "disk_usage", lambda path: DiskUsage(10**12, 10**12 - rest + 1, rest - 1))
@@ -199,12 +199,12 @@ def test_a_run_refuses_to_start_below_the_space_it_still_needs(tmp_path, dataset
     assert E.run_space_problem(cfg, spec, planned, committed) is None  # exactly enough for the rest
     assert "needs about" in E.run_space_problem(cfg, spec, planned, {})  # not for a fresh run
     with caplog.at_level("INFO"):
-        url = ExtractConfig(**{**cfg.to_dict(), "out": "file://" + str(out)})
+        url = dataclasses.replace(cfg, out="file://" + str(out))
         assert E.run_space_problem(url, spec, planned, {}) is None
     assert "free space not checked" in caplog.text
 
     monkeypatch.setattr(shutil, "disk_usage", lambda path: DiskUsage(10**12, 10**12, 0))
-    summary = R.run(ExtractConfig(**{**cfg.to_dict(), "ignore_free_space": True}))
+    summary = R.run(dataclasses.replace(cfg, ignore_free_space=True))
     assert summary["complete"] and summary["samples"] == planned[0]["samples"] + planned[1]["samples"]
 
 
