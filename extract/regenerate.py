@@ -9,9 +9,9 @@ seeded from (seed, part) and is redone whole), the dataset ``load_source(OUT)`` 
 from __future__ import annotations
 
 import datetime
+import itertools
 import json
 import logging
-import math
 import os
 import shutil
 import tempfile
@@ -21,7 +21,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
 
-from .chat import stop_token_ids
+from .chat import _as_text, stop_token_ids
 from .data import Conversation, DataError, SkipCounter, dataset_fingerprint, guard, load_source, normalize_row
 from .messages import regenerated_message, wire_message
 from .self_prompts import QuestionSampler, question_stop_ids, user_header
@@ -320,9 +320,9 @@ def generate_batch(model, tokenizer, prompts: list[str], gen_kwargs: dict, stop_
         gen_kwargs = {**gen_kwargs, "past_key_values": cache}
     input_ids = torch.tensor([[gen_kwargs["pad_token_id"]] * (width - len(ids)) + ids for ids in encoded])
     attention_mask = torch.tensor([[0] * (width - len(ids)) + [1] * len(ids) for ids in encoded])
-    device = next(model.parameters()).device
     with torch.inference_mode():
-        out = model.generate(input_ids=input_ids.to(device), attention_mask=attention_mask.to(device), **gen_kwargs)
+        out = model.generate(input_ids=input_ids.to(model.device), attention_mask=attention_mask.to(model.device),
+                             **gen_kwargs)
     results = []
     for tokens in out[:real_rows, width:].tolist():
         cut = next((i for i, t in enumerate(tokens) if t in stop_ids), None)
@@ -352,14 +352,13 @@ def regenerate_conversations(model, tokenizer, chats: list[Chat], settings: Gene
         turn = chat.next_turn
         if turn is not None:
             try:
-                text = tokenizer.apply_chat_template(chat.messages[:turn], add_generation_prompt=True,
-                                                     tokenize=False, **settings.template_kwargs)
+                text = _as_text(tokenizer.apply_chat_template(chat.messages[:turn], add_generation_prompt=True,
+                                                              tokenize=False, **settings.template_kwargs))
             except Exception as exc:  # noqa: BLE001 - jinja errors, raise_exception()
                 skips.record(DataError("template_rejected", chat.conv.source, chat.conv.row_index,
                                        f"chat template rejected the prompt: {type(exc).__name__}: {exc}"))
                 chat.dropped = "template_rejected"
             else:
-                text = text[0] if isinstance(text, list) else text
                 n_tokens = len(tokenizer(text, add_special_tokens=False)["input_ids"])
                 if settings.max_prompt_tokens is None or n_tokens <= settings.max_prompt_tokens:
                     pool.append((chat, turn, text, n_tokens))
@@ -460,30 +459,20 @@ def regenerate(cfg: RegenConfig, *, model=None, tokenizer=None, overwrite: bool 
                                                        "content_hash")}, **engine.record}
     out, prompts = Path(cfg.out), cfg.self_prompts
     start_run(out, record, overwrite)
-    # the dataset's parts first, then the self-prompt parts (samples [0, prompts) in part_size steps)
-    data_parts = math.ceil(num_rows / size)
-    num_parts = data_parts + math.ceil(prompts / size)
+    # (self-prompted?, start, stop): the dataset's rows first, then the self-prompt samples [0, prompts)
+    spans = [(False, start, min(num_rows, start + size)) for start in range(0, num_rows, size)]
+    spans += [(True, start, min(prompts, start + size)) for start in range(0, prompts, size)]
     bar = tqdm(total=num_rows + prompts, desc="regenerate", unit="row", disable=not cfg.progress)
-    stopped = False
 
     def parts():
-        """The parts not done yet, their chats started, stopping after ``max_parts``."""
-        nonlocal stopped
-        new = 0
-        for index in range(num_parts):
-            prompted = index >= data_parts
-            start = (index - data_parts if prompted else index) * size
-            stop = min(prompts if prompted else num_rows, start + size)
+        """The parts not done yet, their chats started."""
+        for index, (prompted, start, stop) in enumerate(spans):
             done = part_paths(out, index)[1]
             if done.exists():
                 if prompted:  # its questions count as seen for the dedup of later parts
                     engine.sampler.seen.update(json.loads(done.read_text())["questions"])
                 bar.update(stop - start)
                 continue
-            if new == max_parts:
-                stopped = True
-                return
-            new += 1
             skips = SkipCounter()
             torch.manual_seed(cfg.generation.seed * 1_000_003 + index)  # in process: the part's sampling
             if prompted:
@@ -507,10 +496,12 @@ def regenerate(cfg: RegenConfig, *, model=None, tokenizer=None, overwrite: bool 
         bar.update(1)
 
     try:
-        engine.run(parts(), finish, progress)
+        engine.run(itertools.islice(parts(), max_parts), finish, progress)
     finally:
         bar.close()
-    return None if stopped else finalize(out, num_parts, record, source_fp, engine)
+    if all(part_paths(out, index)[1].exists() for index in range(len(spans))):
+        return finalize(out, len(spans), record, source_fp, engine)
+    return None
 
 
 def finalize(out: Path, num_parts: int, record: dict, source_fp: dict, engine) -> dict[str, Any]:

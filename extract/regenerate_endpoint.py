@@ -5,6 +5,7 @@ Connection errors, timeouts, 408, 429 and 5xx are retried with backoff; then the
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import http.client
 import json
@@ -148,10 +149,8 @@ def turn_event(chat: Chat, turn: int, reply: Reply, settings: GenerationSettings
     tool_calls = []
     for call in reply.tool_calls or []:
         function = dict(call.get("function") or {})
-        try:
+        with contextlib.suppress(KeyError, TypeError, json.JSONDecodeError):
             function["arguments"] = json.loads(function["arguments"])
-        except (KeyError, TypeError, json.JSONDecodeError):
-            pass
         tool_calls.append({**({"id": call["id"]} if call.get("id") else {}), "type": call.get("type", "function"),
                            "function": function})
     event = answer_event(chat, turn, settings, reply.content, reply.finish_reason == "length",
