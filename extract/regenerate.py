@@ -30,8 +30,8 @@ log = logging.getLogger(__name__)
 
 FORMAT_VERSION = 1
 RUN_FILE = "run.json"
-# source rows per part by default: a server's answers are journaled, so its parts can be small; in process an
-# unfinished part is redone whole, and each part ends in a tail of small batches (BENCHMARKS.md, "Regeneration on the GPU")
+# source rows per part by default: a server's answers are journaled, so its parts can be small; in process an unfinished
+# part is redone whole, and each ends in a tail of small batches (BENCHMARKS.md, "Regeneration on the GPU")
 PART_SIZE = {"endpoint": 256, "in process": 4096}
 METADATA_FILE = "regenerate.json"
 PARTS_DIR = "parts"
@@ -83,16 +83,15 @@ class RegenConfig:
 
     def validate(self) -> None:
         """Raise ValueError naming the first setting that cannot work."""
+        values = {**vars(self), **vars(self.generation)}
         for names, ok, want in (
-                (("temperature", "question_temperature"), lambda v: v >= 0, ">= 0"),
-                (("top_p", "question_top_p"), lambda v: 0 < v <= 1, "in (0, 1]"),
-                (("max_new_tokens", "max_prompt_tokens", "question_max_tokens"), lambda v: v is None or v >= 1, ">= 1"),
-                (("self_prompts", "question_min_chars"), lambda v: v >= 0, "0 or more"),
-                (("batch_size", "concurrency", "part_size", "limit"), lambda v: v is None or v >= 1, "at least 1")):
-            for name in names:
-                value = getattr(self.generation if hasattr(self.generation, name) else self, name)
-                if not ok(value):
-                    raise ValueError(f"{name} must be {want}, got {value}")
+                ("temperature question_temperature self_prompts question_min_chars", lambda v: v >= 0, "0 or more"),
+                ("top_p question_top_p", lambda v: 0 < v <= 1, "in (0, 1]"),
+                ("max_new_tokens max_prompt_tokens question_max_tokens batch_size concurrency part_size limit",
+                 lambda v: v is None or v >= 1, "at least 1")):
+            for name in names.split():
+                if not ok(values[name]):
+                    raise ValueError(f"{name} must be {want}, got {values[name]}")
         if self.self_prompts and (self.endpoint is not None or self.model is None):
             raise ValueError("--self-prompts needs the target in process: give --model, without --endpoint (a chat "
                              "API cannot continue a bare user header)")

@@ -164,7 +164,8 @@ class EndpointEngine:
     def __init__(self, cfg: RegenConfig):
         self.cfg = cfg
         self.client = client = ChatEndpoint(cfg.endpoint, cfg.request_timeout, cfg.retries, cfg.retry_wait, cfg.api_key)
-        listed = [m["id"] for m in client.with_retries("GET", "/models").get("data", []) if isinstance(m, dict) and "id" in m]
+        listed = [m["id"] for m in client.with_retries("GET", "/models").get("data", [])
+                  if isinstance(m, dict) and "id" in m]
         if cfg.model is None and len(listed) != 1:
             raise ValueError(f"{client.url}/models lists {listed or 'no model'}; choose one with --model")
         self.model = listed[0] if cfg.model is None else cfg.model
