@@ -1,10 +1,7 @@
-"""Regenerate a chat dataset's assistant turns with the target itself, so the drafter trains on the target's own
-answers (README.md, "Before stage one"): an engine, the target in this process (`LocalEngine`) or a server
-(`regenerate_endpoint`), runs parts of `part_size` rows. OUT holds run.json (settings and fingerprints, checked on
-resume), parts/part-N.jsonl and part-N.done.json (a finished part), parts/part-N.turns.jsonl (a server's answers so
-far: each request is seeded from (seed, row, turn), so they are kept; in process a part samples from one generator
-seeded from (seed, part) and is redone whole), the dataset ``load_source(OUT)`` reads, and regenerate.json (counts).
-"""
+"""Regenerate a chat dataset's assistant turns with the target itself (README.md, "Before stage one"): an engine, in
+process (`LocalEngine`) or a server (`regenerate_endpoint`), runs parts of `part_size` rows. OUT holds run.json (checked
+on resume), parts/part-N.jsonl and part-N.done.json (a finished part), part-N.turns.jsonl (a server's answers so far,
+each seeded from (seed, row, turn); in process an unfinished part is redone whole), the dataset, regenerate.json."""
 
 from __future__ import annotations
 
@@ -114,11 +111,10 @@ class Chat:
     @classmethod
     def start(cls, conv: Conversation, counts: SkipCounter) -> Chat:
         """A chat ready for its first turn; leading assistant messages (no prompt to answer) removed, counted."""
-        messages = [dict(m) for m in conv.messages]
-        leading = next((i for i, m in enumerate(messages) if m["role"] != "assistant"), len(messages))
+        leading = next((i for i, m in enumerate(conv.messages) if m["role"] != "assistant"), len(conv.messages))
         if leading:
             counts.counts["leading_assistant_removed"] += 1
-        chat = cls(conv, messages[leading:])
+        chat = cls(conv, conv.messages[leading:])
         if chat.next_turn is None:
             chat.dropped = "no_assistant_turn"
         return chat

@@ -34,7 +34,6 @@ class RequestRejected(ValueError):
     """The server answered this one request with an error while staying up."""
 
     def __init__(self, status: int, detail: str):
-        self.status = status
         super().__init__(f"HTTP {status}: {detail}")
 
 
