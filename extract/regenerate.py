@@ -8,7 +8,6 @@ from __future__ import annotations
 import datetime
 import itertools
 import json
-import logging
 import os
 import shutil
 import tempfile
@@ -22,8 +21,6 @@ from .chat import _as_text, stop_token_ids
 from .data import Conversation, DataError, SkipCounter, dataset_fingerprint, guard, load_source, normalize_row
 from .messages import regenerated_message, wire_message
 from .self_prompts import QuestionSampler, question_stop_ids, user_header
-
-log = logging.getLogger(__name__)
 
 FORMAT_VERSION = 1
 RUN_FILE = "run.json"
@@ -525,6 +522,4 @@ def finalize(out: Path, num_parts: int, record: dict, source_fp: dict, engine) -
                              "datasets": datasets.__version__},
                 "read_with": "dflash.extract.data.load_source(OUT)", **engine.metadata(stats)}
     _write_atomic(out / METADATA_FILE, json.dumps(metadata, indent=2, sort_keys=True) + "\n")
-    log.info("regenerated %d rows (%d turns, %d truncated) -> %s", counts["rows_out"], counts["turns_regenerated"],
-             counts["truncated_turns"], out)
     return metadata

@@ -76,10 +76,9 @@ class ChatEndpoint:
             try:
                 return self._request(method, url, body)
             except urllib.error.HTTPError as err:
-                try:
-                    detail = (err.read().decode("utf-8", "replace") or str(err.reason)).strip()[:500]
-                except Exception:  # noqa: BLE001
-                    detail = str(err.reason)
+                detail = str(err.reason)
+                with contextlib.suppress(Exception):  # the server's own words, where its answer can be read
+                    detail = (err.read().decode("utf-8", "replace") or detail).strip()[:500]
                 if err.code not in (408, 429) and err.code < 500:
                     raise RequestRejected(err.code, f"{method} {url}: {detail}") from err
                 failures.append(f"HTTP {err.code} ({detail})")
