@@ -1,20 +1,13 @@
-"""Regenerate a chat dataset's assistant turns with the target itself, so the drafter trains on the
-target's own answers (README.md, "Before stage one"). `regenerate` runs an engine over parts of
-`part_size` rows: the target in this process (`LocalEngine`) or a server (`regenerate_endpoint`).
-
-OUT holds run.json (settings and fingerprints, checked on resume), parts/part-N.jsonl and part-N.done.json
-(a finished part), parts/part-N.turns.jsonl (the answers journaled so far by an unfinished part, server
-engine), the saved dataset ``load_source(OUT)`` reads, and regenerate.json (counts, written last).
-A server seeds each request from (seed, row, turn), so its journaled turns are kept; in process a part
-samples from one generator seeded from (seed, part), so an unfinished part is redone whole.
-"""
+"""Regenerate a chat dataset's assistant turns with the target itself (README.md, "Before stage one"): an engine, in
+process (`LocalEngine`) or a server (`regenerate_endpoint`), runs parts of `part_size` rows. OUT holds run.json (checked
+on resume), parts/part-N.jsonl and part-N.done.json (a finished part), part-N.turns.jsonl (a server's answers so far,
+each seeded from (seed, row, turn); in process an unfinished part is redone whole), the dataset, regenerate.json."""
 
 from __future__ import annotations
 
 import datetime
+import itertools
 import json
-import logging
-import math
 import os
 import shutil
 import tempfile
@@ -24,22 +17,19 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
 
-from .chat import stop_token_ids
+from .chat import _as_text, stop_token_ids
 from .data import Conversation, DataError, SkipCounter, dataset_fingerprint, guard, load_source, normalize_row
 from .messages import regenerated_message, wire_message
-from .regenerate_endpoint import EndpointEngine
 from .self_prompts import QuestionSampler, question_stop_ids, user_header
-
-log = logging.getLogger(__name__)
 
 FORMAT_VERSION = 1
 RUN_FILE = "run.json"
-# source rows per part by default: through a server the turn journal keeps every answer, so parts can be small; in
-# process an unfinished part is redone whole, and each part ends in a tail of small batches (a chat's turns run one
-# batch after another), which small parts pay again and again (BENCHMARKS.md, "Regeneration on the GPU")
+# source rows per part by default: a server's answers are journaled, so its parts can be small; in process an unfinished
+# part is redone whole, and each ends in a tail of small batches (BENCHMARKS.md, "Regeneration on the GPU")
 PART_SIZE = {"endpoint": 256, "in process": 4096}
 METADATA_FILE = "regenerate.json"
 PARTS_DIR = "parts"
+TOTALS = ("turns_regenerated", "truncated_turns", "generated_tokens")  # counted per chat, summed per part and run
 
 
 @dataclass
@@ -87,16 +77,15 @@ class RegenConfig:
 
     def validate(self) -> None:
         """Raise ValueError naming the first setting that cannot work."""
+        values = {**vars(self), **vars(self.generation)}
         for names, ok, want in (
-                (("temperature", "question_temperature"), lambda v: v >= 0, ">= 0"),
-                (("top_p", "question_top_p"), lambda v: 0 < v <= 1, "in (0, 1]"),
-                (("max_new_tokens", "max_prompt_tokens", "question_max_tokens"), lambda v: v is None or v >= 1, ">= 1"),
-                (("self_prompts", "question_min_chars"), lambda v: v >= 0, "0 or more"),
-                (("batch_size", "concurrency", "part_size", "limit"), lambda v: v is None or v >= 1, "at least 1")):
-            for name in names:
-                value = getattr(self.generation if hasattr(self.generation, name) else self, name)
-                if not ok(value):
-                    raise ValueError(f"{name} must be {want}, got {value}")
+                ("temperature question_temperature self_prompts question_min_chars", lambda v: v >= 0, "0 or more"),
+                ("top_p question_top_p", lambda v: 0 < v <= 1, "in (0, 1]"),
+                ("max_new_tokens max_prompt_tokens question_max_tokens batch_size concurrency part_size limit",
+                 lambda v: v is None or v >= 1, "at least 1")):
+            for name in names.split():
+                if not ok(values[name]):
+                    raise ValueError(f"{name} must be {want}, got {values[name]}")
         if self.self_prompts and (self.endpoint is not None or self.model is None):
             raise ValueError("--self-prompts needs the target in process: give --model, without --endpoint (a chat "
                              "API cannot continue a bare user header)")
@@ -106,27 +95,23 @@ class RegenConfig:
             raise ValueError("give --data (a chat dataset) or --self-prompts N (questions the target writes itself)")
 
 
-# ---------------------------------------------------------------------------- chats and parts
-
-
 @dataclass
 class Chat:
     conv: Conversation
     messages: list[dict]
     answered: int = 0  # the messages before this index are done
+    turns_regenerated: int = 0
     truncated_turns: int = 0
-    regenerated: int = 0
     generated_tokens: int = 0
     dropped: str | None = None  # skip reason, when the whole row is dropped
 
     @classmethod
     def start(cls, conv: Conversation, counts: SkipCounter) -> Chat:
         """A chat ready for its first turn; leading assistant messages (no prompt to answer) removed, counted."""
-        messages = [dict(m) for m in conv.messages]
-        leading = next((i for i, m in enumerate(messages) if m["role"] != "assistant"), len(messages))
+        leading = next((i for i, m in enumerate(conv.messages) if m["role"] != "assistant"), len(conv.messages))
         if leading:
             counts.counts["leading_assistant_removed"] += 1
-        chat = cls(conv, messages[leading:])
+        chat = cls(conv, conv.messages[leading:])
         if chat.next_turn is None:
             chat.dropped = "no_assistant_turn"
         return chat
@@ -137,20 +122,33 @@ class Chat:
         return None if self.dropped else next((i for i in range(self.answered, len(self.messages))
                                                if self.messages[i]["role"] == "assistant"), None)
 
-    def cut(self, turn: int, reason: str, counts: SkipCounter) -> None:
-        """Keep messages before ``turn``; drop the row if no assistant turn survives."""
+    def apply(self, event: dict, skips: SkipCounter) -> None:
+        """A turn's event (``answer_event``): its new message in place, or a cut there (the messages before it kept;
+        the row dropped when no assistant turn survives)."""
+        turn = event["turn"]
+        if "cut" not in event:
+            self.messages[turn], self.answered = event["message"], turn + 1
+            self.turns_regenerated += 1
+            self.truncated_turns += int(event["truncated"])
+            self.generated_tokens += event["tokens"]
+            return
         self.messages = self.messages[:turn]
-        if not any(m["role"] == "assistant" for m in self.messages):
-            self.dropped = reason
+        if any(m["role"] == "assistant" for m in self.messages):
+            skips.counts[f"cut_{event['cut']}"] += 1
         else:
-            counts.counts[f"cut_{reason}"] += 1
+            self.dropped = event["cut"]
 
-    def answer(self, turn: int, message: dict, truncated: bool, tokens: int) -> None:
-        """Put the regenerated ``message`` in place of turn ``turn`` and move on."""
-        self.messages[turn], self.answered = message, turn + 1
-        self.truncated_turns += int(truncated)
-        self.regenerated += 1
-        self.generated_tokens += tokens
+
+def answer_event(chat: Chat, turn: int, settings: GenerationSettings, content: str, truncated: bool, tokens: int,
+                 reasoning: str | None = None, tool_calls: list | None = None) -> dict[str, Any]:
+    """What an answer does to turn ``turn`` of ``chat``, as a journal line: the new message, or a cut there."""
+    where = {"row": chat.conv.row_index, "turn": turn}
+    if not content.strip() and not reasoning and not tool_calls:
+        return {**where, "cut": "empty_generation"}
+    if truncated and settings.drop_truncated:
+        return {**where, "cut": "truncated"}
+    message = regenerated_message(chat.messages[turn], content, reasoning, tool_calls)
+    return {**where, "message": message, "truncated": truncated, "tokens": tokens}
 
 
 def read_journal(path: Path) -> list[dict]:
@@ -183,28 +181,23 @@ class Part:
     record: dict  # more keys for its done record (self-prompting's)
     shown: int = 0  # rows the progress bar counted
     models: Counter = field(default_factory=Counter)  # answers per served model
-    file: Any = None  # the journal, once open for appends
 
     def apply(self, chat: Chat, event: dict, *, journal: bool = False) -> None:
-        """One answered turn (or a cut there) applied to its chat; with ``journal``, journaled first."""
-        if journal:
-            self.file = self.file or self.journal.open("a", encoding="utf-8")
-            self.file.write(json.dumps(event, ensure_ascii=False) + "\n")
-            self.file.flush()  # in the OS's hands: survives a kill of this process
+        """A turn's event applied to its chat; with ``journal``, journaled first."""
+        if journal:  # closed at once: in the OS's hands, it survives a kill of this process
+            with self.journal.open("a", encoding="utf-8") as file:
+                file.write(json.dumps(event, ensure_ascii=False) + "\n")
         if event["turn"] != chat.next_turn:
             raise ValueError(f"{self.journal}: row {chat.conv.row_index} does not match the source (turn "
                              f"{event['turn']}, expected {chat.next_turn}); delete the file to redo the part")
-        if "cut" in event:
-            chat.cut(event["turn"], event["cut"], self.skips)
-        else:
-            chat.answer(event["turn"], event["message"], event["truncated"], event["tokens"])
+        chat.apply(event, self.skips)
+        if "model" in event:  # a server's answer
             self.models[event["model"]] += 1
 
 
 def open_part(out: Path, index: int, rows: int, convs: list[Conversation], skips: SkipCounter, record: dict) -> Part:
     """Start a part's chats and replay its journal onto them."""
-    part = Part(index, rows, [Chat.start(conv, skips) for conv in convs], skips,
-                out / PARTS_DIR / f"part-{index:05d}.turns.jsonl", record)
+    part = Part(index, rows, [Chat.start(conv, skips) for conv in convs], skips, part_paths(out, index)[2], record)
     by_row = {chat.conv.row_index: chat for chat in part.chats}
     for event in read_journal(part.journal):
         if event.get("row") not in by_row:
@@ -215,10 +208,7 @@ def open_part(out: Path, index: int, rows: int, convs: list[Conversation], skips
 
 
 def chat_totals(chats: list[Chat]) -> dict[str, int]:
-    kept = [c for c in chats if not c.dropped]
-    return {"turns_regenerated": sum(c.regenerated for c in kept),
-            "truncated_turns": sum(c.truncated_turns for c in kept),
-            "generated_tokens": sum(c.generated_tokens for c in kept)}
+    return {key: sum(getattr(chat, key) for chat in chats if not chat.dropped) for key in TOTALS}
 
 
 def finish_part(out: Path, part: Part) -> None:
@@ -235,11 +225,9 @@ def finish_part(out: Path, part: Part) -> None:
         rows.append({**row, "tools": chat.conv.tools} if chat.conv.tools else row)
     stats = {"part": part.index, "rows_in": part.rows, "rows_out": len(rows), "skipped": part.skips.to_dict(),
              **chat_totals(part.chats), **part.record, **({"served_models": dict(part.models)} if part.models else {})}
-    data_path, done_path = part_paths(out, part.index)
+    data_path, done_path, _ = part_paths(out, part.index)
     _write_atomic(data_path, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
     _write_atomic(done_path, json.dumps(stats, indent=2, sort_keys=True) + "\n")
-    if part.file is not None:
-        part.file.close()
     part.journal.unlink(missing_ok=True)
 
 
@@ -261,16 +249,16 @@ def part_chats(ds, start: int, stop: int, source: str, on_bad_row: str, skips: S
     return convs
 
 
-def part_paths(out: Path, index: int) -> tuple[Path, Path]:
+def part_paths(out: Path, index: int) -> tuple[Path, Path, Path]:
+    """A part's rows, its done record and its turn journal."""
     base = out / PARTS_DIR / f"part-{index:05d}"
-    return base.with_suffix(".jsonl"), base.with_suffix(".done.json")
+    return base.with_suffix(".jsonl"), base.with_suffix(".done.json"), base.with_suffix(".turns.jsonl")
 
 
-# ---------------------------------------------------------------------------- the target in process
-
-
-def generation_kwargs(settings: GenerationSettings, stop_ids: list[int], pad_id: int) -> dict[str, Any]:
-    """generate() arguments that leave nothing to the model's generation_config."""
+def generation_kwargs(settings: GenerationSettings, stop_ids: list[int], pad_id: int | None) -> dict[str, Any]:
+    """generate() arguments that leave nothing to the model's generation_config; no ``pad_id`` (a tokenizer without
+    a pad token): the first stop token pads (masked either way)."""
+    pad_id = stop_ids[0] if pad_id is None else pad_id
     kwargs: dict[str, Any] = dict(max_new_tokens=settings.max_new_tokens, eos_token_id=stop_ids, pad_token_id=pad_id,
                                   num_beams=1, repetition_penalty=1.0, no_repeat_ngram_size=0, do_sample=False)
     if settings.temperature > 0:
@@ -324,20 +312,14 @@ def generate_batch(model, tokenizer, prompts: list[str], gen_kwargs: dict, stop_
         gen_kwargs = {**gen_kwargs, "past_key_values": cache}
     input_ids = torch.tensor([[gen_kwargs["pad_token_id"]] * (width - len(ids)) + ids for ids in encoded])
     attention_mask = torch.tensor([[0] * (width - len(ids)) + [1] * len(ids) for ids in encoded])
-    device = next(model.parameters()).device
     with torch.inference_mode():
-        out = model.generate(input_ids=input_ids.to(device), attention_mask=attention_mask.to(device), **gen_kwargs)
+        out = model.generate(input_ids=input_ids.to(model.device), attention_mask=attention_mask.to(model.device),
+                             **gen_kwargs)
     results = []
     for tokens in out[:real_rows, width:].tolist():
         cut = next((i for i, t in enumerate(tokens) if t in stop_ids), None)
         results.append((tokens, True) if cut is None else (tokens[:cut], False))
     return results
-
-
-def _kwargs(tokenizer, settings: GenerationSettings, stop_ids: list[int]) -> dict[str, Any]:
-    """generation_kwargs, padding with the tokenizer's pad token, else the first stop token (masked either way)."""
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else stop_ids[0]
-    return generation_kwargs(settings, stop_ids, pad)
 
 
 def batch_priority(item: tuple[Chat, int, str, int]) -> tuple[int, int]:
@@ -354,7 +336,7 @@ def regenerate_conversations(model, tokenizer, chats: list[Chat], settings: Gene
     the first by ``batch_priority``, and a chat's next turn joins as soon as its answer is in; ``done(chat)``
     hears of each chat with no turn left."""
     stop_ids = stop_token_ids(model, tokenizer)
-    gen_kwargs = _kwargs(tokenizer, settings, stop_ids)
+    gen_kwargs = generation_kwargs(settings, stop_ids, tokenizer.pad_token_id)
     pool: list[tuple[Chat, int, str, int]] = []  # (chat, turn, prompt, prompt tokens)
 
     def ready(chat: Chat) -> None:
@@ -362,19 +344,18 @@ def regenerate_conversations(model, tokenizer, chats: list[Chat], settings: Gene
         turn = chat.next_turn
         if turn is not None:
             try:
-                text = tokenizer.apply_chat_template(chat.messages[:turn], add_generation_prompt=True,
-                                                     tokenize=False, **settings.template_kwargs)
+                text = _as_text(tokenizer.apply_chat_template(chat.messages[:turn], add_generation_prompt=True,
+                                                              tokenize=False, **settings.template_kwargs))
             except Exception as exc:  # noqa: BLE001 - jinja errors, raise_exception()
                 skips.record(DataError("template_rejected", chat.conv.source, chat.conv.row_index,
                                        f"chat template rejected the prompt: {type(exc).__name__}: {exc}"))
                 chat.dropped = "template_rejected"
             else:
-                text = text[0] if isinstance(text, list) else text
                 n_tokens = len(tokenizer(text, add_special_tokens=False)["input_ids"])
                 if settings.max_prompt_tokens is None or n_tokens <= settings.max_prompt_tokens:
                     pool.append((chat, turn, text, n_tokens))
                     return
-                chat.cut(turn, "prompt_too_long", skips)
+                chat.apply({"turn": turn, "cut": "prompt_too_long"}, skips)
         if done is not None:
             done(chat)
 
@@ -386,12 +367,7 @@ def regenerate_conversations(model, tokenizer, chats: list[Chat], settings: Gene
         outputs = generate_batch(model, tokenizer, [text for _, _, text, _ in batch], gen_kwargs, stop_ids, static)
         for (chat, turn, _, _), (tokens, truncated) in zip(batch, outputs):
             content = tokenizer.decode(tokens, skip_special_tokens=False)
-            if not content.strip():
-                chat.cut(turn, "empty_generation", skips)
-            elif truncated and settings.drop_truncated:
-                chat.cut(turn, "truncated", skips)
-            else:
-                chat.answer(turn, regenerated_message(chat.messages[turn], content), truncated, len(tokens))
+            chat.apply(answer_event(chat, turn, settings, content, truncated, len(tokens)), skips)
             ready(chat)
 
 
@@ -422,8 +398,8 @@ class LocalEngine:
             self.record["self_prompts"] = {"header": header, **{k: getattr(cfg, k) for k in (
                 "self_prompts", "question_temperature", "question_top_p", "question_max_tokens", "question_min_chars")}}
             stops = question_stop_ids(model, tokenizer, end_of_user_turn, gen.template_kwargs)
-            kwargs = _kwargs(tokenizer, replace(gen, temperature=cfg.question_temperature, top_p=cfg.question_top_p,
-                                                max_new_tokens=cfg.question_max_tokens), stops)
+            kwargs = generation_kwargs(replace(gen, temperature=cfg.question_temperature, top_p=cfg.question_top_p,
+                                               max_new_tokens=cfg.question_max_tokens), stops, tokenizer.pad_token_id)
             self.sampler = QuestionSampler(lambda prompts: generate_batch(model, tokenizer, prompts, kwargs, stops,
                                                                           self.static),
                                            tokenizer, header, cfg.question_min_chars, cfg.batch_size)
@@ -436,9 +412,6 @@ class LocalEngine:
             regenerate_conversations(self.model, self.tokenizer, part.chats, self.cfg.generation, self.cfg.batch_size,
                                      part.skips, self.static, done=lambda chat, part=part: progress(part, chat))
             finish(part)
-
-
-# ---------------------------------------------------------------------------- the driver
 
 
 def start_run(out: Path, record: dict, overwrite: bool) -> None:
@@ -463,6 +436,8 @@ def regenerate(cfg: RegenConfig, *, model=None, tokenizer=None, overwrite: bool 
     import torch
     from tqdm.auto import tqdm
 
+    from .regenerate_endpoint import EndpointEngine  # imports this module
+
     cfg.validate()
     ds, num_rows, source_fp = None, 0, {}
     if cfg.data is not None:
@@ -476,29 +451,20 @@ def regenerate(cfg: RegenConfig, *, model=None, tokenizer=None, overwrite: bool 
                                                        "content_hash")}, **engine.record}
     out, prompts = Path(cfg.out), cfg.self_prompts
     start_run(out, record, overwrite)
-    # the dataset's parts first, then the self-prompt parts (samples [0, prompts) in part_size steps)
-    data_parts = math.ceil(num_rows / size)
-    num_parts = data_parts + math.ceil(prompts / size)
+    # (self-prompted?, start, stop): the dataset's rows first, then the self-prompt samples [0, prompts)
+    spans = [(False, start, min(num_rows, start + size)) for start in range(0, num_rows, size)]
+    spans += [(True, start, min(prompts, start + size)) for start in range(0, prompts, size)]
     bar = tqdm(total=num_rows + prompts, desc="regenerate", unit="row", disable=not cfg.progress)
-    written, stopped = 0, False
 
     def parts():
-        """The parts not done yet, their chats started, stopping after ``max_parts``."""
-        nonlocal written, stopped
-        for index in range(num_parts):
-            prompted = index >= data_parts
-            start = (index - data_parts if prompted else index) * size
-            stop = min(prompts if prompted else num_rows, start + size)
+        """The parts not done yet, their chats started."""
+        for index, (prompted, start, stop) in enumerate(spans):
             done = part_paths(out, index)[1]
             if done.exists():
                 if prompted:  # its questions count as seen for the dedup of later parts
                     engine.sampler.seen.update(json.loads(done.read_text())["questions"])
                 bar.update(stop - start)
                 continue
-            if max_parts is not None and written >= max_parts:
-                stopped = True
-                return
-            written += 1
             skips = SkipCounter()
             torch.manual_seed(cfg.generation.seed * 1_000_003 + index)  # in process: the part's sampling
             if prompted:
@@ -522,10 +488,12 @@ def regenerate(cfg: RegenConfig, *, model=None, tokenizer=None, overwrite: bool 
         bar.update(1)
 
     try:
-        engine.run(parts(), finish, progress)
+        engine.run(itertools.islice(parts(), max_parts), finish, progress)
     finally:
         bar.close()
-    return None if stopped else finalize(out, num_parts, record, source_fp, engine)
+    if all(part_paths(out, index)[1].exists() for index in range(len(spans))):
+        return finalize(out, len(spans), record, source_fp, engine)
+    return None
 
 
 def finalize(out: Path, num_parts: int, record: dict, source_fp: dict, engine) -> dict[str, Any]:
@@ -543,8 +511,7 @@ def finalize(out: Path, num_parts: int, record: dict, source_fp: dict, engine) -
         old.unlink()
     with tempfile.TemporaryDirectory(prefix=".finalize-", dir=out, ignore_cleanup_errors=True) as scratch:
         datasets.load_dataset("json", data_files=files, split="train", cache_dir=scratch).save_to_disk(str(out))
-    counts: dict[str, Any] = {key: sum(s[key] for s in stats) for key in
-                              ("rows_in", "rows_out", "turns_regenerated", "truncated_turns", "generated_tokens")}
+    counts: dict[str, Any] = {key: sum(s[key] for s in stats) for key in ("rows_in", "rows_out", *TOTALS)}
     counts["skipped"] = dict(sorted(sum((Counter(s["skipped"]) for s in stats), Counter()).items()))
     prompted = [s["self_prompts"] for s in stats if "self_prompts" in s]
     if prompted:
@@ -555,6 +522,4 @@ def finalize(out: Path, num_parts: int, record: dict, source_fp: dict, engine) -
                              "datasets": datasets.__version__},
                 "read_with": "dflash.extract.data.load_source(OUT)", **engine.metadata(stats)}
     _write_atomic(out / METADATA_FILE, json.dumps(metadata, indent=2, sort_keys=True) + "\n")
-    log.info("regenerated %d rows (%d turns, %d truncated) -> %s", counts["rows_out"], counts["turns_regenerated"],
-             counts["truncated_turns"], out)
     return metadata

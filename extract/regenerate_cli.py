@@ -15,20 +15,17 @@ from .regenerate import GenerationSettings, RegenConfig, regenerate
 
 
 @click.command(cls=Command)
-@click.option("--data", type=Maybe(str), help="Source chat dataset (anything extract reads); optional with "
-              "--self-prompts.")
+@click.option("--data", type=Maybe(str), help="Chat dataset (anything extract reads); optional with --self-prompts.")
 @click.option("--model", type=Maybe(str), help="Target model: HF folder or hub name (in process); with --endpoint, "
               "the served model's name (default: the one the server lists).")
-@click.option("--endpoint", type=Maybe(str), help="OpenAI-compatible server base URL, e.g. http://HOST:8000/v1 (vLLM, "
-              "SGLang, transformers serve).")
+@click.option("--endpoint", type=Maybe(str), help="OpenAI-compatible server's base URL, e.g. http://HOST:8000/v1.")
 @click.option("--out", required=True, help="Output folder (rerun to resume).")
 @click.option("--split", default="train", help="Source dataset split.")
 @click.option("--temperature", default=0.0, help="0 = greedy; above 0, sampling at this temperature.")
 @click.option("--top-p", default=1.0, help="Nucleus mass when sampling.")
 @click.option("--seed", default=0, help="Base seed; part i samples from seed (seed, i) (per-turn request seeds with "
               "--endpoint).")
-@click.option("--max-new-tokens", default=1024, help="Tokens per assistant turn (max_tokens of each request with "
-              "--endpoint).")
+@click.option("--max-new-tokens", default=1024, help="Tokens per assistant turn (max_tokens with --endpoint).")
 @click.option("--max-prompt-tokens", type=Maybe(int), help="Cut a conversation before a turn whose prompt is longer.")
 @click.option("--drop-truncated/--no-drop-truncated", default=False, help="Cut a conversation at a turn that hit "
               "max_new_tokens (else keep the turn and count it).")
@@ -45,8 +42,7 @@ from .regenerate import GenerationSettings, RegenConfig, regenerate
               "end by then is dropped (counted).")
 @click.option("--question-min-chars", default=8, help="Self-prompted questions shorter than this (whitespace "
               "collapsed) are dropped (counted).")
-@click.option("--batch-size", type=click.IntRange(min=1), default=16, help="Prompts per generate() call (in process "
-              "only).")
+@click.option("--batch-size", type=click.IntRange(min=1), default=16, help="Prompts per generate() call (in process).")
 @click.option("--concurrency", type=click.IntRange(min=1), default=32, help="Conversations in flight at once "
               "(--endpoint).")
 @click.option("--request-timeout", type=click.FloatRange(min=0, min_open=True), default=600.0, help="Seconds for one "
@@ -58,8 +54,7 @@ from .regenerate import GenerationSettings, RegenConfig, regenerate
 @click.option("--api-key", type=Maybe(str), envvar="OPENAI_API_KEY", show_envvar=True, help="Bearer token "
               "(--endpoint).")
 @click.option("--part-size", type=Maybe(click.IntRange(min=1)), help="Source rows per output part (the resume unit); "
-              "default: 256 through --endpoint, 4096 in process (its batches stay full across a part, and an "
-              "unfinished part is redone whole).")
+              "default: 256 through --endpoint, 4096 in process.")
 @click.option("--limit", type=Maybe(click.IntRange(min=1)), help="Use the first N source rows.")
 @click.option("--device", default="cpu", help="cpu, cuda or cuda:N (in process only).")
 @click.option("--static-cache/--no-static-cache", default=None, help="Static KV cache, decode step compiled into CUDA "

@@ -5,6 +5,7 @@ Connection errors, timeouts, 408, 429 and 5xx are retried with backoff; then the
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import http.client
 import json
@@ -16,13 +17,11 @@ import urllib.request
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import asdict, dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from .data import DataError
-from .messages import regenerated_message, wire_message
-
-if TYPE_CHECKING:  # annotations only: regenerate.py imports this module
-    from .regenerate import Chat, GenerationSettings, Part, RegenConfig
+from .messages import wire_message
+from .regenerate import Chat, GenerationSettings, Part, RegenConfig, answer_event
 
 log = logging.getLogger(__name__)
 
@@ -31,11 +30,10 @@ class EndpointDown(RuntimeError):
     """The server cannot be reached (or keeps failing) after every retry."""
 
 
-class RequestRejected(RuntimeError):
+class RequestRejected(ValueError):
     """The server answered this one request with an error while staying up."""
 
     def __init__(self, status: int, detail: str):
-        self.status = status
         super().__init__(f"HTTP {status}: {detail}")
 
 
@@ -68,9 +66,9 @@ class ChatEndpoint:
 
     def chat(self, body: dict[str, Any]) -> Reply:
         """POST /chat/completions (non-streaming) and parse the first choice."""
-        return parse_reply(self.with_retries("POST", "/chat/completions", body, probe=True), self.url)
+        return parse_reply(self.with_retries("POST", "/chat/completions", body), self.url)
 
-    def with_retries(self, method: str, path: str, body: dict | None, *, probe: bool) -> dict:
+    def with_retries(self, method: str, path: str, body: dict | None = None) -> dict:
         url, failures, last_status, started = self.url + path, [], None, time.monotonic()
         for attempt in range(self.retries + 1):
             if attempt and self.stop.wait(min(30.0, self.retry_wait * 2 ** (attempt - 1))):
@@ -78,10 +76,9 @@ class ChatEndpoint:
             try:
                 return self._request(method, url, body)
             except urllib.error.HTTPError as err:
-                try:
-                    detail = (err.read().decode("utf-8", "replace") or str(err.reason)).strip()[:500]
-                except Exception:  # noqa: BLE001
-                    detail = str(err.reason)
+                detail = str(err.reason)
+                with contextlib.suppress(Exception):  # the server's own words, where its answer can be read
+                    detail = (err.read().decode("utf-8", "replace") or detail).strip()[:500]
                 if err.code not in (408, 429) and err.code < 500:
                     raise RequestRejected(err.code, f"{method} {url}: {detail}") from err
                 failures.append(f"HTTP {err.code} ({detail})")
@@ -90,19 +87,17 @@ class ChatEndpoint:
                 reason = getattr(err, "reason", None) or err
                 failures.append(f"{type(reason).__name__}: {reason}")
                 last_status = None
-        if probe and last_status is not None and self._answers_models():
-            raise RequestRejected(last_status, f"{method} {url}: {failures[-1]} (the server is up; "
-                                               "this request keeps failing)")
+        if method == "POST" and last_status is not None:  # a server that still answers is up
+            try:
+                self._request("GET", self.url + "/models", None)
+            except Exception:  # noqa: BLE001 - any failure means "not answering"
+                pass
+            else:
+                raise RequestRejected(last_status, f"{method} {url}: {failures[-1]} (the server is up; "
+                                                   "this request keeps failing)")
         raise EndpointDown(f"{method} {url} failed {len(failures)} time(s) over {time.monotonic() - started:.0f} s "
                            f"(last: {failures[-1] if failures else 'stopped'}); is the server at {self.url} running? "
                            "Rerun the same command once it is: finished turns are kept.")
-
-    def _answers_models(self) -> bool:
-        try:
-            self._request("GET", self.url + "/models", None)
-        except Exception:  # noqa: BLE001 - any failure means "not answering"
-            return False
-        return True
 
     def _request(self, method: str, url: str, body: dict | None) -> dict:
         data = None if body is None else json.dumps(body, ensure_ascii=False).encode("utf-8")
@@ -146,27 +141,19 @@ def request_body(model: str, history: list[dict], tools: list | None, settings: 
 
 
 def turn_event(chat: Chat, turn: int, reply: Reply, settings: GenerationSettings) -> dict[str, Any]:
-    """What an answer does to the conversation, as a journal line; tool-call arguments decoded where JSON."""
-    where = {"row": chat.conv.row_index, "turn": turn}
+    """``answer_event`` of a server's reply, naming the model that answered; tool-call arguments decoded where JSON."""
     if settings.max_prompt_tokens is not None and (reply.prompt_tokens or 0) > settings.max_prompt_tokens:
-        return {**where, "cut": "prompt_too_long"}
+        return {"row": chat.conv.row_index, "turn": turn, "cut": "prompt_too_long"}
     tool_calls = []
     for call in reply.tool_calls or []:
         function = dict(call.get("function") or {})
-        try:
+        with contextlib.suppress(KeyError, TypeError, json.JSONDecodeError):
             function["arguments"] = json.loads(function["arguments"])
-        except (KeyError, TypeError, json.JSONDecodeError):
-            pass
         tool_calls.append({**({"id": call["id"]} if call.get("id") else {}), "type": call.get("type", "function"),
                            "function": function})
-    if not reply.content.strip() and not reply.reasoning and not tool_calls:
-        return {**where, "cut": "empty_generation"}
-    truncated = reply.finish_reason == "length"
-    if truncated and settings.drop_truncated:
-        return {**where, "cut": "truncated"}
-    message = regenerated_message(chat.messages[turn], reply.content, reply.reasoning, tool_calls)
-    return {**where, "message": message, "truncated": truncated, "tokens": reply.completion_tokens or 0,
-            "model": reply.model}
+    event = answer_event(chat, turn, settings, reply.content, reply.finish_reason == "length",
+                         reply.completion_tokens or 0, reply.reasoning, tool_calls)
+    return {**event, "model": reply.model} if "message" in event else event
 
 
 class EndpointEngine:
@@ -175,11 +162,8 @@ class EndpointEngine:
     def __init__(self, cfg: RegenConfig):
         self.cfg = cfg
         self.client = client = ChatEndpoint(cfg.endpoint, cfg.request_timeout, cfg.retries, cfg.retry_wait, cfg.api_key)
-        try:
-            answer = client.with_retries("GET", "/models", None, probe=False)
-        except RequestRejected as err:
-            raise ValueError(str(err)) from err
-        listed = [m["id"] for m in answer.get("data", []) if isinstance(m, dict) and "id" in m]
+        listed = [m["id"] for m in client.with_retries("GET", "/models").get("data", [])
+                  if isinstance(m, dict) and "id" in m]
         if cfg.model is None and len(listed) != 1:
             raise ValueError(f"{client.url}/models lists {listed or 'no model'}; choose one with --model")
         self.model = listed[0] if cfg.model is None else cfg.model

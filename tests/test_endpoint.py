@@ -85,9 +85,9 @@ def test_5xx_and_429_are_retried(scripted):
 
 def test_4xx_is_rejected_at_once_with_the_servers_reason(scripted):
     server = scripted([(400, {"error": "bad template"})])
-    with pytest.raises(RequestRejected, match="bad template") as err:
+    with pytest.raises(RequestRejected, match="HTTP 400: .*bad template"):
         _client(server.url).chat({"messages": []})
-    assert err.value.status == 400 and len(server.posts()) == 1
+    assert len(server.posts()) == 1
 
 
 def test_persistent_5xx_while_the_server_is_up_rejects_the_request(scripted):
