@@ -18,8 +18,6 @@ import numpy as np
 from .data import Conversation, DataError, SkippedSample
 from .turns import TemplateProbeFailed, TurnMarkers, TurnNotFound, locate_turns, probe_markers
 
-MaskMethod = Literal["auto", "generation_tags", "template_probe"]
-
 _GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")
 # tokenizer -> {(template, template kwargs, end_of_turn override): TurnMarkers, or why the probe failed}
 _MARKERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -41,14 +39,10 @@ class RenderedSample:
         return self.num_tokens > len(self.input_ids)
 
 
-def has_generation_tags(tokenizer, tools: list[dict[str, Any]] | None = None) -> bool:
-    """Whether the chat template (the one picked for `tools`) marks assistant turns itself."""
-    return bool(_GENERATION_TAG.search(tokenizer.get_chat_template(tools=tools)))
-
-
 def mask_method(tokenizer, tools: list[dict[str, Any]] | None = None) -> str:
-    """The mask method "auto" picks for this tokenizer's template."""
-    return "generation_tags" if has_generation_tags(tokenizer, tools) else "template_probe"
+    """The mask method "auto" picks: "generation_tags" where the chat template (the one picked for `tools`)
+    marks assistant turns itself."""
+    return "generation_tags" if _GENERATION_TAG.search(tokenizer.get_chat_template(tools=tools)) else "template_probe"
 
 
 def turn_markers(tokenizer, end_of_turn: str | None = None, template_kwargs: dict[str, Any] | None = None,
@@ -79,9 +73,9 @@ def turn_markers(tokenizer, end_of_turn: str | None = None, template_kwargs: dic
 def end_of_turn_id(tokenizer, end_of_turn: str | None = None, template_kwargs: dict[str, Any] | None = None) -> int:
     """Token id that ends an assistant turn (`end_of_turn`, else the template's); ValueError when
     that is no token of the vocabulary."""
-    if end_of_turn is not None:
-        return _token_id(tokenizer, end_of_turn)
-    return _token_id(tokenizer, turn_markers(tokenizer, template_kwargs=template_kwargs).end_of_turn)
+    if end_of_turn is None:
+        end_of_turn = turn_markers(tokenizer, template_kwargs=template_kwargs).end_of_turn
+    return _token_id(tokenizer, end_of_turn)
 
 
 def stop_token_ids(model, tokenizer, end_of_turn: str | None = None,
@@ -95,7 +89,7 @@ def stop_token_ids(model, tokenizer, end_of_turn: str | None = None,
 
 
 def render(tokenizer, conv: Conversation, *, max_length: int, truncation: str = "right",
-           method: MaskMethod = "auto", end_of_turn: str | None = None,
+           method: Literal["auto", "generation_tags", "template_probe"] = "auto", end_of_turn: str | None = None,
            template_kwargs: dict[str, Any] | None = None) -> RenderedSample:
     """Token ids (int32) and assistant loss mask (bool) of one conversation; over `max_length`, truncation
     "right" cuts, "error" raises DataError("too_long"), "skip" SkippedSample. DataError names a bad row."""
@@ -126,35 +120,16 @@ def render(tokenizer, conv: Conversation, *, max_length: int, truncation: str = 
         if markers is not None:
             mask = _close_spans_at_end_of_turn(ids, mask, _token_id(tokenizer, markers.end_of_turn))
 
-    input_ids, loss_mask = np.asarray(ids, dtype=np.int32), np.asarray(mask, dtype=bool)
-    num_tokens = len(input_ids)
-    if num_tokens > max_length:
-        if truncation != "right":
-            error_class = SkippedSample if truncation == "skip" else DataError
-            raise error_class("too_long", conv.source, conv.row_index, f"{num_tokens} tokens > max_length {max_length}")
-        input_ids, loss_mask = input_ids[:max_length], loss_mask[:max_length]
+    num_tokens = len(ids)
+    if num_tokens > max_length and truncation != "right":
+        error_class = SkippedSample if truncation == "skip" else DataError
+        raise error_class("too_long", conv.source, conv.row_index, f"{num_tokens} tokens > max_length {max_length}")
+    input_ids, loss_mask = np.asarray(ids[:max_length], dtype=np.int32), np.asarray(mask[:max_length], dtype=bool)
     if not loss_mask.any():
         error_class = SkippedSample if num_tokens > max_length else DataError
         raise error_class("no_loss_tokens", conv.source, conv.row_index,
                           f"no assistant token in the first {len(input_ids)} of {num_tokens} tokens")
     return RenderedSample(input_ids, loss_mask, num_tokens)
-
-
-def read_chat_template(path: str) -> str:
-    """The text of a Jinja chat-template file, checked to compile; ValueError naming the file otherwise."""
-    try:
-        text = Path(path).read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as e:
-        raise ValueError(f"--chat-template {path}: cannot read it: {e}") from None
-    if not text.strip():
-        raise ValueError(f"--chat-template {path}: the file is empty")
-    from transformers.utils.chat_template_utils import _compile_jinja_template  # HF's own Jinja environment
-
-    try:
-        _compile_jinja_template(text)
-    except Exception as e:  # noqa: BLE001 - jinja2's TemplateSyntaxError and friends
-        raise ValueError(f"--chat-template {path}: not a valid Jinja template: {type(e).__name__}: {e}") from None
-    return text
 
 
 def _token_id(tokenizer, token: str) -> int:
@@ -168,17 +143,31 @@ def _token_id(tokenizer, token: str) -> int:
 
 
 def load_tokenizer(cfg):
-    """The tokenizer of an ExtractConfig with ``--chat-template`` applied and ``--end-of-turn`` checked:
-    the one way stage one loads it, so the stored ids match the fingerprint. ValueError naming the cause."""
+    """The tokenizer of an ExtractConfig with ``--chat-template`` applied (checked to compile first) and
+    ``--end-of-turn`` checked: the one way stage one loads it, so the stored ids match the fingerprint.
+    ValueError naming the cause."""
     from transformers import AutoTokenizer
 
-    template = read_chat_template(cfg.chat_template) if cfg.chat_template else None
+    if cfg.chat_template:
+        from transformers.utils.chat_template_utils import _compile_jinja_template  # HF's own Jinja environment
+
+        where = f"--chat-template {cfg.chat_template}"
+        try:
+            template = Path(cfg.chat_template).read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as e:
+            raise ValueError(f"{where}: cannot read it: {e}") from None
+        if not template.strip():
+            raise ValueError(f"{where}: the file is empty")
+        try:
+            _compile_jinja_template(template)
+        except Exception as e:  # noqa: BLE001 - jinja2's TemplateSyntaxError and friends
+            raise ValueError(f"{where}: not a valid Jinja template: {type(e).__name__}: {e}") from None
     name = cfg.tokenizer or cfg.model
     try:
         tokenizer = AutoTokenizer.from_pretrained(name, revision=cfg.revision)
     except (OSError, ValueError) as e:
         raise ValueError(f"cannot load the tokenizer {name!r}: {e}") from e
-    if template is not None:
+    if cfg.chat_template:
         tokenizer.chat_template = template
     if cfg.end_of_turn is not None:
         _token_id(tokenizer, cfg.end_of_turn)
@@ -218,33 +207,22 @@ def _rendering(tokenizer, conv: Conversation, kwargs: dict, tags: bool) -> tuple
     return (rendered[0], spans[0]) if tags else (_as_text(rendered), None)
 
 
-def _overlap_mask(offsets: list[tuple[int, int]], spans) -> list[int]:
-    """1 for every token overlapping a char span [start, end) (spans and tokens sorted)."""
-    mask = [0] * len(offsets)
-    span_idx = 0
-    spans = [(int(a), int(b)) for a, b in spans if b > a]
-    for t, (tok_start, tok_end) in enumerate(offsets):
-        while span_idx < len(spans) and tok_start >= spans[span_idx][1]:
-            span_idx += 1
-        if span_idx == len(spans):
-            break
-        if tok_end > spans[span_idx][0]:
-            mask[t] = 1
+def _overlap_mask(offsets: list[tuple[int, int]], spans) -> np.ndarray:
+    """True for every token whose chars [start, end) overlap a non-empty char span [start, end)."""
+    starts, ends = np.asarray(offsets, dtype=np.int64).reshape(-1, 2).T
+    mask = np.zeros(len(starts), dtype=bool)
+    for start, end in spans:
+        if end > start:
+            mask |= (starts < end) & (ends > start)
     return mask
 
 
-def _close_spans_at_end_of_turn(ids: list[int], mask: list[int], eot: int) -> list[int]:
-    """Each run of 1s ends with (and includes) its first end-of-turn token."""
-    out, t, n = list(mask), 0, len(ids)
-    while t < n:
-        end = t
-        while end < n and out[end]:
-            end += 1  # a run [t, end) of 1s, empty where out[t] is 0
-        eot_in_run = next((k for k in range(t, end) if ids[k] == eot), None)
-        if eot_in_run is not None:
-            out[eot_in_run + 1 : end] = [0] * (end - eot_in_run - 1)
-        elif end > t and end < n and ids[end] == eot:
-            out[end] = 1
-            end += 1
-        t = max(end, t + 1)
+def _close_spans_at_end_of_turn(ids: list[int], mask, eot: int) -> list[bool]:
+    """Each run of masked tokens ends with (and includes) its first end-of-turn token, in it or right after it."""
+    out, open_run = [], False  # open_run: in (or just after) a run that has not reached its end of turn
+    for k, (token, inside) in enumerate(zip(ids, mask)):
+        if inside and (k == 0 or not mask[k - 1]):
+            open_run = True
+        out.append(open_run and bool(inside or token == eot))
+        open_run = open_run and inside and token != eot
     return out
