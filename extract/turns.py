@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -64,26 +65,21 @@ def probe_markers(render_text: RenderText, special_tokens_in: Callable[[str], li
     if u1 not in prompt:
         raise TemplateProbeFailed("the template does not render a user message's content verbatim")
     user_close = prompt[prompt.index(u1) + len(u1):]
-    ends, cursor = [], 0
-    for needle in (u1, a1, u2, a2):
-        at = full.find(needle, cursor)
-        if at < 0:
-            raise TemplateProbeFailed("the template does not render user and assistant contents verbatim and in order")
-        cursor = at + len(needle)
-        ends.append(cursor)
-    openings = [full[ends[0]:ends[1] - len(a1)], full[ends[2]:ends[3] - len(a2)]]
+    walk = re.search(f"{u1}(.*?){a1}(.*?){u2}(.*?){a2}", full, re.DOTALL)  # each content's first place in order
+    if walk is None:
+        raise TemplateProbeFailed("the template does not render user and assistant contents verbatim and in order")
+    openings, after_reply = (walk[1], walk[3]), walk[2]
     if not all(opening.startswith(user_close) for opening in openings):
         raise TemplateProbeFailed(
             f"the template writes {user_close!r} after a final user message but not before the assistant reply")
     header = os.path.commonprefix([with_generation[len(prompt):]] + [o[len(user_close):] for o in openings])
     if end_of_turn is None:
-        after_reply = full[ends[1]:full.index(u2, ends[1])]
         found = special_tokens_in(after_reply)
         if not found:
             raise TemplateProbeFailed(
                 f"the template writes no special token after an assistant message ({after_reply!r}); pass end_of_turn")
         end_of_turn = found[0]
-        if end_of_turn not in full[ends[3]:]:
+        if end_of_turn not in full[walk.end():]:
             raise TemplateProbeFailed(f"the template does not close its last assistant turn with {end_of_turn!r}")
     tool_close = None if header else _probe_tool_close(render_text, lead + chat[:1], a2)
     return TurnMarkers(header=header, user_close=user_close, end_of_turn=end_of_turn, tool_close=tool_close)
