@@ -64,8 +64,8 @@ def installed_file(package: str, relative: str) -> Path | None:
 
 def load_source(spec: str, split: str = "train", *, revision: str | None = None,
                 data_files: str | list[str] | dict | None = None, cache_dir: str | None = None):
-    """`spec` as rows (`JsonRows` for local JSON, else a `datasets.Dataset`): a `save_to_disk` folder, a data
-    file or a folder of one format (the files are the split), else a hub name; DataError names what fails."""
+    """`spec` as rows (a list for local JSON, else a `datasets.Dataset`): a `save_to_disk` folder, a data file or
+    a folder of one format (the files are the split), else a hub name; DataError names what fails."""
     import datasets
 
     path = Path(spec)
@@ -81,7 +81,7 @@ def load_source(spec: str, split: str = "train", *, revision: str | None = None,
     elif path.exists():
         files = local_data_files(path)
         if files[0].suffix in (".json", ".jsonl"):
-            return JsonRows(row for f in files for row in _read_json(f))
+            return [row for f in files for row in _read_json(f)]
         builder = LOCAL_FORMATS[files[0].suffix]
         try:
             loaded = datasets.load_dataset(builder, data_files={split: [str(f) for f in files]}, split=split,
@@ -104,14 +104,6 @@ def load_source(spec: str, split: str = "train", *, revision: str | None = None,
         except Exception as exc:  # noqa: BLE001
             raise DataError("unreadable", spec, None, f"cannot load hub dataset: {type(exc).__name__}: {exc}") from exc
     return loaded.with_transform(_without_nulls)
-
-
-class JsonRows(list):
-    """Rows of local JSON files as `json.loads` gives them, standing in for a `datasets.Dataset`;
-    readers must not mutate the rows."""
-
-    def select(self, indices) -> JsonRows:
-        return JsonRows(self[i] for i in indices)
 
 
 def _read_json(path: Path) -> list[Any]:
