@@ -1,12 +1,15 @@
 """Render a Conversation to token ids (exactly ``apply_chat_template``, no generation prompt) and the
-assistant loss mask: each assistant turn from the end of its header through its end-of-turn token,
-found by "generation_tags" (``{% generation %}`` spans) or "template_probe" (markers learned from
-probe chats: turns.py). Char spans map to tokens by overlap; plain text rows get an all-ones mask."""
+assistant loss mask: each assistant turn from the end of its header through its end-of-turn token, found by
+"generation_tags" (``{% generation %}`` spans) or "template_probe": history can render differently from a prompt
+(thinking templates, Mistral's moved system prompt), so the turn header and end-of-turn token are learned once per
+template from probe chats, and `locate_turns` walks the one full rendering, raising TurnNotFound, never guessing.
+Char spans map to tokens by overlap; plain text rows get an all-ones mask."""
 
 from __future__ import annotations
 
 import contextlib
 import json
+import os
 import re
 import weakref
 from dataclasses import dataclass
@@ -16,11 +19,30 @@ from typing import Any, Literal
 import numpy as np
 
 from .data import Conversation, DataError, SkippedSample
-from .turns import TemplateProbeFailed, TurnMarkers, TurnNotFound, locate_turns, probe_markers
 
 _GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")
 # tokenizer -> {(template, template kwargs, end_of_turn override): TurnMarkers, or why the probe failed}
 _MARKERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+# Plain lowercase ASCII words: templates trim, strip and split contents, never these.
+_PROBE_USER = ("qzxprobeuserone", "qzxprobeusertwo")
+_PROBE_ASSISTANT = ("qzxprobereplyone", "qzxprobereplytwo")
+_PROBE_SYSTEM = "qzxprobesystem"
+_PROBE_TOOL = ("qzxprobetool", "qzxprobetoolresult", "qzxcall01")  # name, result, call id (Mistral wants 9 chars)
+
+
+class TurnNotFound(ValueError):
+    """The template's turn markers cannot be learned from its own renderings, or an assistant turn (or a message
+    around it) is not where the walk expects it."""
+
+
+@dataclass(frozen=True)
+class TurnMarkers:
+    """What a chat template writes around assistant turns."""
+
+    header: str  # text that opens every assistant turn; "" where the reply follows the user turn directly (Mistral)
+    user_close: str  # text the template writes right after a user message's content
+    end_of_turn: str  # the token string that closes an assistant turn
+    tool_close: str | None = None  # text after a tool result, learned only where there is no header (None: unknown)
 
 
 @dataclass(frozen=True)
@@ -48,7 +70,7 @@ def mask_method(tokenizer, tools: list[dict[str, Any]] | None = None) -> str:
 def turn_markers(tokenizer, end_of_turn: str | None = None, template_kwargs: dict[str, Any] | None = None,
                  tools: list[dict[str, Any]] | None = None) -> TurnMarkers:
     """The template's assistant header and end-of-turn token, learned from its own renderings once
-    per tokenizer, template, arguments and override; TemplateProbeFailed (a ValueError) otherwise."""
+    per tokenizer, template, arguments and override; TurnNotFound (a ValueError) otherwise."""
     kwargs = dict(template_kwargs or {})
     template = tokenizer.get_chat_template(tools=tools)
     key = (template, json.dumps(kwargs, sort_keys=True, default=str), end_of_turn)
@@ -58,15 +80,15 @@ def turn_markers(tokenizer, end_of_turn: str | None = None, template_kwargs: dic
             _token_id(tokenizer, end_of_turn)  # must be one token of the vocabulary
 
         def render_text(messages, add_generation_prompt):
-            return _as_text(tokenizer.apply_chat_template(
-                messages, chat_template=template, tokenize=False, add_generation_prompt=add_generation_prompt, **kwargs))
+            return _as_text(tokenizer.apply_chat_template(messages, chat_template=template, tokenize=False,
+                                                          add_generation_prompt=add_generation_prompt, **kwargs))
 
         try:
-            cached[key] = probe_markers(render_text, lambda text: _special_tokens_in(tokenizer, text), end_of_turn)
-        except TemplateProbeFailed as exc:
+            cached[key] = _probe_markers(render_text, tokenizer, end_of_turn)
+        except TurnNotFound as exc:
             cached[key] = str(exc)  # raised anew for every row, so no traceback piles up
     if isinstance(cached[key], str):
-        raise TemplateProbeFailed(cached[key])
+        raise TurnNotFound(cached[key])
     return cached[key]
 
 
@@ -104,7 +126,7 @@ def render(tokenizer, conv: Conversation, *, max_length: int, truncation: str = 
         kwargs = dict(template_kwargs or {})
         try:
             markers = turn_markers(tokenizer, end_of_turn, kwargs, conv.tools)
-        except TemplateProbeFailed as exc:
+        except TurnNotFound as exc:
             if method != "generation_tags":
                 raise DataError("mask_not_located", conv.source, conv.row_index,
                                 f"cannot learn the chat template's assistant turns: {exc}") from exc
@@ -226,3 +248,117 @@ def _close_spans_at_end_of_turn(ids: list[int], mask, eot: int) -> list[bool]:
         out.append(open_run and bool(inside or token == eot))
         open_run = open_run and inside and token != eot
     return out
+
+
+def _probe_markers(render_text, tokenizer, end_of_turn: str | None) -> TurnMarkers:
+    """The turn markers learned from probe chats rendered by `render_text(messages, add_generation_prompt)`;
+    `end_of_turn` overrides the learned end-of-turn token."""
+    (u1, u2), (a1, a2) = _PROBE_USER, _PROBE_ASSISTANT
+    chat = [{"role": "user", "content": u1}, {"role": "assistant", "content": a1},
+            {"role": "user", "content": u2}, {"role": "assistant", "content": a2}]
+    for lead in ([], [{"role": "system", "content": _PROBE_SYSTEM}]):  # some templates require a system message
+        try:
+            full, prompt, with_generation = (render_text(lead + chat, False), render_text(lead + chat[:1], False),
+                                             render_text(lead + chat[:1], True))
+            break
+        except Exception as exc:  # noqa: BLE001 - jinja errors, raise_exception(), ...
+            refusal = exc
+    else:
+        raise TurnNotFound(
+            f"the template rejected the probe chats (user/assistant, with and without a system message first): "
+            f"{type(refusal).__name__}: {refusal}") from refusal
+
+    if not with_generation.startswith(prompt):
+        raise TurnNotFound("the template's generation prompt does not extend the rendered prompt")
+    if u1 not in prompt:
+        raise TurnNotFound("the template does not render a user message's content verbatim")
+    user_close = prompt[prompt.index(u1) + len(u1):]
+    walk = re.search(f"{u1}(.*?){a1}(.*?){u2}(.*?){a2}", full, re.DOTALL)  # each content's first place in order
+    if walk is None:
+        raise TurnNotFound("the template does not render user and assistant contents verbatim and in order")
+    openings, after_reply = (walk[1], walk[3]), walk[2]
+    if not all(opening.startswith(user_close) for opening in openings):
+        raise TurnNotFound(
+            f"the template writes {user_close!r} after a final user message but not before the assistant reply")
+    header = os.path.commonprefix([with_generation[len(prompt):]] + [o[len(user_close):] for o in openings])
+    if end_of_turn is None:
+        found = _special_tokens_in(tokenizer, after_reply)
+        if not found:
+            raise TurnNotFound(
+                f"the template writes no special token after an assistant message ({after_reply!r}); pass end_of_turn")
+        end_of_turn = found[0]
+        if end_of_turn not in full[walk.end():]:
+            raise TurnNotFound(f"the template does not close its last assistant turn with {end_of_turn!r}")
+    tool_close = None if header else _probe_tool_close(render_text, lead + chat[:1], a2)
+    return TurnMarkers(header=header, user_close=user_close, end_of_turn=end_of_turn, tool_close=tool_close)
+
+
+def _probe_tool_close(render_text, opening: list[dict[str, Any]], reply: str) -> str | None:
+    """What a headerless template writes after a tool result (None: it refuses tools or writes more)."""
+    name, result, call_id = _PROBE_TOOL
+    chat = opening + [{"role": "assistant", "content": "", "tool_calls": [
+                          {"id": call_id, "type": "function", "function": {"name": name, "arguments": {}}}]},
+                      {"role": "tool", "tool_call_id": call_id, "name": name, "content": result}]
+    try:
+        prompt, full = render_text(chat, False), render_text(chat + [{"role": "assistant", "content": reply}], False)
+    except Exception:  # noqa: BLE001 - a template without tool support
+        return None
+    if prompt.count(result) != 1 or not full.startswith(prompt) or reply not in full[len(prompt):]:
+        return None
+    return prompt[prompt.index(result) + len(result):] or None
+
+
+def locate_turns(rendered: str, messages: list[dict[str, Any]], markers: TurnMarkers) -> list[tuple[int, int]]:
+    """Char spans [start, end) of the assistant turns in `rendered`, each from the end of its header
+    through its end-of-turn token; user and tool texts are checked in order on the way."""
+    spans, cursor, previous_role = [], 0, None
+    for index, message in enumerate(messages):
+        role = message.get("role")
+        if role == "assistant":
+            start = _turn_start(rendered, cursor, previous_role, markers, index)
+            eot_at = rendered.find(markers.end_of_turn, start)
+            if eot_at < 0:
+                raise TurnNotFound(f"no end-of-turn {markers.end_of_turn!r} after assistant message {index}")
+            cursor = eot_at + len(markers.end_of_turn)
+            spans.append((start, cursor))
+        elif role in ("user", "tool"):  # system messages are not checked: templates move (Mistral) or drop them
+            content = message.get("content")
+            parts = [{"text": content}] if isinstance(content, str) else content if isinstance(content, list) else []
+            texts = [p["text"].strip() for p in parts if isinstance(p, dict) and isinstance(p.get("text"), str)]
+            for text in filter(None, texts):  # trimmed, as templates often trim
+                found = _find_rendered(rendered, text, cursor)
+                if found is None:
+                    raise TurnNotFound(
+                        f"{role} message {index}'s content ({text[:40]!r}) is not rendered after char {cursor} "
+                        "(the template changes it, or an earlier turn was not closed where expected)")
+                cursor = found
+        previous_role = role
+    return spans
+
+
+def _turn_start(rendered: str, cursor: int, previous_role: str | None, markers: TurnMarkers, index: int) -> int:
+    if markers.header:
+        at = rendered.find(markers.header, cursor)
+        if at < 0:
+            raise TurnNotFound(f"no assistant header {markers.header!r} for assistant message {index}")
+        return at + len(markers.header)
+    close = {"user": markers.user_close, "tool": markers.tool_close}.get(previous_role)  # no header: after the close
+    if close:
+        at = rendered.find(close, cursor)
+        if at < 0:
+            raise TurnNotFound(f"no {close!r} closing the {previous_role} turn before assistant message {index}")
+        return at + len(close)
+    if previous_role == "assistant":
+        return cursor
+    after = f"a {previous_role} message" if previous_role else "the start of the chat"
+    raise TurnNotFound(f"the template writes no assistant header and nothing known after {after}, "
+                       f"so assistant message {index} cannot be placed")
+
+
+def _find_rendered(rendered: str, text: str, cursor: int) -> int | None:
+    """End of `text` in `rendered` after `cursor`, as written or JSON-escaped (`tojson`)."""
+    for form in (text, json.dumps(text, ensure_ascii=False)[1:-1], json.dumps(text)[1:-1]):
+        at = rendered.find(form, cursor)
+        if at >= 0:
+            return at + len(form)
+    return None
