@@ -159,8 +159,7 @@ def leading_records(path: str | Path, count: int) -> list[Any]:
 
 
 def _without_nulls(batch: dict[str, list]) -> dict[str, list]:
-    """An Arrow-backed batch with the null-valued keys inside its chat columns dropped (absent is what the row
-    most likely meant)."""
+    """An Arrow-backed batch without the null-valued keys inside its chat columns (absent is what a row meant)."""
     return {column: _drop_nulls(values) if column in CHAT_COLUMNS else values for column, values in batch.items()}
 
 
