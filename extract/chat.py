@@ -1,12 +1,15 @@
 """Render a Conversation to token ids (exactly ``apply_chat_template``, no generation prompt) and the
-assistant loss mask: each assistant turn from the end of its header through its end-of-turn token,
-found by "generation_tags" (``{% generation %}`` spans) or "template_probe" (markers learned from
-probe chats: turns.py). Char spans map to tokens by overlap; plain text rows get an all-ones mask."""
+assistant loss mask: each assistant turn from the end of its header through its end-of-turn token, found by
+"generation_tags" (``{% generation %}`` spans) or "template_probe": history can render differently from a prompt
+(thinking templates, Mistral's moved system prompt), so the turn header and end-of-turn token are learned once per
+template from probe chats, and `locate_turns` walks the one full rendering, raising TurnNotFound, never guessing.
+Char spans map to tokens by overlap; plain text rows get an all-ones mask."""
 
 from __future__ import annotations
 
 import contextlib
 import json
+import os
 import re
 import weakref
 from dataclasses import dataclass
@@ -16,13 +19,30 @@ from typing import Any, Literal
 import numpy as np
 
 from .data import Conversation, DataError, SkippedSample
-from .turns import TemplateProbeFailed, TurnMarkers, TurnNotFound, locate_turns, probe_markers
-
-MaskMethod = Literal["auto", "generation_tags", "template_probe"]
 
 _GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")
 # tokenizer -> {(template, template kwargs, end_of_turn override): TurnMarkers, or why the probe failed}
 _MARKERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+# Plain lowercase ASCII words: templates trim, strip and split contents, never these.
+_PROBE_USER = ("qzxprobeuserone", "qzxprobeusertwo")
+_PROBE_ASSISTANT = ("qzxprobereplyone", "qzxprobereplytwo")
+_PROBE_SYSTEM = "qzxprobesystem"
+_PROBE_TOOL = ("qzxprobetool", "qzxprobetoolresult", "qzxcall01")  # name, result, call id (Mistral wants 9 chars)
+
+
+class TurnNotFound(ValueError):
+    """The template's turn markers cannot be learned from its own renderings, or an assistant turn (or a message
+    around it) is not where the walk expects it."""
+
+
+@dataclass(frozen=True)
+class TurnMarkers:
+    """What a chat template writes around assistant turns."""
+
+    header: str  # text that opens every assistant turn; "" where the reply follows the user turn directly (Mistral)
+    user_close: str  # text the template writes right after a user message's content
+    end_of_turn: str  # the token string that closes an assistant turn
+    tool_close: str | None = None  # text after a tool result, learned only where there is no header (None: unknown)
 
 
 @dataclass(frozen=True)
@@ -41,20 +61,16 @@ class RenderedSample:
         return self.num_tokens > len(self.input_ids)
 
 
-def has_generation_tags(tokenizer, tools: list[dict[str, Any]] | None = None) -> bool:
-    """Whether the chat template (the one picked for `tools`) marks assistant turns itself."""
-    return bool(_GENERATION_TAG.search(tokenizer.get_chat_template(tools=tools)))
-
-
 def mask_method(tokenizer, tools: list[dict[str, Any]] | None = None) -> str:
-    """The mask method "auto" picks for this tokenizer's template."""
-    return "generation_tags" if has_generation_tags(tokenizer, tools) else "template_probe"
+    """The mask method "auto" picks: "generation_tags" where the chat template (the one picked for `tools`)
+    marks assistant turns itself."""
+    return "generation_tags" if _GENERATION_TAG.search(tokenizer.get_chat_template(tools=tools)) else "template_probe"
 
 
 def turn_markers(tokenizer, end_of_turn: str | None = None, template_kwargs: dict[str, Any] | None = None,
                  tools: list[dict[str, Any]] | None = None) -> TurnMarkers:
     """The template's assistant header and end-of-turn token, learned from its own renderings once
-    per tokenizer, template, arguments and override; TemplateProbeFailed (a ValueError) otherwise."""
+    per tokenizer, template, arguments and override; TurnNotFound (a ValueError) otherwise."""
     kwargs = dict(template_kwargs or {})
     template = tokenizer.get_chat_template(tools=tools)
     key = (template, json.dumps(kwargs, sort_keys=True, default=str), end_of_turn)
@@ -64,24 +80,24 @@ def turn_markers(tokenizer, end_of_turn: str | None = None, template_kwargs: dic
             _token_id(tokenizer, end_of_turn)  # must be one token of the vocabulary
 
         def render_text(messages, add_generation_prompt):
-            return _as_text(tokenizer.apply_chat_template(
-                messages, chat_template=template, tokenize=False, add_generation_prompt=add_generation_prompt, **kwargs))
+            return _as_text(tokenizer.apply_chat_template(messages, chat_template=template, tokenize=False,
+                                                          add_generation_prompt=add_generation_prompt, **kwargs))
 
         try:
-            cached[key] = probe_markers(render_text, lambda text: _special_tokens_in(tokenizer, text), end_of_turn)
-        except TemplateProbeFailed as exc:
+            cached[key] = _probe_markers(render_text, tokenizer, end_of_turn)
+        except TurnNotFound as exc:
             cached[key] = str(exc)  # raised anew for every row, so no traceback piles up
     if isinstance(cached[key], str):
-        raise TemplateProbeFailed(cached[key])
+        raise TurnNotFound(cached[key])
     return cached[key]
 
 
 def end_of_turn_id(tokenizer, end_of_turn: str | None = None, template_kwargs: dict[str, Any] | None = None) -> int:
     """Token id that ends an assistant turn (`end_of_turn`, else the template's); ValueError when
     that is no token of the vocabulary."""
-    if end_of_turn is not None:
-        return _token_id(tokenizer, end_of_turn)
-    return _token_id(tokenizer, turn_markers(tokenizer, template_kwargs=template_kwargs).end_of_turn)
+    if end_of_turn is None:
+        end_of_turn = turn_markers(tokenizer, template_kwargs=template_kwargs).end_of_turn
+    return _token_id(tokenizer, end_of_turn)
 
 
 def stop_token_ids(model, tokenizer, end_of_turn: str | None = None,
@@ -95,7 +111,7 @@ def stop_token_ids(model, tokenizer, end_of_turn: str | None = None,
 
 
 def render(tokenizer, conv: Conversation, *, max_length: int, truncation: str = "right",
-           method: MaskMethod = "auto", end_of_turn: str | None = None,
+           method: Literal["auto", "generation_tags", "template_probe"] = "auto", end_of_turn: str | None = None,
            template_kwargs: dict[str, Any] | None = None) -> RenderedSample:
     """Token ids (int32) and assistant loss mask (bool) of one conversation; over `max_length`, truncation
     "right" cuts, "error" raises DataError("too_long"), "skip" SkippedSample. DataError names a bad row."""
@@ -110,7 +126,7 @@ def render(tokenizer, conv: Conversation, *, max_length: int, truncation: str = 
         kwargs = dict(template_kwargs or {})
         try:
             markers = turn_markers(tokenizer, end_of_turn, kwargs, conv.tools)
-        except TemplateProbeFailed as exc:
+        except TurnNotFound as exc:
             if method != "generation_tags":
                 raise DataError("mask_not_located", conv.source, conv.row_index,
                                 f"cannot learn the chat template's assistant turns: {exc}") from exc
@@ -126,35 +142,16 @@ def render(tokenizer, conv: Conversation, *, max_length: int, truncation: str = 
         if markers is not None:
             mask = _close_spans_at_end_of_turn(ids, mask, _token_id(tokenizer, markers.end_of_turn))
 
-    input_ids, loss_mask = np.asarray(ids, dtype=np.int32), np.asarray(mask, dtype=bool)
-    num_tokens = len(input_ids)
-    if num_tokens > max_length:
-        if truncation != "right":
-            error_class = SkippedSample if truncation == "skip" else DataError
-            raise error_class("too_long", conv.source, conv.row_index, f"{num_tokens} tokens > max_length {max_length}")
-        input_ids, loss_mask = input_ids[:max_length], loss_mask[:max_length]
+    num_tokens = len(ids)
+    if num_tokens > max_length and truncation != "right":
+        error_class = SkippedSample if truncation == "skip" else DataError
+        raise error_class("too_long", conv.source, conv.row_index, f"{num_tokens} tokens > max_length {max_length}")
+    input_ids, loss_mask = np.asarray(ids[:max_length], dtype=np.int32), np.asarray(mask[:max_length], dtype=bool)
     if not loss_mask.any():
         error_class = SkippedSample if num_tokens > max_length else DataError
         raise error_class("no_loss_tokens", conv.source, conv.row_index,
                           f"no assistant token in the first {len(input_ids)} of {num_tokens} tokens")
     return RenderedSample(input_ids, loss_mask, num_tokens)
-
-
-def read_chat_template(path: str) -> str:
-    """The text of a Jinja chat-template file, checked to compile; ValueError naming the file otherwise."""
-    try:
-        text = Path(path).read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as e:
-        raise ValueError(f"--chat-template {path}: cannot read it: {e}") from None
-    if not text.strip():
-        raise ValueError(f"--chat-template {path}: the file is empty")
-    from transformers.utils.chat_template_utils import _compile_jinja_template  # HF's own Jinja environment
-
-    try:
-        _compile_jinja_template(text)
-    except Exception as e:  # noqa: BLE001 - jinja2's TemplateSyntaxError and friends
-        raise ValueError(f"--chat-template {path}: not a valid Jinja template: {type(e).__name__}: {e}") from None
-    return text
 
 
 def _token_id(tokenizer, token: str) -> int:
@@ -168,17 +165,31 @@ def _token_id(tokenizer, token: str) -> int:
 
 
 def load_tokenizer(cfg):
-    """The tokenizer of an ExtractConfig with ``--chat-template`` applied and ``--end-of-turn`` checked:
-    the one way stage one loads it, so the stored ids match the fingerprint. ValueError naming the cause."""
+    """The tokenizer of an ExtractConfig with ``--chat-template`` applied (checked to compile first) and
+    ``--end-of-turn`` checked: the one way stage one loads it, so the stored ids match the fingerprint.
+    ValueError naming the cause."""
     from transformers import AutoTokenizer
 
-    template = read_chat_template(cfg.chat_template) if cfg.chat_template else None
+    if cfg.chat_template:
+        from transformers.utils.chat_template_utils import _compile_jinja_template  # HF's own Jinja environment
+
+        where = f"--chat-template {cfg.chat_template}"
+        try:
+            template = Path(cfg.chat_template).read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as e:
+            raise ValueError(f"{where}: cannot read it: {e}") from None
+        if not template.strip():
+            raise ValueError(f"{where}: the file is empty")
+        try:
+            _compile_jinja_template(template)
+        except Exception as e:  # noqa: BLE001 - jinja2's TemplateSyntaxError and friends
+            raise ValueError(f"{where}: not a valid Jinja template: {type(e).__name__}: {e}") from None
     name = cfg.tokenizer or cfg.model
     try:
         tokenizer = AutoTokenizer.from_pretrained(name, revision=cfg.revision)
     except (OSError, ValueError) as e:
         raise ValueError(f"cannot load the tokenizer {name!r}: {e}") from e
-    if template is not None:
+    if cfg.chat_template:
         tokenizer.chat_template = template
     if cfg.end_of_turn is not None:
         _token_id(tokenizer, cfg.end_of_turn)
@@ -218,33 +229,136 @@ def _rendering(tokenizer, conv: Conversation, kwargs: dict, tags: bool) -> tuple
     return (rendered[0], spans[0]) if tags else (_as_text(rendered), None)
 
 
-def _overlap_mask(offsets: list[tuple[int, int]], spans) -> list[int]:
-    """1 for every token overlapping a char span [start, end) (spans and tokens sorted)."""
-    mask = [0] * len(offsets)
-    span_idx = 0
-    spans = [(int(a), int(b)) for a, b in spans if b > a]
-    for t, (tok_start, tok_end) in enumerate(offsets):
-        while span_idx < len(spans) and tok_start >= spans[span_idx][1]:
-            span_idx += 1
-        if span_idx == len(spans):
-            break
-        if tok_end > spans[span_idx][0]:
-            mask[t] = 1
+def _overlap_mask(offsets: list[tuple[int, int]], spans) -> np.ndarray:
+    """True for every token whose chars [start, end) overlap a non-empty char span [start, end)."""
+    starts, ends = np.asarray(offsets, dtype=np.int64).reshape(-1, 2).T
+    mask = np.zeros(len(starts), dtype=bool)
+    for start, end in spans:
+        if end > start:
+            mask |= (starts < end) & (ends > start)
     return mask
 
 
-def _close_spans_at_end_of_turn(ids: list[int], mask: list[int], eot: int) -> list[int]:
-    """Each run of 1s ends with (and includes) its first end-of-turn token."""
-    out, t, n = list(mask), 0, len(ids)
-    while t < n:
-        end = t
-        while end < n and out[end]:
-            end += 1  # a run [t, end) of 1s, empty where out[t] is 0
-        eot_in_run = next((k for k in range(t, end) if ids[k] == eot), None)
-        if eot_in_run is not None:
-            out[eot_in_run + 1 : end] = [0] * (end - eot_in_run - 1)
-        elif end > t and end < n and ids[end] == eot:
-            out[end] = 1
-            end += 1
-        t = max(end, t + 1)
+def _close_spans_at_end_of_turn(ids: list[int], mask, eot: int) -> list[bool]:
+    """Each run of masked tokens ends with (and includes) its first end-of-turn token, in it or right after it."""
+    out, open_run = [], False  # open_run: in (or just after) a run that has not reached its end of turn
+    for k, (token, inside) in enumerate(zip(ids, mask)):
+        if inside and (k == 0 or not mask[k - 1]):
+            open_run = True
+        out.append(open_run and bool(inside or token == eot))
+        open_run = open_run and inside and token != eot
     return out
+
+
+def _probe_markers(render_text, tokenizer, end_of_turn: str | None) -> TurnMarkers:
+    """The turn markers learned from probe chats rendered by `render_text(messages, add_generation_prompt)`;
+    `end_of_turn` overrides the learned end-of-turn token."""
+    (u1, u2), (a1, a2) = _PROBE_USER, _PROBE_ASSISTANT
+    chat = [{"role": "user", "content": u1}, {"role": "assistant", "content": a1},
+            {"role": "user", "content": u2}, {"role": "assistant", "content": a2}]
+    for lead in ([], [{"role": "system", "content": _PROBE_SYSTEM}]):  # some templates require a system message
+        try:
+            full, prompt, with_generation = (render_text(lead + chat, False), render_text(lead + chat[:1], False),
+                                             render_text(lead + chat[:1], True))
+            break
+        except Exception as exc:  # noqa: BLE001 - jinja errors, raise_exception(), ...
+            refusal = exc
+    else:
+        raise TurnNotFound(
+            f"the template rejected the probe chats (user/assistant, with and without a system message first): "
+            f"{type(refusal).__name__}: {refusal}") from refusal
+
+    if not with_generation.startswith(prompt):
+        raise TurnNotFound("the template's generation prompt does not extend the rendered prompt")
+    if u1 not in prompt:
+        raise TurnNotFound("the template does not render a user message's content verbatim")
+    user_close = prompt[prompt.index(u1) + len(u1):]
+    walk = re.search(f"{u1}(.*?){a1}(.*?){u2}(.*?){a2}", full, re.DOTALL)  # each content's first place in order
+    if walk is None:
+        raise TurnNotFound("the template does not render user and assistant contents verbatim and in order")
+    openings, after_reply = (walk[1], walk[3]), walk[2]
+    if not all(opening.startswith(user_close) for opening in openings):
+        raise TurnNotFound(
+            f"the template writes {user_close!r} after a final user message but not before the assistant reply")
+    header = os.path.commonprefix([with_generation[len(prompt):]] + [o[len(user_close):] for o in openings])
+    if end_of_turn is None:
+        found = _special_tokens_in(tokenizer, after_reply)
+        if not found:
+            raise TurnNotFound(
+                f"the template writes no special token after an assistant message ({after_reply!r}); pass end_of_turn")
+        end_of_turn = found[0]
+        if end_of_turn not in full[walk.end():]:
+            raise TurnNotFound(f"the template does not close its last assistant turn with {end_of_turn!r}")
+    tool_close = None if header else _probe_tool_close(render_text, lead + chat[:1], a2)
+    return TurnMarkers(header=header, user_close=user_close, end_of_turn=end_of_turn, tool_close=tool_close)
+
+
+def _probe_tool_close(render_text, opening: list[dict[str, Any]], reply: str) -> str | None:
+    """What a headerless template writes after a tool result (None: it refuses tools or writes more)."""
+    name, result, call_id = _PROBE_TOOL
+    chat = opening + [{"role": "assistant", "content": "", "tool_calls": [
+                          {"id": call_id, "type": "function", "function": {"name": name, "arguments": {}}}]},
+                      {"role": "tool", "tool_call_id": call_id, "name": name, "content": result}]
+    try:
+        prompt, full = render_text(chat, False), render_text(chat + [{"role": "assistant", "content": reply}], False)
+    except Exception:  # noqa: BLE001 - a template without tool support
+        return None
+    if prompt.count(result) != 1 or not full.startswith(prompt) or reply not in full[len(prompt):]:
+        return None
+    return prompt[prompt.index(result) + len(result):] or None
+
+
+def locate_turns(rendered: str, messages: list[dict[str, Any]], markers: TurnMarkers) -> list[tuple[int, int]]:
+    """Char spans [start, end) of the assistant turns in `rendered`, each from the end of its header
+    through its end-of-turn token; user and tool texts are checked in order on the way."""
+    spans, cursor, previous_role = [], 0, None
+    for index, message in enumerate(messages):
+        role = message.get("role")
+        if role == "assistant":
+            start = _turn_start(rendered, cursor, previous_role, markers, index)
+            eot_at = rendered.find(markers.end_of_turn, start)
+            if eot_at < 0:
+                raise TurnNotFound(f"no end-of-turn {markers.end_of_turn!r} after assistant message {index}")
+            cursor = eot_at + len(markers.end_of_turn)
+            spans.append((start, cursor))
+        elif role in ("user", "tool"):  # system messages are not checked: templates move (Mistral) or drop them
+            content = message.get("content")
+            parts = [{"text": content}] if isinstance(content, str) else content if isinstance(content, list) else []
+            texts = [p["text"].strip() for p in parts if isinstance(p, dict) and isinstance(p.get("text"), str)]
+            for text in filter(None, texts):  # trimmed, as templates often trim
+                found = _find_rendered(rendered, text, cursor)
+                if found is None:
+                    raise TurnNotFound(
+                        f"{role} message {index}'s content ({text[:40]!r}) is not rendered after char {cursor} "
+                        "(the template changes it, or an earlier turn was not closed where expected)")
+                cursor = found
+        previous_role = role
+    return spans
+
+
+def _turn_start(rendered: str, cursor: int, previous_role: str | None, markers: TurnMarkers, index: int) -> int:
+    if markers.header:
+        at = rendered.find(markers.header, cursor)
+        if at < 0:
+            raise TurnNotFound(f"no assistant header {markers.header!r} for assistant message {index}")
+        return at + len(markers.header)
+    close = {"user": markers.user_close, "tool": markers.tool_close}.get(previous_role)  # no header: after the close
+    if close:
+        at = rendered.find(close, cursor)
+        if at < 0:
+            raise TurnNotFound(f"no {close!r} closing the {previous_role} turn before assistant message {index}")
+        return at + len(close)
+    if previous_role == "assistant":
+        return cursor
+    after = f"a {previous_role} message" if previous_role else "the start of the chat"
+    raise TurnNotFound(f"the template writes no assistant header and nothing known after {after}, "
+                       f"so assistant message {index} cannot be placed")
+
+
+def _find_rendered(rendered: str, text: str, cursor: int) -> int | None:
+    """End of `text` in `rendered` after `cursor`, as written or JSON-escaped (`tojson`)."""
+    for form in (text, json.dumps(text, ensure_ascii=False)[1:-1], json.dumps(text)[1:-1]):
+        at = rendered.find(form, cursor)
+        if at >= 0:
+            return at + len(form)
+    return None

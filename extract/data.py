@@ -1,7 +1,6 @@
-"""Chat datasets in, normalised conversations out (README.md, "Stage one", gives the row format).
-Local .json/.jsonl files are read with Python's `json`, so each row is exactly what the file says
-(Arrow would give every row one schema, null-filled); other sources go through `datasets`, nulls
-inside the chat columns dropped. A bad row raises `DataError` naming file, row and problem."""
+"""Chat datasets in, normalised conversations out (README.md, "Stage one", gives the row format). Local
+.json/.jsonl files are read with Python's `json`, so each row is exactly what the file says (Arrow would give every
+row one schema, null-filled); other sources go through `datasets`, nulls inside the chat columns dropped."""
 
 from __future__ import annotations
 
@@ -23,8 +22,7 @@ log = logging.getLogger(__name__)
 
 CHAT_COLUMNS = ("messages", "conversations", "tools")  # whose nested nulls Arrow-backed sources drop
 LOCAL_FORMATS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".arrow": "arrow"}
-
-OnBadRow = Literal["error", "skip"]
+LAYOUT_HINT = "a .json/.jsonl file holds a JSON array of rows or one JSON object per line"
 
 
 class DataError(ValueError):
@@ -66,8 +64,8 @@ def installed_file(package: str, relative: str) -> Path | None:
 
 def load_source(spec: str, split: str = "train", *, revision: str | None = None,
                 data_files: str | list[str] | dict | None = None, cache_dir: str | None = None):
-    """`spec` as rows (`JsonRows` for local JSON, else a `datasets.Dataset`): a `save_to_disk` folder, a data
-    file or a folder of one format (the files are the split), else a hub name; DataError names what fails."""
+    """`spec` as rows (a list for local JSON, else a `datasets.Dataset`): a `save_to_disk` folder, a data file or
+    a folder of one format (the files are the split), else a hub name; DataError names what fails."""
     import datasets
 
     path = Path(spec)
@@ -83,14 +81,20 @@ def load_source(spec: str, split: str = "train", *, revision: str | None = None,
     elif path.exists():
         files = local_data_files(path)
         if files[0].suffix in (".json", ".jsonl"):
-            return JsonRows(row for f in files for row in _read_json(f))
+            return [row for f in files for row in _read_json(f)]
         builder = LOCAL_FORMATS[files[0].suffix]
         try:
             loaded = datasets.load_dataset(builder, data_files={split: [str(f) for f in files]}, split=split,
                                            cache_dir=cache_dir)
-        except Exception as exc:  # noqa: BLE001
-            bad, problem = _find_unreadable(builder, files, cache_dir) or (spec, str(exc))
-            raise DataError("unreadable", str(bad), None, f"cannot read: {problem}") from exc
+        except Exception as exc:  # noqa: BLE001 - named after the first file that fails on its own
+            for f in files:
+                try:
+                    datasets.load_dataset(builder, data_files=[str(f)], split="train", cache_dir=cache_dir)
+                except Exception as alone:  # noqa: BLE001
+                    cause = alone.__cause__ or alone.__context__ or alone
+                    problem = f"cannot read: {type(cause).__name__}: {cause}"
+                    raise DataError("unreadable", str(f), None, problem) from exc
+            raise DataError("unreadable", spec, None, f"cannot read: {exc}") from exc
     elif looks_like_path(spec) or path.suffix in LOCAL_FORMATS:
         raise DataError("unreadable", spec, None, "no such file or directory")
     else:
@@ -100,17 +104,6 @@ def load_source(spec: str, split: str = "train", *, revision: str | None = None,
         except Exception as exc:  # noqa: BLE001
             raise DataError("unreadable", spec, None, f"cannot load hub dataset: {type(exc).__name__}: {exc}") from exc
     return loaded.with_transform(_without_nulls)
-
-
-class JsonRows(list):
-    """Rows of local JSON files as `json.loads` gives them, standing in for a `datasets.Dataset`;
-    readers must not mutate the rows."""
-
-    def select(self, indices) -> JsonRows:
-        return JsonRows(self[i] for i in indices)
-
-
-LAYOUT_HINT = "a .json/.jsonl file holds a JSON array of rows or one JSON object per line"
 
 
 def _read_json(path: Path) -> list[Any]:
@@ -126,15 +119,14 @@ def _read_json(path: Path) -> list[Any]:
             return json.loads(text)
         except json.JSONDecodeError as exc:
             raise _invalid(path, exc, text) from exc
-    rows, line_start = [], 0
-    for line in text.split("\n"):
-        if line.strip():
+    rows = []
+    for line in re.finditer(r".+", text):  # each line without its "\n"
+        if line[0].strip():
             try:
-                rows.append(json.loads(line))
+                rows.append(json.loads(line[0]))
             except json.JSONDecodeError as exc:
-                whole = json.JSONDecodeError(exc.msg, text, line_start + exc.pos)  # position in the whole file
+                whole = json.JSONDecodeError(exc.msg, text, line.start() + exc.pos)  # position in the whole file
                 raise _invalid(path, whole, text) from exc
-        line_start += len(line) + 1
     return rows
 
 
@@ -167,28 +159,22 @@ def leading_records(path: str | Path, count: int) -> list[Any]:
 
 
 def _without_nulls(batch: dict[str, list]) -> dict[str, list]:
-    """Drop null-valued keys inside the chat columns of an Arrow-backed batch (absent is what the row
-    most likely meant)."""
-    return {column: [_drop_nulls(v) for v in values] if column in CHAT_COLUMNS else values
-            for column, values in batch.items()}
+    """An Arrow-backed batch without the null-valued keys inside its chat columns (absent is what a row meant)."""
+    return {column: _drop_nulls(values) if column in CHAT_COLUMNS else values for column, values in batch.items()}
 
 
 def _drop_nulls(value: Any) -> Any:
     if isinstance(value, dict):
         return {k: _drop_nulls(v) for k, v in value.items() if v is not None}
-    if isinstance(value, list):
-        return [_drop_nulls(v) for v in value]
-    return value
+    return [_drop_nulls(v) for v in value] if isinstance(value, list) else value
 
 
 def local_data_files(path: Path) -> list[Path]:
     """The data files behind a local file or folder spec, sorted; all of one format."""
-    if path.is_file():
-        files = [path]
-    else:
-        files = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix in LOCAL_FORMATS)
-        if not files:
-            raise DataError("unreadable", str(path), None, f"no data files ({', '.join(LOCAL_FORMATS)}) in folder")
+    files = [path] if path.is_file() else sorted(
+        f for f in path.rglob("*") if f.is_file() and f.suffix in LOCAL_FORMATS)
+    if not files:
+        raise DataError("unreadable", str(path), None, f"no data files ({', '.join(LOCAL_FORMATS)}) in folder")
     for f in files:
         if f.suffix not in LOCAL_FORMATS:
             raise DataError("unreadable", str(f), None, f"unsupported file type {f.suffix!r}")
@@ -204,19 +190,6 @@ def local_data_files(path: Path) -> list[Path]:
 def _is_saved_dataset(path: Path) -> bool:
     return (path / "dataset_dict.json").is_file() or ((path / "state.json").is_file()
                                                        and (path / "dataset_info.json").is_file())
-
-
-def _find_unreadable(builder: str, files: list[Path], cache_dir: str | None) -> tuple[Path, str] | None:
-    """On a failed multi-file load, the first file that fails on its own."""
-    import datasets
-
-    for f in files:
-        try:
-            datasets.load_dataset(builder, data_files=[str(f)], split="train", cache_dir=cache_dir)
-        except Exception as exc:  # noqa: BLE001
-            cause = exc.__cause__ or exc.__context__ or exc
-            return f, f"{type(cause).__name__}: {cause}"
-    return None
 
 
 def normalize_row(row: Any, row_index: int, source: str) -> Conversation:
@@ -274,7 +247,7 @@ class SkipCounter:
         return f"{self.total} rows skipped: " + ", ".join(f"{k}={v}" for k, v in self.to_dict().items())
 
 
-def guard(on_bad_row: OnBadRow, skips: SkipCounter, fn: Callable, /, *args, **kwargs):
+def guard(on_bad_row: Literal["error", "skip"], skips: SkipCounter, fn: Callable, /, *args, **kwargs):
     """fn(*args, **kwargs), or None with its DataError counted in `skips` (under "skip"; a SkippedSample always)."""
     if on_bad_row not in ("error", "skip"):
         raise ValueError(f"on_bad_row must be 'error' or 'skip', not {on_bad_row!r}")
@@ -290,39 +263,25 @@ def guard(on_bad_row: OnBadRow, skips: SkipCounter, fn: Callable, /, *args, **kw
 def dataset_fingerprint(ds, spec: str, split: str, revision: str | None = None) -> dict[str, Any]:
     """What tells later whether the input changed: local sources hash their files (relative path, size,
     content), hub sources their rows (each as canonical JSON, in order)."""
-    path = Path(spec)
+    path, digest = Path(spec), hashlib.sha256()
     info: dict[str, Any] = {"source": spec, "split": split, "revision": revision, "num_rows": len(ds),
                             "datasets_fingerprint": getattr(ds, "_fingerprint", None)}
-    if path.exists():
-        if path.is_dir() and _is_saved_dataset(path):
-            files = sorted(Path(f["filename"]) for f in ds.cache_files)
-            root = path.resolve()
-        else:
-            files = local_data_files(path)
-            root = path.resolve() if path.is_dir() else path.resolve().parent
-        info.update(resolved_path=str(path.resolve()), hash_method="files-sha256", content_hash=_hash_files(files, root))
+    if not path.exists():
+        for start in range(0, len(ds), 1024):
+            batch = ds[start : start + 1024]  # dict of columns
+            for values in zip(*batch.values()):
+                row = json.dumps(dict(zip(batch, values)), sort_keys=True, ensure_ascii=False, default=str)
+                digest.update(row.encode() + b"\n")
+        return {**info, "hash_method": "rows-sha256", "content_hash": "sha256:" + digest.hexdigest()}
+    if path.is_dir() and _is_saved_dataset(path):
+        files, root = sorted(Path(f["filename"]) for f in ds.cache_files), path.resolve()
     else:
-        info.update(hash_method="rows-sha256", content_hash=_hash_rows(ds))
-    return info
-
-
-def _hash_files(files: list[Path], root: Path) -> str:
-    digest = hashlib.sha256()
-    for f in files:
-        resolved = f.resolve()
-        name = resolved.relative_to(root).as_posix() if resolved.is_relative_to(root) else resolved.name
-        digest.update(f"{name}\0{resolved.stat().st_size}\0".encode())
-        with open(resolved, "rb") as handle:
+        files, root = local_data_files(path), path.resolve() if path.is_dir() else path.resolve().parent
+    for file in (f.resolve() for f in files):
+        name = file.relative_to(root).as_posix() if file.is_relative_to(root) else file.name
+        digest.update(f"{name}\0{file.stat().st_size}\0".encode())
+        with open(file, "rb") as handle:
             for block in iter(lambda: handle.read(1 << 20), b""):
                 digest.update(block)
-    return "sha256:" + digest.hexdigest()
-
-
-def _hash_rows(ds, batch_size: int = 1024) -> str:
-    digest = hashlib.sha256()
-    for start in range(0, len(ds), batch_size):
-        batch = ds[start : start + batch_size]  # dict of columns
-        for values in zip(*batch.values()):
-            digest.update(json.dumps(dict(zip(batch, values)), sort_keys=True, ensure_ascii=False, default=str).encode())
-            digest.update(b"\n")
-    return "sha256:" + digest.hexdigest()
+    return {**info, "resolved_path": str(path.resolve()), "hash_method": "files-sha256",
+            "content_hash": "sha256:" + digest.hexdigest()}

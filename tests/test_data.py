@@ -312,7 +312,7 @@ def test_local_json_rows_are_exactly_the_file(tmp_path, layout):
     ds = D.load_source(str(path))
     assert len(ds) == len(reference) and list(ds) == reference
     assert [ds[i] for i in range(len(ds))] == reference
-    assert list(ds.select(range(1, 3))) == reference[1:3] == list(ds[1:3])
+    assert list(ds[1:3]) == reference[1:3]
     for i, row in enumerate(ds):
         conv = D.normalize_row(row, i, str(path))
         column = "messages" if "messages" in reference[i] else None

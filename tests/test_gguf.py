@@ -13,11 +13,11 @@ import torch
 from click.testing import CliRunner
 
 from train_helpers import one_thread  # noqa: F401 - the module's autouse fixture
-from dflash.extract.gguf import SOURCE, ConvertError, cli, smollm2_path
+from dflash.extract.gguf import SOURCE, ConvertError, cli, resolve
 
 gguf = pytest.importorskip("gguf", reason="needs the gguf package: pip install -e '.[dev]'")
 try:
-    REAL_GGUF = smollm2_path()
+    REAL_GGUF = resolve("smollm2")
 except ConvertError as err:
     pytest.skip(f"needs the real SmolLM2 GGUF ({err})", allow_module_level=True)
 

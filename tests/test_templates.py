@@ -26,7 +26,7 @@ import numpy as np
 import pytest
 
 from dflash.extract import chat as chat_module
-from dflash.extract.chat import end_of_turn_id, has_generation_tags, render, stop_token_ids
+from dflash.extract.chat import end_of_turn_id, mask_method, render, stop_token_ids
 from dflash.extract.data import Conversation, DataError
 
 TEMPLATES = Path(__file__).parent / "templates"
@@ -53,7 +53,7 @@ def qwen3(qwen3_tokenizer_dir):
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(qwen3_tokenizer_dir)
-    assert "<|im_start|>" in tok.chat_template and not has_generation_tags(tok)
+    assert "<|im_start|>" in tok.chat_template and mask_method(tok) == "template_probe"
     return tok
 
 
@@ -205,7 +205,7 @@ def check_sample(sample, template_ids, expected):
 @pytest.mark.parametrize("name", ["qwen3", "qwen3-no-thinking", "thinking", "mistral", "gemma", "llama31"])
 def test_mask_is_each_assistant_turn_as_rendered(template_pairs, name):
     plain, tagged, kwargs = template_pairs[name]
-    assert not has_generation_tags(plain) and has_generation_tags(tagged)
+    assert mask_method(plain) == "template_probe" and mask_method(tagged) == "generation_tags"
     refused = []
     for case in CASES:
         conv = conversation(case)
