@@ -257,8 +257,6 @@ def stats(cache: str, max_samples: int, seed: int, threshold: float, against: st
               "(default: the source's).")
 @click.option("--read-mib", default=256.0, help="Source data read at once per shard, in MiB of stored arrays (whole "
               "planned batches; bounds memory).")
-@click.option("--workers", default=1, help="Shards converted at once, one thread each (zarrs already spreads each "
-              "read's and write's chunks over threads).")
 @click.option("--commit-seconds", default=10.0, help="Seconds between commits of a shard (a crash loses at most this "
               "much work); 0 = after every read.")
 @click.option("--delay-s", default=0.0, hidden=True, help="Sleep after each read (tests only: makes a conversion slow "

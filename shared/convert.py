@@ -12,7 +12,6 @@ import signal
 import sys
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -41,7 +40,6 @@ class ConvertSettings:
     chunk_tokens: int | None = None
     compression_level: int | None = None
     read_mib: float = 256.0
-    workers: int = 1
     commit_seconds: float = 10.0
     delay_s: float = 0.0  # tests only: a conversion slow enough to interrupt midway
 
@@ -50,8 +48,7 @@ class ConvertSettings:
         if self.compression_level is not None and self.compression_level not in ZSTD_LEVELS:
             raise ValueError(f"--compression-level {self.compression_level}: the cache's codec (zstd inside blosc) "
                              f"runs at zstd levels {', '.join(map(str, ZSTD_LEVELS))} only")
-        for flag, value in (("--hidden-group-size", self.hidden_group_size), ("--chunk-tokens", self.chunk_tokens),
-                            ("--workers", self.workers)):
+        for flag, value in (("--hidden-group-size", self.hidden_group_size), ("--chunk-tokens", self.chunk_tokens)):
             if value is not None and value < 1:
                 raise ValueError(f"{flag} must be at least 1, got {value}")
         if self.read_mib <= 0:
@@ -118,17 +115,20 @@ class Interrupted(Exception):
 
 
 @contextlib.contextmanager
-def _stop_on_ctrl_c(stop: threading.Event):
-    """The first Ctrl-C sets ``stop``: each shard commits and stops between two reads; a second interrupts."""
+def _stop_on_ctrl_c():
+    """Yields the flag the first Ctrl-C sets: the shard commits and stops after its current read, never inside a write
+    (zarr's own thread would go on writing); a second Ctrl-C interrupts at once."""
+    stop = threading.Event()
+
     def handle(signum, frame):
         stop.set()
         sys.stderr.write("\ndflash-cache convert: stopping after the current read, once it is committed "
                          "(Ctrl-C again stops at once)\n")
         signal.signal(signal.SIGINT, previous)
 
-    previous = signal.signal(signal.SIGINT, handle)  # (Python sets signal handlers in the main thread only)
+    previous = signal.signal(signal.SIGINT, handle)
     try:
-        yield
+        yield stop
     finally:
         signal.signal(signal.SIGINT, previous)
 
@@ -227,39 +227,15 @@ def convert_cache(src: str, dst: str, settings: ConvertSettings, *, progress: bo
                             "destination or delete it", e.differences) from None
     bar = tqdm(total=reader.num_tokens, unit="tok", unit_scale=True, desc="convert", file=sys.stderr,
                dynamic_ncols=True, disable=not progress)
-    stop, lock = threading.Event(), threading.Lock()
-
-    def advance(tokens: int) -> None:
-        with lock:
-            bar.update(tokens)
 
     def say(message: str) -> None:
         bar.write(f"dflash-cache convert: {message}", file=sys.stderr)
 
-    with zarr.config.set(writer_zarr_settings(dst)), _stop_on_ctrl_c(stop), bar:
+    with zarr.config.set(writer_zarr_settings(dst)), _stop_on_ctrl_c() as stop, bar:
         src_root = zarr.open_group(store=src, mode="r", zarr_format=3)
-
-        def convert_one(shard_id: int) -> dict[str, int]:
-            if stop.is_set():  # another shard failed or Ctrl-C came: do not start this one
-                return {}
-            try:
-                return _convert_shard(src, src_root[shard_name(shard_id)], dst, dst_root, shard_id, reader.spec, spec,
-                                      settings, advance, say, stop)
-            except BaseException:
-                stop.set()  # the shards being converted commit and stop
-                raise
-
-        ids = [s.shard_id for s in reader.shards]
-        if settings.workers == 1:  # in this thread, where a second Ctrl-C stops it at once
-            results = [convert_one(s) for s in ids]
-        else:
-            with ThreadPoolExecutor(settings.workers, thread_name_prefix="convert") as pool:
-                futures = [pool.submit(convert_one, s) for s in ids]
-            failed = [f.exception() for f in futures if f.exception() is not None]
-            if failed:  # the first error that is not a stop (which it caused in the others)
-                raise next((e for e in failed if not isinstance(e, Interrupted)), failed[0])
-            results = [f.result() for f in futures]
-    totals = {k: sum(r.get(k, 0) for r in results) for k in ("tokens_converted", "tokens_found_done")}
+        results = [_convert_shard(src, src_root[shard_name(s.shard_id)], dst, dst_root, s.shard_id, reader.spec, spec,
+                                  settings, bar.update, say, stop) for s in reader.shards]
+    totals = {k: sum(r[k] for r in results) for k in ("tokens_converted", "tokens_found_done")}
     seconds = time.monotonic() - t_start
     return {"source": _location(src), "destination": dst, "shards": len(reader.shards), "samples": len(reader),
             "tokens": reader.num_tokens, **totals, "seconds": round(seconds, 3),

@@ -261,13 +261,6 @@ def test_ctrl_c_then_kill9_then_rerun_equals_the_unbroken_conversion(source, los
     assert store_contents(out) == store_contents(reference)
 
 
-def test_two_workers_write_what_one_writes(source, converted, tmp_path):
-    reference, _ = converted
-    out = tmp_path / "two.zarr"
-    assert cli("convert", source, out, "--compression-level", "3", "--workers", "2", "--no-progress").exit_code == 0
-    assert store_contents(out) == store_contents(reference)
-
-
 def test_a_complete_conversion_rerun_converts_nothing(source, converted):
     out, _ = converted
     before = store_contents(out)
@@ -513,7 +506,7 @@ def test_a_nan_in_the_source_stops_a_lossy_conversion_naming_where(source, tmp_p
     bits = np.asarray(group["hidden"][:])
     bits[100, 1, 5] = 0x7FC0  # a bf16 NaN
     group["hidden"][:] = bits
-    result = cli("convert", bad, tmp_path / "dst.zarr", "--hidden-codec", "fp8", "--workers", "2", "--no-progress")
+    result = cli("convert", bad, tmp_path / "dst.zarr", "--hidden-codec", "fp8", "--no-progress")
     offsets, rows = np.asarray(group["offsets"][:]), np.asarray(group["source_index"][:])
     sample = int(np.searchsorted(offsets, 100, side="right") - 1)
     assert result.exit_code == 2, result.output
