@@ -93,7 +93,7 @@ def _rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch
 
 def context_kv(drafter: DFlashDrafter, w: DecodingWeights, context_hidden: torch.Tensor,
                context_positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``DFlashDrafter.context_kv``: every layer's keys and values (L, Bsz, Hkv, S, hd)."""
+    """Every layer's context keys and values (L, Bsz, Hkv, S, hd), as ``DFlashDrafter.forward`` projects them."""
     c = drafter.config
     eps, n_layers, n_kv, hd = c.rms_norm_eps, c.num_hidden_layers, c.num_key_value_heads, c.head_dim
     ctx = _rms_norm(F.linear(context_hidden.to(w.dtype), drafter.fc.weight), drafter.hidden_norm.weight, eps)
