@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterable, TypeVar
+from typing import Callable, TypeVar
 
 import torch
 
@@ -85,20 +86,17 @@ def frozen():
         thaw()
 
 
-def warm_up(steps: Iterable[Callable[[], None]]) -> int:
-    """Run each warm-up step (one per shape and grad mode), then freeze; returns the graphs compiled."""
-    return compile_then_freeze(lambda: [step() for step in steps])[1]
-
-
-def compile_then_freeze(run: Callable[[], T]) -> tuple[T, int]:
-    """(``run()``, graphs it compiled), compiling allowed inside it and frozen again after."""
-    before = compile_count()
+def compile_then_freeze(run: Callable[[], T]) -> tuple[T, int, dict[str, int], float]:
+    """(``run()``, graphs it compiled, its ``cache_counts``, seconds), compiling allowed inside it (a warm-up)
+    and frozen again after."""
+    start, graphs, cached = time.perf_counter(), compile_count(), cache_counts()
     thaw()
     try:
         result = run()
     finally:
         torch.compiler.set_stance("fail_on_recompile")
-    return result, compile_count() - before
+    use = {k: v - cached[k] for k, v in cache_counts().items()}
+    return result, compile_count() - graphs, use, time.perf_counter() - start
 
 
 def default_compile_cache() -> Path:

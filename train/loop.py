@@ -189,29 +189,16 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
                 forward_loss(model, head, batch, spec).loss.backward()
                 optimizer.zero_grad(set_to_none=True)
 
-            warm_start, counts_before = time.perf_counter(), compile_path.cache_counts()
-            compiled_graphs = compile_path.warm_up(lambda b=b: warm(b) for b in buckets.buckets)
-            cache_use = {k: v - counts_before[k] for k, v in compile_path.cache_counts().items()}
+            _, compiled_graphs, cache_use, seconds = compile_path.compile_then_freeze(
+                lambda: [warm(b) for b in buckets.buckets])
             log.info("warm-up compiled %d graphs over %d context buckets in %.1f s; recompiles are now errors",
-                     compiled_graphs, len(buckets.buckets), time.perf_counter() - warm_start)
+                     compiled_graphs, len(buckets.buckets), seconds)
             log.info("compile cache %s: inductor graphs %d loaded, %d compiled, %d uncacheable; "
                      "AOTAutograd %d loaded, %d compiled, %d uncacheable", compile_cache, *cache_use.values())
         compiles_after_warm_up = compile_path.compile_count()
 
         def evaluate(step: int) -> dict[str, Any]:
-            """The held-out evaluation; its first call compiles the no-grad graphs."""
-            nonlocal eval_compiled_graphs
-            if not compiles or eval_compiled_graphs is not None:
-                return evaluate_held_out(step)
-            eval_start, counts_before = time.perf_counter(), compile_path.cache_counts()
-            result, eval_compiled_graphs = compile_path.compile_then_freeze(lambda: evaluate_held_out(step))
-            use = {k: v - counts_before[k] for k, v in compile_path.cache_counts().items()}
-            log.info("the first evaluation compiled %d eval graphs (inductor %d loaded, %d compiled) and took "
-                     "%.1f s; recompiles are errors again", eval_compiled_graphs, use["fx_graph_hit"],
-                     use["fx_graph_miss"], time.perf_counter() - eval_start)
-            return result
-
-        def evaluate_held_out(step: int) -> dict[str, Any]:
+            """Held-out loss, accuracy per slot and tau (the decoding replay's, and over uniform anchors)."""
             sums = torch.zeros(4, dtype=torch.float64, device=device)  # loss*w, w, tau, blocks
             slots = torch.zeros(2, dcfg.block_size, dtype=torch.float64, device=device)
             for keys in eval_keys:
@@ -264,8 +251,7 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
                     torch.cuda.synchronize(device)
                 elapsed = time.perf_counter() - window_start
                 (loss_sum, ctx_tok, block_tok, pairs), slots = window[:4].tolist(), window[4:].view(2, -1)
-                flops = metrics.step_flops(dcfg, head.embed_weight.shape[0], ctx_tok, block_tok, pairs)
-                flops = flops / elapsed / world
+                flops = metrics.step_flops(dcfg, len(head.embed_weight), ctx_tok, block_tok, pairs) / elapsed / world
                 record = {"kind": "train", "step": done, "epoch": step / sampler.steps_per_epoch,
                           "loss": loss_sum / window_steps, "acc_per_pos": (slots[0] / slots[1].clamp(min=1)).tolist(),
                           "acc": (slots[0].sum() / slots[1].sum().clamp(min=1)).item(),
@@ -279,7 +265,15 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
                 window.zero_()
                 window_steps, window_start, window_data_s = 0, time.perf_counter(), 0.0
             if eval_keys and (done % rt.eval_every == 0 or last):
-                history.append(last_eval := evaluate(done))
+                if compiles and eval_compiled_graphs is None:  # the first evaluation compiles the no-grad graphs
+                    last_eval, eval_compiled_graphs, use, seconds = compile_path.compile_then_freeze(
+                        lambda: evaluate(done))
+                    log.info("the first evaluation compiled %d eval graphs (inductor %d loaded, %d compiled) and "
+                             "took %.1f s; recompiles are errors again", eval_compiled_graphs, use["fx_graph_hit"],
+                             use["fx_graph_miss"], seconds)
+                else:
+                    last_eval = evaluate(done)
+                history.append(last_eval)
                 sink.write(last_eval)
                 window_start = time.perf_counter()
             if done % rt.save_every == 0 or last:
