@@ -169,9 +169,9 @@ def step_target(out: Path, s: DemoSettings, train_jsonl: Path, echo) -> tuple[Pa
         record = _write(target, settings, **dt.build_demo_target(target, chats, target, config,
                                                                  log=lambda m: echo("      " + m)))
         echo(f"[2/7] target: built {target} ({time.perf_counter() - t0:.1f} s)")
-        return target, record
-    echo(f"[2/7] target: reused {target} (trained in {record['train_seconds']:.1f} s, "
-         f"final loss {record['final_loss']:.4f})")
+    else:
+        echo(f"[2/7] target: reused {target} (trained in {record['train_seconds']:.1f} s, "
+             f"final loss {record['final_loss']:.4f})")
     return target, record
 
 
@@ -244,8 +244,7 @@ def step_train(out: Path, s: DemoSettings, cache: Path, target: Path, echo) -> d
         shutil.rmtree(export_dir, ignore_errors=True)
         t0 = time.perf_counter()
         result = train(tiny().override(cache=str(cache), target=str(target), out=str(run_dir), **s.train_overrides()))
-        record = {"seconds": time.perf_counter() - t0, "steps": result["step"], "eval": result["eval"]}
-        _write(run_dir, settings, **record)
+        record = _write(run_dir, settings, seconds=time.perf_counter() - t0, steps=result["step"], eval=result["eval"])
         echo(f"[5/7] train: {result['step']} steps in {record['seconds']:.1f} s -> {run_dir}")
     else:
         echo(f"[5/7] train: reusing {run_dir} ({record['steps']} steps, trained in {record['seconds']:.1f} s)")

@@ -61,13 +61,11 @@ def greedy_continuations(target, prompts: Sequence[Sequence[int]], max_new_token
         return {"input_ids": list(prompts[int(text)])}
 
     order = sorted(range(len(prompts)), key=lambda i: -len(prompts[i]))  # similar lengths share a batch
-    out: list[tuple[list[int], bool]] = [([], True)] * len(prompts)
+    out: dict[int, tuple[list[int], bool]] = {}
     for start in range(0, len(order), batch_size):
         rows = order[start:start + batch_size]
-        results = generate_batch(target, tokenize, [str(i) for i in rows], gen_kwargs, stops, decoder)
-        for i, result in zip(rows, results):
-            out[i] = result
-    return out
+        out.update(zip(rows, generate_batch(target, tokenize, [str(i) for i in rows], gen_kwargs, stops, decoder)))
+    return [out[i] for i in range(len(prompts))]
 
 
 def target_head(target) -> TargetHead:  # the target's embedding and LM head, for the drafter

@@ -74,12 +74,9 @@ class DFlashProposer:
                                          self._extend(context))
         else:
             ctx_len = context.shape[1]
-            mask = attention.build_mask("dense", anchors=torch.tensor([[position]], device=device),
-                                        block_valid=torch.ones(1, 1, dtype=torch.bool, device=device),
-                                        ctx_len=torch.tensor([ctx_len], device=device), context_len=ctx_len,
-                                        block_size=B)
-            hidden = self.drafter(context, torch.arange(ctx_len, device=device).unsqueeze(0), block_embeds,
-                                  block_positions, mask)  # (1, B, D)
+            mask = attention.dense_mask(torch.tensor([[position]], device=device), torch.ones(1, 1, dtype=torch.bool,
+                                        device=device), torch.tensor([ctx_len], device=device), ctx_len, B)
+            hidden = self.drafter(context, torch.arange(ctx_len, device=device), block_embeds, block_positions, mask)
         return self.lm_head(hidden[0, 1:].to(self.lm_head.weight.dtype))  # (B-1, V)
 
     def _extend(self, context: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -186,11 +183,11 @@ def load_drafter(path: str | Path, device: str | torch.device = "cpu", dtype: to
     path = Path(path)  # a run folder holds a config.json too: checkpoints first
     ckpt = path if (path / "state.json").is_file() and (path / "model.safetensors").is_file() \
         else checkpoint.resolve(path, "latest")
-    if ckpt is None and (path / CONFIG_NAME).is_file():
+    if ckpt is None:
+        if not (path / CONFIG_NAME).is_file():
+            raise FileNotFoundError(f"{path}: neither an export folder (config.json) nor a run with checkpoints")
         drafter, config = load_exported(path, device=device, dtype=dtype)
         return drafter.eval(), config
-    if ckpt is None:
-        raise FileNotFoundError(f"{path}: neither an export folder (config.json) nor a run with checkpoints")
     state = checkpoint.read_state(ckpt)
     if "drafter_config" not in state:
         raise ValueError(f"{ckpt}/state.json has no drafter_config")

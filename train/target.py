@@ -50,11 +50,10 @@ def load_target_meta(target: str):
         log.warning("%s holds no tokenizer: the cache's tokenizer cannot be checked", target)
         return config, None
     try:
-        tokenizer = AutoTokenizer.from_pretrained(target)
+        return config, AutoTokenizer.from_pretrained(target)
     except Exception as e:  # a weights-only folder: the tokenizer check is skipped, loudly
         log.warning("no tokenizer loadable from %s (%s): the cache's tokenizer cannot be checked", target, e)
-        tokenizer = None
-    return config, tokenizer
+        return config, None
 
 
 def tokenizer_mask_id(tokenizer) -> int | None:
