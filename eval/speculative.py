@@ -443,15 +443,13 @@ def _summary(specs: Sequence[Generation], greedies: Sequence[Generation], block_
             "speedup": greedy_s / spec_s if spec_s > 0 else math.nan}
 
 
-def captured_decoders(target, drafter: DFlashDrafter | DFlashProposer, prompts: Sequence[Sequence[int]],
-                      max_new_tokens: int) -> tuple[StaticTarget, DFlashProposer]:
-    """``--capture``'s target session and proposer (a ready proposer kept) for these prompts, built once
-    for every ``evaluate``: room for the longest prompt, its new tokens and two blocks."""
-    block = drafter.config.block_size if isinstance(drafter, DFlashDrafter) else drafter.block_size
-    max_length, cuda = max(len(p) for p in prompts) + max_new_tokens + 2 * block, device_of(target).type == "cuda"
-    if isinstance(drafter, DFlashDrafter):
-        drafter = StaticProposer(drafter, target, max_length, capture=cuda)
-    return StaticTarget(target, max_length, capture=cuda), drafter
+def captured_decoders(target, drafter: DFlashDrafter, prompts: Sequence[Sequence[int]], max_new_tokens: int
+                      ) -> tuple[StaticTarget, StaticProposer]:
+    """``--capture``'s target session and proposer for these prompts, built once for every ``evaluate``:
+    room for the longest prompt, its new tokens and two blocks."""
+    max_length = max(len(p) for p in prompts) + max_new_tokens + 2 * drafter.config.block_size
+    cuda = device_of(target).type == "cuda"
+    return StaticTarget(target, max_length, capture=cuda), StaticProposer(drafter, target, max_length, capture=cuda)
 
 
 def evaluate(target, drafter: DFlashDrafter | DFlashProposer, prompts: Sequence[Sequence[int]], *,
