@@ -19,7 +19,6 @@ from typing import Any
 
 import torch
 
-from dflash.train import attention
 from dflash.train.export import check_against_target
 from dflash.train.model import DFlashDrafter, DrafterConfig
 
@@ -36,14 +35,13 @@ class LosslessError(RuntimeError):
 
 class DFlashProposer:
     """A DFlashDrafter with the target's embedding and LM head, keeping its context keys/values
-    until ``reset``; ``incremental=False`` recomputes them with the training forward (the reference)."""
+    until ``reset`` (only new positions are computed per block)."""
 
-    def __init__(self, drafter: DFlashDrafter, target, incremental: bool = True):
+    def __init__(self, drafter: DFlashDrafter, target):
         self.drafter, self.config = drafter.eval(), drafter.config
         self.block_size = self.config.block_size
         self.target_layer_ids = list(self.config.target_layer_ids)
         self.embed, self.lm_head = target.get_input_embeddings(), target.get_output_embeddings()
-        self.incremental = incremental
         check_against_target(self.config, target)
         self.reset()
 
@@ -69,14 +67,7 @@ class DFlashProposer:
         block_ids = torch.tensor([[tokens[-1]] + [self.config.mask_token_id] * (B - 1)], device=device)  # (1, B)
         block_positions = torch.arange(position, position + B, device=device).unsqueeze(0)  # (1, B)
         block_embeds = self.embed(block_ids)  # the target's own module: some scale their embeddings
-        if self.incremental:
-            hidden = fused.block_forward(self.drafter, self._weights, block_embeds, block_positions,
-                                         self._extend(context))
-        else:
-            ctx_len = context.shape[1]
-            mask = attention.dense_mask(torch.tensor([[position]], device=device), torch.ones(1, 1, dtype=torch.bool,
-                                        device=device), torch.tensor([ctx_len], device=device), ctx_len, B)
-            hidden = self.drafter(context, torch.arange(ctx_len, device=device), block_embeds, block_positions, mask)
+        hidden = fused.block_forward(self.drafter, self._weights, block_embeds, block_positions, self._extend(context))
         return self.lm_head(hidden[0, 1:].to(self.lm_head.weight.dtype))  # (B-1, V)
 
     def _extend(self, context: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -354,12 +354,27 @@ def test_drafter_context_is_the_targets_hidden_states(target, drafter, prompts):
             torch.testing.assert_close(context, want, rtol=1e-4, atol=1e-5)
 
 
+class FullRecompute(spec.DFlashProposer):
+    """The reference proposer: the training forward over the whole context with the decoding block's dense mask."""
+
+    @torch.inference_mode()
+    def block_logits(self, context, tokens, position):
+        from dflash.train import attention
+
+        B, ctx_len = self.block_size, context.shape[1]
+        block_embeds = self.embed(torch.tensor([[tokens[-1]] + [self.config.mask_token_id] * (B - 1)]))
+        mask = attention.dense_mask(torch.tensor([[position]]), torch.ones(1, 1, dtype=torch.bool),
+                                    torch.tensor([ctx_len]), ctx_len, B)
+        hidden = self.drafter(context, torch.arange(ctx_len), block_embeds, torch.arange(position, position + B), mask)
+        return self.lm_head(hidden[0, 1:].to(self.lm_head.weight.dtype))
+
+
 def test_incremental_drafter_context_equals_full_recompute(target, drafter, drafter_config):
     """The kept per-layer context keys/values (only new positions computed per block) give the
     logits of the training forward over the whole context: blocks after 1 and several new
     positions, a shorter context and an equally long but different one (new sequences
     without reset), and an explicit reset."""
-    full = spec.DFlashProposer(drafter, target, incremental=False)
+    full = FullRecompute(drafter, target)
     incremental = spec.DFlashProposer(drafter, target)
     generator = torch.Generator().manual_seed(3)
     features = len(LAYERS) * drafter_config.hidden_size
@@ -380,7 +395,7 @@ def test_incremental_and_full_proposers_decode_alike(target, drafter, prompts):
     """Whole decodes: the same tokens and the same accepted lengths block by block."""
     for prompt in prompts:
         a = spec.speculative_generate(target, spec.DFlashProposer(drafter, target), prompt, MAX_NEW)
-        b = spec.speculative_generate(target, spec.DFlashProposer(drafter, target, incremental=False), prompt, MAX_NEW)
+        b = spec.speculative_generate(target, FullRecompute(drafter, target), prompt, MAX_NEW)
         assert a.tokens == b.tokens and a.block_taus == b.block_taus
 
 
@@ -437,7 +452,7 @@ def test_proposer_refreshes_weights_per_sequence_and_grows_its_buffers(target, d
 
     local = copy.deepcopy(drafter)
     proposer = spec.DFlashProposer(local, target)
-    full = spec.DFlashProposer(local, target, incremental=False)
+    full = FullRecompute(local, target)
     features = len(LAYERS) * drafter_config.hidden_size
     context = torch.randn(1, 600, features, generator=torch.Generator().manual_seed(2))
     for position in (3, 200, 599):  # 599 > the first buffer's 2 * 200 positions
