@@ -1,7 +1,5 @@
-"""``dflash-eval``: a drafter's acceptance per benchmark, replayed over every prompt (``replay_eval``),
-then checked (lossless, the replay's taus) and timed by real speculative decoding of a sample.
-Exit status 1 when a speculative output differs from greedy, or in float32 a tau from the replay's.
-"""
+"""``dflash-eval``: a drafter's acceptance per benchmark replayed over every prompt (``replay_eval``), checked and
+timed by real decoding of a sample; exit status 1 on a lossless failure, or in float32 on a tau off the replay's."""
 
 from __future__ import annotations
 

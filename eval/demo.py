@@ -1,10 +1,5 @@
-"""The CPU demo end to end in one folder (``make demo OUT=demo_out``): synthetic chats, a small
-target trained here, its regenerated chats, their cache, a drafter trained and exported, online
-speculative decoding of the held-out chats' turns (those training scores offline), a summary.
-
-Each step records its settings in a ``*.demo.json`` marker and is reused while they match (else
-rebuilt, with every step after it).
-"""
+"""The CPU demo end to end in one folder (``make demo``): chats, a small target, its regenerated chats, their cache, a
+drafter trained and exported, online decoding of held-out turns; a step is reused while its ``*.demo.json`` matches."""
 
 from __future__ import annotations
 
@@ -297,16 +292,15 @@ def step_eval(out: Path, s: DemoSettings, regen: Path, cache: Path, target: Path
     result = evaluate(model, drafter, prompts, max_new_tokens=s.max_new_tokens,
                       eos_token_ids=[tokenizer.convert_tokens_to_ids(IM_END)], check=True)
     result["seconds"], o = time.perf_counter() - t0, result["overall"]
-    for row, want in zip(result["per_prompt"], expected):
+    totals: dict[str, list[int]] = {}
+    for prompt, want, row in zip(prompts, expected, result["per_prompt"], strict=True):
         row["text"] = tokenizer.decode(row["tokens"])  # a cut turn was cached with an <|im_end|> too
         row["regenerated_match"] = row["tokens"] == want[: s.max_new_tokens]
-    o["regenerated_match"] = sum(r["regenerated_match"] for r in result["per_prompt"]) / len(prompts)
-    o["chats"] = len(samples)
-    totals: dict[str, list[int]] = {}
-    for prompt, row in zip(prompts, result["per_prompt"], strict=True):
         asked = tokenizer.decode(prompt).rsplit(f"{IM_START}user\n", 1)[-1].split(IM_END, 1)[0]
         t = totals.setdefault(task_of(asked), [0, 0, 0])
         t[0], t[1], t[2] = t[0] + 1, t[1] + row["new_tokens"] - 1, t[2] + row["blocks"]  # prefill left out
+    o["regenerated_match"] = sum(r["regenerated_match"] for r in result["per_prompt"]) / len(prompts)
+    o["chats"] = len(samples)
     result["per_task"] = {name: {"turns": n, "blocks": blocks, "tau": emitted / blocks if blocks else None}
                           for name, (n, emitted, blocks) in sorted(totals.items())}
     result["offline_replay"] = replay_export(cache, samples, out / "export", target, max_length=s.max_length,

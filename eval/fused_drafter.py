@@ -46,9 +46,8 @@ class DecodingWeights:
         attn = [layer.self_attn for layer in drafter.layers]
 
         def rows(*linears: nn.Linear) -> tuple[torch.Tensor, torch.Tensor | None]:
-            weight = torch.cat([lin.weight for lin in linears])
-            bias = torch.cat([lin.bias for lin in linears]) if linears[0].bias is not None else None
-            return weight, bias
+            biases = torch.cat([lin.bias for lin in linears]) if linears[0].bias is not None else None
+            return torch.cat([lin.weight for lin in linears]), biases
 
         layers = []
         for layer, a in zip(drafter.layers, attn):

@@ -1,9 +1,5 @@
-"""Acceptance over a whole benchmark in minutes: greedy speculative decoding replayed, not run.
-
-At temperature 0 speculative decoding emits the target's greedy continuation, so: batched greedy
-continuations, one batched target forward over them, and each walked as decoding walks it
-(``dflash.train.replay``). ``spec_sample`` decodes a few prompts for real to check the taus.
-"""
+"""Acceptance over a benchmark in minutes: at temperature 0 decoding emits the greedy continuation, so batched
+continuations, one target forward, each walked as decoding walks it; ``spec_sample`` checks a few by real decoding."""
 
 from __future__ import annotations
 

@@ -1,9 +1,5 @@
-"""DFlash speculative decoding at temperature 0, one prompt at a time, checked against greedy decoding.
-
-The drafter proposes p+1 .. p+B-1 from [last, MASK x (B-1)] and the target's states before p; one
-target forward accepts the longest prefix equal to its greedy tokens plus a bonus token. The output
-must equal greedy's (``LosslessError``) except at a tie of greedy's top two logits (``TIE_ULPS``).
-"""
+"""DFlash speculative decoding at temperature 0, one prompt at a time: the drafter proposes a block, one target forward
+accepts its longest greedy prefix plus a bonus token; the output must equal greedy's but at a tie (``TIE_ULPS``)."""
 
 from __future__ import annotations
 
@@ -335,8 +331,7 @@ def greedy_generate(target, prompt_ids: Sequence[int], max_new_tokens: int,
     """Plain greedy decoding, one token per target forward (``session``: default ``EagerTarget``)."""
     device, eos, session, start = _start(target, max_new_tokens, eos_token_ids, session)
     logits, _ = session.forward(prompt_ids, last_only=True)
-    tokens, margins, ties = [], [], []
-    eps = torch.finfo(logits.dtype).eps
+    tokens, margins, ties, eps = [], [], [], torch.finfo(logits.dtype).eps
     while True:
         first, second = logits[-1].float().topk(2).values.tolist()  # one host sync for both
         tokens.append(int(logits[-1].argmax()))  # as the verify picks: topk may break an exact tie the other way
@@ -447,9 +442,8 @@ def evaluate(target, drafter: DFlashDrafter | DFlashProposer, prompts: Sequence[
              max_new_tokens: int = 128, eos_token_ids: Iterable[int] = (), check: bool = True,
              warmup: bool = True, progress: bool = False, capture: bool = False,
              session: StaticTarget | None = None) -> dict[str, Any]:
-    """Speculative vs greedy decoding of every prompt: {"overall", "per_prompt", "settings"}; ``check``:
-    a mismatch not at a tie raises LosslessError. ``capture``: both decoders on one ``StaticTarget``
-    (``session`` and ``drafter`` from ``captured_decoders`` are reused)."""
+    """Speculative vs greedy decoding of every prompt: {"overall", "per_prompt", "settings"}; ``check``: a mismatch
+    not at a tie raises LosslessError; ``capture``: both on one ``StaticTarget`` (or ``captured_decoders``' pair)."""
     from tqdm.auto import tqdm
 
     device, proposer = device_of(target), drafter

@@ -47,9 +47,8 @@ def default_corpus() -> list[Path]:
 
 def build_tokenizer(out_dir: str | Path, *, vocab_size: int = 512, generation_tags: bool = True,
                     corpus: Sequence[str | Path] | None = None, texts: Sequence[str] = ()):
-    """Train a byte-level BPE on ``corpus`` files (default ``default_corpus()``) and ``texts``, save
-    it as a HF fast tokenizer and return it. <|endoftext|> is pad and eos; <|MASK|>, which nothing
-    emits, is the drafter's mask id."""
+    """A byte-level BPE trained on ``corpus`` files (default ``default_corpus()``) and ``texts``, saved as a HF fast
+    tokenizer: <|endoftext|> is pad and eos; <|MASK|>, which nothing emits, is the drafter's mask id."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 

@@ -1,6 +1,5 @@
-"""DFlash training attention: one ``mask_mod``, two backends (flex from the mask's intervals, dense SDPA).
-Query q of block q // B sees context key j < min(anchor, ctx_len) and its own block's keys (by block
-identity, not position); a padded block sees nothing."""
+"""DFlash training attention: one ``mask_mod``, two backends (flex from the mask's intervals, dense SDPA). Query q of
+block q // B sees context keys j < min(anchor, ctx_len) and its own block's keys (by block); padded blocks see none."""
 
 from __future__ import annotations
 

@@ -1,6 +1,5 @@
-"""Cache samples -> fixed-shape batches (context padded to a bucket, ``max_anchors`` blocks each: one
-compiled graph per bucket) in a deterministic, resumable order. Randomness is keyed, never stateful:
-sample i's anchors in epoch e from (seed, e, i), epoch e's order from (seed, e); step s reads batch s."""
+"""Cache samples -> fixed-shape batches (one compiled graph per context bucket) in a resumable order; randomness is
+keyed, never stateful: anchors from (seed, epoch, index), epoch e's order from (seed, e), step s reads batch s."""
 
 from __future__ import annotations
 

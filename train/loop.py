@@ -171,7 +171,6 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
                                 "be the one it would have been:\n  - %s", "\n  - ".join(changed))
 
         sampler = GlobalBatchSampler(split.train, G, micro, rank, world, rt.seed, steps, start_step)
-        accum = sampler.accum
         loader = make_loader(dataset, sampler, buckets.buckets, dcfg_data.num_workers, dcfg_data.prefetch_factor, cuda)
         eval_keys = held_out_batches(split.held_out, micro, rank, world)
         eval_collate = Collate(buckets.buckets)
@@ -227,12 +226,12 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
         history, last_eval, step = [], None, start_step
         for step in range(start_step, steps):
             waited = time.perf_counter()
-            micro_batches = [to_device(next(data_iter), device) for _ in range(accum)]
+            micro_batches = [to_device(next(data_iter), device) for _ in range(sampler.accum)]
             window_data_s += time.perf_counter() - waited
             labels_weights = [labels_and_weights(b, spec) for b in micro_batches]
             denominator = _all_reduce(torch.stack([w.sum() for _, w in labels_weights]).sum(), world)
             for m, (batch, lw) in enumerate(zip(micro_batches, labels_weights)):
-                with _grad_sync(model, enabled=m == accum - 1):
+                with _grad_sync(model, enabled=m == sampler.accum - 1):
                     step_out = forward_loss(model, head, batch, spec, denominator, lw)
                     (step_out.loss * world).backward()  # DDP / FSDP average; the loss is a global mean
                 window += torch.cat([step_out.loss.detach().double()[None], work_counts(batch, dcfg.block_size),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import resource
@@ -71,12 +72,10 @@ class MetricsSink:
         self.jsonl = open(run_dir / "metrics.jsonl", "a", buffering=1) if enabled else None
         self.tb = None
         if enabled and tensorboard:
-            try:
+            with contextlib.suppress(Exception):  # tensorboard not installed: JSONL is the record
                 from torch.utils.tensorboard import SummaryWriter
 
                 self.tb = SummaryWriter(str(run_dir / "tb"))
-            except Exception:  # tensorboard not installed: JSONL is the record
-                pass
 
     def write(self, record: dict[str, Any]) -> None:
         if self.jsonl is None:
