@@ -8,6 +8,7 @@ import math
 import random
 import re
 import string
+import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -17,6 +18,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch.nn.utils.rnn import pad_sequence
+from transformers import AutoTokenizer, Qwen3Config, Qwen3ForCausalLM
 
 from dflash.eval import toy_tokenizer as toy
 from dflash.eval.benchmarks import write_jsonl
@@ -166,8 +168,6 @@ def tokenize_chats(tokenizer, chats: Sequence[dict], *, max_length: int, loss_on
 def build_demo_target(out_dir: str | Path, train_chats: Sequence[dict], tokenizer, config: DemoTargetConfig, *,
                       log: Callable[[str], None] = print, num_threads: int | None = None) -> dict[str, Any]:
     """Train the demo target and save it as an HF model folder; returns its build record."""
-    from transformers import AutoTokenizer, Qwen3Config, Qwen3ForCausalLM
-
     if isinstance(tokenizer, (str, Path)):
         tokenizer = AutoTokenizer.from_pretrained(tokenizer)
     examples = tokenize_chats(tokenizer, train_chats, max_length=config.max_length, loss_on=config.loss_on)
@@ -253,6 +253,4 @@ def train(model, examples, c: DemoTargetConfig, *, pad_id: int, log: Callable[[s
 
 
 if __name__ == "__main__":  # python -m dflash.eval.demo_target [PATH]: rewrite the committed sample
-    import sys
-
     print(write_jsonl(generate_chats(30), sys.argv[1] if len(sys.argv) > 1 else "data/demo_chats_sample.jsonl"))

@@ -7,6 +7,9 @@ import sysconfig
 from collections.abc import Sequence
 from pathlib import Path
 
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import PreTrainedTokenizerFast
+
 IM_START, IM_END, END_OF_TEXT, MASK_TOKEN = "<|im_start|>", "<|im_end|>", "<|endoftext|>", "<|MASK|>"
 SPECIAL_TOKENS = [END_OF_TEXT, IM_START, IM_END, MASK_TOKEN]
 
@@ -49,9 +52,6 @@ def build_tokenizer(out_dir: str | Path, *, vocab_size: int = 512, generation_ta
                     corpus: Sequence[str | Path] | None = None, texts: Sequence[str] = ()):
     """A byte-level BPE trained on ``corpus`` files (default ``default_corpus()``) and ``texts``, saved as a HF fast
     tokenizer: <|endoftext|> is pad and eos; <|MASK|>, which nothing emits, is the drafter's mask id."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
     files = [Path(p) for p in (default_corpus() if corpus is None else corpus)]
     if missing := [str(p) for p in files if not p.is_file()]:
         raise FileNotFoundError(f"tokenizer corpus files not found: {missing}")

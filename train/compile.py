@@ -12,6 +12,8 @@ from pathlib import Path
 from typing import Callable, TypeVar
 
 import torch
+import torch._dynamo.config as dynamo_config
+from torch._dynamo.utils import counters
 
 from . import attention
 from .config import RuntimeConfig
@@ -33,8 +35,6 @@ class CompileChoice:
 
 def resolve(runtime: RuntimeConfig, device: torch.device) -> CompileChoice:
     """The checked choice of ``attention`` / ``compile`` for ``device`` (uncompiled flex only by name)."""
-    import torch._dynamo.config as dynamo_config
-
     cuda = device.type == "cuda"
     kind = ("flex" if cuda else "dense") if runtime.attention == "auto" else runtime.attention
     eager_flex = kind == "flex-eager"
@@ -56,8 +56,6 @@ def resolve(runtime: RuntimeConfig, device: torch.device) -> CompileChoice:
 
 def compile_count() -> int:
     """Graphs dynamo has compiled in this process so far."""
-    from torch._dynamo.utils import counters
-
     return int(counters["stats"]["unique_graphs"])
 
 
@@ -65,8 +63,6 @@ def compile_model(model: torch.nn.Module, choice: CompileChoice, graphs_needed: 
     """``torch.compile`` the drafter (static shapes) when the choice says so; else return it."""
     if not choice.compile_model:
         return model
-    import torch._dynamo.config as dynamo_config
-
     # a graph per (bucket, grad mode) below the limit, whose fall-back is silent eager
     dynamo_config.recompile_limit = max(dynamo_config.recompile_limit, graphs_needed)
     return torch.compile(model, backend=choice.backend, dynamic=False)
@@ -125,8 +121,6 @@ def use_compile_cache(folder: str | None) -> Path:
 
 def cache_counts() -> dict[str, int]:
     """On-disk compile cache lookups of this process so far: hits, misses and bypasses."""
-    from torch._dynamo.utils import counters
-
     fx, aot = counters["inductor"], counters["aot_autograd"]
     return {f"{name}_{kind}": int(group[f"{key}_{kind}"]) for name, group, key in
             (("fx_graph", fx, "fxgraph_cache"), ("aot_autograd", aot, "autograd_cache"))

@@ -33,18 +33,14 @@ def export_config_dict(config: DrafterConfig, dtype: torch.dtype) -> dict:
     dtype_name = str(dtype).removeprefix("torch.")
     shapes = {k: v for k, v in config.to_dict().items() if k not in ("target_layer_ids", "mask_token_id")}
     return {
-        "architectures": [ARCHITECTURE],
-        "model_type": "qwen3",
+        "architectures": [ARCHITECTURE], "model_type": "qwen3",
         "dflash_config": {"mask_token_id": config.mask_token_id, "target_layer_ids": list(config.target_layer_ids),
                           "target_layer_id_convention": LAYER_ID_CONVENTION},
         "eagle_aux_hidden_state_layer_ids": eagle_layer_ids(config.target_layer_ids),
         **shapes,  # block_size, num_target_layers and the Qwen3 fields: the drafter config's own names
         "rope_parameters": {"rope_type": "default", "rope_theta": config.rope_theta},
-        "hidden_act": "silu",
-        "attention_dropout": 0.0,
-        "tie_word_embeddings": False,
-        "torch_dtype": dtype_name,
-        "dtype": dtype_name,
+        "hidden_act": "silu", "attention_dropout": 0.0, "tie_word_embeddings": False,
+        "torch_dtype": dtype_name, "dtype": dtype_name,
     }
 
 
