@@ -16,8 +16,6 @@ from dflash.shared.cli import Command, JsonObject, Maybe, ModelPath, reading, us
 
 log = logging.getLogger("dflash.eval")
 
-PROMPT_COLUMNS = ("prompt", "question")
-
 
 def row_to_messages_or_text(row: dict[str, Any], index: int, source: str) -> tuple[list[dict] | None, str | None]:
     """(messages up to the last user turn, None), or (None, text) for a ``text`` row; a row with only
@@ -25,7 +23,7 @@ def row_to_messages_or_text(row: dict[str, Any], index: int, source: str) -> tup
     from dflash.extract.data import DataError, normalize_row
 
     if all(row.get(c) is None for c in ("messages", "conversations", "text")):
-        for column in PROMPT_COLUMNS:
+        for column in ("prompt", "question"):
             if isinstance(row.get(column), str) and row[column].strip():
                 return [{"role": "user", "content": row[column]}], None
     try:
@@ -69,15 +67,12 @@ def load_prompts(spec: str, tokenizer, *, split: str = "train", limit: int | Non
     return prompts
 
 
-BENCHMARK_NAME = re.compile(r"[A-Za-z0-9_.-]+")
-
-
 def parse_benchmarks(specs: list[str]) -> list[tuple[str, str]]:
     """[(name, dataset)] of the --prompts values: NAME=DATA, or DATA named after its file."""
     out: list[tuple[str, str]] = []
     for spec in specs:
         name, sep, data = spec.partition("=")
-        if not (sep and (not name or BENCHMARK_NAME.fullmatch(name))):  # a dataset alone, maybe with '=' or '/' in it
+        if not (sep and (not name or re.fullmatch(r"[A-Za-z0-9_.-]+", name))):  # else a dataset alone, '=' or '/' in it
             name, data = Path(spec.rstrip("/")).stem or spec, spec
         if not name or not data:
             raise click.BadParameter(f"{spec!r}: give NAME=DATA (e.g. mtbench=mt_bench.jsonl) or a dataset",

@@ -113,8 +113,7 @@ def block_forward(drafter: DFlashDrafter, w: DecodingWeights, block_embeds: torc
     eps, n_heads, n_kv, hd = c.rms_norm_eps, c.num_attention_heads, c.num_key_value_heads, c.head_dim
     keys, values = context_kv
     bsz, q_len, _ = block_embeds.shape
-    cos, sin = w.rope(block_positions)  # (Bsz, B, hd)
-    cos, sin = cos[:, :, None], sin[:, :, None]
+    cos, sin = (t[:, :, None] for t in w.rope(block_positions))  # (Bsz, B, 1, hd)
     x = block_embeds.to(w.dtype)
     mask = None if context_valid is None else torch.cat([context_valid, context_valid.new_ones(q_len)])[None]
     for i, layer in enumerate(w.layers):

@@ -83,8 +83,7 @@ def replay_samples(runner, prompts: Sequence[Sequence[int]], continuations: Sequ
             ids = torch.cat([ids, ids.new_tensor([stop if stop in stops else min(stops)])])
             h = torch.cat([h, h.new_zeros(1, h.shape[1])])
             t1 = torch.cat([t1, t1[-1:]])
-        loss_mask = torch.zeros(len(ids), dtype=torch.bool, device=ids.device)
-        loss_mask[P:] = True
+        loss_mask = torch.arange(len(ids), device=ids.device) >= P
         disagreements = int((t1[P - 1:-1] != ids[P:]).sum())
         samples.append({"input_ids": ids, "loss_mask": loss_mask, "context_hidden": h, "target_top1": t1,
                         "disagreements": disagreements})
