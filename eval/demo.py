@@ -392,8 +392,7 @@ def run_demo(out: str | Path, settings: DemoSettings | None = None, echo=click.e
 def main(out: str, small: bool, seed: int, assignments: tuple[str, ...]) -> None:
     """Run the whole CPU demo: data, target, regenerated chats, cache, drafter, speculative eval, summary."""
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
-    settings = DemoSettings.small(seed) if small else DemoSettings.full(seed)
-    run_demo(out, settings.with_overrides(list(assignments)))
+    run_demo(out, (DemoSettings.small(seed) if small else DemoSettings.full(seed)).with_overrides(list(assignments)))
 
 
 if __name__ == "__main__":

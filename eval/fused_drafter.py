@@ -58,8 +58,7 @@ class DecodingWeights:
                 o=a.o_proj.weight, o_bias=a.o_proj.bias, post_norm=layer.post_attention_layernorm.weight,
                 gate_up=rows(layer.mlp.gate_proj, layer.mlp.up_proj)[0], down=layer.mlp.down_proj.weight))
         context_kv, context_kv_bias = rows(*[lin for a in attn for lin in (a.k_proj, a.v_proj)])
-        device = drafter.fc.weight.device
-        cos, sin = _rope_table(c.max_position_embeddings, c.head_dim, c.rope_theta, str(device))
+        cos, sin = _rope_table(c.max_position_embeddings, c.head_dim, c.rope_theta, str(drafter.fc.weight.device))
         return cls(layers=layers, context_kv=context_kv, context_kv_bias=context_kv_bias,
                    context_k_norm=torch.stack([a.k_norm.weight for a in attn])[:, None],
                    rope_cos=cos, rope_sin=sin, dtype=drafter.fc.weight.dtype)

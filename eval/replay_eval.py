@@ -63,10 +63,6 @@ def greedy_continuations(target, prompts: Sequence[Sequence[int]], max_new_token
     return [out[i] for i in range(len(prompts))]
 
 
-def target_head(target) -> TargetHead:  # the target's embedding and LM head, for the drafter
-    return TargetHead(target.get_input_embeddings().weight, target.get_output_embeddings().weight)
-
-
 def replay_samples(runner, prompts: Sequence[Sequence[int]], continuations: Sequence[tuple[list[int], bool]],
                    stops: frozenset[int]) -> list[dict[str, Any]]:
     """One batched target forward over prompt + continuation -> per prompt the replay's sample, and
@@ -105,7 +101,8 @@ def replay_benchmark(target, drafter: DFlashDrafter, prompts: Sequence[Sequence[
     config = drafter.config
     check_against_target(config, target)
     device, stops = device_of(target), frozenset(int(t) for t in eos_token_ids)
-    predict = block_predictor(drafter.eval(), target_head(target), config.mask_token_id)
+    head = TargetHead(target.get_input_embeddings().weight, target.get_output_embeddings().weight)
+    predict = block_predictor(drafter.eval(), head, config.mask_token_id)
     seconds = {"generate": 0.0, "forward": 0.0, "drafter": 0.0}
 
     @contextlib.contextmanager

@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 from tqdm.auto import tqdm
+from transformers import StaticCache
 
 from dflash.train import checkpoint
 from dflash.train.export import CONFIG_NAME, check_against_target, load_exported
@@ -259,8 +260,7 @@ class EagerTarget:
         kwargs = {"logits_to_keep": 1} if last_only else {}
         out, self.cache = _forward(self.target, torch.tensor([list(ids)], device=self.device), self.cache,
                                    output_hidden_states=layer_ids is not None, **kwargs)
-        states = _layer_states(out.hidden_states, layer_ids)[0] if layer_ids is not None else None
-        return out.logits[0], states
+        return out.logits[0], (_layer_states(out.hidden_states, layer_ids)[0] if layer_ids is not None else None)
 
     def crop(self, keep: int) -> None:
         self.cache = crop_cache(self.cache, keep)
@@ -271,8 +271,6 @@ class StaticTarget(EagerTarget):
     graphs (the prefill stays eager)."""
 
     def __init__(self, target, max_length: int, capture: bool = False):
-        from transformers import StaticCache
-
         super().__init__(target)
         self.cache = StaticCache(config=target.config, max_cache_len=max_length)
         self.max_length, self._length = max_length, 0

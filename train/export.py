@@ -124,8 +124,7 @@ def load_exported(path: str | os.PathLike, device: str | torch.device = "cpu", d
     data = json.loads((Path(path) / CONFIG_NAME).read_text())
     config, tensors = config_from_export_dict(data), load_file(str(Path(path) / WEIGHTS_NAME))
     _check_names_and_shapes(tensors, config, str(Path(path) / WEIGHTS_NAME))
-    if dtype is None:
-        dtype = _DTYPES.get(data.get("dtype") or data.get("torch_dtype"), next(iter(tensors.values())).dtype)
+    dtype = dtype or _DTYPES.get(data.get("dtype") or data.get("torch_dtype"), next(iter(tensors.values())).dtype)
     with torch.device("meta"):
         drafter = DFlashDrafter(config).to_empty(device=device).to(dtype)
     drafter.load_state_dict({k: v.to(dtype) for k, v in tensors.items()}, strict=True)
