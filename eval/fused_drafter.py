@@ -95,8 +95,7 @@ def context_kv(drafter: DFlashDrafter, w: DecodingWeights, context_hidden: torch
     c = drafter.config
     eps, n_layers, n_kv, hd = c.rms_norm_eps, c.num_hidden_layers, c.num_key_value_heads, c.head_dim
     ctx = _rms_norm(F.linear(context_hidden.to(w.dtype), drafter.fc.weight), drafter.hidden_norm.weight, eps)
-    kv = F.linear(ctx, w.context_kv, w.context_kv_bias)
-    kv = kv.view(*kv.shape[:-1], n_layers, 2, n_kv, hd)  # (Bsz, S, L, 2, Hkv, hd)
+    kv = F.linear(ctx, w.context_kv, w.context_kv_bias).view(*ctx.shape[:-1], n_layers, 2, n_kv, hd)  # k, v per layer
     cos, sin = w.rope(context_positions)  # (Bsz, S, hd)
     keys = _rms_norm(kv[..., 0, :, :], None, eps) * w.context_k_norm  # (Bsz, S, L, Hkv, hd)
     keys = _rotate(keys, cos[:, :, None, None], sin[:, :, None, None])
@@ -116,10 +115,8 @@ def block_forward(drafter: DFlashDrafter, w: DecodingWeights, block_embeds: torc
     x = block_embeds.to(w.dtype)
     mask = None if context_valid is None else torch.cat([context_valid, context_valid.new_ones(q_len)])[None]
     for i, layer in enumerate(w.layers):
-        qkv = F.linear(_rms_norm(x, layer.input_norm, eps), layer.qkv, layer.qkv_bias)  # (Bsz, B, (H + 2 Hkv) hd)
-        qkv = qkv.view(bsz, q_len, n_heads + 2 * n_kv, hd)
-        qk = _rotate(_rms_norm(qkv[:, :, :n_heads + n_kv], None, eps) * layer.qk_norm, cos, sin)
-        qk = qk.transpose(1, 2)  # (Bsz, H + Hkv, B, hd)
+        qkv = F.linear(_rms_norm(x, layer.input_norm, eps), layer.qkv, layer.qkv_bias).view(bsz, q_len, -1, hd)
+        qk = _rotate(_rms_norm(qkv[:, :, :n_heads + n_kv], None, eps) * layer.qk_norm, cos, sin).transpose(1, 2)
         v = qkv[:, :, n_heads + n_kv:].transpose(1, 2)  # (Bsz, Hkv, B, hd)
         k_all = torch.cat([keys[i], qk[:, n_heads:]], dim=2)  # (Bsz, Hkv, S + B, hd)
         v_all = torch.cat([values[i], v], dim=2)

@@ -67,6 +67,5 @@ def build_tokenizer(out_dir: str | Path, *, vocab_size: int = 512, generation_ta
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token=END_OF_TEXT, pad_token=END_OF_TEXT,
                                         extra_special_tokens=[IM_START, IM_END, MASK_TOKEN], model_max_length=1 << 16)
     tokenizer.chat_template = chat_template(generation_tags)
-    Path(out_dir).mkdir(parents=True, exist_ok=True)
     tokenizer.save_pretrained(out_dir)
     return tokenizer

@@ -67,7 +67,6 @@ class DrafterConfig:
                            block_size: int = 16, num_hidden_layers: int = 5) -> "DrafterConfig":
         """Size a drafter after a HF Qwen3-like target config (object or plain dict)."""
         c = hf_config if isinstance(hf_config, dict) else hf_config.get_text_config().to_dict()
-        c = c["text_config"] if isinstance(c.get("text_config"), dict) else c
         for k in ("hidden_size", "num_attention_heads", "num_hidden_layers", "vocab_size", "intermediate_size"):
             if k not in c:
                 raise ValueError(f"target config lacks {k!r}")
