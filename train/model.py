@@ -12,7 +12,6 @@ from typing import Any
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from safetensors import safe_open
 
 from dflash.shared.layers import check_layer_ids
 
@@ -260,6 +259,8 @@ def _find_name(names, preferred, suffix):
 
 def _tensor_files(target_path: str) -> dict[str, str]:
     """Tensor name -> safetensors file of a checkpoint folder (its index file when there is one)."""
+    from safetensors import safe_open
+
     index_file = os.path.join(target_path, "model.safetensors.index.json")
     if os.path.exists(index_file):
         return json.load(open(index_file))["weight_map"]
@@ -274,6 +275,8 @@ def _tensor_files(target_path: str) -> dict[str, str]:
 
 def _read_tensors(target_path: str, name_to_file: dict[str, str], names) -> dict[str, torch.Tensor]:
     """The named tensors, on the CPU, opening each file that holds any of them once."""
+    from safetensors import safe_open
+
     out = {}
     for fname in {name_to_file[n] for n in names}:
         with safe_open(os.path.join(target_path, fname), framework="pt", device="cpu") as handle:
