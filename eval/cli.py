@@ -161,7 +161,7 @@ def cli(target: str, drafter: str, prompts: tuple[str, ...], spec_sample: int, b
         sample = None
         if spec_sample:
             sample = rp.spec_sample(model, proposer, ids, replay, spec_sample, max_new_tokens=max_new_tokens,
-                                    eos_token_ids=eos, warmup=warmup, progress=True, capture=capture, session=session)
+                                    eos_token_ids=eos, warmup=warmup, progress=True, session=session)
             decoded += [(f"{name} ", row) for row in sample["per_prompt"]]
         lines.append(rp.benchmark_line(name, replay, sample))
         report["benchmarks"][name] = {"summary": lines[-1], "replay": replay, "sample": sample}

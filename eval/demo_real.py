@@ -94,8 +94,7 @@ def prepare(data: Path, s: RealSettings) -> dict:
 def _stage(name: str, path: Path, after: dict, argv: list[str], echo) -> dict:
     """Run one stage's command, timed, unless ``path`` holds its result from the same command after the same stage."""
     settings = {"after": after.get("settings"), "argv": argv}
-    record = _fresh(path, settings)
-    if record is not None and record.get("done"):
+    if (record := _fresh(path, settings)) is not None and record.get("done"):
         echo(f"{name}: reusing {path} ({record['seconds']:.0f} s when built)")
         return record
     echo(f"{name}: {' '.join(argv)}")

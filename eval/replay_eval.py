@@ -79,10 +79,8 @@ def replay_samples(runner, prompts: Sequence[Sequence[int]], continuations: Sequ
             ids = torch.cat([ids, ids.new_tensor([stop if stop in stops else min(stops)])])
             h = torch.cat([h, h.new_zeros(1, h.shape[1])])
             t1 = torch.cat([t1, t1[-1:]])
-        loss_mask = torch.arange(len(ids), device=ids.device) >= P
-        disagreements = int((t1[P - 1:-1] != ids[P:]).sum())
-        samples.append({"input_ids": ids, "loss_mask": loss_mask, "context_hidden": h, "target_top1": t1,
-                        "disagreements": disagreements})
+        samples.append({"input_ids": ids, "loss_mask": torch.arange(len(ids), device=ids.device) >= P,
+                        "context_hidden": h, "target_top1": t1, "disagreements": int((t1[P - 1:-1] != ids[P:]).sum())})
     return samples
 
 
@@ -168,13 +166,12 @@ def first_divergence(replay_taus: Sequence[int], online_taus: Sequence[int]) -> 
 
 def spec_sample(target, drafter: DFlashDrafter, prompts: Sequence[Sequence[int]], replay: dict[str, Any], k: int, *,
                 max_new_tokens: int, eos_token_ids: Iterable[int] = (), warmup: bool = True,
-                progress: bool = False, capture: bool = False, session=None) -> dict[str, Any]:
+                progress: bool = False, session=None) -> dict[str, Any]:
     """``evaluate`` on ``k`` of the prompts, each row compared with its replay ("divergence": None or
     where tokens or taus first differ)."""
     indices = sample_indices(len(prompts), k)
     result = evaluate(target, drafter, [prompts[i] for i in indices], max_new_tokens=max_new_tokens,
-                      eos_token_ids=eos_token_ids, check=False, warmup=warmup, progress=progress, capture=capture,
-                      session=session)
+                      eos_token_ids=eos_token_ids, check=False, warmup=warmup, progress=progress, session=session)
     for row, i in zip(result["per_prompt"], indices):
         replayed = replay["per_prompt"][i]
         row.update(index=i, replay_tau=replayed["tau"], tokens_equal=row["tokens"] == replayed["tokens"],

@@ -436,14 +436,11 @@ def captured_decoders(target, drafter: DFlashDrafter, prompts: Sequence[Sequence
 
 
 def evaluate(target, drafter: DFlashDrafter | DFlashProposer, prompts: Sequence[Sequence[int]], *,
-             max_new_tokens: int = 128, eos_token_ids: Iterable[int] = (), check: bool = True,
-             warmup: bool = True, progress: bool = False, capture: bool = False,
-             session: StaticTarget | None = None) -> dict[str, Any]:
+             max_new_tokens: int = 128, eos_token_ids: Iterable[int] = (), check: bool = True, warmup: bool = True,
+             progress: bool = False, session: StaticTarget | None = None) -> dict[str, Any]:
     """Speculative vs greedy decoding of every prompt: {"overall", "per_prompt", "settings"}; ``check``: a mismatch
-    not at a tie raises LosslessError; ``capture``: both on one ``StaticTarget`` (or ``captured_decoders``' pair)."""
+    not at a tie raises LosslessError; ``session``: ``--capture``'s, with its proposer (``captured_decoders``)."""
     device, proposer = device_of(target), drafter
-    if session is None and capture and prompts:
-        session, proposer = captured_decoders(target, drafter, prompts, max_new_tokens)
     if isinstance(proposer, DFlashDrafter):
         proposer = DFlashProposer(drafter, target)
     eos, B = sorted({int(t) for t in eos_token_ids}), proposer.block_size
@@ -467,7 +464,7 @@ def evaluate(target, drafter: DFlashDrafter | DFlashProposer, prompts: Sequence[
                "ties": sum(r["tie"] for r in rows)}
     if rows:
         overall.update(_summary(*zip(*decodes), B))
-    settings = {"block_size": B, "max_new_tokens": max_new_tokens, "eos_token_ids": eos, "capture": capture,
+    settings = {"block_size": B, "max_new_tokens": max_new_tokens, "eos_token_ids": eos, "capture": session is not None,
                 "target_layer_ids": list(proposer.target_layer_ids), "device": str(device),
                 "dtype": str(next(target.parameters()).dtype).removeprefix("torch.")}
     return {"overall": overall, "per_prompt": rows, "settings": settings}
