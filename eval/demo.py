@@ -131,8 +131,7 @@ def _write(path: Path, settings: dict, **extra: Any) -> dict:
 
 def _fresh(path: Path, settings: dict) -> dict | None:
     """The marker record when `path` was built with `settings`; else clear `path` and return None."""
-    record = _read(path)
-    if record is not None and record.get("settings") == json.loads(json.dumps(settings, default=str)):
+    if (record := _read(path)) is not None and record.get("settings") == json.loads(json.dumps(settings, default=str)):
         return record
     _marker(path).unlink(missing_ok=True)
     shutil.rmtree(path) if path.is_dir() else path.unlink(missing_ok=True)

@@ -181,14 +181,14 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
 
         compiled_graphs, cache_use, eval_compiled_graphs = 0, {}, None
         if compiles:
-            def warm(length: int):
-                fitted = [truncate_sample(x, length) for x in warm_samples]
-                batch = to_device(Collate(None, force_length=length)(fitted), device)
-                forward_loss(model, head, batch, spec).loss.backward()
-                optimizer.zero_grad(set_to_none=True)
+            def warm_up():  # one training step per bucket
+                for length in buckets.buckets:
+                    fitted = [truncate_sample(x, length) for x in warm_samples]
+                    batch = to_device(Collate(None, force_length=length)(fitted), device)
+                    forward_loss(model, head, batch, spec).loss.backward()
+                    optimizer.zero_grad(set_to_none=True)
 
-            _, compiled_graphs, cache_use, seconds = compile_path.compile_then_freeze(
-                lambda: [warm(b) for b in buckets.buckets])
+            _, compiled_graphs, cache_use, seconds = compile_path.compile_then_freeze(warm_up)
             log.info("warm-up compiled %d graphs over %d context buckets in %.1f s; recompiles are now errors",
                      compiled_graphs, len(buckets.buckets), seconds)
             log.info("compile cache %s: inductor graphs %d loaded, %d compiled, %d uncacheable; "
