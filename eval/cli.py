@@ -39,8 +39,7 @@ def row_to_messages_or_text(row: dict[str, Any], index: int, source: str) -> tup
         conv = normalize_row({**row, column: [*row[column], answer]}, index, source)
     if conv.kind == "text":
         return None, conv.text
-    users = [i for i, m in enumerate(conv.messages) if m["role"] == "user"]
-    if not users:
+    if not (users := [i for i, m in enumerate(conv.messages) if m["role"] == "user"]):
         raise DataError("no_user_turn", source, index, "no user message to prompt with")
     return conv.messages[: users[-1] + 1], None
 
@@ -54,8 +53,7 @@ def load_prompts(spec: str, tokenizer, *, split: str = "train", limit: int | Non
     for index, row in enumerate(load_source(spec, split)):
         if limit is not None and len(prompts) >= limit:
             break
-        parsed = guard("skip", skips, row_to_messages_or_text, row, index, spec)
-        if parsed is None:
+        if (parsed := guard("skip", skips, row_to_messages_or_text, row, index, spec)) is None:
             continue
         messages, text = parsed
         if messages is not None:

@@ -100,8 +100,7 @@ def _stage(name: str, path: Path, after: dict, argv: list[str], echo) -> dict:
     echo(f"{name}: {' '.join(argv)}")
     _write(path, settings, done=False)  # marker first: an interrupted stage resumes in place
     t0 = time.perf_counter()
-    done = subprocess.run([sys.executable, "-m", *argv], env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    if done.returncode != 0:
+    if (done := subprocess.run([sys.executable, "-m", *argv], env={**os.environ, "PYTHONUNBUFFERED": "1"})).returncode:
         raise click.ClickException(f"{name} failed (exit {done.returncode}); rerun the same command to resume")
     seconds = time.perf_counter() - t0
     echo(f"{name}: {seconds:.0f} s")

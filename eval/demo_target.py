@@ -154,8 +154,7 @@ def tokenize_chats(tokenizer, chats: Sequence[dict], *, max_length: int, loss_on
     for chat in chats:
         encoded = tokenizer.apply_chat_template(chat["messages"], tokenize=True, return_dict=True,
                                                 return_assistant_tokens_mask=True)
-        ids = list(encoded["input_ids"])
-        if len(ids) > max_length:
+        if len(ids := list(encoded["input_ids"])) > max_length:
             continue
         mask = list(encoded["assistant_masks"]) if loss_on == "assistant" else [1] * len(ids)
         if not any(mask):
@@ -170,8 +169,7 @@ def build_demo_target(out_dir: str | Path, train_chats: Sequence[dict], tokenize
     """Train the demo target and save it as an HF model folder; returns its build record."""
     if isinstance(tokenizer, (str, Path)):
         tokenizer = AutoTokenizer.from_pretrained(tokenizer)
-    examples = tokenize_chats(tokenizer, train_chats, max_length=config.max_length, loss_on=config.loss_on)
-    if not examples:
+    if not (examples := tokenize_chats(tokenizer, train_chats, max_length=config.max_length, loss_on=config.loss_on)):
         raise ValueError("no training chats left after tokenization")
     eos, c = tokenizer.convert_tokens_to_ids(toy.IM_END), config
     model_config = Qwen3Config(

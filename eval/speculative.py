@@ -175,8 +175,7 @@ def load_drafter(path: str | Path, device: str | torch.device = "cpu", dtype: to
             raise FileNotFoundError(f"{path}: neither an export folder (config.json) nor a run with checkpoints")
         drafter, config = load_exported(path, device=device, dtype=dtype)
         return drafter.eval(), config
-    state = checkpoint.read_state(ckpt)
-    if "drafter_config" not in state:
+    if "drafter_config" not in (state := checkpoint.read_state(ckpt)):
         raise ValueError(f"{ckpt}/state.json has no drafter_config")
     config = DrafterConfig.from_dict(state["drafter_config"])
     drafter = DFlashDrafter(config)
@@ -221,8 +220,7 @@ def _forward(target, input_ids: torch.Tensor, cache=None, **kwargs):  # -> (outp
     name = _cache_argument(type(target))
     out = target(input_ids=input_ids, use_cache=True, **({name: cache} if cache is not None else {}), **kwargs)
     caches = (getattr(out, n, None) for n in (name, "past_key_values", "cache"))
-    new_cache = next((c for c in caches if c is not None), None)
-    if new_cache is None:
+    if (new_cache := next((c for c in caches if c is not None), None)) is None:
         raise RuntimeError(f"{type(target).__name__} returned no KV cache")
     return out, new_cache
 
@@ -361,8 +359,7 @@ def speculative_generate(target, proposer: DFlashProposer, prompt_ids: Sequence[
         p = len(sequence) - 1  # position of the last accepted token, not yet in the cache
         if session.length != p:
             raise RuntimeError(f"KV cache holds {session.length} positions, expected {p}")
-        drafts = proposer.propose(context[:, :p], sequence[:], p)
-        if drafts.shape != (B - 1,):
+        if (drafts := proposer.propose(context[:, :p], sequence[:], p)).shape != (B - 1,):
             raise ValueError(f"proposer returned shape {tuple(drafts.shape)}, expected ({B - 1},)")
         drafts = [int(t) for t in drafts.tolist()]
         logits, states = session.forward([sequence[-1], *drafts], layer_ids)
@@ -391,12 +388,10 @@ def mismatch_message(spec: Sequence[int], greedy: Sequence[int], margins: Sequen
         return None
     first = first_difference(spec, greedy)
     margin = f"; greedy top-2 logit margin there {margins[first]:.3g}" if first < len(margins) else ""
-    return (
-        f"{where}: speculative output differs from greedy at new token {first} "
-        f"(speculative {list(spec[first:first + 5])}..., greedy {list(greedy[first:first + 5])}...; "
-        f"lengths {len(spec)} vs {len(greedy)}{margin}). A margin near 0 is a numerical tie between a "
-        "B-token verify and a 1-token decode (try float32); a clear margin means a decoding bug."
-    )
+    return (f"{where}: speculative output differs from greedy at new token {first} "
+            f"(speculative {list(spec[first:first + 5])}..., greedy {list(greedy[first:first + 5])}...; "
+            f"lengths {len(spec)} vs {len(greedy)}{margin}). A margin near 0 is a numerical tie between a "
+            "B-token verify and a 1-token decode (try float32); a clear margin means a decoding bug.")
 
 
 def check_lossless(spec: Sequence[int], greedy: Sequence[int], margins: Sequence[float] = (),

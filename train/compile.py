@@ -37,8 +37,7 @@ def resolve(runtime: RuntimeConfig, device: torch.device) -> CompileChoice:
     """The checked choice of ``attention`` / ``compile`` for ``device`` (uncompiled flex only by name)."""
     cuda = device.type == "cuda"
     kind = ("flex" if cuda else "dense") if runtime.attention == "auto" else runtime.attention
-    eager_flex = kind == "flex-eager"
-    if eager_flex:
+    if eager_flex := kind == "flex-eager":
         kind = "flex"
         log.warning("attention flex-eager: flex_attention runs UNCOMPILED and materialises the full score matrix")
     elif kind == "flex" and not cuda:

@@ -47,8 +47,7 @@ def draw_anchors(loss_mask: torch.Tensor, max_anchors: int, seed: int, epoch: in
                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """(anchors (N,), valid (N,)): up to ``max_anchors`` sorted candidates drawn by an RNG keyed on
     (seed, epoch, index), padded."""
-    cand = candidate_anchors(loss_mask)
-    if len(cand) > max_anchors:
+    if len(cand := candidate_anchors(loss_mask)) > max_anchors:
         pick = np.sort(np.random.default_rng([seed, epoch, index]).choice(len(cand), size=max_anchors, replace=False))
         cand = cand[torch.from_numpy(pick)]
     return _padded_anchors(cand, max_anchors)

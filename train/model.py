@@ -220,8 +220,7 @@ class DFlashDrafter(nn.Module):
         """The target layers' states fused by ``fc`` and normed, (Bsz, S, D)."""
         if context_hidden.dim() == 4:
             context_hidden = context_hidden.flatten(2)  # (Bsz, S, n * D)
-        feat = context_hidden.shape[-1]
-        if feat != self.fc.in_features:
+        if (feat := context_hidden.shape[-1]) != self.fc.in_features:
             raise ValueError(f"context_hidden has {feat} features; expected {self.config.num_context_layers}"
                              f" layers x {self.config.hidden_size} = {self.fc.in_features}")
         if not torch.is_autocast_enabled(context_hidden.device.type):
@@ -261,8 +260,7 @@ def _tensor_files(target_path: str) -> dict[str, str]:
     """Tensor name -> safetensors file of a checkpoint folder (its index file when there is one)."""
     from safetensors import safe_open
 
-    index_file = os.path.join(target_path, "model.safetensors.index.json")
-    if os.path.exists(index_file):
+    if os.path.exists(index_file := os.path.join(target_path, "model.safetensors.index.json")):
         return json.load(open(index_file))["weight_map"]
     if not (files := sorted(p for p in os.listdir(target_path) if p.endswith(".safetensors"))):
         raise FileNotFoundError(f"no *.safetensors files in {target_path}")
