@@ -52,10 +52,9 @@ class DemoSettings:
     batch_tokens: int = 4096
     max_length: int = 256
     train: dict[str, Any] = field(default_factory=lambda: dict(
-        block_size=8, num_draft_layers=2, context_buckets=[128, 256], max_anchors=16, batch_size=8,
-        micro_batch_size=8, max_steps=1200, lr=1e-2, warmup_ratio=0.05,
-        log_every=10, eval_every=100, save_every=1200, keep_checkpoints=1, attention="dense", compile="off",
-        autocast="off"))  # overrides of the `tiny` preset
+        block_size=8, num_draft_layers=2, context_buckets=[128, 256], max_anchors=16, batch_size=8, micro_batch_size=8,
+        max_steps=1200, lr=1e-2, warmup_ratio=0.05, log_every=10, eval_every=100, save_every=1200, keep_checkpoints=1,
+        attention="dense", compile="off", autocast="off"))  # overrides of the `tiny` preset
     drafter_init_from_target: bool = True  # drafter layer i starts as a copy of target layer i
 
     @classmethod

@@ -38,8 +38,7 @@ class DFlashProposer:
 
     def __init__(self, drafter: DFlashDrafter, target):
         self.drafter, self.config = drafter.eval(), drafter.config
-        self.block_size = self.config.block_size
-        self.target_layer_ids = list(self.config.target_layer_ids)
+        self.block_size, self.target_layer_ids = self.config.block_size, list(self.config.target_layer_ids)
         self.embed, self.lm_head = target.get_input_embeddings(), target.get_output_embeddings()
         check_against_target(self.config, target)
         self.reset()
@@ -242,8 +241,7 @@ class EagerTarget:
     """The decoding loops' target on one dynamic KV cache (the reference); ``crop`` drops rejected drafts."""
 
     def __init__(self, target):
-        self.target, self.device = target, device_of(target)
-        self.cache = None
+        self.target, self.device, self.cache = target, device_of(target), None
 
     def reset(self) -> None:
         self.cache = None

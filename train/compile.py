@@ -13,6 +13,8 @@ from typing import Callable, TypeVar
 
 import torch
 import torch._dynamo.config as dynamo_config
+import torch._functorch.config as functorch_config
+import torch._inductor.config as inductor_config
 from torch._dynamo.utils import counters
 
 from . import attention
@@ -109,9 +111,6 @@ def use_compile_cache(folder: str | None) -> Path:
                          "commands split paths at spaces; choose another folder (--compile-cache)")
     path.mkdir(parents=True, exist_ok=True)
     os.environ[CACHE_DIR_ENV] = str(path)
-    import torch._functorch.config as functorch_config
-    import torch._inductor.config as inductor_config
-
     if not (inductor_config.fx_graph_cache and functorch_config.enable_autograd_cache):
         log.warning("inductor's FX graph cache or the AOTAutograd cache is disabled (TORCHINDUCTOR_FX_GRAPH_CACHE, "
                     "TORCHINDUCTOR_AUTOGRAD_CACHE): compiled graphs will not be reused across runs")

@@ -33,10 +33,9 @@ def resolve_target(requested: str, spec: CacheSpec, cache_path: str) -> str:
         raise TargetNotFound(f"cache {cache_path} records no target; pass --target (the target's folder or hub name)")
     recorded = str(recorded)
     if (located or looks_like_path(recorded)) and not os.path.exists(recorded):
-        raise TargetNotFound(
-            f"cache {cache_path} was extracted from the target {recorded}, which no longer exists; "
-            "pass --target with its folder (or hub name): a moved or copied checkpoint with the same "
-            "config, tokenizer and weights is the same target")
+        raise TargetNotFound(f"cache {cache_path} was extracted from the target {recorded}, which no longer exists; "
+                             "pass --target with its folder (or hub name): a moved or copied checkpoint with the "
+                             "same config, tokenizer and weights is the same target")
     log.info("target: %s (recorded in the cache)", recorded)
     return recorded
 
