@@ -148,8 +148,8 @@ def repeat_split(records: Iterable[dict[str, Any]], n: int = REPEAT_TOKENS) -> d
         for tau in r["block_taus"]:
             taus[position < len(repeats) and repeats[position]].append(tau)
             position += tau
-    mean = lambda values: sum(values) / len(values) if values else math.nan  # noqa: E731
-    return {"tau_in_repeats": mean(taus[True]), "blocks_in_repeats": len(taus[True]), "tau_elsewhere": mean(taus[False])}
+    means = {key: sum(values) / len(values) if values else math.nan for key, values in taus.items()}
+    return {"tau_in_repeats": means[True], "blocks_in_repeats": len(taus[True]), "tau_elsewhere": means[False]}
 
 
 def sample_indices(n: int, k: int) -> list[int]:  # k indices spread evenly over n (all when k >= n)

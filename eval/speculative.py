@@ -106,8 +106,7 @@ class StaticProposer(DFlashProposer):
                              f"max_position_embeddings={c.max_position_embeddings}")
         shape = (c.num_hidden_layers, 1, c.num_key_value_heads, capacity + B, c.head_dim)
         self._keys, self._values = (torch.zeros(shape, dtype=self._weights.dtype, device=device) for _ in range(2))
-        width = c.num_context_layers * c.hidden_size
-        self._window = torch.zeros(1, B, width, dtype=self._weights.dtype, device=device)  # the new positions' features
+        self._window = torch.zeros(1, B, c.num_context_layers * c.hidden_size, dtype=self._weights.dtype, device=device)
         self._start, self._ctx_len, self._position, self._anchor = (
             torch.zeros((), dtype=torch.long, device=device) for _ in range(4))
         self._masks = torch.full((1, B - 1), c.mask_token_id, dtype=torch.long, device=device)
@@ -311,8 +310,7 @@ def _start(target, max_new_tokens: int, eos_token_ids: Iterable[int], session: E
     """(device, eos set, session reset, start time) of one decode."""
     if max_new_tokens < 1:
         raise ValueError("max_new_tokens must be >= 1")
-    device = device_of(target)
-    session = session or EagerTarget(target)
+    device, session = device_of(target), session or EagerTarget(target)
     session.reset()
     sync_device(device)
     return device, frozenset(int(t) for t in eos_token_ids), session, time.perf_counter()

@@ -49,9 +49,8 @@ def step_flops(dcfg, vocab_size: int, context_tokens: int, block_tokens: int, at
     """Matmul FLOPs of forward + backward on the real work (trainable 3x forward, frozen LM head 2x)."""
     D, I, hd, H, Hkv = (dcfg.hidden_size, dcfg.intermediate_size, dcfg.head_dim, dcfg.num_attention_heads,
                         dcfg.num_key_value_heads)
-    kv_rows = context_tokens + block_tokens
     per_layer = (2 * block_tokens * D * H * hd * 2  # q_proj, o_proj
-                 + 2 * kv_rows * D * Hkv * hd * 2  # k_proj, v_proj over [ctx; block]
+                 + 2 * (context_tokens + block_tokens) * D * Hkv * hd * 2  # k_proj, v_proj over [ctx; block]
                  + 2 * block_tokens * D * I * 3  # SwiGLU
                  + 2 * attn_pairs * H * hd * 2)  # QK^T and PV
     fc = 2 * context_tokens * dcfg.num_context_layers * D * D
