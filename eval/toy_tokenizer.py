@@ -7,6 +7,9 @@ import sysconfig
 from collections.abc import Sequence
 from pathlib import Path
 
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import PreTrainedTokenizerFast
+
 IM_START, IM_END, END_OF_TEXT, MASK_TOKEN = "<|im_start|>", "<|im_end|>", "<|endoftext|>", "<|MASK|>"
 SPECIAL_TOKENS = [END_OF_TEXT, IM_START, IM_END, MASK_TOKEN]
 
@@ -47,12 +50,8 @@ def default_corpus() -> list[Path]:
 
 def build_tokenizer(out_dir: str | Path, *, vocab_size: int = 512, generation_tags: bool = True,
                     corpus: Sequence[str | Path] | None = None, texts: Sequence[str] = ()):
-    """Train a byte-level BPE on ``corpus`` files (default ``default_corpus()``) and ``texts``, save
-    it as a HF fast tokenizer and return it. <|endoftext|> is pad and eos; <|MASK|>, which nothing
-    emits, is the drafter's mask id."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
+    """A byte-level BPE trained on ``corpus`` files (default ``default_corpus()``) and ``texts``, saved as a HF fast
+    tokenizer: <|endoftext|> is pad and eos; <|MASK|>, which nothing emits, is the drafter's mask id."""
     files = [Path(p) for p in (default_corpus() if corpus is None else corpus)]
     if missing := [str(p) for p in files if not p.is_file()]:
         raise FileNotFoundError(f"tokenizer corpus files not found: {missing}")
@@ -68,6 +67,5 @@ def build_tokenizer(out_dir: str | Path, *, vocab_size: int = 512, generation_ta
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token=END_OF_TEXT, pad_token=END_OF_TEXT,
                                         extra_special_tokens=[IM_START, IM_END, MASK_TOKEN], model_max_length=1 << 16)
     tokenizer.chat_template = chat_template(generation_tags)
-    Path(out_dir).mkdir(parents=True, exist_ok=True)
     tokenizer.save_pretrained(out_dir)
     return tokenizer

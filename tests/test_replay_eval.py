@@ -201,8 +201,9 @@ def test_static_cache_decoding_equals_the_eager_path(target, drafter, prompts, e
     place and overwritten; on CUDA also CUDA graphs, not run here) give the eager path's
     tokens and block taus, greedy and speculative, over prompts of different lengths."""
     eager = spec.evaluate(target, drafter, prompts, max_new_tokens=MAX_NEW, eos_token_ids=eos, warmup=False)
-    static = spec.evaluate(target, drafter, prompts, max_new_tokens=MAX_NEW, eos_token_ids=eos, warmup=True,
-                           capture=True)
+    session, proposer = spec.captured_decoders(target, drafter, prompts, MAX_NEW)
+    static = spec.evaluate(target, proposer, prompts, max_new_tokens=MAX_NEW, eos_token_ids=eos, warmup=True,
+                           session=session)
     assert static["overall"]["lossless"] and static["settings"]["capture"]
     for a, b in zip(eager["per_prompt"], static["per_prompt"]):
         assert (a["tokens"], a["block_taus"]) == (b["tokens"], b["block_taus"])

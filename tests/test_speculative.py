@@ -354,12 +354,27 @@ def test_drafter_context_is_the_targets_hidden_states(target, drafter, prompts):
             torch.testing.assert_close(context, want, rtol=1e-4, atol=1e-5)
 
 
+class FullRecompute(spec.DFlashProposer):
+    """The reference proposer: the training forward over the whole context with the decoding block's dense mask."""
+
+    @torch.inference_mode()
+    def block_logits(self, context, tokens, position):
+        from dflash.train import attention
+
+        B, ctx_len = self.block_size, context.shape[1]
+        block_embeds = self.embed(torch.tensor([[tokens[-1]] + [self.config.mask_token_id] * (B - 1)]))
+        mask = attention.dense_mask(torch.tensor([[position]]), torch.ones(1, 1, dtype=torch.bool),
+                                    torch.tensor([ctx_len]), ctx_len, B)
+        hidden = self.drafter(context, torch.arange(ctx_len), block_embeds, torch.arange(position, position + B), mask)
+        return self.lm_head(hidden[0, 1:].to(self.lm_head.weight.dtype))
+
+
 def test_incremental_drafter_context_equals_full_recompute(target, drafter, drafter_config):
     """The kept per-layer context keys/values (only new positions computed per block) give the
     logits of the training forward over the whole context: blocks after 1 and several new
     positions, a shorter context and an equally long but different one (new sequences
     without reset), and an explicit reset."""
-    full = spec.DFlashProposer(drafter, target, incremental=False)
+    full = FullRecompute(drafter, target)
     incremental = spec.DFlashProposer(drafter, target)
     generator = torch.Generator().manual_seed(3)
     features = len(LAYERS) * drafter_config.hidden_size
@@ -380,7 +395,7 @@ def test_incremental_and_full_proposers_decode_alike(target, drafter, prompts):
     """Whole decodes: the same tokens and the same accepted lengths block by block."""
     for prompt in prompts:
         a = spec.speculative_generate(target, spec.DFlashProposer(drafter, target), prompt, MAX_NEW)
-        b = spec.speculative_generate(target, spec.DFlashProposer(drafter, target, incremental=False), prompt, MAX_NEW)
+        b = spec.speculative_generate(target, FullRecompute(drafter, target), prompt, MAX_NEW)
         assert a.tokens == b.tokens and a.block_taus == b.block_taus
 
 
@@ -388,8 +403,7 @@ def test_incremental_and_full_proposers_decode_alike(target, drafter, prompts):
 
 
 def test_decoding_paths_equal_training_forward_with_bias_and_without_gqa(drafter_config):
-    """The drafter's forward with its context-KV cache (``context_kv``, no mask) and the
-    proposer's fused path (``eval.fused_drafter``: fused projections, rope from a table, one
+    """The proposer's fused path (``eval.fused_drafter``: fused projections, rope from a table, one
     matmul for every layer's context keys/values) against the training forward over the whole
     context with the decoding block's dense mask: with attention biases and as many key heads
     as query heads, which the default drafters never exercise, at positions past 300; values
@@ -418,18 +432,16 @@ def test_decoding_paths_equal_training_forward_with_bias_and_without_gqa(drafter
     mask = attention.build_mask("dense", anchors=torch.tensor([[ctx_len]]), block_valid=torch.ones(1, 1, dtype=torch.bool),
                                 ctx_len=torch.tensor([ctx_len]), context_len=ctx_len, block_size=B)
     want = drafter(context, context_positions, embeds, block_positions, mask)
-    cached = drafter(None, None, embeds, block_positions, None, context_kv=drafter.context_kv(context, context_positions))
     weights = fused.DecodingWeights.of(drafter)
     fast = fused.block_forward(drafter, weights, embeds, block_positions,
                                fused.context_kv(drafter, weights, context, context_positions))
     probe = torch.randn(want.shape, generator=generator)
     params = [p for p in drafter.parameters()]
     want_grads = torch.autograd.grad((want * probe).sum(), params, retain_graph=True)
-    for got in (cached, fast):
-        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
-        got_grads = torch.autograd.grad((got * probe).sum(), params)
-        for (name, _), g_want, g_got in zip(drafter.named_parameters(), want_grads, got_grads):
-            torch.testing.assert_close(g_got, g_want, rtol=1e-4, atol=1e-5, msg=name)
+    torch.testing.assert_close(fast, want, rtol=1e-5, atol=1e-5)
+    fast_grads = torch.autograd.grad((fast * probe).sum(), params)
+    for (name, _), g_want, g_fast in zip(drafter.named_parameters(), want_grads, fast_grads):
+        torch.testing.assert_close(g_fast, g_want, rtol=1e-4, atol=1e-5, msg=name)
 
 
 def test_proposer_refreshes_weights_per_sequence_and_grows_its_buffers(target, drafter, drafter_config):
@@ -440,7 +452,7 @@ def test_proposer_refreshes_weights_per_sequence_and_grows_its_buffers(target, d
 
     local = copy.deepcopy(drafter)
     proposer = spec.DFlashProposer(local, target)
-    full = spec.DFlashProposer(local, target, incremental=False)
+    full = FullRecompute(local, target)
     features = len(LAYERS) * drafter_config.hidden_size
     context = torch.randn(1, 600, features, generator=torch.Generator().manual_seed(2))
     for position in (3, 200, 599):  # 599 > the first buffer's 2 * 200 positions

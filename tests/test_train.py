@@ -188,8 +188,8 @@ def test_fsdp2_matches_ddp_and_resumes(pattern_cache, tiny_target_dir, tmp_path)
 
 def brute_force_decoding(reader, samples, drafter, head, mask_token_id):
     """(drafted tokens, blocks) of decoding every assistant turn of ``samples`` from its first
-    token, one block per call of the drafter's own decoding path (``context_kv`` of the
-    cached prefix, then ``forward`` with it), each slot compared with the target's top-1
+    token, one block per call of the drafter's forward over the cached prefix with every key
+    visible (decoding's one block), each slot compared with the target's top-1
     stored in the cache, advancing by what was emitted; no code shared with the replay but
     the model."""
     B = drafter.config.block_size
@@ -212,9 +212,9 @@ def brute_force_decoding(reader, samples, drafter, head, mask_token_id):
         for start, stop in turns:
             position = start  # the turn's first token comes from the prefill
             while position < stop - 1:
-                kv = drafter.context_kv(context[None, :position], torch.arange(position)[None])
                 block = torch.tensor([[ids[position]] + [mask_token_id] * (B - 1)])
-                hidden = drafter(None, None, head.embed(block), position + torch.arange(B)[None], None, context_kv=kv)
+                hidden = drafter(context[None, :position], torch.arange(position)[None], head.embed(block),
+                                 position + torch.arange(B)[None], torch.ones(1, 1, B, position + B, dtype=torch.bool))
                 proposal = head.logits(hidden)[0].argmax(-1).tolist()
                 accepted = 0
                 for k in range(1, B):

@@ -37,7 +37,7 @@ def test_recompile_after_warm_up_is_an_error_naming_the_guard():
     fn = torch.compile(f, backend="eager", dynamic=False)
     x = torch.randn(8, requires_grad=True)
     before = C.compile_count()
-    compiled = C.warm_up([lambda: fn(x).backward()])
+    compiled = C.compile_then_freeze(lambda: fn(x).backward())[1]
     assert compiled == 1 and C.compile_count() == before + 1
     fn(torch.randn(8, requires_grad=True)).backward()  # same shape: no compile
     assert C.compile_count() == before + 1
@@ -70,7 +70,7 @@ def test_compiled_drafter_with_flex_does_not_recompile_after_warm_up(monkeypatch
         return cmodel(torch.randn(1, S, 64, generator=g), torch.arange(S), torch.randn(1, 12, 32, generator=g),
                       positions, mask)
 
-    C.warm_up([lambda: call(0)])
+    C.compile_then_freeze(lambda: call(0))
     out = call(1)  # a recompile raises here
     dense = attention.build_mask("dense", anchors, valid, ctx_len, S, 4)
     g = torch.Generator().manual_seed(1)
@@ -163,10 +163,10 @@ def test_first_evaluation_compiles_then_recompiles_are_errors_again():
 
     fn = torch.compile(f, backend="eager", dynamic=False)
     x = torch.randn(8, requires_grad=True)
-    assert C.warm_up([lambda: fn(x).backward()]) == 1
+    assert C.compile_then_freeze(lambda: fn(x).backward())[1] == 1
     with torch.no_grad(), pytest.raises(RuntimeError, match="(?s)recompile.*grad"):
         fn(x)  # frozen: the no-grad graph may not compile outside compile_then_freeze
-    result, compiled = C.compile_then_freeze(lambda: _no_grad(fn, x))
+    result, compiled, _, _ = C.compile_then_freeze(lambda: _no_grad(fn, x))
     assert compiled == 1 and result == pytest.approx(2 * x.detach().sum().item())
     before = C.compile_count()
     _no_grad(fn, x)

@@ -62,7 +62,7 @@ def fit_drafter(target, config, prompts: list[list[int]], new_tokens: int, steps
     from dflash.eval import replay_eval as rp
     from dflash.extract.target import TargetRunner
     from dflash.train.data import Collate, candidate_anchors
-    from dflash.train.model import DFlashDrafter
+    from dflash.train.model import DFlashDrafter, TargetHead
     from dflash.train.step import StepSpec, forward_loss
 
     device = next(target.parameters()).device
@@ -81,7 +81,7 @@ def fit_drafter(target, config, prompts: list[list[int]], new_tokens: int, steps
                         "block_valid": torch.arange(new_tokens) < len(anchors)})
     batch = {k: v.to(device) for k, v in Collate(None)(items).items()}
     spec = StepSpec("dense", config.block_size, config.mask_token_id, None, 4096, None)
-    head = rp.target_head(target)
+    head = TargetHead(target.get_input_embeddings().weight, target.get_output_embeddings().weight)
     opt = torch.optim.Adam(drafter.parameters(), lr=3e-3)
     for _ in range(steps):
         opt.zero_grad()

@@ -1,6 +1,5 @@
-"""DFlash training attention: one ``mask_mod``, two backends (flex from the mask's intervals, dense SDPA).
-Query q of block q // B sees context key j < min(anchor, ctx_len) and its own block's keys (by block
-identity, not position); a padded block sees nothing."""
+"""DFlash training attention: one ``mask_mod``, two backends (flex from the mask's intervals, dense SDPA). Query q of
+block q // B sees context keys j < min(anchor, ctx_len) and its own block's keys (by block); padded blocks see none."""
 
 from __future__ import annotations
 
@@ -100,13 +99,10 @@ def dflash_block_mask(anchors: torch.Tensor, block_valid: torch.Tensor, ctx_len:
                                     seq_lengths=(q_len, int(context_len) + q_len))
 
 
-def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: BlockMask | torch.Tensor | None,
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: BlockMask | torch.Tensor,
            scale: float) -> torch.Tensor:
-    """q (Bsz, H, Q, hd), k/v (Bsz, Hkv, KV, hd) -> (Bsz, H, Q, hd); rows that see no key give exactly 0;
-    ``mask`` None: every query sees every key."""
+    """q (Bsz, H, Q, hd), k/v (Bsz, Hkv, KV, hd) -> (Bsz, H, Q, hd); rows that see no key give exactly 0."""
     gqa = q.shape[1] != k.shape[1]
-    if mask is None:
-        return F.scaled_dot_product_attention(q, k, v, scale=scale, enable_gqa=gqa)
     if isinstance(mask, BlockMask):
         # inside the compiled drafter dynamo lowers flex into the graph (a global would add a guard)
         if torch.compiler.is_compiling():

@@ -18,13 +18,11 @@ from safetensors.torch import load_file, save_file
 
 log = logging.getLogger(__name__)
 
-_STEP_DIR = re.compile(r"^step_(\d+)$")
-
 
 def list_checkpoints(run_dir: str | os.PathLike) -> list[Path]:
     """Complete checkpoint folders of a run, oldest first."""
     found = [(int(m.group(1)), p) for p in (Path(run_dir) / "checkpoints").glob("step_*")
-             if (m := _STEP_DIR.match(p.name)) and (p / "state.json").is_file()]
+             if (m := re.fullmatch(r"step_(\d+)", p.name)) and (p / "state.json").is_file()]
     return [p for _, p in sorted(found)]
 
 

@@ -5,12 +5,17 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterable, TypeVar
+from typing import Callable, TypeVar
 
 import torch
+import torch._dynamo.config as dynamo_config
+import torch._functorch.config as functorch_config
+import torch._inductor.config as inductor_config
+from torch._dynamo.utils import counters
 
 from . import attention
 from .config import RuntimeConfig
@@ -32,12 +37,9 @@ class CompileChoice:
 
 def resolve(runtime: RuntimeConfig, device: torch.device) -> CompileChoice:
     """The checked choice of ``attention`` / ``compile`` for ``device`` (uncompiled flex only by name)."""
-    import torch._dynamo.config as dynamo_config
-
     cuda = device.type == "cuda"
     kind = ("flex" if cuda else "dense") if runtime.attention == "auto" else runtime.attention
-    eager_flex = kind == "flex-eager"
-    if eager_flex:
+    if eager_flex := kind == "flex-eager":
         kind = "flex"
         log.warning("attention flex-eager: flex_attention runs UNCOMPILED and materialises the full score matrix")
     elif kind == "flex" and not cuda:
@@ -55,8 +57,6 @@ def resolve(runtime: RuntimeConfig, device: torch.device) -> CompileChoice:
 
 def compile_count() -> int:
     """Graphs dynamo has compiled in this process so far."""
-    from torch._dynamo.utils import counters
-
     return int(counters["stats"]["unique_graphs"])
 
 
@@ -64,8 +64,6 @@ def compile_model(model: torch.nn.Module, choice: CompileChoice, graphs_needed: 
     """``torch.compile`` the drafter (static shapes) when the choice says so; else return it."""
     if not choice.compile_model:
         return model
-    import torch._dynamo.config as dynamo_config
-
     # a graph per (bucket, grad mode) below the limit, whose fall-back is silent eager
     dynamo_config.recompile_limit = max(dynamo_config.recompile_limit, graphs_needed)
     return torch.compile(model, backend=choice.backend, dynamic=False)
@@ -85,20 +83,17 @@ def frozen():
         thaw()
 
 
-def warm_up(steps: Iterable[Callable[[], None]]) -> int:
-    """Run each warm-up step (one per shape and grad mode), then freeze; returns the graphs compiled."""
-    return compile_then_freeze(lambda: [step() for step in steps])[1]
-
-
-def compile_then_freeze(run: Callable[[], T]) -> tuple[T, int]:
-    """(``run()``, graphs it compiled), compiling allowed inside it and frozen again after."""
-    before = compile_count()
+def compile_then_freeze(run: Callable[[], T]) -> tuple[T, int, dict[str, int], float]:
+    """(``run()``, graphs it compiled, its ``cache_counts``, seconds), compiling allowed inside it (a warm-up)
+    and frozen again after."""
+    start, graphs, cached = time.perf_counter(), compile_count(), cache_counts()
     thaw()
     try:
         result = run()
     finally:
         torch.compiler.set_stance("fail_on_recompile")
-    return result, compile_count() - before
+    use = {k: v - cached[k] for k, v in cache_counts().items()}
+    return result, compile_count() - graphs, use, time.perf_counter() - start
 
 
 def default_compile_cache() -> Path:
@@ -116,9 +111,6 @@ def use_compile_cache(folder: str | None) -> Path:
                          "commands split paths at spaces; choose another folder (--compile-cache)")
     path.mkdir(parents=True, exist_ok=True)
     os.environ[CACHE_DIR_ENV] = str(path)
-    import torch._functorch.config as functorch_config
-    import torch._inductor.config as inductor_config
-
     if not (inductor_config.fx_graph_cache and functorch_config.enable_autograd_cache):
         log.warning("inductor's FX graph cache or the AOTAutograd cache is disabled (TORCHINDUCTOR_FX_GRAPH_CACHE, "
                     "TORCHINDUCTOR_AUTOGRAD_CACHE): compiled graphs will not be reused across runs")
@@ -127,8 +119,6 @@ def use_compile_cache(folder: str | None) -> Path:
 
 def cache_counts() -> dict[str, int]:
     """On-disk compile cache lookups of this process so far: hits, misses and bypasses."""
-    from torch._dynamo.utils import counters
-
     fx, aot = counters["inductor"], counters["aot_autograd"]
     return {f"{name}_{kind}": int(group[f"{key}_{kind}"]) for name, group, key in
             (("fx_graph", fx, "fxgraph_cache"), ("aot_autograd", aot, "autograd_cache"))

@@ -105,8 +105,7 @@ class TrainConfig:
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "TrainConfig":
         kinds = {"drafter": DrafterSpec, "data": DataConfig, "optim": OptimConfig, "runtime": RuntimeConfig}
-        top = {k: v for k, v in d.items() if k not in kinds}
-        return cls(**top, **{k: kinds[k](**d.get(k, {})) for k in kinds})
+        return cls(**{k: v for k, v in d.items() if k not in kinds}, **{k: kinds[k](**d.get(k, {})) for k in kinds})
 
     def override(self, **values: Any) -> "TrainConfig":
         """Set fields by flat name (``max_anchors=64``, ``lr=1e-3``, ``cache=...``), each in its section."""

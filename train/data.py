@@ -1,6 +1,5 @@
-"""Cache samples -> fixed-shape batches (context padded to a bucket, ``max_anchors`` blocks each: one
-compiled graph per bucket) in a deterministic, resumable order. Randomness is keyed, never stateful:
-sample i's anchors in epoch e from (seed, e, i), epoch e's order from (seed, e); step s reads batch s."""
+"""Cache samples -> fixed-shape batches (one compiled graph per context bucket) in a resumable order; randomness is
+keyed, never stateful: anchors from (seed, epoch, index), epoch e's order from (seed, e), step s reads batch s."""
 
 from __future__ import annotations
 
@@ -41,18 +40,14 @@ class EncodedContext:
 
 def candidate_anchors(loss_mask: torch.Tensor) -> torch.Tensor:
     """Positions a block may start at, ascending: assistant tokens at 1 <= a <= T-2."""
-    T = loss_mask.shape[0]
-    if T < 3:
-        return torch.zeros(0, dtype=torch.long)
-    return torch.nonzero(loss_mask[1:T - 1], as_tuple=False).flatten() + 1
+    return torch.nonzero(loss_mask[1:-1], as_tuple=False).flatten() + 1
 
 
 def draw_anchors(loss_mask: torch.Tensor, max_anchors: int, seed: int, epoch: int, index: int
                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """(anchors (N,), valid (N,)): up to ``max_anchors`` sorted candidates drawn by an RNG keyed on
     (seed, epoch, index), padded."""
-    cand = candidate_anchors(loss_mask)
-    if len(cand) > max_anchors:
+    if len(cand := candidate_anchors(loss_mask)) > max_anchors:
         pick = np.sort(np.random.default_rng([seed, epoch, index]).choice(len(cand), size=max_anchors, replace=False))
         cand = cand[torch.from_numpy(pick)]
     return _padded_anchors(cand, max_anchors)
@@ -204,14 +199,13 @@ def truncate_sample(sample: dict[str, torch.Tensor], length: int) -> dict[str, t
     return out
 
 
-DEFAULT_EVAL_SAMPLES = 64  # held-out samples of a large cache when none are asked for
-DEFAULT_EVAL_FRACTION = 0.1  # at most this much of a small cache
+DEFAULT_EVAL_SAMPLES = 64  # held-out samples of a large cache when none are asked for (at most a tenth of a small one)
 
 
 def held_out_count(num_samples: int, eval_samples: int | None) -> int:
     """``eval_samples``, else min(64, a tenth of the cache) and at least 1; one always left to train on."""
     if eval_samples is None:
-        eval_samples = max(1, min(DEFAULT_EVAL_SAMPLES, int(num_samples * DEFAULT_EVAL_FRACTION)))
+        eval_samples = max(1, min(DEFAULT_EVAL_SAMPLES, int(num_samples * 0.1)))
     if eval_samples < 0:
         raise ValueError(f"eval_samples must be 0 or more, got {eval_samples}")
     return min(eval_samples, max(num_samples - 1, 0))

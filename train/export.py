@@ -32,20 +32,14 @@ def export_config_dict(config: DrafterConfig, dtype: torch.dtype) -> dict:
     """The config.json content for ``config`` with weights stored in ``dtype``."""
     dtype_name = str(dtype).removeprefix("torch.")
     shapes = {k: v for k, v in config.to_dict().items() if k not in ("target_layer_ids", "mask_token_id")}
-    return {
-        "architectures": [ARCHITECTURE],
-        "model_type": "qwen3",
-        "dflash_config": {"mask_token_id": config.mask_token_id, "target_layer_ids": list(config.target_layer_ids),
-                          "target_layer_id_convention": LAYER_ID_CONVENTION},
-        "eagle_aux_hidden_state_layer_ids": eagle_layer_ids(config.target_layer_ids),
-        **shapes,  # block_size, num_target_layers and the Qwen3 fields: the drafter config's own names
-        "rope_parameters": {"rope_type": "default", "rope_theta": config.rope_theta},
-        "hidden_act": "silu",
-        "attention_dropout": 0.0,
-        "tie_word_embeddings": False,
-        "torch_dtype": dtype_name,
-        "dtype": dtype_name,
-    }
+    return {"architectures": [ARCHITECTURE], "model_type": "qwen3",
+            "dflash_config": {"mask_token_id": config.mask_token_id, "target_layer_ids": list(config.target_layer_ids),
+                              "target_layer_id_convention": LAYER_ID_CONVENTION},
+            "eagle_aux_hidden_state_layer_ids": eagle_layer_ids(config.target_layer_ids),
+            **shapes,  # block_size, num_target_layers and the Qwen3 fields: the drafter config's own names
+            "rope_parameters": {"rope_type": "default", "rope_theta": config.rope_theta},
+            "hidden_act": "silu", "attention_dropout": 0.0, "tie_word_embeddings": False,
+            "torch_dtype": dtype_name, "dtype": dtype_name}
 
 
 def eagle_layer_ids(target_layer_ids: list[int]) -> list[int]:
@@ -59,20 +53,18 @@ def check_against_target(config: DrafterConfig, target, tokenizer=None) -> None:
     loaded = hasattr(target, "get_input_embeddings")
     text = (target.config if loaded else target).get_text_config()
     vocab = target.get_input_embeddings().weight.shape[0] if loaded else text.vocab_size
-    problems = []
-    for name, ours, theirs in (("hidden size", config.hidden_size, text.hidden_size),
-                               ("vocabulary size", config.vocab_size, vocab),
-                               ("num_target_layers", config.num_target_layers, text.num_hidden_layers)):
-        if ours != theirs:
-            problems.append(f"{name}: the drafter has {ours}, the target {theirs}")
+    problems = [f"{name}: the drafter has {ours}, the target {theirs}"
+                for name, ours, theirs in (("hidden size", config.hidden_size, text.hidden_size),
+                                           ("vocabulary size", config.vocab_size, vocab),
+                                           ("num_target_layers", config.num_target_layers, text.num_hidden_layers))
+                if ours != theirs]
     try:
         check_layer_ids(config.target_layer_ids, text.num_hidden_layers)
     except ValueError as e:
         problems.append(str(e))
     if not 0 <= config.mask_token_id < vocab:
         problems.append(f"mask_token_id {config.mask_token_id} is outside the target vocabulary [0, {vocab})")
-    tokenizer_mask = tokenizer_mask_id(tokenizer)
-    if tokenizer_mask is not None and tokenizer_mask != config.mask_token_id:
+    if (tokenizer_mask := tokenizer_mask_id(tokenizer)) is not None and tokenizer_mask != config.mask_token_id:
         problems.append(f"mask_token_id {config.mask_token_id} is not the tokenizer's {MASK_TOKEN} ({tokenizer_mask})")
     if problems:
         raise ValueError("the drafter does not fit the target:\n  - " + "\n  - ".join(problems))
@@ -82,12 +74,10 @@ def serve_commands(export_dir: str | os.PathLike, target: str, block_size: int) 
     """Shell command lines that serve ``target`` with the exported drafter in SGLang and vLLM."""
     draft = str(Path(export_dir).resolve())
     vllm_spec = json.dumps({"method": "dflash", "model": draft, "num_speculative_tokens": block_size - 1})
-    return {
-        "sglang": (f"python -m sglang.launch_server --model-path {shlex.quote(target)} "
-                   f"--speculative-algorithm DFLASH --speculative-draft-model-path {shlex.quote(draft)} "
-                   f"--speculative-num-draft-tokens {block_size}"),
-        "vllm": f"vllm serve {shlex.quote(target)} --speculative-config {shlex.quote(vllm_spec)}",
-    }
+    return {"sglang": (f"python -m sglang.launch_server --model-path {shlex.quote(target)} "
+                       f"--speculative-algorithm DFLASH --speculative-draft-model-path {shlex.quote(draft)} "
+                       f"--speculative-num-draft-tokens {block_size}"),
+            "vllm": f"vllm serve {shlex.quote(target)} --speculative-config {shlex.quote(vllm_spec)}"}
 
 
 def config_from_export_dict(data: dict) -> DrafterConfig:
@@ -128,8 +118,7 @@ def load_exported(path: str | os.PathLike, device: str | torch.device = "cpu", d
     data = json.loads((Path(path) / CONFIG_NAME).read_text())
     config, tensors = config_from_export_dict(data), load_file(str(Path(path) / WEIGHTS_NAME))
     _check_names_and_shapes(tensors, config, str(Path(path) / WEIGHTS_NAME))
-    if dtype is None:
-        dtype = _DTYPES.get(data.get("dtype") or data.get("torch_dtype"), next(iter(tensors.values())).dtype)
+    dtype = dtype or _DTYPES.get(data.get("dtype") or data.get("torch_dtype"), next(iter(tensors.values())).dtype)
     with torch.device("meta"):
         drafter = DFlashDrafter(config).to_empty(device=device).to(dtype)
     drafter.load_state_dict({k: v.to(dtype) for k, v in tensors.items()}, strict=True)

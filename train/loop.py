@@ -14,8 +14,9 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from tqdm import tqdm
 
-from dflash.shared.cache import CacheReader
+from dflash.shared.cache import CacheReader, diff_dicts
 
 from . import checkpoint, compile as compile_path, metrics, replay
 from .config import OptimConfig, TrainConfig
@@ -64,8 +65,6 @@ _RESUME_NEUTRAL = {"resume", "stop_after", "log_every", "eval_every", "save_ever
 
 def config_changes(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
     """Settings that change the training trajectory and differ between two config dicts."""
-    from dflash.shared.cache import diff_dicts
-
     def strip(d):
         return {k: (strip(v) if isinstance(v, dict) else v) for k, v in d.items() if k not in _RESUME_NEUTRAL}
 
@@ -171,7 +170,6 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
                                 "be the one it would have been:\n  - %s", "\n  - ".join(changed))
 
         sampler = GlobalBatchSampler(split.train, G, micro, rank, world, rt.seed, steps, start_step)
-        accum = sampler.accum
         loader = make_loader(dataset, sampler, buckets.buckets, dcfg_data.num_workers, dcfg_data.prefetch_factor, cuda)
         eval_keys = held_out_batches(split.held_out, micro, rank, world)
         eval_collate = Collate(buckets.buckets)
@@ -183,35 +181,22 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
 
         compiled_graphs, cache_use, eval_compiled_graphs = 0, {}, None
         if compiles:
-            def warm(length: int):
-                fitted = [truncate_sample(x, length) for x in warm_samples]
-                batch = to_device(Collate(None, force_length=length)(fitted), device)
-                forward_loss(model, head, batch, spec).loss.backward()
-                optimizer.zero_grad(set_to_none=True)
+            def warm_up():  # one training step per bucket
+                for length in buckets.buckets:
+                    fitted = [truncate_sample(x, length) for x in warm_samples]
+                    batch = to_device(Collate(None, force_length=length)(fitted), device)
+                    forward_loss(model, head, batch, spec).loss.backward()
+                    optimizer.zero_grad(set_to_none=True)
 
-            warm_start, counts_before = time.perf_counter(), compile_path.cache_counts()
-            compiled_graphs = compile_path.warm_up(lambda b=b: warm(b) for b in buckets.buckets)
-            cache_use = {k: v - counts_before[k] for k, v in compile_path.cache_counts().items()}
+            _, compiled_graphs, cache_use, seconds = compile_path.compile_then_freeze(warm_up)
             log.info("warm-up compiled %d graphs over %d context buckets in %.1f s; recompiles are now errors",
-                     compiled_graphs, len(buckets.buckets), time.perf_counter() - warm_start)
+                     compiled_graphs, len(buckets.buckets), seconds)
             log.info("compile cache %s: inductor graphs %d loaded, %d compiled, %d uncacheable; "
                      "AOTAutograd %d loaded, %d compiled, %d uncacheable", compile_cache, *cache_use.values())
         compiles_after_warm_up = compile_path.compile_count()
 
         def evaluate(step: int) -> dict[str, Any]:
-            """The held-out evaluation; its first call compiles the no-grad graphs."""
-            nonlocal eval_compiled_graphs
-            if not compiles or eval_compiled_graphs is not None:
-                return evaluate_held_out(step)
-            eval_start, counts_before = time.perf_counter(), compile_path.cache_counts()
-            result, eval_compiled_graphs = compile_path.compile_then_freeze(lambda: evaluate_held_out(step))
-            use = {k: v - counts_before[k] for k, v in compile_path.cache_counts().items()}
-            log.info("the first evaluation compiled %d eval graphs (inductor %d loaded, %d compiled) and took "
-                     "%.1f s; recompiles are errors again", eval_compiled_graphs, use["fx_graph_hit"],
-                     use["fx_graph_miss"], time.perf_counter() - eval_start)
-            return result
-
-        def evaluate_held_out(step: int) -> dict[str, Any]:
+            """Held-out loss, accuracy per slot and tau (the decoding replay's, and over uniform anchors)."""
             sums = torch.zeros(4, dtype=torch.float64, device=device)  # loss*w, w, tau, blocks
             slots = torch.zeros(2, dcfg.block_size, dtype=torch.float64, device=device)
             for keys in eval_keys:
@@ -229,8 +214,6 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
                     "tau_blocks": walked.blocks, "tau_uniform": s[2] / max(s[3], 1), "blocks": int(s[3]),
                     "acc_per_pos": (slots[0] / slots[1].clamp(min=1)).tolist()}
 
-        from tqdm import tqdm
-
         bar = tqdm(total=steps, initial=start_step, disable=not (rt.progress and is_main), desc="train",
                    dynamic_ncols=True)
         # loss, context tokens, block tokens, attention pairs, then per slot: predicted right, supervised
@@ -240,12 +223,12 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
         history, last_eval, step = [], None, start_step
         for step in range(start_step, steps):
             waited = time.perf_counter()
-            micro_batches = [to_device(next(data_iter), device) for _ in range(accum)]
+            micro_batches = [to_device(next(data_iter), device) for _ in range(sampler.accum)]
             window_data_s += time.perf_counter() - waited
             labels_weights = [labels_and_weights(b, spec) for b in micro_batches]
             denominator = _all_reduce(torch.stack([w.sum() for _, w in labels_weights]).sum(), world)
             for m, (batch, lw) in enumerate(zip(micro_batches, labels_weights)):
-                with _grad_sync(model, enabled=m == accum - 1):
+                with _grad_sync(model, enabled=m == sampler.accum - 1):
                     step_out = forward_loss(model, head, batch, spec, denominator, lw)
                     (step_out.loss * world).backward()  # DDP / FSDP average; the loss is a global mean
                 window += torch.cat([step_out.loss.detach().double()[None], work_counts(batch, dcfg.block_size),
@@ -264,8 +247,7 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
                     torch.cuda.synchronize(device)
                 elapsed = time.perf_counter() - window_start
                 (loss_sum, ctx_tok, block_tok, pairs), slots = window[:4].tolist(), window[4:].view(2, -1)
-                flops = metrics.step_flops(dcfg, head.embed_weight.shape[0], ctx_tok, block_tok, pairs)
-                flops = flops / elapsed / world
+                flops = metrics.step_flops(dcfg, len(head.embed_weight), ctx_tok, block_tok, pairs) / elapsed / world
                 record = {"kind": "train", "step": done, "epoch": step / sampler.steps_per_epoch,
                           "loss": loss_sum / window_steps, "acc_per_pos": (slots[0] / slots[1].clamp(min=1)).tolist(),
                           "acc": (slots[0].sum() / slots[1].sum().clamp(min=1)).item(),
@@ -279,7 +261,15 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
                 window.zero_()
                 window_steps, window_start, window_data_s = 0, time.perf_counter(), 0.0
             if eval_keys and (done % rt.eval_every == 0 or last):
-                history.append(last_eval := evaluate(done))
+                if compiles and eval_compiled_graphs is None:  # the first evaluation compiles the no-grad graphs
+                    last_eval, eval_compiled_graphs, use, seconds = compile_path.compile_then_freeze(
+                        lambda: evaluate(done))
+                    log.info("the first evaluation compiled %d eval graphs (inductor %d loaded, %d compiled) and "
+                             "took %.1f s; recompiles are errors again", eval_compiled_graphs, use["fx_graph_hit"],
+                             use["fx_graph_miss"], seconds)
+                else:
+                    last_eval = evaluate(done)
+                history.append(last_eval)
                 sink.write(last_eval)
                 window_start = time.perf_counter()
             if done % rt.save_every == 0 or last:

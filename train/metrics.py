@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import resource
@@ -48,9 +49,8 @@ def step_flops(dcfg, vocab_size: int, context_tokens: int, block_tokens: int, at
     """Matmul FLOPs of forward + backward on the real work (trainable 3x forward, frozen LM head 2x)."""
     D, I, hd, H, Hkv = (dcfg.hidden_size, dcfg.intermediate_size, dcfg.head_dim, dcfg.num_attention_heads,
                         dcfg.num_key_value_heads)
-    kv_rows = context_tokens + block_tokens
     per_layer = (2 * block_tokens * D * H * hd * 2  # q_proj, o_proj
-                 + 2 * kv_rows * D * Hkv * hd * 2  # k_proj, v_proj over [ctx; block]
+                 + 2 * (context_tokens + block_tokens) * D * Hkv * hd * 2  # k_proj, v_proj over [ctx; block]
                  + 2 * block_tokens * D * I * 3  # SwiGLU
                  + 2 * attn_pairs * H * hd * 2)  # QK^T and PV
     fc = 2 * context_tokens * dcfg.num_context_layers * D * D
@@ -71,12 +71,10 @@ class MetricsSink:
         self.jsonl = open(run_dir / "metrics.jsonl", "a", buffering=1) if enabled else None
         self.tb = None
         if enabled and tensorboard:
-            try:
+            with contextlib.suppress(Exception):  # tensorboard not installed: JSONL is the record
                 from torch.utils.tensorboard import SummaryWriter
 
                 self.tb = SummaryWriter(str(run_dir / "tb"))
-            except Exception:  # tensorboard not installed: JSONL is the record
-                pass
 
     def write(self, record: dict[str, Any]) -> None:
         if self.jsonl is None:

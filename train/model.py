@@ -66,7 +66,6 @@ class DrafterConfig:
                            block_size: int = 16, num_hidden_layers: int = 5) -> "DrafterConfig":
         """Size a drafter after a HF Qwen3-like target config (object or plain dict)."""
         c = hf_config if isinstance(hf_config, dict) else hf_config.get_text_config().to_dict()
-        c = c["text_config"] if isinstance(c.get("text_config"), dict) else c
         for k in ("hidden_size", "num_attention_heads", "num_hidden_layers", "vocab_size", "intermediate_size"):
             if k not in c:
                 raise ValueError(f"target config lacks {k!r}")
@@ -140,25 +139,15 @@ class DFlashAttention(nn.Module):
         self.q_norm = RMSNorm(hd, config.rms_norm_eps)
         self.k_norm = RMSNorm(hd, config.rms_norm_eps)
 
-    def forward(self, x, ctx, block_rope, kv_rope, attn_mask, ctx_kv=None):
-        """``ctx_kv``: the context's keys and values, each (Bsz, Hkv, S, hd), in place of ``ctx``."""
+    def forward(self, x, ctx, block_rope, kv_rope, attn_mask):
         bsz, q_len, _ = x.shape
         q = self.q_norm(self.q_proj(x).view(bsz, q_len, self.n_heads, self.head_dim)).transpose(1, 2)
         q = apply_rope(q, *block_rope)  # (Bsz, H, Q, hd)
-        if ctx_kv is None:
-            k, v = self.project_kv(torch.cat([ctx, x], dim=1), kv_rope)  # (Bsz, Hkv, S + Q, hd)
-        else:  # keys and values are position-wise: the context's were projected before
-            k, v = self.project_kv(x, block_rope)
-            k, v = torch.cat([ctx_kv[0], k], dim=2), torch.cat([ctx_kv[1], v], dim=2)
-        out = attention.attend(q, k, v, attn_mask, self.head_dim**-0.5)  # (Bsz, H, Q, hd)
+        h = torch.cat([ctx, x], dim=1)  # keys and values of [context ; block]: (Bsz, Hkv, S + Q, hd)
+        k = self.k_norm(self.k_proj(h).view(bsz, h.shape[1], self.n_kv_heads, self.head_dim)).transpose(1, 2)
+        v = self.v_proj(h).view(bsz, h.shape[1], self.n_kv_heads, self.head_dim).transpose(1, 2)
+        out = attention.attend(q, apply_rope(k, *kv_rope), v, attn_mask, self.head_dim**-0.5)  # (Bsz, H, Q, hd)
         return self.o_proj(out.transpose(1, 2).reshape(bsz, q_len, self.n_heads * self.head_dim))
-
-    def project_kv(self, h, rope) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys (normed, rotated) and values of h (Bsz, T, D), position-wise: (Bsz, Hkv, T, hd) each."""
-        bsz, length, _ = h.shape
-        k = self.k_norm(self.k_proj(h).view(bsz, length, self.n_kv_heads, self.head_dim)).transpose(1, 2)
-        v = self.v_proj(h).view(bsz, length, self.n_kv_heads, self.head_dim).transpose(1, 2)
-        return apply_rope(k, *rope), v
 
 
 class SwiGLU(nn.Module):
@@ -181,9 +170,9 @@ class DFlashDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = SwiGLU(config)
 
-    def forward(self, x, ctx, block_rope, kv_rope, attn_mask, ctx_kv=None):
+    def forward(self, x, ctx, block_rope, kv_rope, attn_mask):
         # ctx was normed by the drafter's hidden_norm; only the block stream goes through input_layernorm
-        x = x + self.self_attn(self.input_layernorm(x), ctx, block_rope, kv_rope, attn_mask, ctx_kv)
+        x = x + self.self_attn(self.input_layernorm(x), ctx, block_rope, kv_rope, attn_mask)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -210,47 +199,33 @@ class DFlashDrafter(nn.Module):
             elif isinstance(module, RMSNorm):
                 module.weight.fill_(1.0)
 
-    def forward(self, context_hidden: torch.Tensor | None, context_positions: torch.Tensor | None,
-                block_embeds: torch.Tensor, block_positions: torch.Tensor, attn_mask,
-                context_kv: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    def forward(self, context_hidden: torch.Tensor, context_positions: torch.Tensor, block_embeds: torch.Tensor,
+                block_positions: torch.Tensor, attn_mask) -> torch.Tensor:
         """Final-normed block hidden states (Bsz, Q, D) from context_hidden (Bsz, S, n*D or n, D) and the
-        block embeddings (Bsz, Q, D); attn_mask None: all keys visible; context_kv: decoding's cache instead."""
+        block embeddings (Bsz, Q, D), attn_mask from ``attention.build_mask``."""
         bsz = block_embeds.shape[0]
         block_positions = _batched(block_positions, bsz)
         hd, theta = self.config.head_dim, self.config.rope_theta
         block_rope = rope_cos_sin(block_positions, hd, theta)
-        ctx = kv_rope = None
-        if context_kv is None:
-            ctx = self.fuse_context(context_hidden)
-            context_positions = _batched(context_positions, bsz)
-            kv_rope = rope_cos_sin(torch.cat([context_positions, block_positions], dim=1), hd, theta)
+        ctx = self.fuse_context(context_hidden)
+        kv_rope = rope_cos_sin(torch.cat([_batched(context_positions, bsz), block_positions], dim=1), hd, theta)
         x = block_embeds
         if not torch.is_autocast_enabled(x.device.type):
             x = x.to(self.fc.weight.dtype)
-        for i, layer in enumerate(self.layers):
-            ctx_kv = None if context_kv is None else (context_kv[0][i], context_kv[1][i])
-            x = layer(x, ctx, block_rope, kv_rope, attn_mask, ctx_kv)
+        for layer in self.layers:
+            x = layer(x, ctx, block_rope, kv_rope, attn_mask)
         return self.norm(x)
 
     def fuse_context(self, context_hidden: torch.Tensor) -> torch.Tensor:
         """The target layers' states fused by ``fc`` and normed, (Bsz, S, D)."""
         if context_hidden.dim() == 4:
             context_hidden = context_hidden.flatten(2)  # (Bsz, S, n * D)
-        feat = context_hidden.shape[-1]
-        if feat != self.fc.in_features:
+        if (feat := context_hidden.shape[-1]) != self.fc.in_features:
             raise ValueError(f"context_hidden has {feat} features; expected {self.config.num_context_layers}"
                              f" layers x {self.config.hidden_size} = {self.fc.in_features}")
         if not torch.is_autocast_enabled(context_hidden.device.type):
             context_hidden = context_hidden.to(self.fc.weight.dtype)
         return self.hidden_norm(self.fc(context_hidden))
-
-    def context_kv(self, context_hidden: torch.Tensor, context_positions: torch.Tensor
-                   ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Every layer's context keys and values, each (L, Bsz, Hkv, S, hd), for decoding to cache."""
-        ctx = self.fuse_context(context_hidden)
-        rope = rope_cos_sin(_batched(context_positions, ctx.shape[0]), self.config.head_dim, self.config.rope_theta)
-        kv = [layer.self_attn.project_kv(ctx, rope) for layer in self.layers]
-        return torch.stack([k for k, _ in kv]), torch.stack([v for _, v in kv])
 
 
 def _batched(positions: torch.Tensor, bsz: int) -> torch.Tensor:
@@ -285,8 +260,7 @@ def _tensor_files(target_path: str) -> dict[str, str]:
     """Tensor name -> safetensors file of a checkpoint folder (its index file when there is one)."""
     from safetensors import safe_open
 
-    index_file = os.path.join(target_path, "model.safetensors.index.json")
-    if os.path.exists(index_file):
+    if os.path.exists(index_file := os.path.join(target_path, "model.safetensors.index.json")):
         return json.load(open(index_file))["weight_map"]
     if not (files := sorted(p for p in os.listdir(target_path) if p.endswith(".safetensors"))):
         raise FileNotFoundError(f"no *.safetensors files in {target_path}")

@@ -88,8 +88,7 @@ def sample_blocks(items: list[dict], predict: Callable[[dict], torch.Tensor], co
                                           batch["block_valid"], batch["seq_len"], batch["loss_mask"])
         for row, keep in enumerate(counted):
             taus.update(zip(batch["anchors"][row][keep].tolist(), tau[row][keep].tolist()))
-    spans = turn_spans(items[0]["loss_mask"].tolist()) if items else []
-    return walk_blocks(taus, spans, max_new_tokens), taus
+    return walk_blocks(taus, turn_spans(items[0]["loss_mask"].tolist()) if items else [], max_new_tokens), taus
 
 
 @torch.no_grad()

@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -97,9 +96,7 @@ def drafter_hidden(model, head: TargetHead, batch: dict[str, torch.Tensor], spec
                                 spec.block_size)
     embeds, positions = block_inputs(head, batch, spec)
     ctx_pos = torch.arange(S, device=positions.device).expand(positions.shape[0], S)
-    autocast = (torch.autocast(positions.device.type, dtype=spec.autocast_dtype)
-                if spec.autocast_dtype is not None else nullcontext())
-    with autocast:
+    with torch.autocast(positions.device.type, dtype=spec.autocast_dtype, enabled=spec.autocast_dtype is not None):
         return model(batch["context_hidden"], ctx_pos, embeds, positions, mask)
 
 

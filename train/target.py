@@ -8,6 +8,7 @@ import os
 
 from dflash.shared.cache import CacheMismatch, CacheReader, CacheSpec
 from dflash.shared.cli import looks_like_path
+from dflash.shared.fingerprint import tokenizer_fingerprint
 from dflash.shared.layers import check_layer_ids
 
 from .config import TrainConfig
@@ -32,10 +33,9 @@ def resolve_target(requested: str, spec: CacheSpec, cache_path: str) -> str:
         raise TargetNotFound(f"cache {cache_path} records no target; pass --target (the target's folder or hub name)")
     recorded = str(recorded)
     if (located or looks_like_path(recorded)) and not os.path.exists(recorded):
-        raise TargetNotFound(
-            f"cache {cache_path} was extracted from the target {recorded}, which no longer exists; "
-            "pass --target with its folder (or hub name): a moved or copied checkpoint with the same "
-            "config, tokenizer and weights is the same target")
+        raise TargetNotFound(f"cache {cache_path} was extracted from the target {recorded}, which no longer exists; "
+                             "pass --target with its folder (or hub name): a moved or copied checkpoint with the "
+                             "same config, tokenizer and weights is the same target")
     log.info("target: %s (recorded in the cache)", recorded)
     return recorded
 
@@ -50,11 +50,10 @@ def load_target_meta(target: str):
         log.warning("%s holds no tokenizer: the cache's tokenizer cannot be checked", target)
         return config, None
     try:
-        tokenizer = AutoTokenizer.from_pretrained(target)
+        return config, AutoTokenizer.from_pretrained(target)
     except Exception as e:  # a weights-only folder: the tokenizer check is skipped, loudly
         log.warning("no tokenizer loadable from %s (%s): the cache's tokenizer cannot be checked", target, e)
-        tokenizer = None
-    return config, tokenizer
+        return config, None
 
 
 def tokenizer_mask_id(tokenizer) -> int | None:
@@ -136,8 +135,6 @@ def drafter_layer_ids(requested: list[int] | None, spec: CacheSpec) -> list[int]
 def build_drafter_config(cfg: TrainConfig, hf_config, tokenizer, reader: CacheReader) -> DrafterConfig:
     """The drafter's shapes from the target, its layers and MASK row from the flags or the cache; a cache
     that cannot train it is refused (CacheMismatch, every difference named)."""
-    from dflash.shared.fingerprint import tokenizer_fingerprint
-
     d, text = cfg.drafter, hf_config.get_text_config()
     layer_ids = drafter_layer_ids(d.target_layer_ids, reader.spec)
     mask_id = resolve_mask_token(d.mask_token_id, tokenizer, text.vocab_size, reader)
