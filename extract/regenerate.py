@@ -152,9 +152,12 @@ def answer_event(chat: Chat, turn: int, settings: GenerationSettings, content: s
 
 
 def read_journal(path: Path) -> list[dict]:
-    """A part's journaled turns (JSON lines); a torn last line (killed mid-write) is cut off the file."""
+    """A part's journaled turns (JSON lines). A last line without its newline was torn by a kill mid-write, even where
+    it parses (the next append would join it): it is cut off the file, and its turn asked again."""
     text = path.read_text(encoding="utf-8") if path.exists() else ""
-    lines = text.split("\n")  # not splitlines(): an answer's JSON string may hold U+2028 and such, unescaped
+    *lines, torn = text.split("\n")  # not splitlines(): an answer's JSON string may hold U+2028 and such, unescaped
+    if torn:
+        path.write_text(text[: len(text) - len(torn)], encoding="utf-8")
     events = []
     for number, line in enumerate(lines, 1):
         if not line:
@@ -162,10 +165,7 @@ def read_journal(path: Path) -> list[dict]:
         try:
             events.append(json.loads(line))
         except json.JSONDecodeError as err:
-            if number < len(lines):
-                raise ValueError(f"{path} line {number} is not JSON ({err}); delete the file to redo "
-                                 "that part") from err
-            path.write_text(text[: len(text) - len(line)], encoding="utf-8")
+            raise ValueError(f"{path} line {number} is not JSON ({err}); delete the file to redo that part") from err
     return events
 
 

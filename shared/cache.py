@@ -396,7 +396,10 @@ def shard_recorded(group: zarr.Group) -> bool:
 def read_shard_states(root: zarr.Group, shard_ids: Iterable[int] | None = None) -> dict[int, ShardState | None]:
     """The state of each of these shards (default: all), None for a shard not created (or not recorded) yet."""
     if shard_ids is None:
-        shard_ids = [int(name) for name in root["shards"].group_keys()] if "shards" in root else []
+        names = sorted(root["shards"].group_keys()) if "shards" in root else []
+        if stray := [name for name in names if not name.isdigit()]:
+            raise CacheError(f"{root.store}: shards/{stray[0]} is no shard group (those are numbered 00000, 00001, ...)")
+        shard_ids = [int(name) for name in names]
     names = {s: shard_name(s) for s in shard_ids}
     return {s: read_shard_state(root[n]) if n in root and shard_recorded(root[n]) else None for s, n in names.items()}
 

@@ -85,6 +85,14 @@ def test_round_trip(tmp_path):
         assert s["source_index"] == plan.source_index[i]
 
 
+def test_a_stray_group_among_the_shards_is_named(tmp_path):
+    spec, plan = make_spec(), make_plan(LENGTHS)
+    write_all(tmp_path / "c.zarr", spec, plan)
+    C.open_root(str(tmp_path / "c.zarr"), "r+")["shards"].create_group("notes")
+    with pytest.raises(C.CacheError, match="shards/notes is no shard group"):
+        C.CacheReader(str(tmp_path / "c.zarr"))
+
+
 def test_reader_sees_only_committed(tmp_path):
     spec, plan = make_spec(), make_plan(LENGTHS)
     path = str(tmp_path / "c.zarr")

@@ -183,6 +183,9 @@ def test_journal_drops_a_torn_last_line_and_refuses_a_broken_one(tmp_path):
     path.write_text('{"row": 0, "turn": 1}\n{"row": 0, "tu')  # killed mid-write
     assert regen.read_journal(path) == [{"row": 0, "turn": 1}]
     assert path.read_text() == '{"row": 0, "turn": 1}\n'
+    path.write_text('{"row": 0, "turn": 1}\n{"row": 0, "turn": 3}')  # killed just before the newline
+    assert regen.read_journal(path) == [{"row": 0, "turn": 1}]
+    assert path.read_text() == '{"row": 0, "turn": 1}\n'
     path.write_text('{"row": 0, "tu\n{"row": 1, "turn": 1}\n')
     with pytest.raises(ValueError, match="line 1 is not JSON"):
         regen.read_journal(path)
