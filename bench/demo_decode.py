@@ -114,7 +114,8 @@ class TimedParts:
     def _timed_forward(self, *args, **kwargs):
         start = self.now()
         result = self._forward(*args, **kwargs)
-        self._times["verify" if args[2:] or kwargs.get("cache") is not None else "prefill"] += self.now() - start
+        cache = args[2] if len(args) > 2 else kwargs.get("cache")  # None: the prompt's prefill
+        self._times["prefill" if cache is None else "verify"] += self.now() - start
         return result
 
     def propose(self, context, tokens, position):
