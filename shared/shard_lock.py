@@ -16,6 +16,8 @@ from datetime import datetime, timezone
 
 import filelock
 
+from .compression import is_local
+
 LOCKS_DIR = "locks"  # inside the cache, a Zarr group of its own, so that zarr lists no lock file
 HOST = socket.gethostname()
 
@@ -72,7 +74,7 @@ class ShardLock:
     def __init__(self, out: str, shard_id: int):
         self.out, self.shard_id = out, shard_id
         self.record: LockHolder | None = None
-        self.local = "://" not in out or out.startswith("file://")
+        self.local = is_local(out) or out.startswith("file://")  # where an OS lock works
         self.fs, folder = _locks_folder(out)
         self.path = f"{folder}/{shard_id:05d}.lock"
         # locally the OS lock is on the .lock file and the record beside it; on a store the file is the record
