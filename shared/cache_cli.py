@@ -259,8 +259,6 @@ def stats(cache: str, max_samples: int, seed: int, threshold: float, against: st
               "planned batches; bounds memory).")
 @click.option("--commit-seconds", default=10.0, help="Seconds between commits of a shard (a crash loses at most this "
               "much work); 0 = after every read.")
-@click.option("--delay-s", default=0.0, hidden=True, help="Sleep after each read (tests only: makes a conversion slow "
-              "enough to interrupt midway).")
 @PROGRESS
 @AS_JSON
 def convert(src: str, dst: str, progress: bool, as_json: bool, **values):

@@ -41,7 +41,6 @@ class ConvertSettings:
     compression_level: int | None = None
     read_mib: float = 256.0
     commit_seconds: float = 10.0
-    delay_s: float = 0.0  # tests only: a conversion slow enough to interrupt midway
 
     def validate(self) -> None:
         """Raise ValueError naming the first setting that cannot work."""
@@ -195,7 +194,6 @@ def _convert_shard(src: str, src_group: zarr.Group, dst: str, dst_root: zarr.Gro
             for b in range(b0, b1):
                 writer.write_batch(b, **{f: v[bounds[b] - t0:bounds[b + 1] - t0] for f, v in data.items()})
             advance(t1 - t0)
-            time.sleep(settings.delay_s)
             if stop.is_set():
                 writer.commit()
                 raise Interrupted(f"shard {shard_id:05d} committed {writer.committed['tokens']:,} of "

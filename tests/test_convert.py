@@ -228,7 +228,7 @@ def test_ctrl_c_then_kill9_then_rerun_equals_the_unbroken_conversion(source, los
     reference = lossy["int4"]
     out = tmp_path / "killed.zarr"
     args = ["convert", source, out, *LOSSY["int4"], "--no-progress", "--commit-seconds", "60", "--read-mib", "0.01"]
-    slow = [sys.executable, "-m", "dflash.shared.cache_cli", *map(str, args), "--delay-s", "0.3"]
+    slow = [sys.executable, os.path.join(os.path.dirname(__file__), "slow_convert.py"), "0.3", *map(str, args)]
     interrupted = subprocess.Popen(slow, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         wait_for_commit(out, 0)  # shard 0 exists: its first read is under way (and no commit for 60 s)
