@@ -92,7 +92,7 @@ def free_bytes(out: str) -> tuple[int, str] | None:
     if not is_local(out):
         return None
     where = os.path.abspath(out)
-    while not os.path.exists(where):
+    while not os.path.exists(where) and os.path.dirname(where) != where:  # up to the first folder that exists
         where = os.path.dirname(where)
     return shutil.disk_usage(where).free, where
 
