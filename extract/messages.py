@@ -29,8 +29,8 @@ def chat_messages(raw: Any, column: str, fail: Fail) -> list[dict[str, Any]]:
 
 
 def _message(msg: Any, i: int, sharegpt: bool, fail: Fail) -> dict[str, Any]:
-    """Message `i` with its role mapped and the keys a template reads, each checked for shape; the content is a
-    string (empty allowed: the template renders it) or a list of text parts, as given."""
+    """Message `i` with its role mapped and the keys a template reads, each checked for shape (the content kept as
+    given)."""
     role_key, content_key = ("from", "value") if sharegpt else ("role", "content")
     if not isinstance(msg, dict) or msg.get(role_key) is None:
         keys = sorted(msg) if isinstance(msg, dict) else type(msg).__name__
@@ -41,14 +41,7 @@ def _message(msg: Any, i: int, sharegpt: bool, fail: Fail) -> dict[str, Any]:
     if mapped not in ROLES:
         raise fail("unknown_role", f"unknown role {role!r} in message {i}")
     where = f"message {i} ({mapped})"
-    if isinstance(content, list):
-        for j, part in enumerate(content):
-            if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)):
-                kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-                raise fail("non_string_content", f"{where} content part {j} is {kind!r}, not a text part "
-                                                 "({'type': 'text', 'text': str})")
-    elif content is not None and not isinstance(content, str):
-        raise fail("non_string_content", f"{where} content is {type(content).__name__}, not a string or text parts")
+    _check_content(content, where, fail)
     out: dict[str, Any] = {"role": mapped, "content": content} if content_key in msg else {"role": mapped}
     for key in ("reasoning_content", "tool_call_id", "name"):
         if key in msg:
@@ -62,6 +55,19 @@ def _message(msg: Any, i: int, sharegpt: bool, fail: Fail) -> dict[str, Any]:
     if content is None and not out.get("tool_calls") and out.get("reasoning_content") is None:
         raise fail("malformed_message", f"{where} has no '{content_key}', 'tool_calls' or 'reasoning_content'")
     return out
+
+
+def _check_content(content: Any, where: str, fail: Fail) -> None:
+    """A string (empty allowed: the template renders it), a list of text parts, or None."""
+    if content is None or isinstance(content, str):
+        return
+    if not isinstance(content, list):
+        raise fail("non_string_content", f"{where} content is {type(content).__name__}, not a string or text parts")
+    for j, part in enumerate(content):
+        if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)):
+            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+            raise fail("non_string_content", f"{where} content part {j} is {kind!r}, not a text part "
+                                             "({'type': 'text', 'text': str})")
 
 
 def _tool_calls(calls: Any, where: str, fail: Fail) -> Any:
