@@ -80,7 +80,7 @@ def turn_markers(tokenizer, end_of_turn: str | None = None, template_kwargs: dic
             _token_id(tokenizer, end_of_turn)  # must be one token of the vocabulary
 
         def render_text(messages, add_generation_prompt):
-            return _as_text(tokenizer.apply_chat_template(messages, chat_template=template, tokenize=False,
+            return as_text(tokenizer.apply_chat_template(messages, chat_template=template, tokenize=False,
                                                           add_generation_prompt=add_generation_prompt, **kwargs))
 
         try:
@@ -196,15 +196,16 @@ def load_tokenizer(cfg):
     return tokenizer
 
 
-def _special_tokens_in(tokenizer, text: str) -> list[str]:
+def special_tokens_in(tokenizer, text: str) -> list[str]:
     """The added (special) tokens the tokenizer finds in `text`, in order."""
     added = set(tokenizer.all_special_ids) | set(getattr(tokenizer, "added_tokens_decoder", {}))
     ids = tokenizer(text, add_special_tokens=False)["input_ids"]
     return tokenizer.convert_ids_to_tokens([i for i in ids if i in added])
 
 
-def _as_text(rendered) -> str:
-    if isinstance(rendered, list):  # some versions wrap single renderings
+def as_text(rendered) -> str:
+    """``apply_chat_template(tokenize=False)``'s text (some transformers versions wrap a single rendering in a list)."""
+    if isinstance(rendered, list):
         (rendered,) = rendered
     return rendered
 
@@ -226,7 +227,7 @@ def _rendering(tokenizer, conv: Conversation, kwargs: dict, tags: bool) -> tuple
     except Exception as exc:  # noqa: BLE001 - jinja errors, raise_exception(), ...
         raise DataError("template_rejected", conv.source, conv.row_index,
                         f"chat template rejected the conversation: {type(exc).__name__}: {exc}") from exc
-    return (rendered[0], spans[0]) if tags else (_as_text(rendered), None)
+    return (rendered[0], spans[0]) if tags else (as_text(rendered), None)
 
 
 def _overlap_mask(offsets: list[tuple[int, int]], spans) -> np.ndarray:
@@ -282,7 +283,7 @@ def _probe_markers(render_text, tokenizer, end_of_turn: str | None) -> TurnMarke
             f"the template writes {user_close!r} after a final user message but not before the assistant reply")
     header = os.path.commonprefix([with_generation[len(prompt):]] + [o[len(user_close):] for o in openings])
     if end_of_turn is None:
-        found = _special_tokens_in(tokenizer, after_reply)
+        found = special_tokens_in(tokenizer, after_reply)
         if not found:
             raise TurnNotFound(
                 f"the template writes no special token after an assistant message ({after_reply!r}); pass end_of_turn")

@@ -17,7 +17,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
 
-from .chat import _as_text, stop_token_ids
+from .chat import as_text, stop_token_ids
 from .data import Conversation, DataError, SkipCounter, dataset_fingerprint, guard, load_source, normalize_row
 from .messages import regenerated_message, wire_message
 from .self_prompts import QuestionSampler, question_stop_ids, user_header
@@ -344,7 +344,7 @@ def regenerate_conversations(model, tokenizer, chats: list[Chat], settings: Gene
         turn = chat.next_turn
         if turn is not None:
             try:
-                text = _as_text(tokenizer.apply_chat_template(chat.messages[:turn], add_generation_prompt=True,
+                text = as_text(tokenizer.apply_chat_template(chat.messages[:turn], add_generation_prompt=True,
                                                               tokenize=False, **settings.template_kwargs))
             except Exception as exc:  # noqa: BLE001 - jinja errors, raise_exception()
                 skips.record(DataError("template_rejected", chat.conv.source, chat.conv.row_index,

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from .chat import _as_text, _special_tokens_in, stop_token_ids
+from .chat import as_text, special_tokens_in, stop_token_ids
 from .data import Conversation
 
 SENTINEL = "dflashSelfPromptSentinel7f3a"
@@ -16,7 +16,7 @@ SOURCE = "self_prompt"  # the `source` of a self-prompted chat (errors and skip 
 def user_header(tokenizer, template_kwargs: dict[str, Any] | None = None) -> tuple[str, str | None]:
     """The text a first user turn starts with (default system prompt included) and the first special
     token after the user's text (the end of a user turn: `<|im_end|>`, `<|eot_id|>`, `[/INST]`), if any."""
-    text = _as_text(tokenizer.apply_chat_template([{"role": "user", "content": SENTINEL}], tokenize=False,
+    text = as_text(tokenizer.apply_chat_template([{"role": "user", "content": SENTINEL}], tokenize=False,
                                                   add_generation_prompt=False, **(template_kwargs or {})))
     if text.count(SENTINEL) != 1:
         raise ValueError(f"the chat template does not write a user message's text once and unchanged (found "
@@ -25,7 +25,7 @@ def user_header(tokenizer, template_kwargs: dict[str, Any] | None = None) -> tup
     if not header:
         raise ValueError("the chat template writes nothing before a user message: --self-prompts has no header to "
                          "continue")
-    return header, next(iter(_special_tokens_in(tokenizer, after)), None)
+    return header, next(iter(special_tokens_in(tokenizer, after)), None)
 
 
 def question_stop_ids(model, tokenizer, end_of_user_turn: str | None,
