@@ -627,6 +627,7 @@ def test_another_shard_count_is_refused_naming_the_flag(extracted, dataset, tiny
     assert file_bytes(out) == before
 
 
+@pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_worker_matches_hf_on_the_gpu(tmp_path, dataset, tiny_target_dir):
     """The CUDA path (pinned buffers, side-stream copies, events) stores what HF computes on the GPU."""

@@ -18,7 +18,9 @@ import train_helpers as H
 from dflash.train import attention, compile as C
 from dflash.train.config import RuntimeConfig
 
-cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+def cuda(test):
+    return pytest.mark.cuda(pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")(test))
 
 
 @pytest.fixture(autouse=True)
