@@ -271,14 +271,42 @@ STATIC_PROMPT_TOKENS = 2048  # the static caches' room for a prompt when --max-p
 STATIC_SMALLEST_ROOM = 256  # rooms double from here up to the prompt cap
 
 
+GROUPED_DECODE = "grouped_kv_decode"  # StaticDecoder gives an SDPA model this attention (no "flash" in the name:
+# transformers takes such a name for a kernel from the hub)
+
+
+def grouped_decode_attention(module, query, key, value, attention_mask, scaling=None, **kwargs):
+    """transformers' SDPA attention, except that a one-token query over grouped key/value heads runs as (batch, key/value
+    heads, group, dim) on the cache as it is. transformers' SDPA path copies the keys and values to every query head
+    whenever a mask is given (left padding always gives one): 40 % of a decode step at SmolLM2's shapes."""
+    import torch.nn.functional as F
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    groups = getattr(module, "num_key_value_groups", 1)
+    if query.shape[2] != 1 or groups == 1:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
+    batch, heads, _, dim = query.shape
+    out = F.scaled_dot_product_attention(query.reshape(batch, heads // groups, groups, dim), key, value,
+                                         attn_mask=attention_mask, scale=scaling)  # mask (batch, 1, 1, keys)
+    return out.reshape(batch, heads, 1, dim).transpose(1, 2).contiguous(), None
+
+
 class StaticDecoder:
     """Static KV caches of (batch_size, room + max_new_tokens), one per doubling prompt room, kept for the
-    run, so generate() compiles the decode step (CUDA graphs on CUDA) once per room."""
+    run, so generate() compiles the decode step (CUDA graphs on CUDA) once per room. An SDPA model decodes
+    through ``grouped_decode_attention`` from then on."""
 
     def __init__(self, model, batch_size: int, max_new_tokens: int, prompt_tokens: int | None):
+        from transformers import AttentionInterface
+        from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
         self.model, self.rows, self.max_new_tokens = model, batch_size, max_new_tokens
         self.room = prompt_tokens or STATIC_PROMPT_TOKENS
         self.caches: dict[int, object] = {}
+        AttentionInterface.register(GROUPED_DECODE, grouped_decode_attention)
+        AttentionMaskInterface.register(GROUPED_DECODE, sdpa_mask)
+        if model.config._attn_implementation == "sdpa":
+            model.set_attn_implementation(GROUPED_DECODE)
 
     def cache_for(self, width: int, rows: int):
         """The reset cache of the smallest room that holds ``width`` prompt tokens, or None."""

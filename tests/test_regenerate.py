@@ -251,3 +251,34 @@ def test_part_size_defaults_to_one_per_engine(tmp_path, target, tokenizer, tiny_
     cfg.part_size = 1
     with pytest.raises(ValueError, match="part_size"):
         regen.regenerate(cfg, model=target, tokenizer=tokenizer)
+
+
+def test_grouped_decode_attention_equals_transformers_sdpa(target):
+    """A one-token query's heads grouped onto their key/value heads give transformers' SDPA attention (which copies
+    the keys and values to every head), with a left-padding mask; longer queries take transformers' path itself."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    attention = target.model.layers[0].self_attn
+    assert attention.num_key_value_groups == 2
+    g = torch.Generator().manual_seed(0)
+    for q_len in (1, 3):
+        query = torch.randn(3, 4, q_len, 16, generator=g)
+        key, value = torch.randn(2, 3, 2, 9, 16, generator=g)
+        mask = torch.ones(3, 1, q_len, 9, dtype=torch.bool)
+        mask[1, :, :, :4] = False  # a left-padded row
+        mask = mask & torch.ones(q_len, 9, dtype=torch.bool).tril(9 - q_len)  # causal over the last q_len keys
+        ours, _ = regen.grouped_decode_attention(attention, query, key, value, mask, scaling=0.25)
+        theirs, _ = sdpa_attention_forward(attention, query, key, value, mask, scaling=0.25)
+        torch.testing.assert_close(ours, theirs)
+        assert ours.shape == (3, q_len, 4, 16)
+
+
+def test_static_decoder_gives_an_sdpa_model_the_grouped_decode(tiny_target_dir):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_target_dir, dtype=torch.float32, attn_implementation="sdpa")
+    regen.StaticDecoder(model, 2, 4, 32)
+    assert model.config._attn_implementation == regen.GROUPED_DECODE
+    eager = AutoModelForCausalLM.from_pretrained(tiny_target_dir, dtype=torch.float32, attn_implementation="eager")
+    regen.StaticDecoder(eager, 2, 4, 32)
+    assert eager.config._attn_implementation == "eager"  # another kernel asked for is left alone
