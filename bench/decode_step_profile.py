@@ -6,6 +6,7 @@ depend on them). Prints the time of a prefill and of N new tokens per attention,
 path does, instead of copying the keys and values to 9 heads (what its SDPA path does whenever a mask is given).
 
     python bench/decode_step_profile.py --batch 512 --prompt 300 --room 512 --new 64 --attention sdpa,packed --padded
+    python bench/decode_step_profile.py ... --attention packed --compile inductor,cudagraphs    # compile time and step
 """
 
 import argparse
@@ -14,7 +15,7 @@ import time
 import torch
 import torch.nn.functional as F
 from torch.profiler import ProfilerActivity, profile
-from transformers import AttentionInterface, LlamaConfig, LlamaForCausalLM, StaticCache
+from transformers import AttentionInterface, CompileConfig, LlamaConfig, LlamaForCausalLM, StaticCache
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
@@ -41,6 +42,8 @@ def main() -> None:
     p.add_argument("--room", type=int, default=512, help="the static cache's prompt room (it holds room + new)")
     p.add_argument("--new", type=int, default=64)
     p.add_argument("--attention", default="sdpa,packed", help="comma-separated: sdpa, packed")
+    p.add_argument("--compile", default="inductor", help="comma-separated torch.compile backends of the decode step: "
+                   "inductor (generate()'s default, with CUDA graphs), cudagraphs (CUDA graphs of the eager kernels)")
     p.add_argument("--layers", type=int, default=30)
     p.add_argument("--device", default="cuda")
     p.add_argument("--padded", action="store_true", help="left-pad every other row by a third, as real batches are")
@@ -71,8 +74,11 @@ def main() -> None:
         return time.perf_counter() - start, out[:, a.prompt:]
 
     tokens = {}
-    for attention in a.attention.split(","):
+    for attention, backend in [(att, b) for att in a.attention.split(",") for b in a.compile.split(",")]:
         model.set_attn_implementation(attention)
+        model.generation_config.compile_config = CompileConfig(
+            backend=backend, mode="reduce-overhead" if backend == "inductor" else None)
+        attention = attention if a.compile == "inductor" else f"{attention}/{backend}"
         print(f"{attention}: first call (compiles) {generate(a.new)[0]:.1f} s")
         prefill = [generate(1)[0] for _ in range(2)]
         (t1, tokens[attention]), (t2, _) = generate(a.new), generate(a.new)
