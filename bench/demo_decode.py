@@ -1,13 +1,12 @@
 """Where the demo's decoding time goes: greedy against speculative decoding, interleaved prompt
 by prompt in one process (compare ratios, not milliseconds), on the held-out turns of a finished
 demo folder, every output checked equal to greedy's; a block's time split into the prefill's
-share, the verify, the proposal and the rest of the loop, in greedy steps. ``--clock cpu`` times
-this process's CPU time (leaves out waiting for a core on a shared machine).
+share, the proposal, the verify and the rest of the loop, in greedy steps (the decode's own wall-clock split).
+``--clock cpu`` times this process's CPU time (leaves out waiting for a core on a shared machine).
 
     python bench/demo_decode.py --out demo_out [--rounds 3] [--threads 1] [--clock cpu]
 """
 
-import contextlib
 import json
 import statistics
 import time
@@ -53,28 +52,29 @@ def main(out: str, rounds: int, threads: int, max_new_tokens: int, clock: str) -
     eos = [AutoTokenizer.from_pretrained(out / "target").convert_tokens_to_ids(IM_END)]
     drafter, _ = speculative.load_drafter(out / "export", dtype=torch.float32)
     now = time.perf_counter if clock == "wall" else time.process_time
-    parts = TimedParts(speculative.DFlashProposer(drafter, target), speculative, now)
+    proposer = speculative.DFlashProposer(drafter, target)
     speculative.greedy_generate(target, prompts[0], 4, eos)  # warm-up
-    speculative.speculative_generate(target, parts, prompts[0], 16, eos)
+    speculative.speculative_generate(target, proposer, prompts[0], 16, eos)
     ratios, per_block, per_token, shares = [], [], [], []
     for _ in range(rounds):
-        parts.clear()
         greedy_s = spec_s = 0.0
         tokens = blocks = 0
+        parts = dict.fromkeys(["prefill", "proposal", "verify", "loop"], 0.0)  # the decodes' own wall-clock split
         for prompt in prompts:
             start = now()
             greedy = speculative.greedy_generate(target, prompt, max_new_tokens, eos)
             greedy_s += now() - start
             tokens += len(greedy.tokens)
             start = now()
-            with parts.timing():
-                spec = speculative.speculative_generate(target, parts, prompt, max_new_tokens, eos)
+            spec = speculative.speculative_generate(target, proposer, prompt, max_new_tokens, eos)
             spec_s += now() - start
             speculative.check_lossless(spec.tokens, greedy.tokens, greedy.margins)
             blocks += len(spec.block_taus)
+            for name in parts:
+                parts[name] += spec.parts[name]
         per_token.append(greedy_s / tokens * 1e3)
         step = greedy_s / tokens
-        shares.append({name: t / blocks / step for name, t in parts.seconds(spec_s).items()})
+        shares.append({name: t / blocks / step for name, t in parts.items()})
         ratios.append(greedy_s / spec_s)
         per_block.append(spec_s / blocks * 1e3)
     tau = (tokens - len(prompts)) / blocks
@@ -85,47 +85,6 @@ def main(out: str, rounds: int, threads: int, max_new_tokens: int, clock: str) -
     print("  block in greedy steps, median (rounds): " + "; ".join(
         f"{part} {statistics.median(s[part] for s in shares):.2f} ({', '.join(f'{s[part]:.2f}' for s in shares)})"
         for part in shares[0]))
-
-
-class TimedParts:
-    """A proposer that also times ``speculative``'s target forwards (prefill, verify) and its own proposals."""
-
-    def __init__(self, proposer, speculative, now):
-        self.proposer, self.block_size, self.now = proposer, proposer.block_size, now
-        self.target_layer_ids = proposer.target_layer_ids
-        self._module, self._forward = speculative, speculative._forward
-        self.clear()
-
-    def clear(self) -> None:
-        self._times = dict.fromkeys(["prefill", "verify", "proposal"], 0.0)
-
-    def reset(self) -> None:
-        self.proposer.reset()
-
-    @contextlib.contextmanager
-    def timing(self):
-        """Time the target forwards of the decodes inside the block (greedy's stay untouched)."""
-        self._module._forward = self._timed_forward
-        try:
-            yield
-        finally:
-            self._module._forward = self._forward
-
-    def _timed_forward(self, *args, **kwargs):
-        start = self.now()
-        result = self._forward(*args, **kwargs)
-        cache = args[2] if len(args) > 2 else kwargs.get("cache")  # None: the prompt's prefill
-        self._times["prefill" if cache is None else "verify"] += self.now() - start
-        return result
-
-    def propose(self, context, tokens, position):
-        start = self.now()
-        drafts = self.proposer.propose(context, tokens, position)
-        self._times["proposal"] += self.now() - start
-        return drafts
-
-    def seconds(self, total: float) -> dict[str, float]:
-        return {**self._times, "loop": total - sum(self._times.values())}
 
 
 if __name__ == "__main__":

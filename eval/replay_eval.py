@@ -190,11 +190,12 @@ def benchmark_line(name: str, replay: dict[str, Any], sample: dict[str, Any] | N
            "blocks": s["blocks"], "tau_histogram": s["tau_histogram"], "sample_prompts": 0,
            **{k: s[k] for k in ("tau_in_repeats", "blocks_in_repeats", "tau_elsewhere")},
            "online_tau": math.nan, "greedy_tokens_per_s": math.nan, "spec_tokens_per_s": math.nan,
-           "speedup": math.nan, "lossless": None, "ties": None, "replay_equal": None}
+           "speedup": math.nan, "lossless": None, "ties": None, "replay_equal": None, "block_in_greedy_steps": {}}
     if sample and sample["per_prompt"]:
         o, rows = sample["overall"], sample["per_prompt"]
         row.update(sample_prompts=len(rows), online_tau=o["tau"], greedy_tokens_per_s=o["greedy_tokens_per_s"],
                    spec_tokens_per_s=o["spec_tokens_per_s"], speedup=o["speedup"],
+                   block_in_greedy_steps=o["block_in_greedy_steps"],
                    lossless=sum(r["lossless"] for r in rows), ties=sum(r["tie"] for r in rows),
                    replay_equal=sum(r["tokens_equal"] and r["taus_equal"] for r in rows))
     return row
@@ -230,6 +231,12 @@ def format_benchmarks(lines: Iterable[dict[str, Any]], markdown: bool = False) -
     out.append(f"tau in verbatim repeats (the next {REPEAT_TOKENS} tokens seen before) / elsewhere, replay:")
     out += [f"  {r['benchmark']:<16} {fmt(r['tau_in_repeats'])} ({r['blocks_in_repeats']} blocks) / "
             f"{fmt(r['tau_elsewhere'])}" for r in lines]
+    if timed := [r for r in lines if r["block_in_greedy_steps"]]:
+        out.append("a speculative block's time in greedy steps (the sample; prefill spread over its blocks):")
+        for r in timed:
+            steps = r["block_in_greedy_steps"]
+            out.append(f"  {r['benchmark']:<16} " + ", ".join(f"{part} {fmt(v)}" for part, v in steps.items())
+                       + f"; whole block {fmt(sum(steps.values()))}")
     out.append("tau histogram (blocks accepting 1..B tokens, replay):")
     out += [f"  {r['benchmark']:<16} " + " ".join(f"{k}:{n}" for k, n in enumerate(r["tau_histogram"], start=1))
             for r in lines]

@@ -207,6 +207,7 @@ class Generation:
     block_taus: list[int] = field(default_factory=list)  # speculative: tokens each verify emitted (incl. bonus)
     margins: list[float] = field(default_factory=list)  # greedy: top-1 minus top-2 logit per token
     ties: list[bool] = field(default_factory=list)  # greedy: top-2 within TIE_ULPS of top-1 in the logits' dtype
+    parts: dict[str, float] = field(default_factory=dict)  # speculative: seconds of prefill, proposal, verify, loop
 
 
 @functools.lru_cache(maxsize=None)
@@ -349,17 +350,23 @@ def speculative_generate(target, proposer: DFlashProposer, prompt_ids: Sequence[
     context = prefill_states.new_empty((1, n_prompt + max_new_tokens + B, prefill_states.shape[-1]))
     context[0, :n_prompt] = prefill_states
     sequence.append(int(logits[-1].argmax()))
+    # each part timed up to a host sync the loop makes anyway (.tolist()): the clock adds none
+    parts, clock = {"prefill": time.perf_counter() - start, "proposal": 0.0, "verify": 0.0}, time.perf_counter
     taus: list[int] = []
     done = sequence[-1] in eos or max_new_tokens <= 1
     while not done:
         p = len(sequence) - 1  # position of the last accepted token, not yet in the cache
         if session.length != p:
             raise RuntimeError(f"KV cache holds {session.length} positions, expected {p}")
+        t0 = clock()
         if (drafts := proposer.propose(context[:, :p], sequence[:], p)).shape != (B - 1,):
             raise ValueError(f"proposer returned shape {tuple(drafts.shape)}, expected ({B - 1},)")
         drafts = [int(t) for t in drafts.tolist()]
+        t1 = clock()
         logits, states = session.forward([sequence[-1], *drafts], layer_ids)
         greedy = logits.argmax(dim=-1).tolist()  # the target's tokens for positions p+1 .. p+B
+        parts["proposal"] += t1 - t0
+        parts["verify"] += clock() - t1
         accepted = first_difference(drafts, greedy[:B - 1])
         context[0, p:p + accepted + 1] = states[:accepted + 1]
         session.crop(p + accepted + 1)
@@ -369,7 +376,9 @@ def speculative_generate(target, proposer: DFlashProposer, prompt_ids: Sequence[
                 break
         taus.append(emitted)
     sync_device(device)
-    return Generation(sequence[n_prompt:], 1 + len(taus), time.perf_counter() - start, block_taus=taus)
+    seconds = time.perf_counter() - start
+    parts["loop"] = seconds - sum(parts.values())
+    return Generation(sequence[n_prompt:], 1 + len(taus), seconds, block_taus=taus, parts=parts)
 
 
 def first_difference(a: Sequence, b: Sequence) -> int:
@@ -414,7 +423,17 @@ def _summary(specs: Sequence[Generation], greedies: Sequence[Generation], block_
             "tokens_per_target_forward": new_tokens / spec_fw, "spec_seconds": spec_s, "greedy_seconds": greedy_s,
             "spec_tokens_per_s": new_tokens / spec_s if spec_s > 0 else math.nan,
             "greedy_tokens_per_s": new_tokens / greedy_s if greedy_s > 0 else math.nan,
-            "speedup": greedy_s / spec_s if spec_s > 0 else math.nan}
+            "speedup": greedy_s / spec_s if spec_s > 0 else math.nan,
+            "block_in_greedy_steps": _block_parts(specs, greedies, len(taus))}
+
+
+def _block_parts(specs: Sequence[Generation], greedies: Sequence[Generation], blocks: int) -> dict[str, float]:
+    """Where a speculative block's time goes (prefill spread over the blocks), in greedy decoding steps."""
+    step = sum(g.seconds for g in greedies) / max(sum(len(g.tokens) for g in greedies), 1)
+    if not blocks or step <= 0:
+        return {}
+    return {part: sum(s.parts.get(part, 0.0) for s in specs) / blocks / step
+            for part in ("prefill", "proposal", "verify", "loop")}
 
 
 def captured_decoders(target, drafter: DFlashDrafter, prompts: Sequence[Sequence[int]], max_new_tokens: int

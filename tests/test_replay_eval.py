@@ -162,6 +162,9 @@ def test_cli_two_benchmarks(tiny_target_dir, export, chats_sample_path, tmp_path
         summary = data["benchmarks"][name]["summary"]
         assert summary["prompts"] == 3 and summary["sample_prompts"] == 2 and summary["replay_equal"] == 2
         assert name in result.output
+        steps = summary["block_in_greedy_steps"]  # the sample's block split, printed as reported
+        assert list(steps) == ["prefill", "proposal", "verify", "loop"]
+        assert f"whole block {sum(steps.values()):.2f}" in result.output
     assert "online tau" in result.output and "tau histogram" in result.output
 
 

@@ -4,6 +4,8 @@ export / checkpoint loading paths. Tiny random target from tests/toy_target.py, 
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
@@ -103,6 +105,27 @@ def test_partial_acceptance(target, prompts):
     out = spec.speculative_generate(target, HalfRight(prompt, reference, BLOCK), prompt, MAX_NEW)
     assert out.tokens == reference[:MAX_NEW]
     assert out.block_taus == [2] * ((MAX_NEW - 1) // 2) + [1] * ((MAX_NEW - 1) % 2)  # the last cut by max_new_tokens
+
+
+def test_block_time_split_into_its_parts(target, prompts):
+    """A proposal's time goes to "proposal" and nowhere else; the parts add up to the decode's seconds, and the
+    report's block split in greedy steps adds up to a block's time."""
+    prompt = prompts[0]
+    reference = spec.greedy_generate(target, prompt, MAX_NEW + BLOCK).tokens
+
+    class Slow(PerfectProposer):
+        def propose(self, context, tokens, position):
+            time.sleep(0.02)
+            return super().propose(context, tokens, position)
+
+    out = spec.speculative_generate(target, Slow(prompt, reference, BLOCK), prompt, MAX_NEW)
+    blocks = len(out.block_taus)
+    assert set(out.parts) == {"prefill", "proposal", "verify", "loop"} and min(out.parts.values()) >= 0
+    assert sum(out.parts.values()) == pytest.approx(out.seconds)
+    assert out.parts["proposal"] >= 0.02 * blocks > out.parts["verify"] + out.parts["loop"] - 0.02 * blocks
+    greedy = spec.greedy_generate(target, prompt, MAX_NEW)
+    steps = spec._summary([out], [greedy], BLOCK)["block_in_greedy_steps"]
+    assert sum(steps.values()) * greedy.seconds / len(greedy.tokens) * blocks == pytest.approx(out.seconds)
 
 
 def test_eos_stops_both_decoders(target, prompts):
