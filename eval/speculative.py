@@ -300,10 +300,10 @@ class StaticTarget(EagerTarget):
     def crop(self, keep: int) -> None:
         if keep > self._length:
             raise ValueError(f"cannot crop a {self._length}-position cache to {keep}")
-        for layer in getattr(self.cache, "layers", ()):
-            counter = getattr(layer, "cumulative_length", None)  # transformers 5.17+: the layer writes there
-            if keep < self._length and isinstance(counter, torch.Tensor):
-                counter.sub_(self._length - keep)  # in place: a captured graph reads it at its address
+        counters = [getattr(layer, "cumulative_length", None) for layer in getattr(self.cache, "layers", ())]
+        counters = [c for c in counters if isinstance(c, torch.Tensor)]  # transformers 5.17+: each layer writes there
+        if keep < self._length and counters:  # in place (a captured graph reads them at their addresses), one launch
+            torch._foreach_sub_(counters, self._length - keep)
         self._length = keep
 
 
