@@ -202,6 +202,29 @@ def test_static_cache_equals_the_plain_path(greedy_run, tmp_path, target, tokeni
     assert room is not None or len(decoder_rooms) > 1, decoder_rooms  # several rooms were used
 
 
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_static_cache_on_cuda_equals_the_plain_path(tiny_target_dir, tokenizer, monkeypatch):
+    """On CUDA generate() compiles the static path's decode step into CUDA graphs, with the grouped one-token
+    attention: float32, its answers equal the plain path's, for prompts in two rooms and a batch padded to its rows."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_target_dir, dtype=torch.float32, attn_implementation="sdpa")
+    model = model.cuda().eval()
+    settings = regen.GenerationSettings(max_new_tokens=MAX_NEW, dtype="float32")
+    stops = regen.stop_token_ids(model, tokenizer)
+    kwargs = regen.generation_kwargs(settings, stops, tokenizer.pad_token_id)
+    prompts = [tokenizer.apply_chat_template([{"role": "user", "content": "Say 'ok' " * n}], add_generation_prompt=True,
+                                             tokenize=False) for n in (1, 2, 12)]
+    plain = regen.generate_batch(model, tokenizer, prompts, kwargs, stops)
+    monkeypatch.setattr(regen, "STATIC_SMALLEST_ROOM", 32)  # rooms 32 and 128 for prompts of 19, 26 and 96 tokens
+    static = regen.StaticDecoder(model, 4, MAX_NEW, 128)
+    assert model.config._attn_implementation == regen.GROUPED_DECODE
+    for batch in (prompts[:2], prompts):  # the smallest room, then a longer prompt's room
+        assert regen.generate_batch(model, tokenizer, batch, kwargs, stops, static) == plain[:len(batch)]
+    assert len(static.caches) == 2
+
+
 class _Recording(dict):
     """A dict that notes every key set in it."""
 

@@ -213,6 +213,23 @@ def test_static_cache_decoding_equals_the_eager_path(target, drafter, prompts, e
     assert any(t > 1 for r in static["per_prompt"] for t in r["block_taus"])  # some drafts were kept
 
 
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_captured_decoders_equal_the_eager_path_on_cuda(target, drafter, prompts, eos):
+    """On CUDA ``--capture`` runs the target's decode and verify forwards through torch.compile's CUDA graphs and
+    the proposal as one captured graph: float32, they give the eager path's tokens and block taus."""
+    import copy
+
+    target, drafter = copy.deepcopy(target).cuda(), copy.deepcopy(drafter).cuda()
+    eager = spec.evaluate(target, drafter, prompts, max_new_tokens=MAX_NEW, eos_token_ids=eos, warmup=False)
+    session, proposer = spec.captured_decoders(target, drafter, prompts, MAX_NEW)
+    assert proposer._capture
+    captured = spec.evaluate(target, proposer, prompts, max_new_tokens=MAX_NEW, eos_token_ids=eos, session=session)
+    assert captured["overall"]["lossless"] and proposer._graph is not None
+    for a, b in zip(eager["per_prompt"], captured["per_prompt"]):
+        assert (a["tokens"], a["block_taus"]) == (b["tokens"], b["block_taus"])
+
+
 def test_static_cache_rejects_running_past_its_length(target, prompts):
     session = spec.StaticTarget(target, len(prompts[0]) + 2)
     spec.greedy_generate(target, prompts[0], 3, session=session)  # prompt + 2 decoded positions: fits
