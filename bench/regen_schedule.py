@@ -24,12 +24,13 @@ settings = regen.GenerationSettings(**json.loads((out / regen.RUN_FILE).read_tex
 rows = [json.loads(line) for part in sorted((out / regen.PARTS_DIR).glob("part-*[0-9].jsonl"))
         for line in part.read_text(encoding="utf-8").split("\n") if line]
 convs = [normalize_row(row, i, str(out)) for i, row in enumerate(rows)]
-answers, askers = {}, {}  # each recorded turn's prompt -> its answer's tokens (None: two answers); -> its chats
+answers, askers = {}, {}  # each recorded turn's prompt ids -> its answer's tokens (None: two answers); -> its chats
 for index, conv in enumerate(convs):
     for turn, message in enumerate(conv.messages):
         if message["role"] == "assistant":
             prompt = tokenizer.apply_chat_template(conv.messages[:turn], add_generation_prompt=True, tokenize=False,
                                                    **settings.template_kwargs)
+            prompt = tuple(tokenizer(prompt, add_special_tokens=False)["input_ids"])  # as the pool holds it
             tokens = tokenizer(message["content"], add_special_tokens=False)["input_ids"]
             answers[prompt] = tokens if answers.get(prompt, tokens) == tokens else None
             askers.setdefault(prompt, set()).add(index)
@@ -39,9 +40,10 @@ print(f"{len(convs) - len(left_out)} chats replayed, {len(left_out)} left out (a
 steps_of = lambda p: min(len(answers[p]) + 1, settings.max_new_tokens)  # noqa: E731  (the stop token is a step)
 useful = sum(steps_of(p) for p, chats in askers.items() if not chats & left_out)
 batches = []  # (rows, decode steps)
-regen.generate_batch = lambda model, tok, prompts, *rest: batches.append((len(prompts), max(map(steps_of, prompts)))) \
-    or [(answers[p], len(answers[p]) >= settings.max_new_tokens) for p in prompts]
-orders = {"most turns left, then longest prompt": regen.batch_priority, "longest prompt (before)": lambda i: -i[3]}
+regen.generate_batch = lambda model, prompts, *rest: batches.append((len(prompts), max(steps_of(tuple(p)) for p in
+                                                                                    prompts))) \
+    or [(answers[tuple(p)], len(answers[tuple(p)]) >= settings.max_new_tokens) for p in prompts]
+orders = {"most turns left, then longest prompt": regen.batch_priority, "longest prompt (before)": lambda i: -len(i[2])}
 for batch_size, part, (name, order) in itertools.product(sizes, part_sizes, orders.items()):
     regen.batch_priority = order
     batches.clear()

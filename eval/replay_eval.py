@@ -52,14 +52,11 @@ def greedy_continuations(target, prompts: Sequence[Sequence[int]], max_new_token
     static = device_of(target).type == "cuda" if static is None else static
     decoder = StaticDecoder(target, batch_size, max_new_tokens, max(map(len, prompts))) if static and prompts else None
 
-    def tokenize(text: str, add_special_tokens: bool = False) -> dict[str, list[int]]:  # "i" -> prompt i
-        return {"input_ids": list(prompts[int(text)])}
-
     order = sorted(range(len(prompts)), key=lambda i: -len(prompts[i]))  # similar lengths share a batch
     out: dict[int, tuple[list[int], bool]] = {}
     for start in range(0, len(order), batch_size):
         rows = order[start:start + batch_size]
-        out.update(zip(rows, generate_batch(target, tokenize, [str(i) for i in rows], gen_kwargs, stops, decoder)))
+        out.update(zip(rows, generate_batch(target, [prompts[i] for i in rows], gen_kwargs, stops, decoder)))
     return [out[i] for i in range(len(prompts))]
 
 

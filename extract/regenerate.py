@@ -276,9 +276,10 @@ GROUPED_DECODE = "grouped_kv_decode"  # StaticDecoder gives an SDPA model this a
 
 
 def grouped_decode_attention(module, query, key, value, attention_mask, scaling=None, **kwargs):
-    """transformers' SDPA attention, except that a one-token query over grouped key/value heads runs as (batch, key/value
-    heads, group, dim) on the cache as it is. transformers' SDPA path copies the keys and values to every query head
-    whenever a mask is given (left padding always gives one): 40 % of a decode step at SmolLM2's shapes."""
+    """transformers' SDPA attention, except that a one-token query over grouped key/value heads runs as
+    (batch, key/value heads, group, dim) on the cache as it is. transformers' SDPA path copies the keys and values
+    to every query head whenever a mask is given (left padding always gives one): 40 % of a decode step at
+    SmolLM2's shapes."""
     import torch.nn.functional as F
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
@@ -323,14 +324,13 @@ class StaticDecoder:
         return self.caches[room]
 
 
-def generate_batch(model, tokenizer, prompts: list[str], gen_kwargs: dict, stop_ids: list[int],
+def generate_batch(model, prompts: list[list[int]], gen_kwargs: dict, stop_ids: list[int],
                    static: StaticDecoder | None = None) -> list[tuple[list[int], bool]]:
-    """Left-padded batched generation: per prompt (tokens before the stop token, truncated?). On
-    ``static``'s cache the batch is padded to its rows with copies of the first prompt (masked)."""
+    """Left-padded batched generation of token-id prompts: per prompt (tokens before the stop token,
+    truncated?). On ``static``'s cache the batch is padded to its rows with copies of the first prompt (masked)."""
     import torch
 
-    # Padded by hand: setting tokenizer.padding_side would change the tokenizer (and its fingerprint).
-    encoded = [tokenizer(p, add_special_tokens=False)["input_ids"] for p in prompts]
+    encoded = [list(ids) for ids in prompts]
     width, real_rows = max(len(ids) for ids in encoded), len(encoded)
     cache = static.cache_for(width, real_rows) if static is not None else None
     if cache is not None:
@@ -350,12 +350,12 @@ def generate_batch(model, tokenizer, prompts: list[str], gen_kwargs: dict, stop_
     return results
 
 
-def batch_priority(item: tuple[Chat, int, str, int]) -> tuple[int, int]:
-    """Which ready (chat, turn, prompt, prompt tokens) runs first: the chat with the most turns left, then the
-    longest prompt. A chat's turns run one batch after another, so the deepest chats set how many batches
-    there are; started first, they keep the last batches full (BENCHMARKS.md, "Regeneration on the GPU")."""
-    chat, turn, _, prompt_tokens = item
-    return -sum(m["role"] == "assistant" for m in chat.messages[turn:]), -prompt_tokens
+def batch_priority(item: tuple[Chat, int, list[int]]) -> tuple[int, int]:
+    """Which ready (chat, turn, prompt ids) runs first: the chat with the most turns left, then the longest
+    prompt. A chat's turns run one batch after another, so the deepest chats set how many batches there are;
+    started first, they keep the last batches full (BENCHMARKS.md, "Regeneration on the GPU")."""
+    chat, turn, ids = item
+    return -sum(m["role"] == "assistant" for m in chat.messages[turn:]), -len(ids)
 
 
 def regenerate_conversations(model, tokenizer, chats: list[Chat], settings: GenerationSettings, batch_size: int,
@@ -365,7 +365,7 @@ def regenerate_conversations(model, tokenizer, chats: list[Chat], settings: Gene
     hears of each chat with no turn left."""
     stop_ids = stop_token_ids(model, tokenizer)
     gen_kwargs = generation_kwargs(settings, stop_ids, tokenizer.pad_token_id)
-    pool: list[tuple[Chat, int, str, int]] = []  # (chat, turn, prompt, prompt tokens)
+    pool: list[tuple[Chat, int, list[int]]] = []  # (chat, turn, prompt ids)
 
     def ready(chat: Chat) -> None:
         """The chat's next turn into the pool, or, with none left, the chat to ``done``."""
@@ -379,9 +379,9 @@ def regenerate_conversations(model, tokenizer, chats: list[Chat], settings: Gene
                                        f"chat template rejected the prompt: {type(exc).__name__}: {exc}"))
                 chat.dropped = "template_rejected"
             else:
-                n_tokens = len(tokenizer(text, add_special_tokens=False)["input_ids"])
-                if settings.max_prompt_tokens is None or n_tokens <= settings.max_prompt_tokens:
-                    pool.append((chat, turn, text, n_tokens))
+                ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+                if settings.max_prompt_tokens is None or len(ids) <= settings.max_prompt_tokens:
+                    pool.append((chat, turn, ids))
                     return
                 chat.apply({"turn": turn, "cut": "prompt_too_long"}, skips)
         if done is not None:
@@ -392,8 +392,8 @@ def regenerate_conversations(model, tokenizer, chats: list[Chat], settings: Gene
     while pool:
         pool.sort(key=batch_priority)
         batch, pool[:] = pool[:batch_size], pool[batch_size:]
-        outputs = generate_batch(model, tokenizer, [text for _, _, text, _ in batch], gen_kwargs, stop_ids, static)
-        for (chat, turn, _, _), (tokens, truncated) in zip(batch, outputs):
+        outputs = generate_batch(model, [ids for _, _, ids in batch], gen_kwargs, stop_ids, static)
+        for (chat, turn, _), (tokens, truncated) in zip(batch, outputs):
             content = tokenizer.decode(tokens, skip_special_tokens=False)
             chat.apply(answer_event(chat, turn, settings, content, truncated, len(tokens)), skips)
             ready(chat)
@@ -428,8 +428,7 @@ class LocalEngine:
             stops = question_stop_ids(model, tokenizer, end_of_user_turn, gen.template_kwargs)
             kwargs = generation_kwargs(replace(gen, temperature=cfg.question_temperature, top_p=cfg.question_top_p,
                                                max_new_tokens=cfg.question_max_tokens), stops, tokenizer.pad_token_id)
-            self.sampler = QuestionSampler(lambda prompts: generate_batch(model, tokenizer, prompts, kwargs, stops,
-                                                                          self.static),
+            self.sampler = QuestionSampler(lambda prompts: generate_batch(model, prompts, kwargs, stops, self.static),
                                            tokenizer, header, cfg.question_min_chars, cfg.batch_size)
 
     def metadata(self, stats: list[dict]) -> dict:

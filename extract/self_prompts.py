@@ -37,10 +37,10 @@ def question_stop_ids(model, tokenizer, end_of_user_turn: str | None,
 
 @dataclass
 class QuestionSampler:
-    """Samples questions after ``header`` through ``generate`` (prompts -> [(tokens, truncated)]);
+    """Samples questions after ``header`` through ``generate`` (prompt ids -> [(tokens, truncated)]);
     ``seen``: the dedup keys of every question kept in the run."""
 
-    generate: Callable[[list[str]], list[tuple[list[int], bool]]]
+    generate: Callable[[list[list[int]]], list[tuple[list[int], bool]]]
     tokenizer: Any
     header: str
     min_chars: int  # shorter questions (whitespace collapsed) are dropped
@@ -52,9 +52,10 @@ class QuestionSampler:
         the part record's counts and kept dedup keys; bad and duplicate questions are dropped, counted."""
         counts = dict.fromkeys(("generated", "truncated", "empty", "too_short", "duplicates", "kept"), 0)
         convs, keys = [], []
+        header = self.tokenizer(self.header, add_special_tokens=False)["input_ids"]
         for start in range(0, len(indices), self.batch_size):
             batch = indices[start:start + self.batch_size]
-            for index, (tokens, truncated) in zip(batch, self.generate([self.header] * len(batch))):
+            for index, (tokens, truncated) in zip(batch, self.generate([header] * len(batch))):
                 counts["generated"] += 1
                 question = self.tokenizer.decode(tokens, skip_special_tokens=False).strip()
                 key = " ".join(question.split())  # the dedup key: whitespace runs collapsed

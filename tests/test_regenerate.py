@@ -215,13 +215,13 @@ def test_static_cache_on_cuda_equals_the_plain_path(tiny_target_dir, tokenizer, 
     stops = regen.stop_token_ids(model, tokenizer)
     kwargs = regen.generation_kwargs(settings, stops, tokenizer.pad_token_id)
     prompts = [tokenizer.apply_chat_template([{"role": "user", "content": "Say 'ok' " * n}], add_generation_prompt=True,
-                                             tokenize=False) for n in (1, 2, 12)]
-    plain = regen.generate_batch(model, tokenizer, prompts, kwargs, stops)
+                                             tokenize=True, return_dict=True)["input_ids"] for n in (1, 2, 12)]
+    plain = regen.generate_batch(model, prompts, kwargs, stops)
     monkeypatch.setattr(regen, "STATIC_SMALLEST_ROOM", 32)  # rooms 32 and 128 for prompts of 19, 26 and 96 tokens
     static = regen.StaticDecoder(model, 4, MAX_NEW, 128)
     assert model.config._attn_implementation == regen.GROUPED_DECODE
     for batch in (prompts[:2], prompts):  # the smallest room, then a longer prompt's room
-        assert regen.generate_batch(model, tokenizer, batch, kwargs, stops, static) == plain[:len(batch)]
+        assert regen.generate_batch(model, batch, kwargs, stops, static) == plain[:len(batch)]
     assert len(static.caches) == 2
 
 
@@ -251,8 +251,8 @@ def test_the_deepest_chat_starts_first_so_batches_stay_full(target, tokenizer, m
     chats = [regen.Chat.start(normalize_row(row, i, "rows"), skips) for i, row in enumerate(rows)]
     batches = []
     real = regen.generate_batch
-    monkeypatch.setattr(regen, "generate_batch", lambda model, tok, prompts, *a: batches.append(len(prompts)) or
-                        real(model, tok, prompts, *a))
+    monkeypatch.setattr(regen, "generate_batch", lambda model, prompts, *a: batches.append(len(prompts)) or
+                        real(model, prompts, *a))
     settings = regen.GenerationSettings(max_new_tokens=MAX_NEW, dtype="float32")
     done = []  # each chat once, as soon as its last turn is answered (the progress bar's rows)
     regen.regenerate_conversations(target, tokenizer, chats, settings, 2, skips,

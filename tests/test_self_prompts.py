@@ -70,7 +70,7 @@ def test_sampler_drops_and_counts_truncated_empty_short_and_duplicate_questions(
 
     sampler = QuestionSampler(generate, tiny_tokenizer, "HEADER", 8, 3)
     convs, record = sampler.chats(range(10, 17))
-    assert asked == ["HEADER"] * 7
+    assert asked == [tiny_tokenizer("HEADER", add_special_tokens=False)["input_ids"]] * 7  # the header's ids
     assert [(c.row_index, c.messages) for c in convs] == [
         (-11, [{"role": "user", "content": "What is a list?"}, {"role": "assistant", "content": ""}]),
         (-16, [{"role": "user", "content": "Why is the sky blue?"}, {"role": "assistant", "content": ""}])]
