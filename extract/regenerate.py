@@ -27,6 +27,7 @@ RUN_FILE = "run.json"
 # source rows per part by default: a server's answers are journaled, so its parts can be small; in process an unfinished
 # part is redone whole, and each ends in a tail of small batches (BENCHMARKS.md, "Regeneration on the GPU")
 PART_SIZE = {"endpoint": 256, "in process": 4096}
+BATCH_SIZE = {"cuda": 512, "cpu": 16}  # in process; on an H200 batch 1,024 was no faster than 512 (BENCHMARKS.md)
 METADATA_FILE = "regenerate.json"
 PARTS_DIR = "parts"
 TOTALS = ("turns_regenerated", "truncated_turns", "generated_tokens")  # counted per chat, summed per part and run
@@ -62,7 +63,7 @@ class RegenConfig:
     retry_wait: float = 1.0  # first backoff in seconds (no flag)
     concurrency: int = 32
     extra_body: dict[str, Any] = field(default_factory=dict)
-    batch_size: int = 16
+    batch_size: int | None = None  # None: BATCH_SIZE by the target's device
     part_size: int | None = None  # None: PART_SIZE[engine]
     limit: int | None = None
     device: str = "cpu"
@@ -413,6 +414,7 @@ class LocalEngine:
         tokenizer = AutoTokenizer.from_pretrained(cfg.model) if tokenizer is None else tokenizer
         model = load_target(cfg.model, dtype=gen.dtype, device=cfg.device) if model is None else model
         self.cfg, self.model, self.tokenizer = cfg, model, tokenizer
+        self.batch_size = cfg.batch_size or BATCH_SIZE.get(model.device.type, BATCH_SIZE["cpu"])
         dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
         self.fingerprint = target_fingerprint(cfg.model, model.config.to_dict(), dtype)
         self.record = {"generation": asdict(gen), "tokenizer": tokenizer_fingerprint(tokenizer),
@@ -420,7 +422,7 @@ class LocalEngine:
                                                                        "weights_hash", "dtype")}}
         use_static = cfg.static_cache if cfg.static_cache is not None else model.device.type == "cuda"
         new_tokens = max(gen.max_new_tokens, cfg.question_max_tokens if cfg.self_prompts else 0)
-        self.static = StaticDecoder(model, cfg.batch_size, new_tokens, gen.max_prompt_tokens) if use_static else None
+        self.static = StaticDecoder(model, self.batch_size, new_tokens, gen.max_prompt_tokens) if use_static else None
         if cfg.self_prompts:  # absent from the record otherwise, so runs made before it still resume
             header, end_of_user_turn = user_header(tokenizer, gen.template_kwargs)
             self.record["self_prompts"] = {"header": header, **{k: getattr(cfg, k) for k in (
@@ -429,14 +431,14 @@ class LocalEngine:
             kwargs = generation_kwargs(replace(gen, temperature=cfg.question_temperature, top_p=cfg.question_top_p,
                                                max_new_tokens=cfg.question_max_tokens), stops, tokenizer.pad_token_id)
             self.sampler = QuestionSampler(lambda prompts: generate_batch(model, prompts, kwargs, stops, self.static),
-                                           tokenizer, header, cfg.question_min_chars, cfg.batch_size)
+                                           tokenizer, header, cfg.question_min_chars, self.batch_size)
 
     def metadata(self, stats: list[dict]) -> dict:
         return {"target_fingerprint": self.fingerprint}
 
     def run(self, parts, finish, progress) -> None:
         for part in parts:
-            regenerate_conversations(self.model, self.tokenizer, part.chats, self.cfg.generation, self.cfg.batch_size,
+            regenerate_conversations(self.model, self.tokenizer, part.chats, self.cfg.generation, self.batch_size,
                                      part.skips, self.static, done=lambda chat, part=part: progress(part, chat))
             finish(part)
 

@@ -42,7 +42,8 @@ from .regenerate import GenerationSettings, RegenConfig, regenerate
               "end by then is dropped (counted).")
 @click.option("--question-min-chars", default=8, help="Self-prompted questions shorter than this (whitespace "
               "collapsed) are dropped (counted).")
-@click.option("--batch-size", type=click.IntRange(min=1), default=16, help="Prompts per generate() call (in process).")
+@click.option("--batch-size", type=Maybe(click.IntRange(min=1)), help="Prompts per generate() call (in process); "
+              "default: 512 on a GPU, 16 on the CPU.")
 @click.option("--concurrency", type=click.IntRange(min=1), default=32, help="Conversations in flight at once "
               "(--endpoint).")
 @click.option("--request-timeout", type=click.FloatRange(min=0, min_open=True), default=600.0, help="Seconds for one "

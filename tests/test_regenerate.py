@@ -152,6 +152,15 @@ def test_resume_with_other_settings_is_refused(greedy_run, target, tokenizer, ti
                          tokenizer=tokenizer)
 
 
+def test_batch_size_defaults_by_device(target, tokenizer, tiny_target_dir, chats_sample_path, tmp_path):
+    """In process, no --batch-size: 16 prompts a generate() call on the CPU (512 on a GPU); a given one is kept."""
+    cfg = _config(chats_sample_path, tiny_target_dir, tmp_path / "out")
+    cfg.batch_size = None
+    assert regen.LocalEngine(cfg, model=target, tokenizer=tokenizer).batch_size == regen.BATCH_SIZE["cpu"] == 16
+    cfg.batch_size = 5
+    assert regen.LocalEngine(cfg, model=target, tokenizer=tokenizer).batch_size == 5
+
+
 def test_generation_kwargs_override_model_defaults():
     greedy = regen.generation_kwargs(regen.GenerationSettings(), [1, 2], 0)
     assert greedy["do_sample"] is False and "temperature" not in greedy
