@@ -208,12 +208,13 @@ def format_benchmarks(lines: Iterable[dict[str, Any]], markdown: bool = False) -
     lines = list(lines)
     if markdown:
         out = ["| benchmark | prompts | tokens | tau (replay) | tau (online sample) | greedy tok/s | speculative tok/s "
-               "| speedup |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+               "| speedup | a block, in greedy steps |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
         for r in lines:
-            speedup = fmt(r["speedup"])
+            speedup, block = fmt(r["speedup"]), sum(r["block_in_greedy_steps"].values()) or None
             out.append(f"| {r['benchmark']} | {r['prompts']} | {r['new_tokens']} | {fmt(r['tau'])} | "
                        f"{fmt(r['online_tau'])} | {fmt(r['greedy_tokens_per_s'], '.0f')} | "
-                       f"{fmt(r['spec_tokens_per_s'], '.0f')} | {speedup}{'x' if speedup != '-' else ''} |")
+                       f"{fmt(r['spec_tokens_per_s'], '.0f')} | {speedup}{'x' if speedup != '-' else ''} | "
+                       f"{fmt(block)} |")
         return "\n".join(out)
     head = (f"{'benchmark':<16} {'prompts':>7} {'tokens':>8} {'tau':>6} {'sample':>6} {'online tau':>10} "
             f"{'greedy tok/s':>12} {'spec tok/s':>10} {'speedup':>7} {'lossless':>13} {'= replay':>8}")

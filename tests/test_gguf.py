@@ -279,6 +279,8 @@ def test_demo_real_runs_every_stage_on_the_cpu(tiny_gguf, tmp_path):
         assert line == evaluated[name]["summary"] and line["prompts"] == 2
     table = (out / "table.md").read_text().splitlines()
     assert [row.split("|")[1].strip() for row in table[2:]] == ["mtbench", "humaneval", "sharegpt"]
+    for row, line in zip(table[2:], summary["benchmarks"].values()):  # a block's cost, as the report splits it
+        assert row.split("|")[-2].strip() == f"{sum(line['block_in_greedy_steps'].values()):.2f}"
     assert set(summary["stage_seconds"]) == {"convert", "regenerate", "extract", "train", "export", "eval"}
     export = json.loads((out / "export" / "config.json").read_text())
     assert 3 <= export["dflash_config"]["mask_token_id"] <= 16  # a special token, picked without a flag
