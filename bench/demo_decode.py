@@ -59,7 +59,7 @@ def main(out: str, rounds: int, threads: int, max_new_tokens: int, clock: str) -
     for _ in range(rounds):
         greedy_s = spec_s = 0.0
         tokens = blocks = 0
-        parts = dict.fromkeys(["prefill", "proposal", "verify", "loop"], 0.0)  # the decodes' own wall-clock split
+        specs, greedies = [], []
         for prompt in prompts:
             start = now()
             greedy = speculative.greedy_generate(target, prompt, max_new_tokens, eos)
@@ -70,11 +70,10 @@ def main(out: str, rounds: int, threads: int, max_new_tokens: int, clock: str) -
             spec_s += now() - start
             speculative.check_lossless(spec.tokens, greedy.tokens, greedy.margins)
             blocks += len(spec.block_taus)
-            for name in parts:
-                parts[name] += spec.parts[name]
+            specs.append(spec)
+            greedies.append(greedy)
         per_token.append(greedy_s / tokens * 1e3)
-        step = greedy_s / tokens
-        shares.append({name: t / blocks / step for name, t in parts.items()})
+        shares.append(speculative._block_parts(specs, greedies, blocks))  # as dflash-eval reports it (wall clock)
         ratios.append(greedy_s / spec_s)
         per_block.append(spec_s / blocks * 1e3)
     tau = (tokens - len(prompts)) / blocks
