@@ -34,8 +34,8 @@ class RealSettings:
     max_new_tokens: int = 256  # per regenerated turn and per evaluated prompt
     max_prompt_tokens: int = 1024  # later turns of long chats are cut there (counted)
     regen_batch_size: int = 512
-    train: dict = field(default_factory=lambda: dict(
-        max_steps=800, eval_every=800, save_every=800, eval_samples=64))  # each evaluation costs ~200 steps
+    train: dict = field(default_factory=lambda: dict(  # 2,400 steps: held-out tau 3.08 against 1.89 at 800, ~9 min
+        max_steps=2400, eval_every=2400, save_every=2400, eval_samples=64))  # each evaluation costs ~200 steps
     spec_sample: int = 4  # prompts per benchmark decoded speculatively for real (lossless check, tau match)
     eval_batch_size: int = 128  # prompts per batched greedy generation in the evaluation
     eval_limit: int | None = None  # the first N prompts of each benchmark (None: all)

@@ -135,7 +135,8 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
         sink = metrics.MetricsSink(out, is_main, rt.tensorboard)
 
         spec = StepSpec(choice.attention, dcfg.block_size, dcfg.mask_token_id, cfg.drafter.gamma,
-                        rt.ce_chunk_size, autocast_dtype, cfg.drafter.loss, cfg.drafter.kd_weight, cfg.drafter.labels)
+                        rt.ce_chunk_size, autocast_dtype, cfg.drafter.loss, cfg.drafter.kd_weight, cfg.drafter.labels,
+                        choice.backend if choice.compile_model else None)
 
         split = Split.of(len(reader), dcfg_data.eval_samples, reader.source_indices(), dcfg_data.train_samples)
         if is_main:

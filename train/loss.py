@@ -39,6 +39,61 @@ def block_labels(input_ids: torch.Tensor, loss_mask: torch.Tensor, seq_len: torc
     return labels, weights
 
 
+def _chunk_loss(hidden, weight, label, w, scale, ids, target_logp, ce_coef: float, kd_coef: float, need_grad: bool):
+    """One chunk of rows: (sum of w * CE, sum of w * KL, argmax == label, d(loss)/d(hidden) or None). Plain tensor
+    code, so training can compile it into a few fused passes over the (c, V) logits (eager makes about twenty)."""
+    logits = F.linear(hidden.to(weight.dtype), weight).float()  # (c, V)
+    safe_label = label.clamp(min=0)
+    lse = torch.logsumexp(logits, dim=-1)  # (c,)
+    ce_sum = (w * (lse - logits.gather(1, safe_label[:, None]).squeeze(1))).sum()
+    correct = (logits.argmax(dim=-1) == label) & (label >= 0)
+    kd_sum = torch.zeros((), dtype=torch.float32, device=hidden.device)
+    tail_lse, tail_coef = lse, ce_coef * torch.ones_like(lse)
+    if ids is not None:
+        ids = ids.long()  # (c, k)
+        target_logp = target_logp.float()
+        p = target_logp.exp()
+        r = (1.0 - p.sum(-1)).clamp(min=0.0)  # target's tail mass
+        drafter_logq = logits.gather(1, ids) - lse[:, None]  # (c, k)
+        logits.scatter_(1, ids, float("-inf"))
+        tail_lse = torch.logsumexp(logits, dim=-1)
+        drafter_log_tail = tail_lse - lse  # log of the drafter's mass outside the top-k
+        kl = torch.where(p > 0, p * (target_logp - drafter_logq), torch.zeros_like(p)).sum(-1)
+        kl = kl + torch.where(r > 0, r * (r.clamp(min=1e-30).log() - drafter_log_tail), torch.zeros_like(r))
+        kd_sum = (w * kl).sum()
+        mass = p.sum(-1) + r
+        tail_lse = torch.where(torch.isfinite(tail_lse), tail_lse, torch.zeros_like(tail_lse))
+        # tail entries: (ce + kd * mass) * q - kd * r * s = s * ((ce + kd * mass) * Q_tail - kd * r)
+        tail_coef = (ce_coef + kd_coef * mass) * drafter_log_tail.exp() - kd_coef * r
+    if not need_grad:
+        return ce_sum, kd_sum, correct, None
+    grad_logits = logits.sub_(tail_lse[:, None]).exp_()  # (c, V); zero at the top-k ids under kd
+    grad_logits.mul_((scale * tail_coef)[:, None])
+    if ids is not None:
+        topk_grad = (ce_coef + kd_coef * mass)[:, None] * drafter_logq.exp() - kd_coef * p
+        grad_logits.scatter_add_(1, ids, scale[:, None] * topk_grad)
+    grad_logits.scatter_add_(1, safe_label[:, None], (-ce_coef * scale)[:, None])
+    return ce_sum, kd_sum, correct, (grad_logits.to(weight.dtype) @ weight).to(hidden.dtype)
+
+
+_COMPILED: dict[str, object] = {}
+
+
+def _compiled_chunk_loss(backend: str):
+    """``_chunk_loss`` through torch.compile, one graph a (grad, top-k) case: every chunk is padded to full size."""
+    if backend not in _COMPILED:
+        _COMPILED[backend] = torch.compile(_chunk_loss, backend=backend, dynamic=False)
+    return _COMPILED[backend]
+
+
+def _rows(t: torch.Tensor | None, start: int, stop: int, size: int, fill) -> torch.Tensor | None:
+    """Rows start:stop of t, padded with fill to size rows (a padded row weighs 0)."""
+    if t is None:
+        return None
+    t = t[start:stop]
+    return t if len(t) == size else torch.cat([t, t.new_full((size - len(t), *t.shape[1:]), fill)])
+
+
 class _ChunkedBlockLoss(torch.autograd.Function):
     """Forward computes, chunk by chunk, the loss and its (M, D) gradient, so no (M, V) logits live.
     With q = softmax(z), target top-k p_i, tail mass r and tail softmax s: dCE/dz = q - onehot(label),
@@ -46,52 +101,28 @@ class _ChunkedBlockLoss(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden, weight, labels, weights, topk_ids, topk_logprobs, ce_coef, kd_coef, chunk_size,
-                denominator, need_grad):
+                denominator, need_grad, backend):
         n_rows = hidden.shape[0]
-        kd = topk_ids is not None and kd_coef != 0
         w = torch.where(labels >= 0, weights.to(torch.float32), torch.zeros((), device=weights.device))
         denominator = torch.as_tensor(w.sum() if denominator is None else denominator, dtype=torch.float32,
                                       device=hidden.device)
         safe_denominator = torch.where(denominator > 0, denominator, torch.ones_like(denominator))
+        scale = w / safe_denominator
+        chunk_loss = _chunk_loss if backend is None else _compiled_chunk_loss(backend)
         ce_total = kd_total = torch.zeros((), dtype=torch.float32, device=hidden.device)
         correct = torch.zeros(n_rows, dtype=torch.bool, device=hidden.device)
         grad_hidden = torch.zeros_like(hidden) if need_grad else None
         for start in range(0, n_rows, chunk_size):
             stop = min(start + chunk_size, n_rows)
-            logits = F.linear(hidden[start:stop].to(weight.dtype), weight).float()  # (c, V)
-            label, w_chunk = labels[start:stop], w[start:stop]
-            safe_label = label.clamp(min=0)
-            lse = torch.logsumexp(logits, dim=-1)  # (c,)
-            label_logit = logits.gather(1, safe_label[:, None]).squeeze(1)
-            ce_total = ce_total + (w_chunk * (lse - label_logit)).sum()
-            correct[start:stop] = (logits.argmax(dim=-1) == label) & (label >= 0)
-            tail_lse, tail_coef = lse, ce_coef * torch.ones_like(lse)
-            if kd:
-                ids = topk_ids[start:stop].long()  # (c, k)
-                target_logp = topk_logprobs[start:stop].float()  # (c, k)
-                p = target_logp.exp()
-                r = (1.0 - p.sum(-1)).clamp(min=0.0)  # target's tail mass
-                drafter_logq = logits.gather(1, ids) - lse[:, None]  # (c, k)
-                logits.scatter_(1, ids, float("-inf"))
-                tail_lse = torch.logsumexp(logits, dim=-1)
-                drafter_log_tail = tail_lse - lse  # log of the drafter's mass outside the top-k
-                kl = torch.where(p > 0, p * (target_logp - drafter_logq), torch.zeros_like(p)).sum(-1)
-                kl = kl + torch.where(r > 0, r * (r.clamp(min=1e-30).log() - drafter_log_tail), torch.zeros_like(r))
-                kd_total = kd_total + (w_chunk * kl).sum()
-                mass = p.sum(-1) + r
-                tail_lse = torch.where(torch.isfinite(tail_lse), tail_lse, torch.zeros_like(tail_lse))
-                # tail entries: (ce + kd * mass) * q - kd * r * s = s * ((ce + kd * mass) * Q_tail - kd * r)
-                tail_coef = (ce_coef + kd_coef * mass) * drafter_log_tail.exp() - kd_coef * r
+            size = stop - start if backend is None else chunk_size
+            rows = [_rows(t, start, stop, size, fill) for t, fill in ((hidden, 0), (labels, IGNORE_INDEX), (w, 0),
+                    (scale, 0), (topk_ids, 0), (topk_logprobs, 0))]
+            ce_sum, kd_sum, chunk_correct, chunk_grad = chunk_loss(rows[0], weight, *rows[1:], ce_coef, kd_coef,
+                                                                   need_grad)
+            ce_total, kd_total = ce_total + ce_sum, kd_total + kd_sum
+            correct[start:stop] = chunk_correct[:stop - start]
             if need_grad:
-                scale = w_chunk / safe_denominator  # (c,)
-                grad_logits = logits.sub_(tail_lse[:, None]).exp_()  # (c, V); zero at the top-k ids under kd
-                grad_logits.mul_((scale * tail_coef)[:, None])
-                if kd:
-                    topk_grad = (ce_coef + kd_coef * mass)[:, None] * drafter_logq.exp() - kd_coef * p
-                    grad_logits.scatter_add_(1, ids, scale[:, None] * topk_grad)
-                grad_logits.scatter_add_(1, safe_label[:, None], (-ce_coef * scale)[:, None])
-                grad_hidden[start:stop] = (grad_logits.to(weight.dtype) @ weight).to(hidden.dtype)
-            del logits
+                grad_hidden[start:stop] = chunk_grad[:stop - start]
         ce, kl = (torch.where(denominator > 0, t / safe_denominator, torch.zeros_like(t)) for t in (ce_total, kd_total))
         ctx.save_for_backward(grad_hidden if need_grad else torch.zeros(0))
         ctx.mark_non_differentiable(correct, ce, kl)
@@ -100,7 +131,7 @@ class _ChunkedBlockLoss(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_loss, grad_correct, grad_ce, grad_kl):
         (grad_hidden,) = ctx.saved_tensors
-        return (grad_hidden * grad_loss.to(grad_hidden.dtype),) + (None,) * 10
+        return (grad_hidden * grad_loss.to(grad_hidden.dtype),) + (None,) * 11
 
 
 @dataclass
@@ -114,10 +145,11 @@ class BlockLoss:
 def chunked_block_loss(hidden: torch.Tensor, lm_head_weight: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor,
                        topk_ids: torch.Tensor | None = None, topk_logprobs: torch.Tensor | None = None,
                        ce_coef: float = 1.0, kd_coef: float = 0.0, chunk_size: int = 2048,
-                       denominator: float | torch.Tensor | None = None) -> BlockLoss:
+                       denominator: float | torch.Tensor | None = None, backend: str | None = None) -> BlockLoss:
     """Weighted CE on labels (M,) (negative: ignored) and/or KL from the target's top-k (M, k) of hidden
     (M, D) through lm_head_weight (V, D). The KL is over k + 1 buckets (the top-k and the tail mass), so
-    the tail the cache does not itemise is matched as a whole; float32 logits, one chunk at a time."""
+    the tail the cache does not itemise is matched as a whole; float32 logits, one chunk at a time, each chunk
+    through torch.compile's ``backend`` when one is named."""
     if kd_coef != 0 and (topk_ids is None or topk_logprobs is None):
         raise ValueError("kd_coef > 0 needs the target's topk_ids and topk_logprobs")
     need_grad = torch.is_grad_enabled() and hidden.requires_grad
@@ -127,4 +159,4 @@ def chunked_block_loss(hidden: torch.Tensor, lm_head_weight: torch.Tensor, label
         return BlockLoss(*_ChunkedBlockLoss.apply(
             hidden, lm_head_weight, labels, weights, topk_ids if kd_coef != 0 else None,
             topk_logprobs if kd_coef != 0 else None, float(ce_coef), float(kd_coef), int(chunk_size),
-            denominator, need_grad))
+            denominator, need_grad, backend))

@@ -23,6 +23,7 @@ class StepSpec:
     loss: str = "ce"  # ce | kd | mix (see DrafterSpec.loss)
     kd_weight: float = 0.5  # weight of the KL in mix
     labels: str = "data"  # data | target: the cached token or the target's top-1 prediction of it
+    loss_backend: str | None = None  # torch.compile backend of the loss's chunks (None: eager)
 
     @property
     def loss_coefs(self) -> tuple[float, float]:
@@ -75,7 +76,7 @@ def block_loss(head: TargetHead, hidden: torch.Tensor, batch: dict[str, torch.Te
         topk_ids, topk_logprobs = (batch[n].gather(1, index).reshape(-1, k) for n in ("topk_ids", "topk_logprobs"))
     return chunked_block_loss(hidden.reshape(-1, hidden.shape[-1]), head.weight, labels.reshape(-1),
                               weights.reshape(-1), topk_ids, topk_logprobs, *spec.loss_coefs, spec.ce_chunk_size,
-                              denominator)
+                              denominator, spec.loss_backend)
 
 
 def block_inputs(head: TargetHead, batch: dict[str, torch.Tensor], spec: StepSpec
