@@ -74,7 +74,7 @@ def reference_ce(hidden, weight, labels, weights):
     w = torch.where(labels >= 0, weights.double(), torch.zeros((), dtype=torch.float64))
     loss = (w * ce).sum() / w.sum() if w.sum() > 0 else (w * ce).sum() * 0
     loss.backward()
-    correct = (logits.argmax(-1) == labels) & (labels >= 0)
+    correct = (logits.argmax(-1) == labels) & (w > 0)  # a row of weight 0 is never scored
     return loss.detach(), h.grad, correct
 
 
@@ -226,9 +226,9 @@ def test_kd_needs_topk_and_no_kd_ignores_it():
 
 @pytest.mark.parametrize("chunk_size,ce_coef,kd_coef", [(16, 0.0, 1.0), (10, 1.0, 0.0), (64, 0.5, 0.5)])
 def test_compiled_chunks_pad_to_one_shape_and_match_float64(chunk_size, ce_coef, kd_coef):
-    """Through torch.compile (dynamo with the eager backend: its graph, the same kernels) every chunk is padded to
-    the chunk size, 37 rows being 3, 4 or 1 chunks with a short last one: loss, gradient and per-row flags still
-    equal the float64 reference and the uncompiled path."""
+    """Through torch.compile (dynamo with the eager backend: its graph, the same kernels), the 28 rows of positive
+    weight among 37 as 2, 3 or 1 chunks padded to the chunk size: loss, gradient and per-row flags equal the
+    float64 reference and the uncompiled path."""
     torch._dynamo.reset()
     hidden, weight, labels, weights = ce_case(4)
     ids, logprobs = target_topk(4, hidden.shape[0], weight.shape[0], 5)

@@ -80,22 +80,24 @@ _COMPILED: dict[str, object] = {}
 
 
 def _compiled_chunk_loss(backend: str):
-    """``_chunk_loss`` through torch.compile, one graph a (grad, top-k) case: every chunk is padded to full size."""
+    """``_chunk_loss`` through torch.compile, one graph a (grad, top-k) case: every chunk is padded to full size,
+    compiled or not, so the two sum in the same order."""
     if backend not in _COMPILED:
         _COMPILED[backend] = torch.compile(_chunk_loss, backend=backend, dynamic=False)
     return _COMPILED[backend]
 
 
-def _rows(t: torch.Tensor | None, start: int, stop: int, size: int, fill) -> torch.Tensor | None:
-    """Rows start:stop of t, padded with fill to size rows (a padded row weighs 0)."""
+def _rows(t: torch.Tensor | None, index: torch.Tensor, size: int, fill) -> torch.Tensor | None:
+    """t's rows at index, padded with fill to size rows (a padded row weighs 0)."""
     if t is None:
         return None
-    t = t[start:stop]
+    t = t[index]
     return t if len(t) == size else torch.cat([t, t.new_full((size - len(t), *t.shape[1:]), fill)])
 
 
 class _ChunkedBlockLoss(torch.autograd.Function):
-    """Forward computes, chunk by chunk, the loss and its (M, D) gradient, so no (M, V) logits live.
+    """Forward computes, chunk by chunk over the rows of positive weight, the loss and its (M, D) gradient, so no
+    (M, V) logits live.
     With q = softmax(z), target top-k p_i, tail mass r and tail softmax s: dCE/dz = q - onehot(label),
     dKL/dz = (sum p + r) q - sum_i p_i onehot(t_i) - r s."""
 
@@ -112,17 +114,17 @@ class _ChunkedBlockLoss(torch.autograd.Function):
         ce_total = kd_total = torch.zeros((), dtype=torch.float32, device=hidden.device)
         correct = torch.zeros(n_rows, dtype=torch.bool, device=hidden.device)
         grad_hidden = torch.zeros_like(hidden) if need_grad else None
-        for start in range(0, n_rows, chunk_size):
-            stop = min(start + chunk_size, n_rows)
-            size = stop - start if backend is None else chunk_size
-            rows = [_rows(t, start, stop, size, fill) for t, fill in ((hidden, 0), (labels, IGNORE_INDEX), (w, 0),
+        kept = (w > 0).nonzero().squeeze(1)  # a row of weight 0 adds nothing to the loss or its gradient
+        for start in range(0, len(kept), chunk_size):
+            index = kept[start:start + chunk_size]
+            rows = [_rows(t, index, chunk_size, fill) for t, fill in ((hidden, 0), (labels, IGNORE_INDEX), (w, 0),
                     (scale, 0), (topk_ids, 0), (topk_logprobs, 0))]
             ce_sum, kd_sum, chunk_correct, chunk_grad = chunk_loss(rows[0], weight, *rows[1:], ce_coef, kd_coef,
                                                                    need_grad)
             ce_total, kd_total = ce_total + ce_sum, kd_total + kd_sum
-            correct[start:stop] = chunk_correct[:stop - start]
+            correct[index] = chunk_correct[:len(index)]
             if need_grad:
-                grad_hidden[start:stop] = chunk_grad[:stop - start]
+                grad_hidden[index] = chunk_grad[:len(index)]
         ce, kl = (torch.where(denominator > 0, t / safe_denominator, torch.zeros_like(t)) for t in (ce_total, kd_total))
         ctx.save_for_backward(grad_hidden if need_grad else torch.zeros(0))
         ctx.mark_non_differentiable(correct, ce, kl)
@@ -137,7 +139,7 @@ class _ChunkedBlockLoss(torch.autograd.Function):
 @dataclass
 class BlockLoss:
     loss: torch.Tensor  # 0-d float32: ce_coef * ce + kd_coef * kl (the only differentiable output)
-    correct: torch.Tensor  # (M,) bool: argmax of the drafter == label (ignored labels never correct)
+    correct: torch.Tensor  # (M,) bool: argmax of the drafter == label (rows of weight 0 never correct)
     ce: torch.Tensor  # 0-d: sum(w * CE) / denominator
     kl: torch.Tensor  # 0-d: sum(w * KL over the top-k and tail buckets) / denominator (0 without top-k)
 
