@@ -25,6 +25,7 @@ from .data import DataError
 from .plan import PlannedShard
 from .target import TargetRunner, compute_environment, head_backend_for, load_target
 
+
 @dataclass
 class WorkerTask:
     """One shard's job: the run's settings, the spec its root records, which shard, on which device."""
