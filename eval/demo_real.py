@@ -129,7 +129,7 @@ def run_real(out: Path, s: RealSettings, gguf: str | None, echo=click.echo,
     benchmarks = {name: str(out / "data" / f"{name}.jsonl") for name in ("mtbench", "humaneval", "sharegpt")}
     stages = [  # (name, label, output, command)
         ("convert", "[1/5] convert", target,
-         ["dflash.extract.gguf", "--out", str(target)] + (["--gguf", gguf] if gguf else [])),
+         ["dflash.eval.gguf", "--out", str(target)] + (["--gguf", gguf] if gguf else [])),
         ("regenerate", "[2/5] regenerate", regen, [
             "dflash.extract.regenerate_cli", "--data", str(out / "data" / "train.jsonl"), "--model", str(target),
             "--out", str(regen), "--device", s.device, "--batch-size", str(s.regen_batch_size),

@@ -51,17 +51,6 @@ class Conversation:
     tools: list[dict[str, Any]] | None = None  # passed to the chat template as tools=
 
 
-def installed_file(package: str, relative: str) -> Path | None:
-    """``relative`` inside the installed ``package``, found without importing it; None where either is missing."""
-    import importlib.util
-
-    spec = importlib.util.find_spec(package)
-    if spec is None or not spec.submodule_search_locations:
-        return None
-    path = Path(list(spec.submodule_search_locations)[0]) / relative
-    return path if path.is_file() else None
-
-
 def load_source(spec: str, split: str = "train", *, revision: str | None = None,
                 data_files: str | list[str] | dict | None = None, cache_dir: str | None = None):
     """`spec` as rows (a list for local JSON, else a `datasets.Dataset`): a `save_to_disk` folder, a data file or

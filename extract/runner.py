@@ -22,13 +22,14 @@ from dflash.shared.cache import ATTRS_KEY, CacheError, CacheSpec, create_or_open
 from dflash.shared.compression import size_text
 from dflash.shared.fingerprint import target_fingerprint, tokenizer_fingerprint
 from dflash.shared.inspect import cache_info
+from dflash.shared.shard_lock import ShardLock
 
 from .chat import end_of_turn_id, mask_method
 from .config import ExtractConfig, ExtractFailed, checked_layers, load_tokenizer_and_config
 from .data import DataError, dataset_fingerprint, load_source
 from .size_plan import run_space_problem
 from .plan import plan_shard, shard_slice
-from .worker import WorkerTask, describe_error, extract_shard, take_lock
+from .worker import WorkerTask, describe_error, extract_shard
 
 log = logging.getLogger(__name__)
 
@@ -257,7 +258,7 @@ def _lock_and_plan(cfg: ExtractConfig, rank: int, world: int, spec: CacheSpec, t
     for shard in range(rank, num_shards, world):
         task = WorkerTask(cfg=cfg, spec=spec, shard_id=shard, device=device)
         try:
-            locks.append(take_lock(task, progress.report))
+            locks.append(ShardLock(cfg.out, shard).take(progress.warn, cfg.wait_for_lock))
             t = time.perf_counter()
             plan = plan_shard(*shard_slice(ds, num_shards, shard), cfg.data, tokenizer, cfg)
             planned[shard] = plan, round(time.perf_counter() - t, 3)
@@ -356,8 +357,9 @@ class Progress:
             self.bar.update(f["samples"])
             if self.last > self.first:
                 self.bar.set_postfix_str(f"{self.tokens / (self.last - self.first):,.0f} tok/s", refresh=False)
-        elif kind == "warning":
-            self.bar.write(f"dflash-extract: warning: {f['message']}", file=sys.stderr)
+
+    def warn(self, message: str) -> None:
+        self.bar.write(f"dflash-extract: warning: {message}", file=sys.stderr)
 
 
 class Phases:

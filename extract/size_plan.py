@@ -158,7 +158,7 @@ def plan_run(cfg: ExtractConfig) -> dict[str, Any]:
         raise ExtractFailed(bad_row_message(e, cfg)) from e
     gpus = num_shards if cfg.device == "cuda" else 1  # one per shard, as torchrun runs them
     expected, free = total_bytes(size, counts["tokens"], counts["samples"]), free_bytes(cfg.out)
-    doc = {
+    return {
         "plan": True, "data": cfg.data, "model": cfg.model, "out": cfg.out, **counts, "layers": layers,
         "num_target_layers": model_config.num_hidden_layers, "hidden_size": model_config.hidden_size,
         "topk": cfg.topk,
@@ -168,7 +168,6 @@ def plan_run(cfg: ExtractConfig) -> dict[str, Any]:
         "time": {**time_estimate(model_config, cfg.max_length, counts["padded_tokens"], gpus), "device": cfg.device,
                  "dtype": cfg.dtype},
     }
-    return doc
 
 
 def format_plan(doc: dict[str, Any], cfg: ExtractConfig) -> str:

@@ -25,8 +25,6 @@ from .data import DataError
 from .plan import PlannedShard
 from .target import TargetRunner, compute_environment, head_backend_for, load_target
 
-LOCK_POLL_S = 2.0  # seconds between attempts to take a shard's lock under --wait-for-lock
-
 
 @dataclass
 class WorkerTask:
@@ -134,26 +132,6 @@ def _to_host(out, spec: CacheSpec, device: torch.device, copy_stream=None) -> tu
             host[name].copy_(t, non_blocking=True)
             t.record_stream(copy_stream)  # the compute stream reuses t's memory only after the copy
     return host, _mark(copy_stream, timing=False)
-
-
-def take_lock(task: WorkerTask, report) -> ShardLock:
-    """The shard's lock, held; ShardLocked naming the holder, or with ``wait_for_lock`` wait for it."""
-    lock, said = ShardLock(task.cfg.out, task.shard_id), None
-    while True:
-        try:
-            previous = lock.acquire()
-            break
-        except ShardLocked as e:
-            if not task.cfg.wait_for_lock:
-                raise
-            if said != (e.holder and e.holder.token):
-                report("warning", message=f"{e}; waiting for it (--wait-for-lock)")
-                said = e.holder and e.holder.token
-        time.sleep(LOCK_POLL_S)
-    if previous is not None:
-        report("warning", message=f"shard {task.shard_id:05d}: took over the lock of {previous.describe()}, "
-                                  "which ended without releasing it (killed, or its node was lost)")
-    return lock
 
 
 def extract_shard(task: WorkerTask, planned: PlannedShard, pad_id: int | None, lock: ShardLock, report,

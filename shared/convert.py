@@ -165,14 +165,11 @@ def _convert_shard(src: str, src_group: zarr.Group, dst: str, dst_root: zarr.Gro
     if plan.digest() != state.plan_digest:
         raise CacheError(f"{src_group.path}: its offsets, source rows or batches do not match its recorded plan "
                          "digest; run dflash-cache verify on the source")
-    lock = ShardLock(dst, shard_id)
     try:
-        previous = lock.acquire()
+        lock = ShardLock(dst, shard_id).take(say)
     except ShardLocked as e:
         raise CacheError(f"{e}; wait for it to end, or stop it") from None
     try:
-        if previous is not None:
-            say(f"shard {shard_id:05d}: took over the lock of {previous.describe()}, which ended without releasing it")
         writer = ShardWriter(dst_root, shard_id, plan, dst_spec, compute=state.compute)
         writer.guard = lock.check
         done = writer.committed["tokens"]

@@ -40,14 +40,13 @@ def weights_hash(model_dir: str | os.PathLike) -> str | None:
 
 
 def target_fingerprint(name_or_path: str, config_dict: dict[str, Any], dtype: str,
-                       revision: str | None = None, local_dir: str | None = None) -> dict[str, Any]:
-    """Name, revision, config hash, weights hash and compute dtype of a target."""
-    local_dir = local_dir or (name_or_path if os.path.isdir(name_or_path) else None)
+                       revision: str | None = None) -> dict[str, Any]:
+    """Name, revision, config hash, weights hash (of a local folder) and compute dtype of a target."""
     return {
         "name_or_path": str(name_or_path),
         "revision": revision or config_dict.get("_commit_hash"),
         "config_hash": config_hash(config_dict),
-        "weights_hash": weights_hash(local_dir) if local_dir else None,
+        "weights_hash": weights_hash(name_or_path) if os.path.isdir(name_or_path) else None,
         "dtype": dtype,
     }
 

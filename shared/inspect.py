@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+from collections import Counter
 from typing import Any
 
 import numpy as np
@@ -81,9 +82,7 @@ def cache_info(path: str, shard_ids: list[int] | None = None) -> dict[str, Any]:
     raw_hidden = tokens * row_bytes["hidden"]
     missing = sorted(set(shard_ids or ()) - {e["shard_id"] for e in shards})
     assistant = sum(e["assistant_tokens"] for e in shards)
-    skipped: dict[str, int] = {}  # rows not planned, by reason, over these shards
-    for e in shards:
-        skipped.update({reason: skipped.get(reason, 0) + int(n) for reason, n in e["skipped"].items()})
+    skipped = sum((Counter(e["skipped"]) for e in shards), Counter())  # rows not planned, by reason
     fp = spec.fingerprint
     target, tok, data = fp.get("target", {}), fp.get("tokenizer", {}), fp.get("dataset", {})
     located = spec.info or {}  # where local data and checkpoints lay (recorded, not compared)
@@ -124,7 +123,7 @@ def cache_info(path: str, shard_ids: list[int] | None = None) -> dict[str, Any]:
         "samples": sum(e["samples"] for e in shards), "planned_samples": sum(e["planned_samples"] for e in shards),
         "tokens": tokens, "planned_tokens": sum(e["planned_tokens"] for e in shards),
         "assistant_tokens": assistant, "assistant_fraction": assistant / tokens if tokens else None,
-        "skipped": skipped,
+        "skipped": dict(skipped),
         "writing": {f"{s:05d}": dataclasses.asdict(h) | {"described": h.describe()}
                     for s, h in sorted(live_holders(path).items())
                     if shard_ids is None or s in shard_ids},

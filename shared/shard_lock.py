@@ -13,6 +13,7 @@ import time
 import uuid
 from dataclasses import asdict, dataclass
 from datetime import datetime, timezone
+from typing import Callable
 
 import filelock
 
@@ -20,6 +21,7 @@ from .compression import is_local
 
 LOCKS_DIR = "locks"  # inside the cache, a Zarr group of its own, so that zarr lists no lock file
 HOST = socket.gethostname()
+POLL_S = 2.0  # seconds between attempts to take a lock while waiting for it
 
 
 @dataclass
@@ -131,6 +133,25 @@ class ShardLock:
                 raise ShardLocked(self, self._read()) from None
         self.record = record
         return previous
+
+    def take(self, warn: Callable[[str], None], wait: bool = False) -> "ShardLock":
+        """``acquire``, warning of a dead holder replaced; with ``wait``, waits for a live holder to release it."""
+        said = None
+        while True:
+            try:
+                previous = self.acquire()
+                break
+            except ShardLocked as e:
+                if not wait:
+                    raise
+                if said != (e.holder and e.holder.token):
+                    warn(f"{e}; waiting for it (--wait-for-lock)")
+                    said = e.holder and e.holder.token
+            time.sleep(POLL_S)
+        if previous is not None:
+            warn(f"shard {self.shard_id:05d}: took over the lock of {previous.describe()}, which ended without "
+                 "releasing it (killed, or its node was lost)")
+        return self
 
     def check(self) -> None:
         """Raise LockLost unless the lock's record is still this process's."""

@@ -157,21 +157,17 @@ def _check_structure(s: _Shard, spec: CacheSpec, problems: _Problems, bar) -> np
 
 def _check_duplicates(shards: list[_Shard], sources: list[np.ndarray | None], problems: _Problems) -> None:
     """source_index unique within and across shards (committed samples only)."""
-    owners = [(s, src) for s, src in zip(shards, sources) if src is not None]
-    if not owners:
-        return
-    values = np.concatenate([src for _, src in owners])
-    owner = np.concatenate([np.full(len(src), i) for i, (_, src) in enumerate(owners)])
-    local = np.concatenate([np.arange(len(src)) for _, src in owners])
-    order = np.argsort(values, kind="stable")
-    sv = values[order]
-    for v in np.unique(sv[np.flatnonzero(sv[1:] == sv[:-1]) + 1]):
-        where = order[np.searchsorted(sv, v):np.searchsorted(sv, v, "right")]
-        for i in where:
-            s = owners[owner[i]][0]
-            others = [f"{owners[owner[j]][0].sid:05d}:{local[j]}" for j in where if j != i]
-            problems.add(s.sid, "source_index", "duplicate", f"source row {int(v)} also at shard:sample "
-                         f"{', '.join(others)}", samples=[local[i]], of=s)
+    owned = [(s, src) for s, src in zip(shards, sources) if src is not None]
+    values, counts = np.unique(np.concatenate([np.zeros(0, np.int64)] + [src for _, src in owned]), return_counts=True)
+    places: dict[int, list[tuple[_Shard, int]]] = {}  # each repeated source row -> the (shard, sample)s holding it
+    for s, src in owned:
+        for j in np.flatnonzero(np.isin(src, values[counts > 1])):
+            places.setdefault(int(src[j]), []).append((s, int(j)))
+    for v, held in sorted(places.items()):
+        for s, j in held:
+            others = ", ".join(f"{t.sid:05d}:{k}" for t, k in held if t is not s or k != j)
+            problems.add(s.sid, "source_index", "duplicate", f"source row {v} also at shard:sample {others}",
+                         samples=[j], of=s)
 
 
 def verify_cache(path: str, *, max_problems: int = 100, progress: bool = True, workers: int = 4) -> dict[str, Any]:

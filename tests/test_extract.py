@@ -29,6 +29,7 @@ from dflash.extract.plan import length_bucketed_batches, shard_rows
 from dflash.extract.target import TargetRunner, compute_environment, load_target
 from dflash.extract.chat import load_tokenizer
 from dflash.shared import cache as C
+from dflash.shared import shard_lock as L
 
 LAYERS = [0, 1, 2]  # of the 4-layer target: every layer a serving engine can capture (not L-1 = 3)
 TOPK = 16
@@ -125,7 +126,8 @@ def run_shard(task, report=lambda *a, **k: None):
     from dflash.extract.plan import plan_shard, shard_slice
 
     R.use_device(task.cfg)
-    lock, runners = W.take_lock(task, report), []
+    lock = L.ShardLock(task.cfg.out, task.shard_id).take(lambda m: report("warning", message=m), task.cfg.wait_for_lock)
+    runners = []
     try:
         t = time.perf_counter()
         tokenizer = load_tokenizer(task.cfg)
@@ -903,7 +905,6 @@ def test_a_second_run_is_refused_naming_the_holder_and_a_waiting_run_takes_over_
     shards over once the first is killed with -9, and the cache equals an unbroken run's."""
     from click.testing import CliRunner
 
-    from dflash.shared import shard_lock as L
     from dflash.shared.cache_cli import main as cache_main
 
     reference, _, _ = extracted

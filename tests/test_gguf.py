@@ -13,7 +13,7 @@ import torch
 from click.testing import CliRunner
 
 from train_helpers import one_thread  # noqa: F401 - the module's autouse fixture
-from dflash.extract.gguf import SOURCE, ConvertError, cli, resolve
+from dflash.eval.gguf import SOURCE, ConvertError, cli, resolve
 
 gguf = pytest.importorskip("gguf", reason="needs the gguf package: pip install -e '.[dev]'")
 try:

