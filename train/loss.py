@@ -114,7 +114,8 @@ class _ChunkedBlockLoss(torch.autograd.Function):
         ce_total = kd_total = torch.zeros((), dtype=torch.float32, device=hidden.device)
         correct = torch.zeros(n_rows, dtype=torch.bool, device=hidden.device)
         grad_hidden = torch.zeros_like(hidden) if need_grad else None
-        kept = (w > 0).nonzero().squeeze(1)  # a row of weight 0 adds nothing to the loss or its gradient
+        # a row of weight 0 adds nothing to the loss or its gradient (the count costs one host sync a call)
+        kept = (w > 0).nonzero().squeeze(1)
         for start in range(0, len(kept), chunk_size):
             index = kept[start:start + chunk_size]
             rows = [_rows(t, index, chunk_size, fill) for t, fill in ((hidden, 0), (labels, IGNORE_INDEX), (w, 0),
