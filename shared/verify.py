@@ -159,9 +159,10 @@ def _check_duplicates(shards: list[_Shard], sources: list[np.ndarray | None], pr
     """source_index unique within and across shards (committed samples only)."""
     owned = [(s, src) for s, src in zip(shards, sources) if src is not None]
     values, counts = np.unique(np.concatenate([np.zeros(0, np.int64)] + [src for _, src in owned]), return_counts=True)
+    repeated = values[counts > 1]
     places: dict[int, list[tuple[_Shard, int]]] = {}  # each repeated source row -> the (shard, sample)s holding it
     for s, src in owned:
-        for j in np.flatnonzero(np.isin(src, values[counts > 1])):
+        for j in np.flatnonzero(np.isin(src, repeated)):
             places.setdefault(int(src[j]), []).append((s, int(j)))
     for v, held in sorted(places.items()):
         for s, j in held:

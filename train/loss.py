@@ -3,6 +3,7 @@ stored top-k, or both). Slot k of the block anchored at a predicts the token AT 
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -76,15 +77,11 @@ def _chunk_loss(hidden, weight, label, w, scale, ids, target_logp, ce_coef: floa
     return ce_sum, kd_sum, correct, (grad_logits.to(weight.dtype) @ weight).to(hidden.dtype)
 
 
-_COMPILED: dict[str, object] = {}
-
-
+@functools.lru_cache(maxsize=None)
 def _compiled_chunk_loss(backend: str):
     """``_chunk_loss`` through torch.compile, one graph a (grad, top-k) case: every chunk is padded to full size,
     compiled or not, so the two sum in the same order."""
-    if backend not in _COMPILED:
-        _COMPILED[backend] = torch.compile(_chunk_loss, backend=backend, dynamic=False)
-    return _COMPILED[backend]
+    return torch.compile(_chunk_loss, backend=backend, dynamic=False)
 
 
 def _rows(t: torch.Tensor | None, index: torch.Tensor, size: int, fill) -> torch.Tensor | None:
