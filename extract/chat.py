@@ -1,9 +1,5 @@
-"""Render a Conversation to token ids (exactly ``apply_chat_template``, no generation prompt) and the
-assistant loss mask: each assistant turn from the end of its header through its end-of-turn token, found by
-"generation_tags" (``{% generation %}`` spans) or "template_probe": history can render differently from a prompt
-(thinking templates, Mistral's moved system prompt), so the turn header and end-of-turn token are learned once per
-template from probe chats, and `locate_turns` walks the one full rendering, raising TurnNotFound, never guessing.
-Char spans map to tokens by overlap; plain text rows get an all-ones mask."""
+"""A Conversation's token ids (exactly ``apply_chat_template``) and assistant loss mask: each assistant turn from the
+end of its header through its end-of-turn token, by ``{% generation %}`` tags or by turn markers probed per template."""
 
 from __future__ import annotations
 
@@ -100,13 +96,12 @@ def end_of_turn_id(tokenizer, end_of_turn: str | None = None, template_kwargs: d
     return _token_id(tokenizer, end_of_turn)
 
 
-def stop_token_ids(model, tokenizer, end_of_turn: str | None = None,
-                   template_kwargs: dict[str, Any] | None = None) -> list[int]:
+def stop_token_ids(model, tokenizer, template_kwargs: dict[str, Any] | None = None) -> list[int]:
     """Where generation stops: the generation config's and tokenizer's eos, the end-of-turn token."""
     eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
     ids = {*([eos] if isinstance(eos, int) else eos or []), tokenizer.eos_token_id}
     with contextlib.suppress(ValueError):
-        ids.add(end_of_turn_id(tokenizer, end_of_turn, template_kwargs))
+        ids.add(end_of_turn_id(tokenizer, template_kwargs=template_kwargs))
     return sorted(int(i) for i in ids if i is not None)
 
 

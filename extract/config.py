@@ -14,9 +14,7 @@ Truncation = Literal["right", "skip", "error"]
 BadRowPolicy = Literal["error", "skip"]
 Dtype = Literal["bfloat16", "float16", "float32"]
 Device = Literal["cuda", "cpu"]
-TRUNCATION_POLICIES = get_args(Truncation)
-BAD_ROW_POLICIES = get_args(BadRowPolicy)
-DTYPES = get_args(Dtype)
+TRUNCATION_POLICIES, BAD_ROW_POLICIES, DTYPES = get_args(Truncation), get_args(BadRowPolicy), get_args(Dtype)
 RESERVED_TEMPLATE_KWARGS = frozenset({  # arguments of apply_chat_template itself
     "conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
     "continue_final_message", "tokenize", "padding", "truncation", "max_length", "return_tensors",

@@ -1,6 +1,5 @@
-"""Chat datasets in, normalised conversations out (README.md, "Stage one", gives the row format). Local
-.json/.jsonl files are read with Python's `json`, so each row is exactly what the file says (Arrow would give every
-row one schema, null-filled); other sources go through `datasets`, nulls inside the chat columns dropped."""
+"""Chat datasets in, normalised conversations out (README.md, "Stage one"). Local JSON is read with Python's `json`,
+each row exactly as the file says it; other sources go through `datasets`, nulls in the chat columns dropped."""
 
 from __future__ import annotations
 

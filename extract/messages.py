@@ -1,7 +1,5 @@
-"""Messages of one chat row, kept exactly as a chat template reads them: per message `content`,
-`reasoning_content`, `tool_calls`, `tool_call_id`, `name`; per row `tools` and a top-level `system`.
-Only JSON-string tool-call arguments and `tools` are decoded (templates write `arguments | tojson`); a bad
-shape is reported through `fail(reason, problem)`, which the caller turns into an error naming file and row."""
+"""Messages of one chat row, kept exactly as a chat template reads them (only JSON-string tool-call arguments and
+`tools` decoded); a bad shape goes through `fail(reason, problem)`, which the caller makes an error naming the row."""
 
 from __future__ import annotations
 

@@ -1,6 +1,5 @@
-"""Plan one shard before any forward: tokenise its rows, fix its samples and batches. Deterministic,
-so a rerun rebuilds the same plan (ShardWriter checks its digest). Samples go longest first (an
-out-of-memory batch shows at once), ties by source row, cut greedily within ``batch_tokens`` padded."""
+"""Plan one shard before any forward, deterministically (ShardWriter checks its digest): samples longest first (an
+out-of-memory batch shows at once), ties by source row, cut greedily into batches of ``batch_tokens`` padded."""
 
 from __future__ import annotations
 

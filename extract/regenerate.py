@@ -1,7 +1,5 @@
-"""Regenerate a chat dataset's assistant turns with the target itself (README.md, "Before stage one"): an engine, in
-process (`LocalEngine`) or a server (`regenerate_endpoint`), runs parts of `part_size` rows. OUT holds run.json (checked
-on resume), parts/part-N.jsonl and part-N.done.json (a finished part), part-N.turns.jsonl (a server's answers so far,
-each seeded from (seed, row, turn); in process an unfinished part is redone whole), the dataset, regenerate.json."""
+"""Regenerate a chat dataset's assistant turns with the target itself (README.md, "Before stage one"), in process
+(`LocalEngine`) or through a server (`regenerate_endpoint`), in resumable parts of `part_size` rows (`part_paths`)."""
 
 from __future__ import annotations
 
@@ -24,10 +22,9 @@ from .self_prompts import QuestionSampler, question_stop_ids, user_header
 
 FORMAT_VERSION = 1
 RUN_FILE = "run.json"
-# source rows per part by default: a server's answers are journaled, so its parts can be small; in process an unfinished
-# part is redone whole, and each ends in a tail of small batches (BENCHMARKS.md, "Regeneration on the GPU")
+# source rows per part: a server's answers are journaled; in process an unfinished part is redone whole (BENCHMARKS.md)
 PART_SIZE = {"endpoint": 256, "in process": 4096}
-BATCH_SIZE = {"cuda": 512, "cpu": 16}  # in process; on an H200 batch 1,024 was no faster than 512 (BENCHMARKS.md)
+BATCH_SIZE = {"cuda": 512, "cpu": 16}  # in process (BENCHMARKS.md, "Regeneration on the GPU")
 METADATA_FILE = "regenerate.json"
 PARTS_DIR = "parts"
 TOTALS = ("turns_regenerated", "truncated_turns", "generated_tokens")  # counted per chat, summed per part and run
@@ -270,17 +267,12 @@ def generation_kwargs(settings: GenerationSettings, stop_ids: list[int], pad_id:
 
 STATIC_PROMPT_TOKENS = 2048  # the static caches' room for a prompt when --max-prompt-tokens is not set
 STATIC_SMALLEST_ROOM = 256  # rooms double from here up to the prompt cap
-
-
-GROUPED_DECODE = "grouped_kv_decode"  # StaticDecoder gives an SDPA model this attention (no "flash" in the name:
-# transformers takes such a name for a kernel from the hub)
+GROUPED_DECODE = "grouped_kv_decode"  # no "flash" in the name: transformers would fetch such a kernel from the hub
 
 
 def grouped_decode_attention(module, query, key, value, attention_mask, scaling=None, **kwargs):
-    """transformers' SDPA attention, except that a one-token query over grouped key/value heads runs as
-    (batch, key/value heads, group, dim) on the cache as it is. transformers' SDPA path copies the keys and values
-    to every query head whenever a mask is given (left padding always gives one): 40 % of a decode step at
-    SmolLM2's shapes."""
+    """transformers' SDPA attention, except that a one-token query over grouped key/value heads runs on the cache as it
+    is, as (batch, key/value heads, group, dim), instead of copying the keys and values to every query head."""
     import torch.nn.functional as F
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
@@ -294,9 +286,8 @@ def grouped_decode_attention(module, query, key, value, attention_mask, scaling=
 
 
 class StaticDecoder:
-    """Static KV caches of (batch_size, room + max_new_tokens), one per doubling prompt room, kept for the
-    run, so generate() compiles the decode step (CUDA graphs on CUDA) once per room. An SDPA model decodes
-    through ``grouped_decode_attention`` from then on."""
+    """Static KV caches of (batch_size, room + max_new_tokens), one per doubling prompt room, so generate() compiles the
+    decode step once per room; an SDPA model decodes through ``grouped_decode_attention`` from then on."""
 
     def __init__(self, model, batch_size: int, max_new_tokens: int, prompt_tokens: int | None):
         from transformers import AttentionInterface
@@ -352,19 +343,17 @@ def generate_batch(model, prompts: list[list[int]], gen_kwargs: dict, stop_ids: 
 
 
 def batch_priority(item: tuple[Chat, int, list[int]]) -> tuple[int, int]:
-    """Which ready (chat, turn, prompt ids) runs first: the chat with the most turns left, then the longest
-    prompt. A chat's turns run one batch after another, so the deepest chats set how many batches there are;
-    started first, they keep the last batches full (BENCHMARKS.md, "Regeneration on the GPU")."""
+    """Which ready (chat, turn, prompt ids) runs first: the chat with the most turns left (the deepest chats set how
+    many batches there are), then the longest prompt."""
     chat, turn, ids = item
     return -sum(m["role"] == "assistant" for m in chat.messages[turn:]), -len(ids)
 
 
 def regenerate_conversations(model, tokenizer, chats: list[Chat], settings: GenerationSettings, batch_size: int,
                              skips: SkipCounter, static: StaticDecoder | None = None, done=None) -> None:
-    """Regenerate every assistant turn of ``chats`` in place. Ready turns wait in one pool, each batch takes
-    the first by ``batch_priority``, and a chat's next turn joins as soon as its answer is in; ``done(chat)``
-    hears of each chat with no turn left."""
-    stop_ids = stop_token_ids(model, tokenizer)
+    """Regenerate every assistant turn of ``chats`` in place, batches taken from one pool of ready turns by
+    ``batch_priority``; ``done(chat)`` hears of each chat with no turn left."""
+    stop_ids = stop_token_ids(model, tokenizer, settings.template_kwargs)
     gen_kwargs = generation_kwargs(settings, stop_ids, tokenizer.pad_token_id)
     pool: list[tuple[Chat, int, list[int]]] = []  # (chat, turn, prompt ids)
 

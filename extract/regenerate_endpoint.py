@@ -1,7 +1,5 @@
 """Regeneration through an OpenAI-compatible chat-completions server (vLLM, SGLang, `transformers serve`):
-`--concurrency` conversations in flight, the turns of one in order, each answer journaled as it arrives.
-Connection errors, timeouts, 408, 429 and 5xx are retried with backoff; then the server counts as down
-(`EndpointDown`) unless it still answers `GET /models`: then, as for a 4xx, only this request fails."""
+`--concurrency` conversations in flight, the turns of one in order, each answer journaled as it arrives."""
 
 from __future__ import annotations
 
@@ -38,19 +36,6 @@ class RequestRejected(ValueError):
 
 
 @dataclass
-class Reply:
-    """The first choice of a chat completion, reduced to what regeneration keeps (None: not returned)."""
-
-    content: str
-    reasoning: str | None
-    tool_calls: list[dict[str, Any]] | None
-    finish_reason: str | None
-    model: str | None
-    prompt_tokens: int | None
-    completion_tokens: int | None
-
-
-@dataclass
 class ChatEndpoint:
     """Thread-safe: one instance serves every worker thread (each request opens its own connection)."""
 
@@ -64,11 +49,18 @@ class ChatEndpoint:
     def __post_init__(self):
         self.url = self.url.rstrip("/")
 
-    def chat(self, body: dict[str, Any]) -> Reply:
-        """POST /chat/completions (non-streaming) and parse the first choice."""
-        return parse_reply(self.with_retries("POST", "/chat/completions", body), self.url)
+    def chat(self, body: dict[str, Any]) -> dict[str, Any]:
+        """POST /chat/completions (non-streaming): the answer, checked to hold ``choices[0].message``."""
+        answer = self.with_retries("POST", "/chat/completions", body)
+        try:
+            answer["choices"][0]["message"]
+        except (KeyError, IndexError, TypeError) as err:
+            raise RequestRejected(200, f"{self.url}: answer without choices[0].message: {str(answer)[:300]}") from err
+        return answer
 
     def with_retries(self, method: str, path: str, body: dict | None = None) -> dict:
+        """``method path``, retried with backoff on connection errors, timeouts, 408, 429 and 5xx; then EndpointDown,
+        unless the server still answers ``GET /models``: then, as for a 4xx, RequestRejected (only this request)."""
         url, failures, last_status, started = self.url + path, [], None, time.monotonic()
         for attempt in range(self.retries + 1):
             if attempt and self.stop.wait(min(30.0, self.retry_wait * 2 ** (attempt - 1))):
@@ -112,18 +104,6 @@ class ChatEndpoint:
             raise http.client.HTTPException(f"not JSON: {payload[:200]!r}") from err
 
 
-def parse_reply(answer: dict[str, Any], base: str = "") -> Reply:
-    """The first choice of a chat-completion answer; reasoning from `reasoning_content` or `reasoning` (vLLM)."""
-    try:
-        choice, message = answer["choices"][0], answer["choices"][0]["message"]
-    except (KeyError, IndexError, TypeError) as err:
-        raise RequestRejected(200, f"{base}: answer without choices[0].message: {str(answer)[:300]}") from err
-    usage = answer.get("usage") or {}
-    return Reply(message.get("content") or "", message.get("reasoning_content") or message.get("reasoning") or None,
-                 message.get("tool_calls") or None, choice.get("finish_reason"), answer.get("model"),
-                 usage.get("prompt_tokens"), usage.get("completion_tokens"))
-
-
 def request_seed(seed: int, row: int, turn: int) -> int:
     """A per-turn sampling seed, the same for a turn however the run was interrupted."""
     return int.from_bytes(hashlib.sha256(f"{seed}:{row}:{turn}".encode()).digest()[:4], "little") >> 1
@@ -140,20 +120,24 @@ def request_body(model: str, history: list[dict], tools: list | None, settings: 
     return {**body, **extra_body}
 
 
-def turn_event(chat: Chat, turn: int, reply: Reply, settings: GenerationSettings) -> dict[str, Any]:
-    """``answer_event`` of a server's reply, naming the model that answered; tool-call arguments decoded where JSON."""
-    if settings.max_prompt_tokens is not None and (reply.prompt_tokens or 0) > settings.max_prompt_tokens:
+def turn_event(chat: Chat, turn: int, answer: dict[str, Any], settings: GenerationSettings) -> dict[str, Any]:
+    """``answer_event`` of a chat completion's first choice, naming the model that answered: reasoning from
+    `reasoning_content` or `reasoning` (vLLM), tool-call arguments decoded where JSON."""
+    choice, usage = answer["choices"][0], answer.get("usage") or {}
+    message = choice["message"]
+    if settings.max_prompt_tokens is not None and (usage.get("prompt_tokens") or 0) > settings.max_prompt_tokens:
         return {"row": chat.conv.row_index, "turn": turn, "cut": "prompt_too_long"}
     tool_calls = []
-    for call in reply.tool_calls or []:
+    for call in message.get("tool_calls") or []:
         function = dict(call.get("function") or {})
         with contextlib.suppress(KeyError, TypeError, json.JSONDecodeError):
             function["arguments"] = json.loads(function["arguments"])
         tool_calls.append({**({"id": call["id"]} if call.get("id") else {}), "type": call.get("type", "function"),
                            "function": function})
-    event = answer_event(chat, turn, settings, reply.content, reply.finish_reason == "length",
-                         reply.completion_tokens or 0, reply.reasoning, tool_calls)
-    return {**event, "model": reply.model} if "message" in event else event
+    reasoning = message.get("reasoning_content") or message.get("reasoning")
+    event = answer_event(chat, turn, settings, message.get("content") or "", choice.get("finish_reason") == "length",
+                         usage.get("completion_tokens") or 0, reasoning, tool_calls)
+    return {**event, "model": answer.get("model")} if "message" in event else event
 
 
 class EndpointEngine:

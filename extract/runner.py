@@ -1,6 +1,5 @@
-"""One process of an extraction run: under torchrun rank r of W extracts shards r, r + W, ... on
-cuda:LOCAL_RANK. The ranks meet over gloo before any shard is written: after rank 0 prepares the root,
-after every rank locks and plans its shards (a bad row anywhere stops the run), after the space check."""
+"""One process of an extraction run: under torchrun rank r of W extracts shards r, r + W, ... on cuda:LOCAL_RANK; the
+ranks meet over gloo (`meeting`) at each step before any shard is written."""
 
 from __future__ import annotations
 
@@ -33,8 +32,7 @@ from .worker import WorkerTask, describe_error, extract_shard
 
 log = logging.getLogger(__name__)
 
-# the ExtractConfig fields that decide the cache's bytes (the attention kernel and the head's
-# chunking change the bf16 roundings); the rest is how it was run
+# the ExtractConfig fields that decide the cache's bytes (the attention kernel and head chunks change bf16 roundings)
 FINGERPRINTED = ("topk", "max_length", "truncation", "min_length", "on_bad_row", "batch_tokens",
                  "chunk_tokens", "compression_level", "attn_implementation", "lm_head_chunk")
 NOT_RECORDED = ("out", "summary_json", "progress", "wait_for_lock", "plan", "json", "ignore_free_space")
@@ -61,8 +59,7 @@ def build_spec(cfg: ExtractConfig, tokenizer, model_config, ds, num_shards: int)
     info_cfg = {k: v for k, v in dataclasses.asdict(cfg).items() if k not in NOT_RECORDED}
     dataset = dataset_fingerprint(ds, cfg.data, cfg.split or "train")
     target = target_fingerprint(cfg.model, model_config.to_dict(), cfg.dtype, revision=cfg.revision)
-    # recorded, not compared: `datasets`' own fingerprint (not a content hash) and where hashed
-    # files lie (the same data or checkpoint moved or copied is the same cache)
+    # recorded, not compared: `datasets`' own fingerprint and where hashed files lie (moved data is the same cache)
     located = {"datasets_fingerprint": dataset.pop("datasets_fingerprint", None)}
     if dataset.get("hash_method") == "files-sha256":
         located["dataset_source"] = dataset.pop("source")

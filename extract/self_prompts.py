@@ -31,7 +31,7 @@ def user_header(tokenizer, template_kwargs: dict[str, Any] | None = None) -> tup
 def question_stop_ids(model, tokenizer, end_of_user_turn: str | None,
                       template_kwargs: dict[str, Any] | None = None) -> list[int]:
     """Where a question ends: the answer's stop tokens plus the template's end of a user turn."""
-    ids = set(stop_token_ids(model, tokenizer, template_kwargs=template_kwargs))
+    ids = set(stop_token_ids(model, tokenizer, template_kwargs))
     return sorted(ids if end_of_user_turn is None else ids | {int(tokenizer.convert_tokens_to_ids(end_of_user_turn))})
 
 

@@ -16,16 +16,14 @@ from .config import ExtractConfig, ExtractFailed, checked_layers, load_tokenizer
 
 log = logging.getLogger(__name__)
 
-# stored over encoded bytes after the lossless stage (and what it was measured at) of the hidden states per
-# codec and of the ids, mask and top-k: BENCHMARKS_LOG.md, issue 16, a Qwen3-8B-shaped cache
+# stored over encoded bytes of the hidden states per codec, and of the other arrays (BENCHMARKS_LOG.md, issue 16)
 HIDDEN_STAGE_RATIO = {"bf16": (28_159 / 40_960, "bf16"), "fp8": (16_780 / 20_490, "fp8, float16 scales"),
                       "int8": (19_548 / 20_800, "int8, groups of 128, float16 scales"),
                       "int4": (8_907 / 10_560, "int4, groups of 128, float16 scales")}
 SMALL_ARRAYS_RATIO = (28_350 - 28_159) / (4 + 1 + 4 * 64 + 4 * 64)
 TOPK_DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 
-# the extraction rate measured on one GPU, first batch to last commit (BENCHMARKS_LOG.md, "One write path"),
-# and the config (a Qwen3Config's fields) whose forward cost it is scaled from
+# the extraction rate measured on one GPU (BENCHMARKS_LOG.md, "One write path") and the config it is scaled from
 REFERENCE = {"shape": "Qwen3-8B", "gpu": "H200", "sample_tokens": 2048, "tokens_per_s": 27_870}
 REFERENCE_CONFIG = dict(hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
                         num_key_value_heads=8, head_dim=128, vocab_size=151936, tie_word_embeddings=False)

@@ -1,6 +1,5 @@
-"""The target in stage one: per real token of a padded batch, the chosen layers' hidden states
-(gathered in forward hooks) and the top-k log-probs (the LM head in chunks: no (B, T, vocab)
-tensor). Layer id ``i`` is HF ``hidden_states[i + 1]``; id ``L - 1`` comes after the final norm."""
+"""The target in stage one: per real token of a padded batch, the chosen layers' hidden states (layer id ``i`` is HF
+``hidden_states[i + 1]``) and the top-k log-probs, the LM head run in chunks (no (B, T, vocab) tensor)."""
 
 from __future__ import annotations
 

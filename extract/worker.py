@@ -1,6 +1,5 @@
-"""One shard on one device: lock -> ShardWriter (the resume point) -> forward loop -> writer thread,
-which writes each batch (encoded on the device, copied to pinned memory on a side stream) and
-commits every ``commit_seconds``; the bounded queue caps host memory at ``queue_depth`` + 2 batches."""
+"""One shard on one device: ShardWriter (the resume point), the forward loop, and a writer thread that writes each
+batch (encoded on the device, copied to pinned memory on a side stream) and commits every ``commit_seconds``."""
 
 from __future__ import annotations
 
@@ -171,8 +170,7 @@ def extract_shard(task: WorkerTask, planned: PlannedShard, pad_id: int | None, l
                 if copy_stream is not None:
                     ids, mask, index = ids.pin_memory(), mask.pin_memory(), index.pin_memory()
                 if marks is not None:
-                    # sleep until the GPU has finished the previous batch: HF's mask code waits for it
-                    # inside the forward anyway, and there CUDA spins a core for the whole wait
+                    # sleep until the previous batch is done: HF's mask code waits for it anyway, spinning a core
                     marks[1].synchronize()
                 start = _mark() if copy_stream is not None else None
                 out = runners[0].forward(ids, mask, index)

@@ -110,35 +110,31 @@ class CacheSpec:
             raise CacheError(f"cache spec: hidden_codec {self.hidden_codec!r}, expected one of {HIDDEN_CODECS}")
         if self.topk_dtype not in TOPK_DTYPES:
             raise CacheError(f"cache spec: topk_dtype {self.topk_dtype!r}, expected one of {TOPK_DTYPES}")
-        codec = self.codec  # normalised: the fields that do not apply to the mode are None
-        self.hidden_group_size = codec.group_size if codec.grouped else None
+        try:
+            codec = HiddenCodec(self.hidden_codec, self.hidden_group_size or 128, self.hidden_scale_dtype or "float16")
+            codec.check_hidden_size(self.hidden_size)  # whole groups (only the int codecs have them)
+        except ValueError as e:
+            raise CacheError(f"cache spec: {e}") from None
+        self.hidden_group_size = codec.group_size if codec.grouped else None  # None where the mode has none
         self.hidden_scale_dtype = codec.scale_dtype if codec.lossy else None
         if self.format_version in (FORMAT_VERSION, ENCODED_FORMAT_VERSION):  # the current format of this encoding
             self.format_version = ENCODED_FORMAT_VERSION if self.encoded else FORMAT_VERSION
         if self.encoded and self.format_version < ENCODED_FORMAT_VERSION:
             raise CacheError(f"cache spec: format {self.format_version} cannot hold hidden {codec.describe()}, "
                              f"top-k log-probs {self.topk_dtype}")
-        try:
-            codec.check_hidden_size(self.hidden_size)  # whole groups (only the int codecs have them)
-        except ValueError as e:
-            raise CacheError(f"cache spec: {e}") from None
         self.stored_dtypes = {f: dtype for f, (_, dtype) in token_array_shapes(self, 1).items()}
         if self.format_version >= 2 and not self.chunks:
             self.chunks = default_chunks(self)
         if self.format_version >= 2 and set(self.chunks) != set(self.token_fields):
             raise CacheError(f"cache spec: chunks must name each of {self.token_fields}, got {sorted(self.chunks)}")
 
-    def with_encoding(self, **encoding) -> "CacheSpec":
-        """This spec with other encoding fields, in the format and default chunks of that encoding."""
-        return dataclasses.replace(self, **{**self.encoding(), **encoding}, format_version=FORMAT_VERSION,
-                                   chunks={})
+    def with_encoding(self, **changes) -> "CacheSpec":
+        """This spec with ``changes`` (encoding fields, layout), in the current format and default chunks."""
+        return dataclasses.replace(self, **{**self.encoding(), **changes}, format_version=FORMAT_VERSION, chunks={})
 
     @property
-    def codec(self) -> HiddenCodec:
-        try:
-            return HiddenCodec(self.hidden_codec, self.hidden_group_size or 128, self.hidden_scale_dtype or "float16")
-        except ValueError as e:
-            raise CacheError(f"cache spec: {e}") from None
+    def codec(self) -> HiddenCodec:  # valid: checked at construction
+        return HiddenCodec(self.hidden_codec, self.hidden_group_size or 128, self.hidden_scale_dtype or "float16")
 
     encoded = property(lambda self: self.hidden_codec != "bf16" or self.topk_dtype != "float32")  # format 3
     token_fields = property(lambda self: TOKEN_FIELDS + ((HIDDEN_SCALE,) if self.hidden_codec != "bf16" else ()))
@@ -440,10 +436,9 @@ class ShardPlan:
 
 
 class ShardWriter:
-    """Writes one shard, in whole planned batches in order: full chunks go to the store at once, the partial tail
-    waits for the next ``commit``. A chunk holding committed rows is rewritten through zarr's own pipeline, which
-    replaces a local file in one step (zarrs may truncate, then write). A shard with committed samples refuses to
-    resume under another ``compute``, whose values would round differently."""
+    """Writes one shard in whole planned batches, in order; the partial tail chunk waits for ``commit``. A chunk holding
+    committed rows is rewritten through zarr's own pipeline, which replaces a local file in one step (zarrs may
+    truncate first). A shard with committed samples refuses to resume under another ``compute`` (other rounding)."""
 
     def __init__(self, root: zarr.Group, shard_id: int, plan: ShardPlan, spec: CacheSpec,
                  compute: dict[str, Any] | None = None):
@@ -486,10 +481,9 @@ class ShardWriter:
                                               compressors=_compressors(8, spec.compression_level))
                 if len(values):
                     arr[:] = values
-            self.state = ShardState(
-                plan_digest=plan.digest(),
-                planned=ShardCounts(len(plan.batches) - 1, len(plan.source_index), plan.num_tokens),
-                commit=ShardCounts(), skipped=dict(plan.skipped), compute=compute)
+            self.state = ShardState(plan_digest=plan.digest(), commit=ShardCounts(), skipped=dict(plan.skipped),
+                                    planned=ShardCounts(len(plan.batches) - 1, len(plan.source_index), plan.num_tokens),
+                                    compute=compute)
             _record_state(self.group, self.state)
         self.fields = spec.token_fields
         self.arrays = {f: self.group[f] for f in self.fields}
@@ -579,10 +573,7 @@ class ShardInfo:
     record: ShardState
     samples = property(lambda self: self.record.commit.samples)
     tokens = property(lambda self: self.record.commit.tokens)
-    planned_samples = property(lambda self: self.record.planned.samples)
-    planned_tokens = property(lambda self: self.record.planned.tokens)
     complete = property(lambda self: self.record.complete)
-    skipped = property(lambda self: self.record.skipped)
     state = property(lambda self: self.record.status)
 
 

@@ -53,8 +53,7 @@ def _fmt(x: float | None, spec: str = ".1%") -> str:
 
 
 CACHE = click.argument("cache")
-AS_JSON = click.option("--json/--no-json", "as_json", default=False, help="Print one JSON document instead of the "
-                       "report.")
+AS_JSON = click.option("--json/--no-json", "as_json", default=False, help="Print one JSON document instead of the report.")
 PROGRESS = click.option("--progress/--no-progress", default=True, help="Progress bar on stderr.")
 
 

@@ -1,6 +1,5 @@
-"""What the command lines need of the cache's contract before they start torch or zarr: the
-codec names (hidden states, top-k log-probs), the zstd levels, whether a location is a local
-path, and byte counts in words. Imports nothing heavy."""
+"""What the command lines need of the cache's contract before they import torch or zarr: codec names, zstd levels,
+whether a location is local, and byte counts in words."""
 
 from __future__ import annotations
 
@@ -11,9 +10,9 @@ ScaleDtype = Literal["float16", "float32"]  # of the lossy codecs' scales
 TopkDtype = Literal["float32", "float16", "bfloat16"]  # of the stored top-k log-probs
 HIDDEN_CODECS, SCALE_DTYPES, TOPK_DTYPES = get_args(HiddenCodecName), get_args(ScaleDtype), get_args(TopkDtype)
 
+# the zstd levels a cache can use: blosc clevel c = (level + 1) // 2 runs zstd at level 2c - 1 (c in 1..8), so an
+# even level would silently become another one
 ZSTD_LEVELS = tuple(range(1, 16, 2))
-"""The zstd levels a cache can use: it stores blosc clevel c = (level + 1) // 2, and blosc runs zstd at
-level 2c - 1 for c in 1..8, so an even level would silently become another one."""
 
 
 def is_local(path) -> bool:

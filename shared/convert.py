@@ -1,6 +1,5 @@
-"""``dflash-cache convert``: re-encode a finished cache into another layout, without the target. Each shard keeps
-the source's plan and is written through extraction's ``ShardWriter``; an array whose encoding is unchanged is copied
-as stored, the others are decoded and encoded again."""
+"""``dflash-cache convert``: re-encode a finished cache into another layout, without the target. Each shard keeps the
+source's plan and is written by ``ShardWriter``; an array whose encoding is unchanged is copied as stored."""
 
 from __future__ import annotations
 
@@ -63,15 +62,14 @@ def _location(path: str) -> str:  # a local path made absolute: where a later ``
 def converted_spec(src: CacheSpec, settings: ConvertSettings, src_path: str) -> CacheSpec:
     """The spec of ``src`` converted with ``settings`` (in the fingerprint too), recording the source in
     ``info.converted_from``."""
-    layout = dataclasses.replace(src, chunk_tokens=settings.chunk_tokens or src.chunk_tokens,
-                                 compression_level=settings.compression_level or src.compression_level,
-                                 fingerprint=copy.deepcopy(src.fingerprint), info=copy.deepcopy(src.info or {}))
     encoding = dict(hidden_codec=settings.hidden_codec or src.hidden_codec,
                     hidden_group_size=settings.hidden_group_size or src.hidden_group_size or 128,
                     hidden_scale_dtype=settings.hidden_scale_dtype or src.hidden_scale_dtype or "float16",
                     topk_dtype=settings.topk_dtype or src.topk_dtype)
-    try:
-        spec = layout.with_encoding(**encoding)  # the current format: 2 lossless, 3 with an encoding
+    try:  # in the current format: 2 lossless, 3 with an encoding
+        spec = src.with_encoding(**encoding, chunk_tokens=settings.chunk_tokens or src.chunk_tokens,
+                                 compression_level=settings.compression_level or src.compression_level,
+                                 fingerprint=copy.deepcopy(src.fingerprint), info=copy.deepcopy(src.info or {}))
     except CacheError as e:
         raise CacheError(f"{e} (--hidden-codec {encoding['hidden_codec']}, --hidden-group-size "
                          f"{encoding['hidden_group_size']})") from None
@@ -100,7 +98,7 @@ def _check_source(reader: CacheReader, src: str) -> None:
     problems += [f"shard {name} was created but never recorded (its extraction died creating it)"
                  for name in (sorted(root["shards"].group_keys()) if "shards" in root else [])
                  if not shard_recorded(root["shards"][name]) and int(name) not in writing]
-    problems += [f"shard {s.shard_id:05d} is {s.state}: {s.samples:,} of {s.planned_samples:,} samples committed"
+    problems += [f"shard {s.shard_id:05d} is {s.state}: {s.samples:,} of {s.record.planned.samples:,} samples committed"
                  for s in reader.shards if not s.complete and s.shard_id not in writing]
     if problems:
         raise CacheError(f"{src}: only a finished cache can be converted; finish its extraction first (rerun "
@@ -227,15 +225,13 @@ def convert_cache(src: str, dst: str, settings: ConvertSettings, *, progress: bo
         bar.write(f"dflash-cache convert: {message}", file=sys.stderr)
 
     with zarr.config.set(writer_zarr_settings(dst)), _stop_on_ctrl_c() as stop, bar:
-        src_root = zarr.open_group(store=src, mode="r", zarr_format=3)
-        results = [_convert_shard(src, src_root[shard_name(s.shard_id)], dst, dst_root, s.shard_id, reader.spec, spec,
+        results = [_convert_shard(src, reader.root[shard_name(s.shard_id)], dst, dst_root, s.shard_id, reader.spec, spec,
                                   settings, bar.update, say, stop) for s in reader.shards]
     totals = {k: sum(r[k] for r in results) for k in ("tokens_converted", "tokens_found_done")}
     seconds = time.monotonic() - t_start
     return {"source": _location(src), "destination": dst, "shards": len(reader.shards), "samples": len(reader),
             "tokens": reader.num_tokens, **totals, "seconds": round(seconds, 3),
             "tokens_per_s": totals["tokens_converted"] / seconds if seconds > 0 else None,
-            "settings": dataclasses.asdict(settings) | {"chunk_tokens": spec.chunk_tokens,
-                                                         "compression_level": spec.compression_level,
-                                                         **spec.encoding()},
+            "settings": dataclasses.asdict(settings) | spec.encoding() | {
+                "chunk_tokens": spec.chunk_tokens, "compression_level": spec.compression_level},
             "hidden": {"source": reader.spec.codec.describe(), "destination": spec.codec.describe()}}

@@ -42,13 +42,9 @@ def weights_hash(model_dir: str | os.PathLike) -> str | None:
 def target_fingerprint(name_or_path: str, config_dict: dict[str, Any], dtype: str,
                        revision: str | None = None) -> dict[str, Any]:
     """Name, revision, config hash, weights hash (of a local folder) and compute dtype of a target."""
-    return {
-        "name_or_path": str(name_or_path),
-        "revision": revision or config_dict.get("_commit_hash"),
-        "config_hash": config_hash(config_dict),
-        "weights_hash": weights_hash(name_or_path) if os.path.isdir(name_or_path) else None,
-        "dtype": dtype,
-    }
+    return {"name_or_path": str(name_or_path), "revision": revision or config_dict.get("_commit_hash"),
+            "config_hash": config_hash(config_dict),
+            "weights_hash": weights_hash(name_or_path) if os.path.isdir(name_or_path) else None, "dtype": dtype}
 
 
 def tokenizer_fingerprint(tokenizer) -> dict[str, Any]:
@@ -58,13 +54,8 @@ def tokenizer_fingerprint(tokenizer) -> dict[str, Any]:
     special = json.dumps({k: str(v) for k, v in sorted(tokenizer.special_tokens_map.items())}, sort_keys=True)
     template = tokenizer.chat_template if isinstance(getattr(tokenizer, "chat_template", None), str) else \
         json.dumps(getattr(tokenizer, "chat_template", None), sort_keys=True, default=str)
-    return {
-        "hash": _sha(body + special),
-        "chat_template_hash": _sha(template or ""),
-        "vocab_size": len(tokenizer),
-        "eos_token_id": tokenizer.eos_token_id,
-        "pad_token_id": tokenizer.pad_token_id,
-    }
+    return {"hash": _sha(body + special), "chat_template_hash": _sha(template or ""), "vocab_size": len(tokenizer),
+            "eos_token_id": tokenizer.eos_token_id, "pad_token_id": tokenizer.pad_token_id}
 
 
 def fingerprint_digest(fingerprint: dict[str, Any]) -> str:

@@ -1,10 +1,9 @@
 """Codecs for cached hidden states: ``[tokens, layers, D]`` <-> stored bytes (+ scales).
 
-``bf16``: the bf16 bits (lossless). ``fp8``: e4m3 with a scale per (token, layer), the row's absolute maximum over
-448. ``int8`` / ``int4``: symmetric integers with a scale per ``group_size`` channels (absolute maximum over 127 or 7).
-Scales are rounded up where rounding would push a value past the range, so every error stays within half a step. int4
-packs channel 2i in the low nibble, 2i + 1 in the high one, each as ``q + 8``. Decoding is bitwise the same on the CPU
-and the GPU (one exact conversion, one correctly rounded multiply, one rounding to the output dtype).
+``bf16``: the bf16 bits (lossless). ``fp8``: e4m3 with a scale per (token, layer); ``int8`` / ``int4``: symmetric
+integers with a scale per ``group_size`` channels. A scale is the absolute maximum over 448, 127 or 7, rounded up so
+every error stays within half a step. int4 packs channel 2i in the low nibble, 2i + 1 in the high one, as ``q + 8``.
+Decoding is bitwise the same on CPU and GPU (one exact conversion, one correctly rounded multiply, one rounding).
 """
 
 from __future__ import annotations

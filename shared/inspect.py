@@ -48,6 +48,10 @@ def _assistant_tokens(root: zarr.Group, shard: ShardInfo) -> int:
     return int(np.count_nonzero(root[shard_name(shard.shard_id)]["loss_mask"][:shard.tokens])) if shard.tokens else 0
 
 
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return None if a is None or not b else a / b
+
+
 def cache_info(path: str, shard_ids: list[int] | None = None) -> dict[str, Any]:
     """Spec, fingerprint, per-shard state and counts, bytes on disk and compression ratios, over ``shard_ids`` only
     where given (a shard of them not created yet makes the result incomplete)."""
@@ -62,32 +66,33 @@ def cache_info(path: str, shard_ids: list[int] | None = None) -> dict[str, Any]:
     by_shard: dict[str, dict[str, int]] = {}  # 'shards/00000' -> its objects' sizes
     for name, size in (sizes or {}).items():
         by_shard.setdefault(name[:12], {})[name] = size
+    listed = sizes is not None
     raw_total = disk_hidden = disk_total = 0
     shards = []
     for s in reader.shards:
         key = shard_name(s.shard_id)
         g, own = root[key], by_shard.get(key, {})
-        entry = {"shard_id": s.shard_id, "state": s.state, "samples": s.samples, "planned_samples": s.planned_samples,
-                 "tokens": s.tokens, "planned_tokens": s.planned_tokens, "batches": s.record.commit.batches,
-                 "planned_batches": s.record.planned.batches, "assistant_tokens": _assistant_tokens(root, s),
-                 "skipped": dict(s.skipped), "bytes_on_disk": None if sizes is None else sum(own.values()),
-                 "compute": s.record.compute}
-        if sizes is not None:
+        planned = {f"planned_{k}": v for k, v in s.record.planned.as_dict().items()}
+        entry = {"shard_id": s.shard_id, "state": s.state, **s.record.commit.as_dict(), **planned,
+                 "assistant_tokens": _assistant_tokens(root, s), "skipped": dict(s.record.skipped),
+                 "bytes_on_disk": None if sizes is None else sum(own.values()), "compute": s.record.compute}
+        if listed:
             committed = {f: _chunk_bytes(own, f"{key}/{f}", -(-s.tokens // g[f].chunks[0])) for f in spec.token_fields}
             disk_hidden += committed["hidden"] + committed.get(HIDDEN_SCALE, 0)
             disk_total += sum(committed.values()) + sum(_chunk_bytes(own, f"{key}/{f}") for f in META_FIELDS)
         raw_total += s.tokens * sum(row_bytes.values()) + 8 * sum(g[f].shape[0] for f in META_FIELDS)
         shards.append(entry)
-    tokens = sum(e["tokens"] for e in shards)
-    raw_hidden = tokens * row_bytes["hidden"]
+    totals = {k: sum(e[k] for e in shards) for k in ("samples", "planned_samples", "tokens", "planned_tokens",
+                                                      "assistant_tokens")}
+    tokens, raw_hidden = totals["tokens"], totals["tokens"] * row_bytes["hidden"]
+    if not listed:
+        disk_hidden = disk_total = None
     missing = sorted(set(shard_ids or ()) - {e["shard_id"] for e in shards})
-    assistant = sum(e["assistant_tokens"] for e in shards)
     skipped = sum((Counter(e["skipped"]) for e in shards), Counter())  # rows not planned, by reason
     fp = spec.fingerprint
     target, tok, data = fp.get("target", {}), fp.get("tokenizer", {}), fp.get("dataset", {})
     located = spec.info or {}  # where local data and checkpoints lay (recorded, not compared)
     rendering = fp.get("extraction", {}).get("chat_template", {})
-    listed = sizes is not None
     return {
         "path": path, "format": spec.format, "format_version": spec.format_version,
         "fingerprint": {
@@ -104,34 +109,29 @@ def cache_info(path: str, shard_ids: list[int] | None = None) -> dict[str, Any]:
                         "hash": data.get("hash", data.get("content_hash"))},
             "full": fp,
         },
-        "layer_ids": list(spec.layer_ids), "layer_convention": spec.layer_convention,
-        "num_target_layers": spec.num_target_layers, "hidden_size": D, "hidden_dtype": spec.hidden_dtype,
-        "topk": k, "vocab_size": spec.vocab_size, "max_length": spec.max_length, "truncation": spec.truncation,
-        "chunk_tokens": spec.chunk_tokens, "compression_level": spec.compression_level,
+        **{f: getattr(spec, f) for f in ("layer_ids", "layer_convention", "num_target_layers", "hidden_size",
+                                         "hidden_dtype", "topk", "vocab_size", "max_length", "truncation",
+                                         "chunk_tokens", "compression_level")},
         "chunks": {f: spec.chunk_rows(f) for f in spec.token_fields},
         "encoding": {**spec.encoding(), "hidden": spec.codec.describe()},
         "bytes_per_token": {
             "hidden_raw_bf16": row_bytes["hidden"],
             "hidden_encoded": stored_row_bytes["hidden"] + stored_row_bytes.get(HIDDEN_SCALE, 0),
-            "hidden_on_disk": disk_hidden / tokens if listed and tokens else None,
+            "hidden_on_disk": _ratio(disk_hidden, tokens),
             "total_raw": sum(row_bytes.values()), "total_encoded": sum(stored_row_bytes.values()),
-            "total_on_disk": disk_total / tokens if listed and tokens else None,
+            "total_on_disk": _ratio(disk_total, tokens),
         },
         "converted_from": located.get("converted_from"),
         "shards": shards, "shards_not_created": missing, "num_shards": len(shards),
         "complete": bool(shards) and not missing and all(e["state"] == "complete" for e in shards),
-        "samples": sum(e["samples"] for e in shards), "planned_samples": sum(e["planned_samples"] for e in shards),
-        "tokens": tokens, "planned_tokens": sum(e["planned_tokens"] for e in shards),
-        "assistant_tokens": assistant, "assistant_fraction": assistant / tokens if tokens else None,
-        "skipped": dict(skipped),
+        **totals, "assistant_fraction": _ratio(totals["assistant_tokens"], tokens), "skipped": dict(skipped),
         "writing": {f"{s:05d}": dataclasses.asdict(h) | {"described": h.describe()}
                     for s, h in sorted(live_holders(path).items())
                     if shard_ids is None or s in shard_ids},
         "bytes_on_disk": sum(sizes.values()) if listed else None,
         "raw_bytes": {"hidden": raw_hidden, "total": raw_total},
         "committed_bytes_on_disk": {"hidden": disk_hidden, "total": disk_total} if listed else None,
-        "compression_ratio": {"hidden": raw_hidden / disk_hidden if listed and disk_hidden else None,
-                              "total": raw_total / disk_total if listed and disk_total else None},
+        "compression_ratio": {"hidden": _ratio(raw_hidden, disk_hidden), "total": _ratio(raw_total, disk_total)},
     }
 
 
@@ -249,7 +249,6 @@ def cache_stats(path: str, *, max_samples: int = 256, seed: int = 0, threshold: 
                "rms": float(np.sqrt(s2[j] / cnt)), "abs_max": float(absmax[j]), "frac_above_threshold": float(over[j] / cnt)}
               for j, lid in enumerate(spec.layer_ids)]
     tokens = int(lengths.sum())
-    ratio = lambda a, b: a / b if b else None  # noqa: E731
     return {
         "path": path, "samples": n, "tokens": tokens,
         "lengths": {
@@ -258,13 +257,13 @@ def cache_stats(path: str, *, max_samples: int = 256, seed: int = 0, threshold: 
             "percentiles": {str(q): float(np.percentile(lengths, q)) for q in (50, 90, 99)} if n else {},
             "at_max_length": int((lengths >= spec.max_length).sum()), "histogram": length_histogram(lengths),
         },
-        "assistant_tokens": int(assistant), "assistant_fraction": ratio(assistant, tokens),
+        "assistant_tokens": int(assistant), "assistant_fraction": _ratio(assistant, tokens),
         "sampled": {"samples": len(chosen), "tokens": int(lengths[chosen].sum()) if n else 0, "seed": seed,
                     "indices_all": bool(n <= max_samples)},
         "activations": {"threshold": threshold, "layers": layers},
-        "topk": {"k": spec.topk, "mean_top1_prob": ratio(top1, tk_tokens), "mean_topk_mass": ratio(mass, tk_tokens),
-                 "mean_entropy_lower_bound": ratio(entropy, tk_tokens), "top1_is_next_token": ratio(match, match_n),
-                 "top1_is_next_token_assistant": ratio(match_a, match_an)},
+        "topk": {"k": spec.topk, "mean_top1_prob": _ratio(top1, tk_tokens), "mean_topk_mass": _ratio(mass, tk_tokens),
+                 "mean_entropy_lower_bound": _ratio(entropy, tk_tokens), "top1_is_next_token": _ratio(match, match_n),
+                 "top1_is_next_token_assistant": _ratio(match_a, match_an)},
         "conversion_error": conversion_error(reader, chosen, against),
     }
 
@@ -296,29 +295,26 @@ def conversion_error(reader: CacheReader, indices: np.ndarray, against: str | No
         raise CacheError(f"{where} does not store layers {missing} of {reader.path}")
     slots = [source.spec.layer_ids.index(lid) for lid in reader.spec.layer_ids]
     fields = ("input_ids", "hidden", "topk_ids", "topk_logprobs")
-    err2, ref2, worst = np.zeros((3, reader.spec.num_layers))
-    tk_err2 = tk_ref2 = tk_worst = 0.0
+    err2, ref2, worst = np.zeros((3, reader.spec.num_layers + 1))  # per layer, then of the top-k log-probs
     for i in indices:
         ours, theirs = reader.read(int(i), fields), source.read(int(i), fields)
         if not (torch.equal(ours["input_ids"], theirs["input_ids"]) and torch.equal(ours["topk_ids"], theirs["topk_ids"])):
             raise CacheError(f"sample {int(i)}: token ids or top-k ids differ between {reader.path} and {where}")
-        x, ref = ours["hidden"].double(), theirs["hidden"][:, slots].double()  # (T, L, D)
-        diff = x - ref
-        err2 += (diff * diff).sum(dim=(0, 2)).numpy()
-        ref2 += (ref * ref).sum(dim=(0, 2)).numpy()
-        worst = np.maximum(worst, diff.abs().amax(dim=(0, 2)).numpy()) if diff.numel() else worst
-        p, q = ours["topk_logprobs"].double(), theirs["topk_logprobs"].double()
-        tk_err2 += float(((p - q) ** 2).sum())
-        tk_ref2 += float((q * q).sum())
-        tk_worst = max(tk_worst, float((p - q).abs().max())) if p.numel() else tk_worst
-    rel = lambda e, r: float(np.sqrt(e / r)) if r > 0 else None  # noqa: E731
+        pairs = [*zip(ours["hidden"].unbind(1), theirs["hidden"][:, slots].unbind(1)),  # (T, D) per layer
+                 (ours["topk_logprobs"], theirs["topk_logprobs"])]
+        for j, (x, ref) in enumerate(pairs):
+            x, ref = x.double(), ref.double()
+            err2[j] += float(((x - ref) ** 2).sum())
+            ref2[j] += float((ref * ref).sum())
+            worst[j] = max(worst[j], float((x - ref).abs().max())) if x.numel() else worst[j]
+    errors = [{"rel_l2": float(np.sqrt(e / r)) if r > 0 else None, "max_abs_error": float(w)}
+              for e, r, w in zip(err2, ref2, worst)]
     return {
         "against": where, "recorded_source": record["path"] if record else None,
         "source_matches_record": None if not record else record["fingerprint_digest"] == fingerprint_digest(
             source.spec.fingerprint),
         "samples": len(indices), "tokens": int(reader.lengths()[indices].sum()),
-        "layers": [{"layer_id": lid, "rel_l2": rel(err2[j], ref2[j]), "max_abs_error": float(worst[j])}
-                   for j, lid in enumerate(reader.spec.layer_ids)],
-        "topk_logprobs": {"rel_l2": rel(tk_err2, tk_ref2), "max_abs_error": tk_worst},
+        "layers": [{"layer_id": lid, **e} for lid, e in zip(reader.spec.layer_ids, errors)],
+        "topk_logprobs": errors[-1],
         "topk_reduced": reader.spec.topk_dtype != source.spec.topk_dtype,
     }

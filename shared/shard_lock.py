@@ -1,7 +1,6 @@
-"""One writer per shard, through ``CACHE/locks/NNNNN.lock``: locally an OS lock (``filelock``, dies with its
-process) with ``NNNNN.json`` beside it naming the holder; on other fsspec URLs the file itself, created only if absent,
-names the holder and outlives a dead run until deleted. Before each commit record the holder ``check``s the record is
-still its own, so a lock file deleted under a live run stops that run rather than letting two write."""
+"""One writer per shard, through ``CACHE/locks/NNNNN.lock``: locally an OS lock (dies with its process) with
+``NNNNN.json`` naming the holder; on fsspec URLs the file itself, created only if absent, names the holder (and outlives
+a dead run until deleted). The holder ``check``s the record is still its own before each commit record."""
 
 from __future__ import annotations
 

@@ -1,6 +1,5 @@
-"""``dflash-cache verify``: read every committed chunk of a cache and report each problem by shard, array, chunk
-and samples. It reads the arrays directly: ``CacheReader`` refuses a shard whose offsets disagree with its commit
-record, which verify must report."""
+"""``dflash-cache verify``: read every committed chunk of a cache and report each problem by shard, array, chunk and
+samples; directly, since ``CacheReader`` refuses a shard whose offsets disagree with its commit record."""
 
 from __future__ import annotations
 

@@ -14,7 +14,7 @@ import serve_helpers as S
 from dflash.extract import regenerate as regen
 from dflash.extract import regenerate_endpoint as rep
 from dflash.extract.data import Conversation
-from dflash.extract.regenerate_endpoint import ChatEndpoint, EndpointDown, RequestRejected, parse_reply
+from dflash.extract.regenerate_endpoint import ChatEndpoint, EndpointDown, RequestRejected
 
 ANSWER = {"model": "m", "choices": [{"index": 0, "finish_reason": "stop",
                                      "message": {"role": "assistant", "content": "hi"}}],
@@ -78,9 +78,14 @@ def _client(url, retries=3):
 
 def test_5xx_and_429_are_retried(scripted):
     server = scripted([(503, {"error": "loading"}), (429, {"error": "busy"})])
-    reply = _client(server.url).chat({"messages": []})
-    assert reply.content == "hi" and reply.model == "m" and reply.prompt_tokens == 7
+    assert _client(server.url).chat({"messages": []}) == ANSWER
     assert len(server.posts()) == 3
+
+
+def test_an_answer_without_a_message_is_rejected(scripted):
+    server = scripted([(200, {"choices": []})])
+    with pytest.raises(RequestRejected, match="HTTP 200: .*without choices"):
+        _client(server.url).chat({"messages": []})
 
 
 def test_4xx_is_rejected_at_once_with_the_servers_reason(scripted):
@@ -111,16 +116,18 @@ def test_nothing_listening_is_a_clear_error_naming_the_url():
     assert f"POST {url}/chat/completions failed 3 time(s)" in text and f"server at {url} running?" in text
 
 
+def _chat(messages):
+    conv = Conversation(kind="chat", messages=messages, source="s.jsonl", row_index=4)
+    return regen.Chat.start(conv, regen.SkipCounter())
+
+
 @pytest.mark.parametrize("field", ["reasoning_content", "reasoning"])
 def test_reasoning_is_read_from_either_field(field):
     answer = json.loads(json.dumps(ANSWER))
     answer["choices"][0]["message"][field] = "let me think"
-    assert parse_reply(answer).reasoning == "let me think"
-
-
-def _chat(messages):
-    conv = Conversation(kind="chat", messages=messages, source="s.jsonl", row_index=4)
-    return regen.Chat.start(conv, regen.SkipCounter())
+    chat = _chat([{"role": "user", "content": "q"}, {"role": "assistant", "content": "old"}])
+    event = rep.turn_event(chat, 1, answer, regen.GenerationSettings())
+    assert event["message"]["reasoning_content"] == "let me think"
 
 
 def test_answer_becomes_the_message_reasoning_and_tool_calls_kept():
@@ -130,7 +137,7 @@ def test_answer_becomes_the_message_reasoning_and_tool_calls_kept():
     answer["choices"][0]["message"].update(
         content="", reasoning="new thoughts",
         tool_calls=[{"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{\"x\": 1}"}}])
-    event = rep.turn_event(chat, 1, parse_reply(answer), regen.GenerationSettings())
+    event = rep.turn_event(chat, 1, answer, regen.GenerationSettings())
     assert event["message"] == {"role": "assistant", "name": "bot", "content": "", "reasoning_content": "new thoughts",
                                 "tool_calls": [{"id": "c1", "type": "function",
                                                 "function": {"name": "f", "arguments": {"x": 1}}}]}
@@ -140,12 +147,12 @@ def test_the_targets_answer_replaces_the_source_turns_tool_calls():
     own = [{"type": "function", "function": {"name": "g", "arguments": {"y": 2}}}]
     chat = _chat([{"role": "user", "content": "q"}, {"role": "assistant", "content": "", "tool_calls": own},
                   {"role": "tool", "content": "42"}])
-    text_only = rep.turn_event(chat, 1, parse_reply(ANSWER), regen.GenerationSettings())["message"]
+    text_only = rep.turn_event(chat, 1, ANSWER, regen.GenerationSettings())["message"]
     assert text_only == {"role": "assistant", "content": "hi"}
     answer = json.loads(json.dumps(ANSWER))
     answer["choices"][0]["message"]["tool_calls"] = [{"type": "function", "function": {"name": "f",
                                                                                        "arguments": "{}"}}]
-    event = rep.turn_event(chat, 1, parse_reply(answer), regen.GenerationSettings())
+    event = rep.turn_event(chat, 1, answer, regen.GenerationSettings())
     assert event["message"]["tool_calls"] == [{"type": "function", "function": {"name": "f", "arguments": {}}}]
 
 
@@ -153,13 +160,13 @@ def test_empty_answer_and_length_limits_cut_the_conversation():
     chat = _chat([{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}])
     answer = json.loads(json.dumps(ANSWER))
     answer["choices"][0]["message"]["content"] = "  "
-    assert rep.turn_event(chat, 1, parse_reply(answer), regen.GenerationSettings())["cut"] == "empty_generation"
+    assert rep.turn_event(chat, 1, answer, regen.GenerationSettings())["cut"] == "empty_generation"
     answer["choices"][0].update(finish_reason="length", message={"role": "assistant", "content": "x"})
-    assert rep.turn_event(chat, 1, parse_reply(answer), regen.GenerationSettings())["truncated"] is True
+    assert rep.turn_event(chat, 1, answer, regen.GenerationSettings())["truncated"] is True
     dropping = regen.GenerationSettings(drop_truncated=True)
-    assert rep.turn_event(chat, 1, parse_reply(answer), dropping)["cut"] == "truncated"
+    assert rep.turn_event(chat, 1, answer, dropping)["cut"] == "truncated"
     too_long = regen.GenerationSettings(max_prompt_tokens=6)  # the answer says prompt_tokens 7
-    assert rep.turn_event(chat, 1, parse_reply(answer), too_long)["cut"] == "prompt_too_long"
+    assert rep.turn_event(chat, 1, answer, too_long)["cut"] == "prompt_too_long"
 
 
 def test_request_body_carries_tools_kwargs_and_a_per_turn_seed():
