@@ -14,6 +14,7 @@ from click.testing import CliRunner
 
 from train_helpers import one_thread  # noqa: F401 - the module's autouse fixture
 from dflash.eval.gguf import SOURCE, ConvertError, cli, resolve
+from dflash.shared.cache import CacheReader
 
 gguf = pytest.importorskip("gguf", reason="needs the gguf package: pip install -e '.[dev]'")
 try:
@@ -290,3 +291,7 @@ def test_demo_real_runs_every_stage_on_the_cpu(tiny_gguf, tmp_path):
     assert [line.split(":")[0].strip() for line in lines if ": reusing" in line] == [
         "[1/5] convert", "[2/5] regenerate", "[3/5] extract", "[4/5] train", "export"]
     assert all(line["prompts"] == 1 for line in summary["benchmarks"].values())
+    lines.clear()  # another codec: the cache is extracted again, and every stage after it runs on it
+    run_real(out, dataclasses.replace(settings, eval_limit=1, hidden_codec="fp8"), str(tiny_gguf), echo=lines.append)
+    assert [line.split(":")[0].strip() for line in lines if ": reusing" in line] == ["[1/5] convert", "[2/5] regenerate"]
+    assert CacheReader(str(out / "cache.zarr")).spec.hidden_codec == "fp8"
