@@ -5,10 +5,11 @@
 #             split -n 2 GGUF part_ && mv part_aa .carry1/ && mv part_ab .carry2/   (both git-ignored: one call carries less)
 #   call 1 (carry .carry1 .whl):  mkdir -p /tmp/carry && cp .carry1/part_aa /tmp/carry/ &&
 #       python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl
-#   call 2 (carry .carry2 .real): bash bench/demo_real_gpu.sh [--set KEY=VALUE ...]
+#   call 2 (carry .carry2 .real/data.tgz): bash bench/demo_real_gpu.sh [--set KEY=VALUE ...]
 # Results go to RESULTS (default $OUT). REGEN_BENCH=ROWS first times regeneration (bench/regen_speed.py) on
 # the converted target. A run longer than one call: setsid in the background with RESULTS=/tmp/results; later
-# calls wait for RESULTS/done and copy RESULTS to $OUT.
+# calls wait for RESULTS/done and copy RESULTS to $OUT. SECOND="--set KEY=VALUE ..." then runs the demo again in
+# the same folder with those settings added (reusing every stage before the first one they change), into RESULTS/second.
 set -euo pipefail
 RESULTS=${RESULTS:-${OUT:-/tmp/out}}
 mkdir -p "$RESULTS"
@@ -29,10 +30,20 @@ if [ -n "${REGEN_BENCH:-}" ]; then
     --plain-rows 256 --batch-size 512 --max-new-tokens 256 --max-prompt-tokens 1024 \
     --json "$RESULTS/regen_speed.json" 2>&1 | tee "$RESULTS/regen_speed.log"
 fi
+collect() {  # a run's results into $1
+  mkdir -p "$1"
+  for f in summary.json eval.json table.md training_curves.png run/metrics.jsonl extract.json regen/regenerate.json; do
+    [ -f "/tmp/real/$f" ] && cp "/tmp/real/$f" "$1/"
+  done
+}
 demo "$@" 2>&1 | tee "$RESULTS/demo_real.log"
 rc=${PIPESTATUS[0]}
-for f in summary.json eval.json table.md training_curves.png run/metrics.jsonl; do
-  [ -f "/tmp/real/$f" ] && cp "/tmp/real/$f" "$RESULTS/"
-done
+collect "$RESULTS"
+if [ "$rc" = 0 ] && [ -n "${SECOND:-}" ]; then  # e.g. SECOND="--set hidden_codec=fp8": the stages before it are reused
+  read -ra second <<< "$SECOND"
+  demo "$@" "${second[@]}" 2>&1 | tee "$RESULTS/second.log"
+  rc=${PIPESTATUS[0]}
+  collect "$RESULTS/second"
+fi
 echo "$rc" > "$RESULTS/done"
 exit "$rc"
