@@ -1,14 +1,14 @@
 #!/usr/bin/env bash
 # `make demo-real` on the lent GPU machine, whose image lacks zarr, gguf and the PyPI data packages.
-#   here:     python -m dflash.eval.demo_real prepare --out .real/out [--set conversations=N]
-#             (cd .real/out && tar czf ../data.tgz data data.demo.json)
-#             split -n 2 GGUF part_ && mv part_aa .carry1/ && mv part_ab .carry2/   (both git-ignored: one call carries less)
+#   here:     bash bench/demo_real_prep.sh [--set conversations=N]   (.whl, the GGUF's halves, .real/data.tgz)
 #   call 1 (carry .carry1 .whl):  mkdir -p /tmp/carry && cp .carry1/part_aa /tmp/carry/ &&
 #       python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl
 #   call 2 (carry .carry2 .real/data.tgz): bash bench/demo_real_gpu.sh [--set KEY=VALUE ...]
 # Results go to RESULTS (default $OUT). REGEN_BENCH=ROWS first times regeneration (bench/regen_speed.py) on
-# the converted target. A run longer than one call: setsid in the background with RESULTS=/tmp/results; later
-# calls wait for RESULTS/done and copy RESULTS to $OUT. SECOND="--set KEY=VALUE ..." then runs the demo again in
+# the converted target. A run longer than one call, from a copy of the tree that later calls leave alone:
+#   rm -rf /tmp/repo && cp -a . /tmp/repo && cd /tmp/repo && (RESULTS=/tmp/results setsid nohup bash
+#   bench/demo_real_gpu.sh ... > /tmp/demo.out 2>&1 &); later calls, back to back (the machine goes after 30 s
+# idle), wait for /tmp/results/done and copy /tmp/results to $OUT (at most 8 files come back a call). SECOND="--set KEY=VALUE ..." then runs the demo again in
 # the same folder with those settings added (reusing every stage before the first one they change), into RESULTS/second.
 set -euo pipefail
 RESULTS=${RESULTS:-${OUT:-/tmp/out}}
