@@ -8,7 +8,7 @@
 # the converted target. A run longer than one call, from a copy of the tree that later calls leave alone:
 #   rm -rf /tmp/repo && cp -a . /tmp/repo && cd /tmp/repo && (RESULTS=/tmp/results setsid nohup bash
 #   bench/demo_real_gpu.sh ... > /tmp/demo.out 2>&1 &); later calls, back to back (the machine goes after 30 s
-# idle), wait for /tmp/results/done and copy /tmp/results to $OUT (at most 8 files come back a call).
+# idle), wait for /tmp/results/done, then `tar czf $OUT/results.tgz -C /tmp/results .` (8 files of 16 MiB at most come back a call).
 # SECOND="--set KEY=VALUE ..." then runs the demo again in the same folder with those settings added (reusing every
 # stage before the first one they change), into RESULTS/second.
 set -euo pipefail
