@@ -35,6 +35,7 @@ class RealSettings:
     max_prompt_tokens: int = 1024  # later turns of long chats are cut there (counted)
     regen_batch_size: int = 512
     hidden_codec: str = "bf16"  # the cache's hidden states (extract's --hidden-codec; int8/int4 in groups of 64)
+    layers: list[int] | None = None  # target layers the cache stores (extract's --layers; None: its default 5)
     train: dict = field(default_factory=lambda: dict(  # 2,400 steps: held-out tau 2.85 against 1.85 at 800, ~8 min
         max_steps=2400, eval_every=2400, save_every=2400, eval_samples=64))  # each evaluation costs ~200 steps
     spec_sample: int = 4  # prompts per benchmark decoded speculatively for real (lossless check, tau match)
@@ -142,6 +143,8 @@ def run_real(out: Path, s: RealSettings, gguf: str | None, echo=click.echo,
             "--max-length", str(max(s.train.get("context_buckets") or PRESETS[s.preset]().data.context_buckets)),
             "--on-bad-row", "skip",
             *([] if s.hidden_codec == "bf16" else ["--hidden-codec", s.hidden_codec, "--hidden-group-size", "64"]),
+            *(["--layers", ",".join(map(str, s.layers if isinstance(s.layers, list) else [s.layers]))]
+              if s.layers is not None else []),  # extract checks each id, naming --layers
             "--summary-json", str(out / "extract.json")]),
         ("train", "[4/5] train", run, [
             "dflash.train.cli", "run", "--preset", s.preset, "--cache", str(cache), "--target", str(target),
