@@ -331,3 +331,26 @@ def test_cpu_warning_for_the_full_recipe(caplog, tmp_path):
     with pytest.raises(ClickException, match="no cache there"):  # the warning comes before any work
         main(["run", "--cache", str(tmp_path / "missing.zarr"), "--out", str(tmp_path / "run"), "--device", "cpu"])
     assert "takes minutes per step on the CPU; for a CPU run use --preset tiny" in caplog.text
+
+
+def test_a_slow_loader_is_named(pattern_cache, tmp_path, caplog, monkeypatch):
+    """A loader that cannot keep up with the step: one warning, naming the share of time waited and the way out."""
+    import time
+
+    from dflash.train import data
+    from dflash.train.cli import main
+
+    read = data.AnchorDataset.__getitem__
+
+    def slow_read(self, key):
+        time.sleep(0.05)
+        return read(self, key)
+
+    monkeypatch.setattr(data.AnchorDataset, "__getitem__", slow_read)  # the forked worker inherits it
+    caplog.set_level("WARNING", logger="dflash.train")
+    main(["run", "--preset", "tiny", "--cache", str(pattern_cache), "--out", str(tmp_path / "run"), "--max-steps", "4",
+          "--log-every", "2", "--num-workers", "1", "--mask-token-id", "3", "--no-progress"])
+    warnings = [r.getMessage() for r in caplog.records if "waited on the data loader" in r.getMessage()]
+    assert len(warnings) == 1 and "raise --num-workers (now 1)" in warnings[0] and "--hidden-codec fp8" in warnings[0]
+    waited = [m["data_wait"] for m in read_metrics(tmp_path / "run")]
+    assert max(waited) > 0.3

@@ -27,6 +27,7 @@ from .step import StepSpec, evaluate_batch, forward_loss, labels_and_weights, to
 from .target import build_drafter_config, load_target_meta, resolve_target
 
 log = logging.getLogger("dflash.train")
+LOADER_BOUND = 0.3  # the share of a logging window spent waiting on the loader that warns (once a run)
 
 
 def init_distributed(device: str = "auto") -> tuple[int, int, torch.device, bool]:
@@ -221,7 +222,7 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
         window = torch.zeros(4 + 2 * dcfg.block_size, dtype=torch.float64, device=device)
         window_steps, window_start, window_data_s = 0, time.perf_counter(), 0.0
         params = [p for p in drafter.parameters() if p.requires_grad]
-        history, last_eval, step = [], None, start_step
+        history, last_eval, step, loader_warned = [], None, start_step, False
         for step in range(start_step, steps):
             waited = time.perf_counter()
             micro_batches = [to_device(next(data_iter), device) for _ in range(sampler.accum)]
@@ -258,6 +259,12 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
                           "peak_mem_gb": metrics.peak_memory_gb(device), "compiles": compile_path.compile_count()}
                 history.append(record)
                 sink.write(record)
+                if record["data_wait"] > LOADER_BOUND and dcfg_data.num_workers and not loader_warned:
+                    loader_warned = True  # once a run: the loader, not the step, sets the pace
+                    log.warning("the step waited on the data loader %.0f%% of the last %d steps: raise "
+                                "--num-workers (now %d) where cores are free, or extract a lossy cache "
+                                "(--hidden-codec fp8), which training decodes on the GPU at about a third of the CPU",
+                                100 * record["data_wait"], window_steps, dcfg_data.num_workers)
                 bar.set_postfix(loss=f"{record['loss']:.3f}", acc=f"{record['acc']:.3f}")
                 window.zero_()
                 window_steps, window_start, window_data_s = 0, time.perf_counter(), 0.0
