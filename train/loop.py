@@ -263,7 +263,7 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
                     loader_warned = True  # once a run: the loader, not the step, sets the pace
                     log.warning("the step waited on the data loader %.0f%% of the last %d steps: raise "
                                 "--num-workers (now %d) where cores are free, or extract a lossy cache "
-                                "(--hidden-codec fp8), which training decodes on the GPU at about a third of the CPU",
+                                "(--hidden-codec fp8), which training decodes on the GPU: half the loader's work",
                                 100 * record["data_wait"], window_steps, dcfg_data.num_workers)
                 bar.set_postfix(loss=f"{record['loss']:.3f}", acc=f"{record['acc']:.3f}")
                 window.zero_()
