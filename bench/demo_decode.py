@@ -73,7 +73,7 @@ def main(out: str, rounds: int, threads: int, max_new_tokens: int, clock: str) -
             specs.append(spec)
             greedies.append(greedy)
         per_token.append(greedy_s / tokens * 1e3)
-        shares.append(speculative._block_parts(specs, greedies, blocks))  # as dflash-eval reports it (wall clock)
+        shares.append(speculative.block_parts(specs, greedies, blocks))  # as dflash-eval reports it (wall clock)
         ratios.append(greedy_s / spec_s)
         per_block.append(spec_s / blocks * 1e3)
     tau = (tokens - len(prompts)) / blocks

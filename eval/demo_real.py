@@ -118,6 +118,11 @@ def _stage(name: str, path: Path, after: dict, argv: list[str], echo) -> dict:
 STAGES = ("convert", "regenerate", "extract", "train", "eval")
 
 
+def _flag_value(value) -> str:
+    """A ``--set`` value as a command-line flag's: a list as a comma list (the command checks each entry)."""
+    return ",".join(map(str, value)) if isinstance(value, list) else str(value)
+
+
 def run_real(out: Path, s: RealSettings, gguf: str | None, echo=click.echo,
              stop_after: str | None = None) -> dict | None:
     """Every step: OUT/summary.json, or None after ``stop_after``'s stage (train: after its export)."""
@@ -126,8 +131,7 @@ def run_real(out: Path, s: RealSettings, gguf: str | None, echo=click.echo,
     data = prepare(out / "data", s)
     target, regen, cache, run, export = (out / n for n in ("target", "regen", "cache.zarr", "run", "export"))
     eval_json = out / "eval.json"
-    train_flags = [f"--{k.replace('_', '-')}={','.join(map(str, v)) if isinstance(v, list) else v}"
-                   for k, v in s.train.items()]
+    train_flags = [f"--{k.replace('_', '-')}={_flag_value(v)}" for k, v in s.train.items()]
     benchmarks = {name: str(out / "data" / f"{name}.jsonl") for name in ("mtbench", "humaneval", "sharegpt")}
     stages = [  # (name, label, output, command)
         ("convert", "[1/5] convert", target,
@@ -143,8 +147,7 @@ def run_real(out: Path, s: RealSettings, gguf: str | None, echo=click.echo,
             "--max-length", str(max(s.train.get("context_buckets") or PRESETS[s.preset]().data.context_buckets)),
             "--on-bad-row", "skip",
             *([] if s.hidden_codec == "bf16" else ["--hidden-codec", s.hidden_codec, "--hidden-group-size", "64"]),
-            *(["--layers", ",".join(map(str, s.layers if isinstance(s.layers, list) else [s.layers]))]
-              if s.layers is not None else []),  # extract checks each id, naming --layers
+            *(["--layers", _flag_value(s.layers)] if s.layers is not None else []),  # extract checks each id
             "--summary-json", str(out / "extract.json")]),
         ("train", "[4/5] train", run, [
             "dflash.train.cli", "run", "--preset", s.preset, "--cache", str(cache), "--target", str(target),

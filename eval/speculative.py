@@ -424,10 +424,10 @@ def _summary(specs: Sequence[Generation], greedies: Sequence[Generation], block_
             "spec_tokens_per_s": new_tokens / spec_s if spec_s > 0 else math.nan,
             "greedy_tokens_per_s": new_tokens / greedy_s if greedy_s > 0 else math.nan,
             "speedup": greedy_s / spec_s if spec_s > 0 else math.nan,
-            "block_in_greedy_steps": _block_parts(specs, greedies, len(taus))}
+            "block_in_greedy_steps": block_parts(specs, greedies, len(taus))}
 
 
-def _block_parts(specs: Sequence[Generation], greedies: Sequence[Generation], blocks: int) -> dict[str, float]:
+def block_parts(specs: Sequence[Generation], greedies: Sequence[Generation], blocks: int) -> dict[str, float]:
     """Where a speculative block's time goes (prefill spread over the blocks), in greedy decoding steps."""
     step = sum(g.seconds for g in greedies) / max(sum(len(g.tokens) for g in greedies), 1)
     if not blocks or step <= 0:

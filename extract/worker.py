@@ -1,5 +1,6 @@
 """One shard on one device: ShardWriter (the resume point), the forward loop, and a writer thread that writes each
-batch (encoded on the device, copied to pinned memory on a side stream) and commits every ``commit_seconds``."""
+batch (encoded on the device, copied to pinned memory on a side stream) and commits every ``commit_seconds``; the
+bounded queue caps host memory at ``queue_depth`` + 2 batches."""
 
 from __future__ import annotations
 
