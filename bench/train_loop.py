@@ -72,11 +72,12 @@ def cpu_seconds(who) -> float:
     return r.ru_utime + r.ru_stime
 
 
-def loader_rate(cfg, workers: int, n_batches: int, decode_on_device: bool = False) -> dict:
+def loader_rate(cfg, workers: int, n_batches: int, decode_on_device: bool = False, resident: bool = False) -> dict:
     """Micro-batches/s of the training DataLoader alone, the CPU cores it kept busy, and ``to_device_ms``: a
-    micro-batch's copy to the GPU (with ``decode_on_device``, a lossy cache's payload + scales, and its decode)."""
+    micro-batch's copy to the GPU (with ``decode_on_device``, a lossy cache's payload + scales, and its decode).
+    ``resident``: the samples preloaded by ``workers`` onto the GPU (or into memory), batches cut in the main process."""
     from dflash.shared.cache import CacheReader
-    from dflash.train.data import AnchorDataset, GlobalBatchSampler, Split, make_loader
+    from dflash.train.data import AnchorDataset, GlobalBatchSampler, Split, make_loader, preload
     from dflash.train.step import to_device
 
     reader = CacheReader(cfg.cache)
@@ -86,8 +87,13 @@ def loader_rate(cfg, workers: int, n_batches: int, decode_on_device: bool = Fals
                             decode_on_device=decode_on_device)
     sampler = GlobalBatchSampler(split.train, d.batch_size, d.micro_batch_size, 0, 1, cfg.runtime.seed,
                                  n_batches + 4)
-    loader = make_loader(dataset, sampler, d.context_buckets, workers, d.prefetch_factor,
-                         pin_memory=torch.cuda.is_available())
+    preload_s = time.perf_counter()
+    if resident:
+        preload([dataset], np.arange(len(reader)), torch.device("cuda" if torch.cuda.is_available() else "cpu"),
+                workers, progress=False)
+    preload_s = round(time.perf_counter() - preload_s, 2)
+    loader = make_loader(dataset, sampler, d.context_buckets, 0 if resident else workers, d.prefetch_factor,
+                         pin_memory=torch.cuda.is_available() and not resident)
     it = iter(loader)
     for _ in range(2):  # workers up, first batches in flight
         next(it)
@@ -110,7 +116,7 @@ def loader_rate(cfg, workers: int, n_batches: int, decode_on_device: bool = Fals
     time.sleep(1.0)
     c1 = cpu_seconds(resource.RUSAGE_SELF) + cpu_seconds(resource.RUSAGE_CHILDREN)
     return {"workers": workers, "codec": reader.spec.hidden_codec, "decode": "device" if dataset.decode_on_device
-            else "loader", "micro_batches_s": round(n_batches / dt, 2),
+            else "loader", "preload_s": preload_s if resident else None, "micro_batches_s": round(n_batches / dt, 2),
             "cpu_cores_busy_upper_bound": round((c1 - c0) / dt, 2), "to_device_ms": device_ms}
 
 
@@ -136,7 +142,9 @@ def main():
                    help="the measured step time (s) the loader is compared with")
     p.add_argument("--hidden-codecs", default="bf16", help="e.g. bf16,fp8,int8,int4, a cache each")
     p.add_argument("--loader-batches", type=int, default=None, help="micro-batches timed (default: samples - 2, at most 48)")
+    p.add_argument("--preload", action="store_true", help="also each codec's samples preloaded (--preload on)")
     p.add_argument("--anchors", type=int, default=512)
+    p.add_argument("--micro-batch", type=int, default=1, help="sequences per micro-batch (32: --preset small)")
     p.add_argument("--samples", type=int, default=8)
     args = p.parse_args()
     logging.basicConfig(level=logging.INFO)
@@ -153,8 +161,8 @@ def main():
 
     cfg = dflash_recipe().override(
         cache=str(out / "cache.zarr"), target=str(out / "target"), out=str(out / "run"),
-        context_buckets=[args.ctx], max_anchors=args.anchors, batch_size=1, micro_batch_size=1,
-        eval_samples=1, mask_token_id=args.vocab - 1, progress=False, tensorboard=False, resume=None)
+        context_buckets=[args.ctx], max_anchors=args.anchors, batch_size=args.micro_batch,
+        micro_batch_size=args.micro_batch, eval_samples=1, mask_token_id=args.vocab - 1, progress=False, tensorboard=False, resume=None)
     n_batches = args.loader_batches or min(args.samples - 2, 48)
     for codec in args.hidden_codecs.split(","):
         if codec != "bf16":  # a cache of this codec in place of the bf16 one
@@ -166,9 +174,10 @@ def main():
                   f"{decode_cpu_equals_cuda(str(out / 'cache.zarr'))}", flush=True)
         for on_device in ((False, True) if codec != "bf16" else (False,)):
             for w in (int(x) for x in args.loader_workers.split(",")):
-                r = loader_rate(cfg, w, n_batches, decode_on_device=on_device)
-                r["vs_training_step"] = round(r["micro_batches_s"] * args.loader_only, 2)
-                print(json.dumps({"loader": r, "step_s": args.loader_only}), flush=True)
+                for resident in (False, True) if args.preload else (False,):
+                    r = loader_rate(cfg, w, n_batches, decode_on_device=on_device, resident=resident)
+                    r["vs_training_step"] = round(r["micro_batches_s"] * args.loader_only, 2)
+                    print(json.dumps({"loader": r, "step_s": args.loader_only}), flush=True)
 
 
 if __name__ == "__main__":

@@ -238,16 +238,17 @@ def test_training_on_a_lossy_cache_does_not_depend_on_where_decoding_runs(caches
     from dflash.train.cli import main
 
     weights = {}
-    for where in ("loader", "device"):
-        run = tmp_path / where
+    for where, preload in (("loader", "off"), ("device", "off"), ("device", "on")):  # on: kept encoded once read
+        run = tmp_path / f"{where}-{preload}"
         main(["--preset", "tiny", "--cache", str(caches["int4"]), "--target", str(outlier_target_dir),
               "--out", str(run), "--max-steps", "3", "--mask-token-id", "3", "--max-anchors", "4",
-              "--eval-samples", "2", "--num-workers", "1", "--hidden-decode", where])
-        weights[where] = checkpoint.load_weights(checkpoint.resolve(run))
+              "--eval-samples", "2", "--num-workers", "1", "--hidden-decode", where, "--preload", preload])
+        weights[where, preload] = checkpoint.load_weights(checkpoint.resolve(run))
         lines = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
         assert any(x.get("kind") == "eval" and np.isfinite(x["loss"]) for x in lines)
-    a, b = weights["loader"], weights["device"]
-    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    a = weights["loader", "off"]
+    for b in (weights["device", "off"], weights["device", "on"]):
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
 def test_spec_encoding_fields_format_and_round_trip():

@@ -95,6 +95,41 @@ def test_resume_is_bitwise(pattern_cache, tiny_target_dir, tmp_path, workers):
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 
+def test_preloaded_samples_train_bitwise_as_the_loaders(pattern_cache, tiny_target_dir, tmp_path):
+    """--preload on cuts every batch (weightless top-up slots and the held-out replay included) from samples read
+    once: the run equals the loader workers' bit for bit, metrics, evaluation and weights."""
+    kw = dict(max_steps=6, batch_size=3, log_every=1, eval_every=3, num_workers=2, epochs=1)
+    for mode in ("off", "on"):
+        train(H.tiny_config(pattern_cache, tiny_target_dir, tmp_path / mode, preload=mode, **kw))
+    runs = {mode: [(r["step"], r["loss"], r["acc_per_pos"]) for r in read_metrics(tmp_path / mode)]
+            for mode in ("off", "on")}
+    assert runs["on"] == runs["off"] and len(runs["on"]) == 6
+    assert read_metrics(tmp_path / "on", "eval") == read_metrics(tmp_path / "off", "eval")
+    a, b = (checkpoint.load_weights(checkpoint.resolve(tmp_path / mode)) for mode in ("off", "on"))
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_preload_auto_declines_what_does_not_fit_the_gpu(pattern_cache, monkeypatch, caplog):
+    """auto never preloads on the CPU; on CUDA it weighs the samples' bytes against 2/3 of the free memory."""
+    import numpy as np
+
+    from dflash.shared.cache import CacheReader
+    from dflash.train.config import DataConfig
+    from dflash.train.data import AnchorDataset, preload_bytes
+    from dflash.train.loop import load_resident
+
+    reader = CacheReader(str(pattern_cache))
+    ds, every = AnchorDataset(reader, [0, 2], 64, 8, seed=0), np.arange(len(reader))
+    need = preload_bytes(ds, every, reader.lengths())
+    hidden = sum(len(reader[i]["input_ids"]) for i in every) * 2 * reader.spec.hidden_size * 2  # bf16, 2 layers
+    assert hidden < need < 2 * hidden  # the hidden states and the few bytes of ids and top-k a token
+    assert not load_resident([ds], every, reader.lengths(), DataConfig(), torch.device("cpu"), False)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (int(1.4 * need), 10 * need))
+    with caplog.at_level("INFO", logger="dflash.train"):
+        assert not load_resident([ds], every, reader.lengths(), DataConfig(), torch.device("cuda"), False)
+    assert "not preloaded" in caplog.text and ds.resident is None
+
+
 def test_cli_run_and_export(pattern_cache, tiny_target_dir, tmp_path, capsys):
     from dflash.train.cli import main
     from dflash.train.export import load_exported

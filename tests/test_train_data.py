@@ -86,7 +86,7 @@ def test_context_is_the_chosen_layers_then_zeros(reader, monkeypatch, layers):
     # the big buffer is allocated uninitialised: make "uninitialised" NaN so every unwritten element shows
     import dflash.train.data as D
 
-    monkeypatch.setattr(D, "_batch_buffer", lambda shape, dtype: torch.full(shape, float("nan"), dtype=dtype))
+    monkeypatch.setattr(D, "_batch_buffer", lambda shape, dtype, device: torch.full(shape, float("nan"), dtype=dtype))
     ds = AnchorDataset(reader, layers, max_length=64, max_anchors=8, seed=0)
     idx = [0, 3, 7]
     batch = Collate([32, 64])([ds[(0, i)] for i in idx])
@@ -408,3 +408,26 @@ def test_empty_slots_add_nothing_under_kd(reader, tiny_target_dir):
     assert losses[0] > 0 and grads[0].abs().max() > 0
     torch.testing.assert_close(losses[1], losses[0], rtol=1e-6, atol=0)  # equal here; rounding may differ by batch
     torch.testing.assert_close(grads[1], grads[0], rtol=1e-5, atol=1e-8)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_preloaded_batches_on_the_gpu_equal_the_loaders(topk_cache):
+    """Samples preloaded onto the GPU (the loss mask left on the CPU) make the batches the loader copies there,
+    bitwise, a weightless top-up slot and an unchosen layer included."""
+    from dflash.train.data import preload
+    from dflash.train.step import to_device
+
+    cuda, reader = torch.device("cuda"), CacheReader(str(topk_cache))
+    keys = [(0, 0), (3, 1), (0, -1), (1, 2)]
+    batches = []
+    for resident in (False, True):
+        ds = AnchorDataset(reader, [2], max_length=64, max_anchors=8, seed=0, topk=True)
+        if resident:
+            preload([ds], np.arange(len(reader)), cuda, num_workers=0, progress=False)
+            assert ds.resident[0]["hidden"].is_cuda and not ds.resident[0]["loss_mask"].is_cuda
+        batches.append(to_device(Collate([32, 64])([ds[k] for k in keys]), cuda))
+    a, b = batches
+    assert a.keys() == b.keys() and b["context_hidden"].is_cuda
+    for k in a:
+        assert a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]), k

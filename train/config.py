@@ -39,6 +39,7 @@ class DataConfig:
     num_workers: int = 2
     prefetch_factor: int = 4
     hidden_decode: Literal["auto", "loader", "device"] = "auto"
+    preload: Literal["auto", "on", "off"] = "auto"
 
 
 @dataclass

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset
+from tqdm import tqdm
 
 from dflash.shared.cache import HIDDEN_SCALE, CacheReader
 from dflash.shared.hidden_codecs import EncodedHidden, HiddenCodec, decode
@@ -73,26 +74,34 @@ class AnchorDataset(Dataset):
         self.slots = reader.layer_slots(layer_ids)
         self._all_slots = self.slots == list(range(reader.spec.num_layers))  # the context is then a view
         self.max_length, self.max_anchors, self.seed = max_length, max_anchors, seed
+        self.resident: dict[int, dict[str, torch.Tensor]] | None = None  # preload's copy: index -> sample
 
     def __getitem__(self, key: tuple[int, int]) -> dict[str, torch.Tensor]:
         """Index -1: ``empty_sample``."""
         epoch, index = key
-        s = self.reader.read(int(index), self.fields, decode=not self.decode_on_device) if index >= 0 else self._empty()
+        s = self.sample(int(index)) if index >= 0 else self._empty()
         T = min(len(s["input_ids"]), self.max_length)
         loss_mask = s["loss_mask"][:T]
         anchors, valid = draw_anchors(loss_mask, self.max_anchors, self.seed, int(epoch), int(index))
         out = {"input_ids": s["input_ids"][:T], "loss_mask": loss_mask, "anchors": anchors, "block_valid": valid}
         if self.decode_on_device:
-            out["context_payload"], out["context_scale"] = self._layers(s["hidden"][:T]), self._layers(
-                s[HIDDEN_SCALE][:T])  # (T, n, W), (T, n, G)
+            out["context_payload"], out["context_scale"] = s["hidden"][:T], s[HIDDEN_SCALE][:T]  # (T, n, W), (T, n, G)
             out["hidden_codec"] = self.codec
         else:
-            out["context_hidden"] = self._layers(s["hidden"][:T]).reshape(T, -1)
+            out["context_hidden"] = s["hidden"][:T].reshape(T, -1)
         if self.target_top1:
             out["target_top1"] = s["topk_ids"][:T, 0]
         if self.topk:
             out["topk_ids"], out["topk_logprobs"] = s["topk_ids"][:T], s["topk_logprobs"][:T]
         return out
+
+    def sample(self, index: int) -> dict[str, torch.Tensor]:
+        """Sample ``index``'s arrays as batches use them: the chosen layers only, a lossy context still encoded
+        with ``decode_on_device``; from the preloaded copy where there is one."""
+        if self.resident is not None:
+            return self.resident[index]
+        s = self.reader.read(index, self.fields, decode=not self.decode_on_device)
+        return {k: self._layers(v) if k in ("hidden", HIDDEN_SCALE) else v for k, v in s.items()}
 
     def _layers(self, per_layer: torch.Tensor) -> torch.Tensor:
         """(T, L, ...) -> (T, n, ...): the chosen layers (a view where they are all of them)."""
@@ -112,15 +121,19 @@ class AnchorDataset(Dataset):
         return self[(0, -1)]
 
     def _empty(self) -> dict[str, torch.Tensor]:
-        """All-zero cache arrays of one token (the codec's zero byte for an encoded context)."""
-        spec, c = self.reader.spec, self.codec
-        L, D, k = spec.num_layers, spec.hidden_size, spec.topk or 1
+        """All-zero sample arrays of one token (the codec's zero byte for an encoded context), on the
+        devices of the preloaded copy's."""
+        spec, c, n = self.reader.spec, self.codec, len(self.slots)
+        D, k = spec.hidden_size, spec.topk or 1
         raw = {"input_ids": torch.zeros(1, dtype=torch.long), "loss_mask": torch.zeros(1, dtype=torch.bool),
                "topk_ids": torch.zeros(1, k, dtype=torch.long), "topk_logprobs": torch.zeros(1, k),
-               "hidden": torch.zeros(1, L, D, dtype=torch.bfloat16)}
+               "hidden": torch.zeros(1, n, D, dtype=torch.bfloat16)}
         if self.decode_on_device:
-            raw["hidden"] = torch.full((1, L, c.payload_width(D)), c.zero_byte, dtype=torch.uint8)
-            raw[HIDDEN_SCALE] = torch.zeros(1, L, c.groups(D), dtype=c.torch_scale_dtype)
+            raw["hidden"] = torch.full((1, n, c.payload_width(D)), c.zero_byte, dtype=torch.uint8)
+            raw[HIDDEN_SCALE] = torch.zeros(1, n, c.groups(D), dtype=c.torch_scale_dtype)
+        if self.resident:
+            placed = next(iter(self.resident.values()))
+            raw = {name: v.to(placed[name].device) for name, v in raw.items() if name in placed}
         return raw
 
 
@@ -155,10 +168,10 @@ def plan_buckets(lengths: np.ndarray, buckets: list[int]) -> BucketPlan:
     return BucketPlan([b for b in buckets if samples[b] > 0], samples)
 
 
-def _batch_buffer(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+def _batch_buffer(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """An uninitialised tensor, in shared memory inside a loader worker (as ``default_collate``)."""
     if torch.utils.data.get_worker_info() is None:
-        return torch.empty(shape, dtype=dtype)
+        return torch.empty(shape, dtype=dtype, device=device)
     storage = torch.UntypedStorage._new_shared(math.prod(shape) * dtype.itemsize)
     return torch.empty(0, dtype=dtype).set_(storage, 0, shape)
 
@@ -180,7 +193,8 @@ class Collate:
         for name in (n for n in PER_TOKEN_FIELDS if n in first):
             big = name in ENCODED_FIELDS + ("context_hidden",)  # written once (tokens, then padding)
             shape = (len(samples), S, *first[name].shape[1:])
-            out[name] = buf = (_batch_buffer if big else torch.zeros)(shape, dtype=first[name].dtype)
+            out[name] = buf = (_batch_buffer if big else torch.zeros)(shape, dtype=first[name].dtype,
+                                                                      device=first[name].device)
             for i, (s, T) in enumerate(zip(samples, lengths)):
                 buf[i, :T] = s[name]
                 if big:
@@ -277,6 +291,39 @@ def held_out_batches(held_out: np.ndarray, micro_batch: int, rank: int, world: i
     full = (len(held_out) // micro_batch) // world * world
     batches = [[(EVAL_EPOCH, int(i)) for i in held_out[b * micro_batch:(b + 1) * micro_batch]] for b in range(full)]
     return batches[rank::world]
+
+
+PRELOAD_SHARE = 2 / 3  # --preload auto: where the samples take at most this share of the GPU's free memory
+
+
+class _Samples(Dataset):
+    """``dataset.sample`` as a dataset, read by preload's loader workers."""
+
+    def __init__(self, dataset: AnchorDataset):
+        self.dataset = dataset
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        return self.dataset.sample(index)
+
+
+def preload_bytes(dataset: AnchorDataset, indices: np.ndarray, lengths: np.ndarray) -> int:
+    """Device memory that ``preload`` takes, from the first sample's bytes per token."""
+    first = dataset.sample(int(indices[0]))
+    per_token = sum(v.nbytes for k, v in first.items() if torch.is_tensor(v) and k != "loss_mask")
+    return int(per_token / len(first["input_ids"]) * lengths[indices].sum())
+
+
+def preload(datasets: list[AnchorDataset], indices: np.ndarray, device: torch.device, num_workers: int,
+            progress: bool) -> None:
+    """Read samples ``indices`` once for all ``datasets`` (one reader, the same layers; the first reads every
+    field the others do): every array but the loss mask (anchors are drawn from it on the CPU) into ``device``
+    memory, where batches are then cut, with no loader workers and no copy per step."""
+    reading = DataLoader(_Samples(datasets[0]), sampler=indices.tolist(), batch_size=None, num_workers=num_workers)
+    resident = {}
+    for index, s in zip(indices.tolist(), tqdm(reading, "preload", len(indices), disable=not progress)):
+        resident[index] = {k: v if k == "loss_mask" else v.to(device) for k, v in s.items() if torch.is_tensor(v)}
+    for d in datasets:
+        d.resident = resident
 
 
 def make_loader(dataset: AnchorDataset, batches, buckets: list[int], num_workers: int, prefetch_factor: int,

@@ -12,16 +12,18 @@ from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
 from dflash.shared.cache import CacheReader, diff_dicts
+from dflash.shared.compression import size_text
 
 from . import checkpoint, compile as compile_path, metrics, replay
-from .config import OptimConfig, TrainConfig
-from .data import (DEFAULT_EVAL_SAMPLES, AnchorDataset, Collate, GlobalBatchSampler, Split, held_out_batches,
-                   make_loader, plan_buckets, total_steps, truncate_sample)
+from .config import DataConfig, OptimConfig, TrainConfig
+from .data import (DEFAULT_EVAL_SAMPLES, PRELOAD_SHARE, AnchorDataset, Collate, GlobalBatchSampler, Split,
+                   held_out_batches, make_loader, plan_buckets, preload, preload_bytes, total_steps, truncate_sample)
 from .model import DFlashDrafter, init_from_target_layers, load_target_head
 from .step import StepSpec, evaluate_batch, forward_loss, labels_and_weights, to_device, work_counts
 from .target import build_drafter_config, load_target_meta, resolve_target
@@ -61,7 +63,7 @@ def log_held_out(num_samples: int, requested: int | None, held_out: int) -> None
 
 
 _RESUME_NEUTRAL = {"resume", "stop_after", "log_every", "eval_every", "save_every", "keep_checkpoints", "progress",
-                   "tensorboard", "num_workers", "prefetch_factor", "peak_tflops", "out", "cache", "compile_cache"}
+                   "tensorboard", "num_workers", "prefetch_factor", "preload", "peak_tflops", "out", "cache", "compile_cache"}
 
 
 def config_changes(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
@@ -70,6 +72,24 @@ def config_changes(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
         return {k: (strip(v) if isinstance(v, dict) else v) for k, v in d.items() if k not in _RESUME_NEUTRAL}
 
     return diff_dicts(strip(saved), strip(current))
+
+
+def load_resident(datasets: list[AnchorDataset], indices: np.ndarray, lengths: np.ndarray, dcfg: DataConfig,
+                  device: torch.device, progress: bool) -> bool:
+    """``preload`` the run's samples where ``--preload`` asks (auto: on CUDA, where they fit); whether it did.
+    The first dataset reads every field the others do."""
+    if dcfg.preload == "off" or (dcfg.preload == "auto" and device.type != "cuda"):
+        return False
+    need = preload_bytes(datasets[0], indices, lengths)
+    if dcfg.preload == "auto" and need > PRELOAD_SHARE * (free := torch.cuda.mem_get_info(device)[0]):
+        log.info("samples not preloaded: they take %s, more than %.0f%% of the %s free on %s (--preload on forces it)",
+                 size_text(need), 100 * PRELOAD_SHARE, size_text(free), device)
+        return False
+    start = time.perf_counter()
+    preload(datasets, indices, device, dcfg.num_workers, progress)
+    log.info("preloaded %d samples (%s) into %s memory in %.1f s: batches are cut there, no loader workers",
+             len(indices), size_text(need), device, time.perf_counter() - start)
+    return True
 
 
 def make_optimizer(params, ocfg: OptimConfig, total: int, fused: bool):
@@ -171,8 +191,11 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
                     log.warning("resuming with settings that differ from the checkpoint's; the run will not "
                                 "be the one it would have been:\n  - %s", "\n  - ".join(changed))
 
+        resident = load_resident([eval_dataset, dataset], np.concatenate([split.train, split.held_out]),
+                                 reader.lengths(), dcfg_data, device, rt.progress and is_main)
         sampler = GlobalBatchSampler(split.train, G, micro, rank, world, rt.seed, steps, start_step)
-        loader = make_loader(dataset, sampler, buckets.buckets, dcfg_data.num_workers, dcfg_data.prefetch_factor, cuda)
+        loader = make_loader(dataset, sampler, buckets.buckets, 0 if resident else dcfg_data.num_workers,
+                             dcfg_data.prefetch_factor, cuda and not resident)
         eval_keys = held_out_batches(split.held_out, micro, rank, world)
         eval_collate = Collate(buckets.buckets)
         # the warm-up's samples: step 0's first micro-batch, whatever step the run resumes at
@@ -259,10 +282,11 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
                           "peak_mem_gb": metrics.peak_memory_gb(device), "compiles": compile_path.compile_count()}
                 history.append(record)
                 sink.write(record)
-                if record["data_wait"] > LOADER_BOUND and dcfg_data.num_workers and not loader_warned:
+                if record["data_wait"] > LOADER_BOUND and dcfg_data.num_workers and not (resident or loader_warned):
                     loader_warned = True  # once a run: the loader, not the step, sets the pace
                     log.warning("the step waited on the data loader %.0f%% of the last %d steps: raise "
-                                "--num-workers (now %d) where cores are free, or extract a lossy cache "
+                                "--num-workers (now %d) where cores are free, preload the samples (--preload on) "
+                                "where they fit the device, or extract a lossy cache "
                                 "(--hidden-codec fp8), which training decodes on the GPU: half the loader's work",
                                 100 * record["data_wait"], window_steps, dcfg_data.num_workers)
                 bar.set_postfix(loss=f"{record['loss']:.3f}", acc=f"{record['acc']:.3f}")
