@@ -293,7 +293,7 @@ def held_out_batches(held_out: np.ndarray, micro_batch: int, rank: int, world: i
     return batches[rank::world]
 
 
-PRELOAD_SHARE = 2 / 3  # --preload auto: where the samples take at most this share of the GPU's free memory
+PRELOAD_SHARE = 1 / 2  # --preload auto: samples that take at most this share of the GPU's free memory
 
 
 class _Samples(Dataset):
