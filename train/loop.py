@@ -63,7 +63,8 @@ def log_held_out(num_samples: int, requested: int | None, held_out: int) -> None
 
 
 _RESUME_NEUTRAL = {"resume", "stop_after", "log_every", "eval_every", "save_every", "keep_checkpoints", "progress",
-                   "tensorboard", "num_workers", "prefetch_factor", "preload", "peak_tflops", "out", "cache", "compile_cache"}
+                   "tensorboard", "num_workers", "prefetch_factor", "preload", "peak_tflops", "out", "cache",
+                   "compile_cache"}
 
 
 def config_changes(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
