@@ -127,19 +127,19 @@ class ModelPath(click.ParamType):
         return value
 
 
-def usable_device(device: str, flag: str = "--device") -> str:
+def usable_device(device: str) -> str:
     """``device`` ('auto', 'cpu', 'cuda' or 'cuda:N') where this machine has it, else click.BadParameter."""
     kind, _, index = device.partition(":")
     if device == "auto" or kind == "cpu":
         return device
     if kind != "cuda" or (index and not index.isdigit()):
-        raise click.BadParameter(f"{device!r} is not a device; use cpu, cuda or cuda:N", param_hint=flag)
+        raise click.BadParameter(f"{device!r} is not a device; use cpu, cuda or cuda:N", param_hint="--device")
     import torch
 
     count = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if int(index or 0) >= count:
         raise click.BadParameter(f"{device}: this machine has {count} visible CUDA devices; use --device cpu",
-                                 param_hint=flag)
+                                 param_hint="--device")
     return device
 
 

@@ -19,8 +19,8 @@ import torch
 import zarr
 
 from dflash.shared.cache import (
-    HIDDEN_SCALE, CacheError, CacheMismatch, CacheReader, CacheSpec, ShardPlan, ShardWriter, create_or_open_cache,
-    decode_hidden, decode_topk_logprobs, encode_hidden, encode_topk_logprobs, read_shard_state, shard_name,
+    HIDDEN_SCALE, CacheError, CacheMismatch, CacheReader, CacheSpec, ShardInfo, ShardPlan, ShardWriter,
+    create_or_open_cache, decode_hidden, decode_topk_logprobs, encode_hidden, encode_topk_logprobs, shard_name,
     shard_recorded, to_numpy, writer_zarr_settings,
 )
 from dflash.shared.compression import ZSTD_LEVELS, HiddenCodecName, ScaleDtype, TopkDtype, is_local
@@ -91,9 +91,9 @@ def converted_spec(src: CacheSpec, settings: ConvertSettings, src_path: str) -> 
     return spec
 
 
-def _check_source(reader: CacheReader, src: str) -> None:
+def _check_source(reader: CacheReader) -> None:
     """Refuse a source with a shard being written, created but not recorded, partial or empty."""
-    root, writing = reader.root, live_holders(src)
+    src, root, writing = reader.path, reader.root, live_holders(reader.path)
     problems = [f"shard {s:05d} is being written now by {h.describe()}" for s, h in sorted(writing.items())]
     problems += [f"shard {name} was created but never recorded (its extraction died creating it)"
                  for name in (sorted(root["shards"].group_keys()) if "shards" in root else [])
@@ -153,15 +153,15 @@ def _reencode(src: CacheSpec, dst: CacheSpec, stored: dict[str, np.ndarray], pla
     return out
 
 
-def _convert_shard(src: str, src_group: zarr.Group, dst: str, dst_root: zarr.Group, shard_id: int,
-                   src_spec: CacheSpec, dst_spec: CacheSpec, settings: ConvertSettings,
-                   advance: Callable[[int], None], say: Callable[[str], None], stop: threading.Event) -> dict[str, int]:
-    """Convert one shard under its lock; returns its token counts (converted now, found done)."""
-    state = read_shard_state(src_group)
-    plan = ShardPlan(source_index=np.asarray(src_group["source_index"][:]), lengths=np.diff(src_group["offsets"][:]),
-                     batches=np.asarray(src_group["batches"][:]), skipped=dict(state.skipped))  # as written
+def _convert_shard(reader: CacheReader, shard: ShardInfo, dst: str, dst_root: zarr.Group, dst_spec: CacheSpec,
+                   settings: ConvertSettings, bar, say: Callable[[str], None], stop: threading.Event) -> dict[str, int]:
+    """Convert one shard of ``reader`` under its lock, counting its tokens on ``bar``; returns its token counts
+    (converted now, found done)."""
+    shard_id, state, group = shard.shard_id, shard.record, reader.root[shard_name(shard.shard_id)]
+    plan = ShardPlan(group["source_index"][:], np.diff(group["offsets"][:]), group["batches"][:],
+                     dict(state.skipped))  # as written
     if plan.digest() != state.plan_digest:
-        raise CacheError(f"{src_group.path}: its offsets, source rows or batches do not match its recorded plan "
+        raise CacheError(f"{group.path}: its offsets, source rows or batches do not match its recorded plan "
                          "digest; run dflash-cache verify on the source")
     try:
         lock = ShardLock(dst, shard_id).take(say)
@@ -171,10 +171,10 @@ def _convert_shard(src: str, src_group: zarr.Group, dst: str, dst_root: zarr.Gro
         writer = ShardWriter(dst_root, shard_id, plan, dst_spec, compute=state.compute)
         writer.guard = lock.check
         done = writer.committed["tokens"]
-        advance(done)
+        bar.update(done)
         if done and not writer.complete:
             say(f"shard {shard_id:05d}: resumed at batch {writer.next_batch:,} of {len(plan.batches) - 1:,}")
-        arrays = {f: src_group[f] for f in src_spec.token_fields}
+        arrays = {f: group[f] for f in reader.spec.token_fields}
         row_bytes = sum(int(np.prod(a.shape[1:], dtype=np.int64)) * a.dtype.itemsize for a in arrays.values())
         window = max(1, int(settings.read_mib * (1 << 20) / row_bytes))  # tokens read at once
         bounds = plan.offsets[plan.batches]  # each batch's first token
@@ -184,11 +184,11 @@ def _convert_shard(src: str, src_group: zarr.Group, dst: str, dst_root: zarr.Gro
             t0 = int(bounds[b0])  # whole batches up to the window's size (one at least)
             b1 = max(b0 + 1, int(np.searchsorted(bounds, t0 + window, side="right")) - 1)
             t1 = int(bounds[b1])
-            data = _reencode(src_spec, dst_spec, {f: np.asarray(a[t0:t1]) for f, a in arrays.items()}, plan, t0,
-                             where=f"{src} shard {shard_id:05d}")
+            data = _reencode(reader.spec, dst_spec, {f: np.asarray(a[t0:t1]) for f, a in arrays.items()}, plan, t0,
+                             where=f"{reader.path} shard {shard_id:05d}")
             for b in range(b0, b1):
                 writer.write_batch(b, **{f: v[bounds[b] - t0:bounds[b + 1] - t0] for f, v in data.items()})
-            advance(t1 - t0)
+            bar.update(t1 - t0)
             if stop.is_set():
                 writer.commit()
                 raise Interrupted(f"shard {shard_id:05d} committed {writer.committed['tokens']:,} of "
@@ -210,7 +210,7 @@ def convert_cache(src: str, dst: str, settings: ConvertSettings, *, progress: bo
     if _location(src).rstrip("/") == _location(dst).rstrip("/"):
         raise CacheError(f"{dst}: the destination is the source; convert into another path")
     reader = CacheReader(src)
-    _check_source(reader, src)
+    _check_source(reader)
     spec = converted_spec(reader.spec, settings, src)
     t_start = time.monotonic()
     try:
@@ -225,8 +225,7 @@ def convert_cache(src: str, dst: str, settings: ConvertSettings, *, progress: bo
         bar.write(f"dflash-cache convert: {message}", file=sys.stderr)
 
     with zarr.config.set(writer_zarr_settings(dst)), _stop_on_ctrl_c() as stop, bar:
-        results = [_convert_shard(src, reader.root[shard_name(s.shard_id)], dst, dst_root, s.shard_id, reader.spec, spec,
-                                  settings, bar.update, say, stop) for s in reader.shards]
+        results = [_convert_shard(reader, s, dst, dst_root, spec, settings, bar, say, stop) for s in reader.shards]
     totals = {k: sum(r[k] for r in results) for k in ("tokens_converted", "tokens_found_done")}
     seconds = time.monotonic() - t_start
     return {"source": _location(src), "destination": dst, "shards": len(reader.shards), "samples": len(reader),

@@ -50,7 +50,7 @@ class ShardLocked(LockError):
     """Another process holds the shard's lock; ``holder`` names it (None: released since)."""
 
     def __init__(self, lock: "ShardLock", holder: LockHolder | None):
-        self.shard_id, self.holder = lock.shard_id, holder
+        self.holder = holder
         super().__init__(f"shard {lock.shard_id:05d} of {lock.out} is being written by another run: "
                          + (holder or UNRECORDED).describe() + ("" if lock.local else
                          f". If that run has ended (killed, or its machine lost), its lock file stays on the store: "
