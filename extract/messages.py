@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .regenerate import Chat, GenerationSettings
 
 Fail = Callable[[str, str], Exception]
 
@@ -39,7 +42,14 @@ def _message(msg: Any, i: int, sharegpt: bool, fail: Fail) -> dict[str, Any]:
     if mapped not in ROLES:
         raise fail("unknown_role", f"unknown role {role!r} in message {i}")
     where = f"message {i} ({mapped})"
-    _check_content(content, where, fail)
+    if isinstance(content, list):  # of text parts; else a string (empty too: the template renders it) or None
+        for j, part in enumerate(content):
+            if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)):
+                kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+                raise fail("non_string_content", f"{where} content part {j} is {kind!r}, not a text part "
+                                                 "({'type': 'text', 'text': str})")
+    elif content is not None and not isinstance(content, str):
+        raise fail("non_string_content", f"{where} content is {type(content).__name__}, not a string or text parts")
     out: dict[str, Any] = {"role": mapped, "content": content} if content_key in msg else {"role": mapped}
     for key in ("reasoning_content", "tool_call_id", "name"):
         if key in msg:
@@ -53,19 +63,6 @@ def _message(msg: Any, i: int, sharegpt: bool, fail: Fail) -> dict[str, Any]:
     if content is None and not out.get("tool_calls") and out.get("reasoning_content") is None:
         raise fail("malformed_message", f"{where} has no '{content_key}', 'tool_calls' or 'reasoning_content'")
     return out
-
-
-def _check_content(content: Any, where: str, fail: Fail) -> None:
-    """A string (empty allowed: the template renders it), a list of text parts, or None."""
-    if content is None or isinstance(content, str):
-        return
-    if not isinstance(content, list):
-        raise fail("non_string_content", f"{where} content is {type(content).__name__}, not a string or text parts")
-    for j, part in enumerate(content):
-        if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)):
-            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-            raise fail("non_string_content", f"{where} content part {j} is {kind!r}, not a text part "
-                                             "({'type': 'text', 'text': str})")
 
 
 def _tool_calls(calls: Any, where: str, fail: Fail) -> Any:
@@ -117,12 +114,20 @@ def add_system(messages: list[dict[str, Any]], system: Any, fail: Fail) -> None:
                                     "which one the template should see is ambiguous")
 
 
-def regenerated_message(source: dict, content: str, reasoning: str | None = None,
-                        tool_calls: list | None = None) -> dict:
-    """The source assistant message with the target's content, reasoning and tool calls in place of its own."""
+def answer_event(chat: Chat, turn: int, settings: GenerationSettings, content: str, truncated: bool, tokens: int,
+                 reasoning: str | None = None, tool_calls: list | None = None) -> dict[str, Any]:
+    """What an answer does to turn ``turn`` of ``chat``, as a journal line: a cut there, or the source assistant
+    message with the target's content, reasoning and tool calls in place of its own."""
+    where = {"row": chat.conv.row_index, "turn": turn}
+    if not content.strip() and not reasoning and not tool_calls:
+        return {**where, "cut": "empty_generation"}
+    if truncated and settings.drop_truncated:
+        return {**where, "cut": "truncated"}
+    source = chat.messages[turn]
     message = {k: v for k, v in source.items() if k not in ("reasoning_content", "tool_calls") and v is not None}
-    return {**message, "content": content, **({"reasoning_content": reasoning} if reasoning else {}),
-            **({"tool_calls": tool_calls} if tool_calls else {})}
+    message = {**message, "content": content, **({"reasoning_content": reasoning} if reasoning else {}),
+               **({"tool_calls": tool_calls} if tool_calls else {})}
+    return {**where, "message": message, "truncated": truncated, "tokens": tokens}
 
 
 def wire_message(message: dict) -> dict:

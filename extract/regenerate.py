@@ -17,8 +17,9 @@ from typing import Any, Literal
 
 from .chat import as_text, stop_token_ids
 from .data import Conversation, DataError, SkipCounter, dataset_fingerprint, guard, load_source, normalize_row
-from .messages import regenerated_message, wire_message
-from .self_prompts import QuestionSampler, question_stop_ids, user_header
+from .messages import answer_event, wire_message
+from .regenerate_endpoint import EndpointEngine
+from .self_prompts import QuestionSampler, user_header
 
 FORMAT_VERSION = 1
 RUN_FILE = "run.json"
@@ -135,18 +136,6 @@ class Chat:
             skips.counts[f"cut_{event['cut']}"] += 1
         else:
             self.dropped = event["cut"]
-
-
-def answer_event(chat: Chat, turn: int, settings: GenerationSettings, content: str, truncated: bool, tokens: int,
-                 reasoning: str | None = None, tool_calls: list | None = None) -> dict[str, Any]:
-    """What an answer does to turn ``turn`` of ``chat``, as a journal line: the new message, or a cut there."""
-    where = {"row": chat.conv.row_index, "turn": turn}
-    if not content.strip() and not reasoning and not tool_calls:
-        return {**where, "cut": "empty_generation"}
-    if truncated and settings.drop_truncated:
-        return {**where, "cut": "truncated"}
-    message = regenerated_message(chat.messages[turn], content, reasoning, tool_calls)
-    return {**where, "message": message, "truncated": truncated, "tokens": tokens}
 
 
 def read_journal(path: Path) -> list[dict]:
@@ -416,7 +405,8 @@ class LocalEngine:
             header, end_of_user_turn = user_header(tokenizer, gen.template_kwargs)
             self.record["self_prompts"] = {"header": header, **{k: getattr(cfg, k) for k in (
                 "self_prompts", "question_temperature", "question_top_p", "question_max_tokens", "question_min_chars")}}
-            stops = question_stop_ids(model, tokenizer, end_of_user_turn, gen.template_kwargs)
+            stops = sorted({*stop_token_ids(model, tokenizer, gen.template_kwargs),  # and where a user turn ends
+                            *([int(tokenizer.convert_tokens_to_ids(end_of_user_turn))] if end_of_user_turn else [])})
             kwargs = generation_kwargs(replace(gen, temperature=cfg.question_temperature, top_p=cfg.question_top_p,
                                                max_new_tokens=cfg.question_max_tokens), stops, tokenizer.pad_token_id)
             self.sampler = QuestionSampler(lambda prompts: generate_batch(model, prompts, kwargs, stops, self.static),
@@ -453,8 +443,6 @@ def regenerate(cfg: RegenConfig, *, model=None, tokenizer=None, overwrite: bool 
     already loaded (in process); ``max_parts``: stop after that many new parts, returning None."""
     import torch
     from tqdm.auto import tqdm
-
-    from .regenerate_endpoint import EndpointEngine  # imports this module
 
     cfg.validate()
     ds, num_rows, source_fp = None, 0, {}

@@ -15,11 +15,13 @@ import urllib.request
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .data import DataError
-from .messages import wire_message
-from .regenerate import Chat, GenerationSettings, Part, RegenConfig, answer_event
+from .messages import answer_event, wire_message
+
+if TYPE_CHECKING:
+    from .regenerate import Chat, GenerationSettings, Part, RegenConfig
 
 log = logging.getLogger(__name__)
 
@@ -61,7 +63,7 @@ class ChatEndpoint:
     def with_retries(self, method: str, path: str, body: dict | None = None) -> dict:
         """``method path``, retried with backoff on connection errors, timeouts, 408, 429 and 5xx; then EndpointDown,
         unless the server still answers ``GET /models``: then, as for a 4xx, RequestRejected (only this request)."""
-        url, failures, last_status, started = self.url + path, [], None, time.monotonic()
+        url, failures, started = self.url + path, [], time.monotonic()  # failures: (HTTP status or None, what)
         for attempt in range(self.retries + 1):
             if attempt and self.stop.wait(min(30.0, self.retry_wait * 2 ** (attempt - 1))):
                 break
@@ -73,22 +75,21 @@ class ChatEndpoint:
                     detail = (err.read().decode("utf-8", "replace") or detail).strip()[:500]
                 if err.code not in (408, 429) and err.code < 500:
                     raise RequestRejected(err.code, f"{method} {url}: {detail}") from err
-                failures.append(f"HTTP {err.code} ({detail})")
-                last_status = err.code
+                failures.append((err.code, f"HTTP {err.code} ({detail})"))
             except (urllib.error.URLError, http.client.HTTPException, OSError) as err:
                 reason = getattr(err, "reason", None) or err
-                failures.append(f"{type(reason).__name__}: {reason}")
-                last_status = None
+                failures.append((None, f"{type(reason).__name__}: {reason}"))
+        last_status, last = failures[-1] if failures else (None, "stopped")
         if method == "POST" and last_status is not None:  # a server that still answers is up
             try:
                 self._request("GET", self.url + "/models", None)
             except Exception:  # noqa: BLE001 - any failure means "not answering"
                 pass
             else:
-                raise RequestRejected(last_status, f"{method} {url}: {failures[-1]} (the server is up; "
+                raise RequestRejected(last_status, f"{method} {url}: {last} (the server is up; "
                                                    "this request keeps failing)")
         raise EndpointDown(f"{method} {url} failed {len(failures)} time(s) over {time.monotonic() - started:.0f} s "
-                           f"(last: {failures[-1] if failures else 'stopped'}); is the server at {self.url} running? "
+                           f"(last: {last}); is the server at {self.url} running? "
                            "Rerun the same command once it is: finished turns are kept.")
 
     def _request(self, method: str, url: str, body: dict | None) -> dict:

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from .chat import as_text, special_tokens_in, stop_token_ids
+from .chat import as_text, special_tokens_in
 from .data import Conversation
 
 SENTINEL = "dflashSelfPromptSentinel7f3a"
@@ -26,13 +26,6 @@ def user_header(tokenizer, template_kwargs: dict[str, Any] | None = None) -> tup
         raise ValueError("the chat template writes nothing before a user message: --self-prompts has no header to "
                          "continue")
     return header, next(iter(special_tokens_in(tokenizer, after)), None)
-
-
-def question_stop_ids(model, tokenizer, end_of_user_turn: str | None,
-                      template_kwargs: dict[str, Any] | None = None) -> list[int]:
-    """Where a question ends: the answer's stop tokens plus the template's end of a user turn."""
-    ids = set(stop_token_ids(model, tokenizer, template_kwargs))
-    return sorted(ids if end_of_user_turn is None else ids | {int(tokenizer.convert_tokens_to_ids(end_of_user_turn))})
 
 
 @dataclass
