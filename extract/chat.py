@@ -72,9 +72,6 @@ def turn_markers(tokenizer, end_of_turn: str | None = None, template_kwargs: dic
     key = (template, json.dumps(kwargs, sort_keys=True, default=str), end_of_turn)
     cached = _MARKERS.setdefault(tokenizer, {})
     if key not in cached:
-        if end_of_turn is not None:
-            _token_id(tokenizer, end_of_turn)  # must be one token of the vocabulary
-
         def render_text(messages, add_generation_prompt):
             return as_text(tokenizer.apply_chat_template(messages, chat_template=template, tokenize=False,
                                                           add_generation_prompt=add_generation_prompt, **kwargs))

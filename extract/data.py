@@ -68,9 +68,8 @@ def load_source(spec: str, split: str = "train", *, revision: str | None = None,
             loaded = loaded[split]
     elif path.exists():
         files = local_data_files(path)
-        if files[0].suffix in (".json", ".jsonl"):
+        if (builder := LOCAL_FORMATS[files[0].suffix]) == "json":
             return [row for f in files for row in _read_json(f)]
-        builder = LOCAL_FORMATS[files[0].suffix]
         try:
             loaded = datasets.load_dataset(builder, data_files={split: [str(f) for f in files]}, split=split,
                                            cache_dir=cache_dir)
@@ -163,13 +162,8 @@ def local_data_files(path: Path) -> list[Path]:
         f for f in path.rglob("*") if f.is_file() and f.suffix in LOCAL_FORMATS)
     if not files:
         raise DataError("unreadable", str(path), None, f"no data files ({', '.join(LOCAL_FORMATS)}) in folder")
-    for f in files:
-        if f.suffix not in LOCAL_FORMATS:
-            raise DataError("unreadable", str(f), None, f"unsupported file type {f.suffix!r}")
-        try:
-            open(f, "rb").close()
-        except OSError as exc:
-            raise DataError("unreadable", str(f), None, f"cannot open: {exc.strerror or exc}") from exc
+    if path.suffix not in LOCAL_FORMATS and path.is_file():  # a folder's files are of these formats
+        raise DataError("unreadable", str(path), None, f"unsupported file type {path.suffix!r}")
     if len(builders := {LOCAL_FORMATS[f.suffix] for f in files}) > 1:
         raise DataError("unreadable", str(path), None, f"mixed file formats {sorted(builders)} in one source")
     return files
@@ -230,8 +224,6 @@ class SkipCounter:
         return dict(sorted(self.counts.items()))
 
     def summary(self) -> str:
-        if not self.counts:
-            return "no rows skipped"
         return f"{self.total} rows skipped: " + ", ".join(f"{k}={v}" for k, v in self.to_dict().items())
 
 

@@ -20,12 +20,7 @@ class PlannedShard:
     plan: ShardPlan
     input_ids: np.ndarray  # (T,) int32: every planned sample's ids, concatenated in plan order
     loss_mask: np.ndarray  # (T,) bool
-    truncated: int = 0  # samples cut to max_length by right truncation
-
-    def batch_tokens(self, batch: int) -> tuple[int, int]:
-        """Token range [t0, t1) of planned batch ``batch``."""
-        off = self.plan.offsets
-        return int(off[self.plan.batches[batch]]), int(off[self.plan.batches[batch + 1]])
+    truncated: int  # samples cut to max_length by right truncation
 
 
 def shard_rows(num_rows: int, num_shards: int, shard_id: int) -> tuple[int, int]:
@@ -56,7 +51,7 @@ def length_bucketed_batches(lengths: np.ndarray, source_index: np.ndarray, batch
 
 
 def plan_shard(rows, row_offset: int, source: str, tokenizer, cfg: ExtractConfig,
-               on_row: Callable[[int], None] | None = None) -> PlannedShard:
+               on_row: Callable[[int], None] = lambda done: None) -> PlannedShard:
     """Tokenise and plan ``rows`` (numbered from ``row_offset``); DataError on the first bad row unless
     ``cfg.on_bad_row == "skip"``. ``on_row(done)`` every 256 rows."""
     skips, kept_rows, samples = SkipCounter(), [], []
@@ -64,7 +59,7 @@ def plan_shard(rows, row_offset: int, source: str, tokenizer, cfg: ExtractConfig
     def one(row: dict, index: int):
         conv = normalize_row(row, index, source)
         sample = render(tokenizer, conv, max_length=cfg.max_length, truncation=cfg.truncation,
-                        end_of_turn=cfg.end_of_turn, template_kwargs=dict(cfg.template_kwargs))
+                        end_of_turn=cfg.end_of_turn, template_kwargs=cfg.template_kwargs)
         if len(sample.input_ids) < cfg.min_length:
             raise SkippedSample("too_short", source, index,
                                 f"{len(sample.input_ids)} tokens < min_length {cfg.min_length}")
@@ -74,10 +69,9 @@ def plan_shard(rows, row_offset: int, source: str, tokenizer, cfg: ExtractConfig
         if (sample := guard(cfg.on_bad_row, skips, one, row, index)) is not None:
             kept_rows.append(index)
             samples.append(sample)
-        if on_row is not None and (index - row_offset + 1) % 256 == 0:
+        if (index - row_offset + 1) % 256 == 0:
             on_row(index - row_offset + 1)
-    if on_row is not None:
-        on_row(len(rows))
+    on_row(len(rows))
     source_index = np.asarray(kept_rows, dtype=np.int64)
     lengths = np.asarray([len(x.input_ids) for x in samples], dtype=np.int64)
     order, batches = length_bucketed_batches(lengths, source_index, cfg.batch_tokens)

@@ -42,15 +42,12 @@ def build_spec(cfg: ExtractConfig, tokenizer, model_config, ds, num_shards: int)
     """The root CacheSpec of this run: shapes, fingerprint (compared on reopen) and info."""
     from importlib.metadata import PackageNotFoundError, version
 
-    try:
+    package_version, eot = "unknown", None
+    with contextlib.suppress(PackageNotFoundError):
         package_version = version("dflash-pipeline")
-    except PackageNotFoundError:
-        package_version = "unknown"
     layers = checked_layers(cfg, model_config)
-    try:
+    with contextlib.suppress(ValueError):  # no end of turn found in the template
         eot = end_of_turn_id(tokenizer, cfg.end_of_turn, cfg.template_kwargs)
-    except ValueError:
-        eot = None
     extraction = {f: getattr(cfg, f) for f in FINGERPRINTED}
     extraction.update(layers=layers, layer_convention="hidden_states[i + 1]", num_shards=num_shards,
                       shard_rows="contiguous", chat_template={
@@ -108,7 +105,6 @@ FLAG_HINTS = {  # fingerprint entries whose name alone does not say which flag s
 def summarize(out: str, shard_ids: list[int]) -> dict[str, Any]:
     """What the store holds for these shards, as ``dflash-cache info`` counts it."""
     info = cache_info(out, shard_ids=shard_ids)
-    tokens = info["tokens"]
     disk = info["committed_bytes_on_disk"]  # None where the store cannot list its objects
     stored = disk["total"] if disk else None
     return {
@@ -120,7 +116,7 @@ def summarize(out: str, shard_ids: list[int]) -> dict[str, Any]:
         "other_bytes_raw": info["raw_bytes"]["total"] - info["raw_bytes"]["hidden"],
         "other_bytes_stored": stored - disk["hidden"] if disk else None,
         "compression": info["compression_ratio"]["total"],
-        "bytes_per_token": stored / tokens if stored is not None and tokens else None,
+        "bytes_per_token": stored / info["tokens"] if stored is not None and info["tokens"] else None,
     }
 
 
@@ -201,7 +197,7 @@ def _run(cfg: ExtractConfig, rank: int, world: int) -> dict[str, Any] | None:
             states, tasks, planned = _lock_and_plan(cfg, rank, world, spec, tokenizer, ds, progress, locks)
             planning["share"] = {s: {"tokens": p.plan.num_tokens, "samples": len(p.plan.source_index)}
                                  for s, (p, _) in planned.items()}
-        if all(st is not None and st.complete for st in states.values()):
+        if tasks is None:
             log.info("%s: shards 0..%d already complete; nothing to do", cfg.out, num_shards - 1)
             summary = summarize(cfg.out, list(range(num_shards))) if rank == 0 else None
             return summary and {**summary, "noop": True, "samples_this_run": 0, "tokens_per_s": None,
@@ -244,13 +240,13 @@ def _run(cfg: ExtractConfig, rank: int, world: int) -> dict[str, Any] | None:
 def _lock_and_plan(cfg: ExtractConfig, rank: int, world: int, spec: CacheSpec, tokenizer, ds, progress: Progress,
                    locks: list):
     """(every shard's state, this rank's tasks, {shard: (plan, its seconds)}), its shards locked into
-    ``locks`` (the caller releases them) and planned unless every shard is complete."""
+    ``locks`` (the caller releases them) and planned; tasks None where every shard is complete."""
     root = prepare_root(cfg, spec, replace=False) if rank else open_root(cfg.out)  # the others check it now
     spec = CacheSpec.from_dict(root.attrs[ATTRS_KEY])  # an older format is resumed in its own layout
     num_shards = cfg.shards or world
     states = read_shard_states(root, list(range(num_shards)))
     if all(st is not None and st.complete for st in states.values()):
-        return states, [], {}
+        return states, None, {}
     device, tasks, planned = use_device(cfg), [], {}
     for shard in range(rank, num_shards, world):
         task = WorkerTask(cfg=cfg, spec=spec, shard_id=shard, device=device)
@@ -368,5 +364,5 @@ class Phases:
 
     def mark(self, name: str, at: float | None = None) -> None:  # step ``name`` ended now, or at monotonic ``at``
         at = max(self._last, time.monotonic() if at is None else at)
-        self.seconds[name] = round(self.seconds.get(name, 0.0) + at - self._last, 3)
+        self.seconds[name] = round(at - self._last, 3)
         self._last = at

@@ -24,9 +24,7 @@ def load_target(name_or_path: str, *, dtype: str = "bfloat16", device: str | tor
 
     attention = {"attn_implementation": attn_implementation} if attn_implementation else {}
     model = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=getattr(torch, dtype), revision=revision, **attention)
-    model.to(device).eval()
-    model.requires_grad_(False)
-    return model
+    return model.to(device).eval().requires_grad_(False)
 
 
 def logsumexp_fp32(logits: torch.Tensor) -> torch.Tensor:  # (rows, vocab) any dtype -> (rows,) fp32
@@ -45,7 +43,6 @@ class TargetRunner:
 
     def __init__(self, model, layer_ids: list[int], topk: int, lm_head_chunk: int = 1024,
                  head_backend: str | None = None):
-        self.model = model
         self.backbone, self.lm_head = getattr(model, "model", None), model.get_output_embeddings()
         self.layers = getattr(self.backbone, "layers", None)
         if self.layers is None or self.lm_head is None:

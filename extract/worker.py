@@ -50,6 +50,7 @@ class WriterThread:
 
     def __init__(self, writer: ShardWriter, planned: PlannedShard, depth: int, commit_seconds: float, report):
         self.writer, self.planned, self.commit_seconds, self.report = writer, planned, commit_seconds, report
+        self.offsets = planned.plan.offsets
         self.queue: queue.Queue = queue.Queue(maxsize=depth)
         self.error: BaseException | None = None
         self.blocked = 0.0
@@ -90,8 +91,8 @@ class WriterThread:
                     if self._last_end is not None:
                         self.gpu["gpu_gap"] += self._last_end.elapsed_time(marks[0]) / 1000
                     self._last_end = marks[1]
-                t0, t1 = self.planned.batch_tokens(batch)
                 s0, s1 = self.writer.batch_samples(batch)
+                t0, t1 = int(self.offsets[s0]), int(self.offsets[s1])
                 stored = {name: to_numpy(t) for name, t in host.items()}  # as the cache stores them
                 if HIDDEN_SCALE in stored:  # encoded without a device sync: checked here
                     check_scales(self.writer.spec.codec, stored[HIDDEN_SCALE])
@@ -114,7 +115,7 @@ def _mark(stream=None, timing: bool = True):
     return event
 
 
-def _to_host(out, spec: CacheSpec, device: torch.device, copy_stream=None) -> tuple[dict[str, torch.Tensor], Any]:
+def _to_host(out, spec: CacheSpec, copy_stream=None) -> tuple[dict[str, torch.Tensor], Any]:
     """One batch's outputs encoded on the device (fewer bytes cross) and, on CUDA, copied into pinned
     buffers on ``copy_stream`` while the next forward runs; the returned event marks their end."""
     tensors = {
@@ -122,9 +123,9 @@ def _to_host(out, spec: CacheSpec, device: torch.device, copy_stream=None) -> tu
         "topk_ids": out.topk_ids,
         "topk_logprobs": encode_topk_logprobs(spec, out.topk_logprobs),
     }
-    if device.type != "cuda":
+    if copy_stream is None:
         return tensors, None
-    copy_stream.wait_stream(torch.cuda.current_stream(device))  # the outputs are computed
+    copy_stream.wait_stream(torch.cuda.current_stream(copy_stream.device))  # the outputs are computed
     host = {}
     with torch.cuda.stream(copy_stream):
         for name, t in tensors.items():
@@ -166,7 +167,7 @@ def extract_shard(task: WorkerTask, planned: PlannedShard, pad_id: int | None, l
         try:
             for batch in range(writer.next_batch, len(planned.plan.batches) - 1):
                 s0, s1 = writer.batch_samples(batch)
-                samples = [torch.from_numpy(planned.input_ids[offsets[s]:offsets[s + 1]]).long() for s in range(s0, s1)]
+                samples = [torch.from_numpy(planned.input_ids[offsets[s]:offsets[s + 1]]) for s in range(s0, s1)]
                 ids, mask, index = TargetRunner.pad_batch(samples, pad_id or 0)
                 if copy_stream is not None:
                     ids, mask, index = ids.pin_memory(), mask.pin_memory(), index.pin_memory()
@@ -176,7 +177,7 @@ def extract_shard(task: WorkerTask, planned: PlannedShard, pad_id: int | None, l
                 start = _mark() if copy_stream is not None else None
                 out = runners[0].forward(ids, mask, index)
                 marks = (start, _mark()) if start is not None else None
-                host, event = _to_host(out, writer.spec, device, copy_stream)
+                host, event = _to_host(out, writer.spec, copy_stream)
                 del out
                 thread.submit((batch, event, host, marks))
         except BaseException as e:
