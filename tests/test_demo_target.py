@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from dflash.eval import demo_target as dt
+from dflash.eval.benchmarks import read_jsonl
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -132,7 +133,7 @@ def test_task_of_names_the_task_behind_every_prompt():
 def test_jsonl_round_trip_and_committed_sample(tmp_path):
     chats = dt.generate_chats(30, seed=0)
     path = dt.write_jsonl(chats, tmp_path / "chats.jsonl")
-    assert dt.read_jsonl(path) == chats
+    assert read_jsonl(path) == chats
     # data/demo_chats_sample.jsonl is exactly generate_chats(30, seed=0): regenerate with
     # `python -m dflash.eval.demo_target` if the generator changes.
     sample = REPO_ROOT / "data" / "demo_chats_sample.jsonl"
