@@ -110,7 +110,8 @@ def test_preloaded_samples_train_bitwise_as_the_loaders(pattern_cache, tiny_targ
 
 
 def test_preload_auto_declines_what_does_not_fit_the_gpu(pattern_cache, monkeypatch, caplog):
-    """auto never preloads on the CPU; on CUDA it weighs the samples' bytes against half the free memory."""
+    """auto never preloads on the CPU, nor without the warm-up's measured peak; on CUDA it weighs the samples'
+    bytes against what the step's peak leaves of the memory this process can have."""
     import numpy as np
 
     from dflash.shared.cache import CacheReader
@@ -119,15 +120,18 @@ def test_preload_auto_declines_what_does_not_fit_the_gpu(pattern_cache, monkeypa
     from dflash.train.loop import load_resident
 
     reader = CacheReader(str(pattern_cache))
-    ds, every = AnchorDataset(reader, [0, 2], 64, 8, seed=0), np.arange(len(reader))
-    need = preload_bytes(ds, every, reader.lengths())
+    ds, every, lengths = AnchorDataset(reader, [0, 2], 64, 8, seed=0), np.arange(len(reader)), reader.lengths()
+    need = preload_bytes(ds, every, lengths)
     hidden = sum(len(reader[i]["input_ids"]) for i in every) * 2 * reader.spec.hidden_size * 2  # bf16, 2 layers
     assert hidden < need < 2 * hidden  # the hidden states and the few bytes of ids and top-k a token
-    assert not load_resident([ds], every, reader.lengths(), DataConfig(), torch.device("cpu"), False)
-    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (int(1.9 * need), 10 * need))
+    cuda, auto = torch.device("cuda"), DataConfig()
+    assert not load_resident([ds], every, lengths, auto, torch.device("cpu"), False, step_peak=0)
+    assert not load_resident([ds], every, lengths, auto, cuda, False, step_peak=None)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (need, 10 * need))  # free
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: need // 2)  # ours, in the cache
     with caplog.at_level("INFO", logger="dflash.train"):
-        assert not load_resident([ds], every, reader.lengths(), DataConfig(), torch.device("cuda"), False)
-    assert "not preloaded" in caplog.text and ds.resident is None
+        assert not load_resident([ds], every, lengths, auto, cuda, False, step_peak=need // 2 - need // 20)
+    assert "not preloaded" in caplog.text and ds.resident is None  # 0.9 x 1.05 need leaves it 0.055 short
 
 
 def test_cli_run_and_export(pattern_cache, tiny_target_dir, tmp_path, capsys):

@@ -72,7 +72,8 @@ def cli():
               "after the copy (fewer bytes to copy, no CPU decode); 'auto' = device on CUDA. Same values either way.")
 @click.option("--preload", type=click.Choice(["auto", "on", "off"]), default="auto",
               help="Read the samples once into the training device's memory and cut batches there (no loader workers, "
-              "no copy per step); auto: on CUDA where they take at most half its free memory. Same batches either way.")
+              "no copy per step); auto: on CUDA where they fit in 90% of what the compiled step's peak leaves. Same "
+              "batches either way.")
 @click.option("--lr", default=6e-4, help="Peak learning rate.")
 @click.option("--min-lr-ratio", default=0.0, help="Learning rate at the end of the cosine, as a fraction of lr.")
 @click.option("--warmup-ratio", default=0.04, help="Fraction of all steps spent in linear warm-up.")

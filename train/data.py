@@ -293,7 +293,7 @@ def held_out_batches(held_out: np.ndarray, micro_batch: int, rank: int, world: i
     return batches[rank::world]
 
 
-PRELOAD_SHARE = 1 / 2  # --preload auto: samples that take at most this share of the GPU's free memory
+PRELOAD_SHARE = 0.9  # --preload auto: samples that take at most this share of what the training step leaves
 
 
 class _Samples(Dataset):

@@ -76,16 +76,19 @@ def config_changes(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
 
 
 def load_resident(datasets: list[AnchorDataset], indices: np.ndarray, lengths: np.ndarray, dcfg: DataConfig,
-                  device: torch.device, progress: bool) -> bool:
-    """``preload`` the run's samples where ``--preload`` asks (auto: on CUDA, where they fit); whether it did.
-    The first dataset reads every field the others do."""
-    if dcfg.preload == "off" or (dcfg.preload == "auto" and device.type != "cuda"):
+                  device: torch.device, progress: bool, step_peak: int | None) -> bool:
+    """``preload`` the run's samples where ``--preload`` asks; whether it did. auto: on CUDA, where the warm-up
+    measured the step's peak (``step_peak`` bytes), if the samples fit in what that peak leaves. The first dataset
+    reads every field the others do."""
+    if dcfg.preload == "off" or (dcfg.preload == "auto" and (device.type != "cuda" or step_peak is None)):
         return False
     need = preload_bytes(datasets[0], indices, lengths)
-    if dcfg.preload == "auto" and need > PRELOAD_SHARE * (free := torch.cuda.mem_get_info(device)[0]):
-        log.info("samples not preloaded: they take %s, more than %.0f%% of the %s free on %s (--preload on forces it)",
-                 size_text(need), 100 * PRELOAD_SHARE, size_text(free), device)
-        return False
+    if dcfg.preload == "auto":
+        room = torch.cuda.mem_get_info(device)[0] + torch.cuda.memory_reserved(device) - step_peak
+        if need > PRELOAD_SHARE * room:
+            log.info("samples not preloaded: they take %s, more than %.0f%% of the %s that the training step leaves "
+                     "on %s (--preload on forces it)", size_text(need), 100 * PRELOAD_SHARE, size_text(room), device)
+            return False
     start = time.perf_counter()
     preload(datasets, indices, device, dcfg.num_workers, progress)
     log.info("preloaded %d samples (%s) into %s memory in %.1f s: batches are cut there, no loader workers",
@@ -192,18 +195,12 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
                     log.warning("resuming with settings that differ from the checkpoint's; the run will not "
                                 "be the one it would have been:\n  - %s", "\n  - ".join(changed))
 
-        resident = load_resident([eval_dataset, dataset], np.concatenate([split.train, split.held_out]),
-                                 reader.lengths(), dcfg_data, device, rt.progress and is_main)
-        sampler = GlobalBatchSampler(split.train, G, micro, rank, world, rt.seed, steps, start_step)
-        loader = make_loader(dataset, sampler, buckets.buckets, 0 if resident else dcfg_data.num_workers,
-                             dcfg_data.prefetch_factor, cuda and not resident)
         eval_keys = held_out_batches(split.held_out, micro, rank, world)
         eval_collate = Collate(buckets.buckets)
         # the warm-up's samples: step 0's first micro-batch, whatever step the run resumes at
         warm_keys = GlobalBatchSampler(split.train, G, micro, rank, world, rt.seed, steps).step_batches(0)[0]
         warm_samples = [dataset[k] for k in warm_keys] if compiles else None
-        data_iter = iter(loader)  # the workers load while the warm-up compiles
-        log.info("drafter, target head, optimizer and loader ready in %.1f s", time.perf_counter() - setup_start)
+        log.info("drafter, target head and optimizer ready in %.1f s", time.perf_counter() - setup_start)
 
         compiled_graphs, cache_use, eval_compiled_graphs = 0, {}, None
         if compiles:
@@ -220,6 +217,14 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
             log.info("compile cache %s: inductor graphs %d loaded, %d compiled, %d uncacheable; "
                      "AOTAutograd %d loaded, %d compiled, %d uncacheable", compile_cache, *cache_use.values())
         compiles_after_warm_up = compile_path.compile_count()
+        # the step's peak: the warm-up's, and AdamW's two moments (allocated at the first step)
+        step_peak = torch.cuda.max_memory_allocated(device) + 2 * sum(
+            p.numel() * p.element_size() for p in drafter.parameters()) if cuda and compiles else None
+        resident = load_resident([eval_dataset, dataset], np.concatenate([split.train, split.held_out]),
+                                 reader.lengths(), dcfg_data, device, rt.progress and is_main, step_peak)
+        sampler = GlobalBatchSampler(split.train, G, micro, rank, world, rt.seed, steps, start_step)
+        data_iter = iter(make_loader(dataset, sampler, buckets.buckets, 0 if resident else dcfg_data.num_workers,
+                                     dcfg_data.prefetch_factor, cuda and not resident))
 
         def evaluate(step: int) -> dict[str, Any]:
             """Held-out loss, accuracy per slot and tau (the decoding replay's, and over uniform anchors)."""
