@@ -8,12 +8,14 @@
 # the converted target. A run longer than one call, from a copy of the tree that later calls leave alone:
 #   rm -rf /tmp/repo && cp -a . /tmp/repo && cd /tmp/repo && (RESULTS=/tmp/results setsid nohup bash
 #   bench/demo_real_gpu.sh ... > /tmp/demo.out 2>&1 &); later calls, back to back (the machine goes after 30 s
-# idle), wait for /tmp/results/done, then `tar czf $OUT/results.tgz -C /tmp/results .` (8 files of 16 MiB at most come back a call).
+# idle), wait for /tmp/results/done, then `tar czf $OUT/results.tgz --exclude='regen.tgz.*' -C /tmp/results . &&
+# cp /tmp/results/regen.tgz.* $OUT/` (8 files of 16 MiB at most come back a call).
 # SECOND="--set KEY=VALUE ... [; --stop-after train --set ...]" then runs the demo again in the same folder, once per
 # ';'-separated item, with its settings added (reusing every stage before the first one they change), into
 # RESULTS/second, second1, ... (--stop-after train: train and export only, the held-out tau in its metrics.jsonl).
-# RESULTS/regen.tgz holds the regenerated rows: kept beside the repository and carried in as .real/regen.tgz (a later
-# call 2), the demo reuses them where its settings are the same.
+# RESULTS/regen.tgz.00, .01, ... (15 MiB each, turn journals left out) hold the regenerated rows: kept beside the
+# repository (REGEN=DIR in the prep carries them in as .real/regen.tgz.*), the demo reuses them where its settings
+# are the same.
 set -euo pipefail
 RESULTS=${RESULTS:-${OUT:-/tmp/out}}
 mkdir -p "$RESULTS"
@@ -25,7 +27,7 @@ export PYTHONPATH=/tmp/site:$PWD/.shim PYTHONUNBUFFERED=1
 mkdir -p .shim/dflash && for p in shared extract train eval; do ln -sfn "$PWD/$p" ".shim/dflash/$p"; done
 touch .shim/dflash/__init__.py
 mkdir -p /tmp/real && tar xzf .real/data.tgz -C /tmp/real
-[ -f .real/regen.tgz ] && tar xzf .real/regen.tgz -C /tmp/real  # rows an earlier session regenerated
+if compgen -G ".real/regen.tgz.*" > /dev/null; then cat .real/regen.tgz.* | tar xzf - -C /tmp/real; fi  # earlier rows
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$RESULTS/machine.txt"
 demo() { python3 -m dflash.eval.demo_real run --out /tmp/real --gguf /tmp/carry/smol.gguf "$@"; }
 set +e
@@ -44,7 +46,9 @@ collect() {  # a run's results into $1
 demo "$@" 2>&1 | tee "$RESULTS/demo_real.log"
 rc=${PIPESTATUS[0]}
 collect "$RESULTS"
-[ -f /tmp/real/regen.demo.json ] && tar czf "$RESULTS/regen.tgz" -C /tmp/real regen regen.demo.json
+if [ -f /tmp/real/regen.demo.json ]; then
+  tar czf - --exclude='*.turns.jsonl' -C /tmp/real regen regen.demo.json | split -b 15m -d - "$RESULTS/regen.tgz."
+fi
 if [ "$rc" = 0 ] && [ -n "${SECOND:-}" ]; then  # e.g. SECOND="--set hidden_codec=fp8": the stages before it are reused
   IFS=';' read -ra runs <<< "$SECOND"
   for i in "${!runs[@]}"; do
