@@ -410,6 +410,20 @@ def test_empty_slots_add_nothing_under_kd(reader, tiny_target_dir):
     torch.testing.assert_close(grads[1], grads[0], rtol=1e-5, atol=1e-8)
 
 
+def test_preloaded_samples_hold_no_shared_memory(topk_cache):
+    """Preloaded by loader workers, every sample is a private copy: one kept from a worker would hold its shared
+    memory and a file descriptor, thousands of them in a real cache."""
+    from dflash.train.data import preload
+
+    reader = CacheReader(str(topk_cache))
+    ds = AnchorDataset(reader, [0, 2], max_length=64, max_anchors=8, seed=0, topk=True)
+    preload([ds], np.arange(len(reader)), torch.device("cpu"), num_workers=2, progress=False)
+    assert len(ds.resident) == len(reader)
+    for index, sample in ds.resident.items():
+        assert not any(t.is_shared() for t in sample.values()), index
+        assert torch.equal(sample["hidden"], ds.reader.read(index, ["hidden"])["hidden"][:, [0, 2]]), index
+
+
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_preloaded_batches_on_the_gpu_equal_the_loaders(topk_cache):

@@ -321,7 +321,9 @@ def preload(datasets: list[AnchorDataset], indices: np.ndarray, device: torch.de
     reading = DataLoader(_Samples(datasets[0]), sampler=indices.tolist(), batch_size=None, num_workers=num_workers)
     resident = {}
     for index, s in zip(indices.tolist(), tqdm(reading, "preload", len(indices), disable=not progress)):
-        resident[index] = {k: v if k == "loss_mask" else v.to(device) for k, v in s.items() if torch.is_tensor(v)}
+        # copies: a worker's tensor holds its shared memory, and a file descriptor, for as long as it lives
+        resident[index] = {k: v.to("cpu" if k == "loss_mask" else device, copy=True) for k, v in s.items()
+                           if torch.is_tensor(v)}
     for d in datasets:
         d.resident = resident
 
