@@ -113,17 +113,20 @@ def held_out_buckets(cache, cfg) -> set[int]:
     return {bucket_for(min(int(lengths[i]), cfg.max_length), cfg.data.context_buckets) for i in held_out}
 
 
-def test_training_with_compiled_drafter_never_recompiles(tiny_target_dir, tiny_tokenizer, tmp_path):
+@pytest.mark.parametrize("preload", ["off", "on"])
+def test_training_with_compiled_drafter_never_recompiles(tiny_target_dir, tiny_tokenizer, tmp_path, preload):
     """Two buckets: the warm-up compiles one training graph per bucket and one of the loss's chunk (padded to one
     shape), the first evaluation one eval graph per bucket of the held-out samples and the no-grad chunk; then 6
-    steps and a second evaluation under fail_on_recompile compile nothing."""
+    steps and a second evaluation under fail_on_recompile compile nothing, batches cut from preloaded samples too
+    (the warm-up's come from the cache: read before the preload)."""
     torch.set_num_threads(1)
+    torch._dynamo.reset()  # the other parameter's run compiled the same code
     cache = H.write_pattern_cache(tmp_path / "c.zarr", tiny_target_dir, tiny_tokenizer, n_samples=14,
                                   min_len=10, max_len=60)
     from dflash.train.loop import train
 
     cfg = H.tiny_config(cache, tiny_target_dir, tmp_path / "run", max_steps=6, compile="on",
-                        compile_backend="eager", eval_every=3, log_every=3)
+                        compile_backend="eager", eval_every=3, log_every=3, preload=preload)
     summary = train(cfg)
     assert len(summary["context_buckets"]) == 2
     assert summary["warmup_compiled_graphs"] == 2 + 1  # grad mode only: no eval graph before step 1
