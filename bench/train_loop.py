@@ -163,7 +163,8 @@ def main():
     cfg = dflash_recipe().override(
         cache=str(out / "cache.zarr"), target=str(out / "target"), out=str(out / "run"),
         context_buckets=[args.ctx], max_anchors=args.anchors, batch_size=args.micro_batch,
-        micro_batch_size=args.micro_batch, eval_samples=1, mask_token_id=args.vocab - 1, progress=False, tensorboard=False, resume=None)
+        micro_batch_size=args.micro_batch, eval_samples=1, mask_token_id=args.vocab - 1, progress=False,
+        tensorboard=False, resume=None)
     n_batches = args.loader_batches or min(args.samples - 2, 48)
     for codec in args.hidden_codecs.split(","):
         if codec != "bf16":  # a cache of this codec in place of the bf16 one

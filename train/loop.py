@@ -222,9 +222,10 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
             p.numel() * p.element_size() for p in drafter.parameters()) if cuda and compiles else None
         resident = load_resident([eval_dataset, dataset], np.concatenate([split.train, split.held_out]),
                                  reader.lengths(), dcfg_data, device, rt.progress and is_main, step_peak)
+        workers = 0 if resident else dcfg_data.num_workers  # preloaded batches are cut in this process
         sampler = GlobalBatchSampler(split.train, G, micro, rank, world, rt.seed, steps, start_step)
-        data_iter = iter(make_loader(dataset, sampler, buckets.buckets, 0 if resident else dcfg_data.num_workers,
-                                     dcfg_data.prefetch_factor, cuda and not resident))
+        data_iter = iter(make_loader(dataset, sampler, buckets.buckets, workers, dcfg_data.prefetch_factor,
+                                     cuda and not resident))
 
         def evaluate(step: int) -> dict[str, Any]:
             """Held-out loss, accuracy per slot and tau (the decoding replay's, and over uniform anchors)."""
@@ -288,13 +289,13 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
                           "peak_mem_gb": metrics.peak_memory_gb(device), "compiles": compile_path.compile_count()}
                 history.append(record)
                 sink.write(record)
-                if record["data_wait"] > LOADER_BOUND and dcfg_data.num_workers and not (resident or loader_warned):
+                if record["data_wait"] > LOADER_BOUND and workers and not loader_warned:
                     loader_warned = True  # once a run: the loader, not the step, sets the pace
                     log.warning("the step waited on the data loader %.0f%% of the last %d steps: raise "
                                 "--num-workers (now %d) where cores are free, preload the samples (--preload on) "
                                 "where they fit the device, or extract a lossy cache "
                                 "(--hidden-codec fp8), which training decodes on the GPU: half the loader's work",
-                                100 * record["data_wait"], window_steps, dcfg_data.num_workers)
+                                100 * record["data_wait"], window_steps, workers)
                 bar.set_postfix(loss=f"{record['loss']:.3f}", acc=f"{record['acc']:.3f}")
                 window.zero_()
                 window_steps, window_start, window_data_s = 0, time.perf_counter(), 0.0
