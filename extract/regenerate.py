@@ -339,9 +339,11 @@ def batch_priority(item: tuple[Chat, int, list[int]]) -> tuple[int, int]:
 
 
 def regenerate_conversations(model, tokenizer, chats: list[Chat], settings: GenerationSettings, batch_size: int,
-                             skips: SkipCounter, static: StaticDecoder | None = None, done=None) -> None:
+                             skips: SkipCounter, static: StaticDecoder | None = None, done=None,
+                             batches: list[dict] | None = None) -> None:
     """Regenerate every assistant turn of ``chats`` in place, batches taken from one pool of ready turns by
-    ``batch_priority``; ``done(chat)`` hears of each chat with no turn left."""
+    ``batch_priority``; ``done(chat)`` hears of each chat with no turn left. ``batches`` gets each generate() call's
+    rows, prompt width, decode steps, tokens and seconds: where the stage's time goes (compiles, idle rows)."""
     stop_ids = stop_token_ids(model, tokenizer, settings.template_kwargs)
     gen_kwargs = generation_kwargs(settings, stop_ids, tokenizer.pad_token_id)
     pool: list[tuple[Chat, int, list[int]]] = []  # (chat, turn, prompt ids)
@@ -371,7 +373,13 @@ def regenerate_conversations(model, tokenizer, chats: list[Chat], settings: Gene
     while pool:
         pool.sort(key=batch_priority)
         batch, pool[:] = pool[:batch_size], pool[batch_size:]
+        started = time.perf_counter()
         outputs = generate_batch(model, [ids for _, _, ids in batch], gen_kwargs, stop_ids, static)
+        if batches is not None:  # a row's steps: its tokens and the stop token, unless cut at max_new_tokens
+            batches.append({"rows": len(batch), "width": max(len(ids) for *_, ids in batch),
+                            "steps": max(len(tokens) + (not cut) for tokens, cut in outputs),
+                            "tokens": sum(len(tokens) for tokens, _ in outputs),
+                            "seconds": round(time.perf_counter() - started, 3)})
         for (chat, turn, _), (tokens, truncated) in zip(batch, outputs):
             content = tokenizer.decode(tokens, skip_special_tokens=False)
             chat.apply(answer_event(chat, turn, settings, content, truncated, len(tokens)), skips)
@@ -391,7 +399,7 @@ class LocalEngine:
         gen = cfg.generation
         tokenizer = AutoTokenizer.from_pretrained(cfg.model) if tokenizer is None else tokenizer
         model = load_target(cfg.model, dtype=gen.dtype, device=cfg.device) if model is None else model
-        self.cfg, self.model, self.tokenizer = cfg, model, tokenizer
+        self.cfg, self.model, self.tokenizer, self.batches = cfg, model, tokenizer, []
         self.batch_size = cfg.batch_size or BATCH_SIZE.get(model.device.type, BATCH_SIZE["cpu"])
         dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
         self.fingerprint = target_fingerprint(cfg.model, model.config.to_dict(), dtype)
@@ -413,12 +421,13 @@ class LocalEngine:
                                            tokenizer, header, cfg.question_min_chars, self.batch_size)
 
     def metadata(self, stats: list[dict]) -> dict:
-        return {"target_fingerprint": self.fingerprint}
+        return {"target_fingerprint": self.fingerprint, "batches_this_process": self.batches}
 
     def run(self, parts, finish, progress) -> None:
         for part in parts:
             regenerate_conversations(self.model, self.tokenizer, part.chats, self.cfg.generation, self.batch_size,
-                                     part.skips, self.static, done=lambda chat, part=part: progress(part, chat))
+                                     part.skips, self.static, done=lambda chat, part=part: progress(part, chat),
+                                     batches=self.batches)
             finish(part)
 
 

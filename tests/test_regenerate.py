@@ -95,6 +95,27 @@ def test_metadata_records_how_it_was_made(greedy_run, tiny_target_dir, chats_sam
     assert meta["parts"] == 3 and "tokenizer" in meta
 
 
+def test_each_generate_call_is_recorded(target, tokenizer, tiny_target_dir, chats_sample_path, tmp_path, monkeypatch):
+    """The metadata lists each generate() call: its rows, prompt width and decode steps as generate() returned them
+    (half the vocabulary made stop tokens, so batches stop at different steps), and the tokens the rows kept."""
+    monkeypatch.setattr(regen, "stop_token_ids", lambda *a: list(range(len(tokenizer) // 2, len(tokenizer))))
+    calls, real = [], type(target).generate
+
+    def generate(self, input_ids, **kwargs):
+        out = real(self, input_ids=input_ids, **kwargs)
+        calls.append((*input_ids.shape, out.shape[1] - input_ids.shape[1]))
+        return out
+
+    monkeypatch.setattr(type(target), "generate", generate)
+    cfg = _config(chats_sample_path, tiny_target_dir, tmp_path / "out")
+    cfg.generation.max_new_tokens = 12
+    meta = regen.regenerate(cfg, model=target, tokenizer=tokenizer)
+    batches = meta["batches_this_process"]
+    assert [(b["rows"], b["width"], b["steps"]) for b in batches] == calls
+    assert len({steps for *_, steps in calls}) > 1, calls
+    assert sum(b["tokens"] for b in batches) == meta["counts"]["generated_tokens"] > 0
+
+
 def test_extract_reads_the_result_and_masks_the_regenerated_turns(greedy_run, tokenizer):
     from dflash.extract.chat import render
     from dflash.extract.data import load_source, normalize_row
