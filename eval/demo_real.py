@@ -31,6 +31,7 @@ class RealSettings(Overridable):
 
     conversations: int = 6000  # ShareGPT chats regenerated (every assistant turn): more data, more tau; ~4.5 min
     heldout: int = 200  # held-out ShareGPT first turns (evaluation prompts only)
+    self_prompts: int = 0  # questions the target writes itself and answers, after the chats (dflash-regenerate's)
     max_new_tokens: int = 256  # per regenerated turn and per evaluated prompt
     max_prompt_tokens: int = 1024  # later turns of long chats are cut there (counted)
     regen_batch_size: int = 512
@@ -134,7 +135,8 @@ def run_real(out: Path, s: RealSettings, gguf: str | None, echo=click.echo,
             "dflash.extract.regenerate_cli", "--data", str(out / "data" / "train.jsonl"), "--model", str(target),
             "--out", str(regen), "--device", s.device, "--batch-size", str(s.regen_batch_size),
             "--max-new-tokens", str(s.max_new_tokens), "--max-prompt-tokens", str(s.max_prompt_tokens),
-            "--part-size", str(max(s.conversations, 1))]),  # one part: no tail of small batches between parts
+            "--part-size", str(max(s.conversations, s.self_prompts, 1)),  # one part each: no tail between parts
+            *(["--self-prompts", str(s.self_prompts)] if s.self_prompts else [])]),
         ("extract", "[3/5] extract", cache, [
             "dflash.extract.cli", "--data", str(regen), "--model", str(target), "--out", str(cache),
             *([] if s.device == "cuda" else ["--device", "cpu"]),
