@@ -13,6 +13,7 @@
 # SECOND="--set KEY=VALUE ... [; --stop-after train --set ...]" then runs the demo again in the same folder, once per
 # ';'-separated item, with its settings added (reusing every stage before the first one they change), into
 # RESULTS/second, second1, ... (--stop-after train: train and export only, the held-out tau in its metrics.jsonl).
+# A failed training stage is retried once with --set train.preload=off (the later runs keep it): preload is new there.
 # RESULTS/regen.tgz.00, .01, ... (15 MiB each, turn journals left out) hold the regenerated rows: kept beside the
 # repository (REGEN=DIR in the prep carries them in as .real/regen.tgz.*), the demo reuses them where its settings
 # are the same.
@@ -45,6 +46,12 @@ collect() {  # a run's results into $1
 }
 demo "$@" 2>&1 | tee "$RESULTS/demo_real.log"
 rc=${PIPESTATUS[0]}
+fallback=()
+if [ "$rc" != 0 ] && grep -q "train failed" "$RESULTS/demo_real.log"; then  # once more without --preload (new)
+  fallback=(--set train.preload=off)
+  demo "$@" "${fallback[@]}" 2>&1 | tee "$RESULTS/demo_real_nopreload.log"
+  rc=${PIPESTATUS[0]}
+fi
 collect "$RESULTS"
 if [ -f /tmp/real/regen.demo.json ]; then
   tar czf - --exclude='*.turns.jsonl' -C /tmp/real regen regen.demo.json | split -b 15m -d - "$RESULTS/regen.tgz."
@@ -54,7 +61,7 @@ if [ "$rc" = 0 ] && [ -n "${SECOND:-}" ]; then  # e.g. SECOND="--set hidden_code
   for i in "${!runs[@]}"; do
     read -ra extra <<< "${runs[$i]}"
     name=second${i/#0/}
-    demo "$@" "${extra[@]}" 2>&1 | tee "$RESULTS/$name.log"
+    demo "$@" "${fallback[@]}" "${extra[@]}" 2>&1 | tee "$RESULTS/$name.log"
     rc=${PIPESTATUS[0]}
     collect "$RESULTS/$name"
   done
