@@ -33,6 +33,7 @@ class RealSettings(Overridable):
     heldout: int = 200  # held-out ShareGPT first turns (evaluation prompts only)
     self_prompts: int = 0  # questions the target writes itself and answers, after the chats (dflash-regenerate's)
     max_new_tokens: int = 256  # per regenerated turn and per evaluated prompt
+    regen_max_new_tokens: int | None = None  # per regenerated turn, if not max_new_tokens (more chats, shorter turns)
     max_prompt_tokens: int = 1024  # later turns of long chats are cut there (counted)
     regen_batch_size: int = 512
     hidden_codec: str = "bf16"  # the cache's hidden states (extract's --hidden-codec; int8/int4 in groups of 64)
@@ -134,7 +135,8 @@ def run_real(out: Path, s: RealSettings, gguf: str | None, echo=click.echo,
         ("regenerate", "[2/5] regenerate", regen, [
             "dflash.extract.regenerate_cli", "--data", str(out / "data" / "train.jsonl"), "--model", str(target),
             "--out", str(regen), "--device", s.device, "--batch-size", str(s.regen_batch_size),
-            "--max-new-tokens", str(s.max_new_tokens), "--max-prompt-tokens", str(s.max_prompt_tokens),
+            "--max-new-tokens", str(s.regen_max_new_tokens or s.max_new_tokens),
+            "--max-prompt-tokens", str(s.max_prompt_tokens),
             "--part-size", str(max(s.conversations, s.self_prompts, 1)),  # one part each: no tail between parts
             *(["--self-prompts", str(s.self_prompts)] if s.self_prompts else [])]),
         ("extract", "[3/5] extract", cache, [

@@ -298,9 +298,10 @@ def test_demo_real_runs_every_stage_on_the_cpu(tiny_gguf, tmp_path):
     spec = CacheReader(str(out / "cache.zarr")).spec
     assert (spec.hidden_codec, list(spec.layer_ids)) == ("fp8", [1])
     assert json.loads((out / "export" / "config.json").read_text())["dflash_config"]["target_layer_ids"] == [1]
-    lines.clear()  # questions the target writes itself, after the chats: regeneration runs again
-    run_real(out, settings.with_overrides(["self_prompts=3"]), str(tiny_gguf), echo=lines.append,
-             stop_after="regenerate")
+    lines.clear()  # questions the target writes itself, after the chats, and shorter answers: regeneration again
+    run_real(out, settings.with_overrides(["self_prompts=3", "regen_max_new_tokens=3"]), str(tiny_gguf),
+             echo=lines.append, stop_after="regenerate")
     assert [line.split(":")[0].strip() for line in lines if ": reusing" in line] == ["[1/5] convert"]
     meta = json.loads((out / "regen" / "regenerate.json").read_text())
     assert meta["counts"]["self_prompts"]["generated"] == 3 and meta["self_prompts"]["self_prompts"] == 3
+    assert meta["generation"]["max_new_tokens"] == 3 and settings.max_new_tokens == 6  # the evaluation's stays
