@@ -342,8 +342,8 @@ def regenerate_conversations(model, tokenizer, chats: list[Chat], settings: Gene
                              skips: SkipCounter, static: StaticDecoder | None = None, done=None,
                              batches: list[dict] | None = None) -> None:
     """Regenerate every assistant turn of ``chats`` in place, batches taken from one pool of ready turns by
-    ``batch_priority``; ``done(chat)`` hears of each chat with no turn left. ``batches`` gets each generate() call's
-    rows, prompt width, decode steps, tokens and seconds: where the stage's time goes (compiles, idle rows)."""
+    ``batch_priority``; ``done(chat)`` hears of each chat with no turn left. ``batches`` gets each batch's rows,
+    prompt width, decode steps, tokens and seconds: where the stage's time goes (compiles, idle rows)."""
     stop_ids = stop_token_ids(model, tokenizer, settings.template_kwargs)
     gen_kwargs = generation_kwargs(settings, stop_ids, tokenizer.pad_token_id)
     pool: list[tuple[Chat, int, list[int]]] = []  # (chat, turn, prompt ids)
