@@ -340,7 +340,8 @@ def test_static_decoder_gives_an_sdpa_model_the_grouped_decode(tiny_target_dir):
 def test_the_decode_step_compiles_once_for_every_room(tiny_target_dir, tokenizer, monkeypatch):
     """generate() compiles the static path's decode step with the decoder's compile config: the cache's length is
     dynamic from the start, so prompts in three rooms make one graph (the default makes two: static for the first
-    room, then dynamic). Here dynamo traces on the CPU (eager backend, allowed off CUDA); the rest is the real path."""
+    room, then dynamic), with the plain path's answers. Here dynamo traces on the CPU (eager backend, allowed off
+    CUDA); the rest is the real path."""
     import dataclasses
 
     import torch._dynamo
@@ -357,9 +358,10 @@ def test_the_decode_step_compiles_once_for_every_room(tiny_target_dir, tokenizer
     kwargs = regen.generation_kwargs(settings, stops, tokenizer.pad_token_id)
     torch._dynamo.reset()
     counters.clear()
+    prompts = [list(range(5, 5 + length)) for length in (10, 20, 40, 12)]
+    plain = [regen.generate_batch(model, [ids], kwargs, stops) for ids in prompts]  # no cache given: not compiled
     try:
-        for length in (10, 20, 40, 12):
-            regen.generate_batch(model, [list(range(5, 5 + length))], kwargs, stops, static)
+        assert [regen.generate_batch(model, [ids], kwargs, stops, static) for ids in prompts] == plain
         assert sorted(static.caches) == [16, 32, 64]
         assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
     finally:
