@@ -379,7 +379,7 @@ def regenerate_conversations(model, tokenizer, chats: list[Chat], settings: Gene
         outputs = generate_batch(model, [ids for _, _, ids in batch], gen_kwargs, stop_ids, static)
         if batches is not None:  # a row's steps: its tokens and the stop token, unless cut at max_new_tokens
             batches.append({"rows": len(batch), "width": max(len(ids) for *_, ids in batch),
-                            "steps": max(len(tokens) + (not cut) for tokens, cut in outputs),
+                            "steps": max(len(tokens) + (not truncated) for tokens, truncated in outputs),
                             "tokens": sum(len(tokens) for tokens, _ in outputs),
                             "seconds": round(time.perf_counter() - started, 3)})
         for (chat, turn, _), (tokens, truncated) in zip(batch, outputs):
