@@ -275,16 +275,14 @@ def grouped_decode_attention(module, query, key, value, attention_mask, scaling=
 
 
 class StaticDecoder:
-    """Static KV caches of (batch_size, room + max_new_tokens), one per doubling prompt room, on which generate()
-    compiles the decode step once, the cache's length dynamic (else twice: static for the first room, then dynamic),
-    and captures it per room; an SDPA model decodes through ``grouped_decode_attention`` from then on."""
+    """Static KV caches of (batch_size, room + max_new_tokens) per doubling prompt room, on which generate() compiles
+    and captures the decode step; an SDPA model decodes through ``grouped_decode_attention``."""
 
     def __init__(self, model, batch_size: int, max_new_tokens: int, prompt_tokens: int | None):
-        from transformers import AttentionInterface, CompileConfig
+        from transformers import AttentionInterface
         from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
         self.model, self.rows, self.max_new_tokens = model, batch_size, max_new_tokens
-        self.compile_config = CompileConfig(dynamic=True)
         self.room = prompt_tokens or STATIC_PROMPT_TOKENS
         self.caches: dict[int, object] = {}
         AttentionInterface.register(GROUPED_DECODE, grouped_decode_attention)
@@ -320,7 +318,7 @@ def generate_batch(model, prompts: list[list[int]], gen_kwargs: dict, stop_ids: 
         encoded += [encoded[0]] * (static.rows - real_rows)
         with torch.inference_mode():
             cache.reset()
-        gen_kwargs = {**gen_kwargs, "past_key_values": cache, "compile_config": static.compile_config}
+        gen_kwargs = {**gen_kwargs, "past_key_values": cache}
     input_ids = torch.tensor([[gen_kwargs["pad_token_id"]] * (width - len(ids)) + ids for ids in encoded])
     attention_mask = torch.tensor([[0] * (width - len(ids)) + [1] * len(ids) for ids in encoded])
     with torch.inference_mode():

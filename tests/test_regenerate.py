@@ -335,34 +335,3 @@ def test_static_decoder_gives_an_sdpa_model_the_grouped_decode(tiny_target_dir):
     eager = AutoModelForCausalLM.from_pretrained(tiny_target_dir, dtype=torch.float32, attn_implementation="eager")
     regen.StaticDecoder(eager, 2, 4, 32)
     assert eager.config._attn_implementation == "eager"  # another kernel asked for is left alone
-
-
-def test_the_decode_step_compiles_once_for_every_room(tiny_target_dir, tokenizer, monkeypatch):
-    """generate() compiles the static path's decode step with the decoder's compile config: the cache's length is
-    dynamic from the start, so prompts in three rooms make one graph (the default makes two: static for the first
-    room, then dynamic), with the plain path's answers. Here dynamo traces on the CPU (eager backend, allowed off
-    CUDA); the rest is the real path."""
-    import dataclasses
-
-    import torch._dynamo
-    from torch._dynamo.utils import counters
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(tiny_target_dir, dtype=torch.float32, attn_implementation="sdpa")
-    monkeypatch.setattr(regen, "STATIC_SMALLEST_ROOM", 16)  # rooms 16, 32 and 64 for these prompts
-    static = regen.StaticDecoder(model.eval(), 2, MAX_NEW, 64)
-    static.compile_config = dataclasses.replace(static.compile_config, backend="eager", mode=None)
-    static.compile_config._compile_all_devices = True
-    settings = regen.GenerationSettings(max_new_tokens=MAX_NEW, dtype="float32")
-    stops = regen.stop_token_ids(model, tokenizer)
-    kwargs = regen.generation_kwargs(settings, stops, tokenizer.pad_token_id)
-    torch._dynamo.reset()
-    counters.clear()
-    prompts = [list(range(5, 5 + length)) for length in (10, 20, 40, 12)]
-    plain = [regen.generate_batch(model, [ids], kwargs, stops) for ids in prompts]  # no cache given: not compiled
-    try:
-        assert [regen.generate_batch(model, [ids], kwargs, stops, static) for ids in prompts] == plain
-        assert sorted(static.caches) == [16, 32, 64]
-        assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
-    finally:
-        torch._dynamo.reset()
