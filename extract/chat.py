@@ -157,9 +157,8 @@ def _token_id(tokenizer, token: str) -> int:
 
 
 def load_tokenizer(cfg):
-    """The tokenizer of an ExtractConfig with ``--chat-template`` applied (checked to compile first) and
-    ``--end-of-turn`` checked: the one way stage one loads it, so the stored ids match the fingerprint.
-    ValueError naming the cause."""
+    """An ExtractConfig's tokenizer, ``--chat-template`` applied once it compiles and ``--end-of-turn`` checked: the
+    one way stage one loads it, so the stored ids match the fingerprint. ValueError naming the cause."""
     from transformers import AutoTokenizer
 
     if cfg.chat_template:

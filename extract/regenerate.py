@@ -194,10 +194,6 @@ def open_part(out: Path, index: int, rows: int, convs: list[Conversation], skips
     return part
 
 
-def chat_totals(chats: list[Chat]) -> dict[str, int]:
-    return {key: sum(getattr(chat, key) for chat in chats if not chat.dropped) for key in TOTALS}
-
-
 def finish_part(out: Path, part: Part) -> None:
     """Write the part's rows, then its done record (which marks it finished), then drop its journal."""
     rows = []
@@ -211,7 +207,8 @@ def finish_part(out: Path, part: Part) -> None:
                "truncated_turns": chat.truncated_turns}
         rows.append({**row, "tools": chat.conv.tools} if chat.conv.tools else row)
     stats = {"part": part.index, "rows_in": part.rows, "rows_out": len(rows), "skipped": part.skips.to_dict(),
-             **chat_totals(part.chats), **part.record, **({"served_models": dict(part.models)} if part.models else {})}
+             **{key: sum(getattr(chat, key) for chat in part.chats if not chat.dropped) for key in TOTALS},
+             **part.record, **({"served_models": dict(part.models)} if part.models else {})}
     data_path, done_path, _ = part_paths(out, part.index)
     _write_atomic(data_path, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
     _write_atomic(done_path, json.dumps(stats, indent=2, sort_keys=True) + "\n")
@@ -294,10 +291,7 @@ class StaticDecoder:
         """The reset cache of the smallest room that holds ``width`` prompt tokens, or None."""
         if width > self.room or rows > self.rows:
             return None
-        room = STATIC_SMALLEST_ROOM
-        while room < width:
-            room *= 2
-        room = min(room, self.room)
+        room = min(self.room, max(STATIC_SMALLEST_ROOM, 1 << (width - 1).bit_length()))  # the power of 2 >= width
         if room not in self.caches:
             from transformers import StaticCache
 
@@ -341,9 +335,8 @@ def batch_priority(item: tuple[Chat, int, list[int]]) -> tuple[int, int]:
 def regenerate_conversations(model, tokenizer, chats: list[Chat], settings: GenerationSettings, batch_size: int,
                              skips: SkipCounter, static: StaticDecoder | None = None, done=None,
                              batches: list[dict] | None = None) -> None:
-    """Regenerate every assistant turn of ``chats`` in place, batches taken from one pool of ready turns by
-    ``batch_priority``; ``done(chat)`` hears of each chat with no turn left. ``batches`` gets each batch's rows,
-    prompt width, decode steps, tokens and seconds: where the stage's time goes (compiles, idle rows)."""
+    """Regenerate every assistant turn of ``chats`` in place, batches from a pool of ready turns by ``batch_priority``;
+    ``done(chat)`` hears of each finished chat; ``batches`` gets each batch's rows, width, steps, tokens, seconds."""
     stop_ids = stop_token_ids(model, tokenizer, settings.template_kwargs)
     gen_kwargs = generation_kwargs(settings, stop_ids, tokenizer.pad_token_id)
     pool: list[tuple[Chat, int, list[int]]] = []  # (chat, turn, prompt ids)

@@ -48,9 +48,6 @@ class ChatEndpoint:
     api_key: str | None = None
     stop: threading.Event = field(default_factory=threading.Event)  # set to end retries early
 
-    def __post_init__(self):
-        self.url = self.url.rstrip("/")
-
     def chat(self, body: dict[str, Any]) -> dict[str, Any]:
         """POST /chat/completions (non-streaming): the answer, checked to hold ``choices[0].message``."""
         answer = self.with_retries("POST", "/chat/completions", body)
@@ -145,8 +142,8 @@ class EndpointEngine:
     """The server at ``cfg.endpoint``, asked for the model ``cfg.model`` names."""
 
     def __init__(self, cfg: RegenConfig):
-        self.cfg = cfg
-        self.client = client = ChatEndpoint(cfg.endpoint, cfg.request_timeout, cfg.retries, cfg.retry_wait, cfg.api_key)
+        self.cfg, url = cfg, cfg.endpoint.rstrip("/")
+        self.client = client = ChatEndpoint(url, cfg.request_timeout, cfg.retries, cfg.retry_wait, cfg.api_key)
         listed = [m["id"] for m in client.with_retries("GET", "/models").get("data", [])
                   if isinstance(m, dict) and "id" in m]
         if cfg.model is None and len(listed) != 1:

@@ -122,6 +122,7 @@ def summarize(out: str, shard_ids: list[int]) -> dict[str, Any]:
 
 def format_summary(s: dict[str, Any]) -> str:
     skipped = ", ".join(f"{k}={v}" for k, v in s["skipped"].items()) or "none"
+    disk = "unknown (the store cannot list)" if s["bytes_stored"] is None else size_text(s["bytes_stored"])
     lines = [
         f"cache {s['out']}: shards {s['shards'][0]:05d}..{s['shards'][-1]:05d} "
         f"{'complete' if s['complete'] else 'INCOMPLETE (rerun the same command to resume)'}",
@@ -129,8 +130,7 @@ def format_summary(s: dict[str, Any]) -> str:
         f"({s.get('samples_this_run', 0):,} this run)",
         f"  skipped rows     {sum(s['skipped'].values()):,} ({skipped})",
         f"  tokens           {s['tokens']:,} ({s['assistant_tokens']:,} assistant)",
-        f"  on disk          {size_text(s['bytes_stored']) if s['bytes_stored'] is not None else 'unknown (the store cannot list)'}"
-        + (f" ({s['bytes_per_token']:,.0f} B/token)" if s["bytes_per_token"] else ""),
+        f"  on disk          {disk}" + (f" ({s['bytes_per_token']:,.0f} B/token)" if s["bytes_per_token"] else ""),
     ]
     if s["hidden_compression"]:
         lines.append(f"  compression      hidden states {s['hidden_compression']:.2f}x vs raw bf16 "
@@ -176,7 +176,7 @@ def run(cfg: ExtractConfig) -> dict[str, Any] | None:
 
 
 def _run(cfg: ExtractConfig, rank: int, world: int) -> dict[str, Any] | None:
-    t_start, phases = time.monotonic(), Phases(started_at=time.time())
+    t_start, phases = time.monotonic(), Phases()
     num_shards = cfg.shards or world
     with meeting(world):  # once rank 0 has prepared the root
         tokenizer, model_config = load_tokenizer_and_config(cfg)
@@ -359,8 +359,8 @@ class Phases:
     """Seconds spent in each step of a run, in order (the summary's ``phases``), from ``started_at``
     (epoch seconds when ``run`` began; what came before is imports)."""
 
-    def __init__(self, started_at: float):
-        self.started_at, self._last, self.seconds = started_at, time.monotonic(), {}
+    def __init__(self):
+        self.started_at, self._last, self.seconds = time.time(), time.monotonic(), {}
 
     def mark(self, name: str, at: float | None = None) -> None:  # step ``name`` ended now, or at monotonic ``at``
         at = max(self._last, time.monotonic() if at is None else at)

@@ -111,7 +111,7 @@ class CacheSpec:
         if self.topk_dtype not in TOPK_DTYPES:
             raise CacheError(f"cache spec: topk_dtype {self.topk_dtype!r}, expected one of {TOPK_DTYPES}")
         try:
-            codec = HiddenCodec(self.hidden_codec, self.hidden_group_size or 128, self.hidden_scale_dtype or "float16")
+            codec = self.codec
             codec.check_hidden_size(self.hidden_size)  # whole groups (only the int codecs have them)
         except ValueError as e:
             raise CacheError(f"cache spec: {e}") from None
@@ -132,10 +132,8 @@ class CacheSpec:
         """This spec with ``changes`` (encoding fields, layout), in the current format and default chunks."""
         return dataclasses.replace(self, **{**self.encoding(), **changes}, format_version=FORMAT_VERSION, chunks={})
 
-    @property
-    def codec(self) -> HiddenCodec:  # valid: checked at construction
-        return HiddenCodec(self.hidden_codec, self.hidden_group_size or 128, self.hidden_scale_dtype or "float16")
-
+    codec = property(lambda self: HiddenCodec(self.hidden_codec, self.hidden_group_size or 128,
+                                              self.hidden_scale_dtype or "float16"))
     encoded = property(lambda self: self.hidden_codec != "bf16" or self.topk_dtype != "float32")  # format 3
     token_fields = property(lambda self: TOKEN_FIELDS + ((HIDDEN_SCALE,) if self.hidden_codec != "bf16" else ()))
     num_layers = property(lambda self: len(self.layer_ids))
@@ -163,11 +161,11 @@ class CacheSpec:
 def default_chunks(spec: CacheSpec) -> dict[str, int]:
     """Format 2's rows per chunk: the hidden states at ``chunk_tokens``; each small array at the power of two whose
     raw chunk is closest under ``SMALL_CHUNK_BYTES``, within [``chunk_tokens``, ``SMALL_CHUNK_MAX_TOKENS``]."""
-    def rows(shape, dtype) -> int:
-        return 1 << max(0, (SMALL_CHUNK_BYTES // (int(np.prod(shape[1:])) * np.dtype(dtype).itemsize)).bit_length() - 1)
+    def rows(row_bytes: int) -> int:
+        return 1 << max(0, (SMALL_CHUNK_BYTES // row_bytes).bit_length() - 1)
     return {name: spec.chunk_tokens if name in ("hidden", HIDDEN_SCALE) else
-            max(spec.chunk_tokens, min(rows(shape, dtype), SMALL_CHUNK_MAX_TOKENS))
-            for name, (shape, dtype) in token_array_shapes(spec, 1).items()}
+            max(spec.chunk_tokens, min(rows(size), SMALL_CHUNK_MAX_TOKENS))
+            for name, size in stored_row_bytes(spec).items()}
 
 
 def diff_dicts(ours: Any, theirs: Any, prefix: str = "") -> list[str]:
@@ -216,6 +214,12 @@ def token_array_shapes(spec: CacheSpec, tokens: int) -> dict[str, tuple[tuple[in
     return shapes
 
 
+def stored_row_bytes(spec: CacheSpec) -> dict[str, int]:
+    """Stored bytes per token of each token array, before compression."""
+    return {f: int(np.prod(shape[1:], dtype=np.int64)) * np.dtype(dtype).itemsize
+            for f, (shape, dtype) in token_array_shapes(spec, 1).items()}
+
+
 def encode_hidden(spec: CacheSpec, hidden: torch.Tensor, validate: bool = True) -> dict[str, torch.Tensor]:
     """``[T, L, D]`` hidden states -> the stored ``hidden`` (+ ``hidden_scale``) tensors, on ``hidden``'s device."""
     if not spec.codec.lossy:
@@ -234,9 +238,8 @@ def decode_hidden(spec: CacheSpec, stored: dict[str, Any], dtype: torch.dtype = 
 
 def encode_topk_logprobs(spec: CacheSpec, logprobs: torch.Tensor) -> torch.Tensor:
     """float log-probs ``[T, k]`` -> the stored ``topk_logprobs`` (bf16 as its int16 bits)."""
-    if spec.topk_dtype == "bfloat16":
-        return logprobs.to(torch.bfloat16).view(torch.int16)
-    return logprobs.to(getattr(torch, spec.topk_dtype))
+    stored = logprobs.to(getattr(torch, spec.topk_dtype))
+    return stored.view(torch.int16) if spec.topk_dtype == "bfloat16" else stored
 
 
 def decode_topk_logprobs(spec: CacheSpec, stored) -> torch.Tensor:
@@ -394,7 +397,8 @@ def read_shard_states(root: zarr.Group, shard_ids: Iterable[int] | None = None) 
     if shard_ids is None:
         names = sorted(root["shards"].group_keys()) if "shards" in root else []
         if stray := [name for name in names if not name.isdigit()]:
-            raise CacheError(f"{root.store}: shards/{stray[0]} is no shard group (those are numbered 00000, 00001, ...)")
+            raise CacheError(f"{root.store}: shards/{stray[0]} is no shard group "
+                             "(those are numbered 00000, 00001, ...)")
         shard_ids = [int(name) for name in names]
     names = {s: shard_name(s) for s in shard_ids}
     return {s: read_shard_state(root[n]) if n in root and shard_recorded(root[n]) else None for s, n in names.items()}
@@ -506,16 +510,18 @@ class ShardWriter:
     def write_batch(self, batch: int, **fields: np.ndarray) -> None:
         """Append planned batch ``batch``: one token-major array per stored field, as stored."""
         if batch != self.next_batch:
-            raise CacheError(f"shard {self.shard_id:05d}: batch {batch} written out of order (expected {self.next_batch})")
+            raise CacheError(f"shard {self.shard_id:05d}: batch {batch} written out of order "
+                             f"(expected {self.next_batch})")
         s0, s1 = self.batch_samples(batch)
         ntok = int(self._offsets[s1] - self._offsets[s0])
-        expected = token_array_shapes(self.spec, ntok)
         if set(fields) != set(self.fields):
             raise CacheError(f"write_batch needs exactly {self.fields}, got {sorted(fields)}")
+        expected = token_array_shapes(self.spec, ntok)
         for f, a in fields.items():
             shape, dtype = expected[f]
             if tuple(a.shape) != shape:
-                raise CacheError(f"shard {self.shard_id:05d} batch {batch}: {f} has shape {tuple(a.shape)}, plan says {shape}")
+                raise CacheError(f"shard {self.shard_id:05d} batch {batch}: {f} has shape {tuple(a.shape)}, "
+                                 f"plan says {shape}")
             self._tail[f].append(np.ascontiguousarray(a, dtype=dtype))
         self._end += ntok
         self.next_batch += 1
@@ -523,7 +529,7 @@ class ShardWriter:
 
     def _flush(self, final: bool) -> None:
         """Write each array's whole chunks (and, when ``final``, its partial last one). A buffer starts on a chunk
-        boundary and keeps the partial chunk a final flush wrote, to rewrite it whole; only it can hold committed rows."""
+        boundary and keeps the partial chunk a final flush wrote, to rewrite it whole: only it holds committed rows."""
         end, committed = self._end, self.committed["tokens"]
         for f in self.fields:
             C, start = self.chunks[f], self._tail_start[f]
@@ -656,23 +662,23 @@ class CacheReader:
         out = {}
         for f, got in zip(fields, zarr_sync(read_all())):
             if isinstance(got, Exception):
-                raise CacheError(f"{self.path}: shard {self.shards[pos].shard_id:05d} sample {index} (tokens {t0}:{t1}) "
-                                 f"array {f}: cannot read: {type(got).__name__}: {got}") from got
+                raise CacheError(f"{self.path}: shard {self.shards[pos].shard_id:05d} sample {index} "
+                                 f"(tokens {t0}:{t1}) array {f}: cannot read: {type(got).__name__}: {got}") from got
             out[f] = np.asarray(got)
         return out
 
     def read(self, index: int, fields: Iterable[str] = TOKEN_FIELDS, decode: bool = True) -> dict[str, Any]:
         """One sample's ``fields`` as tensors (``hidden`` (T, L, D) bf16, ``topk_logprobs`` float32) and its
-        ``source_index``; ``decode=False`` keeps a lossy payload and ``hidden_scale``, for ``decode_hidden`` on the GPU."""
+        ``source_index``; ``decode=False`` keeps a lossy payload and ``hidden_scale`` (``decode_hidden`` on a GPU)."""
         fields = tuple(fields)
         unknown = set(fields) - set(TOKEN_FIELDS)
         if unknown:
             raise ValueError(f"unknown cache fields {sorted(unknown)}; the cache stores {TOKEN_FIELDS}")
         lossy = "hidden" in fields and self.spec.codec.lossy
         raw = self.read_raw(index, fields + ((HIDDEN_SCALE,) if lossy else ()))
-        out = {f: decode_topk_logprobs(self.spec, raw[f]) if f == "topk_logprobs"
-               else torch.from_numpy(raw[f].astype(bool if f == "loss_mask" else np.int64)) for f in fields if f != "hidden"}
-        if "hidden" in fields and lossy and not decode:
+        out = {f: decode_topk_logprobs(self.spec, raw[f]) if f == "topk_logprobs" else
+               torch.from_numpy(raw[f].astype(bool if f == "loss_mask" else np.int64)) for f in fields if f != "hidden"}
+        if lossy and not decode:
             out["hidden"], out[HIDDEN_SCALE] = torch.from_numpy(raw["hidden"]), torch.from_numpy(raw[HIDDEN_SCALE])
         elif "hidden" in fields:  # (T, L, D) bfloat16
             out["hidden"] = decode_hidden(self.spec, raw)

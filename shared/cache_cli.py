@@ -1,5 +1,5 @@
 """``dflash-cache``: inspect a hidden-state cache (info, show, verify, stats) and convert it. Each command prints a
-report, or with ``--json`` one JSON document. Exit codes: 0 fine, 1 ``verify`` found problems, 2 bad cache or request."""
+report, or with ``--json`` one JSON document. Exit: 0 fine, 1 ``verify`` found problems, 2 bad cache or request."""
 
 from __future__ import annotations
 
@@ -53,7 +53,8 @@ def _fmt(x: float | None, spec: str = ".1%") -> str:
 
 
 CACHE = click.argument("cache")
-AS_JSON = click.option("--json/--no-json", "as_json", default=False, help="Print one JSON document instead of the report.")
+AS_JSON = click.option("--json/--no-json", "as_json", default=False,
+                       help="Print one JSON document instead of the report.")
 PROGRESS = click.option("--progress/--no-progress", default=True, help="Progress bar on stderr.")
 
 
@@ -78,8 +79,8 @@ def info(cache: str, as_json: bool):
         return _emit_json(d)
     fp, b, e, ch = d["fingerprint"], d["bytes_per_token"], d["encoding"], d["chunks"]
     t, tok, ds, tp = fp["target"], fp["tokenizer"], fp["dataset"], fp["chat_template"]
-    eot_id = "-" if tp["end_of_turn_id"] is None else tp["end_of_turn_id"]
-    eot = f"{tp['end_of_turn']!r} (id {eot_id}, --end-of-turn)" if tp["end_of_turn"] else f"id {eot_id} (from the template)"
+    eot = f"id {'-' if tp['end_of_turn_id'] is None else tp['end_of_turn_id']}"
+    eot = f"{tp['end_of_turn']!r} ({eot}, --end-of-turn)" if tp["end_of_turn"] else f"{eot} (from the template)"
     template = f"from {tp['file']}" if tp["file"] else "the tokenizer's"
     lines = [
         f"cache      {d['path']}  ({d['format']} v{d['format_version']}, "
@@ -87,8 +88,8 @@ def info(cache: str, as_json: bool):
         f"target     {t['name_or_path']}  rev {t['revision'] or '-'}  dtype {t['dtype'] or '-'}  "
         f"config {_short(t['config_hash'])}  weights {_short(t['weights_hash'])}",
         f"tokenizer  {_short(tok['hash'])}  template {_short(tok['chat_template_hash'])}",
-        f"chat       template {_short(tp['hash'])} {template}  "
-        f"kwargs {json.dumps(tp['template_kwargs'], sort_keys=True)}  end of turn {eot}  mask {tp['mask_method'] or '-'}",
+        f"chat       template {_short(tp['hash'])} {template}  kwargs "
+        f"{json.dumps(tp['template_kwargs'], sort_keys=True)}  end of turn {eot}  mask {tp['mask_method'] or '-'}",
         f"dataset    {ds['name'] or '-'}  split {ds['split'] or '-'}  rows {_n(ds['rows'])}  hash {_short(ds['hash'])}",
         f"layers     {d['layer_ids']} of {d['num_target_layers']}  ({d['layer_convention']})",
         f"hidden     D={d['hidden_size']} {d['hidden_dtype']}  top-k {d['topk']}  vocab {_n(d['vocab_size'])}  "
@@ -106,16 +107,19 @@ def info(cache: str, as_json: bool):
                      f"{(record.get('encoding') or {}).get('topk_dtype', 'float32')}, hidden chunks "
                      f"{record['chunk_tokens']}, zstd level {record['compression_level']})")
         record, which = record.get("previous"), "  which was"
-    lines += ["", f"{'shard':>5}  {'state':<8}  {'samples':>17}  {'tokens':>23}  {'assistant':>11}  {'disk':>11}  skipped"]
+    lines += ["", f"{'shard':>5}  {'state':<8}  {'samples':>17}  {'tokens':>23}  {'assistant':>11}  {'disk':>11}  "
+              "skipped"]
     computed: dict[str, list[str]] = {}  # compute environment -> the shards extracted under it
     for s in d["shards"]:
         lines.append(f"{s['shard_id']:05d}  {s['state']:<8}  {_of(s, 'samples'):>17}  {_of(s, 'tokens'):>23}  "
-                     f"{_n(s['assistant_tokens']):>11}  {size_text(s['bytes_on_disk']):>11}  {_skipped(s['skipped'], '-')}")
+                     f"{_n(s['assistant_tokens']):>11}  {size_text(s['bytes_on_disk']):>11}  "
+                     f"{_skipped(s['skipped'], '-')}")
         c = s.get("compute")
         computed.setdefault(", ".join(f"{k} {v}" for k, v in sorted(c.items())) if c else "unknown", []).append(
             f"{s['shard_id']:05d}")
-    lines += [""] * bool(computed) + [f"computed   {key}  ({'all shards' if len(computed) == 1 else 'shards ' + ', '.join(ids)})"
-                                      for key, ids in computed.items()]
+    lines += [""] * bool(computed) + [
+        f"computed   {key}  ({'all shards' if len(computed) == 1 else 'shards ' + ', '.join(ids)})"
+        for key, ids in computed.items()]
     lines += [f"writing    shard {s} now: {h['described']}" for s, h in d["writing"].items()]
     ratio = {k: "-" if r is None else f"{r:.2f}x" for k, r in d["compression_ratio"].items()}
     lines += [
@@ -165,7 +169,8 @@ def show(cache: str, index: int, tokenizer: str | None, tokens: int, top: int, c
             out.append(f"{t['pos']:>5} {'A' if t['assistant'] else ' '}{'*' if t['top1_is_next'] else ' '}"
                        f"{_tok_text(t['text'], t['id'])[:18]:<18} {nxt[:18]:<18} {preds}")
     out.append("hidden-state L2 norm per token: " + "  ".join(
-        f"layer {n['layer_id']}: mean {n['mean']:.3g} max {n['max']:.3g}" for n in d["layer_norms"] if n["mean"] is not None))
+        f"layer {n['layer_id']}: mean {n['mean']:.3g} max {n['max']:.3g}"
+        for n in d["layer_norms"] if n["mean"] is not None))
     click.echo("\n".join(out))
 
 
@@ -181,8 +186,8 @@ def verify(cache: str, max_problems: int, workers: int, progress: bool, as_json:
     if as_json:
         _emit_json(d)
     else:
-        lines = [f"shard {s['shard_id']:05d}  {s['state']:<8}  committed {_of(s, 'samples')} samples, {_of(s, 'tokens')} "
-                 "tokens" for s in d["shards"]]
+        lines = [f"shard {s['shard_id']:05d}  {s['state']:<8}  committed {_of(s, 'samples')} samples, "
+                 f"{_of(s, 'tokens')} tokens" for s in d["shards"]]
         lines.append(f"read {_n(d['chunks_read'])} chunks: {_n(d['samples'])} samples, {_n(d['tokens'])} tokens")
         lines += ["OK: no problems found"] if d["ok"] else [f"{d['num_problems']} problem(s):"] + [
             f"  [{p['check']}] {p['message']}" for p in d["problems"]]
@@ -216,13 +221,14 @@ def stats(cache: str, max_samples: int, seed: int, threshold: float, against: st
     smp = d["sampled"]
     drawn = "all samples" if smp["indices_all"] else f"seed {smp['seed']}"
     out += [f"activations over {_n(smp['samples'])} samples ({_n(smp['tokens'])} tokens, {drawn}):",
-            f"  {'layer':>5} {'mean':>10} {'std':>10} {'rms':>10} {'abs max':>10} {'|x|>' + format(threshold, 'g'):>10}"]
+            f"  {'layer':>5} {'mean':>10} {'std':>10} {'rms':>10} {'abs max':>10} {f'|x|>{threshold:g}':>10}"]
     out += [f"  {lay['layer_id']:>5} {lay['mean']:>10.4g} {lay['std']:>10.4g} {lay['rms']:>10.4g} "
             f"{lay['abs_max']:>10.4g} {_fmt(lay['frac_above_threshold']):>10}" for lay in d["activations"]["layers"]]
     tk = d["topk"]
     out.append(f"top-{tk['k']}: mean top-1 prob {_fmt(tk['mean_top1_prob'], '.3f')}, mass in top-k "
                f"{_fmt(tk['mean_topk_mass'], '.3f')}, entropy >= {_fmt(tk['mean_entropy_lower_bound'], '.3f')} nats; "
-               f"top-1 = next token {_fmt(tk['top1_is_next_token'])} (assistant {_fmt(tk['top1_is_next_token_assistant'])})")
+               f"top-1 = next token {_fmt(tk['top1_is_next_token'])} "
+               f"(assistant {_fmt(tk['top1_is_next_token_assistant'])})")
     e = d["conversion_error"]  # a converted cache's error against its source, per layer
     if e is not None and e.get("unavailable"):
         out.append(f"error against the source: {e['unavailable']}")

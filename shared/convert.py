@@ -21,7 +21,7 @@ import zarr
 from dflash.shared.cache import (
     HIDDEN_SCALE, CacheError, CacheMismatch, CacheReader, CacheSpec, ShardInfo, ShardPlan, ShardWriter,
     create_or_open_cache, decode_hidden, decode_topk_logprobs, encode_hidden, encode_topk_logprobs, shard_name,
-    shard_recorded, to_numpy, writer_zarr_settings,
+    shard_recorded, stored_row_bytes, to_numpy, writer_zarr_settings,
 )
 from dflash.shared.compression import ZSTD_LEVELS, HiddenCodecName, ScaleDtype, TopkDtype, is_local
 from dflash.shared.fingerprint import fingerprint_digest
@@ -146,9 +146,9 @@ def _reencode(src: CacheSpec, dst: CacheSpec, stored: dict[str, np.ndarray], pla
     if len(bad):
         token = t0 + int(bad[0])
         sample = int(np.searchsorted(plan.offsets, token, side="right") - 1)
-        raise CacheError(f"{where}: {len(bad)} token(s) hold NaN or Inf hidden states, or magnitudes past the scales' "
-                         f"dtype ({dst.codec.describe()}; --hidden-scale-dtype float32 holds larger ones); the first in "
-                         f"sample {sample} of the shard (source row {int(plan.source_index[sample])}), token "
+        raise CacheError(f"{where}: {len(bad)} token(s) hold NaN or Inf hidden states, or magnitudes past the "
+                         f"scales' dtype ({dst.codec.describe()}; --hidden-scale-dtype float32 holds larger ones); the "
+                         f"first in sample {sample} of the shard (source row {int(plan.source_index[sample])}), token "
                          f"{token - int(plan.offsets[sample])}; dflash-cache verify lists every one")
     return out
 
@@ -175,8 +175,7 @@ def _convert_shard(reader: CacheReader, shard: ShardInfo, dst: str, dst_root: za
         if done and not writer.complete:
             say(f"shard {shard_id:05d}: resumed at batch {writer.next_batch:,} of {len(plan.batches) - 1:,}")
         arrays = {f: group[f] for f in reader.spec.token_fields}
-        row_bytes = sum(int(np.prod(a.shape[1:], dtype=np.int64)) * a.dtype.itemsize for a in arrays.values())
-        window = max(1, int(settings.read_mib * (1 << 20) / row_bytes))  # tokens read at once
+        window = max(1, int(settings.read_mib * (1 << 20) / sum(stored_row_bytes(reader.spec).values())))  # tokens
         bounds = plan.offsets[plan.batches]  # each batch's first token
         last_commit = time.monotonic()
         while not writer.complete:

@@ -13,8 +13,8 @@ import torch
 import zarr
 from zarr.core.sync import sync
 
-from dflash.shared.cache import (HIDDEN_SCALE, META_FIELDS, CacheError, CacheReader, ShardInfo, decode_hidden,
-                                 decode_topk_logprobs, shard_name, token_array_shapes)
+from dflash.shared.cache import (ENCODING_DEFAULTS, HIDDEN_SCALE, META_FIELDS, CacheError, CacheReader, ShardInfo,
+                                 decode_hidden, decode_topk_logprobs, shard_name, stored_row_bytes)
 from dflash.shared.fingerprint import fingerprint_digest, tokenizer_fingerprint
 from dflash.shared.shard_lock import live_holders
 
@@ -58,16 +58,14 @@ def cache_info(path: str, shard_ids: list[int] | None = None) -> dict[str, Any]:
     reader = CacheReader(path, shard_ids=shard_ids)
     spec, root = reader.spec, reader.root
     sizes = _sizes(root, [""] if shard_ids is None else [f"shards/{s:05d}/" for s in shard_ids])
-    L, D, k = spec.num_layers, spec.hidden_size, spec.topk
+    listed = sizes is not None
     # bytes per token of the raw lossless layout (bf16 hidden states, float32 log-probs): what ratios compare to
-    row_bytes = {"input_ids": 4, "loss_mask": 1, "hidden": L * D * 2, "topk_ids": 4 * k, "topk_logprobs": 4 * k}
-    stored_row_bytes = {f: int(np.prod(shape[1:], dtype=np.int64)) * np.dtype(dtype).itemsize
-                        for f, (shape, dtype) in token_array_shapes(spec, 1).items()}
+    row_bytes, stored_bytes = stored_row_bytes(spec.with_encoding(**ENCODING_DEFAULTS)), stored_row_bytes(spec)
     by_shard: dict[str, dict[str, int]] = {}  # 'shards/00000' -> its objects' sizes
     for name, size in (sizes or {}).items():
         by_shard.setdefault(name[:12], {})[name] = size
-    listed = sizes is not None
-    raw_total = disk_hidden = disk_total = 0
+    raw_total = 0
+    disk_hidden = disk_total = 0 if listed else None
     shards = []
     for s in reader.shards:
         key = shard_name(s.shard_id)
@@ -75,7 +73,7 @@ def cache_info(path: str, shard_ids: list[int] | None = None) -> dict[str, Any]:
         planned = {f"planned_{k}": v for k, v in s.record.planned.as_dict().items()}
         entry = {"shard_id": s.shard_id, "state": s.state, **s.record.commit.as_dict(), **planned,
                  "assistant_tokens": _assistant_tokens(root, s), "skipped": dict(s.record.skipped),
-                 "bytes_on_disk": None if sizes is None else sum(own.values()), "compute": s.record.compute}
+                 "bytes_on_disk": sum(own.values()) if listed else None, "compute": s.record.compute}
         if listed:
             committed = {f: _chunk_bytes(own, f"{key}/{f}", -(-s.tokens // g[f].chunks[0])) for f in spec.token_fields}
             disk_hidden += committed["hidden"] + committed.get(HIDDEN_SCALE, 0)
@@ -85,8 +83,6 @@ def cache_info(path: str, shard_ids: list[int] | None = None) -> dict[str, Any]:
     totals = {k: sum(e[k] for e in shards) for k in ("samples", "planned_samples", "tokens", "planned_tokens",
                                                       "assistant_tokens")}
     tokens, raw_hidden = totals["tokens"], totals["tokens"] * row_bytes["hidden"]
-    if not listed:
-        disk_hidden = disk_total = None
     missing = sorted(set(shard_ids or ()) - {e["shard_id"] for e in shards})
     skipped = sum((Counter(e["skipped"]) for e in shards), Counter())  # rows not planned, by reason
     fp = spec.fingerprint
@@ -116,9 +112,9 @@ def cache_info(path: str, shard_ids: list[int] | None = None) -> dict[str, Any]:
         "encoding": {**spec.encoding(), "hidden": spec.codec.describe()},
         "bytes_per_token": {
             "hidden_raw_bf16": row_bytes["hidden"],
-            "hidden_encoded": stored_row_bytes["hidden"] + stored_row_bytes.get(HIDDEN_SCALE, 0),
+            "hidden_encoded": stored_bytes["hidden"] + stored_bytes.get(HIDDEN_SCALE, 0),
             "hidden_on_disk": _ratio(disk_hidden, tokens),
-            "total_raw": sum(row_bytes.values()), "total_encoded": sum(stored_row_bytes.values()),
+            "total_raw": sum(row_bytes.values()), "total_encoded": sum(stored_bytes.values()),
             "total_on_disk": _ratio(disk_total, tokens),
         },
         "converted_from": located.get("converted_from"),
@@ -245,8 +241,9 @@ def cache_stats(path: str, *, max_samples: int = 256, seed: int = 0, threshold: 
         sums += [x.shape[0] * x.shape[2], p[:, 0].sum(), p.sum(), h.sum(), len(p), hit.sum(), len(hit),
                  hit[nxt_assistant].sum(), nxt_assistant.sum()]
     cnt, top1, mass, entropy, tk_tokens, match, match_n, match_a, match_an = max(sums[0], 1), *sums[1:]
-    layers = [{"layer_id": lid, "mean": s1[j] / cnt, "std": float(np.sqrt(max(s2[j] / cnt - (s1[j] / cnt) ** 2, 0.0))),
-               "rms": float(np.sqrt(s2[j] / cnt)), "abs_max": float(absmax[j]), "frac_above_threshold": float(over[j] / cnt)}
+    mean, mean_sq, above = s1 / cnt, s2 / cnt, over / cnt  # per layer
+    layers = [{"layer_id": lid, "mean": mean[j], "std": float(np.sqrt(max(mean_sq[j] - mean[j] ** 2, 0.0))),
+               "rms": float(np.sqrt(mean_sq[j])), "abs_max": float(absmax[j]), "frac_above_threshold": float(above[j])}
               for j, lid in enumerate(spec.layer_ids)]
     tokens = int(lengths.sum())
     return {
@@ -290,15 +287,12 @@ def conversion_error(reader: CacheReader, indices: np.ndarray, against: str | No
         if not np.array_equal(ours, theirs):  # (arrays of other lengths differ)
             raise CacheError(f"{source.path} does not hold the samples of {reader.path} ({name} differ): it is not "
                              "the cache it was converted from")
-    missing = [lid for lid in reader.spec.layer_ids if lid not in source.spec.layer_ids]
-    if missing:
-        raise CacheError(f"{where} does not store layers {missing} of {reader.path}")
-    slots = [source.spec.layer_ids.index(lid) for lid in reader.spec.layer_ids]
+    slots = source.layer_slots(reader.spec.layer_ids)
     fields = ("input_ids", "hidden", "topk_ids", "topk_logprobs")
     err2, ref2, worst = np.zeros((3, reader.spec.num_layers + 1))  # per layer, then of the top-k log-probs
     for i in indices:
         ours, theirs = reader.read(int(i), fields), source.read(int(i), fields)
-        if not (torch.equal(ours["input_ids"], theirs["input_ids"]) and torch.equal(ours["topk_ids"], theirs["topk_ids"])):
+        if not all(torch.equal(ours[f], theirs[f]) for f in ("input_ids", "topk_ids")):
             raise CacheError(f"sample {int(i)}: token ids or top-k ids differ between {reader.path} and {where}")
         pairs = [*zip(ours["hidden"].unbind(1), theirs["hidden"][:, slots].unbind(1)),  # (T, D) per layer
                  (ours["topk_logprobs"], theirs["topk_logprobs"])]

@@ -15,8 +15,7 @@ from tqdm import tqdm
 from dflash.shared.cache import (HIDDEN_SCALE, META_FIELDS, CacheError, CacheSpec, ShardPlan, ShardState,
                                  decode_topk_logprobs, open_spec, read_shard_state, token_array_shapes)
 
-BF16_EXP_MASK = 0x7F80  # exponent bits of a bfloat16; all ones = Inf or NaN
-FP8_NAN_BITS = 0x7F  # e4m3fn has no Inf; NaN is every bit but the sign set
+NAN_BITS = {"bf16": 0x7F80, "fp8": 0x7F}  # all set: Inf or NaN (bf16's exponent); NaN (e4m3fn has no Inf)
 MAX_LISTED_SAMPLES = 1000  # per problem, in the JSON; the count is always complete
 LOGPROB_TOL = 1e-5  # fp32 log_softmax rounding: "> 0" and "not descending" allow this much
 
@@ -65,15 +64,15 @@ def _check_token_chunk(s: _Shard, name: str, c: int, committed: int, spec: Cache
     arr = s.arrays[name]
     t0 = c * arr.chunks[0]
     try:
-        data = np.asarray(arr[t0:min(t0 + arr.chunks[0], arr.shape[0])])[: committed - t0]
+        data = np.asarray(arr[t0:t0 + arr.chunks[0]])[: committed - t0]
     except Exception as e:  # crc32c mismatch, truncated or garbled blosc frame, missing key...
         return f"{type(e).__name__}: {e}", []
     finally:
         bar.update(1)
     checks = []  # (check, the chunk's rows that fail it, what to report: computed only where a row fails)
-    if name == HIDDEN_SCALE or name == "hidden" and spec.hidden_codec in ("bf16", "fp8"):  # int payloads have no NaN
-        bad = (~np.isfinite(data) | (data < 0) if name == HIDDEN_SCALE  # (n, L, D) or (n, L, G)
-               else (data & BF16_EXP_MASK) == BF16_EXP_MASK if spec.hidden_codec == "bf16" else (data & 0x7F) == FP8_NAN_BITS)
+    if name == HIDDEN_SCALE or name == "hidden" and spec.hidden_codec in NAN_BITS:  # int payloads have no NaN
+        bits = NAN_BITS.get(spec.hidden_codec)
+        bad = ~np.isfinite(data) | (data < 0) if name == HIDDEN_SCALE else (data & bits) == bits  # (n, L, D or G)
         per_layer = bad.any(axis=2)  # (n, L)
         checks.append(("bad_scale" if name == HIDDEN_SCALE else "nan_inf", per_layer.any(axis=1), lambda: {
             "values": int(bad.sum()), "layers": {spec.layer_ids[j] for j in np.flatnonzero(per_layer.any(axis=0))}}))
@@ -124,22 +123,24 @@ def _check_structure(s: _Shard, spec: CacheSpec, problems: _Problems, bar) -> np
         for check, bad, what in (
                 ("offsets", lengths < 0, "offsets decrease (negative sample length)"),
                 ("lengths", lengths == 0, "samples of length 0"),
-                ("lengths", lengths > spec.max_length,
-                 f"samples longer than max_length {spec.max_length} (longest {int(lengths.max()) if len(lengths) else 0})")):
+                ("lengths", lengths > spec.max_length, f"samples longer than max_length {spec.max_length} "
+                 f"(longest {int(lengths.max()) if len(lengths) else 0})")):
             if bad.any():
                 problems.add(sid, "offsets", check, what, samples=np.flatnonzero(bad), of=s)
         if len(off) > ns and off[ns] != commit["tokens"]:
-            problems.add(sid, "offsets", "offsets", f"offsets[{ns}] = {off[ns]}, commit record says {commit['tokens']} tokens")
+            problems.add(sid, "offsets", "offsets",
+                         f"offsets[{ns}] = {off[ns]}, commit record says {commit['tokens']} tokens")
         if len(off) and off[-1] != planned["tokens"]:
             problems.add(sid, "offsets", "offsets", f"ends at {off[-1]}, plan has {planned['tokens']} tokens")
         s.mapping = np.maximum.accumulate(off[: ns + 1]) if len(off) > ns else None
     if bat is not None:
         if len(bat) != planned["batches"] + 1 or len(bat) == 0 or bat[0] != 0 or bat[-1] != planned["samples"] \
                 or np.any(np.diff(bat) <= 0):
-            problems.add(sid, "batches", "batches", "batches are not increasing sample offsets from 0 to the planned samples")
+            problems.add(sid, "batches", "batches",
+                         "batches are not increasing sample offsets from 0 to the planned samples")
         elif commit["batches"] < len(bat) and bat[commit["batches"]] != ns:
-            problems.add(sid, "batches", "commit",
-                         f"commit record: {commit['batches']} batches = {bat[commit['batches']]} samples, record says {ns}")
+            problems.add(sid, "batches", "commit", f"commit record: {commit['batches']} batches = "
+                         f"{bat[commit['batches']]} samples, record says {ns}")
     if off is not None and src is not None and bat is not None:
         try:
             if ShardPlan(src, np.diff(off), bat, dict(s.state.skipped)).digest() != s.state.plan_digest:
@@ -147,11 +148,9 @@ def _check_structure(s: _Shard, spec: CacheSpec, problems: _Problems, bar) -> np
                              "was written with")
         except ValueError:
             pass  # an invalid plan: already reported above
-    if src is None:
-        return None
-    if len(src) != planned["samples"]:
+    if src is not None and len(src) != planned["samples"]:
         problems.add(sid, "source_index", "structure", f"{len(src)} entries, plan has {planned['samples']} samples")
-    return src[:ns]
+    return None if src is None else src[:ns]
 
 
 def _check_duplicates(shards: list[_Shard], sources: list[np.ndarray | None], problems: _Problems) -> None:
