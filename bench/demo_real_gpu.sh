@@ -8,16 +8,35 @@
 # the converted target. A run longer than one call, from a copy of the tree that later calls leave alone:
 #   rm -rf /tmp/repo && cp -a . /tmp/repo && cd /tmp/repo && (RESULTS=/tmp/results setsid nohup bash
 #   bench/demo_real_gpu.sh ... > /tmp/demo.out 2>&1 &); later calls, back to back (the machine goes after 30 s
-# idle), wait for /tmp/results/done, then `tar czf $OUT/results.tgz --exclude='regen.tgz.*' -C /tmp/results . &&
-# cp /tmp/results/regen.tgz.* $OUT/` (8 files of 16 MiB at most come back a call).
+# idle): `cd /tmp/repo && bash bench/demo_real_gpu.sh collect 540` (below; 8 files of 16 MiB at most come back a call).
 # SECOND="--set KEY=VALUE ... [; --stop-after train --set ...]" then runs the demo again in the same folder, once per
 # ';'-separated item, with its settings added (reusing every stage before the first one they change), into
 # RESULTS/second, second1, ... (--stop-after train: train and export only, the held-out tau in its metrics.jsonl).
 # A failed training stage is retried once with --set train.preload=off (the later runs keep it): preload is new there.
+# `bash bench/demo_real_gpu.sh collect [SECONDS]` (from /tmp/repo, in a later call) waits up to SECONDS (default 0)
+# for RESULTS/done, then copies into $OUT what the run has so far: results.tgz (logs, each stage's JSON, the training
+# metrics) and, once regeneration is done, regen.tgz.*; so a call that must end before the device time does still
+# brings back every finished stage.
 # RESULTS/regen.tgz.00, .01, ... (15 MiB each, turn journals left out) hold the regenerated rows: kept beside the
 # repository (REGEN=DIR in the prep carries them in as .real/regen.tgz.*), the demo reuses them where its settings
 # are the same.
 set -euo pipefail
+if [ "${1:-}" = collect ]; then
+  set +e
+  RESULTS=${RESULTS:-/tmp/results}
+  for _ in $(seq $(( ${2:-0} / 5 ))); do [ -f "$RESULTS/done" ] && break; sleep 5; done
+  mkdir -p /tmp/collect && cp -r "$RESULTS"/. /tmp/collect/ && cp /tmp/demo.out /tmp/collect/ 2>/dev/null || true
+  for f in summary.json eval.json table.md extract.json run/metrics.jsonl regen/regenerate.json; do
+    [ -f "/tmp/real/$f" ] && cp "/tmp/real/$f" /tmp/collect/
+  done
+  rm -f /tmp/collect/regen.tgz.* && tar czf "$OUT/results.tgz" -C /tmp/collect .
+  if [ -f /tmp/real/regen/regenerate.json ] && ! compgen -G "$RESULTS/regen.tgz.*" > /dev/null; then
+    tar czf - --exclude='*.turns.jsonl' -C /tmp/real regen regen.demo.json | split -b 15m -d - "$RESULTS/regen.tgz."
+  fi
+  cp "$RESULTS"/regen.tgz.* "$OUT/" 2>/dev/null || true
+  ls -la "$OUT"; [ -f "$RESULTS/done" ] && echo "done: exit $(cat "$RESULTS/done")" || echo "still running"
+  exit 0
+fi
 RESULTS=${RESULTS:-${OUT:-/tmp/out}}
 mkdir -p "$RESULTS"
 [ -f /tmp/carry/smol.gguf ] || cat /tmp/carry/part_aa .carry2/part_ab > /tmp/carry/smol.gguf
