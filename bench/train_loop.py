@@ -91,7 +91,7 @@ def loader_rate(cfg, workers: int, n_batches: int, decode_on_device: bool = Fals
     preload_s = time.perf_counter()
     if resident:
         preload([dataset], np.arange(len(reader)), torch.device("cuda" if torch.cuda.is_available() else "cpu"),
-                workers, progress=False)
+                progress=False)
     preload_s = round(time.perf_counter() - preload_s, 2)
     loader = make_loader(dataset, sampler, d.context_buckets, 0 if resident else workers, d.prefetch_factor,
                          pin_memory=torch.cuda.is_available() and not resident)

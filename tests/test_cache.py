@@ -107,6 +107,30 @@ def test_reader_sees_only_committed(tmp_path):
         r[2]
 
 
+@pytest.mark.parametrize("span_tokens", [1, 20, 1 << 16])
+def test_read_many_equals_read_sample_by_sample(tmp_path, span_tokens):
+    """Samples read span by span (preload's way) equal ``read``'s, field for field: spans shorter than a sample,
+    spans that end inside a sample, spans up to the end of a shard, two shards, a partly committed one."""
+    spec = make_spec()
+    path = str(tmp_path / "c.zarr")
+    root = C.create_or_open_cache(path, spec)
+    for shard, lengths in ((0, LENGTHS), (1, LENGTHS[::-1])):
+        plan = make_plan(lengths)
+        w = C.ShardWriter(root, shard, plan, spec)
+        for b in range(len(plan.batches) - 1 - shard):  # shard 1: its last batch never committed
+            w.write_batch(b, **batch_data(spec, plan, b, seed=shard))
+            w.commit()
+    r = C.CacheReader(path)
+    assert [s.state for s in r.shards] == ["complete", "partial"]
+    got = list(r.read_many(range(len(r)), span_tokens=span_tokens))
+    assert [i for i, _ in got] == list(range(len(r)))
+    for i, sample in got:
+        expected = r.read(i)
+        assert sample.keys() == expected.keys()
+        assert all(torch.equal(sample[k], expected[k]) if torch.is_tensor(v) else sample[k] == v
+                   for k, v in expected.items()), i
+
+
 def chunk_file_bytes(path) -> dict[str, bytes]:
     """Every chunk file of shard 0's token arrays, by relative name."""
     shard = path / "shards" / "00000"

@@ -276,6 +276,21 @@ def test_spec_encoding_fields_format_and_round_trip():
         C.CacheSpec.from_dict({**int4.to_dict(), "format_version": 4})
 
 
+@pytest.mark.parametrize("name", list(CODECS))
+def test_read_many_equals_read_for_every_codec(caches, name):
+    """Read span by span, a lossy cache's samples equal ``read``'s bitwise, decoded on the CPU or kept encoded with
+    their scales (the preloaded copy that training decodes on a GPU)."""
+    from dflash.shared.cache import CacheReader
+
+    reader = CacheReader(str(caches[name]))
+    fields = ("input_ids", "loss_mask", "hidden", "topk_ids", "topk_logprobs")
+    for decode in (True, False):
+        for index, sample in reader.read_many(range(len(reader)), fields, decode=decode, span_tokens=50):
+            expected = reader.read(index, fields, decode=decode)
+            assert sample.keys() == expected.keys() and ("hidden_scale" in sample) != decode
+            assert all(torch.equal(sample[k], v) for k, v in expected.items() if torch.is_tensor(v)), (index, decode)
+
+
 def test_lossy_shard_resumed_mid_chunk_equals_an_unbroken_one(tmp_path):
     """A lossy shard whose writer died after a commit that left a partial chunk (and wrote one
     more batch, uncommitted) resumes to exactly the arrays of an unbroken writer, and reads

@@ -410,18 +410,26 @@ def test_empty_slots_add_nothing_under_kd(reader, tiny_target_dir):
     torch.testing.assert_close(grads[1], grads[0], rtol=1e-5, atol=1e-8)
 
 
-def test_preloaded_samples_hold_no_shared_memory(topk_cache):
-    """Preloaded by loader workers, every sample is a private copy: one kept from a worker would hold its shared
-    memory and a file descriptor, thousands of them in a real cache."""
+@pytest.mark.parametrize("layers", [[0, 2], [0, 1, 2]])
+def test_preloaded_samples_are_private_copies_of_what_the_loader_reads(topk_cache, layers, monkeypatch):
+    """Preloaded span by span, in any order of indices, every sample equals the loader's read of it (the chosen
+    layers; all of them: a view of the read) and lies outside every span read: a view would keep its span alive."""
     from dflash.train.data import preload
 
+    spans, read_span = [], CacheReader._read_span  # the spans kept alive here, so no copy can reuse their memory
+    monkeypatch.setattr(CacheReader, "_read_span", lambda *a: spans.append(read_span(*a)) or spans[-1])
     reader = CacheReader(str(topk_cache))
-    ds = AnchorDataset(reader, [0, 2], max_length=64, max_anchors=8, seed=0, topk=True)
-    preload([ds], np.arange(len(reader)), torch.device("cpu"), num_workers=2, progress=False)
-    assert len(ds.resident) == len(reader)
+    ds = AnchorDataset(reader, layers, max_length=64, max_anchors=8, seed=0, topk=True)
+    loaded = AnchorDataset(reader, layers, max_length=64, max_anchors=8, seed=0, topk=True)
+    preload([ds], np.arange(len(reader))[::-1].copy(), torch.device("cpu"), progress=False)
+    assert sorted(ds.resident) == list(range(len(reader)))
     for index, sample in ds.resident.items():
-        assert not any(t.is_shared() for t in sample.values()), index
-        assert torch.equal(sample["hidden"], ds.reader.read(index, ["hidden"])["hidden"][:, [0, 2]]), index
+        expected = loaded.sample(index)
+        assert sample.keys() == {k for k, v in expected.items() if torch.is_tensor(v)}, index
+        assert all(torch.equal(sample[k], expected[k]) for k in sample), index
+        assert not any(a.ctypes.data <= t.data_ptr() < a.ctypes.data + a.nbytes
+                       for t in sample.values() for span in spans for a in span.values()), index
+    assert spans
 
 
 @pytest.mark.cuda
@@ -438,7 +446,7 @@ def test_preloaded_batches_on_the_gpu_equal_the_loaders(topk_cache):
     for resident in (False, True):
         ds = AnchorDataset(reader, [2], max_length=64, max_anchors=8, seed=0, topk=True)
         if resident:
-            preload([ds], np.arange(len(reader)), cuda, num_workers=0, progress=False)
+            preload([ds], np.arange(len(reader)), cuda, progress=False)
             assert ds.resident[0]["hidden"].is_cuda and not ds.resident[0]["loss_mask"].is_cuda
         batches.append(to_device(Collate([32, 64])([ds[k] for k in keys]), cuda))
     a, b = batches

@@ -6,6 +6,7 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import dataclass
+from typing import Iterable
 
 import numpy as np
 import torch
@@ -100,7 +101,14 @@ class AnchorDataset(Dataset):
         with ``decode_on_device``; from the preloaded copy where there is one."""
         if self.resident is not None:
             return self.resident[index]
-        s = self.reader.read(index, self.fields, decode=not self.decode_on_device)
+        return self._chosen(self.reader.read(index, self.fields, decode=not self.decode_on_device))
+
+    def samples(self, indices: Iterable[int]):
+        """``(index, sample(index))`` for ascending ``indices``, read from the cache span by span (preload)."""
+        for index, s in self.reader.read_many(indices, self.fields, decode=not self.decode_on_device):
+            yield index, self._chosen(s)
+
+    def _chosen(self, s: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         return {k: self._layers(v) if k in ("hidden", HIDDEN_SCALE) else v for k, v in s.items()}
 
     def _layers(self, per_layer: torch.Tensor) -> torch.Tensor:
@@ -296,16 +304,6 @@ def held_out_batches(held_out: np.ndarray, micro_batch: int, rank: int, world: i
 PRELOAD_SHARE = 0.9  # --preload auto: samples that take at most this share of what the training step leaves
 
 
-class _Samples(Dataset):
-    """``dataset.sample`` as a dataset, read by preload's loader workers."""
-
-    def __init__(self, dataset: AnchorDataset):
-        self.dataset = dataset
-
-    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
-        return self.dataset.sample(index)
-
-
 def preload_bytes(dataset: AnchorDataset, indices: np.ndarray, lengths: np.ndarray) -> int:
     """Device memory that ``preload`` takes, from the first sample's bytes per token."""
     first = dataset.sample(int(indices[0]))
@@ -313,15 +311,14 @@ def preload_bytes(dataset: AnchorDataset, indices: np.ndarray, lengths: np.ndarr
     return int(per_token / len(first["input_ids"]) * lengths[indices].sum())
 
 
-def preload(datasets: list[AnchorDataset], indices: np.ndarray, device: torch.device, num_workers: int,
-            progress: bool) -> None:
+def preload(datasets: list[AnchorDataset], indices: np.ndarray, device: torch.device, progress: bool) -> None:
     """Read samples ``indices`` once for all ``datasets`` (one reader, the same layers; the first reads every
     field the others do): every array but the loss mask (anchors are drawn from it on the CPU) into ``device``
     memory, where batches are then cut, with no loader workers and no copy per step."""
-    reading = DataLoader(_Samples(datasets[0]), sampler=indices.tolist(), batch_size=None, num_workers=num_workers)
+    reading = datasets[0].samples(np.sort(indices).tolist())
     resident = {}
-    for index, s in zip(indices.tolist(), tqdm(reading, "preload", len(indices), disable=not progress)):
-        # copies: a worker's tensor holds its shared memory, and a file descriptor, for as long as it lives
+    for index, s in tqdm(reading, "preload", len(indices), disable=not progress):
+        # copies: a sample's arrays may be views of the whole span read with it
         resident[index] = {k: v.to("cpu" if k == "loss_mask" else device, copy=True) for k, v in s.items()
                            if torch.is_tensor(v)}
     for d in datasets:

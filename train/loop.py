@@ -90,7 +90,7 @@ def load_resident(datasets: list[AnchorDataset], indices: np.ndarray, lengths: n
                      "on %s (--preload on forces it)", size_text(need), 100 * PRELOAD_SHARE, size_text(room), device)
             return False
     start = time.perf_counter()
-    preload(datasets, indices, device, dcfg.num_workers, progress)
+    preload(datasets, indices, device, progress)
     log.info("preloaded %d samples (%s) into %s memory in %.1f s: batches are cut there, no loader workers",
              len(indices), size_text(need), device, time.perf_counter() - start)
     return True
