@@ -128,8 +128,7 @@ def cli(target: str, drafter: str, prompts: tuple[str, ...], spec_sample: int, b
     prompt_sets = {}
     for name, data in benchmarks:
         with reading(f"--prompts {name}={data}"):  # a DataError is a ValueError: named with the flag
-            prompt_sets[name] = load_prompts(data, tokenizer, split=split, limit=limit,
-                                             template_kwargs=template_kwargs)
+            prompt_sets[name] = load_prompts(data, tokenizer, split=split, limit=limit, template_kwargs=template_kwargs)
         if not prompt_sets[name]:
             raise click.ClickException(f"no usable prompts in {data}")
     model = load_target(target, dtype=dtype, device=device)

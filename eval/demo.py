@@ -11,7 +11,6 @@ import os
 import shutil
 import sys
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -65,7 +64,7 @@ class Overridable:
         return s
 
 
-@dataclass
+@dataclasses.dataclass
 class DemoSettings(Overridable):
     """Sizes of every step; `full()` is `make demo`, `small()` the test suite's."""
 
@@ -73,15 +72,15 @@ class DemoSettings(Overridable):
     target_chats: int | None = 800  # the target trains on the first this many training chats (None: all)
     n_heldout: int = 48  # held-out chats: training's held-out set and the online evaluation prompts
     seed: int = 0  # chats, target init, drafter init and data order
-    target: dict[str, Any] = field(default_factory=dict)  # demo_target.DemoTargetConfig overrides
-    layer_ids: list[int] = field(default_factory=lambda: [0, 1, 2])  # sorted, below the last target layer
+    target: dict[str, Any] = dataclasses.field(default_factory=dict)  # demo_target.DemoTargetConfig overrides
+    layer_ids: list[int] = dataclasses.field(default_factory=lambda: [0, 1, 2])  # sorted, below the last target layer
     max_new_tokens: int = 96  # per regenerated turn; online decoding uses the same cap
     drop_truncated: bool = True  # cut a chat at a turn that hit max_new_tokens (it never ended)
     regen_batch_size: int = 64
     extract_workers: int = 2
     batch_tokens: int = 4096
     max_length: int = 256
-    train: dict[str, Any] = field(default_factory=lambda: dict(
+    train: dict[str, Any] = dataclasses.field(default_factory=lambda: dict(
         block_size=8, num_draft_layers=2, context_buckets=[128, 256], max_anchors=16, batch_size=8, micro_batch_size=8,
         max_steps=1200, lr=1e-2, warmup_ratio=0.05, log_every=10, eval_every=100, save_every=1200, keep_checkpoints=1,
         attention="dense", compile="off", autocast="off"))  # overrides of the `tiny` preset

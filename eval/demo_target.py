@@ -40,8 +40,8 @@ PROMPTS = {  # each task's user prompt, its drawn parameters in the braces; `tas
     "say_again": "Say that again.", "capitals": "Now in capital letters.",  # the follow-ups
 }
 TASKS = sorted(set(PROMPTS) - {"say_again", "capitals"})
-FOLLOW_UPS: dict[str, Callable[[str], str]] = {"Say that again.": lambda previous: previous,
-                                               "Now in capital letters.": str.upper}
+FOLLOW_UPS: dict[str, Callable[[str], str]] = {PROMPTS["say_again"]: lambda previous: previous,
+                                               PROMPTS["capitals"]: str.upper}
 _PATTERNS = {name: re.compile(re.escape(p).replace(r"\{\}", "(.+)")) for name, p in PROMPTS.items()}
 
 

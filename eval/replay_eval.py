@@ -81,11 +81,11 @@ def replay_samples(runner, prompts: Sequence[Sequence[int]], continuations: Sequ
     return samples
 
 
-def score_sample(sample: dict[str, Any], predict, device, max_anchors: int = ANCHORS_PER_FORWARD) -> list[int]:
+def score_sample(sample: dict[str, Any], predict, device) -> list[int]:
     """The block taus greedy speculative decoding takes on one replay sample."""
     tensors = {k: v for k, v in sample.items() if isinstance(v, torch.Tensor)}
     items = [{**tensors, "anchors": part, "block_valid": torch.ones(len(part), dtype=torch.bool)}
-             for part in candidate_anchors(tensors["loss_mask"].cpu()).split(max_anchors)]
+             for part in candidate_anchors(tensors["loss_mask"].cpu()).split(ANCHORS_PER_FORWARD)]
     return sample_blocks(items, predict, Collate(None), device)[0]
 
 

@@ -231,8 +231,8 @@ def sync_device(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _layer_states(hidden_states, layer_ids: Sequence[int]) -> torch.Tensor:  # (1, T, n * D)
-    return torch.cat([hidden_states[i + 1] for i in layer_ids], dim=-1)
+def _layer_states(hidden_states, layer_ids: Sequence[int] | None) -> torch.Tensor | None:  # (T, n * D), a copy
+    return None if layer_ids is None else torch.cat([hidden_states[i + 1][0] for i in layer_ids], dim=-1)
 
 
 class EagerTarget:
@@ -254,7 +254,7 @@ class EagerTarget:
         kwargs = {"logits_to_keep": 1} if last_only else {}
         out, self.cache = _forward(self.target, torch.tensor([list(ids)], device=self.device), self.cache,
                                    output_hidden_states=layer_ids is not None, **kwargs)
-        return out.logits[0], (_layer_states(out.hidden_states, layer_ids)[0] if layer_ids is not None else None)
+        return out.logits[0], _layer_states(out.hidden_states, layer_ids)
 
     def crop(self, keep: int) -> None:
         self.cache = crop_cache(self.cache, keep)
@@ -290,8 +290,7 @@ class StaticTarget(EagerTarget):
         run = self._run if self.length == 0 else self._step  # the prefill's length varies: eager
         logits, hidden = run(torch.tensor([list(ids)], device=self.device), positions, layer_ids is not None)
         self.length += n
-        states = _layer_states(hidden, layer_ids)[0] if layer_ids is not None else None  # a copy (cat)
-        return (logits[0, -1:] if last_only else logits[0]).clone(), states
+        return (logits[0, -1:] if last_only else logits[0]).clone(), _layer_states(hidden, layer_ids)
 
     def crop(self, keep: int) -> None:
         if keep > self.length:
@@ -395,10 +394,9 @@ def mismatch_message(spec: Sequence[int], greedy: Sequence[int], margins: Sequen
             "B-token verify and a 1-token decode (try float32); a clear margin means a decoding bug.")
 
 
-def check_lossless(spec: Sequence[int], greedy: Sequence[int], margins: Sequence[float] = (),
-                   where: str = "prompt") -> None:
+def check_lossless(spec: Sequence[int], greedy: Sequence[int], margins: Sequence[float] = ()) -> None:
     """Raise LosslessError unless the two token lists are identical."""
-    if (message := mismatch_message(spec, greedy, margins, where)) is not None:
+    if (message := mismatch_message(spec, greedy, margins)) is not None:
         raise LosslessError(message)
 
 

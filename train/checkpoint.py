@@ -31,8 +31,7 @@ def resolve(run_dir: str | os.PathLike, which: str | None = "latest") -> Path | 
     if which is None:
         return None
     if which == "latest":
-        found = list_checkpoints(run_dir)
-        return found[-1] if found else None
+        return next(reversed(list_checkpoints(run_dir)), None)
     path = Path(which)
     if not path.is_absolute() and not path.exists():
         path = Path(run_dir) / "checkpoints" / which
@@ -70,15 +69,14 @@ def save(run_dir: str | os.PathLike, step: int, model: torch.nn.Module, optimize
     if rank == 0:
         shutil.rmtree(partial, ignore_errors=True)
         partial.mkdir(parents=True)
+        save_file({k: v.contiguous() for k, v in weights.items()}, str(partial / "model.safetensors"))
+        torch.save(optim, partial / "optimizer.pt")
+        torch.save(scheduler.state_dict(), partial / "scheduler.pt")
     _barrier()
     rng = {"torch": torch.get_rng_state()}
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         rng["cuda"] = torch.cuda.get_rng_state_all()
     torch.save(rng, partial / f"rng_rank{rank}.pt")
-    if rank == 0:
-        save_file({k: v.contiguous() for k, v in weights.items()}, str(partial / "model.safetensors"))
-        torch.save(optim, partial / "optimizer.pt")
-        torch.save(scheduler.state_dict(), partial / "scheduler.pt")
     _barrier()
     if rank == 0:
         state = {"step": step, "world_size": world, "saved_at": time.time(), **info}

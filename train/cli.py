@@ -178,7 +178,7 @@ def export(run_dir: str, out: str, checkpoint: str, dtype: str, target: str | No
 def main(argv: typing.Sequence[str] | None = None) -> None:
     """Entry point; ``dflash-train --cache ...`` means ``dflash-train run --cache ...``."""
     args = list(sys.argv[1:] if argv is None else argv)
-    if args and args[0].startswith("--") and args[0] not in ("--help", "-h"):
+    if args and args[0].startswith("--") and args[0] != "--help":
         args.insert(0, "run")
     cli.main(args=args, prog_name="dflash-train", standalone_mode=argv is None)
 

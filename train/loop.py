@@ -51,17 +51,6 @@ def _all_reduce(t: torch.Tensor, world: int) -> torch.Tensor:
     return t
 
 
-def log_held_out(num_samples: int, requested: int | None, held_out: int) -> None:
-    if requested is None and held_out < DEFAULT_EVAL_SAMPLES:
-        log.info("held out %d of %d samples: the default %d is capped at a tenth of a small cache "
-                 "(--eval-samples to choose)", held_out, num_samples, DEFAULT_EVAL_SAMPLES)
-    elif requested is not None and held_out < requested:
-        log.warning("held out %d of %d samples, not the %d asked for: at least one must remain to train on",
-                    held_out, num_samples, requested)
-    else:
-        log.info("held out %d of %d samples", held_out, num_samples)
-
-
 _RESUME_NEUTRAL = {"resume", "stop_after", "log_every", "eval_every", "save_every", "keep_checkpoints", "progress",
                    "tensorboard", "num_workers", "prefetch_factor", "preload", "peak_tflops", "out", "cache",
                    "compile_cache"}
@@ -100,7 +89,7 @@ def make_optimizer(params, ocfg: OptimConfig, total: int, fused: bool):
     """AdamW + linear warm-up + cosine to ``min_lr_ratio``."""
     optimizer = torch.optim.AdamW(params, lr=ocfg.lr, betas=(ocfg.beta1, ocfg.beta2),
                                   weight_decay=ocfg.weight_decay, fused=fused or None)
-    warmup = int(round(ocfg.warmup_ratio * total))
+    warmup = round(ocfg.warmup_ratio * total)
 
     def lr_at(step: int) -> float:
         if step < warmup:
@@ -165,7 +154,15 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
 
         split = Split.of(len(reader), dcfg_data.eval_samples, reader.source_indices(), dcfg_data.train_samples)
         if is_main:
-            log_held_out(len(reader), dcfg_data.eval_samples, len(split.held_out))
+            held_out, requested = len(split.held_out), dcfg_data.eval_samples
+            if requested is None and held_out < DEFAULT_EVAL_SAMPLES:
+                log.info("held out %d of %d samples: the default %d is capped at a tenth of a small cache "
+                         "(--eval-samples to choose)", held_out, len(reader), DEFAULT_EVAL_SAMPLES)
+            elif requested is not None and held_out < requested:
+                log.warning("held out %d of %d samples, not the %d asked for: at least one must remain to train on",
+                            held_out, len(reader), requested)
+            else:
+                log.info("held out %d of %d samples", held_out, len(reader))
             log.info("training on %d samples", len(split.train))
         G, micro = dcfg_data.batch_size, dcfg_data.micro_batch_size
         steps = total_steps(len(split.train), G, ocfg.epochs, ocfg.max_steps)
@@ -252,7 +249,7 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
         window = torch.zeros(4 + 2 * dcfg.block_size, dtype=torch.float64, device=device)
         window_steps, window_start, window_data_s = 0, time.perf_counter(), 0.0
         params = [p for p in drafter.parameters() if p.requires_grad]
-        history, last_eval, step, loader_warned = [], None, start_step, False
+        history, last_eval, done, loader_warned = [], None, start_step, False
         for step in range(start_step, steps):
             waited = time.perf_counter()
             micro_batches = [to_device(next(data_iter), device) for _ in range(sampler.accum)]
@@ -320,8 +317,7 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
             if rt.stop_after is not None and done >= rt.stop_after and not last:
                 break
         bar.close()
-        return {"run_dir": str(out), "step": step + 1 if steps > start_step else start_step,
-                "total_steps": steps, "history": history, "eval": last_eval,
+        return {"run_dir": str(out), "step": done, "total_steps": steps, "history": history, "eval": last_eval,
                 "warmup_compiled_graphs": compiled_graphs, "eval_compiled_graphs": eval_compiled_graphs,
                 "compiles_after_warm_up": compiles_after_warm_up, "compiles": compile_path.compile_count(),
                 "context_buckets": buckets.buckets, "compile_cache": str(compile_cache) if compile_cache else None,

@@ -101,7 +101,6 @@ class _ChunkedBlockLoss(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, labels, weights, topk_ids, topk_logprobs, ce_coef, kd_coef, chunk_size,
                 denominator, need_grad, backend):
-        n_rows = hidden.shape[0]
         w = torch.where(labels >= 0, weights.to(torch.float32), torch.zeros((), device=weights.device))
         denominator = torch.as_tensor(w.sum() if denominator is None else denominator, dtype=torch.float32,
                                       device=hidden.device)
@@ -109,7 +108,7 @@ class _ChunkedBlockLoss(torch.autograd.Function):
         scale = w / safe_denominator
         chunk_loss = _chunk_loss if backend is None else _compiled_chunk_loss(backend)
         ce_total = kd_total = torch.zeros((), dtype=torch.float32, device=hidden.device)
-        correct = torch.zeros(n_rows, dtype=torch.bool, device=hidden.device)
+        correct = torch.zeros(hidden.shape[0], dtype=torch.bool, device=hidden.device)
         grad_hidden = torch.zeros_like(hidden) if need_grad else None
         # a row of weight 0 adds nothing to the loss or its gradient (the count costs one host sync a call)
         kept = (w > 0).nonzero().squeeze(1)
