@@ -75,7 +75,7 @@ def cpu_seconds(who) -> float:
 def loader_rate(cfg, workers: int, n_batches: int, decode_on_device: bool = False, resident: bool = False) -> dict:
     """Micro-batches/s of the training DataLoader alone, the CPU cores it kept busy, and ``to_device_ms``: a
     micro-batch's copy to the GPU (with ``decode_on_device``, a lossy cache's payload + scales, and its decode).
-    ``resident``: the samples preloaded by ``workers`` onto the GPU (or into memory), batches cut in the main
+    ``resident``: the samples preloaded (span by span) onto the GPU (or into memory), batches cut in the main
     process."""
     from dflash.shared.cache import CacheReader
     from dflash.train.data import AnchorDataset, GlobalBatchSampler, Split, make_loader, preload
