@@ -63,6 +63,7 @@ SAMPLE_META_CHUNK = 1 << 16
 ZARR_PIPELINE = "zarr.core.codec_pipeline.BatchedCodecPipeline"
 SMALL_CHUNK_BYTES = 1 << 20  # raw bytes aimed at per chunk of the small token arrays (format 2)
 SMALL_CHUNK_MAX_TOKENS = 1 << 16  # reading one sample decodes whole chunks
+SPAN_BYTES = 256 << 20  # what read_many reads at once, as stored (about 43k tokens of SmolLM2's 5 layers)
 
 log = logging.getLogger(__name__)
 
@@ -696,11 +697,13 @@ class CacheReader:
         return self._tensors(index, self.read_raw(index, stored), fields, decode)
 
     def read_many(self, indices: Iterable[int], fields: Iterable[str] = TOKEN_FIELDS, decode: bool = True,
-                  span_tokens: int = 1 << 16) -> Iterator[tuple[int, dict[str, Any]]]:
-        """``(index, read(index))`` for each of ``indices``, read in spans of ``span_tokens`` tokens or more (in
-        ascending order, each chunk decoded once; ``read`` decodes every chunk a sample touches). A sample's arrays
-        may be views of its span: copy what is kept."""
+                  span_tokens: int | None = None) -> Iterator[tuple[int, dict[str, Any]]]:
+        """``(index, read(index))`` for each of ``indices``, read in spans of ``span_tokens`` tokens or more (default:
+        about ``SPAN_BYTES`` as stored; in ascending order each chunk is decoded once, where ``read`` decodes every
+        chunk a sample touches). A sample's arrays may be views of its span: copy what is kept."""
         fields, stored = self._stored(fields)
+        row_bytes = sum(b for f, b in stored_row_bytes(self.spec).items() if f in stored)
+        span_tokens = span_tokens or max(1, SPAN_BYTES // row_bytes)
         pos_span, s0, s1, span = -1, 0, 0, {}
         for index in indices:
             pos, j = self.locate(index)
