@@ -704,12 +704,12 @@ class CacheReader:
         fields, stored = self._stored(fields)
         row_bytes = sum(b for f, b in stored_row_bytes(self.spec).items() if f in stored)
         span_tokens = span_tokens or max(1, SPAN_BYTES // row_bytes)
-        pos_span, s0, s1, span = -1, 0, 0, {}
+        span_pos, s0, s1, span = -1, 0, 0, {}  # the span read last: shard position, tokens s0:s1, its arrays
         for index in indices:
             pos, j = self.locate(index)
             t0, t1 = int(self._offsets[pos][j]), int(self._offsets[pos][j + 1])
-            if (pos, t0 >= s0, t1 <= s1) != (pos_span, True, True):
-                pos_span, s0, s1 = pos, t0, min(max(t1, t0 + span_tokens), self.shards[pos].tokens)
+            if pos != span_pos or t0 < s0 or t1 > s1:  # not inside it: read the span that starts at this sample
+                span_pos, s0, s1 = pos, t0, min(max(t1, t0 + span_tokens), self.shards[pos].tokens)
                 span = self._read_span(pos, s0, s1, stored, f"tokens {s0}:{s1} (sample {index} on)")
             yield index, self._tensors(index, {f: a[t0 - s0:t1 - s0] for f, a in span.items()}, fields, decode)
 
