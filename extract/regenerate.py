@@ -23,7 +23,7 @@ from .self_prompts import QuestionSampler, user_header
 
 FORMAT_VERSION = 1
 RUN_FILE = "run.json"
-# source rows per part: a server's answers are journaled; in process an unfinished part is redone whole (BENCHMARKS.md)
+# source rows per part: a server's answers are journaled; in process an unfinished part is redone (BENCHMARKS_LOG)
 PART_SIZE = {"endpoint": 256, "in process": 4096}
 BATCH_SIZE = {"cuda": 512, "cpu": 16}  # in process (BENCHMARKS.md, "Regeneration on the GPU")
 METADATA_FILE = "regenerate.json"

@@ -145,8 +145,8 @@ def tiny() -> TrainConfig:
 
 
 def small() -> TrainConfig:
-    """For a small target on one GPU (SmolLM2-135M-Instruct; BENCHMARKS.md): 12 loader workers read its samples
-    once onto the GPU (--preload), or feed its short steps where they do not fit."""
+    """For a small target on one GPU (SmolLM2-135M-Instruct; BENCHMARKS.md, the recipe): 12 loader workers read
+    its samples once onto the GPU (--preload), or feed its short steps where they do not fit."""
     return TrainConfig().override(num_draft_layers=3, block_size=8, context_buckets=[512, 1024, 1536],
                                   max_anchors=256, batch_size=32, micro_batch_size=32, num_workers=12)
 
