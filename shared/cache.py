@@ -679,22 +679,21 @@ class CacheReader:
             raise ValueError(f"unknown cache fields {sorted(unknown)}; the cache stores {TOKEN_FIELDS}")
         return fields, fields + ((HIDDEN_SCALE,) if "hidden" in fields and self.spec.codec.lossy else ())
 
-    def _tensors(self, index: int, raw: dict[str, np.ndarray], fields: tuple[str, ...], decode: bool) -> dict:
-        """``read``'s result from the sample's stored arrays."""
+    def _tensors(self, pos: int, j: int, raw: dict[str, np.ndarray], fields: tuple[str, ...], decode: bool) -> dict:
+        """``read``'s result from the stored arrays of sample ``j`` of the shard at ``pos``."""
         out = {f: decode_topk_logprobs(self.spec, raw[f]) if f == "topk_logprobs" else
                torch.from_numpy(raw[f].astype(bool if f == "loss_mask" else np.int64)) for f in fields if f != "hidden"}
         if HIDDEN_SCALE in raw and not decode:
             out["hidden"], out[HIDDEN_SCALE] = torch.from_numpy(raw["hidden"]), torch.from_numpy(raw[HIDDEN_SCALE])
         elif "hidden" in fields:  # (T, L, D) bfloat16
             out["hidden"] = decode_hidden(self.spec, raw)
-        pos, j = self.locate(index)
         return {**out, "source_index": int(self._source(pos)[j])}
 
     def read(self, index: int, fields: Iterable[str] = TOKEN_FIELDS, decode: bool = True) -> dict[str, Any]:
         """One sample's ``fields`` as tensors (``hidden`` (T, L, D) bf16, ``topk_logprobs`` float32) and its
         ``source_index``; ``decode=False`` keeps a lossy payload and ``hidden_scale`` (``decode_hidden`` on a GPU)."""
         fields, stored = self._stored(fields)
-        return self._tensors(index, self.read_raw(index, stored), fields, decode)
+        return self._tensors(*self.locate(index), self.read_raw(index, stored), fields, decode)
 
     def read_many(self, indices: Iterable[int], fields: Iterable[str] = TOKEN_FIELDS, decode: bool = True,
                   span_tokens: int | None = None) -> Iterator[tuple[int, dict[str, Any]]]:
@@ -711,7 +710,7 @@ class CacheReader:
             if pos != span_pos or t0 < s0 or t1 > s1:  # not inside it: read the span that starts at this sample
                 span_pos, s0, s1 = pos, t0, min(max(t1, t0 + span_tokens), self.shards[pos].tokens)
                 span = self._read_span(pos, s0, s1, stored, f"tokens {s0}:{s1} (sample {index} on)")
-            yield index, self._tensors(index, {f: a[t0 - s0:t1 - s0] for f, a in span.items()}, fields, decode)
+            yield index, self._tensors(pos, j, {f: a[t0 - s0:t1 - s0] for f, a in span.items()}, fields, decode)
 
     __getitem__ = read
 
