@@ -286,17 +286,18 @@ def test_demo_real_runs_every_stage_on_the_cpu(tiny_gguf, tmp_path):
     export = json.loads((out / "export" / "config.json").read_text())
     assert 3 <= export["dflash_config"]["mask_token_id"] <= 16  # a special token, picked without a flag
     assert (out / "training_curves.png").stat().st_size > 0
+    assert CacheReader(str(out / "cache.zarr")).spec.hidden_codec == RealSettings.hidden_codec == "fp8"
     lines.clear()  # a later setting changed: only the stages from it on run again
     summary = run_real(out, dataclasses.replace(settings, eval_limit=1), str(tiny_gguf), echo=lines.append)
     assert [line.split(":")[0].strip() for line in lines if ": reusing" in line] == [
         "[1/5] convert", "[2/5] regenerate", "[3/5] extract", "[4/5] train", "export"]
     assert all(line["prompts"] == 1 for line in summary["benchmarks"].values())
     lines.clear()  # another codec and layers: the cache is extracted again, and every stage after it runs on it
-    run_real(out, settings.with_overrides(["eval_limit=1", "hidden_codec=fp8", "layers=[1]"]), str(tiny_gguf),
+    run_real(out, settings.with_overrides(["eval_limit=1", "hidden_codec=int8", "layers=[1]"]), str(tiny_gguf),
              echo=lines.append)
     assert [line.split(":")[0].strip() for line in lines if ": reusing" in line] == ["[1/5] convert", "[2/5] regenerate"]
     spec = CacheReader(str(out / "cache.zarr")).spec
-    assert (spec.hidden_codec, list(spec.layer_ids)) == ("fp8", [1])
+    assert (spec.hidden_codec, list(spec.layer_ids)) == ("int8", [1])
     assert json.loads((out / "export" / "config.json").read_text())["dflash_config"]["target_layer_ids"] == [1]
     lines.clear()  # questions the target writes itself, after the chats, and shorter answers: regeneration again
     run_real(out, settings.with_overrides(["self_prompts=3", "regen_max_new_tokens=3"]), str(tiny_gguf),
