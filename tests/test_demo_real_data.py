@@ -67,12 +67,15 @@ def test_turns_keeps_each_chat_up_to_its_nth_user_turn(tmp_path):
         humaneval()
     except BenchmarkError as err:
         pytest.skip(str(err))
-    read = lambda name: [json.loads(line)["conversations"] for line in name.read_text().split("\n") if line]  # noqa: E731
-    prepare(tmp_path / "all", RealSettings(conversations=300))
-    whole = read(tmp_path / "all" / "train.jsonl")
+
+    def chats(folder: str, **settings) -> tuple[dict, list[list[dict]]]:
+        counts = prepare(tmp_path / folder, RealSettings(conversations=300, **settings))
+        lines = (tmp_path / folder / "train.jsonl").read_text().split("\n")
+        return counts, [json.loads(line)["conversations"] for line in lines if line]
+
+    _, whole = chats("all")
     for turns in (1, 2):
-        counts = prepare(tmp_path / str(turns), RealSettings(conversations=300, turns=turns))
-        cut = read(tmp_path / str(turns) / "train.jsonl")
+        counts, cut = chats(str(turns), turns=turns)
         assert len(cut) == len(whole) == 300 and counts["train_assistant_turns"] == sum(
             m["from"] != H for c in cut for m in c)
         for chat, full in zip(cut, whole):  # the same chats, each its messages before its (turns+1)-th user turn
