@@ -173,7 +173,6 @@ def build_demo_target(out_dir: str | Path, train_chats: Sequence[dict], tokenize
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(c.seed)
         model = Qwen3ForCausalLM(model_config)
-    model.generation_config.eos_token_id, model.generation_config.pad_token_id = eos, tokenizer.pad_token_id
     n_params, threads_before = sum(p.numel() for p in model.parameters()), torch.get_num_threads()
     torch.set_num_threads(num_threads or threads_before)
     log(f"demo target: {n_params / 1e6:.2f}M params, {len(examples)} chats, "

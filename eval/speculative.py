@@ -41,7 +41,7 @@ class DFlashProposer:
         self.block_size, self.target_layer_ids = self.config.block_size, list(self.config.target_layer_ids)
         self.embed, self.lm_head = target.get_input_embeddings(), target.get_output_embeddings()
         check_against_target(self.config, target)
-        self.reset()
+        DFlashProposer.reset(self)  # the weights, also for StaticProposer (whose reset keeps them)
 
     def reset(self) -> None:
         """Forget the kept context; take the drafter's weights afresh (the fused path holds copies)."""
@@ -99,7 +99,6 @@ class StaticProposer(DFlashProposer):
 
     def __init__(self, drafter: DFlashDrafter, target, capacity: int, capture: bool = False):
         super().__init__(drafter, target)
-        DFlashProposer.reset(self)  # the weights, once (this class's reset keeps them)
         c, B, device = self.config, self.block_size, drafter.fc.weight.device
         if capacity + B > c.max_position_embeddings:
             raise ValueError(f"{capacity} positions and a block of {B} run past the drafter's "

@@ -135,11 +135,10 @@ def wire_message(message: dict) -> dict:
     tool-call arguments as JSON strings (Arrow cannot hold free-form objects)."""
     wire = {k: v for k, v in message.items() if v is not None}
     if wire.get("tool_calls"):
-        calls = [{k: v for k, v in call.items() if v is not None} for call in wire["tool_calls"]]
-        for call in calls:
+        wire["tool_calls"] = [{k: v for k, v in call.items() if v is not None} for call in wire["tool_calls"]]
+        for call in wire["tool_calls"]:
             function = call.get("function")
             if isinstance(function, dict) and not isinstance(function.get("arguments"), str):
                 call["function"] = {**function, "arguments": json.dumps(function.get("arguments") or {},
                                                                         ensure_ascii=False)}
-        wire["tool_calls"] = calls
     return wire

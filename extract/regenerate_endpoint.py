@@ -111,11 +111,10 @@ def request_body(model: str, history: list[dict], tools: list | None, settings: 
                  extra_body: dict, row: int, turn: int) -> dict[str, Any]:
     """The chat-completions request for the turn that follows ``history``."""
     sampling = {"top_p": settings.top_p, "seed": request_seed(settings.seed, row, turn)}
-    body = {"model": model, "messages": [wire_message(m) for m in history], "max_tokens": settings.max_new_tokens,
+    return {"model": model, "messages": [wire_message(m) for m in history], "max_tokens": settings.max_new_tokens,
             "temperature": settings.temperature, "stream": False, **(sampling if settings.temperature > 0 else {}),
             **({"tools": tools} if tools else {}),
-            **({"chat_template_kwargs": settings.template_kwargs} if settings.template_kwargs else {})}
-    return {**body, **extra_body}
+            **({"chat_template_kwargs": settings.template_kwargs} if settings.template_kwargs else {}), **extra_body}
 
 
 def turn_event(chat: Chat, turn: int, answer: dict[str, Any], settings: GenerationSettings) -> dict[str, Any]:

@@ -356,16 +356,13 @@ class ShardState:
 
     plan_digest: str  # of the plan (rows, lengths, batches, skips); a resume must plan the same
     planned: ShardCounts  # what the shard holds once complete: every array's size from the start
-    commit: ShardCounts  # recorded after its bytes were stored
-    complete: bool = False
     skipped: dict[str, int] = field(default_factory=dict)  # rows of the shard's slice not planned, by reason
+    commit: ShardCounts = field(default_factory=ShardCounts)  # recorded after its bytes were stored
+    complete: bool = False
     compute: dict[str, Any] | None = None  # what computed the values (device, kernels, versions); a resume matches it
 
     status = property(lambda self: "complete" if self.complete else "partial" if self.commit.samples else "empty")
-
-    def to_attrs(self) -> dict[str, Any]:
-        return {"plan_digest": self.plan_digest, "planned": self.planned.as_dict(), "skipped": dict(self.skipped),
-                "commit": self.commit.as_dict(), "complete": self.complete, "compute": self.compute}
+    to_attrs = dataclasses.asdict  # in field order: the order of the keys in the stored attributes
 
     @classmethod
     def from_attrs(cls, attrs: dict[str, Any]) -> "ShardState":
@@ -486,9 +483,8 @@ class ShardWriter:
                                               compressors=_compressors(8, spec.compression_level))
                 if len(values):
                     arr[:] = values
-            self.state = ShardState(plan_digest=plan.digest(), commit=ShardCounts(), skipped=dict(plan.skipped),
-                                    planned=ShardCounts(len(plan.batches) - 1, len(plan.source_index), plan.num_tokens),
-                                    compute=compute)
+            planned = ShardCounts(len(plan.batches) - 1, len(plan.source_index), plan.num_tokens)
+            self.state = ShardState(plan.digest(), planned, skipped=dict(plan.skipped), compute=compute)
             _record_state(self.group, self.state)
         self.fields = spec.token_fields
         self.arrays = {f: self.group[f] for f in self.fields}
@@ -718,14 +714,10 @@ class CacheReader:
         """Occurrences of every token id in the committed ``input_ids``, read ``batch_chunks`` chunks at a time."""
         counts = np.zeros(max(self.spec.vocab_size, minlength), np.int64)
         for pos, shard in enumerate(self.shards):
-            array = self._array(pos, "input_ids")
-            step = array.chunks[0] * batch_chunks
+            step = self._array(pos, "input_ids").chunks[0] * batch_chunks
             for t0 in range(0, shard.tokens, step):
-                try:
-                    ids = np.asarray(array[t0:min(t0 + step, shard.tokens)])
-                except Exception as e:
-                    raise CacheError(f"{self.path}: shard {shard.shard_id:05d} input_ids tokens {t0}:{t0 + step}: "
-                                     f"cannot read: {type(e).__name__}: {e}") from e
+                t1 = min(t0 + step, shard.tokens)
+                ids = self._read_span(pos, t0, t1, ("input_ids",), f"tokens {t0}:{t1}")["input_ids"]
                 found = np.bincount(ids, minlength=len(counts))  # longer where an id is past the vocabulary
                 counts = found + np.pad(counts, (0, len(found) - len(counts)))
         return counts

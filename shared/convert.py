@@ -20,8 +20,8 @@ import zarr
 
 from dflash.shared.cache import (
     HIDDEN_SCALE, CacheError, CacheMismatch, CacheReader, CacheSpec, ShardInfo, ShardPlan, ShardWriter,
-    create_or_open_cache, decode_hidden, decode_topk_logprobs, encode_hidden, encode_topk_logprobs, shard_name,
-    shard_recorded, stored_row_bytes, to_numpy, writer_zarr_settings,
+    create_or_open_cache, decode_hidden, decode_topk_logprobs, encode_hidden, encode_topk_logprobs,
+    read_shard_states, shard_name, stored_row_bytes, to_numpy, writer_zarr_settings,
 )
 from dflash.shared.compression import ZSTD_LEVELS, HiddenCodecName, ScaleDtype, TopkDtype, is_local
 from dflash.shared.fingerprint import fingerprint_digest
@@ -93,11 +93,10 @@ def converted_spec(src: CacheSpec, settings: ConvertSettings, src_path: str) -> 
 
 def _check_source(reader: CacheReader) -> None:
     """Refuse a source with a shard being written, created but not recorded, partial or empty."""
-    src, root, writing = reader.path, reader.root, live_holders(reader.path)
+    src, writing = reader.path, live_holders(reader.path)
     problems = [f"shard {s:05d} is being written now by {h.describe()}" for s, h in sorted(writing.items())]
-    problems += [f"shard {name} was created but never recorded (its extraction died creating it)"
-                 for name in (sorted(root["shards"].group_keys()) if "shards" in root else [])
-                 if not shard_recorded(root["shards"][name]) and int(name) not in writing]
+    problems += [f"shard {s:05d} was created but never recorded (its extraction died creating it)"
+                 for s, state in read_shard_states(reader.root).items() if state is None and s not in writing]
     problems += [f"shard {s.shard_id:05d} is {s.state}: {s.samples:,} of {s.record.planned.samples:,} samples committed"
                  for s in reader.shards if not s.complete and s.shard_id not in writing]
     if problems:
