@@ -46,8 +46,9 @@ def greedy_continuations(target, prompts: Sequence[Sequence[int]], max_new_token
     """Per prompt: (greedy tokens before the stop token, truncated?); ``static``: regeneration's
     static KV cache (None: on CUDA)."""
     stops = sorted({int(t) for t in eos_token_ids})
-    gen_kwargs = generation_kwargs(GenerationSettings(max_new_tokens=max_new_tokens), stops or None,
-                                   stops[0] if stops else 0)  # None: generate() refuses an empty eos list
+    gen_kwargs = generation_kwargs(GenerationSettings(max_new_tokens=max_new_tokens), stops, stops[0] if stops else 0)
+    if not stops:  # generate() refuses an empty eos list
+        gen_kwargs["eos_token_id"] = None
     static = device_of(target).type == "cuda" if static is None else static
     decoder = StaticDecoder(target, batch_size, max_new_tokens, max(map(len, prompts))) if static and prompts else None
 
