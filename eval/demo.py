@@ -11,6 +11,8 @@ import os
 import shutil
 import sys
 import time
+import types
+import typing
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +44,7 @@ class Overridable:
         """A copy with ``KEY=VALUE`` applied: KEY a field or ``D.X`` for D a dict field; VALUE JSON (a bare word is a
         string)."""
         dict_fields = [f.name for f in dataclasses.fields(self) if isinstance(getattr(self, f.name), dict)]
+        hints = typing.get_type_hints(type(self))
         s = dataclasses.replace(self, **{d: dict(getattr(self, d)) for d in dict_fields})
         fields = {f.name for f in dataclasses.fields(s)}
         for assignment in assignments:
@@ -56,12 +59,27 @@ class Overridable:
             if entry and head in dict_fields:
                 getattr(s, head)[entry] = value
             elif not entry and head in fields and head not in dict_fields:
+                if not _fits(value, hints[head]) or type(value) is int and value < 0:
+                    name = getattr(hints[head], "__name__", str(hints[head]))
+                    raise click.BadParameter(f"{assignment!r}: expected {name}{' >= 0' * ('int' in name)}",
+                                             param_hint="--set")
                 setattr(s, head, value)
             else:
                 raise click.BadParameter(f"{key!r}: not a demo setting (fields: {', '.join(sorted(fields))}; "
                                          f"{' and '.join(f'{d}.X' for d in dict_fields)} set one entry of those)",
                                          param_hint="--set")
         return s
+
+
+def _fits(value: Any, hint: Any) -> bool:
+    """Whether a ``--set`` value (parsed JSON) has a field's type: ``int``, ``int | None``, ``list[int]``, ..."""
+    args = typing.get_args(hint)
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        return any(_fits(value, a) for a in args)
+    base = typing.get_origin(hint) or hint
+    if base is list:
+        return isinstance(value, list) and all(_fits(v, args[0]) for v in value if args)
+    return value is None if base is type(None) else isinstance(value, base) and (base is bool) == (type(value) is bool)
 
 
 @dataclasses.dataclass

