@@ -79,6 +79,8 @@ def _fits(value: Any, hint: Any) -> bool:
     base = typing.get_origin(hint) or hint
     if base is list:
         return isinstance(value, list) and all(_fits(v, args[0]) for v in value if args)
+    if base is float and type(value) is int:
+        return True
     return value is None if base is type(None) else isinstance(value, base) and (base is bool) == (type(value) is bool)
 
 

@@ -31,6 +31,8 @@ class RealSettings(Overridable):
 
     conversations: int | None = None  # ShareGPT chats regenerated (None: all 16,574 usable); ~2.6 min at turns=1
     turns: int | None = 1  # user turns kept per chat (None: all); SmolLM2's later turns mostly copy its earlier ones
+    answers: int = 1  # rows per chat: above 1 with regen_temperature > 0, that many different answers to each prompt
+    regen_temperature: float = 0.0  # regeneration's --temperature (0: greedy, as the evaluation decodes)
     heldout: int = 200  # held-out ShareGPT first turns (evaluation prompts only)
     self_prompts: int = 0  # questions the target writes itself and answers, after the chats (dflash-regenerate's)
     max_new_tokens: int = 256  # per regenerated turn and per evaluated prompt
@@ -63,7 +65,8 @@ def prepare(data: Path, s: RealSettings) -> dict:
     """As JSONL from ShareGPT V3: the first turns of the last ``heldout`` all-ASCII chats a user opens, the first
     ``conversations`` other chats ``sharegpt_chat`` keeps (none a piece of a held-out one), the benchmarks' prompts."""
     settings = {"conversations": s.conversations, "heldout": s.heldout, "chats": "from the first user turn, 99% ASCII",
-                **({"turns": s.turns} if s.turns else {})}  # unset: the record of data prepared before the setting
+                **({"turns": s.turns} if s.turns else {}),  # unset: the record of data prepared before the setting
+                **({"answers": s.answers} if s.answers != 1 else {})}
     if (record := _fresh(data, settings)) is not None:
         return record
     data.mkdir(parents=True)
@@ -81,7 +84,7 @@ def prepare(data: Path, s: RealSettings) -> dict:
     held_ids, held_prompts = {_conversation(r) for r in held} - {""}, {r["conversations"][0]["value"] for r in held}
     chats = [c for r, c in kept if c and _conversation(r) not in held_ids
              and not any(m["value"] in held_prompts for m in c if m["from"] == "human")]
-    rest = [_first_turns(c, s.turns) for c in chats[:s.conversations]]
+    rest = [_first_turns(c, s.turns) for c in chats[:s.conversations]] * s.answers
     write_jsonl([{"conversations": c} for c in rest], data / "train.jsonl")
     write_jsonl([{"messages": [{"role": "user", "content": r["conversations"][0]["value"]}]} for r in held],
                 data / "sharegpt.jsonl")
@@ -146,7 +149,8 @@ def run_real(out: Path, s: RealSettings, gguf: str | None, echo=click.echo,
             "--max-new-tokens", str(s.regen_max_new_tokens or s.max_new_tokens),
             "--max-prompt-tokens", str(s.max_prompt_tokens),
             "--part-size", str(max(data["train_conversations"], s.self_prompts, 1)),  # one part each: no tail
-            *(["--self-prompts", str(s.self_prompts)] if s.self_prompts else [])]),
+            *(["--self-prompts", str(s.self_prompts)] if s.self_prompts else []),
+            *(["--temperature", str(s.regen_temperature)] if s.regen_temperature else [])]),
         ("extract", "[3/5] extract", cache, [
             "dflash.extract.cli", "--data", str(regen), "--model", str(target), "--out", str(cache),
             *([] if s.device == "cuda" else ["--device", "cpu"]),

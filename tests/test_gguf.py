@@ -14,6 +14,7 @@ from click.testing import CliRunner
 
 from train_helpers import one_thread  # noqa: F401 - the module's autouse fixture
 from dflash.eval.gguf import SOURCE, ConvertError, cli, resolve
+from dflash.extract.data import load_source
 from dflash.shared.cache import CacheReader
 
 gguf = pytest.importorskip("gguf", reason="needs the gguf package: pip install -e '.[dev]'")
@@ -306,3 +307,14 @@ def test_demo_real_runs_every_stage_on_the_cpu(tiny_gguf, tmp_path):
     meta = json.loads((out / "regen" / "regenerate.json").read_text())
     assert meta["counts"]["self_prompts"]["generated"] == 3 and meta["self_prompts"]["self_prompts"] == 3
     assert meta["generation"]["max_new_tokens"] == 3 and settings.max_new_tokens == 6  # the evaluation's stays
+    lines.clear()  # two sampled answers to each chat: every stage again, each copy answered apart
+    run_real(out, settings.with_overrides(["answers=2", "regen_temperature=1"]), str(tiny_gguf), echo=lines.append,
+             stop_after="regenerate")
+    assert not any(": reusing" in line for line in lines)  # the data changed, and the target is converted after it
+    meta = json.loads((out / "regen" / "regenerate.json").read_text())
+    answers: dict[str, list] = {}
+    for row in load_source(str(out / "regen")):
+        answers.setdefault(row["messages"][0]["content"], []).append(row["messages"][1]["content"])
+    assert meta["generation"]["temperature"] == 1 and meta["counts"]["rows_out"] == 2 * len(answers) > 20
+    assert all(len(a) == 2 for a in answers.values())  # both copies of each chat, its prompt too long or neither
+    assert sum(a != b for a, b in answers.values()) >= 0.8 * len(answers)  # six sampled tokens each: they differ
