@@ -84,7 +84,8 @@ def prepare(data: Path, s: RealSettings) -> dict:
     held_ids, held_prompts = {_conversation(r) for r in held} - {""}, {r["conversations"][0]["value"] for r in held}
     chats = [c for r, c in kept if c and _conversation(r) not in held_ids
              and not any(m["value"] in held_prompts for m in c if m["from"] == "human")]
-    rest = [_first_turns(c, s.turns) for c in chats[:s.conversations]] * s.answers
+    # a chat's copies side by side: training holds out the last rows, so every copy of a held-out chat with them
+    rest = [_first_turns(c, s.turns) for c in chats[:s.conversations] for _ in range(s.answers)]
     write_jsonl([{"conversations": c} for c in rest], data / "train.jsonl")
     write_jsonl([{"messages": [{"role": "user", "content": r["conversations"][0]["value"]}]} for r in held],
                 data / "sharegpt.jsonl")

@@ -317,4 +317,6 @@ def test_demo_real_runs_every_stage_on_the_cpu(tiny_gguf, tmp_path):
         answers.setdefault(row["messages"][0]["content"], []).append(row["messages"][1]["content"])
     assert meta["generation"]["temperature"] == 1 and meta["counts"]["rows_out"] == 2 * len(answers) > 20
     assert all(len(a) == 2 for a in answers.values())  # both copies of each chat, its prompt too long or neither
+    rows = [json.loads(line)["conversations"] for line in (out / "data" / "train.jsonl").read_text().splitlines()]
+    assert rows[::2] == rows[1::2] and len(rows) == 60  # side by side: training's held-out rows take both copies
     assert sum(a != b for a, b in answers.values()) >= 0.8 * len(answers)  # six sampled tokens each: they differ
