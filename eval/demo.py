@@ -59,10 +59,10 @@ class Overridable:
             if entry and head in dict_fields:
                 getattr(s, head)[entry] = value
             elif not entry and head in fields and head not in dict_fields:
-                if not _fits(value, hints[head]) or type(value) is int and value < 0:
+                if not _fits(value, hints[head]) or type(value) in (int, float) and value < 0:  # no setting is < 0
                     name = getattr(hints[head], "__name__", str(hints[head]))
-                    raise click.BadParameter(f"{assignment!r}: expected {name}{' >= 0' * ('int' in name)}",
-                                             param_hint="--set")
+                    raise click.BadParameter(f"{assignment!r}: expected {name}"
+                                             f"{' >= 0' * any(t in name for t in ('int', 'float'))}", param_hint="--set")
                 setattr(s, head, value)
             else:
                 raise click.BadParameter(f"{key!r}: not a demo setting (fields: {', '.join(sorted(fields))}; "

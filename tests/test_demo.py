@@ -158,9 +158,15 @@ def test_settings_overrides():
 
     assert s.with_overrides(["target_chats=null", "drop_truncated=false"]).target_chats is None
     for bad in ("n_trian=5", "train", "target=3", "seed.x=1", "n_train=-1", "n_train=2.5", "n_train=abc",
-                "target_chats=true", "drop_truncated=1", "layer_ids=[0.5]", "layer_ids=2"):
+                "target_chats=true", "drop_truncated=1", "layer_ids=[0.5]", "layer_ids=2", "seed=null"):
         with pytest.raises(click.BadParameter):
             s.with_overrides([bad])
+    from dflash.eval.demo_real import RealSettings
+
+    assert RealSettings().with_overrides(["regen_temperature=1"]).regen_temperature == 1  # an int where a float goes
+    for bad in ("regen_temperature=-0.5", "regen_temperature=hot", "turns=1.5"):
+        with pytest.raises(click.BadParameter):
+            RealSettings().with_overrides([bad])
 
 
 def test_drafter_starts_from_the_target_layers_it_has_room_for(small_demo):
