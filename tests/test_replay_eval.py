@@ -7,6 +7,7 @@ follow from its per-prompt records; the CLI's input errors exit != 0 without a t
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 import torch
@@ -116,9 +117,23 @@ def test_report_numbers_follow_from_the_records(target, drafter, prompts, eos, r
     assert line["spec_tokens_per_s"] == pytest.approx(n_new / spec_s)
     assert line["speedup"] == pytest.approx(greedy_s / spec_s)
     assert line["lossless"] == line["replay_equal"] == line["sample_prompts"] == 2
+    assert line["speedup_at_replay_tau"] == pytest.approx(drafted / blocks / sum(line["block_in_greedy_steps"].values()))
     assert all(r["divergence"] is None and r["replay_tau"] == r["tau"] for r in rows)
     table = rp.format_benchmarks([line])
     assert "bench" in table and f"{line['tau']:.2f}" in table and "2/2" in table
+
+
+def test_speedup_at_replay_tau_is_every_prompts_tau_at_the_samples_block_cost():
+    replay = {"summary": dict(prompts=9, new_tokens=90, tau=3.0, blocks=30, tau_histogram=[0, 0, 30], tau_in_repeats=3.0,
+                              blocks_in_repeats=30, tau_elsewhere=None)}
+    parts = {"prefill": 0.1, "proposal": 0.2, "verify": 1.1, "loop": 0.1}
+    sample = {"overall": dict(tau=2.0, greedy_tokens_per_s=100.0, spec_tokens_per_s=130.0, speedup=1.3,
+                              block_in_greedy_steps=parts),
+              "per_prompt": [dict(lossless=True, tie=False, tokens_equal=True, taus_equal=False)]}
+    line = rp.benchmark_line("b", replay, sample)
+    assert line["speedup_at_replay_tau"] == pytest.approx(3.0 / 1.5) and line["speedup"] == 1.3
+    assert "| 1.30x | 1.50 | 2.00x |" in rp.format_benchmarks([line], markdown=True)
+    assert math.isnan(rp.benchmark_line("b", replay, None)["speedup_at_replay_tau"])  # no sample timed
 
 
 def test_a_divergence_is_reported_where_it_starts():
@@ -164,7 +179,8 @@ def test_cli_two_benchmarks(tiny_target_dir, export, chats_sample_path, tmp_path
         assert name in result.output
         steps = summary["block_in_greedy_steps"]  # the sample's block split, printed as reported
         assert list(steps) == ["prefill", "proposal", "verify", "loop"]
-        assert f"whole block {sum(steps.values()):.2f}" in result.output
+        assert f"whole block {sum(steps.values()):.2f}, so replay tau runs at " \
+               f"{summary['tau'] / sum(steps.values()):.2f}x" in result.output
     assert "online tau" in result.output and "tau histogram" in result.output
 
 
