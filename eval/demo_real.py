@@ -64,6 +64,9 @@ def sharegpt_chat(record: dict) -> list[dict] | None:
 def prepare(data: Path, s: RealSettings) -> dict:
     """As JSONL from ShareGPT V3: the first turns of the last ``heldout`` all-ASCII chats a user opens, the first
     ``conversations`` other chats ``sharegpt_chat`` keeps (none a piece of a held-out one), the benchmarks' prompts."""
+    if s.answers < 1 or s.answers > 1 and not s.regen_temperature:
+        raise click.BadParameter(f"answers={s.answers}: 1, or more with regen_temperature above 0 (greedy answers to "
+                                 "the same prompt are the same)", param_hint="--set")
     settings = {"conversations": s.conversations, "heldout": s.heldout, "chats": "from the first user turn, 99% ASCII",
                 **({"turns": s.turns} if s.turns else {}),  # unset: the record of data prepared before the setting
                 **({"answers": s.answers} if s.answers != 1 else {})}

@@ -82,3 +82,13 @@ def test_turns_keeps_each_chat_up_to_its_nth_user_turn(tmp_path):
             users = [i for i, m in enumerate(full) if m["from"] == H]
             assert chat == (full[:users[turns]] if len(users) > turns else full)
         assert sum(m["from"] == H for c in cut for m in c) < sum(m["from"] == H for c in whole for m in c)
+
+
+@pytest.mark.parametrize("settings", [dict(answers=2), dict(answers=0, regen_temperature=1.0)])
+def test_answers_needs_sampling(tmp_path, settings):
+    """Two greedy answers to one prompt are one answer twice, and no answer is no data: both refused."""
+    import click
+
+    with pytest.raises(click.BadParameter, match="answers="):
+        prepare(tmp_path / "data", RealSettings(**settings))
+    assert not (tmp_path / "data").exists()
