@@ -67,8 +67,10 @@ def prepare(data: Path, s: RealSettings) -> dict:
     if s.answers < 1 or s.answers > 1 and not s.regen_temperature:
         raise click.BadParameter(f"answers={s.answers}: 1, or more with regen_temperature above 0 (greedy answers to "
                                  "the same prompt are the same)", param_hint="--set")
+    if s.turns == 0:
+        raise click.BadParameter("turns=0: 1 or more, or null for every turn", param_hint="--set")
     settings = {"conversations": s.conversations, "heldout": s.heldout, "chats": "from the first user turn, 99% ASCII",
-                **({"turns": s.turns} if s.turns else {}),  # unset: the record of data prepared before the setting
+                **({"turns": s.turns} if s.turns is not None else {}),  # unset: as data prepared before the setting
                 **({"answers": s.answers} if s.answers != 1 else {})}
     if (record := _fresh(data, settings)) is not None:
         return record
@@ -104,7 +106,7 @@ def prepare(data: Path, s: RealSettings) -> dict:
 def _first_turns(chat: list[dict], turns: int | None) -> list[dict]:
     """A ShareGPT chat's messages before its (turns+1)-th user turn (all of them for None)."""
     starts = [i for i, m in enumerate(chat) if m["from"] == "human"]
-    return chat[:starts[turns]] if turns and len(starts) > turns else chat
+    return chat[:starts[turns]] if turns is not None and len(starts) > turns else chat
 
 
 def _conversation(record: dict) -> str:
