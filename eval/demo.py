@@ -43,10 +43,9 @@ class Overridable:
     def with_overrides(self, assignments: list[str]):
         """A copy with ``KEY=VALUE`` applied: KEY a field or ``D.X`` for D a dict field; VALUE JSON (a bare word is a
         string)."""
-        dict_fields = [f.name for f in dataclasses.fields(self) if isinstance(getattr(self, f.name), dict)]
-        hints = typing.get_type_hints(type(self))
+        hints = typing.get_type_hints(type(self))  # field name -> type, in field order
+        dict_fields = [name for name in hints if isinstance(getattr(self, name), dict)]
         s = dataclasses.replace(self, **{d: dict(getattr(self, d)) for d in dict_fields})
-        fields = {f.name for f in dataclasses.fields(s)}
         for assignment in assignments:
             key, sep, text = assignment.partition("=")
             if not sep:
@@ -58,14 +57,14 @@ class Overridable:
             head, _, entry = key.partition(".")
             if entry and head in dict_fields:
                 getattr(s, head)[entry] = value
-            elif not entry and head in fields and head not in dict_fields:
+            elif not entry and head in hints and head not in dict_fields:
                 if not _fits(value, hints[head]) or type(value) in (int, float) and value < 0:  # no setting is < 0
                     name = getattr(hints[head], "__name__", str(hints[head]))
                     raise click.BadParameter(f"{assignment!r}: expected {name}"
                                              f"{' >= 0' * any(t in name for t in ('int', 'float'))}", param_hint="--set")
                 setattr(s, head, value)
             else:
-                raise click.BadParameter(f"{key!r}: not a demo setting (fields: {', '.join(sorted(fields))}; "
+                raise click.BadParameter(f"{key!r}: not a demo setting (fields: {', '.join(sorted(hints))}; "
                                          f"{' and '.join(f'{d}.X' for d in dict_fields)} set one entry of those)",
                                          param_hint="--set")
         return s

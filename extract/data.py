@@ -57,7 +57,7 @@ def load_source(spec: str, split: str = "train", *, revision: str | None = None,
     import datasets
 
     path = Path(spec)
-    if path.is_dir() and _is_saved_dataset(path):
+    if _is_saved_dataset(path):
         try:
             loaded = datasets.load_from_disk(str(path))
         except Exception as exc:  # noqa: BLE001 - re-raised with the path in it
@@ -253,7 +253,7 @@ def dataset_fingerprint(ds, spec: str, split: str, revision: str | None = None) 
                 row = json.dumps(dict(zip(batch, values)), sort_keys=True, ensure_ascii=False, default=str)
                 digest.update(row.encode() + b"\n")
         return {**info, "hash_method": "rows-sha256", "content_hash": "sha256:" + digest.hexdigest()}
-    if path.is_dir() and _is_saved_dataset(path):
+    if _is_saved_dataset(path):
         files, root = sorted(Path(f["filename"]) for f in ds.cache_files), path.resolve()
     else:
         files, root = local_data_files(path), path.resolve() if path.is_dir() else path.resolve().parent

@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 
+
 @dataclass
 class TargetOutput:
     """What one batch yields, real tokens only, token-major in batch order."""
@@ -23,7 +24,8 @@ def load_target(name_or_path: str, *, dtype: str = "bfloat16", device: str | tor
     from transformers import AutoModelForCausalLM
 
     attention = {"attn_implementation": attn_implementation} if attn_implementation else {}
-    model = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=getattr(torch, dtype), revision=revision, **attention)
+    model = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=getattr(torch, dtype), revision=revision,
+                                                 **attention)
     return model.to(device).eval().requires_grad_(False)
 
 
@@ -49,7 +51,8 @@ class TargetRunner:
             raise ValueError(f"{type(model).__name__}: expected .model.layers and an LM head (a decoder-only HF model)")
         self.num_layers = len(self.layers)
         if bad := [i for i in layer_ids if not 0 <= i < self.num_layers]:
-            raise ValueError(f"layer ids {bad} out of range: the target has {self.num_layers} layers (ids 0..{self.num_layers - 1})")
+            raise ValueError(f"layer ids {bad} out of range: the target has {self.num_layers} layers "
+                             f"(ids 0..{self.num_layers - 1})")
         vocab = self.lm_head.weight.shape[0]
         if not 1 <= topk <= vocab:
             raise ValueError(f"topk {topk} must be between 1 and the vocabulary size {vocab}")
@@ -90,7 +93,8 @@ class TargetRunner:
         return ids, mask, mask.flatten().nonzero().squeeze(1)
 
     @torch.inference_mode()
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, gather_index: torch.Tensor) -> TargetOutput:
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, gather_index: torch.Tensor
+                ) -> TargetOutput:
         """One right-padded batch (tensors may still be on the host) -> real-token outputs."""
         non_blocking = self.device.type == "cuda"
         input_ids = input_ids.to(self.device, non_blocking=non_blocking)

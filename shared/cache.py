@@ -131,7 +131,7 @@ class CacheSpec:
 
     def with_encoding(self, **changes) -> "CacheSpec":
         """This spec with ``changes`` (encoding fields, layout), in the current format and default chunks."""
-        return dataclasses.replace(self, **{**self.encoding(), **changes}, format_version=FORMAT_VERSION, chunks={})
+        return dataclasses.replace(self, **changes, format_version=FORMAT_VERSION, chunks={})
 
     codec = property(lambda self: HiddenCodec(self.hidden_codec, self.hidden_group_size or 128,
                                               self.hidden_scale_dtype or "float16"))
@@ -297,7 +297,7 @@ def create_or_open_cache(path: str, spec: CacheSpec, *, replace_uncommitted: boo
     root = _open_group(path, "a")
     existing = root.attrs.get(ATTRS_KEY)
     if existing is None:
-        if len(list(root.keys())) > 0:
+        if list(root.keys()):
             raise CacheError(f"{path}: holds Zarr data that is not a dflash cache; refusing to write there")
         return _new_root(root, spec)
     old = CacheSpec.from_dict(existing)
@@ -398,8 +398,8 @@ def read_shard_states(root: zarr.Group, shard_ids: Iterable[int] | None = None) 
             raise CacheError(f"{root.store}: shards/{stray[0]} is no shard group "
                              "(those are numbered 00000, 00001, ...)")
         shard_ids = [int(name) for name in names]
-    names = {s: shard_name(s) for s in shard_ids}
-    return {s: read_shard_state(root[n]) if n in root and shard_recorded(root[n]) else None for s, n in names.items()}
+    groups = {s: root.get(shard_name(s)) for s in shard_ids}
+    return {s: read_shard_state(g) if g is not None and shard_recorded(g) else None for s, g in groups.items()}
 
 
 def _record_state(group: zarr.Group, state: ShardState, *keys: str) -> None:
@@ -444,7 +444,7 @@ class ShardWriter:
 
     def __init__(self, root: zarr.Group, shard_id: int, plan: ShardPlan, spec: CacheSpec,
                  compute: dict[str, Any] | None = None):
-        self.guard: Callable[[], None] | None = None  # called before each commit record; raising stops it
+        self.guard: Callable[[], None] = lambda: None  # called before each commit record; raising stops it
         self.spec, self.plan, self.shard_id = spec, plan, shard_id
         self._offsets = plan.offsets
         name = shard_name(shard_id)
@@ -552,8 +552,7 @@ class ShardWriter:
         s = int(self.plan.batches[self.next_batch])
         record = ShardCounts(batches=self.next_batch, samples=s, tokens=int(self._offsets[s]))
         if record != self.state.commit:
-            if self.guard is not None:
-                self.guard()  # e.g. this process still holds the shard's lock
+            self.guard()  # e.g. this process still holds the shard's lock
             self.state.commit, self.state.complete = record, self.complete
             _record_state(self.group, self.state, "commit", "complete")
             self.committed = record.as_dict()

@@ -17,6 +17,7 @@ from typing import Any, Callable
 import numpy as np
 import torch
 import zarr
+from tqdm import tqdm
 
 from dflash.shared.cache import (
     HIDDEN_SCALE, CacheError, CacheMismatch, CacheReader, CacheSpec, ShardInfo, ShardPlan, ShardWriter,
@@ -203,8 +204,6 @@ def _convert_shard(reader: CacheReader, shard: ShardInfo, dst: str, dst_root: za
 def convert_cache(src: str, dst: str, settings: ConvertSettings, *, progress: bool = True) -> dict[str, Any]:
     """Convert cache ``src`` into ``dst`` (created, or resumed) with validated ``settings``; returns a summary. Raises
     CacheError for an unfinished source or a ``dst`` holding another cache or being written; Interrupted on Ctrl-C."""
-    from tqdm import tqdm
-
     if _location(src).rstrip("/") == _location(dst).rstrip("/"):
         raise CacheError(f"{dst}: the destination is the source; convert into another path")
     reader = CacheReader(src)

@@ -52,8 +52,8 @@ def tokenizer_fingerprint(tokenizer) -> dict[str, Any]:
     backend = getattr(tokenizer, "backend_tokenizer", None)  # slow tokenizers: the vocabulary is what defines them
     body = backend.to_str() if backend is not None else json.dumps(sorted(tokenizer.get_vocab().items()))
     special = json.dumps({k: str(v) for k, v in sorted(tokenizer.special_tokens_map.items())}, sort_keys=True)
-    template = tokenizer.chat_template if isinstance(getattr(tokenizer, "chat_template", None), str) else \
-        json.dumps(getattr(tokenizer, "chat_template", None), sort_keys=True, default=str)
+    template = getattr(tokenizer, "chat_template", None)
+    template = template if isinstance(template, str) else json.dumps(template, sort_keys=True, default=str)
     return {"hash": _sha(body + special), "chat_template_hash": _sha(template or ""), "vocab_size": len(tokenizer),
             "eos_token_id": tokenizer.eos_token_id, "pad_token_id": tokenizer.pad_token_id}
 

@@ -208,7 +208,7 @@ def length_histogram(lengths: np.ndarray) -> list[dict[str, int]]:
     """Power-of-two buckets [lo, hi) from the shortest to the longest sample."""
     if len(lengths) == 0:
         return []
-    edges = [0] + [1 << e for e in range(int(np.ceil(np.log2(int(lengths.max()) + 1))) + 1)]
+    edges = [0] + [1 << e for e in range(int(lengths.max()).bit_length() + 1)]
     counts, _ = np.histogram(lengths, bins=edges)
     first, last = int(np.flatnonzero(counts)[0]), int(np.flatnonzero(counts)[-1])
     return [{"lo": edges[i], "hi": edges[i + 1], "count": int(counts[i])} for i in range(first, last + 1)]

@@ -76,8 +76,8 @@ class ShardLock:
         self.out, self.shard_id = out, shard_id
         self.record: LockHolder | None = None
         self.local = is_local(out) or out.startswith("file://")  # where an OS lock works
-        self.fs, folder = _locks_folder(out)
-        self.path = f"{folder}/{shard_id:05d}.lock"
+        self.fs, self.folder = _locks_folder(out)
+        self.path = f"{self.folder}/{shard_id:05d}.lock"
         # locally the OS lock is on the .lock file and the record beside it; on a store the file is the record
         self.record_path = self.path.removesuffix(".lock") + ".json" if self.local else self.path
         self.os_lock = filelock.FileLock(self.path) if self.local else None
@@ -113,7 +113,7 @@ class ShardLock:
         record = LockHolder(HOST, os.getpid(), time.time(), uuid.uuid4().hex)
         data = json.dumps(asdict(record)).encode()
         with contextlib.suppress(Exception):  # object stores have no folders to make
-            self.fs.makedirs(self.path.rsplit("/", 1)[0], exist_ok=True)
+            self.fs.makedirs(self.folder, exist_ok=True)
         previous = None
         if self.local:
             try:  # a short wait: a probe holds the lock for an instant
