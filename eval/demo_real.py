@@ -114,9 +114,10 @@ def _conversation(record: dict) -> str:
     return str(record.get("id", "")).rsplit("_", 1)[0]
 
 
-def _stage(name: str, path: Path, after: dict, argv: list[str], echo) -> dict:
-    """Run one stage's command, timed, unless ``path`` holds its result from the same command after the same stage."""
-    settings = {"after": after.get("settings"), "argv": argv}
+def _stage(name: str, path: Path, after: list[dict], argv: list[str], echo) -> dict:
+    """Run one stage's command, timed, unless ``path`` holds its result from the same command after the same
+    inputs (``after``: the settings of the stages it reads)."""
+    settings = {"after": after, "argv": argv}
     if (record := _fresh(path, settings)) is not None and record.get("done"):
         echo(f"{name}: reusing {path} ({record['seconds']:.0f} s when built)")
         return record
@@ -176,10 +177,12 @@ def run_real(out: Path, s: RealSettings, gguf: str | None, echo=click.echo,
             "--batch-size", str(s.eval_batch_size), "--json", str(eval_json),
             *(["--limit", str(s.eval_limit)] if s.eval_limit else [])]),
     ]
-    times, stage = {}, data
+    times, records, previous = {}, {"data": data}, "data"
+    reads = {"convert": (), "regenerate": ("data", "convert")}  # else the stage before: the GGUF needs no chats
     for name, label, path, argv in stages:
-        stage = _stage(label, path, stage, argv, echo)
-        times[name] = stage["seconds"]
+        after = [records[r]["settings"] for r in reads.get(name, (previous,))]
+        records[name] = _stage(label, path, after, argv, echo)
+        times[name], previous = records[name]["seconds"], name
         if name == {"train": "export"}.get(stop_after, stop_after):
             echo(f"stopped after {stop_after}; rerun to go on")
             return None

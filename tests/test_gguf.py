@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import shutil
 
 import numpy as np
 import pytest
@@ -311,7 +312,7 @@ def test_demo_real_runs_every_stage_on_the_cpu(tiny_gguf, tmp_path):
     lines.clear()  # two sampled answers to each chat: every stage again, each copy answered apart
     run_real(out, settings.with_overrides(["answers=2", "regen_temperature=1"]), str(tiny_gguf), echo=lines.append,
              stop_after="regenerate")
-    assert not any(": reusing" in line for line in lines)  # the data changed, and the target is converted after it
+    assert [line.split(":")[0].strip() for line in lines if ": reusing" in line] == ["[1/5] convert"]  # new data
     meta = json.loads((out / "regen" / "regenerate.json").read_text())
     answers: dict[str, list] = {}
     for row in load_source(str(out / "regen")):
@@ -321,3 +322,8 @@ def test_demo_real_runs_every_stage_on_the_cpu(tiny_gguf, tmp_path):
     rows = [json.loads(line)["conversations"] for line in (out / "data" / "train.jsonl").read_text().splitlines()]
     assert rows[::2] == rows[1::2] and len(rows) == 60  # side by side: training's held-out rows take both copies
     assert sum(a != b for a, b in answers.values()) >= 0.8 * len(answers)  # six sampled tokens each: they differ
+    lines.clear()  # the same chats, another GGUF file: converted again, and regenerated with the new target
+    shutil.copy(tiny_gguf, tmp_path / "other.gguf")
+    run_real(out, settings.with_overrides(["answers=2", "regen_temperature=1"]), str(tmp_path / "other.gguf"),
+             echo=lines.append, stop_after="regenerate")
+    assert not any(": reusing" in line for line in lines) and (out / "regen" / "regenerate.json").is_file()
