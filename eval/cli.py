@@ -7,6 +7,7 @@ import json
 import logging
 import re
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -111,7 +112,7 @@ def cli(target: str, drafter: str, prompts: tuple[str, ...], spec_sample: int, b
     """Acceptance (tau) of a DFlash drafter per benchmark: replayed over every prompt, checked and
     timed against real speculative decoding on a sample."""
     usable_device(device)
-    benchmarks = parse_benchmarks(list(prompts))
+    started, benchmarks = time.perf_counter(), parse_benchmarks(list(prompts))
     import torch
     from transformers import AutoTokenizer
 
@@ -141,22 +142,30 @@ def cli(target: str, drafter: str, prompts: tuple[str, ...], spec_sample: int, b
         "target": target, "drafter": drafter, "prompts": list(prompts), "split": split,
         "max_new_tokens": max_new_tokens, "spec_sample": spec_sample, "batch_size": batch_size, "capture": capture,
         "device": device, "dtype": dtype, "eos_token_ids": sorted(eos), "block_size": config.block_size,
-        "target_layer_ids": list(config.target_layer_ids)}}
-    lines, decoded, proposer, session = [], [], draft_model, None  # decoded: ("NAME ", row) per real decode
+        "target_layer_ids": list(config.target_layer_ids)}, "seconds": {"load": time.perf_counter() - started}}
+    lines, decoded, timings, proposer, session = [], [], {}, draft_model, None  # decoded: ("NAME ", row) per decode
     if capture and spec_sample:  # one captured pair for every benchmark: each compiles once
         sampled = [p[i] for p in prompt_sets.values() for i in rp.sample_indices(len(p), spec_sample)]
         session, proposer = captured_decoders(model, draft_model, sampled, max_new_tokens)
     for name, ids in prompt_sets.items():
+        started = time.perf_counter()
         replay = rp.replay_benchmark(model, draft_model, ids, max_new_tokens=max_new_tokens, eos_token_ids=eos,
                                      batch_size=batch_size, progress=True)
-        sample = None
+        sample, replayed = None, time.perf_counter()
         if spec_sample:
             sample = rp.spec_sample(model, proposer, ids, replay, spec_sample, max_new_tokens=max_new_tokens,
                                     eos_token_ids=eos, warmup=warmup, progress=True, session=session)
             decoded += [(f"{name} ", row) for row in sample["per_prompt"]]
+        timings[name] = {"replay": replayed - started, **replay["seconds"], "decode": time.perf_counter() - replayed,
+                         "warmup": sample["warmup_seconds"] if sample else 0.0}  # warm-up: compiles and captures
         lines.append(rp.benchmark_line(name, replay, sample))
-        report["benchmarks"][name] = {"summary": lines[-1], "replay": replay, "sample": sample}
+        report["benchmarks"][name] = {"summary": lines[-1], "replay": replay, "sample": sample,
+                                      "seconds": timings[name]}
     click.echo(rp.format_benchmarks(lines))
+    click.echo(f"seconds: load {report['seconds']['load']:.1f}" + "".join(
+        f"; {name} replay {s['replay']:.1f} (generate {s['generate']:.1f}, forward {s['forward']:.1f}, drafter "
+        f"{s['drafter']:.1f}), decode {s['decode']:.1f} (warm-up {s['warmup']:.1f})"
+        for name, s in timings.items()), err=True)
     failed = [f"{name}{r['mismatch']}" for name, r in decoded if not r["lossless"] and not r["tie"]]
     ties = [f"{name}{r['mismatch']}" for name, r in decoded if r["tie"]]
     diverged = [f"{name}{r['divergence']}" for name, r in decoded if r.get("divergence")]

@@ -445,11 +445,12 @@ def evaluate(target, drafter: DFlashDrafter | DFlashProposer, prompts: Sequence[
     not at a tie raises LosslessError; ``session``: ``--capture``'s, with its proposer (``captured_decoders``)."""
     proposer = DFlashProposer(drafter, target) if isinstance(drafter, DFlashDrafter) else drafter
     eos, B = sorted({int(t) for t in eos_token_ids}), proposer.block_size
+    started = time.perf_counter()
     if warmup and prompts:  # first calls pay for allocator growth, kernels, lazy init, graph capture
         for _ in range(2 if session is not None else 1):
             greedy_generate(target, prompts[0], min(4, max_new_tokens), eos, session)
             speculative_generate(target, proposer, prompts[0], min(2 * B, max_new_tokens), eos, session)
-    rows, decodes = [], []
+    rows, decodes, warmup_seconds = [], [], time.perf_counter() - started
     for index, prompt in enumerate(tqdm(prompts, desc="dflash-eval", unit="prompt", disable=not progress)):
         greedy = greedy_generate(target, prompt, max_new_tokens, eos, session)
         spec = speculative_generate(target, proposer, prompt, max_new_tokens, eos, session)
@@ -459,7 +460,8 @@ def evaluate(target, drafter: DFlashDrafter | DFlashProposer, prompts: Sequence[
         if check and mismatch is not None and not tie:
             raise LosslessError(mismatch)
         rows.append({"index": index, "prompt_tokens": len(prompt), "lossless": mismatch is None, "mismatch": mismatch,
-                     "tie": tie, **_summary([spec], [greedy], B), "block_taus": spec.block_taus, "tokens": spec.tokens})
+                     "tie": tie, **_summary([spec], [greedy], B), "block_taus": spec.block_taus, "tokens": spec.tokens,
+                     "greedy_margins": greedy.margins})
         decodes.append((spec, greedy))
     overall = {"prompts": len(rows), "lossless": all(r["lossless"] or r["tie"] for r in rows),
                "ties": sum(r["tie"] for r in rows)}
@@ -468,4 +470,4 @@ def evaluate(target, drafter: DFlashDrafter | DFlashProposer, prompts: Sequence[
     settings = {"block_size": B, "max_new_tokens": max_new_tokens, "eos_token_ids": eos, "capture": session is not None,
                 "target_layer_ids": list(proposer.target_layer_ids), "device": str(device_of(target)),
                 "dtype": str(next(target.parameters()).dtype).removeprefix("torch.")}
-    return {"overall": overall, "per_prompt": rows, "settings": settings}
+    return {"overall": overall, "per_prompt": rows, "settings": settings, "warmup_seconds": warmup_seconds}

@@ -6,6 +6,7 @@ follow from its per-prompt records; the CLI's input errors exit != 0 without a t
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 
@@ -136,6 +137,18 @@ def test_speedup_at_replay_tau_is_every_prompts_tau_at_the_samples_block_cost():
     assert math.isnan(rp.benchmark_line("b", replay, None)["speedup_at_replay_tau"])  # no sample timed
 
 
+def test_an_online_divergence_from_the_replay_names_the_online_greedy_margin(target, drafter, prompts, eos, replayed):
+    """Where the batched replay took another token, the message gives the online 1-token decode's top-2 margin
+    there, computed again here by greedy decoding."""
+    tampered = copy.deepcopy(replayed)
+    tampered["per_prompt"][0]["tokens"][3] += 1
+    row = rp.spec_sample(target, drafter, prompts, tampered, 1, max_new_tokens=MAX_NEW, eos_token_ids=eos,
+                         warmup=False)["per_prompt"][0]
+    margin = spec.greedy_generate(target, prompts[0], MAX_NEW, eos).margins[3]
+    assert row["lossless"] and "online vs batched: speculative output differs from greedy at new token 3" in \
+        row["divergence"] and f"greedy top-2 logit margin there {margin:.3g})" in row["divergence"]
+
+
 def test_a_divergence_is_reported_where_it_starts():
     assert rp.first_divergence([2, 3, 1], [2, 3, 1]) is None
     message = rp.first_divergence([2, 3, 1, 4], [2, 2, 2, 4])
@@ -182,6 +195,11 @@ def test_cli_two_benchmarks(tiny_target_dir, export, chats_sample_path, tmp_path
         assert f"whole block {sum(steps.values()):.2f}, so replay tau runs at " \
                f"{summary['tau'] / sum(steps.values()):.2f}x" in result.output
     assert "online tau" in result.output and "tau histogram" in result.output
+    assert data["seconds"]["load"] > 0  # where the command's time went, printed as reported
+    for name in ("chats", "questions"):
+        s = data["benchmarks"][name]["seconds"]
+        assert 0 < s["generate"] + s["forward"] + s["drafter"] <= s["replay"] and 0 <= s["warmup"] < s["decode"]
+        assert f"{name} replay {s['replay']:.1f} (generate {s['generate']:.1f}," in result.output
 
 
 def test_cli_fails_in_float32_when_the_replay_disagrees(tiny_target_dir, export, chats_sample_path, monkeypatch):
