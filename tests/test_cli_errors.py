@@ -53,6 +53,27 @@ def test_train_layers_out_of_order(cache, tmp_path):
     assert not (tmp_path / "run").exists()
 
 
+@pytest.mark.parametrize("flag,value,rule", [
+    ("--batch-size", 0, "at least 1"), ("--micro-batch-size", 0, "at least 1"), ("--eval-every", 0, "at least 1"),
+    ("--save-every", 0, "at least 1"), ("--log-every", 0, "at least 1"), ("--max-steps", 0, "at least 1"),
+    ("--num-draft-layers", 0, "at least 1"), ("--num-workers", -1, "0 or more"), ("--grad-clip", -1, "0 or more"),
+    ("--lr", -1, "above 0"), ("--epochs", 0, "above 0"), ("--gamma", 0, "above 0"), ("--peak-tflops", 0, "above 0"),
+    ("--warmup-ratio", 2, "within [0, 1]"), ("--beta2", 1, "within [0, 1)")])
+def test_train_numbers_out_of_range_are_refused_before_training(cache, tmp_path, flag, value, rule):
+    """Each of these once ended in a traceback (a division by zero), a refusal from inside torch that named no
+    setting, or a run that trained something else than asked (0 epochs ran a step)."""
+    refused(train_cli, ["run", "--cache", cache, "--out", tmp_path / "run", "--preset", "tiny", flag, value],
+            f"{flag[2:].replace('-', '_')} must be {rule}, got {value}")
+    assert not (tmp_path / "run").exists()
+
+
+def test_train_numbers_at_the_edge_of_their_range_are_taken():
+    from dflash.train.config import tiny
+
+    tiny().override(grad_clip=0.0, weight_decay=0.0, eval_samples=0, num_workers=0, keep_checkpoints=0,
+                    warmup_ratio=0.0, min_lr_ratio=1.0, beta1=0.0, kd_weight=1.0, max_steps=1, lr=1e-9).validate()
+
+
 def test_train_target_folder_missing(cache, tmp_path):
     missing = tmp_path / "no_target"
     refused(train_cli, ["run", "--cache", cache, "--out", tmp_path / "run", "--preset", "tiny",

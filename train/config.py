@@ -119,16 +119,24 @@ class TrainConfig:
         return self
 
     def validate(self) -> None:
+        """Raise ValueError naming the first setting that cannot work."""
         b = self.data.context_buckets
         if not b or any(x <= 0 for x in b) or sorted(set(b)) != list(b):
             raise ValueError(f"context_buckets must be increasing positive lengths, got {b}")
         if self.drafter.block_size < 2:
             raise ValueError("block_size must be at least 2 (an anchor and one prediction)")
         check_choices(self)
-        if not 0.0 <= self.drafter.kd_weight <= 1.0:
-            raise ValueError(f"kd_weight must be within [0, 1], got {self.drafter.kd_weight}")
-        if self.data.max_anchors < 1:
-            raise ValueError("max_anchors must be at least 1")
+        values = {k: v for s in (self.drafter, self.data, self.optim, self.runtime) for k, v in vars(s).items()}
+        for names, ok, want in (
+                ("num_draft_layers max_anchors batch_size micro_batch_size train_samples prefetch_factor max_steps "
+                 "ce_chunk_size log_every eval_every save_every stop_after", lambda v: v >= 1, "at least 1"),
+                ("eval_samples num_workers weight_decay grad_clip keep_checkpoints", lambda v: v >= 0, "0 or more"),
+                ("gamma lr epochs peak_tflops", lambda v: v > 0, "above 0"),
+                ("kd_weight min_lr_ratio warmup_ratio", lambda v: 0 <= v <= 1, "within [0, 1]"),
+                ("beta1 beta2", lambda v: 0 <= v < 1, "within [0, 1)")):
+            for name in names.split():
+                if values[name] is not None and not ok(values[name]):
+                    raise ValueError(f"{name} must be {want}, got {values[name]}")
 
 
 def dflash_recipe() -> TrainConfig:
