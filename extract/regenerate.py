@@ -88,6 +88,8 @@ class RegenConfig:
         if self.self_prompts and (self.endpoint is not None or self.model is None):
             raise ValueError("--self-prompts needs the target in process: give --model, without --endpoint (a chat "
                              "API cannot continue a bare user header)")
+        if self.endpoint is not None and not self.endpoint.startswith(("http://", "https://")):
+            raise ValueError(f"--endpoint {self.endpoint}: give the server's base URL, e.g. http://HOST:8000/v1")
         if self.endpoint is None and self.model is None:
             raise ValueError("give --model (in process) or --endpoint (a server)")
         if self.data is None and not self.self_prompts:
@@ -393,6 +395,10 @@ class LocalEngine:
         tokenizer = AutoTokenizer.from_pretrained(cfg.model) if tokenizer is None else tokenizer
         model = load_target(cfg.model, dtype=gen.dtype, device=cfg.device) if model is None else model
         self.cfg, self.model, self.tokenizer, self.batches = cfg, model, tokenizer, []
+        room = model.config.max_position_embeddings
+        if gen.max_new_tokens + (gen.max_prompt_tokens or 1) > room:  # past it, positions the target never saw
+            raise ValueError(f"--max-new-tokens {gen.max_new_tokens} after a prompt of {gen.max_prompt_tokens or 1} "
+                             f"(--max-prompt-tokens) runs past the target's {room} positions (max_position_embeddings)")
         self.batch_size = cfg.batch_size or BATCH_SIZE.get(model.device.type, BATCH_SIZE["cpu"])
         dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
         self.fingerprint = target_fingerprint(cfg.model, model.config.to_dict(), dtype)

@@ -111,6 +111,27 @@ def test_eval_target_and_drafter_not_there(tiny_target_dir, cache, tmp_path, cha
             "--drafter", cache)
 
 
+def test_eval_new_tokens_past_the_targets_positions(tiny_target_dir, drafter, chats_sample_path):
+    """One position past max_position_embeddings (prompt, new tokens and a last block) is refused up front."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    from dflash.eval.cli import load_prompts
+
+    prompt = load_prompts(str(chats_sample_path), AutoTokenizer.from_pretrained(tiny_target_dir), limit=1)[0]
+    new = AutoConfig.from_pretrained(tiny_target_dir).max_position_embeddings - len(prompt) - 4 + 1  # block of 4
+    refused(eval_cli, ["--target", tiny_target_dir, "--drafter", drafter, "--prompts", chats_sample_path, "--limit",
+                       1, "--max-new-tokens", new], "--max-new-tokens", f"({len(prompt)} tokens), {new} new tokens")
+
+
+def test_regenerate_new_tokens_past_the_targets_positions(tiny_target_dir, chats_sample_path, tmp_path):
+    from transformers import AutoConfig
+
+    room = AutoConfig.from_pretrained(tiny_target_dir).max_position_embeddings
+    refused(regenerate_cli, ["--data", chats_sample_path, "--model", tiny_target_dir, "--out", tmp_path / "out",
+                             "--max-new-tokens", room - 99, "--max-prompt-tokens", 100],
+            f"--max-new-tokens {room - 99} after a prompt of 100 (--max-prompt-tokens) runs past the target's {room}")
+
+
 def test_regenerate_model_folder_missing(chats_sample_path, tmp_path):
     refused(regenerate_cli, ["--data", chats_sample_path, "--model", tmp_path / "none", "--out", tmp_path / "out"],
             "--model", tmp_path / "none")

@@ -268,6 +268,8 @@ def test_train_flags_override_only_what_is_given_over_the_preset(tmp_path):
 def test_usage_errors_from_validate_and_missing_model_or_endpoint(tmp_path):
     missing = CliRunner().invoke(regenerate_cli, ["--data", "d", "--out", str(tmp_path / "o")])
     assert missing.exit_code == 2 and "give --model (in process) or --endpoint (a server)" in missing.output
+    no_url = CliRunner().invoke(regenerate_cli, ["--data", "d", "--out", str(tmp_path / "o"), "--endpoint", "host:8000"])
+    assert no_url.exit_code == 2 and "--endpoint host:8000: give the server's base URL" in no_url.output
     zero = CliRunner().invoke(extract_main, ["--data", "d", "--model", "m", "--out", "o", "--topk", "0"])
     assert zero.exit_code == 2 and "topk must be at least 1, got 0" in zero.output
     no_file = CliRunner().invoke(eval_cli, ["--target", "t", "--drafter", str(tmp_path / "nope"), "--prompts", "p"])
