@@ -1,6 +1,7 @@
 """Export format (the DFlashDraftModel folder SGLang and vLLM load) and the round trip export -> load_exported."""
 
 import json
+import shutil
 
 import pytest
 import torch
@@ -114,6 +115,30 @@ def test_bf16_export(tmp_path):
     assert json.loads((out / "config.json").read_text())["torch_dtype"] == "bfloat16"
     loaded, _ = load_exported(out)
     assert loaded.fc.weight.dtype == torch.bfloat16
+
+
+def test_export_goes_over_an_earlier_export_only(tmp_path, tiny_target_dir):
+    """A second export replaces the first; a folder holding another config.json (the target's, a training run's,
+    one that is not JSON) is refused, every byte of it left as it was."""
+    cfg = small_config()
+    first, second = DFlashDrafter(cfg), DFlashDrafter(cfg)
+    with torch.no_grad():
+        second.fc.weight.add_(1.0)
+    out = export_drafter(second, cfg, export_drafter(first, cfg, tmp_path / "export"))
+    assert torch.equal(load_exported(out)[0].fc.weight, second.fc.weight)
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors"]
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.json").write_text(json.dumps({"cache": "c", "drafter": {}}))
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "config.json").write_text("{not json")
+    target = shutil.copytree(tiny_target_dir, tmp_path / "target")  # a copy: the shared one must stay whole
+    for folder in (target, run, broken):
+        before = {p.name: p.read_bytes() for p in folder.iterdir()}
+        with pytest.raises(ValueError, match="not a DFlash drafter's"):
+            export_drafter(first, cfg, folder)
+        assert {p.name: p.read_bytes() for p in folder.iterdir()} == before
 
 
 def test_load_rejects_bad_names_and_shapes(exported):

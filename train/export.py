@@ -101,14 +101,26 @@ def config_from_export_dict(data: dict) -> DrafterConfig:
 
 def export_drafter(drafter: DFlashDrafter, config: DrafterConfig, out_dir: str | os.PathLike,
                    dtype: torch.dtype | None = None) -> Path:
-    """Write config.json + model.safetensors of the plain drafter (cast to ``dtype``) to ``out_dir``."""
+    """Write config.json + model.safetensors of the plain drafter (cast to ``dtype``) to ``out_dir``: a new folder
+    or an earlier export, never another model's folder or a run's; each file whole or not at all."""
     state = drafter.state_dict()
     _check_names_and_shapes(state, config, "drafter state_dict")
     dtype = dtype or next(iter(state.values())).dtype
     tensors = {name: t.detach().to("cpu", dtype).contiguous() for name, t in state.items()}
-    (out := Path(out_dir)).mkdir(parents=True, exist_ok=True)
-    save_file(tensors, str(out / WEIGHTS_NAME), metadata={"format": "pt"})
-    (out / CONFIG_NAME).write_text(json.dumps(export_config_dict(config, dtype), indent=2) + "\n")
+    out = Path(out_dir)
+    if (out / CONFIG_NAME).exists():
+        try:
+            ours = json.loads((out / CONFIG_NAME).read_text()).get("architectures") == [ARCHITECTURE]
+        except (OSError, ValueError, AttributeError):  # unreadable, not JSON, not a JSON object
+            ours = False
+        if not ours:
+            raise ValueError(f"{out} holds a {CONFIG_NAME} that is not a DFlash drafter's (a target's, or a training "
+                             "run's?); export into a new folder or over an earlier export")
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(out / f".{WEIGHTS_NAME}.partial"), metadata={"format": "pt"})
+    (out / f".{CONFIG_NAME}.partial").write_text(json.dumps(export_config_dict(config, dtype), indent=2) + "\n")
+    for name in (WEIGHTS_NAME, CONFIG_NAME):  # each written whole, then renamed into place
+        os.replace(out / f".{name}.partial", out / name)
     return out
 
 
