@@ -141,11 +141,17 @@ def run_real(out: Path, s: RealSettings, gguf: str | None, echo=click.echo,
              stop_after: str | None = None) -> dict | None:
     """Every step: OUT/summary.json, or None after ``stop_after``'s stage (train: after its export)."""
     t0 = time.perf_counter()
+    train_flags = [f"--{k.replace('_', '-')}={_flag_value(v)}" for k, v in s.train.items()]
+    checked = subprocess.run([sys.executable, "-m", "dflash.train.cli", "run", "--preset", s.preset, *train_flags,
+                              "--print-config"], capture_output=True, text=True)  # now, not at the fourth stage
+    if checked.returncode:
+        raise click.BadParameter(f"dflash-train run refuses the train settings: "
+                                 f"{(checked.stderr.strip().splitlines() or ['?'])[-1].removeprefix('Error: ')}",
+                                 param_hint="--set")
     out.mkdir(parents=True, exist_ok=True)
     data = prepare(out / "data", s)
     target, regen, cache, run, export = (out / n for n in ("target", "regen", "cache.zarr", "run", "export"))
     eval_json = out / "eval.json"
-    train_flags = [f"--{k.replace('_', '-')}={_flag_value(v)}" for k, v in s.train.items()]
     benchmarks = {name: str(out / "data" / f"{name}.jsonl") for name in ("mtbench", "humaneval", "sharegpt")}
     stages = [  # (name, label, output, command)
         ("convert", "[1/5] convert", target,

@@ -6,7 +6,9 @@ asking a held-out prompt, is trained on."""
 from __future__ import annotations
 
 import json
+import re
 
+import click
 import pytest
 
 from dflash.eval.demo_real import RealSettings, prepare, sharegpt_chat
@@ -87,8 +89,18 @@ def test_turns_keeps_each_chat_up_to_its_nth_user_turn(tmp_path):
 @pytest.mark.parametrize("settings", [dict(answers=2), dict(answers=0, regen_temperature=1.0), dict(turns=0)])
 def test_settings_that_would_train_on_nothing_or_on_copies_are_refused(tmp_path, settings):
     """Two greedy answers to one prompt are one answer twice, no answer is no data, and turns=0 keeps no turn."""
-    import click
-
     with pytest.raises(click.BadParameter, match=f"{next(iter(settings))}="):
         prepare(tmp_path / "data", RealSettings(**settings))
     assert not (tmp_path / "data").exists()
+
+
+@pytest.mark.parametrize("setting,said", [("train.nosuch=1", "No such option '--nosuch'"),
+                                          ("train.batch_size=0", "batch_size must be at least 1, got 0"),
+                                          ("train.lr=abc", "'abc' is not a valid float")])
+def test_train_settings_are_checked_by_dflash_train_before_any_stage(tmp_path, setting, said):
+    """Refused at once, in dflash-train's own words, not at the fourth stage after minutes of GPU time."""
+    from dflash.eval.demo_real import run_real
+
+    with pytest.raises(click.BadParameter, match=re.escape(said)):
+        run_real(tmp_path / "real", RealSettings().with_overrides([setting]), "/no/such.gguf")
+    assert not (tmp_path / "real").exists()

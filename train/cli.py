@@ -36,7 +36,7 @@ def cli():
               "defaults shown are the dflash preset's, the recipe for 8B-class targets; small: a small target on "
               "one GPU (block 8, 3 layers, shorter contexts, 12 loader workers); tiny: CPU tests); flags override "
               "its fields.")
-@click.option("--print-config/--no-print-config", default=False, help="Print the resolved config as JSON and exit.")
+@click.option("--print-config/--no-print-config", default=False, help="Print the resolved config, checked, as JSON and exit.")
 @click.option("--cache", help="Path of the hidden-state cache (Zarr) written by dflash-extract.")
 @click.option("--target", type=ModelPath(), help="Target model folder or name (config, tokenizer, embedding, LM "
               "head); default: the one the cache records.")
@@ -111,13 +111,12 @@ def run(ctx: click.Context, preset: str, print_config: bool, **values):
     """Train (or resume, from RUN/checkpoints/latest) a drafter."""
     cfg = config_mod.PRESETS[preset]()
     cfg.override(**{k: v for k, v in values.items() if ctx.get_parameter_source(k) is ParameterSource.COMMANDLINE})
-    if print_config:
+    if validated(cfg) and print_config:
         click.echo(cfg.to_json())
         return
     for required in ("cache", "out"):
         if not getattr(cfg, required):
             raise click.UsageError(f"--{required} is required")
-    validated(cfg)
     usable_device(cfg.runtime.device)
     logging.basicConfig(level=logging.INFO if os.environ.get("RANK", "0") == "0" else logging.WARNING,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -126,9 +125,9 @@ def run(ctx: click.Context, preset: str, print_config: bool, **values):
     from .loop import train
 
     summary = train(cfg)  # a bad cache, target or flag value is one line (shared.cli.Command), not a traceback
-    if summary["eval"] is not None:
-        click.echo(f"done: step {summary['step']}/{summary['total_steps']}, eval loss {summary['eval']['loss']:.4f}, "
-                   f"tau {summary['eval']['tau']:.3f}", err=True)
+    ev, step, total = summary["eval"], summary["step"], summary["total_steps"]
+    click.echo((f"done: step {step}/{total}" if step == total else f"stopped at step {step}/{total} (rerun to go on)")
+               + (f", eval loss {ev['loss']:.4f}, tau {ev['tau']:.3f}" if ev else ", no held-out evaluation"), err=True)
 
 
 @cli.command()
