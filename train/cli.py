@@ -36,7 +36,8 @@ def cli():
               "defaults shown are the dflash preset's, the recipe for 8B-class targets; small: a small target on "
               "one GPU (block 8, 3 layers, shorter contexts, 12 loader workers); tiny: CPU tests); flags override "
               "its fields.")
-@click.option("--print-config/--no-print-config", default=False, help="Print the resolved config, checked, as JSON and exit.")
+@click.option("--print-config/--no-print-config", default=False, help="Print the resolved config, checked, as JSON "
+              "and exit.")
 @click.option("--cache", help="Path of the hidden-state cache (Zarr) written by dflash-extract.")
 @click.option("--target", type=ModelPath(), help="Target model folder or name (config, tokenizer, embedding, LM "
               "head); default: the one the cache records.")
