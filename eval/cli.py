@@ -136,9 +136,9 @@ def cli(target: str, drafter: str, prompts: tuple[str, ...], spec_sample: int, b
     with reading("--drafter"):
         draft_model, config = load_drafter(drafter, device=device, dtype=getattr(torch, dtype))
     eos = stop_token_ids(model, tokenizer)
-    room = model.config.max_position_embeddings
+    room = getattr(model.config, "max_position_embeddings", None)  # past it, positions the target never saw
     longest = max(len(p) for ids in prompt_sets.values() for p in ids)
-    if longest + max_new_tokens + config.block_size > room:  # past it, RoPE positions the target never trained on
+    if room and longest + max_new_tokens + config.block_size > room:
         raise click.BadParameter(f"the longest prompt ({longest} tokens), {max_new_tokens} new tokens and a block of "
                                  f"{config.block_size} run past the target's {room} positions (max_position_embeddings)"
                                  "; lower it, or --limit the prompts", param_hint="--max-new-tokens")

@@ -395,8 +395,8 @@ class LocalEngine:
         tokenizer = AutoTokenizer.from_pretrained(cfg.model) if tokenizer is None else tokenizer
         model = load_target(cfg.model, dtype=gen.dtype, device=cfg.device) if model is None else model
         self.cfg, self.model, self.tokenizer, self.batches = cfg, model, tokenizer, []
-        room = model.config.max_position_embeddings
-        if gen.max_new_tokens + (gen.max_prompt_tokens or 1) > room:  # past it, positions the target never saw
+        room = getattr(model.config, "max_position_embeddings", None)  # None: a model without a position limit
+        if room and gen.max_new_tokens + (gen.max_prompt_tokens or 1) > room:  # past it, positions the target never saw
             raise ValueError(f"--max-new-tokens {gen.max_new_tokens} after a prompt of {gen.max_prompt_tokens or 1} "
                              f"(--max-prompt-tokens) runs past the target's {room} positions (max_position_embeddings)")
         self.batch_size = cfg.batch_size or BATCH_SIZE.get(model.device.type, BATCH_SIZE["cpu"])
