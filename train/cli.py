@@ -112,7 +112,8 @@ def run(ctx: click.Context, preset: str, print_config: bool, **values):
     """Train (or resume, from RUN/checkpoints/latest) a drafter."""
     cfg = config_mod.PRESETS[preset]()
     cfg.override(**{k: v for k, v in values.items() if ctx.get_parameter_source(k) is ParameterSource.COMMANDLINE})
-    if validated(cfg) and print_config:
+    validated(cfg)
+    if print_config:
         click.echo(cfg.to_json())
         return
     for required in ("cache", "out"):
