@@ -129,7 +129,7 @@ def run(ctx: click.Context, preset: str, print_config: bool, **values):
     summary = train(cfg)  # a bad cache, target or flag value is one line (shared.cli.Command), not a traceback
     ev, step, total = summary["eval"], summary["step"], summary["total_steps"]
     click.echo((f"done: step {step}/{total}" if step == total else f"stopped at step {step}/{total} (rerun to go on)")
-               + (f", eval loss {ev['loss']:.4f}, tau {ev['tau']:.3f}" if ev else ", no held-out evaluation"), err=True)
+               + (f", eval loss {ev['loss']:.4f}, tau {ev['tau']:.3f}" if ev else ""), err=True)
 
 
 @cli.command()
