@@ -16,6 +16,7 @@ from dflash.shared import cache as C
 from dflash.shared.cache import CacheReader
 from dflash.shared.fingerprint import tokenizer_fingerprint
 from dflash.train import metrics
+from dflash.train.config import tiny
 from dflash.train.data import (AnchorDataset, Collate, GlobalBatchSampler, Split, draw_anchors, held_out_batches,
                                make_loader, truncate_sample)
 from dflash.train.step import StepSpec, block_inputs, block_loss, labels_and_weights
@@ -127,8 +128,8 @@ def test_held_out_split_by_source_row_not_cache_order():
     assert small.train.tolist() == [i for i in range(10) if source[i] < 4]
     assert small.held_out.tolist() == split.held_out.tolist()
     assert Split.of(len(source), 3, source, train_samples=100).train.tolist() == split.train.tolist()
-    with pytest.raises(ValueError):
-        Split.of(10, 3, source, train_samples=0)
+    with pytest.raises(ValueError, match="train_samples must be at least 1, got 0"):  # checked with the config
+        tiny().override(train_samples=0).validate()
 
 
 def test_acceptance_stops_at_the_end_of_the_turn():

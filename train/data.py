@@ -228,8 +228,6 @@ def held_out_count(num_samples: int, eval_samples: int | None) -> int:
     """``eval_samples``, else min(64, a tenth of the cache) and at least 1; one always left to train on."""
     if eval_samples is None:
         eval_samples = max(1, min(DEFAULT_EVAL_SAMPLES, int(num_samples * 0.1)))
-    if eval_samples < 0:
-        raise ValueError(f"eval_samples must be 0 or more, got {eval_samples}")
     return min(eval_samples, max(num_samples - 1, 0))
 
 
@@ -246,8 +244,6 @@ class Split:
         """By ``source_index`` (source rows) when given, not cache order (longest first, by shard);
         ``train_samples`` keeps the first N training samples by source row."""
         n_eval = held_out_count(num_samples, eval_samples)
-        if train_samples is not None and train_samples < 1:
-            raise ValueError(f"train_samples must be 1 or more, got {train_samples}")
         by_row = np.arange(num_samples) if source_index is None else np.argsort(np.asarray(source_index), kind="stable")
         train = np.sort(by_row[: num_samples - n_eval][:train_samples])
         return cls(train=train, held_out=by_row[num_samples - n_eval:])

@@ -22,8 +22,6 @@ def block_labels(input_ids: torch.Tensor, loss_mask: torch.Tensor, seq_len: torc
     """(Bsz, N, B) labels input_ids[b, anchors[b, n] + k] and weights exp(-(k - 1) / gamma); weight 0
     and label -100 at k = 0, past seq_len, off the loss mask and in invalid blocks."""
     gamma = default_gamma(block_size) if gamma is None else float(gamma)
-    if gamma <= 0:
-        raise ValueError(f"gamma must be positive, got {gamma}")
     bsz, total = input_ids.shape
     device = input_ids.device
     slot = torch.arange(block_size, device=device)  # (B,)
