@@ -174,8 +174,7 @@ def spec_sample(target, drafter: DFlashDrafter, prompts: Sequence[Sequence[int]]
         row.update(index=i, replay_tau=replayed["tau"], tokens_equal=row["tokens"] == replayed["tokens"],
                    taus_equal=row["block_taus"] == replayed["block_taus"])
         taus = first_divergence(replayed["block_taus"], row["block_taus"])
-        margins = row["greedy_margins"] if row["lossless"] else ()  # the online greedy's, where it took these tokens
-        row["divergence"] = (mismatch_message(row["tokens"], replayed["tokens"], margins,
+        row["divergence"] = (mismatch_message(row["tokens"], replayed["tokens"], row["greedy_margins"],
                                               where=f"prompt {i}: online vs batched")
                              or (taus and f"prompt {i}: {taus}"))
     result["indices"] = indices

@@ -461,7 +461,7 @@ def evaluate(target, drafter: DFlashDrafter | DFlashProposer, prompts: Sequence[
             raise LosslessError(mismatch)
         rows.append({"index": index, "prompt_tokens": len(prompt), "lossless": mismatch is None, "mismatch": mismatch,
                      "tie": tie, **_summary([spec], [greedy], B), "block_taus": spec.block_taus, "tokens": spec.tokens,
-                     "greedy_margins": greedy.margins})
+                     "greedy_margins": greedy.margins[:first + 1]})  # up to where greedy and speculative part
         decodes.append((spec, greedy))
     overall = {"prompts": len(rows), "lossless": all(r["lossless"] or r["tie"] for r in rows),
                "ties": sum(r["tie"] for r in rows)}

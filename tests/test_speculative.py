@@ -216,6 +216,7 @@ def test_divergence_at_a_logit_tie_is_counted_not_raised(target, drafter, prompt
     result = spec.evaluate(tied, drafter, prompts[:1], max_new_tokens=MAX_NEW, warmup=False)
     row = result["per_prompt"][0]
     assert not row["lossless"] and row["tie"] and f"new token {at} " in row["mismatch"]
+    assert row["greedy_margins"] == greedy.margins[:at + 1]  # only where greedy took the speculative tokens
     assert result["overall"]["lossless"] is True and result["overall"]["ties"] == 1
     monkeypatch.setattr(spec, "speculative_generate",
                         diverging_at(clear, lambda t: (t + 1) % tied.config.vocab_size))
