@@ -61,8 +61,9 @@ class Overridable:
             if entry and head in dict_fields:
                 getattr(s, head)[entry] = value
             elif not entry and head in hints and head not in dict_fields:
-                least = 1 if head in self.at_least_one else 0
-                if not _fits(value, hints[head]) or type(value) in (int, float) and value < least:
+                least = 1 if head in self.at_least_one else 0  # a list's numbers too (layer ids)
+                numbers = [v for v in (value if isinstance(value, list) else [value]) if type(v) in (int, float)]
+                if not _fits(value, hints[head]) or any(v < least for v in numbers):
                     hint, kinds = hints[head], typing.get_args(hints[head]) or (hints[head],)
                     want = (f"one of {', '.join(map(repr, kinds))}" if typing.get_origin(hint) is typing.Literal else
                             getattr(hint, "__name__", str(hint)) + f" >= {least}" * bool({int, float} & set(kinds)))
