@@ -357,6 +357,10 @@ def plot_curves(run_dir: Path, png: Path, online: float | None = None, replay: f
 def run_demo(out: str | Path, settings: DemoSettings | None = None, echo=click.echo) -> dict:
     """All seven steps; returns (and writes) OUT/summary.json."""
     s, out, t0 = settings or DemoSettings.full(), Path(out), time.perf_counter()
+    try:  # the drafter's settings, checked before the target and the cache are built
+        tiny().override(**s.train_overrides()).validate()
+    except (KeyError, ValueError) as e:
+        raise click.BadParameter(e.args[0], param_hint="--set") from None
     out.mkdir(parents=True, exist_ok=True)
     data = step_data(out, s, echo)
     target, built = step_target(out, s, data / "train.jsonl", echo)

@@ -147,6 +147,16 @@ def test_step_marker_reuses_only_the_same_settings(tmp_path):
     assert demo._fresh(step, {"a": 2, "path": tmp_path}) is None and not step.exists() and demo._read(step) is None
 
 
+@pytest.mark.parametrize("setting,said", [("train.nosuch=1", "TrainConfig has no field 'nosuch'"),
+                                          ("train.lr=abc", "lr must be above 0, got 'abc'")])
+def test_drafter_settings_are_checked_before_any_step(tmp_path, setting, said):
+    import click
+
+    with pytest.raises(click.BadParameter, match=said):
+        demo.run_demo(tmp_path / "demo", demo.DemoSettings.small().with_overrides([setting]))
+    assert not (tmp_path / "demo").exists()
+
+
 def test_settings_overrides():
     s = demo.DemoSettings.full()
     changed = s.with_overrides(["train.num_draft_layers=2", "layer_ids=[0,2]", "n_train=100",

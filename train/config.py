@@ -135,8 +135,9 @@ class TrainConfig:
                 ("kd_weight min_lr_ratio warmup_ratio", lambda v: 0 <= v <= 1, "within [0, 1]"),
                 ("beta1 beta2", lambda v: 0 <= v < 1, "within [0, 1)")):
             for name in names.split():
-                if values[name] is not None and not ok(values[name]):
-                    raise ValueError(f"{name} must be {want}, got {values[name]}")
+                v = values[name]
+                if v is not None and not (isinstance(v, (int, float)) and not isinstance(v, bool) and ok(v)):
+                    raise ValueError(f"{name} must be {want}, got {v!r}")
 
 
 def dflash_recipe() -> TrainConfig:
