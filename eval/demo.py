@@ -361,6 +361,12 @@ def run_demo(out: str | Path, settings: DemoSettings | None = None, echo=click.e
         tiny().override(**s.train_overrides()).validate()
     except (KeyError, ValueError) as e:
         raise click.BadParameter(e.args[0], param_hint="--set") from None
+    hints = typing.get_type_hints(dt.DemoTargetConfig)  # and the target's
+    for key, value in s.target.items():
+        if key not in hints or not _fits(value, hints[key]):
+            fields = ", ".join(f"{k} ({t.__name__})" for k, t in hints.items())
+            raise click.BadParameter(f"target.{key}={value!r}: the target's settings are {fields}",
+                                     param_hint="--set")
     out.mkdir(parents=True, exist_ok=True)
     data = step_data(out, s, echo)
     target, built = step_target(out, s, data / "train.jsonl", echo)

@@ -148,7 +148,9 @@ def test_step_marker_reuses_only_the_same_settings(tmp_path):
 
 
 @pytest.mark.parametrize("setting,said", [("train.nosuch=1", "TrainConfig has no field 'nosuch'"),
-                                          ("train.lr=abc", "lr must be above 0, got 'abc'")])
+                                          ("train.lr=abc", "lr must be above 0, got 'abc'"),
+                                          ("target.nosuch=1", "target.nosuch=1: the target's settings are "),
+                                          ("target.hidden_size=wide", "target.hidden_size='wide'")])
 def test_drafter_settings_are_checked_before_any_step(tmp_path, setting, said):
     import click
 
@@ -177,7 +179,8 @@ def test_settings_overrides():
     assert RealSettings().with_overrides(["regen_temperature=1"]).regen_temperature == 1  # an int where a float goes
     for bad, said in (("regen_temperature=-0.5", "expected float >= 0"), ("regen_temperature=hot", "float >= 0"),
                       ("turns=1.5", "int | None >= 0"), ("eval_batch_size=0", "expected int >= 1"),
-                      ("eval_limit=0", "int | None >= 1"), ("hidden_codec=int5", "one of 'bf16', 'fp8', 'int8', 'int4'"),
+                      ("eval_limit=0", "int | None >= 1"),
+                      ("hidden_codec=int5", "one of 'bf16', 'fp8', 'int8', 'int4'"),
                       ("device=tpu", "one of 'cuda', 'cpu'"), ("at_least_one=[]", "not a demo setting"),
                       ("layers=[1,-2]", "'layers=[1,-2]': expected list[int] | None")):
         with pytest.raises(click.BadParameter, match=re.escape(said)):
