@@ -73,6 +73,8 @@ def prepare(data: Path, s: RealSettings) -> dict:
                                  "the same prompt are the same)", param_hint="--set")
     if s.turns == 0:
         raise click.BadParameter("turns=0: 1 or more, or null for every turn", param_hint="--set")
+    if s.conversations == 0 and not s.self_prompts:
+        raise click.BadParameter("conversations=0 without self_prompts: nothing to train on", param_hint="--set")
     settings = {"conversations": s.conversations, "heldout": s.heldout, "chats": "from the first user turn, 99% ASCII",
                 **({"turns": s.turns} if s.turns is not None else {}),  # unset: as data prepared before the setting
                 **({"answers": s.answers} if s.answers != 1 else {})}
