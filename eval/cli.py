@@ -116,7 +116,7 @@ def cli(target: str, drafter: str, prompts: tuple[str, ...], spec_sample: int, b
     import torch
     from transformers import AutoTokenizer
 
-    from dflash.extract.chat import stop_token_ids
+    from dflash.extract.chat import check_template_kwargs, stop_token_ids
     from dflash.extract.target import load_target
 
     from . import replay_eval as rp
@@ -125,6 +125,10 @@ def cli(target: str, drafter: str, prompts: tuple[str, ...], spec_sample: int, b
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     dtype = dtype if dtype != "auto" else ("bfloat16" if device.startswith("cuda") else "float32")
     capture = device.startswith("cuda") if capture is None else capture  # uncaptured, launches decide the speed
+    try:
+        check_template_kwargs(template_kwargs)
+    except ValueError as e:
+        raise click.UsageError(str(e)) from None
     tokenizer = AutoTokenizer.from_pretrained(target)
     prompt_sets = {}
     for name, data in benchmarks:

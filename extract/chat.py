@@ -17,6 +17,11 @@ import numpy as np
 from .data import Conversation, DataError, SkippedSample
 
 _GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")
+RESERVED_TEMPLATE_KWARGS = frozenset({  # arguments of apply_chat_template itself
+    "conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
+    "continue_final_message", "tokenize", "padding", "truncation", "max_length", "return_tensors",
+    "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs",
+})
 # tokenizer -> {(template, template kwargs, end_of_turn override): TurnMarkers, or why the probe failed}
 _MARKERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 # Plain lowercase ASCII words: templates trim, strip and split contents, never these.
@@ -24,6 +29,14 @@ _PROBE_USER = ("qzxprobeuserone", "qzxprobeusertwo")
 _PROBE_ASSISTANT = ("qzxprobereplyone", "qzxprobereplytwo")
 _PROBE_SYSTEM = "qzxprobesystem"
 _PROBE_TOOL = ("qzxprobetool", "qzxprobetoolresult", "qzxcall01")  # name, result, call id (Mistral wants 9 chars)
+
+
+def check_template_kwargs(template_kwargs: dict) -> None:
+    """Raise ValueError where ``--template-kwargs`` sets an argument of apply_chat_template, which every command
+    sets itself (passed twice, the template call fails on every row)."""
+    if reserved := sorted(RESERVED_TEMPLATE_KWARGS & set(template_kwargs)):
+        raise ValueError(f"--template-kwargs cannot set {reserved}: each command sets those arguments of "
+                         "apply_chat_template itself")
 
 
 class TurnNotFound(ValueError):

@@ -10,16 +10,13 @@ from dflash.shared.cli import check_choices
 from dflash.shared.compression import ZSTD_LEVELS, HiddenCodecName, ScaleDtype, TopkDtype
 from dflash.shared.layers import check_layer_ids, default_layer_ids  # extraction's default, shared with training
 
+from .chat import check_template_kwargs
+
 Truncation = Literal["right", "skip", "error"]
 BadRowPolicy = Literal["error", "skip"]
 Dtype = Literal["bfloat16", "float16", "float32"]
 Device = Literal["cuda", "cpu"]
 TRUNCATION_POLICIES, BAD_ROW_POLICIES, DTYPES = get_args(Truncation), get_args(BadRowPolicy), get_args(Dtype)
-RESERVED_TEMPLATE_KWARGS = frozenset({  # arguments of apply_chat_template itself
-    "conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
-    "continue_final_message", "tokenize", "padding", "truncation", "max_length", "return_tensors",
-    "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs",
-})
 
 
 @dataclass
@@ -94,9 +91,7 @@ class ExtractConfig:
             raise ValueError("--end-of-turn is empty")
         if not isinstance(self.template_kwargs, dict):
             raise ValueError(f"--template-kwargs must be a JSON object, got {type(self.template_kwargs).__name__}")
-        if reserved := sorted(RESERVED_TEMPLATE_KWARGS & set(self.template_kwargs)):
-            raise ValueError(f"--template-kwargs cannot set {reserved}: stage one sets those arguments of "
-                             "apply_chat_template itself")
+        check_template_kwargs(self.template_kwargs)
         try:
             json.dumps(self.template_kwargs, allow_nan=False)
         except (TypeError, ValueError) as e:

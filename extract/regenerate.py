@@ -15,7 +15,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
 
-from .chat import as_text, stop_token_ids
+from .chat import as_text, check_template_kwargs, stop_token_ids
 from .data import Conversation, DataError, SkipCounter, dataset_fingerprint, guard, load_source, normalize_row
 from .messages import answer_event, wire_message
 from .regenerate_endpoint import EndpointEngine
@@ -88,6 +88,7 @@ class RegenConfig:
         if self.self_prompts and (self.endpoint is not None or self.model is None):
             raise ValueError("--self-prompts needs the target in process: give --model, without --endpoint (a chat "
                              "API cannot continue a bare user header)")
+        check_template_kwargs(self.generation.template_kwargs)
         if self.endpoint is not None and not self.endpoint.startswith(("http://", "https://")):
             raise ValueError(f"--endpoint {self.endpoint}: give the server's base URL, e.g. http://HOST:8000/v1")
         if self.endpoint is None and self.model is None:

@@ -132,6 +132,16 @@ def test_regenerate_new_tokens_past_the_targets_positions(tiny_target_dir, chats
             f"--max-new-tokens {room - 99} after a prompt of 100 (--max-prompt-tokens) runs past the target's {room}")
 
 
+def test_template_kwargs_that_apply_chat_template_takes_itself(tiny_target_dir, drafter, chats_sample_path, tmp_path):
+    """Passed twice, the template call failed: a traceback in dflash-eval, every row skipped in dflash-regenerate."""
+    said = "--template-kwargs cannot set ['tokenize']"
+    refused(eval_cli, ["--target", tiny_target_dir, "--drafter", drafter, "--prompts", chats_sample_path,
+                       "--template-kwargs", '{"tokenize": true}'], said)
+    refused(regenerate_cli, ["--data", chats_sample_path, "--model", tiny_target_dir, "--out", tmp_path / "out",
+                             "--template-kwargs", '{"tokenize": true}'], said)
+    assert not (tmp_path / "out").exists()
+
+
 def test_regenerate_model_folder_missing(chats_sample_path, tmp_path):
     refused(regenerate_cli, ["--data", chats_sample_path, "--model", tmp_path / "none", "--out", tmp_path / "out"],
             "--model", tmp_path / "none")
