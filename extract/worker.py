@@ -20,7 +20,7 @@ from dflash.shared.cache import (HIDDEN_SCALE, CacheError, CacheSpec, ShardWrite
 from dflash.shared.hidden_codecs import check_scales
 from dflash.shared.shard_lock import LockError, ShardLock, ShardLocked
 
-from .config import ExtractConfig
+from .config import ExtractConfig, ExtractFailed
 from .data import DataError
 from .plan import PlannedShard
 from .target import TargetRunner, compute_environment, head_backend_for, load_target
@@ -151,8 +151,12 @@ def extract_shard(task: WorkerTask, planned: PlannedShard, pad_id: int | None, l
             return None
         if not runners:
             t = time.perf_counter()
-            model = load_target(cfg.model, dtype=cfg.dtype, device=device,
-                                attn_implementation=cfg.attn_implementation, revision=cfg.revision)
+            try:
+                model = load_target(cfg.model, dtype=cfg.dtype, device=device,
+                                    attn_implementation=cfg.attn_implementation, revision=cfg.revision)
+            except (OSError, ValueError) as e:  # e.g. an attention kernel this transformers does not know
+                raise ExtractFailed(f"cannot load the target {cfg.model!r} with --attn-implementation "
+                                    f"{cfg.attn_implementation}: {e}") from e
             timing["model_load_s"] = round(time.perf_counter() - t, 3)
             t = time.perf_counter()
             runners.append(TargetRunner(model, task.spec.layer_ids, task.spec.topk, cfg.lm_head_chunk,
@@ -215,7 +219,7 @@ def describe_error(e: BaseException, task: WorkerTask) -> str:
                 "Fix the cause (disk space, permissions) and rerun the same command to resume.")
     if isinstance(e, ShardLocked):
         return f"{e}. Let it finish or stop it, or rerun with --wait-for-lock to wait for it"
-    if isinstance(e, LockError):
+    if isinstance(e, (LockError, ExtractFailed)):
         return str(e)
     if isinstance(e, CacheError):
         return f"{shard}: {e}"

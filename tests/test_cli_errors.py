@@ -142,6 +142,15 @@ def test_template_kwargs_that_apply_chat_template_takes_itself(tiny_target_dir, 
     assert not (tmp_path / "out").exists()
 
 
+def test_extract_attention_kernel_that_transformers_does_not_know(tiny_target_dir, chats_sample_path, tmp_path):
+    """The target loads in the shard's worker: its refusal was an 'unexpected' error with a traceback."""
+    from dflash.extract.cli import main as extract_main
+
+    refused(extract_main, ["--data", chats_sample_path, "--model", tiny_target_dir, "--out", tmp_path / "c.zarr",
+                           "--device", "cpu", "--no-progress", "--attn-implementation", "bogus"],
+            "cannot load the target", "with --attn-implementation bogus")
+
+
 def test_regenerate_model_folder_missing(chats_sample_path, tmp_path):
     refused(regenerate_cli, ["--data", chats_sample_path, "--model", tmp_path / "none", "--out", tmp_path / "out"],
             "--model", tmp_path / "none")
