@@ -151,6 +151,15 @@ def test_extract_attention_kernel_that_transformers_does_not_know(tiny_target_di
             "cannot load the target", "with --attn-implementation bogus")
 
 
+def test_extract_model_or_tokenizer_folder_missing(tiny_target_dir, chats_sample_path, tmp_path):
+    from dflash.extract.cli import main as extract_main
+
+    base = ["--data", chats_sample_path, "--out", tmp_path / "c.zarr", "--device", "cpu"]
+    refused(extract_main, [*base, "--model", tmp_path / "none"], "--model", f"{tmp_path / 'none'} is not a folder")
+    refused(extract_main, [*base, "--model", tiny_target_dir, "--tokenizer", tmp_path / "none"], "--tokenizer")
+    assert not (tmp_path / "c.zarr").exists()
+
+
 def test_regenerate_model_folder_missing(chats_sample_path, tmp_path):
     refused(regenerate_cli, ["--data", chats_sample_path, "--model", tmp_path / "none", "--out", tmp_path / "out"],
             "--model", tmp_path / "none")
