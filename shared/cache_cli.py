@@ -140,8 +140,9 @@ def _tok_text(text: str | None, tid: int) -> str:
 @click.argument("index", type=int)
 @click.option("--tokenizer", type=Maybe(str), help="Tokenizer folder to decode with (default: the target path "
               "recorded in the cache).")
-@click.option("--tokens", default=32, help="Rows of the per-token prediction table (-1: all).")
-@click.option("--top", default=3, help="Target predictions shown per token.")
+@click.option("--tokens", type=click.IntRange(min=-1), default=32, help="Rows of the per-token prediction table "
+              "(-1: all).")
+@click.option("--top", type=click.IntRange(min=0), default=3, help="Target predictions shown per token.")
 @click.option("--color/--no-color", default=None, help="ANSI colour for assistant spans (default: when stdout is a "
               "terminal).")
 @AS_JSON
@@ -176,8 +177,8 @@ def show(cache: str, index: int, tokenizer: str | None, tokens: int, top: int, c
 
 @main.command()
 @CACHE
-@click.option("--max-problems", default=100, help="Problems listed (all are counted).")
-@click.option("--workers", default=4, help="Threads reading and checking chunks.")
+@click.option("--max-problems", type=click.IntRange(min=0), default=100, help="Problems listed (all are counted).")
+@click.option("--workers", type=click.IntRange(min=1), default=4, help="Threads reading and checking chunks.")
 @PROGRESS
 @AS_JSON
 def verify(cache: str, max_problems: int, workers: int, progress: bool, as_json: bool):
@@ -198,9 +199,10 @@ def verify(cache: str, max_problems: int, workers: int, progress: bool, as_json:
 
 @main.command()
 @CACHE
-@click.option("--max-samples", default=256, help="Samples drawn for activation/top-k statistics.")
+@click.option("--max-samples", type=click.IntRange(min=1), default=256, help="Samples drawn for activation/top-k "
+              "statistics.")
 @click.option("--seed", default=0, help="Seed of that draw.")
-@click.option("--threshold", default=100.0, help="Report the fraction of |x| above this.")
+@click.option("--threshold", type=click.FloatRange(min=0), default=100.0, help="Report the fraction of |x| above this.")
 @click.option("--against", type=Maybe(str), help="Cache to measure the hidden states' error against (default: for a "
               "converted cache, its recorded source).")
 @AS_JSON

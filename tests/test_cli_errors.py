@@ -171,6 +171,16 @@ def test_cache_convert_onto_a_file(cache, tmp_path):
             tmp_path / "file")
 
 
+@pytest.mark.parametrize("args,flag", [(["stats", "--max-samples", "-1"], "--max-samples"),
+                                       (["stats", "--threshold", "-1"], "--threshold"),
+                                       (["verify", "--workers", "0"], "--workers"),
+                                       (["show", "0", "--top", "-1"], "--top"),
+                                       (["show", "0", "--tokens", "-5"], "--tokens")])
+def test_cache_numbers_out_of_range(cache, args, flag):
+    """Once numpy's words (negative dimensions), or a report of nothing."""
+    refused(cache_cli, [args[0], cache, *args[1:]], f"Invalid value for '{flag}'")
+
+
 def test_console_script_prints_no_traceback(cache, tmp_path):
     """The real entry point in its own process: the layer list out of order named, exit status 1."""
     args = ["--cache", str(cache), "--out", str(tmp_path / "run"), "--preset", "tiny", "--target-layer-ids", "3,1"]
