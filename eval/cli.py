@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import re
 import sys
 import time
@@ -129,6 +130,11 @@ def cli(target: str, drafter: str, prompts: tuple[str, ...], spec_sample: int, b
         check_template_kwargs(template_kwargs)
     except ValueError as e:
         raise click.UsageError(str(e)) from None
+    if report_path:  # found out before minutes of decoding, not after
+        with reading("--json"):
+            Path(report_path).parent.mkdir(parents=True, exist_ok=True)
+            if Path(report_path).is_dir() or not os.access(Path(report_path).parent, os.W_OK):
+                raise ValueError(f"{report_path}: cannot write a report there")
     tokenizer = AutoTokenizer.from_pretrained(target)
     prompt_sets = {}
     for name, data in benchmarks:
@@ -180,7 +186,6 @@ def cli(target: str, drafter: str, prompts: tuple[str, ...], spec_sample: int, b
     ties = [f"{name}{r['mismatch']}" for name, r in decoded if r["tie"]]
     diverged = [f"{name}{r['divergence']}" for name, r in decoded if r.get("divergence")]
     if report_path:
-        Path(report_path).parent.mkdir(parents=True, exist_ok=True)
         Path(report_path).write_text(json.dumps(report, indent=2) + "\n")
         click.echo(f"report -> {report_path}", err=True)
     for label, messages in (("REPLAY CHECK FAILED" if dtype == "float32" else "replay vs online (not float32)",

@@ -220,3 +220,12 @@ def test_only_expected_errors_become_one_line(tmp_path):
     assert f"Error: {tmp_path / 'f'}: No such file" in refused(command, ["--kind", "os"])
     result = CliRunner().invoke(command, ["--kind", "bug"])
     assert result.exception is errors["bug"]
+
+
+def test_eval_report_path_that_cannot_be_written(tiny_target_dir, drafter, chats_sample_path, tmp_path):
+    """Refused before the target loads: a report lost after minutes of decoding was the alternative."""
+    (tmp_path / "file").write_text("")
+    for where, said in ((tmp_path, f"{tmp_path}: cannot write a report there"), (tmp_path / "file" / "report.json",
+                                                                                 "file: File exists")):
+        refused(eval_cli, ["--target", tiny_target_dir, "--drafter", drafter, "--prompts", chats_sample_path,
+                           "--json", where], "--json", said)
