@@ -229,3 +229,20 @@ def test_eval_report_path_that_cannot_be_written(tiny_target_dir, drafter, chats
                                                                                  "file: File exists")):
         refused(eval_cli, ["--target", tiny_target_dir, "--drafter", drafter, "--prompts", chats_sample_path,
                            "--json", where], "--json", said)
+
+
+def test_extract_with_every_row_skipped_or_no_rows_fails_after_its_summary(tiny_target_dir, tmp_path):
+    """An empty cache is written and counted (a rerun is a no-op), but the exit status says nothing was extracted:
+    training would refuse the cache minutes later."""
+    from dflash.extract.cli import main as extract_main
+    from dflash.shared import cache as C
+
+    bad, empty = tmp_path / "bad.jsonl", tmp_path / "empty.jsonl"
+    bad.write_text('{"messages": [{"role": "robot", "content": "x"}]}\n{"text": 3}\n')
+    empty.write_text("")
+    for data, said in ((bad, "all 2 rows skipped"), (empty, "it has no rows")):
+        out = tmp_path / f"{data.stem}.zarr"
+        output = refused(extract_main, ["--data", data, "--model", tiny_target_dir, "--out", out, "--device", "cpu",
+                                        "--no-progress", "--on-bad-row", "skip"], f"no samples from {data}: {said}")
+        assert "samples written  0 of 0 planned" in output
+        assert C.committed_samples(C.open_root(str(out))) == 0
