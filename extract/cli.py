@@ -110,8 +110,9 @@ def main(**kw) -> None:
         Path(cfg.summary_json).write_text(json.dumps(doc, indent=2, sort_keys=True) + "\n")
     if not cfg.plan and doc["complete"] and not doc["samples"]:  # training would refuse it: say so now
         skipped = sum(doc["skipped"].values())
-        click.echo(f"dflash-extract: error: no samples from {cfg.data}: " + (
-            f"all {skipped} rows skipped (reasons above; --on-bad-row error names the first)" if skipped else "it has no rows"), err=True)
+        said = f"all {skipped} rows skipped (reasons above; --on-bad-row error names the first)" if skipped else \
+            "it has no rows"
+        click.echo(f"dflash-extract: error: no samples from {cfg.data}: {said}", err=True)
         sys.exit(1)
 
 

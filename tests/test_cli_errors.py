@@ -232,8 +232,8 @@ def test_eval_report_path_that_cannot_be_written(tiny_target_dir, drafter, chats
 
 
 def test_extract_with_every_row_skipped_or_no_rows_fails_after_its_summary(tiny_target_dir, tmp_path):
-    """An empty cache is written and counted (a rerun is a no-op), but the exit status says nothing was extracted:
-    training would refuse the cache minutes later."""
+    """An empty cache is written and counted, but the exit status says nothing was extracted: training would
+    refuse the cache minutes later."""
     from dflash.extract.cli import main as extract_main
     from dflash.shared import cache as C
 
