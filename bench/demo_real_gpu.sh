@@ -25,7 +25,8 @@
 # for RESULTS/done, then copies into $OUT what the run has so far: results.tgz (logs, each stage's JSON, the training
 # metrics) and, once regeneration is done, regen.tgz.*; so a call that must end before the device time does still
 # brings back every finished stage.
-# RESULTS/regen.tgz.00, .01, ... (15 MiB each, turn journals left out) hold the regenerated rows: kept beside the
+# RESULTS/regen.tgz.00, .01, ... (15 MiB each, turn journals left out) hold the regenerated rows (with
+# sampled_too its sampled ones too, as regen_sampled): kept beside the
 # repository (REGEN=DIR in the prep carries them in as .real/regen.tgz.*), the demo reuses them where its settings
 # are the same.
 set -euo pipefail
@@ -38,8 +39,10 @@ if [ "${1:-}" = collect ]; then
     [ -f "/tmp/real/$f" ] && cp "/tmp/real/$f" /tmp/collect/
   done
   rm -f /tmp/collect/regen.tgz.* && tar czf "$OUT/results.tgz" -C /tmp/collect .
-  if [ -f /tmp/real/regen/regenerate.json ] && ! compgen -G "$RESULTS/regen.tgz.*" > /dev/null; then
-    tar czf - --exclude='*.turns.jsonl' -C /tmp/real regen regen.demo.json | split -b 15m -d - "$RESULTS/regen.tgz."
+  sampled=/tmp/real/regen_sampled.demo.json  # sampled_too: its rows once they are done
+  if [ -f /tmp/real/regen/regenerate.json ] && ! compgen -G "$RESULTS/regen.tgz.*" > /dev/null &&
+     { [ ! -f $sampled ] || grep -q '"done": true' $sampled; }; then
+    tar czf - --exclude='*.turns.jsonl' -C /tmp/real regen regen.demo.json $(cd /tmp/real && ls -d regen_sampled* 2>/dev/null) | split -b 15m -d - "$RESULTS/regen.tgz."
   fi
   cp "$RESULTS"/regen.tgz.* "$OUT/" 2>/dev/null || true
   ls -la "$OUT"; [ -f "$RESULTS/done" ] && echo "done: exit $(cat "$RESULTS/done")" || echo "still running"
@@ -89,7 +92,7 @@ if [ "$rc" != 0 ] && grep -q "train failed" "$RESULTS/demo_real.log"; then  # on
 fi
 collect "$RESULTS"
 if [ -f /tmp/real/regen.demo.json ]; then
-  tar czf - --exclude='*.turns.jsonl' -C /tmp/real regen regen.demo.json | split -b 15m -d - "$RESULTS/regen.tgz."
+  tar czf - --exclude='*.turns.jsonl' -C /tmp/real regen regen.demo.json $(cd /tmp/real && ls -d regen_sampled* 2>/dev/null) | split -b 15m -d - "$RESULTS/regen.tgz."
 fi
 if [ "$rc" = 0 ] && [ -n "${SECOND:-}" ]; then  # e.g. SECOND="--set hidden_codec=fp8": the stages before it are reused
   IFS=';' read -ra runs <<< "$SECOND"

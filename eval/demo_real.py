@@ -7,6 +7,7 @@ import dataclasses
 import json
 import logging
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -37,6 +38,7 @@ class RealSettings(Overridable):
     turns: int | None = 1  # user turns kept per chat (None: all); SmolLM2's later turns mostly copy its earlier ones
     answers: int = 1  # rows per chat: above 1 with regen_temperature > 0, that many different answers to each prompt
     regen_temperature: float = 0.0  # regeneration's --temperature (0: greedy, as the evaluation decodes)
+    sampled_too: bool = False  # each chat's greedy answer and one sampled at regen_temperature, regenerated apart
     heldout: int = 200  # held-out ShareGPT first turns (evaluation prompts only)
     self_prompts: int = 0  # questions the target writes itself and answers, after the chats (dflash-regenerate's)
     max_new_tokens: int = 256  # per regenerated turn and per evaluated prompt
@@ -75,6 +77,10 @@ def prepare(data: Path, s: RealSettings) -> dict:
         raise click.BadParameter("turns=0: 1 or more, or null for every turn", param_hint="--set")
     if s.conversations == 0 and not s.self_prompts:
         raise click.BadParameter("conversations=0 without self_prompts: nothing to train on", param_hint="--set")
+    if s.sampled_too and (s.answers != 1 or not s.regen_temperature):
+        raise click.BadParameter(f"sampled_too=True with answers={s.answers} and regen_temperature="
+                                 f"{s.regen_temperature}: it takes answers=1 and a temperature above 0 to sample at",
+                                 param_hint="--set")
     settings = {"conversations": s.conversations, "heldout": s.heldout, "chats": "from the first user turn, 99% ASCII",
                 **({"turns": s.turns} if s.turns is not None else {}),  # unset: as data prepared before the setting
                 **({"answers": s.answers} if s.answers != 1 else {})}
@@ -157,21 +163,28 @@ def run_real(out: Path, s: RealSettings, gguf: str | None, echo=click.echo,
     out.mkdir(parents=True, exist_ok=True)
     data = prepare(out / "data", s)
     target, regen, cache, run, export = (out / n for n in ("target", "regen", "cache.zarr", "run", "export"))
+    sampled, mixed = out / "regen_sampled", out / "regen_mix"  # sampled_too: its rows, and both sets to extract
+
+    def regenerate(dest: Path, temperature: float, self_prompts: int) -> list[str]:
+        return ["dflash.extract.regenerate_cli", "--data", str(out / "data" / "train.jsonl"), "--model", str(target),
+                "--out", str(dest), "--device", s.device, "--batch-size", str(s.regen_batch_size),
+                "--max-new-tokens", str(s.regen_max_new_tokens or s.max_new_tokens),
+                "--max-prompt-tokens", str(s.max_prompt_tokens),
+                "--part-size", str(max(data["train_conversations"], self_prompts, 1)),  # one part each: no tail
+                *(["--self-prompts", str(self_prompts)] if self_prompts else []),
+                *(["--temperature", str(temperature)] if temperature else [])]
     eval_json = out / "eval.json"
     benchmarks = {name: str(out / "data" / f"{name}.jsonl") for name in ("mtbench", "humaneval", "sharegpt")}
     stages = [  # (name, label, output, command)
         ("convert", "[1/5] convert", target,
          ["dflash.eval.gguf", "--out", str(target)] + (["--gguf", gguf] if gguf else [])),
-        ("regenerate", "[2/5] regenerate", regen, [
-            "dflash.extract.regenerate_cli", "--data", str(out / "data" / "train.jsonl"), "--model", str(target),
-            "--out", str(regen), "--device", s.device, "--batch-size", str(s.regen_batch_size),
-            "--max-new-tokens", str(s.regen_max_new_tokens or s.max_new_tokens),
-            "--max-prompt-tokens", str(s.max_prompt_tokens),
-            "--part-size", str(max(data["train_conversations"], s.self_prompts, 1)),  # one part each: no tail
-            *(["--self-prompts", str(s.self_prompts)] if s.self_prompts else []),
-            *(["--temperature", str(s.regen_temperature)] if s.regen_temperature else [])]),
+        ("regenerate", "[2/5] regenerate", regen,  # sampled_too: greedy here, a default run's rows reused
+         regenerate(regen, 0.0 if s.sampled_too else s.regen_temperature, s.self_prompts)),
+        *([("sampled", "      sampled", sampled, regenerate(sampled, s.regen_temperature, 0))]
+          if s.sampled_too else []),
         ("extract", "[3/5] extract", cache, [
-            "dflash.extract.cli", "--data", str(regen), "--model", str(target), "--out", str(cache),
+            "dflash.extract.cli", "--data", str(mixed if s.sampled_too else regen), "--model", str(target),
+            "--out", str(cache),
             *([] if s.device == "cuda" else ["--device", "cpu"]),
             "--max-length", str(max(s.train.get("context_buckets") or PRESETS[s.preset]().data.context_buckets)),
             "--on-bad-row", "skip",
@@ -190,12 +203,21 @@ def run_real(out: Path, s: RealSettings, gguf: str | None, echo=click.echo,
             *(["--limit", str(s.eval_limit)] if s.eval_limit else [])]),
     ]
     times, records, previous = {}, {"data": data}, "data"
-    reads = {"convert": (), "regenerate": ("data", "convert")}  # else the stage before: the GGUF needs no chats
+    reads = {"convert": (), "regenerate": ("data", "convert"), "sampled": ("data", "convert"),  # else the stage
+             **({"extract": ("regenerate", "sampled")} if s.sampled_too else {})}  # before: the GGUF needs no chats
     for name, label, path, argv in stages:
+        if name == "extract" and s.sampled_too:  # one dataset of both answer sets: a folder of their Arrow files
+            # (training's held-out rows are then sampled answers to chats it trains on: compare by the benchmarks)
+            shutil.rmtree(mixed, ignore_errors=True)
+            mixed.mkdir()
+            for source in (regen, sampled):
+                for f in sorted(source.glob("data-*.arrow")):
+                    shutil.copy(f, mixed / f"{source.name}-{f.name}")
         after = [records[r]["settings"] for r in reads.get(name, (previous,))]
         records[name] = _stage(label, path, after, argv, echo)
         times[name], previous = records[name]["seconds"], name
-        if name == {"train": "export"}.get(stop_after, stop_after):
+        if name == {"train": "export", "regenerate": "sampled" if s.sampled_too else "regenerate"}.get(
+                stop_after, stop_after):
             echo(f"stopped after {stop_after}; rerun to go on")
             return None
     result = json.loads(eval_json.read_text())
@@ -205,7 +227,9 @@ def run_real(out: Path, s: RealSettings, gguf: str | None, echo=click.echo,
     (out / "table.md").write_text(table + "\n")
     summary = {"settings": dataclasses.asdict(s), "data": data, "stage_seconds": times,
                "benchmarks": per_benchmark, "regenerate": json.loads((regen / "regenerate.json").read_text())
-               ["counts"], "training_curves": str(png), "total_seconds": time.perf_counter() - t0}
+               ["counts"], **({"regenerate_sampled": json.loads((sampled / "regenerate.json").read_text())["counts"]}
+                              if s.sampled_too else {}),
+               "training_curves": str(png), "total_seconds": time.perf_counter() - t0}
     (out / "summary.json").write_text(json.dumps(summary, indent=2, default=str) + "\n")
     echo(table)
     echo("stage seconds: " + ", ".join(f"{k} {v:.0f}" for k, v in times.items()))

@@ -87,10 +87,11 @@ def test_turns_keeps_each_chat_up_to_its_nth_user_turn(tmp_path):
 
 
 @pytest.mark.parametrize("settings", [dict(answers=2), dict(answers=0, regen_temperature=1.0), dict(turns=0),
-                                      dict(conversations=0)])
+                                      dict(conversations=0), dict(sampled_too=True),
+                                      dict(sampled_too=True, answers=2, regen_temperature=1.0)])
 def test_settings_that_would_train_on_nothing_or_on_copies_are_refused(tmp_path, settings):
-    """Two greedy answers to one prompt are one answer twice, no answer is no data, turns=0 keeps no turn, and no
-    chat without self-prompts leaves nothing."""
+    """Two greedy answers to one prompt are one answer twice, no answer is no data, turns=0 keeps no turn, no chat
+    without self-prompts leaves nothing, and a greedy answer beside a sampled one needs a temperature and one answer."""
     with pytest.raises(click.BadParameter, match=f"{next(iter(settings))}="):
         prepare(tmp_path / "data", RealSettings(**settings))
     assert not (tmp_path / "data").exists()

@@ -295,6 +295,19 @@ def test_demo_real_runs_every_stage_on_the_cpu(tiny_gguf, tmp_path):
     assert [line.split(":")[0].strip() for line in lines if ": reusing" in line] == [
         "[1/5] convert", "[2/5] regenerate", "[3/5] extract", "[4/5] train", "export"]
     assert all(line["prompts"] == 1 for line in summary["benchmarks"].values())
+    lines.clear()  # each chat's greedy answer (reused) and one sampled: both sets extracted into one cache
+    mixed = settings.with_overrides(["regen_temperature=1", "sampled_too=true"])
+    run_real(out, mixed, str(tiny_gguf), echo=lines.append, stop_after="extract")
+    assert [line.split(":")[0].strip() for line in lines if ": reusing" in line] == ["[1/5] convert", "[2/5] regenerate"]
+    greedy, sampled = (list(load_source(str(out / name))) for name in ("regen", "regen_sampled"))
+    answered = {r["messages"][0]["content"]: r["messages"][1]["content"] for r in greedy}  # the toy's greedy answer
+    common = [r for r in sampled if r["messages"][0]["content"] in answered]  # is often an empty one, not kept
+    assert len(common) >= 5 and sum(answered[r["messages"][0]["content"]] != r["messages"][1]["content"]
+                                    for r in common) >= 0.8 * len(common)
+    assert json.loads((out / "regen_sampled" / "regenerate.json").read_text())["generation"]["temperature"] == 1
+    extracted = json.loads((out / "extract.json").read_text())
+    assert extracted["samples"] + sum(extracted["skipped"].values()) == len(greedy) + len(sampled)
+    assert extracted["samples"] == len(CacheReader(str(out / "cache.zarr"))) > max(len(greedy), len(sampled))
     lines.clear()  # another codec and layers: the cache is extracted again, and every stage after it runs on it
     run_real(out, settings.with_overrides(["eval_limit=1", "hidden_codec=int8", "layers=[1]"]), str(tiny_gguf),
              echo=lines.append)
