@@ -203,6 +203,7 @@ def run_real(out: Path, s: RealSettings, gguf: str | None, echo=click.echo,
             *(["--limit", str(s.eval_limit)] if s.eval_limit else [])]),
     ]
     times, records, previous = {}, {"data": data}, "data"
+    last = {"train": "export", "regenerate": "sampled" if s.sampled_too else "regenerate"}.get(stop_after, stop_after)
     reads = {"convert": (), "regenerate": ("data", "convert"), "sampled": ("data", "convert"),  # else the stage
              **({"extract": ("regenerate", "sampled")} if s.sampled_too else {})}  # before: the GGUF needs no chats
     for name, label, path, argv in stages:
@@ -216,8 +217,7 @@ def run_real(out: Path, s: RealSettings, gguf: str | None, echo=click.echo,
         after = [records[r]["settings"] for r in reads.get(name, (previous,))]
         records[name] = _stage(label, path, after, argv, echo)
         times[name], previous = records[name]["seconds"], name
-        if name == {"train": "export", "regenerate": "sampled" if s.sampled_too else "regenerate"}.get(
-                stop_after, stop_after):
+        if name == last:  # --stop-after's stage, with the stage that belongs to it (export, the sampled answers)
             echo(f"stopped after {stop_after}; rerun to go on")
             return None
     result = json.loads(eval_json.read_text())
