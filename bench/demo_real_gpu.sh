@@ -17,9 +17,6 @@
 # SECOND="--set KEY=VALUE ... [; --stop-after train --set ...]" then runs the demo again in the same folder, once per
 # ';'-separated item, with its settings added (reusing every stage before the first one they change), into
 # RESULTS/second, second1, ... (--stop-after train: train and export only, the held-out tau in its metrics.jsonl).
-# BESIDE="--max-steps=4800 ... --gamma=2" (dflash-train run's flags, all of them) trains a second drafter on the
-# demo's cache beside the demo's own training, from when extraction is done, into /tmp/beside (log and metrics in
-# RESULTS/beside): two sweep items on one GPU at once, whose step times say whether that pays.
 # A failed training stage is retried once with --set train.preload=off (the later runs keep it): preload is new there.
 # `bash bench/demo_real_gpu.sh collect [SECONDS]` (from /tmp/repo, in a later call) waits up to SECONDS (default 0)
 # for RESULTS/done, then copies into $OUT what the run has so far: results.tgz (logs, each stage's JSON, the training
@@ -74,14 +71,6 @@ collect() {  # a run's results into $1
     [ -f "/tmp/real/$f" ] && cp "/tmp/real/$f" "$1/"
   done
 }
-if [ -n "${BESIDE:-}" ]; then
-  read -ra beside <<< "$BESIDE"
-  (while [ ! -f /tmp/real/extract.json ]; do sleep 5; done; mkdir -p "$RESULTS/beside"
-   python3 -m dflash.train.cli run --preset small --cache /tmp/real/cache.zarr --target /tmp/real/target \
-     --out /tmp/beside --no-progress "${beside[@]}" > "$RESULTS/beside/train.log" 2>&1
-   cp /tmp/beside/metrics.jsonl "$RESULTS/beside/") &
-  beside_pid=$!
-fi
 demo "$@" 2>&1 | tee "$RESULTS/demo_real.log"
 rc=${PIPESTATUS[0]}
 fallback=()
@@ -103,9 +92,6 @@ if [ "$rc" = 0 ] && [ -n "${SECOND:-}" ]; then  # e.g. SECOND="--set hidden_code
     rc=${PIPESTATUS[0]}
     collect "$RESULTS/$name"
   done
-fi
-if [ -n "${beside_pid:-}" ]; then  # no cache (the demo stopped before it): nothing to wait for
-  if [ -f /tmp/real/extract.json ]; then wait "$beside_pid"; else kill "$beside_pid"; fi
 fi
 echo "$rc" > "$RESULTS/done"
 exit "$rc"
