@@ -27,6 +27,10 @@
 # repository (REGEN=DIR in the prep carries them in as .real/regen.tgz.*), the demo reuses them where its settings
 # are the same.
 set -euo pipefail
+pack_rows() {  # the regenerated rows (and sampled_too's) into RESULTS/regen.tgz.*, 15 MiB a file
+  tar czf - --exclude='*.turns.jsonl' -C /tmp/real regen regen.demo.json $(cd /tmp/real && ls -d regen_sampled* 2>/dev/null) |
+    split -b 15m -d - "$RESULTS/regen.tgz."
+}
 if [ "${1:-}" = collect ]; then
   set +e
   RESULTS=${RESULTS:-/tmp/results}
@@ -39,7 +43,7 @@ if [ "${1:-}" = collect ]; then
   sampled=/tmp/real/regen_sampled.demo.json  # sampled_too: its rows once they are done
   if [ -f /tmp/real/regen/regenerate.json ] && ! compgen -G "$RESULTS/regen.tgz.*" > /dev/null &&
      { [ ! -f $sampled ] || grep -q '"done": true' $sampled; }; then
-    tar czf - --exclude='*.turns.jsonl' -C /tmp/real regen regen.demo.json $(cd /tmp/real && ls -d regen_sampled* 2>/dev/null) | split -b 15m -d - "$RESULTS/regen.tgz."
+    pack_rows
   fi
   cp "$RESULTS"/regen.tgz.* "$OUT/" 2>/dev/null || true
   ls -la "$OUT"; [ -f "$RESULTS/done" ] && echo "done: exit $(cat "$RESULTS/done")" || echo "still running"
@@ -81,7 +85,7 @@ if [ "$rc" != 0 ] && grep -q "train failed" "$RESULTS/demo_real.log"; then  # on
 fi
 collect "$RESULTS"
 if [ -f /tmp/real/regen.demo.json ]; then
-  tar czf - --exclude='*.turns.jsonl' -C /tmp/real regen regen.demo.json $(cd /tmp/real && ls -d regen_sampled* 2>/dev/null) | split -b 15m -d - "$RESULTS/regen.tgz."
+  pack_rows
 fi
 if [ "$rc" = 0 ] && [ -n "${SECOND:-}" ]; then  # e.g. SECOND="--set hidden_codec=fp8": the stages before it are reused
   IFS=';' read -ra runs <<< "$SECOND"
