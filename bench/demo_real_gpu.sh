@@ -31,14 +31,18 @@ pack_rows() {  # the regenerated rows (and sampled_too's) into RESULTS/regen.tgz
   tar czf - --exclude='*.turns.jsonl' -C /tmp/real regen regen.demo.json $(cd /tmp/real && ls -d regen_sampled* 2>/dev/null) |
     split -b 15m -d - "$RESULTS/regen.tgz."
 }
+collect() {  # a run's results into $1
+  mkdir -p "$1"
+  for f in summary.json eval.json table.md training_curves.png run/metrics.jsonl extract.json regen/regenerate.json; do
+    [ -f "/tmp/real/$f" ] && cp "/tmp/real/$f" "$1/"
+  done
+}
 if [ "${1:-}" = collect ]; then
   set +e
   RESULTS=${RESULTS:-/tmp/results}
   for _ in $(seq $(( ${2:-0} / 5 ))); do [ -f "$RESULTS/done" ] && break; sleep 5; done
   mkdir -p /tmp/collect && cp -r "$RESULTS"/. /tmp/collect/ && cp /tmp/demo.out /tmp/collect/ 2>/dev/null || true
-  for f in summary.json eval.json table.md extract.json run/metrics.jsonl regen/regenerate.json; do
-    [ -f "/tmp/real/$f" ] && cp "/tmp/real/$f" /tmp/collect/
-  done
+  collect /tmp/collect
   rm -f /tmp/collect/regen.tgz.* && tar czf "$OUT/results.tgz" -C /tmp/collect .
   sampled=/tmp/real/regen_sampled.demo.json  # sampled_too: its rows once they are done
   if [ -f /tmp/real/regen/regenerate.json ] && ! compgen -G "$RESULTS/regen.tgz.*" > /dev/null &&
@@ -69,12 +73,6 @@ if [ -n "${REGEN_BENCH:-}" ]; then
     --plain-rows 256 --batch-size 512 --max-new-tokens 256 --max-prompt-tokens 1024 \
     --json "$RESULTS/regen_speed.json" 2>&1 | tee "$RESULTS/regen_speed.log"
 fi
-collect() {  # a run's results into $1
-  mkdir -p "$1"
-  for f in summary.json eval.json table.md training_curves.png run/metrics.jsonl extract.json regen/regenerate.json; do
-    [ -f "/tmp/real/$f" ] && cp "/tmp/real/$f" "$1/"
-  done
-}
 demo "$@" 2>&1 | tee "$RESULTS/demo_real.log"
 rc=${PIPESTATUS[0]}
 fallback=()
