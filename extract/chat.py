@@ -71,8 +71,7 @@ class RenderedSample:
 
 
 def mask_method(tokenizer, tools: list[dict[str, Any]] | None = None) -> str:
-    """The mask method "auto" picks: "generation_tags" where the chat template (the one picked for `tools`)
-    marks assistant turns itself."""
+    """The mask method "auto" picks: "generation_tags" where the template (for `tools`) tags assistant turns."""
     return "generation_tags" if _GENERATION_TAG.search(tokenizer.get_chat_template(tools=tools)) else "template_probe"
 
 
@@ -99,8 +98,7 @@ def turn_markers(tokenizer, end_of_turn: str | None = None, template_kwargs: dic
 
 
 def end_of_turn_id(tokenizer, end_of_turn: str | None = None, template_kwargs: dict[str, Any] | None = None) -> int:
-    """Token id that ends an assistant turn (`end_of_turn`, else the template's); ValueError when
-    that is no token of the vocabulary."""
+    """Token id ending an assistant turn (`end_of_turn`, else the template's); ValueError if not in the vocabulary."""
     if end_of_turn is None:
         end_of_turn = turn_markers(tokenizer, template_kwargs=template_kwargs).end_of_turn
     return _token_id(tokenizer, end_of_turn)

@@ -15,7 +15,6 @@ from .chat import check_template_kwargs
 Truncation = Literal["right", "skip", "error"]
 BadRowPolicy = Literal["error", "skip"]
 Dtype = Literal["bfloat16", "float16", "float32"]
-Device = Literal["cuda", "cpu"]
 TRUNCATION_POLICIES, BAD_ROW_POLICIES, DTYPES = get_args(Truncation), get_args(BadRowPolicy), get_args(Dtype)
 
 
@@ -51,7 +50,7 @@ class ExtractConfig:
     topk_dtype: TopkDtype = "float32"
 
     # -- how it runs (not fingerprinted, but for the shard count and runner.FINGERPRINTED: padding, roundings)
-    device: Device = "cuda"
+    device: Literal["cuda", "cpu"] = "cuda"
     shards: int | None = None
     batch_tokens: int = 16384
     lm_head_chunk: int = 1024
@@ -129,8 +128,7 @@ def checked_layers(cfg: ExtractConfig, model_config) -> list[int]:
 
 
 def load_tokenizer_and_config(cfg: ExtractConfig):
-    """The settings checked, the run's tokenizer and the target's config (no weights); ExtractFailed
-    naming what failed."""
+    """Settings checked, the run's tokenizer and the target's config (no weights); ExtractFailed naming the cause."""
     from transformers import AutoConfig
 
     from .chat import load_tokenizer

@@ -125,8 +125,7 @@ def _invalid(path: Path, exc: json.JSONDecodeError, text: str) -> DataError:
 
 
 def leading_records(path: str | Path, count: int) -> list[Any]:
-    """The first `count` complete records of a JSON-array file, without parsing all of it (a large
-    file, or one cut off mid-record)."""
+    """The first `count` complete records of a JSON-array file, parsing no further (large, or cut mid-record)."""
     text, decoder, separator = Path(path).read_bytes().decode("utf-8-sig"), json.JSONDecoder(), re.compile(r"[\s,]*")
     pos = separator.match(text, 0).end()
     if text[pos : pos + 1] != "[":
@@ -175,8 +174,7 @@ def _is_saved_dataset(path: Path) -> bool:
 
 
 def normalize_row(row: Any, row_index: int, source: str) -> Conversation:
-    """One dataset row as a Conversation (`messages` or `conversations`, the first non-null, or plain
-    `text`), or DataError naming the problem."""
+    """A row as a Conversation (the first non-null of `messages`, `conversations`, or plain `text`), or DataError."""
 
     def fail(reason: str, problem: str) -> DataError:
         return DataError(reason, source, row_index, problem)

@@ -30,8 +30,7 @@ def chat_messages(raw: Any, column: str, fail: Fail) -> list[dict[str, Any]]:
 
 
 def _message(msg: Any, i: int, sharegpt: bool, fail: Fail) -> dict[str, Any]:
-    """Message `i` with its role mapped and the keys a template reads, each checked for shape (the content kept as
-    given)."""
+    """Message `i`, role mapped, with the keys a template reads, each checked for shape (content kept as given)."""
     role_key, content_key = ("from", "value") if sharegpt else ("role", "content")
     if not isinstance(msg, dict) or msg.get(role_key) is None:
         keys = sorted(msg) if isinstance(msg, dict) else type(msg).__name__

@@ -184,8 +184,7 @@ class EndpointEngine:
                 part.apply(chat, event, journal=True)
 
     def run(self, parts, finish, progress) -> None:
-        """``concurrency`` conversations in flight, the next part's queued behind the current one's; each part
-        finished once its conversations are."""
+        """``concurrency`` chats in flight, the next part's queued behind this one's; a part finished with its chats."""
         lock, queued = threading.Lock(), []
         pool = ThreadPoolExecutor(max_workers=self.cfg.concurrency, thread_name_prefix="regenerate")
 

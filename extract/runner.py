@@ -194,7 +194,7 @@ def _run(cfg: ExtractConfig, rank: int, world: int) -> dict[str, Any] | None:
     progress, locks = Progress(cfg.progress and rank == 0), []
     try:
         with meeting(world) as planning:  # once every rank has locked and planned its shards
-            states, tasks, planned = _lock_and_plan(cfg, rank, world, spec, tokenizer, ds, progress, locks)
+            states, tasks, planned = _lock_and_plan(cfg, rank, world, num_shards, spec, tokenizer, ds, progress, locks)
             planning["share"] = {s: {"tokens": p.plan.num_tokens, "samples": len(p.plan.source_index)}
                                  for s, (p, _) in planned.items()}
         if tasks is None:
@@ -237,13 +237,12 @@ def _run(cfg: ExtractConfig, rank: int, world: int) -> dict[str, Any] | None:
     return summary
 
 
-def _lock_and_plan(cfg: ExtractConfig, rank: int, world: int, spec: CacheSpec, tokenizer, ds, progress: Progress,
-                   locks: list):
+def _lock_and_plan(cfg: ExtractConfig, rank: int, world: int, num_shards: int, spec: CacheSpec, tokenizer, ds,
+                   progress: Progress, locks: list):
     """(every shard's state, this rank's tasks, {shard: (plan, its seconds)}), its shards locked into
     ``locks`` (the caller releases them) and planned; tasks None where every shard is complete."""
     root = prepare_root(cfg, spec, replace=False) if rank else open_root(cfg.out)  # the others check it now
     spec = CacheSpec.from_dict(root.attrs[ATTRS_KEY])  # an older format is resumed in its own layout
-    num_shards = cfg.shards or world
     states = read_shard_states(root, list(range(num_shards)))
     if all(st is not None and st.complete for st in states.values()):
         return states, None, {}
@@ -279,8 +278,7 @@ def use_device(cfg: ExtractConfig) -> str:
 
 def _extract_shards(cfg: ExtractConfig, tasks: list[WorkerTask], planned: dict, locks: list, pad_id: int | None,
                     progress: Progress) -> str | None:
-    """Extract this rank's planned, locked shards in turn with one loaded target; the error that
-    stopped them, as the user reads it, or None."""
+    """Extract this rank's planned, locked shards in turn with one target; the error that stopped them, or None."""
     runners: list = []
     try:
         for task, lock in zip(tasks, locks):

@@ -141,8 +141,7 @@ def count_run(cfg: ExtractConfig, tokenizer, ds, num_shards: int) -> dict[str, A
 
 
 def plan_run(cfg: ExtractConfig) -> dict[str, Any]:
-    """The plan as ``--json`` prints it; ExtractFailed with the run's own message where the run would
-    stop (bad settings, a bad row)."""
+    """The plan as ``--json`` prints it; ExtractFailed, with the run's own message, where a run would stop."""
     from .data import DataError, load_source
     from .worker import bad_row_message
 

@@ -34,8 +34,7 @@ def logsumexp_fp32(logits: torch.Tensor) -> torch.Tensor:  # (rows, vocab) any d
 
 
 def head_backend_for(device: torch.device | str) -> str | None:
-    """The head's log-sum-exp is compiled by inductor on CUDA, eager elsewhere (where the fp32 copy
-    costs less than a compile at every start)."""
+    """The head's log-sum-exp: inductor on CUDA, eager elsewhere (where the fp32 copy costs less than a compile)."""
     return "inductor" if torch.device(device).type == "cuda" else None
 
 

@@ -129,8 +129,7 @@ def _to_host(out, spec: CacheSpec, copy_stream=None) -> tuple[dict[str, torch.Te
     host = {}
     with torch.cuda.stream(copy_stream):
         for name, t in tensors.items():
-            host[name] = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-            host[name].copy_(t, non_blocking=True)
+            host[name] = torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True)
             t.record_stream(copy_stream)  # the compute stream reuses t's memory only after the copy
     return host, _mark(copy_stream, timing=False)
 

@@ -169,8 +169,7 @@ def show_sample(path: str, index: int, *, tokenizer_path: str | None = None, num
     raw = _read_float(reader, index)
     fp = reader.spec.fingerprint
     candidates = [tokenizer_path] if tokenizer_path else [
-        fp.get("tokenizer", {}).get("name_or_path"), fp.get("target", {}).get("name_or_path"),
-        (reader.spec.info or {}).get("target_path")]
+        fp.get("target", {}).get("name_or_path"), (reader.spec.info or {}).get("target_path")]
     tokenizer, tok_path, tok_error = _load_tokenizer(candidates)
     recorded = fp.get("tokenizer", {}).get("hash")
     hash_matches = tokenizer_fingerprint(tokenizer)["hash"] == recorded if tokenizer is not None and recorded else None
