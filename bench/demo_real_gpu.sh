@@ -20,7 +20,7 @@
 # A failed training stage is retried once with --set train.preload=off (the later runs keep it): preload is new there.
 # `bash bench/demo_real_gpu.sh collect [SECONDS]` (from /tmp/repo, in a later call) waits up to SECONDS (default 0)
 # for RESULTS/done, then copies into $OUT what the run has so far: results.tgz (logs, each stage's JSON, the training
-# metrics) and, once regeneration is done, regen.tgz.*; so a call that must end before the device time does still
+# metrics; those of a run not yet finished under running/) and, once regeneration is done, regen.tgz.*; so a call that must end before the device time does still
 # brings back every finished stage.
 # RESULTS/regen.tgz.00, .01, ... (15 MiB each, turn journals left out) hold the regenerated rows (with
 # sampled_too its sampled ones too, as regen_sampled): kept beside the
@@ -42,7 +42,7 @@ if [ "${1:-}" = collect ]; then
   RESULTS=${RESULTS:-/tmp/results}
   for _ in $(seq $(( ${2:-0} / 5 ))); do [ -f "$RESULTS/done" ] && break; sleep 5; done
   mkdir -p /tmp/collect && cp -r "$RESULTS"/. /tmp/collect/ && cp /tmp/demo.out /tmp/collect/ 2>/dev/null || true
-  collect /tmp/collect
+  collect /tmp/collect/running  # the stage now running, apart from the finished runs' files
   rm -f /tmp/collect/regen.tgz.* && tar czf "$OUT/results.tgz" -C /tmp/collect .
   sampled=/tmp/real/regen_sampled.demo.json  # sampled_too: its rows once they are done
   if [ -f /tmp/real/regen/regenerate.json ] && ! compgen -G "$RESULTS/regen.tgz.*" > /dev/null &&
