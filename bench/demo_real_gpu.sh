@@ -20,8 +20,8 @@
 # A failed training stage is retried once with --set train.preload=off (the later runs keep it): preload is new there.
 # `bash bench/demo_real_gpu.sh collect [SECONDS]` (from /tmp/repo, in a later call) waits up to SECONDS (default 0)
 # for RESULTS/done, then copies into $OUT what the run has so far: results.tgz (logs, each stage's JSON, the training
-# metrics; those of a run not yet finished under running/) and, once regeneration is done, regen.tgz.*; so a call that must end before the device time does still
-# brings back every finished stage.
+# metrics; those of a run not yet finished under running/) and, once regeneration is done, regen.tgz.*; so a call
+# that must end before the device time does still brings back every finished stage.
 # RESULTS/regen.tgz.00, .01, ... (15 MiB each, turn journals left out) hold the regenerated rows (with
 # sampled_too its sampled ones too, as regen_sampled): kept beside the
 # repository (REGEN=DIR in the prep carries them in as .real/regen.tgz.*), the demo reuses them where its settings
