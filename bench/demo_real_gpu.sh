@@ -41,7 +41,9 @@ if [ "${1:-}" = collect ]; then
   set +e
   RESULTS=${RESULTS:-/tmp/results}
   for _ in $(seq $(( ${2:-0} / 5 ))); do [ -f "$RESULTS/done" ] && break; sleep 5; done
-  mkdir -p /tmp/collect && cp -r "$RESULTS"/. /tmp/collect/ && cp /tmp/demo.out /tmp/collect/ 2>/dev/null || true
+  # rebuilt each call, so no file of an earlier call (a run since replaced) comes back as the running one's
+  rm -rf /tmp/collect && mkdir -p /tmp/collect && cp -r "$RESULTS"/. /tmp/collect/ &&
+    cp /tmp/demo.out /tmp/collect/ 2>/dev/null || true
   collect /tmp/collect/running  # the stage now running, apart from the finished runs' files
   rm -f /tmp/collect/regen.tgz.* && tar czf "$OUT/results.tgz" -C /tmp/collect .
   sampled=/tmp/real/regen_sampled.demo.json  # sampled_too: its rows once they are done
