@@ -3,7 +3,6 @@ accepts its longest greedy prefix plus a bonus token; the output must equal gree
 
 from __future__ import annotations
 
-import functools
 import inspect
 import logging
 import math
@@ -172,26 +171,9 @@ def load_drafter(path: str | Path, device: str | torch.device = "cpu", dtype: to
             raise FileNotFoundError(f"{path}: neither an export folder (config.json) nor a run with checkpoints")
         drafter, config = load_exported(path, device=device, dtype=dtype)
         return drafter.eval(), config
-    if "drafter_config" not in (state := checkpoint.read_state(ckpt)):
-        raise ValueError(f"{ckpt}/state.json has no drafter_config")
-    config = DrafterConfig.from_dict(state["drafter_config"])
-    drafter = DFlashDrafter(config)
-    drafter.load_state_dict(checkpoint.load_weights(ckpt), strict=True)
+    drafter, state = checkpoint.load_drafter(ckpt)
     log.info("drafter from checkpoint %s (step %s)", ckpt, state.get("step"))
-    return drafter.to(device=device, dtype=dtype).eval(), config
-
-
-def cache_length(cache) -> int:
-    return int(cache.get_seq_length())
-
-
-def crop_cache(cache, keep: int):
-    current = cache_length(cache)
-    if keep > current:
-        raise ValueError(f"cannot crop a {current}-position cache to {keep}")
-    if keep < current:
-        cache.crop(-(current - keep))
-    return cache  # a crop that left another length: the decoding loop's position check raises
+    return drafter.to(device=device, dtype=dtype).eval(), drafter.config
 
 
 @dataclass
@@ -207,18 +189,8 @@ class Generation:
     parts: dict[str, float] = field(default_factory=dict)  # speculative: seconds of prefill, proposal, verify, loop
 
 
-@functools.lru_cache(maxsize=None)
-def _cache_argument(model_class: type) -> str:  # "cache" (transformers 5.2x) or "past_key_values"
-    return "cache" if "cache" in inspect.signature(model_class.forward).parameters else "past_key_values"
-
-
-def _forward(target, input_ids: torch.Tensor, cache=None, **kwargs):  # -> (output, cache)
-    name = _cache_argument(type(target))
-    out = target(input_ids=input_ids, use_cache=True, **({name: cache} if cache is not None else {}), **kwargs)
-    caches = (getattr(out, n, None) for n in (name, "past_key_values", "cache"))
-    if (new_cache := next((c for c in caches if c is not None), None)) is None:
-        raise RuntimeError(f"{type(target).__name__} returned no KV cache")
-    return out, new_cache
+def _cache_argument(target) -> str:  # "cache" (transformers 5.2x) or "past_key_values"
+    return "cache" if "cache" in inspect.signature(type(target).forward).parameters else "past_key_values"
 
 
 def device_of(model) -> torch.device:
@@ -239,24 +211,32 @@ class EagerTarget:
 
     def __init__(self, target):
         self.target, self.device, self.cache = target, device_of(target), None
+        self._cache_name = _cache_argument(target)
 
     def reset(self) -> None:
         self.cache = None
 
     @property
     def length(self) -> int:
-        return 0 if self.cache is None else cache_length(self.cache)
+        return 0 if self.cache is None else int(self.cache.get_seq_length())
 
     def forward(self, ids: Sequence[int], layer_ids: Sequence[int] | None = None, last_only: bool = False
                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """``ids`` at the next positions -> (logits (n or 1, V), chosen layers' states (n, n_l * D) or None)."""
         kwargs = {"logits_to_keep": 1} if last_only else {}
-        out, self.cache = _forward(self.target, torch.tensor([list(ids)], device=self.device), self.cache,
-                                   output_hidden_states=layer_ids is not None, **kwargs)
+        if self.cache is not None:
+            kwargs[self._cache_name] = self.cache
+        out = self.target(input_ids=torch.tensor([list(ids)], device=self.device), use_cache=True,
+                          output_hidden_states=layer_ids is not None, **kwargs)
+        caches = (getattr(out, name, None) for name in (self._cache_name, "past_key_values", "cache"))
+        self.cache = next(c for c in caches if c is not None)
         return out.logits[0], _layer_states(out.hidden_states, layer_ids)
 
-    def crop(self, keep: int) -> None:
-        self.cache = crop_cache(self.cache, keep)
+    def crop(self, keep: int) -> None:  # a crop that left another length: the decoding loop's position check raises
+        if keep > self.length:
+            raise ValueError(f"cannot crop a {self.length}-position cache to {keep}")
+        if keep < self.length:
+            self.cache.crop(keep - self.length)  # negative: the positions removed
 
 
 class StaticTarget(EagerTarget):
@@ -269,7 +249,6 @@ class StaticTarget(EagerTarget):
         super().__init__(target)
         self.cache = StaticCache(config=target.config, max_cache_len=max_length)
         self.max_length = max_length
-        self._cache_name = _cache_argument(type(target))
         self._step = torch.compile(self._run, mode="reduce-overhead", dynamic=False) if capture else self._run
 
     def reset(self) -> None:

@@ -149,7 +149,7 @@ def _value_tensors(cache):
 
 def test_broken_kv_crop_is_caught_by_position_check(target, drafter, prompts, monkeypatch):
     """Injected bug: rejected drafts stay in the KV cache. The loop notices at once."""
-    monkeypatch.setattr(spec, "crop_cache", lambda cache, keep: cache)
+    monkeypatch.setattr(spec.EagerTarget, "crop", lambda self, keep: None)
     with pytest.raises(RuntimeError, match="KV cache holds"):
         spec.speculative_generate(target, spec.DFlashProposer(drafter, target), prompts[0], MAX_NEW)
 
@@ -157,15 +157,14 @@ def test_broken_kv_crop_is_caught_by_position_check(target, drafter, prompts, mo
 def test_corrupted_kv_cache_raises_lossless_error(target, drafter, prompts, monkeypatch):
     """Injected bug of the right length but wrong content (the crop keeps stale values
     for the newest position): only the token-for-token check can see it."""
-    real_crop = spec.crop_cache
+    real_crop = spec.EagerTarget.crop
 
-    def bad_crop(cache, keep):
-        cache = real_crop(cache, keep)
-        for values in _value_tensors(cache):
+    def bad_crop(self, keep):
+        real_crop(self, keep)
+        for values in _value_tensors(self.cache):
             values[..., -1, :] = 0.0
-        return cache
 
-    monkeypatch.setattr(spec, "crop_cache", bad_crop)
+    monkeypatch.setattr(spec.EagerTarget, "crop", bad_crop)
     with pytest.raises(spec.LosslessError, match="differs from greedy"):
         spec.evaluate(target, drafter, prompts, max_new_tokens=MAX_NEW, warmup=False)
 
@@ -224,22 +223,20 @@ def test_divergence_at_a_logit_tie_is_counted_not_raised(target, drafter, prompt
         spec.evaluate(tied, drafter, prompts[:1], max_new_tokens=MAX_NEW, warmup=False)
 
 def test_crop_cache_keeps_prefix(target, prompts):
-    from dflash.eval.speculative import _forward, cache_length, crop_cache
-
-    ids = torch.tensor([prompts[0]])
+    session, n = spec.EagerTarget(target), len(prompts[0])
     with torch.inference_mode():
-        _, cache = _forward(target, ids)
-        n = ids.shape[1]
+        session.forward(prompts[0])
+        cache = session.cache
         keys_before = [layer.keys.clone() for layer in cache.layers] if hasattr(cache, "layers") else None
-        cache = crop_cache(cache, n - 3)
-        assert cache_length(cache) == n - 3
+        session.crop(n - 3)
+        assert session.length == n - 3
         if keys_before is not None:
-            for layer, before in zip(cache.layers, keys_before):
+            for layer, before in zip(session.cache.layers, keys_before):
                 assert torch.equal(layer.keys, before[..., : n - 3, :])
-        cache = crop_cache(cache, n - 3)  # no-op
-        assert cache_length(cache) == n - 3
+        session.crop(n - 3)  # no-op
+        assert session.length == n - 3
         with pytest.raises(ValueError):
-            crop_cache(cache, n)
+            session.crop(n)
 
 
 def test_exported_drafter_gives_same_outputs(target, drafter, drafter_config, prompts, tmp_path):

@@ -16,6 +16,8 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import load_file, save_file
 
+from .model import DFlashDrafter, DrafterConfig
+
 log = logging.getLogger(__name__)
 
 
@@ -97,6 +99,18 @@ def read_state(path: str | os.PathLike) -> dict[str, Any]:
 
 def load_weights(path: str | os.PathLike) -> dict[str, torch.Tensor]:
     return load_file(str(Path(path) / "model.safetensors"))
+
+
+def load_drafter(path: str | os.PathLike) -> tuple[DFlashDrafter, dict[str, Any]]:
+    """The drafter of checkpoint ``path`` (float32 master weights) and its state.json."""
+    state = read_state(path)
+    try:
+        config = DrafterConfig.from_dict(state["drafter_config"])
+    except (KeyError, ValueError) as e:
+        raise ValueError(f"{path}/state.json holds no usable drafter_config ({e!r})") from e
+    drafter = DFlashDrafter(config)
+    drafter.load_state_dict(load_weights(path), strict=True)
+    return drafter, state
 
 
 def load(path: str | os.PathLike, model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler

@@ -145,20 +145,16 @@ def export(run_dir: str, out: str, checkpoint: str, dtype: str, target: str | No
     format), checked against its target, and print the commands that serve it."""
     import torch
 
-    from .checkpoint import load_weights, read_state, resolve
+    from .checkpoint import load_drafter, resolve
     from .export import check_against_target, export_drafter, serve_commands
-    from .model import DFlashDrafter, DrafterConfig
     from .target import load_target_meta, looks_like_path
 
     with reading("--checkpoint"):
         path = resolve(run_dir, checkpoint)
     if path is None:
         raise click.ClickException(f"{run_dir} has no complete checkpoint")
-    state = read_state(path)
-    try:
-        dcfg = DrafterConfig.from_dict(state["drafter_config"])
-    except ValueError as e:
-        raise click.ClickException(f"{path}: {e}") from e
+    drafter, state = load_drafter(path)
+    dcfg = drafter.config
     if not (target := target or (state.get("config") or {}).get("target")):
         raise click.ClickException(f"{run_dir} records no target; pass --target")
     if looks_like_path(target) and not os.path.exists(target):
@@ -168,8 +164,6 @@ def export(run_dir: str, out: str, checkpoint: str, dtype: str, target: str | No
     except (OSError, ValueError) as e:
         raise click.ClickException(f"{run_dir} cannot be exported for {target} (--target names another place "
                                    f"of the same target): {e}") from e
-    drafter = DFlashDrafter(dcfg)
-    drafter.load_state_dict(load_weights(path), strict=True)
     out = export_drafter(drafter, dcfg, out, dtype=getattr(torch, dtype))
     click.echo(f"exported {path} (step {state['step']}) -> {out}, checked against {target}")
     commands = serve_commands(out, target, dcfg.block_size)
