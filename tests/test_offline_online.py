@@ -122,13 +122,13 @@ def test_uniform_anchors_estimate_the_online_mean(target, prompts):
 
 
 def test_replay_walk_follows_decoding():
-    from dflash.train.replay import turn_spans, walk
+    from dflash.train.replay import turn_spans, walk_blocks
 
     mask = [0, 0, 1, 1, 1, 1, 1, 1, 0, 0, 1, 1, 1, 0]  # turns [2, 8) and [10, 13)
     assert turn_spans(mask) == [(2, 8), (10, 13)]
     taus = {2: 2, 3: 9, 4: 3, 5: 9, 6: 9, 7: 1, 10: 1, 11: 1}  # emitted tokens per anchor
     # turn 1: first token from the prefill, blocks at 2 (2 tokens), 4 (3 tokens): 5 drafted;
     # turn 2: blocks at 10, 11: 2 drafted. Anchors 3, 5, 6, 7 are never visited.
-    assert walk(taus, turn_spans(mask)) == (7, 4)
+    assert walk_blocks(taus, turn_spans(mask)) == [2, 3, 1, 1]
     # max_new_tokens 4: 3 drafted per turn at most, the block at 4 cut to 1 token
-    assert walk(taus, turn_spans(mask), max_new_tokens=4) == (3 + 2, 2 + 2)
+    assert walk_blocks(taus, turn_spans(mask), max_new_tokens=4) == [2, 1, 1, 1]

@@ -56,12 +56,6 @@ def walk_blocks(taus: dict[int, int], spans: list[tuple[int, int]], max_new_toke
     return blocks
 
 
-def walk(taus: dict[int, int], spans: list[tuple[int, int]], max_new_tokens: int | None = None) -> tuple[int, int]:
-    """(drafted tokens, blocks) of ``walk_blocks``' walk."""
-    blocks = walk_blocks(taus, spans, max_new_tokens)
-    return sum(blocks), len(blocks)
-
-
 def block_predictor(drafter, head, mask_token_id: int, chunk_size: int = 4096):
     """``predict(batch)``: the drafter's argmax (Bsz, N, B) by training's forward, dense attention."""
     spec = StepSpec("dense", drafter.config.block_size, mask_token_id, None, chunk_size, None)
