@@ -1,4 +1,4 @@
-"""Training's offline acceptance estimate (dflash.train.metrics.acceptance) and online
+"""Training's offline acceptance estimate (dflash.train.metrics.block_taus) and online
 speculative decoding (dflash.eval.speculative) measure the same quantity.
 
 The setup where they must agree: the "cache" is the target's own greedy output (what
@@ -85,9 +85,9 @@ def _offline(target, proposer, sequence, loss_mask, anchors, use_mask=True):
     for a in anchors:
         pred = torch.zeros(1, 1, BLOCK, dtype=torch.long)
         pred[0, 0, 1:] = proposer.propose(None, sequence[: a + 1], a)
-        tau, blocks = metrics.acceptance(pred, top1, torch.tensor([[a]]), torch.tensor([[True]]),
-                                         torch.tensor([len(sequence)]), loss_mask[None] if use_mask else None)
-        taus.append(int(tau.item()) if blocks.item() else None)
+        tau, counted = metrics.block_taus(pred, top1, torch.tensor([[a]]), torch.tensor([[True]]),
+                                          torch.tensor([len(sequence)]), loss_mask[None] if use_mask else None)
+        taus.append(int(tau.item()) if counted.item() else None)
     return taus
 
 

@@ -140,7 +140,8 @@ def test_acceptance_stops_at_the_end_of_the_turn():
     mask[0, 3:7] = True
     perfect = lambda a: torch.tensor([[[0, 101 + a, 102 + a, 103 + a]]])  # slot k = token a + k
     T = torch.tensor([10])
-    one = lambda a, m: metrics.acceptance(perfect(a), top1, torch.tensor([[a]]), torch.tensor([[True]]), T, m)
+    one = lambda a, m: [t.sum() for t in metrics.block_taus(perfect(a), top1, torch.tensor([[a]]),
+                                                             torch.tensor([[True]]), T, m)]
     assert [one(a, mask)[0].item() for a in (3, 4, 5)] == [3, 2, 1]  # at most the tokens left in the turn
     assert one(6, mask)[1].item() == 0  # anchor on the end-of-turn token: no block
     assert [one(a, None)[0].item() for a in (3, 4, 5, 6)] == [4, 4, 4, 4]  # no mask: runs on past the turn
@@ -168,10 +169,10 @@ def test_acceptance_counts_leading_matches_against_shifted_top1():
     top1 = torch.cat([seq[:, 1:], torch.tensor([[0]])], 1)
     anchors, valid, seq_len = torch.tensor([[1, 4, 6]]), torch.tensor([[True, True, False]]), torch.tensor([8])
     pred = torch.tensor([[[0, 12, 13, 99], [0, 15, 99, 17], [0, 17, 0, 0]]])
-    tau, blocks = metrics.acceptance(pred, top1, anchors, valid, seq_len)
-    assert blocks.item() == 2 and tau.item() == (2 + 1) + (1 + 1)
+    tau, counted = metrics.block_taus(pred, top1, anchors, valid, seq_len)
+    assert tau.tolist() == [[2 + 1, 1 + 1, 0]] and counted.tolist() == [[True, True, False]]
     # past the end of the sequence nothing is accepted
-    tau, _ = metrics.acceptance(torch.tensor([[[0, 17, 5, 5]]]), top1, torch.tensor([[6]]), torch.tensor([[True]]),
+    tau, _ = metrics.block_taus(torch.tensor([[[0, 17, 5, 5]]]), top1, torch.tensor([[6]]), torch.tensor([[True]]),
                                 seq_len)
     assert tau.item() == 2
 

@@ -231,9 +231,10 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
             for keys in eval_keys:
                 batch = to_device(eval_collate([eval_dataset[k] for k in keys]), device)
                 loss_sum, so, pred = evaluate_batch(eval_model, head, batch, spec)
-                tau, blocks = metrics.acceptance(pred, batch["target_top1"], batch["anchors"],
-                                                 batch["block_valid"], batch["seq_len"], batch["loss_mask"])
-                sums += torch.stack([loss_sum.double(), so.weights.sum().double(), tau, blocks])
+                tau, counted = metrics.block_taus(pred, batch["target_top1"], batch["anchors"],
+                                                  batch["block_valid"], batch["seq_len"], batch["loss_mask"])
+                sums += torch.stack([loss_sum.double(), so.weights.sum().double(), tau.sum().double(),
+                                     counted.sum().double()])
                 slots += so.per_slot()
             s, _ = _all_reduce(sums, world).tolist(), _all_reduce(slots, world)
             # every rank replays every sample (FSDP forwards are collectives)

@@ -15,13 +15,6 @@ import torch
 log = logging.getLogger("dflash.train")
 
 
-def acceptance(pred: torch.Tensor, target_top1: torch.Tensor, anchors: torch.Tensor, block_valid: torch.Tensor,
-               seq_len: torch.Tensor, loss_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(sum of tau over counted blocks, number of counted blocks), as 0-d tensors (``block_taus``)."""
-    tau, counted = block_taus(pred, target_top1, anchors, block_valid, seq_len, loss_mask)
-    return tau.sum().double(), counted.sum().double()
-
-
 def block_taus(pred: torch.Tensor, target_top1: torch.Tensor, anchors: torch.Tensor, block_valid: torch.Tensor,
                seq_len: torch.Tensor, loss_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Per block (tau (Bsz, N), 0 where not counted; counted): 1 + the leading slots whose argmax
