@@ -36,7 +36,7 @@ def replay_export(cache: str | Path, samples: list[int], export: str | Path, tar
     head = load_target_head(target, "cpu", torch.float32)
     data = AnchorDataset(CacheReader(str(cache)), list(config.target_layer_ids), max_length,
                          max_anchors=max_length, seed=0)
-    return replay_decoding(data, samples, block_predictor(drafter, head, config.mask_token_id), Collate(None),
+    return replay_decoding(data, samples, block_predictor(drafter, head), Collate(None),
                            max_new_tokens=max_new_tokens).to_dict()
 
 
@@ -97,7 +97,7 @@ def replay_benchmark(target, drafter: DFlashDrafter, prompts: Sequence[Sequence[
     check_against_target(config, target)
     device, stops = device_of(target), frozenset(int(t) for t in eos_token_ids)
     head = TargetHead(target.get_input_embeddings().weight, target.get_output_embeddings().weight)
-    predict = block_predictor(drafter.eval(), head, config.mask_token_id)
+    predict = block_predictor(drafter.eval(), head)
     seconds = {"generate": 0.0, "forward": 0.0, "drafter": 0.0}
 
     @contextlib.contextmanager

@@ -308,9 +308,8 @@ def preload_bytes(dataset: AnchorDataset, indices: np.ndarray, lengths: np.ndarr
 
 
 def preload(datasets: list[AnchorDataset], indices: np.ndarray, device: torch.device, progress: bool) -> None:
-    """Read samples ``indices`` once for all ``datasets`` (one reader, the same layers; the first reads every
-    field the others do): every array but the loss mask (anchors are drawn from it on the CPU) into ``device``
-    memory, where batches are then cut, with no loader workers and no copy per step."""
+    """Samples ``indices`` read once for all ``datasets`` (one reader; the first reads every field the others do)
+    into ``device`` memory, where batches are then cut; the loss mask stays on the CPU, where anchors are drawn."""
     reading = datasets[0].samples(np.sort(indices).tolist())
     resident = {}
     for index, s in tqdm(reading, "preload", len(indices), disable=not progress):

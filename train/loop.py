@@ -66,9 +66,8 @@ def config_changes(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
 
 def load_resident(datasets: list[AnchorDataset], indices: np.ndarray, lengths: np.ndarray, dcfg: DataConfig,
                   device: torch.device, progress: bool, step_peak: int | None) -> bool:
-    """``preload`` the run's samples where ``--preload`` asks; whether it did. auto: on CUDA, where the warm-up
-    measured the step's peak (``step_peak`` bytes), if the samples fit in what that peak leaves. The first dataset
-    reads every field the others do."""
+    """``preload`` the run's samples where ``--preload`` asks; whether it did. auto: on CUDA, if they fit in what
+    the warm-up's measured step peak (``step_peak`` bytes) leaves."""
     if dcfg.preload == "off" or (dcfg.preload == "auto" and (device.type != "cuda" or step_peak is None)):
         return False
     need = preload_bytes(datasets[0], indices, lengths)

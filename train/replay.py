@@ -56,13 +56,13 @@ def walk_blocks(taus: dict[int, int], spans: list[tuple[int, int]], max_new_toke
     return blocks
 
 
-def block_predictor(drafter, head, mask_token_id: int, chunk_size: int = 4096):
+def block_predictor(drafter, head):
     """``predict(batch)``: the drafter's argmax (Bsz, N, B) by training's forward, dense attention."""
-    spec = StepSpec("dense", drafter.config.block_size, mask_token_id, None, chunk_size, None)
+    spec = StepSpec("dense", drafter.config.block_size, drafter.config.mask_token_id, None, 4096, None)
 
     def predict(batch: dict[str, torch.Tensor]) -> torch.Tensor:
         hidden = drafter_hidden(drafter, head, batch, spec)  # (Bsz, N*B, D)
-        return argmax_tokens(head, hidden.flatten(0, 1), chunk_size).view(*batch["anchors"].shape, -1)
+        return argmax_tokens(head, hidden.flatten(0, 1), spec.ce_chunk_size).view(*batch["anchors"].shape, -1)
 
     return predict
 
