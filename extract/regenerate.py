@@ -17,8 +17,7 @@ from typing import Any, Literal
 
 from .chat import as_text, check_template_kwargs, stop_token_ids
 from .data import Conversation, DataError, SkipCounter, dataset_fingerprint, guard, load_source, normalize_row
-from .messages import answer_event, wire_message
-from .regenerate_endpoint import EndpointEngine
+from .regenerate_endpoint import EndpointEngine, answer_event, wire_message
 from .self_prompts import QuestionSampler, user_header
 
 FORMAT_VERSION = 1
