@@ -92,7 +92,7 @@ def main(**kw) -> None:
 
     try:
         if cfg.plan:  # the report (or --json) on stdout; nothing loaded or written
-            from .size_plan import format_plan, plan_run
+            from .plan import format_plan, plan_run
 
             doc = plan_run(cfg)
             click.echo(json.dumps(doc, indent=2) if cfg.json else format_plan(doc, cfg))

@@ -22,7 +22,7 @@ from dflash.shared.shard_lock import LockError, ShardLock, ShardLocked
 
 from .config import ExtractConfig, ExtractFailed
 from .data import DataError
-from .plan import PlannedShard
+from .plan import PlannedShard, bad_row_message
 from .target import TargetRunner, compute_environment, head_backend_for, load_target
 
 
@@ -194,14 +194,6 @@ def extract_shard(task: WorkerTask, planned: PlannedShard, pad_id: int | None, l
     if copy_stream is not None:
         timing.update({k: round(v, 3) for k, v in thread.gpu.items()})
     return timing
-
-
-def bad_row_message(e: DataError, cfg: ExtractConfig) -> str:
-    """The error (naming file and row) with the flag that would handle such a row."""
-    hint = "" if cfg.on_bad_row == "skip" else " (--on-bad-row skip counts and skips such rows)"
-    if e.reason == "too_long" and cfg.truncation == "error":
-        hint = " (--truncation right|skip handles long samples)"
-    return f"{e}{hint}"
 
 
 def describe_error(e: BaseException, task: WorkerTask) -> str:
