@@ -310,14 +310,13 @@ def generate_batch(model, prompts: list[list[int]], gen_kwargs: dict, stop_ids: 
     encoded = [list(ids) for ids in prompts]
     width, real_rows = max(len(ids) for ids in encoded), len(encoded)
     cache = static.cache_for(width, real_rows) if static is not None else None
-    if cache is not None:
-        encoded += [encoded[0]] * (static.rows - real_rows)
-        with torch.inference_mode():
-            cache.reset()
-        gen_kwargs = {**gen_kwargs, "past_key_values": cache}
-    input_ids = torch.tensor([[gen_kwargs["pad_token_id"]] * (width - len(ids)) + ids for ids in encoded])
-    attention_mask = torch.tensor([[0] * (width - len(ids)) + [1] * len(ids) for ids in encoded])
     with torch.inference_mode():
+        if cache is not None:
+            encoded += [encoded[0]] * (static.rows - real_rows)
+            cache.reset()
+            gen_kwargs = {**gen_kwargs, "past_key_values": cache}
+        input_ids = torch.tensor([[gen_kwargs["pad_token_id"]] * (width - len(ids)) + ids for ids in encoded])
+        attention_mask = torch.tensor([[0] * (width - len(ids)) + [1] * len(ids) for ids in encoded])
         out = model.generate(input_ids=input_ids.to(model.device), attention_mask=attention_mask.to(model.device),
                              **gen_kwargs)
     results = []
@@ -403,8 +402,7 @@ class LocalEngine:
         dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
         self.fingerprint = target_fingerprint(cfg.model, model.config.to_dict(), dtype)
         self.record = {"generation": asdict(gen), "tokenizer": tokenizer_fingerprint(tokenizer),
-                       "target": {k: self.fingerprint.get(k) for k in ("name_or_path", "revision", "config_hash",
-                                                                       "weights_hash", "dtype")}}
+                       "target": dict(self.fingerprint)}
         use_static = cfg.static_cache if cfg.static_cache is not None else model.device.type == "cuda"
         new_tokens = max(gen.max_new_tokens, cfg.question_max_tokens if cfg.self_prompts else 0)
         self.static = StaticDecoder(model, self.batch_size, new_tokens, gen.max_prompt_tokens) if use_static else None
