@@ -55,7 +55,6 @@ class WriterThread:
         self.error: BaseException | None = None
         self.blocked = 0.0
         self.gpu = {"gpu_busy": 0.0, "gpu_gap": 0.0}
-        self._last_end = None
         self._thread = threading.Thread(target=self._run, name=f"shard-{writer.shard_id:05d}-writer", daemon=True)
         self._thread.start()
 
@@ -80,7 +79,7 @@ class WriterThread:
         self.check()
 
     def _run(self) -> None:
-        last_commit = time.monotonic()
+        last_commit, last_end = time.monotonic(), None  # last_end: the previous batch's end event
         try:
             while (item := self.queue.get()) is not None:
                 batch, event, host, marks = item
@@ -88,9 +87,9 @@ class WriterThread:
                     event.synchronize()  # the device->host copies of this batch have landed
                 if marks is not None:  # recorded before those copies: complete too
                     self.gpu["gpu_busy"] += marks[0].elapsed_time(marks[1]) / 1000
-                    if self._last_end is not None:
-                        self.gpu["gpu_gap"] += self._last_end.elapsed_time(marks[0]) / 1000
-                    self._last_end = marks[1]
+                    if last_end is not None:
+                        self.gpu["gpu_gap"] += last_end.elapsed_time(marks[0]) / 1000
+                    last_end = marks[1]
                 s0, s1 = self.writer.batch_samples(batch)
                 t0, t1 = int(self.offsets[s0]), int(self.offsets[s1])
                 stored = {name: to_numpy(t) for name, t in host.items()}  # as the cache stores them
