@@ -13,12 +13,11 @@ import time
 from collections import Counter
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Callable, Literal
 
-from .chat import as_text, check_template_kwargs, stop_token_ids
+from .chat import as_text, check_template_kwargs, stop_token_ids, user_header
 from .data import Conversation, DataError, SkipCounter, dataset_fingerprint, guard, load_source, normalize_row
 from .regenerate_endpoint import EndpointEngine, answer_event, wire_message
-from .self_prompts import QuestionSampler, user_header
 
 FORMAT_VERSION = 1
 RUN_FILE = "run.json"
@@ -28,6 +27,7 @@ BATCH_SIZE = {"cuda": 512, "cpu": 16}  # in process (BENCHMARKS.md, "Regeneratio
 METADATA_FILE = "regenerate.json"
 PARTS_DIR = "parts"
 TOTALS = ("turns_regenerated", "truncated_turns", "generated_tokens")  # counted per chat, summed per part and run
+SELF_PROMPT_SOURCE = "self_prompt"  # the `source` of a self-prompted chat (errors and skip counts name it)
 
 
 @dataclass
@@ -378,6 +378,42 @@ def regenerate_conversations(model, tokenizer, chats: list[Chat], settings: Gene
             content = tokenizer.decode(tokens, skip_special_tokens=False)
             chat.apply(answer_event(chat, turn, settings, content, truncated, len(tokens)), skips)
             ready(chat)
+
+
+@dataclass
+class QuestionSampler:
+    """Magpie-style self-prompting (``--self-prompts N``): questions the target writes by continuing the template's user
+    ``header``, through ``generate`` (prompt ids -> [(tokens, truncated)]); ``seen``: the dedup keys kept in the run."""
+
+    generate: Callable[[list[list[int]]], list[tuple[list[int], bool]]]
+    tokenizer: Any
+    header: str
+    min_chars: int  # shorter questions (whitespace collapsed) are dropped
+    batch_size: int
+    seen: set[str] = field(default_factory=set)
+
+    def chats(self, indices: range) -> tuple[list[Conversation], dict]:
+        """The chats [user: question, assistant: ""] of samples ``indices`` (source_row -1 - index), and
+        the part record's counts and kept dedup keys; bad and duplicate questions are dropped, counted."""
+        counts = dict.fromkeys(("generated", "truncated", "empty", "too_short", "duplicates", "kept"), 0)
+        convs, keys = [], []
+        header = self.tokenizer(self.header, add_special_tokens=False)["input_ids"]
+        for start in range(0, len(indices), self.batch_size):
+            batch = indices[start:start + self.batch_size]
+            for index, (tokens, truncated) in zip(batch, self.generate([header] * len(batch))):
+                counts["generated"] += 1
+                question = self.tokenizer.decode(tokens, skip_special_tokens=False).strip()
+                key = " ".join(question.split())  # the dedup key: whitespace runs collapsed
+                reason = ("truncated" if truncated else "empty" if not key else "too_short"
+                          if len(key) < self.min_chars else "duplicates" if key in self.seen else "kept")
+                counts[reason] += 1
+                if reason == "kept":
+                    self.seen.add(key)
+                    keys.append(key)
+                    messages = [{"role": "user", "content": question}, {"role": "assistant", "content": ""}]
+                    convs.append(Conversation(kind="chat", messages=messages, source=SELF_PROMPT_SOURCE,
+                                              row_index=-1 - index))
+        return convs, {"self_prompts": counts, "questions": keys}
 
 
 class LocalEngine:

@@ -1,4 +1,4 @@
-"""Self-prompting (extract/self_prompts.py, `dflash-regenerate --self-prompts N`): the user
+"""Self-prompting (QuestionSampler in extract/regenerate.py, `dflash-regenerate --self-prompts N`): the user
 header is the template's own start of a user turn; the questions are what the target samples
 after it (reference: model.generate from the header, seeded as the run); the answers are the
 target's greedy answers (test_regenerate's reference); duplicates across the whole run,
@@ -17,7 +17,8 @@ from test_templates import (  # noqa: F401 - qwen3, qwen3_extended, qwen3_tokeni
 
 from dflash.extract import regenerate as regen
 from dflash.extract import regenerate_cli as regen_cli
-from dflash.extract.self_prompts import QuestionSampler, user_header
+from dflash.extract.chat import user_header
+from dflash.extract.regenerate import QuestionSampler
 
 QUESTION_MAX = 12
 MIN_CHARS = 12
