@@ -61,12 +61,15 @@ def cache_info(path: str, shard_ids: list[int] | None = None) -> dict[str, Any]:
     listed = sizes is not None
     # bytes per token of the raw lossless layout (bf16 hidden states, float32 log-probs): what ratios compare to
     row_bytes, stored_bytes = stored_row_bytes(spec.with_encoding(**ENCODING_DEFAULTS)), stored_row_bytes(spec)
+    by_shard: dict[str, dict[str, int]] = {}  # 'shards/00000' -> its objects' sizes
+    for name, size in (sizes or {}).items():
+        by_shard.setdefault(name[:12], {})[name] = size
     raw_total = 0
     disk_hidden = disk_total = 0 if listed else None
     shards = []
     for s in reader.shards:
         key = shard_name(s.shard_id)
-        g, own = root[key], {k: v for k, v in (sizes or {}).items() if k.startswith(key + "/")}  # its objects
+        g, own = root[key], by_shard.get(key, {})
         planned = {f"planned_{k}": v for k, v in s.record.planned.as_dict().items()}
         entry = {"shard_id": s.shard_id, "state": s.state, **s.record.commit.as_dict(), **planned,
                  "assistant_tokens": _assistant_tokens(root, s), "skipped": dict(s.record.skipped),
