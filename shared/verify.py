@@ -104,8 +104,7 @@ def _read_meta(s: _Shard, name: str, problems: _Problems, bar) -> np.ndarray | N
 
 
 def _check_structure(s: _Shard, spec: CacheSpec, problems: _Problems, bar) -> np.ndarray | None:
-    """Commit record, offsets, batches and plan digest of one shard; sets ``s.mapping`` and
-    returns its committed source rows (None where unreadable)."""
+    """Commit record, offsets, batches, plan digest of a shard; sets ``s.mapping``; its committed source rows or None."""
     sid, commit, planned = s.sid, s.state.commit.as_dict(), s.state.planned.as_dict()
     ns = commit["samples"]
     off, src, bat = (_read_meta(s, f, problems, bar) if f in s.arrays else None for f in META_FIELDS)
@@ -170,8 +169,7 @@ def _check_duplicates(shards: list[_Shard], sources: list[np.ndarray | None], pr
 
 
 def verify_cache(path: str, *, max_problems: int = 100, progress: bool = True, workers: int = 4) -> dict[str, Any]:
-    """Read every committed chunk of every array of every shard and check what can be checked.
-    Raises CacheError only when the store is no cache."""
+    """Read and check every committed chunk of every array of every shard; CacheError only for a store not a cache."""
     root, spec = open_spec(path)
     problems = _Problems(max_problems)
     shards: list[_Shard] = []
