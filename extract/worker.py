@@ -140,8 +140,7 @@ def extract_shard(task: WorkerTask, planned: PlannedShard, pad_id: int | None, l
     cfg, device, timing = task.cfg, torch.device(task.device), {}
     with zarr.config.set(writer_zarr_settings(cfg.out)):  # the shard's write path; other zarr users keep theirs
         writer = ShardWriter(open_root(cfg.out, "r+"), task.shard_id, planned.plan, task.spec,
-                             compute=compute_environment(device))
-        writer.guard = lock.check  # no commit record once another process has taken the shard over
+                             compute=compute_environment(device), guard=lock.check)
         report("planned", samples=len(planned.plan.source_index), done_samples=writer.committed["samples"])
         if writer.complete:
             if not writer.state.complete:

@@ -166,8 +166,7 @@ def _convert_shard(reader: CacheReader, shard: ShardInfo, dst: str, dst_root: za
     except ShardLocked as e:
         raise CacheError(f"{e}; wait for it to end, or stop it") from None
     try:
-        writer = ShardWriter(dst_root, shard_id, plan, dst_spec, compute=state.compute)
-        writer.guard = lock.check
+        writer = ShardWriter(dst_root, shard_id, plan, dst_spec, compute=state.compute, guard=lock.check)
         done = writer.committed["tokens"]
         bar.update(done)
         if done and not writer.complete:

@@ -104,7 +104,8 @@ def _read_meta(s: _Shard, name: str, problems: _Problems, bar) -> np.ndarray | N
 
 
 def _check_structure(s: _Shard, spec: CacheSpec, problems: _Problems, bar) -> np.ndarray | None:
-    """Commit record, offsets, batches, plan digest of a shard; sets ``s.mapping``; its committed source rows or None."""
+    """Commit record, offsets, batches and plan digest of one shard; sets ``s.mapping`` and
+    returns its committed source rows (None where unreadable)."""
     sid, commit, planned = s.sid, s.state.commit.as_dict(), s.state.planned.as_dict()
     ns = commit["samples"]
     off, src, bat = (_read_meta(s, f, problems, bar) if f in s.arrays else None for f in META_FIELDS)
