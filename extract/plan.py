@@ -1,7 +1,7 @@
-"""Plan a run before any forward. A shard, deterministically (ShardWriter checks its digest): samples longest first
-(an out-of-memory batch shows at once), ties by source row, cut greedily into batches of ``batch_tokens`` padded. The
-run's cost (``dflash-extract --plan``: every shard planned so, then bytes and GPU-hours estimated from measured ratios
-and rate), and the free-space check before a run writes."""
+"""Planning before any forward. Each shard's plan, fixed deterministically (ShardWriter checks its digest): samples
+longest first (an out-of-memory batch shows at once), ties by source row, cut greedily into batches of
+``batch_tokens`` padded. Then what the run will cost (``dflash-extract --plan``: every shard planned so, bytes and
+GPU-hours estimated from measured ratios and rate), and the free-space check before a run writes."""
 
 from __future__ import annotations
 
