@@ -88,12 +88,11 @@ def main(**kw) -> None:
     """
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
     cfg = validated(ExtractConfig(**kw))
+    from .plan import format_plan, plan_run
     from .runner import ExtractFailed, format_summary, run
 
     try:
         if cfg.plan:  # the report (or --json) on stdout; nothing loaded or written
-            from .size_plan import format_plan, plan_run
-
             doc = plan_run(cfg)
             click.echo(json.dumps(doc, indent=2) if cfg.json else format_plan(doc, cfg))
         else:

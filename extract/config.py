@@ -88,8 +88,6 @@ class ExtractConfig:
             raise ValueError(f"min_length {self.min_length} exceeds max_length {self.max_length}")
         if self.end_of_turn is not None and not self.end_of_turn:
             raise ValueError("--end-of-turn is empty")
-        if not isinstance(self.template_kwargs, dict):
-            raise ValueError(f"--template-kwargs must be a JSON object, got {type(self.template_kwargs).__name__}")
         check_template_kwargs(self.template_kwargs)
         try:
             json.dumps(self.template_kwargs, allow_nan=False)

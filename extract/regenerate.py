@@ -13,13 +13,11 @@ import time
 from collections import Counter
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Callable, Literal
 
-from .chat import as_text, check_template_kwargs, stop_token_ids
+from .chat import as_text, check_template_kwargs, stop_token_ids, user_header
 from .data import Conversation, DataError, SkipCounter, dataset_fingerprint, guard, load_source, normalize_row
-from .messages import answer_event, wire_message
-from .regenerate_endpoint import EndpointEngine
-from .self_prompts import QuestionSampler, user_header
+from .regenerate_endpoint import EndpointEngine, answer_event, wire_message
 
 FORMAT_VERSION = 1
 RUN_FILE = "run.json"
@@ -29,6 +27,7 @@ BATCH_SIZE = {"cuda": 512, "cpu": 16}  # in process (BENCHMARKS.md, "Regeneratio
 METADATA_FILE = "regenerate.json"
 PARTS_DIR = "parts"
 TOTALS = ("turns_regenerated", "truncated_turns", "generated_tokens")  # counted per chat, summed per part and run
+SELF_PROMPT_SOURCE = "self_prompt"  # the `source` of a self-prompted chat (errors and skip counts name it)
 
 
 @dataclass
@@ -311,14 +310,13 @@ def generate_batch(model, prompts: list[list[int]], gen_kwargs: dict, stop_ids: 
     encoded = [list(ids) for ids in prompts]
     width, real_rows = max(len(ids) for ids in encoded), len(encoded)
     cache = static.cache_for(width, real_rows) if static is not None else None
-    if cache is not None:
-        encoded += [encoded[0]] * (static.rows - real_rows)
-        with torch.inference_mode():
-            cache.reset()
-        gen_kwargs = {**gen_kwargs, "past_key_values": cache}
-    input_ids = torch.tensor([[gen_kwargs["pad_token_id"]] * (width - len(ids)) + ids for ids in encoded])
-    attention_mask = torch.tensor([[0] * (width - len(ids)) + [1] * len(ids) for ids in encoded])
     with torch.inference_mode():
+        if cache is not None:
+            encoded += [encoded[0]] * (static.rows - real_rows)
+            cache.reset()
+            gen_kwargs = {**gen_kwargs, "past_key_values": cache}
+        input_ids = torch.tensor([[gen_kwargs["pad_token_id"]] * (width - len(ids)) + ids for ids in encoded])
+        attention_mask = torch.tensor([[0] * (width - len(ids)) + [1] * len(ids) for ids in encoded])
         out = model.generate(input_ids=input_ids.to(model.device), attention_mask=attention_mask.to(model.device),
                              **gen_kwargs)
     results = []
@@ -382,6 +380,42 @@ def regenerate_conversations(model, tokenizer, chats: list[Chat], settings: Gene
             ready(chat)
 
 
+@dataclass
+class QuestionSampler:
+    """Magpie-style self-prompting (``--self-prompts N``): questions the target writes by continuing the template's user
+    ``header``, through ``generate`` (prompt ids -> [(tokens, truncated)]); ``seen``: the dedup keys kept in the run."""
+
+    generate: Callable[[list[list[int]]], list[tuple[list[int], bool]]]
+    tokenizer: Any
+    header: str
+    min_chars: int  # shorter questions (whitespace collapsed) are dropped
+    batch_size: int
+    seen: set[str] = field(default_factory=set)
+
+    def chats(self, indices: range) -> tuple[list[Conversation], dict]:
+        """The chats [user: question, assistant: ""] of samples ``indices`` (source_row -1 - index), and
+        the part record's counts and kept dedup keys; bad and duplicate questions are dropped, counted."""
+        counts = dict.fromkeys(("generated", "truncated", "empty", "too_short", "duplicates", "kept"), 0)
+        convs, keys = [], []
+        header = self.tokenizer(self.header, add_special_tokens=False)["input_ids"]
+        for start in range(0, len(indices), self.batch_size):
+            batch = indices[start:start + self.batch_size]
+            for index, (tokens, truncated) in zip(batch, self.generate([header] * len(batch))):
+                counts["generated"] += 1
+                question = self.tokenizer.decode(tokens, skip_special_tokens=False).strip()
+                key = " ".join(question.split())  # the dedup key: whitespace runs collapsed
+                reason = ("truncated" if truncated else "empty" if not key else "too_short"
+                          if len(key) < self.min_chars else "duplicates" if key in self.seen else "kept")
+                counts[reason] += 1
+                if reason == "kept":
+                    self.seen.add(key)
+                    keys.append(key)
+                    messages = [{"role": "user", "content": question}, {"role": "assistant", "content": ""}]
+                    convs.append(Conversation(kind="chat", messages=messages, source=SELF_PROMPT_SOURCE,
+                                              row_index=-1 - index))
+        return convs, {"self_prompts": counts, "questions": keys}
+
+
 class LocalEngine:
     """The target in this process: batched generate(), on static KV caches on CUDA."""
 
@@ -404,8 +438,7 @@ class LocalEngine:
         dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
         self.fingerprint = target_fingerprint(cfg.model, model.config.to_dict(), dtype)
         self.record = {"generation": asdict(gen), "tokenizer": tokenizer_fingerprint(tokenizer),
-                       "target": {k: self.fingerprint.get(k) for k in ("name_or_path", "revision", "config_hash",
-                                                                       "weights_hash", "dtype")}}
+                       "target": dict(self.fingerprint)}
         use_static = cfg.static_cache if cfg.static_cache is not None else model.device.type == "cuda"
         new_tokens = max(gen.max_new_tokens, cfg.question_max_tokens if cfg.self_prompts else 0)
         self.static = StaticDecoder(model, self.batch_size, new_tokens, gen.max_prompt_tokens) if use_static else None

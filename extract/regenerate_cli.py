@@ -63,7 +63,7 @@ from .regenerate import GenerationSettings, RegenConfig, regenerate
 @click.option("--on-bad-row", type=click.Choice(["skip", "error"]), default="skip", help="Source rows that do not "
               "normalise and requests the server rejects: skip and count them, or stop.")
 @click.option("--overwrite/--no-overwrite", default=False, help="Delete OUT first instead of resuming.")
-def cli(**values):
+def main(**values):
     """Replace every assistant turn of DATA with the target's own answers (MODEL in process, or the server at
     ENDPOINT), and/or add SELF_PROMPTS questions the target writes and answers itself; write a dataset to OUT."""
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
@@ -83,7 +83,5 @@ def cli(**values):
                + (f", self-prompted questions {c['self_prompts']}" if "self_prompts" in c else "") + f" -> {job.out}")
 
 
-main = cli  # the dflash-regenerate entry point
-
 if __name__ == "__main__":
-    cli()
+    main()

@@ -18,7 +18,6 @@ from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from .data import DataError
-from .messages import answer_event, wire_message
 
 if TYPE_CHECKING:
     from .regenerate import Chat, GenerationSettings, Part, RegenConfig
@@ -105,6 +104,36 @@ class ChatEndpoint:
 def request_seed(seed: int, row: int, turn: int) -> int:
     """A per-turn sampling seed, the same for a turn however the run was interrupted."""
     return int.from_bytes(hashlib.sha256(f"{seed}:{row}:{turn}".encode()).digest()[:4], "little") >> 1
+
+
+def answer_event(chat: Chat, turn: int, settings: GenerationSettings, content: str, truncated: bool, tokens: int,
+                 reasoning: str | None = None, tool_calls: list | None = None) -> dict[str, Any]:
+    """What an answer does to turn ``turn`` of ``chat``, as a journal line: a cut there, or the source assistant
+    message with the target's content, reasoning and tool calls in place of its own."""
+    where = {"row": chat.conv.row_index, "turn": turn}
+    if not content.strip() and not reasoning and not tool_calls:
+        return {**where, "cut": "empty_generation"}
+    if truncated and settings.drop_truncated:
+        return {**where, "cut": "truncated"}
+    source = chat.messages[turn]
+    message = {k: v for k, v in source.items() if k not in ("reasoning_content", "tool_calls") and v is not None}
+    message = {**message, "content": content, **({"reasoning_content": reasoning} if reasoning else {}),
+               **({"tool_calls": tool_calls} if tool_calls else {})}
+    return {**where, "message": message, "truncated": truncated, "tokens": tokens}
+
+
+def wire_message(message: dict) -> dict:
+    """A message as the chat-completions API takes it and the output rows store it: no None fields,
+    tool-call arguments as JSON strings (Arrow cannot hold free-form objects)."""
+    wire = {k: v for k, v in message.items() if v is not None}
+    if wire.get("tool_calls"):
+        wire["tool_calls"] = [{k: v for k, v in call.items() if v is not None} for call in wire["tool_calls"]]
+        for call in wire["tool_calls"]:
+            function = call.get("function")
+            if isinstance(function, dict) and not isinstance(function.get("arguments"), str):
+                call["function"] = {**function, "arguments": json.dumps(function.get("arguments") or {},
+                                                                        ensure_ascii=False)}
+    return wire
 
 
 def request_body(model: str, history: list[dict], tools: list | None, settings: GenerationSettings,

@@ -26,8 +26,7 @@ from dflash.shared.shard_lock import ShardLock
 from .chat import end_of_turn_id, mask_method
 from .config import ExtractConfig, ExtractFailed, checked_layers, load_tokenizer_and_config
 from .data import DataError, dataset_fingerprint, load_source
-from .size_plan import run_space_problem
-from .plan import plan_shard, shard_slice
+from .plan import plan_shard, run_space_problem, shard_slice
 from .worker import WorkerTask, describe_error, extract_shard
 
 log = logging.getLogger(__name__)

@@ -39,8 +39,7 @@ def head_backend_for(device: torch.device | str) -> str | None:
 
 
 class TargetRunner:
-    """Runs padded batches through the target; ``head_backend``: a ``torch.compile`` backend for the
-    head's log-sum-exp, None for eager."""
+    """Runs padded batches through the target; ``head_backend``: torch.compile's backend for the head (None: eager)."""
 
     def __init__(self, model, layer_ids: list[int], topk: int, lm_head_chunk: int = 1024,
                  head_backend: str | None = None):

@@ -22,7 +22,7 @@ from dflash.shared.shard_lock import LockError, ShardLock, ShardLocked
 
 from .config import ExtractConfig, ExtractFailed
 from .data import DataError
-from .plan import PlannedShard
+from .plan import PlannedShard, bad_row_message
 from .target import TargetRunner, compute_environment, head_backend_for, load_target
 
 
@@ -55,7 +55,6 @@ class WriterThread:
         self.error: BaseException | None = None
         self.blocked = 0.0
         self.gpu = {"gpu_busy": 0.0, "gpu_gap": 0.0}
-        self._last_end = None
         self._thread = threading.Thread(target=self._run, name=f"shard-{writer.shard_id:05d}-writer", daemon=True)
         self._thread.start()
 
@@ -80,7 +79,7 @@ class WriterThread:
         self.check()
 
     def _run(self) -> None:
-        last_commit = time.monotonic()
+        last_commit, last_end = time.monotonic(), None  # last_end: the previous batch's end event
         try:
             while (item := self.queue.get()) is not None:
                 batch, event, host, marks = item
@@ -88,9 +87,9 @@ class WriterThread:
                     event.synchronize()  # the device->host copies of this batch have landed
                 if marks is not None:  # recorded before those copies: complete too
                     self.gpu["gpu_busy"] += marks[0].elapsed_time(marks[1]) / 1000
-                    if self._last_end is not None:
-                        self.gpu["gpu_gap"] += self._last_end.elapsed_time(marks[0]) / 1000
-                    self._last_end = marks[1]
+                    if last_end is not None:
+                        self.gpu["gpu_gap"] += last_end.elapsed_time(marks[0]) / 1000
+                    last_end = marks[1]
                 s0, s1 = self.writer.batch_samples(batch)
                 t0, t1 = int(self.offsets[s0]), int(self.offsets[s1])
                 stored = {name: to_numpy(t) for name, t in host.items()}  # as the cache stores them
@@ -141,8 +140,7 @@ def extract_shard(task: WorkerTask, planned: PlannedShard, pad_id: int | None, l
     cfg, device, timing = task.cfg, torch.device(task.device), {}
     with zarr.config.set(writer_zarr_settings(cfg.out)):  # the shard's write path; other zarr users keep theirs
         writer = ShardWriter(open_root(cfg.out, "r+"), task.shard_id, planned.plan, task.spec,
-                             compute=compute_environment(device))
-        writer.guard = lock.check  # no commit record once another process has taken the shard over
+                             compute=compute_environment(device), guard=lock.check)
         report("planned", samples=len(planned.plan.source_index), done_samples=writer.committed["samples"])
         if writer.complete:
             if not writer.state.complete:
@@ -194,14 +192,6 @@ def extract_shard(task: WorkerTask, planned: PlannedShard, pad_id: int | None, l
     if copy_stream is not None:
         timing.update({k: round(v, 3) for k, v in thread.gpu.items()})
     return timing
-
-
-def bad_row_message(e: DataError, cfg: ExtractConfig) -> str:
-    """The error (naming file and row) with the flag that would handle such a row."""
-    hint = "" if cfg.on_bad_row == "skip" else " (--on-bad-row skip counts and skips such rows)"
-    if e.reason == "too_long" and cfg.truncation == "error":
-        hint = " (--truncation right|skip handles long samples)"
-    return f"{e}{hint}"
 
 
 def describe_error(e: BaseException, task: WorkerTask) -> str:

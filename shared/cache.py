@@ -443,8 +443,8 @@ class ShardWriter:
     truncate first). A shard with committed samples refuses to resume under another ``compute`` (other rounding)."""
 
     def __init__(self, root: zarr.Group, shard_id: int, plan: ShardPlan, spec: CacheSpec,
-                 compute: dict[str, Any] | None = None):
-        self.guard: Callable[[], None] = lambda: None  # called before each commit record; raising stops it
+                 compute: dict[str, Any] | None = None, guard: Callable[[], None] = lambda: None):
+        self.guard = guard  # before each commit record, e.g. that this process still holds the shard's lock
         self.spec, self.plan, self.shard_id = spec, plan, shard_id
         self._offsets = plan.offsets
         name = shard_name(shard_id)
@@ -552,7 +552,7 @@ class ShardWriter:
         s = int(self.plan.batches[self.next_batch])
         record = ShardCounts(batches=self.next_batch, samples=s, tokens=int(self._offsets[s]))
         if record != self.state.commit:
-            self.guard()  # e.g. this process still holds the shard's lock
+            self.guard()
             self.state.commit, self.state.complete = record, self.complete
             _record_state(self.group, self.state, "commit", "complete")
             self.committed = record.as_dict()

@@ -60,8 +60,7 @@ PROGRESS = click.option("--progress/--no-progress", default=True, help="Progress
 
 @click.group(cls=Group)
 def main():
-    """Inspect a dflash hidden-state cache (a Zarr v3 store): CACHE, SRC and DST are local paths or zarr/fsspec
-    URLs."""
+    """Inspect a dflash hidden-state cache (a Zarr v3 store): CACHE, SRC and DST are local paths or zarr/fsspec URLs."""
 
 
 def _hidden_per_token(info: dict) -> str:  # hidden-state bytes per token on disk, and their share of raw bf16's

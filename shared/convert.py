@@ -61,8 +61,7 @@ def _location(path: str) -> str:  # a local path made absolute: where a later ``
 
 
 def converted_spec(src: CacheSpec, settings: ConvertSettings, src_path: str) -> CacheSpec:
-    """The spec of ``src`` converted with ``settings`` (in the fingerprint too), recording the source in
-    ``info.converted_from``."""
+    """The spec of ``src`` converted with ``settings`` (fingerprint too), its source in ``info.converted_from``."""
     encoding = dict(hidden_codec=settings.hidden_codec or src.hidden_codec,
                     hidden_group_size=settings.hidden_group_size or src.hidden_group_size or 128,
                     hidden_scale_dtype=settings.hidden_scale_dtype or src.hidden_scale_dtype or "float16",
@@ -155,8 +154,7 @@ def _reencode(src: CacheSpec, dst: CacheSpec, stored: dict[str, np.ndarray], pla
 
 def _convert_shard(reader: CacheReader, shard: ShardInfo, dst: str, dst_root: zarr.Group, dst_spec: CacheSpec,
                    settings: ConvertSettings, bar, say: Callable[[str], None], stop: threading.Event) -> dict[str, int]:
-    """Convert one shard of ``reader`` under its lock, counting its tokens on ``bar``; returns its token counts
-    (converted now, found done)."""
+    """Convert one shard under its lock, counting its tokens on ``bar``; returns them (converted now, found done)."""
     shard_id, state, group = shard.shard_id, shard.record, reader.root[shard_name(shard.shard_id)]
     plan = ShardPlan(group["source_index"][:], np.diff(group["offsets"][:]), group["batches"][:],
                      dict(state.skipped))  # as written
@@ -168,8 +166,7 @@ def _convert_shard(reader: CacheReader, shard: ShardInfo, dst: str, dst_root: za
     except ShardLocked as e:
         raise CacheError(f"{e}; wait for it to end, or stop it") from None
     try:
-        writer = ShardWriter(dst_root, shard_id, plan, dst_spec, compute=state.compute)
-        writer.guard = lock.check
+        writer = ShardWriter(dst_root, shard_id, plan, dst_spec, compute=state.compute, guard=lock.check)
         done = writer.committed["tokens"]
         bar.update(done)
         if done and not writer.complete:

@@ -170,8 +170,7 @@ def _check_duplicates(shards: list[_Shard], sources: list[np.ndarray | None], pr
 
 
 def verify_cache(path: str, *, max_problems: int = 100, progress: bool = True, workers: int = 4) -> dict[str, Any]:
-    """Read every committed chunk of every array of every shard and check what can be checked.
-    Raises CacheError only when the store is no cache."""
+    """Read and check every committed chunk of every array of every shard; CacheError only for a store not a cache."""
     root, spec = open_spec(path)
     problems = _Problems(max_problems)
     shards: list[_Shard] = []

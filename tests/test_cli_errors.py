@@ -13,7 +13,7 @@ from click.testing import CliRunner
 from train_helpers import one_thread, write_pattern_cache  # noqa: F401 - one_thread: autouse fixture
 
 from dflash.eval.cli import cli as eval_cli
-from dflash.extract.regenerate_cli import cli as regenerate_cli
+from dflash.extract.regenerate_cli import main as regenerate_cli
 from dflash.shared.cache_cli import main as cache_cli
 from dflash.train.cli import cli as train_cli
 

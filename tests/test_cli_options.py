@@ -18,7 +18,7 @@ from dflash.eval.cli import cli as eval_cli
 from dflash.extract.cli import main as extract_main
 from dflash.extract.config import ZSTD_LEVELS, ExtractConfig
 from dflash.extract.regenerate import GenerationSettings, RegenConfig
-from dflash.extract.regenerate_cli import cli as regenerate_cli
+from dflash.extract.regenerate_cli import main as regenerate_cli
 from dflash.shared import cache_cli
 from dflash.shared.cli import Maybe, take
 from dflash.shared.convert import ConvertSettings

@@ -69,7 +69,7 @@ def test_check_accepts_valid_ids():
 @pytest.mark.parametrize("layers", [[0, 3], [2, 1], [1, 1]])
 def test_extraction_refuses_layers_with_the_same_message(layers, tiny_target_dir, chats_sample_path, tmp_path):
     from dflash.extract.runner import ExtractFailed, run
-    from dflash.extract.size_plan import plan_run
+    from dflash.extract.plan import plan_run
 
     out = tmp_path / "cache.zarr"
     cfg = extract_config.ExtractConfig(data=str(chats_sample_path), model=str(tiny_target_dir), out=str(out),

@@ -196,10 +196,10 @@ def test_cli_runs(tmp_path, tiny_target_dir, chats_sample_path):
     out = tmp_path / "cli"
     args = ["--data", str(chats_sample_path), "--model", str(tiny_target_dir), "--out", str(out), "--limit", "2",
             "--max-new-tokens", "3", "--dtype", "float32", "--part-size", "1"]
-    result = CliRunner().invoke(regen_cli.cli, args)
+    result = CliRunner().invoke(regen_cli.main, args)
     assert result.exit_code == 0, result.output
     assert "2/2 rows" in result.output
-    again = CliRunner().invoke(regen_cli.cli, args)  # everything done: just re-finalises
+    again = CliRunner().invoke(regen_cli.main, args)  # everything done: just re-finalises
     assert again.exit_code == 0, again.output
     assert len(_rows(out)) == 2
 

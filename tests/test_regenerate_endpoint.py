@@ -153,10 +153,10 @@ def test_cli_with_endpoint(proxy, chats_sample_path, tmp_path):
     out = tmp_path / "cli"
     args = ["--data", str(chats_sample_path), "--endpoint", proxy.url, "--out", str(out), "--limit", "2",
             "--max-new-tokens", "3", "--concurrency", "2", "--template-kwargs", "{}"]
-    result = CliRunner().invoke(regen_cli.cli, args)
+    result = CliRunner().invoke(regen_cli.main, args)
     assert result.exit_code == 0, result.output
     assert "2/2 rows" in result.output and len(_rows(out)) == 2
-    refused = CliRunner().invoke(regen_cli.cli, [*args[:4], "--out", str(out), "--model", "another-model"])
+    refused = CliRunner().invoke(regen_cli.main, [*args[:4], "--out", str(out), "--model", "another-model"])
     assert refused.exit_code != 0 and "does not serve 'another-model'" in refused.output
 
 
@@ -184,10 +184,10 @@ def test_a_request_the_server_refuses_names_the_row(proxy, chats_sample_path, tm
 
     args = ["--data", str(chats_sample_path), "--endpoint", proxy.url, "--limit", "2", "--max-new-tokens", "2",
             "--extra-body", '{"top_k": 5}']
-    stopped = CliRunner().invoke(regen_cli.cli, [*args, "--out", str(tmp_path / "error"), "--on-bad-row", "error"])
+    stopped = CliRunner().invoke(regen_cli.main, [*args, "--out", str(tmp_path / "error"), "--on-bad-row", "error"])
     assert stopped.exit_code != 0
     assert re.search(r"chats_sample\.jsonl row [01]: turn 1: HTTP 422: .*top_k", stopped.output), stopped.output
-    skipped = CliRunner().invoke(regen_cli.cli, [*args, "--out", str(tmp_path / "skip")])
+    skipped = CliRunner().invoke(regen_cli.main, [*args, "--out", str(tmp_path / "skip")])
     assert skipped.exit_code != 0 and "produced no rows" in skipped.output
     stats = json.loads((tmp_path / "skip" / regen.PARTS_DIR / "part-00000.done.json").read_text())
     assert stats["skipped"] == {"server_rejected": 2}

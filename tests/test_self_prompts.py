@@ -1,4 +1,4 @@
-"""Self-prompting (extract/self_prompts.py, `dflash-regenerate --self-prompts N`): the user
+"""Self-prompting (QuestionSampler in extract/regenerate.py, `dflash-regenerate --self-prompts N`): the user
 header is the template's own start of a user turn; the questions are what the target samples
 after it (reference: model.generate from the header, seeded as the run); the answers are the
 target's greedy answers (test_regenerate's reference); duplicates across the whole run,
@@ -17,7 +17,8 @@ from test_templates import (  # noqa: F401 - qwen3, qwen3_extended, qwen3_tokeni
 
 from dflash.extract import regenerate as regen
 from dflash.extract import regenerate_cli as regen_cli
-from dflash.extract.self_prompts import QuestionSampler, user_header
+from dflash.extract.chat import user_header
+from dflash.extract.regenerate import QuestionSampler
 
 QUESTION_MAX = 12
 MIN_CHARS = 12
@@ -248,7 +249,7 @@ def test_cli_refuses_what_cannot_work(tmp_path):
              (["--self-prompts", "-1", "--model", "m", "--out", out], "self_prompts must be 0 or more, got -1"),
              (["--model", "m", "--out", out], "give --data (a chat dataset) or --self-prompts N")]
     for args, message in cases:
-        result = CliRunner().invoke(regen_cli.cli, args)
+        result = CliRunner().invoke(regen_cli.main, args)
         assert result.exit_code == 2 and message in result.output and "Traceback" not in result.output, result.output
         assert result.exception is None or isinstance(result.exception, SystemExit)
 
@@ -257,7 +258,7 @@ def test_cli_adds_self_prompted_questions_to_a_dataset(tmp_path, tiny_target_dir
     args = ["--data", str(chats_sample_path), "--limit", "1", "--self-prompts", "2", "--question-max-tokens", "3",
             "--model", str(tiny_target_dir), "--out", str(tmp_path / "cli"), "--max-new-tokens", "3",
             "--dtype", "float32"]
-    result = CliRunner().invoke(regen_cli.cli, args)
+    result = CliRunner().invoke(regen_cli.main, args)
     assert result.exit_code == 0, result.output
     assert "self-prompted questions {" in result.output and "'generated': 2" in result.output
     assert json.loads((tmp_path / "cli" / regen.RUN_FILE).read_text())["self_prompts"]["question_max_tokens"] == 3

@@ -13,7 +13,7 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from dflash.extract import size_plan as E
+from dflash.extract import plan as E
 from dflash.extract import runner as R
 from dflash.extract.cli import main as extract_main
 from dflash.extract.data import load_source
