@@ -30,7 +30,7 @@ def main() -> None:
     from transformers import AutoTokenizer
 
     from dflash.extract.data import SkipCounter, load_source
-    from dflash.extract.regenerate import (TOTALS, Chat, GenerationSettings, StaticDecoder, part_chats,
+    from dflash.extract.regenerate import (Chat, GenerationSettings, StaticDecoder, chat_totals, part_chats,
                                           regenerate_conversations)
     from dflash.extract.target import load_target
 
@@ -47,7 +47,7 @@ def main() -> None:
         chats = [Chat.start(c, skips) for c in convs]
         regenerate_conversations(model, tokenizer, chats, settings, batch_size, skips, static)
         out = [{"source_row": c.conv.row_index, "messages": c.messages} for c in chats if not c.dropped]
-        totals = {key: sum(getattr(c, key) for c in chats if not c.dropped) for key in TOTALS}
+        totals = chat_totals(chats)
         torch.cuda.synchronize() if args.device.startswith("cuda") else None
         seconds = time.perf_counter() - t0
         stats = {"static": static is not None, "rows": len(convs), "batch_size": batch_size, "seconds": round(seconds, 2),

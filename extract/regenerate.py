@@ -196,6 +196,11 @@ def open_part(out: Path, index: int, rows: int, convs: list[Conversation], skips
     return part
 
 
+def chat_totals(chats: list[Chat]) -> dict[str, int]:
+    """The ``TOTALS`` summed over the chats not dropped: a part's record, and the regeneration benchmark's."""
+    return {key: sum(getattr(chat, key) for chat in chats if not chat.dropped) for key in TOTALS}
+
+
 def finish_part(out: Path, part: Part) -> None:
     """Write the part's rows, then its done record (which marks it finished), then drop its journal."""
     rows = []
@@ -209,7 +214,7 @@ def finish_part(out: Path, part: Part) -> None:
                "truncated_turns": chat.truncated_turns}
         rows.append({**row, "tools": chat.conv.tools} if chat.conv.tools else row)
     stats = {"part": part.index, "rows_in": part.rows, "rows_out": len(rows), "skipped": part.skips.to_dict(),
-             **{key: sum(getattr(chat, key) for chat in part.chats if not chat.dropped) for key in TOTALS},
+             **chat_totals(part.chats),
              **part.record, **({"served_models": dict(part.models)} if part.models else {})}
     data_path, done_path, _ = part_paths(out, part.index)
     _write_atomic(data_path, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
