@@ -154,6 +154,20 @@ def test_tokenizer_equals_the_one_read_from_the_gguf(tiny_gguf, converted, real_
     assert "You are a helpful AI assistant named SmolLM" in tok.apply_chat_template(chats[0], tokenize=False)
 
 
+def test_demo_real_default_layers_fit_the_real_target():
+    """`make demo-real`'s default target layers are ids the real SmolLM2 GGUF's decoder can serve (the rules
+    extraction, training and export check), read from the file's own block count."""
+    from dflash.eval.demo_real import RealSettings
+    from dflash.shared.layers import check_layer_ids
+
+    fields = gguf.GGUFReader(REAL_GGUF).fields
+    blocks = int(fields["llama.block_count"].parts[-1][0])
+    assert blocks == 30
+    check_layer_ids(RealSettings().layers, blocks)
+    with pytest.raises(ValueError, match="last layer"):  # the check can fail: the last layer is not servable
+        check_layer_ids(RealSettings().layers + [blocks - 1], blocks)
+
+
 def test_source_is_recorded_and_a_rerun_skips(tiny_gguf, converted):
     import hashlib
 
@@ -266,7 +280,7 @@ def test_demo_real_runs_every_stage_on_the_cpu(tiny_gguf, tmp_path):
         pytest.skip(str(err))
     settings = RealSettings().with_overrides([
         "device=cpu", "preset=tiny", "conversations=30", "heldout=4", "max_new_tokens=6", "max_prompt_tokens=256",
-        "regen_batch_size=16", "spec_sample=1", "eval_batch_size=8", "eval_limit=2",
+        "regen_batch_size=16", "spec_sample=1", "eval_batch_size=8", "eval_limit=2", "layers=null",
         *[f"train.{key}={value}" for key, value in dict(
             max_steps=2, num_draft_layers=1, block_size=4, context_buckets=[256, 512], max_anchors=8, batch_size=2,
             micro_batch_size=2, eval_samples=1, eval_every=2, save_every=2).items()]])

@@ -34,8 +34,8 @@ def cli():
 @cli.command()
 @click.option("--preset", type=click.Choice(list(config_mod.PRESETS)), default="dflash", help="Starting point (the "
               "defaults shown are the dflash preset's, the recipe for 8B-class targets; small: a small target on "
-              "one GPU (block 8, 3 layers, shorter contexts, 12 loader workers); tiny: CPU tests); flags override "
-              "its fields.")
+              "one GPU (block 8, 3 layers, loss decay gamma 2, shorter contexts, 12 loader workers); tiny: CPU "
+              "tests); flags override its fields.")
 @click.option("--print-config/--no-print-config", default=False, help="Print the resolved config, checked, as JSON "
               "and exit.")
 @click.option("--cache", help="Path of the hidden-state cache (Zarr) written by dflash-extract.")
