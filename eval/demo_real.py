@@ -47,7 +47,7 @@ class RealSettings(Overridable):
     regen_batch_size: int = 512
     hidden_codec: Literal["bf16", "fp8", "int8", "int4"] = "fp8"  # on SmolLM2 fp8 kept tau, 0.56 of the bytes
     # target layers the cache stores (extract's --layers; None: its default 5): 9 of SmolLM2-135M's 30, which gave
-    # +0.10-0.16 benchmark tau over the default 5 for a step 1 % longer and twice the cache
+    # +0.10-0.16 benchmark tau over the default 5 for a step 1.5 % longer and twice the cache
     layers: list[int] | None = field(default_factory=lambda: [1, 4, 8, 11, 14, 18, 21, 24, 27])
     train: dict = field(default_factory=lambda: dict(  # 9,600 steps: benchmark tau +0.11-0.18 over 4,800, ~+4 min
         max_steps=9600, eval_every=9600, save_every=9600, eval_samples=64))  # each evaluation costs ~200 steps
