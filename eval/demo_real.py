@@ -18,6 +18,7 @@ from typing import Literal
 import click
 
 from dflash.extract.data import leading_records
+from dflash.shared.layers import check_layer_ids
 from dflash.train.config import PRESETS
 
 from .benchmarks import humaneval, mt_bench, write_jsonl
@@ -219,6 +220,12 @@ def run_real(out: Path, s: RealSettings, gguf: str | None, echo=click.echo,
         after = [records[r]["settings"] for r in reads.get(name, (previous,))]
         records[name] = _stage(label, path, after, argv, echo)
         times[name], previous = records[name]["seconds"], name
+        if name == "convert" and s.layers is not None:  # another GGUF: refused now, not after regenerating
+            try:
+                check_layer_ids(s.layers, json.loads((target / "config.json").read_text())["num_hidden_layers"])
+            except ValueError as e:
+                raise click.BadParameter(f"layers: {e}; --set layers=null takes extraction's default",
+                                         param_hint="--set") from None
         if name == last:  # --stop-after's stage, with the stage that belongs to it (export, the sampled answers)
             echo(f"stopped after {stop_after}; rerun to go on")
             return None

