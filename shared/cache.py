@@ -582,7 +582,7 @@ class ShardInfo:
 class CacheReader:
     """Random access by global sample index over the committed samples of every shard (or of ``shard_ids``). Opening
     reads the shards' states and offsets only; picklable (a DataLoader worker reopens the store lazily). It reads
-    through zarr's own codec pipeline, not the writers' zarrs: a forked worker hangs in zarrs once its parent used it."""
+    through zarr's own codec pipeline, not the writers' zarrs: a forked worker hangs in zarrs if its parent used it."""
 
     def __init__(self, path: str, shard_ids: Iterable[int] | None = None):
         self.path = path
