@@ -109,8 +109,9 @@ def test_reader_sees_only_committed(tmp_path):
 
 @pytest.mark.parametrize("span_tokens", [1, 20, 1 << 16])
 def test_read_many_equals_read_sample_by_sample(tmp_path, span_tokens):
-    """Samples read span by span (preload's way) equal ``read``'s, field for field: spans shorter than a sample,
-    spans that end inside a sample, spans up to the end of a shard, two shards, a partly committed one."""
+    """Samples read span by span (preload's way, through zarrs) equal ``read``'s (zarr's own pipeline), field for
+    field: spans shorter than a sample, spans that end inside a sample, spans up to the end of a shard, two shards,
+    a partly committed one."""
     spec = make_spec()
     path = str(tmp_path / "c.zarr")
     root = C.create_or_open_cache(path, spec)
@@ -129,6 +130,9 @@ def test_read_many_equals_read_sample_by_sample(tmp_path, span_tokens):
         assert sample.keys() == expected.keys()
         assert all(torch.equal(sample[k], expected[k]) if torch.is_tensor(v) else sample[k] == v
                    for k, v in expected.items()), i
+    pipelines = {key: type(a.async_array.codec_pipeline).__name__ for key, a in r._arrays.items()}
+    assert {p for (_, _, zarrs), p in pipelines.items() if zarrs} == {"ZarrsCodecPipeline"}, pipelines
+    assert {p for (_, _, zarrs), p in pipelines.items() if not zarrs} == {"BatchedCodecPipeline"}, pipelines
 
 
 def chunk_file_bytes(path) -> dict[str, bytes]:

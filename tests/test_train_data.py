@@ -419,7 +419,7 @@ def test_preloaded_samples_are_private_copies_of_what_the_loader_reads(topk_cach
     from dflash.train.data import preload
 
     spans, read_span = [], CacheReader._read_span  # the spans kept alive here, so no copy can reuse their memory
-    monkeypatch.setattr(CacheReader, "_read_span", lambda *a: spans.append(read_span(*a)) or spans[-1])
+    monkeypatch.setattr(CacheReader, "_read_span", lambda *a, **k: spans.append(read_span(*a, **k)) or spans[-1])
     reader = CacheReader(str(topk_cache))
     ds = AnchorDataset(reader, layers, max_length=64, max_anchors=8, seed=0, topk=True)
     loaded = AnchorDataset(reader, layers, max_length=64, max_anchors=8, seed=0, topk=True)
