@@ -284,6 +284,27 @@ def test_train_and_export_with_the_default_mask_token(converted, extracted, tmp_
     assert ids.size and not (ids == mask).any()
 
 
+def check_originals_then_regenerated(out, originals: int) -> None:
+    """The demo's cache holds the first ``originals`` chats with ShareGPT's own answers, then the regenerated rows
+    (training holds out the last samples): each sample's tokens decode to its row's prompt and answer."""
+    from transformers import AutoTokenizer
+
+    chats = [r["conversations"] for r in load_source(str(out / "data" / "train.jsonl"))][:originals]
+    rows = [[m["value"] for m in c] for c in chats] + [
+        [m["content"] for m in r["messages"]] for r in load_source(str(out / "regen"))]
+    extracted = json.loads((out / "extract.json").read_text())
+    assert extracted["samples"] + sum(extracted["skipped"].values()) == len(rows)
+    reader, tok = CacheReader(str(out / "cache.zarr")), AutoTokenizer.from_pretrained(out / "target")
+    sources = reader.source_indices().tolist()
+    assert min(sources) < len(chats) <= max(sources)  # training holds out the last rows: regenerated ones
+    for index, row in enumerate(sources):
+        ids = reader.read(index, ["input_ids"])["input_ids"]
+        text = tok.decode(ids)
+        assert rows[row][0].strip()[:40] in text, (index, row)
+        if len(ids) < reader.spec.max_length:  # not cut: the answer is there too
+            assert rows[row][1].strip()[:40] in text, (index, row)
+
+
 def test_demo_real_runs_every_stage_on_the_cpu(tiny_gguf, tmp_path):
     """`make demo-real`'s driver at toy sizes on the CPU: each stage's command runs once (a run
     stopped after a stage goes on from there, reusing it), and the table and summary carry
@@ -322,6 +343,7 @@ def test_demo_real_runs_every_stage_on_the_cpu(tiny_gguf, tmp_path):
     assert 3 <= export["dflash_config"]["mask_token_id"] <= 16  # a special token, picked without a flag
     assert (out / "training_curves.png").stat().st_size > 0
     assert CacheReader(str(out / "cache.zarr")).spec.hidden_codec == RealSettings.hidden_codec == "fp8"
+    check_originals_then_regenerated(out, RealSettings.originals)
     lines.clear()  # a later setting changed: only the stages from it on run again
     summary = run_real(out, dataclasses.replace(settings, eval_limit=1), str(tiny_gguf), echo=lines.append)
     assert [line.split(":")[0].strip() for line in lines if ": reusing" in line] == [
@@ -338,7 +360,8 @@ def test_demo_real_runs_every_stage_on_the_cpu(tiny_gguf, tmp_path):
                                     for r in common) >= 0.8 * len(common)
     assert json.loads((out / "regen_sampled" / "regenerate.json").read_text())["generation"]["temperature"] == 1
     extracted = json.loads((out / "extract.json").read_text())
-    assert extracted["samples"] + sum(extracted["skipped"].values()) == len(greedy) + len(sampled)
+    chats = len(load_source(str(out / "data" / "train.jsonl")))  # the originals: every chat's
+    assert extracted["samples"] + sum(extracted["skipped"].values()) == chats + len(greedy) + len(sampled)
     assert extracted["samples"] == len(CacheReader(str(out / "cache.zarr"))) > max(len(greedy), len(sampled))
     lines.clear()  # another codec and layers: the cache is extracted again, and every stage after it runs on it
     run_real(out, settings.with_overrides(["eval_limit=1", "hidden_codec=int8", "layers=[1]"]), str(tiny_gguf),
