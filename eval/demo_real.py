@@ -79,8 +79,6 @@ def prepare(data: Path, s: RealSettings) -> dict:
     if s.answers < 1 or s.answers > 1 and not s.regen_temperature:
         raise click.BadParameter(f"answers={s.answers}: 1, or more with regen_temperature above 0 (greedy answers to "
                                  "the same prompt are the same)", param_hint="--set")
-    if s.originals < 0:
-        raise click.BadParameter(f"originals={s.originals}: 0 or more chats", param_hint="--set")
     if s.turns == 0:
         raise click.BadParameter("turns=0: 1 or more, or null for every turn", param_hint="--set")
     if s.conversations == 0 and not s.self_prompts:
