@@ -61,7 +61,7 @@ ENCODING_DEFAULTS = {"hidden_codec": "bf16", "hidden_group_size": None, "hidden_
                      "topk_dtype": "float32"}
 SAMPLE_META_CHUNK = 1 << 16
 ZARR_PIPELINE = "zarr.core.codec_pipeline.BatchedCodecPipeline"
-ZARRS_PIPELINE = "zarrs.ZarrsCodecPipeline"  # Rust: off the GIL, 5x zarr's decoding speed on the GPU host
+ZARRS_PIPELINE = "zarrs.ZarrsCodecPipeline"  # Rust, off the GIL: several times zarr's own decoding speed
 SMALL_CHUNK_BYTES = 1 << 20  # raw bytes aimed at per chunk of the small token arrays (format 2)
 SMALL_CHUNK_MAX_TOKENS = 1 << 16  # reading one sample decodes whole chunks
 SPAN_BYTES = 256 << 20  # what read_many reads at once, as stored (about 43k tokens of SmolLM2's 5 layers)
@@ -584,7 +584,7 @@ class CacheReader:
     """Random access by global sample index over the committed samples of every shard (or of ``shard_ids``). Opening
     reads the shards' states and offsets only; picklable (a DataLoader worker reopens the store lazily). It reads
     through zarr's own codec pipeline, since a forked worker hangs in zarrs if its parent used it; ``read_many``
-    (preload, after which no worker forks) reads a local cache through zarrs, which decodes about 5x as fast."""
+    (preload, after which no worker forks) reads a local cache through zarrs, which decodes several times as fast."""
 
     def __init__(self, path: str, shard_ids: Iterable[int] | None = None):
         self.path = path

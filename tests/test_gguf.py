@@ -360,7 +360,7 @@ def test_demo_real_runs_every_stage_on_the_cpu(tiny_gguf, tmp_path):
                                     for r in common) >= 0.8 * len(common)
     assert json.loads((out / "regen_sampled" / "regenerate.json").read_text())["generation"]["temperature"] == 1
     extracted = json.loads((out / "extract.json").read_text())
-    chats = len(load_source(str(out / "data" / "train.jsonl")))  # the originals: every chat's
+    chats = len(load_source(str(out / "data" / "train.jsonl")))  # originals=8000: every chat's own answer too
     assert extracted["samples"] + sum(extracted["skipped"].values()) == chats + len(greedy) + len(sampled)
     assert extracted["samples"] == len(CacheReader(str(out / "cache.zarr"))) > max(len(greedy), len(sampled))
     lines.clear()  # another codec and layers: the cache is extracted again, and every stage after it runs on it
