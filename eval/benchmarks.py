@@ -57,7 +57,8 @@ def write_jsonl(rows: Sequence[dict], path: str | Path) -> Path:
 
 
 def read_jsonl(path: str | Path) -> list[dict]:
-    return [json.loads(line) for line in Path(path).read_text(encoding="utf-8").splitlines() if line.strip()]
+    lines = Path(path).read_text(encoding="utf-8").split("\n")  # not splitlines(): a string may hold U+2028 as is
+    return [json.loads(line) for line in lines if line.strip()]
 
 
 @click.command(cls=Command)

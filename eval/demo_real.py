@@ -21,7 +21,7 @@ from dflash.extract.data import leading_records
 from dflash.shared.layers import check_layer_ids
 from dflash.train.config import PRESETS
 
-from .benchmarks import humaneval, mt_bench, write_jsonl
+from .benchmarks import humaneval, mt_bench, read_jsonl, write_jsonl
 from .demo import Overridable, _fresh, _write, plot_curves
 from .replay_eval import format_benchmarks
 
@@ -128,8 +128,8 @@ def write_mix(folder: Path, train: Path, s: RealSettings, regenerated: list[Path
 
     shutil.rmtree(folder, ignore_errors=True)
     folder.mkdir()
-    chats = train.read_text(encoding="utf-8").splitlines()[::s.answers][:s.originals]  # a chat's copies side by side
-    (folder / "0-originals.jsonl").write_text("".join(line + "\n" for line in chats), encoding="utf-8")
+    chats = read_jsonl(train)[::s.answers][:s.originals]  # a chat's copies stand side by side
+    write_jsonl(chats, folder / "0-originals.jsonl")
     for i, source in enumerate(regenerated, 1):
         write_jsonl([{"messages": r["messages"]} for r in datasets.load_from_disk(str(source))],
                     folder / f"{i}-{source.name}.jsonl")

@@ -107,3 +107,26 @@ def test_train_settings_are_checked_by_dflash_train_before_any_stage(tmp_path, s
     with pytest.raises(click.BadParameter, match=re.escape(said)):
         run_real(tmp_path / "real", RealSettings().with_overrides([setting]), "/no/such.gguf")
     assert not (tmp_path / "real").exists()
+
+
+def test_the_originals_come_first_and_keep_unicode_line_separators(tmp_path):
+    """write_mix: the first N chats of train.jsonl (one per chat where answers repeat it), then each regenerated
+    set's messages, read back equal by extraction's own reader, with U+2028 and U+0085 inside ShareGPT text (real
+    rows hold them; a reader that splits on them tears the row)."""
+    import datasets
+
+    from dflash.eval.benchmarks import write_jsonl
+    from dflash.eval.demo_real import write_mix
+    from dflash.extract.data import load_source
+
+    chats = [[{"from": "human", "value": f"q{i}\u2028line"}, {"from": "gpt", "value": f"a{i}\x85next"}] for i in range(5)]
+    train = write_jsonl([{"conversations": c} for c in chats for _ in range(2)], tmp_path / "train.jsonl")
+    sets = []
+    for name in ("regen", "regen_sampled"):
+        rows = [{"messages": [{"role": "user", "content": f"{name} q{i}"}, {"role": "assistant", "content": "\u2029"}]}
+                for i in range(3)]
+        datasets.Dataset.from_list(rows).save_to_disk(str(tmp_path / name))
+        sets.append(rows)
+    write_mix(tmp_path / "mix", train, RealSettings(originals=3, answers=2, regen_temperature=1.0),
+              [tmp_path / "regen", tmp_path / "regen_sampled"])
+    assert load_source(str(tmp_path / "mix")) == [{"conversations": c} for c in chats[:3]] + sets[0] + sets[1]
