@@ -119,7 +119,8 @@ def test_the_originals_come_first_and_keep_unicode_line_separators(tmp_path):
     from dflash.eval.demo_real import write_mix
     from dflash.extract.data import load_source
 
-    chats = [[{"from": "human", "value": f"q{i}\u2028line"}, {"from": "gpt", "value": f"a{i}\x85next"}] for i in range(5)]
+    chats = [[{"from": "human", "value": f"q{i}\u2028line"}, {"from": "gpt", "value": f"a{i}\x85next"}]
+             for i in range(5)]
     train = write_jsonl([{"conversations": c} for c in chats for _ in range(2)], tmp_path / "train.jsonl")
     sets = []
     for name in ("regen", "regen_sampled"):
