@@ -307,6 +307,8 @@ def test_corrupted_chunk_refused(tmp_path):
     r[0]
     with pytest.raises(C.CacheError, match="shard 00000 sample 1"):
         r[1]
+    with pytest.raises(C.CacheError, match=r"shard 00000 tokens 0:\d+ \(sample 0 on\) array hidden"):
+        list(r.read_many(range(len(r))))  # the preload's reads, through zarrs, check the checksum too
 
 
 def test_check_compatible_names_every_mismatch(tmp_path):
