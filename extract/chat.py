@@ -243,15 +243,18 @@ def _overlap_mask(offsets: list[tuple[int, int]], spans) -> np.ndarray:
     return mask
 
 
-def _close_spans_at_end_of_turn(ids: list[int], mask, eot: int) -> list[bool]:
+def _close_spans_at_end_of_turn(ids, mask, eot: int) -> np.ndarray:
     """Each run of masked tokens ends with (and includes) its first end-of-turn token, in it or right after it."""
-    out, open_run = [], False  # open_run: in (or just after) a run that has not reached its end of turn
-    for k, (token, inside) in enumerate(zip(ids, mask)):
-        if inside and (k == 0 or not mask[k - 1]):
-            open_run = True
-        out.append(open_run and bool(inside or token == eot))
-        open_run = open_run and inside and token != eot
-    return out
+    ids, mask = np.asarray(ids), np.asarray(mask, dtype=bool)
+    edges = np.diff(np.concatenate(([False], mask, [False])).astype(np.int8))
+    starts, ends = np.flatnonzero(edges == 1), np.flatnonzero(edges == -1)  # runs [start, end)
+    eots = np.flatnonzero(ids == eot)
+    first = np.append(eots, len(ids) + 1)[np.searchsorted(eots, starts)]  # each run's first end of turn
+    stops = np.where(first <= ends, first + 1, ends)
+    counts = np.zeros(len(ids) + 1, dtype=np.int64)  # +1 where a kept span starts, -1 where it stops
+    counts[starts] += 1
+    counts[stops] -= 1
+    return np.cumsum(counts[:-1]) > 0
 
 
 def _probe_markers(render_text, tokenizer, end_of_turn: str | None) -> TurnMarkers:

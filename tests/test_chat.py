@@ -358,3 +358,32 @@ def test_template_that_refuses_the_probe(tiny_tokenizer):
                                         r"rejected the probe chats .*at most one exchange") as info:
         render(variant(False, refuse_long=True), short, max_length=512)
     assert info.value.reason == "mask_not_located"
+
+
+def test_close_spans_at_end_of_turn_matches_a_token_by_token_walk():
+    """The vectorised closing of masked runs against its definition, walked token by token: a run keeps its tokens
+    up to and including its first end-of-turn token, in it or right after it, and none after that."""
+    from dflash.extract.chat import _close_spans_at_end_of_turn
+
+    def walk(ids, mask, eot):
+        out, run, closed = [], False, False
+        for token, inside in zip(ids, mask):
+            if inside and not run:  # a run starts here
+                run, closed = True, False
+            if inside:
+                out.append(not closed)
+                closed = closed or token == eot
+            else:
+                out.append(run and not closed and token == eot)  # the end of turn right after a run
+                run = False
+        return out
+
+    rng = np.random.default_rng(0)
+    for _ in range(3000):
+        n = int(rng.integers(0, 40))
+        ids, mask = rng.integers(0, 4, n), rng.random(n) < rng.random()
+        assert _close_spans_at_end_of_turn(ids, mask, 2).tolist() == walk(ids.tolist(), mask.tolist(), 2)
+    # the cases by hand: closed inside the run, right after it, and not at all
+    assert _close_spans_at_end_of_turn([5, 2, 5, 9], [1, 1, 1, 0], 2).tolist() == [True, True, False, False]
+    assert _close_spans_at_end_of_turn([5, 5, 2, 9], [1, 1, 0, 0], 2).tolist() == [True, True, True, False]
+    assert _close_spans_at_end_of_turn([5, 5, 9, 2], [0, 1, 0, 0], 2).tolist() == [False, True, False, False]
