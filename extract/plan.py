@@ -5,20 +5,21 @@ GPU-hours estimated from measured ratios and rate), and the free-space check bef
 
 from __future__ import annotations
 
+import itertools
 import logging
 import math
 import os
 import shutil
 from collections import Counter
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import numpy as np
 
 from dflash.shared.cache import ShardPlan
 from dflash.shared.compression import is_local, size_text
 
-from .chat import render
+from .chat import Rendering, encode, rendering, to_sample
 from .config import ExtractConfig, ExtractFailed, checked_layers, load_tokenizer_and_config
 from .data import DataError, SkipCounter, SkippedSample, guard, load_source, normalize_row
 
@@ -60,27 +61,39 @@ def length_bucketed_batches(lengths: np.ndarray, source_index: np.ndarray, batch
     return order, np.asarray(batches, dtype=np.int64)
 
 
+PLAN_ROWS = 256  # rows rendered, then tokenised in one batch (the tokenizer spreads it over the cores)
+
+
 def plan_shard(rows, row_offset: int, source: str, tokenizer, cfg: ExtractConfig,
                on_row: Callable[[int], None] = lambda done: None) -> PlannedShard:
     """Tokenise and plan ``rows`` (numbered from ``row_offset``); DataError on the first bad row unless
     ``cfg.on_bad_row == "skip"``. ``on_row(done)`` every 256 rows."""
     skips, kept_rows, samples = SkipCounter(), [], []
 
-    def one(row: dict, index: int):
-        conv = normalize_row(row, index, source)
-        sample = render(tokenizer, conv, max_length=cfg.max_length, truncation=cfg.truncation,
-                        end_of_turn=cfg.end_of_turn, template_kwargs=cfg.template_kwargs)
+    def rendered(row: dict, index: int) -> Rendering | DataError:  # an error is raised in row order, below
+        try:
+            conv = normalize_row(row, index, source)
+            return rendering(tokenizer, conv, end_of_turn=cfg.end_of_turn, template_kwargs=cfg.template_kwargs)
+        except DataError as e:
+            return e
+
+    def one(r: Rendering | DataError, encoded: Iterator, index: int):
+        if isinstance(r, DataError):
+            raise r
+        sample = to_sample(r, *next(encoded), max_length=cfg.max_length, truncation=cfg.truncation)
         if len(sample.input_ids) < cfg.min_length:
             raise SkippedSample("too_short", source, index,
                                 f"{len(sample.input_ids)} tokens < min_length {cfg.min_length}")
         return sample
 
-    for index, row in enumerate(rows, start=row_offset):
-        if (sample := guard(cfg.on_bad_row, skips, one, row, index)) is not None:
-            kept_rows.append(index)
-            samples.append(sample)
-        if (index - row_offset + 1) % 256 == 0:
-            on_row(index - row_offset + 1)
+    numbered = enumerate(rows, start=row_offset)
+    while chunk := [(index, rendered(row, index)) for index, row in itertools.islice(numbered, PLAN_ROWS)]:
+        encoded = iter(encode(tokenizer, [r for _, r in chunk if isinstance(r, Rendering)]))
+        for index, r in chunk:
+            if (sample := guard(cfg.on_bad_row, skips, one, r, encoded, index)) is not None:
+                kept_rows.append(index)
+                samples.append(sample)
+        on_row(chunk[-1][0] - row_offset + 1)
     on_row(len(rows))
     source_index = np.asarray(kept_rows, dtype=np.int64)
     lengths = np.asarray([len(x.input_ids) for x in samples], dtype=np.int64)

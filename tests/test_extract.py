@@ -234,6 +234,46 @@ def test_planning_counts_every_bad_row_and_names_the_first(dataset, tiny_target_
         plan_shard(load_source(str(bad)), 0, str(bad), tok, cfg)
     assert str(err.value).startswith(f"{bad} row 28: unknown role 'robot'") and err.value.reason == "unknown_role"
 
+    # rows are tokenised in batches after their template renders: a row that fails once tokenised (too long) still
+    # comes before a later one whose rendering fails (row 28), in the same batch
+    short = {"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello."}]}
+    mixed = [short] * 2 + [{"messages": [{"role": "user", "content": "Q"}, {"role": "assistant", "content": "word " * 400}]},
+                           short, BAD_ROWS[3][0], short]
+    bad.write_text("".join(json.dumps(r) + "\n" for r in mixed))
+    with pytest.raises(DataError) as err:
+        plan_shard(load_source(str(bad)), 0, str(bad), tok, dataclasses.replace(cfg, truncation="error"))
+    assert str(err.value).startswith(f"{bad} row 2: ") and err.value.reason == "too_long"
+
+
+def test_planning_in_batches_equals_one_row_at_a_time(chats_sample_path, tiny_target_dir):
+    """Rows are tokenised a batch at a time, chats and text rows apart: every planned sample is the one ``render``
+    gives for its row alone, its ids the template's own (or the tokenizer's for a text row), across batches."""
+    from tokenizers.processors import TemplateProcessing
+
+    from dflash.extract.chat import render
+    from dflash.extract.data import normalize_row
+    from dflash.extract.plan import PLAN_ROWS, plan_shard
+
+    chats = [json.loads(line) for line in chats_sample_path.read_text().splitlines()]
+    rows = [chats[i % len(chats)] if i % 3 else {"text": f"plain text row {i} " * (1 + i % 5)}
+            for i in range(PLAN_ROWS + 50)]
+    cfg = ExtractConfig(data="rows", model=str(tiny_target_dir), out="unused", device="cpu", max_length=4096)
+    tok = load_tokenizer(cfg)  # a fresh copy, given a BOS: text rows take it, chats write their own special tokens
+    tok.backend_tokenizer.post_processor = TemplateProcessing(
+        single=f"{tok.eos_token} $A", special_tokens=[(tok.eos_token, tok.eos_token_id)])
+    assert tok("text")["input_ids"][0] == tok.eos_token_id
+    planned = plan_shard(rows, 10, "rows", tok, cfg)
+    assert planned.plan.source_index.tolist() == sorted(planned.plan.source_index.tolist(), key=lambda i: (
+        -len(render(tok, normalize_row(rows[i - 10], i, "rows"), max_length=4096).input_ids), i))
+    ends = np.cumsum(planned.plan.lengths)
+    for index, end, length in zip(planned.plan.source_index, ends, planned.plan.lengths):
+        row = rows[index - 10]
+        alone = render(tok, normalize_row(row, index, "rows"), max_length=4096)
+        ids, mask = planned.input_ids[end - length:end], planned.loss_mask[end - length:end]
+        assert np.array_equal(ids, alone.input_ids) and np.array_equal(mask, alone.loss_mask), index
+        own = tok(row["text"])["input_ids"] if "text" in row else tok.apply_chat_template(row["messages"], tokenize=True)
+        assert ids.tolist() == list(getattr(own, "input_ids", own)), index
+
 
 def test_batched_equals_unbatched_and_hf(tiny_target_dir):
     """fp32 on CPU: padded batch == one sample at a time == HF output_hidden_states / logits."""
