@@ -67,7 +67,7 @@ PLAN_ROWS = 256  # rows rendered, then tokenised in one batch (the tokenizer spr
 def plan_shard(rows, row_offset: int, source: str, tokenizer, cfg: ExtractConfig,
                on_row: Callable[[int], None] = lambda done: None) -> PlannedShard:
     """Tokenise and plan ``rows`` (numbered from ``row_offset``); DataError on the first bad row unless
-    ``cfg.on_bad_row == "skip"``. ``on_row(done)`` every 256 rows."""
+    ``cfg.on_bad_row == "skip"``. ``on_row(done)`` after every 256 rows and the last."""
     skips, kept_rows, samples = SkipCounter(), [], []
 
     def rendered(row: dict, index: int) -> Rendering | DataError:  # an error is raised in row order, below
@@ -93,8 +93,7 @@ def plan_shard(rows, row_offset: int, source: str, tokenizer, cfg: ExtractConfig
             if (sample := guard(cfg.on_bad_row, skips, one, r, encoded, index)) is not None:
                 kept_rows.append(index)
                 samples.append(sample)
-        on_row(chunk[-1][0] - row_offset + 1)
-    on_row(len(rows))
+        on_row(chunk[-1][0] - row_offset + 1)  # the last chunk's is len(rows)
     source_index = np.asarray(kept_rows, dtype=np.int64)
     lengths = np.asarray([len(x.input_ids) for x in samples], dtype=np.int64)
     order, batches = length_bucketed_batches(lengths, source_index, cfg.batch_tokens)
