@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import os
 from collections import Counter
 from typing import Any
 
@@ -12,6 +13,7 @@ import numpy as np
 import torch
 import zarr
 from zarr.core.sync import sync
+from zarr.storage import LocalStore
 
 from dflash.shared.cache import (ENCODING_DEFAULTS, HIDDEN_SCALE, META_FIELDS, CacheError, CacheReader, ShardInfo,
                                  decode_hidden, decode_topk_logprobs, shard_name, stored_row_bytes)
@@ -22,6 +24,8 @@ from dflash.shared.shard_lock import live_holders
 def _sizes(root: zarr.Group, prefixes: list[str]) -> dict[str, int] | None:
     """Key -> bytes of every object under ``prefixes``, or None where the store cannot list."""
     store = root.store
+    if isinstance(store, LocalStore):  # one scandir walk, 3x faster than zarr's listing (BENCHMARKS)
+        return {k: v for p in prefixes for k, v in _folder_sizes(str(store.root), p).items()}
 
     async def listing(prefix):
         sizes = {}
@@ -34,6 +38,20 @@ def _sizes(root: zarr.Group, prefixes: list[str]) -> dict[str, int] | None:
         return {k: v for p in prefixes for k, v in sync(listing(p)).items()} if store.supports_listing else None
     except Exception:  # a store that cannot list after all
         return None
+
+
+def _folder_sizes(base: str, prefix: str) -> dict[str, int]:
+    """Key -> bytes of every file below ``base/prefix``, as a LocalStore at ``base`` names them."""
+    sizes, folders, cut = {}, [os.path.join(base, prefix)], len(base) + 1
+    while folders:
+        with contextlib.suppress(FileNotFoundError), os.scandir(folders.pop()) as entries:
+            for e in entries:
+                if e.is_dir(follow_symlinks=False):
+                    folders.append(e.path)
+                else:
+                    with contextlib.suppress(FileNotFoundError):  # replaced while listing
+                        sizes[e.path[cut:]] = e.stat(follow_symlinks=False).st_size
+    return sizes
 
 
 def _chunk_bytes(sizes: dict[str, int], array_key: str, chunks: int | None = None) -> int:

@@ -655,6 +655,11 @@ def test_two_processes_on_an_fsspec_url_equal_torchruns(tmp_path, extracted, dat
         assert_same_shard(reference, out, s)
     fingerprints = [zarr.open_group(str(p), mode="r").attrs[C.ATTRS_KEY]["fingerprint"] for p in (reference, out)]
     assert fingerprints[0] == fingerprints[1]
+    from dflash.shared.inspect import cache_info  # sizes listed through fsspec, and by walking the folder
+
+    by_url, by_path = cache_info(f"file://{out}"), cache_info(str(out))
+    for key in ("bytes_on_disk", "committed_bytes_on_disk", "shards"):
+        assert by_url[key] == by_path[key]
 
 
 def test_another_shard_count_is_refused_naming_the_flag(extracted, dataset, tiny_target_dir):
