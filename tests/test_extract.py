@@ -647,7 +647,8 @@ def test_a_shard_resumes_only_where_it_was_computed(tmp_path, extracted, dataset
 def test_two_processes_on_an_fsspec_url_equal_torchruns(tmp_path, extracted, dataset, tiny_target_dir):
     """Two processes as torchrun starts them (RANK, WORLD_SIZE, MASTER_ADDR, ... set), writing
     through fsspec to a file:// URL of a folder that does not exist yet (zarr's own pipeline: zarrs
-    writes local folders only): the shards equal the torchrun run's."""
+    writes local folders only): the shards equal the torchrun run's, and `dflash-cache info` lists the same bytes
+    through the URL as by walking the folder."""
     reference, _, _ = extracted
     out = tmp_path / "c.zarr"
     cli("--data", dataset[0], "--model", tiny_target_dir, "--out", f"file://{out}", "--on-bad-row", "skip", *COMMON)
@@ -655,7 +656,7 @@ def test_two_processes_on_an_fsspec_url_equal_torchruns(tmp_path, extracted, dat
         assert_same_shard(reference, out, s)
     fingerprints = [zarr.open_group(str(p), mode="r").attrs[C.ATTRS_KEY]["fingerprint"] for p in (reference, out)]
     assert fingerprints[0] == fingerprints[1]
-    from dflash.shared.inspect import cache_info  # sizes listed through fsspec, and by walking the folder
+    from dflash.shared.inspect import cache_info
 
     by_url, by_path = cache_info(f"file://{out}"), cache_info(str(out))
     for key in ("bytes_on_disk", "committed_bytes_on_disk", "shards"):
