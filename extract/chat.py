@@ -4,6 +4,7 @@ end of its header through its end-of-turn token, by ``{% generation %}`` tags or
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import os
 import re
@@ -270,7 +271,8 @@ def _rendering(tokenizer, conv: Conversation, kwargs: dict, tags: bool) -> tuple
 
 def _overlap_mask(offsets: list[tuple[int, int]], spans) -> np.ndarray:
     """True for every token whose chars [start, end) overlap a non-empty char span [start, end)."""
-    starts, ends = np.asarray(offsets, dtype=np.int64).reshape(-1, 2).T
+    flat = np.fromiter(itertools.chain.from_iterable(offsets), dtype=np.int64, count=2 * len(offsets))
+    starts, ends = flat.reshape(-1, 2).T  # fromiter: half np.asarray's time on a list of pairs
     mask = np.zeros(len(starts), dtype=bool)
     for start, end in spans:
         if end > start:
