@@ -42,7 +42,7 @@ class RealSettings(Overridable):
     sampled_too: bool = False  # each chat's greedy answer and one sampled at regen_temperature, regenerated apart
     heldout: int = 200  # held-out ShareGPT first turns (evaluation prompts only)
     # the first N chats' own (ChatGPT's) answers trained on too, before the target's regenerated ones (KD on its top-k):
-    # 8,000 gave +0.16-0.20 benchmark tau (two seeds) for 1.74x the tokens; all 16,574 fit an 80 GB preload in int4 only
+    # 8,000 gave +0.16-0.20 benchmark tau (two seeds) for 1.74x the tokens; all 16,574 (in int4 to fit) gave no more
     originals: int = 8000
     self_prompts: int = 0  # questions the target writes itself and answers, after the chats (dflash-regenerate's)
     max_new_tokens: int = 256  # per regenerated turn and per evaluated prompt
