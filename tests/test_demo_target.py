@@ -159,8 +159,6 @@ def test_tokenize_masks_assistant_tokens_only(demo_tokenizer, demo_chats):
     text = demo_tokenizer.decode([t for t, m in zip(ids, mask) if m])
     replies = [m["content"] for m in demo_chats[0]["messages"] if m["role"] == "assistant"]
     assert text == "".join(r + "<|im_end|>" for r in replies)
-    [(_, mask_all)] = dt.tokenize_chats(demo_tokenizer, demo_chats[:1], max_length=512, loss_on="all")
-    assert all(mask_all)
 
 
 def test_assistant_loss_needs_generation_tags(tiny_tokenizer_notags, demo_chats):
@@ -182,8 +180,3 @@ def test_tiny_build_trains_saves_and_reloads(tmp_path, demo_tokenizer, demo_chat
     assert type(model).__name__ == "Qwen3ForCausalLM"
     assert model.config.num_hidden_layers == 2 and model.config.vocab_size == len(demo_tokenizer)
     assert AutoTokenizer.from_pretrained(out).get_vocab() == demo_tokenizer.get_vocab()
-
-
-def test_bad_loss_on_is_refused(tmp_path, demo_tokenizer, demo_chats):
-    with pytest.raises(ValueError, match="loss_on"):
-        dt.build_demo_target(tmp_path, demo_chats, demo_tokenizer, dt.DemoTargetConfig(loss_on="user"))

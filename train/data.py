@@ -109,11 +109,11 @@ class AnchorDataset(Dataset):
             yield index, self._chosen(s)
 
     def _chosen(self, s: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        return {k: self._layers(v) if k in ("hidden", HIDDEN_SCALE) else v for k, v in s.items()}
-
-    def _layers(self, per_layer: torch.Tensor) -> torch.Tensor:
-        """(T, L, ...) -> (T, n, ...): the chosen layers (a view where they are all of them)."""
-        return per_layer if self._all_slots else per_layer.index_select(1, torch.tensor(self.slots))
+        """The per-layer arrays (T, L, ...) cut to the chosen layers (T, n, ...), left whole where they are all."""
+        if self._all_slots:
+            return s
+        slots = torch.tensor(self.slots)
+        return {k: v.index_select(1, slots) if k in ("hidden", HIDDEN_SCALE) else v for k, v in s.items()}
 
     def every_anchor(self, index: int, fixed_shape: bool = True) -> list[dict[str, torch.Tensor]]:
         """Sample ``index`` as items that together hold a block at every candidate anchor: of

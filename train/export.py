@@ -25,7 +25,6 @@ LAYER_ID_CONVENTION = "id i = output of target decoder layer i = HF hidden_state
 _REQUIRED = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
              "vocab_size", "num_target_layers", "num_hidden_layers", "block_size", "rms_norm_eps",
              "max_position_embeddings")
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def export_config_dict(config: DrafterConfig, dtype: torch.dtype) -> dict:
@@ -127,10 +126,10 @@ def export_drafter(drafter: DFlashDrafter, config: DrafterConfig, out_dir: str |
 def load_exported(path: str | os.PathLike, device: str | torch.device = "cpu", dtype: torch.dtype | None = None
                   ) -> tuple[DFlashDrafter, DrafterConfig]:
     """Load an exported folder, checking every tensor name and shape against the config."""
-    data = json.loads((Path(path) / CONFIG_NAME).read_text())
-    config, tensors = config_from_export_dict(data), load_file(str(Path(path) / WEIGHTS_NAME))
+    config = config_from_export_dict(json.loads((Path(path) / CONFIG_NAME).read_text()))
+    tensors = load_file(str(Path(path) / WEIGHTS_NAME))
     _check_names_and_shapes(tensors, config, str(Path(path) / WEIGHTS_NAME))
-    dtype = dtype or _DTYPES.get(data.get("dtype") or data.get("torch_dtype"), next(iter(tensors.values())).dtype)
+    dtype = dtype or next(iter(tensors.values())).dtype  # as stored
     with torch.device("meta"):
         drafter = DFlashDrafter(config).to_empty(device=device).to(dtype)
     drafter.load_state_dict({k: v.to(dtype) for k, v in tensors.items()}, strict=True)

@@ -224,23 +224,20 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
                                      cuda and not resident))
 
         def evaluate(step: int) -> dict[str, Any]:
-            """Held-out loss, accuracy per slot and tau (the decoding replay's, and over uniform anchors)."""
-            sums = torch.zeros(4, dtype=torch.float64, device=device)  # loss*w, w, tau, blocks
+            """Held-out loss, accuracy per slot and tau (the decoding replay's, and over every assistant anchor)."""
+            sums = torch.zeros(2, dtype=torch.float64, device=device)  # loss*w, w
             slots = torch.zeros(2, dcfg.block_size, dtype=torch.float64, device=device)
             for keys in eval_keys:
                 batch = to_device(eval_collate([eval_dataset[k] for k in keys]), device)
-                loss_sum, so, pred = evaluate_batch(eval_model, head, batch, spec)
-                tau, counted = metrics.block_taus(pred, batch["target_top1"], batch["anchors"],
-                                                  batch["block_valid"], batch["seq_len"], batch["loss_mask"])
-                sums += torch.stack([loss_sum.double(), so.weights.sum().double(), tau.sum().double(),
-                                     counted.sum().double()])
+                loss_sum, so, _ = evaluate_batch(eval_model, head, batch, spec)
+                sums += torch.stack([loss_sum.double(), so.weights.sum().double()])
                 slots += so.per_slot()
             s, _ = _all_reduce(sums, world).tolist(), _all_reduce(slots, world)
             # every rank replays every sample (FSDP forwards are collectives)
             walked = replay.replay(eval_dataset, split.held_out, lambda b: evaluate_batch(eval_model, head, b, spec)[2],
                                    eval_collate, group_size=micro, fixed_shape=True, device=device)
             return {"kind": "eval", "step": step, "loss": s[0] / max(s[1], 1e-12), "tau": walked.tau,
-                    "tau_blocks": walked.blocks, "tau_uniform": s[2] / max(s[3], 1), "blocks": int(s[3]),
+                    "tau_blocks": walked.blocks, "tau_uniform": walked.tau_uniform, "anchors": walked.anchors,
                     "acc_per_pos": (slots[0] / slots[1].clamp(min=1)).tolist()}
 
         bar = tqdm(total=steps, initial=start_step, disable=not (rt.progress and is_main), desc="train",

@@ -3,7 +3,7 @@ position, each turn walked as decoding walks it (next anchor = anchor + tau)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Callable, Iterable
 
 import torch
@@ -33,8 +33,7 @@ class Replay:
         return self.anchor_tau_sum / self.anchors if self.anchors else float("nan")
 
     def to_dict(self) -> dict:
-        return {"tau": self.tau, "blocks": self.blocks, "tokens": self.tokens, "tau_uniform": self.tau_uniform,
-                "anchors": self.anchors, "samples": self.samples}
+        return {**asdict(self), "tau": self.tau, "tau_uniform": self.tau_uniform}
 
 
 def turn_spans(loss_mask) -> list[tuple[int, int]]:
