@@ -385,7 +385,8 @@ def locate_turns(rendered: str, messages: list[dict[str, Any]], markers: TurnMar
             parts = [{"text": content}] if isinstance(content, str) else content if isinstance(content, list) else []
             texts = [p["text"].strip() for p in parts if isinstance(p, dict) and isinstance(p.get("text"), str)]
             for text in filter(None, texts):  # trimmed, as templates often trim
-                found = _find_rendered(rendered, text, cursor)
+                forms = (text, json.dumps(text, ensure_ascii=False)[1:-1], json.dumps(text)[1:-1])  # or by `tojson`
+                found = next((at + len(form) for form in forms if (at := rendered.find(form, cursor)) >= 0), None)
                 if found is None:
                     raise TurnNotFound(
                         f"{role} message {index}'s content ({text[:40]!r}) is not rendered after char {cursor} "
@@ -412,12 +413,3 @@ def _turn_start(rendered: str, cursor: int, previous_role: str | None, markers: 
     after = f"a {previous_role} message" if previous_role else "the start of the chat"
     raise TurnNotFound(f"the template writes no assistant header and nothing known after {after}, "
                        f"so assistant message {index} cannot be placed")
-
-
-def _find_rendered(rendered: str, text: str, cursor: int) -> int | None:
-    """End of `text` in `rendered` after `cursor`, as written or JSON-escaped (`tojson`)."""
-    for form in (text, json.dumps(text, ensure_ascii=False)[1:-1], json.dumps(text)[1:-1]):
-        at = rendered.find(form, cursor)
-        if at >= 0:
-            return at + len(form)
-    return None

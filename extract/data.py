@@ -53,8 +53,7 @@ class Conversation:
     tools: list[dict[str, Any]] | None = None  # passed to the chat template as tools=
 
 
-def load_source(spec: str, split: str = "train", *, revision: str | None = None,
-                data_files: str | list[str] | dict | None = None, cache_dir: str | None = None):
+def load_source(spec: str, split: str = "train", *, cache_dir: str | None = None):
     """`spec` as rows (a list for local JSON, else a `datasets.Dataset`): a `save_to_disk` folder, a data file or
     a folder of one format (the files are the split), else a hub name; DataError names what fails."""
     import datasets
@@ -89,8 +88,7 @@ def load_source(spec: str, split: str = "train", *, revision: str | None = None,
         raise DataError("unreadable", spec, None, "no such file or directory")
     else:
         try:
-            loaded = datasets.load_dataset(spec, split=split, revision=revision, data_files=data_files,
-                                           cache_dir=cache_dir)
+            loaded = datasets.load_dataset(spec, split=split, cache_dir=cache_dir)
         except Exception as exc:  # noqa: BLE001
             raise DataError("unreadable", spec, None, f"cannot load hub dataset: {type(exc).__name__}: {exc}") from exc
     return loaded.with_transform(_without_nulls)
@@ -149,13 +147,12 @@ def leading_records(path: str | Path, count: int) -> list[Any]:
 
 def _without_nulls(batch: dict[str, list]) -> dict[str, list]:
     """An Arrow-backed batch without the null-valued keys inside its chat columns (absent is what a row meant)."""
-    return {column: _drop_nulls(values) if column in CHAT_COLUMNS else values for column, values in batch.items()}
+    def drop(value: Any) -> Any:
+        if isinstance(value, dict):
+            return {k: drop(v) for k, v in value.items() if v is not None}
+        return [drop(v) for v in value] if isinstance(value, list) else value
 
-
-def _drop_nulls(value: Any) -> Any:
-    if isinstance(value, dict):
-        return {k: _drop_nulls(v) for k, v in value.items() if v is not None}
-    return [_drop_nulls(v) for v in value] if isinstance(value, list) else value
+    return {column: drop(values) if column in CHAT_COLUMNS else values for column, values in batch.items()}
 
 
 def local_data_files(path: Path) -> list[Path]:

@@ -429,9 +429,9 @@ def test_hub_names_go_to_load_dataset(monkeypatch):
         return datasets.Dataset.from_list(ROWS)
 
     monkeypatch.setattr(datasets, "load_dataset", fake_load_dataset)
-    ds = D.load_source("org/chats", split="train_sft", revision="abc123", data_files="x/*.parquet")
+    ds = D.load_source("org/chats", split="train_sft")
     assert len(ds) == 5
-    assert calls == [("org/chats", {"split": "train_sft", "revision": "abc123", "data_files": "x/*.parquet", "cache_dir": None})]
+    assert calls == [("org/chats", {"split": "train_sft", "cache_dir": None})]
     with pytest.raises(DataError, match=r"^org/broken: cannot load hub dataset: ConnectionError: offline"):
         D.load_source("org/broken")
 
