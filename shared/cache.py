@@ -41,7 +41,7 @@ import zarr.codecs as zc
 from zarr.core.sync import sync as zarr_sync
 
 from . import hidden_codecs
-from .compression import HIDDEN_CODECS, TOPK_DTYPES, is_local
+from .compression import TOPK_DTYPES, is_local
 from .hidden_codecs import EncodedHidden, HiddenCodec
 from .shard_lock import LOCKS_DIR as LOCKS_GROUP, live_holders
 
@@ -108,8 +108,6 @@ class CacheSpec:
     topk_dtype: str = "float32"  # of the stored top-k log-probs: 'float32', 'float16' or 'bfloat16'
 
     def __post_init__(self):
-        if self.hidden_codec not in HIDDEN_CODECS:
-            raise CacheError(f"cache spec: hidden_codec {self.hidden_codec!r}, expected one of {HIDDEN_CODECS}")
         if self.topk_dtype not in TOPK_DTYPES:
             raise CacheError(f"cache spec: topk_dtype {self.topk_dtype!r}, expected one of {TOPK_DTYPES}")
         try:
@@ -163,10 +161,8 @@ class CacheSpec:
 def default_chunks(spec: CacheSpec) -> dict[str, int]:
     """Format 2's rows per chunk: the hidden states at ``chunk_tokens``; each small array at the power of two whose
     raw chunk is closest under ``SMALL_CHUNK_BYTES``, within [``chunk_tokens``, ``SMALL_CHUNK_MAX_TOKENS``]."""
-    def rows(row_bytes: int) -> int:
-        return 1 << max(0, (SMALL_CHUNK_BYTES // row_bytes).bit_length() - 1)
-    return {name: spec.chunk_tokens if name in ("hidden", HIDDEN_SCALE) else
-            max(spec.chunk_tokens, min(rows(size), SMALL_CHUNK_MAX_TOKENS))
+    return {name: spec.chunk_tokens if name in ("hidden", HIDDEN_SCALE) else max(spec.chunk_tokens, min(
+                1 << max(0, (SMALL_CHUNK_BYTES // size).bit_length() - 1), SMALL_CHUNK_MAX_TOKENS))
             for name, size in stored_row_bytes(spec).items()}
 
 
@@ -263,14 +259,10 @@ def bf16_to_bits(x: torch.Tensor) -> np.ndarray:
     return x.contiguous().view(torch.int16).cpu().numpy().view(np.uint16)
 
 
-def _open_group(path: str, mode: str) -> zarr.Group:  # fsspec's local files make no folders unless asked
-    options = {"auto_mkdir": True} if str(path).startswith("file://") else None
-    return zarr.open_group(store=path, mode=mode, zarr_format=3, storage_options=options)
-
-
 def open_root(path: str, mode: str = "r") -> zarr.Group:
+    options = {"auto_mkdir": True} if str(path).startswith("file://") else None  # else fsspec makes no folders
     try:
-        return _open_group(path, mode)
+        return zarr.open_group(store=path, mode=mode, zarr_format=3, storage_options=options)
     except FileNotFoundError as e:
         raise CacheError(f"{path}: no cache there ({e})") from e
     except Exception as e:  # zarr raises several kinds for a missing or foreign store
@@ -295,7 +287,7 @@ def _new_root(root: zarr.Group, spec: CacheSpec) -> zarr.Group:
 def create_or_open_cache(path: str, spec: CacheSpec, *, replace_uncommitted: bool = False) -> zarr.Group:
     """Create the cache root, or reopen one with the same fingerprint and layout; another is refused naming every
     difference, or with ``replace_uncommitted`` and no committed sample, replaced with a warning."""
-    root = _open_group(path, "a")
+    root = open_root(path, "a")
     existing = root.attrs.get(ATTRS_KEY)
     if existing is None:
         if list(root.keys()):
@@ -674,8 +666,7 @@ class CacheReader:
     def _stored(self, fields: Iterable[str]) -> tuple[tuple[str, ...], tuple[str, ...]]:
         """(the fields asked for, checked; the arrays to read for them)."""
         fields = tuple(fields)
-        unknown = set(fields) - set(TOKEN_FIELDS)
-        if unknown:
+        if unknown := set(fields) - set(TOKEN_FIELDS):
             raise ValueError(f"unknown cache fields {sorted(unknown)}; the cache stores {TOKEN_FIELDS}")
         return fields, fields + ((HIDDEN_SCALE,) if "hidden" in fields and self.spec.codec.lossy else ())
 

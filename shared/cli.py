@@ -42,13 +42,10 @@ class Command(click.Command):
             return super().invoke(ctx)
 
 
-class Group(click.Group):
-    """A group of dflash ``Command``s."""
+class Group(Command, click.Group):
+    """A group of dflash ``Command``s, itself one."""
 
     command_class = Command
-
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **{"context_settings": CONTEXT_SETTINGS, **kwargs})
 
 
 def validated(obj):

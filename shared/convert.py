@@ -26,7 +26,7 @@ from dflash.shared.cache import (
 )
 from dflash.shared.compression import ZSTD_LEVELS, HiddenCodecName, ScaleDtype, TopkDtype, is_local
 from dflash.shared.fingerprint import fingerprint_digest
-from dflash.shared.shard_lock import ShardLock, ShardLocked, live_holders
+from dflash.shared.shard_lock import ShardLock, live_holders
 
 
 @dataclass
@@ -161,10 +161,7 @@ def _convert_shard(reader: CacheReader, shard: ShardInfo, dst: str, dst_root: za
     if plan.digest() != state.plan_digest:
         raise CacheError(f"{group.path}: its offsets, source rows or batches do not match its recorded plan "
                          "digest; run dflash-cache verify on the source")
-    try:
-        lock = ShardLock(dst, shard_id).take(say)
-    except ShardLocked as e:
-        raise CacheError(f"{e}; wait for it to end, or stop it") from None
+    lock = ShardLock(dst, shard_id).take(say)  # ShardLocked (a LockError) where another run holds it
     try:
         writer = ShardWriter(dst_root, shard_id, plan, dst_spec, compute=state.compute, guard=lock.check)
         done = writer.committed["tokens"]

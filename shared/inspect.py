@@ -110,7 +110,7 @@ def cache_info(path: str, shard_ids: list[int] | None = None) -> dict[str, Any]:
     return {
         "path": path, "format": spec.format, "format_version": spec.format_version,
         "fingerprint": {
-            "target": {"name_or_path": target.get("name_or_path", target.get("name")) or located.get("target_path"),
+            "target": {"name_or_path": target.get("name_or_path") or located.get("target_path"),
                        "revision": target.get("revision"), "dtype": target.get("dtype"),
                        "config_hash": target.get("config_hash"), "weights_hash": target.get("weights_hash")},
             "tokenizer": {"hash": tok.get("hash"), "chat_template_hash": tok.get("chat_template_hash")},
@@ -118,9 +118,8 @@ def cache_info(path: str, shard_ids: list[int] | None = None) -> dict[str, Any]:
                 "hash": tok.get("chat_template_hash"), "file": (located.get("config") or {}).get("chat_template"),
                 "template_kwargs": rendering.get("template_kwargs", {}), "end_of_turn": rendering.get("end_of_turn"),
                 "end_of_turn_id": rendering.get("end_of_turn_id"), "mask_method": rendering.get("mask_method")},
-            "dataset": {"name": data.get("name", data.get("source")) or located.get("dataset_source"),
-                        "split": data.get("split"), "rows": data.get("rows", data.get("num_rows")),
-                        "hash": data.get("hash", data.get("content_hash"))},
+            "dataset": {"name": data.get("source") or located.get("dataset_source"), "split": data.get("split"),
+                        "rows": data.get("num_rows"), "hash": data.get("content_hash")},
             "full": fp,
         },
         **{f: getattr(spec, f) for f in ("layer_ids", "layer_convention", "num_target_layers", "hidden_size",

@@ -15,6 +15,7 @@ from datetime import datetime, timezone
 from typing import Callable
 
 import filelock
+import fsspec
 
 from .compression import is_local
 
@@ -63,8 +64,6 @@ class LockLost(LockError):
 
 def _locks_folder(out: str):
     """(fsspec filesystem, the folder of the lock files) of the cache at ``out``."""
-    import fsspec
-
     fs, root = fsspec.core.url_to_fs(out)
     return fs, f"{root.rstrip('/')}/{LOCKS_DIR}"
 

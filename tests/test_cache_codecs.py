@@ -270,7 +270,7 @@ def test_spec_encoding_fields_format_and_round_trip():
         "hidden_codec", "hidden_scale_dtype", "format_version", "chunks.hidden_scale"]
     with pytest.raises(C.CacheError, match="not a multiple of the int8 group size 96"):
         lossless.with_encoding(hidden_codec="int8", hidden_group_size=96)
-    with pytest.raises(C.CacheError, match="hidden_codec 'int2'"):
+    with pytest.raises(C.CacheError, match="hidden codec mode 'int2'"):
         lossless.with_encoding(hidden_codec="int2")
     with pytest.raises(C.CacheError, match="format version 4 is not supported"):
         C.CacheSpec.from_dict({**int4.to_dict(), "format_version": 4})
