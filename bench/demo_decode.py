@@ -52,7 +52,7 @@ def main(out: str, rounds: int, threads: int, max_new_tokens: int, clock: str) -
     eos = [AutoTokenizer.from_pretrained(out / "target").convert_tokens_to_ids(IM_END)]
     drafter, _ = speculative.load_drafter(out / "export", dtype=torch.float32)
     now = time.perf_counter if clock == "wall" else time.process_time
-    proposer = speculative.DFlashProposer(drafter, target)
+    proposer = speculative.DFlashProposer(drafter, target, max(map(len, prompts)) + max_new_tokens)
     speculative.greedy_generate(target, prompts[0], 4, eos)  # warm-up
     speculative.speculative_generate(target, proposer, prompts[0], 16, eos)
     ratios, per_block, per_token, shares = [], [], [], []

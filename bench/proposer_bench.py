@@ -1,5 +1,5 @@
-"""The drafter's proposal per block on the GPU: StaticProposer (one CUDA graph) against the
-uncaptured incremental DFlashProposer, over growing contexts, at the demo's drafter shape with
+"""The drafter's proposal per block on the GPU: DFlashProposer captured (one CUDA graph) against
+the same uncaptured, over growing contexts, at the demo's drafter shape with
 random weights; prints the median ms a block of each and how far their logits differ.
 
     python bench/proposer_bench.py /tmp/real/target        # the converted SmolLM2 folder
@@ -29,8 +29,8 @@ def main() -> None:
                                            num_hidden_layers=args.draft_layers)
     torch.manual_seed(0)
     drafter = DFlashDrafter(cfg).to("cuda", torch.bfloat16).eval()
-    proposers = {"incremental": spec.DFlashProposer(drafter, target),
-                 "static": spec.StaticProposer(drafter, target, 2048, capture=True)}
+    proposers = {"eager": spec.DFlashProposer(drafter, target, 2048),
+                 "captured": spec.DFlashProposer(drafter, target, 2048, capture=True)}
     context = torch.randn(1, 1200, len(layers) * cfg.hidden_size, device="cuda", dtype=torch.bfloat16)
     tokens = torch.randint(0, 40000, (1200,)).tolist()
     logits = {}
@@ -44,7 +44,7 @@ def main() -> None:
             times.append(time.perf_counter() - t)
         print(f"{name}: median {1e3 * statistics.median(times[5:]):.3f} ms/block, first {1e3 * times[0]:.1f} ms, "
               f"blocks {len(times)}")
-    pairs = list(zip(logits["incremental"], logits["static"]))
+    pairs = list(zip(logits["eager"], logits["captured"]))
     print(f"max |logit diff| {max((a - b).abs().max().item() for a, b in pairs):.4f}; argmax equal in "
           f"{sum(torch.equal(a.argmax(-1), b.argmax(-1)) for a, b in pairs)}/{len(pairs)} blocks")
 

@@ -32,76 +32,21 @@ class LosslessError(RuntimeError):
 
 
 class DFlashProposer:
-    """A DFlashDrafter with the target's embedding and LM head, keeping its context keys/values
-    until ``reset`` (only new positions are computed per block)."""
-
-    def __init__(self, drafter: DFlashDrafter, target):
-        self.drafter, self.config = drafter.eval(), drafter.config
-        self.block_size, self.target_layer_ids = self.config.block_size, list(self.config.target_layer_ids)
-        self.embed, self.lm_head = target.get_input_embeddings(), target.get_output_embeddings()
-        check_against_target(self.config, target)
-        DFlashProposer.reset(self)  # the weights, also for StaticProposer (whose reset keeps them)
-
-    def reset(self) -> None:
-        """Forget the kept context; take the drafter's weights afresh (the fused path holds copies)."""
-        self._weights = fused.DecodingWeights.of(self.drafter)
-        self._keys: torch.Tensor | None = None  # (L, 1, Hkv, capacity, hd), positions < _context_len valid
-        self._values: torch.Tensor | None = None
-        self._context_len = 0
-        self._last_row: torch.Tensor | None = None  # features of the last kept position
-
-    def propose(self, context: torch.Tensor, tokens: Sequence[int], position: int) -> torch.Tensor:
-        """(B - 1,) proposals after ``position`` from context (1, position, n * D) and the tokens so far."""
-        return self.block_logits(context, tokens, position).argmax(dim=-1)
-
-    @torch.inference_mode()
-    def block_logits(self, context: torch.Tensor, tokens: Sequence[int], position: int) -> torch.Tensor:
-        """(B - 1, V) drafter logits (``propose``'s arguments)."""
-        B, device = self.block_size, context.device
-        if position + B > self.config.max_position_embeddings:
-            raise ValueError(f"block at position {position} runs past the drafter's "
-                             f"max_position_embeddings={self.config.max_position_embeddings}")
-        block_ids = torch.tensor([[tokens[-1]] + [self.config.mask_token_id] * (B - 1)], device=device)  # (1, B)
-        block_positions = torch.arange(position, position + B, device=device).unsqueeze(0)  # (1, B)
-        block_embeds = self.embed(block_ids)  # the target's own module: some scale their embeddings
-        hidden = fused.block_forward(self.drafter, self._weights, block_embeds, block_positions, self._extend(context))
-        return self.lm_head(hidden[0, 1:].to(self.lm_head.weight.dtype))  # (B-1, V)
-
-    def _extend(self, context: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Every layer's context keys/values (L, 1, Hkv, S, hd), computing only positions not kept yet."""
-        ctx_len, kept = context.shape[1], self._context_len
-        if kept and (ctx_len < kept or not torch.equal(context[0, kept - 1], self._last_row)):
-            kept = 0
-        if self._keys is None or self._keys.shape[3] < ctx_len:
-            c = self.config
-            shape = (c.num_hidden_layers, 1, c.num_key_value_heads, max(2 * ctx_len, 256), c.head_dim)
-            grown = [torch.empty(shape, dtype=self._weights.dtype, device=context.device) for _ in range(2)]
-            if self._keys is not None:
-                grown[0][:, :, :, :kept] = self._keys[:, :, :, :kept]
-                grown[1][:, :, :, :kept] = self._values[:, :, :, :kept]
-            self._keys, self._values = grown
-        if ctx_len > kept:
-            self._write_context(context, kept, ctx_len)
-            self._last_row = context[0, ctx_len - 1].clone()
-        self._context_len = ctx_len
-        return self._keys[:, :, :, :ctx_len], self._values[:, :, :, :ctx_len]
-
-    def _write_context(self, context: torch.Tensor, start: int, stop: int) -> None:
-        positions = torch.arange(start, stop, device=context.device).unsqueeze(0)  # (1, new)
-        keys, values = fused.context_kv(self.drafter, self._weights, context[:, start:stop], positions)
-        self._keys[:, :, :, start:stop], self._values[:, :, :, start:stop] = keys, values
-
-
-class StaticProposer(DFlashProposer):
-    """``DFlashProposer`` at fixed shapes, so that on CUDA (``capture``) a proposal is one CUDA graph;
-    the weights are taken once, as the graph reads them at their addresses."""
+    """A DFlashDrafter with the target's embedding and LM head. Its context keys/values stay in buffers of
+    ``capacity`` positions until ``reset``; a block computes the positions new since the last (a window of B; a
+    prompt's at once) and masks the rest, so every block has one shape and on CUDA (``capture``) a proposal is one
+    CUDA graph. The weights are taken once, as the graph reads them at their addresses."""
 
     def __init__(self, drafter: DFlashDrafter, target, capacity: int, capture: bool = False):
-        super().__init__(drafter, target)
-        c, B, device = self.config, self.block_size, drafter.fc.weight.device
+        self.drafter, self.config = drafter.eval(), drafter.config
+        c, B, device = self.config, self.config.block_size, drafter.fc.weight.device
+        self.block_size, self.target_layer_ids = B, list(c.target_layer_ids)
+        self.embed, self.lm_head = target.get_input_embeddings(), target.get_output_embeddings()
+        check_against_target(c, target)
         if capacity + B > c.max_position_embeddings:
             raise ValueError(f"{capacity} positions and a block of {B} run past the drafter's "
                              f"max_position_embeddings={c.max_position_embeddings}")
+        self._weights = fused.DecodingWeights.of(self.drafter)
         shape = (c.num_hidden_layers, 1, c.num_key_value_heads, capacity + B, c.head_dim)
         self._keys, self._values = (torch.zeros(shape, dtype=self._weights.dtype, device=device) for _ in range(2))
         self._window = torch.zeros(1, B, c.num_context_layers * c.hidden_size, dtype=self._weights.dtype, device=device)
@@ -109,12 +54,19 @@ class StaticProposer(DFlashProposer):
             torch.zeros((), dtype=torch.long, device=device) for _ in range(4))
         self._masks = torch.full((1, B - 1), c.mask_token_id, dtype=torch.long, device=device)
         self._graph, self._out, self._runs, self._capture = None, None, 0, capture and device.type == "cuda"
+        self._context_len = 0
 
     def reset(self) -> None:
+        """Forget the kept context (a new sequence)."""
         self._context_len = 0
+
+    def propose(self, context: torch.Tensor, tokens: Sequence[int], position: int) -> torch.Tensor:
+        """(B - 1,) proposals after ``position`` from context (1, position, n * D) and the tokens so far."""
+        return self.block_logits(context, tokens, position).argmax(dim=-1)
 
     @torch.inference_mode()
     def block_logits(self, context: torch.Tensor, tokens: Sequence[int], position: int) -> torch.Tensor:
+        """(B - 1, V) drafter logits (``propose``'s arguments); the context extends the kept one."""
         B, ctx_len, kept = self.block_size, context.shape[1], self._context_len
         if ctx_len < kept or ctx_len + B > self._keys.shape[3]:
             raise ValueError(f"context of {ctx_len} positions after {kept} kept; the buffers hold "
@@ -127,6 +79,11 @@ class StaticProposer(DFlashProposer):
         self._anchor.fill_(int(tokens[-1]))
         self._context_len = ctx_len
         return self._step()
+
+    def _write_context(self, context: torch.Tensor, start: int, stop: int) -> None:
+        positions = torch.arange(start, stop, device=context.device).unsqueeze(0)  # (1, new)
+        keys, values = fused.context_kv(self.drafter, self._weights, context[:, start:stop], positions)
+        self._keys[:, :, :, start:stop], self._values[:, :, :, start:stop] = keys, values
 
     def _step(self) -> torch.Tensor:
         if not self._capture:
@@ -406,12 +363,12 @@ def block_parts(specs: Sequence[Generation], greedies: Sequence[Generation], blo
 
 
 def captured_decoders(target, drafter: DFlashDrafter, prompts: Sequence[Sequence[int]], max_new_tokens: int
-                      ) -> tuple[StaticTarget, StaticProposer]:
+                      ) -> tuple[StaticTarget, DFlashProposer]:
     """``--capture``'s target session and proposer for these prompts, built once for every ``evaluate``:
     room for the longest prompt, its new tokens and two blocks."""
     max_length = max(len(p) for p in prompts) + max_new_tokens + 2 * drafter.config.block_size
     cuda = device_of(target).type == "cuda"
-    return StaticTarget(target, max_length, capture=cuda), StaticProposer(drafter, target, max_length, capture=cuda)
+    return StaticTarget(target, max_length, capture=cuda), DFlashProposer(drafter, target, max_length, capture=cuda)
 
 
 def evaluate(target, drafter: DFlashDrafter | DFlashProposer, prompts: Sequence[Sequence[int]], *,
@@ -419,7 +376,9 @@ def evaluate(target, drafter: DFlashDrafter | DFlashProposer, prompts: Sequence[
              progress: bool = False, session: StaticTarget | None = None) -> dict[str, Any]:
     """Speculative vs greedy decoding of every prompt: {"overall", "per_prompt", "settings"}; ``check``: a mismatch
     not at a tie raises LosslessError; ``session``: ``--capture``'s, with its proposer (``captured_decoders``)."""
-    proposer = DFlashProposer(drafter, target) if isinstance(drafter, DFlashDrafter) else drafter
+    if isinstance(drafter, DFlashDrafter):  # room for the longest prompt and its new tokens
+        drafter = DFlashProposer(drafter, target, max(map(len, prompts), default=0) + max_new_tokens + 1)
+    proposer = drafter
     eos, B = sorted({int(t) for t in eos_token_ids}), proposer.block_size
     started = time.perf_counter()
     if warmup and prompts:  # first calls pay for allocator growth, kernels, lazy init, graph capture

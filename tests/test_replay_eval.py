@@ -269,36 +269,6 @@ def test_static_cache_rejects_running_past_its_length(target, prompts):
         spec.greedy_generate(target, prompts[0], 4, session=session)  # 3 positions after the prompt
 
 
-def test_static_proposer_proposes_alike(target, drafter, prompts):
-    """``--capture``'s proposer works at fixed shapes (context keys/values in buffers of the run's
-    capacity, a window of B new positions, the rest masked): the same logits as the incremental
-    proposer at every block of every prompt, so the same decodes; one proposer serves every prompt."""
-    eager = spec.DFlashProposer(drafter, target)
-    capacity = max(len(p) for p in prompts) + MAX_NEW + 2 * drafter.config.block_size
-    static = spec.StaticProposer(drafter, target, capacity)
-    logits = []
-
-    def recording(proposer):
-        real = proposer.block_logits
-
-        def block_logits(*args):
-            logits.append(real(*args))
-            return logits[-1]
-        proposer.block_logits = block_logits
-        return proposer
-
-    for prompt in prompts:
-        logits.clear()
-        a = spec.speculative_generate(target, recording(eager), prompt, MAX_NEW)
-        eager_logits = list(logits)
-        logits.clear()
-        b = spec.speculative_generate(target, recording(static), prompt, MAX_NEW)
-        assert (a.tokens, a.block_taus) == (b.tokens, b.block_taus)
-        assert len(eager_logits) == len(logits) > 1
-        for x, y in zip(eager_logits, logits):
-            torch.testing.assert_close(y, x, rtol=1e-5, atol=1e-5)
-
-
 def test_repeat_split_counts_the_blocks_that_start_in_a_verbatim_repeat():
     """Checked against a direct search: a block starts in a repeat where the 8 tokens from its first position
     occur at an earlier start in the continuation."""

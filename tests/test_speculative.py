@@ -15,6 +15,7 @@ from dflash.train.model import DFlashDrafter, DrafterConfig
 MAX_NEW = 24
 BLOCK = 4
 LAYERS = [0, 2]  # of the 4-layer toy target; id i = HF hidden_states[i + 1]
+CAPACITY = 640  # context positions a proposer here keeps (the longest context below has 600)
 
 
 @pytest.fixture(scope="module")
@@ -151,7 +152,7 @@ def test_broken_kv_crop_is_caught_by_position_check(target, drafter, prompts, mo
     """Injected bug: rejected drafts stay in the KV cache. The loop notices at once."""
     monkeypatch.setattr(spec.EagerTarget, "crop", lambda self, keep: None)
     with pytest.raises(RuntimeError, match="KV cache holds"):
-        spec.speculative_generate(target, spec.DFlashProposer(drafter, target), prompts[0], MAX_NEW)
+        spec.speculative_generate(target, spec.DFlashProposer(drafter, target, CAPACITY), prompts[0], MAX_NEW)
 
 
 def test_corrupted_kv_cache_raises_lossless_error(target, drafter, prompts, monkeypatch):
@@ -251,8 +252,8 @@ def test_exported_drafter_gives_same_outputs(target, drafter, drafter_config, pr
         assert ra["tokens"] == rb["tokens"] and ra["tau_histogram"] == rb["tau_histogram"]
     # and the proposals themselves, not just the (target-determined) output
     ctx = torch.randn(1, 5, len(LAYERS) * drafter_config.hidden_size)
-    pa = spec.DFlashProposer(drafter, target).propose(ctx, [1, 2, 3, 4, 5, 6], 5)
-    pb = spec.DFlashProposer(loaded, target).propose(ctx, [1, 2, 3, 4, 5, 6], 5)
+    pa = spec.DFlashProposer(drafter, target, CAPACITY).propose(ctx, [1, 2, 3, 4, 5, 6], 5)
+    pb = spec.DFlashProposer(loaded, target, CAPACITY).propose(ctx, [1, 2, 3, 4, 5, 6], 5)
     assert torch.equal(pa, pb)
 
 
@@ -280,7 +281,7 @@ def test_incompatible_drafter_is_refused(target, tokenizer):
                         num_attention_heads=2, num_key_value_heads=1, head_dim=16)
     cfg = DrafterConfig.from_target_config(other, LAYERS, 3, block_size=BLOCK, num_hidden_layers=1)
     with pytest.raises(ValueError, match="hidden size: the drafter has 32, the target 64"):
-        spec.DFlashProposer(DFlashDrafter(cfg), target)
+        spec.DFlashProposer(DFlashDrafter(cfg), target, CAPACITY)
 
 
 # ---------------------------------------------------------------------------- CLI
@@ -364,7 +365,7 @@ def test_drafter_context_is_the_targets_hidden_states(target, drafter, prompts):
     positions < p: checks the layer-id convention and the append-after-verify bookkeeping,
     with rejections (random drafter) and with whole blocks accepted (perfect proposer)."""
     reference = spec.greedy_generate(target, prompts[2], MAX_NEW + BLOCK).tokens
-    for inner in (spec.DFlashProposer(drafter, target), PerfectProposer(prompts[2], reference, BLOCK)):
+    for inner in (spec.DFlashProposer(drafter, target, CAPACITY), PerfectProposer(prompts[2], reference, BLOCK)):
         proposer = Recording(inner)
         spec.speculative_generate(target, proposer, prompts[2], MAX_NEW)
         assert len(proposer.seen) > 1
@@ -391,32 +392,35 @@ class FullRecompute(spec.DFlashProposer):
 
 
 def test_incremental_drafter_context_equals_full_recompute(target, drafter, drafter_config):
-    """The kept per-layer context keys/values (only new positions computed per block) give the
-    logits of the training forward over the whole context: blocks after 1 and several new
-    positions, a shorter context and an equally long but different one (new sequences
-    without reset), and an explicit reset."""
-    full = FullRecompute(drafter, target)
-    incremental = spec.DFlashProposer(drafter, target)
+    """The kept per-layer context keys/values (only new positions computed per block, a window of B or a prompt's
+    at once) give the logits of the training forward over the whole context: blocks after 1, 3 and 21 new
+    positions, and after a reset a shorter context and an equally long but different one."""
+    full = FullRecompute(drafter, target, CAPACITY)
+    incremental = spec.DFlashProposer(drafter, target, CAPACITY)
     generator = torch.Generator().manual_seed(3)
     features = len(LAYERS) * drafter_config.hidden_size
     first, second = torch.randn(1, 40, features, generator=generator), torch.randn(1, 40, features, generator=generator)
-    calls = [(first, 5), (first, 6), (first, 9), (first, 30), (first, 12), (second, 12), (second, 20), (first, 21)]
-    for context, position in calls:
-        tokens = list(range(1, position + 2))
-        want = full.block_logits(context[:, :position], tokens, position)
-        got = incremental.block_logits(context[:, :position], tokens, position)
-        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+    sequences = [[(first, 5), (first, 6), (first, 9), (first, 30)], [(first, 12)], [(second, 12), (second, 20)],
+                 [(first, 21)]]
+    for calls in sequences:
+        incremental.reset()
+        for context, position in calls:
+            tokens = list(range(1, position + 2))
+            want = full.block_logits(context[:, :position], tokens, position)
+            got = incremental.block_logits(context[:, :position], tokens, position)
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
     assert incremental._context_len == 21
-    incremental.reset()
-    torch.testing.assert_close(incremental.block_logits(second[:, :7], list(range(8)), 7),
-                               full.block_logits(second[:, :7], list(range(8)), 7), rtol=1e-4, atol=1e-5)
+    with pytest.raises(ValueError, match="context of 7 positions after 21 kept"):  # a shorter one needs a reset
+        incremental.block_logits(second[:, :7], list(range(8)), 7)
 
 
 def test_incremental_and_full_proposers_decode_alike(target, drafter, prompts):
-    """Whole decodes: the same tokens and the same accepted lengths block by block."""
+    """Whole decodes: the same tokens and the same accepted lengths block by block; one proposer serves every
+    prompt (the decoding loop resets it)."""
+    proposer = spec.DFlashProposer(drafter, target, CAPACITY)
     for prompt in prompts:
-        a = spec.speculative_generate(target, spec.DFlashProposer(drafter, target), prompt, MAX_NEW)
-        b = spec.speculative_generate(target, FullRecompute(drafter, target), prompt, MAX_NEW)
+        a = spec.speculative_generate(target, proposer, prompt, MAX_NEW)
+        b = spec.speculative_generate(target, FullRecompute(drafter, target, CAPACITY), prompt, MAX_NEW)
         assert a.tokens == b.tokens and a.block_taus == b.block_taus
 
 
@@ -465,26 +469,17 @@ def test_decoding_paths_equal_training_forward_with_bias_and_without_gqa(drafter
         torch.testing.assert_close(g_fast, g_want, rtol=1e-4, atol=1e-5, msg=name)
 
 
-def test_proposer_refreshes_weights_per_sequence_and_grows_its_buffers(target, drafter, drafter_config):
-    """``reset`` takes the drafter's weights afresh (the fused path's concatenated copies must
-    not outlive a change of weights between sequences) and drops the kept context keys and
-    values; a context longer than the kept buffers grows them without changing the logits."""
-    import copy
-
-    local = copy.deepcopy(drafter)
-    proposer = spec.DFlashProposer(local, target)
-    full = FullRecompute(local, target)
+def test_proposer_buffers_hold_its_capacity_and_refuse_more(target, drafter, drafter_config):
+    """Contexts up to ``capacity`` positions give the full forward's logits; one more is refused, and so is a
+    capacity that runs past the drafter's positions."""
+    proposer, full = spec.DFlashProposer(drafter, target, 600), FullRecompute(drafter, target, CAPACITY)
     features = len(LAYERS) * drafter_config.hidden_size
-    context = torch.randn(1, 600, features, generator=torch.Generator().manual_seed(2))
-    for position in (3, 200, 599):  # 599 > the first buffer's 2 * 200 positions
+    context = torch.randn(1, 601, features, generator=torch.Generator().manual_seed(2))
+    for position in (3, 200, 600):
         tokens = [7] * (position + 1)
         torch.testing.assert_close(proposer.block_logits(context[:, :position], tokens, position),
                                    full.block_logits(context[:, :position], tokens, position), rtol=1e-4, atol=1e-5)
-    with torch.no_grad():  # weights the fused path holds concatenated, not as views
-        for layer in local.layers:
-            layer.self_attn.q_proj.weight.mul_(3.0)
-            layer.self_attn.k_proj.weight.mul_(-1.0)
-    proposer.reset()
-    tokens = list(range(1, 12))
-    torch.testing.assert_close(proposer.block_logits(context[:, :10], tokens, 10),
-                               full.block_logits(context[:, :10], tokens, 10), rtol=1e-4, atol=1e-5)
+    with pytest.raises(ValueError, match="context of 601 positions after 600 kept; the buffers hold 600"):
+        proposer.block_logits(context, [7] * 602, 601)
+    with pytest.raises(ValueError, match="run past the drafter's max_position_embeddings"):
+        spec.DFlashProposer(drafter, target, drafter_config.max_position_embeddings)
