@@ -161,8 +161,10 @@ class CacheSpec:
 def default_chunks(spec: CacheSpec) -> dict[str, int]:
     """Format 2's rows per chunk: the hidden states at ``chunk_tokens``; each small array at the power of two whose
     raw chunk is closest under ``SMALL_CHUNK_BYTES``, within [``chunk_tokens``, ``SMALL_CHUNK_MAX_TOKENS``]."""
-    return {name: spec.chunk_tokens if name in ("hidden", HIDDEN_SCALE) else max(spec.chunk_tokens, min(
-                1 << max(0, (SMALL_CHUNK_BYTES // size).bit_length() - 1), SMALL_CHUNK_MAX_TOKENS))
+    def rows(row_bytes: int) -> int:
+        return 1 << max(0, (SMALL_CHUNK_BYTES // row_bytes).bit_length() - 1)
+    return {name: spec.chunk_tokens if name in ("hidden", HIDDEN_SCALE) else
+            max(spec.chunk_tokens, min(rows(size), SMALL_CHUNK_MAX_TOKENS))
             for name, size in stored_row_bytes(spec).items()}
 
 
