@@ -93,7 +93,7 @@ def loader_rate(cfg, workers: int, n_batches: int, decode_on_device: bool = Fals
         preload([dataset], np.arange(len(reader)), torch.device("cuda" if torch.cuda.is_available() else "cpu"),
                 progress=False)
     preload_s = round(time.perf_counter() - preload_s, 2)
-    loader = make_loader(dataset, sampler, d.context_buckets, 0 if resident else workers, d.prefetch_factor,
+    loader = make_loader(dataset, sampler, d.context_buckets, 0 if resident else workers,
                          pin_memory=torch.cuda.is_available() and not resident)
     it = iter(loader)
     for _ in range(2):  # workers up, first batches in flight

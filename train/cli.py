@@ -67,7 +67,6 @@ def cli():
 @click.option("--train-samples", type=Maybe(int), help="Train on the dataset's first N rows that are not held out "
               "(None = all): tau against data size from one cache.")
 @click.option("--num-workers", default=2, help="DataLoader worker processes per rank (0 = load in the main process).")
-@click.option("--prefetch-factor", default=4, help="Batches each worker keeps ready.")
 @click.option("--hidden-decode", type=click.Choice(["auto", "loader", "device"]), default="auto",
               help="Where a lossy cache's hidden states are decoded: in the loader workers, or on the training device "
               "after the copy (fewer bytes to copy, no CPU decode); 'auto' = device on CUDA. Same values either way.")

@@ -37,7 +37,6 @@ class DataConfig:
     eval_samples: int | None = None
     train_samples: int | None = None
     num_workers: int = 2
-    prefetch_factor: int = 4
     hidden_decode: Literal["auto", "loader", "device"] = "auto"
     preload: Literal["auto", "on", "off"] = "auto"
 
@@ -128,7 +127,7 @@ class TrainConfig:
         check_choices(self)
         values = {k: v for s in (self.drafter, self.data, self.optim, self.runtime) for k, v in vars(s).items()}
         for names, ok, want in (
-                ("num_draft_layers max_anchors batch_size micro_batch_size train_samples prefetch_factor max_steps "
+                ("num_draft_layers max_anchors batch_size micro_batch_size train_samples max_steps "
                  "ce_chunk_size log_every eval_every save_every stop_after", lambda v: v >= 1, "at least 1"),
                 ("eval_samples num_workers weight_decay grad_clip keep_checkpoints", lambda v: v >= 0, "0 or more"),
                 ("gamma lr epochs peak_tflops", lambda v: v > 0, "above 0"),

@@ -320,8 +320,8 @@ def preload(datasets: list[AnchorDataset], indices: np.ndarray, device: torch.de
         d.resident = resident
 
 
-def make_loader(dataset: AnchorDataset, batches, buckets: list[int], num_workers: int, prefetch_factor: int,
-                pin_memory: bool) -> DataLoader:
-    """A DataLoader over explicit micro-batches."""
+def make_loader(dataset: AnchorDataset, batches, buckets: list[int], num_workers: int, pin_memory: bool
+                ) -> DataLoader:
+    """A DataLoader over explicit micro-batches, each worker keeping 4 ready."""
     return DataLoader(dataset, batch_sampler=batches, collate_fn=Collate(buckets), num_workers=num_workers,
-                      pin_memory=pin_memory, prefetch_factor=prefetch_factor if num_workers > 0 else None)
+                      pin_memory=pin_memory, prefetch_factor=4 if num_workers > 0 else None)

@@ -52,8 +52,7 @@ def _all_reduce(t: torch.Tensor, world: int) -> torch.Tensor:
 
 
 _RESUME_NEUTRAL = {"resume", "stop_after", "log_every", "eval_every", "save_every", "keep_checkpoints", "progress",
-                   "tensorboard", "num_workers", "prefetch_factor", "preload", "peak_tflops", "out", "cache",
-                   "compile_cache"}
+                   "tensorboard", "num_workers", "preload", "peak_tflops", "out", "cache", "compile_cache"}
 
 
 def config_changes(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
@@ -220,8 +219,7 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
                                  reader.lengths(), dcfg_data, device, rt.progress and is_main, step_peak)
         workers = 0 if resident else dcfg_data.num_workers  # preloaded batches are cut in this process
         sampler = GlobalBatchSampler(split.train, G, micro, rank, world, rt.seed, steps, start_step)
-        data_iter = iter(make_loader(dataset, sampler, buckets.buckets, workers, dcfg_data.prefetch_factor,
-                                     cuda and not resident))
+        data_iter = iter(make_loader(dataset, sampler, buckets.buckets, workers, cuda and not resident))
 
         def evaluate(step: int) -> dict[str, Any]:
             """Held-out loss, accuracy per slot and tau (the decoding replay's, and over every assistant anchor)."""
