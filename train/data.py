@@ -188,12 +188,12 @@ class Collate:
     """Stack samples, zero-padding per-token fields to the smallest bucket that fits them all (None:
     the longest sample); adds ``seq_len`` (Bsz,)."""
 
-    def __init__(self, buckets: list[int] | None, force_length: int | None = None):
-        self.buckets, self.force_length = list(buckets) if buckets is not None else None, force_length
+    def __init__(self, buckets: list[int] | None):
+        self.buckets = buckets
 
     def __call__(self, samples: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
         lengths = [len(s["input_ids"]) for s in samples]
-        S = self.force_length or (bucket_for(max(lengths), self.buckets) if self.buckets is not None else max(lengths))
+        S = bucket_for(max(lengths), self.buckets) if self.buckets is not None else max(lengths)
         first = samples[0]
         out = {"seq_len": torch.tensor(lengths, dtype=torch.long),
                "anchors": torch.stack([s["anchors"] for s in samples]),

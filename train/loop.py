@@ -192,9 +192,9 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
 
         eval_keys = held_out_batches(split.held_out, micro, rank, world)
         eval_collate = Collate(buckets.buckets)
+        sampler = GlobalBatchSampler(split.train, G, micro, rank, world, rt.seed, steps, start_step)
         # the warm-up's samples: step 0's first micro-batch, whatever step the run resumes at
-        warm_keys = GlobalBatchSampler(split.train, G, micro, rank, world, rt.seed, steps).step_batches(0)[0]
-        warm_samples = [dataset[k] for k in warm_keys] if compiles else None
+        warm_samples = [dataset[k] for k in sampler.step_batches(0)[0]] if compiles else None
         log.info("drafter, target head and optimizer ready in %.1f s", time.perf_counter() - setup_start)
 
         compiled_graphs, cache_use, eval_compiled_graphs = 0, {}, None
@@ -202,7 +202,7 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
             def warm_up():  # one training step per bucket
                 for length in buckets.buckets:
                     fitted = [truncate_sample(x, length) for x in warm_samples]
-                    batch = to_device(Collate(None, force_length=length)(fitted), device)
+                    batch = to_device(Collate([length])(fitted), device)
                     forward_loss(model, head, batch, spec).loss.backward()
                     optimizer.zero_grad(set_to_none=True)
 
@@ -218,7 +218,6 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
         resident = load_resident([eval_dataset, dataset], np.concatenate([split.train, split.held_out]),
                                  reader.lengths(), dcfg_data, device, rt.progress and is_main, step_peak)
         workers = 0 if resident else dcfg_data.num_workers  # preloaded batches are cut in this process
-        sampler = GlobalBatchSampler(split.train, G, micro, rank, world, rt.seed, steps, start_step)
         data_iter = iter(make_loader(dataset, sampler, buckets.buckets, workers, cuda and not resident))
 
         def evaluate(step: int) -> dict[str, Any]:
