@@ -326,14 +326,12 @@ def test_moved_target_is_named(tiny_target_dir, tiny_tokenizer, tmp_path):
     """The cache records where its target was; once moved, the error names it and --target fixes it."""
     import shutil
 
-    from dflash.train.target import TargetNotFound
-
     where = tmp_path / "target"
     shutil.copytree(tiny_target_dir, where)
     cache = H.write_pattern_cache(tmp_path / "c.zarr", where, tiny_tokenizer, n_samples=12)
     where.rename(tmp_path / "moved")
     cfg = H.tiny_config(cache, "", tmp_path / "run", max_steps=1)
-    with pytest.raises(TargetNotFound, match=f"extracted from the target {where}, which no longer exists"):
+    with pytest.raises(ValueError, match=f"extracted from the target {where}, which no longer exists"):
         train(cfg)
     assert not (tmp_path / "run").exists()
     train(H.tiny_config(cache, tmp_path / "moved", tmp_path / "run", max_steps=1))

@@ -19,10 +19,6 @@ log = logging.getLogger("dflash.train")
 MASK_TOKEN = "<|MASK|>"
 
 
-class TargetNotFound(ValueError):
-    """The target a cache records is no longer where it was; the message says what to pass."""
-
-
 def resolve_target(requested: str, spec: CacheSpec, cache_path: str) -> str:
     """``requested``, else the target the cache records (the folder extraction found, else the name it
     was given); a recorded folder that no longer exists is an error saying what to pass."""
@@ -30,10 +26,10 @@ def resolve_target(requested: str, spec: CacheSpec, cache_path: str) -> str:
         return requested
     located = (spec.info or {}).get("target_path")
     if not (recorded := located or (spec.fingerprint or {}).get("target", {}).get("name_or_path")):
-        raise TargetNotFound(f"cache {cache_path} records no target; pass --target (the target's folder or hub name)")
+        raise ValueError(f"cache {cache_path} records no target; pass --target (the target's folder or hub name)")
     recorded = str(recorded)
     if (located or looks_like_path(recorded)) and not os.path.exists(recorded):
-        raise TargetNotFound(f"cache {cache_path} was extracted from the target {recorded}, which no longer exists; "
+        raise ValueError(f"cache {cache_path} was extracted from the target {recorded}, which no longer exists; "
                              "pass --target with its folder (or hub name): a moved or copied checkpoint with the "
                              "same config, tokenizer and weights is the same target")
     log.info("target: %s (recorded in the cache)", recorded)
