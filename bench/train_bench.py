@@ -84,7 +84,7 @@ def run(kind: str, S: int, loss_compile: str, args, cfg: DrafterConfig, head: Ta
     print(f"  {kind} ctx {S} loss-compile {loss_compile}: warm-up step (compile) {t_warm:.1f}s, {warm_graphs} graphs", file=sys.stderr, flush=True)
     torch.cuda.reset_peak_memory_stats()
     times = []
-    with dcompile.frozen():
+    with torch.compiler.set_stance("fail_on_recompile"):  # any recompile raises, naming its guard
         for i in range(args.steps):
             torch.cuda.synchronize()
             t = time.perf_counter()

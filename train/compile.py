@@ -6,7 +6,6 @@ from __future__ import annotations
 import logging
 import os
 import time
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, TypeVar
@@ -71,16 +70,6 @@ def compile_model(model: torch.nn.Module, choice: CompileChoice, graphs_needed: 
 
 def thaw() -> None:
     torch.compiler.set_stance("default")
-
-
-@contextmanager
-def frozen():
-    """Any (re)compile inside raises, naming the guard that failed."""
-    torch.compiler.set_stance("fail_on_recompile")
-    try:
-        yield
-    finally:
-        thaw()
 
 
 def compile_then_freeze(run: Callable[[], T]) -> tuple[T, int, dict[str, int], float]:
