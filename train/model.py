@@ -201,7 +201,7 @@ class DFlashDrafter(nn.Module):
 
     def forward(self, context_hidden: torch.Tensor, context_positions: torch.Tensor, block_embeds: torch.Tensor,
                 block_positions: torch.Tensor, attn_mask) -> torch.Tensor:
-        """Final-normed block hidden states (Bsz, Q, D) from context_hidden (Bsz, S, n*D or n, D) and the
+        """Final-normed block hidden states (Bsz, Q, D) from context_hidden (Bsz, S, n*D) and the
         block embeddings (Bsz, Q, D), attn_mask from ``attention.build_mask``."""
         bsz = block_embeds.shape[0]
         block_positions = _batched(block_positions, bsz)
@@ -218,8 +218,6 @@ class DFlashDrafter(nn.Module):
 
     def fuse_context(self, context_hidden: torch.Tensor) -> torch.Tensor:
         """The target layers' states fused by ``fc`` and normed, (Bsz, S, D)."""
-        if context_hidden.dim() == 4:
-            context_hidden = context_hidden.flatten(2)  # (Bsz, S, n * D)
         if (feat := context_hidden.shape[-1]) != self.fc.in_features:
             raise ValueError(f"context_hidden has {feat} features; expected {self.config.num_context_layers}"
                              f" layers x {self.config.hidden_size} = {self.fc.in_features}")
