@@ -68,7 +68,8 @@ def main(out: str, rounds: int, threads: int, max_new_tokens: int, clock: str) -
             start = now()
             spec = speculative.speculative_generate(target, proposer, prompt, max_new_tokens, eos)
             spec_s += now() - start
-            speculative.check_lossless(spec.tokens, greedy.tokens, greedy.margins)
+            if (mismatch := speculative.mismatch_message(spec.tokens, greedy.tokens, greedy.margins)):
+                raise speculative.LosslessError(mismatch)
             blocks += len(spec.block_taus)
             specs.append(spec)
             greedies.append(greedy)
