@@ -105,11 +105,10 @@ def parse_benchmarks(specs: list[str]) -> list[tuple[str, str]]:
 @click.option("--template-kwargs", type=JsonObject(), default="{}", help="JSON for the chat template, e.g. "
               '\'{"enable_thinking": false}\'.')
 @click.option("--check/--no-check", default=True, help="Fail (exit 1) when speculative output differs from greedy.")
-@click.option("--warmup/--no-warmup", default=True, help="Run an untimed warm-up decode first.")
 @click.option("--json", "report_path", type=Maybe(str), help="Write the full report here.")
 def cli(target: str, drafter: str, prompts: tuple[str, ...], spec_sample: int, batch_size: int,
         capture: bool | None, split: str, max_new_tokens: int, limit: int | None, device: str, dtype: str,
-        template_kwargs: dict, check: bool, warmup: bool, report_path: str | None):
+        template_kwargs: dict, check: bool, report_path: str | None):
     """Acceptance (tau) of a DFlash drafter per benchmark: replayed over every prompt, checked and
     timed against real speculative decoding on a sample."""
     usable_device(device)
@@ -170,7 +169,7 @@ def cli(target: str, drafter: str, prompts: tuple[str, ...], spec_sample: int, b
         sample, replayed = None, time.perf_counter()
         if spec_sample:
             sample = rp.spec_sample(model, proposer, ids, replay, spec_sample, max_new_tokens=max_new_tokens,
-                                    eos_token_ids=eos, warmup=warmup, progress=True, session=session)
+                                    eos_token_ids=eos, progress=True, session=session)
             decoded += [(f"{name} ", row) for row in sample["per_prompt"]]
         timings[name] = {"replay": replayed - started, **replay["seconds"], "decode": time.perf_counter() - replayed,
                          "warmup": sample["warmup_seconds"] if sample else 0.0}  # warm-up: compiles and captures

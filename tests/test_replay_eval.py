@@ -180,7 +180,7 @@ def test_cli_two_benchmarks(tiny_target_dir, export, chats_sample_path, tmp_path
     report = tmp_path / "report.json"
     result = _invoke(["--target", str(tiny_target_dir), "--drafter", str(export), "--prompts",
                       f"chats={chats_sample_path}", "--prompts", str(questions), "--limit", "3",
-                      "--max-new-tokens", "8", "--spec-sample", "2", "--no-warmup", "--capture", "--json", str(report)])
+                      "--max-new-tokens", "8", "--spec-sample", "2", "--capture", "--json", str(report)])
     assert result.exit_code == 0, result.output
     data = json.loads(report.read_text())
     assert list(data["benchmarks"]) == ["chats", "questions"] and data["settings"]["capture"]
@@ -204,7 +204,7 @@ def test_cli_fails_in_float32_when_the_replay_disagrees(tiny_target_dir, export,
     real = rp.score_sample
     monkeypatch.setattr(rp, "score_sample", lambda *a, **k: [t + 1 for t in real(*a, **k)])
     result = _invoke(["--target", str(tiny_target_dir), "--drafter", str(export), "--prompts", str(chats_sample_path),
-                      "--limit", "2", "--max-new-tokens", "8", "--spec-sample", "1", "--no-warmup"])
+                      "--limit", "2", "--max-new-tokens", "8", "--spec-sample", "1"])
     assert result.exit_code == 1, result.output
     assert "REPLAY CHECK FAILED: chats_sample prompt 0: block 0" in result.output
     assert "0/1" in result.output  # the table's "= replay" column

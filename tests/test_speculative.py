@@ -327,7 +327,7 @@ def test_cli_end_to_end_and_exit_status(tiny_target_dir, drafter, drafter_config
     export_drafter(drafter, drafter_config, tmp_path / "export")
     args = ["--target", str(tiny_target_dir), "--drafter", str(tmp_path / "export"), "--prompts",
             f"chats={chats_sample_path}", "--limit", "2", "--spec-sample", "2", "--max-new-tokens", "8",
-            "--no-warmup", "--json", str(tmp_path / "report.json")]
+            "--json", str(tmp_path / "report.json")]
     ok = CliRunner().invoke(cli, args)
     assert ok.exit_code == 0, ok.output
     assert "tau histogram" in ok.output
