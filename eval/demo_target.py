@@ -155,7 +155,7 @@ def tokenize_chats(tokenizer, chats: Sequence[dict], *, max_length: int):
 
 
 def build_demo_target(out_dir: str | Path, train_chats: Sequence[dict], tokenizer, config: DemoTargetConfig, *,
-                      log: Callable[[str], None] = print, num_threads: int | None = None) -> dict[str, Any]:
+                      log: Callable[[str], None] = print) -> dict[str, Any]:
     """Train the demo target and save it as an HF model folder; returns its build record."""
     if not (examples := tokenize_chats(tokenizer, train_chats, max_length=config.max_length)):
         raise ValueError("no training chats left after tokenization")
@@ -168,14 +168,10 @@ def build_demo_target(out_dir: str | Path, train_chats: Sequence[dict], tokenize
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(c.seed)
         model = Qwen3ForCausalLM(model_config)
-    n_params, threads_before = sum(p.numel() for p in model.parameters()), torch.get_num_threads()
-    torch.set_num_threads(num_threads or threads_before)
+    n_params = sum(p.numel() for p in model.parameters())
     log(f"demo target: {n_params / 1e6:.2f}M params, {len(examples)} chats, "
         f"{c.steps} steps x {c.batch_size}, {torch.get_num_threads()} threads")
-    try:
-        history = train(model, examples, c, pad_id=tokenizer.pad_token_id, log=log)
-    finally:
-        torch.set_num_threads(threads_before)
+    history = train(model, examples, c, pad_id=tokenizer.pad_token_id, log=log)
     model.eval().save_pretrained(out_dir, safe_serialization=True)
     tokenizer.save_pretrained(out_dir)
     log(f"demo target: saved {out_dir} ({history['train_seconds']:.0f} s, "

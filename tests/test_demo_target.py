@@ -168,12 +168,17 @@ def test_assistant_loss_needs_generation_tags(tiny_tokenizer_notags, demo_chats)
 
 def test_tiny_build_trains_saves_and_reloads(tmp_path, demo_tokenizer, demo_chats):
     """(Reuse of a built target is the demo's step marker: test_demo.py.)"""
+    import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     out = tmp_path / "target"
     lines: list[str] = []
-    record = dt.build_demo_target(out, demo_chats, demo_tokenizer, dt.DemoTargetConfig(**TINY), log=lines.append,
-                                  num_threads=1)  # 1 thread: far faster for tiny dims on a busy machine
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # far faster for tiny dims on a busy machine
+    try:
+        record = dt.build_demo_target(out, demo_chats, demo_tokenizer, dt.DemoTargetConfig(**TINY), log=lines.append)
+    finally:
+        torch.set_num_threads(threads)
     assert record["final_loss"] < record["initial_loss"] - 0.5 and record["num_params"] > 0
     assert any("step" in line for line in lines)
     model = AutoModelForCausalLM.from_pretrained(out)
