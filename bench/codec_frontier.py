@@ -80,7 +80,7 @@ def run_mode(base: Path, out: Path, mode: dict, seed: int) -> dict:
     from dflash.eval.replay_eval import replay_export
     from dflash.shared.cache import CacheReader
 
-    s = demo.DemoSettings.full(seed)
+    s = demo.DemoSettings(seed=seed)
     lossless = base / "cache.zarr"
     cache = out / "cache.zarr" if mode["mode"] != LOSSLESS else lossless
     if mode["seed_offset"]:
@@ -133,7 +133,7 @@ def base_row(base: Path, seed: int) -> dict:
 
     summary = json.loads((base / "summary.json").read_text())
     lossless = base / "cache.zarr"
-    r, n_layers = CacheReader(str(lossless)), len(demo.DemoSettings.full(seed).layer_ids)
+    r, n_layers = CacheReader(str(lossless)), len(demo.DemoSettings(seed=seed).layer_ids)
     return {"mode": LOSSLESS, "seed": seed, "path": "demo", "tokens": r.num_tokens,
             **sizes(lossless, r.num_tokens, r.num_tokens * n_layers * r.spec.hidden_size * 2),
             "rel_l2_per_layer": [0.0] * n_layers,

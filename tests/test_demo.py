@@ -59,7 +59,7 @@ def test_small_demo_end_to_end(small_demo):
     assert not any("reusing" in line for line in lines)
 
 
-@pytest.mark.parametrize("settings", [demo.DemoSettings.full(), demo.DemoSettings.small()], ids=["full", "small"])
+@pytest.mark.parametrize("settings", [demo.DemoSettings(), demo.DemoSettings.small()], ids=["full", "small"])
 def test_demo_layer_ids_are_servable(settings):
     """Sorted, distinct and below the last target layer, which serving engines cannot capture."""
     from dflash.eval.demo_target import DemoTargetConfig
@@ -160,12 +160,12 @@ def test_drafter_settings_are_checked_before_any_step(tmp_path, setting, said):
 
 
 def test_settings_overrides():
-    s = demo.DemoSettings.full()
+    s = demo.DemoSettings()
     changed = s.with_overrides(["train.num_draft_layers=2", "layer_ids=[0,2]", "n_train=100",
                                 "target.num_hidden_layers=6", "train.attention=dense"])
     assert changed.train["num_draft_layers"] == 2 and changed.layer_ids == [0, 2] and changed.n_train == 100
     assert changed.target["num_hidden_layers"] == 6 and changed.train["attention"] == "dense"
-    assert s.train["num_draft_layers"] == demo.DemoSettings.full().train["num_draft_layers"]  # a copy
+    assert s.train["num_draft_layers"] == demo.DemoSettings().train["num_draft_layers"]  # a copy
     assert changed.train_overrides()["num_draft_layers"] == 2
     import click
 
@@ -193,7 +193,7 @@ def test_drafter_starts_from_the_target_layers_it_has_room_for(small_demo):
     out, _, _, _ = small_demo
     run_config = json.loads((out / "run" / "config.json").read_text())
     assert run_config["drafter"]["init_from_target_layers"] == list(range(run_config["drafter"]["num_draft_layers"]))
-    s = demo.DemoSettings.full()
+    s = demo.DemoSettings()
     assert s.train_overrides()["init_from_target_layers"] == list(range(s.train["num_draft_layers"]))
     assert s.with_overrides(["train.num_draft_layers=3"]).train_overrides()["init_from_target_layers"] == [0, 1, 2]
     assert "init_from_target_layers" not in s.with_overrides(["drafter_init_from_target=false"]).train_overrides()
@@ -223,7 +223,7 @@ def test_small_demo_rerun_reuses(small_demo):
                     reason="the full demo (about 4 min on 2 cores); set DFLASH_SLOW_TESTS=1")
 def test_demo_acceptance_online_matches_offline(tmp_path):
     """The demo's real settings: online tau > 1 and within 10% of training's estimate and of the replay."""
-    summary = demo.run_demo(tmp_path / "demo", demo.DemoSettings.full(), echo=print)
+    summary = demo.run_demo(tmp_path / "demo", demo.DemoSettings(), echo=print)
     assert summary["lossless"] is True
     assert summary["regenerated_match"] > 0.9  # the cache holds what decoding produces
     online, replayed = summary["acceptance_online"], summary["acceptance_offline_replay"]
