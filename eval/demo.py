@@ -319,8 +319,7 @@ def step_eval(out: Path, s: DemoSettings, regen: Path, cache: Path, target: Path
 
 
 def plot_curves(run_dir: Path, png: Path, online: float | None = None, replay: float | None = None) -> Path:
-    """A training run's loss and acceptance against the step (the final drafter's online and replayed tau
-    as markers)."""
+    """A training run's loss and acceptance against the step, the final drafter's online and replayed tau as markers."""
     from matplotlib.figure import Figure  # not pyplot: no backend to pick, no global figure to close
 
     records = read_jsonl(run_dir / "metrics.jsonl")

@@ -164,8 +164,7 @@ def first_divergence(replay_taus: Sequence[int], online_taus: Sequence[int]) -> 
 def spec_sample(target, drafter: DFlashDrafter, prompts: Sequence[Sequence[int]], replay: dict[str, Any], k: int, *,
                 max_new_tokens: int, eos_token_ids: Iterable[int] = (), warmup: bool = True,
                 progress: bool = False, session=None) -> dict[str, Any]:
-    """``evaluate`` on ``k`` of the prompts, each row compared with its replay ("divergence": None or
-    where tokens or taus first differ)."""
+    """``evaluate`` on ``k`` of the prompts, each row's "divergence" from its replay: None, or where they part."""
     indices = sample_indices(len(prompts), k)
     result = evaluate(target, drafter, [prompts[i] for i in indices], max_new_tokens=max_new_tokens,
                       eos_token_ids=eos_token_ids, check=False, warmup=warmup, progress=progress, session=session)

@@ -72,18 +72,15 @@ class DFlashProposer:
             raise ValueError(f"context of {ctx_len} positions after {kept} kept; the buffers hold "
                              f"{self._keys.shape[3] - B}")
         if ctx_len - kept > B:  # a prompt: its positions at once, outside the graph
-            self._write_context(context, kept, ctx_len)
+            positions = torch.arange(kept, ctx_len, device=context.device).unsqueeze(0)  # (1, new)
+            keys, values = fused.context_kv(self.drafter, self._weights, context[:, kept:ctx_len], positions)
+            self._keys[:, :, :, kept:ctx_len], self._values[:, :, :, kept:ctx_len] = keys, values
             kept = ctx_len
         self._window[:, :ctx_len - kept] = context[:, kept:ctx_len]
         self._start.fill_(kept), self._ctx_len.fill_(ctx_len), self._position.fill_(position)
         self._anchor.fill_(int(tokens[-1]))
         self._context_len = ctx_len
         return self._step()
-
-    def _write_context(self, context: torch.Tensor, start: int, stop: int) -> None:
-        positions = torch.arange(start, stop, device=context.device).unsqueeze(0)  # (1, new)
-        keys, values = fused.context_kv(self.drafter, self._weights, context[:, start:stop], positions)
-        self._keys[:, :, :, start:stop], self._values[:, :, :, start:stop] = keys, values
 
     def _step(self) -> torch.Tensor:
         if not self._capture:
@@ -194,8 +191,7 @@ class EagerTarget:
 
 
 class StaticTarget(EagerTarget):
-    """``EagerTarget`` on one static KV cache; ``capture``: the 1-token and B-token forwards as CUDA
-    graphs (the prefill stays eager)."""
+    """``EagerTarget`` on one static KV cache; ``capture``: 1- and B-token forwards as CUDA graphs (prefill eager)."""
 
     length = 0  # positions written, counted here: the static cache keeps rejected drafts until overwritten
 
@@ -356,8 +352,7 @@ def block_parts(specs: Sequence[Generation], greedies: Sequence[Generation], blo
 
 def captured_decoders(target, drafter: DFlashDrafter, prompts: Sequence[Sequence[int]], max_new_tokens: int
                       ) -> tuple[StaticTarget, DFlashProposer]:
-    """``--capture``'s target session and proposer for these prompts, built once for every ``evaluate``:
-    room for the longest prompt, its new tokens and two blocks."""
+    """``--capture``'s target session and proposer for these prompts, built once for every ``evaluate``."""
     max_length = max(len(p) for p in prompts) + max_new_tokens + 2 * drafter.config.block_size
     cuda = device_of(target).type == "cuda"
     return StaticTarget(target, max_length, capture=cuda), DFlashProposer(drafter, target, max_length, capture=cuda)
