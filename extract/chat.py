@@ -87,8 +87,8 @@ def turn_markers(tokenizer, end_of_turn: str | None = None, template_kwargs: dic
     cached = _MARKERS.setdefault(tokenizer, {})
     if key not in cached:
         def render_text(messages, add_generation_prompt):
-            return as_text(tokenizer.apply_chat_template(messages, chat_template=template, tokenize=False,
-                                                          add_generation_prompt=add_generation_prompt, **kwargs))
+            return tokenizer.apply_chat_template(messages, chat_template=template, tokenize=False,
+                                                 add_generation_prompt=add_generation_prompt, **kwargs)
 
         try:
             cached[key] = _probe_markers(render_text, tokenizer, end_of_turn)
@@ -242,13 +242,6 @@ def special_tokens_in(tokenizer, text: str) -> list[str]:
     return tokenizer.convert_ids_to_tokens([i for i in ids if i in added])
 
 
-def as_text(rendered) -> str:
-    """``apply_chat_template(tokenize=False)``'s text (some transformers versions wrap a single rendering in a list)."""
-    if isinstance(rendered, list):
-        (rendered,) = rendered
-    return rendered
-
-
 def _rendering(tokenizer, conv: Conversation, kwargs: dict, tags: bool) -> tuple[str, list | None]:
     """The conversation as its template renders it and, with ``tags``, the char spans of its `{% generation %}`
     blocks (mapped to tokens here: HF's own mapping changed between transformers versions)."""
@@ -266,7 +259,7 @@ def _rendering(tokenizer, conv: Conversation, kwargs: dict, tags: bool) -> tuple
     except Exception as exc:  # noqa: BLE001 - jinja errors, raise_exception(), ...
         raise DataError("template_rejected", conv.source, conv.row_index,
                         f"chat template rejected the conversation: {type(exc).__name__}: {exc}") from exc
-    return (rendered[0], spans[0]) if tags else (as_text(rendered), None)
+    return (rendered[0], spans[0]) if tags else (rendered, None)
 
 
 def _overlap_mask(offsets: list[tuple[int, int]], spans) -> np.ndarray:
@@ -355,8 +348,8 @@ def _probe_tool_close(render_text, opening: list[dict[str, Any]], reply: str) ->
 def user_header(tokenizer, template_kwargs: dict[str, Any] | None = None) -> tuple[str, str | None]:
     """The text a first user turn starts with (default system prompt included) and the first special
     token after the user's text (the end of a user turn: `<|im_end|>`, `<|eot_id|>`, `[/INST]`), if any."""
-    text = as_text(tokenizer.apply_chat_template([{"role": "user", "content": _SENTINEL}], tokenize=False,
-                                                  add_generation_prompt=False, **(template_kwargs or {})))
+    text = tokenizer.apply_chat_template([{"role": "user", "content": _SENTINEL}], tokenize=False,
+                                         add_generation_prompt=False, **(template_kwargs or {}))
     if text.count(_SENTINEL) != 1:
         raise ValueError(f"the chat template does not write a user message's text once and unchanged (found "
                          f"{text.count(_SENTINEL)} times in {text!r}): --self-prompts cannot find its user header")

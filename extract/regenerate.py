@@ -15,7 +15,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable, Literal
 
-from .chat import as_text, check_template_kwargs, stop_token_ids, user_header
+from .chat import check_template_kwargs, stop_token_ids, user_header
 from .data import Conversation, DataError, SkipCounter, dataset_fingerprint, guard, load_source, normalize_row
 from .regenerate_endpoint import EndpointEngine, answer_event, wire_message
 
@@ -352,8 +352,8 @@ def regenerate_conversations(model, tokenizer, chats: list[Chat], settings: Gene
         turn = chat.next_turn
         if turn is not None:
             try:
-                text = as_text(tokenizer.apply_chat_template(chat.messages[:turn], add_generation_prompt=True,
-                                                              tokenize=False, **settings.template_kwargs))
+                text = tokenizer.apply_chat_template(chat.messages[:turn], add_generation_prompt=True, tokenize=False,
+                                                     **settings.template_kwargs)
             except Exception as exc:  # noqa: BLE001 - jinja errors, raise_exception()
                 skips.record(DataError("template_rejected", chat.conv.source, chat.conv.row_index,
                                        f"chat template rejected the prompt: {type(exc).__name__}: {exc}"))

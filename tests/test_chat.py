@@ -254,35 +254,6 @@ def test_skip_policy_counts_render_failures(tiny_tokenizer):
         D.guard("error", skips, render, tiny_tokenizer, convs[1], max_length=limit)
 
 
-# --- transformers return types ---------------------------------------------------------------
-
-
-@pytest.mark.parametrize("container", ["list", "nested", "numpy", "dict"])
-def test_apply_chat_template_return_types(tiny_tokenizer, container):
-    """Older/newer transformers return BatchEncoding, dict, nested lists or arrays."""
-    tok = copy.deepcopy(tiny_tokenizer)
-    original = tok.apply_chat_template
-
-    def wrapped(*args, **kwargs):
-        out = original(*args, **kwargs)
-        if isinstance(out, str):
-            return [out] if container == "nested" else out
-        convert = {
-            "list": lambda v: list(v),
-            "nested": lambda v: [list(v)],
-            "numpy": lambda v: np.asarray(v),
-            "dict": lambda v: list(v),
-        }[container]
-        return {k: convert(v) for k, v in dict(out).items()}
-
-    tok.apply_chat_template = wrapped
-    expected = render(tiny_tokenizer, HANDMADE[1], max_length=512)
-    for method in ("generation_tags", "template_probe"):
-        got = render(tok, HANDMADE[1], max_length=512, method=method)
-        np.testing.assert_array_equal(got.input_ids, expected.input_ids)
-        np.testing.assert_array_equal(got.loss_mask, expected.loss_mask)
-
-
 def test_end_of_turn_from_the_template(tiny_tokenizer):
     """A template whose turns end with <|endoftext|>: learned from its rendering, with
     <|im_end|> still in the vocabulary; an explicit end_of_turn overrides it."""
