@@ -175,8 +175,6 @@ def encode(tokenizer, renderings: list[Rendering]) -> list[tuple[list[int], list
 def to_sample(r: Rendering, ids: list[int], offsets: list | None, *, max_length: int,
               truncation: str = "right") -> RenderedSample:
     """A rendering's encoded ids and their loss mask, as ``render`` returns them."""
-    if truncation not in ("right", "error", "skip"):
-        raise ValueError(f"truncation must be 'right', 'error' or 'skip', not {truncation!r}")
     conv, mask = r.conv, np.ones(len(ids), dtype=bool)
     if r.spans is not None:
         mask = _overlap_mask(offsets, r.spans)

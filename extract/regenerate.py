@@ -15,6 +15,8 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable, Literal
 
+from dflash.shared.cli import check_choices
+
 from .chat import check_template_kwargs, stop_token_ids, user_header
 from .data import Conversation, DataError, SkipCounter, dataset_fingerprint, guard, load_source, normalize_row
 from .regenerate_endpoint import EndpointEngine, answer_event, wire_message
@@ -65,7 +67,7 @@ class RegenConfig:
     limit: int | None = None
     device: str = "cpu"
     static_cache: bool | None = None
-    on_bad_row: str = "skip"
+    on_bad_row: Literal["skip", "error"] = "skip"
     progress: bool = True  # a tqdm bar over source rows (no flag)
     self_prompts: int = 0
     question_temperature: float = 1.0
@@ -75,6 +77,7 @@ class RegenConfig:
 
     def validate(self) -> None:
         """Raise ValueError naming the first setting that cannot work."""
+        check_choices(self)
         values = {**vars(self), **vars(self.generation)}
         for names, ok, want in (
                 ("temperature question_temperature self_prompts question_min_chars", lambda v: v >= 0, "0 or more"),

@@ -6,6 +6,7 @@ import pytest
 
 from dflash.extract import data as D
 from dflash.extract.chat import mask_method, render
+from dflash.extract.config import ExtractConfig
 from dflash.extract.data import Conversation, DataError, SkippedSample
 
 IM_START, IM_END = "<|im_start|>", "<|im_end|>"
@@ -234,8 +235,9 @@ def test_truncation_policies(tiny_tokenizer):
     with pytest.raises(SkippedSample) as info:
         render(tiny_tokenizer, conv, max_length=5, truncation="right")
     assert info.value.reason == "no_loss_tokens"
-    with pytest.raises(ValueError, match="truncation"):
-        render(tiny_tokenizer, conv, max_length=10, truncation="left")
+    # an unknown policy is refused once, where the run's settings are checked
+    with pytest.raises(ValueError, match="truncation must be one of 'right', 'skip', 'error', got 'left'"):
+        ExtractConfig(data="d", model="m", out="o", truncation="left").validate()
 
 
 def test_skip_policy_counts_render_failures(tiny_tokenizer):

@@ -166,6 +166,12 @@ def test_interrupted_run_resumes_to_the_same_dataset(tmp_path, target, tokenizer
     assert _rows(greedy) != _rows(straight)
 
 
+def test_an_unknown_bad_row_policy_is_refused_by_name(tmp_path):
+    cfg = regen.RegenConfig(data="d", model="m", out=str(tmp_path), on_bad_row="ignore")
+    with pytest.raises(ValueError, match="on_bad_row must be one of 'skip', 'error', got 'ignore'"):
+        cfg.validate()
+
+
 def test_resume_with_other_settings_is_refused(greedy_run, target, tokenizer, tiny_target_dir, chats_sample_path):
     out, _ = greedy_run
     with pytest.raises(ValueError, match="generation"):
