@@ -251,20 +251,18 @@ def stats(cache: str, max_samples: int, seed: int, threshold: float, against: st
 @click.option("--hidden-codec", type=Maybe(click.Choice(HIDDEN_CODECS)), help="Hidden states: 'bf16' lossless, lossy "
               "'fp8' (e4m3, a scale per token and layer), 'int8' or 'int4' (a scale per --hidden-group-size "
               "channels); default: the source's.")
-@click.option("--hidden-group-size", type=Maybe(int), help="Channels sharing one scale under int8/int4 (must divide "
-              "the hidden size; even for int4); default: the source's, else 128.")
+@click.option("--hidden-group-size", type=Maybe(click.IntRange(min=1)), help="Channels sharing one scale under "
+              "int8/int4 (must divide the hidden size; even for int4); default: the source's, else 128.")
 @click.option("--hidden-scale-dtype", type=Maybe(click.Choice(SCALE_DTYPES)), help="dtype of the lossy codecs' scales "
               "(default: the source's, else float16).")
 @click.option("--topk-dtype", type=Maybe(click.Choice(TOPK_DTYPES)), help="Precision of the stored top-k log-probs "
               "(default: the source's).")
-@click.option("--chunk-tokens", type=Maybe(int), help="Tokens per chunk of the converted hidden states (default: the "
-              "source's); the small arrays are chunked coarsely.")
+@click.option("--chunk-tokens", type=Maybe(click.IntRange(min=1)), help="Tokens per chunk of the converted hidden "
+              "states (default: the source's); the small arrays are chunked coarsely.")
 @click.option("--compression-level", type=Maybe(int), help="zstd level of the converted cache: 1, 3, 5, ..., 15 "
               "(default: the source's).")
-@click.option("--read-mib", default=256.0, help="Source data read at once per shard, in MiB of stored arrays (whole "
-              "planned batches; bounds memory).")
-@click.option("--commit-seconds", default=10.0, help="Seconds between commits of a shard (a crash loses at most this "
-              "much work); 0 = after every read.")
+@click.option("--commit-seconds", type=click.FloatRange(min=0), default=10.0, help="Seconds between commits of a "
+              "shard (a crash loses at most this much work); 0 = after every read.")
 @PROGRESS
 @AS_JSON
 def convert(src: str, dst: str, progress: bool, as_json: bool, **values):

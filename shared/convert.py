@@ -20,7 +20,7 @@ import zarr
 from tqdm import tqdm
 
 from dflash.shared.cache import (
-    HIDDEN_SCALE, CacheError, CacheMismatch, CacheReader, CacheSpec, ShardInfo, ShardPlan, ShardWriter,
+    HIDDEN_SCALE, SPAN_BYTES, CacheError, CacheMismatch, CacheReader, CacheSpec, ShardInfo, ShardPlan, ShardWriter,
     create_or_open_cache, decode_hidden, decode_topk_logprobs, encode_hidden, encode_topk_logprobs,
     read_shard_states, shard_name, stored_row_bytes, to_numpy, writer_zarr_settings,
 )
@@ -39,21 +39,13 @@ class ConvertSettings:
     topk_dtype: TopkDtype | None = None
     chunk_tokens: int | None = None
     compression_level: int | None = None
-    read_mib: float = 256.0
     commit_seconds: float = 10.0
 
     def validate(self) -> None:
-        """Raise ValueError naming the first setting that cannot work."""
+        """Raise ValueError for a zstd level blosc cannot run (the flags' ranges are checked as they are parsed)."""
         if self.compression_level is not None and self.compression_level not in ZSTD_LEVELS:
             raise ValueError(f"--compression-level {self.compression_level}: the cache's codec (zstd inside blosc) "
                              f"runs at zstd levels {', '.join(map(str, ZSTD_LEVELS))} only")
-        for flag, value in (("--hidden-group-size", self.hidden_group_size), ("--chunk-tokens", self.chunk_tokens)):
-            if value is not None and value < 1:
-                raise ValueError(f"{flag} must be at least 1, got {value}")
-        if self.read_mib <= 0:
-            raise ValueError(f"--read-mib must be positive, got {self.read_mib}")
-        if self.commit_seconds < 0:
-            raise ValueError(f"--commit-seconds must be 0 or more, got {self.commit_seconds}")
 
 
 def _location(path: str) -> str:  # a local path made absolute: where a later ``stats`` finds the source
@@ -169,7 +161,7 @@ def _convert_shard(reader: CacheReader, shard: ShardInfo, dst: str, dst_root: za
         if done and not writer.complete:
             say(f"shard {shard_id:05d}: resumed at batch {writer.next_batch:,} of {len(plan.batches) - 1:,}")
         arrays = {f: group[f] for f in reader.spec.token_fields}
-        window = max(1, int(settings.read_mib * (1 << 20) / sum(stored_row_bytes(reader.spec).values())))  # tokens
+        window = max(1, SPAN_BYTES // sum(stored_row_bytes(reader.spec).values()))  # tokens, as read_many reads
         bounds = plan.offsets[plan.batches]  # each batch's first token
         last_commit = time.monotonic()
         while not writer.complete:

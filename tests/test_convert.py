@@ -227,7 +227,7 @@ def test_ctrl_c_then_kill9_then_rerun_equals_the_unbroken_conversion(source, los
     every array and attribute equal to the unbroken int4 conversion's."""
     reference = lossy["int4"]
     out = tmp_path / "killed.zarr"
-    args = ["convert", source, out, *LOSSY["int4"], "--no-progress", "--commit-seconds", "60", "--read-mib", "0.01"]
+    args = ["convert", source, out, *LOSSY["int4"], "--no-progress", "--commit-seconds", "60"]
     slow = [sys.executable, os.path.join(os.path.dirname(__file__), "slow_convert.py"), "0.3", *map(str, args)]
     interrupted = subprocess.Popen(slow, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
@@ -299,6 +299,9 @@ def test_an_unfinished_source_is_refused_naming_the_shard(source, tmp_path):
 def test_bad_settings_are_usage_errors(source, tmp_path):
     result = cli("convert", source, tmp_path / "x.zarr", "--compression-level", "4")
     assert result.exit_code == 2 and "zstd levels 1, 3" in result.output
+    for flag, value in (("--chunk-tokens", "0"), ("--hidden-group-size", "0"), ("--commit-seconds", "-1")):
+        result = cli("convert", source, tmp_path / "x.zarr", flag, value)
+        assert result.exit_code == 2 and f"Invalid value for '{flag}'" in result.output
     assert not (tmp_path / "x.zarr").exists()
 
 
