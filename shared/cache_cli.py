@@ -100,11 +100,10 @@ def info(cache: str, as_json: bool):
     ]
     record, which = d["converted_from"], "converted"
     while record:  # where a converted cache came from, newest first
-        lines.append(f"{which:<10} from {record['path']}  fingerprint "
-                     f"{_short(record['fingerprint_digest'])}  (format v{record['format_version']}, hidden "
-                     f"{record.get('hidden', 'bf16 (lossless)')}, top-k log-probs "
-                     f"{(record.get('encoding') or {}).get('topk_dtype', 'float32')}, hidden chunks "
-                     f"{record['chunk_tokens']}, zstd level {record['compression_level']})")
+        lines.append(f"{which:<10} from {record['path']}  fingerprint {_short(record['fingerprint_digest'])}  "
+                     f"(format v{record['format_version']}, hidden {record['hidden']}, top-k log-probs "
+                     f"{record['encoding']['topk_dtype']}, hidden chunks {record['chunk_tokens']}, zstd level "
+                     f"{record['compression_level']})")
         record, which = record.get("previous"), "  which was"
     lines += ["", f"{'shard':>5}  {'state':<8}  {'samples':>17}  {'tokens':>23}  {'assistant':>11}  {'disk':>11}  "
               "skipped"]

@@ -215,5 +215,4 @@ def convert_cache(src: str, dst: str, settings: ConvertSettings, *, progress: bo
             "tokens": reader.num_tokens, **totals, "seconds": round(seconds, 3),
             "tokens_per_s": totals["tokens_converted"] / seconds if seconds > 0 else None,
             "settings": dataclasses.asdict(settings) | spec.encoding() | {
-                "chunk_tokens": spec.chunk_tokens, "compression_level": spec.compression_level},
-            "hidden": {"source": reader.spec.codec.describe(), "destination": spec.codec.describe()}}
+                "chunk_tokens": spec.chunk_tokens, "compression_level": spec.compression_level}}
