@@ -35,8 +35,8 @@ def _sizes(root: zarr.Group, prefixes: list[str]) -> dict[str, int] | None:
         return sizes
 
     try:
-        return {k: v for p in prefixes for k, v in sync(listing(p)).items()} if store.supports_listing else None
-    except Exception:  # a store that cannot list after all
+        return {k: v for p in prefixes for k, v in sync(listing(p)).items()}
+    except Exception:  # a filesystem that cannot list its files
         return None
 
 
