@@ -59,7 +59,7 @@ class _Problems:
                            "message": f"{where}: {message}"})
 
 
-def _check_token_chunk(s: _Shard, name: str, c: int, committed: int, spec: CacheSpec, bar):
+def _check_token_chunk(s: _Shard, name: str, c: int, committed: int, spec: CacheSpec):
     """Read chunk c whole, check its committed part; returns (error, [(check, bad tokens, facts)])."""
     arr = s.arrays[name]
     t0 = c * arr.chunks[0]
@@ -67,8 +67,6 @@ def _check_token_chunk(s: _Shard, name: str, c: int, committed: int, spec: Cache
         data = np.asarray(arr[t0:t0 + arr.chunks[0]])[: committed - t0]
     except Exception as e:  # crc32c mismatch, truncated or garbled blosc frame, missing key...
         return f"{type(e).__name__}: {e}", []
-    finally:
-        bar.update(1)
     checks = []  # (check, the chunk's rows that fail it, what to report: computed only where a row fails)
     if name == HIDDEN_SCALE or name == "hidden" and spec.hidden_codec in NAN_BITS:  # int payloads have no NaN
         bits = NAN_BITS.get(spec.hidden_codec)
@@ -89,7 +87,7 @@ def _check_token_chunk(s: _Shard, name: str, c: int, committed: int, spec: Cache
     return None, [(check, t0 + np.flatnonzero(rows), facts()) for check, rows, facts in checks if rows.any()]
 
 
-def _read_meta(s: _Shard, name: str, problems: _Problems, bar) -> np.ndarray | None:
+def _read_meta(s: _Shard, name: str, problems: _Problems) -> np.ndarray | None:
     arr = s.arrays[name]
     C, parts = arr.chunks[0], []
     for c in range(-(-arr.shape[0] // C)):
@@ -98,17 +96,15 @@ def _read_meta(s: _Shard, name: str, problems: _Problems, bar) -> np.ndarray | N
         except Exception as e:
             problems.add(s.sid, name, "undecodable", f"chunk {c} cannot be decoded: {type(e).__name__}: {e}")
             return None
-        finally:
-            bar.update(1)
     return np.concatenate(parts).astype(np.int64) if parts else np.zeros(0, np.int64)
 
 
-def _check_structure(s: _Shard, spec: CacheSpec, problems: _Problems, bar) -> np.ndarray | None:
+def _check_structure(s: _Shard, spec: CacheSpec, problems: _Problems) -> np.ndarray | None:
     """Commit record, offsets, batches and plan digest of one shard; sets ``s.mapping`` and
     returns its committed source rows (None where unreadable)."""
     sid, commit, planned = s.sid, s.state.commit.as_dict(), s.state.planned.as_dict()
     ns = commit["samples"]
-    off, src, bat = (_read_meta(s, f, problems, bar) if f in s.arrays else None for f in META_FIELDS)
+    off, src, bat = (_read_meta(s, f, problems) if f in s.arrays else None for f in META_FIELDS)
     for k in ("batches", "samples", "tokens"):
         if commit[k] > planned[k]:
             problems.add(sid, None, "commit", f"commit record has {commit[k]} {k}, plan has only {planned[k]}")
@@ -204,12 +200,14 @@ def verify_cache(path: str, *, max_problems: int = 100, progress: bool = True, w
     n_meta = sum(-(-a.shape[0] // a.chunks[0]) for s in shards for f, a in s.arrays.items() if f in META_FIELDS)
     bar = tqdm(total=len(jobs) + n_meta, unit="chunk", desc="verify", file=sys.stderr, disable=not progress,
                leave=False)
-    _check_duplicates(shards, [_check_structure(s, spec, problems, bar) for s in shards], problems)
+    _check_duplicates(shards, [_check_structure(s, spec, problems) for s in shards], problems)
+    bar.update(n_meta)
 
     findings: dict[tuple[int, str, str], dict[str, Any]] = {}  # merged per (shard, array, check) across chunks
     with ThreadPoolExecutor(max(workers, 1)) as pool:  # each result is small: the chunks are not kept
-        results = pool.map(lambda job: _check_token_chunk(*job, spec, bar), jobs)
+        results = pool.map(lambda job: _check_token_chunk(*job, spec), jobs)
         for (s, f, c, committed), (error, found) in zip(jobs, results):
+            bar.update(1)
             t0, t1 = c * s.arrays[f].chunks[0], min((c + 1) * s.arrays[f].chunks[0], committed)
             if error is not None:
                 samples = None if s.mapping is None else range(int(s.samples_of(t0)), int(s.samples_of(t1 - 1)) + 1)
