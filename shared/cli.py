@@ -43,8 +43,6 @@ class Command(click.Command):
 
 
 class Group(Command, click.Group):
-    """A group of dflash ``Command``s, itself one."""
-
     command_class = Command
 
 

@@ -24,7 +24,6 @@ def config_hash(config_dict: dict[str, Any]) -> str:
 
 
 def _safetensors_file_digest(path: Path) -> str:
-    """sha256 of the file's size, header, first and last MiB of tensor data."""
     size = path.stat().st_size
     with path.open("rb") as f:
         (header_len,) = struct.unpack("<Q", f.read(8))

@@ -152,7 +152,6 @@ class ShardLock:
         return self
 
     def check(self) -> None:
-        """Raise LockLost unless the lock's record is still this process's."""
         if not self._mine():
             raise LockLost(f"shard {self.shard_id:05d} of {self.out}: its lock record no longer names this process "
                            "(deleted, or taken by another run); stopping without recording more. Its last commit "
