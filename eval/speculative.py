@@ -363,9 +363,9 @@ def evaluate(target, drafter: DFlashDrafter | DFlashProposer, prompts: Sequence[
              progress: bool = False, session: StaticTarget | None = None) -> dict[str, Any]:
     """Speculative vs greedy decoding of every prompt: {"overall", "per_prompt", "settings"}; ``check``: a mismatch
     not at a tie raises LosslessError; ``session``: ``--capture``'s, with its proposer (``captured_decoders``)."""
-    if isinstance(drafter, DFlashDrafter):  # room for the longest prompt and its new tokens
-        drafter = DFlashProposer(drafter, target, max(map(len, prompts), default=0) + max_new_tokens + 1)
     proposer = drafter
+    if isinstance(drafter, DFlashDrafter):  # room for the longest prompt and its new tokens
+        proposer = DFlashProposer(drafter, target, max(map(len, prompts), default=0) + max_new_tokens + 1)
     eos, B = sorted({int(t) for t in eos_token_ids}), proposer.block_size
     started = time.perf_counter()
     if warmup and prompts:  # first calls pay for allocator growth, kernels, lazy init, graph capture
