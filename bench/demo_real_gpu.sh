@@ -17,18 +17,16 @@
 # SECOND="--set KEY=VALUE ... [; --stop-after train --set ...]" then runs the demo again in the same folder, once per
 # ';'-separated item, with its settings added (reusing every stage before the first one they change), into
 # RESULTS/second, second1, ... (--stop-after train: train and export only, the held-out tau in its metrics.jsonl).
-# A failed training stage is retried once with --set train.preload=off (the later runs keep it): preload is new there.
 # `bash bench/demo_real_gpu.sh collect [SECONDS]` (from /tmp/repo, in a later call) waits up to SECONDS (default 0)
 # for RESULTS/done, then copies into $OUT what the run has so far: results.tgz (logs, each stage's JSON, the training
 # metrics; those of a run not yet finished under running/) and, once regeneration is done, regen.tgz.*; so a call
 # that must end before the device time does still brings back every finished stage.
-# RESULTS/regen.tgz.00, .01, ... (15 MiB each, turn journals left out) hold the regenerated rows (with
-# sampled_too its sampled ones too, as regen_sampled): kept beside the
+# RESULTS/regen.tgz.00, .01, ... (15 MiB each, turn journals left out) hold the regenerated rows: kept beside the
 # repository (REGEN=DIR in the prep carries them in as .real/regen.tgz.*), the demo reuses them where its settings
 # are the same.
 set -euo pipefail
-pack_rows() {  # the regenerated rows (and sampled_too's) into RESULTS/regen.tgz.*, 15 MiB a file
-  tar czf - --exclude='*.turns.jsonl' -C /tmp/real regen regen.demo.json $(cd /tmp/real && ls -d regen_sampled* 2>/dev/null) |
+pack_rows() {  # the regenerated rows into RESULTS/regen.tgz.*, 15 MiB a file
+  tar czf - --exclude='*.turns.jsonl' -C /tmp/real regen regen.demo.json |
     split -b 15m -d - "$RESULTS/regen.tgz."
 }
 collect() {  # a run's results into $1
@@ -46,9 +44,7 @@ if [ "${1:-}" = collect ]; then
     cp /tmp/demo.out /tmp/collect/ 2>/dev/null || true
   collect /tmp/collect/running  # the stage now running, apart from the finished runs' files
   rm -f /tmp/collect/regen.tgz.* && tar czf "$OUT/results.tgz" -C /tmp/collect .
-  sampled=/tmp/real/regen_sampled.demo.json  # sampled_too: its rows once they are done
-  if [ -f /tmp/real/regen/regenerate.json ] && ! compgen -G "$RESULTS/regen.tgz.*" > /dev/null &&
-     { [ ! -f $sampled ] || grep -q '"done": true' $sampled; }; then
+  if [ -f /tmp/real/regen/regenerate.json ] && ! compgen -G "$RESULTS/regen.tgz.*" > /dev/null; then
     pack_rows
   fi
   cp "$RESULTS"/regen.tgz.* "$OUT/" 2>/dev/null || true
@@ -77,12 +73,6 @@ if [ -n "${REGEN_BENCH:-}" ]; then
 fi
 demo "$@" 2>&1 | tee "$RESULTS/demo_real.log"
 rc=${PIPESTATUS[0]}
-fallback=()
-if [ "$rc" != 0 ] && grep -q "train failed" "$RESULTS/demo_real.log"; then  # once more without --preload (new)
-  fallback=(--set train.preload=off)
-  demo "$@" "${fallback[@]}" 2>&1 | tee "$RESULTS/demo_real_nopreload.log"
-  rc=${PIPESTATUS[0]}
-fi
 collect "$RESULTS"
 if [ -f /tmp/real/regen.demo.json ]; then
   pack_rows
@@ -92,7 +82,7 @@ if [ "$rc" = 0 ] && [ -n "${SECOND:-}" ]; then  # e.g. SECOND="--set hidden_code
   for i in "${!runs[@]}"; do
     read -ra extra <<< "${runs[$i]}"
     name=second${i/#0/}
-    demo "$@" "${fallback[@]}" "${extra[@]}" 2>&1 | tee "$RESULTS/$name.log"
+    demo "$@" "${extra[@]}" 2>&1 | tee "$RESULTS/$name.log"
     rc=${PIPESTATUS[0]}
     collect "$RESULTS/$name"
   done

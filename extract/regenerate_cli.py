@@ -15,7 +15,7 @@ from .regenerate import GenerationSettings, RegenConfig, regenerate
 
 
 @click.command(cls=Command)
-@click.option("--data", type=Maybe(str), help="Chat dataset (anything extract reads); optional with --self-prompts.")
+@click.option("--data", required=True, help="Chat dataset (anything extract reads).")
 @click.option("--model", type=Maybe(str), help="Target model: HF folder or hub name (in process); with --endpoint, "
               "the served model's name (default: the one the server lists).")
 @click.option("--endpoint", type=Maybe(str), help="OpenAI-compatible server's base URL, e.g. http://HOST:8000/v1.")
@@ -33,15 +33,6 @@ from .regenerate import GenerationSettings, RegenConfig, regenerate
               '\'{"enable_thinking": false}\' (chat_template_kwargs with --endpoint).')
 @click.option("--dtype", type=click.Choice(["bfloat16", "float16", "float32"]), default="bfloat16",
               help="Target compute dtype (in process only).")
-@click.option("--self-prompts", default=0, help="Questions the target writes itself and then answers (Magpie-style; "
-              "in process only); after --data's rows.")
-@click.option("--question-temperature", default=1.0, help="Sampling temperature of the self-prompted questions (0 = "
-              "greedy: every question the same).")
-@click.option("--question-top-p", default=0.95, help="Nucleus mass of the self-prompted questions.")
-@click.option("--question-max-tokens", default=256, help="Tokens per self-prompted question; a question that does not "
-              "end by then is dropped (counted).")
-@click.option("--question-min-chars", default=8, help="Self-prompted questions shorter than this (whitespace "
-              "collapsed) are dropped (counted).")
 @click.option("--batch-size", type=Maybe(click.IntRange(min=1)), help="Prompts per generate() call (in process); "
               "default: 512 on a GPU, 16 on the CPU.")
 @click.option("--concurrency", type=click.IntRange(min=1), default=32, help="Conversations in flight at once "
@@ -65,7 +56,7 @@ from .regenerate import GenerationSettings, RegenConfig, regenerate
 @click.option("--overwrite/--no-overwrite", default=False, help="Delete OUT first instead of resuming.")
 def main(**values):
     """Replace every assistant turn of DATA with the target's own answers (MODEL in process, or the server at
-    ENDPOINT), and/or add SELF_PROMPTS questions the target writes and answers itself; write a dataset to OUT."""
+    ENDPOINT); write a dataset to OUT."""
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     overwrite, generation = values.pop("overwrite"), take(GenerationSettings, values)
     job = validated(RegenConfig(**values, generation=generation))
@@ -79,8 +70,7 @@ def main(**values):
         raise click.ClickException(f"regeneration stopped: {err}") from err
     c = metadata["counts"]
     click.echo(f"{c['rows_out']}/{c['rows_in']} rows, {c['turns_regenerated']} turns regenerated "
-               f"({c['truncated_turns']} truncated), skipped {c['skipped'] or 'none'}"
-               + (f", self-prompted questions {c['self_prompts']}" if "self_prompts" in c else "") + f" -> {job.out}")
+               f"({c['truncated_turns']} truncated), skipped {c['skipped'] or 'none'} -> {job.out}")
 
 
 if __name__ == "__main__":

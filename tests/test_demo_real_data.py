@@ -86,12 +86,9 @@ def test_turns_keeps_each_chat_up_to_its_nth_user_turn(tmp_path):
         assert sum(m["from"] == H for c in cut for m in c) < sum(m["from"] == H for c in whole for m in c)
 
 
-@pytest.mark.parametrize("settings", [dict(answers=2), dict(answers=0, regen_temperature=1.0), dict(turns=0),
-                                      dict(conversations=0), dict(sampled_too=True),
-                                      dict(sampled_too=True, answers=2, regen_temperature=1.0)])
-def test_settings_that_would_train_on_nothing_or_on_copies_are_refused(tmp_path, settings):
-    """Two greedy answers to one prompt are one answer twice, no answer is no data, turns=0 keeps no turn, no chat
-    without self-prompts leaves nothing, and a greedy answer beside a sampled one needs a temperature and one answer."""
+@pytest.mark.parametrize("settings", [dict(turns=0), dict(conversations=0)])
+def test_settings_that_would_train_on_nothing_are_refused(tmp_path, settings):
+    """turns=0 keeps no turn, and no chat leaves nothing to train on."""
     with pytest.raises(click.BadParameter, match=f"{next(iter(settings))}="):
         prepare(tmp_path / "data", RealSettings(**settings))
     assert not (tmp_path / "data").exists()
@@ -110,9 +107,9 @@ def test_train_settings_are_checked_by_dflash_train_before_any_stage(tmp_path, s
 
 
 def test_the_originals_come_first_and_keep_unicode_line_separators(tmp_path):
-    """write_mix: the first N chats of train.jsonl (one per chat where answers repeat it), then each regenerated
-    set's messages, read back equal by extraction's own reader, with U+2028 and U+0085 inside ShareGPT text (real
-    rows hold them; a reader that splits on them tears the row)."""
+    """write_mix: the first N chats of train.jsonl, then the regenerated rows' messages, read back equal by
+    extraction's own reader, with U+2028 and U+0085 inside ShareGPT text (real rows hold them; a reader that splits
+    on them tears the row)."""
     import datasets
 
     from dflash.eval.benchmarks import write_jsonl
@@ -121,13 +118,9 @@ def test_the_originals_come_first_and_keep_unicode_line_separators(tmp_path):
 
     chats = [[{"from": "human", "value": f"q{i}\u2028line"}, {"from": "gpt", "value": f"a{i}\x85next"}]
              for i in range(5)]
-    train = write_jsonl([{"conversations": c} for c in chats for _ in range(2)], tmp_path / "train.jsonl")
-    sets = []
-    for name in ("regen", "regen_sampled"):
-        rows = [{"messages": [{"role": "user", "content": f"{name} q{i}"}, {"role": "assistant", "content": "\u2029"}]}
-                for i in range(3)]
-        datasets.Dataset.from_list(rows).save_to_disk(str(tmp_path / name))
-        sets.append(rows)
-    write_mix(tmp_path / "mix", train, RealSettings(originals=3, answers=2, regen_temperature=1.0),
-              [tmp_path / "regen", tmp_path / "regen_sampled"])
-    assert load_source(str(tmp_path / "mix")) == [{"conversations": c} for c in chats[:3]] + sets[0] + sets[1]
+    train = write_jsonl([{"conversations": c} for c in chats], tmp_path / "train.jsonl")
+    rows = [{"messages": [{"role": "user", "content": f"regen q{i}"}, {"role": "assistant", "content": "\u2029"}]}
+            for i in range(3)]
+    datasets.Dataset.from_list(rows).save_to_disk(str(tmp_path / "regen"))
+    write_mix(tmp_path / "mix", train, 3, tmp_path / "regen")
+    assert load_source(str(tmp_path / "mix")) == [{"conversations": c} for c in chats[:3]] + rows
