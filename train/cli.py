@@ -53,8 +53,6 @@ def cli():
 @click.option("--loss", type=click.Choice(["ce", "kd", "mix"]), default="kd", help="CE on the labels, KL from the "
               "target's stored top-k (+ tail bucket), or both.")
 @click.option("--kd-weight", default=0.5, help="Weight of the KL term in mix: (1 - kd_weight) * CE + kd_weight * KL.")
-@click.option("--labels", type=click.Choice(["data", "target"]), default="data", help="The label: the cached token, or "
-              "the target's own top-1 prediction of it.")
 @click.option("--init-from-target-layers", type=Maybe(CommaList(int)), help="Drafter layer i starts as a copy of "
               "target layer ids[i] (and its final norm as the target's); None = random.")
 @click.option("--context-buckets", type=CommaList(int), default="1024,2048,3072", help="Context lengths a batch is "

@@ -22,7 +22,6 @@ class DrafterSpec:
     gamma: float | None = None
     loss: Literal["ce", "kd", "mix"] = "kd"
     kd_weight: float = 0.5
-    labels: Literal["data", "target"] = "data"
     init_from_target_layers: list[int] | None = None
 
 

@@ -147,7 +147,7 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
         sink = metrics.MetricsSink(out, is_main, rt.tensorboard)
 
         spec = StepSpec(choice.attention, dcfg.block_size, dcfg.mask_token_id, cfg.drafter.gamma,
-                        rt.ce_chunk_size, autocast_dtype, cfg.drafter.loss, cfg.drafter.kd_weight, cfg.drafter.labels,
+                        rt.ce_chunk_size, autocast_dtype, cfg.drafter.loss, cfg.drafter.kd_weight,
                         choice.backend if choice.compile_model else None)
 
         split = Split.of(len(reader), dcfg_data.eval_samples, reader.source_indices(), dcfg_data.train_samples)
@@ -167,7 +167,7 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
         on_device = dcfg_data.hidden_decode == "device" or (dcfg_data.hidden_decode == "auto" and cuda)
         dataset, eval_dataset = (AnchorDataset(reader, dcfg.target_layer_ids, cfg.max_length, dcfg_data.max_anchors,
                                                rt.seed, top1, spec.needs_topk, on_device)
-                                 for top1 in (spec.labels == "target", True))  # eval's acceptance needs the top-1
+                                 for top1 in (False, True))  # eval's acceptance needs the target's top-1
         buckets = plan_buckets(reader.lengths(), dcfg_data.context_buckets)
         log.info(buckets.describe())
         setup_start = time.perf_counter()

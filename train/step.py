@@ -22,7 +22,6 @@ class StepSpec:
     autocast_dtype: torch.dtype | None  # bf16 on CUDA; None = no autocast
     loss: str = "ce"  # ce | kd | mix (see DrafterSpec.loss)
     kd_weight: float = 0.5  # weight of the KL in mix
-    labels: str = "data"  # data | target: the cached token or the target's top-1 prediction of it
     loss_backend: str | None = None  # torch.compile backend of the loss's chunks (None: eager)
 
     @property
@@ -52,13 +51,8 @@ def to_device(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str,
 
 
 def labels_and_weights(batch: dict[str, torch.Tensor], spec: StepSpec) -> tuple[torch.Tensor, torch.Tensor]:
-    """(Bsz, N, B) labels and weights, from data only; ``labels == 'target'``: the target's top-1."""
-    label_ids = batch["input_ids"]
-    if spec.labels == "target":
-        if "target_top1" not in batch:
-            raise ValueError("labels='target' needs the batch's target_top1 (AnchorDataset(target_top1=True))")
-        label_ids = torch.cat([label_ids[:, :1], batch["target_top1"][:, :-1]], dim=1)
-    return block_labels(label_ids, batch["loss_mask"], batch["seq_len"], batch["anchors"],
+    """(Bsz, N, B) labels and weights, from data only."""
+    return block_labels(batch["input_ids"], batch["loss_mask"], batch["seq_len"], batch["anchors"],
                         batch["block_valid"], spec.block_size, spec.gamma)
 
 
