@@ -134,7 +134,8 @@ def cli(target: str, drafter: str, prompts: tuple[str, ...], spec_sample: int, b
             Path(report_path).parent.mkdir(parents=True, exist_ok=True)
             if Path(report_path).is_dir() or not os.access(Path(report_path).parent, os.W_OK):
                 raise ValueError(f"{report_path}: cannot write a report there")
-    tokenizer = AutoTokenizer.from_pretrained(target)
+    with reading("--target"):
+        tokenizer = AutoTokenizer.from_pretrained(target)
     prompt_sets = {}
     for name, data in benchmarks:
         with reading(f"--prompts {name}={data}"):  # a DataError is a ValueError: named with the flag

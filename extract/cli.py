@@ -20,7 +20,7 @@ from .config import BAD_ROW_POLICIES, DTYPES, TRUNCATION_POLICIES, ExtractConfig
 @click.option("--model", type=ModelPath(), required=True, help="Target HF causal LM: a local folder or a hub name in "
               "the local cache.")
 @click.option("--out", required=True, help="Cache root: a local path or a URL zarr/fsspec can write; rerun to resume.")
-@click.option("--tokenizer", type=Maybe(ModelPath()), help="Tokenizer folder or name; default: the model's.")
+@click.option("--tokenizer", type=Maybe(ModelPath(needs=None)), help="Tokenizer folder or name; default: the model's.")
 @click.option("--split", type=Maybe(str), help="Dataset split of `datasets` sources; default: 'train'.")
 @click.option("--revision", type=Maybe(str), help="Model revision for hub names (recorded in the fingerprint).")
 @click.option("--chat-template", type=Maybe(click.Path(exists=True, dir_okay=False)), help="Jinja file that replaces "

@@ -4,11 +4,10 @@
 from __future__ import annotations
 
 import logging
-import os
 
 import click
 
-from dflash.shared.cli import Command, JsonObject, Maybe, looks_like_path, take, usable_device, validated
+from dflash.shared.cli import Command, JsonObject, Maybe, model_folder_problem, take, usable_device, validated
 
 from .regenerate_endpoint import EndpointDown
 from .regenerate import GenerationSettings, RegenConfig, regenerate
@@ -61,8 +60,8 @@ def main(**values):
     overwrite, generation = values.pop("overwrite"), take(GenerationSettings, values)
     job = validated(RegenConfig(**values, generation=generation))
     if job.endpoint is None:
-        if looks_like_path(job.model) and not os.path.isdir(os.path.expanduser(job.model)):
-            raise click.UsageError(f"--model {job.model} is not a folder; pass an existing model folder or a hub name")
+        if problem := model_folder_problem(job.model):
+            raise click.BadParameter(problem, param_hint="--model")
         usable_device(job.device)
     try:
         metadata = regenerate(job, overwrite=overwrite)

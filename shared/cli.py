@@ -111,14 +111,27 @@ def looks_like_path(name: str) -> bool:
     return os.path.isabs(name) or name.startswith((".", "~")) or name.count("/") > 1 or os.sep != "/" and os.sep in name
 
 
+def model_folder_problem(name: str, needs: str | None = "config.json") -> str | None:
+    """Why ``name``, where it looks like a local path, is no model folder: missing, or without ``needs``."""
+    folder, local = os.path.expanduser(name), looks_like_path(name)
+    if local and not os.path.isdir(folder):
+        return f"{name} is not a folder; pass an existing model folder or a hub name (org/name)"
+    if local and needs and not os.path.isfile(os.path.join(folder, needs)):
+        return f"{name} holds no {needs}, so it is no model folder (save_pretrained writes one)"
+    return None
+
+
 class ModelPath(click.ParamType):
-    """A model folder or hub name; one that looks like a local path must be an existing folder."""
+    """A model folder (holding ``needs``) or a hub name."""
 
     name = "text"
 
+    def __init__(self, needs: str | None = "config.json"):
+        self.needs = needs
+
     def convert(self, value, param, ctx):
-        if value and looks_like_path(value) and not os.path.isdir(os.path.expanduser(value)):
-            self.fail(f"{value} is not a folder; pass an existing model folder or a hub name (org/name)", param, ctx)
+        if value and (problem := model_folder_problem(value, self.needs)):
+            self.fail(problem, param, ctx)
         return value
 
 

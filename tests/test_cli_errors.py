@@ -3,6 +3,7 @@ non-zero exit status, never in a Python traceback."""
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -109,6 +110,35 @@ def test_eval_target_and_drafter_not_there(tiny_target_dir, cache, tmp_path, cha
             "--target", tmp_path / "none")
     refused(eval_cli, ["--target", tiny_target_dir, "--drafter", cache, "--prompts", chats_sample_path],
             "--drafter", cache)
+
+
+def test_a_folder_without_config_json_is_no_model_folder(tiny_target_dir, cache, drafter, chats_sample_path, tmp_path):
+    """Once transformers' five lines about backend tokenizers, naming no flag in dflash-eval; now the flag and the
+    missing file, before anything loads. A tokenizer folder needs no config.json."""
+    from dflash.extract.cli import main as extract_main
+
+    folder = tmp_path / "tokenizer_only"
+    shutil.copytree(tiny_target_dir, folder)
+    (folder / "config.json").unlink()
+    said = f"{folder} holds no config.json"
+    refused(extract_main, ["--data", chats_sample_path, "--model", folder, "--out", tmp_path / "c.zarr"], "--model",
+            said)
+    refused(regenerate_cli, ["--data", chats_sample_path, "--model", folder, "--out", tmp_path / "out"], "--model",
+            said)
+    refused(train_cli, ["run", "--cache", cache, "--out", tmp_path / "run", "--preset", "tiny", "--target", folder],
+            "--target", said)
+    refused(eval_cli, ["--target", folder, "--drafter", drafter, "--prompts", chats_sample_path], "--target", said)
+    assert not any((tmp_path / name).exists() for name in ("c.zarr", "out", "run"))
+    refused(extract_main, ["--data", chats_sample_path, "--model", tiny_target_dir, "--tokenizer", folder, "--out",
+                           tmp_path / "t.zarr", "--device", "cpu", "--attn-implementation", "bogus"], "bogus")
+
+
+def test_eval_target_whose_tokenizer_cannot_load_names_the_flag(tiny_target_dir, drafter, chats_sample_path,
+                                                                tmp_path):
+    folder = tmp_path / "broken_tokenizer"
+    shutil.copytree(tiny_target_dir, folder)
+    (folder / "tokenizer.json").write_text("{")
+    refused(eval_cli, ["--target", folder, "--drafter", drafter, "--prompts", chats_sample_path], "--target")
 
 
 def test_eval_new_tokens_past_the_targets_positions(tiny_target_dir, drafter, chats_sample_path):
