@@ -117,7 +117,7 @@ def model_folder_problem(name: str, needs: str | None = "config.json") -> str | 
     if local and not os.path.isdir(folder):
         return f"{name} is not a folder; pass an existing model folder or a hub name (org/name)"
     if local and needs and not os.path.isfile(os.path.join(folder, needs)):
-        return f"{name} holds no {needs}, so it is no model folder (save_pretrained writes one)"
+        return f"{name} holds no {needs}, so it is not a model folder (save_pretrained writes one)"
     return None
 
 
